@@ -1,0 +1,363 @@
+"""Load the target model's tokenizer exactly as its serving stack builds it.
+
+Two folder layouts are supported:
+
+* tiktoken folders (the Kimi family): ``tiktoken.model`` + ``tokenizer_config.json``.
+  Every id above the BPE ranks is a special token, and encoding follows the model's
+  own ``encode`` (400,000-character windows, runs of >25,000 same-class characters cut),
+  with special-token text mapped to its special id.
+* ``tokenizer.json`` folders, through Hugging Face ``tokenizers``.
+
+A Hub repo id is resolved to a local folder with ``huggingface_hub`` (tokenizer files
+only); offline and not cached is a clear :class:`TokenizerError`.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import json
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+__all__ = ["Tokenizer", "TokenizerError", "load_tokenizer", "KIMI_PAT_STR"]
+
+#: The Kimi pre-tokenizer pattern (the ``pat_str`` of ``tokenization_kimi.py``).
+KIMI_PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+
+#: Kimi reserves this many ids above the BPE ranks for special tokens.
+_KIMI_NUM_RESERVED = 256
+#: The Kimi tokenizer encodes at most this many characters per tiktoken call...
+_WINDOW_CHARS = 400_000
+#: ...and cuts any run of more than this many whitespace / non-whitespace characters.
+_MAX_RUN_CHARS = 25_000
+# A run longer than _MAX_RUN_CHARS, anchored at the start of its run so the scan is
+# linear (an unanchored `\S{25001}` would rescan every suffix of a long run).
+_LONG_RUN = re.compile(r"(?<!\S)\S{%d}|(?<!\s)\s{%d}" % (_MAX_RUN_CHARS + 1, _MAX_RUN_CHARS + 1))
+
+_HUB_FILES = [
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "tiktoken.model",
+    "tokenization_*.py",
+    "chat_template.jinja",
+    "chat_template.json",
+    "special_tokens_map.json",
+    "config.json",
+    "generation_config.json",
+]
+
+
+class TokenizerError(Exception):
+    """The tokenizer could not be found or read; the message names the file."""
+
+
+@dataclass(frozen=True, eq=False)
+class Tokenizer:
+    """A loaded tokenizer: encode/decode plus the facts the gate needs.
+
+    ``marker_ids`` maps every added-token id (special or not, e.g. ``</think>`` or the
+    tool-call markers) to its text: these are the ids that text must never smuggle in.
+    """
+
+    name: str
+    source: str
+    kind: str
+    vocab_size: int
+    marker_ids: Mapping[int, str]
+    chat_template: str | None
+    config: Mapping[str, object]
+    _encode: Callable[[str], list[int]] = field(repr=False)
+    _decode_bytes: Callable[[Sequence[int]], bytes] = field(repr=False)
+    _piece: Callable[[int], bytes] = field(repr=False)
+    markers: Mapping[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "markers", {t: i for i, t in self.marker_ids.items()})
+
+    def encode(self, text: str) -> list[int]:
+        """Encode like the model's tokenizer: marker text becomes its marker id."""
+        return self._encode(text)
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        return self._decode_bytes(ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (marker ids give their text)."""
+        return self._piece(token_id)
+
+    def token_id(self, marker: str) -> int:
+        """The id of a marker token such as ``"</think>"``; KeyError if absent."""
+        return self.markers[marker]
+
+    @property
+    def max_ordinary_id(self) -> int:
+        """Ids above this are markers (tiktoken layout); used as a fast pre-check."""
+        return min(self.marker_ids, default=self.vocab_size) - 1
+
+
+def load_tokenizer(source: str | Path, *, revision: str | None = None) -> Tokenizer:
+    """Load from a local folder, or a Hub repo id (tokenizer files only)."""
+    return _load_cached(str(source), revision)
+
+
+@lru_cache(maxsize=8)
+def _load_cached(source: str, revision: str | None) -> Tokenizer:
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        if folder.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
+            raise TokenizerError(f"{source}: not a tokenizer folder or a Hub repo id (owner/name)")
+        folder = _hub_folder(source, revision)
+    if (folder / "tiktoken.model").is_file():
+        return _load_tiktoken(folder, source)
+    if (folder / "tokenizer.json").is_file():
+        return _load_tokenizers(folder, source)
+    raise TokenizerError(f"{folder}: has neither tiktoken.model nor tokenizer.json")
+
+
+def _hub_folder(repo_id: str, revision: str | None) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise TokenizerError("huggingface_hub is needed to load a Hub repo id") from exc
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_FILES))
+    except Exception as exc:  # network, auth, missing repo
+        try:
+            return Path(
+                snapshot_download(
+                    repo_id, revision=revision, allow_patterns=_HUB_FILES, local_files_only=True
+                )
+            )
+        except Exception:
+            pass
+        raise TokenizerError(
+            f"{repo_id}: could not download the tokenizer from the Hub and it is not cached "
+            f"({type(exc).__name__}). Pass a local folder, or run once with network access."
+        ) from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"{path}: cannot read JSON ({exc})") from None
+
+
+def _chat_template(folder: Path, config: Mapping[str, object]) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    js = folder / "chat_template.json"
+    if js.is_file():
+        value = _read_json(js).get("chat_template")
+        if isinstance(value, str):
+            return value
+    value = config.get("chat_template")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # named templates: take "default"
+        for entry in value:
+            if isinstance(entry, dict) and entry.get("name") == "default":
+                return entry.get("template")
+    return None
+
+
+def read_pat_str(folder: Path) -> str:
+    """The pre-tokenizer pattern, read statically from ``tokenization_*.py``.
+
+    The file is parsed, never executed: a ``pat_str = "..."`` (or ``"|".join([...])`` of
+    literals) assignment is evaluated as a literal. Without such a file the known Kimi
+    pattern is used.
+    """
+    for path in sorted(folder.glob("tokenization_*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        except (OSError, SyntaxError) as exc:
+            raise TokenizerError(f"{path}: cannot parse ({exc})") from None
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            if any(isinstance(t, ast.Name) and t.id == "pat_str" for t in targets):
+                pattern = _literal_str(value)
+                if pattern is None:
+                    raise TokenizerError(
+                        f"{path}:{node.lineno}: pat_str is not a string literal; cannot read it statically"
+                    )
+                return pattern
+    return KIMI_PAT_STR
+
+
+def _literal_str(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if (  # "sep".join([...literals...])
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "join"
+        and len(node.args) == 1
+        and not node.keywords
+        and isinstance(node.args[0], (ast.List, ast.Tuple))
+    ):
+        sep = _literal_str(node.func.value)
+        parts = [_literal_str(e) for e in node.args[0].elts]
+        if sep is not None and all(p is not None for p in parts):
+            return sep.join(parts)  # type: ignore[arg-type]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _literal_str(node.left), _literal_str(node.right)
+        if left is not None and right is not None:
+            return left + right
+    return None
+
+
+def _load_ranks(path: Path) -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
+    with path.open("rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+            except ValueError:
+                raise TokenizerError(f"{path}:{lineno}: expected 'base64token rank'") from None
+    return ranks
+
+
+def split_long_runs(text: str) -> list[str]:
+    """Cut ``text`` the way the Kimi tokenizer does before encoding.
+
+    400,000-character windows, then inside each window a cut before the character that
+    would make a run of consecutive whitespace (or non-whitespace) longer than 25,000.
+    """
+    pieces: list[str] = []
+    for start in range(0, len(text), _WINDOW_CHARS):
+        window = text[start : start + _WINDOW_CHARS]
+        if len(window) <= _MAX_RUN_CHARS or _LONG_RUN.search(window) is None:
+            pieces.append(window)
+        else:
+            pieces.extend(_split_runs_slow(window))
+    return pieces or [text]
+
+
+def _split_runs_slow(s: str) -> list[str]:
+    out: list[str] = []
+    run_len = 0
+    in_space = s[0].isspace() if s else False
+    cut = 0
+    for i, ch in enumerate(s):
+        space = ch.isspace()
+        if space != in_space:
+            in_space, run_len = space, 1
+        else:
+            run_len += 1
+            if run_len > _MAX_RUN_CHARS:
+                out.append(s[cut:i])
+                cut, run_len = i, 1
+    out.append(s[cut:])
+    return out
+
+
+def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
+    import tiktoken
+
+    config = _read_json(folder / "tokenizer_config.json")
+    ranks = _load_ranks(folder / "tiktoken.model")
+    n_ranks = len(ranks)
+    decoder = config.get("added_tokens_decoder") or {}
+    names: dict[int, str] = {}
+    for i in range(n_ranks, n_ranks + _KIMI_NUM_RESERVED):
+        entry = decoder.get(str(i))
+        names[i] = entry["content"] if isinstance(entry, dict) and "content" in entry else f"<|reserved_token_{i}|>"
+    pat_str = read_pat_str(folder)
+    try:
+        enc = tiktoken.Encoding(
+            name=f"tokenbridge:{folder.name}",
+            pat_str=pat_str,
+            mergeable_ranks=ranks,
+            special_tokens={t: i for i, t in names.items()},
+        )
+    except Exception as exc:
+        raise TokenizerError(f"{folder / 'tiktoken.model'}: tiktoken rejected the data ({exc})") from None
+
+    allowed = enc.special_tokens_set
+
+    def encode(text: str) -> list[int]:
+        if len(text) <= _MAX_RUN_CHARS:
+            return enc.encode(text, allowed_special=allowed)
+        out: list[int] = []
+        for piece in split_long_runs(text):
+            out.extend(enc.encode(piece, allowed_special=allowed))
+        return out
+
+    def piece(token_id: int) -> bytes:
+        return enc.decode_single_token_bytes(token_id)
+
+    return Tokenizer(
+        name=folder.name,
+        source=source,
+        kind="tiktoken",
+        vocab_size=n_ranks + _KIMI_NUM_RESERVED,
+        marker_ids=names,
+        chat_template=_chat_template(folder, config),
+        config=config,
+        _encode=encode,
+        _decode_bytes=enc.decode_bytes,
+        _piece=piece,
+    )
+
+
+def _load_tokenizers(folder: Path, source: str) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = folder / "tokenizer.json"
+    try:
+        tok = HFTokenizer.from_file(str(path))
+    except Exception as exc:
+        raise TokenizerError(f"{path}: tokenizers could not load it ({exc})") from None
+    config = _read_json(folder / "tokenizer_config.json")
+    markers = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids
+
+    def decode_bytes(ids: Sequence[int]) -> bytes:
+        return tok.decode(list(ids), skip_special_tokens=False).encode("utf-8", errors="surrogatepass")
+
+    def piece(token_id: int) -> bytes:
+        return decode_bytes([token_id])
+
+    return Tokenizer(
+        name=folder.name,
+        source=source,
+        kind="tokenizers",
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        marker_ids=markers,
+        chat_template=_chat_template(folder, config),
+        config=config,
+        _encode=encode,
+        _decode_bytes=decode_bytes,
+        _piece=piece,
+    )
