@@ -1,0 +1,110 @@
+"""Kimi K2.5: the built-in dialect for folders that ship no chat template.
+
+History rules follow the K2-Thinking template (the nearest published predecessor):
+assistant turns up to the last one without tool calls are rendered as
+``<think></think>`` + content (reasoning dropped); the trailing tool-call chain keeps its
+``reasoning_content``. A default system message is added when none is given. K2.5
+differs in two places: images use ``<|media_begin|>``, and the generation prompt opens
+the think block itself (``<think>``; ``<think></think>`` in instant mode).
+
+Known gap: with a ``tools`` parameter K2.5 declares tools in a TypeScript-like form; this
+dialect declares them as JSON (as K2-Thinking does). tokenbridge sends no ``tools`` by
+default, and a usage check catches any resulting prompt-count difference.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping, Sequence
+
+from .dialect import Dialect, Message, ToolMarkers
+
+DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+
+TOOL_MARKERS = ToolMarkers(
+    section_begin="<|tool_calls_section_begin|>",
+    section_end="<|tool_calls_section_end|>",
+    call_begin="<|tool_call_begin|>",
+    argument_begin="<|tool_call_argument_begin|>",
+    call_end="<|tool_call_end|>",
+)
+
+_IMAGE = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>\n"
+
+
+def _content(message: Message) -> str:
+    c = message.get("content")
+    if isinstance(c, str):
+        return c
+    if c is None:
+        return ""
+    out = []
+    for part in c:
+        if part.get("type") == "image" or "image" in part or "image_url" in part:
+            out.append(_IMAGE)
+        else:
+            out.append(str(part.get("text", "")))
+    return "".join(out)
+
+
+def _header(message: Message) -> str:
+    role = message["role"]
+    name = message.get("name") or role
+    tag = {"user": "<|im_user|>", "assistant": "<|im_assistant|>"}.get(role, "<|im_system|>")
+    return f"{tag}{name}<|im_middle|>"
+
+
+def _tool_calls(message: Message) -> str:
+    out = [TOOL_MARKERS.section_begin]
+    for call in message.get("tool_calls") or ():
+        args = call["function"]["arguments"]
+        if not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
+        out.append(f"{TOOL_MARKERS.call_begin}{call['id']}{TOOL_MARKERS.argument_begin}{args}{TOOL_MARKERS.call_end}")
+    out.append(TOOL_MARKERS.section_end)
+    return "".join(out)
+
+
+def render(
+    messages: Sequence[Message],
+    tools: Sequence[Mapping[str, Any]] | None,
+    thinking: bool,
+    kwargs: Mapping[str, Any],
+) -> str:
+    last_plain = -1  # last assistant turn without tool calls: history ends there
+    for idx in range(len(messages) - 1, -1, -1):
+        if messages[idx]["role"] == "assistant" and not messages[idx].get("tool_calls"):
+            last_plain = idx
+            break
+    out: list[str] = []
+    if tools:
+        out.append(f"<|im_system|>tool_declare<|im_middle|>{json.dumps(list(tools), ensure_ascii=False)}<|im_end|>")
+    if not messages or messages[0]["role"] != "system":
+        out.append(f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM}<|im_end|>")
+    for idx, m in enumerate(messages):
+        out.append(_header(m))
+        role = m["role"]
+        if role == "assistant":
+            reasoning = "" if idx <= last_plain else (m.get("reasoning_content") or "")
+            out.append(f"<think>{reasoning}</think>{_content(m)}")
+            if m.get("tool_calls"):
+                out.append(_tool_calls(m))
+        elif role == "tool":
+            out.append(f"## Return of {m.get('tool_call_id', '')}\n{_content(m)}")
+        elif m.get("content") is not None:
+            out.append(_content(m))
+        out.append("<|im_end|>")
+    out.append("<|im_assistant|>assistant<|im_middle|>")
+    out.append("<think>" if thinking else "<think></think>")
+    return "".join(out)
+
+
+KIMI_K25 = Dialect(
+    name="kimi-k2.5",
+    render=render,
+    end_token="<|im_end|>",
+    think_open="<think>",
+    think_close="</think>",
+    eos_markers=frozenset({"<|im_end|>", "[EOS]", "[EOT]"}),
+    tool_markers=TOOL_MARKERS,
+)
