@@ -1,0 +1,302 @@
+"""The validation gate: every way API text can fail to be the model's own tokens.
+
+Each check returns findings with a stable ``code``; a :class:`Policy` maps codes to
+``error`` / ``warning`` (or ``off``). A sample is ``ok`` only with no findings, and
+``rejected`` when any finding is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from .chat import Dialect, message_reasoning
+from .tokenizer import Tokenizer
+
+__all__ = ["CODES", "DEFAULT_SEVERITY", "Finding", "Policy", "SampleView", "run_checks", "status_of"]
+
+#: Every finding code with its default severity and what it means.
+CODES: dict[str, tuple[str, str]] = {
+    "eos_in_text": ("error", "end-of-turn marker text inside content/reasoning"),
+    "think_marker_in_content": ("error", "<think>/</think> text inside content"),
+    "think_marker_in_reasoning": ("error", "<think>/</think> text inside reasoning"),
+    "reasoning_missing": ("error", "thinking mode but no reasoning returned: its tokens are lost"),
+    "reasoning_unexpected": ("error", "instant mode but reasoning returned"),
+    "structured_tool_calls": ("error", "provider parsed tool calls into message.tool_calls: not the raw tokens"),
+    "tool_section_in_reasoning": ("error", "tool-call marker text inside reasoning"),
+    "tool_markers_malformed": ("error", "unbalanced or out-of-order tool-call markers"),
+    "special_token_text": ("error", "other special-token text inside model text"),
+    "replacement_char": ("error", "U+FFFD in text: bytes were lost before they reached us"),
+    "truncated": ("warning", "finish_reason is length: no end token (ids still exact)"),
+    "empty_completion": ("error", "no reasoning, no content, no tool calls"),
+    "finish_error": ("error", "the choice ended in an error"),
+    "finish_unknown": ("warning", "finish_reason not one of stop/length/tool_calls"),
+    "stop_sequence": ("error", "request set `stop`: whether the end token was emitted is unknown"),
+    "usage_missing": ("warning", "response has no usage to check the counts against"),
+    "usage_prompt_mismatch": ("error", "our prompt token count differs from usage.prompt_tokens"),
+    "usage_completion_mismatch": ("error", "our completion token count differs from usage.completion_tokens"),
+    "roundtrip_mismatch": ("error", "decode(ids) differs from the text"),
+    "native_mismatch": ("error", "ids differ from the ground-truth ids"),
+}
+
+DEFAULT_SEVERITY: dict[str, str] = {code: sev for code, (sev, _) in CODES.items()}
+_SEVERITIES = ("error", "warning", "off")
+_KNOWN_FINISH = {"stop", "length", "tool_calls", "eos", "end_turn"}
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: str
+    severity: str
+    message: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.code, "severity": self.severity, "message": self.message}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Severity per code (on top of :data:`DEFAULT_SEVERITY`) and the usage tolerance."""
+
+    severities: Mapping[str, str] = field(default_factory=dict)
+    usage_tolerance: int = 0
+
+    def __post_init__(self) -> None:
+        for code, sev in self.severities.items():
+            if code not in CODES:
+                raise ValueError(f"unknown finding code {code!r}")
+            if sev not in _SEVERITIES:
+                raise ValueError(f"severity for {code} must be one of {_SEVERITIES}, not {sev!r}")
+        if self.usage_tolerance < 0:
+            raise ValueError("usage_tolerance must be >= 0")
+
+    def severity(self, code: str) -> str:
+        return self.severities.get(code, DEFAULT_SEVERITY[code])
+
+
+def status_of(findings: Iterable[Finding]) -> str:
+    findings = list(findings)
+    if any(f.severity == "error" for f in findings):
+        return "rejected"
+    return "flagged" if findings else "ok"
+
+
+@dataclass
+class SampleView:
+    """What the gate looks at for one choice (built by ``reconstruct``)."""
+
+    tokenizer: Tokenizer
+    dialect: Dialect
+    request: Mapping[str, Any]
+    choice: Mapping[str, Any]
+    thinking: bool
+    prompt_text: str
+    prompt_ids: Sequence[int]
+    parts: Sequence[tuple[str, str]]
+    part_ids: Sequence[Sequence[int]]
+    completion_ids: Sequence[int]
+    #: (our count, usage count) pairs, already summed over choices where usage is per response
+    usage_prompt: tuple[int, int] | None
+    usage_completion: tuple[int, int] | None
+    native_prompt: Sequence[int] | None = None
+    native_completion: Sequence[int] | None = None
+
+    @property
+    def message(self) -> Mapping[str, Any]:
+        return self.choice.get("message") or self.choice.get("delta") or {}
+
+
+def run_checks(view: SampleView, policy: Policy | None = None) -> list[Finding]:
+    policy = policy or Policy()
+    raw: list[tuple[str, str]] = []
+    for check in _CHECKS:
+        raw.extend(check(view, policy))
+    out = []
+    for code, message in raw:
+        sev = policy.severity(code)
+        if sev != "off":
+            out.append(Finding(code, sev, message))
+    return out
+
+
+# --- individual checks: each yields (code, message) -------------------------------------
+
+
+def _text_fields(view: SampleView) -> list[tuple[str, str]]:
+    msg = view.message
+    out = []
+    reasoning = message_reasoning(msg)
+    if reasoning:
+        out.append(("reasoning", reasoning))
+    if isinstance(msg.get("content"), str) and msg["content"]:
+        out.append(("content", msg["content"]))
+    return out
+
+
+def _finish(view: SampleView, policy: Policy):
+    reason = view.choice.get("finish_reason")
+    if view.choice.get("error") or reason == "error":
+        err = view.choice.get("error")
+        detail = f": {err.get('message', err)}" if isinstance(err, Mapping) else ""
+        yield "finish_error", f"finish_reason={reason!r}{detail}"
+    elif reason in (None, "content_filter"):
+        yield "finish_error", f"finish_reason={reason!r}: the choice did not finish normally"
+    elif reason == "length":
+        yield "truncated", "finish_reason='length': no end token appended"
+    elif reason not in _KNOWN_FINISH:
+        yield "finish_unknown", f"finish_reason={reason!r}"
+    if view.request.get("stop") and reason == "stop":
+        yield "stop_sequence", f"request stop={view.request.get('stop')!r}; the end token was assumed"
+
+
+def _reasoning_presence(view: SampleView, policy: Policy):
+    msg = view.message
+    has_reasoning = any(k == "reasoning" for k, _ in view.parts)
+    content = msg.get("content")
+    if not has_reasoning and not content and not msg.get("tool_calls"):
+        yield "empty_completion", "no reasoning, no content and no tool calls"
+        return
+    if view.thinking and view.dialect.think_close and not has_reasoning:
+        yield "reasoning_missing", "thinking mode but the response has no reasoning: its tokens would be lost"
+    if not view.thinking and has_reasoning:
+        yield "reasoning_unexpected", "instant mode (thinking disabled) but the response carries reasoning"
+
+
+def _structured_tools(view: SampleView, policy: Policy):
+    calls = view.message.get("tool_calls")
+    if calls:
+        yield "structured_tool_calls", (
+            f"{len(calls)} tool call(s) in message.tool_calls: the provider parsed the markers; "
+            "send no `tools` to get them as raw text"
+        )
+
+
+def _marker_text(view: SampleView, policy: Policy):
+    """Marker ids inside text parts, found from the encoded ids (text → id is exact)."""
+    tok, d = view.tokenizer, view.dialect
+    names = tok.marker_ids
+    if not names:
+        return
+    markers = set(names)
+    think = {d.think_open, d.think_close} - {None}
+    tool = set(d.tool_markers.all) if d.tool_markers else set()
+    content = view.message.get("content")
+    if isinstance(content, str) and content.endswith(d.end_token):
+        yield "eos_in_text", f"content ends with {d.end_token!r} text (leaked); taken as the end token, not doubled"
+    for (kind, _text), ids in zip(view.parts, view.part_ids):
+        if kind not in ("reasoning", "content", "tool_calls") or markers.isdisjoint(ids):
+            continue
+        found = [(pos, names[i]) for pos, i in enumerate(ids) if i in markers]
+        where = "reasoning" if kind == "reasoning" else "content"
+        for code, hits in _classify(found, kind, d.eos_markers, think, tool).items():
+            shown = ", ".join(f"{t!r}@{p}" for p, t in hits[:5])
+            more = f" (+{len(hits) - 5} more)" if len(hits) > 5 else ""
+            yield code, f"{len(hits)} marker(s) in {where}: {shown}{more}"
+        if kind == "tool_calls":
+            problem = _tool_grammar([t for _, t in found if t in tool], d)
+            if problem:
+                yield "tool_markers_malformed", problem
+
+
+def _classify(found, kind, eos, think, tool) -> dict[str, list[tuple[int, str]]]:
+    out: dict[str, list[tuple[int, str]]] = {}
+    for pos, text in found:
+        if text in eos:
+            code = "eos_in_text"
+        elif text in think:
+            code = "think_marker_in_reasoning" if kind == "reasoning" else "think_marker_in_content"
+        elif text in tool:
+            if kind == "tool_calls":
+                continue  # checked by the grammar
+            code = "tool_section_in_reasoning" if kind == "reasoning" else "tool_markers_malformed"
+        else:
+            code = "special_token_text"
+        out.setdefault(code, []).append((pos, text))
+    return out
+
+
+def _tool_grammar(seq: list[str], d: Dialect) -> str | None:
+    """section_begin (call_begin argument_begin call_end)+ section_end."""
+    tm = d.tool_markers
+    assert tm is not None
+    expect_calls = [tm.call_begin, tm.argument_begin, tm.call_end]
+    if not seq or seq[0] != tm.section_begin:
+        return "tool section does not start with the section marker"
+    if seq[-1] != tm.section_end:
+        return f"tool section not closed by {tm.section_end!r}"
+    body = seq[1:-1]
+    if not body:
+        return "tool section holds no tool call"
+    if len(body) % 3 or any(body[i] != expect_calls[i % 3] for i in range(len(body))):
+        return "tool-call markers out of order: " + " ".join(s.strip("<|>") for s in seq)
+    return None
+
+
+def _replacement(view: SampleView, policy: Policy):
+    for name, text in _text_fields(view):
+        n = text.count("\ufffd")
+        if n:
+            yield "replacement_char", f"{n} U+FFFD in {name} (first at char {text.index(chr(0xFFFD))})"
+
+
+def _roundtrip(view: SampleView, policy: Policy):
+    tok = view.tokenizer
+    expected = "".join(t for _, t in view.parts).encode("utf-8", errors="surrogatepass")
+    got = tok.decode_bytes(view.completion_ids)
+    if got != expected:
+        yield "roundtrip_mismatch", f"completion: {_first_diff(got, expected)}"
+    pexp = view.prompt_text.encode("utf-8", errors="surrogatepass")
+    pgot = tok.decode_bytes(view.prompt_ids)
+    if pgot != pexp:
+        yield "roundtrip_mismatch", f"prompt: {_first_diff(pgot, pexp)}"
+
+
+def _first_diff(got: bytes, expected: bytes) -> str:
+    n = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+    return f"decoded {len(got)} bytes vs text {len(expected)} bytes, first difference at byte {n}: {got[n:n + 12]!r} vs {expected[n:n + 12]!r}"
+
+
+def _usage(view: SampleView, policy: Policy):
+    if view.usage_prompt is None and view.usage_completion is None:
+        yield "usage_missing", "response has no usage"
+        return
+    tol = policy.usage_tolerance
+    for code, pair, what in (
+        ("usage_prompt_mismatch", view.usage_prompt, "prompt"),
+        ("usage_completion_mismatch", view.usage_completion, "completion"),
+    ):
+        if pair is None:
+            continue
+        ours, theirs = pair
+        if abs(ours - theirs) > tol:
+            yield code, f"{what}: ours {ours}, usage {theirs} (delta {ours - theirs:+d}, tolerance {tol})"
+
+
+def _native(view: SampleView, policy: Policy):
+    tok = view.tokenizer
+    for what, ours, native in (
+        ("prompt", view.prompt_ids, view.native_prompt),
+        ("completion", view.completion_ids, view.native_completion),
+    ):
+        if native is None or list(ours) == list(native):
+            continue
+        n = next((i for i, (a, b) in enumerate(zip(ours, native)) if a != b), min(len(ours), len(native)))
+        same_text = tok.decode_bytes(native) == tok.decode_bytes(ours)
+        a = ours[n] if n < len(ours) else None
+        b = native[n] if n < len(native) else None
+        kind = "same text, non-canonical tokenization by the model" if same_text else "text differs"
+        yield "native_mismatch", (
+            f"{what}: first divergence at {n} (ours {a}, native {b}); {len(ours)} vs {len(native)} ids; {kind}"
+        )
+
+
+_CHECKS = (
+    _finish,
+    _reasoning_presence,
+    _structured_tools,
+    _marker_text,
+    _replacement,
+    _roundtrip,
+    _usage,
+    _native,
+)

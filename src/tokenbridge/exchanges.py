@@ -1,0 +1,132 @@
+"""Exchange records: one request and the response exactly as the API returned it.
+
+Validation happens here, once, so that every error names the field that is wrong
+(``request.messages[2].role``) and the reader can add the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+__all__ = ["Exchange", "RecordError", "iter_lines", "loads_line", "parse_exchange"]
+
+
+class RecordError(ValueError):
+    """A record is malformed; ``field`` is a dotted path into the record."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.detail = message
+
+
+@dataclass(frozen=True)
+class Exchange:
+    id: str
+    request: Mapping[str, Any]
+    response: Mapping[str, Any]
+    dataset: str | None
+    meta: Mapping[str, Any]
+    native_prompt: list[int] | None
+    native_choices: list[list[int] | None]
+
+
+def _int_list(value: Any, field: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise RecordError(field, "must be a list of integers")
+    return value
+
+
+def parse_exchange(record: Any) -> Exchange:
+    """Check an exchange record's shape and pull out what reconstruction needs."""
+    if not isinstance(record, dict):
+        raise RecordError("<record>", f"must be a JSON object, got {type(record).__name__}")
+    if "id" not in record:
+        raise RecordError("id", "missing")
+    rid = record["id"]
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise RecordError("id", "must be a string or an integer")
+    request = record.get("request")
+    if not isinstance(request, dict):
+        raise RecordError("request", "missing" if request is None else "must be an object")
+    messages = request.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RecordError("request.messages", "missing" if messages is None else "must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RecordError(f"request.messages[{i}]", "must be an object")
+        if not isinstance(m.get("role"), str):
+            raise RecordError(f"request.messages[{i}].role", "missing or not a string")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise RecordError(f"request.messages[{i}].content", "must be a string, a list of parts or null")
+    tools = request.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise RecordError("request.tools", "must be a list")
+    response = record.get("response")
+    if not isinstance(response, dict):
+        raise RecordError("response", "missing" if response is None else "must be an object")
+    choices = response.get("choices")
+    if choices is None and "error" not in response:
+        raise RecordError("response.choices", "missing (and the response carries no error)")
+    if choices is not None:
+        if not isinstance(choices, list):
+            raise RecordError("response.choices", "must be a list")
+        for i, c in enumerate(choices):
+            if not isinstance(c, dict):
+                raise RecordError(f"response.choices[{i}]", "must be an object")
+            msg = c.get("message")
+            if not isinstance(msg, dict):
+                raise RecordError(f"response.choices[{i}].message", "missing or not an object")
+            for key in ("content", "reasoning", "reasoning_content"):
+                if msg.get(key) is not None and not isinstance(msg[key], str):
+                    raise RecordError(f"response.choices[{i}].message.{key}", "must be a string or null")
+    n = len(choices or ())
+    native_prompt: list[int] | None = None
+    native_choices: list[list[int] | None] = [None] * n
+    if "prompt_token_ids" in response and response["prompt_token_ids"] is not None:
+        native_prompt = _int_list(response["prompt_token_ids"], "response.prompt_token_ids")
+    for i, c in enumerate(choices or ()):
+        if c.get("token_ids") is not None:
+            native_choices[i] = _int_list(c["token_ids"], f"response.choices[{i}].token_ids")
+    native = record.get("native_ids")
+    if isinstance(native, list):
+        if n:
+            native_choices[0] = _int_list(native, "native_ids")
+    elif isinstance(native, dict):
+        if native.get("prompt") is not None:
+            native_prompt = _int_list(native["prompt"], "native_ids.prompt")
+        for i, ids in enumerate(native.get("choices") or ()):
+            if i < n and ids is not None:
+                native_choices[i] = _int_list(ids, f"native_ids.choices[{i}]")
+    elif native is not None:
+        raise RecordError("native_ids", "must be a list of ids or {prompt, choices}")
+    meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
+    dataset = record.get("dataset")
+    return Exchange(
+        id=str(rid),
+        request=request,
+        response=response,
+        dataset=str(dataset) if dataset is not None else None,
+        meta=meta,
+        native_prompt=native_prompt,
+        native_choices=native_choices,
+    )
+
+
+def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of the non-blank lines of a JSONL file, lazily."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if line.strip():
+                yield lineno, line
+
+
+def loads_line(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise RecordError("<line>", f"not valid JSON ({exc.msg} at column {exc.colno})") from None

@@ -1,0 +1,366 @@
+"""Rebuild the exact token ids of each API response and run the gate on them.
+
+``reconstruct_record`` turns one exchange record into one row per choice;
+``reconstruct_file`` streams a JSONL file through it on all cores, in input order, with
+memory bounded by a fixed number of chunks in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+from .chat import Dialect, message_reasoning, resolve_dialect, thinking_enabled
+from .checks import Finding, Policy, SampleView, run_checks, status_of
+from .exchanges import Exchange, RecordError, iter_lines, loads_line, parse_exchange
+from .tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["BadLine", "ReconstructSummary", "reconstruct_exchange", "reconstruct_file", "reconstruct_record"]
+
+#: Parts that are a single marker token rather than text to encode.
+_MARKER_PARTS = {"think_start", "think_end", "end"}
+
+
+def reconstruct_record(
+    record: Mapping[str, Any],
+    tokenizer: Tokenizer,
+    dialect: Dialect | None = None,
+    policy: Policy | None = None,
+) -> list[dict[str, Any]]:
+    """One reconstructed row per choice of an exchange record (raises RecordError)."""
+    return reconstruct_exchange(parse_exchange(record), tokenizer, dialect, policy)
+
+
+def reconstruct_exchange(
+    ex: Exchange,
+    tokenizer: Tokenizer,
+    dialect: Dialect | None = None,
+    policy: Policy | None = None,
+) -> list[dict[str, Any]]:
+    dialect = dialect or resolve_dialect(tokenizer)
+    request = ex.request
+    thinking = thinking_enabled(request)
+    template_kwargs = dict(request.get("chat_template_kwargs") or {})
+    template_kwargs.pop("thinking", None)
+    template_kwargs.pop("enable_thinking", None)
+    prompt_text = dialect.render_prompt(request["messages"], request.get("tools"), thinking, **template_kwargs)
+    prompt_ids = tokenizer.encode(prompt_text)
+    opens = bool(dialect.think_open) and prompt_text.endswith(dialect.think_open)
+    response = ex.response
+    choices = response.get("choices") or []
+    provider = response.get("provider") or ex.meta.get("provider")
+    model = response.get("model") or request.get("model")
+    usage = response.get("usage") if isinstance(response.get("usage"), dict) else None
+
+    if not choices:  # an error body: one rejected row that says why
+        err = response.get("error")
+        detail = err.get("message", err) if isinstance(err, dict) else err
+        finding = Finding("finish_error", (policy or Policy()).severity("finish_error"), f"response has no choices: {detail}")
+        findings = [finding] if finding.severity != "off" else []
+        return [_row(ex, 0, prompt_ids, [], [], findings, provider, model, None, thinking, usage, "", "")]
+
+    built = []
+    for idx, choice in enumerate(choices):
+        message = choice["message"]
+        parts = dialect.completion_parts(message, choice.get("finish_reason"), thinking, opens)
+        part_ids = [
+            [tokenizer.token_id(text)] if kind in _MARKER_PARTS else tokenizer.encode(text) for kind, text in parts
+        ]
+        built.append((choice, parts, part_ids))
+
+    total_completion = sum(sum(len(ids) for ids in part_ids) for _, _, part_ids in built)
+    rows = []
+    for idx, (choice, parts, part_ids) in enumerate(built):
+        completion_ids = [i for ids in part_ids for i in ids]
+        usage_prompt = usage_completion = None
+        if usage is not None:
+            if isinstance(usage.get("prompt_tokens"), int):
+                usage_prompt = (len(prompt_ids), usage["prompt_tokens"])
+            if isinstance(usage.get("completion_tokens"), int):
+                ours = len(completion_ids) if len(built) == 1 else total_completion
+                usage_completion = (ours, usage["completion_tokens"])
+        view = SampleView(
+            tokenizer=tokenizer,
+            dialect=dialect,
+            request=request,
+            choice=choice,
+            thinking=thinking,
+            prompt_text=prompt_text,
+            prompt_ids=prompt_ids,
+            parts=parts,
+            part_ids=part_ids,
+            completion_ids=completion_ids,
+            usage_prompt=usage_prompt,
+            usage_completion=usage_completion,
+            native_prompt=ex.native_prompt,
+            native_completion=ex.native_choices[idx] if idx < len(ex.native_choices) else None,
+        )
+        findings = run_checks(view, policy)
+        segments = _segments(len(prompt_ids), parts, part_ids)
+        message = choice["message"]
+        row = _row(
+            ex, choice.get("index", idx), prompt_ids, completion_ids, segments, findings, provider, model,
+            choice.get("finish_reason"), thinking, usage, message_reasoning(message) or "", message.get("content") or "",
+        )
+        rows.append(row)
+    return rows
+
+
+def _segments(n_prompt: int, parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> list[dict]:
+    segs = [{"kind": "prompt", "start": 0, "end": n_prompt}]
+    pos = n_prompt
+    for (kind, _), ids in zip(parts, part_ids):
+        if not ids:
+            continue
+        segs.append({"kind": kind, "start": pos, "end": pos + len(ids)})
+        pos += len(ids)
+    return segs
+
+
+def _row(ex: Exchange, choice: int, prompt_ids, completion_ids, segments, findings: list[Finding],
+         provider, model, finish_reason, thinking, usage, reasoning: str, content: str) -> dict[str, Any]:
+    if not segments:
+        segments = [{"kind": "prompt", "start": 0, "end": len(prompt_ids)}]
+    return {
+        "id": ex.id,
+        "choice": choice,
+        "dataset": ex.dataset,
+        "status": status_of(findings),
+        "prompt_ids": prompt_ids,
+        "completion_ids": completion_ids,
+        "input_ids": list(prompt_ids) + list(completion_ids),
+        "loss_mask": [0] * len(prompt_ids) + [1] * len(completion_ids),
+        "segments": segments,
+        "findings": [f.to_dict() for f in findings],
+        "provider": provider,
+        "model": model,
+        "finish_reason": finish_reason,
+        "thinking": thinking,
+        "usage": usage,
+        "messages": ex.request.get("messages"),
+        "reasoning": reasoning,
+        "content": content,
+    }
+
+
+# --- files ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BadLine:
+    """A line that could not be reconstructed: where, which field, why."""
+
+    path: str
+    line: int
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.field}: {self.message}"
+
+
+@dataclass
+class ReconstructSummary:
+    records: int = 0
+    rows: int = 0
+    status: Counter = field(default_factory=Counter)
+    codes: Counter = field(default_factory=Counter)
+    bad_lines: list[BadLine] = field(default_factory=list)
+
+    def add(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        self.records += 1
+        for row in rows:
+            self.rows += 1
+            self.status[row["status"]] += 1
+            for f in row["findings"]:
+                self.codes[f["code"]] += 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "records": self.records,
+            "rows": self.rows,
+            "status": {k: self.status.get(k, 0) for k in ("ok", "flagged", "rejected")},
+            "codes": dict(sorted(self.codes.items())),
+            "bad_lines": [b.__dict__ for b in self.bad_lines],
+        }
+
+
+# Per-process state for pool workers (set by the initializer).
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer_source: str, dialect_name: str | None, policy: Policy | None, as_json: bool) -> None:
+    tok = load_tokenizer(tokenizer_source)
+    _WORKER.update(tok=tok, dialect=resolve_dialect(tok, dialect_name), policy=policy, as_json=as_json)
+
+
+def _work(chunk: list[tuple[int, str]]) -> list[tuple[int, Any, Any]]:
+    """Reconstruct a chunk of lines: (line, rows or None, (field, message) or None)."""
+    tok, dialect, policy, as_json = _WORKER["tok"], _WORKER["dialect"], _WORKER["policy"], _WORKER["as_json"]
+    out = []
+    for lineno, line in chunk:
+        try:
+            rows = reconstruct_record(loads_line(line), tok, dialect, policy)
+        except RecordError as exc:
+            out.append((lineno, None, (exc.field, exc.detail)))
+            continue
+        except Exception as exc:  # a template or tokenizer failure on this record only
+            out.append((lineno, None, ("<record>", f"{type(exc).__name__}: {exc}")))
+            continue
+        if as_json:
+            meta = [(r["status"], [f["code"] for f in r["findings"]]) for r in rows]
+            out.append((lineno, [json.dumps(r, ensure_ascii=False) for r in rows], meta))
+        else:
+            out.append((lineno, rows, None))
+    return out
+
+
+def _chunks(lines: Iterator[tuple[int, str]], size: int) -> Iterator[list[tuple[int, str]]]:
+    chunk: list[tuple[int, str]] = []
+    budget = 0
+    for item in lines:
+        chunk.append(item)
+        budget += len(item[1])
+        if len(chunk) >= size or budget >= 4_000_000:
+            yield chunk
+            chunk, budget = [], 0
+    if chunk:
+        yield chunk
+
+
+def reconstruct_file(
+    src: str | Path,
+    dst: str | Path,
+    tokenizer: str | Path | Tokenizer,
+    dialect: str | None = None,
+    policy: Policy | None = None,
+    workers: int | None = None,
+    chunk_lines: int = 32,
+    on_progress: Callable[[int], None] | None = None,
+) -> ReconstructSummary:
+    """Reconstruct every record of ``src`` (JSONL) into ``dst`` (JSONL, or Parquet by suffix).
+
+    Output order is input order. Bad lines are collected in the summary (file, line,
+    field) and skipped; the others are still written. The output is written to a
+    temporary file and renamed into place when complete.
+    """
+    tok_source = tokenizer.source if isinstance(tokenizer, Tokenizer) else str(tokenizer)
+    dst = Path(dst)
+    as_parquet = dst.suffix == ".parquet"
+    workers = workers or os.cpu_count() or 1
+    if workers > 1 and os.path.getsize(src) < 256_000:
+        workers = 1  # the pool's start-up costs more than it saves
+    summary = ReconstructSummary()
+    tmp = dst.with_name(dst.name + ".partial")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    sink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
+    try:
+        for lineno, rows, info in _run_chunks(
+            _chunks(iter_lines(src), chunk_lines), workers, (tok_source, dialect, policy, not as_parquet)
+        ):
+            if rows is None:
+                summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
+                continue
+            if as_parquet:
+                summary.add(rows)
+            else:
+                summary.add({"status": s, "findings": [{"code": c} for c in codes]} for s, codes in info)
+            sink.write(rows)
+            if on_progress:
+                on_progress(lineno)
+        sink.close()
+    except BaseException:
+        sink.abort()
+        raise
+    os.replace(tmp, dst)
+    return summary
+
+
+def _run_chunks(chunks: Iterator[list], workers: int, init_args: tuple) -> Iterator[tuple]:
+    if workers <= 1:
+        _init_worker(*init_args)
+        for chunk in chunks:
+            yield from _work(chunk)
+        return
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+        pending: deque = deque()
+        max_pending = workers * 4
+        for chunk in chunks:
+            pending.append(pool.apply_async(_work, (chunk,)))
+            while len(pending) >= max_pending:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
+
+
+class _JsonlSink:
+    def __init__(self, path: Path):
+        self._fh = open(path, "w", encoding="utf-8", errors="surrogatepass")
+
+    def write(self, lines: list[str]) -> None:
+        for line in lines:
+            self._fh.write(line)
+            self._fh.write("\n")
+
+    def close(self) -> None:
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+
+    def abort(self) -> None:
+        self._fh.close()
+
+
+class _ParquetSink:
+    """Rows buffered into bounded record batches; nested free-form fields as JSON text."""
+
+    _JSON_FIELDS = ("messages", "usage")
+
+    def __init__(self, path: Path, batch_rows: int = 512):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self._pa = pa
+        ids = pa.list_(pa.int32())
+        seg = pa.struct([("kind", pa.string()), ("start", pa.int32()), ("end", pa.int32())])
+        finding = pa.struct([("code", pa.string()), ("severity", pa.string()), ("message", pa.string())])
+        self.schema = pa.schema(
+            [
+                ("id", pa.string()), ("choice", pa.int32()), ("dataset", pa.string()), ("status", pa.string()),
+                ("prompt_ids", ids), ("completion_ids", ids), ("input_ids", ids), ("loss_mask", pa.list_(pa.int8())),
+                ("segments", pa.list_(seg)), ("findings", pa.list_(finding)), ("provider", pa.string()),
+                ("model", pa.string()), ("finish_reason", pa.string()), ("thinking", pa.bool_()),
+                ("usage", pa.string()), ("messages", pa.string()), ("reasoning", pa.string()), ("content", pa.string()),
+            ]
+        )
+        self._writer = pq.ParquetWriter(path, self.schema)
+        self._buf: list[dict] = []
+        self._batch_rows = batch_rows
+
+    def write(self, rows: list[dict]) -> None:
+        for row in rows:
+            row = dict(row)
+            for key in self._JSON_FIELDS:
+                row[key] = None if row[key] is None else json.dumps(row[key], ensure_ascii=False)
+            self._buf.append(row)
+        if len(self._buf) >= self._batch_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._buf:
+            self._writer.write_table(self._pa.Table.from_pylist(self._buf, schema=self.schema))
+            self._buf = []
+
+    def close(self) -> None:
+        self._flush()
+        self._writer.close()
+
+    def abort(self) -> None:
+        self._buf = []
+        self._writer.close()
