@@ -1,0 +1,114 @@
+"""Terminal views: the reconstruct summary table and one sample's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from .exchanges import iter_lines, loads_line
+from .tokenizer import Tokenizer
+
+_STYLE = {
+    "prompt": "dim",
+    "think_start": "bold magenta",
+    "reasoning": "cyan",
+    "think_end": "bold magenta",
+    "content": "green",
+    "tool_calls": "yellow",
+    "end": "bold red",
+}
+
+
+def summary_table(summary, title: str = "reconstruct") -> Group:
+    """Counts of records, statuses and finding codes."""
+    totals = Table(title=title, show_header=True)
+    for col in ("records", "samples", "ok", "flagged", "rejected", "bad lines"):
+        totals.add_column(col, justify="right")
+    totals.add_row(
+        str(summary.records), str(summary.rows), str(summary.status.get("ok", 0)),
+        str(summary.status.get("flagged", 0)), str(summary.status.get("rejected", 0)), str(len(summary.bad_lines)),
+    )
+    parts: list[Any] = [totals]
+    if summary.codes:
+        codes = Table(show_header=True)
+        codes.add_column("finding")
+        codes.add_column("samples", justify="right")
+        for code, n in sorted(summary.codes.items(), key=lambda kv: (-kv[1], kv[0])):
+            codes.add_row(code, str(n))
+        parts.append(codes)
+    return Group(*parts)
+
+
+def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dialect: str | None) -> dict:
+    """The reconstructed row for ``sample_id`` (first record if None); exchange records
+    are reconstructed on the fly. LookupError when absent."""
+    from .chat import resolve_dialect
+    from .reconstruct import reconstruct_record
+
+    for lineno, line in iter_lines(path):
+        record = loads_line(line)
+        if sample_id is not None and str(record.get("id")) != sample_id:
+            continue
+        if "input_ids" in record:
+            if record.get("choice", 0) != choice:
+                continue
+            return record
+        rows = reconstruct_record(record, tok, resolve_dialect(tok, dialect))
+        if choice < len(rows):
+            return rows[choice]
+    raise LookupError(f"{path}: no sample {sample_id or '(first)'} with choice {choice}")
+
+
+def _kind_at(segments: list[Mapping[str, Any]]) -> list[str]:
+    kinds: list[str] = []
+    for seg in segments:
+        kinds.extend([seg["kind"]] * (seg["end"] - seg["start"]))
+    return kinds
+
+
+def render_row(row: Mapping[str, Any], tok: Tokenizer, tokens: str | None = None) -> Group:
+    ids = row["input_ids"]
+    kinds = _kind_at(row["segments"])
+    head = Text()
+    head.append(f"{row['id']} choice {row.get('choice', 0)}: ", style="bold")
+    head.append(row["status"], style={"ok": "green", "flagged": "yellow", "rejected": "red"}.get(row["status"], ""))
+    head.append(
+        f"  provider={row.get('provider')} finish={row.get('finish_reason')} "
+        f"prompt={len(row['prompt_ids'])} completion={len(row['completion_ids'])} tokens"
+    )
+    out: list[Any] = [head]
+    for f in row["findings"]:
+        out.append(Text(f"  {f['severity']}: {f['code']}: {f['message']}", style="red" if f["severity"] == "error" else "yellow"))
+    seg_line = Text("  segments: ")
+    for seg in row["segments"]:
+        seg_line.append(f"{seg['kind']}[{seg['start']}:{seg['end']}] ", style=_STYLE.get(seg["kind"], ""))
+    out.append(seg_line)
+    markers = tok.marker_ids
+    n_prompt = len(row["prompt_ids"])
+    for pos in range(max(0, n_prompt - 1), len(ids)):  # the last prompt marker, then the completion's
+        tid = ids[pos]
+        if tid in markers:
+            kind = kinds[pos] if pos < len(kinds) else "?"
+            out.append(Text(f"  {markers[tid]} ({tid}) at position {pos} [{kind}]", style=_STYLE.get(kind, "")))
+    if tokens is not None:
+        out.append(_token_table(ids, kinds, tok, tokens))
+    return Group(*out)
+
+
+def _token_table(ids, kinds, tok: Tokenizer, span: str) -> Table:
+    a, _, b = span.partition(":")
+    start = int(a) if a else 0
+    stop = int(b) if b else len(ids)
+    table = Table(show_header=True, box=None)
+    for col in ("pos", "id", "token", "segment"):
+        table.add_column(col, justify="right" if col in ("pos", "id") else "left")
+    for pos in range(max(0, start), min(stop, len(ids))):
+        tid = ids[pos]
+        text = tok.token_bytes(tid).decode("utf-8", errors="backslashreplace")
+        kind = kinds[pos] if pos < len(kinds) else "?"
+        table.add_row(str(pos), str(tid), repr(text), kind, style=_STYLE.get(kind, ""))
+    return table

@@ -1,0 +1,258 @@
+"""Reconstruction and the gate on the real Kimi K2.5 tokenizer: exact ids, every
+finding code, and a property test over arbitrary Unicode."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenbridge.checks import CODES, Policy
+from tokenbridge.exchanges import RecordError
+from tokenbridge.reconstruct import reconstruct_record
+
+TS, TE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+CB, AB, CE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+TOOL_CALL = f"{TS}{CB}functions.get_weather:0{AB}{{\"city\": \"Paris\"}}{CE}{TE}"
+PROMPT = [{"role": "system", "content": "Tools: get_weather(city)."}, {"role": "user", "content": "Weather in Paris?"}]
+
+
+def _count(kimi, reasoning, content, finish="stop", thinking=True):
+    """Completion token count the engine would report, computed independently of reconstruct."""
+    # a provider that leaks the end token as text still counted it once, as the end token
+    content = content.removesuffix("<|im_end|>") if content else content
+    n = len(kimi.encode(reasoning)) if reasoning else 0
+    if finish == "length" and not content:
+        return n
+    n += int(thinking) + (len(kimi.encode(content)) if content else 0)
+    return n if finish == "length" else n + 1
+
+
+def make(kimi, reasoning="Check the weather tool.", content="Sure." + TOOL_CALL, finish="tool_calls",
+         request=None, usage=True, **message):
+    request = copy.deepcopy(request or {"model": "moonshotai/kimi-k2.5", "messages": PROMPT})
+    msg = {"role": "assistant", "content": content, **message}
+    if reasoning is not None:
+        msg["reasoning"] = reasoning
+    response = {"id": "gen-1", "provider": "Test", "model": "moonshotai/kimi-k2.5",
+                "choices": [{"index": 0, "message": msg, "finish_reason": finish}]}
+    if usage:
+        from tokenbridge.chat import DIALECTS, thinking_enabled
+
+        prompt = DIALECTS["kimi-k2.5"].render_prompt(request["messages"], None, thinking_enabled(request))
+        response["usage"] = {"prompt_tokens": len(kimi.encode(prompt)),
+                             "completion_tokens": _count(kimi, reasoning, content, finish, thinking_enabled(request))}
+    return {"id": "s1", "dataset": "b3", "request": request, "response": response}
+
+
+def codes(row):
+    return sorted(f["code"] for f in row["findings"])
+
+
+def test_clean_tool_call_sample_exact_ids(kimi):
+    row, = reconstruct_record(make(kimi), kimi)
+    assert row["status"] == "ok" and row["findings"] == []
+    ids = row["completion_ids"]
+    n_reason = len(kimi.encode("Check the weather tool."))
+    n_sure = len(kimi.encode("Sure."))
+    assert ids[n_reason] == 163607                      # </think> right after the reasoning
+    sec = n_reason + 1 + n_sure
+    assert ids[sec] == 163595 and ids[sec + 1] == 163597  # section begin, call begin
+    assert ids[-2] == 163596 and ids[-1] == 163586        # section end, <|im_end|>
+    assert [i for i in ids if 163595 <= i <= 163599] == [163595, 163597, 163598, 163599, 163596]
+    assert row["prompt_ids"][-4:] == [163588, 69702, 163601, 163606]
+    assert row["input_ids"] == row["prompt_ids"] + ids
+    assert row["loss_mask"] == [0] * len(row["prompt_ids"]) + [1] * len(ids)
+    kinds = [(s["kind"], s["end"] - s["start"]) for s in row["segments"]]
+    assert kinds == [("prompt", len(row["prompt_ids"])), ("reasoning", n_reason), ("think_end", 1),
+                     ("content", n_sure), ("tool_calls", len(ids) - n_reason - 1 - n_sure - 1), ("end", 1)]
+    assert (row["provider"], row["dataset"], row["finish_reason"]) == ("Test", "b3", "tool_calls")
+
+
+def _mut(kimi, **kw):
+    return make(kimi, **kw)
+
+
+CASES = {
+    "eos_in_text (trailing leak)": (dict(content="Hello!<|im_end|>", finish="stop"), ["eos_in_text"]),
+    "eos_in_text (middle)": (dict(content="a<|im_end|>b", finish="stop"), ["eos_in_text"]),
+    "eos_in_text (reasoning)": (dict(reasoning="x [EOS] y", content="ok", finish="stop"), ["eos_in_text"]),
+    "think_marker_in_content": (dict(content="a</think>b", finish="stop"), ["think_marker_in_content"]),
+    "think_marker_in_reasoning": (dict(reasoning="<think>hmm", content="ok", finish="stop"), ["think_marker_in_reasoning"]),
+    "reasoning_missing": (dict(reasoning=None, content="ok", finish="stop"), ["reasoning_missing"]),
+    "tool_section_in_reasoning": (dict(reasoning=f"plan {CB}x", content="ok", finish="stop"), ["tool_section_in_reasoning"]),
+    "tool_markers_malformed (unclosed)": (dict(content=f"x{TS}{CB}f:0{AB}{{}}{CE}"), ["tool_markers_malformed"]),
+    "tool_markers_malformed (order)": (dict(content=f"{TS}{AB}f:0{CB}{{}}{CE}{TE}"), ["tool_markers_malformed"]),
+    "tool_markers_malformed (outside)": (dict(content=f"x{CB}f{CE}", finish="stop"), ["tool_markers_malformed"]),
+    "tool_markers_malformed (empty)": (dict(content=f"x{TS}{TE}"), ["tool_markers_malformed"]),
+    "special_token_text": (dict(content="hi <|im_user|> there", finish="stop"), ["special_token_text"]),
+    "special_token_text (reserved)": (dict(reasoning="<|reserved_token_163600|>", content="ok", finish="stop"), ["special_token_text"]),
+    "replacement_char": (dict(content="caf\ufffd", finish="stop"), ["replacement_char"]),
+    "truncated": (dict(content="partial ans", finish="length"), ["truncated"]),
+    "truncated inside reasoning": (dict(reasoning="long thought", content="", finish="length"), ["truncated"]),
+    "empty_completion": (dict(reasoning="", content="", finish="stop"), ["empty_completion"]),
+    "finish_error": (dict(content="ok", finish="error"), ["finish_error"]),
+    "finish_error (content_filter)": (dict(content="ok", finish="content_filter"), ["finish_error"]),
+    "finish_unknown": (dict(content="ok", finish="weird"), ["finish_unknown"]),
+    "usage_missing": (dict(content="ok", finish="stop", usage=False), ["usage_missing"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_finding_code(kimi, name):
+    kwargs, expected = CASES[name]
+    row, = reconstruct_record(make(kimi, **kwargs), kimi)
+    assert codes(row) == expected
+    severity = {CODES[c][0] for c in expected}
+    assert row["status"] == ("rejected" if "error" in severity else "flagged")
+
+
+def test_leaked_end_marker_is_never_doubled(kimi):
+    row, = reconstruct_record(make(kimi, content="Hello!<|im_end|>", finish="stop"), kimi)
+    assert row["completion_ids"].count(163586) == 1 and row["completion_ids"][-1] == 163586
+
+
+def test_structured_tool_calls(kimi):
+    rec = make(kimi, content="", finish="tool_calls", usage=False,
+               tool_calls=[{"id": "functions.get_weather:0", "type": "function",
+                            "function": {"name": "get_weather", "arguments": "{}"}}])
+    row, = reconstruct_record(rec, kimi)
+    assert codes(row) == ["structured_tool_calls", "usage_missing"]
+
+
+def test_reasoning_unexpected_in_instant_mode(kimi):
+    req = {"messages": PROMPT, "reasoning": {"enabled": False}}
+    row, = reconstruct_record(make(kimi, reasoning="should not be here", content="ok", finish="stop", request=req, usage=False), kimi)
+    assert codes(row) == ["reasoning_unexpected", "usage_missing"]
+    clean, = reconstruct_record(make(kimi, reasoning=None, content="ok", finish="stop", request=req), kimi)
+    assert clean["status"] == "ok"
+    assert clean["prompt_ids"][-2:] == [163606, 163607] and clean["completion_ids"] == kimi.encode("ok") + [163586]
+
+
+def test_stop_sequence(kimi):
+    req = {"messages": PROMPT, "stop": ["\n\n"]}
+    row, = reconstruct_record(make(kimi, content="ok", finish="stop", request=req), kimi)
+    assert codes(row) == ["stop_sequence"]
+
+
+def test_usage_mismatches_report_delta_and_tolerance(kimi):
+    rec = make(kimi, content="ok", finish="stop")
+    rec["response"]["usage"]["prompt_tokens"] += 1
+    rec["response"]["usage"]["completion_tokens"] -= 2
+    row, = reconstruct_record(rec, kimi)
+    assert codes(row) == ["usage_completion_mismatch", "usage_prompt_mismatch"]
+    msgs = {f["code"]: f["message"] for f in row["findings"]}
+    assert "delta +2" in msgs["usage_completion_mismatch"] and "delta -1" in msgs["usage_prompt_mismatch"]
+    row, = reconstruct_record(rec, kimi, policy=Policy(usage_tolerance=2))
+    assert row["status"] == "ok"
+
+
+def test_roundtrip_mismatch_on_lone_surrogate(kimi):
+    row, = reconstruct_record(make(kimi, content="bad \ud800 text", finish="stop", usage=False), kimi)
+    assert "roundtrip_mismatch" in codes(row)
+
+
+def test_native_ids_match_and_mismatch(kimi):
+    rec = make(kimi, content="Hello", finish="stop")
+    row, = reconstruct_record(rec, kimi)
+    good = copy.deepcopy(rec)
+    good["response"]["prompt_token_ids"] = row["prompt_ids"]
+    good["response"]["choices"][0]["token_ids"] = row["completion_ids"]
+    assert reconstruct_record(good, kimi)[0]["status"] == "ok"
+    # the model emitted "Hel" + "lo" instead of the canonical "Hello": same text, other ids
+    hel, lo = kimi.encode("Hel"), kimi.encode("lo")
+    assert len(hel) == len(lo) == 1
+    pos = row["completion_ids"].index(19180)
+    noncanon = row["completion_ids"][:pos] + hel + lo + row["completion_ids"][pos + 1:]
+    bad = copy.deepcopy(rec)
+    bad["native_ids"] = noncanon
+    r, = reconstruct_record(bad, kimi)
+    assert codes(r) == ["native_mismatch"]
+    assert f"first divergence at {pos}" in r["findings"][0]["message"]
+    assert "same text, non-canonical" in r["findings"][0]["message"]
+    other = copy.deepcopy(rec)
+    other["native_ids"] = {"prompt": row["prompt_ids"][:-1] + [163607], "choices": [row["completion_ids"]]}
+    r, = reconstruct_record(other, kimi)
+    assert codes(r) == ["native_mismatch"] and "text differs" in r["findings"][0]["message"]
+
+
+def test_error_body_without_choices(kimi):
+    rec = make(kimi)
+    rec["response"] = {"error": {"code": 502, "message": "upstream died"}}
+    row, = reconstruct_record(rec, kimi)
+    assert codes(row) == ["finish_error"] and "upstream died" in row["findings"][0]["message"]
+    assert row["status"] == "rejected" and row["completion_ids"] == []
+
+
+def test_two_choices_sum_usage(kimi):
+    rec = make(kimi, content="A", finish="stop")
+    second = copy.deepcopy(rec["response"]["choices"][0])
+    second["index"] = 1
+    second["message"]["content"] = "B b"
+    rec["response"]["choices"].append(second)
+    rec["response"]["usage"]["completion_tokens"] += _count(kimi, "Check the weather tool.", "B b")
+    rows = reconstruct_record(rec, kimi)
+    assert [r["choice"] for r in rows] == [0, 1] and all(r["status"] == "ok" for r in rows)
+    assert rows[1]["completion_ids"][-3:-1] == kimi.encode("B b")
+
+
+def test_policy_maps_codes():
+    with pytest.raises(ValueError, match="unknown finding code"):
+        Policy(severities={"nope": "error"})
+
+
+def test_policy_warning_and_off(kimi):
+    rec = make(kimi, content="a</think>b", finish="stop")
+    row, = reconstruct_record(rec, kimi, policy=Policy(severities={"think_marker_in_content": "warning"}))
+    assert row["status"] == "flagged"
+    row, = reconstruct_record(rec, kimi, policy=Policy(severities={"think_marker_in_content": "off"}))
+    assert row["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda r: r.pop("id"), "id"),
+        (lambda r: r.pop("request"), "request"),
+        (lambda r: r["request"].pop("messages"), "request.messages"),
+        (lambda r: r["request"]["messages"][1].pop("role"), "request.messages[1].role"),
+        (lambda r: r.pop("response"), "response"),
+        (lambda r: r["response"].pop("choices"), "response.choices"),
+        (lambda r: r["response"]["choices"][0].pop("message"), "response.choices[0].message"),
+        (lambda r: r["response"]["choices"][0]["message"].update(reasoning=5), "response.choices[0].message.reasoning"),
+        (lambda r: r.update(native_ids=["x"]), "native_ids"),
+    ],
+)
+def test_malformed_records_name_the_field(kimi, mutate, field):
+    rec = make(kimi)
+    mutate(rec)
+    with pytest.raises(RecordError) as err:
+        reconstruct_record(rec, kimi)
+    assert err.value.field == field
+
+
+MARKER_SNIPPETS = ["<|im_end|>", "</think>", "<think>", TS, CB, "[EOS]", "<|im_user|>", "\ufffd"]
+free_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=60)
+model_text = st.lists(st.one_of(free_text, st.sampled_from(MARKER_SNIPPETS)), max_size=4).map("".join)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reasoning=model_text, content=model_text)
+def test_property_no_findings_means_exact_roundtrip(kimi, reasoning, content):
+    rec = make(kimi, reasoning=reasoning, content=content, finish="stop", usage=False)
+    row, = reconstruct_record(rec, kimi, policy=Policy(severities={"usage_missing": "off"}))
+    has_marker = any(m in reasoning + content for m in MARKER_SNIPPETS)
+    if row["status"] != "ok":
+        assert row["findings"]
+        return
+    assert not has_marker, "marker text passed the gate"
+    ids = row["completion_ids"]
+    assert kimi.decode_bytes(ids) == (reasoning + "</think>" + content + "<|im_end|>").encode()
+    assert [i for i in ids if i >= 163584] == [163607, 163586]
+    assert ids.index(163607) == len(kimi.encode(reasoning))
+    assert row["input_ids"] == row["prompt_ids"] + ids
+    assert sum(row["loss_mask"]) == len(ids) and len(row["loss_mask"]) == len(row["input_ids"])
+    json.dumps(row)  # serialisable as it stands

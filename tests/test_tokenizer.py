@@ -1,0 +1,167 @@
+"""Tokenizer loading: the real Kimi K2.5 data, a tokenizer.json folder, and the errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenbridge.tokenizer import (
+    KIMI_PAT_STR,
+    TokenizerError,
+    _split_runs_slow,
+    load_tokenizer,
+    read_pat_str,
+    split_long_runs,
+)
+
+TOOL_MARKERS = {
+    "<|tool_calls_section_begin|>": 163595,
+    "<|tool_calls_section_end|>": 163596,
+    "<|tool_call_begin|>": 163597,
+    "<|tool_call_argument_begin|>": 163598,
+    "<|tool_call_end|>": 163599,
+}
+
+
+def _linked_folder(tmp_path: Path, kimi_dir: Path, *names: str) -> Path:
+    folder = tmp_path / "kimi"
+    folder.mkdir()
+    for name in names:
+        (folder / name).symlink_to(kimi_dir / name)
+    return folder
+
+
+def test_kimi_vocab_and_marker_names(kimi):
+    assert kimi.kind == "tiktoken"
+    assert kimi.vocab_size == 163840
+    assert len(kimi.marker_ids) == 256
+    assert kimi.marker_ids[163586] == "<|im_end|>"
+    assert kimi.marker_ids[163607] == "</think>"
+    assert kimi.marker_ids[163606] == "<think>"
+    # ids without an added_tokens_decoder entry get reserved names
+    assert kimi.marker_ids[163589] == "<|reserved_token_163589|>"
+    assert kimi.marker_ids[163837] == "<|reserved_token_163837|>"
+    assert kimi.max_ordinary_id == 163583
+
+
+def test_marker_text_encodes_to_marker_ids(kimi):
+    for text, tid in TOOL_MARKERS.items():
+        assert kimi.encode(text) == [tid]
+    ids = kimi.encode("a</think>b<|im_end|>")
+    assert ids[1] == 163607 and ids[-1] == 163586
+    assert kimi.decode(ids) == "a</think>b<|im_end|>"
+    assert kimi.encode("<|reserved_token_163600|>") == [163600]
+
+
+def test_known_ordinary_ids(kimi):
+    assert kimi.encode("Hello") == [19180]
+    assert kimi.encode(" 世界") == [220, 2243]
+    assert kimi.token_bytes(19180) == b"Hello"
+
+
+def test_builtin_pattern_is_the_shared_one(kimi_dir):
+    assert KIMI_PAT_STR == (kimi_dir / "pat_str.txt").read_text(encoding="utf-8")
+
+
+def test_pat_str_read_statically_from_tokenization_file(tmp_path, kimi_dir):
+    folder = _linked_folder(tmp_path, kimi_dir, "tiktoken.model", "tokenizer_config.json")
+    # Executing this file would fail loudly; reading it statically must not.
+    (folder / "tokenization_kimi.py").write_text(
+        "raise SystemExit('executed!')\n"
+        "class T:\n"
+        "    pat_str = '|'.join([r'''\\p{N}{1,3}''', r'''\\s+''', r'''[^\\s\\p{N}]+'''])\n",
+        encoding="utf-8",
+    )
+    assert read_pat_str(folder) == r"\p{N}{1,3}|\s+|[^\s\p{N}]+"
+    tok = load_tokenizer(folder)
+    # With this cruder pattern digits split in threes exactly as the pattern says.
+    assert [tok.token_bytes(i) for i in tok.encode("1234567")] == [b"123", b"456", b"7"]
+
+
+def test_pat_str_not_a_literal_is_a_clear_error(tmp_path, kimi_dir):
+    folder = _linked_folder(tmp_path, kimi_dir, "tiktoken.model", "tokenizer_config.json")
+    (folder / "tokenization_kimi.py").write_text("import os\n\npat_str = os.environ['X']\n", encoding="utf-8")
+    with pytest.raises(TokenizerError, match=r"tokenization_kimi.py:3: pat_str is not a string literal"):
+        read_pat_str(folder)
+
+
+def test_long_runs_are_cut_like_the_model_tokenizer(kimi):
+    run = "x" * 60_000
+    pieces = split_long_runs(run)
+    assert [len(p) for p in pieces] == [25_000, 25_000, 10_000]
+    expected = [i for p in pieces for i in kimi.encode(p)]
+    assert kimi.encode(run) == expected
+    # whitespace runs too, and a short text is one piece
+    assert [len(p) for p in split_long_runs("a" + " " * 30_000 + "b")] == [25_001, 5_001]
+    assert split_long_runs("short text") == ["short text"]
+
+
+def test_window_of_400k_characters(kimi):
+    text = ("word " * 100_000)[:450_000]
+    pieces = split_long_runs(text)
+    assert [len(p) for p in pieces] == [400_000, 50_000]
+    assert kimi.encode(text) == kimi.encode(pieces[0]) + kimi.encode(pieces[1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([" ", "\n", "\u3000", "\x1c", "a", "字", "\u00a0"]), st.integers(1, 30_000)), max_size=5))
+def test_fast_split_equals_reference(runs):
+    text = "".join(ch * n for ch, n in runs)
+    fast = split_long_runs(text) if text else []
+    slow = [p for w in range(0, len(text), 400_000) for p in _split_runs_slow(text[w : w + 400_000])]
+    assert "".join(fast) == text
+    assert fast == slow
+
+
+def _tiny_tokenizer_json(folder: Path, specials: list[str]) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, the answer is 42.", "think step by step"] * 50, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def test_tokenizer_json_folder(tmp_path):
+    folder = tmp_path / "tiny"
+    _tiny_tokenizer_json(folder, ["<|im_start|>", "<|im_end|>", "<think>", "</think>"])
+    tok = load_tokenizer(folder)
+    assert tok.kind == "tokenizers"
+    end = tok.token_id("<|im_end|>")
+    ids = tok.encode("hello world<|im_end|>")
+    assert ids[-1] == end
+    assert tok.decode(ids) == "hello world<|im_end|>"
+    assert set(tok.marker_ids.values()) == {"<|im_start|>", "<|im_end|>", "<think>", "</think>"}
+
+
+def test_missing_folder_and_bad_files(tmp_path):
+    with pytest.raises(TokenizerError, match="not a tokenizer folder or a Hub repo id"):
+        load_tokenizer(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TokenizerError, match="neither tiktoken.model nor tokenizer.json"):
+        load_tokenizer(tmp_path / "empty")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "tiktoken.model").write_text("aGVsbG8= 0\nnot-a-line\n")
+    with pytest.raises(TokenizerError, match=r"tiktoken.model:2: expected 'base64token rank'"):
+        load_tokenizer(bad)
+
+
+def test_hub_id_offline_and_not_cached_is_clear(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    code = (
+        "from tokenbridge.tokenizer import load_tokenizer, TokenizerError\n"
+        "try:\n    load_tokenizer('moonshotai/Kimi-K2.5')\n"
+        "except TokenizerError as e:\n    print('ERR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("ERR moonshotai/Kimi-K2.5: could not download the tokenizer from the Hub and it is not cached")
