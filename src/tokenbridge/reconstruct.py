@@ -252,9 +252,8 @@ def reconstruct_file(
     tok_source = tokenizer.source if isinstance(tokenizer, Tokenizer) else str(tokenizer)
     dst = Path(dst)
     as_parquet = dst.suffix == ".parquet"
-    workers = workers or os.cpu_count() or 1
-    if workers > 1 and os.path.getsize(src) < 256_000:
-        workers = 1  # the pool's start-up costs more than it saves
+    if workers is None:  # auto: all cores, unless the pool's start-up costs more than it saves
+        workers = 1 if os.path.getsize(src) < 256_000 else (os.cpu_count() or 1)
     summary = ReconstructSummary()
     tmp = dst.with_name(dst.name + ".partial")
     dst.parent.mkdir(parents=True, exist_ok=True)
