@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-__all__ = ["Exchange", "RecordError", "iter_lines", "loads_line", "parse_exchange"]
+import orjson
+
+__all__ = ["Exchange", "RecordError", "dumps_line", "iter_lines", "loads_line", "parse_exchange"]
 
 
 class RecordError(ValueError):
@@ -126,7 +128,22 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
 
 
 def loads_line(line: str) -> Any:
+    """Parse one JSONL line; orjson for speed, the stdlib for what orjson refuses
+    (lone surrogate escapes, which the gate must still see)."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        pass
     try:
         return json.loads(line)
     except json.JSONDecodeError as exc:
         raise RecordError("<line>", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+
+
+def dumps_line(obj: Any) -> bytes:
+    """One JSON line (no newline) as UTF-8 bytes; ASCII-escaped when the text holds lone
+    surrogates, so the file stays valid UTF-8."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=True).encode("ascii")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from .chat import Dialect, message_reasoning, resolve_dialect, thinking_enabled
 from .checks import Finding, Policy, SampleView, run_checks, status_of
-from .exchanges import Exchange, RecordError, iter_lines, loads_line, parse_exchange
+from .exchanges import Exchange, RecordError, dumps_line, iter_lines, loads_line, parse_exchange
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["BadLine", "ReconstructSummary", "reconstruct_exchange", "reconstruct_file", "reconstruct_record"]
@@ -214,7 +215,7 @@ def _work(chunk: list[tuple[int, str]]) -> list[tuple[int, Any, Any]]:
             continue
         if as_json:
             meta = [(r["status"], [f["code"] for f in r["findings"]]) for r in rows]
-            out.append((lineno, [json.dumps(r, ensure_ascii=False) for r in rows], meta))
+            out.append((lineno, [dumps_line(r) for r in rows], meta))
         else:
             out.append((lineno, rows, None))
     return out
@@ -286,7 +287,12 @@ def _run_chunks(chunks: Iterator[list], workers: int, init_args: tuple) -> Itera
         for chunk in chunks:
             yield from _work(chunk)
         return
-    ctx = mp.get_context("spawn")
+    # fork shares the already-loaded tokenizer (start-up in milliseconds, not a second a
+    # worker); it is only safe while this process runs no other threads.
+    method = "fork" if threading.active_count() == 1 and "fork" in mp.get_all_start_methods() else "spawn"
+    if method == "fork":
+        _init_worker(*init_args)
+    ctx = mp.get_context(method)
     with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
         pending: deque = deque()
         max_pending = workers * 4
@@ -300,12 +306,12 @@ def _run_chunks(chunks: Iterator[list], workers: int, init_args: tuple) -> Itera
 
 class _JsonlSink:
     def __init__(self, path: Path):
-        self._fh = open(path, "w", encoding="utf-8", errors="surrogatepass")
+        self._fh = open(path, "wb")
 
-    def write(self, lines: list[str]) -> None:
+    def write(self, lines: list[bytes]) -> None:
         for line in lines:
             self._fh.write(line)
-            self._fh.write("\n")
+            self._fh.write(b"\n")
 
     def close(self) -> None:
         self._fh.flush()
