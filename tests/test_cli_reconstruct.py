@@ -103,3 +103,26 @@ def test_cli_inspect_shows_marker_positions(tmp_path, kimi, kimi_dir):
     assert res.exit_code == 0 and "eos_in_text" in res.output
     res = CliRunner().invoke(app, ["inspect", str(out), "-t", str(kimi_dir), "--id", "missing"])
     assert res.exit_code == 2 and "no sample missing" in res.output
+
+
+def test_lone_surrogate_in_file_is_gated_and_output_stays_utf8(tmp_path, kimi):
+    line = json.loads(EXAMPLE.read_text(encoding="utf-8").splitlines()[0])
+    text = json.dumps(line, ensure_ascii=True).replace("Canberra", "Canb\\ud800rra", 1)
+    src = tmp_path / "s.jsonl"
+    src.write_text(text + "\n", encoding="ascii")
+    out = tmp_path / "o.jsonl"
+    reconstruct_file(src, out, kimi)
+    raw = out.read_bytes()
+    raw.decode("utf-8")  # valid UTF-8 on disk
+    row = json.loads(raw)
+    assert row["status"] == "rejected"
+    assert "roundtrip_mismatch" in [f["code"] for f in row["findings"]]
+    assert "\ud800" in row["content"]
+
+
+def test_not_json_line_is_reported(tmp_path, kimi):
+    src = tmp_path / "s.jsonl"
+    src.write_text(EXAMPLE.read_text(encoding="utf-8").splitlines()[0] + "\n{not json\n", encoding="utf-8")
+    summary = reconstruct_file(src, tmp_path / "o.jsonl", kimi)
+    assert [(b.line, b.field) for b in summary.bad_lines] == [(2, "<line>")]
+    assert "not valid JSON" in summary.bad_lines[0].message
