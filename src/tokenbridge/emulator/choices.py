@@ -1,0 +1,185 @@
+"""One response choice as a provider shows it: the model's ids, and the text view of them
+after a ``max_tokens`` cut, tool-call parsing and the provider's quirks.
+
+The ids are the ground truth (``token_ids``, usage); the text view is always derived from
+them by decoding, so a cut mid-reasoning gives no ``</think>`` and empty content, and a
+non-canonical split leaves the text unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Any
+
+from ..chat import Dialect, ToolMarkers
+from ..tokenizer import Tokenizer
+from .config import ProviderConfig
+from .hashing import draw
+from .synthetic import Generation
+
+__all__ = ["ChoiceView", "build_choice", "split_one_token"]
+
+
+@dataclass(frozen=True)
+class ChoiceView:
+    """Everything a response says about one choice."""
+
+    index: int
+    reasoning: str | None
+    content: str
+    finish_reason: str
+    native_ids: tuple[int, ...]
+    reasoning_tokens: int
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    has_reasoning_key: bool = True  # False: the provider dropped the field entirely
+    error: dict[str, Any] | None = field(default=None)
+
+
+def build_choice(
+    gen: Generation,
+    *,
+    tok: Tokenizer,
+    dialect: Dialect,
+    provider: ProviderConfig,
+    index: int,
+    max_tokens: int | None,
+    structured_tools: bool,
+    draw_key: tuple,
+    error: dict[str, Any] | None = None,
+) -> ChoiceView:
+    """The choice ``provider`` returns for ``gen``; ``error`` cuts it halfway, finish "error"."""
+    q = provider.quirks
+
+    def hit(name: str) -> bool:
+        rate = getattr(q, name)
+        return rate > 0 and draw(provider.name, name, *draw_key) < rate
+
+    ids = list(gen.native_ids)
+    if hit("noncanonical"):
+        ids = split_one_token(tok, ids, draw(provider.name, "split_at", *draw_key)) or ids
+    limit = max_tokens
+    if error is not None:
+        limit = max(1, len(ids) // 2) if limit is None else min(limit, max(1, len(ids) // 2))
+    cut = limit is not None and len(ids) > limit
+    if cut:
+        ids = ids[:limit]
+    view = _text_view(ids, gen, cut, tok, dialect, index)
+
+    tm = dialect.tool_markers
+    if tm is not None and (structured_tools or hit("parse_tool_calls")):
+        content, calls = _parse_tool_sections(view.content, dialect)
+        if calls:
+            view = replace(view, content=content, tool_calls=calls,
+                           finish_reason="length" if cut else "tool_calls")
+    if error is not None:
+        view = replace(view, finish_reason="error", error=error)
+    return _apply_text_quirks(view, hit, dialect, ended=not cut and error is None)
+
+
+def _text_view(ids: list[int], gen: Generation, cut: bool, tok: Tokenizer, dialect: Dialect, index: int) -> ChoiceView:
+    thinking = gen.reasoning is not None
+    think_close = tok.token_id(dialect.think_close) if thinking and dialect.think_close else None
+    reasoning_ids: list[int] = []
+    rest = ids
+    if think_close is not None:
+        if think_close in ids:
+            p = ids.index(think_close)
+            reasoning_ids, rest = ids[:p], ids[p + 1 :]
+        else:
+            reasoning_ids, rest = ids, []
+    if cut:
+        reasoning, content = (_decode(tok, reasoning_ids) if thinking else None), _decode(tok, rest)
+    else:  # every id is there (maybe split differently): the text is the model's own
+        reasoning, content = gen.reasoning, gen.content
+    return ChoiceView(
+        index=index,
+        reasoning=reasoning,
+        content=content,
+        finish_reason="length" if cut else "stop",
+        native_ids=tuple(ids),
+        reasoning_tokens=len(reasoning_ids),
+    )
+
+
+def _decode(tok: Tokenizer, ids: list[int]) -> str:
+    # A cut can end inside a UTF-8 character; like a streaming detokenizer, hold it back.
+    return tok.decode_bytes(ids).decode("utf-8", errors="ignore")
+
+
+def _parse_tool_sections(content: str, dialect: Dialect) -> tuple[str, tuple[dict[str, Any], ...]]:
+    """Complete raw sections -> structured calls; the rest of the text stays content."""
+    assert dialect.tool_markers is not None
+    section, call = _tool_patterns(dialect.tool_markers)
+    calls: list[dict[str, Any]] = []
+    for m in section.finditer(content):
+        for c in call.finditer(m.group(1)):
+            call_id, args = c.group(1).strip(), c.group(2)
+            name = call_id.removeprefix("functions.").rsplit(":", 1)[0]
+            calls.append({"index": len(calls), "id": call_id, "type": "function",
+                          "function": {"name": name, "arguments": args}})
+    if not calls:
+        return content, ()
+    return section.sub("", content), tuple(calls)
+
+
+@lru_cache(maxsize=8)
+def _tool_patterns(tm: ToolMarkers) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    section = re.compile(re.escape(tm.section_begin) + "(.*?)" + re.escape(tm.section_end), re.S)
+    call = re.compile(
+        re.escape(tm.call_begin) + "(.*?)" + re.escape(tm.argument_begin) + "(.*?)" + re.escape(tm.call_end), re.S
+    )
+    return section, call
+
+
+def _apply_text_quirks(view: ChoiceView, hit, dialect: Dialect, *, ended: bool) -> ChoiceView:
+    reasoning, content, has_key = view.reasoning, view.content, True
+    thinking = reasoning is not None
+    if thinking and dialect.think_close and hit("reasoning_in_content"):
+        content, reasoning = reasoning + dialect.think_close + content, None
+        thinking = False
+    if thinking and dialect.think_close and hit("think_close_in_content"):
+        content = dialect.think_close + content
+    if thinking and dialect.think_open and hit("think_open_in_reasoning"):
+        reasoning = dialect.think_open + (reasoning or "")
+    if ended and hit("end_marker_leak"):
+        content = content + dialect.end_token
+    if hit("strip_whitespace"):
+        content = content.strip()
+        reasoning = reasoning.strip() if reasoning is not None else None
+    if view.reasoning is not None and hit("drop_reasoning"):
+        reasoning, has_key = None, False
+    return replace(view, reasoning=reasoning, content=content, has_reasoning_key=has_key)
+
+
+# --- non-canonical tokenization --------------------------------------------------------
+
+
+@lru_cache(maxsize=4)
+def _byte_table(tok: Tokenizer) -> dict[bytes, int]:
+    return {tok.token_bytes(i): i for i in range(tok.max_ordinary_id + 1)}
+
+
+def split_one_token(tok: Tokenizer, ids: list[int], where: float) -> list[int] | None:
+    """``ids`` with one ordinary token replaced by two whose bytes concatenate to it.
+
+    The search starts at fraction ``where`` of the sequence and wraps around; None when no
+    token can be split.
+    """
+    table = _byte_table(tok)
+    n = len(ids)
+    if not n:
+        return None
+    begin = int(where * n) % n
+    for off in range(n):
+        i = (begin + off) % n
+        t = ids[i]
+        if t > tok.max_ordinary_id:
+            continue
+        b = tok.token_bytes(t)
+        for k in range(1, len(b)):
+            left, right = table.get(b[:k]), table.get(b[k:])
+            if left is not None and right is not None:
+                return ids[:i] + [left, right] + ids[i + 1 :]
+    return None
