@@ -5,15 +5,15 @@ TB := $(VENV)/bin/tokenbridge
 
 .PHONY: demo test bench
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements-trainers.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,trainers]'
+	$(PY) -m pip install -q --no-deps -r requirements-trainers.txt
 	touch $@
 
 demo: $(VENV)/.installed
-	$(TB) reconstruct examples/exchanges.jsonl -o runs/demo/reconstructed.jsonl --tokenizer ../shared/tokenizers/kimi-k2.5 || true
-	$(TB) inspect runs/demo/reconstructed.jsonl --tokenizer ../shared/tokenizers/kimi-k2.5 --id ex-tool
+	$(TB) run examples/demo.toml
 
 test: $(VENV)/.installed
 	$(VENV)/bin/pytest

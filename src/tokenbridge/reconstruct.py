@@ -144,6 +144,7 @@ def _row(ex: Exchange, choice: int, prompt_ids, completion_ids, segments, findin
         "thinking": thinking,
         "usage": usage,
         "messages": ex.request.get("messages"),
+        "tools": ex.request.get("tools"),
         "reasoning": reasoning,
         "content": content,
     }
@@ -325,7 +326,7 @@ class _JsonlSink:
 class _ParquetSink:
     """Rows buffered into bounded record batches; nested free-form fields as JSON text."""
 
-    _JSON_FIELDS = ("messages", "usage")
+    _JSON_FIELDS = ("messages", "tools", "usage")
 
     def __init__(self, path: Path, batch_rows: int = 512):
         import pyarrow as pa
@@ -341,7 +342,7 @@ class _ParquetSink:
                 ("prompt_ids", ids), ("completion_ids", ids), ("input_ids", ids), ("loss_mask", pa.list_(pa.int8())),
                 ("segments", pa.list_(seg)), ("findings", pa.list_(finding)), ("provider", pa.string()),
                 ("model", pa.string()), ("finish_reason", pa.string()), ("thinking", pa.bool_()),
-                ("usage", pa.string()), ("messages", pa.string()), ("reasoning", pa.string()), ("content", pa.string()),
+                ("usage", pa.string()), ("messages", pa.string()), ("tools", pa.string()), ("reasoning", pa.string()), ("content", pa.string()),
             ]
         )
         self._writer = pq.ParquetWriter(path, self.schema)

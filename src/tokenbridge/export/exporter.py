@@ -1,0 +1,161 @@
+"""``export_file``: reconstruct output -> one trainer's format, validated, streamed.
+
+Rows are read, checked (:func:`check_training_row`) and written one at a time; the
+output is built in a hidden sibling folder and swapped in only when complete, so a
+failed export (a bad row stops it with file, line and field) leaves any previous export
+of that folder untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from .source import STATUSES, ExportError, iter_records
+from .validate import check_training_row
+from .writers import WRITERS
+
+__all__ = ["FORMATS", "ExportSummary", "export_file"]
+
+FORMATS = tuple(WRITERS)
+
+
+@dataclass
+class ExportSummary:
+    """What an export read, kept and skipped."""
+
+    format: str
+    source: str
+    out_dir: str
+    include_flagged: bool
+    files: list[str] = field(default_factory=list)
+    rows_read: int = 0
+    rows_exported: int = 0
+    skipped: dict[str, int] = field(default_factory=lambda: {"flagged": 0, "rejected": 0})
+    tokens: int = 0
+    completion_tokens: int = 0
+    datasets: Counter = field(default_factory=Counter)
+    providers: Counter = field(default_factory=Counter)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["datasets"] = dict(sorted(self.datasets.items()))
+        out["providers"] = dict(sorted(self.providers.items()))
+        return out
+
+
+def export_file(
+    src: str | Path,
+    out_dir: str | Path,
+    fmt: str,
+    include_flagged: bool = False,
+    **writer_options: Any,
+) -> ExportSummary:
+    """Export the ``ok`` rows of ``src`` (plus ``flagged`` ones if asked) to ``out_dir``.
+
+    ``rejected`` rows are never exported. Raises :class:`ExportError` on the first row
+    whose ids or mask are wrong, and when no row is left to export. ``writer_options``
+    tune the Parquet shards (``shard_rows``, ``shard_bytes``, ``row_group_rows``).
+    """
+    if fmt not in WRITERS:
+        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    src, out_dir = Path(src), Path(out_dir)
+    wanted = {"ok", "flagged"} if include_flagged else {"ok"}
+    summary = ExportSummary(fmt, str(src), str(out_dir), include_flagged)
+    with _staged(out_dir) as tmp:
+        writer = WRITERS[fmt](tmp, **writer_options)
+        try:
+            for line, rec in iter_records(src):
+                summary.rows_read += 1
+                status = rec.get("status")
+                if status not in STATUSES:
+                    raise ExportError(src, line, "status", f"must be one of {', '.join(STATUSES)}, got {status!r}")
+                if status not in wanted:
+                    summary.skipped[status] += 1
+                    continue
+                ids, mask = check_training_row(rec, src, line)
+                writer.add(rec, ids, mask)
+                summary.rows_exported += 1
+                summary.tokens += len(ids)
+                summary.completion_tokens += sum(mask)
+                summary.datasets[str(rec.get("dataset"))] += 1
+                summary.providers[str(rec.get("provider"))] += 1
+            if summary.rows_exported == 0:
+                hint = " (pass include_flagged / --include-flagged to export flagged rows)" if summary.skipped["flagged"] else ""
+                raise ExportError(src, None, "status", f"no row to export: {summary.rows_read} read, skipped "
+                                  f"{summary.skipped['flagged']} flagged and {summary.skipped['rejected']} rejected{hint}")
+            files = writer.close()
+        except BaseException:
+            getattr(writer, "abort", lambda: None)()
+            raise
+        summary.files = [p.relative_to(tmp).as_posix() for p in files] + ["README.md"]
+        (tmp / "README.md").write_text(_card(summary), encoding="utf-8")
+    return summary
+
+
+@contextmanager
+def _staged(out_dir: Path) -> Iterator[Path]:
+    """A fresh hidden folder beside ``out_dir``, swapped into its place on success."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(out_dir, None, "<output>", "exists and is not a folder")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    if out_dir.exists():
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+_LOADING = {
+    "specforge": "SpecForge (online, pre-tokenized): set `data.prompts_path: {dir}/train.jsonl`.",
+    "speculators": "speculators: `--data-path {dir}` (a `datasets.load_from_disk` folder; "
+                   "hidden states go to `{dir}/hidden_states`).",
+    "parquet": "`datasets.load_dataset(\"parquet\", data_files=\"{dir}/data/*.parquet\", split=\"train\")`, "
+               "or `datasets.load_dataset(\"{dir}\")`.",
+    "conversations": "Conversations re-tokenized by the trainer's own chat template (SpecForge raw data, "
+                     "speculators `prepare-data`); re-tokenizing may not reproduce tokenbridge's exact ids.",
+}
+
+
+def _card(summary: ExportSummary) -> str:
+    """Dataset card: YAML front matter (``configs`` for the Hub loader, our counts) + prose."""
+    meta: dict[str, Any] = {}
+    if summary.format == "parquet":
+        meta["configs"] = [{"config_name": "default", "data_files": [{"split": "train", "path": "data/train-*.parquet"}]}]
+    stats = summary.to_dict()
+    stats.pop("out_dir")
+    meta["tokenbridge"] = stats
+    front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
+    lines = [
+        "---", front.rstrip("\n"), "---", "",
+        f"# tokenbridge export: {summary.format}", "",
+        "Exact target-model token ids rebuilt from API text by tokenbridge. `loss_mask` is 0 over the prompt "
+        "and 1 over the whole completion (reasoning, `</think>`, content, tool-call markers, end token).", "",
+        f"- Source: `{summary.source}`",
+        f"- Statuses exported: {'ok + flagged' if summary.include_flagged else 'ok only'} (rejected never)",
+        f"- Rows: {summary.rows_exported} exported of {summary.rows_read} read "
+        f"(skipped {summary.skipped['flagged']} flagged, {summary.skipped['rejected']} rejected)",
+        f"- Tokens: {summary.tokens} in total, {summary.completion_tokens} under the loss mask",
+        "", "| dataset | rows |", "| --- | ---: |",
+        *[f"| {k} | {v} |" for k, v in sorted(summary.datasets.items())],
+        "", "| provider | rows |", "| --- | ---: |",
+        *[f"| {k} | {v} |" for k, v in sorted(summary.providers.items())],
+        "", "## Loading", "", _LOADING[summary.format].format(dir=summary.out_dir), "",
+        "Every row carries `id`, `choice`, `dataset`, `provider`, `model`, `status` and `findings`.", "",
+    ]
+    return "\n".join(lines)

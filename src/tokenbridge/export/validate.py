@@ -1,0 +1,122 @@
+"""The last gate before training data leaves tokenbridge: is this row's mask right?
+
+Trainers accept almost anything shaped like ``{input_ids, loss_mask}``; the failures
+users hit are silent (all-zero or all-one masks, masks shifted by one token, a prompt
+token trained on). So every exported row must satisfy, exactly:
+
+* ``input_ids`` and ``loss_mask`` are lists of the same length, ids non-negative ints,
+  mask values 0/1;
+* ``input_ids == prompt_ids + completion_ids`` when those fields are present;
+* the mask is 0 over the prompt and 1 over the whole completion (reasoning,
+  ``</think>``, content, tool markers, end token), i.e. ``[0]*P + [1]*C`` with P the
+  prompt length (from ``prompt_ids``, else the ``prompt`` segment);
+* ``segments`` (when present) tile ``input_ids`` from 0 to the end, prompt first, and
+  unless the model was cut off (``finish_reason == "length"``) the last one is the
+  end token (so a dropped end token cannot pass as a shorter completion);
+* at least one prompt token and one completion token (no all-zero / all-one masks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from .source import ExportError
+
+__all__ = ["check_training_row"]
+
+
+def check_training_row(rec: Mapping[str, Any], path: str | Path, line: int) -> tuple[list[int], list[int]]:
+    """Return ``(input_ids, loss_mask)`` of a row, or raise :class:`ExportError`."""
+
+    def fail(field: str, message: str) -> ExportError:
+        return ExportError(path, line, field, message)
+
+    ids = _int_list(rec.get("input_ids"), "input_ids", fail)
+    mask = _int_list(rec.get("loss_mask"), "loss_mask", fail)
+    if len(ids) != len(mask):
+        raise fail("loss_mask", f"has {len(mask)} entries but input_ids has {len(ids)}")
+    if not ids:
+        raise fail("input_ids", "is empty")
+    if min(ids) < 0:
+        raise fail("input_ids", f"has a negative id at position {_first(ids, lambda i: i < 0)}")
+
+    n_prompt = _prompt_length(rec, ids, fail)
+    if n_prompt == 0:
+        raise fail("loss_mask", "is all ones: no prompt tokens, so the prompt would be trained on")
+    if n_prompt >= len(ids):
+        raise fail("loss_mask", "is all zeros: the row has no completion tokens to train on")
+    n_completion = len(ids) - n_prompt
+    if mask != [0] * n_prompt + [1] * n_completion:
+        bad = [x for x in mask if x not in (0, 1)]
+        if bad:
+            raise fail("loss_mask", f"values must be 0 or 1, found {bad[0]!r}")
+        if not any(mask):
+            raise fail("loss_mask", "is all zeros: nothing would be trained on")
+        if all(mask):
+            raise fail("loss_mask", "is all ones: the prompt would be trained on")
+        pos = _first(mask[:n_prompt], bool)
+        if pos is not None:
+            raise fail("loss_mask", f"is 1 at position {pos}, inside the prompt (positions 0..{n_prompt - 1})")
+        pos = n_prompt + _first(mask[n_prompt:], lambda x: not x)
+        raise fail("loss_mask", f"is 0 at position {pos}, inside the completion (positions {n_prompt}..{len(ids) - 1})")
+    if isinstance(rec.get("segments"), list):
+        _check_segments(rec["segments"], len(ids), n_prompt, rec.get("finish_reason"), fail)
+    return ids, mask
+
+
+def _int_list(value: Any, field: str, fail) -> list[int]:
+    if hasattr(value, "tolist"):  # numpy / pyarrow arrays from a Parquet source
+        value = value.tolist()
+    if not isinstance(value, list):
+        raise fail(field, f"must be a list of integers, got {type(value).__name__}")
+    if not set(map(type, value)) <= {int}:
+        pos = _first(value, lambda x: type(x) is not int)
+        raise fail(field, f"must hold integers only, found {type(value[pos]).__name__} at position {pos}")
+    return value
+
+
+def _prompt_length(rec: Mapping[str, Any], ids: list[int], fail) -> int:
+    prompt, completion = rec.get("prompt_ids"), rec.get("completion_ids")
+    if prompt is not None or completion is not None:
+        prompt = _int_list(prompt, "prompt_ids", fail)
+        completion = _int_list(completion, "completion_ids", fail)
+        if len(prompt) + len(completion) != len(ids) or ids[: len(prompt)] != prompt or ids[len(prompt):] != completion:
+            joined = prompt + completion
+            pos = _first(range(min(len(ids), len(joined))), lambda k: ids[k] != joined[k])
+            where = f"position {pos}" if pos is not None else f"length ({len(ids)} vs {len(joined)})"
+            raise fail("input_ids", f"differs from prompt_ids + completion_ids at {where}")
+        return len(prompt)
+    segments = rec.get("segments")
+    if isinstance(segments, list) and segments and isinstance(segments[0], Mapping):
+        if segments[0].get("kind") == "prompt" and isinstance(segments[0].get("end"), int):
+            return segments[0]["end"]
+    raise fail("prompt_ids", "missing, and no prompt segment says where the prompt ends")
+
+
+def _check_segments(segments: Sequence[Any], n: int, n_prompt: int, finish_reason: Any, fail) -> None:
+    pos = 0
+    for k, seg in enumerate(segments):
+        field = f"segments[{k}]"
+        if not isinstance(seg, Mapping) or not all(type(seg.get(key)) is int for key in ("start", "end")):
+            raise fail(field, "must be an object with integer start and end")
+        if seg["start"] != pos or seg["end"] < seg["start"]:
+            raise fail(field, f"spans {seg['start']}..{seg['end']} but the previous segment ended at {pos}")
+        is_prompt = seg.get("kind") == "prompt"
+        if (k == 0) != is_prompt:
+            raise fail(f"{field}.kind", "the first segment, and only it, must be the prompt")
+        pos = seg["end"]
+    if segments and segments[0]["end"] != n_prompt:
+        raise fail("segments[0].end", f"is {segments[0]['end']} but the prompt has {n_prompt} tokens")
+    if pos != n:
+        raise fail("segments", f"cover {pos} positions but input_ids has {n}")
+    if finish_reason != "length" and segments[-1].get("kind") != "end":
+        raise fail(f"segments[{len(segments) - 1}].kind", f"is {segments[-1].get('kind')!r}: a completion that "
+                   f"finished with {finish_reason!r} must end with the end token")
+
+
+def _first(seq: Sequence[Any], pred) -> int | None:
+    for k, item in enumerate(seq):
+        if pred(item):
+            return k
+    return None

@@ -1,0 +1,152 @@
+"""Draft vocabulary for EAGLE-3: the N target tokens most often trained on.
+
+Counts are taken over the loss mask (completion tokens only) of the rows a training
+export would keep. Selection is frequency descending, then token id ascending, so the
+result never depends on row order. When fewer than N distinct tokens were seen, the
+rest is filled with the lowest token ids not seen yet, ascending (what SpecForge's and
+speculators' own builders do, so the three agree on the same counts). The selected
+ids are sorted ascending and become draft ids 0..N-1, giving
+
+* ``d2t[d] = target_id - d`` (int64, shape [N]): ``target_id = d + d2t[d]``;
+* ``t2d[t] = t is selected`` (bool, shape [target vocab size]).
+
+Files written (``out_dir``):
+
+* ``d2t.npy``, ``t2d.npy``: speculators ``--d2t-path`` / ``--t2d-path`` (``np.load``);
+* ``vocab_mapping.pt``: ``{"d2t": LongTensor, "t2d": BoolTensor}`` for SpecForge
+  ``model.vocab_mapping_path`` (``torch.load``); written only when torch is installed;
+* ``token_freq.pt``: ``{token_id: count}`` for speculators ``--token-freq-path``
+  (torch too);
+* ``vocab.json``: sizes, coverage (fraction of masked tokens the draft vocab covers),
+  coverage at other sizes, and which files were written or skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .source import ExportError, iter_records
+from .validate import check_training_row
+
+__all__ = ["VocabSummary", "build_vocab", "select_draft_vocab"]
+
+#: Masked ids are collected into a buffer this long before counting (bounded memory).
+_COUNT_BUFFER = 1 << 20
+_COVERAGE_SIZES = (1024, 4096, 8192, 16384, 32768, 65536)
+
+
+@dataclass
+class VocabSummary:
+    draft_vocab_size: int
+    target_vocab_size: int
+    source: str
+    include_flagged: bool
+    rows: int = 0
+    masked_tokens: int = 0
+    distinct_tokens: int = 0
+    filled_unseen: int = 0
+    coverage: float = 0.0
+    coverage_at: dict[str, float] = field(default_factory=dict)
+    selection: str = "frequency desc, token id asc; short of N: lowest unseen ids, ascending"
+    files: list[str] = field(default_factory=list)
+    skipped_files: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(d2t, t2d, filled)`` from per-target-id counts; ``filled`` = unseen ids added."""
+    target_vocab_size = len(counts)
+    if not 0 < draft_vocab_size <= target_vocab_size:
+        raise ValueError(f"draft vocab size must be in 1..{target_vocab_size}, got {draft_vocab_size}")
+    seen = np.flatnonzero(counts)
+    order = seen[np.lexsort((seen, -counts[seen]))]  # last key is primary: count desc, then id asc
+    chosen = order[:draft_vocab_size]
+    filled = draft_vocab_size - len(chosen)
+    if filled:
+        unseen = np.flatnonzero(counts == 0)[:filled]
+        chosen = np.concatenate([chosen, unseen])
+    chosen = np.sort(chosen).astype(np.int64)
+    d2t = chosen - np.arange(draft_vocab_size, dtype=np.int64)
+    t2d = np.zeros(target_vocab_size, dtype=bool)
+    t2d[chosen] = True
+    return d2t, t2d, int(filled)
+
+
+def build_vocab(
+    src: str | Path,
+    draft_vocab_size: int,
+    out_dir: str | Path,
+    target_vocab_size: int,
+    include_flagged: bool = False,
+) -> VocabSummary:
+    """Count masked tokens of ``src`` and write the draft vocabulary files to ``out_dir``."""
+    src, out_dir = Path(src), Path(out_dir)
+    if not 0 < draft_vocab_size <= target_vocab_size:
+        raise ValueError(f"--draft-vocab-size must be in 1..{target_vocab_size}, got {draft_vocab_size}")
+    summary = VocabSummary(draft_vocab_size, target_vocab_size, str(src), include_flagged)
+    counts = _count_masked(src, target_vocab_size, {"ok", "flagged"} if include_flagged else {"ok"}, summary)
+    if summary.masked_tokens == 0:
+        raise ExportError(src, None, "status", "no ok row with masked tokens to count")
+    d2t, t2d, filled = select_draft_vocab(counts, draft_vocab_size)
+    summary.distinct_tokens = int(np.count_nonzero(counts))
+    summary.filled_unseen = filled
+    ranked = np.sort(counts)[::-1]
+    cumulative = np.cumsum(ranked, dtype=np.int64)
+    summary.coverage = float(counts[t2d].sum() / summary.masked_tokens)
+    summary.coverage_at = {
+        str(n): float(cumulative[n - 1] / summary.masked_tokens) for n in _COVERAGE_SIZES if n <= target_vocab_size
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_files(out_dir, d2t, t2d, counts, summary)
+    (out_dir / "vocab.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
+    return summary
+
+
+def _count_masked(src: Path, vocab_size: int, wanted: set[str], summary: VocabSummary) -> np.ndarray:
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    buf: list[int] = []
+
+    def drain() -> None:
+        if buf:
+            counts[:] += np.bincount(np.asarray(buf, dtype=np.int64), minlength=vocab_size)
+            buf.clear()
+
+    for line, rec in iter_records(src):
+        if rec.get("status") not in wanted:
+            continue
+        ids, mask = check_training_row(rec, src, line)
+        masked = ids[mask.index(1):]  # validated: the mask is [0]*P + [1]*C
+        top = max(masked)
+        if top >= vocab_size:
+            raise ExportError(src, line, "input_ids", f"holds id {top}, outside the target vocab of {vocab_size}")
+        buf.extend(masked)
+        summary.rows += 1
+        summary.masked_tokens += len(masked)
+        if len(buf) >= _COUNT_BUFFER:
+            drain()
+    drain()
+    return counts
+
+
+def _write_files(out_dir: Path, d2t: np.ndarray, t2d: np.ndarray, counts: np.ndarray, summary: VocabSummary) -> None:
+    np.save(out_dir / "d2t.npy", d2t)
+    np.save(out_dir / "t2d.npy", t2d)
+    summary.files += ["d2t.npy", "t2d.npy"]
+    try:
+        import torch
+    except ImportError:
+        for name in ("vocab_mapping.pt", "token_freq.pt"):
+            (out_dir / name).unlink(missing_ok=True)  # never leave a stale mapping beside new .npy files
+            summary.skipped_files[name] = "torch is not installed"
+        return
+    torch.save({"d2t": torch.from_numpy(d2t.copy()), "t2d": torch.from_numpy(t2d.copy())}, out_dir / "vocab_mapping.pt")
+    seen = np.flatnonzero(counts)
+    torch.save({int(t): int(c) for t, c in zip(seen, counts[seen])}, out_dir / "token_freq.pt")
+    summary.files += ["vocab_mapping.pt", "token_freq.pt"]

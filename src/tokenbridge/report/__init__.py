@@ -1,0 +1,53 @@
+"""Run report: one self-contained HTML page, the same numbers as JSON and in the terminal.
+
+Python API::
+
+    from tokenbridge.report import build_report, collect_run, print_summary
+
+    html_path = build_report("RUN")     # RUN/report/report.html + RUN/report/report.json
+    data = collect_run("RUN")           # the numbers only (what report.json holds)
+    print_summary(data)                 # rich tables
+
+Inputs: ``RUN/reconstructed.jsonl`` (or ``.parquet``; required) and, when present,
+``RUN/exchanges.jsonl`` (``meta.finished_at``, ``meta.cost``, ``meta.latency_s``,
+``response.usage``) for cost and throughput over time. Sections: overview, status and
+finding counts per provider and per dataset, prompt/completion length distributions,
+usage-parity deltas, cost and throughput over time. Figures: :mod:`.plots`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .collect import ReportError, collect_run
+from .terminal import print_summary
+
+__all__ = ["ReportError", "build_report", "collect_run", "print_summary"]
+
+
+def build_report(run_dir: str | Path) -> Path:
+    """Write ``RUN/report/report.html`` and ``report.json``; return the HTML path."""
+    from .html import render_html
+    from .plots import render_figures
+
+    run_dir = Path(run_dir)
+    data = collect_run(run_dir)
+    try:
+        figures = render_figures(data)
+    except ImportError as exc:  # pragma: no cover - matplotlib is a dependency
+        raise ReportError(f"the report needs matplotlib ({exc})") from None
+    out = run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    _write(out / "report.json", json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    html = out / "report.html"
+    _write(html, render_html(data, figures))
+    return html
+
+
+def _write(path: Path, text: str) -> None:
+    """Write beside, then rename: a reader never sees half a report."""
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

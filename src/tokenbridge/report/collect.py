@@ -1,0 +1,320 @@
+"""The report's numbers, gathered in one streaming pass over each run file.
+
+Rows are never held: per row we keep counters and a few integers (lengths, usage
+deltas, timestamps) in compact arrays, so a run of millions of rows costs tens of MB.
+Everything returned is plain JSON data; ``report.json`` is exactly this dict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from array import array
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from ..export.source import iter_records
+
+__all__ = ["ReportError", "collect_run", "RECONSTRUCTED_NAMES"]
+
+#: Where reconstruct output may sit in a run folder, in order of preference.
+RECONSTRUCTED_NAMES = ("reconstructed.jsonl", "reconstructed.parquet")
+_STATUSES = ("ok", "flagged", "rejected")
+_MAX_BINS = 60
+
+
+class ReportError(ValueError):
+    """The run folder cannot be reported on (the message says which file and why)."""
+
+
+def collect_run(run_dir: str | Path) -> dict[str, Any]:
+    """Every number the report shows, from ``RUN/reconstructed.*`` and ``RUN/exchanges.jsonl``."""
+    run_dir = Path(run_dir)
+    recon = next((run_dir / n for n in RECONSTRUCTED_NAMES if (run_dir / n).is_file()), None)
+    if recon is None:
+        raise ReportError(f"{run_dir}: no {' or '.join(RECONSTRUCTED_NAMES)} to report on")
+    exchanges = run_dir / "exchanges.jsonl"
+    data: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "generated_at": time.time(),
+        "sources": {"reconstructed": str(recon), "exchanges": str(exchanges) if exchanges.is_file() else None},
+    }
+    data.update(_rows_section(recon))
+    data["exchanges"] = _exchanges_section(exchanges) if exchanges.is_file() else None
+    return data
+
+
+# --- reconstructed rows -------------------------------------------------------------------
+
+
+def _rows_section(path: Path) -> dict[str, Any]:
+    status: Counter = Counter()
+    findings: Counter = Counter()
+    by = {"provider": defaultdict(lambda: {"status": Counter(), "findings": Counter()}),
+          "dataset": defaultdict(lambda: {"status": Counter(), "findings": Counter()})}
+    prompt_len, completion_len = array("l"), array("l")
+    parity = _Parity()
+    for _, rec in _records(path):
+        st = rec.get("status")
+        codes = [f.get("code") for f in rec.get("findings") or [] if isinstance(f, dict)]
+        status[st] += 1
+        findings.update(codes)
+        for key in by:
+            group = by[key][str(rec.get(key))]
+            group["status"][st] += 1
+            group["findings"].update(codes)
+        n_prompt, n_completion = len(rec.get("prompt_ids") or []), len(rec.get("completion_ids") or [])
+        if st in ("ok", "flagged"):
+            prompt_len.append(n_prompt)
+            completion_len.append(n_completion)
+        parity.add(rec, n_prompt, n_completion)
+    parity.close()
+    return {
+        "rows": {"total": sum(status.values()), "status": {s: status.get(s, 0) for s in _STATUSES}},
+        "findings": dict(findings.most_common()),
+        "by_provider": _groups(by["provider"]),
+        "by_dataset": _groups(by["dataset"]),
+        "lengths": {
+            "rows": "ok and flagged rows",
+            "prompt": _describe(prompt_len),
+            "completion": _describe(completion_len),
+            "prompt_hist": _histogram(prompt_len),
+            "completion_hist": _histogram(completion_len),
+        },
+        "usage_parity": parity.result(),
+    }
+
+
+def _records(path: Path) -> Iterator[tuple[int, dict]]:
+    try:
+        yield from iter_records(path)
+    except ValueError as exc:
+        raise ReportError(str(exc)) from None
+
+
+def _groups(groups: dict[str, dict]) -> dict[str, Any]:
+    return {
+        name: {"rows": sum(g["status"].values()), "status": {s: g["status"].get(s, 0) for s in _STATUSES},
+               "findings": dict(g["findings"].most_common())}
+        for name, g in sorted(groups.items())
+    }
+
+
+class _Parity:
+    """usage.* minus our counts, once per exchange (consecutive rows sharing an id).
+
+    A response's ``usage.completion_tokens`` counts every choice, so the completion
+    side compares it with the sum over that exchange's rows.
+    """
+
+    def __init__(self) -> None:
+        self.key: Any = None
+        self.deltas = {"prompt": array("l"), "completion": array("l")}
+        self.provider: dict[str, dict[str, array]] = defaultdict(lambda: {"prompt": array("l"), "completion": array("l")})
+        self._pending: tuple[str, dict, int, int] | None = None
+
+    def add(self, rec: dict, n_prompt: int, n_completion: int) -> None:
+        key = rec.get("id")
+        if self._pending is not None and key == self.key:
+            prov, usage, p, c = self._pending
+            self._pending = (prov, usage, p, c + n_completion)
+            return
+        self.close()
+        self.key = key
+        usage = rec.get("usage")
+        if isinstance(usage, dict):
+            self._pending = (str(rec.get("provider")), usage, n_prompt, n_completion)
+
+    def close(self) -> None:
+        if self._pending is None:
+            return
+        prov, usage, p, c = self._pending
+        self._pending = None
+        for side, ours in (("prompt", p), ("completion", c)):
+            theirs = usage.get(f"{side}_tokens")
+            if isinstance(theirs, int) and not isinstance(theirs, bool):
+                self.deltas[side].append(theirs - ours)
+                self.provider[prov][side].append(theirs - ours)
+
+    def result(self) -> dict[str, Any] | None:
+        if not any(len(d) for d in self.deltas.values()):
+            return None
+        return {
+            "definition": "usage.*_tokens minus our token count, per exchange",
+            "prompt": _delta_stats(self.deltas["prompt"]),
+            "completion": _delta_stats(self.deltas["completion"]),
+            "prompt_values": _delta_hist(self.deltas["prompt"]),
+            "completion_values": _delta_hist(self.deltas["completion"]),
+            "by_provider": {
+                prov: {side: _delta_stats(d[side]) for side in ("prompt", "completion")}
+                for prov, d in sorted(self.provider.items())
+            },
+        }
+
+
+def _delta_stats(values: array) -> dict[str, Any]:
+    if not len(values):
+        return {"count": 0}
+    a = np.asarray(values, dtype=np.int64)
+    return {"count": int(a.size), "exact": int((a == 0).sum()), "exact_share": float((a == 0).mean()),
+            "mean": float(a.mean()), "min": int(a.min()), "max": int(a.max()),
+            "mean_abs": float(np.abs(a).mean())}
+
+
+def _delta_hist(values: array) -> dict[str, int]:
+    """Exact delta -> count (deltas are few distinct small integers in practice)."""
+    counts = Counter(values)
+    if len(counts) > 200:  # a wide spread: bucket into 41 equal bins
+        hist = _histogram(values, signed=True)
+        return {f"{lo:g}..{hi:g}": n for lo, hi, n in zip(hist["edges"], hist["edges"][1:], hist["counts"])}
+    return {str(k): v for k, v in sorted(counts.items())}
+
+
+def _describe(values: array) -> dict[str, Any]:
+    if not len(values):
+        return {"count": 0}
+    a = np.asarray(values, dtype=np.int64)
+    q = np.percentile(a, [50, 90, 99])
+    return {"count": int(a.size), "total": int(a.sum()), "mean": float(a.mean()), "min": int(a.min()),
+            "p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2]), "max": int(a.max())}
+
+
+def _histogram(values: Iterable[int], signed: bool = False) -> dict[str, Any]:
+    a = np.asarray(values, dtype=np.int64)
+    if not a.size:
+        return {"edges": [], "counts": []}
+    lo, hi = (int(a.min()), int(a.max())) if signed else (0, int(a.max()))
+    bins = 41 if signed else min(40, max(1, hi - lo + 1))
+    counts, edges = np.histogram(a, bins=bins, range=(lo, max(hi, lo + 1)))
+    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
+
+
+# --- exchanges ------------------------------------------------------------------------------
+
+
+def _exchanges_section(path: Path) -> dict[str, Any]:
+    finished, cost, completion, prompt = array("d"), array("d"), array("l"), array("l")
+    latency = array("d")
+    started_min = math.inf
+    count = errors = attempts = 0
+    cost_total = 0.0
+    priced = 0
+    per_provider: dict[str, dict[str, float]] = defaultdict(lambda: {"exchanges": 0, "cost": 0.0, "latency_s": 0.0,
+                                                                     "latency_n": 0, "completion_tokens": 0})
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ReportError(f"{path}:{lineno}: <line>: not valid JSON ({exc.msg})") from None
+            if not isinstance(rec, dict):
+                raise ReportError(f"{path}:{lineno}: <line>: must be a JSON object")
+            count += 1
+            meta = rec.get("meta") if isinstance(rec.get("meta"), dict) else {}
+            response = rec.get("response") if isinstance(rec.get("response"), dict) else {}
+            usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
+            if not response.get("choices"):
+                errors += 1
+            c = _num(meta.get("cost"))
+            if c is None:
+                c = _num(usage.get("cost"))
+            n_completion = int(_num(usage.get("completion_tokens")) or 0)
+            n_prompt = int(_num(usage.get("prompt_tokens")) or 0)
+            lat = _num(meta.get("latency_s"))
+            attempts += int(_num(meta.get("attempts")) or 1)
+            prov = str(meta.get("provider") or response.get("provider"))
+            g = per_provider[prov]
+            g["exchanges"] += 1
+            g["completion_tokens"] += n_completion
+            if c is not None:
+                cost_total += c
+                priced += 1
+                g["cost"] += c
+            if lat is not None:
+                latency.append(lat)
+                g["latency_s"] += lat
+                g["latency_n"] += 1
+            start = _num(meta.get("started_at"))
+            if start is not None:
+                started_min = min(started_min, start)
+            end = _num(meta.get("finished_at"))
+            if end is not None:
+                finished.append(end)
+                cost.append(c or 0.0)
+                completion.append(n_completion)
+                prompt.append(n_prompt)
+    out: dict[str, Any] = {
+        "count": count, "errors": errors, "attempts": attempts,
+        "cost_total": cost_total if priced else None, "priced": priced,
+        "latency_s": _describe_float(latency),
+        "by_provider": {
+            prov: {"exchanges": int(g["exchanges"]), "cost": g["cost"], "completion_tokens": int(g["completion_tokens"]),
+                   "mean_latency_s": g["latency_s"] / g["latency_n"] if g["latency_n"] else None}
+            for prov, g in sorted(per_provider.items())
+        },
+        "timeline": None,
+    }
+    if len(finished):
+        out["timeline"] = _timeline(finished, cost, prompt, completion, started_min)
+        out["duration_s"] = out["timeline"]["duration_s"]
+        out["completion_tokens_per_s"] = (
+            sum(completion) / out["duration_s"] if out["duration_s"] > 0 else None
+        )
+    return out
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _describe_float(values: array) -> dict[str, Any]:
+    if not len(values):
+        return {"count": 0}
+    a = np.asarray(values, dtype=np.float64)
+    q = np.percentile(a, [50, 90, 99])
+    return {"count": int(a.size), "mean": float(a.mean()), "p50": float(q[0]), "p90": float(q[1]),
+            "p99": float(q[2]), "max": float(a.max())}
+
+
+def _timeline(finished: array, cost: array, prompt: array, completion: array, started_min: float) -> dict[str, Any]:
+    """Per time bin (seconds from the first start): requests, tokens, cost; and the running cost."""
+    t = np.asarray(finished, dtype=np.float64)
+    order = np.argsort(t, kind="stable")
+    t = t[order]
+    costs = np.asarray(cost, dtype=np.float64)[order]
+    comp = np.asarray(completion, dtype=np.int64)[order]
+    prm = np.asarray(prompt, dtype=np.int64)[order]
+    t0 = min(float(t[0]), started_min)
+    rel = t - t0
+    duration = float(rel[-1])
+    width = _nice_width(duration / _MAX_BINS if duration > 0 else 1.0)
+    n_bins = max(1, int(math.floor(duration / width)) + 1)
+    idx = np.minimum((rel // width).astype(np.int64), n_bins - 1)
+    bins = [
+        {"start_s": k * width, "requests": int(r), "completion_tokens": int(c), "prompt_tokens": int(p), "cost": float(s)}
+        for k, (r, c, p, s) in enumerate(zip(
+            np.bincount(idx, minlength=n_bins), np.bincount(idx, weights=comp, minlength=n_bins),
+            np.bincount(idx, weights=prm, minlength=n_bins), np.bincount(idx, weights=costs, minlength=n_bins)))
+    ]
+    step = max(1, len(rel) // 2000)  # the running-cost curve, thinned to at most ~2000 points
+    cumulative = np.cumsum(costs)
+    points = [[float(rel[i]), float(cumulative[i])] for i in range(0, len(rel), step)]
+    if points[-1][0] != float(rel[-1]):
+        points.append([float(rel[-1]), float(cumulative[-1])])
+    return {"t0": t0, "duration_s": duration, "bin_s": width, "bins": bins, "cumulative_cost": points}
+
+
+def _nice_width(raw: float) -> float:
+    """The smallest round bin width (seconds, minutes, hours, days) that is at least ``raw``."""
+    for candidate in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 21600, 43200, 86400):
+        if candidate >= raw:
+            return float(candidate)
+    return float(86400 * math.ceil(raw / 86400))

@@ -1,0 +1,282 @@
+"""Exports: every format carries reconstruct's exact ids and masks, and only what it should."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from test_export_support import make_run, read_jsonl, write_jsonl
+from tokenbridge.cli import app
+from tokenbridge.export import FORMATS, ExportError, export_file
+
+N_EXCHANGES = 30
+
+
+@pytest.fixture(scope="module")
+def run(kimi, tmp_path_factory):
+    """(exchanges path, reconstructed path, rows) from the real reconstruct on the real tokenizer."""
+    root = tmp_path_factory.mktemp("run")
+    exchanges, rows = make_run(kimi, N_EXCHANGES)
+    return write_jsonl(root / "exchanges.jsonl", exchanges), write_jsonl(root / "reconstructed.jsonl", rows), rows
+
+
+def _expected(rows, include_flagged=False):
+    wanted = {"ok", "flagged"} if include_flagged else {"ok"}
+    return [r for r in rows if r["status"] in wanted]
+
+
+def _meta(r):
+    return {k: r[k] for k in ("id", "choice", "dataset", "provider", "model", "status", "findings")}
+
+
+def test_fixture_has_every_status(run):
+    statuses = {r["status"] for r in run[2]}
+    assert statuses == {"ok", "flagged", "rejected"}
+    assert any(seg["kind"] == "tool_calls" for r in run[2] for seg in r["segments"])
+
+
+@pytest.mark.parametrize("include_flagged", [False, True])
+def test_specforge_rows_equal_reconstruct(run, tmp_path, include_flagged):
+    _, src, rows = run
+    summary = export_file(src, tmp_path / "sf", "specforge", include_flagged=include_flagged)
+    got = read_jsonl(tmp_path / "sf" / "train.jsonl")
+    want = _expected(rows, include_flagged)
+    assert [(g["input_ids"], g["loss_mask"]) for g in got] == [(w["input_ids"], w["loss_mask"]) for w in want]
+    assert [{k: g[k] for k in _meta(g)} for g in got] == [_meta(w) for w in want]
+    assert summary.rows_exported == len(want)
+    assert summary.skipped == {
+        "flagged": 0 if include_flagged else sum(r["status"] == "flagged" for r in rows),
+        "rejected": sum(r["status"] == "rejected" for r in rows),
+    }
+    assert summary.completion_tokens == sum(len(w["completion_ids"]) for w in want)
+    assert sorted(p.name for p in (tmp_path / "sf").iterdir()) == ["README.md", "train.jsonl"]
+
+
+def test_parquet_rows_equal_reconstruct_and_load_with_datasets(run, tmp_path):
+    from datasets import load_dataset
+
+    _, src, rows = run
+    out = tmp_path / "pq"
+    export_file(src, out, "parquet", shard_rows=7, row_group_rows=3)
+    want = _expected(rows)
+    shards = sorted((out / "data").glob("*.parquet"))
+    n_shards = math.ceil(len(want) / 7)
+    assert [p.name for p in shards] == [f"train-{k:05d}-of-{n_shards:05d}.parquet" for k in range(n_shards)]
+    assert [pq.ParquetFile(p).metadata.num_rows for p in shards] == [7] * (n_shards - 1) + [len(want) - 7 * (n_shards - 1)]
+    assert pq.ParquetFile(shards[0]).metadata.num_row_groups == 3  # 3 + 3 + 1 rows
+    by_files = load_dataset("parquet", data_files=[str(p) for p in shards], split="train")
+    by_card = load_dataset(str(out), split="train")  # the README's `configs` point at data/train-*.parquet
+    for ds in (by_files, by_card):
+        assert ds["input_ids"] == [w["input_ids"] for w in want]
+        assert ds["loss_mask"] == [w["loss_mask"] for w in want]
+        assert ds["id"] == [w["id"] for w in want]
+        assert ds["findings"] == [w["findings"] for w in want]
+        assert ds["segments"] == [w["segments"] for w in want]
+    assert by_files["num_prompt_tokens"] == [len(w["prompt_ids"]) for w in want]
+    assert [json.loads(m) for m in by_files["messages"]] == [w["messages"] for w in want]
+    card = (out / "README.md").read_text()
+    assert f"rows_exported: {len(want)}" in card and "path: data/train-*.parquet" in card
+
+
+def test_speculators_folder_equals_reconstruct(run, tmp_path):
+    from datasets import load_from_disk
+
+    _, src, rows = run
+    out = tmp_path / "spec"
+    export_file(src, out, "speculators", include_flagged=True)
+    want = _expected(rows, True)
+    ds = load_from_disk(str(out))
+    assert ds.format["type"] == "torch"
+    row = ds[0]
+    assert str(row["input_ids"].dtype) == "torch.int64" and str(row["loss_mask"].dtype) == "torch.int64"
+    plain = ds.with_format(None)
+    assert plain["input_ids"] == [w["input_ids"] for w in want]
+    assert plain["loss_mask"] == [w["loss_mask"] for w in want]
+    assert plain["seq_len"] == [len(w["input_ids"]) for w in want]
+    assert [{k: r[k] for k in _meta(r)} for r in plain] == [_meta(w) for w in want]
+    assert not list(tmp_path.glob(".*"))  # staging and partial folders are gone
+
+
+def test_conversations_rebuild_the_same_ids(run, tmp_path, kimi):
+    """Rendering an exported conversation with the model's template gives back our exact ids."""
+    from tokenbridge.reconstruct import reconstruct_record
+
+    _, src, rows = run
+    export_file(src, tmp_path / "conv", "conversations")
+    got = read_jsonl(tmp_path / "conv" / "conversations.jsonl")
+    want = _expected(rows)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert _meta(g) == _meta(w)
+        *history, final = g["conversations"]
+        assert [t["role"] for t in history] == [m["role"] for m in w["messages"]]
+        assert [t["content"] for t in history] == [m["content"] for m in w["messages"]]
+        assert final == {"role": "assistant", "content": w["content"], "reasoning_content": w["reasoning"]}
+        exchange = {"id": g["id"], "request": {"messages": history}, "response": {"choices": [
+            {"index": 0, "finish_reason": w["finish_reason"],
+             "message": {"role": "assistant", "reasoning_content": final["reasoning_content"], "content": final["content"]}}]}}
+        again = reconstruct_record(exchange, kimi)[0]
+        assert again["input_ids"] == w["input_ids"] and again["loss_mask"] == w["loss_mask"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_parquet_source_gives_the_same_export(run, tmp_path, kimi_dir, fmt):
+    from tokenbridge.reconstruct import reconstruct_file
+
+    exchanges, src, _ = run
+    pq_src = tmp_path / "reconstructed.parquet"
+    reconstruct_file(exchanges, pq_src, kimi_dir, workers=1)
+    a, b = export_file(src, tmp_path / "a", fmt), export_file(pq_src, tmp_path / "b", fmt)
+    assert a.rows_exported == b.rows_exported > 0
+    for rel in a.files:
+        if rel in ("README.md", "state.json"):  # the card names its source; state.json holds a random fingerprint
+            continue
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
+
+
+# --- validation -------------------------------------------------------------------------
+
+
+def _corrupt(rows, k, **changes):
+    rows = [dict(r) for r in rows]
+    rows[k].update(changes)
+    return rows
+
+
+def _first_ok(rows):
+    return next(k for k, r in enumerate(rows) if r["status"] == "ok")
+
+
+CORRUPTIONS = {
+    "all_zero": (lambda r: {"loss_mask": [0] * len(r["input_ids"])}, "loss_mask", "all zeros"),
+    "all_one": (lambda r: {"loss_mask": [1] * len(r["input_ids"])}, "loss_mask", "all ones"),
+    "shift_left": (  # mask starts one token early: the last prompt token would be trained on
+        lambda r: {"loss_mask": r["loss_mask"][1:] + [1]}, "loss_mask",
+        "is 1 at position {p1}, inside the prompt"),
+    "shift_right": (  # mask starts one token late: the first completion token is lost
+        lambda r: {"loss_mask": [0] + r["loss_mask"][:-1]}, "loss_mask",
+        "is 0 at position {p}, inside the completion"),
+    "short_mask": (lambda r: {"loss_mask": r["loss_mask"][:-1]}, "loss_mask", "entries but input_ids has"),
+    "bad_value": (lambda r: {"loss_mask": r["loss_mask"][:-1] + [2]}, "loss_mask", "must be 0 or 1, found 2"),
+    "ids_differ": (lambda r: {"input_ids": r["input_ids"][:-1] + [5]}, "input_ids",
+                   "differs from prompt_ids + completion_ids at position {last}"),
+    "float_id": (lambda r: {"input_ids": [1.5] + r["input_ids"][1:]}, "input_ids", "found float at position 0"),
+    "segment_gap": (lambda r: {"segments": r["segments"][:1] + [dict(r["segments"][1], start=r["segments"][1]["start"] + 1)]
+                                          + r["segments"][2:]}, "segments[1]", "but the previous segment ended at"),
+    "bad_status": (lambda r: {"status": "great"}, "status", "got 'great'"),
+    "end_dropped": (  # ids, mask and segments all consistent, but the end token is gone
+        lambda r: {"input_ids": r["input_ids"][:-1], "completion_ids": r["completion_ids"][:-1],
+                   "loss_mask": r["loss_mask"][:-1], "segments": r["segments"][:-1]},
+        "segments[{nseg}].kind", "must end with the end token"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+def test_bad_row_names_line_and_field(run, tmp_path, name):
+    rows = run[2]
+    k = _first_ok(rows[3:]) + 3
+    change, field, message = CORRUPTIONS[name]
+    p = len(rows[k]["prompt_ids"])
+    fmt = {"p": p, "p1": p - 1, "last": len(rows[k]["input_ids"]) - 1, "nseg": len(rows[k]["segments"]) - 2}
+    message, field = message.format(**fmt), field.format(**fmt)
+    src = write_jsonl(tmp_path / "bad.jsonl", _corrupt(rows, k, **change(rows[k])))
+    with pytest.raises(ExportError) as err:
+        export_file(src, tmp_path / "out", "specforge")
+    assert (err.value.line, err.value.field) == (k + 1, field)
+    assert message in err.value.detail
+    assert str(err.value).startswith(f"{src}:{k + 1}: {field}: ")
+
+
+def test_failed_export_keeps_the_previous_one(run, tmp_path):
+    rows = run[2]
+    out = tmp_path / "out"
+    export_file(run[1], out, "parquet")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    k = _first_ok(rows)
+    bad = write_jsonl(tmp_path / "bad.jsonl", _corrupt(rows, k, loss_mask=[0] * len(rows[k]["input_ids"])))
+    with pytest.raises(ExportError):
+        export_file(bad, out, "parquet")
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "out"]
+
+
+def test_invalid_json_line(tmp_path):
+    src = tmp_path / "r.jsonl"
+    src.write_text('{"status": "rejected"}\n\n{"status": \n')
+    with pytest.raises(ExportError) as err:
+        export_file(src, tmp_path / "out", "specforge")
+    assert (err.value.line, err.value.field) == (3, "<line>")
+
+
+def test_rejected_rows_are_not_validated_and_never_exported(run, tmp_path):
+    rows = [dict(r) for r in run[2]]
+    for r in rows:
+        if r["status"] == "rejected":
+            r["loss_mask"] = []  # broken, but never looked at
+    src = write_jsonl(tmp_path / "r.jsonl", rows)
+    s = export_file(src, tmp_path / "out", "specforge", include_flagged=True)
+    ids = {(g["id"], g["choice"]) for g in read_jsonl(tmp_path / "out" / "train.jsonl")}
+    assert not ids & {(r["id"], r["choice"]) for r in rows if r["status"] == "rejected"}
+    assert s.skipped["rejected"] == sum(r["status"] == "rejected" for r in rows) > 0
+
+
+def test_nothing_to_export_is_an_error(run, tmp_path):
+    src = write_jsonl(tmp_path / "r.jsonl", [r for r in run[2] if r["status"] == "flagged"])
+    with pytest.raises(ExportError, match="no row to export.*--include-flagged"):
+        export_file(src, tmp_path / "out", "specforge")
+    assert not (tmp_path / "out").exists()
+
+
+# --- memory -----------------------------------------------------------------------------
+
+
+def _synthetic(path, n, prompt=40, completion=100):
+    with open(path, "w") as fh:
+        for k in range(n):
+            p = [(k * 7 + i) % 150_000 for i in range(prompt)]
+            c = [(k * 13 + i) % 150_000 for i in range(completion)] + [163586]
+            fh.write(json.dumps({"id": f"s{k}", "choice": 0, "dataset": "syn", "status": "ok", "prompt_ids": p,
+                                 "completion_ids": c, "input_ids": p + c, "loss_mask": [0] * len(p) + [1] * len(c),
+                                 "findings": [], "provider": "x", "model": "m"}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "parquet"])
+def test_memory_stays_flat(tmp_path, fmt):
+    import tracemalloc
+
+    options = {"row_group_rows": 200} if fmt == "parquet" else {}
+    export_file(_synthetic(tmp_path / "warm.jsonl", 10), tmp_path / "warm", fmt)  # imports happen untraced
+    peaks = []
+    for n in (400, 3200):
+        src = _synthetic(tmp_path / f"s{n}.jsonl", n)
+        tracemalloc.start()
+        export_file(src, tmp_path / f"out{n}", fmt, **options)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    size = os.path.getsize(tmp_path / "s3200.jsonl")
+    assert peaks[1] < 1.5 * peaks[0] + (1 << 20), peaks  # 8x the rows, about the same peak
+    assert peaks[1] < size / 4, (peaks, size)  # far below what holding the rows would take
+
+
+# --- CLI --------------------------------------------------------------------------------
+
+
+def test_cli_export_and_bad_row(run, tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(app, ["export", str(run[1]), "-o", str(tmp_path / "o"), "--format", "specforge"])
+    assert res.exit_code == 0, res.output
+    n = len(_expected(run[2]))
+    assert res.output.startswith(f"{n} rows ")
+    assert len(read_jsonl(tmp_path / "o" / "train.jsonl")) == n
+    k = _first_ok(run[2])
+    bad = write_jsonl(tmp_path / "bad.jsonl", _corrupt(run[2], k, loss_mask=run[2][k]["loss_mask"][1:] + [1]))
+    res = runner.invoke(app, ["export", str(bad), "-o", str(tmp_path / "o2"), "--format", "parquet"])
+    assert res.exit_code == 2
+    assert f"{bad}:{k + 1}: loss_mask: is 1 at position" in res.output
