@@ -1,0 +1,168 @@
+"""Decide what one HTTP attempt means: keep it, retry it, fail the sample, or stop.
+
+Pure functions of (status, headers, body) so the table is tested without a server.
+
+=========================================  ===============  ================================
+what came back                             kind             error_class
+=========================================  ===============  ================================
+200 with choices, none ``finish_reason:    ok
+error``
+200 not JSON / no choices                  retry            bad_json / no_choices
+200 ``{"error": ...}`` (OpenRouter)        by its code      api_error (or http_<code>)
+200 a choice with ``finish_reason: error``  retry            choice_error
+408 409 425 5xx                            retry            http_<status>
+429                                        rate_limited     http_429 (shrinks concurrency)
+400 401 403 other 4xx                      fail             http_<status>
+402                                        payment          http_402 (stops the run)
+404 "No endpoints found"                   unavailable      no_endpoints (fails that routing)
+timeout / connection error                 retry            timeout / connection
+=========================================  ===============  ================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+import aiohttp
+
+__all__ = ["Outcome", "classify_exception", "classify_response", "parse_retry_after", "RETRY_STATUSES"]
+
+Kind = Literal["ok", "retry", "rate_limited", "fail", "unavailable", "payment"]
+RETRY_STATUSES = frozenset({408, 409, 425, 429})
+_MAX_MESSAGE = 500
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: Kind
+    error_class: str | None = None
+    message: str = ""
+    status: int | None = None
+    retry_after: float | None = None
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind in ("retry", "rate_limited")
+
+
+def classify_response(
+    status: int, headers: Mapping[str, str], body: bytes | str
+) -> tuple[Outcome, dict[str, Any] | None]:
+    """The outcome of one finished HTTP exchange, and the parsed body when it is JSON."""
+    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    parsed = _parse_json(text)
+    retry_after = parse_retry_after(headers.get("Retry-After") or headers.get("retry-after"))
+    if status != 200:
+        message = _error_message(parsed, text) or f"HTTP {status}"
+        return _by_status(status, message, retry_after), parsed
+    if parsed is None:
+        return Outcome("retry", "bad_json", f"response is not JSON: {_clip(text)!r}", status), None
+    if not isinstance(parsed, dict):
+        return Outcome("retry", "bad_json", "response JSON is not an object", status), None
+    if parsed.get("error") is not None and not parsed.get("choices"):
+        code = _error_code(parsed["error"])
+        message = _error_message(parsed, text) or "error body"
+        by_code = _by_status(code, message, retry_after) if code is not None else None
+        if by_code is not None and (by_code.kind != "fail" or code in (400, 401, 403)) and by_code.kind != "retry":
+            return Outcome(by_code.kind, by_code.error_class, message, status, by_code.retry_after), parsed
+        return Outcome("retry", "api_error", message, status, retry_after), parsed
+    choices = parsed.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return Outcome("retry", "no_choices", "response has no choices", status), parsed
+    for choice in choices:
+        if isinstance(choice, dict) and choice.get("finish_reason") == "error":
+            message = _error_message(choice, "") or _error_message(parsed, "") or "choice finished with error"
+            return Outcome("retry", "choice_error", message, status), parsed
+    return Outcome("ok", status=status), parsed
+
+
+def classify_exception(exc: BaseException) -> Outcome:
+    """Timeouts and connection failures are worth retrying; the message is the exception text."""
+    name = type(exc).__name__
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError, aiohttp.ServerTimeoutError)):
+        return Outcome("retry", "timeout", f"{name}: {exc}".rstrip(": "))
+    if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError)):
+        return Outcome("retry", "connection", f"{name}: {exc}")
+    if isinstance(exc, (aiohttp.ClientError, ConnectionError, OSError)):
+        return Outcome("retry", "connection", f"{name}: {exc}")
+    if isinstance(exc, (ValueError, UnicodeDecodeError)):
+        return Outcome("retry", "bad_stream", f"{name}: {exc}")
+    return Outcome("fail", "client_error", f"{name}: {exc}")
+
+
+def _by_status(status: int, message: str, retry_after: float | None) -> Outcome:
+    cls = f"http_{status}"
+    if status == 429:
+        return Outcome("rate_limited", cls, message, status, retry_after)
+    if status in RETRY_STATUSES or 500 <= status <= 599:
+        return Outcome("retry", cls, message, status, retry_after)
+    if status == 402:
+        return Outcome("payment", cls, message, status)
+    if status == 404 and "no endpoints found" in message.lower():
+        return Outcome("unavailable", "no_endpoints", message, status)
+    return Outcome("fail", cls, message, status)
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """``Retry-After`` as seconds (delta-seconds or an HTTP date); None when absent/garbled."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def _parse_json(text: str) -> Any:
+    # OpenRouter pads slow non-streamed responses with whitespace to keep the connection open.
+    stripped = text.strip()
+    if not stripped:
+        return None
+    try:
+        return json.loads(stripped)
+    except ValueError:
+        return None
+
+
+def _error_code(err: Any) -> int | None:
+    if isinstance(err, dict):
+        code = err.get("code")
+        if isinstance(code, int) and not isinstance(code, bool):
+            return code
+        if isinstance(code, str) and code.isdigit():
+            return int(code)
+    return None
+
+
+def _error_message(parsed: Any, text: str) -> str:
+    if isinstance(parsed, dict):
+        err = parsed.get("error")
+        if isinstance(err, dict):
+            msg = str(err.get("message") or err.get("code") or "")
+            raw = (err.get("metadata") or {}).get("raw") if isinstance(err.get("metadata"), dict) else None
+            if raw:
+                msg = f"{msg} ({_clip(str(raw), 200)})"
+            if msg:
+                return _clip(msg)
+        if isinstance(err, str) and err:
+            return _clip(err)
+        if isinstance(parsed.get("message"), str):
+            return _clip(parsed["message"])
+    return _clip(text.strip())
+
+
+def _clip(text: str, n: int = _MAX_MESSAGE) -> str:
+    return text if len(text) <= n else text[:n] + "…"

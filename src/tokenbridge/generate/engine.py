@@ -1,0 +1,524 @@
+"""The request engine: asyncio + one shared aiohttp session, bounded and adaptive.
+
+``concurrency`` workers pull samples in input order; each send first takes a slot from
+the :class:`~.limiter.AIMDLimiter` (which shrinks on 429) and a reservation from the
+:class:`~.budget.Budget`. A retry is scheduled with ``call_later`` (jittered exponential
+backoff, at least ``Retry-After``) instead of sleeping in a worker, so backoff never
+idles a slot. Finished responses go to :class:`StoreWriter`, which commits them in small
+batches; a sample is counted done only after its commit returns.
+
+Stops: 402 (payment), the budget cap, 10 straight 401s with no success, or
+:meth:`Engine.request_stop` (SIGINT). Each stops *new* sends; requests in flight finish
+and are stored; what was never sent stays pending for the next run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import aiohttp
+
+from .budget import DEFAULT_RESERVE_TOKENS, Budget, cost_of, estimate_prompt_tokens
+from .classify import Outcome, classify_exception, classify_response
+from .limiter import AIMDLimiter
+from .request import routing_key, wire_body
+from .secrets import ApiKey, scrub, scrub_bytes
+from .settings import GenerateSettings
+from .sse import SSEDecoder, StreamAssembler, StreamError
+from .store import AttemptRecord, Batch, ResponseRecord, Store, StoredSample
+
+__all__ = ["Engine", "EngineStats", "StopReason", "WorkItem", "make_session"]
+
+_UNAUTHORIZED_STOP = 10
+
+
+class StopReason:
+    """Why an engine run ended early (None when everything was attempted)."""
+
+    PAYMENT = "payment_required"
+    BUDGET = "budget_reached"
+    UNAUTHORIZED = "unauthorized"
+    INTERRUPTED = "interrupted"
+    STORE = "store_error"
+
+
+@dataclass
+class WorkItem:
+    sample_id: str
+    seq: int
+    request_json: str
+    prior_attempts: int
+    prompt_tokens_est: int
+    completion_reserve: int
+    routing: str
+    tries: int = 0  # attempts in this run
+    sent_at: float = 0.0  # monotonic time the latest attempt was sent
+
+    @classmethod
+    def from_stored(cls, s: StoredSample) -> "WorkItem":
+        req = json.loads(s.request)
+        n = req.get("n") or 1
+        reserve = (req.get("max_tokens") or req.get("max_completion_tokens") or DEFAULT_RESERVE_TOKENS) * n
+        return cls(s.id, s.seq, s.request, s.attempts, estimate_prompt_tokens(s.request), reserve, routing_key(req))
+
+
+@dataclass
+class EngineStats:
+    """Live counters for progress display and the run summary."""
+
+    total: int = 0
+    done: int = 0
+    failed: int = 0
+    abandoned: int = 0
+    requests: int = 0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    errors: Counter = field(default_factory=Counter)
+    started: float = field(default_factory=time.monotonic)
+    recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (t, completion_tokens) per done
+    in_flight: int = 0
+    limit: float = 0.0
+    spent: float = 0.0
+    stop_reason: str | None = None
+    notices: list[str] = field(default_factory=list)
+
+    def rates(self, window_s: float = 30.0) -> tuple[float, float]:
+        """(samples/s, completion tokens/s) over the recent window."""
+        now = time.monotonic()
+        while self.recent and now - self.recent[0][0] > window_s:
+            self.recent.popleft()
+        if not self.recent:
+            return 0.0, 0.0
+        span = max(now - self.recent[0][0], min(window_s, now - self.started), 1e-6)
+        return len(self.recent) / span, sum(t for _, t in self.recent) / span
+
+
+def make_session(
+    concurrency: int, *, proxy_from_env: bool = False, headers: dict[str, str] | None = None
+) -> aiohttp.ClientSession:
+    """One session for the whole run, its connection pool sized to the concurrency.
+
+    ``proxy_from_env`` (HTTPS_PROXY, netrc) is off by default: aiohttp then looks both up
+    in a thread for every request, which costs a third of the throughput.
+    """
+    connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=30)
+    return aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=None), trust_env=proxy_from_env, headers=headers
+    )
+
+
+class StoreWriter:
+    """Batches store writes; callbacks run after the batch's commit returned.
+
+    Group commit: whatever arrives while the loop is busy goes into the next batch, so
+    batches grow with load while an idle run commits each response at once (the window
+    in which a ``kill -9`` loses a received response is one commit, not a timer).
+    """
+
+    def __init__(self, store: Store, interval_s: float) -> None:
+        self.store = store
+        self.interval_s = interval_s
+        self._batch = Batch()
+        self._callbacks: list[Callable[[], None]] = []
+        self._wake = asyncio.Event()
+        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenbridge-commit")
+        self.error: BaseException | None = None
+        self.on_error: Callable[[BaseException], None] | None = None
+
+    def attempt(self, rec: AttemptRecord) -> None:
+        self._batch.attempts.append(rec)
+        self._wake.set()
+
+    def response(self, rec: ResponseRecord, on_commit: Callable[[], None]) -> None:
+        self._batch.responses.append(rec)
+        self._callbacks.append(on_commit)
+        self._wake.set()
+
+    def failure(self, sample_id: str, error_class: str, message: str, on_commit: Callable[[], None]) -> None:
+        self._batch.failures.append((sample_id, error_class, message))
+        self._callbacks.append(on_commit)
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            # let the responses that are ready in this loop turn join the batch
+            await asyncio.sleep(self.interval_s if not self._closed and self.interval_s > 0 else 0)
+            self._wake.clear()
+            batch, callbacks = self._batch, self._callbacks
+            self._batch, self._callbacks = Batch(), []
+            if batch:
+                try:
+                    self.store.stage(batch)
+                    await asyncio.get_running_loop().run_in_executor(self._pool, self.store.finish)
+                except Exception as exc:  # disk full, locked db: stop, keep what is committed
+                    self.error = exc
+                    if self.on_error:
+                        self.on_error(exc)
+                    return
+                for cb in callbacks:
+                    cb()
+            if self._closed and not self._batch:
+                return
+
+    async def close(self, task: asyncio.Task) -> None:
+        self._closed = True
+        self._wake.set()
+        await task
+        self._pool.shutdown(wait=True)
+
+
+class Engine:
+    """Send every work item until it is stored, failed, or the run is stopped."""
+
+    def __init__(
+        self,
+        settings: GenerateSettings,
+        key: ApiKey | None,
+        store: Store,
+        budget: Budget,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        log: Callable[[str], None] = lambda msg: None,
+    ) -> None:
+        self.s = settings
+        self.key = key
+        self.store = store
+        self.budget = budget
+        self.stats = EngineStats()
+        self.limiter = AIMDLimiter(settings.concurrency, floor=settings.min_concurrency)
+        self._session = session
+        self._log = log
+        self._url = settings.base_url.rstrip("/") + "/chat/completions"
+        self._headers = {"Content-Type": "application/json", **dict(settings.headers)}
+        if key is not None:
+            self._headers["Authorization"] = f"Bearer {key.value}"
+        self._request_headers: dict[str, str] | None = self._headers
+        self._unavailable: dict[str, str] = {}
+        self._unauthorized_streak = 0
+        self._successes = 0
+        self._queue: asyncio.PriorityQueue | None = None
+        self._timers: dict[str, tuple[asyncio.TimerHandle, WorkItem]] = {}
+        self._outstanding = 0
+        self._all_done: asyncio.Event | None = None
+        self._settled: asyncio.Event | None = None
+        self._writer: StoreWriter | None = None
+        self._stopping: str | None = None
+
+    # --- public -----------------------------------------------------------------------
+
+    def request_stop(self, reason: str = StopReason.INTERRUPTED) -> None:
+        """Send nothing new; requests in flight finish and are stored."""
+        if self._stopping is None:
+            self._stopping = reason
+            self.stats.stop_reason = reason
+            for handle, item in list(self._timers.values()):
+                handle.cancel()
+                self._abandon(item)
+            self._timers.clear()
+            if self._settled is not None:
+                self._settled.set()
+
+    @property
+    def stopping(self) -> str | None:
+        return self._stopping
+
+    async def run(self, items: list[WorkItem]) -> EngineStats:
+        self.stats.total = len(items)
+        self.stats.limit = self.limiter.limit
+        if not items:
+            return self.stats
+        self._queue = asyncio.PriorityQueue()
+        for item in items:
+            self._queue.put_nowait((item.seq, item))
+        self._outstanding = len(items)
+        self._all_done = asyncio.Event()
+        self._settled = asyncio.Event()
+        self._writer = StoreWriter(self.store, self.s.commit_interval_s)
+        self._writer.on_error = lambda exc: self._store_failed(exc)
+        writer_task = asyncio.create_task(self._writer.run(), name="tokenbridge-store-writer")
+        own_session = self._session is None
+        if own_session:  # headers set once on our own session instead of merged per request
+            session = make_session(self.s.concurrency, proxy_from_env=self.s.proxy_from_env, headers=self._headers)
+            self._request_headers = None
+        else:
+            session = self._session
+        workers = [asyncio.create_task(self._worker(session)) for _ in range(self.s.concurrency)]
+        try:
+            done_wait = asyncio.create_task(self._all_done.wait())
+            await asyncio.wait([done_wait, writer_task], return_when=asyncio.FIRST_COMPLETED)
+            done_wait.cancel()
+        finally:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            if not writer_task.done():
+                await self._writer.close(writer_task)
+            if own_session:
+                await session.close()
+        if self._writer.error is not None:
+            raise RuntimeError(f"store write failed: {self._writer.error}") from self._writer.error
+        return self.stats
+
+    # --- workers ----------------------------------------------------------------------
+
+    async def _worker(self, session: aiohttp.ClientSession) -> None:
+        assert self._queue is not None
+        while True:
+            _, item = await self._queue.get()
+            try:
+                await self._process(session, item)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a bug must not hang the run: fail this sample, go on
+                self._notice(f"internal error on {item.sample_id}: {type(exc).__name__}: {exc}")
+                self._fail(item, "internal", f"{type(exc).__name__}: {exc}")
+
+    async def _process(self, session: aiohttp.ClientSession, item: WorkItem) -> None:
+        if self._stopping:
+            self._abandon(item)
+            return
+        reason = self._unavailable.get(item.routing)
+        if reason is not None:
+            self._fail(item, "no_endpoints", reason)
+            return
+        reservation = self.budget.admit(item.prompt_tokens_est, item.completion_reserve)
+        if reservation is None:
+            reservation = await self._admit(item)
+        if reservation is None:
+            self._abandon(item)
+            return
+        await self.limiter.acquire()
+        if self._stopping:  # stopped while waiting for a slot: send nothing new
+            self.limiter.release()
+            self.budget.cancel(reservation)
+            self._abandon(item)
+            return
+        self.stats.in_flight += 1
+        try:
+            outcome, record, cost = await self._attempt(session, item)
+        finally:
+            self.stats.in_flight -= 1
+            self.limiter.release()
+        tokens = 0
+        if record is not None and record.usage:
+            tokens = int(record.usage.get("prompt_tokens") or 0) + int(record.usage.get("completion_tokens") or 0)
+        if cost is None and outcome.kind != "ok":
+            cost = 0.0  # an error reply with no usage was not billed
+        self.budget.settle(reservation, cost, tokens)
+        self.stats.spent = self.budget.spent
+        assert self._settled is not None
+        self._settled.set()
+        self._handle(item, outcome, record)
+        self.stats.limit = self.limiter.limit
+
+    async def _admit(self, item: WorkItem) -> float | None:
+        assert self._settled is not None
+        while True:
+            if self._stopping:
+                return None
+            reservation = self.budget.admit(item.prompt_tokens_est, item.completion_reserve)
+            if reservation is not None:
+                return reservation
+            if self.budget.exhausted:
+                if self.budget.unpriced:
+                    self._notice("stopping: --max-cost is set but responses carry no usage.cost and no prices are configured")
+                else:
+                    self._notice(f"stopping: budget ${self.budget.max_cost:.2f} reached (spent ${self.budget.spent:.4f})")
+                self.request_stop(StopReason.BUDGET)
+                return None
+            self._settled.clear()
+            await self._settled.wait()
+
+    async def _attempt(
+        self, session: aiohttp.ClientSession, item: WorkItem
+    ) -> tuple[Outcome, ResponseRecord | None, float | None]:
+        item.tries += 1
+        n = item.prior_attempts + item.tries
+        stream = self.s.stream
+        started_at = time.time()
+        t0 = item.sent_at = time.monotonic()
+        self.stats.requests += 1
+        body = b""
+        raw: bytes | None = None
+        status: int | None = None
+        parsed: Any = None
+        try:
+            wire = wire_body(item.request_json, stream=stream)
+            timeout = aiohttp.ClientTimeout(
+                total=self.s.timeout_s,
+                sock_connect=self.s.connect_timeout_s,
+                sock_read=self.s.read_timeout_s if stream else None,
+            )
+            async with session.post(self._url, data=wire, headers=self._request_headers, timeout=timeout) as resp:
+                status = resp.status
+                ctype = resp.headers.get("Content-Type", "")
+                if stream and status == 200 and "text/event-stream" in ctype:
+                    body, raw, outcome, parsed = await self._read_stream(resp)
+                else:
+                    body = await resp.read()
+                    outcome, parsed = classify_response(status, resp.headers, body)
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every transport failure is classified, none escapes
+            outcome = classify_exception(exc)
+        latency = time.monotonic() - t0
+        message = scrub(outcome.message, self.key)
+        usage = parsed.get("usage") if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict) else None
+        cost = cost_of(usage, self.s.prices)
+        assert self._writer is not None
+        self._writer.attempt(
+            AttemptRecord(item.sample_id, n, started_at, latency, status, outcome.error_class, message, cost, stream)
+        )
+        if outcome.kind != "ok":
+            return Outcome(outcome.kind, outcome.error_class, message, outcome.status, outcome.retry_after), None, cost
+        assert isinstance(parsed, dict)
+        record = ResponseRecord(
+            sample_id=item.sample_id,
+            body=scrub_bytes(body, self.key),
+            raw_stream=scrub_bytes(raw, self.key) if raw is not None else None,
+            provider=parsed.get("provider") if isinstance(parsed.get("provider"), str) else None,
+            model=parsed.get("model") if isinstance(parsed.get("model"), str) else None,
+            usage=usage,
+            cost=cost,
+            latency_s=latency,
+            started_at=started_at,
+            finished_at=time.time(),
+            attempts=n,
+            stream=raw is not None,
+        )
+        return outcome, record, cost
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse) -> tuple[bytes, bytes, Outcome, Any]:
+        """Read an SSE body: (assembled JSON bytes, raw stream bytes, outcome, parsed)."""
+        raw = bytearray()
+        decoder = SSEDecoder()
+        asm = StreamAssembler()
+        try:
+            async for chunk in resp.content.iter_any():
+                raw += chunk
+                for event in decoder.feed(chunk):
+                    asm.add_event(event)
+            for event in decoder.close():
+                asm.add_event(event)
+        except (StreamError, UnicodeDecodeError) as exc:
+            return b"", bytes(raw), Outcome("retry", "bad_stream", str(exc), 200), None
+        if asm.errors:
+            out, _ = classify_response(200, {}, json.dumps({"error": asm.errors[-1]}).encode())
+            cls = "stream_error" if out.kind == "retry" else out.error_class
+            message = f"mid-stream error: {out.message}"
+            return b"", bytes(raw), Outcome(out.kind, cls, message, 200, out.retry_after), None
+        if not asm.chunks:
+            return b"", bytes(raw), Outcome("retry", "bad_stream", "stream ended before any chunk", 200), None
+        if not asm.finished:
+            return b"", bytes(raw), Outcome("retry", "truncated_stream", "stream ended without finish_reason", 200), None
+        body = json.dumps(asm.result(), ensure_ascii=False).encode("utf-8")
+        outcome, parsed = classify_response(200, resp.headers, body)
+        return body, bytes(raw), outcome, parsed
+
+    # --- outcomes ---------------------------------------------------------------------
+
+    def _handle(self, item: WorkItem, outcome: Outcome, record: ResponseRecord | None) -> None:
+        if outcome.error_class:
+            self.stats.errors[outcome.error_class] += 1
+        if outcome.kind == "ok":
+            assert record is not None and self._writer is not None
+            self.limiter.on_success()
+            self._successes += 1
+            self._unauthorized_streak = 0
+            usage = record.usage or {}
+
+            def counted(record: ResponseRecord = record, usage: dict = usage) -> None:
+                self.stats.done += 1
+                ct = int(usage.get("completion_tokens") or 0)
+                self.stats.completion_tokens += ct
+                self.stats.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+                self.stats.recent.append((time.monotonic(), ct))
+                self._finish_one()
+
+            self._writer.response(record, counted)
+            return
+        if outcome.kind == "payment":
+            self._notice(f"stopping: HTTP 402 payment required ({outcome.message}); in-flight requests finish")
+            self.request_stop(StopReason.PAYMENT)
+            self._abandon(item)
+            return
+        if outcome.kind == "unavailable":
+            if item.routing not in self._unavailable:
+                self._unavailable[item.routing] = outcome.message
+                self._notice(f"routing unavailable, failing its samples: {outcome.message}")
+            self._fail(item, "no_endpoints", outcome.message)
+            return
+        if outcome.kind == "fail":
+            if outcome.status == 401:
+                self._unauthorized_streak += 1
+                if self._unauthorized_streak >= _UNAUTHORIZED_STOP and not self._successes:
+                    self._notice(f"stopping: {_UNAUTHORIZED_STOP} requests in a row refused with HTTP 401 ({outcome.message})")
+                    self.request_stop(StopReason.UNAUTHORIZED)
+            self._fail(item, outcome.error_class or "failed", outcome.message)
+            return
+        # retryable
+        if outcome.kind == "rate_limited" and self.limiter.on_rate_limited(item.sent_at):
+            self.stats.limit = self.limiter.limit
+        if item.tries >= self.s.max_attempts:
+            self._fail(item, outcome.error_class or "retry", f"gave up after {item.tries} attempts: {outcome.message}")
+            return
+        if self._stopping:
+            self._abandon(item)
+            return
+        delay = self._backoff(item.tries, outcome.retry_after)
+        loop = asyncio.get_running_loop()
+        handle = loop.call_later(delay, self._requeue, item)
+        self._timers[item.sample_id] = (handle, item)
+
+    def _backoff(self, tries: int, retry_after: float | None) -> float:
+        cap = min(self.s.backoff_max_s, self.s.backoff_base_s * (2 ** (tries - 1)))
+        delay = cap / 2 + random.uniform(0, cap / 2)
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, max(self.s.backoff_max_s, 300.0)))  # sane ceiling
+        return delay
+
+    def _requeue(self, item: WorkItem) -> None:
+        self._timers.pop(item.sample_id, None)
+        assert self._queue is not None
+        if self._stopping:
+            self._abandon(item)
+        else:
+            self._queue.put_nowait((item.seq, item))
+
+    def _fail(self, item: WorkItem, error_class: str, message: str) -> None:
+        assert self._writer is not None
+
+        def counted() -> None:
+            self.stats.failed += 1
+            self._finish_one()
+
+        self._writer.failure(item.sample_id, error_class, message, counted)
+
+    def _abandon(self, item: WorkItem) -> None:
+        self.stats.abandoned += 1
+        self._finish_one()
+
+    def _finish_one(self) -> None:
+        self._outstanding -= 1
+        if self._outstanding <= 0 and self._all_done is not None:
+            self._all_done.set()
+
+    def _notice(self, message: str) -> None:
+        message = scrub(message, self.key)
+        if message not in self.stats.notices:
+            self.stats.notices.append(message)
+            self._log(message)
+
+    def _store_failed(self, exc: BaseException) -> None:
+        self._notice(f"stopping: store write failed: {exc}")
+        self.request_stop(StopReason.STORE)
+

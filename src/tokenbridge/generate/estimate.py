@@ -1,0 +1,149 @@
+"""``--dry-run``: what a run would send and roughly cost, without sending anything.
+
+Prompt tokens are counted exactly as the serving side would see them: the request's
+messages rendered by the model's chat dialect (:mod:`tokenbridge.chat`) and encoded by
+its tokenizer. Completion cost is bounded above by ``max_tokens`` x n per sample; when the
+run folder already holds responses, their mean completion length gives an expected figure.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .prompts import load_prompts
+from .request import build_request
+from .settings import GenerateSettings
+from .store import STATE_FILE, Store
+
+__all__ = ["DryRunReport", "dry_run"]
+
+
+@dataclass
+class DryRunReport:
+    samples: int
+    to_send: int  # not yet done in the run folder
+    already_done: int
+    bad_rows: list[str]
+    per_dataset: dict[str, dict[str, int]]
+    prompt_tokens: int  # of the samples still to send
+    prompt_tokens_max: int
+    completion_tokens_max: int  # max_tokens x n x to_send (None max_tokens: not bounded)
+    cost_prompt: float | None
+    cost_max: float | None
+    cost_expected: float | None
+    mean_completion_observed: float | None
+    tokenizer: str | None
+    approximate: bool = False  # True when no tokenizer was given (characters / 4)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"samples: {self.samples} ({self.already_done} already done, {self.to_send} to send), "
+            f"bad rows: {len(self.bad_rows)}",
+        ]
+        for name, d in self.per_dataset.items():
+            out.append(f"  {name}: {d['samples']} samples, {d['prompt_tokens']:,} prompt tokens to send")
+        kind = "approx. " if self.approximate else ""
+        out.append(f"prompt tokens to send: {kind}{self.prompt_tokens:,} (longest prompt {self.prompt_tokens_max:,})")
+        if self.cost_prompt is not None:
+            out.append(f"prompt cost: ${self.cost_prompt:,.2f}")
+        if self.cost_expected is not None:
+            out.append(
+                f"expected cost: ${self.cost_expected:,.2f} (at the {self.mean_completion_observed:,.0f} "
+                "completion tokens/sample seen so far)"
+            )
+        if self.cost_max is not None:
+            out.append(f"worst case (every sample hits max_tokens): ${self.cost_max:,.2f}")
+        out += [f"note: {n}" for n in self.notes]
+        out += [f"bad row: {b}" for b in self.bad_rows[:20]]
+        return out
+
+
+def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None) -> DryRunReport:
+    """Load and render every prompt, count tokens, estimate cost. Sends nothing, writes nothing."""
+    loaded = load_prompts(settings.datasets, default_limit=settings.limit)
+    done_ids: set[str] = set()
+    observed: float | None = None
+    if out_dir is not None and (Path(out_dir) / STATE_FILE).is_file():
+        with Store.open(out_dir) as store:
+            done_ids = {s.id for s in store.samples(status="done")}
+            p, c, _ = store.token_totals()
+            if done_ids and c:
+                observed = c / len(done_ids)
+    count, approximate, notes = _counter(settings)
+    per: dict[str, dict[str, int]] = {}
+    total = longest = 0
+    to_send = 0
+    n_per = settings.request.n or 1
+    render_errors: list[str] = []
+    for s in loaded.samples:
+        d = per.setdefault(s.dataset, {"samples": 0, "prompt_tokens": 0})
+        d["samples"] += 1
+        if s.id in done_ids:
+            continue
+        request = build_request(s, settings.request)
+        try:
+            n = count(request)
+        except Exception as exc:  # noqa: BLE001 - a row the template cannot render is reported, not fatal
+            render_errors.append(f"{s.source}: cannot render the prompt: {type(exc).__name__}: {exc}")
+            continue
+        d["prompt_tokens"] += n
+        total += n
+        longest = max(longest, n)
+        to_send += 1
+    max_tokens = settings.request.max_tokens
+    completion_max = (max_tokens or 0) * n_per * to_send
+    prices = settings.prices
+    cost_prompt = cost_max = cost_expected = None
+    if prices is not None:
+        cost_prompt = total * prices.prompt / 1e6
+        if max_tokens:
+            cost_max = cost_prompt + completion_max * prices.completion / 1e6
+        else:
+            notes.append("no max_tokens: the completion cost has no upper bound")
+        if observed is not None:
+            cost_expected = cost_prompt + observed * to_send * prices.completion / 1e6
+    else:
+        notes.append("no [prices] configured: token counts only (OpenRouter's usage.cost is used during the run)")
+    return DryRunReport(
+        samples=len(loaded.samples),
+        to_send=to_send,
+        already_done=len(loaded.samples) - to_send,
+        bad_rows=[str(e) for e in loaded.errors] + render_errors,
+        per_dataset=per,
+        prompt_tokens=total,
+        prompt_tokens_max=longest,
+        completion_tokens_max=completion_max,
+        cost_prompt=cost_prompt,
+        cost_max=cost_max,
+        cost_expected=cost_expected,
+        mean_completion_observed=observed,
+        tokenizer=settings.tokenizer,
+        approximate=approximate,
+        notes=notes,
+    )
+
+
+def _counter(settings: GenerateSettings):
+    """A function request -> prompt token count, and whether it is only approximate."""
+    if not settings.tokenizer:
+        return (lambda req: len(json.dumps(req["messages"], ensure_ascii=False)) // 4), True, [
+            "no --tokenizer: prompt tokens are approximate (characters / 4)"
+        ]
+    from ..chat import resolve_dialect, thinking_enabled
+    from ..tokenizer import load_tokenizer
+
+    tok = load_tokenizer(settings.tokenizer)
+    dialect = resolve_dialect(tok, settings.dialect)
+
+    def count(req: dict[str, Any]) -> int:
+        text = dialect.render_prompt(req["messages"], req.get("tools"), thinking_enabled(req))
+        return len(tok.encode(text))
+
+    return count, False, []

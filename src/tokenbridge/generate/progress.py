@@ -1,0 +1,124 @@
+"""Live progress: a rich bar on a terminal, plain log lines otherwise.
+
+Both show done/total, failed, req/s, output tokens/s, spend, errors by class and ETA,
+read from :class:`~.engine.EngineStats` (the engine never waits on the display).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from .engine import EngineStats
+
+__all__ = ["Reporter", "format_line"]
+
+
+def _eta(stats: "EngineStats", rps: float) -> str:
+    left = stats.total - stats.done - stats.failed - stats.abandoned
+    if left <= 0:
+        return "0:00:00"
+    if rps <= 0:
+        return "--:--:--"
+    return str(timedelta(seconds=int(left / rps)))
+
+
+def _errors(stats: "EngineStats") -> str:
+    if not stats.errors:
+        return "none"
+    return " ".join(f"{k}={v}" for k, v in stats.errors.most_common(6))
+
+
+def format_line(stats: "EngineStats") -> str:
+    """One plain progress line (also the final summary line)."""
+    rps, tps = stats.rates()
+    return (
+        f"[generate] {stats.done}/{stats.total} done, {stats.failed} failed, "
+        f"{rps:.1f} req/s, {tps:,.0f} out tok/s, ${stats.spent:.4f} spent, "
+        f"in flight {stats.in_flight}/{int(stats.limit)}, errors: {_errors(stats)}, ETA {_eta(stats, rps)}"
+    )
+
+
+class Reporter:
+    """Render progress until closed. ``mode``: auto | rich | plain | none."""
+
+    def __init__(self, mode: str = "auto", *, interval_s: float = 15.0, out: TextIO | None = None) -> None:
+        self.out = out or sys.stdout
+        if mode == "auto":
+            mode = "rich" if self.out.isatty() else "plain"
+        self.mode = mode
+        self.interval_s = interval_s
+        self._progress = None
+        self._task_id = None
+        self._stats: "EngineStats | None" = None
+        self._runner: asyncio.Task | None = None
+
+    def log(self, message: str) -> None:
+        """A one-off notice, printed without breaking the live bar."""
+        if self.mode == "none":
+            return
+        if self._progress is not None:
+            self._progress.console.print(message, markup=False, highlight=False)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def start(self, stats: "EngineStats") -> None:
+        self._stats = stats
+        if self.mode == "rich":
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]generate"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[detail]}"),
+                TimeElapsedColumn(),
+                console=Console(file=self.out),
+                refresh_per_second=4,
+                transient=False,
+            )
+            self._progress.start()
+            self._task_id = self._progress.add_task("generate", total=stats.total, detail="")
+        if self.mode in ("rich", "plain"):
+            self._runner = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        last_plain = time.monotonic()
+        while True:
+            await asyncio.sleep(0.25 if self.mode == "rich" else 1.0)
+            if self.mode == "rich":
+                self._update_rich()
+            elif time.monotonic() - last_plain >= self.interval_s:
+                last_plain = time.monotonic()
+                print(format_line(self._stats), file=self.out, flush=True)
+
+    def _update_rich(self) -> None:
+        stats = self._stats
+        if self._progress is None or stats is None:
+            return
+        rps, tps = stats.rates()
+        detail = (
+            f"[red]{stats.failed} failed[/] {rps:.1f} req/s {tps:,.0f} tok/s "
+            f"[green]${stats.spent:.4f}[/] inflight {stats.in_flight}/{int(stats.limit)} "
+            f"errors: {_errors(stats)} ETA {_eta(stats, rps)}"
+        )
+        self._progress.update(self._task_id, completed=stats.done + stats.failed, total=stats.total, detail=detail)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            self._runner.cancel()
+            try:
+                await self._runner
+            except asyncio.CancelledError:
+                pass
+        if self._progress is not None:
+            self._update_rich()
+            self._progress.stop()
+            self._progress = None
+        if self.mode == "plain" and self._stats is not None:
+            print(format_line(self._stats), file=self.out, flush=True)

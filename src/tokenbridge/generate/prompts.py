@@ -1,0 +1,342 @@
+"""Prompt datasets: rows on disk -> :class:`Sample` (id + the messages to send).
+
+Sources: a ``.jsonl`` file, a ``.parquet`` file, a Hugging Face ``save_to_disk`` folder
+(``state.json`` + Arrow files, or a ``dataset_dict.json`` of splits), or a folder of
+``.jsonl`` / ``.parquet`` files (read in name order).
+
+Row shapes: OpenAI ``messages``; ShareGPT ``conversations`` (``from``/``value``, roles
+human/gpt/system/tool); or ``prompt`` with an optional ``system``. An optional row-level
+``tools`` list is kept. A trailing assistant turn is dropped, so the model answers the
+last user/tool turn. The sample id is ``<dataset>-<row id>``, or ``<dataset>-<content
+hash>`` when the row has no ``id`` (a repeated hash gets ``~2``, ``~3``... in row order).
+
+A bad row never stops the load: it becomes a :class:`RowError` naming file, line (or row
+index) and field, and the other rows go on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from .settings import DatasetSpec
+
+__all__ = ["LoadedPrompts", "PromptSourceError", "RowError", "Sample", "load_prompts", "sample_from_row"]
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+# Message keys forwarded to the API; others (training weights, ids...) stay behind.
+_MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning", "reasoning_details")
+
+
+class PromptSourceError(Exception):
+    """A whole source cannot be read (missing, unknown format): the run cannot start."""
+
+
+@dataclass(frozen=True)
+class RowError:
+    """One bad row: where it is and what is wrong with it."""
+
+    dataset: str
+    file: str
+    location: str  # "line 12" or "row 12"
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.location}: field '{self.field}': {self.message}"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt to send: the messages after normalisation, and where it came from."""
+
+    id: str
+    dataset: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    source: str = ""  # "file: line 12"
+
+
+@dataclass
+class LoadedPrompts:
+    samples: list[Sample] = field(default_factory=list)
+    errors: list[RowError] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)  # dataset -> samples kept
+
+
+class _BadRow(Exception):
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field_name
+        self.message = message
+
+
+def load_prompts(specs: list[DatasetSpec] | tuple[DatasetSpec, ...], *, default_limit: int | None = None) -> LoadedPrompts:
+    """All samples of all datasets in order; bad rows are collected, not raised."""
+    out = LoadedPrompts()
+    for spec in specs:
+        limit = spec.limit if spec.limit is not None else default_limit
+        seen: dict[str, str] = {}  # id -> where first seen
+        hash_counts: dict[str, int] = {}
+        kept = 0
+        for file, location, row in _iter_rows(spec):
+            if limit is not None and kept >= limit:
+                break
+            where = f"{file}: {location}"
+            try:
+                sample = sample_from_row(row, spec.name, source=where)
+            except _BadRow as bad:
+                out.errors.append(RowError(spec.name, file, location, bad.field, bad.message))
+                continue
+            if sample.id in seen:
+                if "id" in row and row["id"] is not None:
+                    out.errors.append(
+                        RowError(spec.name, file, location, "id", f"duplicate id {row['id']!r} (first at {seen[sample.id]})")
+                    )
+                    continue
+                n = hash_counts.get(sample.id, 1) + 1
+                hash_counts[sample.id] = n
+                sample = Sample(f"{sample.id}~{n}", sample.dataset, sample.messages, sample.tools, sample.source)
+            seen[sample.id] = where
+            out.samples.append(sample)
+            kept += 1
+        out.counts[spec.name] = kept
+    return out
+
+
+def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:
+    """One row -> :class:`Sample`; raises ``_BadRow`` (field + message) when malformed."""
+    if isinstance(row, _Unparsable):
+        raise _BadRow("<line>", f"not valid JSON: {row.reason}")
+    if not isinstance(row, dict):
+        raise _BadRow("<row>", f"expected a JSON object, got {type(row).__name__}")
+    if row.get("messages") is not None:
+        messages = _openai_messages(row["messages"])
+    elif row.get("conversations") is not None:
+        messages = _sharegpt_messages(row["conversations"])
+    elif row.get("prompt") is not None:
+        messages = _plain_prompt(row)
+    else:
+        raise _BadRow("messages", "row has none of 'messages', 'conversations' or 'prompt'")
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages:
+        raise _BadRow("messages", "no user or tool turn left to answer")
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise _BadRow(f"messages[{len(messages) - 1}].role", f"conversation ends with a {messages[-1]['role']!r} turn")
+    tools = row.get("tools")
+    if tools is not None:
+        if isinstance(tools, str):  # parquet/arrow datasets often store tools as a JSON string
+            try:
+                tools = json.loads(tools)
+            except json.JSONDecodeError as exc:
+                raise _BadRow("tools", f"not valid JSON: {exc.msg}") from None
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise _BadRow("tools", "must be a list of tool objects")
+        tools = tools or None
+    rid = row.get("id")
+    if rid is not None and (not isinstance(rid, (str, int)) or isinstance(rid, bool)):
+        raise _BadRow("id", f"must be a string or integer, got {type(rid).__name__}")
+    if rid is None or rid == "":
+        rid = content_hash(messages, tools)
+    return Sample(id=f"{dataset}-{rid}", dataset=dataset, messages=messages, tools=tools, source=source)
+
+
+def content_hash(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """A stable 16-hex id for rows without one (same messages + tools -> same id)."""
+    blob = json.dumps({"messages": messages, "tools": tools}, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def _openai_messages(value: Any) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise _BadRow("messages", f"not valid JSON: {exc.msg}") from None
+    if not isinstance(value, list) or not value:
+        raise _BadRow("messages", "must be a non-empty list of messages")
+    out = []
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise _BadRow(f"messages[{i}]", "must be an object with role and content")
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise _BadRow(f"messages[{i}].role", f"unknown role {role!r} (expected one of {sorted(_ROLES)})")
+        clean = {k: msg[k] for k in _MESSAGE_KEYS if k in msg and msg[k] is not None}
+        _check_content(clean, f"messages[{i}]")
+        out.append(clean)
+    return out
+
+
+def _sharegpt_messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise _BadRow("conversations", "must be a non-empty list of turns")
+    out = []
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict):
+            raise _BadRow(f"conversations[{i}]", "must be an object with 'from' and 'value'")
+        who = turn.get("from")
+        role = _SHAREGPT_ROLES.get(str(who).lower()) if who is not None else None
+        if role is None:
+            raise _BadRow(f"conversations[{i}].from", f"unknown speaker {who!r} (expected human, gpt, system or tool)")
+        text = turn.get("value")
+        if not isinstance(text, str):
+            raise _BadRow(f"conversations[{i}].value", "must be a string")
+        out.append({"role": role, "content": text})
+    return out
+
+
+def _plain_prompt(row: dict[str, Any]) -> list[dict[str, Any]]:
+    prompt = row["prompt"]
+    if not isinstance(prompt, str) or not prompt:
+        raise _BadRow("prompt", "must be a non-empty string")
+    system = row.get("system")
+    if system is not None and not isinstance(system, str):
+        raise _BadRow("system", "must be a string")
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt})
+    return messages
+
+
+def _check_content(msg: dict[str, Any], where: str) -> None:
+    content = msg.get("content")
+    if content is None:
+        if msg["role"] == "assistant" and msg.get("tool_calls"):
+            return
+        raise _BadRow(f"{where}.content", "missing")
+    if isinstance(content, str):
+        return
+    if isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content):
+        return
+    raise _BadRow(f"{where}.content", "must be a string or a list of content parts")
+
+
+# --- reading sources -------------------------------------------------------------------
+
+
+def _iter_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
+    """(file, location, row) for every row of the source, in order."""
+    path = spec.path
+    if not path.exists():
+        raise PromptSourceError(f"dataset {spec.name!r}: {path} does not exist")
+    if path.is_file():
+        yield from _iter_file(path)
+        return
+    if (path / "dataset_dict.json").is_file():
+        yield from _iter_arrow_folder(_pick_split(path, spec))
+        return
+    if (path / "state.json").is_file():
+        yield from _iter_arrow_folder(path)
+        return
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".jsonl", ".parquet", ".arrow"))
+    if not files:
+        raise PromptSourceError(f"dataset {spec.name!r}: {path} holds no .jsonl/.parquet files and no save_to_disk data")
+    for f in files:
+        yield from _iter_file(f)
+
+
+def _iter_file(path: Path) -> Iterator[tuple[str, str, Any]]:
+    if path.suffix == ".parquet":
+        yield from _iter_parquet(path)
+    elif path.suffix == ".arrow":
+        yield from _iter_arrow(path)
+    elif path.suffix in (".jsonl", ".json"):
+        yield from _iter_jsonl(path)
+    else:
+        raise PromptSourceError(f"{path}: unknown prompt file type (expected .jsonl, .parquet or .arrow)")
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, Any]]:
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                row = _Unparsable(getattr(exc, "msg", str(exc)))
+            yield str(path), f"line {lineno}", row
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[str, str, Any]]:
+    import pyarrow as pa  # imported on use: JSONL-only runs skip its startup time and memory
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise PromptSourceError(f"{path}: cannot read parquet: {exc}") from None
+    index = 0
+    for batch in pf.iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            yield str(path), f"row {index}", row
+            index += 1
+
+
+def _iter_arrow(path: Path) -> Iterator[tuple[str, str, Any]]:
+    # `save_to_disk` writes Arrow IPC *stream* files; plain `.arrow` files may be either kind.
+    import pyarrow as pa
+    import pyarrow.ipc
+
+    try:
+        with pa.memory_map(str(path)) as source:
+            try:
+                table = pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                table = pa.ipc.open_file(source).read_all()
+    except (pa.ArrowException, OSError) as exc:
+        raise PromptSourceError(f"{path}: cannot read Arrow data: {exc}") from None
+    index = 0
+    for batch in table.to_batches(max_chunksize=1024):
+        for row in batch.to_pylist():
+            yield str(path), f"row {index}", row
+            index += 1
+
+
+def _iter_arrow_folder(folder: Path) -> Iterator[tuple[str, str, Any]]:
+    try:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        files = [folder / f["filename"] for f in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PromptSourceError(f"{folder / 'state.json'}: not a readable save_to_disk state ({exc})") from None
+    for f in files:
+        yield from _iter_arrow(f)
+
+
+def _pick_split(folder: Path, spec: DatasetSpec) -> Path:
+    try:
+        splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise PromptSourceError(f"{folder / 'dataset_dict.json'}: unreadable ({exc})") from None
+    if spec.split:
+        if spec.split not in splits:
+            raise PromptSourceError(f"dataset {spec.name!r}: split {spec.split!r} not in {folder} (has {splits})")
+        return folder / spec.split
+    if len(splits) == 1:
+        return folder / splits[0]
+    if "train" in splits:
+        return folder / "train"
+    raise PromptSourceError(f"dataset {spec.name!r}: {folder} has splits {splits}; name one with split=")
+
+
+@dataclass(frozen=True)
+class _Unparsable:
+    """A JSONL line that is not JSON; turned into a RowError by sample_from_row."""
+
+    reason: str
+

@@ -1,0 +1,67 @@
+"""Build the JSON body for one sample.
+
+The stored request is the *canonical* body: everything that shapes the answer (model,
+messages, sampling, reasoning, provider routing, ``usage: {include: true}``, extra_body).
+Transport-only keys (``stream``, ``stream_options``) are added by :func:`wire_body` at
+send time, so the same stored request can be resumed streamed or not.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Mapping
+
+from .prompts import Sample
+from .settings import RequestSettings
+
+__all__ = ["build_request", "deep_merge", "wire_body"]
+
+
+def build_request(sample: Sample, rs: RequestSettings) -> dict[str, Any]:
+    """The canonical request body for ``sample`` (no key, no headers, no stream flags).
+
+    The body shares the sample's message and tool lists (it is serialised right away).
+    """
+    body: dict[str, Any] = {"model": rs.model, "messages": sample.messages}
+    if rs.send_tools and sample.tools:
+        body["tools"] = sample.tools
+    for key in ("max_tokens", "temperature", "top_p", "seed", "n"):
+        value = getattr(rs, key)
+        if value is not None:
+            body[key] = value
+    if rs.reasoning is not None:
+        body["reasoning"] = dict(rs.reasoning)
+    if rs.provider:
+        body["provider"] = {k: copy.deepcopy(v) for k, v in rs.provider.items() if v is not None}
+    body["usage"] = {"include": True}
+    if rs.extra_body:
+        body = deep_merge(body, rs.extra_body)
+    return body
+
+
+def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` merged in: nested mappings merge, anything else is replaced."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def wire_body(request_json: str, *, stream: bool) -> bytes:
+    """The bytes to POST: the stored request, plus the stream flags when streaming."""
+    if not stream:
+        return request_json.encode("utf-8")
+    body = json.loads(request_json)
+    body["stream"] = True
+    # OpenRouter sends usage in the last chunk anyway; OpenAI-compatible servers need this.
+    body.setdefault("stream_options", {"include_usage": True})
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def routing_key(request: Mapping[str, Any]) -> str:
+    """What decides which endpoints can serve a request: model + provider routing."""
+    return json.dumps([request.get("model"), request.get("provider")], sort_keys=True)

@@ -1,0 +1,278 @@
+"""Server-sent events: decode the byte stream, and fold chunks into one chat.completion.
+
+:class:`SSEDecoder` follows the WHATWG event-stream rules (CR/LF/CRLF line ends, ``:``
+comment lines such as OpenRouter's ``: OPENROUTER PROCESSING`` keep-alives, multi-line
+``data``) and is fed arbitrary byte slices. :class:`StreamAssembler` merges
+``chat.completion.chunk`` objects into the JSON a non-streamed call returns: text
+fields concatenate (content, reasoning, tool-call arguments), list fields extend
+(logprobs, per-choice ``token_ids``), and anything else keeps its last non-null value,
+so fields we do not know about survive.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+__all__ = ["SSEDecoder", "SSEEvent", "StreamAssembler", "StreamError"]
+
+_CHOICE_FIXED = ("index", "delta", "message", "finish_reason", "native_finish_reason", "logprobs")
+
+
+class StreamError(ValueError):
+    """The stream cannot be turned into a response (bad chunk JSON, truncated)."""
+
+
+@dataclass(frozen=True)
+class SSEEvent:
+    data: str
+    event: str = "message"
+
+
+@dataclass
+class SSEDecoder:
+    """Incremental event-stream decoder: ``feed(bytes)`` yields complete events."""
+
+    comments: list[str] = field(default_factory=list)
+    _decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("strict"))
+    _buf: str = ""
+    _data: list[str] = field(default_factory=list)
+    _event: str = ""
+    _pending_cr: bool = False
+    _has_data: bool = False
+
+    def feed(self, chunk: bytes) -> Iterator[SSEEvent]:
+        text = self._decoder.decode(chunk)
+        if self._pending_cr and text.startswith("\n"):
+            text = text[1:]  # the LF of a CRLF split across two reads
+        self._pending_cr = False
+        self._buf += text
+        yield from self._drain()
+
+    def close(self) -> Iterator[SSEEvent]:
+        """End of stream: a last event without its blank line is still delivered."""
+        self._buf += self._decoder.decode(b"", final=True)
+        if self._buf:
+            self._buf += "\n"
+        yield from self._drain()
+        if self._has_data:
+            yield self._dispatch()
+
+    def _drain(self) -> Iterator[SSEEvent]:
+        buf = self._buf
+        start = 0
+        n = len(buf)
+        while start < n:
+            i = _next_eol(buf, start)
+            if i < 0:
+                break
+            line = buf[start:i]
+            if buf[i] == "\r":
+                if i + 1 < n:
+                    start = i + 2 if buf[i + 1] == "\n" else i + 1
+                else:
+                    self._pending_cr = True
+                    start = i + 1
+            else:
+                start = i + 1
+            event = self._line(line)
+            if event is not None:
+                yield event
+        self._buf = buf[start:]
+
+    def _line(self, line: str) -> SSEEvent | None:
+        if not line:
+            return self._dispatch() if self._has_data else self._reset()
+        if line.startswith(":"):
+            self.comments.append(line[1:].strip())
+            return None
+        name, sep, value = line.partition(":")
+        if sep and value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+            self._has_data = True
+        elif name == "event":
+            self._event = value
+        return None
+
+    def _dispatch(self) -> SSEEvent:
+        event = SSEEvent("\n".join(self._data), self._event or "message")
+        self._reset()
+        return event
+
+    def _reset(self) -> None:
+        self._data = []
+        self._event = ""
+        self._has_data = False
+        return None
+
+
+def _next_eol(buf: str, start: int) -> int:
+    lf = buf.find("\n", start)
+    cr = buf.find("\r", start, lf if lf >= 0 else len(buf))
+    return cr if cr >= 0 else lf
+
+
+@dataclass
+class StreamAssembler:
+    """Fold ``chat.completion.chunk`` objects into one ``chat.completion`` dict."""
+
+    top: dict[str, Any] = field(default_factory=dict)
+    choices: dict[int, dict[str, Any]] = field(default_factory=dict)
+    messages: dict[int, dict[str, Any]] = field(default_factory=dict)
+    tool_calls: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    reasoning_details: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    errors: list[Any] = field(default_factory=list)
+    done: bool = False
+    chunks: int = 0
+
+    def add_event(self, event: SSEEvent) -> None:
+        data = event.data.strip()
+        if not data:
+            return
+        if data == "[DONE]":
+            self.done = True
+            return
+        try:
+            chunk = json.loads(data)
+        except ValueError as exc:
+            raise StreamError(f"stream chunk is not JSON ({exc}): {data[:200]!r}") from None
+        if not isinstance(chunk, dict):
+            raise StreamError(f"stream chunk is not an object: {data[:200]!r}")
+        self.add(chunk)
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        self.chunks += 1
+        for key, value in chunk.items():
+            if key == "choices":
+                continue
+            if key == "error":
+                if value is not None:
+                    self.errors.append(value)
+                continue
+            if value is not None or key not in self.top:
+                self.top[key] = value
+        for choice in chunk.get("choices") or []:
+            if isinstance(choice, dict):
+                self._add_choice(choice)
+
+    def _add_choice(self, choice: dict[str, Any]) -> None:
+        idx = int(choice.get("index") or 0)
+        out = self.choices.setdefault(idx, {"index": idx})
+        msg = self.messages.setdefault(idx, {})
+        delta = choice.get("delta") or choice.get("message") or {}
+        for key, value in delta.items():
+            if key == "tool_calls":
+                self._add_tool_calls(idx, value or [])
+            elif key == "reasoning_details":
+                self._add_reasoning_details(idx, value or [])
+            elif key == "role":
+                if value:
+                    msg["role"] = value
+            else:
+                msg[key] = _merge_value(msg.get(key), value, concat=True)
+        for key in ("finish_reason", "native_finish_reason"):
+            if key in choice and (choice[key] is not None or key not in out):
+                out[key] = choice[key]
+        if "logprobs" in choice:
+            out["logprobs"] = _merge_logprobs(out.get("logprobs"), choice["logprobs"])
+        for key, value in choice.items():
+            if key in _CHOICE_FIXED:
+                continue
+            if key == "error" and value is not None:
+                self.errors.append(value)
+            out[key] = _merge_value(out.get(key), value, concat=False)
+
+    def _add_tool_calls(self, idx: int, calls: list[Any]) -> None:
+        slots = self.tool_calls.setdefault(idx, {})
+        for pos, call in enumerate(calls):
+            if not isinstance(call, dict):
+                continue
+            k = int(call.get("index", len(slots) if call.get("id") else max(slots, default=pos)))
+            slot = slots.setdefault(k, {"index": k})
+            for key, value in call.items():
+                if key == "index":
+                    continue
+                if key == "function" and isinstance(value, dict):
+                    fn = slot.setdefault("function", {})
+                    for fk, fv in value.items():
+                        fn[fk] = _merge_value(fn.get(fk), fv, concat=fk in ("name", "arguments"))
+                elif value is not None:
+                    slot[key] = value
+
+    def _add_reasoning_details(self, idx: int, items: list[Any]) -> None:
+        acc = self.reasoning_details.setdefault(idx, [])
+        for item in items:
+            if not isinstance(item, dict):
+                continue
+            target = None
+            if "index" in item:
+                target = next((d for d in acc if d.get("index") == item["index"]), None)
+            elif acc and acc[-1].get("type") == item.get("type") and "index" not in acc[-1]:
+                target = acc[-1]
+            if target is None:
+                acc.append(dict(item))
+                continue
+            for key, value in item.items():
+                if key in ("text", "summary", "data", "signature"):
+                    target[key] = _merge_value(target.get(key), value, concat=True)
+                elif value is not None:
+                    target[key] = value
+
+    def result(self) -> dict[str, Any]:
+        """The assembled ``chat.completion`` (raises :class:`StreamError` if nothing arrived)."""
+        if not self.chunks:
+            raise StreamError("stream ended before any chunk")
+        out: dict[str, Any] = {}
+        for key, value in self.top.items():
+            out[key] = "chat.completion" if key == "object" else value
+        out.setdefault("object", "chat.completion")
+        choices = []
+        for idx in sorted(self.choices):
+            choice = self.choices[idx]
+            msg = {"role": "assistant", **self.messages.get(idx, {})}
+            msg.setdefault("content", None)
+            if idx in self.tool_calls:
+                msg["tool_calls"] = [self.tool_calls[idx][k] for k in sorted(self.tool_calls[idx])]
+            if idx in self.reasoning_details:
+                msg["reasoning_details"] = self.reasoning_details[idx]
+            built = {"index": idx, "message": msg}
+            built.update({k: v for k, v in choice.items() if k != "index"})
+            built.setdefault("finish_reason", None)
+            choices.append(built)
+        usage = out.pop("usage", None)
+        out["choices"] = choices
+        if usage is not None or "usage" in self.top:
+            out["usage"] = usage
+        return out
+
+    @property
+    def finished(self) -> bool:
+        """Every choice got a finish_reason (a stream cut short has none)."""
+        return bool(self.choices) and all(c.get("finish_reason") for c in self.choices.values())
+
+
+def _merge_value(old: Any, new: Any, *, concat: bool) -> Any:
+    if new is None:
+        return old
+    if old is None:
+        return list(new) if isinstance(new, list) else new
+    if isinstance(old, list) and isinstance(new, list):
+        return old + new
+    if concat and isinstance(old, str) and isinstance(new, str):
+        return old + new
+    return new
+
+
+def _merge_logprobs(old: Any, new: Any) -> Any:
+    if not isinstance(new, dict):
+        return old if new is None else new
+    if not isinstance(old, dict):
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in new.items()}
+    merged = dict(old)
+    for key, value in new.items():
+        merged[key] = _merge_value(merged.get(key), value, concat=False)
+    return merged

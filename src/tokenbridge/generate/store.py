@@ -1,0 +1,414 @@
+"""The run's durable state: ``RUN/state.sqlite`` (SQLite, WAL, ``synchronous=FULL``).
+
+Tables
+  ``samples``    one row per prompt: id, input order (``seq``), dataset, source, the
+                 canonical request JSON (never a key or header), status
+                 (pending | done | failed), last error, attempt count.
+  ``attempts``   every HTTP attempt: run, number, start, latency, HTTP status, error
+                 class and (scrubbed) message, cost when the provider billed it.
+  ``responses``  the response of each done sample: ``body`` = the bytes the API returned
+                 (for a streamed call: the assembled chat.completion JSON), ``raw_stream``
+                 = every byte of the SSE stream (zlib), plus provider, model, usage, cost,
+                 latency, timestamps, attempts, stream flag.
+  ``runs``       one row per invocation: settings (no secret), start/end, outcome.
+
+A sample becomes ``done`` in the same transaction that stores its response, and the
+engine counts it only after that commit returns: a ``kill -9`` at any instant leaves
+each sample either fully stored or still pending (sent again on resume).
+
+All methods are blocking. The engine writes a batch on its event-loop thread
+(:meth:`Store.stage`: a few ``executemany`` calls; doing them in a thread would fight the
+loop for the GIL on every row) and runs only the ``COMMIT`` (the fsync) in a thread.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+__all__ = ["AttemptRecord", "ResponseRecord", "Store", "StoreError", "StoredSample", "STATE_FILE"]
+
+STATE_FILE = "state.sqlite"
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run INTEGER PRIMARY KEY AUTOINCREMENT,
+    started_at REAL NOT NULL,
+    finished_at REAL,
+    settings TEXT NOT NULL,
+    outcome TEXT
+);
+CREATE TABLE IF NOT EXISTS samples (
+    id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL UNIQUE,
+    dataset TEXT NOT NULL,
+    source TEXT NOT NULL DEFAULT '',
+    request TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'done', 'failed')),
+    error_class TEXT,
+    error TEXT,
+    attempts INTEGER NOT NULL DEFAULT 0,  -- set when the sample ends (done/failed)
+    updated_at REAL
+);
+CREATE INDEX IF NOT EXISTS samples_status ON samples(status);
+CREATE TABLE IF NOT EXISTS attempts (
+    sample_id TEXT NOT NULL REFERENCES samples(id),
+    n INTEGER NOT NULL,
+    run INTEGER,
+    started_at REAL NOT NULL,
+    latency_s REAL,
+    http_status INTEGER,
+    error_class TEXT,
+    message TEXT,
+    cost REAL,
+    stream INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (sample_id, n)
+);
+CREATE TABLE IF NOT EXISTS responses (
+    sample_id TEXT PRIMARY KEY REFERENCES samples(id),
+    body BLOB NOT NULL,
+    raw_stream BLOB,
+    provider TEXT,
+    model TEXT,
+    usage TEXT,
+    cost REAL,
+    latency_s REAL,
+    started_at REAL,
+    finished_at REAL,
+    attempts INTEGER,
+    stream INTEGER NOT NULL DEFAULT 0
+);
+"""
+
+
+class StoreError(Exception):
+    """The state file cannot be used (not SQLite, corrupt, from an incompatible version)."""
+
+
+@dataclass(frozen=True)
+class StoredSample:
+    id: str
+    seq: int
+    dataset: str
+    request: str  # canonical request JSON text
+    status: str
+    attempts: int
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    sample_id: str
+    n: int
+    started_at: float
+    latency_s: float | None
+    http_status: int | None
+    error_class: str | None
+    message: str
+    cost: float | None = None
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class ResponseRecord:
+    sample_id: str
+    body: bytes
+    raw_stream: bytes | None
+    provider: str | None
+    model: str | None
+    usage: dict[str, Any] | None
+    cost: float | None
+    latency_s: float
+    started_at: float
+    finished_at: float
+    attempts: int
+    stream: bool
+
+
+@dataclass
+class Batch:
+    """What one commit writes: attempts, finished responses, samples given up on."""
+
+    attempts: list[AttemptRecord] = field(default_factory=list)
+    responses: list[ResponseRecord] = field(default_factory=list)
+    failures: list[tuple[str, str, str]] = field(default_factory=list)  # (sample_id, error_class, message)
+
+    def __bool__(self) -> bool:
+        return bool(self.attempts or self.responses or self.failures)
+
+
+class Store:
+    """One run folder's SQLite state. Open with :meth:`open`; close when done."""
+
+    def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
+        self.path = path
+        self._conn = conn
+        self.run: int | None = None
+
+    @classmethod
+    def open(cls, run_dir: str | Path) -> "Store":
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / STATE_FILE
+        try:
+            conn = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.executescript(_SCHEMA)
+            row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if row is None:
+                conn.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{path}: not a usable tokenbridge state file ({exc})") from None
+        if row is not None and int(row[0]) != SCHEMA_VERSION:
+            conn.close()
+            raise StoreError(f"{path}: schema version {row[0]}, this tokenbridge reads {SCHEMA_VERSION}")
+        return cls(path, conn)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- runs ---------------------------------------------------------------------------
+
+    def begin_run(self, settings: dict[str, Any]) -> int:
+        cur = self._conn.execute(
+            "INSERT INTO runs(started_at, settings) VALUES (?, ?)", (time.time(), json.dumps(settings, sort_keys=True))
+        )
+        self.run = int(cur.lastrowid)
+        return self.run
+
+    def end_run(self, run: int, outcome: str) -> None:
+        self._conn.execute("UPDATE runs SET finished_at=?, outcome=? WHERE run=?", (time.time(), outcome, run))
+
+    # --- samples ------------------------------------------------------------------------
+
+    def add_samples(self, rows: Iterable[tuple[str, str, str, str]]) -> tuple[int, list[str]]:
+        """Insert (id, dataset, source, request_json) rows not yet stored, after the last seq.
+
+        Returns (how many were new, ids whose stored request differs from the given one:
+        the stored request wins, so a resumed sample is never sent in a different form).
+        """
+        rows = list(rows)
+        with self._tx():
+            self._conn.execute(
+                "CREATE TEMP TABLE IF NOT EXISTS incoming (pos INTEGER PRIMARY KEY, id TEXT, dataset TEXT,"
+                " source TEXT, request TEXT)"
+            )
+            self._conn.execute("DELETE FROM incoming")
+            self._conn.executemany("INSERT INTO incoming(id, dataset, source, request) VALUES (?,?,?,?)", rows)
+            changed = [
+                sid
+                for (sid,) in self._conn.execute(
+                    "SELECT i.id FROM incoming i JOIN samples s ON s.id = i.id WHERE s.request != i.request"
+                    " ORDER BY i.pos"
+                )
+            ]
+            (top,) = self._conn.execute("SELECT COALESCE(MAX(seq), -1) FROM samples").fetchone()
+            cur = self._conn.execute(
+                "INSERT INTO samples(id, seq, dataset, source, request, updated_at)"
+                " SELECT id, ? + ROW_NUMBER() OVER (ORDER BY pos), dataset, source, request, ? FROM incoming"
+                " WHERE id NOT IN (SELECT id FROM samples) ORDER BY pos",
+                (top, time.time()),
+            )
+            added = cur.rowcount
+            self._conn.execute("DELETE FROM incoming")
+        return added, changed
+
+    def samples(self, ids: Iterable[str] | None = None, *, status: str | None = None) -> list[StoredSample]:
+        # attempts so far = the highest attempt number logged (a kill can land between an
+        # attempt's commit and its sample's update, so the log is the truth)
+        sql = (
+            "SELECT id, seq, dataset, request, status,"
+            " (SELECT COALESCE(MAX(n), 0) FROM attempts a WHERE a.sample_id = samples.id) FROM samples"
+        )
+        args: tuple[Any, ...] = ()
+        if status is not None:
+            sql += " WHERE status=?"
+            args = (status,)
+        sql += " ORDER BY seq"
+        rows = [StoredSample(*r) for r in self._conn.execute(sql, args)]
+        if ids is not None:
+            wanted = set(ids)
+            rows = [r for r in rows if r.id in wanted]
+        return rows
+
+    def statuses(self) -> dict[str, str]:
+        """id -> status for every stored sample (without loading the requests)."""
+        return dict(self._conn.execute("SELECT id, status FROM samples"))
+
+    def status_counts(self) -> dict[str, int]:
+        return dict(self._conn.execute("SELECT status, COUNT(*) FROM samples GROUP BY status"))
+
+    def total_cost(self) -> float:
+        """Everything billed so far: stored responses plus attempts that were billed but retried."""
+        (resp,) = self._conn.execute("SELECT COALESCE(SUM(cost), 0) FROM responses").fetchone()
+        (att,) = self._conn.execute(
+            "SELECT COALESCE(SUM(a.cost), 0) FROM attempts a WHERE a.cost IS NOT NULL AND a.error_class IS NOT NULL"
+        ).fetchone()
+        return float(resp) + float(att)
+
+    def token_totals(self) -> tuple[int, int, float]:
+        """(prompt tokens, completion tokens, cost) over stored responses that report usage."""
+        p = c = 0
+        cost = 0.0
+        for usage_json, cst in self._conn.execute("SELECT usage, cost FROM responses WHERE usage IS NOT NULL"):
+            usage = json.loads(usage_json)
+            p += int(usage.get("prompt_tokens") or 0)
+            c += int(usage.get("completion_tokens") or 0)
+            cost += float(cst or 0.0)
+        return p, c, cost
+
+    def commit(self, batch: Batch) -> None:
+        """Write one batch in one transaction (durable when this returns)."""
+        if not batch:
+            return
+        self.stage(batch)
+        self.finish()
+
+    def stage(self, batch: Batch) -> None:
+        """Open a transaction and write the batch into it (CPU work, no fsync yet)."""
+        now = time.time()
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            self._conn.executemany(
+                "INSERT OR REPLACE INTO attempts(sample_id, n, run, started_at, latency_s, http_status, error_class,"
+                " message, cost, stream) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                [
+                    (a.sample_id, a.n, self.run, a.started_at, a.latency_s, a.http_status, a.error_class, a.message,
+                     a.cost, int(a.stream))
+                    for a in batch.attempts
+                ],
+            )
+            self._conn.executemany(
+                "INSERT OR IGNORE INTO responses(sample_id, body, raw_stream, provider, model, usage, cost,"
+                " latency_s, started_at, finished_at, attempts, stream) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                [
+                    (
+                        r.sample_id,
+                        r.body,
+                        zlib.compress(r.raw_stream, 6) if r.raw_stream is not None else None,
+                        r.provider,
+                        r.model,
+                        json.dumps(r.usage) if r.usage is not None else None,
+                        r.cost,
+                        r.latency_s,
+                        r.started_at,
+                        r.finished_at,
+                        r.attempts,
+                        int(r.stream),
+                    )
+                    for r in batch.responses
+                ],
+            )
+            self._conn.executemany(
+                "UPDATE samples SET status='done', error_class=NULL, error=NULL, attempts=?, updated_at=? WHERE id=?",
+                [(r.attempts, now, r.sample_id) for r in batch.responses],
+            )
+            self._conn.executemany(
+                "UPDATE samples SET status='failed', error_class=?, error=?, updated_at=?,"
+                " attempts=(SELECT COALESCE(MAX(n), 0) FROM attempts WHERE sample_id=?)"
+                " WHERE id=? AND status!='done'",
+                [(cls, msg, now, sid, sid) for sid, cls, msg in batch.failures],
+            )
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+
+    def finish(self) -> None:
+        """Commit the staged transaction: the fsync (and any WAL checkpoint) happens here, so
+        the engine runs it in a thread while the event loop goes on."""
+        try:
+            self._conn.execute("COMMIT")
+        except BaseException:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            raise
+
+    def reopen_failed(self, ids: Iterable[str]) -> int:
+        """These samples, where failed, go back to pending so this run tries them again."""
+        with self._tx():
+            cur = self._conn.executemany(
+                "UPDATE samples SET status='pending' WHERE id=? AND status='failed'", [(i,) for i in ids]
+            )
+        return cur.rowcount
+
+    # --- reading back ---------------------------------------------------------------------
+
+    def iter_done(self) -> Iterator[tuple[str, str, str, bytes, dict[str, Any]]]:
+        """(id, dataset, request_json, body, meta) for done samples, in input order."""
+        sql = (
+            "SELECT s.id, s.dataset, s.request, r.body, r.provider, r.model, r.latency_s, r.cost, r.attempts,"
+            " r.started_at, r.finished_at, r.stream FROM samples s JOIN responses r ON r.sample_id = s.id"
+            " WHERE s.status='done' ORDER BY s.seq"
+        )
+        cur = self._conn.cursor()
+        cur.execute(sql)
+        while True:
+            rows = cur.fetchmany(256)
+            if not rows:
+                return
+            for sid, ds, req, body, prov, model, lat, cost, att, t0, t1, stream in rows:
+                meta = {
+                    "provider": prov,
+                    "model": model,
+                    "latency_s": lat,
+                    "cost": cost,
+                    "attempts": att,
+                    "started_at": t0,
+                    "finished_at": t1,
+                    "stream": bool(stream),
+                }
+                yield sid, ds, req, bytes(body), meta
+
+    def response(self, sample_id: str) -> tuple[bytes, bytes | None] | None:
+        """(body, raw SSE bytes or None) as stored for one sample."""
+        row = self._conn.execute("SELECT body, raw_stream FROM responses WHERE sample_id=?", (sample_id,)).fetchone()
+        if row is None:
+            return None
+        body, raw = row
+        return bytes(body), (zlib.decompress(raw) if raw is not None else None)
+
+    def attempts(self, sample_id: str) -> list[AttemptRecord]:
+        rows = self._conn.execute(
+            "SELECT sample_id, n, started_at, latency_s, http_status, error_class, message, cost, stream FROM attempts"
+            " WHERE sample_id=? ORDER BY n",
+            (sample_id,),
+        )
+        return [AttemptRecord(*r[:8], stream=bool(r[8])) for r in rows]
+
+    def failures(self) -> list[tuple[str, str | None, str | None]]:
+        return list(self._conn.execute("SELECT id, error_class, error FROM samples WHERE status='failed' ORDER BY seq"))
+
+    def error_counts(self, run: int | None = None) -> dict[str, int]:
+        sql = "SELECT error_class, COUNT(*) FROM attempts WHERE error_class IS NOT NULL"
+        args: tuple[Any, ...] = ()
+        if run is not None:
+            sql += " AND run=?"
+            args = (run,)
+        return dict(self._conn.execute(sql + " GROUP BY error_class", args))
+
+    class _Tx:
+        def __init__(self, conn: sqlite3.Connection) -> None:
+            self.conn = conn
+
+        def __enter__(self) -> None:
+            self.conn.execute("BEGIN IMMEDIATE")
+
+        def __exit__(self, exc_type: object, *rest: object) -> None:
+            self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
+
+    def _tx(self) -> "Store._Tx":
+        return Store._Tx(self._conn)

@@ -1,0 +1,200 @@
+"""Prompt datasets: file formats, row shapes, ids, limits, bad rows; and the settings file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tokenbridge.generate.prompts import PromptSourceError, content_hash, load_prompts
+from tokenbridge.generate.settings import (
+    ConfigError,
+    DatasetSpec,
+    Prices,
+    load_config,
+    parse_dataset_arg,
+)
+
+ROWS = [
+    {"id": "a1", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
+    {"conversations": [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"}, {"from": "human", "value": "Q2"},
+                       {"from": "gpt", "value": "A2 (dropped)"}]},
+    {"prompt": "Write a haiku.", "system": "You are a poet."},
+    {"id": 7, "prompt": "Plain, no system"},
+]
+
+
+def _write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows),
+                    encoding="utf-8")
+    return path
+
+
+def _spec(path: Path, name: str = "b3", **kw) -> DatasetSpec:
+    return DatasetSpec(name=name, path=path, **kw)
+
+
+def test_jsonl_row_shapes_become_messages(tmp_path):
+    loaded = load_prompts([_spec(_write_jsonl(tmp_path / "p.jsonl", ROWS))])
+    assert loaded.errors == []
+    s = loaded.samples
+    assert [x.id for x in s[:1] + s[2:]] == ["b3-a1", f"b3-{content_hash(s[2].messages, None)}", "b3-7"]
+    assert s[0].messages == ROWS[0]["messages"]
+    # ShareGPT: roles mapped, the trailing assistant turn dropped so the model answers Q2
+    assert s[1].messages == [
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"},
+    ]
+    assert s[1].id == "b3-" + content_hash(s[1].messages, None)
+    assert s[2].messages == [{"role": "system", "content": "You are a poet."}, {"role": "user", "content": "Write a haiku."}]
+    assert s[3].messages == [{"role": "user", "content": "Plain, no system"}]
+    assert s[0].source.endswith("p.jsonl: line 1")
+
+
+def test_content_hash_ids_are_stable_and_repeats_are_numbered(tmp_path):
+    row = {"prompt": "same"}
+    f = _write_jsonl(tmp_path / "p.jsonl", [row, row, row])
+    first = load_prompts([_spec(f)]).samples
+    again = load_prompts([_spec(f)]).samples
+    base = "b3-" + content_hash([{"role": "user", "content": "same"}], None)
+    assert [s.id for s in first] == [base, base + "~2", base + "~3"]
+    assert [s.id for s in again] == [s.id for s in first]
+
+
+def test_bad_rows_name_file_line_and_field_and_the_rest_goes_on(tmp_path):
+    f = _write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            {"prompt": "ok 1"},
+            "{not json",
+            {"messages": [{"role": "bot", "content": "x"}]},
+            {"conversations": [{"from": "alien", "value": "x"}]},
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant"}]},
+            {"messages": [{"role": "user", "content": 5}]},
+            {"messages": [{"role": "assistant", "content": "only an answer"}]},
+            {"text": "no known field"},
+            {"id": "dup", "prompt": "a"},
+            {"id": "dup", "prompt": "b"},
+            {"prompt": "ok 2"},
+        ],
+    )
+    loaded = load_prompts([_spec(f)])
+    assert [s.messages[-1]["content"] for s in loaded.samples] == ["ok 1", "a", "ok 2"]
+    got = [(e.location, e.field) for e in loaded.errors]
+    assert got == [
+        ("line 2", "<line>"),
+        ("line 3", "messages[0].role"),
+        ("line 4", "conversations[0].from"),
+        ("line 5", "messages[1].content"),
+        ("line 6", "messages[0].content"),
+        ("line 7", "messages"),
+        ("line 8", "messages"),
+        ("line 10", "id"),
+    ]
+    assert str(loaded.errors[1]) == f"{f}: line 3: field 'messages[0].role': unknown role 'bot' " \
+        "(expected one of ['assistant', 'developer', 'system', 'tool', 'user'])"
+    assert "duplicate id 'dup' (first at" in loaded.errors[-1].message
+
+
+def test_parquet_file_and_limits_and_several_datasets(tmp_path):
+    table = pa.Table.from_pylist(
+        [{"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(5)]
+    )
+    pq.write_table(table, tmp_path / "b4.parquet")
+    _write_jsonl(tmp_path / "b5.jsonl", [{"prompt": f"p{i}"} for i in range(4)])
+    specs = [parse_dataset_arg(str(tmp_path / "b4.parquet")), DatasetSpec("b5", tmp_path / "b5.jsonl", limit=3)]
+    loaded = load_prompts(specs, default_limit=2)
+    assert [s.id for s in loaded.samples][:2] == ["b4-r0", "b4-r1"]
+    assert loaded.counts == {"b4": 2, "b5": 3}
+    assert loaded.samples[0].source.endswith("b4.parquet: row 0")
+
+
+def test_hf_save_to_disk_folder_and_dataset_dict(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = {"id": ["x", "y"], "conversations": [[{"from": "human", "value": "你好"}], [{"from": "system", "value": "s"},
+                                                                                   {"from": "human", "value": "q"}]]}
+    ds = datasets.Dataset.from_dict(rows)
+    ds.save_to_disk(str(tmp_path / "single"))
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "dd"))
+    one = load_prompts([_spec(tmp_path / "single", "b6")])
+    assert [s.id for s in one.samples] == ["b6-x", "b6-y"]
+    assert one.samples[0].messages == [{"role": "user", "content": "你好"}]
+    test_split = load_prompts([_spec(tmp_path / "dd", "b7", split="test")])
+    assert [s.id for s in test_split.samples] == ["b7-x"]
+    assert len(load_prompts([_spec(tmp_path / "dd", "b7")]).samples) == 2  # "train" by default
+    with pytest.raises(PromptSourceError, match="split 'dev'"):
+        load_prompts([_spec(tmp_path / "dd", "b7", split="dev")])
+
+
+def test_folder_of_files_in_name_order(tmp_path):
+    d = tmp_path / "mix"
+    d.mkdir()
+    _write_jsonl(d / "b.jsonl", [{"id": "2", "prompt": "second"}])
+    pq.write_table(pa.Table.from_pylist([{"id": "1", "prompt": "first"}]), d / "a.parquet")
+    (d / "README.md").write_text("ignored")
+    assert [s.id for s in load_prompts([_spec(d, "b8")]).samples] == ["b8-1", "b8-2"]
+    with pytest.raises(PromptSourceError, match="does not exist"):
+        load_prompts([_spec(tmp_path / "missing")])
+
+
+def test_tools_and_extra_message_keys(tmp_path):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    row = {"messages": [{"role": "user", "content": "q", "weight": 0.0}], "tools": json.dumps(tools)}
+    s = load_prompts([_spec(_write_jsonl(tmp_path / "t.jsonl", [row]))]).samples[0]
+    assert s.tools == tools
+    assert s.messages == [{"role": "user", "content": "q"}]
+
+
+def test_dataset_args_and_config_file(tmp_path):
+    assert parse_dataset_arg("b3=data/x.jsonl") == DatasetSpec("b3", Path("data/x.jsonl"))
+    assert parse_dataset_arg("data/b9.parquet").name == "b9"
+    with pytest.raises(ConfigError, match="dataset name"):
+        parse_dataset_arg("bad name=x.jsonl")
+    cfg = tmp_path / "gen.toml"
+    cfg.write_text(
+        """
+[generate]
+base_url = "http://127.0.0.1:9/api/v1"
+model = "moonshotai/kimi-k2.5"
+concurrency = 128
+max_cost = 12.5
+[generate.request]
+max_tokens = 4096
+temperature = 1.0
+reasoning = { effort = "high" }
+extra_body = { return_token_ids = true }
+[generate.request.provider]
+ignore = ["fireworks", "baseten"]
+quantizations = ["int4"]
+[generate.prices]
+prompt = 0.6
+completion = 2.5
+[[generate.datasets]]
+name = "b3"
+path = "b3.jsonl"
+limit = 100
+""",
+        encoding="utf-8",
+    )
+    s = load_config(cfg)
+    assert s.request.model == "moonshotai/kimi-k2.5" and s.concurrency == 128 and s.max_cost == 12.5
+    assert s.request.provider == {"ignore": ["fireworks", "baseten"], "quantizations": ["int4"]}
+    assert s.request.reasoning == {"effort": "high"} and s.request.extra_body == {"return_token_ids": True}
+    assert s.prices == Prices(0.6, 2.5)
+    assert s.datasets == (DatasetSpec("b3", tmp_path / "b3.jsonl", limit=100),)
+    assert s.with_overrides(concurrency=8, request={"max_tokens": 5}).request.max_tokens == 5
+
+    yml = tmp_path / "gen.yaml"
+    yml.write_text("model: m\nrequest:\n  provider:\n    ignor: [x]\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"unknown provider key\(s\) \['ignor'\]"):
+        load_config(yml)
+    yml.write_text("model: m\nheaders:\n  Authorization: Bearer x\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="must not carry Authorization"):
+        load_config(yml)
+    yml.write_text("modle: m\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['modle'\]"):
+        load_config(yml)

@@ -1,0 +1,265 @@
+"""Request building, outcome classification, SSE decoding/assembly, budget, limiter, secrets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenbridge.generate.budget import Budget, cost_of
+from tokenbridge.generate.classify import classify_response, parse_retry_after
+from tokenbridge.generate.limiter import AIMDLimiter
+from tokenbridge.generate.prompts import Sample
+from tokenbridge.generate.request import build_request, wire_body
+from tokenbridge.generate.secrets import ApiKey, MissingApiKey, read_api_key, scrub, scrub_bytes
+from tokenbridge.generate.settings import Prices, RequestSettings
+from tokenbridge.generate.sse import SSEDecoder, StreamAssembler
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+SAMPLE = Sample("b3-1", "b3", [{"role": "user", "content": "hi"}], tools=TOOLS)
+
+
+def test_build_request_fields_routing_and_extra_body():
+    rs = RequestSettings(
+        model="moonshotai/kimi-k2.5",
+        max_tokens=100,
+        temperature=0.7,
+        seed=3,
+        reasoning={"effort": "high"},
+        provider={"ignore": ["fireworks"], "quantizations": ["int4"], "allow_fallbacks": True},
+        extra_body={"provider": {"sort": "throughput"}, "return_token_ids": True, "reasoning": {"max_tokens": 50}},
+    )
+    body = build_request(SAMPLE, rs)
+    assert body == {
+        "model": "moonshotai/kimi-k2.5",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 100,
+        "temperature": 0.7,
+        "seed": 3,
+        "reasoning": {"effort": "high", "max_tokens": 50},
+        "provider": {"ignore": ["fireworks"], "quantizations": ["int4"], "allow_fallbacks": True, "sort": "throughput"},
+        "usage": {"include": True},
+        "return_token_ids": True,
+    }
+    assert "tools" not in body  # not sent by default: Kimi then writes raw tool markers
+    assert build_request(SAMPLE, RequestSettings(model="m", send_tools=True))["tools"] == TOOLS
+    stored = json.dumps(body)
+    assert wire_body(stored, stream=False) == stored.encode()
+    streamed = json.loads(wire_body(stored, stream=True))
+    assert streamed["stream"] is True and streamed["stream_options"] == {"include_usage": True}
+    assert {k: v for k, v in streamed.items() if k not in ("stream", "stream_options")} == body
+
+
+@pytest.mark.parametrize(
+    "status,body,kind,cls",
+    [
+        (200, '{"choices":[{"message":{"content":"x"},"finish_reason":"stop"}]}', "ok", None),
+        (200, "\n\n   \n" + '{"choices":[{"message":{"content":"x"},"finish_reason":"stop"}]}', "ok", None),
+        (200, '{"id":"x","choices":[{"message":{"content":"x"}', "retry", "bad_json"),
+        (200, '{"error":{"code":502,"message":"upstream died"}}', "retry", "api_error"),
+        (200, '{"error":{"code":429,"message":"slow down"}}', "rate_limited", "http_429"),
+        (200, '{"error":{"code":402,"message":"no credits"}}', "payment", "http_402"),
+        (200, '{"choices":[{"message":{"content":"x"},"finish_reason":"error"}]}', "retry", "choice_error"),
+        (200, '{"choices":[]}', "retry", "no_choices"),
+        (408, "", "retry", "http_408"),
+        (409, "", "retry", "http_409"),
+        (425, "", "retry", "http_425"),
+        (429, '{"error":{"message":"rate"}}', "rate_limited", "http_429"),
+        (500, "oops", "retry", "http_500"),
+        (503, "", "retry", "http_503"),
+        (400, '{"error":{"message":"bad model"}}', "fail", "http_400"),
+        (401, '{"error":{"message":"no auth"}}', "fail", "http_401"),
+        (403, '{"error":{"message":"moderated"}}', "fail", "http_403"),
+        (402, '{"error":{"message":"Insufficient credits"}}', "payment", "http_402"),
+        (404, '{"error":{"message":"No endpoints found matching your data policy"}}', "unavailable", "no_endpoints"),
+        (404, '{"error":{"message":"not here"}}', "fail", "http_404"),
+    ],
+)
+def test_classify_table(status, body, kind, cls):
+    out, _ = classify_response(status, {}, body.encode())
+    assert (out.kind, out.error_class) == (kind, cls)
+
+
+def test_classify_messages_and_retry_after():
+    out, _ = classify_response(429, {"Retry-After": "7"}, b'{"error":{"message":"slow down"}}')
+    assert out.retry_after == 7.0 and out.message == "slow down"
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:10 GMT", now=1445412480.0) == 10.0
+    assert parse_retry_after("soon") is None and parse_retry_after(None) is None
+
+
+def _events(raw: bytes, step: int):
+    dec = SSEDecoder()
+    out = []
+    for i in range(0, len(raw), step):
+        out += list(dec.feed(raw[i : i + step]))
+    out += list(dec.close())
+    return [e.data for e in out], dec.comments
+
+
+def test_sse_decoder_any_split_crlf_comments_multiline():
+    raw = (
+        ": OPENROUTER PROCESSING\r\n\r\n"
+        'data: {"a": "é"}\r\n\r\n'
+        "data: line1\ndata: line2\n\n"
+        "event: x\r"
+        "data:nospace\r\r"
+        ": OPENROUTER PROCESSING\n\n"
+        "data: [DONE]"  # no trailing blank line: still delivered at close
+    ).encode()
+    expected = ['{"a": "é"}', "line1\nline2", "nospace", "[DONE]"]
+    for step in range(1, 12):
+        data, comments = _events(raw, step)
+        assert data == expected, step
+        assert comments == ["OPENROUTER PROCESSING", "OPENROUTER PROCESSING"]
+
+
+def _chunk(delta=None, finish=None, **extra):
+    choice = {"index": 0, "delta": delta or {}, "finish_reason": finish}
+    choice.update(extra.pop("choice_extra", {}))
+    return {"id": "gen-1", "object": "chat.completion.chunk", "created": 5, "model": "m", "provider": "p",
+            "choices": [choice], **extra}
+
+
+def test_stream_assembler_builds_the_non_streamed_shape():
+    asm = StreamAssembler()
+    asm.add(_chunk({"role": "assistant", "content": "", "reasoning": "Let me "}, choice_extra={"token_ids": [1, 2]},
+                   prompt_token_ids=[9, 9]))
+    asm.add(_chunk({"content": "", "reasoning": "think."}, choice_extra={"token_ids": [3]}))
+    asm.add(_chunk({"content": "Hel", "reasoning_details": [{"type": "reasoning.text", "text": "a", "index": 0}]}))
+    asm.add(_chunk({"content": "lo", "reasoning_details": [{"type": "reasoning.text", "text": "b", "index": 0}]}))
+    asm.add(_chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                    "function": {"name": "f", "arguments": ""}}]}))
+    asm.add(_chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"x":'}}]}))
+    asm.add(_chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}))
+    asm.add(_chunk({}, "tool_calls", choice_extra={"native_finish_reason": "tool_calls", "token_ids": [4]},
+                   usage={"prompt_tokens": 2, "completion_tokens": 4, "cost": 0.5}))
+    assert asm.finished and not asm.errors
+    assert asm.result() == {
+        "id": "gen-1",
+        "object": "chat.completion",
+        "created": 5,
+        "model": "m",
+        "provider": "p",
+        "prompt_token_ids": [9, 9],
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": "Hello",
+                    "reasoning": "Let me think.",
+                    "tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                    "function": {"name": "f", "arguments": '{"x":1}'}}],
+                    "reasoning_details": [{"type": "reasoning.text", "text": "ab", "index": 0}],
+                },
+                "finish_reason": "tool_calls",
+                "token_ids": [1, 2, 3, 4],
+                "native_finish_reason": "tool_calls",
+            }
+        ],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 4, "cost": 0.5},
+    }
+
+
+def test_stream_assembler_sees_errors_and_truncation():
+    asm = StreamAssembler()
+    asm.add(_chunk({"content": "par"}))
+    assert not asm.finished  # cut short: no finish_reason
+    asm.add(_chunk({"content": ""}, "error", error={"code": 502, "message": "mid-stream"}))
+    assert asm.errors == [{"code": 502, "message": "mid-stream"}]
+
+
+def test_cost_and_budget_reservations():
+    prices = Prices(prompt=1.0, completion=2.0)
+    assert cost_of({"cost": 0.25, "prompt_tokens": 10}, prices) == 0.25
+    assert cost_of({"prompt_tokens": 1_000_000, "completion_tokens": 500_000}, prices) == 2.0
+    assert cost_of({"prompt_tokens": 1}, None) is None
+
+    b = Budget(max_cost=1.0, prices=prices)  # each request reserves 0.3 (100k prompt + 100k completion)
+    r = [b.admit(100_000, 100_000) for _ in range(4)]
+    assert r[:3] == [pytest.approx(0.3)] * 3 and r[3] is None and not b.exhausted  # waits: 0.9 reserved
+    b.settle(r[0], 0.05, 1000)
+    assert b.spent == pytest.approx(0.05) and b.reserved == pytest.approx(0.6)
+    assert b.admit(100_000, 100_000) == pytest.approx(0.3)  # 0.05 + 0.6 + 0.3 <= 1.0
+    assert b.admit(100_000, 100_000) is None  # 0.05 + 0.9 + 0.3 > 1.0
+
+
+def test_budget_never_crosses_the_cap():
+    b = Budget(max_cost=1.0, prices=Prices(prompt=0.0, completion=1.0))
+    sent = []
+    while True:
+        r = b.admit(0, 300_000)  # 0.3 worst case each
+        if r is None:
+            if b.exhausted:
+                break
+            b.settle(sent.pop(0), 0.3)  # the worst case happens every time
+            continue
+        sent.append(r)
+        assert b.spent + b.reserved <= 1.0 + 1e-9
+    for r in sent:
+        b.settle(r, 0.3)
+    assert b.spent <= 1.0 + 1e-9 and b.exhausted
+
+
+def test_budget_without_prices_learns_from_the_first_response():
+    b = Budget(max_cost=1.0, prices=None)
+    first = b.admit(10, 100)
+    assert first == 0.0 and b.admit(10, 100) is None and not b.exhausted  # one at a time until priced
+    b.settle(first, 0.011, 110)  # 0.0001 per token
+    assert b.admit(10, 100) == pytest.approx(0.011)
+    b2 = Budget(max_cost=1.0, prices=None)
+    b2.settle(b2.admit(1, 1), None, 0)  # a response without cost: the cap cannot be kept
+    assert b2.unpriced and b2.exhausted
+
+
+def test_aimd_limiter_halves_once_per_window_then_recovers():
+    lim = AIMDLimiter(ceiling=64, floor=2)
+    assert lim.on_rate_limited(sent_at=9.0, now=10.0) and lim.limit == 32
+    assert not lim.on_rate_limited(sent_at=9.5, now=10.5) and lim.limit == 32  # sent before the cut: same burst
+    assert lim.on_rate_limited(sent_at=10.2, now=11.0) and lim.limit == 16
+    for _ in range(200):
+        lim.on_success()
+    assert 16 < lim.limit <= 64
+    for i in range(10):
+        lim.on_rate_limited(sent_at=20.0 + i, now=20.0 + i)
+    assert lim.limit == 2  # the floor
+
+
+def test_api_key_scrubbing(monkeypatch):
+    monkeypatch.setenv("TB_TEST_KEY", "sk-or-v1-secret123")
+    key = read_api_key("TB_TEST_KEY")
+    assert "secret123" not in repr(key) and "secret123" not in str(key)
+    assert scrub("failed with Bearer sk-or-v1-secret123!", key) == "failed with Bearer ***!"
+    assert scrub_bytes(b"echo sk-or-v1-secret123", key) == b"echo ***"
+    monkeypatch.delenv("TB_TEST_KEY")
+    with pytest.raises(MissingApiKey, match="TB_TEST_KEY"):
+        read_api_key("TB_TEST_KEY")
+    assert isinstance(ApiKey("X", "v").value, str)
+
+
+def test_progress_plain_when_not_a_tty_and_rich_on_request():
+    import asyncio
+    import io
+
+    from tokenbridge.generate.engine import EngineStats
+    from tokenbridge.generate.progress import Reporter, format_line
+
+    stats = EngineStats(total=10, done=4, failed=1, spent=0.25, in_flight=3, limit=8.0)
+    stats.errors.update({"http_429": 3, "timeout": 1})
+    line = format_line(stats)
+    assert line.startswith("[generate] 4/10 done, 1 failed, ")
+    assert "$0.2500 spent" in line and "errors: http_429=3 timeout=1" in line and "ETA" in line
+    assert Reporter("auto", out=io.StringIO()).mode == "plain"
+
+    async def show(mode: str) -> str:
+        out = io.StringIO()
+        rep = Reporter(mode, out=out)
+        rep.start(stats)
+        await asyncio.sleep(0.3)
+        await rep.close()
+        return out.getvalue()
+
+    plain = asyncio.run(show("plain"))
+    assert plain.strip().splitlines()[-1] == format_line(stats)
+    rich_text = asyncio.run(show("rich"))
+    assert "1 failed" in rich_text and "http_429=3" in rich_text and "$0.2500" in rich_text
