@@ -101,13 +101,291 @@ def inspect(
 # --- generate / probe ------------------------------------------------------------------
 
 
+def _csv(value: Optional[str]) -> Optional[list[str]]:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+@app.command()
+def generate(
+    prompts: Optional[list[str]] = typer.Argument(
+        None,
+        help="Prompt datasets: PATH or NAME=PATH (JSONL, Parquet, HF save_to_disk folder, folder of files); "
+        "given here, they replace the config's datasets.",
+    ),
+    out: Path = typer.Option(..., "--out", "-o", help="Run folder (state.sqlite, exchanges.jsonl); rerun to resume."),
+    base_url: Optional[str] = typer.Option(None, "--base-url", help="API base, e.g. https://openrouter.ai/api/v1."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model id, e.g. moonshotai/kimi-k2.5."),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", "-c", min=1, help="Requests in flight at most."),
+    max_attempts: Optional[int] = typer.Option(None, "--max-attempts", min=1, help="Attempts per sample per run."),
+    stream: Optional[bool] = typer.Option(None, "--stream/--no-stream", help="Use SSE streaming."),
+    max_cost: Optional[float] = typer.Option(None, "--max-cost", min=0, help="Stop before spending more (USD, run folder total)."),
+    config: Optional[Path] = typer.Option(None, "--config", exists=True, dir_okay=False, help="TOML/YAML settings."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Count prompt tokens and estimate cost; send nothing."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", "-t", help="Tokenizer folder (for --dry-run)."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=0, help="At most N samples per dataset."),
+    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help="Env variable holding the key."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1),
+    temperature: Optional[float] = typer.Option(None, "--temperature"),
+    top_p: Optional[float] = typer.Option(None, "--top-p"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    n: Optional[int] = typer.Option(None, "--n", min=1, help="Choices per prompt."),
+    reasoning: Optional[str] = typer.Option(None, "--reasoning", help="Effort (low|medium|high), or on / off."),
+    provider_order: Optional[str] = typer.Option(None, "--provider-order", help="Comma list: try these first."),
+    provider_only: Optional[str] = typer.Option(None, "--provider-only", help="Comma list: only these."),
+    provider_ignore: Optional[str] = typer.Option(None, "--provider-ignore", help="Comma list: never these."),
+    quantizations: Optional[str] = typer.Option(None, "--quantizations", help="Comma list, e.g. int4,fp8."),
+    fallbacks: Optional[bool] = typer.Option(None, "--fallbacks/--no-fallbacks", help="provider.allow_fallbacks."),
+    progress: Optional[str] = typer.Option(None, "--progress", help="auto | rich | plain | none."),
+    summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the run summary here."),
+) -> None:
+    """Send every prompt to the API once and store each response verbatim (resumable)."""
+    from .chat import DialectError
+    from .generate import (
+        ConfigError,
+        GenerateSettings,
+        MissingApiKey,
+        PromptSourceError,
+        StoreError,
+        dry_run as _dry_run,
+        generate_run,
+        load_config,
+        parse_dataset_arg,
+    )
+    from .generate.settings import normalize_provider, normalize_reasoning
+    from .tokenizer import TokenizerError
+
+    try:
+        settings = load_config(config) if config else GenerateSettings()
+        if prompts:
+            settings = settings.with_overrides(datasets=tuple(parse_dataset_arg(p) for p in prompts))
+        provider = dict(settings.request.provider or {})
+        for key, value in (("order", _csv(provider_order)), ("only", _csv(provider_only)),
+                           ("ignore", _csv(provider_ignore)), ("quantizations", _csv(quantizations)),
+                           ("allow_fallbacks", fallbacks)):
+            if value is not None:
+                provider[key] = value
+        settings = settings.with_overrides(
+            base_url=base_url, concurrency=concurrency, max_attempts=max_attempts, stream=stream,
+            max_cost=max_cost, tokenizer=tokenizer, limit=limit, api_key_env=api_key_env, progress=progress,
+            request={
+                "model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                "n": n, "reasoning": normalize_reasoning(reasoning, "--reasoning") if reasoning else None,
+                "provider": normalize_provider(provider, "provider flags") if provider else None,
+            },
+        )
+        if dry_run:
+            report = _dry_run(settings, out)
+            for line in report.lines():
+                typer.echo(line)
+            if summary_json:
+                summary_json.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+            return
+        summary = generate_run(settings, out)
+    except (ConfigError, PromptSourceError, MissingApiKey, StoreError, TokenizerError, DialectError) as exc:
+        _fail(str(exc))
+    typer.echo(
+        f"{summary.done} done this run ({summary.already_done} before), {summary.failed} failed, "
+        f"{summary.pending} pending, {len(summary.bad_rows)} bad rows; {summary.requests} requests, "
+        f"${summary.spent_run:.4f} this run (${summary.spent_total:.4f} total) in {summary.elapsed_s:.1f}s"
+    )
+    for f in summary.failures[:10]:
+        typer.echo(f"failed: {f['id']}: {f['error_class']}: {f['error']}", err=True)
+    if summary.stop_reason:
+        typer.echo(f"stopped: {summary.stop_reason} (rerun the same command to continue)", err=True)
+    typer.echo(f"exchanges: {summary.exchanges}")
+    if summary_json:
+        summary_json.write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
+    raise typer.Exit(summary.exit_code)
+
+
+@app.command()
+def probe(
+    model: str = typer.Option(..., "--model", "-m", help="Model id, e.g. moonshotai/kimi-k2.5."),
+    providers: str = typer.Option(..., "--providers", help="Comma list of providers, e.g. chutes/int4,siliconflow/int4."),
+    base_url: str = typer.Option("https://openrouter.ai/api/v1", "--base-url", help="API base URL."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full results as JSON here."),
+    tokenizer: Optional[str] = typer.Option(
+        None, "--tokenizer", "-t", help="Tokenizer folder (default: ../shared/tokenizers/kimi-k2.5)."
+    ),
+    max_tokens: int = typer.Option(2048, "--max-tokens", min=1),
+    reasoning: Optional[str] = typer.Option(None, "--reasoning", help="Effort (low|medium|high), or on / off."),
+    api_key_env: str = typer.Option("OPENROUTER_API_KEY", "--api-key-env", help="Env variable holding the key."),
+) -> None:
+    """Pin each provider, send probe prompts, and report what survives reconstruction."""
+    from rich.console import Console
+
+    from .generate import MissingApiKey, probe as _probe, read_api_key, render_table
+    from .generate.run import is_local_url
+    from .generate.settings import ConfigError, normalize_reasoning
+    from .tokenizer import TokenizerError, load_tokenizer
+
+    source = tokenizer or "../shared/tokenizers/kimi-k2.5"
+    try:
+        tok = load_tokenizer(source)
+        key = read_api_key(api_key_env, required=not is_local_url(base_url))
+        effort = normalize_reasoning(reasoning, "--reasoning") if reasoning else None
+    except (TokenizerError, MissingApiKey, ConfigError) as exc:
+        _fail(str(exc))
+    names = _csv(providers) or []
+    if not names:
+        _fail("--providers: give at least one provider")
+    reports = _probe(model=model, providers=names, base_url=base_url, key=key, tokenizer=tok,
+                     max_tokens=max_tokens, reasoning=effort)
+    Console(highlight=False).print(render_table(reports))
+    if json_out:
+        data = {"model": model, "base_url": base_url, "providers": [r.to_dict() for r in reports]}
+        json_out.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 # --- emulator --------------------------------------------------------------------------
+
+
+@app.command()
+def emulator(
+    port: int = typer.Option(8000, "--port", "-p", help="Port to listen on (0 = any free port)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (keep it loopback)."),
+    latency_ms: Optional[float] = typer.Option(None, "--latency-ms", help="Time to first byte, ms, for every provider."),
+    fault_rate: Optional[float] = typer.Option(
+        None, "--fault-rate", help="Share of requests that get a transport fault (429/5xx/malformed/...)."
+    ),
+    config: Optional[Path] = typer.Option(
+        None, "--config", "-c", exists=True, dir_okay=False, help="Emulator config (TOML or YAML)."
+    ),
+    tokenizer: Optional[str] = typer.Option(
+        None, "--tokenizer", "-t", help="Tokenizer folder (default: ../shared/tokenizers/kimi-k2.5)."
+    ),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for outputs, quirks and faults."),
+) -> None:
+    """Serve a loopback OpenRouter-compatible API backed by a synthetic model (for dry runs)."""
+    import dataclasses
+
+    from .emulator import DEFAULT_TOKENIZER, ConfigError, EmulatorConfig, load_emulator_config, serve
+    from .tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        cfg = load_emulator_config(config) if config else EmulatorConfig()
+        overrides = {"latency_ms": latency_ms, "fault_rate": fault_rate, "seed": seed}
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+        if latency_ms is not None:  # the flag wins over per-provider latencies too
+            cfg = dataclasses.replace(
+                cfg, providers=tuple(dataclasses.replace(p, latency_ms=None) for p in cfg.providers)
+            )
+    except ConfigError as exc:
+        _fail(str(exc))
+    source = tokenizer or cfg.tokenizer or (str(DEFAULT_TOKENIZER) if DEFAULT_TOKENIZER.is_dir() else None)
+    if source is None:
+        _fail(f"no tokenizer: {DEFAULT_TOKENIZER} does not exist here; pass --tokenizer DIR")
+    try:
+        tok = load_tokenizer(source)
+    except TokenizerError as exc:
+        _fail(str(exc))
+    serve(cfg, tok, host=host, port=port, announce=typer.echo)
+
 
 
 # --- export / vocab / report -----------------------------------------------------------
 
 
+@app.command()
+def export(
+    input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Reconstruct output (JSONL, or .parquet)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Output folder (replaced only when the export succeeds)."),
+    fmt: str = typer.Option(..., "--format", "-f", help="specforge | speculators | parquet | conversations."),
+    include_flagged: bool = typer.Option(False, "--include-flagged", help="Also export 'flagged' rows (never 'rejected')."),
+    shard_rows: int = typer.Option(200_000, "--shard-rows", help="Parquet: rows per shard at most."),
+    row_group_rows: int = typer.Option(1000, "--row-group-rows", help="Parquet: rows per row group."),
+) -> None:
+    """Write validated training rows in a trainer's format."""
+    from .export import FORMATS, ExportError, export_file
+
+    if fmt not in FORMATS:
+        raise typer.BadParameter(f"{fmt!r}: choose one of {', '.join(FORMATS)}", param_hint="--format")
+    options = {"shard_rows": shard_rows, "row_group_rows": row_group_rows} if fmt == "parquet" else {}
+    try:
+        summary = export_file(input, output, fmt, include_flagged=include_flagged, **options)
+    except ExportError as exc:
+        _fail(str(exc))
+    skipped = summary.skipped
+    typer.echo(
+        f"{summary.rows_exported} rows ({summary.tokens} tokens, {summary.completion_tokens} under the loss mask) "
+        f"→ {output} [{fmt}]; skipped {skipped['flagged']} flagged, {skipped['rejected']} rejected"
+    )
+
+
+@app.command()
+def vocab(
+    input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Reconstruct output (JSONL, or .parquet)."),
+    draft_vocab_size: int = typer.Option(..., "--draft-vocab-size", "-n", help="Draft vocabulary size N."),
+    output: Path = typer.Option(..., "-o", "--output", help="Output folder for d2t/t2d files and vocab.json."),
+    target_vocab_size: Optional[int] = typer.Option(
+        None, "--target-vocab-size", help="Target model vocab size (the length of t2d)."
+    ),
+    tokenizer: Optional[str] = typer.Option(
+        None, "--tokenizer", "-t", help="Tokenizer folder to take the target vocab size from."
+    ),
+    include_flagged: bool = typer.Option(False, "--include-flagged", help="Also count 'flagged' rows."),
+) -> None:
+    """Build the draft vocabulary (d2t / t2d) from token frequencies under the loss mask."""
+    from .export import ExportError, build_vocab
+
+    if target_vocab_size is None:
+        if tokenizer is None:
+            raise typer.BadParameter("give --target-vocab-size or --tokenizer", param_hint="--target-vocab-size")
+        from .tokenizer import TokenizerError, load_tokenizer
+
+        try:
+            target_vocab_size = load_tokenizer(tokenizer).vocab_size
+        except TokenizerError as exc:
+            _fail(str(exc))
+    try:
+        summary = build_vocab(input, draft_vocab_size, output, target_vocab_size, include_flagged=include_flagged)
+    except (ExportError, ValueError) as exc:
+        _fail(str(exc))
+    typer.echo(
+        f"draft vocab {summary.draft_vocab_size} of {summary.target_vocab_size}: coverage {summary.coverage:.2%} of "
+        f"{summary.masked_tokens} masked tokens ({summary.distinct_tokens} distinct; {summary.filled_unseen} unseen "
+        f"ids filled) → {output}"
+    )
+    for name, why in summary.skipped_files.items():
+        typer.echo(f"not written: {name} ({why})", err=True)
+
+
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="Run folder (needs reconstructed.jsonl)."),
+) -> None:
+    """Write RUN/report/report.html + report.json and print the same numbers."""
+    from rich.console import Console
+
+    from .report import ReportError, build_report, print_summary
+
+    try:
+        html = build_report(run_dir)
+    except ReportError as exc:
+        _fail(str(exc))
+    data = json.loads((html.parent / "report.json").read_text(encoding="utf-8"))
+    print_summary(data, Console(highlight=False))
+    typer.echo(f"report: {html}")
+
+
 # --- run -------------------------------------------------------------------------------
+
+
+@app.command()
+def run(
+    config: Path = typer.Argument(..., exists=True, dir_okay=False, help="Pipeline config (TOML)."),
+) -> None:
+    """Datasets → generate → reconstruct → export → vocab → report, each stage resumable."""
+    from .pipeline import PipelineError, load_run_config, run_pipeline
+
+    try:
+        cfg = load_run_config(config)
+        results = run_pipeline(cfg, echo=lambda line: typer.echo(line))
+    except PipelineError as exc:
+        _fail(str(exc), 1)
+    ran = ", ".join(f"{r.name} {r.status}" for r in results)
+    typer.echo(f"done: {ran}")
+    typer.echo(f"results in {cfg.out} (reconstructed.jsonl, export/, vocab/, report/report.html)")
 
 
 def main() -> None:
