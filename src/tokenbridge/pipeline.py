@@ -1,0 +1,265 @@
+"""``tokenbridge run CONFIG``: datasets → generate → reconstruct → export → vocab → report.
+
+Every stage is resumable and skipped when already done: a stage records a fingerprint
+of its inputs (content hashes) and settings in ``RUN/pipeline.json`` after it finishes,
+and runs again only when that fingerprint changes or its output is gone. Generation
+resumes from its own store, so re-running after a crash continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tomllib
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from .checks import Policy
+
+__all__ = ["PipelineError", "RunConfig", "StageResult", "load_run_config", "run_pipeline"]
+
+_SECTIONS = {"run", "emulator", "generate", "reconstruct", "export", "vocab", "report"}
+_BUILTIN = "builtin:"
+
+
+class PipelineError(Exception):
+    """A config or stage error; the message names the file and key or stage."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    source: Path
+    out: Path
+    tokenizer: str
+    dialect: str | None
+    generate: Mapping[str, Any]
+    emulator: Path | None
+    emulator_overrides: Mapping[str, Any]
+    policy: Policy
+    export_formats: tuple[str, ...]
+    include_flagged: bool
+    draft_vocab_size: int | None
+    report: bool
+
+
+@dataclass
+class StageResult:
+    name: str
+    status: str  # "ran" | "skipped"
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def _builtin_path(value: str) -> str:
+    """``builtin:prompts/chat.jsonl`` → the file shipped inside the package."""
+    rel = value[len(_BUILTIN):].strip("/")
+    path = Path(str(resources.files("tokenbridge") / "data" / rel))
+    if not path.exists():
+        raise PipelineError(f"{value}: no such built-in data (have: {', '.join(_builtin_names())})")
+    return str(path)
+
+
+def _builtin_names() -> list[str]:
+    root = Path(str(resources.files("tokenbridge") / "data"))
+    return sorted(f"{_BUILTIN}{p.relative_to(root)}" for p in root.rglob("*.jsonl"))
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PipelineError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise PipelineError(f"{path}: not valid TOML ({exc})") from None
+    unknown = set(data) - _SECTIONS
+    if unknown:
+        raise PipelineError(f"{path}: unknown section(s) {sorted(unknown)}; known: {sorted(_SECTIONS)}")
+    base = path.parent
+    run = dict(data.get("run") or {})
+    where = lambda key: f"{path}: [run] {key}"  # noqa: E731
+
+    def rel(value: str) -> str:
+        return value if Path(value).is_absolute() else str((base / value).resolve())
+
+    if "tokenizer" not in run:
+        raise PipelineError(f"{where('tokenizer')}: missing (a tokenizer folder or Hub repo id)")
+    tokenizer = str(run.pop("tokenizer"))
+    if tokenizer.startswith((".", "/", "~")) or (base / tokenizer).exists():
+        tokenizer = rel(tokenizer)
+    out = Path(rel(str(run.pop("out", "runs/" + path.stem))))
+    dialect = run.pop("dialect", None)
+    if run:
+        raise PipelineError(f"{path}: [run] unknown key(s) {sorted(run)}")
+
+    gen = dict(data.get("generate") or {})
+    datasets = []
+    for i, d in enumerate(gen.pop("datasets", None) or []):
+        d = dict(d)
+        if isinstance(d.get("path"), str):
+            d["path"] = _builtin_path(d["path"]) if d["path"].startswith(_BUILTIN) else rel(d["path"])
+        datasets.append(d)
+    gen["datasets"] = datasets
+    gen.setdefault("tokenizer", tokenizer)
+
+    emu = dict(data.get("emulator") or {})
+    emulator = None
+    if data.get("emulator") is not None:
+        cfg = emu.pop("config", None)
+        emulator = Path(rel(cfg)) if cfg else Path("")
+    rec = dict(data.get("reconstruct") or {})
+    severities = dict(rec.pop("severity", None) or {})
+    try:
+        policy = Policy(severities=severities, usage_tolerance=int(rec.pop("usage_tolerance", 0)))
+    except ValueError as exc:
+        raise PipelineError(f"{path}: [reconstruct] {exc}") from None
+    if rec:
+        raise PipelineError(f"{path}: [reconstruct] unknown key(s) {sorted(rec)}")
+    exp = dict(data.get("export") or {})
+    formats = tuple(exp.pop("formats", ("specforge", "speculators", "parquet", "conversations")))
+    include_flagged = bool(exp.pop("include_flagged", False))
+    if exp:
+        raise PipelineError(f"{path}: [export] unknown key(s) {sorted(exp)}")
+    vocab = dict(data.get("vocab") or {})
+    size = vocab.pop("draft_vocab_size", None)
+    if vocab:
+        raise PipelineError(f"{path}: [vocab] unknown key(s) {sorted(vocab)}")
+    report = dict(data.get("report") or {})
+    enabled = bool(report.pop("enabled", True))
+    if report:
+        raise PipelineError(f"{path}: [report] unknown key(s) {sorted(report)}")
+    return RunConfig(
+        source=path, out=out, tokenizer=tokenizer, dialect=dialect, generate=gen, emulator=emulator,
+        emulator_overrides=emu, policy=policy, export_formats=formats, include_flagged=include_flagged,
+        draft_vocab_size=int(size) if size is not None else None, report=enabled,
+    )
+
+
+# --- stage bookkeeping -------------------------------------------------------------------
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fingerprint(inputs: list[Path], settings: Any) -> str:
+    h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    for p in inputs:
+        h.update(_digest(p).encode() if p.exists() else b"-")
+    return h.hexdigest()
+
+
+class _State:
+    """RUN/pipeline.json: one fingerprint per finished stage, written atomically."""
+
+    def __init__(self, out: Path):
+        self.path = out / "pipeline.json"
+        try:
+            self.data: dict[str, Any] = json.loads(self.path.read_text(encoding="utf-8"))
+        except (FileNotFoundError, ValueError):
+            self.data = {}
+
+    def done(self, stage: str, fingerprint: str, output: Path) -> bool:
+        return self.data.get(stage, {}).get("fingerprint") == fingerprint and output.exists()
+
+    def record(self, stage: str, fingerprint: str, detail: Mapping[str, Any]) -> None:
+        self.data[stage] = {"fingerprint": fingerprint, **detail}
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[StageResult]:
+    """Run every stage in order; returns what each stage did. Raises PipelineError."""
+    from .emulator import load_emulator_config, running_emulator
+    from .export import build_vocab, export_file
+    from .generate import generate_run, settings_from_mapping
+    from .reconstruct import reconstruct_file
+    from .report import build_report
+    from .tokenizer import load_tokenizer
+
+    out = cfg.out
+    out.mkdir(parents=True, exist_ok=True)
+    state = _State(out)
+    tok = load_tokenizer(cfg.tokenizer)
+    results: list[StageResult] = []
+
+    # 1. generate (resumes from its store; done samples are never sent again)
+    settings = settings_from_mapping(cfg.generate, source=str(cfg.source), base_dir=cfg.source.parent)
+    if cfg.emulator is not None:
+        emu_cfg = load_emulator_config(cfg.emulator) if str(cfg.emulator) else None
+        if emu_cfg is not None and cfg.emulator_overrides:
+            from dataclasses import replace
+
+            emu_cfg = replace(emu_cfg, **cfg.emulator_overrides)
+        context = running_emulator(emu_cfg, tokenizer=tok)
+    else:
+        context = nullcontext(None)
+    with context as url:
+        if url is not None:
+            settings = settings.with_overrides(base_url=url)
+            echo(f"generate: built-in emulator at {url}")
+        summary = generate_run(settings, out)
+    exchanges = out / "exchanges.jsonl"
+    gen_detail = {"done": summary.done, "failed": summary.failed, "spent_usd": summary.spent_total,
+                  "stop_reason": summary.stop_reason, "exit_code": summary.exit_code}
+    results.append(StageResult("generate", "ran", gen_detail))
+    echo(f"generate: {gen_detail}")
+    if summary.stop_reason:
+        raise PipelineError(f"generate stopped ({summary.stop_reason}); fix it and run the same command again")
+    if not exchanges.exists():
+        raise PipelineError(f"generate wrote no {exchanges}")
+
+    # 2. reconstruct
+    reconstructed = out / "reconstructed.jsonl"
+    fp = _fingerprint([exchanges], {"tokenizer": cfg.tokenizer, "dialect": cfg.dialect,
+                                    "policy": dict(cfg.policy.severities), "tol": cfg.policy.usage_tolerance})
+    if state.done("reconstruct", fp, reconstructed):
+        results.append(StageResult("reconstruct", "skipped"))
+    else:
+        rs = reconstruct_file(exchanges, reconstructed, tok, dialect=cfg.dialect, policy=cfg.policy)
+        detail = rs.to_dict()
+        state.record("reconstruct", fp, {"status": detail["status"], "bad_lines": len(rs.bad_lines)})
+        results.append(StageResult("reconstruct", "ran", detail))
+    echo(f"reconstruct: {results[-1].status} → {reconstructed} {state.data['reconstruct'].get('status')}")
+
+    # 3. export, one stage per format
+    for fmt in cfg.export_formats:
+        target = out / "export" / fmt
+        fp = _fingerprint([reconstructed], {"format": fmt, "include_flagged": cfg.include_flagged})
+        if state.done(f"export:{fmt}", fp, target):
+            results.append(StageResult(f"export:{fmt}", "skipped"))
+        else:
+            es = export_file(reconstructed, target, fmt, include_flagged=cfg.include_flagged)
+            detail = {"rows": es.rows_exported, "skipped": es.skipped}
+            state.record(f"export:{fmt}", fp, detail)
+            results.append(StageResult(f"export:{fmt}", "ran", detail))
+        echo(f"export {fmt}: {results[-1].status} → {target} {state.data[f'export:{fmt}'].get('rows')} rows")
+
+    # 4. draft vocabulary
+    if cfg.draft_vocab_size:
+        target = out / "vocab"
+        fp = _fingerprint([reconstructed], {"size": cfg.draft_vocab_size, "include_flagged": cfg.include_flagged})
+        if state.done("vocab", fp, target):
+            results.append(StageResult("vocab", "skipped"))
+        else:
+            vs = build_vocab(reconstructed, cfg.draft_vocab_size, target, target_vocab_size=tok.vocab_size,
+                             include_flagged=cfg.include_flagged)
+            detail = {"coverage": vs.coverage, "distinct_tokens": vs.distinct_tokens}
+            state.record("vocab", fp, detail)
+            results.append(StageResult("vocab", "ran", detail))
+        echo(f"vocab: {results[-1].status} → {target} (coverage {state.data['vocab'].get('coverage'):.4f})")
+
+    # 5. report (cheap; always rebuilt so it reflects the latest run)
+    if cfg.report:
+        html = build_report(out)
+        results.append(StageResult("report", "ran", {"html": str(html)}))
+        echo(f"report: {html}")
+    return results
