@@ -20,3 +20,4 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/bench_reconstruct.py
+	$(PY) bench/bench_generate.py
