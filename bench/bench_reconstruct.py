@@ -20,7 +20,6 @@ import glob
 import json
 import os
 import random
-import resource
 import subprocess
 import sys
 import sysconfig

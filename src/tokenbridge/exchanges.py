@@ -13,7 +13,7 @@ from typing import Any, Iterator, Mapping
 
 import orjson
 
-__all__ = ["Exchange", "RecordError", "dumps_line", "iter_lines", "loads_line", "parse_exchange"]
+__all__ = ["Exchange", "RecordError", "dumps_line", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
 
 
 class RecordError(ValueError):
@@ -23,6 +23,7 @@ class RecordError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.detail = message
+        self.line: int | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,22 @@ def loads_line(line: str) -> Any:
         return json.loads(line)
     except json.JSONDecodeError as exc:
         raise RecordError("<line>", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+
+
+def iter_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line of a JSONL file, lazily; a line
+    that is not a JSON object raises RecordError with field ``<line>``."""
+    for lineno, line in iter_lines(path):
+        try:
+            obj = loads_line(line)
+        except RecordError as exc:
+            exc.line = lineno
+            raise
+        if not isinstance(obj, dict):
+            err = RecordError("<line>", f"must be a JSON object, got {type(obj).__name__}")
+            err.line = lineno
+            raise err
+        yield lineno, obj
 
 
 def dumps_line(obj: Any) -> bytes:

@@ -11,12 +11,14 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..exchanges import RecordError, iter_objects
+
 __all__ = ["ExportError", "iter_records", "STATUSES"]
 
 #: Every status a reconstructed row may carry.
 STATUSES = ("ok", "flagged", "rejected")
 #: Parquet columns that reconstruct stores as JSON text.
-_JSON_TEXT_FIELDS = ("usage", "messages")
+_JSON_TEXT_FIELDS = ("usage", "messages", "tools")
 _PARQUET_BATCH_ROWS = 256
 
 
@@ -44,17 +46,10 @@ def iter_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ExportError(path, lineno, "<line>", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(record, dict):
-                raise ExportError(path, lineno, "<line>", f"must be a JSON object, got {type(record).__name__}")
-            yield lineno, record
+    try:
+        yield from iter_objects(path)
+    except RecordError as exc:
+        raise ExportError(path, exc.line, exc.field, exc.detail) from None
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:

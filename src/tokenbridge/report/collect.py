@@ -7,7 +7,6 @@ Everything returned is plain JSON data; ``report.json`` is exactly this dict.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from array import array
@@ -17,6 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from ..exchanges import RecordError, iter_objects
 from ..export.source import iter_records
 
 __all__ = ["ReportError", "collect_run", "RECONSTRUCTED_NAMES"]
@@ -205,16 +205,8 @@ def _exchanges_section(path: Path) -> dict[str, Any]:
     priced = 0
     per_provider: dict[str, dict[str, float]] = defaultdict(lambda: {"exchanges": 0, "cost": 0.0, "latency_s": 0.0,
                                                                      "latency_n": 0, "completion_tokens": 0})
-    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ReportError(f"{path}:{lineno}: <line>: not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict):
-                raise ReportError(f"{path}:{lineno}: <line>: must be a JSON object")
+    try:
+        for lineno, rec in iter_objects(path):
             count += 1
             meta = rec.get("meta") if isinstance(rec.get("meta"), dict) else {}
             response = rec.get("response") if isinstance(rec.get("response"), dict) else {}
@@ -249,6 +241,8 @@ def _exchanges_section(path: Path) -> dict[str, Any]:
                 cost.append(c or 0.0)
                 completion.append(n_completion)
                 prompt.append(n_prompt)
+    except RecordError as exc:
+        raise ReportError(f"{path}:{exc.line}: {exc.field}: {exc.detail}") from None
     out: dict[str, Any] = {
         "count": count, "errors": errors, "attempts": attempts,
         "cost_total": cost_total if priced else None, "priced": priced,
