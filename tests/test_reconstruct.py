@@ -256,3 +256,40 @@ def test_property_no_findings_means_exact_roundtrip(kimi, reasoning, content):
     assert row["input_ids"] == row["prompt_ids"] + ids
     assert sum(row["loss_mask"]) == len(ids) and len(row["loss_mask"]) == len(row["input_ids"])
     json.dumps(row)  # serialisable as it stands
+
+
+def _trigger(kimi, code):
+    """A record that must raise ``code`` (and nothing a clean sample raises)."""
+    if code in {c for _, expected in CASES.values() for c in expected}:
+        kwargs = next(kw for kw, expected in CASES.values() if code in expected)
+        return make(kimi, **kwargs)
+    if code == "structured_tool_calls":
+        return make(kimi, content="", tool_calls=[{"id": "functions.f:0", "type": "function",
+                                                   "function": {"name": "f", "arguments": "{}"}}])
+    if code == "reasoning_unexpected":
+        return make(kimi, reasoning="r", content="ok", finish="stop",
+                    request={"messages": PROMPT, "reasoning": {"effort": "none"}})
+    if code == "stop_sequence":
+        return make(kimi, content="ok", finish="stop", request={"messages": PROMPT, "stop": "END"})
+    rec = make(kimi, content="Hello", finish="stop")
+    if code == "usage_prompt_mismatch":
+        rec["response"]["usage"]["prompt_tokens"] += 3
+    elif code == "usage_completion_mismatch":
+        rec["response"]["usage"]["completion_tokens"] += 3
+    elif code == "roundtrip_mismatch":
+        rec["response"]["choices"][0]["message"]["content"] = "x\udfff"
+        rec["response"].pop("usage")
+    elif code == "native_mismatch":
+        rec["native_ids"] = [1, 2, 3]
+    else:
+        raise AssertionError(f"no trigger written for {code}")
+    return rec
+
+
+@pytest.mark.parametrize("code", sorted(CODES))
+def test_every_code_is_triggered_and_absent_on_clean_samples(kimi, code):
+    row, = reconstruct_record(_trigger(kimi, code), kimi)
+    assert code in codes(row)
+    for clean in (make(kimi), make(kimi, content="Plain answer.", finish="stop"),
+                  make(kimi, reasoning=None, content="ok", finish="stop", request={"messages": PROMPT, "reasoning": {"enabled": False}})):
+        assert code not in codes(reconstruct_record(clean, kimi)[0])
