@@ -126,3 +126,31 @@ def test_not_json_line_is_reported(tmp_path, kimi):
     summary = reconstruct_file(src, tmp_path / "o.jsonl", kimi)
     assert [(b.line, b.field) for b in summary.bad_lines] == [(2, "<line>")]
     assert "not valid JSON" in summary.bad_lines[0].message
+
+
+def test_parquet_output_keeps_odd_field_types(tmp_path, kimi):
+    rec = json.loads(EXAMPLE.read_text(encoding="utf-8").splitlines()[0])
+    rec["response"]["provider"] = {"name": "X"}
+    rec["response"]["choices"][0]["index"] = "0"
+    src = tmp_path / "s.jsonl"
+    src.write_text(json.dumps(rec) + "\n", encoding="utf-8")
+    out = tmp_path / "o.parquet"
+    reconstruct_file(src, out, kimi)
+    row, = pq.read_table(out).to_pylist()
+    assert json.loads(row["provider"]) == {"name": "X"} and row["choice"] == 0
+
+
+def test_cli_inspect_survives_bad_lines_and_bad_flags(tmp_path, kimi_dir):
+    src = tmp_path / "s.jsonl"
+    lines = EXAMPLE.read_text(encoding="utf-8").splitlines()
+    src.write_text("{not json\n" + lines[1] + "\n", encoding="utf-8")
+    res = CliRunner().invoke(app, ["inspect", str(src), "-t", str(kimi_dir), "--id", "ex-tool"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, ["inspect", str(src), "-t", str(kimi_dir), "--id", "ex-tool", "--tokens", "a:b"])
+    assert res.exit_code == 2 and "--tokens" in res.output
+    res = CliRunner().invoke(app, ["inspect", str(src), "-t", str(kimi_dir), "--choice", "-1"])
+    assert res.exit_code == 2
+    broken = tmp_path / "b.jsonl"
+    broken.write_text(lines[7] + "\n", encoding="utf-8")  # the example's record with no role
+    res = CliRunner().invoke(app, ["inspect", str(broken), "-t", str(kimi_dir), "--id", "ex-broken"])
+    assert res.exit_code == 2 and "b.jsonl:1: request.messages[0].role" in res.output

@@ -271,8 +271,23 @@ def _trigger(kimi, code):
                     request={"messages": PROMPT, "reasoning": {"effort": "none"}})
     if code == "stop_sequence":
         return make(kimi, content="ok", finish="stop", request={"messages": PROMPT, "stop": "END"})
+    if code == "boundary_unproven":
+        return make(kimi, reasoning="thinking...", content=None, finish="stop", usage=False)
+    if code == "tools_declared":
+        return make(kimi, content="ok", finish="stop", request={"messages": PROMPT, "tools": [
+            {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]})
+    if code == "tool_calls_missing":
+        return make(kimi, content="I will call the tool.", finish="tool_calls")
+    if code == "reasoning_conflict":
+        return make(kimi, content="ok", finish="stop", reasoning_content="something else")
     rec = make(kimi, content="Hello", finish="stop")
-    if code == "usage_prompt_mismatch":
+    if code == "choices_unattributable":
+        second = copy.deepcopy(rec["response"]["choices"][0])
+        second["index"] = 1
+        second["message"]["content"] = "Hi</think>"
+        rec["response"]["choices"].append(second)
+        rec["response"]["usage"]["completion_tokens"] += _count(kimi, "Check the weather tool.", "Hi</think>")
+    elif code == "usage_prompt_mismatch":
         rec["response"]["usage"]["prompt_tokens"] += 3
     elif code == "usage_completion_mismatch":
         rec["response"]["usage"]["completion_tokens"] += 3
@@ -288,8 +303,85 @@ def _trigger(kimi, code):
 
 @pytest.mark.parametrize("code", sorted(CODES))
 def test_every_code_is_triggered_and_absent_on_clean_samples(kimi, code):
-    row, = reconstruct_record(_trigger(kimi, code), kimi)
+    row = reconstruct_record(_trigger(kimi, code), kimi)[0]
     assert code in codes(row)
     for clean in (make(kimi), make(kimi, content="Plain answer.", finish="stop"),
                   make(kimi, reasoning=None, content="ok", finish="stop", request={"messages": PROMPT, "reasoning": {"enabled": False}})):
         assert code not in codes(reconstruct_record(clean, kimi)[0])
+
+
+def test_marker_text_inside_a_long_run_is_still_caught(kimi):
+    # A run cut at 25,000 characters must never split marker text into ordinary tokens.
+    for content, code in (("Q" * 24995 + "</think>tail", "think_marker_in_content"),
+                          ("Q" * 24993 + "<|im_end|>Z", "eos_in_text"),
+                          ("Q" * 24996 + "<|tool_call_begin|>x", "tool_markers_malformed")):
+        row, = reconstruct_record(make(kimi, content=content, finish="stop"), kimi)
+        assert code in codes(row), content[-20:]
+
+
+def test_prompt_run_before_a_marker_is_encoded_as_the_serving_side_does(kimi):
+    run = "Q" * 24990  # shorter than the 25,000 cut on its own, longer together with <|im_end|>
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": run}]
+    row, = reconstruct_record(make(kimi, request={"messages": msgs}, content="ok", finish="stop"), kimi)
+    expected = (kimi.encode("<|im_system|>system<|im_middle|>s<|im_end|><|im_user|>user<|im_middle|>")
+                + kimi.encode(run) + kimi.encode("<|im_end|><|im_assistant|>assistant<|im_middle|><think>"))
+    assert row["prompt_ids"] == expected
+
+
+@pytest.mark.parametrize("value", [999.0, "999", None, True, "missing"])
+def test_partial_or_non_integer_usage_is_reported(kimi, value):
+    rec = make(kimi, content="ok", finish="stop")
+    if value == "missing":
+        rec["response"]["usage"].pop("completion_tokens")
+    else:
+        rec["response"]["usage"]["completion_tokens"] = value
+    row, = reconstruct_record(rec, kimi)
+    assert codes(row) == ["usage_missing"] and "completion_tokens" in row["findings"][0]["message"]
+
+
+def test_sibling_choice_with_findings_blocks_ok(kimi):
+    rec = make(kimi, content="A", finish="stop")
+    bad = copy.deepcopy(rec["response"]["choices"][0])
+    bad["index"] = 1
+    bad["message"]["content"] = ""
+    bad["message"]["tool_calls"] = [{"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    rec["response"]["choices"].append(bad)
+    # make the summed usage agree, so only the sibling rule can reject choice 0
+    rec["response"]["usage"]["completion_tokens"] = sum(len(r["completion_ids"]) for r in reconstruct_record(rec, kimi))
+    rows = reconstruct_record(rec, kimi)
+    assert "structured_tool_calls" in codes(rows[1])
+    assert codes(rows[0]) == ["choices_unattributable"] and rows[0]["status"] == "rejected"
+
+
+def test_response_content_as_list_of_parts(kimi):
+    rec = make(kimi, content="Hello there", finish="stop")
+    rec["response"]["choices"][0]["message"]["content"] = [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]
+    row, = reconstruct_record(rec, kimi)
+    assert row["status"] == "ok" and kimi.decode(row["completion_ids"]).endswith("</think>Hello there<|im_end|>")
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda r: r["request"]["messages"].insert(1, {"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}),
+         "request.messages[1].tool_calls[0].function"),
+        (lambda r: r["request"]["messages"].insert(1, {"role": "assistant", "content": "", "tool_calls": [{"id": "x", "function": {"name": "f"}}]}),
+         "request.messages[1].tool_calls[0].function.arguments"),
+        (lambda r: r["request"]["messages"][1].update(content=["hello"]), "request.messages[1].content[0]"),
+        (lambda r: r["request"].update(chat_template_kwargs="x"), "request.chat_template_kwargs"),
+        (lambda r: r["response"]["choices"][0]["message"].update(tool_calls=5), "response.choices[0].message.tool_calls"),
+    ],
+)
+def test_odd_shapes_are_named_errors_not_crashes(kimi, mutate, field):
+    rec = make(kimi)
+    mutate(rec)
+    with pytest.raises(RecordError) as err:
+        reconstruct_record(rec, kimi)
+    assert err.value.field == field
+
+
+def test_history_tool_call_without_id_renders_like_the_template(kimi):
+    msgs = PROMPT + [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+                     {"role": "tool", "content": "42"}]
+    row, = reconstruct_record(make(kimi, request={"messages": msgs}, content="ok", finish="stop"), kimi)
+    assert "<|tool_call_begin|><|tool_call_argument_begin|>{}" in kimi.decode(row["prompt_ids"])

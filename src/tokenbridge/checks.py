@@ -27,11 +27,16 @@ CODES: dict[str, tuple[str, str]] = {
     "tool_markers_malformed": ("error", "unbalanced or out-of-order tool-call markers"),
     "special_token_text": ("error", "other special-token text inside model text"),
     "replacement_char": ("error", "U+FFFD in text: bytes were lost before they reached us"),
-    "truncated": ("warning", "finish_reason is length: no end token (ids still exact)"),
+    "truncated": ("warning", "finish_reason is length: no end token; the ids are exact up to the cut"),
     "empty_completion": ("error", "no reasoning, no content, no tool calls"),
     "finish_error": ("error", "the choice ended in an error"),
     "finish_unknown": ("warning", "finish_reason not one of stop/length/tool_calls"),
     "stop_sequence": ("error", "request set `stop`: whether the end token was emitted is unknown"),
+    "tool_calls_missing": ("error", "finish_reason is tool_calls but the text holds no tool-call section"),
+    "reasoning_conflict": ("error", "message.reasoning and message.reasoning_content disagree"),
+    "boundary_unproven": ("error", "no content after the reasoning and no exact usage: whether </think> was emitted is unknown"),
+    "tools_declared": ("warning", "request sent `tools`: the built-in dialect declares them as JSON, K2.5 differently"),
+    "choices_unattributable": ("error", "usage counts all choices together and another choice has findings"),
     "usage_missing": ("warning", "response has no usage to check the counts against"),
     "usage_prompt_mismatch": ("error", "our prompt token count differs from usage.prompt_tokens"),
     "usage_completion_mismatch": ("error", "our completion token count differs from usage.completion_tokens"),
@@ -145,14 +150,17 @@ def _finish(view: SampleView, policy: Policy):
         yield "truncated", "finish_reason='length': no end token appended"
     elif reason not in _KNOWN_FINISH:
         yield "finish_unknown", f"finish_reason={reason!r}"
-    if view.request.get("stop") and reason == "stop":
-        yield "stop_sequence", f"request stop={view.request.get('stop')!r}; the end token was assumed"
+    stop = view.request.get("stop") or (view.request.get("extra_body") or {}).get("stop")
+    if stop and reason in ("stop", "eos", "end_turn"):
+        yield "stop_sequence", f"request stop={stop!r}; the end token was assumed"
+    if reason == "tool_calls" and not view.message.get("tool_calls") and not any(k == "tool_calls" for k, _ in view.parts):
+        yield "tool_calls_missing", "finish_reason='tool_calls' but no tool-call section in content and no message.tool_calls"
 
 
 def _reasoning_presence(view: SampleView, policy: Policy):
     msg = view.message
     has_reasoning = any(k == "reasoning" for k, _ in view.parts)
-    content = msg.get("content")
+    content = any(k in ("content", "tool_calls") for k, _ in view.parts)
     if not has_reasoning and not content and not msg.get("tool_calls"):
         yield "empty_completion", "no reasoning, no content and no tool calls"
         return
@@ -160,13 +168,25 @@ def _reasoning_presence(view: SampleView, policy: Policy):
         yield "reasoning_missing", "thinking mode but the response has no reasoning: its tokens would be lost"
     if not view.thinking and has_reasoning:
         yield "reasoning_unexpected", "instant mode (thinking disabled) but the response carries reasoning"
+    a, b = msg.get("reasoning"), msg.get("reasoning_content")
+    if isinstance(a, str) and isinstance(b, str) and a and b and a != b:
+        yield "reasoning_conflict", f"reasoning ({len(a)} chars) and reasoning_content ({len(b)} chars) differ"
+    if view.thinking and has_reasoning and not content and not msg.get("tool_calls"):
+        exact = view.usage_completion is not None and policy.usage_tolerance == 0
+        if not exact:
+            closed = any(k == "think_end" for k, _ in view.parts)
+            yield "boundary_unproven", (
+                f"content is empty: {'assumed' if closed else 'assumed no'} </think> after the reasoning, "
+                "and no exact usage count proves it"
+            )
 
 
 def _structured_tools(view: SampleView, policy: Policy):
     calls = view.message.get("tool_calls")
     if calls:
+        n = len(calls) if isinstance(calls, list) else 1
         yield "structured_tool_calls", (
-            f"{len(calls)} tool call(s) in message.tool_calls: the provider parsed the markers; "
+            f"{n} tool call(s) in message.tool_calls: the provider parsed the markers; "
             "send no `tools` to get them as raw text"
         )
 
@@ -232,6 +252,14 @@ def _tool_grammar(seq: list[str], d: Dialect) -> str | None:
     return None
 
 
+def _tools(view: SampleView, policy: Policy):
+    if view.request.get("tools") and not view.dialect.name.endswith("+template"):
+        yield "tools_declared", (
+            f"{len(view.request['tools'])} tool(s) declared; the built-in {view.dialect.name} dialect renders them "
+            "as JSON, so prompt ids may differ even when the count matches"
+        )
+
+
 def _replacement(view: SampleView, policy: Policy):
     for name, text in _text_fields(view):
         n = text.count("\ufffd")
@@ -257,9 +285,10 @@ def _first_diff(got: bytes, expected: bytes) -> str:
 
 
 def _usage(view: SampleView, policy: Policy):
-    if view.usage_prompt is None and view.usage_completion is None:
-        yield "usage_missing", "response has no usage"
-        return
+    missing = [what for what, pair in (("prompt_tokens", view.usage_prompt), ("completion_tokens", view.usage_completion))
+               if pair is None]
+    if missing:
+        yield "usage_missing", f"usage has no integer {' / '.join(missing)}: that count is not checked"
     tol = policy.usage_tolerance
     for code, pair, what in (
         ("usage_prompt_mismatch", view.usage_prompt, "prompt"),
@@ -294,6 +323,7 @@ _CHECKS = (
     _finish,
     _reasoning_presence,
     _structured_tools,
+    _tools,
     _marker_text,
     _replacement,
     _roundtrip,

@@ -37,6 +37,18 @@ class Exchange:
     native_choices: list[list[int] | None]
 
 
+def _check_content(content: Any, field: str) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise RecordError(field, "must be a string, a list of parts or null")
+    for k, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise RecordError(f"{field}[{k}]", "must be an object ({type: text, text: ...} or an image part)")
+        if "text" in part and not isinstance(part["text"], str):
+            raise RecordError(f"{field}[{k}].text", "must be a string")
+
+
 def _int_list(value: Any, field: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         raise RecordError(field, "must be a list of integers")
@@ -59,16 +71,28 @@ def parse_exchange(record: Any) -> Exchange:
     if not isinstance(messages, list) or not messages:
         raise RecordError("request.messages", "missing" if messages is None else "must be a non-empty list")
     for i, m in enumerate(messages):
+        at = f"request.messages[{i}]"
         if not isinstance(m, dict):
-            raise RecordError(f"request.messages[{i}]", "must be an object")
+            raise RecordError(at, "must be an object")
         if not isinstance(m.get("role"), str):
-            raise RecordError(f"request.messages[{i}].role", "missing or not a string")
-        content = m.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise RecordError(f"request.messages[{i}].content", "must be a string, a list of parts or null")
+            raise RecordError(f"{at}.role", "missing or not a string")
+        _check_content(m.get("content"), f"{at}.content")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise RecordError(f"{at}.tool_calls", "must be a list")
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict):
+                    raise RecordError(f"{at}.tool_calls[{j}].function", "missing or not an object")
+                if "arguments" not in fn:
+                    raise RecordError(f"{at}.tool_calls[{j}].function.arguments", "missing")
     tools = request.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RecordError("request.tools", "must be a list")
+    kwargs = request.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise RecordError("request.chat_template_kwargs", "must be an object")
     response = record.get("response")
     if not isinstance(response, dict):
         raise RecordError("response", "missing" if response is None else "must be an object")
@@ -84,9 +108,12 @@ def parse_exchange(record: Any) -> Exchange:
             msg = c.get("message")
             if not isinstance(msg, dict):
                 raise RecordError(f"response.choices[{i}].message", "missing or not an object")
-            for key in ("content", "reasoning", "reasoning_content"):
+            _check_content(msg.get("content"), f"response.choices[{i}].message.content")
+            for key in ("reasoning", "reasoning_content"):
                 if msg.get(key) is not None and not isinstance(msg[key], str):
                     raise RecordError(f"response.choices[{i}].message.{key}", "must be a string or null")
+            if msg.get("tool_calls") is not None and not isinstance(msg["tool_calls"], list):
+                raise RecordError(f"response.choices[{i}].message.tool_calls", "must be a list or null")
     n = len(choices or ())
     native_prompt: list[int] | None = None
     native_choices: list[list[int] | None] = [None] * n

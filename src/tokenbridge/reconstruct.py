@@ -80,9 +80,9 @@ def reconstruct_exchange(
         completion_ids = [i for ids in part_ids for i in ids]
         usage_prompt = usage_completion = None
         if usage is not None:
-            if isinstance(usage.get("prompt_tokens"), int):
+            if _count(usage.get("prompt_tokens")):
                 usage_prompt = (len(prompt_ids), usage["prompt_tokens"])
-            if isinstance(usage.get("completion_tokens"), int):
+            if _count(usage.get("completion_tokens")):
                 ours = len(completion_ids) if len(built) == 1 else total_completion
                 usage_completion = (ours, usage["completion_tokens"])
         view = SampleView(
@@ -105,11 +105,32 @@ def reconstruct_exchange(
         segments = _segments(len(prompt_ids), parts, part_ids)
         message = choice["message"]
         row = _row(
-            ex, choice.get("index", idx), prompt_ids, completion_ids, segments, findings, provider, model,
+            ex, choice["index"] if _count(choice.get("index")) else idx, prompt_ids, completion_ids, segments, findings, provider, model,
             choice.get("finish_reason"), thinking, usage, message_reasoning(message) or "", message.get("content") or "",
         )
         rows.append(row)
+    if len(rows) > 1 and usage is not None and _count(usage.get("completion_tokens")):
+        _mark_siblings(rows, policy or Policy())
     return rows
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _mark_siblings(rows: list[dict[str, Any]], policy: Policy) -> None:
+    """With n > 1, usage counts all choices together: a choice is proven only when
+    every choice is clean, since one choice's error can hide another's."""
+    dirty = [r["choice"] for r in rows if r["findings"]]
+    sev = policy.severity("choices_unattributable")
+    if not dirty or sev == "off":
+        return
+    for row in rows:
+        if not row["findings"]:
+            row["findings"] = [Finding("choices_unattributable", sev,
+                                       f"usage is summed over {len(rows)} choices and choice(s) {dirty} have findings; "
+                                       "this choice's count cannot be proven alone").to_dict()]
+            row["status"] = status_of([Finding(f["code"], f["severity"], f["message"]) for f in row["findings"]])
 
 
 def _segments(n_prompt: int, parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> list[dict]:
@@ -307,6 +328,7 @@ def _run_chunks(chunks: Iterator[list], workers: int, init_args: tuple) -> Itera
 
 class _JsonlSink:
     def __init__(self, path: Path):
+        self.path = path
         self._fh = open(path, "wb")
 
     def write(self, lines: list[bytes]) -> None:
@@ -321,6 +343,7 @@ class _JsonlSink:
 
     def abort(self) -> None:
         self._fh.close()
+        self.path.unlink(missing_ok=True)
 
 
 class _ParquetSink:
@@ -345,15 +368,21 @@ class _ParquetSink:
                 ("usage", pa.string()), ("messages", pa.string()), ("tools", pa.string()), ("reasoning", pa.string()), ("content", pa.string()),
             ]
         )
+        self.path = path
         self._writer = pq.ParquetWriter(path, self.schema)
         self._buf: list[dict] = []
         self._batch_rows = batch_rows
+
+    _TEXT_FIELDS = ("id", "dataset", "provider", "model", "finish_reason")
 
     def write(self, rows: list[dict]) -> None:
         for row in rows:
             row = dict(row)
             for key in self._JSON_FIELDS:
                 row[key] = None if row[key] is None else json.dumps(row[key], ensure_ascii=False)
+            for key in self._TEXT_FIELDS:  # the API may send odd types; keep them, as text
+                if row[key] is not None and not isinstance(row[key], str):
+                    row[key] = json.dumps(row[key], ensure_ascii=False)
             self._buf.append(row)
         if len(self._buf) >= self._batch_rows:
             self._flush()
@@ -370,3 +399,4 @@ class _ParquetSink:
     def abort(self) -> None:
         self._buf = []
         self._writer.close()
+        self.path.unlink(missing_ok=True)

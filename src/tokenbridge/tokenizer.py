@@ -3,9 +3,10 @@
 Two folder layouts are supported:
 
 * tiktoken folders (the Kimi family): ``tiktoken.model`` + ``tokenizer_config.json``.
-  Every id above the BPE ranks is a special token, and encoding follows the model's
-  own ``encode`` (400,000-character windows, runs of >25,000 same-class characters cut),
-  with special-token text mapped to its special id.
+  Every id above the BPE ranks is a special token. Encoding follows the serving path
+  (transformers' ``tokenize``): special-token text is split out first and becomes its
+  special id, then each ordinary piece goes through the model's own ``encode``
+  (400,000-character windows, runs of >25,000 same-class characters cut).
 * ``tokenizer.json`` folders, through Hugging Face ``tokenizers``.
 
 A Hub repo id is resolved to a local folder with ``huggingface_hub`` (tokenizer files
@@ -292,24 +293,35 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
         entry = decoder.get(str(i))
         names[i] = entry["content"] if isinstance(entry, dict) and "content" in entry else f"<|reserved_token_{i}|>"
     pat_str = read_pat_str(folder)
+    special = {t: i for i, t in names.items()}
     try:
         enc = tiktoken.Encoding(
             name=f"tokenbridge:{folder.name}",
             pat_str=pat_str,
             mergeable_ranks=ranks,
-            special_tokens={t: i for i, t in names.items()},
+            special_tokens=special,
         )
     except Exception as exc:
         raise TokenizerError(f"{folder / 'tiktoken.model'}: tiktoken rejected the data ({exc})") from None
 
     allowed = enc.special_tokens_set
+    marker_re = re.compile("|".join(re.escape(t) for t in sorted(names.values(), key=len, reverse=True)))
 
     def encode(text: str) -> list[int]:
+        # Short text cannot hit a window or run cut: one tiktoken call is exact.
         if len(text) <= _MAX_RUN_CHARS:
             return enc.encode(text, allowed_special=allowed)
+        # As transformers' tokenize(): split on marker text first, then cut and encode
+        # each ordinary piece, so a cut can never fall inside a marker.
         out: list[int] = []
-        for piece in split_long_runs(text):
-            out.extend(enc.encode(piece, allowed_special=allowed))
+        pos = 0
+        for m in marker_re.finditer(text):
+            for piece in split_long_runs(text[pos : m.start()]) if m.start() > pos else ():
+                out.extend(enc.encode_ordinary(piece))
+            out.append(special[m.group()])
+            pos = m.end()
+        for piece in split_long_runs(text[pos:]) if pos < len(text) else ():
+            out.extend(enc.encode_ordinary(piece))
         return out
 
     def piece(token_id: int) -> bytes:

@@ -9,7 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from .exchanges import iter_lines, loads_line
+from .exchanges import RecordError, iter_lines, loads_line
 from .tokenizer import Tokenizer
 
 _STYLE = {
@@ -50,14 +50,20 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
     from .reconstruct import reconstruct_record
 
     for lineno, line in iter_lines(path):
-        record = loads_line(line)
-        if sample_id is not None and str(record.get("id")) != sample_id:
+        try:
+            record = loads_line(line)
+        except RecordError:
+            continue  # not the sample we look for; reconstruct reports such lines
+        if not isinstance(record, dict) or (sample_id is not None and str(record.get("id")) != sample_id):
             continue
         if "input_ids" in record:
             if record.get("choice", 0) != choice:
                 continue
             return record
-        rows = reconstruct_record(record, tok, resolve_dialect(tok, dialect))
+        try:
+            rows = reconstruct_record(record, tok, resolve_dialect(tok, dialect))
+        except RecordError as exc:
+            raise LookupError(f"{path}:{lineno}: {exc}") from None
         if choice < len(rows):
             return rows[choice]
     raise LookupError(f"{path}: no sample {sample_id or '(first)'} with choice {choice}")
@@ -99,10 +105,18 @@ def render_row(row: Mapping[str, Any], tok: Tokenizer, tokens: str | None = None
     return Group(*out)
 
 
+def parse_span(span: str) -> tuple[int | None, int | None]:
+    """``A:B``, ``A:``, ``:B`` or ``:`` → (start, stop); ValueError otherwise."""
+    a, sep, b = span.partition(":")
+    if not sep:
+        raise ValueError(f"{span!r} is not A:B")
+    return (int(a) if a else None, int(b) if b else None)
+
+
 def _token_table(ids, kinds, tok: Tokenizer, span: str) -> Table:
-    a, _, b = span.partition(":")
-    start = int(a) if a else 0
-    stop = int(b) if b else len(ids)
+    a, b = parse_span(span)
+    start = a or 0
+    stop = len(ids) if b is None else b
     table = Table(show_header=True, box=None)
     for col in ("pos", "id", "token", "segment"):
         table.add_column(col, justify="right" if col in ("pos", "id") else "left")

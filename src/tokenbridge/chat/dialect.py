@@ -108,18 +108,18 @@ class Dialect:
         if tm is None or tm.section_begin not in content:
             return [("content", content)]
         parts: list[tuple[str, str]] = []
-        rest = content
-        while rest:
-            start = rest.find(tm.section_begin)
+        pos, n = 0, len(content)
+        while pos < n:
+            start = content.find(tm.section_begin, pos)
             if start < 0:
-                parts.append(("content", rest))
+                parts.append(("content", content[pos:]))
                 break
-            if start:
-                parts.append(("content", rest[:start]))
-            stop = rest.find(tm.section_end, start)
-            stop = len(rest) if stop < 0 else stop + len(tm.section_end)
-            parts.append(("tool_calls", rest[start:stop]))
-            rest = rest[stop:]
+            if start > pos:
+                parts.append(("content", content[pos:start]))
+            stop = content.find(tm.section_end, start)
+            stop = n if stop < 0 else stop + len(tm.section_end)
+            parts.append(("tool_calls", content[start:stop]))
+            pos = stop
         return parts
 
 

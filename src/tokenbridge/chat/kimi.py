@@ -60,7 +60,7 @@ def _tool_calls(message: Message) -> str:
         args = call["function"]["arguments"]
         if not isinstance(args, str):
             args = json.dumps(args, ensure_ascii=False)
-        out.append(f"{TOOL_MARKERS.call_begin}{call['id']}{TOOL_MARKERS.argument_begin}{args}{TOOL_MARKERS.call_end}")
+        out.append(f"{TOOL_MARKERS.call_begin}{call.get('id', '')}{TOOL_MARKERS.argument_begin}{args}{TOOL_MARKERS.call_end}")
     out.append(TOOL_MARKERS.section_end)
     return "".join(out)
 
