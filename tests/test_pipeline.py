@@ -107,3 +107,51 @@ def test_cli_run_prints_where_results_are(tmp_path, kimi_dir):
     res = CliRunner().invoke(app, ["run", str(_config(tmp_path, kimi_dir))])
     assert res.exit_code == 0, res.output
     assert f"results in {tmp_path / 'out'}" in res.output and "report.html" in res.output
+
+
+def test_emulator_section_without_config_uses_defaults_and_checks_keys(tmp_path, kimi_dir):
+    text = _config(tmp_path, kimi_dir).read_text()
+    no_cfg = text.replace(f'config = "{ROOT / "examples" / "emulator.toml"}"\n', "")
+    path = tmp_path / "nocfg.toml"
+    path.write_text(no_cfg, encoding="utf-8")
+    results = {r.name: r.status for r in run_pipeline(load_run_config(path), echo=lambda _: None)}
+    assert results["reconstruct"] == "ran"
+    path.write_text(no_cfg.replace("latency_ms = 0", "latency_ms = 0\nlatencyms = 3"), encoding="utf-8")
+    with pytest.raises(PipelineError, match=r"\[emulator\] unknown key\(s\) \['latencyms'\]"):
+        run_pipeline(load_run_config(path), echo=lambda _: None)
+
+
+def test_no_usable_rows_skips_exports_but_still_reports(tmp_path, kimi_dir):
+    emu = tmp_path / "leaky.toml"
+    emu.write_text('models = ["moonshotai/kimi-k2.5"]\n[[providers]]\nname = "leaky/int4"\nquantization = "int4"\n'
+                   "[providers.quirks]\nend_marker_leak = 1.0\n", encoding="utf-8")
+    text = _config(tmp_path, kimi_dir).read_text().replace(str(ROOT / "examples" / "emulator.toml"), str(emu))
+    path = tmp_path / "leaky-run.toml"
+    path.write_text(text, encoding="utf-8")
+    results = {r.name: r.status for r in run_pipeline(load_run_config(path), echo=lambda _: None)}
+    rows = _lines(tmp_path / "out" / "reconstructed.jsonl")
+    # every stopped sample leaked its end marker; the others were cut by max_tokens (flagged, not exported)
+    assert rows and all(r["status"] != "ok" for r in rows)
+    assert all("eos_in_text" in [f["code"] for f in r["findings"]] for r in rows if r["finish_reason"] != "length")
+    assert results["export:specforge"] == "empty" and results["vocab"] == "empty" and results["report"] == "ran"
+
+
+def test_cli_run_bad_generate_key_is_one_line(tmp_path, kimi_dir):
+    text = _config(tmp_path, kimi_dir).read_text().replace("concurrency = 8", "concurency = 8")
+    path = tmp_path / "typo.toml"
+    path.write_text(text, encoding="utf-8")
+    res = CliRunner().invoke(app, ["run", str(path)])
+    assert res.exit_code == 2
+    assert "unknown key(s) ['concurency']" in res.output and "Traceback" not in res.output
+
+
+def test_tokenizer_files_are_part_of_the_fingerprint(tmp_path, kimi_dir):
+    from tokenbridge.pipeline import _tokenizer_identity
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tiktoken.model").symlink_to(kimi_dir / "tiktoken.model")
+    (folder / "tokenizer_config.json").write_text((kimi_dir / "tokenizer_config.json").read_text())
+    before = _tokenizer_identity(str(folder))
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    assert _tokenizer_identity(str(folder)) != before

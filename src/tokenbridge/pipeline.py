@@ -13,7 +13,7 @@ import json
 import os
 import tomllib
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -27,7 +27,12 @@ _BUILTIN = "builtin:"
 
 
 class PipelineError(Exception):
-    """A config or stage error; the message names the file and key or stage."""
+    """A config or stage error; the message names the file and key or stage.
+    ``code`` is the exit code the CLI should end with."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class RunConfig:
     tokenizer: str
     dialect: str | None
     generate: Mapping[str, Any]
+    use_emulator: bool
     emulator: Path | None
     emulator_overrides: Mapping[str, Any]
     policy: Policy
@@ -106,10 +112,9 @@ def load_run_config(path: str | Path) -> RunConfig:
     gen.setdefault("tokenizer", tokenizer)
 
     emu = dict(data.get("emulator") or {})
-    emulator = None
-    if data.get("emulator") is not None:
-        cfg = emu.pop("config", None)
-        emulator = Path(rel(cfg)) if cfg else Path("")
+    use_emulator = data.get("emulator") is not None
+    cfg = emu.pop("config", None)
+    emulator = Path(rel(cfg)) if cfg else None
     rec = dict(data.get("reconstruct") or {})
     severities = dict(rec.pop("severity", None) or {})
     try:
@@ -132,10 +137,28 @@ def load_run_config(path: str | Path) -> RunConfig:
     if report:
         raise PipelineError(f"{path}: [report] unknown key(s) {sorted(report)}")
     return RunConfig(
-        source=path, out=out, tokenizer=tokenizer, dialect=dialect, generate=gen, emulator=emulator,
-        emulator_overrides=emu, policy=policy, export_formats=formats, include_flagged=include_flagged,
+        source=path, out=out, tokenizer=tokenizer, dialect=dialect, generate=gen, use_emulator=use_emulator,
+        emulator=emulator, emulator_overrides=emu, policy=policy, export_formats=formats, include_flagged=include_flagged,
         draft_vocab_size=int(size) if size is not None else None, report=enabled,
     )
+
+
+def _emulator_config(cfg: RunConfig):
+    from .emulator import EmulatorConfig, load_emulator_config
+    from .emulator import ConfigError as EmulatorConfigError
+
+    try:
+        base = load_emulator_config(cfg.emulator) if cfg.emulator else EmulatorConfig()
+    except EmulatorConfigError as exc:
+        raise PipelineError(str(exc)) from None
+    known = {f.name for f in fields(EmulatorConfig)}
+    unknown = set(cfg.emulator_overrides) - known - {"config"}
+    if unknown:
+        raise PipelineError(f"{cfg.source}: [emulator] unknown key(s) {sorted(unknown)}")
+    try:
+        return replace(base, **cfg.emulator_overrides)
+    except (TypeError, ValueError) as exc:
+        raise PipelineError(f"{cfg.source}: [emulator] {exc}") from None
 
 
 # --- stage bookkeeping -------------------------------------------------------------------
@@ -149,8 +172,23 @@ def _digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def _tokenizer_identity(source: str) -> str:
+    """A digest of the tokenizer's files (a folder), else its name: a changed vocab or
+    template must re-run reconstruction."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return source
+    h = hashlib.sha256()
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and (p.suffix in (".model", ".json", ".jinja", ".py") or p.name == "tiktoken.model"):
+            h.update(p.name.encode() + _digest(p).encode())
+    return h.hexdigest()
+
+
 def _fingerprint(inputs: list[Path], settings: Any) -> str:
-    h = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    from . import __version__
+
+    h = hashlib.sha256(json.dumps({"tokenbridge": __version__, **settings}, sort_keys=True, default=str).encode())
     for p in inputs:
         h.update(_digest(p).encode() if p.exists() else b"-")
     return h.hexdigest()
@@ -178,7 +216,7 @@ class _State:
 
 def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[StageResult]:
     """Run every stage in order; returns what each stage did. Raises PipelineError."""
-    from .emulator import load_emulator_config, running_emulator
+    from .emulator import running_emulator
     from .export import build_vocab, export_file
     from .generate import generate_run, settings_from_mapping
     from .reconstruct import reconstruct_file
@@ -193,13 +231,8 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
 
     # 1. generate (resumes from its store; done samples are never sent again)
     settings = settings_from_mapping(cfg.generate, source=str(cfg.source), base_dir=cfg.source.parent)
-    if cfg.emulator is not None:
-        emu_cfg = load_emulator_config(cfg.emulator) if str(cfg.emulator) else None
-        if emu_cfg is not None and cfg.emulator_overrides:
-            from dataclasses import replace
-
-            emu_cfg = replace(emu_cfg, **cfg.emulator_overrides)
-        context = running_emulator(emu_cfg, tokenizer=tok)
+    if cfg.use_emulator:
+        context = running_emulator(_emulator_config(cfg), tokenizer=tok)
     else:
         context = nullcontext(None)
     with context as url:
@@ -213,13 +246,14 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     results.append(StageResult("generate", "ran", gen_detail))
     echo(f"generate: {gen_detail}")
     if summary.stop_reason:
-        raise PipelineError(f"generate stopped ({summary.stop_reason}); fix it and run the same command again")
+        raise PipelineError(f"generate stopped ({summary.stop_reason}); fix it and run the same command again",
+                            code=summary.exit_code or 1)
     if not exchanges.exists():
         raise PipelineError(f"generate wrote no {exchanges}")
 
     # 2. reconstruct
     reconstructed = out / "reconstructed.jsonl"
-    fp = _fingerprint([exchanges], {"tokenizer": cfg.tokenizer, "dialect": cfg.dialect,
+    fp = _fingerprint([exchanges], {"tokenizer": _tokenizer_identity(cfg.tokenizer), "dialect": cfg.dialect,
                                     "policy": dict(cfg.policy.severities), "tol": cfg.policy.usage_tolerance})
     if state.done("reconstruct", fp, reconstructed):
         results.append(StageResult("reconstruct", "skipped"))
@@ -230,12 +264,18 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
         results.append(StageResult("reconstruct", "ran", detail))
     echo(f"reconstruct: {results[-1].status} → {reconstructed} {state.data['reconstruct'].get('status')}")
 
-    # 3. export, one stage per format
+    # 3. export, one stage per format (skipped, not failed, when no row qualifies)
+    wanted = {"ok", "flagged"} if cfg.include_flagged else {"ok"}
+    usable = sum(n for k, n in (state.data.get("reconstruct", {}).get("status") or {}).items() if k in wanted)
     for fmt in cfg.export_formats:
         target = out / "export" / fmt
         fp = _fingerprint([reconstructed], {"format": fmt, "include_flagged": cfg.include_flagged})
         if state.done(f"export:{fmt}", fp, target):
             results.append(StageResult(f"export:{fmt}", "skipped"))
+        elif not usable:
+            results.append(StageResult(f"export:{fmt}", "empty", {"rows": 0}))
+            echo(f"export {fmt}: nothing to export (no {'ok/flagged' if cfg.include_flagged else 'ok'} rows)")
+            continue
         else:
             es = export_file(reconstructed, target, fmt, include_flagged=cfg.include_flagged)
             detail = {"rows": es.rows_exported, "skipped": es.skipped}
@@ -244,7 +284,10 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
         echo(f"export {fmt}: {results[-1].status} → {target} {state.data[f'export:{fmt}'].get('rows')} rows")
 
     # 4. draft vocabulary
-    if cfg.draft_vocab_size:
+    if cfg.draft_vocab_size and not usable:
+        results.append(StageResult("vocab", "empty"))
+        echo("vocab: nothing to count (no usable rows)")
+    elif cfg.draft_vocab_size:
         target = out / "vocab"
         fp = _fingerprint([reconstructed], {"size": cfg.draft_vocab_size, "include_flagged": cfg.include_flagged})
         if state.done("vocab", fp, target):
