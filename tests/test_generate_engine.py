@@ -221,7 +221,7 @@ def test_402_stops_cleanly_and_rerun_finishes_without_resending(tmp_path):
         assert script.attempts[f"q{sid.split('-')[1]}"] == sent_before[f"q{sid.split('-')[1]}"]
 
 
-def test_no_endpoints_fails_that_routing_fast_and_says_so_once(tmp_path):
+def test_no_endpoints_fails_that_routing_fast_and_a_rerun_sends_the_skipped_once(tmp_path):
     async def reply(prompt, attempt, body, request):
         await asyncio.sleep(0.01)
         return _json({"error": {"code": 404, "message": "No endpoints found matching your data policy"}}, 404)
@@ -230,10 +230,51 @@ def test_no_endpoints_fails_that_routing_fast_and_says_so_once(tmp_path):
     summary = _run(script, tmp_path, 40, concurrency=4)
     assert summary.failed == 40 and summary.done == 0
     assert sum(script.attempts.values()) <= 4  # only the first wave was sent
-    assert {f["error_class"] for f in summary.failures} == {"no_endpoints"}
+    classes = Counter(f["error_class"] for f in summary.failures)
+    assert set(classes) == {"no_endpoints", "no_endpoints_skipped"} and classes["no_endpoints"] <= 4
+    skipped = next(f for f in summary.failures if f["error_class"] == "no_endpoints_skipped")
+    assert skipped["error"] == ("not sent: b3-0 with the same routing got: No endpoints found matching your data "
+                                "policy")
     assert [n for n in summary.notices if "routing unavailable" in n] == [
-        "routing unavailable, failing its samples: No endpoints found matching your data policy"
+        "routing unavailable, failing the samples sent like b3-0: No endpoints found matching your data policy"
     ]
+    # the next run sends every sample skipped last time once, rather than skipping it again
+    summary = _run(script, tmp_path, 40, concurrency=4)
+    assert set(script.attempts) == {f"q{i}" for i in range(40)}
+    assert Counter(f["error_class"] for f in summary.failures)["no_endpoints"] >= 36
+
+
+def test_a_404_for_tool_use_fails_only_the_samples_sent_with_tools(tmp_path):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    f = tmp_path / "p.jsonl"
+    rows = [{"id": i, "prompt": f"q{i}"} | ({"tools": tools} if i in (2, 7) else {}) for i in range(12)]
+    rows.append({"id": 12, "prompt": "q12 " + "long " * 50})
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+    async def reply(prompt, attempt, body, request):
+        await asyncio.sleep(0.01)
+        if "tools" in body:
+            return _json({"error": {"code": 404, "message": "No endpoints found that support tool use."}}, 404)
+        if prompt.startswith("q12"):  # about this prompt's size: says nothing of the others
+            return _json({"error": {"code": 404, "message": "No endpoints found that support the requested "
+                                    "context length"}}, 404)
+        return _json(_ok_body(prompt))
+
+    async def main():
+        runner, url = await _serve(script)
+        try:
+            st = _settings(url, DatasetSpec("d", f), request=RequestSettings(model="m", max_tokens=16, send_tools=True),
+                           concurrency=1)
+            return await agenerate_run(st, tmp_path / "run", key=KEY)
+        finally:
+            await runner.cleanup()
+
+    script = Script(reply)
+    summary = asyncio.run(main())
+    assert summary.done == 10
+    assert sorted((x["id"], x["error_class"]) for x in summary.failures) == [
+        ("d-12", "no_endpoints"), ("d-2", "no_endpoints"), ("d-7", "no_endpoints_skipped")]
+    assert sum(script.attempts.values()) == 12  # every plain sample was sent; the 2nd tools one was not
 
 
 def test_concurrency_is_bounded_and_429_shrinks_it(tmp_path):
@@ -379,3 +420,231 @@ def test_write_exchanges_is_atomic_and_in_input_order(tmp_path):
     assert lines[0].decode() .count("é") == 1 and b"\\ud800" in lines[1]
     assert json.loads(lines[1])["request"] == {"m": 1}  # the stored request wins
     assert not list(tmp_path.glob(".exchanges.*"))
+
+
+def _cost(pt: int, ct: int) -> float:  # $0.6/Mtok prompt, $2.5/Mtok completion
+    return pt * 0.6e-6 + ct * 2.5e-6
+
+
+def test_budget_cap_holds_without_prices_when_the_first_response_is_prompt_heavy(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"id": i, "prompt": ("LONG " + "word " * 1500) if i == 0 else f"q{i}"}) + "\n"
+                         for i in range(60)), encoding="utf-8")
+
+    async def reply(prompt, attempt, body, request):
+        await asyncio.sleep(0.02)
+        pt, ct = (2000, 10) if prompt.startswith("LONG") else (10, 4000)
+        return _json(_ok_body("x") | {"usage": {"prompt_tokens": pt, "completion_tokens": ct, "cost": _cost(pt, ct)}})
+
+    async def main():
+        runner, url = await _serve(script)
+        try:
+            st = _settings(url, DatasetSpec("d", f), request=RequestSettings(model="m", max_tokens=4000),
+                           concurrency=16, max_cost=0.05)
+            return await agenerate_run(st, tmp_path / "run", key=KEY)
+        finally:
+            await runner.cleanup()
+
+    script = Script(reply)
+    summary = asyncio.run(main())
+    # documented bound: the cap plus one request's real worst case (the longest prompt + max_tokens)
+    assert summary.spent_total <= 0.05 + _cost(2000, 4000)
+    assert summary.spent_total <= 0.05  # here two responses pin both prices down before the cap is near
+    assert summary.exit_code == ExitCode.BUDGET and summary.done >= 4
+    assert summary.spent_total == pytest.approx(_cost(2000, 10) + (summary.done - 1) * _cost(10, 4000))
+    assert script.max_in_flight > 1  # once priced, requests go in parallel again
+
+
+def _two_datasets(tmp_path: Path) -> tuple[DatasetSpec, DatasetSpec]:
+    specs = []
+    for name in ("a", "b"):
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text("".join(json.dumps({"id": i, "prompt": f"{name}{i}"}) + "\n" for i in range(5)), encoding="utf-8")
+        specs.append(DatasetSpec(name, f))
+    return specs[0], specs[1]
+
+
+def test_rerun_with_other_settings_is_refused_unless_forced_and_exchanges_hold_this_selection(tmp_path):
+    from tokenbridge.generate import SettingsChanged
+
+    a, b = _two_datasets(tmp_path)
+    seen: dict[str, list[int]] = defaultdict(list)
+
+    async def reply(prompt, attempt, body, request):
+        seen[prompt].append(body.get("max_tokens"))
+        if prompt == "a4" and attempt == 1:
+            return _json({"error": {"message": "bad request"}}, 400)
+        return _json(_ok_body(prompt))
+
+    script = Script(reply)
+
+    async def go(specs, **kw):
+        runner, url = await _serve(script)
+        force = kw.pop("force", False)
+        base = kw.pop("base_url", url)
+        try:
+            st = _settings(base, specs[0], **kw).with_overrides(datasets=tuple(specs))
+            return await agenerate_run(st, tmp_path / "run", key=KEY, force_settings=force)
+        finally:
+            await runner.cleanup()
+
+    first = asyncio.run(go([a, b]))
+    assert first.done == 9 and first.failed == 1 and len(_rows(tmp_path)) == 9
+    sent = sum(script.attempts.values())
+
+    with pytest.raises(SettingsChanged) as err:
+        asyncio.run(go([a], request=RequestSettings(model="m", max_tokens=99)))
+    assert "4 with another request (max_tokens 16 -> 99, e.g. a-0)" in str(err.value)
+    assert "--force-settings" in str(err.value) and err.value.exit_code == 2
+    with pytest.raises(SettingsChanged, match=r"9 answered by http://127\.0\.0\.1:\d+/api/v1 \(now https://openrouter"):
+        asyncio.run(go([a, b], base_url="https://openrouter.ai/api/v1"))  # emulator answers are not real data
+    assert sum(script.attempts.values()) == sent  # nothing was sent by the refused runs
+    with Store.open(tmp_path / "run") as store:
+        assert json.loads(store.samples(["a-0"])[0].request)["max_tokens"] == 16  # nor stored
+
+    forced = asyncio.run(go([a], request=RequestSettings(model="m", max_tokens=99), force=True))
+    assert forced.exit_code == ExitCode.OK and forced.kept_old_settings == 4 and forced.left_out == 5
+    assert seen["a4"] == [16, 99]  # the sample not done yet was sent with the new settings
+    rows = _rows(tmp_path)
+    assert [r["id"] for r in rows] == ["a-0", "a-1", "a-2", "a-3", "a-4"]  # this invocation's, input order
+    assert [r["request"]["max_tokens"] for r in rows] == [16, 16, 16, 16, 99]  # as each was sent
+    assert all(r["meta"]["base_url"].startswith("http://127.0.0.1:") for r in rows)
+
+    again = asyncio.run(go([b, a], force=True))  # order of this invocation's datasets
+    assert [r["id"] for r in _rows(tmp_path)] == [f"b-{i}" for i in range(5)] + [f"a-{i}" for i in range(5)]
+    assert again.left_out == 0 and again.done == 0
+
+
+def test_store_write_failure_stops_with_exit_6_and_exchanges_hold_what_was_committed(tmp_path, monkeypatch):
+    from tokenbridge.generate import store as store_mod
+
+    real = store_mod.Store.finish
+    calls = {"n": 0}
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            self._conn.execute("ROLLBACK")
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(self)
+
+    monkeypatch.setattr(store_mod.Store, "finish", flaky)
+
+    async def reply(prompt, attempt, body, request):
+        await asyncio.sleep(0.01)
+        return _json(_ok_body(prompt))
+
+    summary = _run(Script(reply), tmp_path, 30, concurrency=2)
+    assert summary.exit_code == ExitCode.STORE and summary.stop_reason == "store_error"
+    assert "stopping: store write failed: database or disk is full" in summary.notices
+    with Store.open(tmp_path / "run") as store:
+        done = [s.id for s in store.samples(status="done")]
+    assert 0 < len(done) < 30 and [r["id"] for r in _rows(tmp_path)] == done
+    assert summary.pending == 30 - len(done)
+
+
+def test_a_stream_may_outlast_timeout_s_while_bytes_keep_coming(tmp_path):
+    payload = _sse([_chunk({"role": "assistant", "content": ""})] + [_chunk({"content": "x"}) for _ in range(10)]
+                   + [_chunk({}, "stop", usage={"prompt_tokens": 3, "completion_tokens": 10, "cost": 0.001})])
+
+    async def reply(prompt, attempt, body, request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        step = len(payload) // 12 + 1
+        for i in range(0, len(payload), step):
+            await resp.write(payload[i : i + step])
+            await asyncio.sleep(0.1)  # 1.2 s in all, never silent for 0.4 s
+        await resp.write_eof()
+        return resp
+
+    summary = _run(Script(reply), tmp_path, 1, stream=True, timeout_s=0.5, read_timeout_s=0.4)
+    assert summary.done == 1 and summary.errors == {}
+    assert _rows(tmp_path)[0]["response"]["choices"][0]["message"]["content"] == "x" * 10
+
+
+def test_a_stream_is_read_to_done_and_one_without_usage_is_kept_and_booked(tmp_path):
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "cost": 0.001}
+    head = _sse([_chunk({"role": "assistant", "content": "Hi"}, "stop")])[: -len(b"data: [DONE]\n\n")]
+
+    async def reply(prompt, attempt, body, request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(head)
+        if prompt == "q1":  # ends cleanly after finish_reason: no usage chunk, no [DONE]
+            await resp.write_eof()
+            return resp
+        if prompt == "q2":  # the connection drops after finish_reason
+            await asyncio.sleep(0.05)
+            request.transport.close()
+            return resp
+        await asyncio.sleep(0.2)  # the usage chunk comes a while after the finish_reason
+        await resp.write(b"data: " + json.dumps(_chunk({}, None, usage=usage) | {"choices": []}).encode()
+                         + b"\n\ndata: [DONE]\n\n")
+        await asyncio.sleep(3)  # a server that keeps the stream open after [DONE]
+        await resp.write_eof()
+        return resp
+
+    script = Script(reply)
+    summary = _run(script, tmp_path, 4, stream=True, concurrency=1, max_cost=1.0)
+    assert summary.done == 4 and summary.stop_reason is None and summary.exit_code == ExitCode.OK
+    assert dict(script.attempts) == {"q0": 1, "q1": 1, "q2": 1, "q3": 1}  # none sent twice
+    assert not any("carry no usage.cost" in n for n in summary.notices)
+    assert any("came without usage" in n for n in summary.notices)
+    rows = _rows(tmp_path)
+    assert rows[0]["response"]["usage"] == usage and rows[0]["meta"]["latency_s"] < 2.0  # done at [DONE]
+    assert "usage" not in rows[1]["response"] and "usage" not in rows[2]["response"]
+    assert summary.spent_total == pytest.approx(0.002)
+    assert summary.spent_possible > 0  # q1 and q2 are booked at their reservations
+
+
+def test_a_timeout_is_booked_as_possible_spend(tmp_path):
+    from tokenbridge.generate.settings import Prices
+
+    async def reply(prompt, attempt, body, request):
+        if attempt == 1:
+            await asyncio.sleep(1.5)
+        return _json(_ok_body(prompt))
+
+    summary = _run(Script(reply), tmp_path, 1, timeout_s=0.5, max_cost=1.0,
+                   prices=Prices(prompt=0.0, completion=1000.0))
+    assert summary.done == 1 and summary.errors == {"timeout": 1}
+    assert summary.spent_possible == pytest.approx(16 * 1000 / 1e6)  # its reservation: max_tokens 16
+    with Store.open(tmp_path / "run") as store:
+        assert [(a.error_class, a.possible_cost) for a in store.attempts("b3-0")] == [
+            ("timeout", pytest.approx(0.016)), (None, None)]
+
+
+def test_an_internal_error_is_stored_without_the_key(tmp_path, monkeypatch):
+    from tokenbridge.generate import engine as eng
+
+    def broken(self, item, outcome, record):
+        raise RuntimeError(f"bug near Bearer {KEY.value}")
+
+    monkeypatch.setattr(eng.Engine, "_handle", broken)
+    summary = _run(Script(lambda p, a, b, r: asyncio.sleep(0, _json(_ok_body(p)))), tmp_path, 1)
+    assert summary.failures == [{"id": "b3-0", "error_class": "internal", "error": "RuntimeError: bug near Bearer ***"}]
+    for path in (tmp_path / "run").iterdir():
+        assert KEY.value.encode() not in path.read_bytes(), path
+
+
+def test_bad_rows_never_crash_a_run(tmp_path):
+    f = tmp_path / "a.jsonl"
+    f.write_text('{"id": "x-1", "prompt": "ok"}\n{"id": 2, "prompt": "bad \\ud800 here"}\n', encoding="utf-8")
+    g = tmp_path / "a-x.jsonl"
+    g.write_text('{"id": 1, "prompt": "same id as a/x-1"}\n{"id": 2, "prompt": "fine"}\n', encoding="utf-8")
+
+    async def main():
+        runner, url = await _serve(Script(lambda p, a, b, r: asyncio.sleep(0, _json(_ok_body(p)))))
+        try:
+            st = _settings(url, DatasetSpec("a", f)).with_overrides(datasets=(DatasetSpec("a", f), DatasetSpec("a-x", g)))
+            return await agenerate_run(st, tmp_path / "run", key=KEY)
+        finally:
+            await runner.cleanup()
+
+    summary = asyncio.run(main())
+    assert summary.done == 2 and summary.exit_code == ExitCode.INCOMPLETE
+    assert summary.bad_rows == [
+        f"{f}: line 2: field 'prompt': lone surrogate '\\ud800' at character 4: not valid UTF-8",
+        f"{g}: line 1: field 'id': sample id 'a-x-1' collides with an earlier row's (first at {f}: line 1)",
+    ]
+    assert [r["id"] for r in _rows(tmp_path)] == ["a-x-1", "a-x-2"]

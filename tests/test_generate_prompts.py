@@ -193,8 +193,43 @@ limit = 100
     with pytest.raises(ConfigError, match=r"unknown provider key\(s\) \['ignor'\]"):
         load_config(yml)
     yml.write_text("model: m\nheaders:\n  Authorization: Bearer x\n", encoding="utf-8")
-    with pytest.raises(ConfigError, match="must not carry Authorization"):
+    with pytest.raises(ConfigError, match=r"header\(s\) \[.Authorization.\] look like credentials"):
         load_config(yml)
     yml.write_text("modle: m\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['modle'\]"):
         load_config(yml)
+
+
+def test_ids_colliding_across_datasets_are_bad_rows_naming_both_places(tmp_path):
+    a = _write_jsonl(tmp_path / "a.jsonl", [{"id": "x-1", "prompt": "from a"}, {"prompt": "same text"}])
+    ax = _write_jsonl(tmp_path / "a-x.jsonl", [{"id": 1, "prompt": "from a-x"}, {"id": 2, "prompt": "ok"}])
+    loaded = load_prompts([_spec(a, "a"), _spec(ax, "a-x")])
+    assert [s.id for s in loaded.samples] == ["a-x-1", "a-" + content_hash([{"role": "user", "content": "same text"}],
+                                                                           None), "a-x-2"]
+    assert [str(e) for e in loaded.errors] == [
+        f"{ax}: line 1: field 'id': sample id 'a-x-1' collides with an earlier row's (first at {a}: line 1)"
+    ]
+    assert loaded.samples[0].messages[-1]["content"] == "from a"  # the first one is kept
+
+
+def test_a_lone_surrogate_is_a_bad_row_naming_its_field(tmp_path):
+    f = tmp_path / "s.jsonl"
+    f.write_text(
+        '{"id": 1, "messages": [{"role": "user", "content": "fine \\ud83d\\ude00 pair"}]}\n'
+        '{"id": 2, "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "lone \\ud800"}]}\n'
+        '{"id": 3, "conversations": [{"from": "human", "value": "\\udfff x"}]}\n'
+        '{"id": 4, "prompt": "p", "tools": [{"type": "function", "function": {"name": "f\\udc00"}}]}\n'
+        '{"id": "\\ud801", "prompt": "p"}\n'
+        '{"id": 6, "prompt": "a literal backslash-u: \\\\ud800 is fine"}\n',
+        encoding="utf-8",
+    )
+    loaded = load_prompts([_spec(f)])
+    assert [s.id for s in loaded.samples] == ["b3-1", "b3-6"]
+    assert loaded.samples[0].messages[0]["content"] == "fine \U0001F600 pair"
+    assert [(e.location, e.field) for e in loaded.errors] == [
+        ("line 2", "messages[1].content"),
+        ("line 3", "conversations[0].value"),
+        ("line 4", "tools[0].function.name"),
+        ("line 5", "id"),
+    ]
+    assert loaded.errors[0].message == "lone surrogate '\\ud800' at character 5: not valid UTF-8"

@@ -178,7 +178,7 @@ def test_cost_and_budget_reservations():
     b = Budget(max_cost=1.0, prices=prices)  # each request reserves 0.3 (100k prompt + 100k completion)
     r = [b.admit(100_000, 100_000) for _ in range(4)]
     assert r[:3] == [pytest.approx(0.3)] * 3 and r[3] is None and not b.exhausted  # waits: 0.9 reserved
-    b.settle(r[0], 0.05, 1000)
+    b.settle(r[0], 0.05)
     assert b.spent == pytest.approx(0.05) and b.reserved == pytest.approx(0.6)
     assert b.admit(100_000, 100_000) == pytest.approx(0.3)  # 0.05 + 0.6 + 0.3 <= 1.0
     assert b.admit(100_000, 100_000) is None  # 0.05 + 0.9 + 0.3 > 1.0
@@ -201,15 +201,107 @@ def test_budget_never_crosses_the_cap():
     assert b.spent <= 1.0 + 1e-9 and b.exhausted
 
 
-def test_budget_without_prices_learns_from_the_first_response():
+def test_budget_without_prices_learns_prompt_and_completion_prices_apart():
+    # true prices: $0.6/Mtok prompt, $2.5/Mtok completion
+    def price(p, c):
+        return p * 0.6e-6 + c * 2.5e-6
+
     b = Budget(max_cost=1.0, prices=None)
-    first = b.admit(10, 100)
-    assert first == 0.0 and b.admit(10, 100) is None and not b.exhausted  # one at a time until priced
-    b.settle(first, 0.011, 110)  # 0.0001 per token
-    assert b.admit(10, 100) == pytest.approx(0.011)
+    first = b.admit(100, 4000)
+    assert first == 0.0 and b.admit(100, 4000) is None and not b.exhausted  # one at a time until priced
+    b.settle(first, price(2000, 10), prompt_tokens=2000, completion_tokens=10, provider="p")  # prompt-heavy
+    # one response: its whole cost may be completion price: 4000 x cost/10 (not the blended rate,
+    # which would reserve (100 + 4000) x cost/2010 = $0.0025 for a request that can cost $0.01006)
+    worst, exact = b.reservation(100, 4000)
+    assert worst == pytest.approx(price(2000, 10) * 4000 / 10) and not exact
+    assert worst >= price(100, 4000)
+    r = b.admit(100, 4000)
+    b.settle(r, price(10, 4000), prompt_tokens=10, completion_tokens=4000, provider="p")
+    # two responses with different ratios bracket the request: the exact price, two unknowns
+    worst, exact = b.reservation(100, 4000)
+    assert exact and worst == pytest.approx(price(100, 4000))
+    # outside the bracket the bound stays above the truth
+    for p, c in ((5000, 1), (1, 100_000), (0, 10), (10, 0)):
+        assert b.reservation(p, c)[0] >= price(p, c) - 1e-15
+    # a second provider is priced on its own and the dearer one wins
+    b.observe("dear", 1000, 1000, 10 * price(1000, 1000))
+    assert b.reservation(100, 4000)[0] >= 10 * price(100, 4000) * 0.999
+
     b2 = Budget(max_cost=1.0, prices=None)
-    b2.settle(b2.admit(1, 1), None, 0)  # a response without cost: the cap cannot be kept
+    b2.settle(b2.admit(1, 1), None, possible=True, answered=True)  # an answer without cost: cap cannot be kept
     assert b2.unpriced and b2.exhausted
+
+
+def test_budget_without_prices_passes_the_cap_by_at_most_one_request():
+    def price(p, c):
+        return p * 0.6e-6 + c * 2.5e-6
+
+    for order in ([(2000, 10)] + [(10, 4000)] * 50, [(10, 4000)] * 50, [(3000, 5), (2500, 8)] + [(10, 4000)] * 50):
+        b = Budget(max_cost=0.05, prices=None)
+        queue = list(order)
+        flight: list[tuple[float, tuple[int, int]]] = []
+        while queue or flight:
+            r = b.admit(3000, 4000) if queue else None  # every request: <= 3000 prompt, max_tokens 4000
+            if r is not None:
+                flight.append((r, queue.pop(0)))
+                continue
+            if not flight:
+                break
+            res, (p, c) = flight.pop(0)
+            b.settle(res, price(p, c), prompt_tokens=p, completion_tokens=c, provider="p")
+        assert b.spent <= 0.05 + price(3000, 4000) + 1e-12, order
+        assert b.exhausted or not queue
+
+
+def test_budget_books_possible_charges_against_the_cap():
+    b = Budget(max_cost=1.0, prices=Prices(prompt=0.0, completion=1.0))
+    r = b.admit(0, 300_000)  # worst case $0.30
+    assert b.settle(r, None, possible=True) == pytest.approx(0.3)  # a timeout: maybe billed
+    assert b.possible == pytest.approx(0.3) and b.spent == 0.0
+    r = b.admit(0, 300_000)
+    assert b.settle(r, 0.0) is None  # an HTTP error reply: not billed
+    assert [b.admit(0, 300_000) is not None for _ in range(3)] == [True, True, False]  # 0.3 + 0.6 booked/reserved
+
+
+def test_settings_refuse_bad_base_urls_and_credential_headers(tmp_path):
+    from tokenbridge.generate.settings import ConfigError, GenerateSettings, endpoint_identity, load_config
+
+    for url, why in (("openrouter.ai/api/v1", "needs http:// or https://"),
+                     ("https://user:pw@openrouter.ai/api/v1", "user info"),
+                     ("https://openrouter.ai/api/v1?key=x", "query"),
+                     ("ftp://host/v1", "needs http://")):
+        with pytest.raises(ConfigError, match=why):
+            GenerateSettings(base_url=url)
+        with pytest.raises(ConfigError, match=why):
+            GenerateSettings().with_overrides(base_url=url)
+    for name in ("Authorization", "proxy-authorization", "X-Api-Key", "Api-Key", "Cookie", "X-Auth-Token"):
+        with pytest.raises(ConfigError, match="look like credentials"):
+            GenerateSettings(headers={name: "v"})
+        with pytest.raises(ConfigError, match="look like credentials"):
+            GenerateSettings().with_overrides(headers={name: "v"})
+    cfg = tmp_path / "g.toml"
+    cfg.write_text('model = "m"\n[headers]\nX-Title = "ok"\nx-api-key = "sk-1"\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"g.toml: header\(s\) \['x-api-key'\]"):
+        load_config(cfg)
+    assert GenerateSettings(headers={"HTTP-Referer": "https://x", "X-Title": "t"}).headers["X-Title"] == "t"
+    # resume identity: loopback ports are ephemeral (the emulator), anything else must match
+    assert endpoint_identity("http://127.0.0.1:5001/api/v1") == endpoint_identity("http://localhost:6002/api/v1/")
+    assert endpoint_identity("https://openrouter.ai/api/v1") == endpoint_identity("https://OpenRouter.ai:443/api/v1")
+    assert endpoint_identity("http://127.0.0.1:5001/api/v1") != endpoint_identity("https://openrouter.ai/api/v1")
+
+
+def test_store_appends_attempts_and_counts_every_billed_one(tmp_path):
+    from tokenbridge.generate.store import AttemptRecord, Batch, Store
+
+    with Store.open(tmp_path) as store:
+        store.add_samples([("b-1", "b", "", "{}")])
+        store.commit(Batch(attempts=[AttemptRecord("b-1", 1, 1.0, 0.1, 200, None, "", 0.25)]))
+        # a second writer numbering its attempt 1 again: appended as 2, its cost kept
+        store.commit(Batch(attempts=[AttemptRecord("b-1", 1, 2.0, 0.1, 200, None, "", 0.5),
+                                     AttemptRecord("b-1", 1, 3.0, 9.0, None, "timeout", "t", None, possible_cost=0.125)]))
+        assert [(a.n, a.cost, a.possible_cost) for a in store.attempts("b-1")] == [
+            (1, 0.25, None), (2, 0.5, None), (3, None, 0.125)]
+        assert store.total_cost() == pytest.approx(0.75) and store.possible_cost() == pytest.approx(0.125)
 
 
 def test_aimd_limiter_halves_once_per_window_then_recovers():
@@ -263,3 +355,27 @@ def test_progress_plain_when_not_a_tty_and_rich_on_request():
     assert plain.strip().splitlines()[-1] == format_line(stats)
     rich_text = asyncio.run(show("rich"))
     assert "1 failed" in rich_text and "http_429=3" in rich_text and "$0.2500" in rich_text
+
+
+def test_a_schema_1_state_file_is_upgraded_in_place(tmp_path):
+    import sqlite3
+
+    from tokenbridge.generate.store import Batch, ResponseRecord, Store
+
+    with Store.open(tmp_path) as store:
+        store.add_samples([("b-1", "b", "", "{}")])
+        store.commit(Batch(responses=[ResponseRecord("b-1", b"{}", None, "p", "m", None, 0.5, 0.1, 1.0, 2.0, 1, False)]))
+    con = sqlite3.connect(tmp_path / "state.sqlite")  # what a schema 1 file looks like
+    con.execute("ALTER TABLE responses DROP COLUMN base_url")
+    con.execute("ALTER TABLE attempts DROP COLUMN possible_cost")
+    con.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
+    con.commit()
+    con.close()
+    with Store.open(tmp_path) as store:
+        assert [m for *_, m in store.iter_done()] == [{
+            "provider": "p", "model": "m", "latency_s": 0.1, "cost": 0.5, "attempts": 1, "started_at": 1.0,
+            "finished_at": 2.0, "stream": False}]  # no base_url known: none written
+        assert store.total_cost() == 0.5 and store.possible_cost() == 0.0
+        assert store.done_base_urls(["b-1"]) == {None: (1, "b-1")}
+    con = sqlite3.connect(tmp_path / "state.sqlite")
+    assert con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("2",)

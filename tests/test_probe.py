@@ -66,8 +66,15 @@ def test_probe_cli_prints_the_table_and_writes_json(tmp_path, kimi, kimi_dir):
         )
     assert res.exit_code == 0, res.output
     assert "siliconflow/int4" in res.output and "none" in res.output
+    assert "each prompt: up to 3 tries; waits (Retry-After included) capped at 8 s" in res.output
     data = json.loads(out.read_text(encoding="utf-8"))
     assert [p["provider"] for p in data["providers"]] == ["siliconflow/int4", "gone"]
     assert data["providers"][0]["usage_parity"] == "3/3" and data["providers"][1]["available"] is False
     assert len(data["providers"][0]["calls"]) == 3
     assert FAKE_KEY not in res.output and FAKE_KEY not in out.read_text(encoding="utf-8")
+
+
+def test_probe_refuses_a_base_url_without_scheme(kimi_dir):
+    res = CliRunner().invoke(app, ["probe", "--model", MODEL, "--providers", "a", "--base-url", "openrouter.ai/api/v1",
+                                   "--tokenizer", str(kimi_dir)], env={"OPENROUTER_API_KEY": FAKE_KEY})
+    assert res.exit_code == 2 and "needs http:// or https://" in res.output and "Traceback" not in res.output

@@ -13,22 +13,49 @@ Python API (what ``tokenbridge run`` calls)::
     report = dry_run(settings, "runs/k25")            # prompt tokens + cost estimate, sends nothing
     reports = probe(model=..., providers=[...], base_url=..., key=read_api_key(), tokenizer=tok)
 
-``generate_run`` (async: ``agenerate_run``) loads the datasets (:mod:`.prompts`), stores
-each sample's canonical request in ``RUN/state.sqlite`` (:mod:`.store`), sends the pending
-ones through the engine (:mod:`.engine`: aiohttp, AIMD concurrency, retries, budget),
-commits every response verbatim before counting it, and finally rewrites
-``RUN/exchanges.jsonl`` (input order, atomic) and ``RUN/generate.json`` (the summary).
-The API key is read from ``settings.api_key_env`` (default ``OPENROUTER_API_KEY``) and is
-never stored, logged or reported.
+``generate_run`` (async: ``agenerate_run``) takes an exclusive lock on ``RUN/.lock`` for
+the whole run, loads the datasets (:mod:`.prompts`), stores each sample's canonical
+request in ``RUN/state.sqlite`` (:mod:`.store`), sends the pending ones through the
+engine (:mod:`.engine`: aiohttp, AIMD concurrency, retries, budget), commits every
+response verbatim (with the ``base_url`` it came from) before counting it, and finally
+rewrites ``RUN/exchanges.jsonl`` with this invocation's done samples (input order, atomic)
+and ``RUN/generate.json`` (the summary). The API key is read from ``settings.api_key_env``
+(default ``OPENROUTER_API_KEY``) and is never stored, logged or reported.
 
-Exit codes (:class:`ExitCode`): 0 all done; 1 finished with failed samples or bad rows;
-2 usage/config error; 3 stopped on HTTP 402; 4 stopped at ``max_cost``; 5 stopped on
-repeated 401; 6 store write failed; 130 interrupted. Any stop leaves the unsent samples
-pending: rerunning the same command continues.
+Rerunning on a folder: done samples are kept and not sent again; failed ones are sent
+again; samples not done yet take this invocation's request. If *done* samples were made
+with another request (model, max_tokens, messages...) or from another API (base_url;
+loopback URLs match whatever their port), the run refuses (``SettingsChanged``, exit 2)
+unless ``force_settings=True`` / ``--force-settings``, which keeps those answers.
+
+Errors raised before anything is sent are all :class:`GenerateError` (``str(exc)`` is one
+line without secrets, ``exc.exit_code`` the code to exit with): ``ConfigError``,
+``MissingApiKey``, ``PromptSourceError``, ``StoreError`` (2; 6 when the state cannot be
+written), ``SettingsChanged`` (2), ``RunFolderBusy`` (7). Loading a tokenizer for
+``dry_run`` may also raise ``tokenbridge.tokenizer.TokenizerError`` or
+``tokenbridge.chat.DialectError``. Bad rows do not raise: they are ``RunSummary.bad_rows``.
+
+Exit codes (:class:`ExitCode`, ``RunSummary.exit_code``): 0 all done; 1 finished with
+failed samples or bad rows; 2 usage/config error; 3 stopped on HTTP 402; 4 stopped at
+``max_cost``; 5 stopped on repeated 401; 6 store write failed (``exchanges.jsonl`` then
+holds what was committed); 7 run folder in use by another process; 130 interrupted. Any
+stop leaves the unsent samples pending: rerunning the same command continues.
+
+Budget (``max_cost``, details in :mod:`.budget`): with ``[prices]`` the cap is never
+passed; without, prompt and completion prices are learned apart from ``usage.cost`` and
+the cap can be passed by at most one request. Timeouts and cut streams count as possibly
+billed (``RunSummary.spent_possible``).
+
+A 404 "No endpoints found" fails the later samples whose body matches on everything but
+the messages (tools by presence; :func:`~.request.routing_key`) without sending them
+(``no_endpoints_skipped``, sent once on the next run); one about context or length fails
+only its sample. ``base_url`` must be ``http(s)://host/path`` without user info, query or
+fragment; headers that look like credentials are refused (:mod:`.settings`).
 """
 
 from __future__ import annotations
 
+from .errors import GenerateError, RunFolderBusy, SettingsChanged
 from .estimate import DryRunReport, dry_run
 from .probe import PROBE_PROMPTS, ProbeCall, ProviderReport, aprobe, probe, render_table
 from .prompts import LoadedPrompts, PromptSourceError, RowError, Sample, load_prompts
@@ -55,6 +82,7 @@ __all__ = [
     "DatasetSpec",
     "DryRunReport",
     "ExitCode",
+    "GenerateError",
     "GenerateSettings",
     "LoadedPrompts",
     "MissingApiKey",
@@ -64,8 +92,10 @@ __all__ = [
     "ProviderReport",
     "RequestSettings",
     "RowError",
+    "RunFolderBusy",
     "RunSummary",
     "Sample",
+    "SettingsChanged",
     "Store",
     "StoreError",
     "agenerate_run",

@@ -3,23 +3,52 @@
 A response's cost is ``usage.cost`` (OpenRouter returns it with ``usage: {include:
 true}``), else usage tokens x the configured price table, else unknown.
 
-:class:`Budget` admits a request only if ``spent + reserved + estimate <= max_cost``,
-where every in-flight request holds a reservation of its worst case (prompt estimate +
-``max_tokens`` x n at the completion price). Without a price table, the first request
-goes alone; its cost per token then prices the reservations.
+:class:`Budget` admits a request only if ``spent + possible + reserved + worst <= max_cost``.
+``worst`` is the request's worst case: ``P`` prompt tokens (:func:`estimate_prompt_tokens`,
+an upper bound: UTF-8 bytes of the request) and ``C = max_tokens x n`` completion tokens
+(a request without ``max_tokens`` is assumed to stop at 32,768: then nothing is a bound).
+
+Pricing the worst case
+  * With ``[prices]``: ``P x prompt + C x completion``.
+  * Without: learned from responses, per provider, with no assumption but fixed,
+    non-negative per-token prices (a, b). Each response i says ``a p_i + b c_i = k_i``.
+    Any y >= 0 with ``sum y_i p_i >= P`` and ``sum y_i c_i >= C`` gives
+    ``a P + b C <= sum y_i k_i`` (the LP dual), so that sum never under-reserves. We keep
+    the two responses with the smallest and largest prompt/completion ratio: one alone
+    gives ``k_i max(P/p_i, C/c_i)`` (its whole cost put on whichever token kind binds, a
+    loose bound), and when the two bracket the request's ratio their combination is the
+    exact price (two equations, two unknowns). The worst case is the largest over the
+    providers seen.
+
+Guarantee: with ``[prices]`` the spend never exceeds ``max_cost``. Without, a request
+whose loose bound does not fit may still go, alone, while ``spent`` is under the cap (a
+"learning" send: the very first request is one), so the spend can exceed ``max_cost`` by
+at most one request's real cost (``P x a + max_tokens x n x b``); once two responses with
+different ratios bracket the requests, the cap holds exactly. (A learning send that times
+out is booked at its reservation, which is $0 before any price is known.) Assumed: a
+provider's prices do not change, cached-prompt discounts are small (a discounted response
+understates ``a``), and no unseen, pricier provider serves the next request: set
+``[prices]`` to the dearest provider's prices for a hard cap.
+
+Failures: an HTTP error reply is not billed (booked at $0). An attempt that may have been
+billed without saying so (a read timeout, a dropped connection, a cut stream, a 200 without
+usage) keeps its reservation as *possible* spend (``Budget.possible``, stored in the
+attempt row, counted against the cap in later runs too); nothing resolves it afterwards.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .settings import Prices
 
-__all__ = ["Budget", "cost_of", "estimate_prompt_tokens"]
+__all__ = ["Budget", "PriceBounds", "cost_of", "estimate_prompt_tokens"]
 
 #: Completion tokens reserved per request when the request sets no max_tokens.
 DEFAULT_RESERVE_TOKENS = 32_768
+#: Prompt tokens a provider may add around the messages (chat template, system preamble).
+PROMPT_OVERHEAD_TOKENS = 256
 
 
 def cost_of(usage: Mapping[str, Any] | None, prices: Prices | None) -> float | None:
@@ -39,8 +68,50 @@ def cost_of(usage: Mapping[str, Any] | None, prices: Prices | None) -> float | N
 
 
 def estimate_prompt_tokens(request_json: str) -> int:
-    """A cheap upper-ish bound for budget reservations (no tokenizer on the hot path)."""
-    return len(request_json) // 3 + 16
+    """An upper bound on the prompt tokens: a BPE token covers at least one byte of text,
+    and the JSON around the texts outweighs the template's role markers."""
+    return len(request_json.encode("utf-8", "surrogatepass")) + PROMPT_OVERHEAD_TOKENS
+
+
+def _ratio(obs: tuple[int, int, float]) -> float:
+    p, c, _ = obs
+    return p / c if c else float("inf")
+
+
+@dataclass
+class PriceBounds:
+    """One provider's price knowledge: its most prompt-heavy and most completion-heavy response."""
+
+    lo: tuple[int, int, float] | None = None  # smallest prompt/completion ratio
+    hi: tuple[int, int, float] | None = None  # largest
+
+    def add(self, prompt_tokens: int, completion_tokens: int, cost: float) -> None:
+        if prompt_tokens < 0 or completion_tokens < 0 or cost < 0 or not (prompt_tokens or completion_tokens):
+            return
+        obs = (prompt_tokens, completion_tokens, cost)
+        if self.lo is None or _ratio(obs) < _ratio(self.lo):
+            self.lo = obs
+        if self.hi is None or _ratio(obs) > _ratio(self.hi):
+            self.hi = obs
+
+    def bound(self, prompt: int, completion: int) -> tuple[float, bool] | None:
+        """(USD no request of this size can exceed, whether it is exact), or None if unbounded."""
+        best: float | None = None
+        for p, c, k in {self.lo, self.hi} - {None}:
+            if (prompt and not p) or (completion and not c):
+                continue  # this response says nothing about one of the prices
+            y = max(prompt / p if prompt else 0.0, completion / c if completion else 0.0)
+            best = y * k if best is None else min(best, y * k)
+        if self.lo is not None and self.hi is not None and self.lo != self.hi:
+            (p1, c1, k1), (p2, c2, k2) = self.lo, self.hi
+            det = p1 * c2 - p2 * c1
+            if det:
+                y1 = (prompt * c2 - completion * p2) / det
+                y2 = (completion * p1 - prompt * c1) / det
+                if y1 >= 0 and y2 >= 0:
+                    exact = y1 * k1 + y2 * k2
+                    return (exact if best is None else min(best, exact)), True
+        return (best, False) if best is not None else None
 
 
 @dataclass
@@ -49,69 +120,104 @@ class Budget:
 
     max_cost: float | None
     prices: Prices | None
-    spent: float = 0.0
+    spent: float = 0.0  # billed
+    possible: float = 0.0  # maybe billed (reservations of attempts that returned no cost)
     reserved: float = 0.0
     in_flight: int = 0
-    _tokens_seen: int = 0
-    _cost_seen: float = 0.0
     exhausted: bool = False
     unpriced: bool = False  # a cap is set but responses carry no cost and there is no price table
+    learning_sends: int = 0  # requests sent alone because their price was not known well enough
+    providers: dict[str, PriceBounds] = field(default_factory=dict)
 
-    def reservation(self, prompt_tokens: int, completion_tokens: int) -> float | None:
-        """Worst-case USD for one request, or None when nothing is known yet to price it."""
+    @property
+    def total(self) -> float:
+        return self.spent + self.possible
+
+    def observe(self, provider: str | None, prompt_tokens: int, completion_tokens: int, cost: float) -> None:
+        """Learn from one priced response (also fed from the store when a run resumes)."""
+        self.providers.setdefault(provider or "", PriceBounds()).add(prompt_tokens, completion_tokens, cost)
+
+    def reservation(self, prompt_tokens: int, completion_tokens: int) -> tuple[float, bool] | None:
+        """(worst-case USD for one request, exact?), or None when nothing is known yet to price it."""
         if self.prices is not None:
-            return self.prices.cost(prompt_tokens, completion_tokens)
-        if self._tokens_seen:
-            return (prompt_tokens + completion_tokens) * self._cost_seen / self._tokens_seen
-        return None
+            return self.prices.cost(prompt_tokens, completion_tokens), True
+        if not self.providers:
+            return None
+        worst, exact = 0.0, True
+        for bounds in self.providers.values():
+            b = bounds.bound(prompt_tokens, completion_tokens)
+            if b is None:
+                return None
+            worst, exact = max(worst, b[0]), exact and b[1]
+        return worst, exact
 
     def admit(self, prompt_tokens: int, completion_tokens: int) -> float | None:
         """Reserve for one request; returns the reservation, or None if it cannot go now.
 
         None with :attr:`exhausted` still False means "wait for an in-flight request to
         settle and ask again"; :attr:`exhausted` turns True once even an idle budget
-        cannot fit the request, and then stays True.
+        cannot send the request, and then stays True.
         """
         if self.max_cost is None:
             self.in_flight += 1
             return 0.0
         if self.exhausted:
             return None
-        estimate = self.reservation(prompt_tokens, completion_tokens)
-        if estimate is None:
-            if self.in_flight:  # learning the price: one request at a time until one returns
-                return None
-            estimate = 0.0
-        if self.spent + self.reserved + estimate > self.max_cost or self.spent >= self.max_cost:
+        if self.total >= self.max_cost:
             if self.in_flight == 0:
                 self.exhausted = True
             return None
-        self.reserved += estimate
+        est = self.reservation(prompt_tokens, completion_tokens)
+        if est is not None and self.total + self.reserved + est[0] <= self.max_cost:
+            return self._reserve(est[0])
+        if self.in_flight:
+            return None  # wait: a settling request frees its reservation (or teaches a price)
+        if est is not None and est[1]:
+            self.exhausted = True  # the true worst case does not fit
+            return None
+        self.learning_sends += 1  # alone, under the cap, price not known well enough
+        return self._reserve(est[0] if est is not None else 0.0)
+
+    def _reserve(self, amount: float) -> float:
+        self.reserved += amount
         self.in_flight += 1
-        return estimate
+        return amount
 
-    def settle(self, reservation: float, cost: float | None, tokens: int = 0) -> None:
-        """A request came back: drop its reservation and book what it actually cost.
+    def settle(
+        self,
+        reservation: float,
+        cost: float | None,
+        *,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+        provider: str | None = None,
+        possible: bool = False,
+        answered: bool = False,
+    ) -> float | None:
+        """A request came back: drop its reservation and book what it cost.
 
-        ``cost`` None means "a response arrived but its price is unknown" (an unbilled
-        failure should pass 0.0).
+        ``cost`` None with ``possible`` True: it may have been billed without saying so
+        (a timeout, a cut stream; ``answered``: a response without usage); its reservation
+        is booked as possible spend, and returned (None when nothing was booked). An
+        unbilled failure passes ``cost=0.0``.
         """
         self.in_flight = max(0, self.in_flight - 1)
         self.reserved = max(0.0, self.reserved - reservation)
-        if cost is None and self.max_cost is not None and self.prices is None:
-            self.unpriced = self.exhausted = True
         if cost is not None:
             self.spent += cost
-            if tokens > 0:
-                self._tokens_seen += tokens
-                self._cost_seen += cost
+            if self.prices is None and isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
+                self.observe(provider, prompt_tokens, completion_tokens, cost)
+            return None
+        if not possible:
+            return None
+        if reservation > 0:
+            self.possible += reservation
+            return reservation
+        if answered and self.max_cost is not None and self.prices is None and not self.providers:
+            self.unpriced = self.exhausted = True  # nothing priced yet and the answers carry no cost
+        return None
 
     def cancel(self, reservation: float) -> None:
         """A reserved request was never sent."""
         self.in_flight = max(0, self.in_flight - 1)
         self.reserved = max(0.0, self.reserved - reservation)
-
-    @property
-    def waiting_to_learn(self) -> bool:
-        """True while an unpriced cap holds requests back until the first cost is known."""
-        return self.max_cost is not None and self.prices is None and not self._tokens_seen and self.in_flight > 0

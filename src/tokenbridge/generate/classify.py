@@ -16,7 +16,12 @@ error``
 402                                        payment          http_402 (stops the run)
 404 "No endpoints found"                   unavailable      no_endpoints (fails that routing)
 timeout / connection error                 retry            timeout / connection
+malformed URL                              fail             bad_url
 =========================================  ===============  ================================
+
+``Outcome.maybe_billed`` marks failures after which the provider may have generated (and
+billed) tokens without telling us: read/total timeouts, a connection dropped once the
+request was out, a cut or garbled stream. A refused or timed-out *connect* was never sent.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class Outcome:
     message: str = ""
     status: int | None = None
     retry_after: float | None = None
+    maybe_billed: bool = False
 
     @property
     def retryable(self) -> bool:
@@ -84,14 +90,18 @@ def classify_response(
 def classify_exception(exc: BaseException) -> Outcome:
     """Timeouts and connection failures are worth retrying; the message is the exception text."""
     name = type(exc).__name__
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError, aiohttp.ServerTimeoutError)):
+    if isinstance(exc, aiohttp.InvalidURL):
+        return Outcome("fail", "bad_url", f"{name}: {exc}")
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):  # never connected: nothing was sent
         return Outcome("retry", "timeout", f"{name}: {exc}".rstrip(": "))
-    if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError)):
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError, aiohttp.ServerTimeoutError)):
+        return Outcome("retry", "timeout", f"{name}: {exc}".rstrip(": "), maybe_billed=True)
+    if isinstance(exc, aiohttp.ClientConnectorError):  # refused, DNS, TLS: nothing was sent
         return Outcome("retry", "connection", f"{name}: {exc}")
     if isinstance(exc, (aiohttp.ClientError, ConnectionError, OSError)):
-        return Outcome("retry", "connection", f"{name}: {exc}")
+        return Outcome("retry", "connection", f"{name}: {exc}", maybe_billed=True)
     if isinstance(exc, (ValueError, UnicodeDecodeError)):
-        return Outcome("retry", "bad_stream", f"{name}: {exc}")
+        return Outcome("retry", "bad_stream", f"{name}: {exc}", maybe_billed=True)
     return Outcome("fail", "client_error", f"{name}: {exc}")
 
 

@@ -7,16 +7,28 @@ backoff, at least ``Retry-After``) instead of sleeping in a worker, so backoff n
 idles a slot. Finished responses go to :class:`StoreWriter`, which commits them in small
 batches; a sample is counted done only after its commit returns.
 
-Stops: 402 (payment), the budget cap, 10 straight 401s with no success, or
-:meth:`Engine.request_stop` (SIGINT). Each stops *new* sends; requests in flight finish
-and are stored; what was never sent stays pending for the next run.
+Stops: 402 (payment), the budget cap, 10 straight 401s with no success, a failed store
+write, or :meth:`Engine.request_stop` (SIGINT). Each stops *new* sends; requests in
+flight finish and are stored (after a store failure they are dropped: nothing more can
+be stored); what was never sent stays pending for the next run.
+
+A 404 "No endpoints found" is remembered per :func:`~.request.routing_key` (every body
+field but the messages; tools by presence): later samples with the same key fail
+unsent (``no_endpoints_skipped``; the next run sends each of them once). A 404 that
+speaks of context or length depends on the prompt, so it fails only its own sample.
+
+Timeouts: a non-streamed call has ``timeout_s`` in all; a streamed one has no total,
+only ``read_timeout_s`` of silence. A stream is read to ``[DONE]`` or its end; one cut
+after every choice finished is kept (without usage if the usage chunk never came).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
+import re
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +49,8 @@ from .store import AttemptRecord, Batch, ResponseRecord, Store, StoredSample
 __all__ = ["Engine", "EngineStats", "StopReason", "WorkItem", "make_session"]
 
 _UNAUTHORIZED_STOP = 10
+# a 404 "No endpoints" about the prompt's size says nothing about other samples
+_SAMPLE_SPECIFIC_404 = re.compile(r"context|length|too (long|large)|tokens", re.IGNORECASE)
 
 
 class StopReason:
@@ -60,13 +74,15 @@ class WorkItem:
     routing: str
     tries: int = 0  # attempts in this run
     sent_at: float = 0.0  # monotonic time the latest attempt was sent
+    send_anyway: bool = False  # skipped for another sample's 404 last time: send it once
 
     @classmethod
     def from_stored(cls, s: StoredSample) -> "WorkItem":
         req = json.loads(s.request)
         n = req.get("n") or 1
         reserve = (req.get("max_tokens") or req.get("max_completion_tokens") or DEFAULT_RESERVE_TOKENS) * n
-        return cls(s.id, s.seq, s.request, s.attempts, estimate_prompt_tokens(s.request), reserve, routing_key(req))
+        return cls(s.id, s.seq, s.request, s.attempts, estimate_prompt_tokens(s.request), reserve, routing_key(req),
+                   send_anyway=s.error_class == "no_endpoints_skipped")
 
 
 @dataclass
@@ -86,6 +102,8 @@ class EngineStats:
     in_flight: int = 0
     limit: float = 0.0
     spent: float = 0.0
+    possible: float = 0.0  # maybe billed, no cost reported (see budget)
+    no_usage: int = 0  # responses kept without usage
     stop_reason: str | None = None
     notices: list[str] = field(default_factory=list)
 
@@ -202,7 +220,7 @@ class Engine:
         if key is not None:
             self._headers["Authorization"] = f"Bearer {key.value}"
         self._request_headers: dict[str, str] | None = self._headers
-        self._unavailable: dict[str, str] = {}
+        self._unavailable: dict[str, tuple[str, str]] = {}  # routing key -> (message, sample that got it)
         self._unauthorized_streak = 0
         self._successes = 0
         self._queue: asyncio.PriorityQueue | None = None
@@ -264,9 +282,7 @@ class Engine:
                 await self._writer.close(writer_task)
             if own_session:
                 await session.close()
-        if self._writer.error is not None:
-            raise RuntimeError(f"store write failed: {self._writer.error}") from self._writer.error
-        return self.stats
+        return self.stats  # a store failure is stop_reason STORE, with its notice
 
     # --- workers ----------------------------------------------------------------------
 
@@ -280,15 +296,15 @@ class Engine:
                 raise
             except Exception as exc:  # noqa: BLE001 - a bug must not hang the run: fail this sample, go on
                 self._notice(f"internal error on {item.sample_id}: {type(exc).__name__}: {exc}")
-                self._fail(item, "internal", f"{type(exc).__name__}: {exc}")
+                self._fail(item, "internal", f"{type(exc).__name__}: {exc}")  # _fail scrubs the key
 
     async def _process(self, session: aiohttp.ClientSession, item: WorkItem) -> None:
         if self._stopping:
             self._abandon(item)
             return
-        reason = self._unavailable.get(item.routing)
-        if reason is not None:
-            self._fail(item, "no_endpoints", reason)
+        known = self._unavailable.get(item.routing)
+        if known is not None and not item.send_anyway:
+            self._fail(item, "no_endpoints_skipped", f"not sent: {known[1]} with the same routing got: {known[0]}")
             return
         reservation = self.budget.admit(item.prompt_tokens_est, item.completion_reserve)
         if reservation is None:
@@ -296,6 +312,9 @@ class Engine:
         if reservation is None:
             self._abandon(item)
             return
+        if self.budget.learning_sends > 1:
+            self._notice("budget: no [prices] and the prices learned so far are loose: sending one request "
+                         "at a time until two responses pin them down (the cap may be passed by one request)")
         await self.limiter.acquire()
         if self._stopping:  # stopped while waiting for a slot: send nothing new
             self.limiter.release()
@@ -304,17 +323,32 @@ class Engine:
             return
         self.stats.in_flight += 1
         try:
-            outcome, record, cost = await self._attempt(session, item)
+            outcome, record, attempt = await self._attempt(session, item)
         finally:
             self.stats.in_flight -= 1
             self.limiter.release()
-        tokens = 0
-        if record is not None and record.usage:
-            tokens = int(record.usage.get("prompt_tokens") or 0) + int(record.usage.get("completion_tokens") or 0)
-        if cost is None and outcome.kind != "ok":
+        cost = attempt.cost
+        usage = record.usage if record is not None and record.usage else {}
+        answered = outcome.kind == "ok"
+        if cost is None and not answered and not outcome.maybe_billed:
             cost = 0.0  # an error reply with no usage was not billed
-        self.budget.settle(reservation, cost, tokens)
+        possible = self.budget.settle(
+            reservation,
+            cost,
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+            provider=record.provider if record is not None else None,
+            possible=cost is None,
+            answered=answered,
+        )
+        assert self._writer is not None
+        self._writer.attempt(dataclasses.replace(attempt, possible_cost=possible) if possible else attempt)
         self.stats.spent = self.budget.spent
+        self.stats.possible = self.budget.possible
+        if answered and not usage:
+            self.stats.no_usage += 1
+            self._notice("some responses came without usage (e.g. a stream that ended before its usage chunk); "
+                         "their cost is unknown and, under --max-cost, booked at their reservation")
         assert self._settled is not None
         self._settled.set()
         self._handle(item, outcome, record)
@@ -329,10 +363,13 @@ class Engine:
             if reservation is not None:
                 return reservation
             if self.budget.exhausted:
-                if self.budget.unpriced:
+                b = self.budget
+                if b.unpriced:
                     self._notice("stopping: --max-cost is set but responses carry no usage.cost and no prices are configured")
                 else:
-                    self._notice(f"stopping: budget ${self.budget.max_cost:.2f} reached (spent ${self.budget.spent:.4f})")
+                    extra = f" + ${b.possible:.4f} possibly billed" if b.possible else ""
+                    self._notice(f"stopping: budget ${b.max_cost:.2f} reached (spent ${b.spent:.4f}{extra}; "
+                                 "the next request's worst case does not fit)")
                 self.request_stop(StopReason.BUDGET)
                 return None
             self._settled.clear()
@@ -340,7 +377,8 @@ class Engine:
 
     async def _attempt(
         self, session: aiohttp.ClientSession, item: WorkItem
-    ) -> tuple[Outcome, ResponseRecord | None, float | None]:
+    ) -> tuple[Outcome, ResponseRecord | None, AttemptRecord]:
+        """One HTTP attempt: its outcome, the response to store (when ok), its log row."""
         item.tries += 1
         n = item.prior_attempts + item.tries
         stream = self.s.stream
@@ -353,8 +391,8 @@ class Engine:
         parsed: Any = None
         try:
             wire = wire_body(item.request_json, stream=stream)
-            timeout = aiohttp.ClientTimeout(
-                total=self.s.timeout_s,
+            timeout = aiohttp.ClientTimeout(  # a stream may run for hours; only its silences are limited
+                total=None if stream else self.s.timeout_s,
                 sock_connect=self.s.connect_timeout_s,
                 sock_read=self.s.read_timeout_s if stream else None,
             )
@@ -374,12 +412,9 @@ class Engine:
         message = scrub(outcome.message, self.key)
         usage = parsed.get("usage") if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict) else None
         cost = cost_of(usage, self.s.prices)
-        assert self._writer is not None
-        self._writer.attempt(
-            AttemptRecord(item.sample_id, n, started_at, latency, status, outcome.error_class, message, cost, stream)
-        )
+        attempt = AttemptRecord(item.sample_id, n, started_at, latency, status, outcome.error_class, message, cost, stream)
         if outcome.kind != "ok":
-            return Outcome(outcome.kind, outcome.error_class, message, outcome.status, outcome.retry_after), None, cost
+            return dataclasses.replace(outcome, message=message), None, attempt
         assert isinstance(parsed, dict)
         record = ResponseRecord(
             sample_id=item.sample_id,
@@ -394,8 +429,9 @@ class Engine:
             finished_at=time.time(),
             attempts=n,
             stream=raw is not None,
+            base_url=self.s.base_url,
         )
-        return outcome, record, cost
+        return outcome, record, attempt
 
     async def _read_stream(self, resp: aiohttp.ClientResponse) -> tuple[bytes, bytes, Outcome, Any]:
         """Read an SSE body: (assembled JSON bytes, raw stream bytes, outcome, parsed)."""
@@ -407,19 +443,29 @@ class Engine:
                 raw += chunk
                 for event in decoder.feed(chunk):
                     asm.add_event(event)
-            for event in decoder.close():
-                asm.add_event(event)
+                if asm.done:  # [DONE]: nothing more belongs to this response
+                    break
+            else:
+                for event in decoder.close():
+                    asm.add_event(event)
         except (StreamError, UnicodeDecodeError) as exc:
-            return b"", bytes(raw), Outcome("retry", "bad_stream", str(exc), 200), None
+            return b"", bytes(raw), Outcome("retry", "bad_stream", str(exc), 200, maybe_billed=True), None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if not (asm.finished and not asm.errors):
+                raise
+            # cut after every choice finished: the answer is whole, only usage / [DONE] is missing
+            self._notice(f"a stream was cut after its finish_reason ({type(exc).__name__}); kept without its tail")
         if asm.errors:
             out, _ = classify_response(200, {}, json.dumps({"error": asm.errors[-1]}).encode())
             cls = "stream_error" if out.kind == "retry" else out.error_class
             message = f"mid-stream error: {out.message}"
-            return b"", bytes(raw), Outcome(out.kind, cls, message, 200, out.retry_after), None
+            return b"", bytes(raw), Outcome(out.kind, cls, message, 200, out.retry_after, maybe_billed=True), None
         if not asm.chunks:
-            return b"", bytes(raw), Outcome("retry", "bad_stream", "stream ended before any chunk", 200), None
+            return b"", bytes(raw), Outcome("retry", "bad_stream", "stream ended before any chunk", 200,
+                                            maybe_billed=True), None
         if not asm.finished:
-            return b"", bytes(raw), Outcome("retry", "truncated_stream", "stream ended without finish_reason", 200), None
+            return b"", bytes(raw), Outcome("retry", "truncated_stream", "stream ended without finish_reason", 200,
+                                            maybe_billed=True), None
         body = json.dumps(asm.result(), ensure_ascii=False).encode("utf-8")
         outcome, parsed = classify_response(200, resp.headers, body)
         return body, bytes(raw), outcome, parsed
@@ -452,9 +498,12 @@ class Engine:
             self._abandon(item)
             return
         if outcome.kind == "unavailable":
+            if _SAMPLE_SPECIFIC_404.search(outcome.message):
+                self._fail(item, "no_endpoints", outcome.message)  # about this prompt only
+                return
             if item.routing not in self._unavailable:
-                self._unavailable[item.routing] = outcome.message
-                self._notice(f"routing unavailable, failing its samples: {outcome.message}")
+                self._unavailable[item.routing] = (outcome.message, item.sample_id)
+                self._notice(f"routing unavailable, failing the samples sent like {item.sample_id}: {outcome.message}")
             self._fail(item, "no_endpoints", outcome.message)
             return
         if outcome.kind == "fail":
@@ -496,6 +545,7 @@ class Engine:
 
     def _fail(self, item: WorkItem, error_class: str, message: str) -> None:
         assert self._writer is not None
+        message = scrub(message, self.key)
 
         def counted() -> None:
             self.stats.failed += 1

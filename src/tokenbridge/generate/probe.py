@@ -8,6 +8,10 @@ provider parses it), and a CJK one. Each response is rebuilt with
 available (404 "No endpoints" -> no), reasoning present, end-marker leak, think-marker
 leak, tool markers (raw / parsed / none), usage parity (our token counts vs the
 provider's), latency and cost.
+
+A probe is a quick look, not a run: each prompt gets ``attempts`` tries, and a wait
+between them (``Retry-After`` or backoff) is capped at :data:`RETRY_WAIT_CAP_S` seconds,
+so a provider that asks for longer shows as failed (the table's caption says so).
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ from .classify import Outcome, classify_exception, classify_response
 from .request import build_request
 from .prompts import Sample
 from .secrets import ApiKey, scrub
-from .settings import RequestSettings
+from .settings import RequestSettings, check_base_url
 
-__all__ = ["PROBE_PROMPTS", "ProbeCall", "ProviderReport", "aprobe", "probe", "render_table"]
+__all__ = ["PROBE_PROMPTS", "RETRY_WAIT_CAP_S", "ProbeCall", "ProviderReport", "aprobe", "probe", "render_table"]
+
+#: Longest wait between two tries of one probe prompt, whatever ``Retry-After`` asks.
+RETRY_WAIT_CAP_S = 8.0
 
 _TOOLS_TEXT = json.dumps(
     [
@@ -156,6 +163,7 @@ async def aprobe(
     """Probe every provider with every probe prompt (all concurrently)."""
     from ..chat import resolve_dialect
 
+    check_base_url(base_url, "probe")
     dialect = dialect or resolve_dialect(tokenizer)
     url = base_url.rstrip("/") + "/chat/completions"
     headers = {"Content-Type": "application/json"}
@@ -203,7 +211,8 @@ async def _one(session, url, headers, key, provider, name, request, tok, dialect
         latency = time.monotonic() - t0
         if not outcome.retryable:
             break
-        await asyncio.sleep(min(8.0, outcome.retry_after or 0.5 * 2**attempt))
+        if attempt + 1 < attempts:
+            await asyncio.sleep(min(RETRY_WAIT_CAP_S, outcome.retry_after or 0.5 * 2**attempt))
     call = ProbeCall(provider, name, available=outcome.kind != "unavailable", ok=outcome.kind == "ok",
                      http_status=status, latency_s=latency)
     if outcome.kind != "ok":
@@ -250,11 +259,14 @@ def _inspect(call: ProbeCall, request: dict, response: dict, tok: Any, dialect: 
     call.completion_tokens = (completion, (usage or {}).get("completion_tokens"))
 
 
-def render_table(reports: list[ProviderReport]):
+def render_table(reports: list[ProviderReport], attempts: int = 3):
     """A rich Table: one row per provider."""
     from rich.table import Table
 
-    table = Table(title="provider probe")
+    table = Table(
+        title="provider probe",
+        caption=f"each prompt: up to {attempts} tries; waits (Retry-After included) capped at {RETRY_WAIT_CAP_S:.0f} s",
+    )
     for col in ("provider", "available", "ok", "reasoning", "end-marker leak", "think-marker leak",
                 "tool markers", "usage parity", "latency s", "cost $"):
         table.add_column(col)

@@ -9,6 +9,9 @@ human/gpt/system/tool); or ``prompt`` with an optional ``system``. An optional r
 ``tools`` list is kept. A trailing assistant turn is dropped, so the model answers the
 last user/tool turn. The sample id is ``<dataset>-<row id>``, or ``<dataset>-<content
 hash>`` when the row has no ``id`` (a repeated hash gets ``~2``, ``~3``... in row order).
+Ids are unique over all datasets of a load: a row whose id is already taken (``a`` row
+``x-1`` and ``a-x`` row ``1`` are both ``a-x-1``) is a bad row naming both places, and the
+first one is kept. A string with a lone surrogate (``"\\ud800"`` in JSON) is a bad row.
 
 A bad row never stops the load: it becomes a :class:`RowError` naming file, line (or row
 index) and field, and the other rows go on.
@@ -18,10 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from .errors import GenerateError
 from .settings import DatasetSpec
 
 __all__ = ["LoadedPrompts", "PromptSourceError", "RowError", "Sample", "load_prompts", "sample_from_row"]
@@ -41,7 +46,7 @@ _SHAREGPT_ROLES = {
 _MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning", "reasoning_details")
 
 
-class PromptSourceError(Exception):
+class PromptSourceError(GenerateError):
     """A whole source cannot be read (missing, unknown format): the run cannot start."""
 
 
@@ -87,9 +92,10 @@ class _BadRow(Exception):
 def load_prompts(specs: list[DatasetSpec] | tuple[DatasetSpec, ...], *, default_limit: int | None = None) -> LoadedPrompts:
     """All samples of all datasets in order; bad rows are collected, not raised."""
     out = LoadedPrompts()
+    taken: dict[str, str] = {}  # sample id -> where first seen, over all datasets
     for spec in specs:
         limit = spec.limit if spec.limit is not None else default_limit
-        seen: dict[str, str] = {}  # id -> where first seen
+        seen: set[str] = set()  # this dataset's ids
         hash_counts: dict[str, int] = {}
         kept = 0
         for file, location, row in _iter_rows(spec):
@@ -101,16 +107,18 @@ def load_prompts(specs: list[DatasetSpec] | tuple[DatasetSpec, ...], *, default_
             except _BadRow as bad:
                 out.errors.append(RowError(spec.name, file, location, bad.field, bad.message))
                 continue
-            if sample.id in seen:
-                if "id" in row and row["id"] is not None:
-                    out.errors.append(
-                        RowError(spec.name, file, location, "id", f"duplicate id {row['id']!r} (first at {seen[sample.id]})")
-                    )
-                    continue
+            explicit = isinstance(row, dict) and row.get("id") not in (None, "")
+            if sample.id in seen and not explicit:  # same content, no id: number the repeats
                 n = hash_counts.get(sample.id, 1) + 1
                 hash_counts[sample.id] = n
                 sample = Sample(f"{sample.id}~{n}", sample.dataset, sample.messages, sample.tools, sample.source)
-            seen[sample.id] = where
+            if sample.id in taken:
+                what = (f"duplicate id {row['id']!r}" if explicit and sample.id in seen
+                        else f"sample id {sample.id!r} collides with an earlier row's")
+                out.errors.append(RowError(spec.name, file, location, "id", f"{what} (first at {taken[sample.id]})"))
+                continue
+            taken[sample.id] = where
+            seen.add(sample.id)
             out.samples.append(sample)
             kept += 1
         out.counts[spec.name] = kept
@@ -150,9 +158,29 @@ def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:
     rid = row.get("id")
     if rid is not None and (not isinstance(rid, (str, int)) or isinstance(rid, bool)):
         raise _BadRow("id", f"must be a string or integer, got {type(rid).__name__}")
+    if isinstance(row, _MaybeSurrogates):  # a JSONL line with \ud800-style escapes: check what is sent
+        for key in ("id", "messages", "conversations", "prompt", "system", "tools"):
+            if key in row:
+                _check_utf8(row[key], key)
     if rid is None or rid == "":
         rid = content_hash(messages, tools)
     return Sample(id=f"{dataset}-{rid}", dataset=dataset, messages=messages, tools=tools, source=source)
+
+
+def _check_utf8(value: Any, path: str) -> None:
+    """A lone surrogate (JSON ``"\\ud800"``) cannot be encoded, stored or sent: name its field."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _BadRow(path, f"lone surrogate {value[exc.start]!r} at character {exc.start}: not valid UTF-8") from None
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_utf8(v, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_utf8(k, f"{path}.<key>")
+            _check_utf8(v, f"{path}.{k}")
 
 
 def content_hash(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
@@ -269,6 +297,10 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, Any]]:
                 row = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 row = _Unparsable(getattr(exc, "msg", str(exc)))
+            else:
+                # only a \uD800-\uDFFF escape makes a lone surrogate (Arrow data is valid UTF-8)
+                if isinstance(row, dict) and _SURROGATE_ESCAPE.search(raw):
+                    row = _MaybeSurrogates(row)
             yield str(path), f"line {lineno}", row
 
 
@@ -332,6 +364,13 @@ def _pick_split(folder: Path, spec: DatasetSpec) -> Path:
     if "train" in splits:
         return folder / "train"
     raise PromptSourceError(f"dataset {spec.name!r}: {folder} has splits {splits}; name one with split=")
+
+
+class _MaybeSurrogates(dict):
+    """A JSONL row whose text has surrogate escapes: checked field by field for lone ones."""
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 @dataclass(frozen=True)

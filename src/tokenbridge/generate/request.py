@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from .prompts import Sample
 from .settings import RequestSettings
 
-__all__ = ["build_request", "deep_merge", "wire_body"]
+__all__ = ["build_request", "deep_merge", "routing_key", "wire_body"]
 
 
 def build_request(sample: Sample, rs: RequestSettings) -> dict[str, Any]:
@@ -63,5 +63,10 @@ def wire_body(request_json: str, *, stream: bool) -> bytes:
 
 
 def routing_key(request: Mapping[str, Any]) -> str:
-    """What decides which endpoints can serve a request: model + provider routing."""
-    return json.dumps([request.get("model"), request.get("provider")], sort_keys=True)
+    """What decides which endpoints can serve a request, for remembering a 404 "No endpoints
+    found": every body field by value (model, provider, max_tokens, reasoning, tool_choice,
+    response_format, ...: the same for every sample of a run) except the per-row ones,
+    ``messages`` (left out) and ``tools`` (by presence only: "support tool use")."""
+    fields = {k: v for k, v in request.items() if k not in ("messages", "tools")}
+    fields["tools"] = bool(request.get("tools"))
+    return json.dumps(fields, sort_keys=True, ensure_ascii=False, default=str)

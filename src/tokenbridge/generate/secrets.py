@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .errors import GenerateError
+
 __all__ = ["ApiKey", "MissingApiKey", "read_api_key", "scrub", "scrub_bytes"]
 
 _MASK = "***"
 
 
-class MissingApiKey(Exception):
+class MissingApiKey(GenerateError):
     """The environment variable that should hold the key is unset or empty."""
 
 

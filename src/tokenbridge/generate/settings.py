@@ -10,6 +10,12 @@ under a ``[generate]`` table (so the pipeline config can share one file)::
     [request]            # max_tokens, temperature, top_p, seed, n, reasoning, provider, extra_body
     [prices]             # USD per million tokens: prompt, completion
     [[datasets]]         # name, path, limit, split
+
+Validated whenever settings are built (file, flags, ``with_overrides`` or Python):
+``base_url`` must be ``http(s)://host[:port]/path`` without user info, query or fragment
+(``/chat/completions`` is appended to it), and ``headers`` may not carry a credential
+(any name containing auth, key, token, secret, cookie, passw, session or credential:
+the key comes only from ``api_key_env``).
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 import yaml
+
+from .errors import GenerateError
 
 __all__ = [
     "ConfigError",
@@ -29,6 +38,9 @@ __all__ = [
     "GenerateSettings",
     "Prices",
     "RequestSettings",
+    "check_base_url",
+    "check_headers",
+    "endpoint_identity",
     "load_config",
     "parse_dataset_arg",
     "settings_from_mapping",
@@ -47,10 +59,59 @@ PROVIDER_KEYS = (
 )
 REASONING_KEYS = ("enabled", "effort", "max_tokens", "exclude")
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_CREDENTIAL_HEADER = re.compile(r"auth|key|token|secret|cookie|passw|session|credential", re.IGNORECASE)
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-class ConfigError(ValueError):
+class ConfigError(GenerateError, ValueError):
     """A setting is missing or malformed; the message names the file and key."""
+
+
+def check_base_url(url: Any, where: str = "settings") -> str:
+    """``url`` if it is a usable API base, else :class:`ConfigError` (before anything is sent)."""
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"{where}: base_url must be a URL like https://openrouter.ai/api/v1")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a malformed port
+    except ValueError as exc:
+        raise ConfigError(f"{where}: base_url {url!r} is malformed ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{where}: base_url {url!r} needs http:// or https:// and a host "
+                          "(e.g. https://openrouter.ai/api/v1)")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(f"{where}: base_url must not carry user info (user:password@); "
+                          "the key comes from api_key_env")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{where}: base_url must not have a query or fragment (/chat/completions is appended to it)")
+    return url
+
+
+def check_headers(headers: Any, where: str = "settings") -> dict[str, str]:
+    """Extra HTTP headers as str -> str; a name that looks like a credential is refused."""
+    if not isinstance(headers, Mapping):
+        raise ConfigError(f"{where}: headers must be a mapping of name -> value")
+    out = {str(k): str(v) for k, v in headers.items()}
+    bad = sorted(k for k in out if _CREDENTIAL_HEADER.search(k))
+    if bad:
+        raise ConfigError(f"{where}: header(s) {bad} look like credentials and are refused "
+                          "(the key comes only from api_key_env)")
+    return out
+
+
+def endpoint_identity(url: str) -> str:
+    """What makes two base URLs the same API for resume checks: scheme, host, port, path.
+
+    Loopback URLs compare without their port: the built-in emulator (and ``tokenbridge
+    run``'s) picks a free port on every start.
+    """
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    path = parts.path.rstrip("/")
+    if host in _LOOPBACK:
+        return f"{parts.scheme}://loopback{path}"
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme, 0)
+    return f"{parts.scheme}://{host}:{port}{path}"
 
 
 @dataclass(frozen=True)
@@ -109,8 +170,8 @@ class GenerateSettings:
     limit: int | None = None  # default per-dataset limit (a dataset's own limit wins)
     tokenizer: str | None = None
     dialect: str | None = None
-    timeout_s: float = 1800.0  # whole request (non-streamed: the model's full generation time)
-    read_timeout_s: float = 300.0  # longest silence between bytes
+    timeout_s: float = 1800.0  # whole non-streamed request (the model's full generation time)
+    read_timeout_s: float = 300.0  # streamed: longest silence between bytes (no total limit)
     connect_timeout_s: float = 30.0
     backoff_base_s: float = 1.0
     backoff_max_s: float = 120.0
@@ -119,6 +180,10 @@ class GenerateSettings:
     log_interval_s: float = 15.0
     headers: Mapping[str, str] = field(default_factory=dict)  # e.g. HTTP-Referer / X-Title
     proxy_from_env: bool = False  # honour HTTPS_PROXY / netrc (aiohttp trust_env)
+
+    def __post_init__(self) -> None:
+        check_base_url(self.base_url)
+        check_headers(self.headers)
 
     def with_overrides(self, **overrides: Any) -> "GenerateSettings":
         """A copy with the given non-None fields replaced (CLI flags over the config file)."""
@@ -216,12 +281,9 @@ def settings_from_mapping(
 def _coerce_top(key: str, value: Any, source: str) -> Any:
     default = getattr(GenerateSettings(), key)
     if key == "headers":
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: headers must be a mapping")
-        lowered = {str(k).lower() for k in value}
-        if "authorization" in lowered:
-            raise ConfigError(f"{source}: headers must not carry Authorization (the key comes from api_key_env)")
-        return {str(k): str(v) for k, v in value.items()}
+        return check_headers(value, source)
+    if key == "base_url":
+        return check_base_url(value, source)
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{source}: {key} must be true or false")

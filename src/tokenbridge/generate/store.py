@@ -4,13 +4,19 @@ Tables
   ``samples``    one row per prompt: id, input order (``seq``), dataset, source, the
                  canonical request JSON (never a key or header), status
                  (pending | done | failed), last error, attempt count.
-  ``attempts``   every HTTP attempt: run, number, start, latency, HTTP status, error
-                 class and (scrubbed) message, cost when the provider billed it.
+  ``attempts``   every HTTP attempt, appended, never overwritten: run, number (unique per
+                 sample), start, latency, HTTP status, error class and (scrubbed) message,
+                 cost when the provider billed it, ``possible_cost`` when it may have been
+                 billed but no cost came back (a timeout, a cut stream: its reservation).
   ``responses``  the response of each done sample: ``body`` = the bytes the API returned
                  (for a streamed call: the assembled chat.completion JSON), ``raw_stream``
                  = every byte of the SSE stream (zlib), plus provider, model, usage, cost,
-                 latency, timestamps, attempts, stream flag.
+                 latency, timestamps, attempts, stream flag, and the ``base_url`` it came from.
   ``runs``       one row per invocation: settings (no secret), start/end, outcome.
+
+Money spent is the sum of ``attempts.cost`` (every billed attempt has a row there, a
+retried one too); money possibly spent adds ``possible_cost`` of attempts without a cost.
+Schema 1 files (no ``base_url``, no ``possible_cost``) are upgraded in place on open.
 
 A sample becomes ``done`` in the same transaction that stores its response, and the
 engine counts it only after that commit returns: a ``kill -9`` at any instant leaves
@@ -31,10 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from .errors import GenerateError
+
 __all__ = ["AttemptRecord", "ResponseRecord", "Store", "StoreError", "StoredSample", "STATE_FILE"]
 
 STATE_FILE = "state.sqlite"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -69,6 +77,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     message TEXT,
     cost REAL,
     stream INTEGER NOT NULL DEFAULT 0,
+    possible_cost REAL,
     PRIMARY KEY (sample_id, n)
 );
 CREATE TABLE IF NOT EXISTS responses (
@@ -83,13 +92,19 @@ CREATE TABLE IF NOT EXISTS responses (
     started_at REAL,
     finished_at REAL,
     attempts INTEGER,
-    stream INTEGER NOT NULL DEFAULT 0
+    stream INTEGER NOT NULL DEFAULT 0,
+    base_url TEXT
 );
 """
+_UPGRADE_1_TO_2 = (
+    "ALTER TABLE attempts ADD COLUMN possible_cost REAL",
+    "ALTER TABLE responses ADD COLUMN base_url TEXT",
+)
 
 
-class StoreError(Exception):
-    """The state file cannot be used (not SQLite, corrupt, from an incompatible version)."""
+class StoreError(GenerateError):
+    """The state file cannot be used (not SQLite, corrupt, from an incompatible version),
+    or (``exit_code`` 6) cannot be written."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,7 @@ class StoredSample:
     request: str  # canonical request JSON text
     status: str
     attempts: int
+    error_class: str | None = None  # of the last failure (kept when a failed sample is reopened)
 
 
 @dataclass(frozen=True)
@@ -113,6 +129,7 @@ class AttemptRecord:
     message: str
     cost: float | None = None
     stream: bool = False
+    possible_cost: float | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +146,7 @@ class ResponseRecord:
     finished_at: float
     attempts: int
     stream: bool
+    base_url: str | None = None
 
 
 @dataclass
@@ -165,6 +183,13 @@ class Store:
             row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 conn.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif row[0] == "1":
+                conn.execute("BEGIN IMMEDIATE")
+                for stmt in _UPGRADE_1_TO_2:
+                    conn.execute(stmt)
+                conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+                conn.execute("COMMIT")
+                row = (str(SCHEMA_VERSION),)
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{path}: not a usable tokenbridge state file ({exc})") from None
         if row is not None and int(row[0]) != SCHEMA_VERSION:
@@ -203,12 +228,7 @@ class Store:
         """
         rows = list(rows)
         with self._tx():
-            self._conn.execute(
-                "CREATE TEMP TABLE IF NOT EXISTS incoming (pos INTEGER PRIMARY KEY, id TEXT, dataset TEXT,"
-                " source TEXT, request TEXT)"
-            )
-            self._conn.execute("DELETE FROM incoming")
-            self._conn.executemany("INSERT INTO incoming(id, dataset, source, request) VALUES (?,?,?,?)", rows)
+            self._load_incoming(rows)
             changed = [
                 sid
                 for (sid,) in self._conn.execute(
@@ -227,12 +247,62 @@ class Store:
             self._conn.execute("DELETE FROM incoming")
         return added, changed
 
+    def diff_requests(self, rows: Iterable[tuple[str, str, str, str]]) -> list[tuple[str, str, str]]:
+        """(id, status, stored request) of the given rows whose stored request differs (reads only)."""
+        with self._tx():
+            self._load_incoming(list(rows))
+            out = list(
+                self._conn.execute(
+                    "SELECT i.id, s.status, s.request FROM incoming i JOIN samples s ON s.id = i.id"
+                    " WHERE s.request != i.request ORDER BY i.pos"
+                )
+            )
+            self._conn.execute("DELETE FROM incoming")
+        return out
+
+    def replace_requests(self, pairs: Iterable[tuple[str, str]]) -> int:
+        """New (id, request) for samples not done yet (a done sample keeps what it was sent with)."""
+        with self._tx():
+            cur = self._conn.executemany(
+                "UPDATE samples SET request=?, updated_at=? WHERE id=? AND status!='done'",
+                [(req, time.time(), sid) for sid, req in pairs],
+            )
+        return cur.rowcount
+
+    def done_base_urls(self, ids: Iterable[str]) -> dict[str | None, tuple[int, str]]:
+        """base_url -> (done samples answered from it, first such id) over the given ids."""
+        with self._tx():
+            self._load_wanted(ids)
+            rows = self._conn.execute(
+                "SELECT r.base_url, COUNT(*), MIN(w.pos) FROM wanted w JOIN responses r ON r.sample_id = w.id"
+                " JOIN samples s ON s.id = w.id WHERE s.status='done' GROUP BY r.base_url"
+            ).fetchall()
+            out = {}
+            for url, n, pos in rows:
+                (first,) = self._conn.execute("SELECT id FROM wanted WHERE pos=?", (pos,)).fetchone()
+                out[url] = (n, first)
+            self._conn.execute("DELETE FROM wanted")
+        return out
+
+    def _load_incoming(self, rows: list[tuple[str, str, str, str]]) -> None:
+        self._conn.execute(
+            "CREATE TEMP TABLE IF NOT EXISTS incoming (pos INTEGER PRIMARY KEY, id TEXT, dataset TEXT,"
+            " source TEXT, request TEXT)"
+        )
+        self._conn.execute("DELETE FROM incoming")
+        self._conn.executemany("INSERT INTO incoming(id, dataset, source, request) VALUES (?,?,?,?)", rows)
+
+    def _load_wanted(self, ids: Iterable[str]) -> None:
+        self._conn.execute("CREATE TEMP TABLE IF NOT EXISTS wanted (pos INTEGER PRIMARY KEY, id TEXT)")
+        self._conn.execute("DELETE FROM wanted")
+        self._conn.executemany("INSERT INTO wanted(id) VALUES (?)", ((i,) for i in ids))
+
     def samples(self, ids: Iterable[str] | None = None, *, status: str | None = None) -> list[StoredSample]:
         # attempts so far = the highest attempt number logged (a kill can land between an
         # attempt's commit and its sample's update, so the log is the truth)
         sql = (
             "SELECT id, seq, dataset, request, status,"
-            " (SELECT COALESCE(MAX(n), 0) FROM attempts a WHERE a.sample_id = samples.id) FROM samples"
+            " (SELECT COALESCE(MAX(n), 0) FROM attempts a WHERE a.sample_id = samples.id), error_class FROM samples"
         )
         args: tuple[Any, ...] = ()
         if status is not None:
@@ -253,12 +323,31 @@ class Store:
         return dict(self._conn.execute("SELECT status, COUNT(*) FROM samples GROUP BY status"))
 
     def total_cost(self) -> float:
-        """Everything billed so far: stored responses plus attempts that were billed but retried."""
-        (resp,) = self._conn.execute("SELECT COALESCE(SUM(cost), 0) FROM responses").fetchone()
-        (att,) = self._conn.execute(
-            "SELECT COALESCE(SUM(a.cost), 0) FROM attempts a WHERE a.cost IS NOT NULL AND a.error_class IS NOT NULL"
+        """Everything billed so far: the cost of every attempt, kept or retried."""
+        (att,) = self._conn.execute("SELECT COALESCE(SUM(cost), 0) FROM attempts").fetchone()
+        # responses stored without an attempt row (written by hand or by an older tool)
+        (orphan,) = self._conn.execute(
+            "SELECT COALESCE(SUM(r.cost), 0) FROM responses r WHERE NOT EXISTS"
+            " (SELECT 1 FROM attempts a WHERE a.sample_id = r.sample_id)"
         ).fetchone()
-        return float(resp) + float(att)
+        return float(att) + float(orphan)
+
+    def possible_cost(self) -> float:
+        """What attempts without a reported cost may have been billed (their reservations)."""
+        (v,) = self._conn.execute(
+            "SELECT COALESCE(SUM(possible_cost), 0) FROM attempts WHERE cost IS NULL"
+        ).fetchone()
+        return float(v)
+
+    def price_observations(self) -> Iterator[tuple[str, int, int, float]]:
+        """(provider, prompt tokens, completion tokens, cost) of stored responses with a cost."""
+        for prov, usage_json, cost in self._conn.execute(
+            "SELECT provider, usage, cost FROM responses WHERE cost IS NOT NULL AND usage IS NOT NULL"
+        ):
+            usage = json.loads(usage_json)
+            p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(p, int) and isinstance(c, int):
+                yield prov or "", p, c, float(cost)
 
     def token_totals(self) -> tuple[int, int, float]:
         """(prompt tokens, completion tokens, cost) over stored responses that report usage."""
@@ -283,18 +372,20 @@ class Store:
         now = time.time()
         self._conn.execute("BEGIN IMMEDIATE")
         try:
+            # append only: the number is the engine's unless taken (then the next free one)
             self._conn.executemany(
-                "INSERT OR REPLACE INTO attempts(sample_id, n, run, started_at, latency_s, http_status, error_class,"
-                " message, cost, stream) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO attempts(sample_id, n, run, started_at, latency_s, http_status, error_class,"
+                " message, cost, stream, possible_cost) VALUES"
+                " (?, MAX(?, (SELECT COALESCE(MAX(n), 0) + 1 FROM attempts WHERE sample_id = ?)),?,?,?,?,?,?,?,?,?)",
                 [
-                    (a.sample_id, a.n, self.run, a.started_at, a.latency_s, a.http_status, a.error_class, a.message,
-                     a.cost, int(a.stream))
+                    (a.sample_id, a.n, a.sample_id, self.run, a.started_at, a.latency_s, a.http_status, a.error_class,
+                     a.message, a.cost, int(a.stream), a.possible_cost)
                     for a in batch.attempts
                 ],
             )
             self._conn.executemany(
                 "INSERT OR IGNORE INTO responses(sample_id, body, raw_stream, provider, model, usage, cost,"
-                " latency_s, started_at, finished_at, attempts, stream) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                " latency_s, started_at, finished_at, attempts, stream, base_url) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 [
                     (
                         r.sample_id,
@@ -309,6 +400,7 @@ class Store:
                         r.finished_at,
                         r.attempts,
                         int(r.stream),
+                        r.base_url,
                     )
                     for r in batch.responses
                 ],
@@ -347,20 +439,28 @@ class Store:
 
     # --- reading back ---------------------------------------------------------------------
 
-    def iter_done(self) -> Iterator[tuple[str, str, str, bytes, dict[str, Any]]]:
-        """(id, dataset, request_json, body, meta) for done samples, in input order."""
-        sql = (
-            "SELECT s.id, s.dataset, s.request, r.body, r.provider, r.model, r.latency_s, r.cost, r.attempts,"
-            " r.started_at, r.finished_at, r.stream FROM samples s JOIN responses r ON r.sample_id = s.id"
-            " WHERE s.status='done' ORDER BY s.seq"
+    def iter_done(self, ids: Iterable[str] | None = None) -> Iterator[tuple[str, str, str, bytes, dict[str, Any]]]:
+        """(id, dataset, request_json, body, meta) for done samples: all of them in store order,
+        or those of ``ids`` in the order given."""
+        cols = (
+            "s.id, s.dataset, s.request, r.body, r.provider, r.model, r.latency_s, r.cost, r.attempts,"
+            " r.started_at, r.finished_at, r.stream, r.base_url"
         )
+        if ids is None:
+            sql = (f"SELECT {cols} FROM samples s JOIN responses r ON r.sample_id = s.id"
+                   " WHERE s.status='done' ORDER BY s.seq")
+        else:
+            with self._tx():
+                self._load_wanted(ids)
+            sql = (f"SELECT {cols} FROM wanted w JOIN samples s ON s.id = w.id JOIN responses r ON r.sample_id = s.id"
+                   " WHERE s.status='done' ORDER BY w.pos")
         cur = self._conn.cursor()
         cur.execute(sql)
         while True:
             rows = cur.fetchmany(256)
             if not rows:
                 return
-            for sid, ds, req, body, prov, model, lat, cost, att, t0, t1, stream in rows:
+            for sid, ds, req, body, prov, model, lat, cost, att, t0, t1, stream, base_url in rows:
                 meta = {
                     "provider": prov,
                     "model": model,
@@ -371,6 +471,8 @@ class Store:
                     "finished_at": t1,
                     "stream": bool(stream),
                 }
+                if base_url is not None:
+                    meta["base_url"] = base_url
                 yield sid, ds, req, bytes(body), meta
 
     def response(self, sample_id: str) -> tuple[bytes, bytes | None] | None:
@@ -383,11 +485,11 @@ class Store:
 
     def attempts(self, sample_id: str) -> list[AttemptRecord]:
         rows = self._conn.execute(
-            "SELECT sample_id, n, started_at, latency_s, http_status, error_class, message, cost, stream FROM attempts"
-            " WHERE sample_id=? ORDER BY n",
+            "SELECT sample_id, n, started_at, latency_s, http_status, error_class, message, cost, stream,"
+            " possible_cost FROM attempts WHERE sample_id=? ORDER BY n",
             (sample_id,),
         )
-        return [AttemptRecord(*r[:8], stream=bool(r[8])) for r in rows]
+        return [AttemptRecord(*r[:8], stream=bool(r[8]), possible_cost=r[9]) for r in rows]
 
     def failures(self) -> list[tuple[str, str | None, str | None]]:
         return list(self._conn.execute("SELECT id, error_class, error FROM samples WHERE status='failed' ORDER BY seq"))

@@ -1,0 +1,35 @@
+"""The errors a ``generate`` call raises before (or instead of) running, each with its exit code.
+
+Every anticipated failure is a :class:`GenerateError`: callers (the CLI, ``tokenbridge
+run``) catch that one class, print ``str(exc)`` (one line, no secret) and exit with
+``exc.exit_code``. Problems found *during* a run never raise: they end up in
+:class:`~.run.RunSummary` (``exit_code``, ``stop_reason``, ``notices``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["GenerateError", "RunFolderBusy", "SettingsChanged"]
+
+
+class GenerateError(Exception):
+    """Base of every anticipated ``generate`` error; ``exit_code`` says how the CLI exits."""
+
+    exit_code: int = 2
+
+    def __init__(self, message: str, *, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class RunFolderBusy(GenerateError):
+    """Another process holds the run folder's lock (``RUN/.lock``)."""
+
+    exit_code = 7
+
+
+class SettingsChanged(GenerateError):
+    """Done samples in the run folder were generated with other settings (model, request
+    fields, base_url) than this invocation's; ``force_settings`` accepts the mix."""
+
+    exit_code = 2
