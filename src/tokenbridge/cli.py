@@ -77,16 +77,21 @@ def inspect(
     input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Reconstructed or exchange JSONL."),
     tokenizer: str = typer.Option(..., "--tokenizer", "-t", help="Tokenizer folder or Hub repo id."),
     sample_id: Optional[str] = typer.Option(None, "--id", help="Sample id (default: the first record)."),
-    choice: int = typer.Option(0, "--choice", help="Choice index."),
+    choice: int = typer.Option(0, "--choice", min=0, help="Choice index."),
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Also list tokens A:B (positions; ':' for all)."),
     dialect: Optional[str] = typer.Option(None, "--dialect", help="Chat format, for exchange records."),
 ) -> None:
     """Show one sample's tokens with their ids and segment kinds."""
     from rich.console import Console
 
-    from .view import find_row, render_row
     from .tokenizer import TokenizerError, load_tokenizer
+    from .view import find_row, parse_span, render_row
 
+    if tokens is not None:
+        try:
+            parse_span(tokens)
+        except ValueError:
+            raise typer.BadParameter(f"{tokens!r}: expected A:B (positions), A:, :B or ':'", param_hint="--tokens") from None
     try:
         tok = load_tokenizer(tokenizer)
     except TokenizerError as exc:
@@ -137,15 +142,21 @@ def generate(
     fallbacks: Optional[bool] = typer.Option(None, "--fallbacks/--no-fallbacks", help="provider.allow_fallbacks."),
     progress: Optional[str] = typer.Option(None, "--progress", help="auto | rich | plain | none."),
     summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the run summary here."),
+    force_settings: bool = typer.Option(
+        False, "--force-settings",
+        help="Rerun on a folder whose done samples were made with other settings (model, request, base_url): "
+        "keep those answers, send the rest with these settings.",
+    ),
 ) -> None:
-    """Send every prompt to the API once and store each response verbatim (resumable)."""
+    """Send every prompt to the API once and store each response verbatim (resumable).
+
+    Exit codes: 0 all done, 1 some samples failed or rows were bad, 2 usage/config error, 3 HTTP 402,
+    4 --max-cost reached, 5 repeated 401, 6 store write failed, 7 run folder in use, 130 interrupted.
+    """
     from .chat import DialectError
     from .generate import (
-        ConfigError,
+        GenerateError,
         GenerateSettings,
-        MissingApiKey,
-        PromptSourceError,
-        StoreError,
         dry_run as _dry_run,
         generate_run,
         load_config,
@@ -177,25 +188,45 @@ def generate(
             report = _dry_run(settings, out)
             for line in report.lines():
                 typer.echo(line)
-            if summary_json:
-                summary_json.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+            _write_summary(summary_json, report.to_dict())
             return
-        summary = generate_run(settings, out)
-    except (ConfigError, PromptSourceError, MissingApiKey, StoreError, TokenizerError, DialectError) as exc:
+        summary = generate_run(settings, out, force_settings=force_settings)
+    except GenerateError as exc:
+        _fail(str(exc), exc.exit_code)
+    except (TokenizerError, DialectError) as exc:
         _fail(str(exc))
     typer.echo(
         f"{summary.done} done this run ({summary.already_done} before), {summary.failed} failed, "
         f"{summary.pending} pending, {len(summary.bad_rows)} bad rows; {summary.requests} requests, "
-        f"${summary.spent_run:.4f} this run (${summary.spent_total:.4f} total) in {summary.elapsed_s:.1f}s"
+        f"${summary.spent_run:.4f} this run (${summary.spent_total:.4f} total"
+        + (f", ${summary.spent_possible:.4f} possibly billed" if summary.spent_possible else "")
+        + f") in {summary.elapsed_s:.1f}s"
     )
+    quiet = settings.progress == "none"  # otherwise the progress log already showed these
+    for row in summary.bad_rows[:5] if quiet else ():
+        typer.echo(f"bad row: {row}", err=True)
+    if summary.bad_rows and (len(summary.bad_rows) > 5 or not quiet):
+        typer.echo(f"{len(summary.bad_rows)} bad rows in all (listed in {out / 'generate.json'})", err=True)
     for f in summary.failures[:10]:
         typer.echo(f"failed: {f['id']}: {f['error_class']}: {f['error']}", err=True)
+    for note in summary.notices if quiet else ():
+        if note.startswith(("stopping:", "could not", str(out))):
+            typer.echo(f"note: {note}", err=True)
     if summary.stop_reason:
         typer.echo(f"stopped: {summary.stop_reason} (rerun the same command to continue)", err=True)
-    typer.echo(f"exchanges: {summary.exchanges}")
-    if summary_json:
-        summary_json.write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
+    typer.echo(f"exchanges: {summary.exchanges}"
+               + (f" ({summary.left_out} other stored samples left out)" if summary.left_out else ""))
+    _write_summary(summary_json, summary.to_dict())
     raise typer.Exit(summary.exit_code)
+
+
+def _write_summary(path: Optional[Path], data: dict) -> None:
+    if path is None:
+        return
+    try:
+        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    except OSError as exc:
+        _fail(f"--summary-json {path}: {exc.strerror or exc}")
 
 
 @app.command()
@@ -214,17 +245,20 @@ def probe(
     """Pin each provider, send probe prompts, and report what survives reconstruction."""
     from rich.console import Console
 
-    from .generate import MissingApiKey, probe as _probe, read_api_key, render_table
+    from .generate import GenerateError, probe as _probe, read_api_key, render_table
     from .generate.run import is_local_url
-    from .generate.settings import ConfigError, normalize_reasoning
+    from .generate.settings import check_base_url, normalize_reasoning
     from .tokenizer import TokenizerError, load_tokenizer
 
     source = tokenizer or "../shared/tokenizers/kimi-k2.5"
     try:
+        check_base_url(base_url, "--base-url")
         tok = load_tokenizer(source)
         key = read_api_key(api_key_env, required=not is_local_url(base_url))
         effort = normalize_reasoning(reasoning, "--reasoning") if reasoning else None
-    except (TokenizerError, MissingApiKey, ConfigError) as exc:
+    except GenerateError as exc:
+        _fail(str(exc), exc.exit_code)
+    except TokenizerError as exc:
         _fail(str(exc))
     names = _csv(providers) or []
     if not names:
@@ -371,18 +405,34 @@ def report(
 # --- run -------------------------------------------------------------------------------
 
 
+def _anticipated_errors() -> tuple[type[BaseException], ...]:
+    """Errors a stage raises for bad input or settings: shown as one line, not a traceback."""
+    from .chat import DialectError, TemplateError
+    from .emulator import ConfigError as EmulatorConfigError
+    from .export import ExportError
+    from .report import ReportError
+    from .tokenizer import TokenizerError
+
+    return (DialectError, TemplateError, EmulatorConfigError, ExportError, ReportError, TokenizerError)
+
+
 @app.command()
 def run(
     config: Path = typer.Argument(..., exists=True, dir_okay=False, help="Pipeline config (TOML)."),
 ) -> None:
     """Datasets → generate → reconstruct → export → vocab → report, each stage resumable."""
+    from .generate import GenerateError
     from .pipeline import PipelineError, load_run_config, run_pipeline
 
     try:
         cfg = load_run_config(config)
         results = run_pipeline(cfg, echo=lambda line: typer.echo(line))
     except PipelineError as exc:
-        _fail(str(exc), 1)
+        _fail(str(exc), exc.code)
+    except GenerateError as exc:
+        _fail(str(exc), exc.exit_code)
+    except _anticipated_errors() as exc:
+        _fail(f"{type(exc).__name__}: {exc}", 2)
     ran = ", ".join(f"{r.name} {r.status}" for r in results)
     typer.echo(f"done: {ran}")
     typer.echo(f"results in {cfg.out} (reconstructed.jsonl, export/, vocab/, report/report.html)")
