@@ -385,3 +385,25 @@ def test_history_tool_call_without_id_renders_like_the_template(kimi):
                      {"role": "tool", "content": "42"}]
     row, = reconstruct_record(make(kimi, request={"messages": msgs}, content="ok", finish="stop"), kimi)
     assert "<|tool_call_begin|><|tool_call_argument_begin|>{}" in kimi.decode(row["prompt_ids"])
+
+
+def test_roundtrip_is_decoded_for_a_normalising_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from tokenbridge.tokenizer import load_tokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world answer"] * 20, trainer)
+    (tmp_path / "t").mkdir()
+    tok.save(str(tmp_path / "t" / "tokenizer.json"))
+    loaded = load_tokenizer(tmp_path / "t")
+    assert not loaded.lossless
+    rec = {"id": 1, "request": {"messages": [{"role": "user", "content": "hi"}]},
+           "response": {"choices": [{"message": {"reasoning": "think", "content": "Hello"}, "finish_reason": "stop"}]}}
+    row, = reconstruct_record(rec, loaded)
+    assert "roundtrip_mismatch" in codes(row)  # the normaliser lowercased "Hello"

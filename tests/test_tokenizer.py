@@ -165,3 +165,18 @@ def test_hub_id_offline_and_not_cached_is_clear(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.startswith("ERR moonshotai/Kimi-K2.5: could not download the tokenizer from the Hub and it is not cached")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.characters(blacklist_categories=("Cs",)), max_size=300),
+       st.sampled_from(["", "<|im_end|>", "</think>", "<|tool_call_begin|>", "x" * 25_010]))
+def test_kimi_is_lossless_for_valid_text(text, extra):
+    """Justifies `lossless`: the gate's round-trip check relies on it for tiktoken folders."""
+    from tokenbridge.tokenizer import load_tokenizer
+
+    from conftest import KIMI_DIR
+
+    kimi = load_tokenizer(KIMI_DIR)
+    assert kimi.lossless
+    s = text + extra + text
+    assert kimi.decode_bytes(kimi.encode(s)) == s.encode("utf-8")

@@ -77,7 +77,9 @@ def reconstruct_exchange(
     total_completion = sum(sum(len(ids) for ids in part_ids) for _, _, part_ids in built)
     rows = []
     for idx, (choice, parts, part_ids) in enumerate(built):
-        completion_ids = [i for ids in part_ids for i in ids]
+        completion_ids: list[int] = []
+        for ids in part_ids:
+            completion_ids.extend(ids)
         usage_prompt = usage_completion = None
         if usage is not None:
             if _count(usage.get("prompt_tokens")):
@@ -155,7 +157,7 @@ def _row(ex: Exchange, choice: int, prompt_ids, completion_ids, segments, findin
         "status": status_of(findings),
         "prompt_ids": prompt_ids,
         "completion_ids": completion_ids,
-        "input_ids": list(prompt_ids) + list(completion_ids),
+        "input_ids": [*prompt_ids, *completion_ids],
         "loss_mask": [0] * len(prompt_ids) + [1] * len(completion_ids),
         "segments": segments,
         "findings": [f.to_dict() for f in findings],

@@ -82,6 +82,8 @@ class Tokenizer:
     marker_ids: Mapping[int, str]
     chat_template: str | None
     config: Mapping[str, object]
+    #: Byte-level BPE with no normaliser: decode(encode(s)) == s for all valid UTF-8.
+    lossless: bool
     _encode: Callable[[str], list[int]] = field(repr=False)
     _decode_bytes: Callable[[Sequence[int]], bytes] = field(repr=False)
     _piece: Callable[[int], bytes] = field(repr=False)
@@ -331,6 +333,7 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
         name=folder.name,
         source=source,
         kind="tiktoken",
+        lossless=True,
         vocab_size=n_ranks + _KIMI_NUM_RESERVED,
         marker_ids=names,
         chat_template=_chat_template(folder, config),
@@ -365,6 +368,7 @@ def _load_tokenizers(folder: Path, source: str) -> Tokenizer:
         name=folder.name,
         source=source,
         kind="tokenizers",
+        lossless=False,
         vocab_size=tok.get_vocab_size(with_added_tokens=True),
         marker_ids=markers,
         chat_template=_chat_template(folder, config),
