@@ -379,3 +379,14 @@ def test_a_schema_1_state_file_is_upgraded_in_place(tmp_path):
         assert store.done_base_urls(["b-1"]) == {None: (1, "b-1")}
     con = sqlite3.connect(tmp_path / "state.sqlite")
     assert con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("2",)
+
+
+def test_config_tokenizer_path_is_relative_to_the_config_file(tmp_path, kimi_dir):
+    from tokenbridge.generate import settings_from_mapping
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "tok").symlink_to(kimi_dir)
+    s = settings_from_mapping({"model": "m", "tokenizer": "tok"}, base_dir=tmp_path / "cfg")
+    assert s.tokenizer == str((tmp_path / "cfg" / "tok").resolve())
+    # a Hub id (no such path beside the config) is left alone
+    assert settings_from_mapping({"model": "m", "tokenizer": "moonshotai/Kimi-K2.5"}, base_dir=tmp_path).tokenizer == "moonshotai/Kimi-K2.5"

@@ -275,6 +275,9 @@ def settings_from_mapping(
     top: dict[str, Any] = {}
     for key, value in data.items():
         top[key] = _coerce_top(key, value, source)
+    tok = top.get("tokenizer")
+    if base_dir is not None and isinstance(tok, str) and not Path(tok).is_absolute() and (base_dir / tok).exists():
+        top["tokenizer"] = str((base_dir / tok).resolve())  # relative to the config file, like dataset paths
     return GenerateSettings(datasets=datasets, request=request, prices=prices, **top)
 
 
