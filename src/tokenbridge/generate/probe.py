@@ -7,7 +7,8 @@ provider parses it), and a CJK one. Each response is rebuilt with
 :func:`tokenbridge.reconstruct.reconstruct_record`, and per provider we report:
 available (404 "No endpoints" -> no), reasoning present, end-marker leak, think-marker
 leak, tool markers (raw / parsed / none), usage parity (our token counts vs the
-provider's), latency and cost.
+provider's), latency and cost. The two leak columns are the gate's findings
+(``eos_in_text``, ``think_marker_in_*``), not a second detector.
 
 A probe is a quick look, not a run: each prompt gets ``attempts`` tries, and a wait
 between them (``Retry-After`` or backoff) is capped at :data:`RETRY_WAIT_CAP_S` seconds,
@@ -222,6 +223,9 @@ async def _one(session, url, headers, key, provider, name, request, tok, dialect
     return call
 
 
+_THINK_LEAKS = frozenset({"think_marker_in_content", "think_marker_in_reasoning"})
+
+
 def _inspect(call: ProbeCall, request: dict, response: dict, tok: Any, dialect: Any) -> None:
     from ..reconstruct import reconstruct_record
 
@@ -234,10 +238,6 @@ def _inspect(call: ProbeCall, request: dict, response: dict, tok: Any, dialect: 
     call.cost = cost_of(usage, None)
     call.finish_reason = choice.get("finish_reason")
     call.reasoning_present = bool(reasoning.strip())
-    ends = set(dialect.eos_markers) | {dialect.end_token}
-    call.end_marker_leak = any(m in content or m in reasoning for m in ends)
-    thinks = [m for m in (dialect.think_open, dialect.think_close) if m]
-    call.think_marker_leak = any(m in content or m in reasoning for m in thinks)
     if call.prompt == "tool_call":
         markers = dialect.tool_markers.all if dialect.tool_markers is not None else ()
         if message.get("tool_calls"):
@@ -254,6 +254,8 @@ def _inspect(call: ProbeCall, request: dict, response: dict, tok: Any, dialect: 
         return
     row = rows[0]
     call.findings = sorted({f["code"] for r in rows for f in r["findings"]})
+    call.end_marker_leak = "eos_in_text" in call.findings
+    call.think_marker_leak = not _THINK_LEAKS.isdisjoint(call.findings)
     completion = sum(len(r["completion_ids"]) for r in rows)
     call.prompt_tokens = (len(row["prompt_ids"]), (usage or {}).get("prompt_tokens"))
     call.completion_tokens = (completion, (usage or {}).get("completion_tokens"))
