@@ -494,14 +494,6 @@ class Store:
     def failures(self) -> list[tuple[str, str | None, str | None]]:
         return list(self._conn.execute("SELECT id, error_class, error FROM samples WHERE status='failed' ORDER BY seq"))
 
-    def error_counts(self, run: int | None = None) -> dict[str, int]:
-        sql = "SELECT error_class, COUNT(*) FROM attempts WHERE error_class IS NOT NULL"
-        args: tuple[Any, ...] = ()
-        if run is not None:
-            sql += " AND run=?"
-            args = (run,)
-        return dict(self._conn.execute(sql + " GROUP BY error_class", args))
-
     class _Tx:
         def __init__(self, conn: sqlite3.Connection) -> None:
             self.conn = conn
