@@ -155,7 +155,7 @@ class _Emulator:
             await asyncio.sleep(latency)
             raise self._fault_error(fault, provider, skey, attempt)
 
-        prompt_ids = self._prompt_ids(req)
+        prompt_ids = self._prompt_ids(req, skey)
         error = None
         if fault == "choice_error" or (fault == "midstream_error" and not req.stream):
             error = {"code": 502, "message": f"{provider.name}: the upstream connection dropped mid-generation"}
@@ -209,8 +209,8 @@ class _Emulator:
         status = 502 if draw(self.config.seed, "5xx", skey, attempt) < 0.5 else 503
         return _HTTPError(status, f"{provider.name}: provider returned error (upstream {status})")
 
-    def _prompt_ids(self, req: _Request) -> list[int]:
-        key = (sample_key(req.messages), dumps(req.tools) if req.tools else "", req.thinking)
+    def _prompt_ids(self, req: _Request, skey: str) -> list[int]:
+        key = (skey, dumps(req.tools) if req.tools else "", req.thinking)
         hit = self._prompts.get(key)
         if hit is not None:
             self._prompts.move_to_end(key)
