@@ -101,7 +101,7 @@ class SyntheticModel:
             and draw(self.seed, "tool_call", *key) < self.tool_call_rate
         )
         if wants_call:
-            calls = self._pick_calls(rng, specs, topic, messages)
+            calls = self._pick_calls(rng, specs, topic)
             reasoning, content = prose.write_tool_preamble(rng, topic, [name for name, _ in calls])
             content += self._tool_section(calls, _prior_calls(messages))
         elif last.get("role") == "tool":
@@ -111,7 +111,7 @@ class SyntheticModel:
             content = prose.write_answer(rng, topic, answer_chars)
         return self._assemble(reasoning if thinking else None, content)
 
-    def _pick_calls(self, rng, specs: list[ToolSpec], topic, messages) -> list[tuple[str, dict]]:
+    def _pick_calls(self, rng, specs: list[ToolSpec], topic) -> list[tuple[str, dict]]:
         count = 2 if len(specs) > 1 and rng.random() < 0.2 else 1
         chosen = rng.sample(specs, count)
         return [(s.name, make_arguments(rng, s, topic.phrase)) for s in chosen]

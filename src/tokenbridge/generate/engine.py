@@ -482,7 +482,7 @@ class Engine:
             self._unauthorized_streak = 0
             usage = record.usage or {}
 
-            def counted(record: ResponseRecord = record, usage: dict = usage) -> None:
+            def counted(usage: dict = usage) -> None:
                 self.stats.done += 1
                 ct = int(usage.get("completion_tokens") or 0)
                 self.stats.completion_tokens += ct
