@@ -203,3 +203,15 @@ def test_folder_template_is_used_and_unknown_dialect_is_an_error(tmp_path, kimi)
     assert d.render_prompt([{"role": "user", "content": "x"}]) == "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant"
     with pytest.raises(DialectError, match="unknown dialect 'llama9'"):
         resolve_dialect(kimi, "llama9")
+
+
+def test_render_request_passes_template_kwargs_and_thinking(tmp_path):
+    from tokenbridge.tokenizer import load_tokenizer
+
+    folder = _tiny_chatml(tmp_path / "kw", "{{ greeting }}|{{ enable_thinking }}|{% for m in messages %}{{ m.content }}{% endfor %}")
+    d = resolve_dialect(load_tokenizer(folder))
+    req = {"messages": [{"role": "user", "content": "x"}],
+           "chat_template_kwargs": {"greeting": "hej", "enable_thinking": False}}
+    assert d.render_request(req) == "hej|False|x"
+    assert KIMI.render_request({"messages": [{"role": "user", "content": "x"}], "reasoning": {"effort": "none"}}).endswith(
+        "<think></think>")

@@ -46,10 +46,7 @@ def reconstruct_exchange(
     dialect = dialect or resolve_dialect(tokenizer)
     request = ex.request
     thinking = thinking_enabled(request)
-    template_kwargs = dict(request.get("chat_template_kwargs") or {})
-    template_kwargs.pop("thinking", None)
-    template_kwargs.pop("enable_thinking", None)
-    prompt_text = dialect.render_prompt(request["messages"], request.get("tools"), thinking, **template_kwargs)
+    prompt_text = dialect.render_request(request)
     prompt_ids = tokenizer.encode(prompt_text)
     opens = bool(dialect.think_open) and prompt_text.endswith(dialect.think_open)
     response = ex.response

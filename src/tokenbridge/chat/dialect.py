@@ -57,6 +57,14 @@ class Dialect:
         """The prompt text the serving side builds, generation prompt included."""
         return self.render(messages, tools, thinking, template_kwargs)
 
+    def render_request(self, request: Mapping[str, Any]) -> str:
+        """The prompt the serving side builds for an API request body: its messages and
+        tools, thinking mode from its settings, and its ``chat_template_kwargs``."""
+        kwargs = dict(request.get("chat_template_kwargs") or {})
+        kwargs.pop("thinking", None)
+        kwargs.pop("enable_thinking", None)
+        return self.render(request["messages"], request.get("tools"), thinking_enabled(request), kwargs)
+
     def with_render(self, render: RenderFn, name: str | None = None) -> "Dialect":
         return replace(self, render=render, name=name or self.name)
 

@@ -210,14 +210,15 @@ class _Emulator:
         return _HTTPError(status, f"{provider.name}: provider returned error (upstream {status})")
 
     def _prompt_ids(self, req: _Request, skey: str) -> list[int]:
-        key = (skey, dumps(req.tools) if req.tools else "", req.thinking)
+        kwargs = req.body.get("chat_template_kwargs")
+        key = (skey, dumps(req.tools) if req.tools else "", req.thinking, dumps(kwargs) if kwargs else "")
         hit = self._prompts.get(key)
         if hit is not None:
             self._prompts.move_to_end(key)
             return hit
         try:
-            text = self.dialect.render_prompt(req.messages, req.tools, req.thinking)
-        except (TemplateError, KeyError, TypeError, AttributeError) as exc:
+            text = self.dialect.render_request(req.body)
+        except (TemplateError, KeyError, TypeError, AttributeError, ValueError) as exc:
             raise _HTTPError(400, f"cannot render the prompt from these messages: {type(exc).__name__}: {exc}") from None
         ids = self.tok.encode(text)
         self._prompts[key] = ids

@@ -136,14 +136,13 @@ def _counter(settings: GenerateSettings):
         return (lambda req: len(json.dumps(req["messages"], ensure_ascii=False)) // 4), True, [
             "no --tokenizer: prompt tokens are approximate (characters / 4)"
         ]
-    from ..chat import resolve_dialect, thinking_enabled
+    from ..chat import resolve_dialect
     from ..tokenizer import load_tokenizer
 
     tok = load_tokenizer(settings.tokenizer)
     dialect = resolve_dialect(tok, settings.dialect)
 
     def count(req: dict[str, Any]) -> int:
-        text = dialect.render_prompt(req["messages"], req.get("tools"), thinking_enabled(req))
-        return len(tok.encode(text))
+        return len(tok.encode(dialect.render_request(req)))
 
     return count, False, []
