@@ -154,3 +154,19 @@ def test_cli_inspect_survives_bad_lines_and_bad_flags(tmp_path, kimi_dir):
     broken.write_text(lines[7] + "\n", encoding="utf-8")  # the example's record with no role
     res = CliRunner().invoke(app, ["inspect", str(broken), "-t", str(kimi_dir), "--id", "ex-broken"])
     assert res.exit_code == 2 and "b.jsonl:1: request.messages[0].role" in res.output
+
+
+def test_stripping_provider_is_named_across_a_run():
+    from tokenbridge.reconstruct import ReconstructSummary
+
+    s = ReconstructSummary()
+    for i in range(30):
+        s.add([("ok", [], "clean", i % 3 == 0)])   # a third keep a trailing newline or the like
+        s.add([("ok", [], "stripper", False)])     # never
+        s.add([("ok", [], "few", False)] if i < 5 else [])
+    notes = s.stripping_suspects()
+    assert len(notes) == 1 and notes[0].startswith("stripper: none of its 30 samples")
+    assert s.to_dict()["provider_notes"] == notes
+    lone = ReconstructSummary()
+    lone.add([("ok", [], "stripper", False)] * 40)
+    assert lone.stripping_suspects() == []  # nothing to compare against

@@ -63,6 +63,8 @@ def reconstruct(
     summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None)
     console = Console(stderr=False)
     console.print(summary_table(summary, title=f"{input} → {output}"))
+    for note in summary.stripping_suspects():
+        typer.echo(f"warning: {note}", err=True)
     for bad in summary.bad_lines:
         typer.echo(f"bad record: {bad}", err=True)
     if summary_json:

@@ -260,9 +260,12 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     else:
         rs = reconstruct_file(exchanges, reconstructed, tok, dialect=cfg.dialect, policy=cfg.policy)
         detail = rs.to_dict()
-        state.record("reconstruct", fp, {"status": detail["status"], "bad_lines": len(rs.bad_lines)})
+        state.record("reconstruct", fp, {"status": detail["status"], "bad_lines": len(rs.bad_lines),
+                                         "provider_notes": detail["provider_notes"]})
         results.append(StageResult("reconstruct", "ran", detail))
     echo(f"reconstruct: {results[-1].status} → {reconstructed} {state.data['reconstruct'].get('status')}")
+    for note in state.data["reconstruct"].get("provider_notes") or ():
+        echo(f"reconstruct: warning: {note}")
 
     # 3. export, one stage per format (skipped, not failed, when no row qualifies)
     wanted = {"ok", "flagged"} if cfg.include_flagged else {"ok"}

@@ -186,6 +186,13 @@ class BadLine:
         return f"{self.path}:{self.line}: {self.field}: {self.message}"
 
 
+def _brief(row: Mapping[str, Any]) -> tuple[str, list[str], str, bool]:
+    """What the summary needs of a row: status, codes, provider, and whether its text
+    keeps any leading/trailing whitespace (a provider that strips never does)."""
+    edge = any(t[:1].isspace() or t[-1:].isspace() for t in (row["reasoning"], row["content"]) if isinstance(t, str))
+    return row["status"], [f["code"] for f in row["findings"]], str(row["provider"]), edge
+
+
 @dataclass
 class ReconstructSummary:
     records: int = 0
@@ -193,14 +200,39 @@ class ReconstructSummary:
     status: Counter = field(default_factory=Counter)
     codes: Counter = field(default_factory=Counter)
     bad_lines: list[BadLine] = field(default_factory=list)
+    #: provider -> [rows, rows whose text keeps edge whitespace]
+    edges: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, rows: Iterable[Mapping[str, Any]]) -> None:
+    def add(self, briefs: Iterable[tuple[str, list[str], str, bool]]) -> None:
         self.records += 1
-        for row in rows:
+        for status, codes, provider, edge in briefs:
             self.rows += 1
-            self.status[row["status"]] += 1
-            for f in row["findings"]:
-                self.codes[f["code"]] += 1
+            self.status[status] += 1
+            self.codes.update(codes)
+            counts = self.edges.setdefault(provider, [0, 0])
+            counts[0] += 1
+            counts[1] += edge
+
+    def stripping_suspects(self, min_rows: int = 20, min_rate: float = 0.1) -> list[str]:
+        """Providers whose text never keeps edge whitespace while the others' often does.
+
+        A provider that ``.strip()``s reasoning/content can turn ``".\n"`` into ``"."``,
+        the same number of tokens with a different id: invisible per sample without
+        ground-truth ids, but plain across a run.
+        """
+        notes = []
+        for prov, (n, edge) in sorted(self.edges.items()):
+            others = [(m, e) for p, (m, e) in self.edges.items() if p != prov and m >= min_rows]
+            total = sum(m for m, _ in others)
+            rate = sum(e for _, e in others) / total if total else 0.0
+            if n >= min_rows and edge == 0 and rate >= min_rate:
+                notes.append(
+                    f"{prov}: none of its {n} samples keeps leading/trailing whitespace in reasoning or content, "
+                    f"against {rate:.0%} of the other providers' samples: it probably strips whitespace, and a strip "
+                    "that keeps the token count (e.g. '.\\n' -> '.') passes the gate unseen. Use ground-truth ids "
+                    "or other providers."
+                )
+        return notes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -209,6 +241,7 @@ class ReconstructSummary:
             "status": {k: self.status.get(k, 0) for k in ("ok", "flagged", "rejected")},
             "codes": dict(sorted(self.codes.items())),
             "bad_lines": [b.__dict__ for b in self.bad_lines],
+            "provider_notes": self.stripping_suspects(),
         }
 
 
@@ -235,7 +268,7 @@ def _work(chunk: list[tuple[int, str]]) -> list[tuple[int, Any, Any]]:
             out.append((lineno, None, ("<record>", f"{type(exc).__name__}: {exc}")))
             continue
         if as_json:
-            meta = [(r["status"], [f["code"] for f in r["findings"]]) for r in rows]
+            meta = [_brief(r) for r in rows]
             out.append((lineno, [dumps_line(r) for r in rows], meta))
         else:
             out.append((lineno, rows, None))
@@ -287,10 +320,7 @@ def reconstruct_file(
             if rows is None:
                 summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
                 continue
-            if as_parquet:
-                summary.add(rows)
-            else:
-                summary.add({"status": s, "findings": [{"code": c} for c in codes]} for s, codes in info)
+            summary.add([_brief(r) for r in rows] if as_parquet else info)
             sink.write(rows)
             if on_progress:
                 on_progress(lineno)
