@@ -21,3 +21,4 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) bench/bench_reconstruct.py
 	$(PY) bench/bench_generate.py
+	$(PY) bench/bench_fidelity.py

@@ -1,0 +1,115 @@
+"""How well the gate separates exact samples from wrong ones, per provider quirk.
+
+The bundled prompts go through the emulator once per provider, each provider showing a
+single quirk on every response (plus a clean one). The emulator knows the ids its
+synthetic model emitted and returns them; reconstruction runs with those ids withheld,
+as it must for a real text-only API, and every verdict is compared with the truth:
+
+  ok, exact        passed, and the ids equal the model's      (what we want)
+  ok, WRONG        passed, but the ids differ                 (the gate missed it)
+  caught           not ok, and the ids differ                 (the gate caught it)
+  cautious         not ok, although the ids are exact         (rejected for a reason the
+                                                               ids cannot show, e.g. a leak)
+
+    python bench/bench_fidelity.py [--tokenizer DIR] [--limit N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import tempfile
+from collections import Counter
+from dataclasses import fields
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TOKENIZER = ROOT.parent / "shared" / "tokenizers" / "kimi-k2.5"
+
+
+def _providers():
+    from tokenbridge.emulator import ProviderConfig, ProviderQuirks
+
+    out = [ProviderConfig(name="clean/fp8")]
+    for f in fields(ProviderQuirks):
+        out.append(ProviderConfig(name=f"{f.name.replace('_', '-')}/fp8", quirks=ProviderQuirks(**{f.name: 1.0})))
+    return tuple(out)
+
+
+def _strip_truth(record: dict) -> tuple[dict, list | None, list]:
+    rec = copy.deepcopy(record)
+    prompt = rec["response"].pop("prompt_token_ids", None)
+    choices = [c.pop("token_ids", None) for c in rec["response"].get("choices") or []]
+    return rec, prompt, choices
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
+    ap.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all 216)")
+    args = ap.parse_args()
+
+    from tokenbridge.emulator import EmulatorConfig, running_emulator
+    from tokenbridge.generate import generate_run, settings_from_mapping
+    from tokenbridge.pipeline import _builtin_path
+    from tokenbridge.reconstruct import reconstruct_file, reconstruct_record
+    from tokenbridge.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    providers = _providers()
+    datasets = [{"name": n, "path": _builtin_path(f"builtin:prompts/{n}.jsonl"), **({"limit": args.limit} if args.limit else {})}
+                for n in ("chat", "sharegpt", "plain")]
+    table: dict[str, Counter] = {}
+    codes: dict[str, Counter] = {}
+    with tempfile.TemporaryDirectory() as tmp, running_emulator(EmulatorConfig(providers=providers), tokenizer=tok) as url:
+        combined = (Path(tmp) / "all.jsonl").open("w", encoding="utf-8")
+        for prov in providers:
+            out = Path(tmp) / prov.slug
+            settings = settings_from_mapping({
+                "base_url": url, "model": "moonshotai/kimi-k2.5", "concurrency": 32, "max_tokens": 2048,
+                "progress": "none", "provider": {"only": [prov.name], "allow_fallbacks": False},
+                "extra_body": {"return_token_ids": True}, "datasets": datasets,
+            })
+            summary = generate_run(settings, out)
+            assert summary.failed == 0, (prov.name, summary)
+            counts, seen = Counter(), Counter()
+            for line in (out / "exchanges.jsonl").open(encoding="utf-8"):
+                rec, truth_prompt, truth = _strip_truth(json.loads(line))
+                combined.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                for row, native in zip(reconstruct_record(rec, tok), truth):
+                    exact = row["completion_ids"] == native and row["prompt_ids"] == truth_prompt
+                    if row["status"] == "ok":
+                        counts["ok, exact" if exact else "ok, WRONG"] += 1
+                    else:
+                        counts["cautious" if exact else "caught"] += 1
+                        seen.update({f["code"] for f in row["findings"] if f["severity"] == "error"} or {"(warnings only)"})
+            table[prov.name], codes[prov.name] = counts, seen
+        combined.close()
+        # the run-level signal: one reconstruct over every provider's exchanges
+        notes = reconstruct_file(Path(tmp) / "all.jsonl", Path(tmp) / "all.out.jsonl", tok).stripping_suspects()
+
+    cols = ["ok, exact", "ok, WRONG", "caught", "cautious"]
+    print(f"{sum(sum(c.values()) for c in table.values())} samples, {len(providers)} providers, one quirk each at rate 1.0;"
+          " native ids withheld from reconstruction, then compared")
+    print()
+    print("| provider (quirk at rate 1.0) | " + " | ".join(cols) + " | codes on rejected samples |")
+    print("|---|" + "---:|" * len(cols) + "---|")
+    for name, counts in table.items():
+        top = ", ".join(f"{c} {n}" for c, n in codes[name].most_common(3))
+        print(f"| {name} | " + " | ".join(str(counts.get(c, 0)) for c in cols) + f" | {top} |")
+    total = Counter()
+    for c in table.values():
+        total.update(c)
+    passed = total["ok, exact"] + total["ok, WRONG"]
+    print()
+    print(f"passed {passed}: {total['ok, WRONG']} wrong ({total['ok, WRONG'] / max(passed, 1):.1%}); "
+          f"wrong samples caught: {total['caught']}/{total['caught'] + total['ok, WRONG']}")
+    print()
+    print("run-level provider notes (reconstruct over all providers' exchanges together):")
+    for note in notes or ["(none)"]:
+        print(f"- {note}")
+
+
+if __name__ == "__main__":
+    main()
