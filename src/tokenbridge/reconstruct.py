@@ -14,7 +14,7 @@ import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from .chat import Dialect, message_reasoning, resolve_dialect, thinking_enabled
 from .checks import Finding, Policy, SampleView, run_checks, status_of
@@ -296,7 +296,6 @@ def reconstruct_file(
     policy: Policy | None = None,
     workers: int | None = None,
     chunk_lines: int = 32,
-    on_progress: Callable[[int], None] | None = None,
 ) -> ReconstructSummary:
     """Reconstruct every record of ``src`` (JSONL) into ``dst`` (JSONL, or Parquet by suffix).
 
@@ -322,8 +321,6 @@ def reconstruct_file(
                 continue
             summary.add([_brief(r) for r in rows] if as_parquet else info)
             sink.write(rows)
-            if on_progress:
-                on_progress(lineno)
         sink.close()
     except BaseException:
         sink.abort()
