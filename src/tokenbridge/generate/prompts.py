@@ -24,7 +24,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from .errors import GenerateError
 from .settings import DatasetSpec
@@ -312,11 +312,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, str, Any]]:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
         raise PromptSourceError(f"{path}: cannot read parquet: {exc}") from None
-    index = 0
-    for batch in pf.iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            yield str(path), f"row {index}", row
-            index += 1
+    yield from _batch_rows(path, pf.iter_batches(batch_size=1024))
 
 
 def _iter_arrow(path: Path) -> Iterator[tuple[str, str, Any]]:
@@ -333,8 +329,13 @@ def _iter_arrow(path: Path) -> Iterator[tuple[str, str, Any]]:
                 table = pa.ipc.open_file(source).read_all()
     except (pa.ArrowException, OSError) as exc:
         raise PromptSourceError(f"{path}: cannot read Arrow data: {exc}") from None
+    yield from _batch_rows(path, table.to_batches(max_chunksize=1024))
+
+
+def _batch_rows(path: Path, batches: Iterable[Any]) -> Iterator[tuple[str, str, Any]]:
+    """(file, "row N", row) over Arrow record batches, N counted from 0 across batches."""
     index = 0
-    for batch in table.to_batches(max_chunksize=1024):
+    for batch in batches:
         for row in batch.to_pylist():
             yield str(path), f"row {index}", row
             index += 1
