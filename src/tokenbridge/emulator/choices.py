@@ -9,6 +9,7 @@ non-canonical split leaves the text unchanged.
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
@@ -173,6 +174,14 @@ def _tool_patterns(tm: ToolMarkers) -> tuple[re.Pattern[str], re.Pattern[str]]:
     return section, call
 
 
+#: Text edits a provider's pipeline may make, by quirk name.
+_TEXT_EDITS = (
+    ("unicode_nfc", lambda t: unicodedata.normalize("NFC", t)),
+    ("unicode_nfkc", lambda t: unicodedata.normalize("NFKC", t)),
+    ("crlf_to_lf", lambda t: t.replace("\r\n", "\n")),
+)
+
+
 def _apply_text_quirks(view: ChoiceView, hit, dialect: Dialect, *, ended: bool) -> ChoiceView:
     reasoning, content, has_key = view.reasoning, view.content, True
     thinking = reasoning is not None
@@ -185,6 +194,10 @@ def _apply_text_quirks(view: ChoiceView, hit, dialect: Dialect, *, ended: bool) 
         reasoning = dialect.think_open + (reasoning or "")
     if ended and hit("end_marker_leak"):
         content = content + dialect.end_token
+    for quirk, edit in _TEXT_EDITS:
+        if hit(quirk):
+            content = edit(content)
+            reasoning = edit(reasoning) if reasoning is not None else None
     if hit("strip_whitespace"):
         content = content.strip()
         reasoning = reasoning.strip() if reasoning is not None else None

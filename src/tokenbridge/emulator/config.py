@@ -58,6 +58,12 @@ class ProviderQuirks:
     reasoning_details: float = 0.0
     #: Reasoning sent only as ``reasoning_details``: no ``reasoning`` key.
     reasoning_details_only: float = 0.0
+    #: Text Unicode-normalized to NFC (usage counts the original).
+    unicode_nfc: float = 0.0
+    #: Text Unicode-normalized to NFKC (usage counts the original).
+    unicode_nfkc: float = 0.0
+    #: ``\r\n`` in the text turned into ``\n`` (usage counts the original).
+    crlf_to_lf: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -28,7 +29,12 @@ from . import prose
 from .hashing import canonical_json, draw, sample_key
 from .tool_specs import ToolSpec, make_arguments, tools_from_param, tools_from_text
 
-__all__ = ["Generation", "SyntheticModel"]
+__all__ = ["ECHO_BEGIN", "ECHO_END", "Generation", "SyntheticModel"]
+
+#: A user message holding ``ECHO_BEGIN + text + ECHO_END`` gets ``text`` back verbatim as
+#: the content (what ``tokenbridge probe``'s echo tests ask a real model to do).
+ECHO_BEGIN, ECHO_END = "<<<ECHO\n", "\nECHO>>>"
+_ECHO = re.compile(re.escape(ECHO_BEGIN) + "(.*)" + re.escape(ECHO_END), re.S)
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,9 @@ class SyntheticModel:
 
     def _write(self, messages, tools, thinking, rng: random.Random, key: tuple) -> Generation:
         last = messages[-1] if messages else {}
+        echo = _ECHO.search(_text(last)) if last.get("role") == "user" else None
+        if echo is not None:
+            return self._assemble("The user wants this text repeated exactly." if thinking else None, echo.group(1))
         topic = prose.read_topic(_text(_last_user(messages)))
         specs = tools_from_param(tools) if tools else tools_from_text(_system_text(messages))
         if self.dialect.tool_markers is None:
