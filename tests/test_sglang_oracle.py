@@ -286,7 +286,7 @@ def corpus(kimi, kimi_dir) -> dict[str, Any]:
                       "response": server.serve(nat, len(prompt_ids), stream=stream)}
             row = reconstruct_record(record, kimi)[0]
             results.append((nat, stream, prompt_ids, record, row))
-    return {"natives": natives, "results": results}
+    return {"natives": natives, "results": results, "tok": kimi, "dialect": dialect}
 
 
 def test_oracle_covers_enough_native_completions(corpus):
@@ -321,15 +321,17 @@ def test_structured_tool_calls_are_a_finding(corpus):
     assert all("structured_tool_calls" in [f["code"] for f in r["findings"]] for r in parsed)
 
 
-def test_streamed_and_whole_responses_agree(corpus):
-    """SGLang's streaming parsers give the same split as its one-shot ones on these ids."""
-    by_id: dict[str, list[dict[str, Any]]] = {}
-    for _, _, _, rec, _ in corpus["results"]:
-        by_id.setdefault(rec["id"].rsplit("-", 1)[0], []).append(rec["response"]["choices"][0]["message"])
-    differ = [k for k, (a, b) in by_id.items()
-              if (a.get("reasoning_content"), a["content"]) != (b.get("reasoning_content"), b["content"])]
-    assert len(differ) <= len(by_id) // 50, differ[:5]
-
+def test_streamed_and_whole_responses_agree_unless_a_call_is_cut(corpus):
+    """SGLang's streaming parsers give the one-shot split, except one known difference:
+    with ``tools`` sent, the streaming tool detector holds back a call cut by ``length``
+    (it never completes), while the one-shot path leaves its text in ``content``."""
+    pairs: dict[str, list[tuple[Native, dict[str, Any]]]] = {}
+    for nat, _, _, rec, _ in corpus["results"]:
+        pairs.setdefault(rec["id"].rsplit("-", 1)[0], []).append((nat, rec["response"]["choices"][0]["message"]))
+    fields = ("reasoning_content", "content", "tool_calls")
+    differ = [(nat.cut, bool(nat.request.get("tools"))) for (nat, a), (_, b) in pairs.values()
+              if tuple(a.get(f) for f in fields) != tuple(b.get(f) for f in fields)]
+    assert set(differ) <= {(True, True)}, differ
 
 @pytest.mark.xfail(strict=True, reason="needs hypothesis recovery (branch engines)")
 def test_tool_call_without_think_close_is_recovered(corpus):
@@ -341,3 +343,18 @@ def test_tool_call_without_think_close_is_recovered(corpus):
     lost = [(r["id"], [f["code"] for f in r["findings"]]) for nat, r in cases
             if r["status"] != "ok" or r["completion_ids"] != nat.ids]
     assert lost == []
+
+
+def test_emulator_sglang_profile_matches_the_real_parsers(corpus):
+    """The emulator's ``engine = "sglang"`` text view is what SGLang's parsers serve."""
+    from tokenbridge.emulator.engines import engine_text
+
+    checked = 0
+    for nat, stream, _, rec, _ in corpus["results"]:
+        if stream or rec["request"].get("tools"):
+            continue
+        served = rec["response"]["choices"][0]["message"]
+        ours = engine_text(corpus["tok"], corpus["dialect"], nat.ids, True, "sglang")
+        assert (ours.reasoning, ours.content) == (served["reasoning_content"], served["content"]), rec["id"]
+        checked += 1
+    assert checked >= 600
