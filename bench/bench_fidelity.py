@@ -1,7 +1,11 @@
-"""How well the gate separates exact samples from wrong ones, per provider quirk.
+"""How well the gate separates exact samples from wrong ones, per provider quirk and
+per serving engine.
 
 The bundled prompts go through the emulator once per provider, each provider showing a
-single quirk on every response (plus a clean one). The emulator knows the ids its
+single quirk on every response (plus a clean one), or one engine profile (``engine =
+"sglang"`` / ``"vllm"``: what those stacks' Kimi K2 parsers and detokenizers serve). The
+synthetic model opens a share of its tool calls without ``</think>`` (``--no-think-close``),
+as Kimi K2 does. The emulator knows the ids its
 synthetic model emitted and returns them; reconstruction runs with those ids withheld,
 as it must for a real text-only API, and every verdict is compared with the truth:
 
@@ -11,7 +15,7 @@ as it must for a real text-only API, and every verdict is compared with the trut
   cautious         not ok, although the ids are exact         (rejected for a reason the
                                                                ids cannot show, e.g. a leak)
 
-    python bench/bench_fidelity.py [--tokenizer DIR] [--limit N]
+    python bench/bench_fidelity.py [--tokenizer DIR] [--limit N] [--no-think-close RATE]
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ def _providers():
     out = [ProviderConfig(name="clean/fp8")]
     for f in fields(ProviderQuirks):
         out.append(ProviderConfig(name=f"{f.name.replace('_', '-')}/fp8", quirks=ProviderQuirks(**{f.name: 1.0})))
+    for engine in ("sglang", "vllm"):
+        out.append(ProviderConfig(name=f"engine-{engine}/fp8", engine=engine))
     return tuple(out)
 
 
@@ -48,6 +54,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
     ap.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all 216)")
+    ap.add_argument("--no-think-close", type=float, default=0.15,
+                    help="share of tool calls the model opens without </think> (default 0.15)")
     args = ap.parse_args()
 
     from tokenbridge.emulator import EmulatorConfig, running_emulator
@@ -62,7 +70,9 @@ def main() -> None:
                 for n in ("chat", "sharegpt", "plain")]
     table: dict[str, Counter] = {}
     codes: dict[str, Counter] = {}
-    with tempfile.TemporaryDirectory() as tmp, running_emulator(EmulatorConfig(providers=providers), tokenizer=tok) as url:
+    with tempfile.TemporaryDirectory() as tmp, running_emulator(
+        EmulatorConfig(providers=providers, tool_call_without_think_close=args.no_think_close), tokenizer=tok
+    ) as url:
         combined = (Path(tmp) / "all.jsonl").open("w", encoding="utf-8")
         for prov in providers:
             out = Path(tmp) / prov.slug
@@ -90,10 +100,11 @@ def main() -> None:
         notes = reconstruct_file(Path(tmp) / "all.jsonl", Path(tmp) / "all.out.jsonl", tok).stripping_suspects()
 
     cols = ["ok, exact", "ok, WRONG", "caught", "cautious"]
-    print(f"{sum(sum(c.values()) for c in table.values())} samples, {len(providers)} providers, one quirk each at rate 1.0;"
+    print(f"{sum(sum(c.values()) for c in table.values())} samples, {len(providers)} providers, one quirk at rate 1.0 or"
+          f" one engine profile each; {args.no_think_close:.0%} of tool calls opened without </think>;"
           " native ids withheld from reconstruction, then compared")
     print()
-    print("| provider (quirk at rate 1.0) | " + " | ".join(cols) + " | codes on rejected samples |")
+    print("| provider (quirk at rate 1.0, or engine) | " + " | ".join(cols) + " | codes on rejected samples |")
     print("|---|" + "---:|" * len(cols) + "---|")
     for name, counts in table.items():
         top = ", ".join(f"{c} {n}" for c, n in codes[name].most_common(3))

@@ -19,13 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_example_config_loads_with_its_quirks():
     cfg = load_emulator_config(ROOT / "examples" / "emulator.toml")
     names = [p.name for p in cfg.providers]
-    assert names == ["clean/fp8", "leaky/int4", "stripper/int4", "parser/fp8"]
+    assert names == ["clean/fp8", "leaky/int4", "stripper/int4", "parser/fp8", "sglang/fp8", "vllm/bf16"]
     by = {p.name: p for p in cfg.providers}
     assert by["stripper/int4"].quirks.strip_whitespace == 1.0
     assert by["parser/fp8"].quirks.parse_tool_calls == 1.0
     assert by["leaky/int4"].quirks.end_marker_leak == 0.3 and by["leaky/int4"].quantization == "int4"
     assert by["clean/fp8"].quirks == ProviderConfig("x").quirks  # all zero
     assert cfg.latency_ms == 50 and cfg.credits_usd is None
+    assert (by["sglang/fp8"].engine, by["vllm/bf16"].engine, by["clean/fp8"].engine) == ("sglang", "vllm", "none")
+    assert cfg.tool_call_without_think_close == 0.15
 
 
 def test_yaml_config(tmp_path):
@@ -63,6 +65,13 @@ def test_bad_rate_and_type_are_errors(tmp_path):
         load_emulator_config(path)
     with pytest.raises(ConfigError, match="unique"):
         EmulatorConfig(providers=(ProviderConfig("a"), ProviderConfig("a")))
+
+
+def test_unknown_engine_is_an_error(tmp_path):
+    path = tmp_path / "emu.toml"
+    path.write_text('[[providers]]\nname = "a/fp8"\nengine = "tgi"\n')
+    with pytest.raises(ConfigError, match=r":3: providers\[0\]\.engine: must be one of none, sglang, vllm, got 'tgi'"):
+        load_emulator_config(path)
 
 
 def test_cli_serves_until_stopped(kimi_dir, tmp_path):

@@ -78,3 +78,71 @@ def test_probe_refuses_a_base_url_without_scheme(kimi_dir):
     res = CliRunner().invoke(app, ["probe", "--model", MODEL, "--providers", "a", "--base-url", "openrouter.ai/api/v1",
                                    "--tokenizer", str(kimi_dir)], env={"OPENROUTER_API_KEY": FAKE_KEY})
     assert res.exit_code == 2 and "needs http:// or https://" in res.output and "Traceback" not in res.output
+
+
+# --- echo tests: the provider profile ---------------------------------------------------
+
+
+def _echo_config() -> EmulatorConfig:
+    return EmulatorConfig(
+        min_tokens=20,
+        max_tokens=200,
+        providers=(
+            ProviderConfig("exact/fp8"),
+            ProviderConfig("nfc/fp8", quirks=ProviderQuirks(unicode_nfc=1.0)),
+            ProviderConfig("nfkc/fp8", quirks=ProviderQuirks(unicode_nfkc=1.0)),
+            ProviderConfig("crlf/fp8", quirks=ProviderQuirks(crlf_to_lf=1.0)),
+            ProviderConfig("strip/fp8", quirks=ProviderQuirks(strip_whitespace=1.0)),
+            ProviderConfig("vllm/fp8", engine="vllm"),
+        ),
+    )
+
+
+def test_echo_tests_reveal_each_text_edit(kimi):
+    names = ["exact/fp8", "nfc/fp8", "nfkc/fp8", "crlf/fp8", "strip/fp8", "vllm/fp8"]
+    with running_emulator(_echo_config(), tokenizer=kimi) as url:
+        reports = probe(model=MODEL, providers=names, base_url=url, key=None, tokenizer=kimi)
+    got = {r.provider: r.profile() for r in reports}
+    assert {p: g["text_edits"] for p, g in got.items()} == {
+        "exact/fp8": [],
+        "nfc/fp8": ["nfc"],
+        "nfkc/fp8": ["nfc", "nfkc"],  # NFKC composes the decomposed accents too
+        "crlf/fp8": ["crlf_to_lf"],
+        "strip/fp8": ["strip"],
+        "vllm/fp8": ["marker_spaces"],
+    }
+    assert got["exact/fp8"]["echo"] == {"decomposed": "kept", "compatibility": "kept", "crlf": "kept",
+                                        "edges": "kept"}
+    assert got["nfkc/fp8"]["echo"]["compatibility"] == "nfkc" and got["nfc/fp8"]["echo"]["compatibility"] == "kept"
+    assert got["vllm/fp8"]["edits_invisibly"] == [] and got["crlf/fp8"]["edits_invisibly"] == ["crlf_to_lf"]
+    # the emulator honours logprobs and return_token_ids on every provider
+    assert all(g["logprobs"] is True and g["token_ids"] is True for g in got.values())
+
+
+def test_classify_echo_says_unclear_when_the_model_paraphrases():
+    from tokenbridge.generate.probe import classify_echo
+
+    assert classify_echo("one\r\ntwo", "one\ntwo") == ("edited", "crlf_to_lf")
+    assert classify_echo("one\r\ntwo", "Sure! one two") == ("unclear", None)
+    assert classify_echo("x", None) == ("unclear", None)
+
+
+def test_probe_markers_match_the_emulator_echo():
+    import importlib
+
+    from tokenbridge.emulator import synthetic
+
+    probe_mod = importlib.import_module("tokenbridge.generate.probe")
+
+    assert (probe_mod.ECHO_BEGIN, probe_mod.ECHO_END) == (synthetic.ECHO_BEGIN, synthetic.ECHO_END)
+
+
+def test_probe_json_holds_the_profile(tmp_path, kimi, kimi_dir):
+    with running_emulator(_echo_config(), tokenizer=kimi) as url:
+        out = tmp_path / "probe.json"
+        res = CliRunner().invoke(app, ["probe", "--model", MODEL, "--providers", "crlf/fp8", "--base-url", url,
+                                       "--json", str(out), "--tokenizer", str(kimi_dir)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "provider profile (echo tests)" in res.output and "crlf_to_lf" in res.output
+    prof = json.loads(out.read_text(encoding="utf-8"))["providers"][0]["profile"]
+    assert prof["text_edits"] == ["crlf_to_lf"] and prof["echo"]["crlf"] == "crlf_to_lf"

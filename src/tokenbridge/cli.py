@@ -267,7 +267,10 @@ def probe(
         _fail("--providers: give at least one provider")
     reports = _probe(model=model, providers=names, base_url=base_url, key=key, tokenizer=tok,
                      max_tokens=max_tokens, reasoning=effort)
+    from .generate.probe import render_profiles
+
     Console(highlight=False).print(render_table(reports))
+    Console(highlight=False).print(render_profiles(reports))
     if json_out:
         data = {"model": model, "base_url": base_url, "providers": [r.to_dict() for r in reports]}
         json_out.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

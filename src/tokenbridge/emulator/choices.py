@@ -9,6 +9,7 @@ non-canonical split leaves the text unchanged.
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
@@ -16,10 +17,20 @@ from typing import Any
 from ..chat import Dialect, ToolMarkers
 from ..tokenizer import Tokenizer
 from .config import ProviderConfig
+from .engines import engine_text, logprob_entries, reasoning_token_count
 from .hashing import draw
 from .synthetic import Generation
 
-__all__ = ["ChoiceView", "build_choice", "split_one_token"]
+__all__ = ["ChoiceView", "LogprobsAsk", "build_choice", "split_one_token"]
+
+
+@dataclass(frozen=True)
+class LogprobsAsk:
+    """A request's ``logprobs: true`` (with ``top_logprobs`` and vLLM's
+    ``return_tokens_as_token_ids``)."""
+
+    top: int = 0
+    token_ids_as_text: bool = False
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,12 @@ class ChoiceView:
     tool_calls: tuple[dict[str, Any], ...] = ()
     has_reasoning_key: bool = True  # False: the provider dropped the field entirely
     error: dict[str, Any] | None = field(default=None)
+    engine: str = "none"  # the serving stack's shape (see .engines)
+    reasoning_key: str = "reasoning"  # SGLang serves ``reasoning_content``
+    null_content: bool = False  # vLLM: ``content: null`` when there is none
+    matched_stop: int | None = None  # SGLang: the stop id that ended the choice
+    details: str = "none"  # "both" / "only": reasoning (also / only) in ``reasoning_details``
+    logprobs: tuple[dict[str, Any], ...] | None = None  # ``logprobs.content`` when asked
 
 
 def build_choice(
@@ -48,6 +65,7 @@ def build_choice(
     structured_tools: bool,
     draw_key: tuple,
     error: dict[str, Any] | None = None,
+    logprobs: LogprobsAsk | None = None,
 ) -> ChoiceView:
     """The choice ``provider`` returns for ``gen``; ``error`` cuts it halfway, finish "error"."""
     q = provider.quirks
@@ -65,7 +83,17 @@ def build_choice(
     cut = limit is not None and len(ids) > limit
     if cut:
         ids = ids[:limit]
+    engine = provider.engine
     view = _text_view(ids, gen, cut, tok, dialect, index)
+    if engine != "none":
+        shown = engine_text(tok, dialect, ids, gen.reasoning is not None, engine)
+        ended = not cut and error is None
+        view = replace(view, reasoning=shown.reasoning, content=shown.content or "", engine=engine,
+                       null_content=shown.content is None,
+                       reasoning_key="reasoning_content" if engine == "sglang" else "reasoning",
+                       matched_stop=tok.token_id(dialect.end_token) if engine == "sglang" and ended else None)
+    think_close = tok.token_id(dialect.think_close) if dialect.think_close else None
+    view = replace(view, reasoning_tokens=reasoning_token_count(ids, think_close, gen.reasoning is not None, engine))
 
     tm = dialect.tool_markers
     if tm is not None and (structured_tools or hit("parse_tool_calls")):
@@ -75,7 +103,15 @@ def build_choice(
                            finish_reason="length" if cut else "tool_calls")
     if error is not None:
         view = replace(view, finish_reason="error", error=error)
-    return _apply_text_quirks(view, hit, dialect, ended=not cut and error is None)
+    view = _apply_text_quirks(view, hit, dialect, ended=not cut and error is None)
+    if view.reasoning:
+        details = "only" if hit("reasoning_details_only") else "both" if hit("reasoning_details") else "none"
+        view = replace(view, details=details, has_reasoning_key=view.has_reasoning_key and details != "only")
+    if logprobs is not None:
+        entries = logprob_entries(tok, ids, logprobs.top, token_ids_as_text=logprobs.token_ids_as_text and engine == "vllm",
+                                  salt=draw(provider.name, "logprobs", *draw_key))
+        view = replace(view, logprobs=tuple(entries))
+    return view
 
 
 def _text_view(ids: list[int], gen: Generation, cut: bool, tok: Tokenizer, dialect: Dialect, index: int) -> ChoiceView:
@@ -87,6 +123,11 @@ def _text_view(ids: list[int], gen: Generation, cut: bool, tok: Tokenizer, diale
         if think_close in ids:
             p = ids.index(think_close)
             reasoning_ids, rest = ids[:p], ids[p + 1 :]
+        elif not gen.think_closed and dialect.tool_markers is not None:
+            # no </think>: reasoning ends where the tool section begins (as the engines split it)
+            section = tok.token_id(dialect.tool_markers.section_begin)
+            p = ids.index(section) if section in ids else len(ids)
+            reasoning_ids, rest = ids[:p], ids[p:]
         else:
             reasoning_ids, rest = ids, []
     if cut:
@@ -115,7 +156,7 @@ def _parse_tool_sections(content: str, dialect: Dialect) -> tuple[str, tuple[dic
     calls: list[dict[str, Any]] = []
     for m in section.finditer(content):
         for c in call.finditer(m.group(1)):
-            call_id, args = c.group(1).strip(), c.group(2)
+            call_id, args = c.group(1).strip(), c.group(2).strip()
             name = call_id.removeprefix("functions.").rsplit(":", 1)[0]
             calls.append({"index": len(calls), "id": call_id, "type": "function",
                           "function": {"name": name, "arguments": args}})
@@ -133,6 +174,14 @@ def _tool_patterns(tm: ToolMarkers) -> tuple[re.Pattern[str], re.Pattern[str]]:
     return section, call
 
 
+#: Text edits a provider's pipeline may make, by quirk name.
+_TEXT_EDITS = (
+    ("unicode_nfc", lambda t: unicodedata.normalize("NFC", t)),
+    ("unicode_nfkc", lambda t: unicodedata.normalize("NFKC", t)),
+    ("crlf_to_lf", lambda t: t.replace("\r\n", "\n")),
+)
+
+
 def _apply_text_quirks(view: ChoiceView, hit, dialect: Dialect, *, ended: bool) -> ChoiceView:
     reasoning, content, has_key = view.reasoning, view.content, True
     thinking = reasoning is not None
@@ -145,6 +194,10 @@ def _apply_text_quirks(view: ChoiceView, hit, dialect: Dialect, *, ended: bool) 
         reasoning = dialect.think_open + (reasoning or "")
     if ended and hit("end_marker_leak"):
         content = content + dialect.end_token
+    for quirk, edit in _TEXT_EDITS:
+        if hit(quirk):
+            content = edit(content)
+            reasoning = edit(reasoning) if reasoning is not None else None
     if hit("strip_whitespace"):
         content = content.strip()
         reasoning = reasoning.strip() if reasoning is not None else None

@@ -11,7 +11,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 __all__ = [
     "ConfigError",
@@ -22,6 +22,9 @@ __all__ = [
     "TRANSPORT_FAULTS",
     "load_emulator_config",
 ]
+
+#: The serving stacks a provider can reproduce (``ProviderConfig.engine``).
+ENGINES = ("none", "sglang", "vllm")
 
 #: The faults ``fault_rate`` mixes in (each equally likely once a fault is drawn).
 TRANSPORT_FAULTS = ("rate_limit", "server_error", "malformed_json", "error_body", "midstream_error", "slow")
@@ -51,6 +54,16 @@ class ProviderQuirks:
     drop_reasoning: float = 0.0
     #: Native ids use a non-canonical split: one token becomes two with the same bytes.
     noncanonical: float = 0.0
+    #: Reasoning also sent as OpenRouter ``reasoning_details`` (``reasoning.text`` entries).
+    reasoning_details: float = 0.0
+    #: Reasoning sent only as ``reasoning_details``: no ``reasoning`` key.
+    reasoning_details_only: float = 0.0
+    #: Text Unicode-normalized to NFC (usage counts the original).
+    unicode_nfc: float = 0.0
+    #: Text Unicode-normalized to NFKC (usage counts the original).
+    unicode_nfkc: float = 0.0
+    #: ``\r\n`` in the text turned into ``\n`` (usage counts the original).
+    crlf_to_lf: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,9 @@ class ProviderConfig:
     context_length: int = 262_144
     quirks: ProviderQuirks = field(default_factory=ProviderQuirks)
     faults: ProviderFaults = field(default_factory=ProviderFaults)
+    #: Serving stack whose observable behaviour the provider reproduces (see
+    #: :mod:`.engines`): "none" is the emulator's own ideal text view.
+    engine: Literal["none", "sglang", "vllm"] = "none"
 
     @property
     def slug(self) -> str:
@@ -109,6 +125,8 @@ class EmulatorConfig:
     credits_usd: float | None = None
     #: Chance that the model calls a tool when tools are offered and the user spoke last.
     tool_call_rate: float = 0.8
+    #: Chance that a tool call opens without ``</think>`` first (Kimi K2 does this).
+    tool_call_without_think_close: float = 0.0
     #: Synthetic completion length range in tokens (log-uniform, approximate).
     min_tokens: int = 30
     max_tokens: int = 3000
@@ -130,7 +148,7 @@ class EmulatorConfig:
             raise ConfigError("at least one provider is needed")
         if not 1 <= self.min_tokens <= self.max_tokens:
             raise ConfigError("need 1 <= min_tokens <= max_tokens")
-        for name in ("fault_rate", "tool_call_rate"):
+        for name in ("fault_rate", "tool_call_rate", "tool_call_without_think_close"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1]")
 
@@ -255,6 +273,10 @@ def _convert(cls: type, name: str, value: Any, at: _Where) -> Any:
         return _build(ProviderQuirks if name == "quirks" else ProviderFaults, value, at)
     if cls in _FLOAT_RATE_CLASSES:
         return _rate(value, at)
+    if cls is ProviderConfig and name == "engine":
+        if value not in ENGINES:
+            raise at.error(f"must be one of {', '.join(ENGINES)}, got {value!r}")
+        return value
     default = next(f for f in fields(cls) if f.name == name)
     return _scalar(default.type, value, at)
 

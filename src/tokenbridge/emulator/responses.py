@@ -54,13 +54,27 @@ def usage_body(prompt_tokens: int, choices: list[ChoiceView], prompt_price: floa
     }
 
 
+def _details(text: str) -> list[dict[str, Any]]:
+    """OpenRouter's ``reasoning_details`` form of plain reasoning text."""
+    return [{"type": "reasoning.text", "text": text, "index": 0, "format": "unknown"}]
+
+
 def _message(c: ChoiceView) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": c.content}
+    msg: dict[str, Any] = {"role": "assistant", "content": None if c.null_content and not c.content else c.content}
     if c.has_reasoning_key:
-        msg["reasoning"] = c.reasoning
+        msg[c.reasoning_key] = c.reasoning
+    if c.details != "none" and c.reasoning:
+        msg["reasoning_details"] = _details(c.reasoning)
     if c.tool_calls:
         msg["tool_calls"] = [dict(t) for t in c.tool_calls]
     return msg
+
+
+def _choice_extras(c: ChoiceView, finishing: bool) -> dict[str, Any]:
+    """Engine-specific choice fields: SGLang's ``matched_stop`` (on the finishing chunk)."""
+    if c.engine == "sglang" and finishing:
+        return {"matched_stop": c.matched_stop}
+    return {}
 
 
 def completion_body(
@@ -77,7 +91,8 @@ def completion_body(
             "message": _message(c),
             "finish_reason": c.finish_reason,
             "native_finish_reason": c.finish_reason,
-            "logprobs": None,
+            "logprobs": {"content": list(c.logprobs)} if c.logprobs is not None else None,
+            **_choice_extras(c, True),
         }
         if c.error is not None:
             item["error"] = c.error
@@ -123,7 +138,13 @@ def _deltas(c: ChoiceView, size: int) -> list[dict[str, Any]]:
     """The deltas of one choice, before the finishing one."""
     out: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
     if c.reasoning:
-        out += [{"role": "assistant", "content": "", "reasoning": p} for p in _pieces(c.reasoning, size)]
+        for p in _pieces(c.reasoning, size):
+            delta: dict[str, Any] = {"role": "assistant", "content": ""}
+            if c.has_reasoning_key:
+                delta[c.reasoning_key] = p
+            if c.details != "none":
+                delta["reasoning_details"] = _details(p)
+            out.append(delta)
     out += [{"role": "assistant", "content": p} for p in _pieces(c.content, size)]
     for t in c.tool_calls:
         fn = t["function"]
@@ -165,7 +186,12 @@ def sse_events(
                 "finish_reason": c.finish_reason if finishing else None,
                 "native_finish_reason": c.finish_reason if finishing else None,
                 "logprobs": None,
+                **_choice_extras(c, finishing),
             }
+            if c.logprobs is not None:
+                lo = di * per
+                hi = (di + 1) * per if di < len(deltas) else len(ids)
+                choice["logprobs"] = {"content": list(c.logprobs[lo:hi])}
             if finishing and c.error is not None:
                 choice["error"] = c.error
             if with_ids:

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from ..chat import TemplateError, resolve_dialect, thinking_enabled
 from ..tokenizer import Tokenizer
-from .choices import ChoiceView, build_choice
+from .choices import ChoiceView, LogprobsAsk, build_choice
 from .config import EmulatorConfig, ProviderConfig
 from .faults import pick_fault
 from .hashing import draw, request_key, sample_key
@@ -61,6 +61,7 @@ class _Request:
     stream: bool
     return_token_ids: bool
     thinking: bool
+    logprobs: LogprobsAsk | None = None
 
 
 class _Stats:
@@ -98,6 +99,7 @@ class _Emulator:
             self.dialect,
             seed=config.seed,
             tool_call_rate=config.tool_call_rate,
+            tool_call_without_think_close=config.tool_call_without_think_close,
             min_tokens=config.min_tokens,
             max_tokens=config.max_tokens,
         )
@@ -197,6 +199,7 @@ class _Emulator:
                 structured_tools=bool(req.tools),
                 draw_key=(self.config.seed, skey, req.seed, index),
                 error=error if i == 0 else None,
+                logprobs=req.logprobs,
             ))
         return views
 
@@ -256,6 +259,10 @@ class _Emulator:
         if max_tokens is not None:
             max_tokens = _int({"max_tokens": max_tokens}, "max_tokens", None, 1, 10**7)
         seed = _int(body, "seed", 0, -(2**63), 2**63)
+        logprobs = None
+        if body.get("logprobs") is True:
+            logprobs = LogprobsAsk(top=_int(body, "top_logprobs", 0, 0, 20),
+                                   token_ids_as_text=body.get("return_tokens_as_token_ids") is True)
         temperature = body.get("temperature")
         if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))):
             raise _HTTPError(400, "temperature: must be a number")
@@ -271,6 +278,7 @@ class _Emulator:
             stream=body.get("stream") is True,
             return_token_ids=body.get("return_token_ids") is True,
             thinking=thinking_enabled(body),
+            logprobs=logprobs,
         )
 
     # -- streaming --------------------------------------------------------------------
@@ -392,7 +400,7 @@ class _Emulator:
 
 
 _SUPPORTED = ["max_tokens", "temperature", "top_p", "seed", "n", "stream", "tools", "tool_choice",
-              "reasoning", "include_reasoning", "return_token_ids"]
+              "reasoning", "include_reasoning", "return_token_ids", "logprobs", "top_logprobs"]
 
 
 def _per_token(per_million: float) -> str:

@@ -5,6 +5,8 @@ emitted, built from the real tokenizer:
 
 * thinking: ``encode(reasoning) + [</think>] + encode(content) + [<|im_end|>]``
 * instant:  ``encode(content) + [<|im_end|>]``
+* a tool call opened without ``</think>`` (Kimi K2 does this; ``tool_call_without_think_close``):
+  ``encode(reasoning) + encode(tool section) + [<|im_end|>]``
 
 ``content`` may hold a raw tool-call section (marker text, which encodes to the marker
 ids). Outputs are cached per key so that serving the same sample again (retries, ``n``
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -26,7 +29,12 @@ from . import prose
 from .hashing import canonical_json, draw, sample_key
 from .tool_specs import ToolSpec, make_arguments, tools_from_param, tools_from_text
 
-__all__ = ["Generation", "SyntheticModel"]
+__all__ = ["ECHO_BEGIN", "ECHO_END", "Generation", "SyntheticModel"]
+
+#: A user message holding ``ECHO_BEGIN + text + ECHO_END`` gets ``text`` back verbatim as
+#: the content (what ``tokenbridge probe``'s echo tests ask a real model to do).
+ECHO_BEGIN, ECHO_END = "<<<ECHO\n", "\nECHO>>>"
+_ECHO = re.compile(re.escape(ECHO_BEGIN) + "(.*)" + re.escape(ECHO_END), re.S)
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class Generation:
     reasoning: str | None  # None in instant mode
     content: str  # text, raw tool-call sections included
     native_ids: tuple[int, ...]  # the completion ids, end token included
+    think_closed: bool = True  # False: the model went from reasoning straight to a tool section
 
 
 class SyntheticModel:
@@ -48,6 +57,7 @@ class SyntheticModel:
         *,
         seed: int = 0,
         tool_call_rate: float = 0.8,
+        tool_call_without_think_close: float = 0.0,
         min_tokens: int = 30,
         max_tokens: int = 3000,
         cache_size: int = 4096,
@@ -56,6 +66,7 @@ class SyntheticModel:
         self.dialect = dialect
         self.seed = seed
         self.tool_call_rate = tool_call_rate
+        self.tool_call_without_think_close = tool_call_without_think_close
         self.min_tokens = min_tokens
         self.max_tokens = max_tokens
         self._cache: OrderedDict[tuple, Generation] = OrderedDict()
@@ -86,6 +97,9 @@ class SyntheticModel:
 
     def _write(self, messages, tools, thinking, rng: random.Random, key: tuple) -> Generation:
         last = messages[-1] if messages else {}
+        echo = _ECHO.search(_text(last)) if last.get("role") == "user" else None
+        if echo is not None:
+            return self._assemble("The user wants this text repeated exactly." if thinking else None, echo.group(1))
         topic = prose.read_topic(_text(_last_user(messages)))
         specs = tools_from_param(tools) if tools else tools_from_text(_system_text(messages))
         if self.dialect.tool_markers is None:
@@ -103,7 +117,10 @@ class SyntheticModel:
         if wants_call:
             calls = self._pick_calls(rng, specs, topic)
             reasoning, content = prose.write_tool_preamble(rng, topic, [name for name, _ in calls])
-            content += self._tool_section(calls, _prior_calls(messages))
+            section = self._tool_section(calls, _prior_calls(messages))
+            if thinking and draw(self.seed, "no_think_close", *key) < self.tool_call_without_think_close:
+                return self._assemble(reasoning, section, think_closed=False)
+            content += section
         elif last.get("role") == "tool":
             reasoning, content = prose.write_after_tool(rng, topic, _text(last), answer_chars)
         else:
@@ -126,14 +143,15 @@ class SyntheticModel:
         )
         return f"{tm.section_begin}{body}{tm.section_end}"
 
-    def _assemble(self, reasoning: str | None, content: str) -> Generation:
+    def _assemble(self, reasoning: str | None, content: str, *, think_closed: bool = True) -> Generation:
         ids: list[int] = []
         if reasoning is not None and self.think_close_id is not None:
             ids += self.tok.encode(reasoning)
-            ids.append(self.think_close_id)
+            if think_closed:
+                ids.append(self.think_close_id)
         ids += self.tok.encode(content)
         ids.append(self.end_id)
-        return Generation(reasoning=reasoning, content=content, native_ids=tuple(ids))
+        return Generation(reasoning=reasoning, content=content, native_ids=tuple(ids), think_closed=think_closed)
 
 
 def _text(message: Mapping[str, Any]) -> str:

@@ -10,6 +10,13 @@ leak, tool markers (raw / parsed / none), usage parity (our token counts vs the
 provider's), latency and cost. The two leak columns are the gate's findings
 (``eos_in_text``, ``think_marker_in_*``), not a second detector.
 
+Echo tests (:data:`ECHO_TESTS`) ask the model to repeat a text verbatim: decomposed
+accents, compatibility characters, CRLF, edge whitespace. A provider whose pipeline
+normalizes Unicode, rewrites line ends, strips edges or spaces the text around markers
+(vLLM's detokenizer) gives itself away here, although no single normal response can show
+it. One more call asks for ``logprobs`` and ``return_token_ids`` to see whether either
+comes back. :meth:`ProviderReport.profile` is the result (``--json`` writes it).
+
 A probe is a quick look, not a run: each prompt gets ``attempts`` tries, and a wait
 between them (``Retry-After`` or backoff) is capped at :data:`RETRY_WAIT_CAP_S` seconds,
 so a provider that asks for longer shows as failed (the table's caption says so).
@@ -20,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import unicodedata
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
@@ -32,7 +40,8 @@ from .prompts import Sample
 from .secrets import ApiKey, scrub
 from .settings import RequestSettings, check_base_url
 
-__all__ = ["PROBE_PROMPTS", "RETRY_WAIT_CAP_S", "ProbeCall", "ProviderReport", "aprobe", "probe", "render_table"]
+__all__ = ["ECHO_TESTS", "INVISIBLE_EDITS", "classify_echo", "PROBE_PROMPTS", "RETRY_WAIT_CAP_S", "EchoCall", "ProbeCall", "ProviderReport", "aprobe",
+           "probe", "render_profiles", "render_table"]
 
 #: Longest wait between two tries of one probe prompt, whatever ``Retry-After`` asks.
 RETRY_WAIT_CAP_S = 8.0
@@ -73,6 +82,55 @@ PROBE_PROMPTS: tuple[tuple[str, list[dict[str, str]]], ...] = (
 )
 
 
+#: Markers around the text an echo test asks the model to repeat (the emulator's synthetic
+#: model echoes exactly what sits between them).
+ECHO_BEGIN, ECHO_END = "<<<ECHO\n", "\nECHO>>>"
+
+#: (name, text) of the echo tests.
+ECHO_TESTS: tuple[tuple[str, str], ...] = (
+    ("decomposed", "Cafe\u0301 cre\u0300me bru\u0302le\u0301e, an\u0303o."),  # NFC composes these
+    ("compatibility", "\ufb01ne \ufb02ow \u2460 \uff21\uff22\uff23 x\u00b2"),  # NFKC folds these, NFC keeps them
+    ("crlf", "one\r\ntwo\r\nthree"),
+    ("edges", "\n\n  indented line  \n"),
+)
+
+#: Text edits an echo can reveal, tried in this order: (name, edit).
+_EDITS = (
+    ("nfc", lambda t: unicodedata.normalize("NFC", t)),
+    ("nfkc", lambda t: unicodedata.normalize("NFKC", t)),
+    ("crlf_to_lf", lambda t: t.replace("\r\n", "\n")),
+    ("strip", str.strip),
+    ("marker_spaces", lambda t: " " + t),
+)
+
+#: Edits that change the text but may keep its token count: invisible to the gate per sample.
+INVISIBLE_EDITS = frozenset({"nfc", "nfkc", "crlf_to_lf", "strip"})
+
+
+@dataclass
+class EchoCall:
+    """One echo test sent to one provider: what came back, and which edit explains it."""
+
+    provider: str
+    test: str
+    ok: bool
+    verdict: str  # kept | edited | unclear (the model did not echo) | failed (no response)
+    edit: str | None = None
+    error: str | None = None
+
+
+def classify_echo(sent: str, content: str | None) -> tuple[str, str | None]:
+    """(verdict, edit) for an echo of ``sent`` that came back as ``content``."""
+    if content is None:
+        return "unclear", None
+    if content == sent:
+        return "kept", None
+    for name, edit in _EDITS:
+        if edit(sent) != sent and content == edit(sent):
+            return "edited", name
+    return "unclear", None
+
+
 @dataclass
 class ProbeCall:
     """One probe prompt sent to one provider."""
@@ -106,6 +164,22 @@ class ProbeCall:
 class ProviderReport:
     provider: str
     calls: list[ProbeCall]
+    echoes: list[EchoCall] = field(default_factory=list)
+    #: whether ``logprobs`` / ``token_ids`` came back when asked (None: the call failed)
+    logprobs: bool | None = None
+    token_ids: bool | None = None
+
+    def profile(self) -> dict[str, Any]:
+        """What the echo tests and the evidence call found: the provider profile."""
+        edits = sorted({e.edit for e in self.echoes if e.edit})
+        return {
+            "provider": self.provider,
+            "text_edits": edits,
+            "edits_invisibly": sorted(INVISIBLE_EDITS.intersection(edits)),
+            "echo": {e.test: e.edit or e.verdict for e in self.echoes},
+            "logprobs": self.logprobs,
+            "token_ids": self.token_ids,
+        }
 
     @property
     def available(self) -> bool:
@@ -137,7 +211,7 @@ class ProviderReport:
             d = asdict(c)
             d["usage_parity"] = c.usage_parity
             calls.append(d)
-        return {**self.summary(), "calls": calls}
+        return {**self.summary(), "calls": calls, "profile": self.profile()}
 
 
 def _share(values) -> str | None:
@@ -183,8 +257,23 @@ async def aprobe(
             for name, messages in PROBE_PROMPTS:
                 request = build_request(Sample(f"probe-{name}", "probe", messages), rs)
                 jobs.append(_one(session, url, headers, key, p, name, request, tokenizer, dialect, attempts))
-        calls = await asyncio.gather(*jobs)
-    return [ProviderReport(p, [c for c in calls if c.provider == p]) for p in providers]
+            for name, text in ECHO_TESTS:
+                messages = [{"role": "user", "content": "Repeat the text between the markers exactly, every "
+                             f"character and space, and write nothing else.\n{ECHO_BEGIN}{text}{ECHO_END}"}]
+                request = build_request(Sample(f"echo-{name}", "probe", messages), rs)
+                jobs.append(_echo(session, url, headers, key, p, name, text, request, attempts))
+            request = build_request(Sample("probe-evidence", "probe", PROBE_PROMPTS[0][1]), rs)
+            request.update(logprobs=True, top_logprobs=1, return_token_ids=True)
+            jobs.append(_evidence(session, url, headers, p, request, attempts))
+        results = await asyncio.gather(*jobs)
+    reports = []
+    for p in providers:
+        rep = ProviderReport(p, [c for c in results if isinstance(c, ProbeCall) and c.provider == p],
+                             [e for e in results if isinstance(e, EchoCall) and e.provider == p])
+        rep.logprobs, rep.token_ids = next(ev for prov, *ev in (r for r in results if isinstance(r, tuple))
+                                           if prov == p)
+        reports.append(rep)
+    return reports
 
 
 def probe(**kwargs: Any) -> list[ProviderReport]:
@@ -193,6 +282,40 @@ def probe(**kwargs: Any) -> list[ProviderReport]:
 
 
 async def _one(session, url, headers, key, provider, name, request, tok, dialect, attempts) -> ProbeCall:
+    outcome, parsed, status, latency = await _send(session, url, headers, request, attempts)
+    call = ProbeCall(provider, name, available=outcome.kind != "unavailable", ok=outcome.kind == "ok",
+                     http_status=status, latency_s=latency)
+    if outcome.kind != "ok":
+        call.error = scrub(f"{outcome.error_class}: {outcome.message}", key)
+        return call
+    _inspect(call, request, parsed, tok, dialect)
+    return call
+
+
+async def _echo(session, url, headers, key, provider, name, text, request, attempts) -> EchoCall:
+    outcome, parsed, _, _ = await _send(session, url, headers, request, attempts)
+    if outcome.kind != "ok":
+        return EchoCall(provider, name, False, "failed", error=scrub(f"{outcome.error_class}: {outcome.message}", key))
+    message = (parsed["choices"][0].get("message") or {}) if parsed.get("choices") else {}
+    content = message.get("content")
+    verdict, edit = classify_echo(text, content if isinstance(content, str) else None)
+    return EchoCall(provider, name, True, verdict, edit)
+
+
+async def _evidence(session, url, headers, provider, request, attempts) -> tuple[str, bool | None, bool | None]:
+    """(provider, logprobs came back, token ids came back) for a call that asks for both."""
+    outcome, parsed, _, _ = await _send(session, url, headers, request, attempts)
+    if outcome.kind != "ok" or not parsed.get("choices"):
+        return provider, None, None
+    choice = parsed["choices"][0]
+    lp = choice.get("logprobs")
+    has_lp = isinstance(lp, dict) and isinstance(lp.get("content"), list) and bool(lp["content"])
+    ids = choice.get("token_ids")
+    return provider, has_lp, isinstance(ids, list) and bool(ids)
+
+
+async def _send(session, url, headers, request, attempts) -> tuple[Outcome, Any, int | None, float | None]:
+    """POST ``request`` with up to ``attempts`` tries; (outcome, parsed body, status, latency)."""
     body = json.dumps(request, ensure_ascii=False).encode()
     outcome: Outcome = Outcome("retry", "not_sent")
     parsed = None
@@ -214,13 +337,7 @@ async def _one(session, url, headers, key, provider, name, request, tok, dialect
             break
         if attempt + 1 < attempts:
             await asyncio.sleep(min(RETRY_WAIT_CAP_S, outcome.retry_after or 0.5 * 2**attempt))
-    call = ProbeCall(provider, name, available=outcome.kind != "unavailable", ok=outcome.kind == "ok",
-                     http_status=status, latency_s=latency)
-    if outcome.kind != "ok":
-        call.error = scrub(f"{outcome.error_class}: {outcome.message}", key)
-        return call
-    _inspect(call, request, parsed, tok, dialect)
-    return call
+    return outcome, parsed, status, latency
 
 
 _THINK_LEAKS = frozenset({"think_marker_in_content", "think_marker_in_reasoning"})
@@ -287,3 +404,23 @@ def render_table(reports: list[ProviderReport], attempts: int = 3):
             f"{s['cost']:.6f}" if s["cost"] is not None else "-",
         )
     return table
+
+
+def render_profiles(reports: list[ProviderReport]):
+    """A rich Table: what each provider does to text, and which evidence it returns."""
+    from rich.table import Table
+
+    table = Table(title="provider profile (echo tests)",
+                  caption="edits in bold can keep the token count: the gate cannot see them per sample")
+    for col in ("provider", "text edits", *(name for name, _ in ECHO_TESTS), "logprobs", "token ids"):
+        table.add_column(col)
+    for rep in reports:
+        prof = rep.profile()
+        edits = ", ".join(f"[bold]{e}[/bold]" if e in INVISIBLE_EDITS else e for e in prof["text_edits"]) or "none"
+        table.add_row(rep.provider, edits, *(prof["echo"].get(name, "-") for name, _ in ECHO_TESTS),
+                      _yes_no(prof["logprobs"]), _yes_no(prof["token_ids"]))
+    return table
+
+
+def _yes_no(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "no"
