@@ -5,6 +5,8 @@ Each prompt's reply is picked by ``plan[prompt]``: a list of mode names, one per
 and from a ``generate`` subprocess alike (it is a real socket). Modes:
 
   ok                  a valid chat.completion with usage
+  slow:<s>            ``ok`` after <s> seconds
+  hang                no reply at all (until the client gives up)
   usage:<field>=<raw> ``usage.<field>`` set to the raw JSON text (``"12"``, ``-3``, ``true``,
                       ``1e400``, ``1e300``, ``null``...), the rest valid
   usage_not_object    ``"usage": "lots"``
@@ -138,6 +140,11 @@ class HostileServer:
         name, _, arg = mode.partition(":")
         if name == "ok":
             return _json_bytes(json.dumps(_ok()).encode())
+        if name == "slow":
+            await asyncio.sleep(float(arg))
+            return _json_bytes(json.dumps(_ok()).encode())
+        if name == "hang":
+            await asyncio.sleep(3600)
         if name == "pretty":
             return _json_bytes(json.dumps(_ok(), indent=2).encode())
         if name == "usage":
