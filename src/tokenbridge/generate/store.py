@@ -494,7 +494,8 @@ class Store:
                 }
                 if base_url is not None:
                     meta["base_url"] = base_url
-                yield sid, ds, req, bytes(body), meta
+                # a body stored as TEXT (by hand, by an older tool) is still handed on as bytes
+                yield sid, ds, req, body.encode("utf-8", "surrogatepass") if isinstance(body, str) else bytes(body), meta
 
     def response(self, sample_id: str) -> tuple[bytes, bytes | None] | None:
         """(body, raw SSE bytes or None) as stored for one sample."""
