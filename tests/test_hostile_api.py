@@ -267,3 +267,15 @@ def test_without_prices_a_negative_cost_stops_a_capped_run_instead_of_lifting_th
         server.plan[f"q{i}"] = ["usage:cost=-1000"]
     summary = _run(server, tmp_path, 4, max_cost=1.0)
     assert summary.exit_code == ExitCode.BUDGET and summary.done == 1 and summary.spent_total == 0
+
+
+def test_cli_flags_set_both_limits(server, tmp_path):
+    server.plan["q0"] = ["endless"]
+    server.plan["q1"] = ["hang"]
+    spec = _prompts(tmp_path, 2)
+    res = CliRunner().invoke(app, ["generate", f"h={spec.path}", "--out", str(tmp_path / "run"), "--base-url", server.url,
+                                   "--model", "m", "--progress", "none", "--max-attempts", "1",
+                                   "--max-response-bytes", "4096", "--attempt-timeout", "0.3"])
+    assert res.exit_code == ExitCode.INCOMPLETE, res.output + res.stderr
+    assert "failed: h-0: response_too_large: response passed max_response_bytes=4096 while being read" in res.stderr
+    assert "failed: h-1: timeout: gave up after 1 attempts: attempt took longer than attempt_timeout_s=0.3 s" in res.stderr
