@@ -3,6 +3,7 @@ Also: the first Ctrl-C / SIGTERM drains, the second stops at once with exit 130 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -10,8 +11,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import asyncio
 
 import pytest
 

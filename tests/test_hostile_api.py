@@ -17,7 +17,6 @@ from tokenbridge.generate import GenerateSettings, RequestSettings, Store, agene
 from tokenbridge.generate.run import ExitCode
 from tokenbridge.generate.secrets import ApiKey
 from tokenbridge.generate.settings import DatasetSpec, Prices
-from tokenbridge.generate.store import Batch, ResponseRecord
 
 CANARY = "sk-or-v1-canary7f3e9a1b2c4d6e8f0a1b2c3d4e5f6a7b8c9d"
 KEY = ApiKey("TB_CANARY", CANARY)
@@ -279,3 +278,21 @@ def test_cli_flags_set_both_limits(server, tmp_path):
     assert res.exit_code == ExitCode.INCOMPLETE, res.output + res.stderr
     assert "failed: h-0: response_too_large: response passed max_response_bytes=4096 while being read" in res.stderr
     assert "failed: h-1: timeout: gave up after 1 attempts: attempt took longer than attempt_timeout_s=0.3 s" in res.stderr
+
+
+@pytest.mark.parametrize("encoded", [
+    CANARY,
+    "".join(f"\\u{ord(c):04X}" if i % 3 else c for i, c in enumerate(CANARY)),  # upper-case hex
+    "".join(f"\\\\u{ord(c):04x}" for c in CANARY),  # escaped twice (a JSON string inside a JSON string)
+    "".join(f"%{ord(c):02x}" for c in CANARY),  # lower-case percent-encoding
+    __import__("base64").urlsafe_b64encode(b"xy" + CANARY.encode()).decode(),
+    __import__("base64").b64encode(CANARY.encode() + b"\n").decode(),
+])
+def test_scrub_masks_each_encoding_of_the_key(encoded):
+    from tokenbridge.generate.secrets import scrub, scrub_bytes
+
+    text = f"before {encoded} after"
+    assert key_leaks(scrub(text, KEY).encode(), CANARY) == []
+    assert key_leaks(scrub_bytes(text.encode(), KEY), CANARY) == []
+    assert key_leaks(text.encode(), CANARY) != []  # the oracle does see it unmasked
+    assert scrub("sk-or-v1-other-key", KEY) == "sk-or-v1-other-key"
