@@ -32,6 +32,7 @@ __all__ = ["ApiKey", "MissingApiKey", "read_api_key", "scrub", "scrub_bytes"]
 
 _MASK = "***"
 _MIN_B64 = 8  # shorter base64 fragments would mask innocent text (a key is 20+ characters)
+_PERCENT_HEX = re.compile(rb"%[0-9A-Fa-f]{2}")
 
 
 class MissingApiKey(GenerateError):
@@ -83,9 +84,9 @@ def scrub_bytes(data: bytes, key: ApiKey | str | None) -> bytes:
     raw = value.encode("utf-8")
     if raw in data:
         data = data.replace(raw, mask)
-    if b"\\" in data:
+    if forms.escape_mark in data:  # cheap gate: the regex costs ~70 ms/MB, the gate ~1 ms/MB
         data = forms.json_escaped.sub(mask, data)
-    if b"%" in data:
+    if b"%" in data and _PERCENT_HEX.search(data):
         data = forms.url_encoded.sub(mask, data)
     for piece in forms.base64:
         if piece in data:
@@ -95,6 +96,7 @@ def scrub_bytes(data: bytes, key: ApiKey | str | None) -> bytes:
 
 @dataclass(frozen=True)
 class _Forms:
+    escape_mark: bytes  # what any JSON escape of a key character starts with
     json_escaped: re.Pattern[bytes]
     url_encoded: re.Pattern[bytes]
     base64: tuple[bytes, ...]
@@ -126,6 +128,7 @@ def _forms(value: str) -> _Forms:
             pieces.add(piece)
             pieces.add(piece.replace(b"+", b"-").replace(b"/", b"_"))
     return _Forms(
+        escape_mark=b"\\u00" if value.isascii() else b"\\u",  # JSON escapes are a lower-case 'u'
         json_escaped=re.compile(b"".join(json_parts)),
         url_encoded=re.compile(b"".join(url_parts)),
         base64=tuple(sorted(pieces, key=len, reverse=True)),
