@@ -7,6 +7,7 @@ and from a ``generate`` subprocess alike (it is a real socket). Modes:
   ok                  a valid chat.completion with usage
   slow:<s>            ``ok`` after <s> seconds
   hang                no reply at all (until the client gives up)
+  gate                ``ok`` once the test sets ``server.gate``
   usage:<field>=<raw> ``usage.<field>`` set to the raw JSON text (``"12"``, ``-3``, ``true``,
                       ``1e400``, ``1e300``, ``null``...), the rest valid
   usage_not_object    ``"usage": "lots"``
@@ -102,6 +103,7 @@ class HostileServer:
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        self.gate = threading.Event()  # opens the replies of "gate" mode
 
     def __enter__(self) -> "HostileServer":
         self._thread = threading.Thread(target=self._serve, name="hostile-server", daemon=True)
@@ -142,6 +144,12 @@ class HostileServer:
             return _json_bytes(json.dumps(_ok()).encode())
         if name == "slow":
             await asyncio.sleep(float(arg))
+            return _json_bytes(json.dumps(_ok()).encode())
+        if name == "gate":  # held until the test opens the gate (30 s at most)
+            for _ in range(3000):
+                if self.gate.is_set():
+                    break
+                await asyncio.sleep(0.01)
             return _json_bytes(json.dumps(_ok()).encode())
         if name == "hang":
             await asyncio.sleep(3600)

@@ -88,6 +88,9 @@ def test_kill_9_at_every_commit_point_then_rerun_loses_and_duplicates_nothing(tm
 
 
 def _interrupt(tmp_path: Path, sig: int, times: int, mode: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """Start generate (4 prompts, 2 at a time), send ``sig`` once two requests are in flight and,
+    once generate has printed that it stopped sending, again (``times`` 2); "gate" replies are
+    released only then."""
     prompts = _prompts(tmp_path, 4)
     run = tmp_path / "run"
     with HostileServer() as srv:
@@ -98,11 +101,19 @@ def _interrupt(tmp_path: Path, sig: int, times: int, mode: str) -> tuple[subproc
         deadline = time.monotonic() + 30
         while sum(srv.attempts.values()) < 2 and time.monotonic() < deadline:  # two requests in flight
             time.sleep(0.02)
-        for _ in range(times):
+        proc.send_signal(sig)
+        err_head = b""
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the first signal handled (bounded: generate exits after its drain time)
+            err_head += line
+            if line.startswith(b"interrupted: sending stopped"):
+                break
+        if times == 2:  # a second signal sent before the first is handled would merge with it
             proc.send_signal(sig)
-            time.sleep(0.2)
-        out, err = proc.communicate(timeout=30)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), json.loads((run / "generate.json").read_text())
+        srv.gate.set()
+        out, err = proc.communicate(timeout=90)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err_head + err)
+    return result, json.loads((run / "generate.json").read_text())
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -118,7 +129,7 @@ def test_a_second_signal_stops_at_once_with_130_and_no_traceback(tmp_path, sig):
 
 
 def test_a_first_signal_drains_in_flight_requests_and_keeps_them(tmp_path):
-    res, summary = _interrupt(tmp_path, signal.SIGINT, 1, "slow:1.0")
+    res, summary = _interrupt(tmp_path, signal.SIGINT, 1, "gate")
     err = res.stderr.decode()
     assert res.returncode == 130 and "Traceback" not in err, err
     assert "interrupted: sending stopped; waiting up to 60 s for the 2 request(s) in flight" in err
