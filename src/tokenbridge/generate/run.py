@@ -16,6 +16,7 @@ import sqlite3
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -343,9 +344,15 @@ def write_exchanges(out_dir: str | Path, ids: Sequence[str] | None = None) -> Pa
     """Rewrite ``RUN/exchanges.jsonl`` from the store, atomically: the done samples among
     ``ids`` in that order, or (``ids`` None) every done sample in store order.
 
-    Takes the run folder's lock (:class:`RunFolderBusy` while a run holds it)."""
+    Takes the run folder's lock (:class:`RunFolderBusy` while a run holds it). A stored row
+    that cannot be re-emitted (stored by an older version) is left out with a
+    :class:`UserWarning` naming how many and the first; the others are written."""
     with run_lock(out_dir):
-        return _write_exchanges(Path(out_dir), ids)[0]
+        path, bad = _write_exchanges(Path(out_dir), ids)
+    if bad:
+        warnings.warn(f"{path}: {len(bad)} stored response(s) cannot be re-emitted and were left out "
+                      f"(e.g. {bad[0]})", stacklevel=2)
+    return path
 
 
 def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, list[str]]:
