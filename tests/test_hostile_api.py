@@ -298,3 +298,17 @@ def test_scrub_masks_each_encoding_of_the_key(encoded):
     assert key_leaks(scrub_bytes(text.encode(), KEY), CANARY) == []
     assert key_leaks(text.encode(), CANARY) != []  # the oracle does see it unmasked
     assert scrub("sk-or-v1-other-key", KEY) == "sk-or-v1-other-key"
+
+
+@pytest.mark.parametrize(("chunk", "why"), [
+    ('{"choices": [{"index": "0", "delta": {"content": "x"}}]}', "choice index '0', not a non-negative integer"),
+    ('{"choices": [{"index": 0, "delta": ["x"]}]}', "choice delta that is a list, not an object"),
+    ('{"choices": [{"index": 0, "delta": {"tool_calls": [{"index": [1]}]}}]}', "tool call index [1], not an integer"),
+    ('{"choices": [{"index": 0, "delta": {"content": "x"}}], "usage": {"cost": NaN}}', "not JSON"),
+    ('{"choices": [{"index": 0, "delta": {"content": "\\ud800"}}]}', "not JSON"),
+])
+def test_a_hostile_stream_chunk_is_a_stream_error(chunk, why):
+    from tokenbridge.generate.sse import SSEEvent, StreamAssembler, StreamError
+
+    with pytest.raises(StreamError, match=why.replace("[", r"\[").replace("]", r"\]")):
+        StreamAssembler().add_event(SSEEvent(chunk))

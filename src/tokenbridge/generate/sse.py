@@ -167,6 +167,8 @@ class StreamAssembler:
         out = self.choices.setdefault(idx, {"index": idx})
         msg = self.messages.setdefault(idx, {})
         delta = choice.get("delta") or choice.get("message") or {}
+        if not isinstance(delta, dict):
+            raise StreamError(f"stream chunk has a choice delta that is a {type(delta).__name__}, not an object")
         for key, value in delta.items():
             if key == "tool_calls":
                 self._add_tool_calls(idx, value or [])
