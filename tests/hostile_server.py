@@ -13,7 +13,8 @@ and from a ``generate`` subprocess alike (it is a real socket). Modes:
   usage_not_object    ``"usage": "lots"``
   bad_utf8_pretty     a pretty-printed (multi-line) body with an invalid UTF-8 byte in a string
   pretty              a pretty-printed (multi-line) valid body
-  endless             200 ``application/json`` whose body never ends (64 KiB writes)
+  endless[:<status>]  ``application/json`` whose body never ends (64 KiB writes), status 200
+                      or the one given
   keepalive_only      200 ``text/event-stream`` of ``: OPENROUTER PROCESSING`` comments forever
   echo_error:<form>   400 whose error message holds the key (from the ``Authorization``
                       header) in the given form, placed so a 500-character clip keeps all
@@ -175,8 +176,8 @@ class HostileServer:
         if name == "echo_ok":
             text = json.dumps(_ok("your key is @@ ok")).replace("@@", encode_key(key, arg))
             return _json_bytes(text.encode())
-        if name == "endless":
-            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        if name == "endless":  # endless:<status> for an endless error page
+            resp = web.StreamResponse(status=int(arg or 200), headers={"Content-Type": "application/json"})
             await resp.prepare(request)
             chunk = b" " * 65536
             while True:  # ends when the client goes away

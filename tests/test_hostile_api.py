@@ -222,6 +222,14 @@ def test_an_endless_body_is_cut_at_max_response_bytes_and_fails_the_sample(serve
     assert summary.spent_possible > 0 or summary.spent_total >= 0  # booked as maybe billed, never dropped
 
 
+def test_an_endless_error_page_is_cut_and_retried_by_its_status(server, tmp_path):
+    server.plan["q0"] = ["endless:503", "ok"]
+    summary = _run(server, tmp_path, 1, max_response_bytes=1 << 20)
+    assert (summary.done, summary.errors) == (1, {"http_503": 1})
+    with Store.open(tmp_path / "run") as store:
+        assert store.attempts("h-0")[0].message == "HTTP 503: response passed max_response_bytes=1048576 while being read"
+
+
 def test_a_stream_of_keepalive_comments_only_ends_at_attempt_timeout(server, tmp_path):
     server.plan["q0"] = ["keepalive_only"]
     summary = _run(server, tmp_path, 1, stream=True, attempt_timeout_s=0.5, read_timeout_s=30.0, max_attempts=2)

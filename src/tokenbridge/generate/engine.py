@@ -440,6 +440,7 @@ class Engine:
         raw: bytes | None = None
         streamed = False
         status: int | None = None
+        headers: Any = {}
         parsed: Any = None
         total = self.s.attempt_timeout_s if stream else min(self.s.timeout_s, self.s.attempt_timeout_s)
         deadline = asyncio.timeout(total)
@@ -452,7 +453,7 @@ class Engine:
             )
             async with deadline:
                 async with session.post(self._url, data=wire, headers=self._request_headers, timeout=timeout) as resp:
-                    status = resp.status
+                    status, headers = resp.status, resp.headers
                     ctype = resp.headers.get("Content-Type", "")
                     if stream and status == 200 and "text/event-stream" in ctype:
                         streamed = True
@@ -462,8 +463,12 @@ class Engine:
                         outcome, parsed = classify_response(status, resp.headers, body)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
-        except ResponseTooLarge as exc:  # generated (and billed) in all likelihood; a retry would be as large
-            outcome = Outcome("fail", "response_too_large", str(exc), status, maybe_billed=True)
+        except ResponseTooLarge as exc:
+            if status is not None and status != 200:  # an oversized error page: the status decides
+                by_status, _ = classify_response(status, headers, b"")
+                outcome = dataclasses.replace(by_status, message=f"HTTP {status}: {exc}")
+            else:  # generated (and billed) in all likelihood; a retry would be as large
+                outcome = Outcome("fail", "response_too_large", str(exc), status, maybe_billed=True)
         except TimeoutError as exc:
             if deadline.expired():
                 outcome = Outcome("retry", "timeout", f"attempt took longer than attempt_timeout_s={total:g} s in all",
