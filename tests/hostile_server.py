@@ -11,6 +11,7 @@ and from a ``generate`` subprocess alike (it is a real socket). Modes:
   usage:<field>=<raw> ``usage.<field>`` set to the raw JSON text (``"12"``, ``-3``, ``true``,
                       ``1e400``, ``1e300``, ``null``...), the rest valid
   usage_not_object    ``"usage": "lots"``
+  choice_error_billed:<usd>  200 with ``finish_reason: "error"`` and ``usage.cost`` <usd>
   bad_utf8_pretty     a pretty-printed (multi-line) body with an invalid UTF-8 byte in a string
   pretty              a pretty-printed (multi-line) valid body
   endless[:<status>]  ``application/json`` whose body never ends (64 KiB writes), status 200
@@ -160,6 +161,10 @@ class HostileServer:
             field, _, raw = arg.partition("=")
             text = json.dumps(_ok(**{field: "@@"})).replace('"@@"', raw)
             return _json_bytes(text.encode())
+        if name == "choice_error_billed":  # a choice that ended in error, billed all the same
+            doc = _ok(cost=float(arg))
+            doc["choices"][0]["finish_reason"] = "error"
+            return _json_bytes(json.dumps(doc).encode())
         if name == "usage_not_object":
             return _json_bytes(json.dumps({**_ok(), "usage": "lots"}).encode())
         if name == "bad_utf8_pretty":

@@ -320,3 +320,10 @@ def test_a_hostile_stream_chunk_is_a_stream_error(chunk, why):
 
     with pytest.raises(StreamError, match=why.replace("[", r"\[").replace("]", r"\]")):
         StreamAssembler().add_event(SSEEvent(chunk))
+
+
+def test_a_billed_error_reply_still_counts_against_the_budget(server, tmp_path):
+    server.plan["q0"] = ["choice_error_billed:0.25", "ok"]
+    summary = _run(server, tmp_path, 1)
+    assert (summary.done, summary.errors) == (1, {"choice_error": 1})
+    assert summary.spent_total == pytest.approx(0.25 + 0.0001)

@@ -479,7 +479,7 @@ class Engine:
             outcome = classify_exception(exc)
         latency = time.monotonic() - t0
         message = _clip(scrub(outcome.message, self.key))
-        usage = checked_usage(parsed) if outcome.kind == "ok" else CheckedUsage(None)
+        usage = checked_usage(parsed)  # an error body may carry usage too: a billed retry counts
         cost = cost_of(usage.usage, self.s.prices)
         attempt = AttemptRecord(item.sample_id, n, started_at, latency, status, outcome.error_class, message, cost, stream)
         if outcome.kind != "ok":
