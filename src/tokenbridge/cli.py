@@ -144,6 +144,10 @@ def generate(
     fallbacks: Optional[bool] = typer.Option(None, "--fallbacks/--no-fallbacks", help="provider.allow_fallbacks."),
     progress: Optional[str] = typer.Option(None, "--progress", help="auto | rich | plain | none."),
     summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the run summary here."),
+    max_response_bytes: Optional[int] = typer.Option(
+        None, "--max-response-bytes", min=1024, help="Refuse a response (or stream) larger than this (default 64 MiB)."),
+    attempt_timeout: Optional[float] = typer.Option(
+        None, "--attempt-timeout", min=0.001, help="Seconds one attempt may take in all, streams too (default 900)."),
     force_settings: bool = typer.Option(
         False, "--force-settings",
         help="Rerun on a folder whose done samples were made with other settings (model, request, base_url): "
@@ -153,7 +157,8 @@ def generate(
     """Send every prompt to the API once and store each response verbatim (resumable).
 
     Exit codes: 0 all done, 1 some samples failed or rows were bad, 2 usage/config error, 3 HTTP 402,
-    4 --max-cost reached, 5 repeated 401, 6 store write failed, 7 run folder in use, 130 interrupted.
+    4 --max-cost reached, 5 repeated 401, 6 store write failed, 7 run folder in use, 8 internal error,
+    130 interrupted.
     """
     from .chat import DialectError
     from .generate import (
@@ -180,6 +185,7 @@ def generate(
         settings = settings.with_overrides(
             base_url=base_url, concurrency=concurrency, max_attempts=max_attempts, stream=stream,
             max_cost=max_cost, tokenizer=tokenizer, limit=limit, api_key_env=api_key_env, progress=progress,
+            max_response_bytes=max_response_bytes, attempt_timeout_s=attempt_timeout,
             request={
                 "model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
                 "n": n, "reasoning": normalize_reasoning(reasoning, "--reasoning") if reasoning else None,
@@ -193,6 +199,8 @@ def generate(
             _write_summary(summary_json, report.to_dict())
             return
         summary = generate_run(settings, out, force_settings=force_settings)
+    except KeyboardInterrupt:  # outside the send loop (loading, writing): nothing half-written is kept
+        _fail(f"interrupted; what was stored in {out} is kept: rerun the same command to continue", 130)
     except GenerateError as exc:
         _fail(str(exc), exc.exit_code)
     except (TokenizerError, DialectError) as exc:
@@ -214,8 +222,12 @@ def generate(
     for note in summary.notices if quiet else ():
         if note.startswith(("stopping:", "could not", str(out))):
             typer.echo(f"note: {note}", err=True)
+    if summary.bad_usage:
+        typer.echo(f"note: {summary.bad_usage} response(s) kept with unusable usage fields, ignored "
+                   f"(e.g. {summary.bad_usage_examples[0]}; all in {out / 'generate.json'})", err=True)
     if summary.stop_reason:
-        typer.echo(f"stopped: {summary.stop_reason} (rerun the same command to continue)", err=True)
+        typer.echo(f"stopped: {summary.stop_reason}: {summary.already_done + summary.done} of {summary.samples} "
+                   f"samples kept, {summary.pending} pending (rerun the same command to continue)", err=True)
     typer.echo(f"exchanges: {summary.exchanges}"
                + (f" ({summary.left_out} other stored samples left out)" if summary.left_out else ""))
     _write_summary(summary_json, summary.to_dict())

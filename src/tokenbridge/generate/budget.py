@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .body import checked_usage
 from .settings import Prices
 
 __all__ = ["Budget", "PriceBounds", "cost_of", "estimate_prompt_tokens"]
@@ -52,19 +53,19 @@ PROMPT_OVERHEAD_TOKENS = 256
 
 
 def cost_of(usage: Mapping[str, Any] | None, prices: Prices | None) -> float | None:
-    """USD for one response: the provider's figure when given, else from the price table."""
+    """USD for one response: the provider's figure when it is plausible (a finite number in
+    0..:data:`~.body.MAX_PLAUSIBLE_COST`; a negative, NaN or absurd one is ignored, so it can
+    never switch ``--max-cost`` off), else from the price table, else unknown."""
     if not isinstance(usage, Mapping):
         return None
-    cost = usage.get("cost")
-    if isinstance(cost, (int, float)) and not isinstance(cost, bool):
-        return float(cost)
-    if prices is None:
+    checked = checked_usage({"usage": dict(usage)})
+    if checked.cost is not None:
+        return checked.cost
+    if prices is None or checked.usage is None:
         return None
-    p = usage.get("prompt_tokens") or 0
-    c = usage.get("completion_tokens") or 0
-    if not isinstance(p, int) or not isinstance(c, int):
-        return None
-    return prices.cost(p, c)
+    if any(name in usage and getattr(checked, name) is None for name in ("prompt_tokens", "completion_tokens")):
+        return None  # present but unusable: the tokens are unknown
+    return prices.cost(checked.prompt_tokens or 0, checked.completion_tokens or 0)
 
 
 def estimate_prompt_tokens(request_json: str) -> int:
@@ -203,6 +204,8 @@ class Budget:
         """
         self.in_flight = max(0, self.in_flight - 1)
         self.reserved = max(0.0, self.reserved - reservation)
+        if cost is not None and not (0.0 <= cost < float("inf")):
+            cost, possible = None, True  # never book a negative/NaN figure: it would lift the cap
         if cost is not None:
             self.spent += cost
             if self.prices is None and isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):

@@ -8,6 +8,9 @@ what came back                             kind             error_class
 200 with choices, none ``finish_reason:    ok
 error``
 200 not JSON / no choices                  retry            bad_json / no_choices
+200 choices not objects / repeated index   retry            bad_choices
+(or JSON that cannot be re-emitted: see
+:mod:`.body`)
 200 ``{"error": ...}`` (OpenRouter)        by its code      api_error (or http_<code>)
 200 a choice with ``finish_reason: error``  retry            choice_error
 408 409 425 5xx                            retry            http_<status>
@@ -35,6 +38,8 @@ from typing import Any, Literal, Mapping
 
 import aiohttp
 
+from .body import BodyError, check_body
+
 __all__ = ["Outcome", "classify_exception", "classify_response", "parse_retry_after", "RETRY_STATUSES"]
 
 Kind = Literal["ok", "retry", "rate_limited", "fail", "unavailable", "payment"]
@@ -59,7 +64,10 @@ class Outcome:
 def classify_response(
     status: int, headers: Mapping[str, str], body: bytes | str
 ) -> tuple[Outcome, dict[str, Any] | None]:
-    """The outcome of one finished HTTP exchange, and the parsed body when it is JSON."""
+    """The outcome of one finished HTTP exchange, and the parsed body when it is JSON.
+
+    Messages are clipped here: callers pass a body whose key is already masked
+    (:func:`~.secrets.scrub_bytes`), so a clip can never leave part of a key behind."""
     text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
     parsed = _parse_json(text)
     retry_after = parse_retry_after(headers.get("Retry-After") or headers.get("retry-after"))
@@ -68,8 +76,10 @@ def classify_response(
         return _by_status(status, message, retry_after), parsed
     if parsed is None:
         return Outcome("retry", "bad_json", f"response is not JSON: {_clip(text)!r}", status), None
-    if not isinstance(parsed, dict):
-        return Outcome("retry", "bad_json", "response JSON is not an object", status), None
+    try:  # a 200 is kept only if it can be re-emitted losslessly (see .body)
+        parsed = check_body(body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass"))
+    except BodyError as exc:
+        return Outcome("retry", "bad_json", str(exc), status), None
     if parsed.get("error") is not None and not parsed.get("choices"):
         code = _error_code(parsed["error"])
         message = _error_message(parsed, text) or "error body"
@@ -80,11 +90,30 @@ def classify_response(
     choices = parsed.get("choices")
     if not isinstance(choices, list) or not choices:
         return Outcome("retry", "no_choices", "response has no choices", status), parsed
+    bad = _bad_choices(choices)
+    if bad:
+        return Outcome("retry", "bad_choices", bad, status), None
     for choice in choices:
         if isinstance(choice, dict) and choice.get("finish_reason") == "error":
             message = _error_message(choice, "") or _error_message(parsed, "") or "choice finished with error"
             return Outcome("retry", "choice_error", message, status), parsed
     return Outcome("ok", status=status), parsed
+
+
+def _bad_choices(choices: list[Any]) -> str:
+    """Why the choices cannot be told apart ('' when they can): each must be an object whose
+    ``index`` (when given) is a distinct non-negative integer."""
+    seen: set[int] = set()
+    for pos, choice in enumerate(choices):
+        if not isinstance(choice, dict):
+            return f"choices[{pos}] is a {type(choice).__name__}, not an object"
+        idx = choice.get("index", pos)
+        if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
+            return f"choices[{pos}].index is {idx!r}, not a non-negative integer"
+        if idx in seen:
+            return f"choices[{pos}].index repeats {idx}"
+        seen.add(idx)
+    return ""
 
 
 def classify_exception(exc: BaseException) -> Outcome:

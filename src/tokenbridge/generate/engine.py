@@ -17,9 +17,18 @@ field but the messages; tools by presence): later samples with the same key fail
 unsent (``no_endpoints_skipped``; the next run sends each of them once). A 404 that
 speaks of context or length depends on the prompt, so it fails only its own sample.
 
-Timeouts: a non-streamed call has ``timeout_s`` in all; a streamed one has no total,
-only ``read_timeout_s`` of silence. A stream is read to ``[DONE]`` or its end; one cut
+Limits: every attempt, streamed or not, ends after ``attempt_timeout_s`` in all (a
+stream of ``: OPENROUTER PROCESSING`` keep-alives resets nothing); a non-streamed one
+also after ``timeout_s``, a streamed one after ``read_timeout_s`` of silence. A body or
+stream over ``max_response_bytes`` is refused while it is read (``response_too_large``,
+failed: a retry would be as large). A stream is read to ``[DONE]`` or its end; one cut
 after every choice finished is kept (without usage if the usage chunk never came).
+
+The network boundary (see :mod:`.body`): the key is masked in a body before anything
+reads it (so no clipped message can keep part of it), a 200 is kept only if it can be
+re-emitted losslessly, and ``usage`` is validated field by field once, here; nothing
+after this point trusts a value from the network. A background task that dies (the
+store writer) stops the run with ``StopReason.INTERNAL``.
 """
 
 from __future__ import annotations
@@ -36,9 +45,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import aiohttp
+import orjson
 
+from .body import CheckedUsage, checked_usage
 from .budget import DEFAULT_RESERVE_TOKENS, Budget, cost_of, estimate_prompt_tokens
 from .classify import Outcome, classify_exception, classify_response
+from .crashpoint import commit_point
 from .limiter import AIMDLimiter
 from .request import routing_key, wire_body
 from .secrets import ApiKey, scrub, scrub_bytes
@@ -46,7 +58,15 @@ from .settings import GenerateSettings
 from .sse import SSEDecoder, StreamAssembler, StreamError
 from .store import AttemptRecord, Batch, ResponseRecord, Store, StoredSample
 
-__all__ = ["Engine", "EngineStats", "StopReason", "WorkItem", "make_session"]
+__all__ = ["DRAIN_S", "Engine", "EngineStats", "StopReason", "WorkItem", "make_session"]
+
+#: After an interrupt, requests in flight get this long to finish and be stored.
+DRAIN_S = 60.0
+_MAX_MESSAGE = 500
+
+
+class ResponseTooLarge(Exception):
+    """A body or stream passed ``max_response_bytes`` while being read."""
 
 _UNAUTHORIZED_STOP = 10
 # a 404 "No endpoints" about the prompt's size says nothing about other samples
@@ -61,6 +81,7 @@ class StopReason:
     UNAUTHORIZED = "unauthorized"
     INTERRUPTED = "interrupted"
     STORE = "store_error"
+    INTERNAL = "internal_error"  # a background task died (a bug): nothing more can be stored
 
 
 @dataclass
@@ -104,6 +125,8 @@ class EngineStats:
     spent: float = 0.0
     possible: float = 0.0  # maybe billed, no cost reported (see budget)
     no_usage: int = 0  # responses kept without usage
+    bad_usage: int = 0  # responses whose usage had fields dropped at the boundary (see .body)
+    bad_usage_examples: list[str] = field(default_factory=list)  # "id: usage.cost = -5", first 10
     stop_reason: str | None = None
     notices: list[str] = field(default_factory=list)
 
@@ -176,14 +199,16 @@ class StoreWriter:
             if batch:
                 try:
                     self.store.stage(batch)
+                    commit_point("store.stage")
                     await asyncio.get_running_loop().run_in_executor(self._pool, self.store.finish)
                 except Exception as exc:  # disk full, locked db: stop, keep what is committed
                     self.error = exc
                     if self.on_error:
                         self.on_error(exc)
                     return
+                commit_point("store.commit")
                 for cb in callbacks:
-                    cb()
+                    cb()  # counters only; an exception here ends the task and Engine.run stops the run
             if self._closed and not self._batch:
                 return
 
@@ -230,11 +255,15 @@ class Engine:
         self._settled: asyncio.Event | None = None
         self._writer: StoreWriter | None = None
         self._stopping: str | None = None
+        self.aborted = False
 
     # --- public -----------------------------------------------------------------------
 
-    def request_stop(self, reason: str = StopReason.INTERRUPTED) -> None:
-        """Send nothing new; requests in flight finish and are stored."""
+    def request_stop(self, reason: str = StopReason.INTERRUPTED, *, drain_s: float | None = None) -> None:
+        """Send nothing new; requests in flight finish and are stored (within ``drain_s``
+        seconds when given: then the rest are cancelled and stay pending)."""
+        if drain_s is not None and self._all_done is not None:
+            asyncio.get_running_loop().call_later(drain_s, self.abort)
         if self._stopping is None:
             self._stopping = reason
             self.stats.stop_reason = reason
@@ -244,6 +273,18 @@ class Engine:
             self._timers.clear()
             if self._settled is not None:
                 self._settled.set()
+
+    def abort(self) -> None:
+        """Stop now: requests in flight are cancelled (they stay pending); what was already
+        received is still committed."""
+        self.request_stop(StopReason.INTERRUPTED)
+        self.aborted = True
+        if self._all_done is not None:
+            self._all_done.set()
+
+    @property
+    def in_flight(self) -> int:
+        return self.stats.in_flight
 
     @property
     def stopping(self) -> str | None:
@@ -274,6 +315,11 @@ class Engine:
             done_wait = asyncio.create_task(self._all_done.wait())
             await asyncio.wait([done_wait, writer_task], return_when=asyncio.FIRST_COMPLETED)
             done_wait.cancel()
+            if writer_task.done() and not writer_task.cancelled() and writer_task.exception() is not None:
+                exc = writer_task.exception()
+                self._notice(f"stopping: internal error in the store writer ({type(exc).__name__}: {exc}); "
+                             "responses not yet committed stay pending")
+                self.request_stop(StopReason.INTERNAL)
         finally:
             for w in workers:
                 w.cancel()
@@ -323,20 +369,24 @@ class Engine:
             return
         self.stats.in_flight += 1
         try:
-            outcome, record, attempt = await self._attempt(session, item)
+            outcome, record, attempt, usage = await self._attempt(session, item)
+        except BaseException:
+            self.budget.cancel(reservation)  # cancelled (abort): its cost is unknown, the sample stays pending
+            raise
         finally:
             self.stats.in_flight -= 1
             self.limiter.release()
         cost = attempt.cost
-        usage = record.usage if record is not None and record.usage else {}
         answered = outcome.kind == "ok"
         if cost is None and not answered and not outcome.maybe_billed:
             cost = 0.0  # an error reply with no usage was not billed
+        if usage.problems:
+            self._bad_usage(item.sample_id, usage)
         possible = self.budget.settle(
             reservation,
             cost,
-            prompt_tokens=usage.get("prompt_tokens"),
-            completion_tokens=usage.get("completion_tokens"),
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
             provider=record.provider if record is not None else None,
             possible=cost is None,
             answered=answered,
@@ -345,7 +395,7 @@ class Engine:
         self._writer.attempt(dataclasses.replace(attempt, possible_cost=possible) if possible else attempt)
         self.stats.spent = self.budget.spent
         self.stats.possible = self.budget.possible
-        if answered and not usage:
+        if answered and not usage.tokens_ok:
             self.stats.no_usage += 1
             self._notice("some responses came without usage (e.g. a stream that ended before its usage chunk); "
                          "their cost is unknown and, under --max-cost, booked at their reservation")
@@ -377,8 +427,9 @@ class Engine:
 
     async def _attempt(
         self, session: aiohttp.ClientSession, item: WorkItem
-    ) -> tuple[Outcome, ResponseRecord | None, AttemptRecord]:
-        """One HTTP attempt: its outcome, the response to store (when ok), its log row."""
+    ) -> tuple[Outcome, ResponseRecord | None, AttemptRecord, CheckedUsage]:
+        """One HTTP attempt: its outcome, the response to store (when ok), its log row, and
+        its usage as validated at the boundary."""
         item.tries += 1
         n = item.prior_attempts + item.tries
         stream = self.s.stream
@@ -387,60 +438,97 @@ class Engine:
         self.stats.requests += 1
         body = b""
         raw: bytes | None = None
+        streamed = False
         status: int | None = None
+        headers: Any = {}
         parsed: Any = None
+        total = self.s.attempt_timeout_s if stream else min(self.s.timeout_s, self.s.attempt_timeout_s)
+        deadline = asyncio.timeout(total)
         try:
             wire = wire_body(item.request_json, stream=stream)
-            timeout = aiohttp.ClientTimeout(  # a stream may run for hours; only its silences are limited
-                total=None if stream else self.s.timeout_s,
+            timeout = aiohttp.ClientTimeout(  # the total is `deadline`, which covers our reads too
+                total=None,
                 sock_connect=self.s.connect_timeout_s,
                 sock_read=self.s.read_timeout_s if stream else None,
             )
-            async with session.post(self._url, data=wire, headers=self._request_headers, timeout=timeout) as resp:
-                status = resp.status
-                ctype = resp.headers.get("Content-Type", "")
-                if stream and status == 200 and "text/event-stream" in ctype:
-                    body, raw, outcome, parsed = await self._read_stream(resp)
-                else:
-                    body = await resp.read()
-                    outcome, parsed = classify_response(status, resp.headers, body)
+            async with deadline:
+                async with session.post(self._url, data=wire, headers=self._request_headers, timeout=timeout) as resp:
+                    status, headers = resp.status, resp.headers
+                    ctype = resp.headers.get("Content-Type", "")
+                    if stream and status == 200 and "text/event-stream" in ctype:
+                        streamed = True
+                        body, raw, outcome, parsed = await self._read_stream(resp)
+                    else:
+                        body = scrub_bytes(await self._read_capped(resp), self.key)  # before any message is cut
+                        outcome, parsed = classify_response(status, resp.headers, body)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
+        except ResponseTooLarge as exc:
+            if status is not None and status != 200:  # an oversized error page: the status decides
+                by_status, _ = classify_response(status, headers, b"")
+                outcome = dataclasses.replace(by_status, message=f"HTTP {status}: {exc}")
+            else:  # generated (and billed) in all likelihood; a retry would be as large
+                outcome = Outcome("fail", "response_too_large", str(exc), status, maybe_billed=True)
+        except TimeoutError as exc:
+            if deadline.expired():
+                outcome = Outcome("retry", "timeout", f"attempt took longer than attempt_timeout_s={total:g} s in all",
+                                  status, maybe_billed=True)
+            else:
+                outcome = classify_exception(exc)
         except Exception as exc:  # noqa: BLE001 - every transport failure is classified, none escapes
             outcome = classify_exception(exc)
         latency = time.monotonic() - t0
-        message = scrub(outcome.message, self.key)
-        usage = parsed.get("usage") if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict) else None
-        cost = cost_of(usage, self.s.prices)
+        message = _clip(scrub(outcome.message, self.key))
+        usage = checked_usage(parsed)  # an error body may carry usage too: a billed retry counts
+        cost = cost_of(usage.usage, self.s.prices)
         attempt = AttemptRecord(item.sample_id, n, started_at, latency, status, outcome.error_class, message, cost, stream)
         if outcome.kind != "ok":
-            return dataclasses.replace(outcome, message=message), None, attempt
+            return dataclasses.replace(outcome, message=message), None, attempt, usage
         assert isinstance(parsed, dict)
         record = ResponseRecord(
             sample_id=item.sample_id,
-            body=scrub_bytes(body, self.key),
-            raw_stream=scrub_bytes(raw, self.key) if raw is not None else None,
+            body=body,
+            raw_stream=raw,
             provider=parsed.get("provider") if isinstance(parsed.get("provider"), str) else None,
             model=parsed.get("model") if isinstance(parsed.get("model"), str) else None,
-            usage=usage,
+            usage=usage.usage,
             cost=cost,
             latency_s=latency,
             started_at=started_at,
             finished_at=time.time(),
             attempts=n,
-            stream=raw is not None,
+            stream=streamed,
             base_url=self.s.base_url,
         )
-        return outcome, record, attempt
+        return outcome, record, attempt, usage
 
-    async def _read_stream(self, resp: aiohttp.ClientResponse) -> tuple[bytes, bytes, Outcome, Any]:
-        """Read an SSE body: (assembled JSON bytes, raw stream bytes, outcome, parsed)."""
+    async def _read_capped(self, resp: aiohttp.ClientResponse) -> bytes:
+        """The whole body, refused as soon as it passes ``max_response_bytes`` (never buffered past it)."""
+        cap = self.s.max_response_bytes
+        if resp.content_length is not None and resp.content_length > cap:
+            raise ResponseTooLarge(f"response of {resp.content_length} bytes is over max_response_bytes={cap}")
+        buf = bytearray()
+        async for chunk in resp.content.iter_any():
+            buf += chunk
+            if len(buf) > cap:
+                raise ResponseTooLarge(f"response passed max_response_bytes={cap} while being read")
+        return bytes(buf)
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse) -> tuple[bytes, bytes | None, Outcome, Any]:
+        """Read an SSE body: (assembled JSON bytes, raw stream bytes, outcome, parsed).
+
+        The key is masked in the *assembled* body and in the whole raw stream, never in
+        pieces; if the answer itself carried the key, it may be split across events in
+        the raw stream where no byte pattern finds it, so that raw stream is not kept."""
+        cap = self.s.max_response_bytes
         raw = bytearray()
         decoder = SSEDecoder()
         asm = StreamAssembler()
         try:
             async for chunk in resp.content.iter_any():
                 raw += chunk
+                if len(raw) > cap:
+                    raise ResponseTooLarge(f"stream passed max_response_bytes={cap} while being read")
                 for event in decoder.feed(chunk):
                     asm.add_event(event)
                 if asm.done:  # [DONE]: nothing more belongs to this response
@@ -449,26 +537,38 @@ class Engine:
                 for event in decoder.close():
                     asm.add_event(event)
         except (StreamError, UnicodeDecodeError) as exc:
-            return b"", bytes(raw), Outcome("retry", "bad_stream", str(exc), 200, maybe_billed=True), None
+            message = scrub(str(exc), self.key)
+            return b"", None, Outcome("retry", "bad_stream", message, 200, maybe_billed=True), None
         except (aiohttp.ClientError, TimeoutError) as exc:
             if not (asm.finished and not asm.errors):
                 raise
             # cut after every choice finished: the answer is whole, only usage / [DONE] is missing
             self._notice(f"a stream was cut after its finish_reason ({type(exc).__name__}); kept without its tail")
         if asm.errors:
-            out, _ = classify_response(200, {}, json.dumps({"error": asm.errors[-1]}).encode())
+            err = scrub_bytes(json.dumps({"error": asm.errors[-1]}, default=str).encode(), self.key)
+            out, _ = classify_response(200, {}, err)
             cls = "stream_error" if out.kind == "retry" else out.error_class
             message = f"mid-stream error: {out.message}"
-            return b"", bytes(raw), Outcome(out.kind, cls, message, 200, out.retry_after, maybe_billed=True), None
+            return b"", None, Outcome(out.kind, cls, message, 200, out.retry_after, maybe_billed=True), None
         if not asm.chunks:
-            return b"", bytes(raw), Outcome("retry", "bad_stream", "stream ended before any chunk", 200,
-                                            maybe_billed=True), None
+            return b"", None, Outcome("retry", "bad_stream", "stream ended before any chunk", 200,
+                                      maybe_billed=True), None
         if not asm.finished:
-            return b"", bytes(raw), Outcome("retry", "truncated_stream", "stream ended without finish_reason", 200,
-                                            maybe_billed=True), None
-        body = json.dumps(asm.result(), ensure_ascii=False).encode("utf-8")
+            return b"", None, Outcome("retry", "truncated_stream", "stream ended without finish_reason", 200,
+                                      maybe_billed=True), None
+        try:
+            assembled = orjson.dumps(asm.result())
+        except (TypeError, orjson.JSONEncodeError) as exc:
+            return b"", None, Outcome("retry", "bad_stream", f"stream cannot be assembled: {exc}", 200,
+                                      maybe_billed=True), None
+        body = scrub_bytes(assembled, self.key)
+        kept_raw: bytes | None = scrub_bytes(bytes(raw), self.key)
+        if body != assembled:
+            kept_raw = None
+            self._notice("a streamed answer carried the API key: masked, and its raw stream not kept "
+                         "(the key may be split across events there)")
         outcome, parsed = classify_response(200, resp.headers, body)
-        return body, bytes(raw), outcome, parsed
+        return body, kept_raw, outcome, parsed
 
     # --- outcomes ---------------------------------------------------------------------
 
@@ -481,12 +581,14 @@ class Engine:
             self._successes += 1
             self._unauthorized_streak = 0
             usage = record.usage or {}
+            # validated ints (see .body): nothing here can raise on what the network sent
+            pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            pt, ct = pt if isinstance(pt, int) else 0, ct if isinstance(ct, int) else 0
 
-            def counted(usage: dict = usage) -> None:
+            def counted() -> None:
                 self.stats.done += 1
-                ct = int(usage.get("completion_tokens") or 0)
                 self.stats.completion_tokens += ct
-                self.stats.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+                self.stats.prompt_tokens += pt
                 self.stats.recent.append((time.monotonic(), ct))
                 self._finish_one()
 
@@ -568,7 +670,20 @@ class Engine:
             self.stats.notices.append(message)
             self._log(message)
 
+    def _bad_usage(self, sample_id: str, usage: CheckedUsage) -> None:
+        self.stats.bad_usage += 1
+        if len(self.stats.bad_usage_examples) < 10:
+            self.stats.bad_usage_examples.append(scrub(f"{sample_id}: {'; '.join(usage.problems)}", self.key))
+        fallback = "cost from [prices]" if self.s.prices is not None else "cost booked at the reservation"
+        self._notice(f"some responses carry unusable usage fields (e.g. {self.stats.bad_usage_examples[0]}): "
+                     f"those fields are ignored ({fallback}); the responses are kept")
+
     def _store_failed(self, exc: BaseException) -> None:
         self._notice(f"stopping: store write failed: {exc}")
         self.request_stop(StopReason.STORE)
 
+
+
+def _clip(text: str, n: int = _MAX_MESSAGE) -> str:
+    """Clip a message that is already scrubbed (clipping first could leave part of a key)."""
+    return text if len(text) <= n else text[:n] + "…"

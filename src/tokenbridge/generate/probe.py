@@ -37,7 +37,7 @@ from .budget import cost_of
 from .classify import Outcome, classify_exception, classify_response
 from .request import build_request
 from .prompts import Sample
-from .secrets import ApiKey, scrub
+from .secrets import ApiKey, scrub, scrub_bytes
 from .settings import RequestSettings, check_base_url
 
 __all__ = ["ECHO_TESTS", "INVISIBLE_EDITS", "classify_echo", "PROBE_PROMPTS", "RETRY_WAIT_CAP_S", "EchoCall", "ProbeCall", "ProviderReport", "aprobe",
@@ -326,7 +326,7 @@ async def _send(session, url, headers, request, attempts) -> tuple[Outcome, Any,
         try:
             async with session.post(url, data=body, headers=headers) as resp:
                 status = resp.status
-                raw = await resp.read()
+                raw = scrub_bytes(await resp.read(), key)  # mask before classify clips any message
                 outcome, parsed = classify_response(status, resp.headers, raw)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise

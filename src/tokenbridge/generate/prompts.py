@@ -14,7 +14,11 @@ Ids are unique over all datasets of a load: a row whose id is already taken (``a
 first one is kept. A string with a lone surrogate (``"\\ud800"`` in JSON) is a bad row.
 
 A bad row never stops the load: it becomes a :class:`RowError` naming file, line (or row
-index) and field, and the other rows go on.
+index) and field, and the other rows go on. What is sent must be plain JSON: strings,
+finite numbers, booleans, null, lists and objects with string keys, nested at most
+:data:`MAX_DEPTH` deep (the exchange readers parse 1024 levels; a prompt needs a handful);
+a role, speaker, name or content part ``type`` is a string; a ``text`` part's ``text``
+is a string.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from .settings import DatasetSpec
 
 __all__ = ["LoadedPrompts", "PromptSourceError", "RowError", "Sample", "load_prompts", "sample_from_row"]
 
+MAX_DEPTH = 64
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -107,6 +112,9 @@ def load_prompts(specs: list[DatasetSpec] | tuple[DatasetSpec, ...], *, default_
             except _BadRow as bad:
                 out.errors.append(RowError(spec.name, file, location, bad.field, bad.message))
                 continue
+            except (TypeError, ValueError, RecursionError) as exc:  # a shape no check foresaw: still one bad row
+                out.errors.append(RowError(spec.name, file, location, "<row>", f"cannot be read: {type(exc).__name__}"))
+                continue
             explicit = isinstance(row, dict) and row.get("id") not in (None, "")
             if sample.id in seen and not explicit:  # same content, no id: number the repeats
                 n = hash_counts.get(sample.id, 1) + 1
@@ -145,6 +153,7 @@ def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:
         raise _BadRow("messages", "no user or tool turn left to answer")
     if messages[-1]["role"] not in ("user", "tool"):
         raise _BadRow(f"messages[{len(messages) - 1}].role", f"conversation ends with a {messages[-1]['role']!r} turn")
+    _check_plain_json(messages, "messages")
     tools = row.get("tools")
     if tools is not None:
         if isinstance(tools, str):  # parquet/arrow datasets often store tools as a JSON string
@@ -154,6 +163,7 @@ def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:
                 raise _BadRow("tools", f"not valid JSON: {exc.msg}") from None
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise _BadRow("tools", "must be a list of tool objects")
+        _check_plain_json(tools, "tools")
         tools = tools or None
     rid = row.get("id")
     if rid is not None and (not isinstance(rid, (str, int)) or isinstance(rid, bool)):
@@ -183,6 +193,30 @@ def _check_utf8(value: Any, path: str) -> None:
             _check_utf8(v, f"{path}.{k}")
 
 
+def _check_plain_json(value: Any, path: str) -> None:
+    """Plain JSON at most MAX_DEPTH deep (iterative: a 100k-deep row must not blow the stack)."""
+    stack: list[tuple[Any, str, int]] = [(value, path, 0)]
+    while stack:
+        v, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise _BadRow(where, f"nested more than {MAX_DEPTH} levels deep")
+        if v is None or isinstance(v, (str, bool, int)):
+            continue
+        if isinstance(v, float):
+            if v != v or v in (float("inf"), float("-inf")):
+                raise _BadRow(where, f"{v!r} is not a JSON number")
+            continue
+        if isinstance(v, list):
+            stack.extend((x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v))
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    raise _BadRow(where, f"key {k!r} is not a string")
+                stack.append((x, f"{where}.{k}", depth + 1))
+        else:
+            raise _BadRow(where, f"a {type(v).__name__} is not a JSON value")
+
+
 def content_hash(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
     """A stable 16-hex id for rows without one (same messages + tools -> same id)."""
     blob = json.dumps({"messages": messages, "tools": tools}, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
@@ -202,9 +236,15 @@ def _openai_messages(value: Any) -> list[dict[str, Any]]:
         if not isinstance(msg, dict):
             raise _BadRow(f"messages[{i}]", "must be an object with role and content")
         role = msg.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise _BadRow(f"messages[{i}].role", f"unknown role {role!r} (expected one of {sorted(_ROLES)})")
         clean = {k: msg[k] for k in _MESSAGE_KEYS if k in msg and msg[k] is not None}
+        for key in ("name", "tool_call_id", "reasoning"):
+            if key in clean and not isinstance(clean[key], str):
+                raise _BadRow(f"messages[{i}].{key}", f"must be a string, got {type(clean[key]).__name__}")
+        if "tool_calls" in clean and not (isinstance(clean["tool_calls"], list)
+                                          and all(isinstance(c, dict) for c in clean["tool_calls"])):
+            raise _BadRow(f"messages[{i}].tool_calls", "must be a list of tool call objects")
         _check_content(clean, f"messages[{i}]")
         out.append(clean)
     return out
@@ -248,9 +288,13 @@ def _check_content(msg: dict[str, Any], where: str) -> None:
         raise _BadRow(f"{where}.content", "missing")
     if isinstance(content, str):
         return
-    if isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content):
-        return
-    raise _BadRow(f"{where}.content", "must be a string or a list of content parts")
+    if not isinstance(content, list):
+        raise _BadRow(f"{where}.content", "must be a string or a list of content parts")
+    for k, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise _BadRow(f"{where}.content[{k}]", "must be a content part object with a string 'type'")
+        if "text" in part and not isinstance(part["text"], str):
+            raise _BadRow(f"{where}.content[{k}].text", f"must be a string, got {type(part['text']).__name__}")
 
 
 # --- reading sources -------------------------------------------------------------------
@@ -297,6 +341,8 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, Any]]:
                 row = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 row = _Unparsable(getattr(exc, "msg", str(exc)))
+            except RecursionError:
+                row = _Unparsable("nested too deep")
             else:
                 # only a \uD800-\uDFFF escape makes a lone surrogate (Arrow data is valid UTF-8)
                 if isinstance(row, dict) and _SURROGATE_ESCAPE.search(raw):

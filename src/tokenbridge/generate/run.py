@@ -16,15 +16,19 @@ import sqlite3
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlparse
 
 import aiohttp
+import orjson
 
 from .budget import Budget
-from .engine import Engine, StopReason, WorkItem
+from .body import BodyError, check_body, one_line
+from .crashpoint import commit_point
+from .engine import DRAIN_S, Engine, StopReason, WorkItem
 from .errors import SettingsChanged
 from .lock import run_lock
 from .progress import Reporter
@@ -58,6 +62,7 @@ class ExitCode:
     UNAUTHORIZED = 5
     STORE = 6
     BUSY = 7  # another process holds the run folder
+    INTERNAL = 8  # a background task died (a bug); what was committed is kept
     INTERRUPTED = 130
 
 
@@ -67,6 +72,7 @@ _STOP_CODES = {
     StopReason.UNAUTHORIZED: ExitCode.UNAUTHORIZED,
     StopReason.STORE: ExitCode.STORE,
     StopReason.INTERRUPTED: ExitCode.INTERRUPTED,
+    StopReason.INTERNAL: ExitCode.INTERNAL,
 }
 
 
@@ -99,6 +105,9 @@ class RunSummary:
     notices: list[str] = field(default_factory=list)
     exchanges: str = ""
     send_s: float = 0.0  # the engine alone: first request to last commit
+    bad_usage: int = 0  # responses kept whose usage fields were unusable (ignored, see generate.body)
+    bad_usage_examples: list[str] = field(default_factory=list)  # first 10: "id: usage.cost = -5"
+    bad_stored: int = 0  # stored responses that cannot be re-emitted (older versions): left out of exchanges
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,7 +126,7 @@ def generate_run(
     return asyncio.run(
         agenerate_run(settings, out_dir, key=key, reporter=reporter, session=session, signals=True,
                       force_settings=force_settings)
-    )
+    )  # a second SIGINT/SIGTERM aborts the engine; the summary then says interrupted (130)
 
 
 async def agenerate_run(
@@ -162,13 +171,18 @@ async def agenerate_run(
     del loaded
 
     with run_lock(out_dir):
+        for stale in out_dir.glob(f".{SUMMARY_FILE}.*.tmp"):  # left by a process killed while writing
+            stale.unlink(missing_ok=True)
         store = Store.open(out_dir)
         try:
             try:
                 changed, kept_old = _reconcile(store, rows, ids, settings, force_settings, reporter, out_dir)
+                commit_point("samples added")
                 del rows
                 run = store.begin_run(settings.describe())
+                commit_point("run begun")
                 store.reopen_failed(ids)
+                commit_point("failed reopened")
                 current = store.samples(ids)
                 spent_before, possible_before = store.total_cost(), store.possible_cost()
                 observations = list(store.price_observations()) if settings.max_cost and not settings.prices else []
@@ -184,7 +198,7 @@ async def agenerate_run(
             if already_done:
                 reporter.log(f"resuming: {already_done} of {len(ids)} samples already done, {len(pending)} to send")
             reporter.start(engine.stats)
-            restore = _install_signals(engine) if signals else None
+            restore = _install_signals(engine, reporter) if signals else None
             t_send = time.monotonic()
             try:
                 stats = await engine.run(pending)
@@ -204,6 +218,7 @@ async def agenerate_run(
             notices = [scrub(n, key) for n in stats.notices]
             try:
                 store.end_run(run, stop or ("complete" if exit_code == ExitCode.OK else "incomplete"))
+                commit_point("run ended")
             except sqlite3.Error as exc:  # the disk that failed the engine may fail this too
                 notices.append(f"could not record the run's end: {exc}")
             left_out = sum(1 for v in statuses.values() if v == "done") - n_done
@@ -232,11 +247,20 @@ async def agenerate_run(
                 left_out=left_out,
                 failures=failures[:50],
                 notices=notices,
+                bad_usage=stats.bad_usage,
+                bad_usage_examples=list(stats.bad_usage_examples),
             )
         finally:
             store.close()
         try:
-            summary.exchanges = str(_write_exchanges(out_dir, ids))
+            path, bad = _write_exchanges(out_dir, ids)
+            summary.exchanges = str(path)
+            if bad:
+                summary.bad_stored = len(bad)
+                summary.notices.append(
+                    f"{len(bad)} stored response(s) cannot be re-emitted and were left out of {EXCHANGES_FILE} "
+                    f"(stored by an older version; e.g. {bad[0]}); send them again in a new run folder")
+                reporter.log(summary.notices[-1])
         except (OSError, sqlite3.Error) as exc:
             summary.notices.append(f"{out_dir / EXCHANGES_FILE} not rewritten: {exc}")
             summary.exit_code = summary.exit_code or ExitCode.STORE
@@ -320,61 +344,76 @@ def write_exchanges(out_dir: str | Path, ids: Sequence[str] | None = None) -> Pa
     """Rewrite ``RUN/exchanges.jsonl`` from the store, atomically: the done samples among
     ``ids`` in that order, or (``ids`` None) every done sample in store order.
 
-    Takes the run folder's lock (:class:`RunFolderBusy` while a run holds it)."""
+    Takes the run folder's lock (:class:`RunFolderBusy` while a run holds it). A stored row
+    that cannot be re-emitted (stored by an older version) is left out with a
+    :class:`UserWarning` naming how many and the first; the others are written."""
     with run_lock(out_dir):
-        return _write_exchanges(Path(out_dir), ids)
+        path, bad = _write_exchanges(Path(out_dir), ids)
+    if bad:
+        warnings.warn(f"{path}: {len(bad)} stored response(s) cannot be re-emitted and were left out "
+                      f"(e.g. {bad[0]})", stacklevel=2)
+    return path
 
 
-def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> Path:
+def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, list[str]]:
+    """Write the file; returns it and "id: reason" for each stored row left out because it
+    cannot be re-emitted (never an exception for what is stored)."""
     if not (out_dir / STATE_FILE).is_file():
         raise FileNotFoundError(f"{out_dir / STATE_FILE}: no generate state in this folder")
     target = out_dir / EXCHANGES_FILE
     for stale in out_dir.glob(".exchanges.*.tmp"):  # left by a run killed while writing
         stale.unlink(missing_ok=True)
     store = Store.open(out_dir)
+    bad: list[str] = []
     try:
         fd, tmp = tempfile.mkstemp(prefix=".exchanges.", suffix=".tmp", dir=out_dir)
         try:
             with os.fdopen(fd, "wb") as fh:
                 for sid, dataset, request, body, meta in store.iter_done(ids):
-                    fh.write(_exchange_line(sid, dataset, request, body, meta))
+                    try:
+                        line = _exchange_line(sid, dataset, request, body, meta)
+                    except (BodyError, ValueError, TypeError) as exc:
+                        bad.append(f"{sid}: {exc}")
+                        continue
+                    fh.write(line)
                 fh.flush()
                 os.fsync(fh.fileno())
+            commit_point("exchanges written")
             os.replace(tmp, target)
+            commit_point("exchanges replaced")
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
     finally:
         store.close()
     _fsync_dir(out_dir)
-    return target
+    return target, bad
 
 
 def _exchange_line(sid: str, dataset: str, request: str, body: bytes, meta: dict[str, Any]) -> bytes:
     """One exchange record. The response is spliced in as the bytes the API sent (less the
-    keep-alive whitespace around it), so the file carries the provider's JSON verbatim."""
-    raw = body.strip()
-    if raw.startswith(b"{") and b"\n" not in raw and b"\r" not in raw:
-        head = json.dumps({"id": sid, "dataset": dataset}, ensure_ascii=False, separators=(",", ":"))[:-1]
-        tail = json.dumps(meta, ensure_ascii=False, separators=(",", ":"))
-        return b"".join(
-            [head.encode(), b',"request":', request.encode(), b',"response":', raw, b',"meta":', tail.encode(), b"}\n"]
-        )
-    # pretty-printed or otherwise multi-line JSON: one line needs a re-serialisation
-    record = {"id": sid, "dataset": dataset, "request": json.loads(request), "response": json.loads(body), "meta": meta}
-    try:
-        return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate (\ud800 in the body): keep it escaped
-        return (json.dumps(record, ensure_ascii=True, separators=(",", ":")) + "\n").encode("ascii")
+    keep-alive whitespace around it; line breaks, which valid JSON holds only between
+    tokens, become spaces), so the file carries the provider's JSON verbatim. A body that
+    cannot be re-emitted so (only rows stored by older versions) raises :class:`BodyError`."""
+    check_body(body)
+    head = orjson.dumps({"id": sid, "dataset": dataset})[:-1]
+    return b"".join([head, b',"request":', request.encode("utf-8"), b',"response":', one_line(body),
+                     b',"meta":', orjson.dumps(meta), b"}\n"])
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        commit_point(f"{path.name} written")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    commit_point(f"{path.name} replaced")
     _fsync_dir(path.parent)
 
 
@@ -397,20 +436,24 @@ def is_local_url(base_url: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
 
-def _install_signals(engine: Engine):
-    """First SIGINT/SIGTERM: stop sending, let in-flight finish. Second: abort now."""
+def _install_signals(engine: Engine, reporter: Reporter):
+    """First SIGINT/SIGTERM: stop sending, give in-flight requests :data:`DRAIN_S` to finish
+    and be stored. Second: abort now (in-flight requests stay pending), exit 130."""
     if threading.current_thread() is not threading.main_thread():
         return None
     loop = asyncio.get_running_loop()
     hits = {"n": 0}
-    main_task = asyncio.current_task()
 
     def on_signal() -> None:
         hits["n"] += 1
         if hits["n"] == 1:
-            engine.request_stop(StopReason.INTERRUPTED)
-        elif main_task is not None:
-            main_task.cancel()
+            reporter.log(f"interrupted: sending stopped; waiting up to {DRAIN_S:g} s for the {engine.in_flight} "
+                         "request(s) in flight to be stored (press Ctrl-C again to stop at once); "
+                         "rerun the same command to continue")
+            engine.request_stop(StopReason.INTERRUPTED, drain_s=DRAIN_S)
+        else:
+            reporter.log("interrupted again: stopping now; what was received is kept, requests in flight stay pending")
+            engine.abort()
 
     installed = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -425,4 +468,3 @@ def _install_signals(engine: Engine):
             loop.remove_signal_handler(sig)
 
     return restore
-

@@ -173,6 +173,11 @@ class GenerateSettings:
     timeout_s: float = 1800.0  # whole non-streamed request (the model's full generation time)
     read_timeout_s: float = 300.0  # streamed: longest silence between bytes (no total limit)
     connect_timeout_s: float = 30.0
+    # every attempt, streamed or not, ends after this long in all (keep-alive comments
+    # reset nothing): Kimi K2.5 reasoning runs to ~32k tokens, ~10 min at a slow 50 tok/s
+    attempt_timeout_s: float = 900.0
+    # a body (or SSE stream) larger than this is refused while it is read, never buffered
+    max_response_bytes: int = 64 * 1024 * 1024
     backoff_base_s: float = 1.0
     backoff_max_s: float = 120.0
     commit_interval_s: float = 0.0  # extra wait before each group commit (0: commit as soon as idle)
@@ -182,6 +187,12 @@ class GenerateSettings:
     proxy_from_env: bool = False  # honour HTTPS_PROXY / netrc (aiohttp trust_env)
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.attempt_timeout_s, (int, float)) and not isinstance(self.attempt_timeout_s, bool)
+                and 0 < self.attempt_timeout_s < float("inf")):
+            raise ConfigError(f"attempt_timeout_s must be a positive number of seconds, got {self.attempt_timeout_s!r}")
+        if not (isinstance(self.max_response_bytes, int) and not isinstance(self.max_response_bytes, bool)
+                and self.max_response_bytes >= 1024):
+            raise ConfigError(f"max_response_bytes must be an integer >= 1024, got {self.max_response_bytes!r}")
         check_base_url(self.base_url)
         check_headers(self.headers)
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from .body import MAX_PLAUSIBLE_COST, MAX_PLAUSIBLE_TOKENS
 from .errors import GenerateError
 
 __all__ = ["AttemptRecord", "ResponseRecord", "Store", "StoreError", "StoredSample", "STATE_FILE"]
@@ -100,6 +101,25 @@ _UPGRADE_1_TO_2 = (
     "ALTER TABLE attempts ADD COLUMN possible_cost REAL",
     "ALTER TABLE responses ADD COLUMN base_url TEXT",
 )
+
+
+_COST_OK = f"cost >= 0 AND cost <= {MAX_PLAUSIBLE_COST}"
+
+
+def _usage(usage_json: str | None) -> dict[str, Any]:
+    try:
+        usage = json.loads(usage_json) if usage_json else None
+    except ValueError:
+        return {}
+    return usage if isinstance(usage, dict) else {}
+
+
+def _count(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_PLAUSIBLE_TOKENS else None
+
+
+def _plausible_cost(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_PLAUSIBLE_COST
 
 
 class StoreError(GenerateError):
@@ -324,10 +344,11 @@ class Store:
 
     def total_cost(self) -> float:
         """Everything billed so far: the cost of every attempt, kept or retried."""
-        (att,) = self._conn.execute("SELECT COALESCE(SUM(cost), 0) FROM attempts").fetchone()
+        # a negative/absurd figure stored by an older version never lowers the total
+        (att,) = self._conn.execute(f"SELECT COALESCE(SUM(cost), 0) FROM attempts WHERE {_COST_OK}").fetchone()
         # responses stored without an attempt row (written by hand or by an older tool)
         (orphan,) = self._conn.execute(
-            "SELECT COALESCE(SUM(r.cost), 0) FROM responses r WHERE NOT EXISTS"
+            f"SELECT COALESCE(SUM(r.cost), 0) FROM responses r WHERE {_COST_OK.replace('cost', 'r.cost')} AND NOT EXISTS"
             " (SELECT 1 FROM attempts a WHERE a.sample_id = r.sample_id)"
         ).fetchone()
         return float(att) + float(orphan)
@@ -344,20 +365,20 @@ class Store:
         for prov, usage_json, cost in self._conn.execute(
             "SELECT provider, usage, cost FROM responses WHERE cost IS NOT NULL AND usage IS NOT NULL"
         ):
-            usage = json.loads(usage_json)
+            usage = _usage(usage_json)
             p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if isinstance(p, int) and isinstance(c, int):
-                yield prov or "", p, c, float(cost)
+            if _count(p) is not None and _count(c) is not None and _plausible_cost(cost):
+                yield prov or "", int(p), int(c), float(cost)
 
     def token_totals(self) -> tuple[int, int, float]:
         """(prompt tokens, completion tokens, cost) over stored responses that report usage."""
         p = c = 0
         cost = 0.0
         for usage_json, cst in self._conn.execute("SELECT usage, cost FROM responses WHERE usage IS NOT NULL"):
-            usage = json.loads(usage_json)
-            p += int(usage.get("prompt_tokens") or 0)
-            c += int(usage.get("completion_tokens") or 0)
-            cost += float(cst or 0.0)
+            usage = _usage(usage_json)  # rows of older versions were stored unchecked
+            p += _count(usage.get("prompt_tokens")) or 0
+            c += _count(usage.get("completion_tokens")) or 0
+            cost += float(cst) if _plausible_cost(cst) else 0.0
         return p, c, cost
 
     def commit(self, batch: Batch) -> None:
@@ -473,7 +494,8 @@ class Store:
                 }
                 if base_url is not None:
                     meta["base_url"] = base_url
-                yield sid, ds, req, bytes(body), meta
+                # a body stored as TEXT (by hand, by an older tool) is still handed on as bytes
+                yield sid, ds, req, body.encode("utf-8", "surrogatepass") if isinstance(body, str) else bytes(body), meta
 
     def response(self, sample_id: str) -> tuple[bytes, bytes | None] | None:
         """(body, raw SSE bytes or None) as stored for one sample."""

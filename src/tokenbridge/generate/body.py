@@ -1,0 +1,137 @@
+"""The network boundary: what a response body and its ``usage`` must be to be kept.
+
+A body is kept only if it can be stored and re-emitted, byte for byte, as one line of
+``exchanges.jsonl`` that every reader downstream parses (they use orjson). Accepted:
+  * after stripping the ASCII whitespace around it (OpenRouter pads slow responses), it
+    is valid UTF-8 and one JSON *object* by RFC 8259 as orjson reads it: no BOM, no
+    ``NaN``/``Infinity``, no number that overflows a double (``1e400``), no lone
+    surrogate escape (``"\\ud800"``), nesting at most 1024 deep;
+  * line breaks anywhere: a CR or LF in valid JSON can only be whitespace between tokens
+    (inside strings they must be escaped), so :func:`one_line` turns them into spaces
+    and the line is the received bytes otherwise.
+Anything else is a ``bad_json`` attempt error (retried; after ``max_attempts`` the
+sample fails with the reason), never a stored row.
+
+``usage`` is the provider's account, not the answer: a bad field never costs the
+response. Per field (:func:`checked_usage`):
+  * ``prompt_tokens`` / ``completion_tokens``: an integer 0..10^9 (an integral float
+    like ``12.0`` counts); anything else (string, bool, negative, fraction, absurd)
+    is dropped from the stored accounting usage and the response counts as one
+    without usage (its reservation is booked as possible spend, as for a stream
+    cut before its usage chunk);
+  * ``cost``: a finite number 0..:data:`MAX_PLAUSIBLE_COST` USD; anything else is
+    dropped, so the cost comes from ``[prices]`` (or the no-prices reservation path);
+  * ``usage`` that is not an object is absent.
+Every dropped field is reported (``RunSummary.bad_usage``: count and first examples).
+The body itself is stored as received: reconstruct reads usage from it and flags it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+__all__ = ["BodyError", "MAX_PLAUSIBLE_COST", "MAX_PLAUSIBLE_TOKENS", "CheckedUsage", "checked_usage", "check_body",
+           "one_line"]
+
+MAX_PLAUSIBLE_TOKENS = 10**9
+MAX_PLAUSIBLE_COST = 1000.0  # USD for one response; more is a provider bug, not a price
+_WS = b" \t\r\n"
+
+
+class BodyError(ValueError):
+    """The body cannot be kept (see the module docstring); the message says why."""
+
+
+def check_body(body: bytes) -> dict[str, Any]:
+    """The parsed body if it can be kept and re-emitted losslessly, else :class:`BodyError`."""
+    stripped = body.strip(_WS)
+    if not stripped:
+        raise BodyError("empty body")
+    try:
+        stripped.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BodyError(f"body is not valid UTF-8 (byte 0x{stripped[exc.start]:02x} at offset {exc.start})") from None
+    try:
+        parsed = orjson.loads(stripped)
+    except orjson.JSONDecodeError as exc:
+        raise BodyError(f"body is not JSON that can be re-read ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise BodyError(f"body is a JSON {type(parsed).__name__}, not an object")
+    return parsed
+
+
+def one_line(body: bytes) -> bytes:
+    """A kept body as one JSONL line's value: the received bytes, line breaks as spaces."""
+    stripped = body.strip(_WS)
+    if b"\n" in stripped or b"\r" in stripped:
+        stripped = stripped.replace(b"\r", b" ").replace(b"\n", b" ")
+    return stripped
+
+
+@dataclass
+class CheckedUsage:
+    """The usage fields accounting may rely on; ``problems`` names what was dropped."""
+
+    usage: dict[str, Any] | None  # the usage object less its bad accounting fields
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cost: float | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_ok(self) -> bool:
+        return self.prompt_tokens is not None and self.completion_tokens is not None
+
+
+def checked_usage(parsed: Any) -> CheckedUsage:
+    """Validate ``parsed["usage"]`` field by field (see the module docstring)."""
+    if not isinstance(parsed, dict) or "usage" not in parsed or parsed["usage"] is None:
+        return CheckedUsage(None)
+    usage = parsed["usage"]
+    if not isinstance(usage, dict):
+        return CheckedUsage(None, problems=[f"usage is a {type(usage).__name__}, not an object"])
+    out = CheckedUsage(dict(usage))
+    for name in ("prompt_tokens", "completion_tokens"):
+        if name not in usage:
+            continue
+        n = _token_count(usage[name])
+        if n is None:
+            out.problems.append(f"usage.{name} = {_show(usage[name])}")
+            del out.usage[name]  # type: ignore[union-attr]
+        else:
+            out.usage[name] = n  # type: ignore[index]
+            setattr(out, name, n)
+    if "cost" in usage and usage["cost"] is not None:
+        c = usage["cost"]
+        if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and 0 <= c <= MAX_PLAUSIBLE_COST:
+            out.cost = float(c)
+        else:
+            out.problems.append(f"usage.cost = {_show(c)}")
+            del out.usage["cost"]  # type: ignore[union-attr]
+    return out
+
+
+def _token_count(v: Any) -> int | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
+        return None
+    n = int(v)
+    return n if 0 <= n <= MAX_PLAUSIBLE_TOKENS else None
+
+
+def _show(v: Any) -> str:
+    text = orjson.dumps(v, option=orjson.OPT_NON_STR_KEYS).decode() if _dumpable(v) else repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _dumpable(v: Any) -> bool:
+    try:
+        orjson.dumps(v, option=orjson.OPT_NON_STR_KEYS)
+    except (TypeError, orjson.JSONEncodeError):
+        return False
+    return True

@@ -1,0 +1,165 @@
+"""kill -9 of generate at every commit point, then a rerun: nothing lost, nothing twice, no temp files.
+Also: the first Ctrl-C / SIGTERM drains, the second stops at once with exit 130 and no traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hostile_server import HostileServer
+from tokenbridge.generate import GenerateSettings, RequestSettings, Store, agenerate_run, generate_run
+from tokenbridge.generate.crashpoint import CRASH_ENV
+from tokenbridge.generate.settings import DatasetSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+KEPT_FILES = {".lock", "state.sqlite", "generate.json", "exchanges.jsonl"}
+
+
+def _prompts(tmp_path: Path, n: int) -> Path:
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"id": i, "prompt": f"q{i}"}) + "\n" for i in range(n)), encoding="utf-8")
+    return f
+
+
+def _cmd(prompts: Path, run: Path, url: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "tokenbridge.cli", "generate", f"k={prompts}", "--out", str(run), "--base-url", url,
+            "--model", "m", "--max-tokens", "8", *extra]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _generate_in_child(settings: GenerateSettings, run: Path, crash_at: int) -> int:
+    """Run generate in a forked child (no interpreter start-up: the kill loop stays fast) that
+    SIGKILLs itself at its ``crash_at``-th commit point; its exit status, -9 when killed."""
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 99
+        try:
+            os.environ[CRASH_ENV] = str(crash_at)
+            code = generate_run(settings, run).exit_code
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def test_kill_9_at_every_commit_point_then_rerun_loses_and_duplicates_nothing(tmp_path):
+    n = 2
+    spec = DatasetSpec("k", _prompts(tmp_path, n))
+    killed_at = []
+    with HostileServer() as srv:
+        settings = GenerateSettings(datasets=(spec,), request=RequestSettings(model="m", max_tokens=8),
+                                    base_url=srv.url, concurrency=1, progress="none")
+        for point in range(1, 40):
+            run = tmp_path / f"run{point}"
+            srv.attempts.clear()
+            code = _generate_in_child(settings, run, point)
+            if code == 0:  # past the last commit point: nothing left to kill
+                break
+            assert code == -signal.SIGKILL, (point, code)
+            killed_at.append(point)
+            again = asyncio.run(agenerate_run(settings, run))
+            assert again.exit_code == 0, (point, again)
+            rows = [json.loads(x) for x in (run / "exchanges.jsonl").read_bytes().splitlines()]
+            assert [r["id"] for r in rows] == [f"k-{i}" for i in range(n)], point  # every prompt exactly once
+            assert all(srv.attempts[f"q{i}"] in (1, 2) for i in range(n)), (point, srv.attempts)  # resent at most once
+            assert again.done + again.already_done == n and again.pending == 0
+            with Store.open(run) as store:
+                assert store.status_counts() == {"done": n}
+                assert store._conn.execute("SELECT COUNT(*) FROM responses").fetchone() == (n,)
+            assert {p.name for p in run.iterdir()} == KEPT_FILES, (point, sorted(p.name for p in run.iterdir()))
+        else:
+            pytest.fail("the run never finished without a kill")
+    # 3 before sending, a stage + a commit per batch, end of run, 2 per atomic file
+    assert len(killed_at) >= 3 + 2 * n + 1 + 4, killed_at
+
+
+def _interrupt(tmp_path: Path, sig: int, times: int, mode: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """Start generate (4 prompts, 2 at a time), send ``sig`` once two requests are in flight and,
+    once generate has printed that it stopped sending, again (``times`` 2); "gate" replies are
+    released only then."""
+    prompts = _prompts(tmp_path, 4)
+    run = tmp_path / "run"
+    with HostileServer() as srv:
+        for i in range(4):
+            srv.plan[f"q{i}"] = [mode]
+        proc = subprocess.Popen(_cmd(prompts, run, srv.url, "--progress", "plain", "-c", "2"), env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 30
+        while sum(srv.attempts.values()) < 2 and time.monotonic() < deadline:  # two requests in flight
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        err_head = b""
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the first signal handled (bounded: generate exits after its drain time)
+            err_head += line
+            if line.startswith(b"interrupted: sending stopped"):
+                break
+        if times == 2:  # a second signal sent before the first is handled would merge with it
+            proc.send_signal(sig)
+        srv.gate.set()
+        out, err = proc.communicate(timeout=90)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err_head + err)
+    return result, json.loads((run / "generate.json").read_text())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_stops_at_once_with_130_and_no_traceback(tmp_path, sig):
+    t0 = time.monotonic()
+    res, summary = _interrupt(tmp_path, sig, 2, "hang")
+    err = res.stderr.decode()
+    assert res.returncode == 130 and "Traceback" not in err, err
+    assert "interrupted again: stopping now" in err
+    assert "stopped: interrupted: 0 of 4 samples kept, 4 pending (rerun the same command to continue)" in err
+    assert summary["pending"] == 4 and summary["exit_code"] == 130
+    assert time.monotonic() - t0 < 25  # not the drain's 60 s
+
+
+def test_a_first_signal_drains_in_flight_requests_and_keeps_them(tmp_path):
+    res, summary = _interrupt(tmp_path, signal.SIGINT, 1, "gate")
+    err = res.stderr.decode()
+    assert res.returncode == 130 and "Traceback" not in err, err
+    assert "interrupted: sending stopped; waiting up to 60 s for the 2 request(s) in flight" in err
+    assert "stopped: interrupted: 2 of 4 samples kept, 2 pending (rerun the same command to continue)" in err
+    assert (summary["done"], summary["pending"]) == (2, 2)
+
+
+def test_the_drain_after_a_first_interrupt_is_bounded(tmp_path):
+    from tokenbridge.generate.budget import Budget
+    from tokenbridge.generate.engine import Engine, WorkItem
+
+    async def main(url: str):
+        settings = GenerateSettings(request=RequestSettings(model="m", max_tokens=8), base_url=url, concurrency=2,
+                                    progress="none")
+        with Store.open(tmp_path / "run") as store:
+            store.add_samples([(f"k-{i}", "k", "", json.dumps({"model": "m", "messages": [
+                {"role": "user", "content": f"q{i}"}]})) for i in range(4)])
+            engine = Engine(settings, None, store, Budget(None, None))
+            task = asyncio.create_task(engine.run([WorkItem.from_stored(s) for s in store.samples()]))
+            for _ in range(3000):  # both slots busy (bounded wait)
+                if engine.in_flight == 2:
+                    break
+                await asyncio.sleep(0.01)
+            engine.request_stop(drain_s=0.2)
+            stats = await asyncio.wait_for(task, 20)  # not the hanging requests' hour
+            return stats, store.status_counts()
+
+    with HostileServer() as srv:
+        for i in range(4):
+            srv.plan[f"q{i}"] = ["hang"]
+        stats, counts = asyncio.run(main(srv.url))
+    assert (stats.done, stats.stop_reason, counts) == (0, "interrupted", {"pending": 4})
+    assert stats.requests == 2  # nothing sent after the interrupt
