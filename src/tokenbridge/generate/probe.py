@@ -264,7 +264,7 @@ async def aprobe(
                 jobs.append(_echo(session, url, headers, key, p, name, text, request, attempts))
             request = build_request(Sample("probe-evidence", "probe", PROBE_PROMPTS[0][1]), rs)
             request.update(logprobs=True, top_logprobs=1, return_token_ids=True)
-            jobs.append(_evidence(session, url, headers, p, request, attempts))
+            jobs.append(_evidence(session, url, headers, key, p, request, attempts))
         results = await asyncio.gather(*jobs)
     reports = []
     for p in providers:
@@ -282,7 +282,7 @@ def probe(**kwargs: Any) -> list[ProviderReport]:
 
 
 async def _one(session, url, headers, key, provider, name, request, tok, dialect, attempts) -> ProbeCall:
-    outcome, parsed, status, latency = await _send(session, url, headers, request, attempts)
+    outcome, parsed, status, latency = await _send(session, url, headers, key, request, attempts)
     call = ProbeCall(provider, name, available=outcome.kind != "unavailable", ok=outcome.kind == "ok",
                      http_status=status, latency_s=latency)
     if outcome.kind != "ok":
@@ -293,7 +293,7 @@ async def _one(session, url, headers, key, provider, name, request, tok, dialect
 
 
 async def _echo(session, url, headers, key, provider, name, text, request, attempts) -> EchoCall:
-    outcome, parsed, _, _ = await _send(session, url, headers, request, attempts)
+    outcome, parsed, _, _ = await _send(session, url, headers, key, request, attempts)
     if outcome.kind != "ok":
         return EchoCall(provider, name, False, "failed", error=scrub(f"{outcome.error_class}: {outcome.message}", key))
     message = (parsed["choices"][0].get("message") or {}) if parsed.get("choices") else {}
@@ -302,9 +302,9 @@ async def _echo(session, url, headers, key, provider, name, text, request, attem
     return EchoCall(provider, name, True, verdict, edit)
 
 
-async def _evidence(session, url, headers, provider, request, attempts) -> tuple[str, bool | None, bool | None]:
+async def _evidence(session, url, headers, key, provider, request, attempts) -> tuple[str, bool | None, bool | None]:
     """(provider, logprobs came back, token ids came back) for a call that asks for both."""
-    outcome, parsed, _, _ = await _send(session, url, headers, request, attempts)
+    outcome, parsed, _, _ = await _send(session, url, headers, key, request, attempts)
     if outcome.kind != "ok" or not parsed.get("choices"):
         return provider, None, None
     choice = parsed["choices"][0]
@@ -314,7 +314,7 @@ async def _evidence(session, url, headers, provider, request, attempts) -> tuple
     return provider, has_lp, isinstance(ids, list) and bool(ids)
 
 
-async def _send(session, url, headers, request, attempts) -> tuple[Outcome, Any, int | None, float | None]:
+async def _send(session, url, headers, key, request, attempts) -> tuple[Outcome, Any, int | None, float | None]:
     """POST ``request`` with up to ``attempts`` tries; (outcome, parsed body, status, latency)."""
     body = json.dumps(request, ensure_ascii=False).encode()
     outcome: Outcome = Outcome("retry", "not_sent")
