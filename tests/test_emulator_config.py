@@ -56,7 +56,7 @@ def test_bad_rate_and_type_are_errors(tmp_path):
     with pytest.raises(ConfigError, match=r":4: providers\[0\]\.faults\.rate_limit: must be a rate between 0 and 1"):
         load_emulator_config(path)
     path.write_text('latency_ms = "fast"\n')
-    with pytest.raises(ConfigError, match=r":1: latency_ms: must be a non-negative number"):
+    with pytest.raises(ConfigError, match=r":1: latency_ms: must be a number, got .fast.$"):
         load_emulator_config(path)
     path.write_text("seed = [\n")
     with pytest.raises(ConfigError, match="invalid TOML"):

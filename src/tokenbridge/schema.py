@@ -1,0 +1,328 @@
+"""Checking a config against its schema: one line per problem, all problems at once.
+
+The schemas are the config classes themselves (frozen dataclasses whose fields carry
+pydantic types and constraints: :mod:`.generate.settings`, :mod:`.emulator.config`,
+:mod:`.runconfig`). This module validates a parsed TOML/YAML mapping or a set of CLI
+flags against one and turns pydantic's errors into lines a user can act on::
+
+    run.toml:31: export.formats[0]: unknown value 'specforg'; did you mean 'specforge'?
+    --max-tokens: must be >= 1, got 0
+
+Nothing is coerced: ``"false"`` is not a boolean, ``"3"`` is not a number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any, Callable, Literal, Mapping, Sequence, TypeVar, Union
+
+from typing_extensions import is_typeddict
+from pydantic import AfterValidator, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError
+
+from .chat import DIALECTS
+
+__all__ = [
+    "FORBID",
+    "Bool",
+    "DialectName",
+    "Float",
+    "Int",
+    "NonNegFloat",
+    "NonNegInt",
+    "PosFloat",
+    "PosInt",
+    "Rate",
+    "Str",
+    "Where",
+    "did_you_mean",
+    "read_mapping",
+    "validate",
+]
+
+#: Every schema class carries this: unknown keys are errors, never ignored.
+FORBID = ConfigDict(extra="forbid")
+
+Bool = StrictBool
+Int = StrictInt
+Str = StrictStr
+Float = Annotated[float, Strict()]  # an int is a number too; a string or a bool is not
+PosInt = Annotated[StrictInt, Field(ge=1)]
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+PosFloat = Annotated[float, Strict(), Field(gt=0)]
+NonNegFloat = Annotated[float, Strict(), Field(ge=0)]
+#: A chat format name from :data:`tokenbridge.chat.DIALECTS` (a typo gets "did you mean").
+DialectName = Literal[tuple(DIALECTS)]  # type: ignore[valid-type]
+
+
+def _rate(value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"must be a rate between 0 and 1, got {value!r}")
+    return value
+
+
+#: A per-request probability in [0, 1].
+Rate = Annotated[float, Strict(), AfterValidator(_rate)]
+
+T = TypeVar("T")
+Loc = tuple[Union[str, int], ...]
+
+#: Keys whose values never appear in a message (they may hold a credential).
+_SECRET_KEYS = {"api_key", "headers"}
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a mapping came from: a file (its text lets problems name the line) or flags.
+
+    ``prefix`` is the mapping's place inside the file (``("generate",)`` for a run
+    config's ``[generate]`` table); ``flags`` maps a field's dotted name to the CLI flag
+    that set it, so a bad flag is reported as ``--max-tokens: ...``.
+    """
+
+    source: str
+    text: str | None = None
+    prefix: Loc = ()
+    flags: Mapping[str, str] | None = None
+    #: ``(schema place, file place)`` pairs: keys the loader moved before validation.
+    renames: tuple[tuple[Loc, Loc], ...] = ()
+    #: More keys accepted at a place than the schema has there (for "did you mean").
+    also_known: Mapping[Loc, Sequence[str]] = dataclasses.field(default_factory=dict)
+
+    def at(self, *loc: str | int) -> "Where":
+        return dataclasses.replace(self, prefix=self.prefix + loc)
+
+    def renamed(self, renames: tuple[tuple[Loc, Loc], ...]) -> "Where":
+        return dataclasses.replace(self, renames=self.renames + renames)
+
+    def knowing(self, also_known: Mapping[Loc, Sequence[str]]) -> "Where":
+        return dataclasses.replace(self, also_known={**self.also_known, **also_known})
+
+    def line(self, loc: Sequence[str | int], renamed: bool = False) -> int | None:
+        """The line of ``loc`` (a place in the schema) in the file, when it can be found."""
+        loc = tuple(loc)
+        for old, new in () if renamed else self.renames:
+            if loc[: len(old)] == old:
+                loc = new + loc[len(old):]
+                break
+        return _line_of(self.text, self.prefix + loc) if self.text else None
+
+    def problem(self, loc: Sequence[str | int], message: str) -> str:
+        """One line: ``file:LINE: section.key: message`` (or ``--flag: message``)."""
+        loc = tuple(loc)
+        for old, new in self.renames:
+            if loc[: len(old)] == old:
+                loc = new + loc[len(old):]
+                break
+        if self.flags is not None:
+            own = _dotted(loc)
+            flag = next((self.flags[_dotted(loc[:n])] for n in range(len(loc), 0, -1)
+                         if _dotted(loc[:n]) in self.flags), None)
+            if flag is None:
+                return f"{self.source}: {own}: {message}" if own else f"{self.source}: {message}"
+            return f"{flag}: {message}" if _dotted(loc) in self.flags else f"{flag}: {own}: {message}"
+        full = self.prefix + loc
+        line = self.line(loc, renamed=True)
+        at = f"{self.source}:{line}" if line else self.source
+        return f"{at}: {_dotted(full)}: {message}" if full else f"{at}: {message}"
+
+
+def read_mapping(path: Path, error: Callable[[str], Exception]) -> tuple[dict[str, Any], str]:
+    """A TOML (``.toml``) or YAML (``.yaml``/``.yml``) file as a mapping, plus its text."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: cannot read config ({getattr(exc, 'strerror', None) or exc})") from None
+    suffix = path.suffix.lower()
+    data: Any
+    if suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f":{mark.line + 1}" if mark is not None else ""
+            raise error(f"{path}{at}: invalid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    else:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise error(f"{path}: invalid TOML: {exc}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: the top level must be a table/mapping")
+    return data, text
+
+
+def validate(schema: Any, data: Any, where: Where) -> tuple[Any, list[str]]:
+    """``(instance, [])`` when ``data`` fits ``schema``, else ``(None, problems)``."""
+    try:
+        return _adapter(schema).validate_python(data), []
+    except ValidationError as exc:
+        found: dict[str, int] = {}
+        for err in exc.errors(include_url=False):
+            loc = tuple(p for p in err["loc"] if p != "[key]")
+            found.setdefault(where.problem(loc, _message(schema, err, where)), where.line(loc) or 1 << 30)
+        return None, sorted(found, key=found.__getitem__)  # in file order
+
+
+def did_you_mean(word: Any, options: Sequence[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest option, else the options themselves."""
+    close = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f" (known: {', '.join(options)})" if options else ""
+
+
+@lru_cache(maxsize=None)
+def _adapter(schema: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(schema)
+
+
+# --- messages ----------------------------------------------------------------------------
+
+
+def _message(schema: Any, err: Any, where: Where) -> str:
+    kind: str = err["type"]
+    loc = tuple(p for p in err["loc"] if p != "[key]")
+    value = err.get("input")
+    got = "" if _SECRET_KEYS & {str(p) for p in loc} else f", got {_show(value)}"
+    ctx = err.get("ctx") or {}
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        known = [*_keys_at(schema, loc[:-1]), *where.also_known.get(loc[:-1], ())]
+        return "unknown key" + did_you_mean(loc[-1] if loc else "", sorted(set(known), key=known.index))
+    if kind == "missing":
+        return "missing (required)"
+    if kind == "literal_error":
+        options = re.findall(r"'((?:[^'\\]|\\.)*)'", str(ctx.get("expected", "")))
+        hint = did_you_mean(value, options)
+        return f"unknown value {_show(value)}" + (hint if hint.startswith(";") else f" (choose from: {', '.join(options)})")
+    if kind == "bool_type":
+        tip = " (a quoted string is not a boolean: write true or false without quotes)" if isinstance(value, str) else ""
+        return f"must be true or false{got}{tip}"
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return f"must be an integer{got}"
+    if kind in ("float_type", "float_parsing", "finite_number"):
+        return f"must be a number{got}"
+    if kind == "string_type":
+        return f"must be a string{got}"
+    if kind in ("tuple_type", "list_type"):
+        tip = f" (write {json.dumps([value])})" if isinstance(value, str) else ""
+        return f"must be a list{got}{tip}"
+    if kind in ("dict_type", "dataclass_type", "model_type", "typed_dict_type", "mapping_type"):
+        return f"must be a table/mapping{got}"
+    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+    if kind in bounds:
+        limit = next(iter(ctx.values()), "?")
+        return f"must be {bounds[kind]} {limit}{got}"
+    if kind == "string_too_short":
+        return "must not be empty"
+    if kind in ("value_error", "assertion_error"):
+        return str(ctx.get("error") or err["msg"])
+    if kind == "path_type":
+        return f"must be a path (a string){got}"
+    return str(err["msg"])
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _dotted(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+# --- what keys a schema knows at a place (for "did you mean") ------------------------------
+
+
+def _keys_at(schema: Any, loc: Loc) -> list[str]:
+    tp = _strip(schema)
+    for part in loc:
+        tp = _strip(_child(tp, part))
+        if tp is None:
+            return []
+    if dataclasses.is_dataclass(tp):
+        return [f.name for f in dataclasses.fields(tp)]
+    if is_typeddict(tp):
+        return list(typing.get_type_hints(tp))
+    return []
+
+
+def _child(tp: Any, part: str | int) -> Any:
+    if dataclasses.is_dataclass(tp) or is_typeddict(tp):
+        return typing.get_type_hints(tp, include_extras=True).get(str(part))
+    args = typing.get_args(tp)
+    origin = typing.get_origin(tp)
+    if origin in (tuple, list) and args:
+        return args[0]
+    if origin in (dict, Mapping) or (origin is not None and getattr(origin, "__name__", "") == "Mapping"):
+        return args[1] if len(args) == 2 else None
+    return None
+
+
+def _strip(tp: Any) -> Any:
+    """``Annotated[X, ...]`` and ``X | None`` down to ``X``."""
+    while True:
+        if typing.get_origin(tp) is Annotated:
+            tp = typing.get_args(tp)[0]
+        elif typing.get_origin(tp) in (Union, types.UnionType):
+            members = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp = next((m for m in members if dataclasses.is_dataclass(_strip(m))), members[0] if members else None)
+        else:
+            return tp
+
+
+# --- which line a key sits on (cheap, best effort) -------------------------------------------
+
+_HEADER = r"^\s*\[\[?\s*(?:[\w\"'.-]+\.)?[\"']?%s[\"']?(?:\.[\w\"'.-]+)?\s*\]"
+_KEY = r"^\s*(?:-\s*)?[\"']?%s[\"']?\s*[=:]"
+_INLINE = r"[{,]\s*[\"']?%s[\"']?\s*="
+
+
+def _line_of(text: str | None, loc: Loc) -> int | None:
+    """The 1-based line of the last key of ``loc``, searching key by key down the file."""
+    if not text:
+        return None
+    lines = text.splitlines()
+    start, found, prev = 0, None, ""
+    for part in loc:
+        if isinstance(part, int):
+            entries = [i for i in range(start, len(lines))
+                       if re.match(r"^\s*\[\[\s*(?:[\w.-]+\.)?%s\s*\]\]" % re.escape(prev), lines[i])
+                       or re.match(r"^\s*-\s", lines[i])]
+            if part < len(entries):
+                start = found = entries[part]
+                continue
+            if found is not None and lines[found].count("[") == lines[found].count("]"):
+                return found + 1  # a one-line inline array: its line is as close as it gets
+            end = next((i for i in range(start + 1, len(lines)) if re.match(r"^\s*\[", lines[i])), len(lines))
+            tables = [i for i in range(start + 1, end) if "{" in lines[i]]
+            if part < len(tables):
+                start = found = tables[part]
+                continue
+            return found + 1 if found is not None else None
+        key = re.escape(str(part))
+        pats = [re.compile(p % key) for p in (_HEADER, _KEY, _INLINE)]
+        hit = next((i for i in range(start, len(lines)) if any(p.search(lines[i]) for p in pats)), None)
+        if hit is None:
+            return found + 1 if found is not None else None
+        start = found = hit
+        prev = str(part)
+    return found + 1 if found is not None else None
