@@ -128,7 +128,9 @@ class Where:
                          if _dotted(loc[:n]) in self.flags), None)
             if flag is None:
                 return f"{self.source}: {own}: {message}" if own else f"{self.source}: {message}"
-            return f"{flag}: {message}" if _dotted(loc) in self.flags else f"{flag}: {own}: {message}"
+            n = next(n for n in range(len(loc), 0, -1) if _dotted(loc[:n]) in self.flags)
+            rest = loc[n:]
+            return f"{flag}: {message}" if all(isinstance(p, int) for p in rest) else f"{flag}: {_dotted(rest)}: {message}"
         full = self.prefix + loc
         line = self.line(loc, renamed=True)
         at = f"{self.source}:{line}" if line else self.source
@@ -171,7 +173,9 @@ def validate(schema: Any, data: Any, where: Where) -> tuple[Any, list[str]]:
     except ValidationError as exc:
         found: dict[str, int] = {}
         for err in exc.errors(include_url=False):
-            loc = tuple(p for p in err["loc"] if p != "[key]")
+            loc = tuple(err["loc"])
+            if "[key]" in loc:  # a bad mapping key: name the mapping, the message names the key
+                loc = loc[: loc.index("[key]") - 1]
             found.setdefault(where.problem(loc, _message(schema, err, where)), where.line(loc) or 1 << 30)
         return None, sorted(found, key=found.__getitem__)  # in file order
 
@@ -194,7 +198,9 @@ def _adapter(schema: Any) -> TypeAdapter[Any]:
 
 def _message(schema: Any, err: Any, where: Where) -> str:
     kind: str = err["type"]
-    loc = tuple(p for p in err["loc"] if p != "[key]")
+    loc = tuple(err["loc"])
+    if "[key]" in loc:
+        loc = loc[: loc.index("[key]") - 1]
     value = err.get("input")
     got = "" if _SECRET_KEYS & {str(p) for p in loc} else f", got {_show(value)}"
     ctx = err.get("ctx") or {}
