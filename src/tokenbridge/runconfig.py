@@ -168,7 +168,7 @@ def load_run_config(path: str | Path) -> RunConfig:
         if not settings.datasets:
             problems.append(where.problem(("generate", "datasets"), "missing (at least one prompt dataset)"))
         for i, spec in enumerate(settings.datasets):
-            if not spec.path.exists():
+            if not spec.path.exists() and not _is_builtin(gen["datasets"][i]):  # builtin: reported above
                 problems.append(where.problem(("generate", "datasets", i, "path"), f"no such file or folder: {spec.path}"))
 
     # [emulator]: its config file (problems name that file), then this section's overrides
@@ -243,8 +243,13 @@ def _dataset_paths(d: Any, i: int, base: Path, where: Where, problems: list[str]
             hint = did_you_mean(value, names)
             problems.append(where.problem(("generate", "datasets", i, "path"), f"no such built-in data {value!r}"
                                           + (hint if hint.startswith(";") else f" (have: {', '.join(names)})")))
+            return d
         return {**d, "path": str(path)}
     return {**d, "path": value if Path(value).is_absolute() else str((base / value).resolve())}
+
+
+def _is_builtin(d: Any) -> bool:
+    return isinstance(d, Mapping) and str(d.get("path", "")).startswith(_BUILTIN)
 
 
 def _builtin_names() -> list[str]:
