@@ -286,6 +286,20 @@ def test_generate_new_fields_have_the_agreed_defaults_and_ranges(tmp_path):
     ]
 
 
+def test_generate_config_reads_builtin_datasets_like_run(tmp_path):
+    path = _write(tmp_path, '[generate]\nmodel = "m"\n[[generate.datasets]]\npath = "builtin:prompts/plain.jsonl"\n',
+                  "gen.toml")
+    (spec,) = load_config(path).datasets
+    assert spec.name == "plain" and spec.path.is_file() and spec.path.name == "plain.jsonl"
+
+
+def test_generate_key_outside_the_generate_table_is_an_error(tmp_path):
+    path = _write(tmp_path, 'concurrency = 4\n[run]\ntokenizer = "x/y"\n[generate]\nmodel = "m"\n', "gen.toml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}:1: concurrency: outside [generate], where it would be ignored; move it under [generate]"
+
+
 def test_generate_flag_out_of_range_names_the_flag(tmp_path):
     prompts = _write(tmp_path, json.dumps({"prompt": "hi"}) + "\n", "p.jsonl")
     res = CliRunner().invoke(app, ["generate", str(prompts), "--out", str(tmp_path / "run"), "--model", "m",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
@@ -29,7 +28,6 @@ from .tokenizer import Tokenizer
 
 __all__ = ["PipelineError", "RunConfig", "check_before_generate", "emulator_config", "load_run_config"]
 
-_BUILTIN = "builtin:"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -156,8 +154,6 @@ def load_run_config(path: str | Path) -> RunConfig:
 
     # [generate]: the generate schema, with builtin: datasets and paths relative to this file
     gen = dict(data.get("generate") or {}) if isinstance(data.get("generate"), Mapping) else {}
-    if isinstance(gen.get("datasets"), list):
-        gen["datasets"] = [_dataset_paths(d, i, base, where, problems) for i, d in enumerate(gen["datasets"])]
     if tokenizer:
         gen.setdefault("tokenizer", tokenizer)
     settings, gen_problems = settings_problems(gen, where.at("generate"), base_dir=base)
@@ -168,7 +164,7 @@ def load_run_config(path: str | Path) -> RunConfig:
         if not settings.datasets:
             problems.append(where.problem(("generate", "datasets"), "missing (at least one prompt dataset)"))
         for i, spec in enumerate(settings.datasets):
-            if not spec.path.exists() and not _is_builtin(gen["datasets"][i]):  # builtin: reported above
+            if not spec.path.exists():
                 problems.append(where.problem(("generate", "datasets", i, "path"), f"no such file or folder: {spec.path}"))
 
     # [emulator]: its config file (problems name that file), then this section's overrides
@@ -228,33 +224,6 @@ def _tokenizer_source(value: str, base: Path) -> tuple[str, str | None]:
     if not _HUB_ID.match(value):
         return value, f"{value!r} is neither a tokenizer folder nor a Hub repo id (owner/name)"
     return value, None
-
-
-def _dataset_paths(d: Any, i: int, base: Path, where: Where, problems: list[str]) -> Any:
-    """``builtin:`` paths to the files shipped in the package; others relative to the config."""
-    if not isinstance(d, Mapping) or not isinstance(d.get("path"), str):
-        return d
-    value = d["path"]
-    if value.startswith(_BUILTIN):
-        rel = value[len(_BUILTIN):].strip("/")
-        path = Path(str(resources.files("tokenbridge") / "data" / rel))
-        if not path.is_file():
-            names = _builtin_names()
-            hint = did_you_mean(value, names)
-            problems.append(where.problem(("generate", "datasets", i, "path"), f"no such built-in data {value!r}"
-                                          + (hint if hint.startswith(";") else f" (have: {', '.join(names)})")))
-            return d
-        return {**d, "path": str(path)}
-    return {**d, "path": value if Path(value).is_absolute() else str((base / value).resolve())}
-
-
-def _is_builtin(d: Any) -> bool:
-    return isinstance(d, Mapping) and str(d.get("path", "")).startswith(_BUILTIN)
-
-
-def _builtin_names() -> list[str]:
-    root = Path(str(resources.files("tokenbridge") / "data"))
-    return sorted(f"{_BUILTIN}{p.relative_to(root)}" for p in root.rglob("*.jsonl"))
 
 
 def emulator_config(cfg: RunConfig) -> Any:

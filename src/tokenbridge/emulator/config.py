@@ -21,7 +21,6 @@ from ..schema import (
     FORBID,
     Bool,
     DialectName,
-    Float,
     Int,
     NonNegFloat,
     NonNegInt,

@@ -9,7 +9,7 @@ under a ``[generate]`` table (so the pipeline config can share one file)::
     concurrency = 256
     [request]            # max_tokens, temperature, top_p, seed, n, reasoning, provider, extra_body
     [prices]             # USD per million tokens: prompt, completion
-    [[datasets]]         # name, path, limit, split
+    [[datasets]]         # name, path (or builtin:prompts/chat.jsonl), limit, split
 
 The dataclasses below are the schema (:mod:`tokenbridge.schema`): a config file and the
 CLI flags are both checked against them, every value for type and range, no string
@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 from urllib.parse import urlsplit
@@ -44,6 +45,7 @@ from ..schema import (
     PosInt,
     Str,
     Where,
+    did_you_mean,
     read_mapping,
     validate,
 )
@@ -62,12 +64,17 @@ __all__ = [
     "override_settings",
     "parse_dataset_arg",
     "settings_from_mapping",
+    "settings_problems",
 ]
 
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _CREDENTIAL_HEADER = re.compile(r"auth|key|token|secret|cookie|passw|session|credential", re.IGNORECASE)
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+#: Dataset paths starting with this name prompt files shipped in the package (the demo's).
+_BUILTIN = "builtin:"
+#: A ``tokenbridge run`` config's sections: ``generate --config`` reads its [generate] only.
+_RUN_SECTIONS = ("run", "emulator", "generate", "reconstruct", "export", "vocab", "report")
 
 
 class ConfigError(GenerateError, ValueError):
@@ -342,6 +349,10 @@ def load_config(path: str | Path) -> GenerateSettings:
     data, text = read_mapping(path, ConfigError)
     where = Where(str(path), text)
     if isinstance(data.get("generate"), dict):
+        stray = [where.problem((key,), "outside [generate], where it would be ignored; move it under [generate]")
+                 for key in data if key not in _RUN_SECTIONS]
+        if stray:
+            raise ConfigError("\n".join(stray))
         data, where = data["generate"], where.at("generate")
     return settings_from_mapping(data, source=str(path), base_dir=path.parent, where=where)
 
@@ -373,17 +384,15 @@ def settings_problems(
                 moved.append((("request", key), (key,)))
         if req:
             data["request"] = req
-    datasets = data.get("datasets")
-    if isinstance(datasets, list):  # a dataset is named after its file unless it says otherwise
-        data["datasets"] = [
-            {"name": _stem(d["path"]), **d} if isinstance(d, dict) and "name" not in d and isinstance(d.get("path"), str)
-            else d
-            for d in datasets
-        ]
     where = where.renamed(tuple(moved)).knowing(_ALSO_KNOWN)
-    settings, problems = validate(GenerateSettings, data, where)
+    problems: list[str] = []
+    datasets = data.get("datasets")
+    if isinstance(datasets, list):  # named after the file unless they say otherwise; builtin: resolved
+        data["datasets"] = [_dataset_entry(d, i, where, problems) for i, d in enumerate(datasets)]
+    settings, more = validate(GenerateSettings, data, where)
+    problems += more
     if settings is None:
-        return GenerateSettings(), problems
+        return GenerateSettings(), sorted(problems, key=lambda p: _line_number(p, where.source))
     names = [d.name for d in settings.datasets]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -395,6 +404,38 @@ def settings_problems(
             tok = str((base_dir / tok).resolve())  # relative to the config file, like dataset paths
         settings = replace(settings, datasets=specs, tokenizer=tok)
     return settings, problems
+
+
+def _dataset_entry(d: Any, i: int, where: Where, problems: list[str]) -> Any:
+    if not isinstance(d, Mapping) or not isinstance(d.get("path"), str):
+        return d
+    d = {"name": _stem(d["path"]), **d}
+    if d["path"].startswith(_BUILTIN):
+        path = _builtin_path(d["path"])
+        if path is None:
+            names = _builtin_names()
+            hint = did_you_mean(d["path"], names)
+            problems.append(where.problem(("datasets", i, "path"), f"no such built-in data {d['path']!r}"
+                                          + (hint if hint.startswith(";") else f" (have: {', '.join(names)})")))
+        else:
+            d["path"] = str(path)
+    return d
+
+
+def _builtin_path(value: str) -> Path | None:
+    """``builtin:prompts/chat.jsonl``: the file shipped inside the package, if there is one."""
+    path = Path(str(resources.files("tokenbridge") / "data" / value[len(_BUILTIN):].strip("/")))
+    return path if path.is_file() else None
+
+
+def _builtin_names() -> list[str]:
+    root = Path(str(resources.files("tokenbridge") / "data"))
+    return sorted(f"{_BUILTIN}{p.relative_to(root)}" for p in root.rglob("*.jsonl"))
+
+
+def _line_number(problem: str, source: str) -> int:
+    head = problem[len(source) + 1:].split(":", 1)[0] if problem.startswith(source + ":") else ""
+    return int(head) if head.isdigit() else 1 << 30
 
 
 def normalize_reasoning(value: Any, source: str = "reasoning") -> dict[str, Any]:
