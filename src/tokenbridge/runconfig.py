@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping
 
 from pydantic import AfterValidator, Field, with_config
 
@@ -25,6 +25,9 @@ from .exit_codes import ExitCode
 from .export.exporter import FORMATS
 from .schema import FORBID, Bool, DialectName, NonNegInt, PosInt, Str, Where, did_you_mean, read_mapping, validate
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .emulator.config import EmulatorConfig
 
 __all__ = ["PipelineError", "RunConfig", "check_before_generate", "emulator_config", "load_run_config"]
 
@@ -129,7 +132,7 @@ def _config_error(message: str) -> PipelineError:
 
 def load_run_config(path: str | Path) -> RunConfig:
     """Read and check a run config; :class:`PipelineError` (code 2) lists every problem."""
-    from .emulator import EmulatorConfig, load_emulator_config
+    from .emulator import load_emulator_config
     from .emulator import ConfigError as EmulatorConfigError
     from .emulator.config import emulator_config_problems
     from .generate.settings import settings_problems
@@ -215,9 +218,8 @@ def _file_order(problem: str, source: str) -> tuple[bool, int]:
 def _tokenizer_source(value: str, base: Path) -> tuple[str, str | None]:
     """A tokenizer folder (relative to the config file) or a Hub repo id, and what is wrong."""
     if value.startswith((".", "/", "~")) or (base / value).exists():
-        folder = value if Path(value).is_absolute() else str((base / value).expanduser().resolve())
-        if value.startswith("~"):
-            folder = str(Path(value).expanduser())
+        given = Path(value).expanduser()
+        folder = str(given if given.is_absolute() else (base / given).resolve())
         if not Path(folder).is_dir():
             return folder, f"no such tokenizer folder: {folder}"
         return folder, None
@@ -226,9 +228,9 @@ def _tokenizer_source(value: str, base: Path) -> tuple[str, str | None]:
     return value, None
 
 
-def emulator_config(cfg: RunConfig) -> Any:
+def emulator_config(cfg: RunConfig) -> EmulatorConfig:
     """The emulator config ``run`` starts: the ``config`` file with the section's overrides."""
-    from .emulator import EmulatorConfig, load_emulator_config
+    from .emulator import load_emulator_config
     from .emulator import ConfigError as EmulatorConfigError
     from .emulator.config import emulator_config_problems
 

@@ -106,35 +106,35 @@ class Where:
     def knowing(self, also_known: Mapping[Loc, Sequence[str]]) -> "Where":
         return dataclasses.replace(self, also_known={**self.also_known, **also_known})
 
-    def line(self, loc: Sequence[str | int], renamed: bool = False) -> int | None:
+    def line(self, loc: Sequence[str | int]) -> int | None:
         """The line of ``loc`` (a place in the schema) in the file, when it can be found."""
-        loc = tuple(loc)
-        for old, new in () if renamed else self.renames:
-            if loc[: len(old)] == old:
-                loc = new + loc[len(old):]
-                break
-        return _line_of(self.text, self.prefix + loc) if self.text else None
+        return _line_of(self.text, self.prefix + self._in_file(tuple(loc))) if self.text else None
 
     def problem(self, loc: Sequence[str | int], message: str) -> str:
         """One line: ``file:LINE: section.key: message`` (or ``--flag: message``)."""
-        loc = tuple(loc)
-        for old, new in self.renames:
-            if loc[: len(old)] == old:
-                loc = new + loc[len(old):]
-                break
+        place = self._in_file(tuple(loc))
         if self.flags is not None:
-            own = _dotted(loc)
-            flag = next((self.flags[_dotted(loc[:n])] for n in range(len(loc), 0, -1)
-                         if _dotted(loc[:n]) in self.flags), None)
-            if flag is None:
-                return f"{self.source}: {own}: {message}" if own else f"{self.source}: {message}"
-            n = next(n for n in range(len(loc), 0, -1) if _dotted(loc[:n]) in self.flags)
-            rest = loc[n:]
-            return f"{flag}: {message}" if all(isinstance(p, int) for p in rest) else f"{flag}: {_dotted(rest)}: {message}"
-        full = self.prefix + loc
-        line = self.line(loc, renamed=True)
+            return self._flag_problem(place, message)
+        full = self.prefix + place
+        line = _line_of(self.text, full) if self.text else None
         at = f"{self.source}:{line}" if line else self.source
         return f"{at}: {_dotted(full)}: {message}" if full else f"{at}: {message}"
+
+    def _in_file(self, loc: Loc) -> Loc:
+        for old, new in self.renames:
+            if loc[: len(old)] == old:
+                return new + loc[len(old):]
+        return loc
+
+    def _flag_problem(self, loc: Loc, message: str) -> str:
+        """Named after the flag that set ``loc`` (or the nearest one above it)."""
+        for n in range(len(loc), 0, -1):
+            flag = (self.flags or {}).get(_dotted(loc[:n]))
+            if flag is not None:
+                rest = loc[n:]
+                inner = "" if all(isinstance(p, int) for p in rest) else f"{_dotted(rest)}: "
+                return f"{flag}: {inner}{message}"
+        return f"{self.source}: {_dotted(loc)}: {message}" if loc else f"{self.source}: {message}"
 
 
 def read_mapping(path: Path, error: Callable[[str], Exception]) -> tuple[dict[str, Any], str]:
