@@ -132,8 +132,8 @@ def _config_error(message: str) -> PipelineError:
 
 def load_run_config(path: str | Path) -> RunConfig:
     """Read and check a run config; :class:`PipelineError` (code 2) lists every problem."""
-    from .emulator import load_emulator_config
     from .emulator import ConfigError as EmulatorConfigError
+    from .emulator import EmulatorConfig, load_emulator_config
     from .emulator.config import emulator_config_problems
     from .generate.settings import settings_problems
 
@@ -230,8 +230,8 @@ def _tokenizer_source(value: str, base: Path) -> tuple[str, str | None]:
 
 def emulator_config(cfg: RunConfig) -> EmulatorConfig:
     """The emulator config ``run`` starts: the ``config`` file with the section's overrides."""
-    from .emulator import load_emulator_config
     from .emulator import ConfigError as EmulatorConfigError
+    from .emulator import EmulatorConfig, load_emulator_config
     from .emulator.config import emulator_config_problems
 
     try:
