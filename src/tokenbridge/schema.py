@@ -303,32 +303,70 @@ _INLINE = r"[{,]\s*[\"']?%s[\"']?\s*="
 
 
 def _line_of(text: str | None, loc: Loc) -> int | None:
-    """The 1-based line of the last key of ``loc``, searching key by key down the file."""
+    """The 1-based line of the last key of ``loc``, searching key by key down the file,
+    each search kept inside the table or list entry the previous one found."""
     if not text:
         return None
     lines = text.splitlines()
-    start, found, prev = 0, None, ""
+    start, end, found, prev = 0, len(lines), None, ""
     for part in loc:
         if isinstance(part, int):
-            entries = [i for i in range(start, len(lines))
-                       if re.match(r"^\s*\[\[\s*(?:[\w.-]+\.)?%s\s*\]\]" % re.escape(prev), lines[i])
-                       or re.match(r"^\s*-\s", lines[i])]
-            if part < len(entries):
-                start = found = entries[part]
-                continue
-            if found is not None and lines[found].count("[") == lines[found].count("]"):
-                return found + 1  # a one-line inline array: its line is as close as it gets
-            end = next((i for i in range(start + 1, len(lines)) if re.match(r"^\s*\[", lines[i])), len(lines))
-            tables = [i for i in range(start + 1, end) if "{" in lines[i]]
-            if part < len(tables):
-                start = found = tables[part]
-                continue
-            return found + 1 if found is not None else None
-        key = re.escape(str(part))
-        pats = [re.compile(p % key) for p in (_HEADER, _KEY, _INLINE)]
-        hit = next((i for i in range(start, len(lines)) if any(p.search(lines[i]) for p in pats)), None)
+            span = _entry(lines, start, end, prev, part, found)
+            if span is None:
+                break
+            start, end = span
+            found = start
+            continue
+        hit = _key(lines, start, end, str(part))
         if hit is None:
-            return found + 1 if found is not None else None
+            break
         start = found = hit
         prev = str(part)
     return found + 1 if found is not None else None
+
+
+_TABLE = re.compile(r"^\s*\[")
+
+
+def _key(lines: list[str], start: int, end: int, key: str) -> int | None:
+    """A ``[table]`` header naming ``key``, or ``key =`` / ``key:`` before the next header."""
+    k = re.escape(key)
+    header = re.compile(_HEADER % k)
+    plain = (re.compile(_KEY % k), re.compile(_INLINE % k))
+    below_next_table = False
+    for i in range(start, end):
+        if header.search(lines[i]):
+            return i
+        below_next_table = below_next_table or (i > start and bool(_TABLE.match(lines[i])))
+        if not below_next_table and any(p.search(lines[i]) for p in plain):
+            return i
+    return None
+
+
+def _entry(lines: list[str], start: int, end: int, key: str, index: int, at: int | None) -> tuple[int, int] | None:
+    """The lines of entry ``index`` of the list ``key``: a TOML ``[[key]]`` table, a YAML
+    ``- `` item, or one inline table per line of a TOML array."""
+    heads = [i for i in range(start, end) if re.match(r"^\s*\[\[\s*(?:[\w.-]+\.)?%s\s*\]\]" % re.escape(key), lines[i])]
+    if heads:
+        return (heads[index], heads[index + 1] if index + 1 < len(heads) else end) if index < len(heads) else None
+    if at is None:
+        return None
+    items: list[int] = []
+    indent: int | None = None
+    stop = end
+    for i in range(at + 1, end):
+        m = re.match(r"^(\s*)-\s", lines[i])
+        depth = len(lines[i]) - len(lines[i].lstrip())
+        if m and (indent is None or depth == indent):
+            indent = depth
+            items.append(i)
+        elif indent is not None and lines[i].strip() and depth <= indent and not m:
+            stop = i  # dedented: the list ended
+            break
+    if items:
+        return (items[index], items[index + 1] if index + 1 < len(items) else stop) if index < len(items) else None
+    if lines[at].count("[") == lines[at].count("]"):
+        return None  # a one-line inline array: its own line is as close as it gets
+    nxt = next((i for i in range(at + 1, end) if _TABLE.match(lines[i])), end)
+    tables = [i for i in range(at + 1, nxt) if "{" in lines[i]]
+    return (tables[index], tables[index] + 1) if index < len(tables) else None
