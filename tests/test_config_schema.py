@@ -342,6 +342,13 @@ def test_emulator_engine_field_defaults_and_typo(tmp_path):
     assert load_emulator_config(path).providers[0].engine == "sglang"
 
 
+def test_missing_key_points_at_its_own_entry_not_the_next(tmp_path):
+    path = _write(tmp_path, '[[providers]]\nquantization = "fp8"\n[[providers]]\nname = "b/fp8"\n', "emu.toml")
+    with pytest.raises(EmulatorConfigError) as err:
+        load_emulator_config(path)
+    assert str(err.value) == f"{path}:1: providers[0].name: missing (required)"
+
+
 def test_emulator_config_reports_every_problem(tmp_path):
     path = _write(tmp_path, 'seed = "1"\nmin_tokens = 0\naccept_any_model = "yes"\n', "emu.toml")
     with pytest.raises(EmulatorConfigError) as err:
