@@ -342,9 +342,10 @@ def emulator(
     if latency_ms is not None:  # the flag wins over per-provider latencies too
         overrides["providers"] = tuple(dataclasses.replace(p, latency_ms=None) for p in cfg.providers)
     flags = {"latency_ms": "--latency-ms", "fault_rate": "--fault-rate", "seed": "--seed"}
-    cfg, problems = emulator_config_problems(overrides, Where("command line", flags=flags), cfg)
-    if problems:
+    checked, problems = emulator_config_problems(overrides, Where("command line", flags=flags), cfg)
+    if checked is None:
         _fail("\n".join(problems))
+    cfg = checked
     source = tokenizer or cfg.tokenizer or (str(DEFAULT_TOKENIZER) if DEFAULT_TOKENIZER.is_dir() else None)
     if source is None:
         _fail(f"no tokenizer: {DEFAULT_TOKENIZER} does not exist here; pass --tokenizer DIR")

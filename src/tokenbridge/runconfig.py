@@ -132,11 +132,6 @@ def _config_error(message: str) -> PipelineError:
 
 def load_run_config(path: str | Path) -> RunConfig:
     """Read and check a run config; :class:`PipelineError` (code 2) lists every problem."""
-    from .emulator import ConfigError as EmulatorConfigError
-    from .emulator import EmulatorConfig, load_emulator_config
-    from .emulator.config import emulator_config_problems
-    from .generate.settings import settings_problems
-
     path = Path(path)
     if path.suffix.lower() in (".yaml", ".yml"):
         raise _config_error(f"{path}: a run config is TOML (.toml)")
@@ -145,23 +140,47 @@ def load_run_config(path: str | Path) -> RunConfig:
     base = path.parent
     parsed, problems = validate(RunFile, data, where)
 
-    def rel(value: str) -> str:
-        return value if Path(value).is_absolute() else str((base / value).expanduser().resolve())
-
     run = data.get("run") if isinstance(data.get("run"), Mapping) else {}
     tokenizer = run.get("tokenizer") if isinstance(run.get("tokenizer"), str) else ""
     if tokenizer:
         tokenizer, problem = _tokenizer_source(tokenizer, base)
         if problem:
             problems.append(where.problem(("run", "tokenizer"), problem))
+    gen, datasets = _check_generate(data, where, base, tokenizer, problems)
+    emulator, overrides = _check_emulator(data, where, base, problems)
 
-    # [generate]: the generate schema, with builtin: datasets and paths relative to this file
-    gen = dict(data.get("generate") or {}) if isinstance(data.get("generate"), Mapping) else {}
+    if problems or parsed is None:
+        raise _config_error("\n".join(sorted(problems, key=lambda line: _file_order(line, str(path)))))
+    return RunConfig(
+        source=path, out=_relative(parsed.run.out or "runs/" + path.stem, base), tokenizer=tokenizer,
+        dialect=parsed.run.dialect, generate={**gen, "datasets": datasets},
+        use_emulator=data.get("emulator") is not None, emulator=emulator, emulator_overrides=overrides,
+        policy=Policy(severities=dict(parsed.reconstruct.severity), usage_tolerance=parsed.reconstruct.usage_tolerance),
+        export_formats=parsed.export.formats, include_flagged=parsed.export.include_flagged,
+        draft_vocab_size=parsed.vocab.draft_vocab_size, report=parsed.report.enabled,
+    )
+
+
+def _relative(value: str, base: Path) -> Path:
+    """A path from the config file: relative to the file's folder."""
+    given = Path(value).expanduser()
+    return given if given.is_absolute() else (base / given).resolve()
+
+
+def _check_generate(
+    data: Mapping[str, Any], where: Where, base: Path, tokenizer: str, problems: list[str]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """[generate] by the generate schema (the run's tokenizer by default), plus what only
+    ``run`` needs: a model, at least one dataset, and dataset paths that exist."""
+    from .generate.settings import settings_problems
+
+    section = data.get("generate", {})
+    gen = dict(section) if isinstance(section, Mapping) else {}
     if tokenizer:
         gen.setdefault("tokenizer", tokenizer)
-    settings, gen_problems = settings_problems(gen, where.at("generate"), base_dir=base)
-    problems += gen_problems
-    if not gen_problems and isinstance(data.get("generate", {}), Mapping):
+    settings, found = settings_problems(gen, where.at("generate"), base_dir=base)
+    problems += found
+    if not found and isinstance(section, Mapping):
         if not settings.request.model:
             problems.append(where.problem(("generate", "model"), "missing (the model id to send, e.g. moonshotai/kimi-k2.5)"))
         if not settings.datasets:
@@ -169,42 +188,41 @@ def load_run_config(path: str | Path) -> RunConfig:
         for i, spec in enumerate(settings.datasets):
             if not spec.path.exists():
                 problems.append(where.problem(("generate", "datasets", i, "path"), f"no such file or folder: {spec.path}"))
-
-    # [emulator]: its config file (problems name that file), then this section's overrides
-    emu_data = data.get("emulator")
-    use_emulator = emu_data is not None
-    emu = dict(emu_data) if isinstance(emu_data, Mapping) else {}
-    emu_file = emu.pop("config", None)
-    emulator: Path | None = None
-    if emu_file is not None and not isinstance(emu_file, str):
-        problems.append(where.problem(("emulator", "config"), f"must be a path (a string), got {emu_file!r}"))
-    elif emu_file:
-        emulator = Path(rel(emu_file))
-    emu_base: EmulatorConfig | None = EmulatorConfig()
-    if emulator is not None:
-        try:
-            emu_base = load_emulator_config(emulator)
-        except EmulatorConfigError as exc:
-            problems.extend(str(exc).splitlines())
-            emu_base = None
-    if emu_base is not None:
-        problems += emulator_config_problems(emu, where.at("emulator"), emu_base)[1]
-
-    if problems or parsed is None:
-        raise _config_error("\n".join(sorted(problems, key=lambda line: _file_order(line, str(path)))))
     datasets = [
         {"name": d.name, "path": str(d.path), **({"limit": d.limit} if d.limit is not None else {}),
          **({"split": d.split} if d.split else {})}
         for d in settings.datasets
     ]
-    out = Path(rel(parsed.run.out or "runs/" + path.stem))
-    return RunConfig(
-        source=path, out=out, tokenizer=tokenizer, dialect=parsed.run.dialect, generate={**gen, "datasets": datasets},
-        use_emulator=use_emulator, emulator=emulator, emulator_overrides=emu,
-        policy=Policy(severities=dict(parsed.reconstruct.severity), usage_tolerance=parsed.reconstruct.usage_tolerance),
-        export_formats=parsed.export.formats, include_flagged=parsed.export.include_flagged,
-        draft_vocab_size=parsed.vocab.draft_vocab_size, report=parsed.report.enabled,
-    )
+    return gen, datasets
+
+
+def _check_emulator(
+    data: Mapping[str, Any], where: Where, base: Path, problems: list[str]
+) -> tuple[Path | None, dict[str, Any]]:
+    """[emulator]: its ``config`` file (whose problems name that file), then the section's
+    overrides of it. Returns the file and the overrides."""
+    from .emulator import ConfigError as EmulatorConfigError
+    from .emulator import EmulatorConfig, load_emulator_config
+    from .emulator.config import emulator_config_problems
+
+    section = data.get("emulator")
+    overrides = dict(section) if isinstance(section, Mapping) else {}
+    file = overrides.pop("config", None)
+    emulator: Path | None = None
+    if file is not None and not isinstance(file, str):
+        problems.append(where.problem(("emulator", "config"), f"must be a path (a string), got {file!r}"))
+    elif file:
+        emulator = _relative(file, base)
+    base_cfg: EmulatorConfig | None = EmulatorConfig()
+    if emulator is not None:
+        try:
+            base_cfg = load_emulator_config(emulator)
+        except EmulatorConfigError as exc:
+            problems.extend(str(exc).splitlines())
+            base_cfg = None
+    if base_cfg is not None:
+        problems += emulator_config_problems(overrides, where.at("emulator"), base_cfg)[1]
+    return emulator, overrides
 
 
 def _file_order(problem: str, source: str) -> tuple[bool, int]:
@@ -218,8 +236,7 @@ def _file_order(problem: str, source: str) -> tuple[bool, int]:
 def _tokenizer_source(value: str, base: Path) -> tuple[str, str | None]:
     """A tokenizer folder (relative to the config file) or a Hub repo id, and what is wrong."""
     if value.startswith((".", "/", "~")) or (base / value).exists():
-        given = Path(value).expanduser()
-        folder = str(given if given.is_absolute() else (base / given).resolve())
+        folder = str(_relative(value, base))
         if not Path(folder).is_dir():
             return folder, f"no such tokenizer folder: {folder}"
         return folder, None
@@ -239,7 +256,7 @@ def emulator_config(cfg: RunConfig) -> EmulatorConfig:
     except EmulatorConfigError as exc:
         raise _config_error(str(exc)) from None
     out, problems = emulator_config_problems(cfg.emulator_overrides, Where(str(cfg.source)).at("emulator"), base)
-    if problems:
+    if out is None:
         raise _config_error("\n".join(problems))
     return out
 

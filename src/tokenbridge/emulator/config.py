@@ -181,15 +181,16 @@ def load_emulator_config(path: str | Path) -> EmulatorConfig:
         raise ConfigError(f"{path}: unknown config format (use .toml, .yaml or .yml)")
     data, text = read_mapping(path, ConfigError)
     cfg, problems = emulator_config_problems(data, Where(str(path), text))
-    if problems:
+    if cfg is None:
         raise ConfigError("\n".join(problems))
     return cfg
 
 
 def emulator_config_problems(
     data: Mapping[str, Any], where: Where, base: EmulatorConfig | None = None
-) -> tuple[EmulatorConfig, list[str]]:
-    """``data`` (a whole config, or overrides of ``base``) checked against the schema."""
+) -> tuple[EmulatorConfig | None, list[str]]:
+    """``data`` (a whole config, or overrides of ``base``) checked against the schema:
+    ``(config, [])``, or ``(None, one line per problem)``."""
     merged: dict[str, Any] = {}
     if base is not None:
         merged = {name: getattr(base, name) for name in base.__dataclass_fields__}
