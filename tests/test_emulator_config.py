@@ -58,7 +58,7 @@ def test_bad_rate_and_type_are_errors(tmp_path):
     with pytest.raises(ConfigError, match=r":4: providers\[0\]\.faults\.rate_limit: must be a rate between 0 and 1"):
         load_emulator_config(path)
     path.write_text('latency_ms = "fast"\n')
-    with pytest.raises(ConfigError, match=r":1: latency_ms: must be a non-negative number"):
+    with pytest.raises(ConfigError, match=r":1: latency_ms: must be a number, got .fast.$"):
         load_emulator_config(path)
     path.write_text("seed = [\n")
     with pytest.raises(ConfigError, match="invalid TOML"):
@@ -70,7 +70,7 @@ def test_bad_rate_and_type_are_errors(tmp_path):
 def test_unknown_engine_is_an_error(tmp_path):
     path = tmp_path / "emu.toml"
     path.write_text('[[providers]]\nname = "a/fp8"\nengine = "tgi"\n')
-    with pytest.raises(ConfigError, match=r":3: providers\[0\]\.engine: must be one of none, sglang, vllm, got 'tgi'"):
+    with pytest.raises(ConfigError, match=r":3: providers\[0\]\.engine: unknown value 'tgi' \(choose from: none, sglang, vllm\)"):
         load_emulator_config(path)
 
 

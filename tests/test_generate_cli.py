@@ -36,7 +36,7 @@ def test_usage_errors_name_the_problem(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('model = "m"\nconcurency = 3\n', encoding="utf-8")
     res = _invoke([str(prompts), "--out", out, "--config", str(cfg)])
-    assert res.exit_code == 2 and "unknown key(s) ['concurency']" in res.output
+    assert res.exit_code == 2 and "c.toml:2: concurency: unknown key; did you mean 'concurrency'?" in res.output
 
     res = _invoke([str(prompts), "--out", out, "--model", "m", "--reasoning", "high", "--provider-only", "a,b",
                    "--dry-run"])

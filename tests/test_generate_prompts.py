@@ -190,13 +190,13 @@ limit = 100
 
     yml = tmp_path / "gen.yaml"
     yml.write_text("model: m\nrequest:\n  provider:\n    ignor: [x]\n", encoding="utf-8")
-    with pytest.raises(ConfigError, match=r"unknown provider key\(s\) \['ignor'\]"):
+    with pytest.raises(ConfigError, match=r"gen.yaml:4: request.provider.ignor: unknown key; did you mean 'ignore'\?$"):
         load_config(yml)
     yml.write_text("model: m\nheaders:\n  Authorization: Bearer x\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"header\(s\) \[.Authorization.\] look like credentials"):
         load_config(yml)
     yml.write_text("modle: m\n", encoding="utf-8")
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['modle'\]"):
+    with pytest.raises(ConfigError, match=r"gen.yaml:1: modle: unknown key; did you mean 'model'\?$"):
         load_config(yml)
 
 

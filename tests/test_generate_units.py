@@ -281,7 +281,7 @@ def test_settings_refuse_bad_base_urls_and_credential_headers(tmp_path):
             GenerateSettings().with_overrides(headers={name: "v"})
     cfg = tmp_path / "g.toml"
     cfg.write_text('model = "m"\n[headers]\nX-Title = "ok"\nx-api-key = "sk-1"\n', encoding="utf-8")
-    with pytest.raises(ConfigError, match=r"g.toml: header\(s\) \['x-api-key'\]"):
+    with pytest.raises(ConfigError, match=r"g.toml:2: headers: header\(s\) \['x-api-key'\] look like credentials"):
         load_config(cfg)
     assert GenerateSettings(headers={"HTTP-Referer": "https://x", "X-Title": "t"}).headers["X-Title"] == "t"
     # resume identity: loopback ports are ephemeral (the emulator), anything else must match

@@ -8,6 +8,8 @@ from typing import Optional
 
 import typer
 
+from .exit_codes import ExitCode
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -19,18 +21,35 @@ app = typer.Typer(
 
 
 def _policy(usage_tolerance: int, warn: list[str], error: list[str], off: list[str]):
+    """The severity flags, checked by the run config's ``[reconstruct]`` schema."""
     from .checks import Policy
+    from .runconfig import ReconstructSection
+    from .schema import Where, validate
 
     severities = {**{c: "warning" for c in warn}, **{c: "error" for c in error}, **{c: "off" for c in off}}
-    try:
-        return Policy(severities=severities, usage_tolerance=usage_tolerance)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    flags = {"usage_tolerance": "--usage-tolerance", "severity": "--warn/--error/--off"}
+    section, problems = validate(ReconstructSection, {"usage_tolerance": usage_tolerance, "severity": severities},
+                                 Where("command line", flags=flags))
+    if problems:
+        _fail("\n".join(problems))
+    return Policy(severities=dict(section.severity), usage_tolerance=section.usage_tolerance)
 
 
-def _fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code)
+def _dialect_flag(dialect: Optional[str]) -> None:
+    """``--dialect`` must name a known chat format (with "did you mean")."""
+    from .schema import DialectName, Where, validate
+
+    if dialect is not None:
+        problems = validate(dict[str, DialectName], {"dialect": dialect}, Where("command line", flags={"dialect": "--dialect"}))[1]
+        if problems:
+            _fail("\n".join(problems))
+
+
+def _fail(message: str, code: int = ExitCode.CONFIG) -> None:
+    """One ``error:`` line per problem, then exit with ``code``."""
+    for line in message.splitlines() or [""]:
+        typer.echo(f"error: {line}", err=True)
+    raise typer.Exit(int(code))
 
 
 @app.command()
@@ -55,6 +74,7 @@ def reconstruct(
     from .tokenizer import TokenizerError, load_tokenizer
 
     policy = _policy(usage_tolerance, warn, error, off)
+    _dialect_flag(dialect)
     try:
         tok = load_tokenizer(tokenizer)
         resolve_dialect(tok, dialect)
@@ -71,7 +91,7 @@ def reconstruct(
         summary_json.write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
     if summary.bad_lines:
         typer.echo(f"{len(summary.bad_lines)} bad record(s) skipped; the others were written.", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(int(ExitCode.INCOMPLETE))
 
 
 @app.command()
@@ -169,29 +189,29 @@ def generate(
         load_config,
         parse_dataset_arg,
     )
-    from .generate.settings import normalize_provider, normalize_reasoning
+    from .generate.settings import override_settings
+    from .schema import Where
     from .tokenizer import TokenizerError
 
     try:
         settings = load_config(config) if config else GenerateSettings()
-        if prompts:
-            settings = settings.with_overrides(datasets=tuple(parse_dataset_arg(p) for p in prompts))
         provider = dict(settings.request.provider or {})
         for key, value in (("order", _csv(provider_order)), ("only", _csv(provider_only)),
                            ("ignore", _csv(provider_ignore)), ("quantizations", _csv(quantizations)),
                            ("allow_fallbacks", fallbacks)):
             if value is not None:
                 provider[key] = value
-        settings = settings.with_overrides(
-            base_url=base_url, concurrency=concurrency, max_attempts=max_attempts, stream=stream,
-            max_cost=max_cost, tokenizer=tokenizer, limit=limit, api_key_env=api_key_env, progress=progress,
-            max_response_bytes=max_response_bytes, attempt_timeout_s=attempt_timeout,
-            request={
+        # the flags map onto the config's schema and are checked by it (flags win over the file)
+        settings = override_settings(settings, {
+            "datasets": tuple(parse_dataset_arg(p) for p in prompts) if prompts else None,
+            "base_url": base_url, "concurrency": concurrency, "max_attempts": max_attempts, "stream": stream,
+            "max_cost": max_cost, "tokenizer": tokenizer, "limit": limit, "api_key_env": api_key_env,
+            "progress": progress, "max_response_bytes": max_response_bytes, "attempt_timeout_s": attempt_timeout,
+            "request": {
                 "model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                "n": n, "reasoning": normalize_reasoning(reasoning, "--reasoning") if reasoning else None,
-                "provider": normalize_provider(provider, "provider flags") if provider else None,
+                "n": n, "reasoning": reasoning, "provider": provider or None,
             },
-        )
+        }, Where("command line", flags=_GENERATE_FLAGS))
         if dry_run:
             report = _dry_run(settings, out)
             for line in report.lines():
@@ -200,7 +220,7 @@ def generate(
             return
         summary = generate_run(settings, out, force_settings=force_settings)
     except KeyboardInterrupt:  # outside the send loop (loading, writing): nothing half-written is kept
-        _fail(f"interrupted; what was stored in {out} is kept: rerun the same command to continue", 130)
+        _fail(f"interrupted; what was stored in {out} is kept: rerun the same command to continue", ExitCode.INTERRUPTED)
     except GenerateError as exc:
         _fail(str(exc), exc.exit_code)
     except (TokenizerError, DialectError) as exc:
@@ -232,6 +252,19 @@ def generate(
                + (f" ({summary.left_out} other stored samples left out)" if summary.left_out else ""))
     _write_summary(summary_json, summary.to_dict())
     raise typer.Exit(summary.exit_code)
+
+
+_GENERATE_FLAGS = {
+    "datasets": "PROMPTS", "base_url": "--base-url", "concurrency": "--concurrency", "max_attempts": "--max-attempts",
+    "stream": "--stream", "max_cost": "--max-cost", "tokenizer": "--tokenizer", "limit": "--limit",
+    "api_key_env": "--api-key-env", "progress": "--progress", "max_response_bytes": "--max-response-bytes",
+    "attempt_timeout_s": "--attempt-timeout", "request.model": "--model",
+    "request.max_tokens": "--max-tokens", "request.temperature": "--temperature", "request.top_p": "--top-p",
+    "request.seed": "--seed", "request.n": "--n", "request.reasoning": "--reasoning",
+    "request.provider": "provider flags", "request.provider.order": "--provider-order",
+    "request.provider.only": "--provider-only", "request.provider.ignore": "--provider-ignore",
+    "request.provider.quantizations": "--quantizations", "request.provider.allow_fallbacks": "--fallbacks",
+}
 
 
 def _write_summary(path: Optional[Path], data: dict) -> None:
@@ -311,18 +344,23 @@ def emulator(
     import dataclasses
 
     from .emulator import DEFAULT_TOKENIZER, ConfigError, EmulatorConfig, load_emulator_config, serve
+    from .emulator.config import emulator_config_problems
+    from .schema import Where
     from .tokenizer import TokenizerError, load_tokenizer
 
     try:
         cfg = load_emulator_config(config) if config else EmulatorConfig()
-        overrides = {"latency_ms": latency_ms, "fault_rate": fault_rate, "seed": seed}
-        cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-        if latency_ms is not None:  # the flag wins over per-provider latencies too
-            cfg = dataclasses.replace(
-                cfg, providers=tuple(dataclasses.replace(p, latency_ms=None) for p in cfg.providers)
-            )
     except ConfigError as exc:
         _fail(str(exc))
+    overrides = {k: v for k, v in {"latency_ms": latency_ms, "fault_rate": fault_rate, "seed": seed}.items()
+                 if v is not None}
+    if latency_ms is not None:  # the flag wins over per-provider latencies too
+        overrides["providers"] = tuple(dataclasses.replace(p, latency_ms=None) for p in cfg.providers)
+    flags = {"latency_ms": "--latency-ms", "fault_rate": "--fault-rate", "seed": "--seed"}
+    checked, problems = emulator_config_problems(overrides, Where("command line", flags=flags), cfg)
+    if checked is None:
+        _fail("\n".join(problems))
+    cfg = checked
     source = tokenizer or cfg.tokenizer or (str(DEFAULT_TOKENIZER) if DEFAULT_TOKENIZER.is_dir() else None)
     if source is None:
         _fail(f"no tokenizer: {DEFAULT_TOKENIZER} does not exist here; pass --tokenizer DIR")
@@ -347,10 +385,13 @@ def export(
     row_group_rows: int = typer.Option(1000, "--row-group-rows", help="Parquet: rows per row group."),
 ) -> None:
     """Write validated training rows in a trainer's format."""
-    from .export import FORMATS, ExportError, export_file
+    from .export import ExportError, export_file
+    from .runconfig import ExportSection
+    from .schema import Where, validate
 
-    if fmt not in FORMATS:
-        raise typer.BadParameter(f"{fmt!r}: choose one of {', '.join(FORMATS)}", param_hint="--format")
+    problems = validate(ExportSection, {"formats": [fmt]}, Where("command line", flags={"formats": "--format"}))[1]
+    if problems:
+        _fail("\n".join(problems))
     options = {"shard_rows": shard_rows, "row_group_rows": row_group_rows} if fmt == "parquet" else {}
     try:
         summary = export_file(input, output, fmt, include_flagged=include_flagged, **options)
@@ -366,7 +407,7 @@ def export(
 @app.command()
 def vocab(
     input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Reconstruct output (JSONL, or .parquet)."),
-    draft_vocab_size: int = typer.Option(..., "--draft-vocab-size", "-n", help="Draft vocabulary size N."),
+    draft_vocab_size: int = typer.Option(..., "--draft-vocab-size", "-n", min=1, help="Draft vocabulary size N."),
     output: Path = typer.Option(..., "-o", "--output", help="Output folder for d2t/t2d files and vocab.json."),
     target_vocab_size: Optional[int] = typer.Option(
         None, "--target-vocab-size", help="Target model vocab size (the length of t2d)."
@@ -449,7 +490,7 @@ def run(
     except GenerateError as exc:
         _fail(str(exc), exc.exit_code)
     except _anticipated_errors() as exc:
-        _fail(f"{type(exc).__name__}: {exc}", 2)
+        _fail(f"{type(exc).__name__}: {exc}", ExitCode.CONFIG)
     ran = ", ".join(f"{r.name} {r.status}" for r in results)
     typer.echo(f"done: {ran}")
     typer.echo(f"results in {cfg.out} (reconstructed.jsonl, export/, vocab/, report/report.html)")

@@ -11,45 +11,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tomllib
 from contextlib import nullcontext
-from dataclasses import dataclass, field, fields, replace
-from importlib import resources
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .checks import Policy
+from .runconfig import PipelineError, RunConfig, check_before_generate, load_run_config
+from .runconfig import emulator_config as _emulator_config
 
 __all__ = ["PipelineError", "RunConfig", "StageResult", "load_run_config", "run_pipeline"]
-
-_SECTIONS = {"run", "emulator", "generate", "reconstruct", "export", "vocab", "report"}
-_BUILTIN = "builtin:"
-
-
-class PipelineError(Exception):
-    """A config or stage error; the message names the file and key or stage.
-    ``code`` is the exit code the CLI should end with."""
-
-    def __init__(self, message: str, code: int = 1):
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    source: Path
-    out: Path
-    tokenizer: str
-    dialect: str | None
-    generate: Mapping[str, Any]
-    use_emulator: bool
-    emulator: Path | None
-    emulator_overrides: Mapping[str, Any]
-    policy: Policy
-    export_formats: tuple[str, ...]
-    include_flagged: bool
-    draft_vocab_size: int | None
-    report: bool
 
 
 @dataclass
@@ -57,108 +27,6 @@ class StageResult:
     name: str
     status: str  # "ran" | "skipped"
     detail: dict[str, Any] = field(default_factory=dict)
-
-
-def _builtin_path(value: str) -> str:
-    """``builtin:prompts/chat.jsonl`` → the file shipped inside the package."""
-    rel = value[len(_BUILTIN):].strip("/")
-    path = Path(str(resources.files("tokenbridge") / "data" / rel))
-    if not path.exists():
-        raise PipelineError(f"{value}: no such built-in data (have: {', '.join(_builtin_names())})")
-    return str(path)
-
-
-def _builtin_names() -> list[str]:
-    root = Path(str(resources.files("tokenbridge") / "data"))
-    return sorted(f"{_BUILTIN}{p.relative_to(root)}" for p in root.rglob("*.jsonl"))
-
-
-def load_run_config(path: str | Path) -> RunConfig:
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PipelineError(f"{path}: no such config file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise PipelineError(f"{path}: not valid TOML ({exc})") from None
-    unknown = set(data) - _SECTIONS
-    if unknown:
-        raise PipelineError(f"{path}: unknown section(s) {sorted(unknown)}; known: {sorted(_SECTIONS)}")
-    base = path.parent
-    run = dict(data.get("run") or {})
-    where = lambda key: f"{path}: [run] {key}"  # noqa: E731
-
-    def rel(value: str) -> str:
-        return value if Path(value).is_absolute() else str((base / value).resolve())
-
-    if "tokenizer" not in run:
-        raise PipelineError(f"{where('tokenizer')}: missing (a tokenizer folder or Hub repo id)")
-    tokenizer = str(run.pop("tokenizer"))
-    if tokenizer.startswith((".", "/", "~")) or (base / tokenizer).exists():
-        tokenizer = rel(tokenizer)
-    out = Path(rel(str(run.pop("out", "runs/" + path.stem))))
-    dialect = run.pop("dialect", None)
-    if run:
-        raise PipelineError(f"{path}: [run] unknown key(s) {sorted(run)}")
-
-    gen = dict(data.get("generate") or {})
-    datasets = []
-    for i, d in enumerate(gen.pop("datasets", None) or []):
-        d = dict(d)
-        if isinstance(d.get("path"), str):
-            d["path"] = _builtin_path(d["path"]) if d["path"].startswith(_BUILTIN) else rel(d["path"])
-        datasets.append(d)
-    gen["datasets"] = datasets
-    gen.setdefault("tokenizer", tokenizer)
-
-    emu = dict(data.get("emulator") or {})
-    use_emulator = data.get("emulator") is not None
-    cfg = emu.pop("config", None)
-    emulator = Path(rel(cfg)) if cfg else None
-    rec = dict(data.get("reconstruct") or {})
-    severities = dict(rec.pop("severity", None) or {})
-    try:
-        policy = Policy(severities=severities, usage_tolerance=int(rec.pop("usage_tolerance", 0)))
-    except ValueError as exc:
-        raise PipelineError(f"{path}: [reconstruct] {exc}") from None
-    if rec:
-        raise PipelineError(f"{path}: [reconstruct] unknown key(s) {sorted(rec)}")
-    exp = dict(data.get("export") or {})
-    formats = tuple(exp.pop("formats", ("specforge", "speculators", "parquet", "conversations")))
-    include_flagged = bool(exp.pop("include_flagged", False))
-    if exp:
-        raise PipelineError(f"{path}: [export] unknown key(s) {sorted(exp)}")
-    vocab = dict(data.get("vocab") or {})
-    size = vocab.pop("draft_vocab_size", None)
-    if vocab:
-        raise PipelineError(f"{path}: [vocab] unknown key(s) {sorted(vocab)}")
-    report = dict(data.get("report") or {})
-    enabled = bool(report.pop("enabled", True))
-    if report:
-        raise PipelineError(f"{path}: [report] unknown key(s) {sorted(report)}")
-    return RunConfig(
-        source=path, out=out, tokenizer=tokenizer, dialect=dialect, generate=gen, use_emulator=use_emulator,
-        emulator=emulator, emulator_overrides=emu, policy=policy, export_formats=formats, include_flagged=include_flagged,
-        draft_vocab_size=int(size) if size is not None else None, report=enabled,
-    )
-
-
-def _emulator_config(cfg: RunConfig):
-    from .emulator import EmulatorConfig, load_emulator_config
-    from .emulator import ConfigError as EmulatorConfigError
-
-    try:
-        base = load_emulator_config(cfg.emulator) if cfg.emulator else EmulatorConfig()
-    except EmulatorConfigError as exc:
-        raise PipelineError(str(exc)) from None
-    known = {f.name for f in fields(EmulatorConfig)}
-    unknown = set(cfg.emulator_overrides) - known - {"config"}
-    if unknown:
-        raise PipelineError(f"{cfg.source}: [emulator] unknown key(s) {sorted(unknown)}")
-    try:
-        return replace(base, **cfg.emulator_overrides)
-    except (TypeError, ValueError) as exc:
-        raise PipelineError(f"{cfg.source}: [emulator] {exc}") from None
 
 
 # --- stage bookkeeping -------------------------------------------------------------------
@@ -227,6 +95,7 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     out.mkdir(parents=True, exist_ok=True)
     state = _State(out)
     tok = load_tokenizer(cfg.tokenizer)
+    check_before_generate(cfg, tok)  # the config checks that need the tokenizer, before any request
     results: list[StageResult] = []
 
     # 1. generate (resumes from its store; done samples are never sent again)

@@ -8,13 +8,15 @@ run``) catch that one class, print ``str(exc)`` (one line, no secret) and exit w
 
 from __future__ import annotations
 
+from ..exit_codes import ExitCode
+
 __all__ = ["GenerateError", "RunFolderBusy", "SettingsChanged"]
 
 
 class GenerateError(Exception):
     """Base of every anticipated ``generate`` error; ``exit_code`` says how the CLI exits."""
 
-    exit_code: int = 2
+    exit_code: int = ExitCode.USAGE
 
     def __init__(self, message: str, *, exit_code: int | None = None) -> None:
         super().__init__(message)
@@ -25,11 +27,11 @@ class GenerateError(Exception):
 class RunFolderBusy(GenerateError):
     """Another process holds the run folder's lock (``RUN/.lock``)."""
 
-    exit_code = 7
+    exit_code = ExitCode.BUSY
 
 
 class SettingsChanged(GenerateError):
     """Done samples in the run folder were generated with other settings (model, request
     fields, base_url) than this invocation's; ``force_settings`` accepts the mix."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE

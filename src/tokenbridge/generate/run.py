@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 import aiohttp
 import orjson
 
+from ..exit_codes import ExitCode
 from .budget import Budget
 from .body import BodyError, check_body, one_line
 from .crashpoint import commit_point
@@ -49,21 +50,6 @@ __all__ = [
 
 EXCHANGES_FILE = "exchanges.jsonl"
 SUMMARY_FILE = "generate.json"
-
-
-class ExitCode:
-    """``RunSummary.exit_code`` and the CLI's exit status (see the package docstring)."""
-
-    OK = 0
-    INCOMPLETE = 1  # finished, but some samples failed or some rows were bad
-    USAGE = 2
-    PAYMENT = 3
-    BUDGET = 4
-    UNAUTHORIZED = 5
-    STORE = 6
-    BUSY = 7  # another process holds the run folder
-    INTERNAL = 8  # a background task died (a bug); what was committed is kept
-    INTERRUPTED = 130
 
 
 _STOP_CODES = {

@@ -1,0 +1,283 @@
+"""``tokenbridge run CONFIG``'s config file: every section checked before anything is sent.
+
+Sections: ``[run]`` (tokenizer, out, dialect), ``[emulator]`` (omit it to talk to
+``base_url`` for real; ``config`` names an emulator config file, any other key overrides
+it), ``[generate]`` (the generate config, :mod:`.generate.settings`), ``[reconstruct]``,
+``[export]``, ``[vocab]``, ``[report]``. Each is a schema (frozen dataclasses with pydantic
+types, see :mod:`.schema`); :func:`load_run_config` reports the problems of *all*
+sections at once, one line each (``run.toml:31: export.formats[0]: unknown value
+'specforg'; did you mean 'specforge'?``), and :func:`check_before_generate` the ones that
+need the tokenizer loaded. Both come before the first request, so a typo never costs a
+paid generation.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping
+
+from pydantic import AfterValidator, Field, with_config
+
+from .checks import CODES, Policy
+from .exit_codes import ExitCode
+from .export.exporter import FORMATS
+from .schema import FORBID, Bool, DialectName, NonNegInt, PosInt, Str, Where, did_you_mean, read_mapping, validate
+from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .emulator.config import EmulatorConfig
+
+__all__ = ["PipelineError", "RunConfig", "check_before_generate", "emulator_config", "load_run_config"]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class PipelineError(Exception):
+    """A config or stage error; the message names the file and key or stage (one line per
+    problem). ``code`` is the exit code the CLI should end with."""
+
+    def __init__(self, message: str, code: int = ExitCode.INCOMPLETE):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    source: Path
+    out: Path
+    tokenizer: str
+    dialect: str | None
+    generate: Mapping[str, Any]
+    use_emulator: bool
+    emulator: Path | None
+    emulator_overrides: Mapping[str, Any]
+    policy: Policy
+    export_formats: tuple[str, ...]
+    include_flagged: bool
+    draft_vocab_size: int | None
+    report: bool
+
+
+# --- the schema of the sections that are not another config's ------------------------------
+
+ExportFormat = Literal[FORMATS]  # type: ignore[valid-type]
+
+
+def _finding_code(code: str) -> str:
+    if code not in CODES:
+        raise ValueError(f"unknown finding code {code!r}" + did_you_mean(code, list(CODES)))
+    return code
+
+
+FindingCode = Annotated[Str, AfterValidator(_finding_code)]
+Severity = Literal["error", "warning", "off"]
+
+
+@with_config(FORBID)
+@dataclass(frozen=True)
+class RunSection:
+    tokenizer: Annotated[Str, Field(min_length=1)]  # a tokenizer folder or a Hub repo id (owner/name)
+    out: Annotated[Str, Field(min_length=1)] | None = None  # default: runs/<config stem>
+    dialect: DialectName | None = None
+
+
+@with_config(FORBID)
+@dataclass(frozen=True)
+class ReconstructSection:
+    usage_tolerance: NonNegInt = 0
+    severity: Mapping[FindingCode, Severity] = field(default_factory=dict)
+
+
+@with_config(FORBID)
+@dataclass(frozen=True)
+class ExportSection:
+    formats: tuple[ExportFormat, ...] = tuple(FORMATS)
+    include_flagged: Bool = False
+
+
+@with_config(FORBID)
+@dataclass(frozen=True)
+class VocabSection:
+    draft_vocab_size: PosInt | None = None
+
+
+@with_config(FORBID)
+@dataclass(frozen=True)
+class ReportSection:
+    enabled: Bool = True
+
+
+@with_config(FORBID)
+@dataclass(frozen=True)
+class RunFile:
+    """The whole file; ``emulator`` and ``generate`` are checked by their own schemas."""
+
+    run: RunSection
+    emulator: Mapping[Str, Any] | None = None
+    generate: Mapping[Str, Any] = field(default_factory=dict)
+    reconstruct: ReconstructSection = field(default_factory=ReconstructSection)
+    export: ExportSection = field(default_factory=ExportSection)
+    vocab: VocabSection = field(default_factory=VocabSection)
+    report: ReportSection = field(default_factory=ReportSection)
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def _config_error(message: str) -> PipelineError:
+    return PipelineError(message, ExitCode.CONFIG)
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read and check a run config; :class:`PipelineError` (code 2) lists every problem."""
+    path = Path(path)
+    if path.suffix.lower() in (".yaml", ".yml"):
+        raise _config_error(f"{path}: a run config is TOML (.toml)")
+    data, text = read_mapping(path, _config_error)
+    where = Where(str(path), text)
+    base = path.parent
+    parsed, problems = validate(RunFile, data, where)
+
+    run = data.get("run") if isinstance(data.get("run"), Mapping) else {}
+    tokenizer = run.get("tokenizer") if isinstance(run.get("tokenizer"), str) else ""
+    if tokenizer:
+        tokenizer, problem = _tokenizer_source(tokenizer, base)
+        if problem:
+            problems.append(where.problem(("run", "tokenizer"), problem))
+    gen, datasets = _check_generate(data, where, base, tokenizer, problems)
+    emulator, overrides = _check_emulator(data, where, base, problems)
+
+    if problems or parsed is None:
+        raise _config_error("\n".join(sorted(problems, key=lambda line: _file_order(line, str(path)))))
+    return RunConfig(
+        source=path, out=_relative(parsed.run.out or "runs/" + path.stem, base), tokenizer=tokenizer,
+        dialect=parsed.run.dialect, generate={**gen, "datasets": datasets},
+        use_emulator=data.get("emulator") is not None, emulator=emulator, emulator_overrides=overrides,
+        policy=Policy(severities=dict(parsed.reconstruct.severity), usage_tolerance=parsed.reconstruct.usage_tolerance),
+        export_formats=parsed.export.formats, include_flagged=parsed.export.include_flagged,
+        draft_vocab_size=parsed.vocab.draft_vocab_size, report=parsed.report.enabled,
+    )
+
+
+def _relative(value: str, base: Path) -> Path:
+    """A path from the config file: relative to the file's folder."""
+    given = Path(value).expanduser()
+    return given if given.is_absolute() else (base / given).resolve()
+
+
+def _check_generate(
+    data: Mapping[str, Any], where: Where, base: Path, tokenizer: str, problems: list[str]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """[generate] by the generate schema (the run's tokenizer by default), plus what only
+    ``run`` needs: a model, at least one dataset, and dataset paths that exist."""
+    from .generate.settings import settings_problems
+
+    section = data.get("generate", {})
+    gen = dict(section) if isinstance(section, Mapping) else {}
+    if tokenizer:
+        gen.setdefault("tokenizer", tokenizer)
+    settings, found = settings_problems(gen, where.at("generate"), base_dir=base)
+    problems += found
+    if not found and isinstance(section, Mapping):
+        if not settings.request.model:
+            problems.append(where.problem(("generate", "model"), "missing (the model id to send, e.g. moonshotai/kimi-k2.5)"))
+        if not settings.datasets:
+            problems.append(where.problem(("generate", "datasets"), "missing (at least one prompt dataset)"))
+        for i, spec in enumerate(settings.datasets):
+            if not spec.path.exists():
+                problems.append(where.problem(("generate", "datasets", i, "path"), f"no such file or folder: {spec.path}"))
+    datasets = [
+        {"name": d.name, "path": str(d.path), **({"limit": d.limit} if d.limit is not None else {}),
+         **({"split": d.split} if d.split else {})}
+        for d in settings.datasets
+    ]
+    return gen, datasets
+
+
+def _check_emulator(
+    data: Mapping[str, Any], where: Where, base: Path, problems: list[str]
+) -> tuple[Path | None, dict[str, Any]]:
+    """[emulator]: its ``config`` file (whose problems name that file), then the section's
+    overrides of it. Returns the file and the overrides."""
+    from .emulator import ConfigError as EmulatorConfigError
+    from .emulator import EmulatorConfig, load_emulator_config
+    from .emulator.config import emulator_config_problems
+
+    section = data.get("emulator")
+    overrides = dict(section) if isinstance(section, Mapping) else {}
+    file = overrides.pop("config", None)
+    emulator: Path | None = None
+    if file is not None and not isinstance(file, str):
+        problems.append(where.problem(("emulator", "config"), f"must be a path (a string), got {file!r}"))
+    elif file:
+        emulator = _relative(file, base)
+    base_cfg: EmulatorConfig | None = EmulatorConfig()
+    if emulator is not None:
+        try:
+            base_cfg = load_emulator_config(emulator)
+        except EmulatorConfigError as exc:
+            problems.extend(str(exc).splitlines())
+            base_cfg = None
+    if base_cfg is not None:
+        problems += emulator_config_problems(overrides, where.at("emulator"), base_cfg)[1]
+    return emulator, overrides
+
+
+def _file_order(problem: str, source: str) -> tuple[bool, int]:
+    """This file's problems first, by line; then those of files it names (the emulator's)."""
+    if not problem.startswith(source + ":"):
+        return True, 0
+    line = problem[len(source) + 1:].split(":", 1)[0]
+    return False, int(line) if line.isdigit() else 1 << 30
+
+
+def _tokenizer_source(value: str, base: Path) -> tuple[str, str | None]:
+    """A tokenizer folder (relative to the config file) or a Hub repo id, and what is wrong."""
+    if value.startswith((".", "/", "~")) or (base / value).exists():
+        folder = str(_relative(value, base))
+        if not Path(folder).is_dir():
+            return folder, f"no such tokenizer folder: {folder}"
+        return folder, None
+    if not _HUB_ID.match(value):
+        return value, f"{value!r} is neither a tokenizer folder nor a Hub repo id (owner/name)"
+    return value, None
+
+
+def emulator_config(cfg: RunConfig) -> EmulatorConfig:
+    """The emulator config ``run`` starts: the ``config`` file with the section's overrides."""
+    from .emulator import ConfigError as EmulatorConfigError
+    from .emulator import EmulatorConfig, load_emulator_config
+    from .emulator.config import emulator_config_problems
+
+    try:
+        base = load_emulator_config(cfg.emulator) if cfg.emulator else EmulatorConfig()
+    except EmulatorConfigError as exc:
+        raise _config_error(str(exc)) from None
+    out, problems = emulator_config_problems(cfg.emulator_overrides, Where(str(cfg.source)).at("emulator"), base)
+    if out is None:
+        raise _config_error("\n".join(problems))
+    return out
+
+
+def check_before_generate(cfg: RunConfig, tok: Tokenizer) -> None:
+    """The checks that need the tokenizer: the dialect fits it and the draft vocabulary
+    is smaller than its vocabulary. Raises :class:`PipelineError` (code 2)."""
+    from .chat import DialectError, TemplateError, resolve_dialect
+
+    try:
+        text = cfg.source.read_text(encoding="utf-8")
+    except OSError:
+        text = None
+    where = Where(str(cfg.source), text)
+    problems: list[str] = []
+    try:
+        resolve_dialect(tok, cfg.dialect)
+    except (DialectError, TemplateError) as exc:
+        problems.append(where.problem(("run", "dialect") if cfg.dialect else ("run", "tokenizer"), str(exc)))
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > tok.vocab_size:
+        problems.append(where.problem(("vocab", "draft_vocab_size"), f"must be <= the tokenizer's vocabulary size "
+                                      f"{tok.vocab_size}, got {cfg.draft_vocab_size}"))
+    if problems:
+        raise _config_error("\n".join(problems))

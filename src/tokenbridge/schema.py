@@ -1,0 +1,372 @@
+"""Checking a config against its schema: one line per problem, all problems at once.
+
+The schemas are the config classes themselves (frozen dataclasses whose fields carry
+pydantic types and constraints: :mod:`.generate.settings`, :mod:`.emulator.config`,
+:mod:`.runconfig`). This module validates a parsed TOML/YAML mapping or a set of CLI
+flags against one and turns pydantic's errors into lines a user can act on::
+
+    run.toml:31: export.formats[0]: unknown value 'specforg'; did you mean 'specforge'?
+    --max-tokens: must be >= 1, got 0
+
+Nothing is coerced: ``"false"`` is not a boolean, ``"3"`` is not a number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any, Callable, Literal, Mapping, Sequence, TypeVar, Union
+
+from typing_extensions import is_typeddict
+from pydantic import AfterValidator, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError
+
+from .chat import DIALECTS
+
+__all__ = [
+    "FORBID",
+    "Bool",
+    "DialectName",
+    "Float",
+    "Int",
+    "NonNegFloat",
+    "NonNegInt",
+    "PosFloat",
+    "PosInt",
+    "Rate",
+    "Str",
+    "Where",
+    "did_you_mean",
+    "read_mapping",
+    "validate",
+]
+
+#: Every schema class carries this: unknown keys are errors, never ignored.
+FORBID = ConfigDict(extra="forbid")
+
+Bool = StrictBool
+Int = StrictInt
+Str = StrictStr
+Float = Annotated[float, Strict()]  # an int is a number too; a string or a bool is not
+PosInt = Annotated[StrictInt, Field(ge=1)]
+NonNegInt = Annotated[StrictInt, Field(ge=0)]
+PosFloat = Annotated[float, Strict(), Field(gt=0)]
+NonNegFloat = Annotated[float, Strict(), Field(ge=0)]
+#: A chat format name from :data:`tokenbridge.chat.DIALECTS` (a typo gets "did you mean").
+DialectName = Literal[tuple(DIALECTS)]  # type: ignore[valid-type]
+
+
+def _rate(value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"must be a rate between 0 and 1, got {value!r}")
+    return value
+
+
+#: A per-request probability in [0, 1].
+Rate = Annotated[float, Strict(), AfterValidator(_rate)]
+
+T = TypeVar("T")
+Loc = tuple[Union[str, int], ...]
+
+#: Keys whose values never appear in a message (they may hold a credential).
+_SECRET_KEYS = {"api_key", "headers"}
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a mapping came from: a file (its text lets problems name the line) or flags.
+
+    ``prefix`` is the mapping's place inside the file (``("generate",)`` for a run
+    config's ``[generate]`` table); ``flags`` maps a field's dotted name to the CLI flag
+    that set it, so a bad flag is reported as ``--max-tokens: ...``.
+    """
+
+    source: str
+    text: str | None = None
+    prefix: Loc = ()
+    flags: Mapping[str, str] | None = None
+    #: ``(schema place, file place)`` pairs: keys the loader moved before validation.
+    renames: tuple[tuple[Loc, Loc], ...] = ()
+    #: More keys accepted at a place than the schema has there (for "did you mean").
+    also_known: Mapping[Loc, Sequence[str]] = dataclasses.field(default_factory=dict)
+
+    def at(self, *loc: str | int) -> "Where":
+        return dataclasses.replace(self, prefix=self.prefix + loc)
+
+    def renamed(self, renames: tuple[tuple[Loc, Loc], ...]) -> "Where":
+        return dataclasses.replace(self, renames=self.renames + renames)
+
+    def knowing(self, also_known: Mapping[Loc, Sequence[str]]) -> "Where":
+        return dataclasses.replace(self, also_known={**self.also_known, **also_known})
+
+    def line(self, loc: Sequence[str | int]) -> int | None:
+        """The line of ``loc`` (a place in the schema) in the file, when it can be found."""
+        return _line_of(self.text, self.prefix + self._in_file(tuple(loc))) if self.text else None
+
+    def problem(self, loc: Sequence[str | int], message: str) -> str:
+        """One line: ``file:LINE: section.key: message`` (or ``--flag: message``)."""
+        place = self._in_file(tuple(loc))
+        if self.flags is not None:
+            return self._flag_problem(place, message)
+        full = self.prefix + place
+        line = _line_of(self.text, full) if self.text else None
+        at = f"{self.source}:{line}" if line else self.source
+        return f"{at}: {_dotted(full)}: {message}" if full else f"{at}: {message}"
+
+    def _in_file(self, loc: Loc) -> Loc:
+        for old, new in self.renames:
+            if loc[: len(old)] == old:
+                return new + loc[len(old):]
+        return loc
+
+    def _flag_problem(self, loc: Loc, message: str) -> str:
+        """Named after the flag that set ``loc`` (or the nearest one above it)."""
+        for n in range(len(loc), 0, -1):
+            flag = (self.flags or {}).get(_dotted(loc[:n]))
+            if flag is not None:
+                rest = loc[n:]
+                inner = "" if all(isinstance(p, int) for p in rest) else f"{_dotted(rest)}: "
+                return f"{flag}: {inner}{message}"
+        return f"{self.source}: {_dotted(loc)}: {message}" if loc else f"{self.source}: {message}"
+
+
+def read_mapping(path: Path, error: Callable[[str], Exception]) -> tuple[dict[str, Any], str]:
+    """A TOML (``.toml``) or YAML (``.yaml``/``.yml``) file as a mapping, plus its text."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: cannot read config ({getattr(exc, 'strerror', None) or exc})") from None
+    suffix = path.suffix.lower()
+    data: Any
+    if suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f":{mark.line + 1}" if mark is not None else ""
+            raise error(f"{path}{at}: invalid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    else:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise error(f"{path}: invalid TOML: {exc}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: the top level must be a table/mapping")
+    return data, text
+
+
+def validate(schema: Any, data: Any, where: Where) -> tuple[Any, list[str]]:
+    """``(instance, [])`` when ``data`` fits ``schema``, else ``(None, problems)``."""
+    try:
+        return _adapter(schema).validate_python(data), []
+    except ValidationError as exc:
+        found: dict[str, int] = {}
+        for err in exc.errors(include_url=False):
+            loc = tuple(err["loc"])
+            if "[key]" in loc:  # a bad mapping key: name the mapping, the message names the key
+                loc = loc[: loc.index("[key]") - 1]
+            found.setdefault(where.problem(loc, _message(schema, err, where)), where.line(loc) or 1 << 30)
+        return None, sorted(found, key=found.__getitem__)  # in file order
+
+
+def did_you_mean(word: Any, options: Sequence[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest option, else the options themselves."""
+    close = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f" (known: {', '.join(options)})" if options else ""
+
+
+@lru_cache(maxsize=None)
+def _adapter(schema: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(schema)
+
+
+# --- messages ----------------------------------------------------------------------------
+
+
+def _message(schema: Any, err: Any, where: Where) -> str:
+    kind: str = err["type"]
+    loc = tuple(err["loc"])
+    if "[key]" in loc:
+        loc = loc[: loc.index("[key]") - 1]
+    value = err.get("input")
+    got = "" if _SECRET_KEYS & {str(p) for p in loc} else f", got {_show(value)}"
+    ctx = err.get("ctx") or {}
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        known = [*_keys_at(schema, loc[:-1]), *where.also_known.get(loc[:-1], ())]
+        return "unknown key" + did_you_mean(loc[-1] if loc else "", sorted(set(known), key=known.index))
+    if kind == "missing":
+        return "missing (required)"
+    if kind == "literal_error":
+        options = re.findall(r"'((?:[^'\\]|\\.)*)'", str(ctx.get("expected", "")))
+        hint = did_you_mean(value, options)
+        return f"unknown value {_show(value)}" + (hint if hint.startswith(";") else f" (choose from: {', '.join(options)})")
+    if kind == "bool_type":
+        tip = " (a quoted string is not a boolean: write true or false without quotes)" if isinstance(value, str) else ""
+        return f"must be true or false{got}{tip}"
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return f"must be an integer{got}"
+    if kind in ("float_type", "float_parsing", "finite_number"):
+        return f"must be a number{got}"
+    if kind == "string_type":
+        return f"must be a string{got}"
+    if kind in ("tuple_type", "list_type"):
+        tip = f" (write {json.dumps([value])})" if isinstance(value, str) else ""
+        return f"must be a list{got}{tip}"
+    if kind in ("dict_type", "dataclass_type", "model_type", "typed_dict_type", "mapping_type"):
+        return f"must be a table/mapping{got}"
+    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+    if kind in bounds:
+        limit = next(iter(ctx.values()), "?")
+        return f"must be {bounds[kind]} {limit}{got}"
+    if kind == "string_too_short":
+        return "must not be empty"
+    if kind in ("value_error", "assertion_error"):
+        return str(ctx.get("error") or err["msg"])
+    if kind == "path_type":
+        return f"must be a path (a string){got}"
+    return str(err["msg"])
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _dotted(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+# --- what keys a schema knows at a place (for "did you mean") ------------------------------
+
+
+def _keys_at(schema: Any, loc: Loc) -> list[str]:
+    tp = _strip(schema)
+    for part in loc:
+        tp = _strip(_child(tp, part))
+        if tp is None:
+            return []
+    if dataclasses.is_dataclass(tp):
+        return [f.name for f in dataclasses.fields(tp)]
+    if is_typeddict(tp):
+        return list(typing.get_type_hints(tp))
+    return []
+
+
+def _child(tp: Any, part: str | int) -> Any:
+    if dataclasses.is_dataclass(tp) or is_typeddict(tp):
+        return typing.get_type_hints(tp, include_extras=True).get(str(part))
+    args = typing.get_args(tp)
+    origin = typing.get_origin(tp)
+    if origin in (tuple, list) and args:
+        return args[0]
+    if origin in (dict, Mapping) or (origin is not None and getattr(origin, "__name__", "") == "Mapping"):
+        return args[1] if len(args) == 2 else None
+    return None
+
+
+def _strip(tp: Any) -> Any:
+    """``Annotated[X, ...]`` and ``X | None`` down to ``X``."""
+    while True:
+        if typing.get_origin(tp) is Annotated:
+            tp = typing.get_args(tp)[0]
+        elif typing.get_origin(tp) in (Union, types.UnionType):
+            members = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp = next((m for m in members if dataclasses.is_dataclass(_strip(m))), members[0] if members else None)
+        else:
+            return tp
+
+
+# --- which line a key sits on (cheap, best effort) -------------------------------------------
+
+_HEADER = r"^\s*\[\[?\s*(?:[\w\"'.-]+\.)?[\"']?%s[\"']?(?:\.[\w\"'.-]+)?\s*\]"
+_KEY = r"^\s*(?:-\s*)?[\"']?%s[\"']?\s*[=:]"
+_INLINE = r"[{,]\s*[\"']?%s[\"']?\s*="
+
+
+def _line_of(text: str | None, loc: Loc) -> int | None:
+    """The 1-based line of the last key of ``loc``, searching key by key down the file,
+    each search kept inside the table or list entry the previous one found."""
+    if not text:
+        return None
+    lines = text.splitlines()
+    start, end, found, prev = 0, len(lines), None, ""
+    for part in loc:
+        if isinstance(part, int):
+            span = _entry(lines, start, end, prev, part, found)
+            if span is None:
+                break
+            start, end = span
+            found = start
+            continue
+        hit = _key(lines, start, end, str(part))
+        if hit is None:
+            break
+        start = found = hit
+        prev = str(part)
+    return found + 1 if found is not None else None
+
+
+_TABLE = re.compile(r"^\s*\[")
+
+
+def _key(lines: list[str], start: int, end: int, key: str) -> int | None:
+    """A ``[table]`` header naming ``key``, or ``key =`` / ``key:`` before the next header."""
+    k = re.escape(key)
+    header = re.compile(_HEADER % k)
+    plain = (re.compile(_KEY % k), re.compile(_INLINE % k))
+    below_next_table = False
+    for i in range(start, end):
+        if header.search(lines[i]):
+            return i
+        below_next_table = below_next_table or (i > start and bool(_TABLE.match(lines[i])))
+        if not below_next_table and any(p.search(lines[i]) for p in plain):
+            return i
+    return None
+
+
+def _entry(lines: list[str], start: int, end: int, key: str, index: int, at: int | None) -> tuple[int, int] | None:
+    """The lines of entry ``index`` of the list ``key``: a TOML ``[[key]]`` table, a YAML
+    ``- `` item, or one inline table per line of a TOML array."""
+    heads = [i for i in range(start, end) if re.match(r"^\s*\[\[\s*(?:[\w.-]+\.)?%s\s*\]\]" % re.escape(key), lines[i])]
+    if heads:
+        return (heads[index], heads[index + 1] if index + 1 < len(heads) else end) if index < len(heads) else None
+    if at is None:
+        return None
+    items: list[int] = []
+    indent: int | None = None
+    stop = end
+    for i in range(at + 1, end):
+        m = re.match(r"^(\s*)-\s", lines[i])
+        depth = len(lines[i]) - len(lines[i].lstrip())
+        if m and (indent is None or depth == indent):
+            indent = depth
+            items.append(i)
+        elif indent is not None and lines[i].strip() and depth <= indent and not m:
+            stop = i  # dedented: the list ended
+            break
+    if items:
+        return (items[index], items[index + 1] if index + 1 < len(items) else stop) if index < len(items) else None
+    if lines[at].count("[") == lines[at].count("]"):
+        return None  # a one-line inline array: its own line is as close as it gets
+    nxt = next((i for i in range(at + 1, end) if _TABLE.match(lines[i])), end)
+    tables = [i for i in range(at + 1, nxt) if "{" in lines[i]]
+    return (tables[index], tables[index] + 1) if index < len(tables) else None

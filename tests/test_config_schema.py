@@ -1,0 +1,403 @@
+"""One schema for every config: run TOML, generate TOML/YAML, emulator TOML/YAML, CLI flags.
+
+Each test is one bad value (or one rule): the exact one-line message (file:line:
+section.key, did you mean), exit code 2, and, for ``run``, that nothing was sent.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tokenbridge.cli import app
+from tokenbridge.emulator import ConfigError as EmulatorConfigError
+from tokenbridge.emulator import EmulatorConfig, ProviderConfig, load_emulator_config, running_emulator
+from tokenbridge.exit_codes import ExitCode
+from tokenbridge.generate import ConfigError, GenerateSettings, load_config
+from tokenbridge.pipeline import PipelineError, RunConfig, load_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_toml(kimi_dir: Path, base_url: str = "http://127.0.0.1:9/api/v1") -> str:
+    return f"""[run]
+out = "out"
+tokenizer = "{kimi_dir}"
+
+[generate]
+base_url = "{base_url}"
+model = "moonshotai/kimi-k2.5"
+concurrency = 2
+max_tokens = 64
+progress = "none"
+datasets = [
+  {{ name = "chat", path = "builtin:prompts/chat.jsonl", limit = 1 }},
+]
+
+[reconstruct]
+usage_tolerance = 0
+
+[export]
+formats = ["conversations"]
+include_flagged = false
+
+[vocab]
+draft_vocab_size = 64
+
+[report]
+enabled = false
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _line(text: str, needle: str) -> int:
+    """1-based line of the first line containing ``needle`` (independent of the loader)."""
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def _run_errors(path: Path) -> list[str]:
+    """``tokenbridge run`` on ``path``: exit 2 with only ``error:`` lines; returns them."""
+    res = CliRunner().invoke(app, ["run", str(path)])
+    assert res.exit_code == ExitCode.CONFIG == 2, res.output
+    assert "Traceback" not in res.output
+    lines = res.output.strip().splitlines()
+    assert lines and all(line.startswith("error: ") for line in lines), res.output
+    return [line.removeprefix("error: ") for line in lines]
+
+
+def _replace(text: str, old: str, new: str) -> str:
+    assert old in text
+    return text.replace(old, new)
+
+
+# --- run: the bad value names file:line: section.key, exit 2, and nothing is sent -----------
+
+
+def test_run_bad_export_format_exits_2_before_any_request(tmp_path, kimi, kimi_dir):
+    with running_emulator(EmulatorConfig(min_tokens=5, max_tokens=20), tokenizer=kimi) as url:
+        good = _run_toml(kimi_dir, url)
+        text = _replace(good, 'formats = ["conversations"]', 'formats = ["specforg"]')
+        path = _write(tmp_path, text)
+        assert _run_errors(path) == [
+            f"{path}:{_line(text, 'formats')}: export.formats[0]: unknown value 'specforg'; did you mean 'specforge'?"
+        ]
+        stats = json.loads(urllib.request.urlopen(url.removesuffix("/api/v1") + "/stats", timeout=30).read())
+        assert stats["total"] == 0
+        assert not (tmp_path / "out" / "state.sqlite").exists()
+        # the control: the same config with a known format does reach the API
+        res = CliRunner().invoke(app, ["run", str(_write(tmp_path, good))])
+        assert res.exit_code == 0, res.output
+        stats = json.loads(urllib.request.urlopen(url.removesuffix("/api/v1") + "/stats", timeout=30).read())
+        assert stats["total"] >= 1 and (tmp_path / "out" / "state.sqlite").is_file()
+
+
+def test_run_formats_as_a_string_is_an_error(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), 'formats = ["conversations"]', 'formats = "specforge"')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'formats')}: export.formats: must be a list, got 'specforge' (write [\"specforge\"])"
+    ]
+
+
+def test_run_negative_draft_vocab_size(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), "draft_vocab_size = 64", "draft_vocab_size = -5")
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [f"{path}:{_line(text, 'draft_vocab_size')}: vocab.draft_vocab_size: must be >= 1, got -5"]
+
+
+def test_run_draft_vocab_larger_than_the_tokenizer_is_refused_before_generation(tmp_path, kimi, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), "draft_vocab_size = 64", "draft_vocab_size = 10000000")
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'draft_vocab_size')}: vocab.draft_vocab_size: must be <= the tokenizer's vocabulary size "
+        f"{kimi.vocab_size}, got 10000000"
+    ]
+    assert not (tmp_path / "out" / "state.sqlite").exists()
+
+
+def test_run_dialect_typo_gets_did_you_mean(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), 'out = "out"', 'out = "out"\ndialect = "kimi-k25"')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'dialect')}: run.dialect: unknown value 'kimi-k25'; did you mean 'kimi-k2.5'?"
+    ]
+
+
+def test_run_include_flagged_string_is_not_a_boolean(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), "include_flagged = false", 'include_flagged = "false"')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'include_flagged')}: export.include_flagged: must be true or false, got 'false' "
+        "(a quoted string is not a boolean: write true or false without quotes)"
+    ]
+
+
+def test_run_generate_string_is_not_an_integer(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), "concurrency = 2", 'concurrency = "2"')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [f"{path}:{_line(text, 'concurrency')}: generate.concurrency: must be an integer, got '2'"]
+
+
+def test_run_unknown_finding_code_in_severities(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), "usage_tolerance = 0", 'usage_tolerance = 0\nseverity = { truncatd = "off" }')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'severity')}: reconstruct.severity: unknown finding code 'truncatd'; did you mean 'truncated'?"
+    ]
+
+
+def test_run_unknown_severity_level(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), "usage_tolerance = 0", 'usage_tolerance = 0\nseverity = { truncated = "eror" }')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'severity')}: reconstruct.severity.truncated: unknown value 'eror'; did you mean 'error'?"
+    ]
+
+
+def test_run_missing_tokenizer_folder(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), f'tokenizer = "{kimi_dir}"', 'tokenizer = "./no-such-tok"')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'tokenizer')}: run.tokenizer: no such tokenizer folder: {tmp_path / 'no-such-tok'}"
+    ]
+
+
+def test_run_tokenizer_that_is_neither_folder_nor_hub_id(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), f'tokenizer = "{kimi_dir}"', 'tokenizer = "kimi k2.5"')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'tokenizer')}: run.tokenizer: 'kimi k2.5' is neither a tokenizer folder nor a Hub repo id "
+        "(owner/name)"
+    ]
+
+
+def test_run_missing_dataset_file(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), '"builtin:prompts/chat.jsonl"', '"prompts/missing.jsonl"')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'missing.jsonl')}: generate.datasets[0].path: no such file or folder: "
+        f"{tmp_path / 'prompts' / 'missing.jsonl'}"
+    ]
+
+
+def test_run_builtin_dataset_typo_gets_did_you_mean(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), '"builtin:prompts/chat.jsonl"', '"builtin:prompts/chat.jsnl"')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'chat.jsnl')}: generate.datasets[0].path: no such built-in data "
+        "'builtin:prompts/chat.jsnl'; did you mean 'builtin:prompts/chat.jsonl'?"
+    ]
+
+
+def test_run_unknown_section_gets_did_you_mean(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), "[report]", "[reprot]")
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [f"{path}:{_line(text, '[reprot]')}: reprot: unknown key; did you mean 'report'?"]
+
+
+def test_run_bad_emulator_file_names_that_file(tmp_path, kimi_dir):
+    emu = _write(tmp_path, '[[providers]]\nname = "a/fp8"\n[providers.quirks]\nend_marker_leek = 0.5\n', "emu.toml")
+    text = _replace(_run_toml(kimi_dir), "[generate]", f'[emulator]\nconfig = "{emu.name}"\nlatency_ms = 0\n\n[generate]')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{emu}:4: providers[0].quirks.end_marker_leek: unknown key; did you mean 'end_marker_leak'?"
+    ]
+
+
+def test_run_bad_emulator_override(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), "[generate]", "[emulator]\nfault_rate = 1.5\n\n[generate]")
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'fault_rate')}: emulator.fault_rate: must be a rate between 0 and 1, got 1.5"
+    ]
+
+
+def test_run_reports_every_problem_at_once_in_file_order(tmp_path, kimi_dir):
+    text = _run_toml(kimi_dir)
+    for old, new in (('formats = ["conversations"]', 'formats = ["specforg"]'), ("draft_vocab_size = 64", "draft_vocab_size = -5"),
+                     ("max_tokens = 64", "max_tokens = 0"), ('out = "out"', 'out = "out"\nmode = "fast"')):
+        text = _replace(text, old, new)
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'mode')}: run.mode: unknown key (known: tokenizer, out, dialect)",
+        f"{path}:{_line(text, 'max_tokens')}: generate.max_tokens: must be >= 1, got 0",
+        f"{path}:{_line(text, 'formats')}: export.formats[0]: unknown value 'specforg'; did you mean 'specforge'?",
+        f"{path}:{_line(text, 'draft_vocab_size')}: vocab.draft_vocab_size: must be >= 1, got -5",
+    ]
+
+
+def test_load_run_config_error_carries_exit_code_2(tmp_path, kimi_dir):
+    path = _write(tmp_path, _replace(_run_toml(kimi_dir), "include_flagged = false", "include_flagged = 0"))
+    with pytest.raises(PipelineError) as err:
+        load_run_config(path)
+    assert err.value.code == ExitCode.CONFIG and "export.include_flagged: must be true or false, got 0" in str(err.value)
+
+
+def test_valid_run_config_keeps_its_values(tmp_path, kimi_dir):
+    cfg = load_run_config(_write(tmp_path, _run_toml(kimi_dir)))
+    assert isinstance(cfg, RunConfig)
+    assert cfg.export_formats == ("conversations",) and cfg.include_flagged is False and cfg.draft_vocab_size == 64
+    assert cfg.report is False and cfg.out == tmp_path / "out" and cfg.tokenizer == str(kimi_dir)
+    assert cfg.generate["datasets"][0]["name"] == "chat" and Path(cfg.generate["datasets"][0]["path"]).is_file()
+
+
+# --- generate config and flags ---------------------------------------------------------------
+
+
+def test_generate_config_reports_every_problem(tmp_path):
+    text = 'model = "m"\nstream = "false"\nconcurency = 3\n[request]\ntop_p = 2\n'
+    path = _write(tmp_path, text, "gen.toml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).splitlines() == [
+        f"{path}:2: stream: must be true or false, got 'false' (a quoted string is not a boolean: "
+        "write true or false without quotes)",
+        f"{path}:3: concurency: unknown key; did you mean 'concurrency'?",
+        f"{path}:5: request.top_p: must be <= 1.0, got 2",
+    ]
+    assert err.value.exit_code == ExitCode.CONFIG
+
+
+def test_generate_yaml_dataset_key_typo(tmp_path):
+    path = _write(tmp_path, "model: m\ndatasets:\n  - path: a.jsonl\n  - path: b.jsonl\n    limt: 3\n", "gen.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}:5: datasets[1].limt: unknown key; did you mean 'limit'?"
+
+
+def test_generate_new_fields_have_the_agreed_defaults_and_ranges(tmp_path):
+    s = GenerateSettings()
+    assert s.max_response_bytes == 67108864 and s.attempt_timeout_s == 900.0
+    path = _write(tmp_path, "max_response_bytes = 0\nattempt_timeout_s = 0\n", "gen.toml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).splitlines() == [
+        f"{path}:1: max_response_bytes: must be >= 1024, got 0",
+        f"{path}:2: attempt_timeout_s: must be > 0.0, got 0",
+    ]
+
+
+def test_generate_config_reads_builtin_datasets_like_run(tmp_path):
+    path = _write(tmp_path, '[generate]\nmodel = "m"\n[[generate.datasets]]\npath = "builtin:prompts/plain.jsonl"\n',
+                  "gen.toml")
+    (spec,) = load_config(path).datasets
+    assert spec.name == "plain" and spec.path.is_file() and spec.path.name == "plain.jsonl"
+
+
+def test_generate_key_outside_the_generate_table_is_an_error(tmp_path):
+    path = _write(tmp_path, 'concurrency = 4\n[run]\ntokenizer = "x/y"\n[generate]\nmodel = "m"\n', "gen.toml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}:1: concurrency: outside [generate], where it would be ignored; move it under [generate]"
+
+
+def test_generate_flag_out_of_range_names_the_flag(tmp_path):
+    prompts = _write(tmp_path, json.dumps({"prompt": "hi"}) + "\n", "p.jsonl")
+    res = CliRunner().invoke(app, ["generate", str(prompts), "--out", str(tmp_path / "run"), "--model", "m",
+                                   "--temperature", "-1", "--top-p", "1.5", "--dry-run"])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines() == [
+        "error: --temperature: must be >= 0.0, got -1.0",
+        "error: --top-p: must be <= 1.0, got 1.5",
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+def test_generate_flag_choice_typo_gets_did_you_mean(tmp_path):
+    prompts = _write(tmp_path, json.dumps({"prompt": "hi"}) + "\n", "p.jsonl")
+    res = CliRunner().invoke(app, ["generate", str(prompts), "--out", str(tmp_path / "run"), "--model", "m",
+                                   "--progress", "rih", "--dry-run"])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == "error: --progress: unknown value 'rih'; did you mean 'rich'?"
+
+
+def test_generate_flags_override_the_file(tmp_path):
+    path = _write(tmp_path, 'model = "m"\nconcurrency = 3\nmax_tokens = 10\n', "gen.toml")
+    from tokenbridge.generate.settings import override_settings
+
+    s = override_settings(load_config(path), {"concurrency": 7, "request": {"max_tokens": None}})
+    assert s.concurrency == 7 and s.request.max_tokens == 10 and s.request.model == "m"
+
+
+# --- emulator config and flags ---------------------------------------------------------------
+
+
+def test_emulator_engine_field_defaults_and_typo(tmp_path):
+    assert ProviderConfig("a").engine == "none"
+    path = _write(tmp_path, '[[providers]]\nname = "a/fp8"\nengine = "sglang"\n[[providers]]\nname = "b/fp8"\n'
+                  'engine = "vlm"\n', "emu.toml")
+    with pytest.raises(EmulatorConfigError) as err:
+        load_emulator_config(path)
+    assert str(err.value) == f"{path}:6: providers[1].engine: unknown value 'vlm'; did you mean 'vllm'?"
+    path.write_text('[[providers]]\nname = "a/fp8"\nengine = "sglang"\n', encoding="utf-8")
+    assert load_emulator_config(path).providers[0].engine == "sglang"
+
+
+def test_missing_key_points_at_its_own_entry_not_the_next(tmp_path):
+    path = _write(tmp_path, '[[providers]]\nquantization = "fp8"\n[[providers]]\nname = "b/fp8"\n', "emu.toml")
+    with pytest.raises(EmulatorConfigError) as err:
+        load_emulator_config(path)
+    assert str(err.value) == f"{path}:1: providers[0].name: missing (required)"
+
+
+def test_emulator_config_reports_every_problem(tmp_path):
+    path = _write(tmp_path, 'seed = "1"\nmin_tokens = 0\naccept_any_model = "yes"\n', "emu.toml")
+    with pytest.raises(EmulatorConfigError) as err:
+        load_emulator_config(path)
+    assert str(err.value).splitlines() == [
+        f"{path}:1: seed: must be an integer, got '1'",
+        f"{path}:2: min_tokens: must be >= 1, got 0",
+        f"{path}:3: accept_any_model: must be true or false, got 'yes' (a quoted string is not a boolean: "
+        "write true or false without quotes)",
+    ]
+    assert err.value.exit_code == ExitCode.CONFIG
+
+
+def test_emulator_flag_out_of_range_names_the_flag(tmp_path, kimi_dir):
+    res = CliRunner().invoke(app, ["emulator", "--tokenizer", str(kimi_dir), "--fault-rate", "2", "--port", "0"])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == "error: --fault-rate: must be a rate between 0 and 1, got 2.0"
+
+
+# --- the other commands' flags ---------------------------------------------------------------
+
+
+def test_export_format_typo_gets_did_you_mean(tmp_path):
+    src = _write(tmp_path, "", "rows.jsonl")
+    res = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "x"), "--format", "specforg"])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == "error: --format: unknown value 'specforg'; did you mean 'specforge'?"
+    assert not (tmp_path / "x").exists()
+
+
+def test_reconstruct_dialect_typo_gets_did_you_mean(tmp_path, kimi_dir):
+    src = _write(tmp_path, "", "ex.jsonl")
+    res = CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(tmp_path / "r.jsonl"), "-t", str(kimi_dir),
+                                   "--dialect", "kimi-k25"])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == "error: --dialect: unknown value 'kimi-k25'; did you mean 'kimi-k2.5'?"
+
+
+def test_reconstruct_severity_flag_typo(tmp_path, kimi_dir):
+    src = _write(tmp_path, "", "ex.jsonl")
+    res = CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(tmp_path / "r.jsonl"), "-t", str(kimi_dir),
+                                   "--off", "truncatd"])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == "error: --warn/--error/--off: unknown finding code 'truncatd'; did you mean 'truncated'?"
+
+
+def test_exit_codes_are_the_documented_ones():
+    assert {c.name: int(c) for c in ExitCode} == {
+        "OK": 0, "INCOMPLETE": 1, "USAGE": 2, "PAYMENT": 3, "BUDGET": 4, "UNAUTHORIZED": 5, "STORE": 6,
+        "BUSY": 7, "INTERNAL": 8, "INTERRUPTED": 130,
+    }
+    assert ExitCode.CONFIG is ExitCode.USAGE
