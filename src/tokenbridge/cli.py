@@ -11,8 +11,25 @@ import typer
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
     help="Exact-token training data for speculative-decoding drafts from text-only APIs.",
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"tokenbridge {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Exact-token training data for speculative-decoding drafts from text-only APIs."""
 
 
 # --- reconstruct / inspect -------------------------------------------------------------
