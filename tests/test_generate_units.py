@@ -390,3 +390,14 @@ def test_config_tokenizer_path_is_relative_to_the_config_file(tmp_path, kimi_dir
     assert s.tokenizer == str((tmp_path / "cfg" / "tok").resolve())
     # a Hub id (no such path beside the config) is left alone
     assert settings_from_mapping({"model": "m", "tokenizer": "moonshotai/Kimi-K2.5"}, base_dir=tmp_path).tokenizer == "moonshotai/Kimi-K2.5"
+
+
+def test_run_sentence_names_failures_pending_bad_rows_and_the_stop():
+    from tokenbridge.generate.outcome import describe_run
+    from tokenbridge.generate.run import RunSummary
+
+    s = RunSummary(out_dir="r", run=2, samples=10, already_done=4, done=3, failed=1, pending=2, requests=5,
+                   spent_run=0.5, spent_total=1.25, prompt_tokens=0, completion_tokens=0, elapsed_s=1.0, errors={},
+                   stop_reason="budget", exit_code=4, bad_rows=["x"])
+    assert describe_run(s) == ("10 samples: 4 already done, 3 done now, 1 failed, 2 not sent yet; 5 requests, "
+                               "$0.5000 this run, $1.2500 in all; 1 bad prompt row skipped; stopped (budget).")

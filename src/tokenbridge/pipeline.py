@@ -219,6 +219,7 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     from .emulator import running_emulator
     from .export import build_vocab, export_file
     from .generate import generate_run, settings_from_mapping
+    from .generate.outcome import describe_run
     from .reconstruct import reconstruct_file
     from .report import build_report
     from .tokenizer import load_tokenizer
@@ -244,7 +245,7 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     gen_detail = {"done": summary.done, "failed": summary.failed, "spent_usd": summary.spent_total,
                   "stop_reason": summary.stop_reason, "exit_code": summary.exit_code}
     results.append(StageResult("generate", "ran", gen_detail))
-    echo(f"generate: {gen_detail}")
+    echo(f"generate: {describe_run(summary)}")
     if summary.stop_reason:
         raise PipelineError(f"generate stopped ({summary.stop_reason}); fix it and run the same command again",
                             code=summary.exit_code or 1)
