@@ -93,7 +93,8 @@ def reconstruct(
 
 @app.command()
 def inspect(
-    input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Reconstructed or exchange JSONL."),
+    input: Path = typer.Argument(..., exists=True, dir_okay=False,
+                                 help="Reconstruct output (JSONL or .parquet), or exchange JSONL."),
     tokenizer: str = typer.Option(..., "--tokenizer", "-t", help="Tokenizer folder or Hub repo id."),
     sample_id: Optional[str] = typer.Option(None, "--id", help="Sample id (default: the first record)."),
     choice: int = typer.Option(0, "--choice", min=0, help="Choice index."),
@@ -104,13 +105,13 @@ def inspect(
     from rich.console import Console
 
     from .tokenizer import TokenizerError, load_tokenizer
-    from .view import find_row, parse_span, render_row
+    from .view import check_span, find_row, parse_span, render_row
 
     if tokens is not None:
         try:
             parse_span(tokens)
-        except ValueError:
-            raise typer.BadParameter(f"{tokens!r}: expected A:B (positions), A:, :B or ':'", param_hint="--tokens") from None
+        except ValueError as exc:
+            raise typer.BadParameter(f"{tokens!r}: {exc}", param_hint="--tokens") from None
     try:
         tok = load_tokenizer(tokenizer)
     except TokenizerError as exc:
@@ -119,6 +120,11 @@ def inspect(
         row = find_row(input, tok, sample_id, choice, dialect)
     except LookupError as exc:
         _fail(str(exc.args[0]))
+    if tokens is not None:
+        try:
+            check_span(tokens, len(row["input_ids"]))
+        except ValueError as exc:
+            _fail(f"--tokens {tokens}: {exc}")
     Console(highlight=False).print(render_row(row, tok, tokens))
 
 
