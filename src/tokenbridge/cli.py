@@ -50,6 +50,9 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+_SHOWN_BAD_LINES = 20  # reconstruct prints this many bad lines, then a count
+
+
 @app.command()
 def reconstruct(
     input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Exchange records (JSONL)."),
@@ -82,12 +85,20 @@ def reconstruct(
     console.print(summary_table(summary, title=f"{input} → {output}"))
     for note in summary.stripping_suspects():
         typer.echo(f"warning: {note}", err=True)
-    for bad in summary.bad_lines:
+    for bad in summary.bad_lines[:_SHOWN_BAD_LINES]:
         typer.echo(f"bad record: {bad}", err=True)
+    if len(summary.bad_lines) > _SHOWN_BAD_LINES:
+        more = len(summary.bad_lines) - _SHOWN_BAD_LINES
+        typer.echo(f"... and {more} more bad lines" + (" (all in --summary-json)" if summary_json else ""), err=True)
     if summary_json:
         summary_json.write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
-    if summary.bad_lines:
+    if summary.records == 0 and not summary.bad_lines:
+        typer.echo(f"warning: {input} holds no records; {output} has no rows.", err=True)
+    elif summary.rows == 0:
+        typer.echo(f"no record was written: {output} is empty.", err=True)
+    elif summary.bad_lines:
         typer.echo(f"{len(summary.bad_lines)} bad record(s) skipped; the others were written.", err=True)
+    if summary.bad_lines:
         raise typer.Exit(1)
 
 
