@@ -401,3 +401,23 @@ def test_run_sentence_names_failures_pending_bad_rows_and_the_stop():
                    stop_reason="budget", exit_code=4, bad_rows=["x"])
     assert describe_run(s) == ("10 samples: 4 already done, 3 done now, 1 failed, 2 not sent yet; 5 requests, "
                                "$0.5000 this run, $1.2500 in all; 1 bad prompt row skipped; stopped (budget).")
+
+
+def test_dry_run_without_a_tokenizer_counts_the_rendered_prompt(tmp_path):
+    """No tokenizer: characters / 4 of the prompt as the chat template renders it, not of the JSON."""
+    from tokenbridge.chat import DIALECTS
+    from tokenbridge.generate import GenerateSettings, dry_run
+    from tokenbridge.generate.prompts import load_prompts
+    from tokenbridge.generate.settings import DatasetSpec
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": "word " * (3 * i + 1), "system": "Be terse."}) + "\n"
+                            for i in range(5)))
+    request = RequestSettings(model="m", reasoning={"enabled": False})
+    settings = GenerateSettings(datasets=(DatasetSpec("d", path),), request=request)
+    report = dry_run(settings)
+    rendered = [DIALECTS["kimi-k2.5"].render_request(build_request(s, request))
+                for s in load_prompts(settings.datasets).samples]
+    assert all(r.endswith("<|im_assistant|>assistant<|im_middle|><think></think>") for r in rendered)
+    assert report.prompt_tokens == sum(len(r) // 4 for r in rendered) and report.approximate
+    assert report.notes[0] == "no --tokenizer: prompt tokens are approximate (characters of the kimi-k2.5-rendered prompt / 4)"
