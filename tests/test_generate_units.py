@@ -421,3 +421,22 @@ def test_dry_run_without_a_tokenizer_counts_the_rendered_prompt(tmp_path):
     assert all(r.endswith("<|im_assistant|>assistant<|im_middle|><think></think>") for r in rendered)
     assert report.prompt_tokens == sum(len(r) // 4 for r in rendered) and report.approximate
     assert report.notes[0] == "no --tokenizer: prompt tokens are approximate (characters of the kimi-k2.5-rendered prompt / 4)"
+
+
+@pytest.mark.parametrize("mode", ["plain", "rich"])
+def test_progress_shows_no_0_of_0_bar_when_nothing_is_left_to_send(mode):
+    import asyncio
+    import io
+
+    from tokenbridge.generate.engine import EngineStats
+    from tokenbridge.generate.progress import Reporter
+
+    async def show() -> str:
+        out = io.StringIO()
+        rep = Reporter(mode, out=out, interval_s=0.0)
+        rep.start(EngineStats(total=0))
+        await asyncio.sleep(0.05)
+        await rep.close()
+        return out.getvalue()
+
+    assert asyncio.run(show()) == ""
