@@ -157,14 +157,19 @@ def test_tokenizer_files_are_part_of_the_fingerprint(tmp_path, kimi_dir):
     assert _tokenizer_identity(str(folder)) != before
 
 
-def test_generate_line_is_a_sentence_and_a_resumed_run_says_already_done(tmp_path, kimi_dir):
+def test_run_prints_sentences_and_a_resumed_run_says_already_done(tmp_path, kimi_dir):
     cfg = load_run_config(_config(tmp_path, kimi_dir))
     lines: list[str] = []
     run_pipeline(cfg, echo=lines.append)
     first = [x for x in lines if x.startswith("generate: 16")]
     spent = json.loads((tmp_path / "out" / "generate.json").read_text())["spent_total"]
     assert first == [f"generate: 16 samples: 16 done now; 16 requests, ${spent:.4f} this run, ${spent:.4f} in all."]
+    rows = _lines(tmp_path / "out" / "reconstructed.jsonl")
+    n = {s: sum(r["status"] == s for r in rows) for s in ("ok", "flagged", "rejected")}
+    assert f"reconstruct: ran → {tmp_path / 'out' / 'reconstructed.jsonl'}: {n['ok']} ok, {n['flagged']} flagged, " \
+           f"{n['rejected']} rejected" in lines
     lines.clear()
     run_pipeline(cfg, echo=lines.append)
     assert [x for x in lines if x.startswith("generate: 16")] == [
         f"generate: 16 samples: 16 already done; nothing sent, ${spent:.4f} spent in all."]
+

@@ -220,6 +220,7 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     from .export import build_vocab, export_file
     from .generate import generate_run, settings_from_mapping
     from .generate.outcome import describe_run
+    from .view import status_text
     from .reconstruct import reconstruct_file
     from .report import build_report
     from .tokenizer import load_tokenizer
@@ -264,7 +265,7 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
         state.record("reconstruct", fp, {"status": detail["status"], "bad_lines": len(rs.bad_lines),
                                          "provider_notes": detail["provider_notes"]})
         results.append(StageResult("reconstruct", "ran", detail))
-    echo(f"reconstruct: {results[-1].status} → {reconstructed} {state.data['reconstruct'].get('status')}")
+    echo(f"reconstruct: {results[-1].status} → {reconstructed}: {status_text(state.data['reconstruct'].get('status') or {})}")
     for note in state.data["reconstruct"].get("provider_notes") or ():
         echo(f"reconstruct: warning: {note}")
 

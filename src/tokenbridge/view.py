@@ -23,6 +23,11 @@ _STYLE = {
 }
 
 
+def status_text(counts: Mapping[str, int]) -> str:
+    """``140 ok, 11 flagged, 65 rejected``: reconstruct's statuses as ``run`` prints them."""
+    return ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "flagged", "rejected"))
+
+
 def summary_table(summary, title: str = "reconstruct") -> Group:
     """Counts of records, statuses and finding codes."""
     totals = Table(title=title, show_header=True)
