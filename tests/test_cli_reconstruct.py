@@ -170,3 +170,23 @@ def test_stripping_provider_is_named_across_a_run():
     lone = ReconstructSummary()
     lone.add([("ok", [], "stripper", False)] * 40)
     assert lone.stripping_suspects() == []  # nothing to compare against
+
+
+def test_cli_empty_input_warns_and_writes_an_empty_file(tmp_path, kimi_dir):
+    src = tmp_path / "empty.jsonl"
+    src.write_text("")
+    res = CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(tmp_path / "o.jsonl"), "-t", str(kimi_dir)])
+    assert res.exit_code == 0
+    assert f"warning: {src} holds no records; {tmp_path / 'o.jsonl'} has no rows.\n" in res.output
+    assert (tmp_path / "o.jsonl").read_bytes() == b""
+
+
+def test_cli_many_bad_lines_show_twenty_then_a_count_and_say_nothing_was_written(tmp_path, kimi_dir):
+    src = tmp_path / "bad.jsonl"
+    src.write_text("{not json\n" * 25)
+    out = tmp_path / "o.jsonl"
+    res = CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(out), "-t", str(kimi_dir)])
+    assert res.exit_code == 1
+    shown = [x for x in res.output.splitlines() if x.startswith("bad record: ")]
+    assert [x.split(":")[2] for x in shown] == [str(n) for n in range(1, 21)]
+    assert res.output.endswith(f"... and 5 more bad lines\nno record was written: {out} is empty.\n")

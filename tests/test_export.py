@@ -280,3 +280,17 @@ def test_cli_export_and_bad_row(run, tmp_path):
     res = runner.invoke(app, ["export", str(bad), "-o", str(tmp_path / "o2"), "--format", "parquet"])
     assert res.exit_code == 2
     assert f"{bad}:{k + 1}: loss_mask: is 1 at position" in res.output
+
+
+def test_speculators_shards_load_in_order(run, tmp_path):
+    from datasets import load_from_disk
+
+    _, src, rows = run
+    out = tmp_path / "spec"
+    summary = export_file(src, out, "speculators", shard_bytes=1)  # a new shard after every batch
+    want = _expected(rows)
+    shards = sorted(p.name for p in out.glob("*.arrow"))
+    assert shards == [f"data-{k:05d}-of-{len(want):05d}.arrow" for k in range(len(want))]  # one row each
+    assert summary.files == shards + ["dataset_info.json", "state.json", "README.md"]
+    plain = load_from_disk(str(out)).with_format(None)
+    assert plain["input_ids"] == [w["input_ids"] for w in want]

@@ -313,3 +313,23 @@ def test_sigterm_stops_sending_keeps_what_arrived_and_exits_130(tmp_path, kimi):
     assert counts["done"] == len(rows) and counts["pending"] == 200 - len(rows)
     assert 20 <= len(rows) <= sent <= len(rows) + 4  # what was in flight finished and was stored
     assert _grep_key(run, out, err) == []
+
+
+def test_folder_made_with_doubled_ids_resumes_without_sending_again(tmp_path, kimi, monkeypatch):
+    """Folders from before the prefix fix hold ``b3-b3-1``: resuming one re-sends (and bills) nothing."""
+    from tokenbridge.generate import prompts as prompts_module
+
+    path = tmp_path / "b3.jsonl"
+    path.write_text("".join(json.dumps({"id": f"b3-{i}", "prompt": f"Question {i}?"}) + "\n" for i in range(6)))
+    with running_emulator(_emu(), tokenizer=kimi) as url:
+        settings = GenerateSettings(datasets=(DatasetSpec("b3", path),), request=RequestSettings(model=MODEL),
+                                    base_url=url, progress="none")
+        with monkeypatch.context() as m:  # the id rule before the fix
+            m.setattr(prompts_module, "sample_id", lambda dataset, rid: f"{dataset}-{rid}")
+            first = generate_run(settings, tmp_path / "old", key=None)
+        again = generate_run(settings, tmp_path / "old", key=None)
+        fresh = generate_run(settings, tmp_path / "new", key=None)
+    assert first.done == 6 and [e["id"] for e in _exchanges(tmp_path / "old")][0] == "b3-b3-0"
+    assert (again.requests, again.already_done, again.left_out) == (0, 6, 0)
+    assert [e["id"] for e in _exchanges(tmp_path / "old")] == [f"b3-b3-{i}" for i in range(6)]
+    assert [e["id"] for e in _exchanges(tmp_path / "new")] == [f"b3-{i}" for i in range(6)] and fresh.done == 6

@@ -233,3 +233,16 @@ def test_a_lone_surrogate_is_a_bad_row_naming_its_field(tmp_path):
         ("line 5", "id"),
     ]
     assert loaded.errors[0].message == "lone surrogate '\\ud800' at character 5: not valid UTF-8"
+
+
+def test_row_id_already_prefixed_by_the_dataset_is_kept(tmp_path):
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{"id": "chat-001", "prompt": "a"}, {"id": "sg-001", "prompt": "b"},
+                                                  {"id": "chatty", "prompt": "c"}])
+    assert [s.id for s in load_prompts([_spec(path, "chat")]).samples] == ["chat-001", "chat-sg-001", "chat-chatty"]
+
+
+def test_prefixed_and_bare_row_ids_that_meet_are_a_bad_row(tmp_path):
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{"id": "chat-001", "prompt": "a"}, {"id": "001", "prompt": "b"}])
+    loaded = load_prompts([_spec(path, "chat")])
+    assert [s.id for s in loaded.samples] == ["chat-001"]
+    assert [(e.location, e.field) for e in loaded.errors] == [("line 2", "id")]

@@ -390,3 +390,53 @@ def test_config_tokenizer_path_is_relative_to_the_config_file(tmp_path, kimi_dir
     assert s.tokenizer == str((tmp_path / "cfg" / "tok").resolve())
     # a Hub id (no such path beside the config) is left alone
     assert settings_from_mapping({"model": "m", "tokenizer": "moonshotai/Kimi-K2.5"}, base_dir=tmp_path).tokenizer == "moonshotai/Kimi-K2.5"
+
+
+def test_run_sentence_names_failures_pending_bad_rows_and_the_stop():
+    from tokenbridge.generate.outcome import describe_run
+    from tokenbridge.generate.run import RunSummary
+
+    s = RunSummary(out_dir="r", run=2, samples=10, already_done=4, done=3, failed=1, pending=2, requests=5,
+                   spent_run=0.5, spent_total=1.25, prompt_tokens=0, completion_tokens=0, elapsed_s=1.0, errors={},
+                   stop_reason="budget", exit_code=4, bad_rows=["x"])
+    assert describe_run(s) == ("10 samples: 4 already done, 3 done now, 1 failed, 2 not sent yet; 5 requests, "
+                               "$0.5000 this run, $1.2500 in all; 1 bad prompt row skipped; stopped (budget).")
+
+
+def test_dry_run_without_a_tokenizer_counts_the_rendered_prompt(tmp_path):
+    """No tokenizer: characters / 4 of the prompt as the chat template renders it, not of the JSON."""
+    from tokenbridge.chat import DIALECTS
+    from tokenbridge.generate import GenerateSettings, dry_run
+    from tokenbridge.generate.prompts import load_prompts
+    from tokenbridge.generate.settings import DatasetSpec
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": "word " * (3 * i + 1), "system": "Be terse."}) + "\n"
+                            for i in range(5)))
+    request = RequestSettings(model="m", reasoning={"enabled": False})
+    settings = GenerateSettings(datasets=(DatasetSpec("d", path),), request=request)
+    report = dry_run(settings)
+    rendered = [DIALECTS["kimi-k2.5"].render_request(build_request(s, request))
+                for s in load_prompts(settings.datasets).samples]
+    assert all(r.endswith("<|im_assistant|>assistant<|im_middle|><think></think>") for r in rendered)
+    assert report.prompt_tokens == sum(len(r) // 4 for r in rendered) and report.approximate
+    assert report.notes[0] == "no --tokenizer: prompt tokens are approximate (characters of the kimi-k2.5-rendered prompt / 4)"
+
+
+@pytest.mark.parametrize("mode", ["plain", "rich"])
+def test_progress_shows_no_0_of_0_bar_when_nothing_is_left_to_send(mode):
+    import asyncio
+    import io
+
+    from tokenbridge.generate.engine import EngineStats
+    from tokenbridge.generate.progress import Reporter
+
+    async def show() -> str:
+        out = io.StringIO()
+        rep = Reporter(mode, out=out, interval_s=0.0)
+        rep.start(EngineStats(total=0))
+        await asyncio.sleep(0.05)
+        await rep.close()
+        return out.getvalue()
+
+    assert asyncio.run(show()) == ""

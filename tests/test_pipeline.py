@@ -58,7 +58,7 @@ def test_run_end_to_end_then_rerun_skips(tmp_path, kimi_dir):
                      "export:parquet": "ran", "export:conversations": "ran", "vocab": "ran", "report": "ran"}
     out = tmp_path / "out"
     exchanges = _lines(out / "exchanges.jsonl")
-    assert [e["id"] for e in exchanges][:2] == ["chat-chat-001", "chat-chat-002"] and len(exchanges) == 16
+    assert [e["id"] for e in exchanges][:2] == ["chat-001", "chat-002"] and len(exchanges) == 16
     rows = _lines(out / "reconstructed.jsonl")
     assert len(rows) == 16
     # the emulator returned native ids, so every ok row is proven against ground truth
@@ -156,3 +156,23 @@ def test_tokenizer_files_are_part_of_the_fingerprint(tmp_path, kimi_dir):
     before = _tokenizer_identity(str(folder))
     (folder / "chat_template.jinja").write_text("{{ messages }}")
     assert _tokenizer_identity(str(folder)) != before
+
+
+def test_run_prints_sentences_and_a_resumed_run_says_already_done(tmp_path, kimi_dir):
+    cfg = load_run_config(_config(tmp_path, kimi_dir))
+    lines: list[str] = []
+    run_pipeline(cfg, echo=lines.append)
+    first = [x for x in lines if x.startswith("generate: 16")]
+    summary = json.loads((tmp_path / "out" / "generate.json").read_text())
+    spent, requests = summary["spent_total"], summary["requests"]
+    assert requests >= 16
+    assert first == [f"generate: 16 samples: 16 done now; {requests} requests, ${spent:.4f} this run, ${spent:.4f} in all."]
+    rows = _lines(tmp_path / "out" / "reconstructed.jsonl")
+    n = {s: sum(r["status"] == s for r in rows) for s in ("ok", "flagged", "rejected")}
+    assert f"reconstruct: ran → {tmp_path / 'out' / 'reconstructed.jsonl'}: {n['ok']} ok, {n['flagged']} flagged, " \
+           f"{n['rejected']} rejected" in lines
+    lines.clear()
+    run_pipeline(cfg, echo=lines.append)
+    assert [x for x in lines if x.startswith("generate: 16")] == [
+        f"generate: 16 samples: 16 already done; nothing sent, ${spent:.4f} spent in all."]
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from typer.testing import CliRunner
 
@@ -66,7 +67,10 @@ def test_probe_cli_prints_the_table_and_writes_json(tmp_path, kimi, kimi_dir):
         )
     assert res.exit_code == 0, res.output
     assert "siliconflow/int4" in res.output and "none" in res.output
-    assert "each prompt: up to 3 tries; waits (Retry-After included) capped at 8 s" in res.output
+    text = " ".join(res.output.split())  # rich wraps the caption
+    assert "answered: probe prompts that got a completion back (after up to 3 tries each; waits, Retry-After " \
+           "included, capped at 8 s), good or not." in text
+    assert re.search(r"│ siliconflow/int4 +│ yes +│ 3/3 +│", res.output) and "answered" in res.output
     data = json.loads(out.read_text(encoding="utf-8"))
     assert [p["provider"] for p in data["providers"]] == ["siliconflow/int4", "gone"]
     assert data["providers"][0]["usage_parity"] == "3/3" and data["providers"][1]["available"] is False

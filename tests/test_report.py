@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 from collections import Counter
+from html import escape
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,41 @@ def test_only_reconstructed_says_what_is_missing(runs):
     text = html.read_text()
     for sid in ("parity", "cost", "throughput"):
         assert re.search(rf'<section id="{sid}" data-has-data="false"><h2>[^<]+</h2><p class="empty">No data: ', text)
+
+
+def test_sample_ids_per_finding_code_and_per_status(runs):
+    rows = runs["rows"]
+    data = collect_run(runs["full"])
+    for code in data["findings"]:
+        mine = [[r["id"], r["choice"]] for r in rows if code in {f["code"] for f in r["findings"]}]
+        assert data["samples_by_finding"][code] == mine[:50], code
+    for st in ("ok", "flagged", "rejected"):
+        assert data["samples_by_status"][st] == [[r["id"], r["choice"]] for r in rows if r["status"] == st][:50]
+    assert any(choice for ids in data["samples_by_status"].values() for _, choice in ids)  # a 2-choice exchange
+
+
+def test_listed_sample_id_pastes_into_inspect(runs, kimi_dir):
+    data = collect_run(runs["full"])
+    sid, choice = data["samples_by_finding"]["usage_completion_mismatch"][0]
+    res = CliRunner().invoke(app, ["inspect", str(runs["full"] / "reconstructed.jsonl"), "-t", str(kimi_dir),
+                                   "--id", sid, "--choice", str(choice)])
+    assert res.exit_code == 0, res.output
+    assert f"{sid} choice {choice}: rejected" in res.output and "usage_completion_mismatch" in res.output
+
+
+def test_page_lists_ids_and_explains_every_code(runs):
+    from tokenbridge.checks import CODES
+
+    html = build_report(runs["full"]).read_text()
+    data = json.loads((runs["full"] / "report" / "report.json").read_text())
+    section = html[html.index('<section id="samples"'):html.index('<section id="glossary"')]
+    for code, ids in data["samples_by_finding"].items():
+        cell = " ".join(f"<code>{sid}</code>" if not c else f"<code>{sid} (choice {c})</code>" for sid, c in ids)
+        assert f"<tr><td>{code}</td><td>{data['findings'][code]:,}</td><td class=\"ids\">{cell}" in section
+    glossary = html[html.index('<section id="glossary"'):]
+    for code, (severity, meaning) in CODES.items():
+        n = data["findings"].get(code, 0)
+        assert f"<tr><td>{code}</td><td>{severity}</td><td>{escape(meaning)}</td><td>{n:,}</td></tr>" in glossary
 
 
 def test_no_reconstructed_file_is_an_error(tmp_path):
@@ -286,7 +322,8 @@ def test_report_renders_in_chromium_without_errors(browsed, which):
     assert [(s["id"], s["title"]) for s in page["sections"]] == list(SECTIONS)
     assert r["png"][:8] == b"\x89PNG\r\n\x1a\n"
     by_id = {s["id"]: s for s in page["sections"]}
-    expect_data = {"overview", "status", "findings", "lengths"} | ({"parity", "cost", "throughput"} if which == "full" else set())
+    expect_data = {"overview", "status", "findings", "samples", "glossary", "lengths"} | (
+        {"parity", "cost", "throughput"} if which == "full" else set())
     for sid, s in by_id.items():
         assert (s["hasData"] == "true") == (sid in expect_data), sid
         if sid in expect_data:
@@ -303,3 +340,30 @@ def test_cli_report_without_rows_fails_clearly(tmp_path):
     res = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert res.exit_code == 2
     assert f"error: {tmp_path}: no reconstructed.jsonl or reconstructed.parquet to report on" in " ".join(res.output.split())
+
+
+def test_generation_numbers_agree_with_generate(tmp_path, kimi):
+    """Requests, failed attempts per class, samples and cost: what generate said, read back from its store."""
+    from tokenbridge.emulator import EmulatorConfig, running_emulator
+    from tokenbridge.generate import GenerateSettings, RequestSettings, generate_run
+    from tokenbridge.generate.settings import DatasetSpec
+    from tokenbridge.reconstruct import reconstruct_file
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"Question {i}?"}) + "\n" for i in range(30)))
+    run = tmp_path / "run"
+    emu = EmulatorConfig(min_tokens=10, max_tokens=60, retry_after_s=0, slow_s=0.05, fault_rate=0.3, seed=5)
+    with running_emulator(emu, tokenizer=kimi) as url:
+        settings = GenerateSettings(datasets=(DatasetSpec("d", prompts),), request=RequestSettings(model="moonshotai/kimi-k2.5"),
+                                    base_url=url, progress="none", max_attempts=8)
+        summary = generate_run(settings, run, key=None)
+    reconstruct_file(run / "exchanges.jsonl", run / "reconstructed.jsonl", kimi)
+    data = collect_run(run)
+    gen = data["generation"]
+    assert summary.errors and summary.requests > summary.done  # the faults made retries
+    assert gen["requests"] == summary.requests and gen["errors"] == summary.errors
+    assert gen["samples"] == {"done": summary.done, "failed": summary.failed, "pending": summary.pending}
+    assert gen["cost_total"] == pytest.approx(summary.spent_total) and gen["runs"] == 1
+    exchanges = [json.loads(x) for x in (run / "exchanges.jsonl").read_text().splitlines()]
+    assert summary.failed == 0  # so every attempt belongs to a sample in exchanges.jsonl
+    assert data["exchanges"]["attempts"] == sum(e["meta"]["attempts"] for e in exchanges) == summary.requests

@@ -88,7 +88,7 @@ def test_include_flagged_counts_flagged_rows(src, rows, tmp_path):
 def test_torch_files(src, rows, tmp_path):
     torch = pytest.importorskip("torch")
     build_vocab(src, 2000, tmp_path, V)
-    mapping = torch.load(tmp_path / "vocab_mapping.pt")
+    mapping = torch.load(tmp_path / "vocab_mapping.pt", weights_only=True, mmap=True)
     assert set(mapping) == {"d2t", "t2d"}
     assert mapping["d2t"].dtype == torch.int64 and mapping["t2d"].dtype == torch.bool
     assert mapping["d2t"].tolist() == np.load(tmp_path / "d2t.npy").tolist()

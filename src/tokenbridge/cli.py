@@ -13,8 +13,25 @@ from .exit_codes import ExitCode
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
     help="Exact-token training data for speculative-decoding drafts from text-only APIs.",
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"tokenbridge {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Exact-token training data for speculative-decoding drafts from text-only APIs."""
 
 
 # --- reconstruct / inspect -------------------------------------------------------------
@@ -52,6 +69,9 @@ def _fail(message: str, code: int = ExitCode.CONFIG) -> None:
     raise typer.Exit(int(code))
 
 
+_SHOWN_BAD_LINES = 20  # reconstruct prints this many bad lines, then a count
+
+
 @app.command()
 def reconstruct(
     input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Exchange records (JSONL)."),
@@ -85,18 +105,27 @@ def reconstruct(
     console.print(summary_table(summary, title=f"{input} → {output}"))
     for note in summary.stripping_suspects():
         typer.echo(f"warning: {note}", err=True)
-    for bad in summary.bad_lines:
+    for bad in summary.bad_lines[:_SHOWN_BAD_LINES]:
         typer.echo(f"bad record: {bad}", err=True)
+    if len(summary.bad_lines) > _SHOWN_BAD_LINES:
+        more = len(summary.bad_lines) - _SHOWN_BAD_LINES
+        typer.echo(f"... and {more} more bad lines" + (" (all in --summary-json)" if summary_json else ""), err=True)
     if summary_json:
         summary_json.write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
-    if summary.bad_lines:
+    if summary.records == 0 and not summary.bad_lines:
+        typer.echo(f"warning: {input} holds no records; {output} has no rows.", err=True)
+    elif summary.rows == 0:
+        typer.echo(f"no record was written: {output} is empty.", err=True)
+    elif summary.bad_lines:
         typer.echo(f"{len(summary.bad_lines)} bad record(s) skipped; the others were written.", err=True)
+    if summary.bad_lines:
         raise typer.Exit(int(ExitCode.INCOMPLETE))
 
 
 @app.command()
 def inspect(
-    input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Reconstructed or exchange JSONL."),
+    input: Path = typer.Argument(..., exists=True, dir_okay=False,
+                                 help="Reconstruct output (JSONL or .parquet), or exchange JSONL."),
     tokenizer: str = typer.Option(..., "--tokenizer", "-t", help="Tokenizer folder or Hub repo id."),
     sample_id: Optional[str] = typer.Option(None, "--id", help="Sample id (default: the first record)."),
     choice: int = typer.Option(0, "--choice", min=0, help="Choice index."),
@@ -107,13 +136,13 @@ def inspect(
     from rich.console import Console
 
     from .tokenizer import TokenizerError, load_tokenizer
-    from .view import find_row, parse_span, render_row
+    from .view import check_span, find_row, parse_span, render_row
 
     if tokens is not None:
         try:
             parse_span(tokens)
-        except ValueError:
-            raise typer.BadParameter(f"{tokens!r}: expected A:B (positions), A:, :B or ':'", param_hint="--tokens") from None
+        except ValueError as exc:
+            raise typer.BadParameter(f"{tokens!r}: {exc}", param_hint="--tokens") from None
     try:
         tok = load_tokenizer(tokenizer)
     except TokenizerError as exc:
@@ -122,6 +151,11 @@ def inspect(
         row = find_row(input, tok, sample_id, choice, dialect)
     except LookupError as exc:
         _fail(str(exc.args[0]))
+    if tokens is not None:
+        try:
+            check_span(tokens, len(row["input_ids"]))
+        except ValueError as exc:
+            _fail(f"--tokens {tokens}: {exc}")
     Console(highlight=False).print(render_row(row, tok, tokens))
 
 

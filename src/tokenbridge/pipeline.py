@@ -87,6 +87,8 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     from .emulator import running_emulator
     from .export import build_vocab, export_file
     from .generate import generate_run, settings_from_mapping
+    from .generate.outcome import describe_run
+    from .view import status_text
     from .reconstruct import reconstruct_file
     from .report import build_report
     from .tokenizer import load_tokenizer
@@ -113,7 +115,7 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     gen_detail = {"done": summary.done, "failed": summary.failed, "spent_usd": summary.spent_total,
                   "stop_reason": summary.stop_reason, "exit_code": summary.exit_code}
     results.append(StageResult("generate", "ran", gen_detail))
-    echo(f"generate: {gen_detail}")
+    echo(f"generate: {describe_run(summary)}")
     if summary.stop_reason:
         raise PipelineError(f"generate stopped ({summary.stop_reason}); fix it and run the same command again",
                             code=summary.exit_code or 1)
@@ -132,7 +134,7 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
         state.record("reconstruct", fp, {"status": detail["status"], "bad_lines": len(rs.bad_lines),
                                          "provider_notes": detail["provider_notes"]})
         results.append(StageResult("reconstruct", "ran", detail))
-    echo(f"reconstruct: {results[-1].status} → {reconstructed} {state.data['reconstruct'].get('status')}")
+    echo(f"reconstruct: {results[-1].status} → {reconstructed}: {status_text(state.data['reconstruct'].get('status') or {})}")
     for note in state.data["reconstruct"].get("provider_notes") or ():
         echo(f"reconstruct: warning: {note}")
 

@@ -23,6 +23,11 @@ _STYLE = {
 }
 
 
+def status_text(counts: Mapping[str, int]) -> str:
+    """``140 ok, 11 flagged, 65 rejected``: reconstruct's statuses as ``run`` prints them."""
+    return ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "flagged", "rejected"))
+
+
 def summary_table(summary, title: str = "reconstruct") -> Group:
     """Counts of records, statuses and finding codes."""
     totals = Table(title=title, show_header=True)
@@ -44,11 +49,14 @@ def summary_table(summary, title: str = "reconstruct") -> Group:
 
 
 def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dialect: str | None) -> dict:
-    """The reconstructed row for ``sample_id`` (first record if None); exchange records
-    are reconstructed on the fly. LookupError when absent."""
+    """The reconstructed row for ``sample_id`` (first record if None), from reconstruct's
+    JSONL or Parquet output; exchange records are reconstructed on the fly. LookupError
+    when absent."""
     from .chat import resolve_dialect
     from .reconstruct import reconstruct_record
 
+    if path.suffix == ".parquet":
+        return _find_parquet_row(path, sample_id, choice)
     for lineno, line in iter_lines(path):
         try:
             record = loads_line(line)
@@ -66,6 +74,18 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
             raise LookupError(f"{path}:{lineno}: {exc}") from None
         if choice < len(rows):
             return rows[choice]
+    raise LookupError(f"{path}: no sample {sample_id or '(first)'} with choice {choice}")
+
+
+def _find_parquet_row(path: Path, sample_id: str | None, choice: int) -> dict:
+    from .export.source import ExportError, iter_records
+
+    try:
+        for _, record in iter_records(path):
+            if (sample_id is None or record.get("id") == sample_id) and record.get("choice", 0) == choice:
+                return record
+    except ExportError as exc:
+        raise LookupError(str(exc)) from None
     raise LookupError(f"{path}: no sample {sample_id or '(first)'} with choice {choice}")
 
 
@@ -106,21 +126,37 @@ def render_row(row: Mapping[str, Any], tok: Tokenizer, tokens: str | None = None
 
 
 def parse_span(span: str) -> tuple[int | None, int | None]:
-    """``A:B``, ``A:``, ``:B`` or ``:`` → (start, stop); ValueError otherwise."""
+    """``A:B``, ``A:``, ``:B`` or ``:`` → (start, stop); ValueError (a message) otherwise."""
     a, sep, b = span.partition(":")
-    if not sep:
-        raise ValueError(f"{span!r} is not A:B")
-    return (int(a) if a else None, int(b) if b else None)
+    try:
+        if not sep:
+            raise ValueError
+        start, stop = (int(a) if a else None, int(b) if b else None)
+    except ValueError:
+        raise ValueError("expected A:B (positions), A:, :B or ':'") from None
+    if (start is not None and start < 0) or (stop is not None and stop < 0):
+        raise ValueError("positions start at 0 (negative positions are not accepted)")
+    return start, stop
+
+
+def check_span(span: str, n_tokens: int) -> tuple[int, int]:
+    """``span`` as (start, stop) within a sample of ``n_tokens``; ValueError when outside it."""
+    a, b = parse_span(span)
+    start = 0 if a is None else a
+    stop = n_tokens if b is None else b
+    if start >= n_tokens or stop > n_tokens:
+        raise ValueError(f"the sample has {n_tokens} tokens, positions 0 to {n_tokens - 1}")
+    if start >= stop:
+        raise ValueError(f"empty span: {start} is not below {stop}")
+    return start, stop
 
 
 def _token_table(ids, kinds, tok: Tokenizer, span: str) -> Table:
-    a, b = parse_span(span)
-    start = a or 0
-    stop = len(ids) if b is None else b
+    start, stop = check_span(span, len(ids))
     table = Table(show_header=True, box=None)
     for col in ("pos", "id", "token", "segment"):
         table.add_column(col, justify="right" if col in ("pos", "id") else "left")
-    for pos in range(max(0, start), min(stop, len(ids))):
+    for pos in range(start, stop):
         tid = ids[pos]
         text = tok.token_bytes(tid).decode("utf-8", errors="backslashreplace")
         kind = kinds[pos] if pos < len(kinds) else "?"

@@ -14,11 +14,11 @@ Files written (``out_dir``):
 
 * ``d2t.npy``, ``t2d.npy``: speculators ``--d2t-path`` / ``--t2d-path`` (``np.load``);
 * ``vocab_mapping.pt``: ``{"d2t": LongTensor, "t2d": BoolTensor}`` for SpecForge
-  ``model.vocab_mapping_path`` (``torch.load``); written only when torch is installed;
-* ``token_freq.pt``: ``{token_id: count}`` for speculators ``--token-freq-path``
-  (torch too);
+  ``model.vocab_mapping_path`` (``torch.load``), written by :mod:`.torchfile` (no torch
+  needed);
+* ``token_freq.pt``: ``{token_id: count}`` for speculators ``--token-freq-path`` (same);
 * ``vocab.json``: sizes, coverage (fraction of masked tokens the draft vocab covers),
-  coverage at other sizes, and which files were written or skipped.
+  coverage at other sizes, and which files were written.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from . import torchfile
 from .source import ExportError, iter_records
 from .validate import check_training_row
 
@@ -139,14 +140,8 @@ def _write_files(out_dir: Path, d2t: np.ndarray, t2d: np.ndarray, counts: np.nda
     np.save(out_dir / "d2t.npy", d2t)
     np.save(out_dir / "t2d.npy", t2d)
     summary.files += ["d2t.npy", "t2d.npy"]
-    try:
-        import torch
-    except ImportError:
-        for name in ("vocab_mapping.pt", "token_freq.pt"):
-            (out_dir / name).unlink(missing_ok=True)  # never leave a stale mapping beside new .npy files
-            summary.skipped_files[name] = "torch is not installed"
-        return
-    torch.save({"d2t": torch.from_numpy(d2t.copy()), "t2d": torch.from_numpy(t2d.copy())}, out_dir / "vocab_mapping.pt")
+    # torch's own file format, written without torch (see torchfile): SpecForge needs it.
+    torchfile.save({"d2t": d2t, "t2d": t2d}, out_dir / "vocab_mapping.pt")
     seen = np.flatnonzero(counts)
-    torch.save({int(t): int(c) for t, c in zip(seen, counts[seen])}, out_dir / "token_freq.pt")
+    torchfile.save({int(t): int(c) for t, c in zip(seen, counts[seen])}, out_dir / "token_freq.pt")
     summary.files += ["vocab_mapping.pt", "token_freq.pt"]

@@ -7,9 +7,10 @@
   reasoning_content?, tool_calls?, ...}], tools?, ...metadata}``: for trainers that
   re-tokenize with their own chat template (SpecForge raw data, speculators
   ``prepare-data``). Re-tokenizing is *not* guaranteed to reproduce our ids.
-* ``speculators``: a ``datasets`` ``save_to_disk`` folder with ``input_ids`` /
-  ``loss_mask`` (int64, as speculators' own ``prepare-data`` writes them), ``seq_len``
-  (which its ``ArrowDataset`` needs for length bucketing), torch format on those three.
+* ``speculators``: a ``datasets`` ``save_to_disk`` folder (written with pyarrow alone,
+  no ``datasets`` or torch needed) with ``input_ids`` / ``loss_mask`` (int64, as
+  speculators' own ``prepare-data`` writes them), ``seq_len`` (which its ``ArrowDataset``
+  needs for length bucketing), torch format on those three.
 * ``parquet``: ``data/train-XXXXX-of-YYYYY.parquet`` shards (bounded rows and bytes,
   bounded row groups) with every field, plus a dataset card.
 
@@ -18,10 +19,10 @@ Every row carries ``id, choice, dataset, provider, model, status, findings``.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 __all__ = ["WRITERS", "metadata_of"]
 
@@ -133,64 +134,96 @@ def _arrow_meta(rec: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class SpeculatorsWriter:
-    """Stream Arrow IPC files to a staging folder, then let ``datasets`` lay out the folder.
+    """A ``datasets`` ``save_to_disk`` folder, written with pyarrow alone.
 
-    ``save_to_disk`` writes the exact layout ``load_from_disk`` (and so speculators)
-    expects; the staged files are memory-mapped, so memory stays flat.
+    Why not ``datasets`` itself: its ``set_format("torch")`` needs torch, and a plain
+    install has neither. The folder is what ``save_to_disk`` lays out: Arrow IPC stream
+    shards ``data-XXXXX-of-YYYYY.arrow``, ``dataset_info.json`` (features left to be read
+    from the Arrow schema, which every ``datasets`` version can do) and ``state.json``
+    naming the shards and the torch format speculators' ``ArrowDataset`` relies on
+    (``input_ids`` / ``loss_mask`` / ``seq_len`` as tensors). Rows are streamed, so memory
+    stays flat; a shard closes past ~``shard_bytes`` of ids.
     """
 
-    def __init__(self, out_dir: Path, **_: Any):
+    def __init__(self, out_dir: Path, shard_bytes: int = 500 << 20, **_: Any):
         import pyarrow as pa
 
         self._pa = pa
         self.out_dir = out_dir
-        self._staging = out_dir.parent / (out_dir.name + ".staging")
-        self._staging.mkdir()
+        self.shard_bytes = shard_bytes
         self.schema = pa.schema(
             [("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64())]
             + _meta_schema_fields(pa)
         )
-        self._file = self._staging / "rows.arrow"
-        self._sink = pa.OSFile(str(self._file), "wb")
-        self._writer = pa.ipc.new_stream(self._sink, self.schema)
+        self._shards: list[Path] = []
+        self._sink: Any = None
+        self._writer: Any = None
+        self._bytes = 0
         self._buf: list[dict] = []
         self.rows = 0
 
     def add(self, rec, ids, mask) -> None:
         self._buf.append({"input_ids": ids, "loss_mask": mask, "seq_len": len(ids), **_arrow_meta(rec)})
+        self._bytes += 16 * len(ids)
         if len(self._buf) >= _ROW_GROUP_ROWS:
             self._flush()
+        if self._bytes >= self.shard_bytes:
+            self._end_shard()
 
     def _flush(self) -> None:
-        if self._buf:
-            self._writer.write_table(self._pa.Table.from_pylist(self._buf, schema=self.schema))
-            self.rows += len(self._buf)
-            self._buf = []
+        if not self._buf:
+            return
+        if self._writer is None:
+            path = self.out_dir / f"shard-{len(self._shards):05d}.arrow"
+            self._shards.append(path)
+            self._sink = self._pa.OSFile(str(path), "wb")
+            self._writer = self._pa.ipc.new_stream(self._sink, self.schema)
+        self._writer.write_table(self._pa.Table.from_pylist(self._buf, schema=self.schema))
+        self.rows += len(self._buf)
+        self._buf = []
+
+    def _end_shard(self) -> None:
+        self._flush()
+        if self._writer is not None:
+            self._writer.close()
+            self._sink.close()
+            self._writer = self._sink = None
+        self._bytes = 0
 
     def close(self) -> list[Path]:
-        self._flush()
-        self._writer.close()
-        self._sink.close()
-        try:
-            from datasets import Dataset
-            from datasets.utils import logging as ds_logging
-        except ImportError as exc:  # pragma: no cover - datasets is a dependency of this format
-            raise RuntimeError("--format speculators needs the 'datasets' package (pip install datasets)") from exc
-        ds = Dataset.from_file(str(self._file))
-        ds.set_format("torch", columns=["input_ids", "loss_mask", "seq_len"], output_all_columns=True)
-        bars = ds_logging.is_progress_bar_enabled()
-        ds_logging.disable_progress_bar()
-        try:
-            ds.save_to_disk(str(self.out_dir))
-        finally:
-            if bars:
-                ds_logging.enable_progress_bar()
-        del ds
-        shutil.rmtree(self._staging)
-        return sorted(p for p in self.out_dir.iterdir() if p.is_file())
+        self._end_shard()
+        n = len(self._shards)
+        names = [f"data-{k:05d}-of-{n:05d}.arrow" for k in range(n)]
+        for path, name in zip(self._shards, names):
+            path.rename(self.out_dir / name)
+        state = {
+            "_data_files": [{"filename": name} for name in names],
+            "_fingerprint": _fingerprint(self.out_dir / name for name in names),
+            "_format_columns": ["input_ids", "loss_mask", "seq_len"],
+            "_format_kwargs": {},
+            "_format_type": "torch",
+            "_output_all_columns": True,
+            "_split": None,
+        }
+        info = {"citation": "", "description": "", "homepage": "", "license": ""}
+        (self.out_dir / "state.json").write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+        (self.out_dir / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        return [self.out_dir / name for name in names] + [self.out_dir / "dataset_info.json", self.out_dir / "state.json"]
 
     def abort(self) -> None:
-        shutil.rmtree(self._staging, ignore_errors=True)
+        if self._writer is not None:
+            self._writer.close()
+            self._sink.close()
+
+
+def _fingerprint(paths: Iterable[Path]) -> str:
+    """16 hex digits over the shards' bytes, the form ``datasets`` uses for its fingerprints."""
+    h = hashlib.blake2b(digest_size=8)
+    for path in paths:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
 
 
 class ParquetWriter:

@@ -1,21 +1,20 @@
 """``--dry-run``: what a run would send and roughly cost, without sending anything.
 
-Prompt tokens are counted exactly as the serving side would see them: the request's
-messages rendered by the model's chat dialect (:mod:`tokenbridge.chat`) and encoded by
-its tokenizer. Completion cost is bounded above by ``max_tokens`` x n per sample; when the
+Prompt tokens are counted as the serving side would see them: the request rendered by
+the model's chat dialect (:mod:`tokenbridge.chat`, ``render_request``) and encoded by its
+tokenizer; without a tokenizer, the rendered text's characters / 4. Completion cost is bounded above by ``max_tokens`` x n per sample; when the
 run folder already holds responses, their mean completion length gives an expected figure.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .prompts import load_prompts
 from .request import build_request
-from .settings import GenerateSettings
+from .settings import ConfigError, GenerateSettings
 from .store import STATE_FILE, Store
 
 __all__ = ["DryRunReport", "dry_run"]
@@ -130,13 +129,26 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None) -> Dr
     )
 
 
-def _counter(settings: GenerateSettings):
-    """A function request -> prompt token count, and whether it is only approximate."""
+#: The family rendered when there is no tokenizer to recognise one from (the default model's).
+_DEFAULT_DIALECT = "kimi-k2.5"
+
+
+def _counter(settings: GenerateSettings) -> tuple[Callable[[dict[str, Any]], int], bool, list[str]]:
+    """A function request -> prompt token count, and whether it is only approximate.
+
+    Every request is rendered with the chat dialect, as the server renders it; with a
+    tokenizer the rendered text is encoded exactly, without one its characters / 4
+    stand in for tokens (the template's markers and the generation prompt still count).
+    """
+    from ..chat import DIALECTS, resolve_dialect
+
     if not settings.tokenizer:
-        return (lambda req: len(json.dumps(req["messages"], ensure_ascii=False)) // 4), True, [
-            "no --tokenizer: prompt tokens are approximate (characters / 4)"
-        ]
-    from ..chat import resolve_dialect
+        name = settings.dialect or _DEFAULT_DIALECT
+        if name not in DIALECTS:
+            raise ConfigError(f"unknown dialect {name!r}; known: {', '.join(sorted(DIALECTS))}")
+        dialect = DIALECTS[name]
+        note = f"no --tokenizer: prompt tokens are approximate (characters of the {name}-rendered prompt / 4)"
+        return (lambda req: len(dialect.render_request(req)) // 4), True, [note]
     from ..tokenizer import load_tokenizer
 
     tok = load_tokenizer(settings.tokenizer)

@@ -378,15 +378,21 @@ def _inspect(call: ProbeCall, request: dict, response: dict, tok: Any, dialect: 
     call.completion_tokens = (completion, (usage or {}).get("completion_tokens"))
 
 
+def probe_caption(attempts: int) -> str:
+    """What the table's columns mean; "ok" alone read as "this provider is fine"."""
+    return (
+        f"answered: probe prompts that got a completion back (after up to {attempts} tries each; waits, "
+        f"Retry-After included, capped at {RETRY_WAIT_CAP_S:.0f} s), good or not. The columns after it judge "
+        "those answers: a leak or a usage-parity miss means the exact tokens do not survive that provider."
+    )
+
+
 def render_table(reports: list[ProviderReport], attempts: int = 3):
     """A rich Table: one row per provider."""
     from rich.table import Table
 
-    table = Table(
-        title="provider probe",
-        caption=f"each prompt: up to {attempts} tries; waits (Retry-After included) capped at {RETRY_WAIT_CAP_S:.0f} s",
-    )
-    for col in ("provider", "available", "ok", "reasoning", "end-marker leak", "think-marker leak",
+    table = Table(title="provider probe", caption=probe_caption(attempts))
+    for col in ("provider", "available", "answered", "reasoning", "end-marker leak", "think-marker leak",
                 "tool markers", "usage parity", "latency s", "cost $"):
         table.add_column(col)
     for rep in reports:

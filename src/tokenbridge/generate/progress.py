@@ -68,6 +68,8 @@ class Reporter:
 
     def start(self, stats: "EngineStats") -> None:
         self._stats = stats
+        if not stats.total:  # nothing to send: "resuming: N already done" said it all, no "0/0" bar
+            return
         if self.mode == "rich":
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -120,5 +122,5 @@ class Reporter:
             self._update_rich()
             self._progress.stop()
             self._progress = None
-        if self.mode == "plain" and self._stats is not None:
+        if self.mode == "plain" and self._stats is not None and self._stats.total:
             print(format_line(self._stats), file=self.out, flush=True)

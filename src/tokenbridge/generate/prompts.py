@@ -7,8 +7,9 @@ Sources: a ``.jsonl`` file, a ``.parquet`` file, a Hugging Face ``save_to_disk``
 Row shapes: OpenAI ``messages``; ShareGPT ``conversations`` (``from``/``value``, roles
 human/gpt/system/tool); or ``prompt`` with an optional ``system``. An optional row-level
 ``tools`` list is kept. A trailing assistant turn is dropped, so the model answers the
-last user/tool turn. The sample id is ``<dataset>-<row id>``, or ``<dataset>-<content
-hash>`` when the row has no ``id`` (a repeated hash gets ``~2``, ``~3``... in row order).
+last user/tool turn. The sample id is ``<dataset>-<row id>`` (the row id alone when it
+already starts ``<dataset>-``), or ``<dataset>-<content hash>`` when the row has no ``id``
+(a repeated hash gets ``~2``, ``~3``... in row order).
 Ids are unique over all datasets of a load: a row whose id is already taken (``a`` row
 ``x-1`` and ``a-x`` row ``1`` are both ``a-x-1``) is a bad row naming both places, and the
 first one is kept. A string with a lone surrogate (``"\\ud800"`` in JSON) is a bad row.
@@ -28,7 +29,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Container, Iterable, Iterator
 
 from .errors import GenerateError
 from .settings import DatasetSpec
@@ -174,7 +175,36 @@ def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:
                 _check_utf8(row[key], key)
     if rid is None or rid == "":
         rid = content_hash(messages, tools)
-    return Sample(id=f"{dataset}-{rid}", dataset=dataset, messages=messages, tools=tools, source=source)
+    return Sample(id=sample_id(dataset, rid), dataset=dataset, messages=messages, tools=tools, source=source)
+
+
+def sample_id(dataset: str, row_id: str | int) -> str:
+    """``<dataset>-<row id>``, but a row id that already starts ``<dataset>-`` is kept as is.
+
+    So the bundled ``chat`` rows ``chat-001`` stay ``chat-001``, not ``chat-chat-001``. A pure
+    function of (dataset, row id): the same rows give the same ids on every resume.
+    """
+    rid = str(row_id)
+    return rid if rid.startswith(f"{dataset}-") else f"{dataset}-{rid}"
+
+
+def keep_stored_ids(
+    rows: list[tuple[str, str, str, str]], stored: Container[str]
+) -> tuple[list[tuple[str, str, str, str]], list[str]]:
+    """``(id, dataset, ...)`` rows with the ids a run folder already holds, and the ids.
+
+    Folders made before :func:`sample_id` stopped doubling the prefix hold
+    ``chat-chat-001``: such a sample keeps its stored id, so resuming that folder sends
+    (and bills) nothing again. New folders get the plain ids.
+    """
+    out = []
+    for row in rows:
+        sid, dataset = row[0], row[1]
+        legacy = f"{dataset}-{sid}"
+        if sid.startswith(f"{dataset}-") and sid not in stored and legacy in stored:
+            row = (legacy, *row[1:])
+        out.append(row)
+    return out, [r[0] for r in out]
 
 
 def _check_utf8(value: Any, path: str) -> None:

@@ -33,7 +33,7 @@ from .engine import DRAIN_S, Engine, StopReason, WorkItem
 from .errors import SettingsChanged
 from .lock import run_lock
 from .progress import Reporter
-from .prompts import load_prompts
+from .prompts import keep_stored_ids, load_prompts
 from .request import build_request
 from .secrets import ApiKey, read_api_key, scrub
 from .settings import ConfigError, GenerateSettings, endpoint_identity
@@ -162,6 +162,7 @@ async def agenerate_run(
         store = Store.open(out_dir)
         try:
             try:
+                rows, ids = keep_stored_ids(rows, store.statuses())  # ids from before the prefix fix
                 changed, kept_old = _reconcile(store, rows, ids, settings, force_settings, reporter, out_dir)
                 commit_point("samples added")
                 del rows

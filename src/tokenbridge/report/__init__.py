@@ -10,9 +10,11 @@ Python API::
 
 Inputs: ``RUN/reconstructed.jsonl`` (or ``.parquet``; required) and, when present,
 ``RUN/exchanges.jsonl`` (``meta.finished_at``, ``meta.cost``, ``meta.latency_s``,
-``response.usage``) for cost and throughput over time. Sections: overview, status and
-finding counts per provider and per dataset, prompt/completion length distributions,
-usage-parity deltas, cost and throughput over time. Figures: :mod:`.plots`.
+``response.usage``) for cost and throughput over time, and ``RUN/state.sqlite`` (read
+only) for generate's own counts. Sections: overview, generation, status and finding
+counts per provider and per dataset, sample ids per finding code and per status, a
+glossary of finding codes, prompt/completion length distributions, usage-parity deltas,
+cost and throughput over time. Figures: :mod:`.plots`.
 """
 
 from __future__ import annotations

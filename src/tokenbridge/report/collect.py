@@ -8,6 +8,7 @@ Everything returned is plain JSON data; ``report.json`` is exactly this dict.
 from __future__ import annotations
 
 import math
+import sqlite3
 import time
 from array import array
 from collections import Counter, defaultdict
@@ -16,6 +17,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from ..checks import CODES
 from ..exchanges import RecordError, iter_objects
 from ..export.source import iter_records
 
@@ -25,6 +27,9 @@ __all__ = ["ReportError", "collect_run", "RECONSTRUCTED_NAMES"]
 RECONSTRUCTED_NAMES = ("reconstructed.jsonl", "reconstructed.parquet")
 _STATUSES = ("ok", "flagged", "rejected")
 _MAX_BINS = 60
+#: Sample ids kept per finding code and per status (the report lists them for `inspect --id`).
+IDS_KEPT = 50
+_STATE_FILE = "state.sqlite"  # generate's store (tokenbridge.generate.store.STATE_FILE)
 
 
 class ReportError(ValueError):
@@ -44,7 +49,11 @@ def collect_run(run_dir: str | Path) -> dict[str, Any]:
         "sources": {"reconstructed": str(recon), "exchanges": str(exchanges) if exchanges.is_file() else None},
     }
     data.update(_rows_section(recon))
+    data["glossary"] = {code: {"default": sev, "meaning": meaning} for code, (sev, meaning) in CODES.items()}
     data["exchanges"] = _exchanges_section(exchanges) if exchanges.is_file() else None
+    state = run_dir / _STATE_FILE
+    data["sources"]["state"] = str(state) if state.is_file() else None
+    data["generation"] = _generation_section(state) if state.is_file() else None
     return data
 
 
@@ -58,11 +67,13 @@ def _rows_section(path: Path) -> dict[str, Any]:
           "dataset": defaultdict(lambda: {"status": Counter(), "findings": Counter()})}
     prompt_len, completion_len = array("l"), array("l")
     parity = _Parity()
+    ids = _SampleIds()
     for _, rec in _records(path):
         st = rec.get("status")
         codes = [f.get("code") for f in rec.get("findings") or [] if isinstance(f, dict)]
         status[st] += 1
         findings.update(codes)
+        ids.add(rec, str(st), codes)
         for key in by:
             group = by[key][str(rec.get(key))]
             group["status"][st] += 1
@@ -86,7 +97,27 @@ def _rows_section(path: Path) -> dict[str, Any]:
             "completion_hist": _histogram(completion_len),
         },
         "usage_parity": parity.result(),
+        "samples_by_status": ids.result(ids.by_status, _STATUSES),
+        "samples_by_finding": ids.result(ids.by_code, [c for c, _ in findings.most_common()]),
     }
+
+
+class _SampleIds:
+    """The first :data:`IDS_KEPT` ``[id, choice]`` per status and per finding code, in file order."""
+
+    def __init__(self) -> None:
+        self.by_status: dict[str, list[list[Any]]] = defaultdict(list)
+        self.by_code: dict[str, list[list[Any]]] = defaultdict(list)
+
+    def add(self, rec: dict, status: str, codes: list[Any]) -> None:
+        sample = [str(rec.get("id")), rec.get("choice", 0)]
+        for kept in [self.by_status[status]] + [self.by_code[str(c)] for c in dict.fromkeys(codes)]:
+            if len(kept) < IDS_KEPT:
+                kept.append(sample)
+
+    @staticmethod
+    def result(kept: dict[str, list[list[Any]]], keys: Iterable[str]) -> dict[str, list[list[Any]]]:
+        return {k: kept.get(k, []) for k in keys}
 
 
 def _records(path: Path) -> Iterator[tuple[int, dict]]:
@@ -261,6 +292,30 @@ def _exchanges_section(path: Path) -> dict[str, Any]:
             sum(completion) / out["duration_s"] if out["duration_s"] > 0 else None
         )
     return out
+
+
+def _generation_section(path: Path) -> dict[str, Any]:
+    """What generate recorded over every invocation in this folder: the same numbers its
+    summaries add up to (requests are attempts; errors are failed attempts by class)."""
+    try:
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
+        try:
+            samples = dict(con.execute("SELECT status, COUNT(*) FROM samples GROUP BY status").fetchall())
+            requests, cost = con.execute("SELECT COUNT(*), SUM(cost) FROM attempts").fetchone()
+            errors = con.execute("SELECT error_class, COUNT(*) FROM attempts WHERE error_class IS NOT NULL"
+                                 " GROUP BY error_class ORDER BY COUNT(*) DESC, error_class").fetchall()
+            (runs,) = con.execute("SELECT COUNT(*) FROM runs").fetchone()
+        finally:
+            con.close()
+    except sqlite3.Error as exc:
+        raise ReportError(f"{path}: cannot read generate's store: {exc}") from None
+    return {
+        "runs": int(runs),
+        "samples": {s: int(samples.get(s, 0)) for s in ("done", "failed", "pending")},
+        "requests": int(requests),
+        "errors": {str(k): int(n) for k, n in errors},
+        "cost_total": cost,
+    }
 
 
 def _num(value: Any) -> float | None:

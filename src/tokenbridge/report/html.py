@@ -15,8 +15,11 @@ __all__ = ["SECTIONS", "render_html"]
 #: (id, title) of every section, in page order.
 SECTIONS = (
     ("overview", "Overview"),
+    ("generation", "Generation"),
     ("status", "Status per provider and dataset"),
     ("findings", "Findings"),
+    ("samples", "Samples to inspect"),
+    ("glossary", "Finding codes"),
     ("lengths", "Prompt and completion lengths"),
     ("parity", "Usage parity"),
     ("cost", "Cost over time"),
@@ -34,15 +37,19 @@ text-align:right}th:first-child,td:first-child{text-align:left}thead th{backgrou
 .cards{display:flex;flex-wrap:wrap;gap:10px}.card{border:1px solid #e0e0e0;border-radius:6px;padding:8px 14px;
 min-width:120px}.card b{display:block;font-size:20px}.empty{color:#757575;font-style:italic}
 img.fig{max-width:100%;height:auto;display:block;margin:6px 0}.ok{color:#2e7d32}.flagged{color:#b8860b}
-.rejected{color:#c62828}.note{color:#616161;font-size:12px}
+.rejected{color:#c62828}.note{color:#616161;font-size:12px}td.ids,th.ids{text-align:left;font:12px/1.5 monospace}
+td.ids code{white-space:nowrap}#glossary td{text-align:left}#glossary td:last-child{text-align:right}
 """
 
 
 def render_html(data: dict[str, Any], figures: dict[str, str | None]) -> str:
     body = [
         _overview(data),
+        _generation(data),
         _status(data, figures),
         _findings(data, figures),
+        _samples(data),
+        _glossary(data),
         _lengths(data, figures),
         _parity(data, figures),
         _cost(data, figures),
@@ -114,6 +121,56 @@ def _overview(data) -> str:
     html += (f'<p class="note">reconstructed: {escape(sources["reconstructed"])}; exchanges: '
              f'{escape(sources["exchanges"] or "not found")}</p>')
     return _section("overview", rows["total"] > 0, html)
+
+
+def _generation(data) -> str:
+    gen = data.get("generation")
+    if not gen:
+        return _section("generation", False, _empty("state.sqlite (generate's store) is not in the run folder"))
+    n = gen["samples"]
+    html = _table(["runs", "done", "failed", "pending", "requests", "failed attempts", "cost (USD)"],
+                  [[gen["runs"], n["done"], n["failed"], n["pending"], gen["requests"], sum(gen["errors"].values()),
+                    gen["cost_total"]]])
+    if gen["errors"]:
+        html += "<h3>Failed attempts per error class</h3>" + _table(["error class", "attempts"], gen["errors"].items())
+    html += ('<p class="note">From state.sqlite: every generate invocation in this folder. Requests count every '
+             "attempt, retries included; a failed attempt was retried or ended its sample as failed.</p>")
+    return _section("generation", True, html)
+
+
+def _ids_cell(samples: list[list[Any]], total: int) -> str:
+    shown = " ".join(f"<code>{escape(sid)}</code>" if not choice else f"<code>{escape(sid)} (choice {choice})</code>"
+                     for sid, choice in samples)
+    more = total - len(samples)
+    return shown + (f" <i>… and {more:,} more</i>" if more > 0 else "")
+
+
+def _ids_table(label: str, kept: dict[str, list[list[Any]]], counts: dict[str, int]) -> str:
+    rows = "".join(f"<tr><td>{escape(k)}</td><td>{counts.get(k, 0):,}</td><td class=\"ids\">{_ids_cell(v, counts.get(k, 0))}"
+                   "</td></tr>" for k, v in kept.items() if counts.get(k, 0))
+    return (f"<table><thead><tr><th>{escape(label)}</th><th>rows</th><th class=\"ids\">sample ids</th></tr></thead>"
+            f"<tbody>{rows}</tbody></table>")
+
+
+def _samples(data) -> str:
+    if not data["rows"]["total"]:
+        return _section("samples", False, _empty("the reconstructed file has no rows"))
+    recon = data["sources"]["reconstructed"]
+    html = (f'<p class="note">Look at one: <code>tokenbridge inspect {escape(recon)} --tokenizer TOKENIZER '
+            "--id ID</code> (add <code>--choice N</code> where a choice is given). The first ids of each kind, "
+            "in file order; report.json holds the same lists.</p>")
+    if data["findings"]:
+        html += "<h3>Per finding code</h3>" + _ids_table("code", data["samples_by_finding"], data["findings"])
+    html += "<h3>Per status</h3>" + _ids_table("status", data["samples_by_status"], data["rows"]["status"])
+    return _section("samples", True, html)
+
+
+def _glossary(data) -> str:
+    rows = [[code, g["default"], g["meaning"], data["findings"].get(code, 0)] for code, g in data["glossary"].items()]
+    html = (_table(["code", "default severity", "meaning", "rows here"], rows)
+            + '<p class="note">A row is ok with no finding, rejected with any error, flagged otherwise. '
+              "<code>--warn</code> / <code>--error</code> / <code>--off CODE</code> change a severity.</p>")
+    return _section("glossary", True, html)
 
 
 def _status_rows(groups: dict[str, Any]):
@@ -196,9 +253,11 @@ def _throughput(data, figures) -> str:
     lat = ex["latency_s"]
     per = [[p, g["exchanges"], g["completion_tokens"], g["mean_latency_s"]] for p, g in ex["by_provider"].items()]
     html = (_fig(figures, "throughput", "throughput over time")
-            + _table(["exchanges", "attempts", "errors", "duration (s)", "completion tok/s", "latency p50 (s)",
+            + _table(["exchanges", "attempts", "without choices", "duration (s)", "completion tok/s", "latency p50 (s)",
                       "latency p90 (s)"],
                      [[ex["count"], ex["attempts"], ex["errors"], ex.get("duration_s"), ex.get("completion_tokens_per_s"),
                        lat.get("p50"), lat.get("p90")]])
+            + '<p class="note">Over the done samples in exchanges.jsonl: attempts include their retries; '
+              "the Generation section counts every sample and attempt in the store.</p>"
             + _table(["provider", "exchanges", "completion tokens", "mean latency (s)"], per))
     return _section("throughput", True, html)

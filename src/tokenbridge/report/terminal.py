@@ -9,6 +9,9 @@ from rich.table import Table
 
 __all__ = ["print_summary"]
 
+#: Sample ids printed per finding code and status (report.json keeps more).
+_IDS_SHOWN = 10
+
 
 def _fmt(v: Any) -> str:
     if v is None:
@@ -20,12 +23,26 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _table(title: str, head: list[str], rows: list[list[Any]]) -> Table:
+def _table(title: str, head: list[str], rows: list[list[Any]], text_columns: int = 1) -> Table:
     table = Table(title=title, title_justify="left")
     for k, h in enumerate(head):
-        table.add_column(h, justify="left" if k == 0 else "right")
+        table.add_column(h, justify="left" if k < text_columns else "right")
     for row in rows:
         table.add_row(*(_fmt(v) for v in row))
+    return table
+
+
+def _ids_table(title: str, label: str, kept: dict[str, list[list[Any]]], counts: dict[str, int]) -> Table:
+    """First ids per key, ready for ``inspect --id`` (with ``(choice N)`` where N is not 0)."""
+    table = Table(title=title, title_justify="left")
+    table.add_column(label)
+    table.add_column("rows", justify="right")
+    table.add_column(f"first sample ids (up to {_IDS_SHOWN})", overflow="fold")
+    for key, samples in kept.items():
+        total = counts.get(key, 0)
+        if total:
+            ids = " ".join(sid if not choice else f"{sid} (choice {choice})" for sid, choice in samples[:_IDS_SHOWN])
+            table.add_row(key, f"{total:,}", ids + (" …" if total > _IDS_SHOWN else ""))
     return table
 
 
@@ -37,6 +54,14 @@ def print_summary(data: dict[str, Any], console: Console | None = None) -> None:
     console.print(f"[bold]tokenbridge report[/bold] {data['run_dir']}: {rows['total']} rows "
                   f"([green]{st['ok']} ok[/green], [yellow]{st['flagged']} flagged[/yellow], "
                   f"[red]{st['rejected']} rejected[/red])")
+    gen = data.get("generation")
+    if gen:
+        n = gen["samples"]
+        errors = ", ".join(f"{k} {v}" for k, v in gen["errors"].items()) or "none"
+        console.print(_table("Generation (state.sqlite, every run)", ["runs", "done", "failed", "pending", "requests",
+                                                                       "cost (USD)"],
+                             [[gen["runs"], n["done"], n["failed"], n["pending"], gen["requests"], gen["cost_total"]]]))
+        console.print(f"failed attempts: {errors}")
     for key, label in (("by_provider", "provider"), ("by_dataset", "dataset")):
         groups = data[key]
         console.print(_table(f"Status per {label}", [label, "rows", "ok", "flagged", "rejected"],
@@ -47,8 +72,15 @@ def print_summary(data: dict[str, Any], console: Console | None = None) -> None:
         console.print(_table("Findings per provider", ["code", "all"] + providers,
                              [[c, n] + [data["by_provider"][p]["findings"].get(c, 0) for p in providers]
                               for c, n in data["findings"].items()]))
+        glossary = data["glossary"]
+        console.print(_table("Finding codes seen", ["code", "default", "meaning"],
+                             [[c, glossary[c]["default"], glossary[c]["meaning"]] for c in data["findings"] if c in glossary],
+                             text_columns=3))
+        console.print(_ids_table("Samples per finding code", "code", data["samples_by_finding"], data["findings"]))
     else:
         console.print("Findings: none")
+    console.print(_ids_table("Samples per status", "status", data["samples_by_status"], rows["status"]))
+    console.print(f"look at one: tokenbridge inspect {data['sources']['reconstructed']} --tokenizer TOKENIZER --id ID")
     lengths = data["lengths"]
     if lengths["prompt"].get("count"):
         keys = ["count", "mean", "p50", "p90", "p99", "max"]
@@ -66,9 +98,9 @@ def print_summary(data: dict[str, Any], console: Console | None = None) -> None:
     ex = data.get("exchanges")
     if ex:
         lat = ex["latency_s"]
-        console.print(_table("Exchanges", ["exchanges", "errors", "cost (USD)", "duration (s)", "completion tok/s",
-                                           "latency p50 (s)"],
-                             [[ex["count"], ex["errors"], ex.get("cost_total"), ex.get("duration_s"),
+        console.print(_table("Exchanges (done samples)", ["exchanges", "attempts", "without choices", "cost (USD)",
+                                                          "duration (s)", "completion tok/s", "latency p50 (s)"],
+                             [[ex["count"], ex["attempts"], ex["errors"], ex.get("cost_total"), ex.get("duration_s"),
                                ex.get("completion_tokens_per_s"), lat.get("p50")]]))
     else:
         console.print("Cost and throughput: no data (exchanges.jsonl not found)")

@@ -1,0 +1,55 @@
+"""inspect: reads reconstruct's Parquet output; --tokens outside the sample is a clear error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from test_cli_reconstruct import EXAMPLE
+from tokenbridge.cli import app
+from tokenbridge.reconstruct import reconstruct_file
+
+
+@pytest.fixture(scope="module")
+def outputs(kimi, tmp_path_factory):
+    root = tmp_path_factory.mktemp("inspect")
+    reconstruct_file(EXAMPLE, root / "r.jsonl", kimi)
+    reconstruct_file(EXAMPLE, root / "r.parquet", kimi)
+    return root / "r.jsonl", root / "r.parquet"
+
+
+def _inspect(path, kimi_dir, *args):
+    return CliRunner().invoke(app, ["inspect", str(path), "-t", str(kimi_dir), *args])
+
+
+def test_parquet_output_shows_the_same_as_jsonl(outputs, kimi_dir):
+    jsonl, parquet = outputs
+    args = ("--id", "ex-parsed", "--tokens", "50:60")
+    from_jsonl, from_parquet = _inspect(jsonl, kimi_dir, *args), _inspect(parquet, kimi_dir, *args)
+    assert from_parquet.exit_code == 0, from_parquet.output
+    assert from_parquet.output == from_jsonl.output
+    assert "structured_tool_calls" in from_parquet.output and "ex-parsed choice 0: rejected" in from_parquet.output
+
+
+def test_parquet_without_the_sample_says_so(outputs, kimi_dir):
+    res = _inspect(outputs[1], kimi_dir, "--id", "nope")
+    assert res.exit_code == 2 and f"{outputs[1]}: no sample nope with choice 0" in res.output
+
+
+@pytest.mark.parametrize("span", ["-5:", "3:-1", "-1"])
+def test_negative_positions_are_refused_before_loading(outputs, kimi_dir, span):
+    res = _inspect(outputs[0], kimi_dir, "--id", "ex-tool", "--tokens", span)
+    assert res.exit_code == 2
+    expected = "positions start at 0" if ":" in span else "expected A:B"
+    assert expected in res.output
+
+
+@pytest.mark.parametrize("span", ["5000:", "10:5000", "20:20"])
+def test_span_outside_the_sample_names_its_length(outputs, kimi_dir, span):
+    n = next(len(r["input_ids"]) for r in map(json.loads, outputs[0].read_text().splitlines()) if r["id"] == "ex-tool")
+    res = _inspect(outputs[0], kimi_dir, "--id", "ex-tool", "--tokens", span)
+    assert res.exit_code == 2
+    want = "empty span: 20 is not below 20" if span == "20:20" else f"the sample has {n} tokens, positions 0 to {n - 1}"
+    assert res.output == f"error: --tokens {span}: {want}\n"
