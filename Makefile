@@ -5,11 +5,12 @@ TB := $(VENV)/bin/tokenbridge
 
 .PHONY: demo test bench
 
-$(VENV)/.installed: pyproject.toml requirements-trainers.txt
+$(VENV)/.installed: pyproject.toml requirements-trainers.txt requirements-oracles.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,trainers]'
 	$(PY) -m pip install -q --no-deps -r requirements-trainers.txt
+	$(PY) -m pip install -q --no-deps -r requirements-oracles.txt
 	touch $@
 
 demo: $(VENV)/.installed
