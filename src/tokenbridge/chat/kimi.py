@@ -121,8 +121,8 @@ def tools_unproven(tools: Sequence[Any]) -> str | None:
     if decl.form == "typescript":
         return None
     if decl.certain:
-        return (f"declared as JSON, K2.5's fallback ({decl.reason}); the fallback's exact JSON form is "
-                "taken from the K2.6 template, unverified for K2.5")
+        return (f"declared as JSON, K2.5's fallback ({decl.reason}); the fallback's spacing (compact, as "
+                "later Kimi templates print it) is not verified for K2.5")
     return f"declared as JSON; schema outside the subset reproduced exactly ({decl.reason})"
 
 

@@ -291,7 +291,7 @@ def _object_ts(node: _Node, indent: str) -> str:
     lines = [_field(f, inner) for f in ordered]
     if node.extra is not None:
         extra = node.extra
-        shown = "any" if extra is True else "never" if extra is False else _ts(extra, inner)  # type: ignore[arg-type]
+        shown = ("any" if extra else "never") if isinstance(extra, bool) else _ts(extra, inner)
         lines.append(f"{inner}[k: string]: {shown}")
     if not lines:
         return "{}"
