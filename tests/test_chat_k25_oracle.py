@@ -285,6 +285,63 @@ def test_generated_tool_declarations_match_the_official_encoder():
     assert seen["typescript"] >= 200
 
 
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-9, 9), st.floats(-1e3, 1e3, allow_nan=False), words)
+wild_leaves = st.one_of(
+    scalars,
+    st.booleans(),  # true/false as a whole schema
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", ["string", "null"],
+                                                    ["integer", "boolean"], ["string", "number", "null"], []]),
+                           "enum": st.lists(json_scalars, min_size=1, max_size=3)}),  # may mismatch: fallback
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "boolean", "number"]), "default": json_scalars}),
+    st.fixed_dictionaries({"type": st.just("object"), "default": st.dictionaries(words, json_scalars, max_size=2)}),
+    st.fixed_dictionaries({"type": st.lists(st.sampled_from(["string", "null", "date"]), min_size=1, max_size=2)}),
+    st.just({"description": "typeless"}),  # no $ref/anyOf/enum/type: fallback
+    st.sampled_from([{"$ref": "#"}, {"$ref": "#/$defs/Known"}, {"$ref": "#/$defs/Unknown"}, {"$ref": "other.json"}]),
+    st.fixed_dictionaries({"type": st.just("array"), "items": st.sampled_from([True, False, {}, None])}),
+    st.sampled_from([{"type": "string", "enum": ["a", 1]}, {"$ref": "#/$defs/Unknown"}, {"title": "no type"}]),
+)
+
+
+def _wild_extend(children):
+    props = st.dictionaries(st.from_regex(r"[a-zA-Z][a-z_0-9]{0,6}", fullmatch=True), children, max_size=4)
+    return st.one_of(
+        _extend(children),
+        st.builds(lambda p, d: {"type": "object", "properties": p, "$defs": d}, props,
+                  st.dictionaries(st.sampled_from(["Known", "Other", "Zed"]), children, max_size=2)),
+    )
+
+
+@needs_official
+def test_generated_wild_schemas_fall_back_exactly_where_the_official_encoder_does():
+    """Schemas that exercise the encoder's edges: mismatched enum types, bool schemas,
+    typeless nodes, local/self/missing/non-local ``$ref``, nested ``$defs``, Python-repr
+    defaults. Either both print the same TypeScript, or the official encoder fails (or
+    yields nothing) and we print the JSON fallback."""
+    seen = {"typescript": 0, "json": 0}
+
+    @settings(max_examples=300, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st.lists(st.builds(lambda name, params: {"type": "function", "function": {"name": name, "parameters": params}},
+                              st.sampled_from(["f", "g"]), st.recursive(wild_leaves, _wild_extend, max_leaves=6)
+                              .filter(lambda x: isinstance(x, dict))), min_size=1, max_size=2))
+    def check(tools):
+        ordered = sort_keys_deep(tools)
+        try:
+            official = OFFICIAL.encode_tools_to_typescript_style(ordered)
+        except Exception:
+            official = ""
+        decl = declare_tools(tools)
+        if official:
+            assert (decl.form, decl.text) == ("typescript", official)
+        else:
+            assert decl.form == "json" and decl.certain, decl
+        seen[decl.form] += 1
+
+    check()
+    assert seen["typescript"] >= 50 and seen["json"] >= 25, seen
+    print(f"wild tool declarations: {seen}")
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather.\n\nUse metric units.",
     "parameters": {"type": "object", "required": ["city"], "properties": {

@@ -310,8 +310,11 @@ def _function(fn: Mapping[str, Any]) -> str:
         raise _Fallback("function parameters is not an object")
     reg = _Registry()
     root = _parse_object(params, reg)
+    # decided before the $defs are parsed: a "#" inside a $defs entry prints as
+    # `parameters` but does not make the signature refer to the interface
+    self_ref = reg.self_ref
     blocks: list[str] = []
-    if reg.self_ref:
+    if self_ref:
         body = ",\n".join(_field(f, _INDENT) for f in root.fields)
         blocks.append("interface parameters {" + (f"\n{body}\n" if body else "") + "}")
     for def_name, def_schema in list(reg.defs.items()):
@@ -320,7 +323,7 @@ def _function(fn: Mapping[str, Any]) -> str:
         def_node = _parse(def_schema, reg)
         head = _comment(def_node.description) + "\n" if def_node.description else ""
         blocks.append(f"{head}interface {def_name} {_ts(def_node, '')}")
-    signature = "parameters" if reg.self_ref else _object_ts(root, "")
+    signature = "parameters" if self_ref else _object_ts(root, "")
     parts = ["\n".join(blocks), _comment(desc) if desc else "", f"type {name} = (_: {signature}) => any;"]
     return "\n".join(p for p in parts if p)
 
