@@ -209,6 +209,8 @@ def conversations(draw) -> list[dict[str, Any]]:
     system = draw(st.sampled_from(["none", "plain", "cjk", "empty"]))
     if system != "none":
         msgs.append({"role": "system", "content": {"plain": "You are terse.", "cjk": "你是一个乐于助人的助手。", "empty": ""}[system]})
+        if draw(st.integers(0, 4)) == 0:
+            msgs[0]["name"] = "policy"
     calls = 0
     for _ in range(draw(st.integers(1, 4))):
         user: dict[str, Any] = {"role": "user", "content": draw(user_content)}
