@@ -42,7 +42,7 @@ def make(kimi, reasoning="Check the weather tool.", content="Sure." + TOOL_CALL,
     if usage:
         from tokenbridge.chat import DIALECTS, thinking_enabled
 
-        prompt = DIALECTS["kimi-k2.5"].render_prompt(request["messages"], None, thinking_enabled(request))
+        prompt = DIALECTS["kimi-k2.5"].render_request(request)
         response["usage"] = {"prompt_tokens": len(kimi.encode(prompt)),
                              "completion_tokens": _count(kimi, reasoning, content, finish, thinking_enabled(request))}
     return {"id": "s1", "dataset": "b3", "request": request, "response": response}
@@ -273,9 +273,19 @@ def _trigger(kimi, code):
         return make(kimi, content="ok", finish="stop", request={"messages": PROMPT, "stop": "END"})
     if code == "boundary_unproven":
         return make(kimi, reasoning="thinking...", content=None, finish="stop", usage=False)
-    if code == "tools_declared":
+    if code == "tools_declared":  # an unresolvable $ref: K2.5 falls back to a JSON declaration
         return make(kimi, content="ok", finish="stop", request={"messages": PROMPT, "tools": [
-            {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]})
+            {"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}}}}]})
+    if code == "template_kwarg_unknown":
+        return make(kimi, content="ok", finish="stop",
+                    request={"messages": PROMPT, "chat_template_kwargs": {"reasoning_effort": "high"}})
+    if code in ("media_in_prompt", "media_counted"):
+        image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+        rec = make(kimi, content="A cat.", finish="stop", request={"messages": [{"role": "user", "content": image}]})
+        if code == "media_in_prompt":  # the serving side counted the image's real token expansion
+            rec["response"]["usage"]["prompt_tokens"] += 143
+        return rec
     if code == "tool_calls_missing":
         return make(kimi, content="I will call the tool.", finish="tool_calls")
     if code == "reasoning_conflict":

@@ -35,7 +35,10 @@ CODES: dict[str, tuple[str, str]] = {
     "tool_calls_missing": ("error", "finish_reason is tool_calls but the text holds no tool-call section"),
     "reasoning_conflict": ("error", "message.reasoning and message.reasoning_content disagree"),
     "boundary_unproven": ("error", "no content after the reasoning and no exact usage: whether </think> was emitted is unknown"),
-    "tools_declared": ("warning", "request sent `tools`: the built-in dialect declares them as JSON, K2.5 differently"),
+    "tools_declared": ("warning", "request sent `tools` whose declaration the dialect does not reproduce provably (says what)"),
+    "template_kwarg_unknown": ("error", "a chat_template_kwargs key the prompt renderer does not apply: the prompt may differ"),
+    "media_in_prompt": ("error", "image/audio/video parts in the prompt: their token count is unproven from text"),
+    "media_counted": ("warning", "media parts in the prompt; usage.prompt_tokens equals our count, the media are not in the data"),
     "choices_unattributable": ("error", "usage counts all choices together and another choice has findings"),
     "usage_missing": ("warning", "response has no usage to check the counts against"),
     "usage_prompt_mismatch": ("error", "our prompt token count differs from usage.prompt_tokens"),
@@ -253,10 +256,79 @@ def _tool_grammar(seq: list[str], d: Dialect) -> str | None:
 
 
 def _tools(view: SampleView, policy: Policy):
-    if view.request.get("tools") and not view.dialect.name.endswith("+template"):
-        yield "tools_declared", (
-            f"{len(view.request['tools'])} tool(s) declared; the built-in {view.dialect.name} dialect renders them "
-            "as JSON, so prompt ids may differ even when the count matches"
+    tools = view.request.get("tools")
+    if not tools:
+        return
+    unproven = view.dialect.tools_unproven
+    why = unproven(tools) if unproven is not None else (
+        f"the built-in {view.dialect.name} dialect's tool declaration is not verified against its template"
+    )
+    if why:
+        yield "tools_declared", f"{len(tools)} tool(s): {why}; prompt ids may differ even when the count matches"
+
+
+#: Keys :func:`thinking_enabled` reads from ``extra_body.chat_template_kwargs``.
+_THINKING_KEYS = frozenset({"thinking", "enable_thinking"})
+
+
+def _template_kwargs(view: SampleView, policy: Policy):
+    known = view.dialect.template_kwargs
+    top = view.request.get("chat_template_kwargs")
+    if isinstance(top, Mapping) and known is not None:
+        for key in sorted(set(top) - known):
+            yield "template_kwarg_unknown", (
+                f"chat_template_kwargs.{key} is not rendered by the built-in {view.dialect.name} dialect "
+                f"(it renders {', '.join(sorted(known))})"
+            )
+        if "preserve_thinking" in known and "preserve_thinking" in top and not isinstance(top["preserve_thinking"], bool):
+            yield "template_kwarg_unknown", f"chat_template_kwargs.preserve_thinking={top['preserve_thinking']!r} is not a boolean"
+    extra = view.request.get("extra_body")
+    nested = extra.get("chat_template_kwargs") if isinstance(extra, Mapping) else None
+    if isinstance(nested, Mapping):
+        for key in sorted(set(nested) - _THINKING_KEYS):
+            yield "template_kwarg_unknown", (
+                f"extra_body.chat_template_kwargs.{key} never reaches the prompt renderer (only the thinking switch is read there)"
+            )
+
+
+#: Content-part keys that carry media rather than text.
+_MEDIA_KEYS = ("image", "image_url", "input_image", "video", "video_url", "audio", "input_audio", "audio_url", "file")
+
+
+def media_parts(request: Mapping[str, Any]) -> dict[str, int]:
+    """Media content parts in a request's messages, counted by kind (type or key)."""
+    counts: dict[str, int] = {}
+    for message in request.get("messages") or ():
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, Mapping):
+                continue
+            kind = part.get("type")
+            if kind in (None, "text"):
+                kind = next((k for k in _MEDIA_KEYS if part.get(k)), None)
+            if kind is not None:
+                counts[str(kind)] = counts.get(str(kind), 0) + 1
+    return counts
+
+
+def _media(view: SampleView, policy: Policy):
+    counts = media_parts(view.request)
+    if not counts:
+        return
+    what = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+    usage = view.usage_prompt
+    if usage is not None and usage[0] == usage[1]:
+        yield "media_counted", (
+            f"prompt carries {what} part(s); usage.prompt_tokens ({usage[1]}) equals our count, "
+            "but the media bytes are not in the data"
+        )
+    else:
+        shown = "no usage" if usage is None else f"ours {usage[0]}, usage {usage[1]}"
+        yield "media_in_prompt", (
+            f"prompt carries {what} part(s): the serving side expands each to a media-dependent number of "
+            f"tokens that text cannot prove ({shown})"
         )
 
 
@@ -337,6 +409,8 @@ _CHECKS = (
     _reasoning_presence,
     _structured_tools,
     _tools,
+    _template_kwargs,
+    _media,
     _marker_text,
     _replacement,
     _roundtrip,

@@ -46,6 +46,11 @@ class Dialect:
     #: Marker texts that end a turn; any of them inside model text is ``eos_in_text``.
     eos_markers: frozenset[str] = frozenset()
     tool_markers: ToolMarkers | None = None
+    #: ``chat_template_kwargs`` keys the built-in renderer understands; None when a
+    #: real chat template receives them all.
+    template_kwargs: frozenset[str] | None = None
+    #: tools -> why their declaration is not proven (None: proven). Absent: unproven.
+    tools_unproven: Callable[[Sequence[Any]], str | None] | None = None
 
     def render_prompt(
         self,
@@ -66,7 +71,10 @@ class Dialect:
         return self.render(request["messages"], request.get("tools"), thinking_enabled(request), kwargs)
 
     def with_render(self, render: RenderFn, name: str | None = None) -> "Dialect":
-        return replace(self, render=render, name=name or self.name)
+        """The family with another prompt renderer (a real template: it takes every
+        template kwarg and declares tools itself)."""
+        return replace(self, render=render, name=name or self.name, template_kwargs=None,
+                       tools_unproven=lambda tools: None)
 
     def completion_parts(
         self,

@@ -7,9 +7,18 @@ assistant turns up to the last one without tool calls are rendered as
 differs in two places: images use ``<|media_begin|>``, and the generation prompt opens
 the think block itself (``<think>``; ``<think></think>`` in instant mode).
 
-Known gap: with a ``tools`` parameter K2.5 declares tools in a TypeScript-like form; this
-dialect declares them as JSON (as K2-Thinking does). tokenbridge sends no ``tools`` by
-default, and a usage check catches any resulting prompt-count difference.
+Tools are declared as K2.5's tokenizer code declares them: TypeScript-style, with the
+JSON fallback where that code falls back (:mod:`.kimi_tools`).
+
+Template switches (``chat_template_kwargs``): ``thinking`` (instant mode when false) and
+``preserve_thinking`` (K2.5/K2.6 tokenizer code, default false): when true, every
+earlier assistant turn keeps its ``reasoning_content`` instead of ``<think></think>``.
+Any other key is reported by the gate (``template_kwarg_unknown``), never ignored
+silently.
+
+The default system message follows the K2 / K2-Thinking templates (and tinker-cookbook's
+K2.5 renderer, which is tested against the K2.5 template); the ``renderers`` package
+omits it. ``tests/test_chat_k25_oracle.py`` pins that difference.
 """
 
 from __future__ import annotations
@@ -18,8 +27,13 @@ import json
 from typing import Any, Mapping, Sequence
 
 from .dialect import Dialect, Message, ToolMarkers
+from .kimi_tools import declare_tools
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+
+#: ``chat_template_kwargs`` keys this dialect renders (``enable_thinking`` is read by
+#: :func:`.dialect.thinking_enabled`).
+TEMPLATE_KWARGS = frozenset({"thinking", "enable_thinking", "preserve_thinking"})
 
 TOOL_MARKERS = ToolMarkers(
     section_begin="<|tool_calls_section_begin|>",
@@ -72,13 +86,14 @@ def render(
     kwargs: Mapping[str, Any],
 ) -> str:
     last_plain = -1  # last assistant turn without tool calls: history ends there
-    for idx in range(len(messages) - 1, -1, -1):
-        if messages[idx]["role"] == "assistant" and not messages[idx].get("tool_calls"):
-            last_plain = idx
-            break
+    if kwargs.get("preserve_thinking") is not True:
+        for idx in range(len(messages) - 1, -1, -1):
+            if messages[idx]["role"] == "assistant" and not messages[idx].get("tool_calls"):
+                last_plain = idx
+                break
     out: list[str] = []
     if tools:
-        out.append(f"<|im_system|>tool_declare<|im_middle|>{json.dumps(list(tools), ensure_ascii=False)}<|im_end|>")
+        out.append(f"<|im_system|>tool_declare<|im_middle|>{declare_tools(tools).text}<|im_end|>")
     if not messages or messages[0]["role"] != "system":
         out.append(f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM}<|im_end|>")
     for idx, m in enumerate(messages):
@@ -99,6 +114,18 @@ def render(
     return "".join(out)
 
 
+def tools_unproven(tools: Sequence[Any]) -> str | None:
+    """Why the tool declaration for ``tools`` is not proven, or None when it is
+    (the TypeScript form, cross-checked against the oracles)."""
+    decl = declare_tools(tools)
+    if decl.form == "typescript":
+        return None
+    if decl.certain:
+        return (f"declared as JSON, K2.5's fallback ({decl.reason}); the fallback's spacing (compact, as "
+                "later Kimi templates print it) is not verified for K2.5")
+    return f"declared as JSON; schema outside the subset reproduced exactly ({decl.reason})"
+
+
 KIMI_K25 = Dialect(
     name="kimi-k2.5",
     render=render,
@@ -107,4 +134,6 @@ KIMI_K25 = Dialect(
     think_close="</think>",
     eos_markers=frozenset({"<|im_end|>", "[EOS]", "[EOT]"}),
     tool_markers=TOOL_MARKERS,
+    template_kwargs=TEMPLATE_KWARGS,
+    tools_unproven=tools_unproven,
 )

@@ -76,4 +76,5 @@ QWEN3 = Dialect(
     think_close="</think>",
     eos_markers=frozenset({"<|im_end|>", "<|endoftext|>"}),
     tool_markers=None,
+    template_kwargs=frozenset({"thinking", "enable_thinking"}),
 )
