@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, NoReturn, Optional
 
 import typer
 
@@ -28,9 +29,40 @@ def _policy(usage_tolerance: int, warn: list[str], error: list[str], off: list[s
         raise typer.BadParameter(str(exc)) from None
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
+
+
+@contextmanager
+def _writing(output: Path | None, command: str) -> Iterator[None]:
+    """Around a stage that writes outputs: Ctrl-C/SIGTERM stop it with one line (exit
+    130), a refused or failed output is one ``error:`` line, and an output inside a run
+    folder is written under that folder's lock."""
+    from .fsio import OutputWriteError
+    from .generate.errors import GenerateError
+    from .interrupt import EXIT_INTERRUPTED, STOPPED, stop_on_signals
+    from .outdir import OutputRefused, run_folder_of
+
+    try:
+        with stop_on_signals():
+            folder = run_folder_of(output) if output is not None else None
+            if folder is None:
+                yield
+            else:
+                from .generate.lock import run_lock
+
+                with run_lock(folder, command=command, retry="or write outside that run folder"):
+                    yield
+    except KeyboardInterrupt:
+        typer.echo(STOPPED, err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except OutputRefused as exc:
+        _fail(str(exc), exc.exit_code)
+    except OutputWriteError as exc:
+        _fail(str(exc), 1)
+    except GenerateError as exc:  # the run folder is busy
+        _fail(str(exc), exc.exit_code)
 
 
 @app.command()
@@ -60,15 +92,18 @@ def reconstruct(
         resolve_dialect(tok, dialect)
     except (TokenizerError, DialectError) as exc:
         _fail(str(exc))
-    summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None)
+    with _writing(output.parent, "reconstruct"):
+        summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None)
+        if summary_json:
+            from .fsio import write_text
+
+            write_text(summary_json, json.dumps(summary.to_dict(), indent=2) + "\n")
     console = Console(stderr=False)
     console.print(summary_table(summary, title=f"{input} → {output}"))
     for note in summary.stripping_suspects():
         typer.echo(f"warning: {note}", err=True)
     for bad in summary.bad_lines:
         typer.echo(f"bad record: {bad}", err=True)
-    if summary_json:
-        summary_json.write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
     if summary.bad_lines:
         typer.echo(f"{len(summary.bad_lines)} bad record(s) skipped; the others were written.", err=True)
         raise typer.Exit(1)
@@ -330,6 +365,8 @@ def export(
     include_flagged: bool = typer.Option(False, "--include-flagged", help="Also export 'flagged' rows (never 'rejected')."),
     shard_rows: int = typer.Option(200_000, "--shard-rows", help="Parquet: rows per shard at most."),
     row_group_rows: int = typer.Option(1000, "--row-group-rows", help="Parquet: rows per row group."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty -o folder tokenbridge did not write "
+                               "(never a run folder, the input's folder or the current folder)."),
 ) -> None:
     """Write validated training rows in a trainer's format."""
     from .export import FORMATS, ExportError, export_file
@@ -338,7 +375,8 @@ def export(
         raise typer.BadParameter(f"{fmt!r}: choose one of {', '.join(FORMATS)}", param_hint="--format")
     options = {"shard_rows": shard_rows, "row_group_rows": row_group_rows} if fmt == "parquet" else {}
     try:
-        summary = export_file(input, output, fmt, include_flagged=include_flagged, **options)
+        with _writing(output, "export"):
+            summary = export_file(input, output, fmt, include_flagged=include_flagged, force=force, **options)
     except ExportError as exc:
         _fail(str(exc))
     skipped = summary.skipped
@@ -360,6 +398,8 @@ def vocab(
         None, "--tokenizer", "-t", help="Tokenizer folder to take the target vocab size from."
     ),
     include_flagged: bool = typer.Option(False, "--include-flagged", help="Also count 'flagged' rows."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty -o folder tokenbridge did not write "
+                               "(never a run folder, the input's folder or the current folder)."),
 ) -> None:
     """Build the draft vocabulary (d2t / t2d) from token frequencies under the loss mask."""
     from .export import ExportError, build_vocab
@@ -374,7 +414,9 @@ def vocab(
         except TokenizerError as exc:
             _fail(str(exc))
     try:
-        summary = build_vocab(input, draft_vocab_size, output, target_vocab_size, include_flagged=include_flagged)
+        with _writing(output, "vocab"):
+            summary = build_vocab(input, draft_vocab_size, output, target_vocab_size, include_flagged=include_flagged,
+                                  force=force)
     except (ExportError, ValueError) as exc:
         _fail(str(exc))
     typer.echo(
@@ -389,6 +431,7 @@ def vocab(
 @app.command()
 def report(
     run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="Run folder (needs reconstructed.jsonl)."),
+    force: bool = typer.Option(False, "--force", help="Replace RUN/report even if tokenbridge did not write it."),
 ) -> None:
     """Write RUN/report/report.html + report.json and print the same numbers."""
     from rich.console import Console
@@ -396,7 +439,8 @@ def report(
     from .report import ReportError, build_report, print_summary
 
     try:
-        html = build_report(run_dir)
+        with _writing(run_dir, "report"):
+            html = build_report(run_dir, force=force)
     except ReportError as exc:
         _fail(str(exc))
     data = json.loads((html.parent / "report.json").read_text(encoding="utf-8"))
@@ -426,9 +470,21 @@ def run(
     from .generate import GenerateError
     from .pipeline import PipelineError, load_run_config, run_pipeline
 
+    from .fsio import OutputWriteError
+    from .interrupt import EXIT_INTERRUPTED, STOPPED, stop_on_signals
+    from .outdir import OutputRefused
+
     try:
         cfg = load_run_config(config)
-        results = run_pipeline(cfg, echo=lambda line: typer.echo(line))
+        with stop_on_signals():
+            results = run_pipeline(cfg, echo=lambda line: typer.echo(line))
+    except KeyboardInterrupt:
+        typer.echo(STOPPED, err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except OutputRefused as exc:
+        _fail(str(exc), exc.exit_code)
+    except OutputWriteError as exc:
+        _fail(str(exc), 1)
     except PipelineError as exc:
         _fail(str(exc), exc.code)
     except GenerateError as exc:
