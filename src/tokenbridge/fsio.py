@@ -26,7 +26,13 @@ keep lone surrogates (``"\\ud800"``, invalid UTF-8) by falling back to the stdli
 
 Tests only: ``TOKENBRIDGE_TEST_KILL_AT=<point>:<n>`` makes the process ``SIGKILL`` itself
 the ``n``-th time it passes the named commit point (:func:`kill_point`), for seeded,
-timing-free crash tests.
+timing-free crash tests; ``TOKENBRIDGE_TEST_KILL_SIGNAL=SIGSTOP`` sends that signal
+instead (a test then holds the process there, e.g. to run a second one beside it).
+Points: ``reconstruct:record``, ``export:row``, ``export:written``, ``vocab:written``,
+``report:written``, and for each file or folder written ``<label>:staged`` (complete,
+not yet in place), ``<label>:renamed`` / ``<label>:swapped`` (in place, old not yet
+removed) with labels ``reconstruct``, ``export``, ``vocab``, ``report``, ``state``
+(``RUN/pipeline.json``) and ``file``.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ FILE_MODE = 0o644
 DIR_MODE = 0o755
 PRIVATE_MODE = 0o600
 KILL_ENV = "TOKENBRIDGE_TEST_KILL_AT"
+KILL_SIGNAL_ENV = "TOKENBRIDGE_TEST_KILL_SIGNAL"
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)-[0-9a-f]{8}\.(?P<kind>tbtmp|tbold)$")
 
@@ -96,7 +103,7 @@ def kill_point(point: str) -> None:
         return
     _passes[point] += 1
     if _passes[point] == int(nth):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), getattr(signal, os.environ.get(KILL_SIGNAL_ENV, "SIGKILL")))
 
 
 # --- temp names and their cleanup -----------------------------------------------------

@@ -1,0 +1,62 @@
+"""Shared helpers for the output-safety, kill and signal tests (no tests here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tokenbridge.fsio import is_temp_name
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Names a half-written output used to have (before tokenbridge.fsio) or has now.
+_TEMP_HINTS = (".partial", ".tmp", ".tbtmp", ".tbold")
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path -> bytes), to compare byte for byte;
+    the run folder's lock file (``.lock``, the holder's pid) is not data and is left out."""
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"
+    }
+
+
+def leftovers(folder: Path) -> list[str]:
+    """Temp files or folders anywhere under ``folder``: ours and the old fixed names."""
+    return sorted(
+        p.relative_to(folder).as_posix() for p in folder.rglob("*")
+        if is_temp_name(p.name) or any(h in p.name for h in _TEMP_HINTS)
+    )
+
+
+def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m tokenbridge.cli ARGS`` in a child process (so it may be killed)."""
+    full = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "tokenbridge.cli", *args], capture_output=True, text=True,
+                          env=full, cwd=cwd, timeout=300)
+
+
+def start_cli(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+    full = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "tokenbridge.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=full, **kw)
+
+
+def wait_stopped(proc: subprocess.Popen, limit_s: float = 120.0) -> None:
+    """Wait (bounded) until ``proc`` is stopped by SIGSTOP (state ``T`` in /proc)."""
+    deadline = time.monotonic() + limit_s
+    stat = Path(f"/proc/{proc.pid}/stat")
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"exited with {proc.returncode} before stopping: {proc.stderr.read()}")
+        if stat.read_text().rpartition(")")[2].split()[0] == "T":
+            return
+        time.sleep(0.02)
+    raise AssertionError("never stopped at the test point")
+
+
+def kill_env(point: str, nth: int = 1, sig: str = "SIGKILL") -> dict[str, str]:
+    return {"TOKENBRIDGE_TEST_KILL_AT": f"{point}:{nth}", "TOKENBRIDGE_TEST_KILL_SIGNAL": sig}
