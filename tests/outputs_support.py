@@ -32,10 +32,17 @@ def leftovers(folder: Path) -> list[str]:
     )
 
 
-def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+#: Runs the CLI as if torch were not installed (vocab then skips its .pt files): the
+#: kill tests need no torch, and importing it costs seconds per child process.
+_NO_TORCH = "import sys; sys.modules['torch'] = None; from tokenbridge.cli import main; sys.argv[0] = 'tokenbridge'; main()"
+
+
+def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+        no_torch: bool = False) -> subprocess.CompletedProcess:
     """``python -m tokenbridge.cli ARGS`` in a child process (so it may be killed)."""
     full = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "tokenbridge.cli", *args], capture_output=True, text=True,
+    head = ["-c", _NO_TORCH] if no_torch else ["-m", "tokenbridge.cli"]
+    return subprocess.run([sys.executable, *head, *args], capture_output=True, text=True,
                           env=full, cwd=cwd, timeout=300)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator, NoReturn, Optional
 
@@ -40,20 +40,21 @@ def _writing(output: Path | None, command: str) -> Iterator[None]:
     130), a refused or failed output is one ``error:`` line, and an output inside a run
     folder is written under that folder's lock."""
     from .fsio import OutputWriteError
-    from .generate.errors import GenerateError
     from .interrupt import EXIT_INTERRUPTED, STOPPED, stop_on_signals
     from .outdir import OutputRefused, run_folder_of
 
     try:
-        with stop_on_signals():
+        with stop_on_signals(), ExitStack() as stack:
             folder = run_folder_of(output) if output is not None else None
-            if folder is None:
-                yield
-            else:
+            if folder is not None:  # imported only here: generate's package is slow to import
+                from .generate.errors import GenerateError
                 from .generate.lock import run_lock
 
-                with run_lock(folder, command=command, retry="or write outside that run folder"):
-                    yield
+                try:
+                    stack.enter_context(run_lock(folder, command=command, retry="or write outside that run folder"))
+                except GenerateError as exc:  # the run folder is busy
+                    _fail(str(exc), exc.exit_code)
+            yield
     except KeyboardInterrupt:
         typer.echo(STOPPED, err=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
@@ -61,8 +62,6 @@ def _writing(output: Path | None, command: str) -> Iterator[None]:
         _fail(str(exc), exc.exit_code)
     except OutputWriteError as exc:
         _fail(str(exc), 1)
-    except GenerateError as exc:  # the run folder is busy
-        _fail(str(exc), exc.exit_code)
 
 
 @app.command()
