@@ -8,9 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+import tokenbridge
 from tokenbridge.fsio import is_temp_name
 
-ROOT = Path(__file__).resolve().parents[1]
+#: Children import the same tokenbridge as this test process.
+SRC = str(Path(tokenbridge.__file__).resolve().parents[1])
 #: Names a half-written output used to have (before tokenbridge.fsio) or has now.
 _TEMP_HINTS = (".partial", ".tmp", ".tbtmp", ".tbold")
 
@@ -40,14 +42,14 @@ _NO_TORCH = "import sys; sys.modules['torch'] = None; from tokenbridge.cli impor
 def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
         no_torch: bool = False) -> subprocess.CompletedProcess:
     """``python -m tokenbridge.cli ARGS`` in a child process (so it may be killed)."""
-    full = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
+    full = {**os.environ, "PYTHONPATH": SRC, **(env or {})}
     head = ["-c", _NO_TORCH] if no_torch else ["-m", "tokenbridge.cli"]
     return subprocess.run([sys.executable, *head, *args], capture_output=True, text=True,
                           env=full, cwd=cwd, timeout=300)
 
 
 def start_cli(*args: str, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
-    full = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
+    full = {**os.environ, "PYTHONPATH": SRC, **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "tokenbridge.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=full, **kw)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from outputs_support import ROOT, cli, kill_env, leftovers, snapshot
+from outputs_support import SRC, cli, kill_env, leftovers, snapshot
 from test_export_support import make_run, write_jsonl
 from tokenbridge.export import build_vocab, export_file
 from tokenbridge.fsio import clean_stale_temps
@@ -58,7 +58,7 @@ else:
 
 def _write(target: Path, version: str, how: str, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _WRITER, str(target), version, how], capture_output=True, text=True,
-                          env={"PYTHONPATH": str(ROOT / "src"), **(env or {})}, timeout=60)
+                          env={"PYTHONPATH": SRC, **(env or {})}, timeout=60)
 
 
 @pytest.mark.parametrize("point", ["file:staged", "file:renamed"])

@@ -492,7 +492,10 @@ def run(
         _fail(f"{type(exc).__name__}: {exc}", 2)
     ran = ", ".join(f"{r.name} {r.status}" for r in results)
     typer.echo(f"done: {ran}")
-    typer.echo(f"results in {cfg.out} (reconstructed.jsonl, export/, vocab/, report/report.html)")
+    made = {"reconstruct": "reconstructed.jsonl", "vocab": "vocab/", "report": "report/report.html"}
+    names = [made.get(r.name, f"export/{r.name.partition(':')[2]}/") for r in results
+             if r.name != "generate" and r.status in ("ran", "skipped")]  # never an old output as a result
+    typer.echo(f"results in {cfg.out} ({', '.join(names) or 'none'})")
 
 
 def main() -> None:
