@@ -214,3 +214,38 @@ def test_reconstruct_to_the_current_folder_is_one_line(run_dir, tmp_path, kimi_d
     monkeypatch.chdir(tmp_path)
     _refused(_invoke("reconstruct", str(run_dir / "exchanges.jsonl"), "-o", ".", "-t", str(kimi_dir)), "is a folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and not leftovers(tmp_path)
+
+
+# --- the run folder's lock -----------------------------------------------------------------
+
+
+def test_the_run_lock_is_reentrant_within_one_process(tmp_path):
+    from tokenbridge.generate.lock import run_lock
+
+    with run_lock(tmp_path, command="run"), run_lock(tmp_path):  # run holds it; its generate re-enters
+        assert (tmp_path / ".lock").read_text() == f"{os.getpid()} tokenbridge run\n"
+    with run_lock(tmp_path):  # released once the outermost holder is done
+        pass
+
+
+def test_a_stage_writing_into_a_busy_run_folder_is_refused(run_dir):
+    import subprocess
+    import sys
+
+    from outputs_support import SRC
+
+    hold = ("import sys\nfrom tokenbridge.generate.lock import run_lock\n"
+            "with run_lock(sys.argv[1], command='run'):\n    print('locked', flush=True)\n    sys.stdin.read()\n")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(run_dir)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": SRC})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        res = _export(run_dir / "reconstructed.jsonl", run_dir / "export" / "specforge")
+    finally:
+        holder.communicate("")
+    assert res.exit_code == 7, res.output
+    assert res.output.strip().splitlines() == [
+        f"error: {run_dir.resolve()}: run folder in use by pid {holder.pid} (another tokenbridge process: "
+        "tokenbridge run); wait for it to finish or write outside that run folder"
+    ]
+    assert not (run_dir / "export").exists()

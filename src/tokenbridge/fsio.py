@@ -54,6 +54,7 @@ import orjson
 
 __all__ = [
     "FILE_MODE",
+    "MARKER",
     "PRIVATE_MODE",
     "OutputWriteError",
     "clean_stale_temps",
@@ -71,6 +72,8 @@ __all__ = [
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 PRIVATE_MODE = 0o600
+#: The file inside an output folder that says tokenbridge wrote it, and as what.
+MARKER = ".tokenbridge-output"
 KILL_ENV = "TOKENBRIDGE_TEST_KILL_AT"
 KILL_SIGNAL_ENV = "TOKENBRIDGE_TEST_KILL_SIGNAL"
 
@@ -241,8 +244,6 @@ def publish_dir(target: str | Path, *, point: str = "dir", marker: dict[str, Any
         tmp.mkdir()
         yield tmp
         if marker is not None:
-            from .outdir import MARKER
-
             (tmp / MARKER).write_text(json.dumps(marker, sort_keys=True) + "\n", encoding="utf-8")
         _sync_tree(tmp)
         kill_point(f"{point}:staged")

@@ -26,6 +26,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
+from .fsio import MARKER, is_temp_name
+
 __all__ = [
     "MARKER",
     "OutputKind",
@@ -38,7 +40,6 @@ __all__ = [
     "run_folder_of",
 ]
 
-MARKER = ".tokenbridge-output"
 OutputKind = Literal["export", "vocab", "report"]
 RUN_FILES = ("state.sqlite", "exchanges.jsonl", "pipeline.json")
 _RUN_SCAN_DEPTH = 3
@@ -110,8 +111,6 @@ def _is_own(target: Path, kind: OutputKind) -> bool:
         return isinstance(data, dict) and data.get("tokenbridge_output") == kind
     except (OSError, ValueError):
         pass
-    from .fsio import is_temp_name
-
     names = {n for n in os.listdir(target) if not is_temp_name(n)}
     if kind == "export":  # pre-marker exports: the dataset card says so
         try:
