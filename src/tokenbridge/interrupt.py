@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Iterator, NoReturn
 
-__all__ = ["EXIT_INTERRUPTED", "STOPPED", "install", "stop_on_signals"]
+__all__ = ["EXIT_INTERRUPTED", "STOPPED", "install", "kept_handlers", "stop_on_signals"]
 
 STOPPED = "stopped; nothing partial was kept; run the same command to continue"
 EXIT_INTERRUPTED = 130
@@ -50,3 +50,19 @@ def stop_on_signals() -> Iterator[None]:
     finally:
         for sig, handler in zip(_SIGNALS, old):
             signal.signal(sig, handler)
+
+
+@contextmanager
+def kept_handlers() -> Iterator[None]:
+    """Put back the SIGINT/SIGTERM handlers of before (``generate`` resets them to the
+    defaults when it ends, which would turn a later SIGTERM into a silent kill)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old: list[Any] = [signal.getsignal(sig) for sig in _SIGNALS]
+    try:
+        yield
+    finally:
+        for sig, handler in zip(_SIGNALS, old):
+            if handler is not None:
+                signal.signal(sig, handler)

@@ -255,10 +255,8 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
         if url is not None:
             settings = settings.with_overrides(base_url=url)
             echo(f"generate: built-in emulator at {url}")
-        try:
+        with interrupt.kept_handlers():  # generate leaves the default ones behind
             summary = generate_run(settings, out)
-        finally:
-            interrupt.install()  # generate restores the default handlers when it ends
     exchanges = out / "exchanges.jsonl"
     gen_detail = {"done": summary.done, "failed": summary.failed, "spent_usd": summary.spent_total,
                   "stop_reason": summary.stop_reason, "exit_code": summary.exit_code}
