@@ -86,12 +86,12 @@ def reconstruct(
     from .tokenizer import TokenizerError, load_tokenizer
 
     policy = _policy(usage_tolerance, warn, error, off)
-    try:
-        tok = load_tokenizer(tokenizer)
-        resolve_dialect(tok, dialect)
-    except (TokenizerError, DialectError) as exc:
-        _fail(str(exc))
     with _writing(output.parent, "reconstruct"):
+        try:
+            tok = load_tokenizer(tokenizer)
+            resolve_dialect(tok, dialect)
+        except (TokenizerError, DialectError) as exc:
+            _fail(str(exc))
         summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None)
         if summary_json:
             from .fsio import write_text
@@ -403,17 +403,17 @@ def vocab(
     """Build the draft vocabulary (d2t / t2d) from token frequencies under the loss mask."""
     from .export import ExportError, build_vocab
 
-    if target_vocab_size is None:
-        if tokenizer is None:
-            raise typer.BadParameter("give --target-vocab-size or --tokenizer", param_hint="--target-vocab-size")
-        from .tokenizer import TokenizerError, load_tokenizer
-
-        try:
-            target_vocab_size = load_tokenizer(tokenizer).vocab_size
-        except TokenizerError as exc:
-            _fail(str(exc))
+    if target_vocab_size is None and tokenizer is None:
+        raise typer.BadParameter("give --target-vocab-size or --tokenizer", param_hint="--target-vocab-size")
     try:
         with _writing(output, "vocab"):
+            if target_vocab_size is None:
+                from .tokenizer import TokenizerError, load_tokenizer
+
+                try:
+                    target_vocab_size = load_tokenizer(tokenizer).vocab_size
+                except TokenizerError as exc:
+                    _fail(str(exc))
             summary = build_vocab(input, draft_vocab_size, output, target_vocab_size, include_flagged=include_flagged,
                                   force=force)
     except (ExportError, ValueError) as exc:
