@@ -94,14 +94,15 @@ class OutputWriteError(Exception):
 # --- test hook ------------------------------------------------------------------------
 
 _passes: Counter[str] = Counter()
+#: Read once: the hook sits in per-row loops, and only a test's child process sets it.
+_KILL_AT = os.environ.get(KILL_ENV, "")
 
 
 def kill_point(point: str) -> None:
-    """``SIGKILL`` this process on the n-th passage of ``point`` when the test hook asks."""
-    want = os.environ.get(KILL_ENV)
-    if not want:
+    """Signal this process (SIGKILL) on the n-th passage of ``point`` when the test hook asks."""
+    if not _KILL_AT:
         return
-    name, _, nth = want.rpartition(":")
+    name, _, nth = _KILL_AT.rpartition(":")
     if name != point:
         return
     _passes[point] += 1
