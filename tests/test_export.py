@@ -54,7 +54,7 @@ def test_specforge_rows_equal_reconstruct(run, tmp_path, include_flagged):
         "rejected": sum(r["status"] == "rejected" for r in rows),
     }
     assert summary.completion_tokens == sum(len(w["completion_ids"]) for w in want)
-    assert sorted(p.name for p in (tmp_path / "sf").iterdir()) == ["README.md", "train.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "sf").iterdir()) == [".tokenbridge-output", "README.md", "train.jsonl"]
 
 
 def test_parquet_rows_equal_reconstruct_and_load_with_datasets(run, tmp_path):

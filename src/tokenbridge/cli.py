@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, NoReturn, Optional
 
 import typer
 
@@ -62,7 +63,7 @@ def _dialect_flag(dialect: Optional[str]) -> None:
             _fail("\n".join(problems))
 
 
-def _fail(message: str, code: int = ExitCode.CONFIG) -> None:
+def _fail(message: str, code: int = ExitCode.CONFIG) -> NoReturn:
     """One ``error:`` line per problem, then exit with ``code``."""
     for line in message.splitlines() or [""]:
         typer.echo(f"error: {line}", err=True)
@@ -70,6 +71,36 @@ def _fail(message: str, code: int = ExitCode.CONFIG) -> None:
 
 
 _SHOWN_BAD_LINES = 20  # reconstruct prints this many bad lines, then a count
+
+
+@contextmanager
+def _writing(output: Path | None, command: str) -> Iterator[None]:
+    """Around a stage that writes outputs: Ctrl-C/SIGTERM stop it with one line (exit
+    130), a refused or failed output is one ``error:`` line, and an output inside a run
+    folder is written under that folder's lock."""
+    from .fsio import OutputWriteError
+    from .interrupt import EXIT_INTERRUPTED, STOPPED, stop_on_signals
+    from .outdir import OutputRefused, run_folder_of
+
+    try:
+        with stop_on_signals(), ExitStack() as stack:
+            folder = run_folder_of(output) if output is not None else None
+            if folder is not None:  # imported only here: generate's package is slow to import
+                from .generate.errors import GenerateError
+                from .generate.lock import run_lock
+
+                try:
+                    stack.enter_context(run_lock(folder, command=command, retry="or write outside that run folder"))
+                except GenerateError as exc:  # the run folder is busy
+                    _fail(str(exc), exc.exit_code)
+            yield
+    except KeyboardInterrupt:
+        typer.echo(STOPPED, err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except OutputRefused as exc:
+        _fail(str(exc), exc.exit_code)
+    except OutputWriteError as exc:
+        _fail(str(exc), ExitCode.INCOMPLETE)
 
 
 @app.command()
@@ -95,12 +126,17 @@ def reconstruct(
 
     policy = _policy(usage_tolerance, warn, error, off)
     _dialect_flag(dialect)
-    try:
-        tok = load_tokenizer(tokenizer)
-        resolve_dialect(tok, dialect)
-    except (TokenizerError, DialectError) as exc:
-        _fail(str(exc))
-    summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None)
+    with _writing(output.parent, "reconstruct"):
+        try:
+            tok = load_tokenizer(tokenizer)
+            resolve_dialect(tok, dialect)
+        except (TokenizerError, DialectError) as exc:
+            _fail(str(exc))
+        summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None)
+        if summary_json:
+            from .fsio import write_text
+
+            write_text(summary_json, json.dumps(summary.to_dict(), indent=2) + "\n")
     console = Console(stderr=False)
     console.print(summary_table(summary, title=f"{input} → {output}"))
     for note in summary.stripping_suspects():
@@ -110,8 +146,6 @@ def reconstruct(
     if len(summary.bad_lines) > _SHOWN_BAD_LINES:
         more = len(summary.bad_lines) - _SHOWN_BAD_LINES
         typer.echo(f"... and {more} more bad lines" + (" (all in --summary-json)" if summary_json else ""), err=True)
-    if summary_json:
-        summary_json.write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
     if summary.records == 0 and not summary.bad_lines:
         typer.echo(f"warning: {input} holds no records; {output} has no rows.", err=True)
     elif summary.rows == 0:
@@ -417,6 +451,8 @@ def export(
     include_flagged: bool = typer.Option(False, "--include-flagged", help="Also export 'flagged' rows (never 'rejected')."),
     shard_rows: int = typer.Option(200_000, "--shard-rows", help="Parquet: rows per shard at most."),
     row_group_rows: int = typer.Option(1000, "--row-group-rows", help="Parquet: rows per row group."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty -o folder tokenbridge did not write "
+                               "(never a run folder, the input's folder or the current folder)."),
 ) -> None:
     """Write validated training rows in a trainer's format."""
     from .export import ExportError, export_file
@@ -428,7 +464,8 @@ def export(
         _fail("\n".join(problems))
     options = {"shard_rows": shard_rows, "row_group_rows": row_group_rows} if fmt == "parquet" else {}
     try:
-        summary = export_file(input, output, fmt, include_flagged=include_flagged, **options)
+        with _writing(output, "export"):
+            summary = export_file(input, output, fmt, include_flagged=include_flagged, force=force, **options)
     except ExportError as exc:
         _fail(str(exc))
     skipped = summary.skipped
@@ -450,21 +487,25 @@ def vocab(
         None, "--tokenizer", "-t", help="Tokenizer folder to take the target vocab size from."
     ),
     include_flagged: bool = typer.Option(False, "--include-flagged", help="Also count 'flagged' rows."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty -o folder tokenbridge did not write "
+                               "(never a run folder, the input's folder or the current folder)."),
 ) -> None:
     """Build the draft vocabulary (d2t / t2d) from token frequencies under the loss mask."""
     from .export import ExportError, build_vocab
 
-    if target_vocab_size is None:
-        if tokenizer is None:
-            raise typer.BadParameter("give --target-vocab-size or --tokenizer", param_hint="--target-vocab-size")
-        from .tokenizer import TokenizerError, load_tokenizer
-
-        try:
-            target_vocab_size = load_tokenizer(tokenizer).vocab_size
-        except TokenizerError as exc:
-            _fail(str(exc))
+    if target_vocab_size is None and tokenizer is None:
+        raise typer.BadParameter("give --target-vocab-size or --tokenizer", param_hint="--target-vocab-size")
     try:
-        summary = build_vocab(input, draft_vocab_size, output, target_vocab_size, include_flagged=include_flagged)
+        with _writing(output, "vocab"):
+            if target_vocab_size is None:
+                from .tokenizer import TokenizerError, load_tokenizer
+
+                try:
+                    target_vocab_size = load_tokenizer(tokenizer).vocab_size
+                except TokenizerError as exc:
+                    _fail(str(exc))
+            summary = build_vocab(input, draft_vocab_size, output, target_vocab_size, include_flagged=include_flagged,
+                                  force=force)
     except (ExportError, ValueError) as exc:
         _fail(str(exc))
     typer.echo(
@@ -479,6 +520,7 @@ def vocab(
 @app.command()
 def report(
     run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="Run folder (needs reconstructed.jsonl)."),
+    force: bool = typer.Option(False, "--force", help="Replace RUN/report even if tokenbridge did not write it."),
 ) -> None:
     """Write RUN/report/report.html + report.json and print the same numbers."""
     from rich.console import Console
@@ -486,7 +528,8 @@ def report(
     from .report import ReportError, build_report, print_summary
 
     try:
-        html = build_report(run_dir)
+        with _writing(run_dir, "report"):
+            html = build_report(run_dir, force=force)
     except ReportError as exc:
         _fail(str(exc))
     data = json.loads((html.parent / "report.json").read_text(encoding="utf-8"))
@@ -516,9 +559,21 @@ def run(
     from .generate import GenerateError
     from .pipeline import PipelineError, load_run_config, run_pipeline
 
+    from .fsio import OutputWriteError
+    from .interrupt import EXIT_INTERRUPTED, STOPPED, stop_on_signals
+    from .outdir import OutputRefused
+
     try:
         cfg = load_run_config(config)
-        results = run_pipeline(cfg, echo=lambda line: typer.echo(line))
+        with stop_on_signals():
+            results = run_pipeline(cfg, echo=lambda line: typer.echo(line))
+    except KeyboardInterrupt:
+        typer.echo(STOPPED, err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except OutputRefused as exc:
+        _fail(str(exc), exc.exit_code)
+    except OutputWriteError as exc:
+        _fail(str(exc), ExitCode.INCOMPLETE)
     except PipelineError as exc:
         _fail(str(exc), exc.code)
     except GenerateError as exc:
@@ -527,7 +582,10 @@ def run(
         _fail(f"{type(exc).__name__}: {exc}", ExitCode.CONFIG)
     ran = ", ".join(f"{r.name} {r.status}" for r in results)
     typer.echo(f"done: {ran}")
-    typer.echo(f"results in {cfg.out} (reconstructed.jsonl, export/, vocab/, report/report.html)")
+    made = {"reconstruct": "reconstructed.jsonl", "vocab": "vocab/", "report": "report/report.html"}
+    names = [made.get(r.name, f"export/{r.name.partition(':')[2]}/") for r in results
+             if r.name != "generate" and r.status in ("ran", "skipped")]  # never an old output as a result
+    typer.echo(f"results in {cfg.out} ({', '.join(names) or 'none'})")
 
 
 def main() -> None:

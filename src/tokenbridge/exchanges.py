@@ -6,12 +6,12 @@ Validation happens here, once, so that every error names the field that is wrong
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-import orjson
+from . import fsio
+from .fsio import dumps_line
 
 __all__ = ["Exchange", "RecordError", "dumps_line", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
 
@@ -156,16 +156,12 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
 
 
 def loads_line(line: str) -> Any:
-    """Parse one JSONL line; orjson for speed, the stdlib for what orjson refuses
-    (lone surrogate escapes, which the gate must still see)."""
+    """Parse one JSONL line (:func:`tokenbridge.fsio.loads_line`, which keeps lone
+    surrogate escapes for the gate); a line that is not JSON raises RecordError."""
     try:
-        return orjson.loads(line)
-    except orjson.JSONDecodeError:
-        pass
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise RecordError("<line>", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        return fsio.loads_line(line)
+    except fsio.JsonLineError as exc:
+        raise RecordError("<line>", exc.detail) from None
 
 
 def iter_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -184,10 +180,3 @@ def iter_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield lineno, obj
 
 
-def dumps_line(obj: Any) -> bytes:
-    """One JSON line (no newline) as UTF-8 bytes; ASCII-escaped when the text holds lone
-    surrogates, so the file stays valid UTF-8."""
-    try:
-        return orjson.dumps(obj)
-    except TypeError:
-        return json.dumps(obj, ensure_ascii=True).encode("ascii")

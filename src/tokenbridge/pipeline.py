@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from . import fsio, interrupt
+from .outdir import OutputKind, remove_own_output
 from .runconfig import PipelineError, RunConfig, check_before_generate, load_run_config
 from .runconfig import emulator_config as _emulator_config
 
@@ -77,13 +78,29 @@ class _State:
 
     def record(self, stage: str, fingerprint: str, detail: Mapping[str, Any]) -> None:
         self.data[stage] = {"fingerprint": fingerprint, **detail}
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n", encoding="utf-8")
-        os.replace(tmp, self.path)
+        self._save()
+
+    def forget(self, stage: str) -> None:
+        if self.data.pop(stage, None) is not None:
+            self._save()
+
+    def _save(self) -> None:
+        fsio.write_text(self.path, json.dumps(self.data, indent=2, default=str) + "\n", point="state")
 
 
 def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[StageResult]:
-    """Run every stage in order; returns what each stage did. Raises PipelineError."""
+    """Run every stage in order, holding the run folder's lock throughout; returns what
+    each stage did. Raises PipelineError (and RunFolderBusy when another process holds
+    the folder)."""
+    from .generate.lock import run_lock
+
+    with run_lock(cfg.out, command="run", retry=f"or set another [run] out in {cfg.source}"):
+        for folder in (cfg.out, cfg.out / "export"):
+            fsio.clean_stale_temps(folder)
+        return _run_stages(cfg, echo)
+
+
+def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult]:
     from .emulator import running_emulator
     from .export import build_vocab, export_file
     from .generate import generate_run, settings_from_mapping
@@ -94,7 +111,6 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     from .tokenizer import load_tokenizer
 
     out = cfg.out
-    out.mkdir(parents=True, exist_ok=True)
     state = _State(out)
     tok = load_tokenizer(cfg.tokenizer)
     check_before_generate(cfg, tok)  # the config checks that need the tokenizer, before any request
@@ -110,7 +126,8 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
         if url is not None:
             settings = settings.with_overrides(base_url=url)
             echo(f"generate: built-in emulator at {url}")
-        summary = generate_run(settings, out)
+        with interrupt.kept_handlers():  # generate leaves the default ones behind
+            summary = generate_run(settings, out)
     exchanges = out / "exchanges.jsonl"
     gen_detail = {"done": summary.done, "failed": summary.failed, "spent_usd": summary.spent_total,
                   "stop_reason": summary.stop_reason, "exit_code": summary.exit_code}
@@ -119,6 +136,10 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     if summary.stop_reason:
         raise PipelineError(f"generate stopped ({summary.stop_reason}); fix it and run the same command again",
                             code=summary.exit_code or 1)
+    if summary.exit_code not in _GENERATE_GOES_ON or not summary.exchanges:  # not rewritten: stale
+        why = "; ".join(summary.notices[-3:]) or f"exit status {summary.exit_code}"
+        raise PipelineError(f"generate failed ({why}); the later stages were not run on a stale {exchanges.name}; "
+                            "fix it and run the same command again", code=summary.exit_code)
     if not exchanges.exists():
         raise PipelineError(f"generate wrote no {exchanges}")
 
@@ -148,7 +169,8 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
             results.append(StageResult(f"export:{fmt}", "skipped"))
         elif not usable:
             results.append(StageResult(f"export:{fmt}", "empty", {"rows": 0}))
-            echo(f"export {fmt}: nothing to export (no {'ok/flagged' if cfg.include_flagged else 'ok'} rows)")
+            echo(f"export {fmt}: nothing to export (no {'ok/flagged' if cfg.include_flagged else 'ok'} rows)"
+                 + _drop_stale(state, f"export:{fmt}", target, "export"))
             continue
         else:
             es = export_file(reconstructed, target, fmt, include_flagged=cfg.include_flagged)
@@ -160,7 +182,7 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     # 4. draft vocabulary
     if cfg.draft_vocab_size and not usable:
         results.append(StageResult("vocab", "empty"))
-        echo("vocab: nothing to count (no usable rows)")
+        echo("vocab: nothing to count (no usable rows)" + _drop_stale(state, "vocab", out / "vocab", "vocab"))
     elif cfg.draft_vocab_size:
         target = out / "vocab"
         fp = _fingerprint([reconstructed], {"size": cfg.draft_vocab_size, "include_flagged": cfg.include_flagged})
@@ -180,3 +202,18 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
         results.append(StageResult("report", "ran", {"html": str(html)}))
         echo(f"report: {html}")
     return results
+
+
+#: generate's exit statuses after which the later stages run: all done, or some failed
+_GENERATE_GOES_ON = (0, 1)
+
+
+def _drop_stale(state: _State, stage: str, target: Path, kind: OutputKind) -> str:
+    """Remove a stage's previous output (only if tokenbridge made it), so an old export is
+    never taken for this run's; returns what to add to the stage's line."""
+    state.forget(stage)
+    if remove_own_output(target, kind):
+        return f"; removed the previous {target} (it was made from older data)"
+    if target.exists():
+        return f"; {target} is not a tokenbridge {kind}, left alone"
+    return ""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -18,7 +19,10 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from .chat import Dialect, message_reasoning, resolve_dialect, thinking_enabled
 from .checks import Finding, Policy, SampleView, run_checks, status_of
-from .exchanges import Exchange, RecordError, dumps_line, iter_lines, loads_line, parse_exchange
+from .exchanges import Exchange, RecordError, iter_lines, loads_line, parse_exchange
+from . import fsio
+from .fsio import dumps_line
+from .outdir import check_output_file
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["BadLine", "ReconstructSummary", "reconstruct_exchange", "reconstruct_file", "reconstruct_record"]
@@ -250,6 +254,7 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(tokenizer_source: str, dialect_name: str | None, policy: Policy | None, as_json: bool) -> None:
+    _quiet_worker_signals()
     tok = load_tokenizer(tokenizer_source)
     _WORKER.update(tok=tok, dialect=resolve_dialect(tok, dialect_name), policy=policy, as_json=as_json)
 
@@ -273,6 +278,14 @@ def _work(chunk: list[tuple[int, str]]) -> list[tuple[int, Any, Any]]:
         else:
             out.append((lineno, rows, None))
     return out
+
+
+def _quiet_worker_signals() -> None:
+    """In a pool worker: Ctrl-C (sent to the whole process group) is the parent's to
+    handle, and SIGTERM (the parent stopping the pool) ends the worker without a traceback."""
+    if mp.parent_process() is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _chunks(lines: Iterator[tuple[int, str]], size: int) -> Iterator[list[tuple[int, str]]]:
@@ -305,27 +318,28 @@ def reconstruct_file(
     """
     tok_source = tokenizer.source if isinstance(tokenizer, Tokenizer) else str(tokenizer)
     dst = Path(dst)
+    check_output_file(dst, src)
     as_parquet = dst.suffix == ".parquet"
     if workers is None:  # auto: all cores, unless the pool's start-up costs more than it saves
         workers = 1 if os.path.getsize(src) < 256_000 else (os.cpu_count() or 1)
     summary = ReconstructSummary()
-    tmp = dst.with_name(dst.name + ".partial")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    sink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
-    try:
-        for lineno, rows, info in _run_chunks(
-            _chunks(iter_lines(src), chunk_lines), workers, (tok_source, dialect, policy, not as_parquet)
-        ):
-            if rows is None:
-                summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
-                continue
-            summary.add([_brief(r) for r in rows] if as_parquet else info)
-            sink.write(rows)
-        sink.close()
-    except BaseException:
-        sink.abort()
-        raise
-    os.replace(tmp, dst)
+    with fsio.staged_file(dst, point="reconstruct") as tmp:
+        sink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
+        results = _run_chunks(_chunks(iter_lines(src), chunk_lines), workers, (tok_source, dialect, policy, not as_parquet))
+        try:
+            for lineno, rows, info in results:
+                if rows is None:
+                    summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
+                    continue
+                summary.add([_brief(r) for r in rows] if as_parquet else info)
+                sink.write(rows)
+                fsio.kill_point("reconstruct:record")
+            sink.close()
+        except BaseException:
+            sink.abort()
+            raise
+        finally:
+            results.close()  # stops the worker pool now, not when garbage collected
     return summary
 
 

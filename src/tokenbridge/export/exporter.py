@@ -8,16 +8,15 @@ of that folder untouched.
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
+from ..fsio import kill_point, publish_dir
+from ..outdir import check_output_dir, marker
 from .source import STATUSES, ExportError, iter_records
 from .validate import check_training_row
 from .writers import WRITERS
@@ -56,6 +55,7 @@ def export_file(
     out_dir: str | Path,
     fmt: str,
     include_flagged: bool = False,
+    force: bool = False,
     **writer_options: Any,
 ) -> ExportSummary:
     """Export the ``ok`` rows of ``src`` (plus ``flagged`` ones if asked) to ``out_dir``.
@@ -63,13 +63,16 @@ def export_file(
     ``rejected`` rows are never exported. Raises :class:`ExportError` on the first row
     whose ids or mask are wrong, and when no row is left to export. ``writer_options``
     tune the Parquet shards (``shard_rows``, ``shard_bytes``, ``row_group_rows``).
+    ``out_dir`` must be missing, empty or an earlier export (else
+    :class:`~tokenbridge.outdir.OutputRefused`, unless ``force``; see :mod:`tokenbridge.outdir`).
     """
     if fmt not in WRITERS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     src, out_dir = Path(src), Path(out_dir)
     wanted = {"ok", "flagged"} if include_flagged else {"ok"}
     summary = ExportSummary(fmt, str(src), str(out_dir), include_flagged)
-    with _staged(out_dir) as tmp:
+    check_output_dir(out_dir, "export", inputs=[src], force=force)
+    with publish_dir(out_dir, point="export", marker=marker("export", format=fmt)) as tmp:
         writer = WRITERS[fmt](tmp, **writer_options)
         try:
             for line, rec in iter_records(src):
@@ -87,6 +90,7 @@ def export_file(
                 summary.completion_tokens += sum(mask)
                 summary.datasets[str(rec.get("dataset"))] += 1
                 summary.providers[str(rec.get("provider"))] += 1
+                kill_point("export:row")
             if summary.rows_exported == 0:
                 hint = " (pass include_flagged / --include-flagged to export flagged rows)" if summary.skipped["flagged"] else ""
                 raise ExportError(src, None, "status", f"no row to export: {summary.rows_read} read, skipped "
@@ -97,28 +101,8 @@ def export_file(
             raise
         summary.files = [p.relative_to(tmp).as_posix() for p in files] + ["README.md"]
         (tmp / "README.md").write_text(_card(summary), encoding="utf-8")
+        kill_point("export:written")
     return summary
-
-
-@contextmanager
-def _staged(out_dir: Path) -> Iterator[Path]:
-    """A fresh hidden folder beside ``out_dir``, swapped into its place on success."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ExportError(out_dir, None, "<output>", "exists and is not a folder")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-    if out_dir.exists():
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 _LOADING = {

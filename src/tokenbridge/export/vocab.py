@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 
 from . import torchfile
+from ..fsio import kill_point, publish_dir
+from ..outdir import check_output_dir, marker
 from .source import ExportError, iter_records
 from .validate import check_training_row
 
@@ -86,11 +88,19 @@ def build_vocab(
     out_dir: str | Path,
     target_vocab_size: int,
     include_flagged: bool = False,
+    force: bool = False,
 ) -> VocabSummary:
-    """Count masked tokens of ``src`` and write the draft vocabulary files to ``out_dir``."""
+    """Count masked tokens of ``src`` and write the draft vocabulary files to ``out_dir``.
+
+    The files are written as one set (:func:`tokenbridge.fsio.publish_dir`): a reader or a
+    kill sees the old set or the new one, never ``d2t.npy`` and ``t2d.npy`` from two runs.
+    ``out_dir`` must be missing, empty or an earlier vocab folder (else
+    :class:`~tokenbridge.outdir.OutputRefused`, unless ``force``).
+    """
     src, out_dir = Path(src), Path(out_dir)
     if not 0 < draft_vocab_size <= target_vocab_size:
         raise ValueError(f"--draft-vocab-size must be in 1..{target_vocab_size}, got {draft_vocab_size}")
+    check_output_dir(out_dir, "vocab", inputs=[src], force=force)
     summary = VocabSummary(draft_vocab_size, target_vocab_size, str(src), include_flagged)
     counts = _count_masked(src, target_vocab_size, {"ok", "flagged"} if include_flagged else {"ok"}, summary)
     if summary.masked_tokens == 0:
@@ -104,9 +114,10 @@ def build_vocab(
     summary.coverage_at = {
         str(n): float(cumulative[n - 1] / summary.masked_tokens) for n in _COVERAGE_SIZES if n <= target_vocab_size
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_files(out_dir, d2t, t2d, counts, summary)
-    (out_dir / "vocab.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
+    with publish_dir(out_dir, point="vocab", marker=marker("vocab")) as tmp:
+        _write_files(tmp, d2t, t2d, counts, summary)
+        kill_point("vocab:written")
+        (tmp / "vocab.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
     return summary
 
 

@@ -24,6 +24,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from ..fsio import dumps_line
+
 __all__ = ["WRITERS", "metadata_of"]
 
 _ROW_GROUP_ROWS = 1000
@@ -43,29 +45,19 @@ def metadata_of(rec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _dump_line(obj: Any) -> str:
-    """Compact JSON; text with lone surrogates (invalid UTF-8) falls back to \\u escapes."""
-    line = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    try:
-        line.encode("utf-8")
-    except UnicodeEncodeError:
-        line = json.dumps(obj, ensure_ascii=True, separators=(",", ":"))
-    return line
-
-
 class _JsonlWriter:
     name = ""
 
     def __init__(self, out_dir: Path, **_: Any):
         self.path = out_dir / self.name
-        self._fh = open(self.path, "w", encoding="utf-8")
+        self._fh = open(self.path, "wb")
 
     def row(self, rec: Mapping[str, Any], ids: list[int], mask: list[int]) -> dict[str, Any]:
         raise NotImplementedError
 
     def add(self, rec: Mapping[str, Any], ids: list[int], mask: list[int]) -> None:
-        self._fh.write(_dump_line(self.row(rec, ids, mask)))
-        self._fh.write("\n")
+        self._fh.write(dumps_line(self.row(rec, ids, mask)))
+        self._fh.write(b"\n")
 
     def close(self) -> list[Path]:
         self._fh.close()

@@ -20,7 +20,6 @@ cost and throughput over time. Figures: :mod:`.plots`.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from .collect import ReportError, collect_run
@@ -29,27 +28,26 @@ from .terminal import print_summary
 __all__ = ["ReportError", "build_report", "collect_run", "print_summary"]
 
 
-def build_report(run_dir: str | Path) -> Path:
-    """Write ``RUN/report/report.html`` and ``report.json``; return the HTML path."""
+def build_report(run_dir: str | Path, force: bool = False) -> Path:
+    """Write ``RUN/report/report.html`` and ``report.json`` (as one set); return the HTML path.
+
+    ``RUN/report`` must be missing, empty or an earlier report (else
+    :class:`~tokenbridge.outdir.OutputRefused`, unless ``force``)."""
+    from ..fsio import kill_point, publish_dir
+    from ..outdir import check_output_dir, marker
     from .html import render_html
     from .plots import render_figures
 
     run_dir = Path(run_dir)
+    out = run_dir / "report"
+    check_output_dir(out, "report", force=force, flag="report folder")
     data = collect_run(run_dir)
     try:
         figures = render_figures(data)
     except ImportError as exc:  # pragma: no cover - matplotlib is a dependency
         raise ReportError(f"the report needs matplotlib ({exc})") from None
-    out = run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    _write(out / "report.json", json.dumps(data, indent=1, ensure_ascii=False) + "\n")
-    html = out / "report.html"
-    _write(html, render_html(data, figures))
-    return html
-
-
-def _write(path: Path, text: str) -> None:
-    """Write beside, then rename: a reader never sees half a report."""
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    with publish_dir(out, point="report", marker=marker("report")) as tmp:
+        (tmp / "report.json").write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        kill_point("report:written")
+        (tmp / "report.html").write_text(render_html(data, figures), encoding="utf-8")
+    return out / "report.html"

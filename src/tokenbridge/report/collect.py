@@ -53,7 +53,12 @@ def collect_run(run_dir: str | Path) -> dict[str, Any]:
     data["exchanges"] = _exchanges_section(exchanges) if exchanges.is_file() else None
     state = run_dir / _STATE_FILE
     data["sources"]["state"] = str(state) if state.is_file() else None
-    data["generation"] = _generation_section(state) if state.is_file() else None
+    data["generation"], data["generation_error"] = None, None
+    if state.is_file():
+        try:
+            data["generation"] = _generation_section(state)
+        except ReportError as exc:  # the rows are the report's subject: a broken store only loses this section
+            data["generation_error"] = str(exc)
     return data
 
 

@@ -126,7 +126,8 @@ def _overview(data) -> str:
 def _generation(data) -> str:
     gen = data.get("generation")
     if not gen:
-        return _section("generation", False, _empty("state.sqlite (generate's store) is not in the run folder"))
+        why = data.get("generation_error") or "state.sqlite (generate's store) is not in the run folder"
+        return _section("generation", False, _empty(why))
     n = gen["samples"]
     html = _table(["runs", "done", "failed", "pending", "requests", "failed attempts", "cost (USD)"],
                   [[gen["runs"], n["done"], n["failed"], n["pending"], gen["requests"], sum(gen["errors"].values()),

@@ -1,0 +1,338 @@
+"""The one place that writes output files: atomic, fsynced, and cleaned up after a kill.
+
+Every output is built under a temporary name in its own folder and moved into place only
+when complete, so a reader (or a rerun after ``kill -9``) sees the old output or the new
+one, never half of one:
+
+* :func:`staged_file` — one file: temp file, fsync, ``rename``, fsync of the folder;
+* :func:`publish_dir` — a folder whose files belong together (an export, ``vocab/``,
+  ``report/``): the whole folder is staged, then swapped in with one atomic
+  ``renameat2(RENAME_EXCHANGE)`` (two renames where the filesystem lacks it; a kill
+  between them is repaired by the next start);
+* :func:`write_bytes` / :func:`write_text` — small files at once.
+
+Temp names are ``.<name>.<pid>-<random>.tbtmp`` (and ``.tbold`` for a replaced folder on
+its way out): unique per process and call, and carrying the pid, so
+:func:`clean_stale_temps` (run before every write into a folder) removes exactly the
+temps whose process is dead, and never anything that does not match that pattern.
+
+File modes: outputs are ``0644`` (folders ``0755``), whatever the umask, so the same data
+never has two modes. Files that may hold request data or error text (``state.sqlite``,
+``generate.json``) are :data:`PRIVATE_MODE` ``0600``.
+
+JSON lines: :func:`loads_line` / :func:`dumps_line` are the one reader/writer pair; both
+keep lone surrogates (``"\\ud800"``, invalid UTF-8) by falling back to the stdlib and
+``\\u`` escapes, so such text still reaches the gate and the file stays valid UTF-8.
+
+Tests only: ``TOKENBRIDGE_TEST_KILL_AT=<point>:<n>`` makes the process ``SIGKILL`` itself
+the ``n``-th time it passes the named commit point (:func:`kill_point`), for seeded,
+timing-free crash tests; ``TOKENBRIDGE_TEST_KILL_SIGNAL=SIGSTOP`` sends that signal
+instead (a test then holds the process there, e.g. to run a second one beside it).
+Points: ``reconstruct:record``, ``export:row``, ``export:written``, ``vocab:written``,
+``report:written``, and for each file or folder written ``<label>:staged`` (complete,
+not yet in place), ``<label>:renamed`` / ``<label>:swapped`` (in place, old not yet
+removed) with labels ``reconstruct``, ``export``, ``vocab``, ``report``, ``state``
+(``RUN/pipeline.json``) and ``file``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+import orjson
+
+__all__ = [
+    "FILE_MODE",
+    "MARKER",
+    "PRIVATE_MODE",
+    "OutputWriteError",
+    "clean_stale_temps",
+    "dumps_line",
+    "is_temp_name",
+    "kill_point",
+    "loads_line",
+    "publish_dir",
+    "staged_file",
+    "temp_path",
+    "write_bytes",
+    "write_text",
+]
+
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+PRIVATE_MODE = 0o600
+#: The file inside an output folder that says tokenbridge wrote it, and as what.
+MARKER = ".tokenbridge-output"
+KILL_ENV = "TOKENBRIDGE_TEST_KILL_AT"
+KILL_SIGNAL_ENV = "TOKENBRIDGE_TEST_KILL_SIGNAL"
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)-[0-9a-f]{8}\.(?P<kind>tbtmp|tbold)$")
+
+
+class OutputWriteError(Exception):
+    """Writing an output failed (no space, read-only, ...); names the output. Nothing
+    partial is left behind."""
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        self.path = path
+        self.errno = exc.errno
+        why = exc.strerror or str(exc)
+        super().__init__(f"{path}: cannot write ({why}); nothing partial was kept")
+
+
+# --- test hook ------------------------------------------------------------------------
+
+_passes: Counter[str] = Counter()
+#: Read once: the hook sits in per-row loops, and only a test's child process sets it.
+_KILL_AT = os.environ.get(KILL_ENV, "")
+
+
+def kill_point(point: str) -> None:
+    """Signal this process (SIGKILL) on the n-th passage of ``point`` when the test hook asks."""
+    if not _KILL_AT:
+        return
+    name, _, nth = _KILL_AT.rpartition(":")
+    if name != point:
+        return
+    _passes[point] += 1
+    if _passes[point] == int(nth):
+        os.kill(os.getpid(), getattr(signal, os.environ.get(KILL_SIGNAL_ENV, "SIGKILL")))
+
+
+# --- temp names and their cleanup -----------------------------------------------------
+
+
+def temp_path(target: Path, kind: str = "tbtmp") -> Path:
+    """A fresh hidden name beside ``target`` that carries this process's pid."""
+    return target.parent / f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.{kind}"
+
+
+def is_temp_name(name: str) -> bool:
+    return _TEMP.match(name) is not None
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_temps(folder: Path) -> list[Path]:
+    """Remove our own temps in ``folder`` whose process is gone; returns what was removed.
+
+    A replaced folder (``.tbold``) whose new version never arrived (killed between the two
+    renames of the fallback swap) is moved back instead, so a kill never loses an output.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    for entry in sorted(entries, key=lambda e: e.name.endswith(".tbtmp")):  # restores (.tbold) first
+        m = _TEMP.match(entry.name)
+        if m is None or _alive(int(m["pid"])):
+            continue
+        path = Path(entry.path)
+        target = path.parent / m["name"]
+        if m["kind"] == "tbold" and not target.exists() and not target.is_symlink():
+            os.rename(path, target)
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+# --- writing --------------------------------------------------------------------------
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path, mode: int) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def staged_file(target: str | Path, *, point: str = "file", mode: int = FILE_MODE) -> Iterator[Path]:
+    """Yield a temp path beside ``target``; write it, and on a clean exit it is fsynced
+    and renamed onto ``target``. On any exception the temp is removed; an ``OSError``
+    becomes :class:`OutputWriteError` naming ``target``."""
+    target = Path(target)
+    _prepare_parent(target)
+    tmp = temp_path(target)
+    try:
+        yield tmp
+        _fsync_file(tmp, mode)
+        kill_point(f"{point}:staged")
+        os.replace(tmp, target)
+        kill_point(f"{point}:renamed")
+        fsync_dir(target.parent)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise OutputWriteError(target, exc) from None
+        raise
+
+
+def write_bytes(target: str | Path, data: bytes, *, point: str = "file", mode: int = FILE_MODE) -> None:
+    """Replace ``target`` with ``data`` atomically (durable once this returns)."""
+    with staged_file(target, point=point, mode=mode) as tmp:
+        with open(tmp, "xb") as fh:
+            fh.write(data)
+
+
+def write_text(target: str | Path, text: str, *, point: str = "file", mode: int = FILE_MODE) -> None:
+    write_bytes(target, text.encode("utf-8"), point=point, mode=mode)
+
+
+@contextmanager
+def open_staged(target: str | Path, *, point: str = "file", mode: int = FILE_MODE) -> Iterator[BinaryIO]:
+    """:func:`staged_file`, opened for binary writing."""
+    with staged_file(target, point=point, mode=mode) as tmp:
+        with open(tmp, "xb") as fh:
+            yield fh
+
+
+def _prepare_parent(target: Path) -> None:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputWriteError(target, exc) from None
+    clean_stale_temps(target.parent)
+
+
+@contextmanager
+def publish_dir(target: str | Path, *, point: str = "dir", marker: dict[str, Any] | None = None) -> Iterator[Path]:
+    """Yield an empty temp folder beside ``target``; on a clean exit its files are
+    fsynced (mode 0644), ``marker`` is written as ``.tokenbridge-output`` and the folder
+    replaces ``target`` in one step. On any exception the temp folder is removed and
+    ``target`` is left as it was. The caller decides whether ``target`` may be replaced
+    (:mod:`tokenbridge.outdir`)."""
+    target = Path(target)
+    _prepare_parent(target)
+    tmp = temp_path(target)
+    try:
+        tmp.mkdir()
+        yield tmp
+        if marker is not None:
+            (tmp / MARKER).write_text(json.dumps(marker, sort_keys=True) + "\n", encoding="utf-8")
+        _sync_tree(tmp)
+        kill_point(f"{point}:staged")
+        old = _swap_in(tmp, target, point)
+        kill_point(f"{point}:swapped")
+        fsync_dir(target.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise OutputWriteError(target, exc) from None
+        raise
+
+
+def _sync_tree(root: Path) -> None:
+    for folder, dirs, files in os.walk(root):
+        for name in files:
+            _fsync_file(Path(folder, name), FILE_MODE)
+        for name in dirs:
+            os.chmod(Path(folder, name), DIR_MODE)
+        fsync_dir(Path(folder))
+    os.chmod(root, DIR_MODE)
+
+
+def _swap_in(new: Path, target: Path, point: str) -> Path | None:
+    """Put ``new`` at ``target``; returns where the old ``target`` now is (to remove)."""
+    if not target.exists():
+        os.rename(new, target)
+        return None
+    if _exchange(new, target):
+        return new  # the old contents now live under the temp name
+    old = temp_path(target, "tbold")
+    os.rename(target, old)
+    kill_point(f"{point}:half-swapped")
+    os.rename(new, target)
+    return old
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2``); False where unsupported."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    res = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), ctypes.c_uint(_RENAME_EXCHANGE))
+    if res == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+# --- JSON lines -----------------------------------------------------------------------
+
+
+class JsonLineError(ValueError):
+    """A line that is not valid JSON; ``detail`` says where in the line."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+def loads_line(line: str | bytes) -> Any:
+    """Parse one JSON line: orjson for speed, the stdlib for what orjson refuses (lone
+    surrogate escapes, which the gate must still see). Raises :class:`JsonLineError`."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise JsonLineError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except UnicodeDecodeError as exc:
+        raise JsonLineError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def dumps_line(obj: Any) -> bytes:
+    """One compact JSON line (no newline) as UTF-8 bytes; ASCII-escaped when the text
+    holds lone surrogates (or anything else orjson refuses), so the file stays valid UTF-8."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode("ascii")

@@ -1,0 +1,169 @@
+"""Which folders an output may replace: outputs never destroy what tokenbridge did not create.
+
+An export, ``vocab`` or ``report`` folder is written whole and swapped into place
+(:func:`tokenbridge.fsio.publish_dir`), which replaces whatever was there. So before
+writing, :func:`check_output_dir` allows the target only when it is
+
+* missing, or an empty folder, or
+* a folder carrying tokenbridge's marker (``.tokenbridge-output``) from an earlier output
+  of the same kind (or, for folders written before markers existed, exactly the files
+  that kind writes);
+
+anything else is refused (:class:`OutputRefused`, exit 2) unless ``force``. Even with
+``force`` these are never replaced: a run folder (``state.sqlite``, ``exchanges.jsonl`` or
+``pipeline.json`` inside, at any depth up to :data:`_RUN_SCAN_DEPTH`), an input file, its
+folder or any parent of it, the current folder or any parent of it, ``$HOME`` and ``/``.
+
+``reconstruct -o`` naming its own input (same path, symlink or hard link) is refused too
+(:func:`check_output_file`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+from .fsio import MARKER, is_temp_name
+
+__all__ = [
+    "MARKER",
+    "OutputKind",
+    "OutputRefused",
+    "check_output_dir",
+    "check_output_file",
+    "is_run_folder",
+    "marker",
+    "remove_own_output",
+    "run_folder_of",
+]
+
+OutputKind = Literal["export", "vocab", "report"]
+RUN_FILES = ("state.sqlite", "exchanges.jsonl", "pipeline.json")
+_RUN_SCAN_DEPTH = 3
+_LEGACY_FILES: dict[str, frozenset[str]] = {
+    "vocab": frozenset({"d2t.npy", "t2d.npy", "vocab_mapping.pt", "token_freq.pt", "vocab.json"}),
+    "report": frozenset({"report.html", "report.json"}),
+}
+
+
+class OutputRefused(Exception):
+    """The output path would replace something tokenbridge did not create."""
+
+    exit_code = 2
+
+
+def marker(kind: OutputKind, **info: Any) -> dict[str, Any]:
+    """What :func:`tokenbridge.fsio.publish_dir` writes as the folder's marker."""
+    return {"tokenbridge_output": kind, **info}
+
+
+def is_run_folder(path: Path) -> bool:
+    return path.is_dir() and any((path / name).exists() for name in RUN_FILES)
+
+
+def run_folder_of(path: str | Path) -> Path | None:
+    """The run folder (holding ``state.sqlite``) that ``path`` lies in, if any."""
+    p = Path(path).resolve()
+    for folder in (p, *p.parents):
+        if (folder / "state.sqlite").is_file():
+            return folder
+    return None
+
+
+def _protected(inputs: Iterable[Path]) -> dict[Path, str]:
+    """Folders no output may ever replace, each with the reason to print."""
+    keep: dict[Path, str] = {Path("/"): "the root folder"}
+    home = os.environ.get("HOME")
+    if home:
+        keep.setdefault(Path(home).resolve(), "your home folder")
+    cwd = Path.cwd().resolve()
+    keep.setdefault(cwd, "the current folder")
+    for parent in cwd.parents:
+        keep.setdefault(parent, "a parent of the current folder")
+    for item in inputs:
+        item = Path(item).resolve()
+        keep.setdefault(item, f"the input {item}")
+        keep.setdefault(item.parent, f"the folder of the input {item}")
+        for parent in item.parent.parents:
+            keep.setdefault(parent, f"a parent of the input {item}")
+    return keep
+
+
+def _holds_run_folder(target: Path) -> Path | None:
+    """A run folder at or under ``target`` (a few levels deep), if any."""
+    base_depth = len(target.parts)
+    for folder, dirs, _ in os.walk(target):
+        here = Path(folder)
+        if is_run_folder(here):
+            return here
+        if len(here.parts) - base_depth >= _RUN_SCAN_DEPTH:
+            dirs.clear()
+    return None
+
+
+def _is_own(target: Path, kind: OutputKind) -> bool:
+    """Whether ``target`` is an earlier tokenbridge output of ``kind``."""
+    try:
+        data = json.loads((target / MARKER).read_text(encoding="utf-8"))
+        return isinstance(data, dict) and data.get("tokenbridge_output") == kind
+    except (OSError, ValueError):
+        pass
+    names = {n for n in os.listdir(target) if not is_temp_name(n)}
+    if kind == "export":  # pre-marker exports: the dataset card says so
+        try:
+            with open(target / "README.md", encoding="utf-8") as fh:
+                return "\n# tokenbridge export: " in fh.read(65536)
+        except (OSError, UnicodeDecodeError):
+            return False
+    return bool(names) and names <= _LEGACY_FILES[kind] and (kind != "vocab" or "vocab.json" in names)
+
+
+def check_output_dir(
+    target: str | Path, kind: OutputKind, *, inputs: Iterable[str | Path] = (), force: bool = False, flag: str = "-o"
+) -> None:
+    """Raise :class:`OutputRefused` unless ``target`` may be replaced by a new ``kind`` output."""
+    target = Path(target)
+    resolved = target.resolve()
+    why = _protected(Path(i) for i in inputs).get(resolved)
+    if why:
+        raise OutputRefused(f"{flag} {target}: refusing to replace {why}; give a new or empty folder")
+    for item in inputs:
+        if Path(item).resolve().is_relative_to(resolved):
+            raise OutputRefused(f"{flag} {target}: refusing to replace a folder that holds the input {item}")
+    if not target.exists() and not target.is_symlink():
+        return
+    if not target.is_dir() or target.is_symlink():
+        raise OutputRefused(f"{flag} {target}: exists and is not a folder; give a new or empty folder")
+    run = _holds_run_folder(resolved)
+    if run is not None:
+        where = "is a run folder" if run == resolved else f"holds the run folder {run}"
+        raise OutputRefused(f"{flag} {target}: {where} (state.sqlite, exchanges.jsonl); give a sub-folder such as "
+                            f"{target / kind}")
+    if force or not os.listdir(target) or _is_own(target, kind):
+        return
+    raise OutputRefused(f"{flag} {target}: folder is not empty and is not an earlier tokenbridge {kind}; "
+                        "give a new or empty folder, or --force to replace it")
+
+
+def check_output_file(target: str | Path, source: str | Path, *, flag: str = "-o") -> None:
+    """Refuse an output file that is its input (path, symlink or hard link) or a folder."""
+    target, source = Path(target), Path(source)
+    if target.is_dir():
+        raise OutputRefused(f"{flag} {target}: is a folder; give a file name such as {target / 'reconstructed.jsonl'}")
+    if target.exists() and os.path.samefile(target, source):
+        raise OutputRefused(f"{flag} {target}: is the input file; give another output name")
+
+
+def remove_own_output(target: str | Path, kind: OutputKind) -> bool:
+    """Remove ``target`` if it is an earlier tokenbridge ``kind`` output; True if removed.
+    Anything else (missing, not ours, a run folder) is left alone."""
+    target = Path(target)
+    if not target.is_dir() or target.is_symlink() or not _is_own(target, kind):
+        return False
+    if _holds_run_folder(target.resolve()) is not None:
+        return False
+    shutil.rmtree(target)
+    return True

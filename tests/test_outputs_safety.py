@@ -1,0 +1,251 @@
+"""Outputs never destroy what tokenbridge did not create (issue 12 item 1).
+
+Each refusal: exit 2, one ``error:`` line that says why, and the user's files byte-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from outputs_support import leftovers, snapshot
+from test_export_support import make_run, write_jsonl
+from tokenbridge.cli import app
+
+
+@pytest.fixture(scope="module")
+def rows(kimi):
+    return make_run(kimi, 10)
+
+
+@pytest.fixture
+def run_dir(tmp_path, rows) -> Path:
+    """A run folder as generate + reconstruct leave it (state.sqlite stands in as bytes)."""
+    run = tmp_path / "run"
+    exchanges, recs = rows
+    write_jsonl(run / "exchanges.jsonl", exchanges)
+    write_jsonl(run / "reconstructed.jsonl", recs)
+    (run / "state.sqlite").write_bytes(b"SQLite format 3\x00 paid responses")
+    return run
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def _refused(res, *needles: str) -> str:
+    assert res.exit_code == 2, res.output
+    assert isinstance(res.exception, SystemExit) and "Traceback" not in res.output, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def _export(src: Path, out: Path | str, *extra: str):
+    return _invoke("export", str(src), "-o", str(out), "--format", "specforge", *extra)
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_export_into_the_run_folder_is_refused(run_dir, force):
+    before = snapshot(run_dir)
+    res = _export(run_dir / "reconstructed.jsonl", run_dir, *(["--force"] if force else []))
+    _refused(res, str(run_dir), "folder of the input")
+    assert snapshot(run_dir) == before and not leftovers(run_dir.parent)
+
+
+def test_export_into_a_folder_holding_a_run_folder_is_refused_even_forced(run_dir, tmp_path):
+    src = tmp_path / "elsewhere" / "r.jsonl"
+    src.parent.mkdir()
+    shutil.copy(run_dir / "reconstructed.jsonl", src)
+    before = snapshot(tmp_path)
+    _refused(_export(src, tmp_path / "run", "--force"), "is a run folder")
+    assert snapshot(tmp_path) == before
+
+
+def test_export_into_a_user_folder_is_refused(run_dir, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes", encoding="utf-8")
+    _refused(_export(run_dir / "reconstructed.jsonl", mine), "not an earlier tokenbridge export", "--force")
+    assert snapshot(mine) == {"notes.txt": b"my notes"} and not leftovers(tmp_path)
+
+
+def test_force_replaces_a_user_folder(run_dir, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes", encoding="utf-8")
+    res = _export(run_dir / "reconstructed.jsonl", mine, "--force")
+    assert res.exit_code == 0, res.output
+    assert sorted(snapshot(mine)) == [".tokenbridge-output", "README.md", "train.jsonl"]
+
+
+def test_export_twice_into_the_same_folder_replaces_its_own_output(run_dir, tmp_path):
+    out = tmp_path / "sf"
+    assert _export(run_dir / "reconstructed.jsonl", out).exit_code == 0
+    first = snapshot(out)
+    res = _export(run_dir / "reconstructed.jsonl", out)
+    assert res.exit_code == 0, res.output
+    assert snapshot(out) == first and not leftovers(tmp_path)
+
+
+def test_an_export_written_before_markers_counts_as_ours(run_dir, tmp_path):
+    out = tmp_path / "sf"
+    assert _export(run_dir / "reconstructed.jsonl", out).exit_code == 0
+    (out / ".tokenbridge-output").unlink()
+    res = _export(run_dir / "reconstructed.jsonl", out)
+    assert res.exit_code == 0, res.output
+
+
+def test_export_into_a_vocab_folder_is_refused(run_dir, tmp_path):
+    vocab = tmp_path / "vocab"
+    res = _invoke("vocab", str(run_dir / "reconstructed.jsonl"), "-n", "64", "-o", str(vocab),
+                  "--target-vocab-size", "163840")
+    assert res.exit_code == 0, res.output
+    before = snapshot(vocab)
+    _refused(_export(run_dir / "reconstructed.jsonl", vocab), "not an earlier tokenbridge export")
+    assert snapshot(vocab) == before
+
+
+def test_export_to_the_current_folder_is_refused(run_dir, tmp_path, monkeypatch):
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    _refused(_export(run_dir / "reconstructed.jsonl", ".", "--force"), "the current folder")
+    assert list(tmp_path.iterdir()) == [run_dir, cwd] or sorted(tmp_path.iterdir()) == sorted([run_dir, cwd])
+    assert not list(cwd.iterdir()) and not leftovers(tmp_path)
+
+
+def test_export_to_a_parent_of_the_current_folder_is_refused(run_dir, tmp_path, monkeypatch):
+    cwd = tmp_path / "a" / "b"
+    cwd.mkdir(parents=True)
+    monkeypatch.chdir(cwd)
+    _refused(_export(run_dir / "reconstructed.jsonl", "..", "--force"), "a parent of the current folder")
+    assert cwd.is_dir()
+
+
+def test_export_to_a_parent_of_the_input_is_refused(run_dir, tmp_path):
+    src = tmp_path / "data" / "deep" / "r.jsonl"
+    src.parent.mkdir(parents=True)
+    shutil.copy(run_dir / "reconstructed.jsonl", src)
+    before = snapshot(tmp_path / "data")
+    _refused(_export(src, tmp_path / "data", "--force"), "a parent of the input")
+    assert snapshot(tmp_path / "data") == before
+
+
+def test_export_to_home_is_refused(run_dir, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text("export X=1\n", encoding="utf-8")
+    monkeypatch.setenv("HOME", str(home))
+    _refused(_export(run_dir / "reconstructed.jsonl", home, "--force"), "your home folder")
+    assert snapshot(home) == {".bashrc": b"export X=1\n"}
+
+
+def test_export_onto_a_file_is_refused(run_dir, tmp_path):
+    target = tmp_path / "out.txt"
+    target.write_text("keep", encoding="utf-8")
+    _refused(_export(run_dir / "reconstructed.jsonl", target, "--force"), "is not a folder")
+    assert target.read_text(encoding="utf-8") == "keep"
+
+
+def test_vocab_into_a_user_folder_is_refused(run_dir, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "d2t.npy").write_bytes(b"not ours")
+    (mine / "other.bin").write_bytes(b"user data")
+    res = _invoke("vocab", str(run_dir / "reconstructed.jsonl"), "-n", "64", "-o", str(mine),
+                  "--target-vocab-size", "163840")
+    _refused(res, "not an earlier tokenbridge vocab")
+    assert snapshot(mine) == {"d2t.npy": b"not ours", "other.bin": b"user data"}
+
+
+def test_vocab_into_the_run_folder_is_refused(run_dir):
+    before = snapshot(run_dir)
+    res = _invoke("vocab", str(run_dir / "reconstructed.jsonl"), "-n", "64", "-o", str(run_dir),
+                  "--target-vocab-size", "163840", "--force")
+    _refused(res, "folder of the input")
+    assert snapshot(run_dir) == before
+
+
+def test_report_over_a_user_report_folder_is_refused_unless_forced(run_dir):
+    (run_dir / "report").mkdir()
+    (run_dir / "report" / "slides.pdf").write_bytes(b"%PDF mine")
+    before = snapshot(run_dir)
+    _refused(_invoke("report", str(run_dir)), "not an earlier tokenbridge report")
+    assert snapshot(run_dir) == before
+    res = _invoke("report", str(run_dir), "--force")
+    assert res.exit_code == 0, res.output
+    assert sorted(snapshot(run_dir / "report")) == [".tokenbridge-output", "report.html", "report.json"]
+
+
+def test_reconstruct_onto_its_input_is_refused(run_dir, kimi_dir):
+    src = run_dir / "exchanges.jsonl"
+    before = src.read_bytes()
+    res = _invoke("reconstruct", str(src), "-o", str(src), "-t", str(kimi_dir))
+    _refused(res, "is the input file")
+    assert src.read_bytes() == before
+
+
+def test_reconstruct_onto_a_symlink_to_its_input_is_refused(run_dir, tmp_path, kimi_dir):
+    src = run_dir / "exchanges.jsonl"
+    before = src.read_bytes()
+    (tmp_path / "link.jsonl").symlink_to(src)
+    _refused(_invoke("reconstruct", str(src), "-o", str(tmp_path / "link.jsonl"), "-t", str(kimi_dir)),
+             "is the input file")
+    assert src.read_bytes() == before and (tmp_path / "link.jsonl").is_symlink()
+
+
+def test_reconstruct_onto_a_hard_link_of_its_input_is_refused(run_dir, tmp_path, kimi_dir):
+    src = run_dir / "exchanges.jsonl"
+    before = src.read_bytes()
+    os.link(src, tmp_path / "hard.jsonl")
+    _refused(_invoke("reconstruct", str(src), "-o", str(tmp_path / "hard.jsonl"), "-t", str(kimi_dir)),
+             "is the input file")
+    assert src.read_bytes() == before
+
+
+def test_reconstruct_to_the_current_folder_is_one_line(run_dir, tmp_path, kimi_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _refused(_invoke("reconstruct", str(run_dir / "exchanges.jsonl"), "-o", ".", "-t", str(kimi_dir)), "is a folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and not leftovers(tmp_path)
+
+
+# --- the run folder's lock -----------------------------------------------------------------
+
+
+def test_the_run_lock_is_reentrant_within_one_process(tmp_path):
+    from tokenbridge.generate.lock import run_lock
+
+    with run_lock(tmp_path, command="run"), run_lock(tmp_path):  # run holds it; its generate re-enters
+        assert (tmp_path / ".lock").read_text() == f"{os.getpid()} tokenbridge run\n"
+    with run_lock(tmp_path):  # released once the outermost holder is done
+        pass
+
+
+def test_a_stage_writing_into_a_busy_run_folder_is_refused(run_dir):
+    import subprocess
+    import sys
+
+    from outputs_support import SRC
+
+    hold = ("import sys\nfrom tokenbridge.generate.lock import run_lock\n"
+            "with run_lock(sys.argv[1], command='run'):\n    print('locked', flush=True)\n    sys.stdin.read()\n")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(run_dir)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": SRC})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        res = _export(run_dir / "reconstructed.jsonl", run_dir / "export" / "specforge")
+    finally:
+        holder.communicate("")
+    assert res.exit_code == 7, res.output
+    assert res.output.strip().splitlines() == [
+        f"error: {run_dir.resolve()}: run folder in use by pid {holder.pid} (another tokenbridge process: "
+        "tokenbridge run); wait for it to finish or write outside that run folder"
+    ]
+    assert not (run_dir / "export").exists()
