@@ -333,3 +333,19 @@ def test_folder_made_with_doubled_ids_resumes_without_sending_again(tmp_path, ki
     assert (again.requests, again.already_done, again.left_out) == (0, 6, 0)
     assert [e["id"] for e in _exchanges(tmp_path / "old")] == [f"b3-b3-{i}" for i in range(6)]
     assert [e["id"] for e in _exchanges(tmp_path / "new")] == [f"b3-{i}" for i in range(6)] and fresh.done == 6
+
+
+def test_exchanges_have_the_output_mode_whatever_the_umask(tmp_path, kimi):
+    """exchanges.jsonl holds the same data as reconstructed.jsonl: the same mode (0644)."""
+    from tokenbridge.fsio import FILE_MODE
+
+    prompts = _write_prompts(tmp_path / "b3.jsonl", 3)
+    old = os.umask(0o077)
+    try:
+        with running_emulator(_emu(), tokenizer=kimi) as url:
+            settings = GenerateSettings(datasets=(DatasetSpec("b3", prompts),), request=RequestSettings(model=MODEL),
+                                        base_url=url, concurrency=2, progress="none")
+            assert generate_run(settings, tmp_path / "run", key=ApiKey("X", FAKE_KEY)).exit_code == ExitCode.OK
+    finally:
+        os.umask(old)
+    assert (tmp_path / "run" / "exchanges.jsonl").stat().st_mode & 0o777 == FILE_MODE

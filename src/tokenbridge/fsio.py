@@ -17,8 +17,8 @@ its way out): unique per process and call, and carrying the pid, so
 temps whose process is dead, and never anything that does not match that pattern.
 
 File modes: outputs are ``0644`` (folders ``0755``), whatever the umask, so the same data
-never has two modes. Files that may hold request data or error text (``state.sqlite``,
-``generate.json``) are :data:`PRIVATE_MODE` ``0600``.
+never has two modes (``exchanges.jsonl`` too). ``generate.json``, which may hold error
+text, is :data:`PRIVATE_MODE` ``0600``; ``state.sqlite`` has the mode SQLite gives it.
 
 JSON lines: :func:`loads_line` / :func:`dumps_line` are the one reader/writer pair; both
 keep lone surrogates (``"\\ud800"``, invalid UTF-8) by falling back to the stdlib and

@@ -26,6 +26,7 @@ import aiohttp
 import orjson
 
 from ..exit_codes import ExitCode
+from ..fsio import FILE_MODE
 from .budget import Budget
 from .body import BodyError, check_body, one_line
 from .crashpoint import commit_point
@@ -355,6 +356,7 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
     try:
         fd, tmp = tempfile.mkstemp(prefix=".exchanges.", suffix=".tmp", dir=out_dir)
         try:
+            os.fchmod(fd, FILE_MODE)  # the same mode as reconstructed.jsonl, which holds the same data
             with os.fdopen(fd, "wb") as fh:
                 for sid, dataset, request, body, meta in store.iter_done(ids):
                     try:
