@@ -16,7 +16,7 @@ import pytest
 
 from hostile_server import HostileServer
 from tokenbridge.generate import GenerateSettings, RequestSettings, Store, agenerate_run, generate_run
-from tokenbridge.generate.crashpoint import CRASH_ENV
+from tokenbridge.fsio import KILL_ENV
 from tokenbridge.generate.settings import DatasetSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def _cmd(prompts: Path, run: Path, url: str, *extra: str) -> list[str]:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
+    env = {k: v for k, v in os.environ.items() if k != KILL_ENV}
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
@@ -48,7 +48,7 @@ def _generate_in_child(settings: GenerateSettings, run: Path, crash_at: int) -> 
     if pid == 0:  # child: never returns into pytest
         code = 99
         try:
-            os.environ[CRASH_ENV] = str(crash_at)
+            os.environ[KILL_ENV] = f"generate:*:{crash_at}"
             code = generate_run(settings, run).exit_code
         finally:
             os._exit(code)

@@ -94,16 +94,22 @@ class OutputWriteError(Exception):
 # --- test hook ------------------------------------------------------------------------
 
 _passes: Counter[str] = Counter()
-#: Read once: the hook sits in per-row loops, and only a test's child process sets it.
-_KILL_AT = os.environ.get(KILL_ENV, "")
 
 
 def kill_point(point: str) -> None:
-    """Signal this process (SIGKILL) on the n-th passage of ``point`` when the test hook asks."""
-    if not _KILL_AT:
+    """Signal this process (SIGKILL) on the n-th passage of ``point`` when the test hook asks.
+
+    The hook is ``<point>:<n>``, or ``<prefix>*:<n>`` for the n-th passage of any point
+    starting with ``prefix`` (``generate:*:7``: generate's seventh commit point, whichever
+    it is). Read at each call (a dict lookup) so a forked test child can set it.
+    """
+    at = os.environ.get(KILL_ENV)
+    if not at:
         return
-    name, _, nth = _KILL_AT.rpartition(":")
-    if name != point:
+    name, _, nth = at.rpartition(":")
+    if name.endswith("*") and point.startswith(name[:-1]):
+        point = name
+    elif name != point:
         return
     _passes[point] += 1
     if _passes[point] == int(nth):

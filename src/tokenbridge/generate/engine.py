@@ -47,10 +47,10 @@ from typing import Any, Callable
 import aiohttp
 import orjson
 
+from ..fsio import kill_point
 from .body import CheckedUsage, checked_usage
 from .budget import DEFAULT_RESERVE_TOKENS, Budget, cost_of, estimate_prompt_tokens
 from .classify import Outcome, classify_exception, classify_response
-from .crashpoint import commit_point
 from .limiter import AIMDLimiter
 from .request import routing_key, wire_body
 from .secrets import ApiKey, scrub, scrub_bytes
@@ -199,14 +199,14 @@ class StoreWriter:
             if batch:
                 try:
                     self.store.stage(batch)
-                    commit_point("store.stage")
+                    kill_point("generate:store.stage")
                     await asyncio.get_running_loop().run_in_executor(self._pool, self.store.finish)
                 except Exception as exc:  # disk full, locked db: stop, keep what is committed
                     self.error = exc
                     if self.on_error:
                         self.on_error(exc)
                     return
-                commit_point("store.commit")
+                kill_point("generate:store.commit")
                 for cb in callbacks:
                     cb()  # counters only; an exception here ends the task and Engine.run stops the run
             if self._closed and not self._batch:

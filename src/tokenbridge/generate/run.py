@@ -26,10 +26,9 @@ import aiohttp
 import orjson
 
 from ..exit_codes import ExitCode
-from ..fsio import FILE_MODE
+from ..fsio import FILE_MODE, kill_point
 from .budget import Budget
 from .body import BodyError, check_body, one_line
-from .crashpoint import commit_point
 from .engine import DRAIN_S, Engine, StopReason, WorkItem
 from .errors import SettingsChanged
 from .lock import run_lock
@@ -165,12 +164,12 @@ async def agenerate_run(
             try:
                 rows, ids = keep_stored_ids(rows, store.statuses())  # ids from before the prefix fix
                 changed, kept_old = _reconcile(store, rows, ids, settings, force_settings, reporter, out_dir)
-                commit_point("samples added")
+                kill_point("generate:samples added")
                 del rows
                 run = store.begin_run(settings.describe())
-                commit_point("run begun")
+                kill_point("generate:run begun")
                 store.reopen_failed(ids)
-                commit_point("failed reopened")
+                kill_point("generate:failed reopened")
                 current = store.samples(ids)
                 spent_before, possible_before = store.total_cost(), store.possible_cost()
                 observations = list(store.price_observations()) if settings.max_cost and not settings.prices else []
@@ -206,7 +205,7 @@ async def agenerate_run(
             notices = [scrub(n, key) for n in stats.notices]
             try:
                 store.end_run(run, stop or ("complete" if exit_code == ExitCode.OK else "incomplete"))
-                commit_point("run ended")
+                kill_point("generate:run ended")
             except sqlite3.Error as exc:  # the disk that failed the engine may fail this too
                 notices.append(f"could not record the run's end: {exc}")
             left_out = sum(1 for v in statuses.values() if v == "done") - n_done
@@ -367,9 +366,9 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
                     fh.write(line)
                 fh.flush()
                 os.fsync(fh.fileno())
-            commit_point("exchanges written")
+            kill_point("generate:exchanges written")
             os.replace(tmp, target)
-            commit_point("exchanges replaced")
+            kill_point("generate:exchanges replaced")
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -397,12 +396,12 @@ def _atomic_write(path: Path, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        commit_point(f"{path.name} written")
+        kill_point(f"generate:{path.name} written")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    commit_point(f"{path.name} replaced")
+    kill_point(f"generate:{path.name} replaced")
     _fsync_dir(path.parent)
 
 
