@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 
 from ..exit_codes import ExitCode
-from ..fsio import FILE_MODE, kill_point
+from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, write_bytes
 from .budget import Budget
 from .body import BodyError, check_body, one_line
 from .engine import DRAIN_S, Engine, StopReason, WorkItem
@@ -252,9 +252,9 @@ async def agenerate_run(
             summary.notices.append(f"{out_dir / EXCHANGES_FILE} not rewritten: {exc}")
             summary.exit_code = summary.exit_code or ExitCode.STORE
         try:
-            _atomic_write(out_dir / SUMMARY_FILE,
-                          (json.dumps(summary.to_dict(), indent=2, ensure_ascii=False) + "\n").encode())
-        except OSError as exc:
+            text = json.dumps(summary.to_dict(), indent=2, ensure_ascii=False) + "\n"
+            write_bytes(out_dir / SUMMARY_FILE, text.encode(), point="generate:summary", mode=PRIVATE_MODE)
+        except (OSError, OutputWriteError) as exc:
             summary.notices.append(f"{out_dir / SUMMARY_FILE} not written: {exc}")
     return summary
 
@@ -374,7 +374,7 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
             raise
     finally:
         store.close()
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     return target, bad
 
 
@@ -387,35 +387,6 @@ def _exchange_line(sid: str, dataset: str, request: str, body: bytes, meta: dict
     head = orjson.dumps({"id": sid, "dataset": dataset})[:-1]
     return b"".join([head, b',"request":', request.encode("utf-8"), b',"response":', one_line(body),
                      b',"meta":', orjson.dumps(meta), b"}\n"])
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        kill_point(f"generate:{path.name} written")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    kill_point(f"generate:{path.name} replaced")
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def is_local_url(base_url: str) -> bool:
