@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tokenbridge.checks import CODES, Policy
 from tokenbridge.exchanges import RecordError
 from tokenbridge.reconstruct import reconstruct_record
+from tokenbridge.traits import ProviderTrait
 
 TS, TE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CB, AB, CE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -288,6 +289,26 @@ def _trigger(kimi, code):
         return rec
     if code == "tool_calls_missing":
         return make(kimi, content="I will call the tool.", finish="tool_calls")
+    if code == "reasoning_redacted":  # OpenAI-style: a summary stands where the reasoning was
+        return make(kimi, content="ok", finish="stop",
+                    reasoning_details=[{"type": "reasoning.summary", "summary": "Check the weather tool."}])
+    if code in ("logprobs_mismatch", "logprobs_unreadable"):
+        rec = make(kimi, content="Plain answer.", finish="stop")
+        if code == "logprobs_mismatch":
+            ids = kimi.encode("Check the weather tool.</think>Plain answer!<|im_end|>")
+            entries = [{"token": f"token_id:{i}", "logprob": -0.1} for i in ids]
+        else:
+            entries = [{"token": "\ufffd", "bytes": None, "logprob": -0.1}]
+        rec["response"]["choices"][0]["logprobs"] = {"content": entries}
+        return rec
+    if code == "usage_reasoning_mismatch":
+        rec = make(kimi, content="Plain answer.", finish="stop")
+        rec["response"]["usage"]["completion_tokens_details"] = {"reasoning_tokens": 2}
+        return rec
+    if code == "reconstruction_ambiguous":  # a tool section right after the reasoning, and no usage
+        return make(kimi, content=TOOL_CALL, usage=False)
+    if code in _TRAIT_TRIGGERS:
+        return make(kimi, content="Plain answer.", finish="stop")
     if code == "reasoning_conflict":
         return make(kimi, content="ok", finish="stop", reasoning_content="something else")
     rec = make(kimi, content="Hello", finish="stop")
@@ -311,9 +332,16 @@ def _trigger(kimi, code):
     return rec
 
 
+#: Codes that come from what a whole run (or a probe) showed about the provider.
+_TRAIT_TRIGGERS = {
+    "provider_strips_whitespace": {"Test": ProviderTrait("Test", edits=("strip",), edit_sources=("run",))},
+    "provider_edits_text": {"Test": ProviderTrait("Test", edits=("nfkc",), edit_sources=("probe",))},
+}
+
+
 @pytest.mark.parametrize("code", sorted(CODES))
 def test_every_code_is_triggered_and_absent_on_clean_samples(kimi, code):
-    row = reconstruct_record(_trigger(kimi, code), kimi)[0]
+    row = reconstruct_record(_trigger(kimi, code), kimi, traits=_TRAIT_TRIGGERS.get(code))[0]
     assert code in codes(row)
     for clean in (make(kimi), make(kimi, content="Plain answer.", finish="stop"),
                   make(kimi, reasoning=None, content="ok", finish="stop", request={"messages": PROMPT, "reasoning": {"enabled": False}})):

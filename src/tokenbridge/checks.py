@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from .chat import Dialect, message_reasoning
+from .chat.dialect import reasoning_details
+from .evidence import LogprobIds, logprobs_cover
 from .tokenizer import Tokenizer
 
-__all__ = ["CODES", "DEFAULT_SEVERITY", "Finding", "Policy", "SampleView", "run_checks", "status_of"]
+__all__ = ["CODES", "DEFAULT_SEVERITY", "Finding", "Policy", "SampleView", "reasoning_counts", "run_checks", "status_of"]
 
 #: Every finding code with its default severity and what it means.
 CODES: dict[str, tuple[str, str]] = {
@@ -45,6 +47,13 @@ CODES: dict[str, tuple[str, str]] = {
     "usage_completion_mismatch": ("error", "our completion token count differs from usage.completion_tokens"),
     "roundtrip_mismatch": ("error", "decode(ids) differs from the text"),
     "native_mismatch": ("error", "ids differ from the ground-truth ids"),
+    "reasoning_redacted": ("error", "reasoning_details holds a summary or encrypted reasoning: not the model's own text"),
+    "logprobs_mismatch": ("error", "ids differ from the ids the response's logprobs name"),
+    "logprobs_unreadable": ("warning", "logprobs present but not mappable to token ids; not used as evidence"),
+    "usage_reasoning_mismatch": ("error", "usage's reasoning_tokens fits no way engines count our reasoning segment"),
+    "reconstruction_ambiguous": ("error", "the response fits several native sequences and no evidence picks one"),
+    "provider_strips_whitespace": ("warning", "across the run this provider's text never keeps edge whitespace: it strips, which can keep the count"),
+    "provider_edits_text": ("warning", "tokenbridge probe found this provider edits text in a way that can keep the token count"),
 }
 
 DEFAULT_SEVERITY: dict[str, str] = {code: sev for code, (sev, _) in CODES.items()}
@@ -108,6 +117,26 @@ class SampleView:
     usage_completion: tuple[int, int] | None
     native_prompt: Sequence[int] | None = None
     native_completion: Sequence[int] | None = None
+    #: ids named by ``logprobs.content`` (None: the choice has no logprobs)
+    logged: LogprobIds | None = None
+    #: SGLang's ``matched_stop``: stop id or stop string
+    matched_stop: int | str | None = None
+    #: ``usage...reasoning_tokens`` for a single-choice response, else None
+    reasoning_tokens: int | None = None
+    #: (edit, where it was found: "run" or "probe") for this sample's provider
+    provider_edits: Sequence[tuple[str, str]] = ()
+    #: the provider's count calibration, in words, when one applies
+    calibration: str | None = None
+
+    @property
+    def proven_by_ids(self) -> bool:
+        """Ground-truth ids (native or logprobs) cover the whole completion and agree."""
+        if self.native_completion is not None:
+            return list(self.native_completion) == list(self.completion_ids)
+        if self.logged is not None and self.logged.ids is not None:
+            ends = bool(self.parts) and self.parts[-1][0] == "end"
+            return logprobs_cover(self.logged.ids, self.completion_ids, 0, ends) in ("all", "all_but_end")
+        return False
 
     @property
     def message(self) -> Mapping[str, Any]:
@@ -156,6 +185,8 @@ def _finish(view: SampleView, policy: Policy):
     stop = view.request.get("stop") or (view.request.get("extra_body") or {}).get("stop")
     if stop and reason in ("stop", "eos", "end_turn"):
         yield "stop_sequence", f"request stop={stop!r}; the end token was assumed"
+    elif isinstance(view.matched_stop, str) and reason != "length":
+        yield "stop_sequence", f"matched_stop={view.matched_stop[:40]!r}: a stop string ended the choice, not the model's end token"
     if reason == "tool_calls" and not view.message.get("tool_calls") and not any(k == "tool_calls" for k, _ in view.parts):
         yield "tool_calls_missing", "finish_reason='tool_calls' but no tool-call section in content and no message.tool_calls"
 
@@ -174,6 +205,20 @@ def _reasoning_presence(view: SampleView, policy: Policy):
     a, b = msg.get("reasoning"), msg.get("reasoning_content")
     if isinstance(a, str) and isinstance(b, str) and a and b and a != b:
         yield "reasoning_conflict", f"reasoning ({len(a)} chars) and reasoning_content ({len(b)} chars) differ"
+    details, redacted = reasoning_details(msg)
+    plain = a if isinstance(a, str) and a else b if isinstance(b, str) and b else None
+    if details is not None and plain is not None and details != plain:
+        n = next((i for i, (x, y) in enumerate(zip(details, plain)) if x != y), min(len(details), len(plain)))
+        yield "reasoning_conflict", (
+            f"reasoning ({len(plain)} chars) and the joined reasoning_details text ({len(details)} chars) "
+            f"differ from char {n}"
+        )
+    if redacted:
+        kinds = ", ".join(sorted(set(redacted)))
+        yield "reasoning_redacted", (
+            f"reasoning_details holds {len(redacted)} {kinds} entr{'y' if len(redacted) == 1 else 'ies'}: "
+            "a summary or an encrypted blob is not the text the model emitted, so its tokens are unknown"
+        )
     if view.thinking and has_reasoning and not content and not msg.get("tool_calls"):
         exact = view.usage_completion is not None and policy.usage_tolerance == 0
         if not exact:
@@ -383,7 +428,8 @@ def _usage(view: SampleView, policy: Policy):
             continue
         ours, theirs = pair
         if abs(ours - theirs) > tol:
-            yield code, f"{what}: ours {ours}, usage {theirs} (delta {ours - theirs:+d}, tolerance {tol})"
+            cal = f"; calibrated for this provider: {view.calibration}" if view.calibration else ""
+            yield code, f"{what}: ours {ours}, usage {theirs} (delta {ours - theirs:+d}, tolerance {tol}{cal})"
 
 
 def _native(view: SampleView, policy: Policy):
@@ -404,6 +450,82 @@ def _native(view: SampleView, policy: Policy):
         )
 
 
+def reasoning_counts(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> set[int]:
+    """Every value of ``usage.completion_tokens_details.reasoning_tokens`` an engine
+    reports for this completion.
+
+    SGLang (0.5.23, ``Req.update_reasoning_tokens``) counts every output token up to and
+    including ``</think>``, and every token (the end token too) when ``</think>`` never
+    came. OpenRouter-normalised providers count the reasoning text alone. vLLM's Kimi
+    parser counts nothing (0), which is no evidence and is not checked.
+    """
+    reasoning = sum(len(ids) for (kind, _), ids in zip(parts, part_ids) if kind == "reasoning")
+    before = 0
+    for (kind, _), ids in zip(parts, part_ids):
+        before += len(ids)
+        if kind == "think_end":
+            return {reasoning, before}
+    return {reasoning, sum(len(ids) for ids in part_ids)}
+
+
+def _reasoning_count(view: SampleView, policy: Policy):
+    got = view.reasoning_tokens
+    if not got or not view.thinking:
+        return
+    allowed = reasoning_counts(view.parts, view.part_ids)
+    if got not in allowed:
+        yield "usage_reasoning_mismatch", (
+            f"usage reasoning_tokens {got}, ours {' or '.join(str(n) for n in sorted(allowed))} "
+            "(reasoning alone, or up to and including </think> as SGLang counts): the reasoning/content "
+            "boundary or the reasoning text differs from what the model emitted"
+        )
+
+
+def _logprobs(view: SampleView, policy: Policy):
+    logged = view.logged
+    if logged is None:
+        return
+    if logged.ids is None:
+        yield "logprobs_unreadable", f"{logged.problem}; logprobs not used as evidence"
+        return
+    parts, ids = view.parts, view.completion_ids
+    ends = bool(parts) and parts[-1][0] == "end"
+    start, pos = 0, 0
+    for (kind, _), part in zip(parts, view.part_ids):
+        pos += len(part)
+        if kind == "think_end":
+            start = pos
+    if logprobs_cover(logged.ids, ids, start, ends) is not None:
+        return
+    got = list(logged.ids)
+    n = next((i for i, (a, b) in enumerate(zip(ids, got)) if a != b), min(len(ids), len(got)))
+    tok = view.tokenizer
+    same_text = tok.decode_bytes(got) == tok.decode_bytes(ids) or (
+        ends and tok.decode_bytes(got) == tok.decode_bytes(ids[:-1]))
+    kind = "same text, another tokenization" if same_text else "text differs"
+    a = ids[n] if n < len(ids) else None
+    b = got[n] if n < len(got) else None
+    yield "logprobs_mismatch", (
+        f"completion: first divergence at {n} (ours {a}, logprobs {b}); {len(ids)} vs {len(got)} ids; {kind}"
+    )
+
+
+def _provider_edits(view: SampleView, policy: Policy):
+    if not view.provider_edits or view.proven_by_ids:
+        return
+    probed = sorted(edit for edit, source in view.provider_edits if source == "probe")
+    if probed:
+        yield "provider_edits_text", (
+            f"tokenbridge probe found this provider applies {', '.join(probed)} to text: an edit that keeps the "
+            "token count passes every other check; only ground-truth ids can prove its samples"
+        )
+    if ("strip", "run") in view.provider_edits:
+        yield "provider_strips_whitespace", (
+            "none of this provider's samples in the run keeps leading/trailing whitespace while other providers' "
+            "often do: it strips text, and a strip that keeps the token count ('.\\n' -> '.') passes every other check"
+        )
+
+
 _CHECKS = (
     _finish,
     _reasoning_presence,
@@ -416,4 +538,7 @@ _CHECKS = (
     _roundtrip,
     _usage,
     _native,
+    _logprobs,
+    _reasoning_count,
+    _provider_edits,
 )

@@ -49,6 +49,28 @@ def _check_content(content: Any, field: str) -> None:
             raise RecordError(f"{field}[{k}].text", "must be a string")
 
 
+#: The string field each ``reasoning_details`` entry type carries.
+_DETAIL_FIELDS = {"reasoning.text": "text", "reasoning.summary": "summary", "reasoning.encrypted": "data"}
+
+
+def _check_details(details: Any, field: str) -> None:
+    """OpenRouter's ``reasoning_details``: a list of typed objects (unknown types pass)."""
+    if details is None:
+        return
+    if not isinstance(details, list):
+        raise RecordError(field, "must be a list or null")
+    for k, entry in enumerate(details):
+        if not isinstance(entry, dict):
+            raise RecordError(f"{field}[{k}]", "must be an object")
+        kind = entry.get("type")
+        key = _DETAIL_FIELDS.get(kind) if isinstance(kind, str) else None
+        if key is not None and entry.get(key) is not None and not isinstance(entry[key], str):
+            raise RecordError(f"{field}[{k}].{key}", "must be a string or null")
+        index = entry.get("index")
+        if index is not None and (not isinstance(index, int) or isinstance(index, bool)):
+            raise RecordError(f"{field}[{k}].index", "must be an integer")
+
+
 def _int_list(value: Any, field: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         raise RecordError(field, "must be a list of integers")
@@ -114,6 +136,7 @@ def parse_exchange(record: Any) -> Exchange:
                     raise RecordError(f"response.choices[{i}].message.{key}", "must be a string or null")
             if msg.get("tool_calls") is not None and not isinstance(msg["tool_calls"], list):
                 raise RecordError(f"response.choices[{i}].message.tool_calls", "must be a list or null")
+            _check_details(msg.get("reasoning_details"), f"response.choices[{i}].message.reasoning_details")
     n = len(choices or ())
     native_prompt: list[int] | None = None
     native_choices: list[list[int] | None] = [None] * n

@@ -7,6 +7,7 @@ memory bounded by a fixed number of chunks in flight.
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -18,7 +19,10 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from .chat import Dialect, message_reasoning, resolve_dialect, thinking_enabled
-from .checks import Finding, Policy, SampleView, run_checks, status_of
+from .checks import Finding, Policy, SampleView, reasoning_counts, run_checks, status_of
+from .evidence import LogprobIds, cached_tokens, logprob_ids, logprobs_cover, matched_stop, reasoning_tokens
+from .hypotheses import Candidate, candidates
+from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
 from .exchanges import Exchange, RecordError, iter_lines, loads_line, parse_exchange
 from . import fsio
 from .fsio import dumps_line
@@ -36,9 +40,37 @@ def reconstruct_record(
     tokenizer: Tokenizer,
     dialect: Dialect | None = None,
     policy: Policy | None = None,
+    traits: Mapping[str, ProviderTrait] | None = None,
 ) -> list[dict[str, Any]]:
     """One reconstructed row per choice of an exchange record (raises RecordError)."""
-    return reconstruct_exchange(parse_exchange(record), tokenizer, dialect, policy)
+    return reconstruct_exchange(parse_exchange(record), tokenizer, dialect, policy, traits)
+
+
+@dataclass
+class _Choice:
+    """One choice on its way to a row: its evidence and every reading of it."""
+
+    index: int
+    choice: Mapping[str, Any]
+    native: Sequence[int] | None
+    logged: LogprobIds | None
+    stop: int | str | None
+    cands: list[Candidate]
+    cand_ids: list[list[list[int]]]
+    chosen: int = 0
+    #: names of every candidate the evidence could not rule out, when more than one
+    ambiguous: list[str] = field(default_factory=list)
+    #: usage leaves out the end token (a provider trait)
+    end_uncounted: bool = False
+
+    def ids(self, k: int) -> list[int]:
+        return [i for part in self.cand_ids[k] for i in part]
+
+    def counted(self, k: int) -> int:
+        """How many of candidate ``k``'s ids the provider's usage counts."""
+        parts = self.cands[k].parts
+        ends = bool(parts) and parts[-1][0] == "end"
+        return sum(len(ids) for ids in self.cand_ids[k]) - (1 if self.end_uncounted and ends else 0)
 
 
 def reconstruct_exchange(
@@ -46,8 +78,23 @@ def reconstruct_exchange(
     tokenizer: Tokenizer,
     dialect: Dialect | None = None,
     policy: Policy | None = None,
+    traits: Mapping[str, ProviderTrait] | None = None,
 ) -> list[dict[str, Any]]:
+    """One row per choice. ``traits`` holds what a whole run showed about each provider
+    (count offsets, text edits): see :mod:`tokenbridge.traits`."""
+    return _reconstruct(ex, tokenizer, dialect, policy, traits)[0]
+
+
+def _reconstruct(
+    ex: Exchange,
+    tokenizer: Tokenizer,
+    dialect: Dialect | None,
+    policy: Policy | None,
+    traits: Mapping[str, ProviderTrait] | None,
+) -> tuple[list[dict[str, Any]], RecordFacts]:
+    """The rows, and what the record tells run-level detection (:mod:`.traits`)."""
     dialect = dialect or resolve_dialect(tokenizer)
+    policy = policy or Policy()
     request = ex.request
     thinking = thinking_enabled(request)
     prompt_text = dialect.render_request(request)
@@ -58,41 +105,38 @@ def reconstruct_exchange(
     provider = response.get("provider") or ex.meta.get("provider")
     model = response.get("model") or request.get("model")
     usage = response.get("usage") if isinstance(response.get("usage"), dict) else None
+    trait = traits.get(str(provider)) if traits else None
+    meta = _RowMeta(ex, provider, model, thinking, usage)
 
     if not choices:  # an error body: one rejected row that says why
         err = response.get("error")
         detail = err.get("message", err) if isinstance(err, dict) else err
-        finding = Finding("finish_error", (policy or Policy()).severity("finish_error"), f"response has no choices: {detail}")
+        finding = Finding("finish_error", policy.severity("finish_error"), f"response has no choices: {detail}")
         findings = [finding] if finding.severity != "off" else []
-        return [_row(ex, 0, prompt_ids, [], [], findings, provider, model, None, thinking, usage, "", "")]
+        return [_row(meta, 0, prompt_ids, [], [], findings, None, "", "", None)], RecordFacts()
 
-    built = []
-    for idx, choice in enumerate(choices):
-        message = choice["message"]
-        parts = dialect.completion_parts(message, choice.get("finish_reason"), thinking, opens)
-        part_ids = [
-            [tokenizer.token_id(text)] if kind in _MARKER_PARTS else tokenizer.encode(text) for kind, text in parts
-        ]
-        built.append((choice, parts, part_ids))
-
-    total_completion = sum(sum(len(ids) for ids in part_ids) for _, _, part_ids in built)
+    joins = trait is not None and trait.joins_markers
+    plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking, opens, joins) for idx, choice in enumerate(choices)]
+    if trait is not None and trait.end_uncounted:
+        for p in plans:
+            p.end_uncounted = True
+    usage_prompt, usage_completion = _usage_pairs(usage, len(prompt_ids), trait)
+    single = len(plans) == 1
+    if any(len(p.cands) > 1 for p in plans):
+        _choose(plans, usage_completion, policy, reasoning_tokens(usage) if single else None, dialect, tokenizer)
+    total_completion = sum(p.counted(p.chosen) for p in plans)
     rows = []
-    for idx, (choice, parts, part_ids) in enumerate(built):
-        completion_ids: list[int] = []
-        for ids in part_ids:
-            completion_ids.extend(ids)
-        usage_prompt = usage_completion = None
-        if usage is not None:
-            if _count(usage.get("prompt_tokens")):
-                usage_prompt = (len(prompt_ids), usage["prompt_tokens"])
-            if _count(usage.get("completion_tokens")):
-                ours = len(completion_ids) if len(built) == 1 else total_completion
-                usage_completion = (ours, usage["completion_tokens"])
+    for p in plans:
+        parts, part_ids = p.cands[p.chosen].parts, p.cand_ids[p.chosen]
+        completion_ids = p.ids(p.chosen)
+        pair = None
+        if usage_completion is not None:
+            pair = (p.counted(p.chosen) if single else total_completion, usage_completion)
         view = SampleView(
             tokenizer=tokenizer,
             dialect=dialect,
             request=request,
-            choice=choice,
+            choice=p.choice,
             thinking=thinking,
             prompt_text=prompt_text,
             prompt_ids=prompt_ids,
@@ -100,21 +144,171 @@ def reconstruct_exchange(
             part_ids=part_ids,
             completion_ids=completion_ids,
             usage_prompt=usage_prompt,
-            usage_completion=usage_completion,
+            usage_completion=pair,
             native_prompt=ex.native_prompt,
-            native_completion=ex.native_choices[idx] if idx < len(ex.native_choices) else None,
+            native_completion=p.native,
+            logged=p.logged,
+            matched_stop=p.stop,
+            reasoning_tokens=reasoning_tokens(usage) if single else None,
+            provider_edits=tuple(zip(trait.edits, trait.edit_sources)) if trait is not None else (),
+            calibration=trait.describe() if trait is not None else None,
         )
         findings = run_checks(view, policy)
+        if p.ambiguous and policy.severity("reconstruction_ambiguous") != "off":
+            findings.append(Finding("reconstruction_ambiguous", policy.severity("reconstruction_ambiguous"),
+                                    f"the response fits {len(p.ambiguous)} native sequences ({', '.join(p.ambiguous)}) "
+                                    "and no evidence (usage, logprobs, token ids, stop id) tells them apart"))
         segments = _segments(len(prompt_ids), parts, part_ids)
-        message = choice["message"]
-        row = _row(
-            ex, choice["index"] if _count(choice.get("index")) else idx, prompt_ids, completion_ids, segments, findings, provider, model,
-            choice.get("finish_reason"), thinking, usage, message_reasoning(message) or "", message.get("content") or "",
-        )
-        rows.append(row)
-    if len(rows) > 1 and usage is not None and _count(usage.get("completion_tokens")):
-        _mark_siblings(rows, policy or Policy())
-    return rows
+        message = p.choice["message"]
+        index = p.choice["index"] if _count(p.choice.get("index")) else p.index
+        rows.append(_row(meta, index, prompt_ids, completion_ids, segments, findings, p.choice.get("finish_reason"),
+                         message_reasoning(message) or "", message.get("content") or "", p.cands[p.chosen].name))
+    if len(rows) > 1 and usage_completion is not None:
+        _mark_siblings(rows, policy)
+    markered = [p for p in plans if _has_marker(p.cands[0].parts)]
+    facts = RecordFacts(_delta(plans, rows, usage, len(prompt_ids)), len(markered),
+                        sum(any("marker_spaces" in c.names for c in p.cands) for p in markered))
+    return rows, facts
+
+
+def _has_marker(parts: Sequence[tuple[str, str]]) -> bool:
+    """Whether the served text of these parts holds marker text (so vLLM's joins show)."""
+    return any(kind in ("think_end", "tool_calls") for kind, _ in parts)
+
+
+#: The only errors a calibrating sample may carry: the count mismatches themselves.
+_COUNT_CODES = frozenset({"usage_prompt_mismatch", "usage_completion_mismatch", "usage_reasoning_mismatch"})
+
+
+def _delta(plans: list[_Choice], rows: list[dict[str, Any]], usage: Mapping[str, Any] | None,
+           n_prompt: int) -> CountDelta | None:
+    if len(plans) != 1 or len(plans[0].cands) != 1 or usage is None:
+        return None
+    if any(f["severity"] == "error" and f["code"] not in _COUNT_CODES for f in rows[0]["findings"]):
+        return None
+    p = plans[0]
+    parts = p.cands[0].parts
+    completion = usage.get("completion_tokens")
+    prompt = usage.get("prompt_tokens")
+    return CountDelta(
+        ended=bool(parts) and parts[-1][0] == "end",
+        completion=len(p.ids(0)) - completion if _count(completion) else None,
+        prompt=n_prompt - prompt if _count(prompt) else None,
+        cached=cached_tokens(usage),
+    )
+
+
+def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dialect: Dialect,
+          thinking: bool, opens: bool, joins: bool) -> _Choice:
+    message = choice["message"]
+    finish = choice.get("finish_reason")
+    native = ex.native_choices[idx] if idx < len(ex.native_choices) else None
+    logged = logprob_ids(tok, choice)
+    stop = matched_stop(choice)
+    ends = _named_ends(tok, dialect, finish, stop, logged, native)
+    cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins)
+    cand_ids = [[[tok.token_id(text)] if kind in _MARKER_PARTS else tok.encode(text) for kind, text in c.parts]
+                for c in cands]
+    return _Choice(idx, choice, native, logged, stop, cands, cand_ids)
+
+
+def _named_ends(tok: Tokenizer, dialect: Dialect, finish: Any, stop: int | str | None,
+                logged: LogprobIds | None, native: Sequence[int] | None) -> list[str]:
+    """End markers other than the dialect's that the evidence names for this choice."""
+    if finish == "length":
+        return []
+    named = []
+    if isinstance(stop, int):
+        named.append(stop)
+    for seq in (native, logged.ids if logged is not None else None):
+        if seq:
+            named.append(seq[-1])
+    out = []
+    for i in named:
+        text = tok.marker_ids.get(i)
+        if text is not None and text in dialect.eos_markers and text != dialect.end_token and text not in out:
+            out.append(text)
+    return out
+
+
+def _usage_pairs(usage: Mapping[str, Any] | None, n_prompt: int,
+                 trait: ProviderTrait | None) -> tuple[tuple[int, int] | None, int | None]:
+    """(our prompt count, usage's) and usage's completion count, with the provider's
+    run-level calibration applied."""
+    if usage is None:
+        return None, None
+    prompt = completion = None
+    if _count(usage.get("prompt_tokens")):
+        theirs = usage["prompt_tokens"]
+        if trait is not None:
+            theirs += trait.prompt_offset + ((cached_tokens(usage) or 0) if trait.cached_excluded else 0)
+        prompt = (n_prompt, theirs)
+    if _count(usage.get("completion_tokens")):
+        completion = usage["completion_tokens"] + (trait.completion_offset if trait is not None else 0)
+    return prompt, completion
+
+
+#: Most combinations of candidates tried against a usage count summed over choices.
+_MAX_COMBINATIONS = 512
+
+
+def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, reasoning: int | None,
+            dialect: Dialect, tok: Tokenizer) -> None:
+    """Pick, per choice, the one candidate the evidence proves; record ambiguity."""
+    options: list[list[int]] = []
+    for p in plans:
+        keep = [k for k in range(len(p.cands)) if _fits(p, k, reasoning, dialect, tok)]
+        options.append(keep)
+    if usage_completion is not None and policy.usage_tolerance == 0:
+        sizes = [[plans[c].counted(k) for k in opts] for c, opts in enumerate(options)]
+        n_combos = 1
+        for opts in options:
+            n_combos *= max(len(opts), 1)
+        if all(options) and n_combos <= _MAX_COMBINATIONS:
+            seen: list[set[int]] = [set() for _ in plans]
+            for combo in itertools.product(*(range(len(o)) for o in options)):
+                if sum(sizes[c][j] for c, j in enumerate(combo)) == usage_completion:
+                    for c, j in enumerate(combo):
+                        seen[c].add(options[c][j])
+            if not any(seen):  # usage contradicts every reading: the mismatch says so
+                for p, opts in zip(plans, options):
+                    p.chosen = 0 if 0 in opts else opts[0]
+                return
+            options = [sorted(s) for s in seen]
+    for p, opts in zip(plans, options):
+        if len(opts) == 1:
+            p.chosen = opts[0]
+        elif len(opts) > 1:
+            p.chosen = 0 if 0 in opts else opts[0]
+            if len(p.cands) > 1:
+                p.ambiguous = [p.cands[k].name or "formula" for k in opts]
+
+
+def _fits(p: _Choice, k: int, reasoning: int | None, dialect: Dialect, tok: Tokenizer) -> bool:
+    """Whether candidate ``k`` agrees with this choice's own evidence."""
+    ids = p.ids(k)
+    if p.native is not None and list(p.native) != ids:
+        return False
+    parts, part_ids = p.cands[k].parts, p.cand_ids[k]
+    ends = bool(parts) and parts[-1][0] == "end"
+    if p.logged is not None and p.logged.ids is not None:
+        if logprobs_cover(p.logged.ids, ids, _content_start(parts, part_ids), ends) is None:
+            return False
+    if isinstance(p.stop, int) and ends and ids[-1] != p.stop:
+        return False
+    if reasoning and reasoning not in reasoning_counts(parts, part_ids):
+        return False
+    return True
+
+
+def _content_start(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> int:
+    """Position of the first id after the think block (0 when there is none)."""
+    pos = 0
+    for (kind, _), ids in zip(parts, part_ids):
+        pos += len(ids)
+        if kind == "think_end":
+            return pos
+    return 0
 
 
 def _count(value: Any) -> bool:
@@ -122,17 +316,19 @@ def _count(value: Any) -> bool:
 
 
 def _mark_siblings(rows: list[dict[str, Any]], policy: Policy) -> None:
-    """With n > 1, usage counts all choices together: a choice is proven only when
-    every choice is clean, since one choice's error can hide another's."""
-    dirty = [r["choice"] for r in rows if r["findings"]]
+    """With n > 1, usage counts all choices together: a choice is proven only when no
+    other choice has an error, since one choice's error can hide another's. A sibling
+    with warnings only (say ``truncated``) still has exact ids, so it hides nothing."""
+    dirty = [r["choice"] for r in rows if any(f["severity"] == "error" for f in r["findings"])]
     sev = policy.severity("choices_unattributable")
     if not dirty or sev == "off":
         return
     for row in rows:
-        if not row["findings"]:
-            row["findings"] = [Finding("choices_unattributable", sev,
-                                       f"usage is summed over {len(rows)} choices and choice(s) {dirty} have findings; "
-                                       "this choice's count cannot be proven alone").to_dict()]
+        if row["choice"] not in dirty:
+            row["findings"] = [*row["findings"], Finding(
+                "choices_unattributable", sev,
+                f"usage is summed over {len(rows)} choices and choice(s) {dirty} have errors; "
+                "this choice's count cannot be proven alone").to_dict()]
             row["status"] = status_of([Finding(f["code"], f["severity"], f["message"]) for f in row["findings"]])
 
 
@@ -147,10 +343,23 @@ def _segments(n_prompt: int, parts: Sequence[tuple[str, str]], part_ids: Sequenc
     return segs
 
 
-def _row(ex: Exchange, choice: int, prompt_ids, completion_ids, segments, findings: list[Finding],
-         provider, model, finish_reason, thinking, usage, reasoning: str, content: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _RowMeta:
+    """What every row of one exchange shares."""
+
+    ex: Exchange
+    provider: Any
+    model: Any
+    thinking: bool
+    usage: Mapping[str, Any] | None
+
+
+def _row(meta: _RowMeta, choice: int, prompt_ids: list[int], completion_ids: list[int], segments: list[dict],
+         findings: list[Finding], finish_reason: Any, reasoning: str, content: str,
+         reconstruction: str | None) -> dict[str, Any]:
     if not segments:
         segments = [{"kind": "prompt", "start": 0, "end": len(prompt_ids)}]
+    ex = meta.ex
     return {
         "id": ex.id,
         "choice": choice,
@@ -162,15 +371,16 @@ def _row(ex: Exchange, choice: int, prompt_ids, completion_ids, segments, findin
         "loss_mask": [0] * len(prompt_ids) + [1] * len(completion_ids),
         "segments": segments,
         "findings": [f.to_dict() for f in findings],
-        "provider": provider,
-        "model": model,
+        "provider": meta.provider,
+        "model": meta.model,
         "finish_reason": finish_reason,
-        "thinking": thinking,
-        "usage": usage,
+        "thinking": meta.thinking,
+        "usage": meta.usage,
         "messages": ex.request.get("messages"),
         "tools": ex.request.get("tools"),
         "reasoning": reasoning,
         "content": content,
+        "reconstruction": reconstruction,
     }
 
 
@@ -206,9 +416,16 @@ class ReconstructSummary:
     bad_lines: list[BadLine] = field(default_factory=list)
     #: provider -> [rows, rows whose text keeps edge whitespace]
     edges: dict[str, list[int]] = field(default_factory=dict)
+    #: count offsets per provider, for run-level calibration
+    stats: TraitStats = field(default_factory=TraitStats)
+    #: the provider traits the rows were checked with (after a calibrating second pass)
+    traits: dict[str, ProviderTrait] = field(default_factory=dict)
 
-    def add(self, briefs: Iterable[tuple[str, list[str], str, bool]]) -> None:
+    def add(self, briefs: Iterable[tuple[str, list[str], str, bool]], facts: RecordFacts | None = None) -> None:
         self.records += 1
+        briefs = list(briefs)
+        if facts is not None and briefs:
+            self.stats.add(briefs[0][2], facts)
         for status, codes, provider, edge in briefs:
             self.rows += 1
             self.status[status] += 1
@@ -246,37 +463,41 @@ class ReconstructSummary:
             "codes": dict(sorted(self.codes.items())),
             "bad_lines": [b.__dict__ for b in self.bad_lines],
             "provider_notes": self.stripping_suspects(),
+            "provider_traits": {name: t.to_dict() for name, t in sorted(self.traits.items())},
         }
+
+    def stripping_providers(self) -> list[str]:
+        return [note.split(": ", 1)[0] for note in self.stripping_suspects()]
 
 
 # Per-process state for pool workers (set by the initializer).
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer_source: str, dialect_name: str | None, policy: Policy | None, as_json: bool) -> None:
+def _init_worker(tokenizer_source: str, dialect_name: str | None, policy: Policy | None, as_json: bool,
+                 traits: Mapping[str, ProviderTrait] | None = None) -> None:
     _quiet_worker_signals()
     tok = load_tokenizer(tokenizer_source)
-    _WORKER.update(tok=tok, dialect=resolve_dialect(tok, dialect_name), policy=policy, as_json=as_json)
+    _WORKER.update(tok=tok, dialect=resolve_dialect(tok, dialect_name), policy=policy, as_json=as_json,
+                   traits=traits)
 
 
 def _work(chunk: list[tuple[int, str]]) -> list[tuple[int, Any, Any]]:
     """Reconstruct a chunk of lines: (line, rows or None, (field, message) or None)."""
     tok, dialect, policy, as_json = _WORKER["tok"], _WORKER["dialect"], _WORKER["policy"], _WORKER["as_json"]
+    traits = _WORKER.get("traits")
     out = []
     for lineno, line in chunk:
         try:
-            rows = reconstruct_record(loads_line(line), tok, dialect, policy)
+            rows, delta = _reconstruct(parse_exchange(loads_line(line)), tok, dialect, policy, traits)
         except RecordError as exc:
             out.append((lineno, None, (exc.field, exc.detail)))
             continue
         except Exception as exc:  # a template or tokenizer failure on this record only
             out.append((lineno, None, ("<record>", f"{type(exc).__name__}: {exc}")))
             continue
-        if as_json:
-            meta = [_brief(r) for r in rows]
-            out.append((lineno, [dumps_line(r) for r in rows], meta))
-        else:
-            out.append((lineno, rows, None))
+        info = ([_brief(r) for r in rows], delta)
+        out.append((lineno, [dumps_line(r) for r in rows] if as_json else rows, info))
     return out
 
 
@@ -309,37 +530,62 @@ def reconstruct_file(
     policy: Policy | None = None,
     workers: int | None = None,
     chunk_lines: int = 32,
+    provider_profile: Mapping[str, tuple[str, ...]] | None = None,
 ) -> ReconstructSummary:
     """Reconstruct every record of ``src`` (JSONL) into ``dst`` (JSONL, or Parquet by suffix).
 
     Output order is input order. Bad lines are collected in the summary (file, line,
     field) and skipped; the others are still written. The output is written to a
     temporary file and renamed into place when complete.
+
+    ``provider_profile`` (provider -> invisible text edits, from
+    :func:`tokenbridge.traits.load_provider_profile`) flags those providers' samples.
+    When the run itself shows a provider trait (a constant count offset, whitespace
+    stripping), the file is reconstructed a second time with it, so every row is checked
+    against what the whole run showed; ``summary.traits`` says what was applied.
     """
     tok_source = tokenizer.source if isinstance(tokenizer, Tokenizer) else str(tokenizer)
     dst = Path(dst)
     check_output_file(dst, src)
-    as_parquet = dst.suffix == ".parquet"
     if workers is None:  # auto: all cores, unless the pool's start-up costs more than it saves
         workers = 1 if os.path.getsize(src) < 256_000 else (os.cpu_count() or 1)
-    summary = ReconstructSummary()
+    known = {name: ProviderTrait(name, edits=edits, edit_sources=("probe",) * len(edits))
+             for name, edits in (provider_profile or {}).items() if edits}
     with fsio.staged_file(dst, point="reconstruct") as tmp:
-        sink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
-        results = _run_chunks(_chunks(iter_lines(src), chunk_lines), workers, (tok_source, dialect, policy, not as_parquet))
-        try:
-            for lineno, rows, info in results:
-                if rows is None:
-                    summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
-                    continue
-                summary.add([_brief(r) for r in rows] if as_parquet else info)
-                sink.write(rows)
-                fsio.kill_point("reconstruct:record")
-            sink.close()
-        except BaseException:
-            sink.abort()
-            raise
-        finally:
-            results.close()  # stops the worker pool now, not when garbage collected
+        summary = _reconstruct_pass(src, tmp, dst.suffix == ".parquet", workers, chunk_lines,
+                                    (tok_source, dialect, policy, known))
+        traits = summary.stats.traits(summary.stripping_providers(), provider_profile)
+        if traits != known:
+            again = _reconstruct_pass(src, tmp, dst.suffix == ".parquet", workers, chunk_lines,
+                                      (tok_source, dialect, policy, traits))
+            again.stats = summary.stats
+            summary = again
+        summary.traits = traits
+    return summary
+
+
+def _reconstruct_pass(src: str | Path, tmp: Path, as_parquet: bool, workers: int, chunk_lines: int,
+                      setup: tuple[str, str | None, Policy | None, Mapping[str, ProviderTrait]]) -> ReconstructSummary:
+    """One pass of ``src`` into ``tmp`` with the given provider traits."""
+    tok_source, dialect, policy, traits = setup
+    summary = ReconstructSummary()
+    sink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
+    results = _run_chunks(_chunks(iter_lines(src), chunk_lines), workers,
+                          (tok_source, dialect, policy, not as_parquet, traits))
+    try:
+        for lineno, rows, info in results:
+            if rows is None:
+                summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
+                continue
+            summary.add(*info)
+            sink.write(rows)
+            fsio.kill_point("reconstruct:record")
+        sink.close()
+    except BaseException:
+        sink.abort()
+        raise
+    finally:
+        results.close()  # stops the worker pool now, not when garbage collected
     return summary
 
 
@@ -406,6 +652,7 @@ class _ParquetSink:
                 ("segments", pa.list_(seg)), ("findings", pa.list_(finding)), ("provider", pa.string()),
                 ("model", pa.string()), ("finish_reason", pa.string()), ("thinking", pa.bool_()),
                 ("usage", pa.string()), ("messages", pa.string()), ("tools", pa.string()), ("reasoning", pa.string()), ("content", pa.string()),
+                ("reconstruction", pa.string()),
             ]
         )
         self.path = path

@@ -141,12 +141,46 @@ class Dialect:
 
 def message_reasoning(message: Message) -> str | None:
     """The reasoning text of an API message (OpenRouter ``reasoning``, vLLM/DeepSeek
-    ``reasoning_content``)."""
+    ``reasoning_content``), or, when neither holds any, the ``reasoning.text`` entries of
+    OpenRouter's ``reasoning_details`` joined in ``index`` order."""
     for key in ("reasoning", "reasoning_content"):
         value = message.get(key)
-        if isinstance(value, str):
+        if isinstance(value, str) and value:
             return value
+    text, _ = reasoning_details(message)
+    if text:
+        return text
+    for key in ("reasoning", "reasoning_content"):
+        if isinstance(message.get(key), str):
+            return message[key]
     return None
+
+
+#: ``reasoning_details`` entry types that carry something other than the model's own text.
+REDACTED_DETAIL_TYPES = ("reasoning.summary", "reasoning.encrypted")
+
+
+def reasoning_details(message: Message) -> tuple[str | None, list[str]]:
+    """(``reasoning.text`` entries joined in ``index`` order or None, the types of the
+    entries that are not the model's text: summaries and encrypted blobs)."""
+    details = message.get("reasoning_details")
+    if not isinstance(details, list) or not details:
+        return None, []
+    texts: list[tuple[int, int, str]] = []
+    other: list[str] = []
+    for pos, entry in enumerate(details):
+        if not isinstance(entry, Mapping):
+            continue
+        kind = entry.get("type")
+        if kind == "reasoning.text" and isinstance(entry.get("text"), str):
+            index = entry.get("index")
+            order = index if isinstance(index, int) and not isinstance(index, bool) else pos
+            texts.append((order, pos, entry["text"]))
+        elif kind in REDACTED_DETAIL_TYPES:
+            other.append(str(kind))
+    if not texts:
+        return None, other
+    return "".join(t for _, _, t in sorted(texts)), other
 
 
 def thinking_enabled(request: Mapping[str, Any]) -> bool:

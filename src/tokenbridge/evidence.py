@@ -1,0 +1,154 @@
+"""What one API response says about its own token ids, beyond its text.
+
+Each reader takes an untrusted piece of a response and returns either a usable value or
+``None`` plus the reason it is unusable, never raising: a malformed optional field is a
+finding at worst, never a lost sample.
+
+* ``logprobs.content[]``: one entry per generated token. An entry names its token as
+  vLLM's ``token_id:N`` (``return_tokens_as_token_ids``), by its raw ``bytes``, or, with
+  neither, by its text (exact only when the text is the token's whole UTF-8). Engines
+  log every generated token, the end token included (vLLM keeps the stop id in the
+  output ids; its text is empty); some providers drop that last entry or log the
+  content only. :func:`logprob_ids` maps the entries to ids; how the gate compares them
+  with a candidate is :func:`logprobs_cover`.
+* ``matched_stop`` (SGLang): the stop id (or stop string) that ended the choice.
+* ``usage.completion_tokens_details.reasoning_tokens`` and
+  ``usage.prompt_tokens_details.cached_tokens``: integer counts, or None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .tokenizer import Tokenizer
+
+__all__ = [
+    "LogprobIds",
+    "cached_tokens",
+    "is_count",
+    "logprob_ids",
+    "logprobs_cover",
+    "matched_stop",
+    "reasoning_tokens",
+]
+
+
+def is_count(value: Any) -> bool:
+    """A JSON token count: a non-negative integer, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@dataclass(frozen=True)
+class LogprobIds:
+    """The ids a choice's ``logprobs`` name, or why they cannot be read."""
+
+    ids: tuple[int, ...] | None
+    problem: str | None = None
+
+
+# One bytes -> id index per loaded tokenizer, built on first use (logprobs are rare).
+_INDEX: dict[int, tuple[Tokenizer, dict[bytes, int]]] = {}
+
+
+def _bytes_index(tok: Tokenizer) -> dict[bytes, int]:
+    hit = _INDEX.get(id(tok))
+    if hit is not None and hit[0] is tok:
+        return hit[1]
+    index: dict[bytes, int] = {}
+    for i in range(tok.vocab_size):
+        if i in tok.marker_ids:
+            continue
+        try:
+            index.setdefault(tok.token_bytes(i), i)
+        except Exception:  # a hole in the id space (reserved ids without bytes)
+            continue
+    for i, text in tok.marker_ids.items():
+        index[text.encode("utf-8")] = i
+    _INDEX[id(tok)] = (tok, index)
+    return index
+
+
+def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
+    """The token ids in ``choice.logprobs.content``; None when the choice has none."""
+    lp = choice.get("logprobs")
+    if lp is None:
+        return None
+    entries = lp.get("content") if isinstance(lp, Mapping) else None
+    if entries is None:
+        return None  # e.g. {"content": null}: nothing was logged
+    if not isinstance(entries, list):
+        return LogprobIds(None, "logprobs.content is not a list")
+    index: dict[bytes, int] | None = None
+    out: list[int] = []
+    for pos, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            return LogprobIds(None, f"logprobs.content[{pos}] is not an object")
+        token = entry.get("token")
+        if isinstance(token, str) and token.startswith("token_id:"):
+            tail = token[len("token_id:"):]
+            if tail.isdigit() and int(tail) < tok.vocab_size:
+                out.append(int(tail))
+                continue
+            return LogprobIds(None, f"logprobs.content[{pos}].token {token[:40]!r} names no id of this tokenizer")
+        raw = entry.get("bytes")
+        if isinstance(raw, list) and all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in raw):
+            key = bytes(raw)
+        elif raw is None and isinstance(token, str) and "\ufffd" not in token:
+            key = token.encode("utf-8", errors="surrogatepass")
+        else:
+            return LogprobIds(None, f"logprobs.content[{pos}] has no usable bytes or token text")
+        if index is None:
+            index = _bytes_index(tok)
+        found = index.get(key)
+        if found is None:
+            return LogprobIds(None, f"logprobs.content[{pos}]: bytes {key[:24]!r} are no single token of this tokenizer")
+        out.append(found)
+    return LogprobIds(tuple(out))
+
+
+def logprobs_cover(logged: Sequence[int], completion: Sequence[int], content_start: int, ends: bool) -> str | None:
+    """How ``logged`` ids account for ``completion``, or None when they contradict it.
+
+    Accepted, in this order: every id (``"all"``); every id but the end token, which some
+    providers leave out (``"all_but_end"``); the content only, from ``content_start``,
+    with or without the end token (``"content"``), for providers that log the answer
+    and not the reasoning. Anything else is a contradiction.
+    """
+    n = len(logged)
+    if n == len(completion) and list(logged) == list(completion):
+        return "all"
+    body = completion[:-1] if ends else completion
+    if ends and n == len(body) and list(logged) == list(body):
+        return "all_but_end"
+    if 0 < content_start < len(completion):
+        tail = completion[content_start:]
+        if (n == len(tail) and list(logged) == list(tail)) or (
+            ends and n == len(tail) - 1 and list(logged) == list(tail[:-1])
+        ):
+            return "content"
+    return None
+
+
+def matched_stop(choice: Mapping[str, Any]) -> int | str | None:
+    """SGLang's ``matched_stop``: the stop id (int) or stop string that ended the choice."""
+    value = choice.get("matched_stop")
+    if is_count(value) or (isinstance(value, str) and value):
+        return value
+    return None
+
+
+def _detail(usage: Mapping[str, Any] | None, holder: str, key: str) -> int | None:
+    details = usage.get(holder) if isinstance(usage, Mapping) else None
+    value = details.get(key) if isinstance(details, Mapping) else None
+    return value if is_count(value) else None
+
+
+def reasoning_tokens(usage: Mapping[str, Any] | None) -> int | None:
+    """``usage.completion_tokens_details.reasoning_tokens``, when it is a count."""
+    return _detail(usage, "completion_tokens_details", "reasoning_tokens")
+
+
+def cached_tokens(usage: Mapping[str, Any] | None) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens``, when it is a count."""
+    return _detail(usage, "prompt_tokens_details", "cached_tokens")

@@ -1,0 +1,246 @@
+"""What a whole run (or a probe) shows about a provider that no single response can.
+
+Two kinds of trait:
+
+* **Count calibration.** A provider whose ``usage.completion_tokens`` is off by the same
+  constant on (nearly) every sample -- most often one that never counts the end token --
+  or whose ``prompt_tokens`` leaves out ``cached_tokens``, would have every sample
+  rejected as a count mismatch although its ids are right. Across a run the offset is
+  plain; its samples are then checked against the calibrated count, and the offset is
+  reported. A sample whose own count disagrees with the calibrated one is still rejected.
+* **Text edits the gate cannot see per sample** (``strip``, ``nfc``, ``nfkc``,
+  ``crlf_to_lf``): found across the run (a provider whose text never keeps edge
+  whitespace) or by ``tokenbridge probe``'s echo tests (``--provider-profile``). Such a
+  provider's samples get a warning finding unless ground-truth ids prove them.
+
+Detection reads only samples with one reading and exact-looking evidence
+(:class:`CountDelta`), so an ambiguous or broken sample cannot skew it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+__all__ = [
+    "CountDelta",
+    "ProfileError",
+    "RecordFacts",
+    "ProviderTrait",
+    "TraitStats",
+    "load_provider_profile",
+]
+
+#: Text edits that can keep a text's token count: invisible per sample.
+INVISIBLE_EDITS = ("crlf_to_lf", "nfc", "nfkc", "strip")
+#: Every edit a probe profile may name: the invisible ones, and vLLM's marker spaces
+#: (which :mod:`tokenbridge.hypotheses` undoes).
+KNOWN_EDITS = (*INVISIBLE_EDITS, "marker_spaces")
+
+#: Fewest eligible samples before a provider's counts are calibrated, and the share of
+#: them that must show the same offset.
+MIN_SAMPLES = 20
+MIN_SHARE = 0.9
+#: Fewest samples with ``cached_tokens > 0`` before "prompt excludes cached" is decided.
+MIN_CACHED = 5
+
+
+@dataclass(frozen=True)
+class ProviderTrait:
+    """A provider's run-level calibration and known text edits."""
+
+    provider: str
+    #: added to ``usage.completion_tokens`` (ours minus theirs on every sample)
+    completion_offset: int = 0
+    #: usage leaves out the end token: one less is expected from a sample that ends
+    end_uncounted: bool = False
+    #: added to ``usage.prompt_tokens``
+    prompt_offset: int = 0
+    #: ``prompt_tokens`` excludes ``prompt_tokens_details.cached_tokens``
+    cached_excluded: bool = False
+    #: invisible text edits (sorted), with where each was seen
+    edits: tuple[str, ...] = ()
+    edit_sources: tuple[str, ...] = ()
+    #: serves vLLM's joined text (a space around every marker, one in front)
+    joins_markers: bool = False
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.completion_offset or self.end_uncounted or self.prompt_offset or self.cached_excluded
+                    or self.joins_markers)
+
+    def describe(self) -> str | None:
+        """One phrase for messages and the summary; None when nothing is calibrated."""
+        said = []
+        if self.end_uncounted:
+            said.append("completion_tokens leaves out the end token")
+        if self.completion_offset:
+            said.append(f"completion_tokens is off by {self.completion_offset:+d}")
+        if self.cached_excluded:
+            said.append("prompt_tokens leaves out cached_tokens")
+        if self.prompt_offset:
+            said.append(f"prompt_tokens is off by {self.prompt_offset:+d}")
+        if self.joins_markers:
+            said.append("text joins markers with spaces (vLLM's detokenizer)")
+        return "; ".join(said) or None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "provider": self.provider,
+            "completion_offset": self.completion_offset,
+            "end_uncounted": self.end_uncounted,
+            "prompt_offset": self.prompt_offset,
+            "cached_excluded": self.cached_excluded,
+            "edits": list(self.edits),
+            "edit_sources": list(self.edit_sources),
+            "joins_markers": self.joins_markers,
+            "calibration": self.describe(),
+        }
+
+
+@dataclass(frozen=True)
+class CountDelta:
+    """One eligible sample's counts against its usage: ours minus theirs."""
+
+    ended: bool
+    completion: int | None
+    prompt: int | None
+    cached: int | None
+
+
+@dataclass(frozen=True)
+class RecordFacts:
+    """What one record tells the run-level detection."""
+
+    delta: CountDelta | None = None
+    #: choices whose text holds a marker, and how many of those have vLLM's joined shape
+    markered: int = 0
+    joined: int = 0
+
+
+@dataclass
+class TraitStats:
+    """Per-provider tallies from one pass over a run; flat in memory (counters)."""
+
+    completion: dict[str, Counter] = field(default_factory=dict)  # provider -> (ended, delta) counts
+    prompt: dict[str, Counter] = field(default_factory=dict)  # provider -> delta counts
+    cached: dict[str, list[int]] = field(default_factory=dict)  # provider -> [rows with cached > 0, delta == cached]
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # provider -> [choices with a marker, joined shape]
+
+    def add(self, provider: str, facts: RecordFacts) -> None:
+        if facts.markered:
+            tally = self.shapes.setdefault(provider, [0, 0])
+            tally[0] += facts.markered
+            tally[1] += facts.joined
+        delta = facts.delta
+        if delta is None:
+            return
+        if delta.completion is not None:
+            self.completion.setdefault(provider, Counter())[(delta.ended, delta.completion)] += 1
+        if delta.prompt is not None:
+            self.prompt.setdefault(provider, Counter())[delta.prompt] += 1
+            if delta.cached:
+                tally = self.cached.setdefault(provider, [0, 0])
+                tally[0] += 1
+                tally[1] += delta.prompt == delta.cached
+
+    def traits(self, stripping: Iterable[str] = (), profile: Mapping[str, tuple[str, ...]] | None = None,
+               ) -> dict[str, ProviderTrait]:
+        """The traits this run shows, merged with ``stripping`` (providers suspected of
+        stripping edge whitespace) and a probe ``profile`` (provider -> edits)."""
+        out: dict[str, ProviderTrait] = {}
+        names = set(self.completion) | set(self.prompt) | set(self.shapes) | set(stripping) | set(profile or {})
+        strip = set(stripping)
+        for name in sorted(names):
+            comp, end_uncounted = _completion_offset(self.completion.get(name, Counter()))
+            cached_excluded = _cached_excluded(self.cached.get(name, [0, 0]))
+            prompt = 0 if cached_excluded else _mode(self.prompt.get(name, Counter()))
+            edits: dict[str, str] = {}
+            probed = (profile or {}).get(name, ())
+            for edit in probed:
+                if edit in INVISIBLE_EDITS:
+                    edits[edit] = "probe"
+            if name in strip:
+                edits.setdefault("strip", "run")
+            markered, joined = self.shapes.get(name, [0, 0])
+            joins = "marker_spaces" in probed or (markered >= MIN_SAMPLES and joined >= MIN_SHARE * markered)
+            trait = ProviderTrait(name, comp, end_uncounted, prompt, cached_excluded,
+                                  tuple(sorted(edits)), tuple(edits[e] for e in sorted(edits)), joins)
+            if trait.calibrated or trait.edits:
+                out[name] = trait
+        return out
+
+
+def _mode(counts: Counter) -> int:
+    """The offset (non-zero) shared by at least MIN_SHARE of MIN_SAMPLES or more, else 0."""
+    total = sum(counts.values())
+    if total < MIN_SAMPLES:
+        return 0
+    value, n = counts.most_common(1)[0]
+    return value if value and n >= MIN_SHARE * total else 0
+
+
+def _completion_offset(counts: Counter) -> tuple[int, bool]:
+    """(constant offset, end token uncounted) from (ended, delta) tallies.
+
+    A constant offset must hold for cut samples too when there are enough of them; an
+    offset of +1 on ended samples with 0 on cut ones is the end token left uncounted.
+    """
+    ended = Counter({d: n for (e, d), n in counts.items() if e})
+    cut = Counter({d: n for (e, d), n in counts.items() if not e})
+    d_end = _mode(ended)
+    if not d_end:
+        return 0, False
+    if sum(cut.values()) >= 3:
+        value, n = cut.most_common(1)[0]
+        d_cut = value if n >= MIN_SHARE * sum(cut.values()) else None
+        if d_cut == d_end:
+            return d_end, False
+        if d_end == 1 and d_cut == 0:
+            return 0, True
+        return 0, False
+    return d_end, False
+
+
+def _cached_excluded(tally: list[int]) -> bool:
+    rows, hits = tally
+    return rows >= MIN_CACHED and hits >= MIN_SHARE * rows
+
+
+class ProfileError(ValueError):
+    """A provider profile file is unreadable or not in ``tokenbridge probe --json``'s shape."""
+
+
+def load_provider_profile(path: str | Path) -> dict[str, tuple[str, ...]]:
+    """Provider -> the invisible text edits ``tokenbridge probe --json`` found.
+
+    Accepts the probe's own output (``{"providers": [{"provider", "profile": {...}}]}``)
+    or a bare list of profiles (``[{"provider", "text_edits", ...}]``).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProfileError(f"{path}: cannot read the provider profile ({exc})") from None
+    entries = data.get("providers") if isinstance(data, dict) else data
+    if not isinstance(entries, list):
+        raise ProfileError(f"{path}: providers: must be a list (the output of `tokenbridge probe --json`)")
+    out: dict[str, tuple[str, ...]] = {}
+    for k, entry in enumerate(entries):
+        where = f"{path}: providers[{k}]"
+        if not isinstance(entry, dict):
+            raise ProfileError(f"{where}: must be an object")
+        prof = entry.get("profile", entry)
+        name = entry.get("provider", prof.get("provider") if isinstance(prof, dict) else None)
+        if not isinstance(name, str) or not name:
+            raise ProfileError(f"{where}.provider: missing or not a string")
+        if not isinstance(prof, dict):
+            raise ProfileError(f"{where}.profile: must be an object")
+        edits = prof.get("text_edits", [])
+        if not isinstance(edits, list) or not all(isinstance(e, str) for e in edits):
+            raise ProfileError(f"{where}.profile.text_edits: must be a list of strings")
+        out[name] = tuple(sorted(e for e in set(edits) if e in KNOWN_EDITS))
+    return out

@@ -1,0 +1,331 @@
+"""Every piece of evidence a response carries decides its ids: reasoning_details,
+logprobs, matched_stop, reasoning_tokens; and where one response fits several native
+sequences, the evidence picks one or the gate says it cannot. Native ids are built here
+from the real Kimi K2.5 tokenizer, independently of reconstruct."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tokenbridge.chat import DIALECTS
+from tokenbridge.reconstruct import reconstruct_record
+
+TS, TE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+CB, AB, CE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+SECTION = f"{TS}{CB}functions.get_weather:0{AB}{{\"city\": \"Paris\"}}{CE}{TE}"
+PROMPT = [{"role": "user", "content": "Weather in Paris?"}]
+REQUEST = {"model": "moonshotai/kimi-k2.5", "messages": PROMPT}
+REASONING = "The user wants the weather. I will call the tool."
+
+
+def native(kimi, *pieces: str | int) -> list[int]:
+    """Ids of a native completion: strings are encoded, ints are token ids."""
+    out: list[int] = []
+    for p in pieces:
+        out.extend([p] if isinstance(p, int) else kimi.encode(p))
+    return out
+
+
+def record(kimi, message: dict, finish: str = "stop", usage: int | None = None, request: dict | None = None,
+           **choice) -> dict:
+    request = copy.deepcopy(request or REQUEST)
+    response = {"id": "gen", "provider": "P", "choices": [{"index": 0, "message": message, "finish_reason": finish, **choice}]}
+    if usage is not None:
+        prompt = DIALECTS["kimi-k2.5"].render_request(request)
+        response["usage"] = {"prompt_tokens": len(kimi.encode(prompt)), "completion_tokens": usage}
+    return {"id": "r1", "request": request, "response": response}
+
+
+def codes(row) -> list[str]:
+    return sorted(f["code"] for f in row["findings"])
+
+
+@pytest.fixture(scope="module")
+def ids(kimi):
+    return {"close": kimi.token_id("</think>"), "end": kimi.token_id("<|im_end|>"), "eos": kimi.token_id("[EOS]")}
+
+
+# --- reasoning_details --------------------------------------------------------------------
+
+
+def test_reasoning_only_in_reasoning_details_is_recovered_in_index_order(kimi, ids):
+    truth = native(kimi, REASONING, ids["close"], "Sunny.", ids["end"])
+    details = [{"type": "reasoning.text", "text": "I will call the tool.", "index": 1},
+               {"type": "reasoning.text", "text": "The user wants the weather. ", "index": 0}]
+    row, = reconstruct_record(record(kimi, {"content": "Sunny.", "reasoning_details": details}, usage=len(truth)), kimi)
+    assert row["status"] == "ok", row["findings"]
+    assert row["completion_ids"] == truth
+    assert row["reasoning"] == REASONING
+
+
+def test_reasoning_and_details_disagreeing_is_a_conflict(kimi, ids):
+    details = [{"type": "reasoning.text", "text": "Something else entirely."}]
+    msg = {"reasoning": REASONING, "content": "Sunny.", "reasoning_details": details}
+    row, = reconstruct_record(record(kimi, msg, usage=len(native(kimi, REASONING, ids["close"], "Sunny.", ids["end"]))), kimi)
+    assert "reasoning_conflict" in codes(row) and row["status"] == "rejected"
+
+
+@pytest.mark.parametrize("entry", [{"type": "reasoning.summary", "summary": REASONING},
+                                   {"type": "reasoning.encrypted", "data": "gAAAAB..."}])
+def test_summary_or_encrypted_reasoning_is_not_the_models_text(kimi, ids, entry):
+    truth = native(kimi, REASONING, ids["close"], "Sunny.", ids["end"])
+    msg = {"reasoning": REASONING, "content": "Sunny.", "reasoning_details": [entry]}
+    row, = reconstruct_record(record(kimi, msg, usage=len(truth)), kimi)
+    assert codes(row) == ["reasoning_redacted"] and row["status"] == "rejected"
+
+
+def test_a_malformed_reasoning_details_names_its_field(kimi):
+    from tokenbridge.exchanges import RecordError
+
+    msg = {"content": "x", "reasoning_details": [{"type": "reasoning.text", "text": 5}]}
+    with pytest.raises(RecordError) as err:
+        reconstruct_record(record(kimi, msg), kimi)
+    assert err.value.field == "response.choices[0].message.reasoning_details[0].text"
+
+
+# --- logprobs -----------------------------------------------------------------------------
+
+
+def _logprobs(kimi, seq, form="bytes"):
+    if form == "token_id":
+        return {"content": [{"token": f"token_id:{i}", "logprob": -0.5} for i in seq]}
+    return {"content": [{"token": kimi.token_bytes(i).decode("utf-8", "replace"), "bytes": list(kimi.token_bytes(i)),
+                         "logprob": -0.5} for i in seq]}
+
+
+@pytest.mark.parametrize("form", ["bytes", "token_id"])
+@pytest.mark.parametrize("cover", ["all", "all_but_end", "content"])
+def test_logprobs_that_agree_prove_the_sample_without_usage(kimi, ids, form, cover):
+    truth = native(kimi, REASONING, ids["close"], "Sunny, 21 °C.", ids["end"])
+    logged = {"all": truth, "all_but_end": truth[:-1], "content": truth[truth.index(ids["close"]) + 1:]}[cover]
+    msg = {"reasoning": REASONING, "content": "Sunny, 21 °C."}
+    row, = reconstruct_record(record(kimi, msg, logprobs=_logprobs(kimi, logged, form)), kimi)
+    assert row["completion_ids"] == truth
+    assert codes(row) == ["usage_missing"]  # logprobs agree; only the missing usage is reported
+
+
+def test_logprobs_showing_another_tokenization_are_a_mismatch(kimi, ids):
+    text = "Sunny."
+    canonical = native(kimi, REASONING, ids["close"], text, ids["end"])
+    split = kimi.encode("Sun") + kimi.encode("ny.")  # same text, a split the canonical encoding never makes
+    assert split != kimi.encode(text)
+    emitted = native(kimi, REASONING, ids["close"]) + split + [ids["end"]]
+    msg = {"reasoning": REASONING, "content": text}
+    row, = reconstruct_record(record(kimi, msg, usage=len(canonical), logprobs=_logprobs(kimi, emitted)), kimi)
+    assert codes(row) == ["logprobs_mismatch"]
+    assert "same text, another tokenization" in row["findings"][0]["message"]
+
+
+def test_logprobs_of_edited_text_are_a_mismatch_that_says_the_text_differs(kimi, ids):
+    emitted = native(kimi, REASONING, ids["close"], "Sunny.\n", ids["end"])
+    msg = {"reasoning": REASONING, "content": "Sunny."}  # the provider stripped the newline
+    row, = reconstruct_record(record(kimi, msg, logprobs=_logprobs(kimi, emitted)), kimi)
+    assert "logprobs_mismatch" in codes(row) and "text differs" in row["findings"][-1]["message"]
+
+
+@pytest.mark.parametrize("entries,why", [
+    ([{"token": "token_id:99999999"}], "names no id"),
+    ([{"token": "\ufffd", "bytes": None}], "no usable bytes"),
+    ([{"token": "x", "bytes": [255, 254, 253, 252, 251]}], "no single token"),
+    ("not a list", "not a list"),
+])
+def test_unreadable_logprobs_are_a_warning_and_not_evidence(kimi, ids, entries, why):
+    truth = native(kimi, REASONING, ids["close"], "Sunny.", ids["end"])
+    msg = {"reasoning": REASONING, "content": "Sunny."}
+    row, = reconstruct_record(record(kimi, msg, usage=len(truth), logprobs={"content": entries}), kimi)
+    assert codes(row) == ["logprobs_unreadable"] and why in row["findings"][0]["message"]
+    assert row["completion_ids"] == truth and row["status"] == "flagged"
+
+
+# --- matched_stop and the end token --------------------------------------------------------
+
+
+def test_matched_stop_names_the_end_token(kimi, ids):
+    truth = native(kimi, REASONING, ids["close"], "Sunny.", ids["eos"])
+    msg = {"reasoning": REASONING, "content": "Sunny."}
+    row, = reconstruct_record(record(kimi, msg, usage=len(truth), matched_stop=ids["eos"]), kimi)
+    assert row["status"] == "ok", row["findings"]
+    assert row["completion_ids"] == truth and row["reconstruction"] == "end=[EOS]"
+
+
+def test_matched_stop_of_the_usual_end_token_changes_nothing(kimi, ids):
+    truth = native(kimi, REASONING, ids["close"], "Sunny.", ids["end"])
+    row, = reconstruct_record(record(kimi, {"reasoning": REASONING, "content": "Sunny."}, usage=len(truth),
+                                     matched_stop=ids["end"]), kimi)
+    assert row["status"] == "ok" and row["completion_ids"] == truth and row["reconstruction"] is None
+
+
+def test_a_stop_string_is_not_the_models_end_token(kimi, ids):
+    msg = {"reasoning": REASONING, "content": "Sunny."}
+    row, = reconstruct_record(record(kimi, msg, usage=99, matched_stop="END"), kimi)
+    assert "stop_sequence" in codes(row)
+
+
+# --- reasoning_tokens ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("convention", ["reasoning_only", "sglang", "vllm_zero"])
+def test_reasoning_tokens_in_any_engine_convention_pass(kimi, ids, convention):
+    truth = native(kimi, REASONING, ids["close"], "Sunny.", ids["end"])
+    n = len(kimi.encode(REASONING))
+    rec = record(kimi, {"reasoning": REASONING, "content": "Sunny."}, usage=len(truth))
+    rec["response"]["usage"]["completion_tokens_details"] = {
+        "reasoning_tokens": {"reasoning_only": n, "sglang": n + 1, "vllm_zero": 0}[convention]}
+    row, = reconstruct_record(rec, kimi)
+    assert row["status"] == "ok", row["findings"]
+
+
+def test_reasoning_tokens_localize_a_boundary_the_total_cannot_see(kimi, ids):
+    """The provider moved the reasoning's last sentence into the content: the total count
+    is unchanged, the reasoning count is not."""
+    head, tail = "The user wants the weather.", " I will call the tool."
+    truth = native(kimi, head + tail, ids["close"], " Sunny.", ids["end"])
+    rec = record(kimi, {"reasoning": head, "content": tail + " Sunny."}, usage=len(truth))
+    rec["response"]["usage"]["completion_tokens_details"] = {"reasoning_tokens": len(kimi.encode(head + tail)) + 1}
+    row, = reconstruct_record(rec, kimi)
+    assert len(row["completion_ids"]) == len(truth)  # the total alone would pass
+    assert codes(row) == ["usage_reasoning_mismatch"]
+
+
+# --- several native sequences: the evidence picks ------------------------------------------
+
+
+def test_sglang_tool_call_without_think_close_is_proven_by_usage(kimi, ids):
+    truth = native(kimi, REASONING, SECTION, ids["end"])  # the model never emitted </think>
+    msg = {"reasoning_content": REASONING, "content": SECTION}  # as SGLang's KimiK2Detector serves it
+    row, = reconstruct_record(record(kimi, msg, finish="tool_calls", usage=len(truth)), kimi)
+    assert row["status"] == "ok", row["findings"]
+    assert row["completion_ids"] == truth and row["reconstruction"] == "no_think_close"
+    assert ids["close"] not in row["completion_ids"]
+    assert [s["kind"] for s in row["segments"]] == ["prompt", "reasoning", "tool_calls", "end"]
+
+
+def test_a_tool_call_after_a_real_think_close_keeps_it(kimi, ids):
+    truth = native(kimi, REASONING, ids["close"], SECTION, ids["end"])
+    msg = {"reasoning": REASONING, "content": SECTION}
+    row, = reconstruct_record(record(kimi, msg, finish="tool_calls", usage=len(truth)), kimi)
+    assert row["status"] == "ok" and row["completion_ids"] == truth and row["reconstruction"] is None
+
+
+def test_without_evidence_the_two_readings_are_reported_not_guessed(kimi):
+    msg = {"reasoning": REASONING, "content": SECTION}
+    row, = reconstruct_record(record(kimi, msg, finish="tool_calls"), kimi)
+    assert "reconstruction_ambiguous" in codes(row) and row["status"] == "rejected"
+    assert "no_think_close" in next(f["message"] for f in row["findings"] if f["code"] == "reconstruction_ambiguous")
+
+
+def test_logprobs_pick_the_reading_when_usage_is_missing(kimi, ids):
+    truth = native(kimi, REASONING, SECTION, ids["end"])
+    msg = {"reasoning": REASONING, "content": SECTION}
+    row, = reconstruct_record(record(kimi, msg, finish="tool_calls", logprobs=_logprobs(kimi, truth)), kimi)
+    assert row["completion_ids"] == truth and codes(row) == ["usage_missing"]
+
+
+def _vllm_text(kimi, seq: list[int]) -> str:
+    """vLLM's detokenizer: added tokens joined to their neighbours by one space, one more in
+    front (the prompt's last token is <think>), <|im_end|> skipped."""
+    pieces, run = [], []
+    for i in seq:
+        if i == kimi.token_id("<|im_end|>"):
+            continue
+        if i in kimi.marker_ids:
+            if run:
+                pieces.append(kimi.decode(run))
+                run = []
+            pieces.append(kimi.marker_ids[i])
+        else:
+            run.append(i)
+    if run:
+        pieces.append(kimi.decode(run))
+    return " " + " ".join(p for p in pieces if p)
+
+
+VLLM_CONTENTS = ["Sunny.", "Sunny, 21 °C.\n", SECTION, "Let me check." + SECTION, "\n" + SECTION]
+
+
+@pytest.mark.parametrize("content", VLLM_CONTENTS)
+def test_vllm_spaces_around_markers_are_removed_or_reported(kimi, ids, content):
+    """Alone, a joined response is proven when usage tells the readings apart, and
+    reported when it cannot (a space can merge into its neighbour's token): never wrong."""
+    truth = native(kimi, REASONING, ids["close"], content, ids["end"])
+    reasoning, served = _vllm_text(kimi, truth).split("</think>", 1)
+    finish = "tool_calls" if TS in content else "stop"
+    row, = reconstruct_record(record(kimi, {"reasoning": reasoning, "content": served}, finish=finish,
+                                     usage=len(truth)), kimi)
+    if row["status"] == "ok":
+        assert row["completion_ids"] == truth and row["reconstruction"].startswith("marker_spaces")
+    else:
+        assert codes(row) == ["reconstruction_ambiguous"]
+        assert "marker_spaces" in row["findings"][0]["message"]
+
+
+@pytest.mark.parametrize("content", VLLM_CONTENTS)
+def test_a_provider_known_to_join_markers_is_unjoined(kimi, ids, content):
+    from tokenbridge.traits import ProviderTrait
+
+    truth = native(kimi, REASONING, ids["close"], content, ids["end"])
+    reasoning, served = _vllm_text(kimi, truth).split("</think>", 1)
+    finish = "tool_calls" if TS in content else "stop"
+    row, = reconstruct_record(record(kimi, {"reasoning": reasoning, "content": served}, finish=finish,
+                                     usage=len(truth)), kimi, traits={"P": ProviderTrait("P", joins_markers=True)})
+    assert row["status"] == "ok", row["findings"]
+    assert row["completion_ids"] == truth and row["reconstruction"].startswith("marker_spaces")
+
+
+def test_a_known_joiner_loses_the_leading_space_of_a_cut_reasoning(kimi):
+    from tokenbridge.traits import ProviderTrait
+
+    truth = native(kimi, "The user asks")
+    served = _vllm_text(kimi, truth)
+    assert served == " The user asks"
+    row, = reconstruct_record(record(kimi, {"reasoning": served, "content": None}, finish="length",
+                                     usage=len(truth)), kimi, traits={"P": ProviderTrait("P", joins_markers=True)})
+    assert row["completion_ids"] == truth and codes(row) == ["truncated"]
+
+
+def test_vllm_spaces_and_no_think_close_together(kimi, ids):
+    truth = native(kimi, REASONING, SECTION, ids["end"])
+    text = _vllm_text(kimi, truth)
+    at = text.index(TS)
+    row, = reconstruct_record(record(kimi, {"reasoning": text[:at], "content": text[at:]}, finish="tool_calls",
+                                     usage=len(truth)), kimi)
+    assert row["status"] == "ok", row["findings"]
+    assert row["completion_ids"] == truth and row["reconstruction"] == "marker_spaces+no_think_close"
+
+
+def test_text_with_real_spaces_and_exact_usage_keeps_them(kimi, ids):
+    """A model that wrote the spaces itself: usage proves the plain reading."""
+    truth = native(kimi, " " + REASONING + " ", ids["close"], " Sunny.", ids["end"])
+    row, = reconstruct_record(record(kimi, {"reasoning": " " + REASONING + " ", "content": " Sunny."},
+                                     usage=len(truth)), kimi)
+    if row["reconstruction"] is None and row["status"] == "ok":
+        assert row["completion_ids"] == truth
+    else:  # both readings have the same count: reported, never a silent pick
+        assert "reconstruction_ambiguous" in codes(row)
+
+
+# --- n > 1 ----------------------------------------------------------------------------------
+
+
+def test_a_truncated_sibling_does_not_hide_the_others_when_the_sum_matches(kimi, ids):
+    first = native(kimi, REASONING, ids["close"], "Sunny.", ids["end"])
+    cut = native(kimi, "The user asks about")
+    rec = record(kimi, {"reasoning": REASONING, "content": "Sunny."}, usage=len(first) + len(cut))
+    rec["response"]["choices"].append({"index": 1, "message": {"reasoning": "The user asks about", "content": ""},
+                                       "finish_reason": "length"})
+    a, b = reconstruct_record(rec, kimi)
+    assert a["status"] == "ok" and a["completion_ids"] == first
+    assert codes(b) == ["truncated"] and b["completion_ids"] == cut
+
+
+def test_summed_usage_picks_the_reading_of_one_choice_among_several(kimi, ids):
+    plain = native(kimi, REASONING, ids["close"], "Sunny.", ids["end"])
+    tool = native(kimi, REASONING, SECTION, ids["end"])
+    rec = record(kimi, {"reasoning": REASONING, "content": "Sunny."}, usage=len(plain) + len(tool))
+    rec["response"]["choices"].append({"index": 1, "message": {"reasoning": REASONING, "content": SECTION},
+                                       "finish_reason": "tool_calls"})
+    a, b = reconstruct_record(rec, kimi)
+    assert (a["status"], b["status"]) == ("ok", "ok"), (a["findings"], b["findings"])
+    assert a["completion_ids"] == plain and b["completion_ids"] == tool and b["reconstruction"] == "no_think_close"

@@ -1,0 +1,168 @@
+"""Run-level provider traits: count calibration, whitespace stripping, vLLM's joined text,
+and probe profiles, through ``reconstruct_file`` on the real Kimi K2.5 tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenbridge.chat import DIALECTS
+from tokenbridge.reconstruct import reconstruct_file
+from tokenbridge.traits import ProfileError, load_provider_profile
+
+PROMPT = [{"role": "user", "content": "Say something."}]
+REQUEST = {"model": "moonshotai/kimi-k2.5", "messages": PROMPT}
+
+
+def _record(kimi, i: int, provider: str, reasoning: str, content: str | None, finish: str = "stop",
+            completion_delta: int = 0, prompt_delta: int = 0, cached: int | None = None) -> dict:
+    close, end = kimi.token_id("</think>"), kimi.token_id("<|im_end|>")
+    truth = kimi.encode(reasoning)
+    if finish != "length" or content:
+        truth += [close] + kimi.encode(content or "")
+    if finish != "length":
+        truth += [end]
+    prompt = len(kimi.encode(DIALECTS["kimi-k2.5"].render_request(REQUEST)))
+    usage = {"prompt_tokens": prompt + prompt_delta, "completion_tokens": len(truth) + completion_delta}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    msg = {"role": "assistant", "reasoning": reasoning, "content": content}
+    return {"id": f"{provider}-{i}", "request": REQUEST,
+            "response": {"provider": provider, "usage": usage,
+                         "choices": [{"index": 0, "message": msg, "finish_reason": finish}]},
+            "native_ids": truth}
+
+
+def _write(path, records, drop_native=True):
+    with open(path, "w", encoding="utf-8") as fh:
+        for rec in records:
+            rec = dict(rec)
+            if drop_native:
+                rec.pop("native_ids")
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
+def _rows(path):
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+def _texts(i: int) -> tuple[str, str]:
+    return f"Thinking about item {i}.\n", f"Answer number {i}.\n"
+
+
+def test_a_provider_that_never_counts_the_end_token_is_calibrated(tmp_path, kimi):
+    recs = [_record(kimi, i, "Lazy", *_texts(i), completion_delta=-1) for i in range(24)]
+    recs += [_record(kimi, 100 + i, "Lazy", f"Cut reasoning {i}", None, finish="length") for i in range(4)]
+    recs.append(_record(kimi, 999, "Lazy", *_texts(999), completion_delta=-4))  # really wrong
+    recs += [_record(kimi, i, "Good", *_texts(i)) for i in range(5)]
+    src, dst = tmp_path / "ex.jsonl", tmp_path / "out.jsonl"
+    _write(src, recs)
+    summary = reconstruct_file(src, dst, kimi)
+    rows = {r["id"]: r for r in _rows(dst)}
+    lazy = summary.traits["Lazy"]
+    assert lazy.end_uncounted and lazy.completion_offset == 0
+    assert "Good" not in summary.traits
+    assert sum(r["status"] == "ok" for r in rows.values()) == 24 + 5  # the ended ones and Good
+    assert all(rows[f"Lazy-{100 + i}"]["status"] == "flagged" for i in range(4))  # truncated, exact
+    wrong = rows["Lazy-999"]
+    assert wrong["status"] == "rejected" and [f["code"] for f in wrong["findings"]] == ["usage_completion_mismatch"]
+    assert "leaves out the end token" in wrong["findings"][0]["message"]
+    assert summary.to_dict()["provider_traits"]["Lazy"]["end_uncounted"] is True
+
+
+def test_a_constant_offset_on_every_sample_is_calibrated(tmp_path, kimi):
+    recs = [_record(kimi, i, "Plus2", *_texts(i), completion_delta=2) for i in range(22)]
+    recs += [_record(kimi, 50 + i, "Plus2", f"Cut {i}", None, finish="length", completion_delta=2) for i in range(3)]
+    src, dst = tmp_path / "ex.jsonl", tmp_path / "out.jsonl"
+    _write(src, recs)
+    summary = reconstruct_file(src, dst, kimi)
+    assert summary.traits["Plus2"].completion_offset == -2
+    assert summary.status["ok"] == 22 and summary.status["flagged"] == 3
+
+
+def test_too_few_samples_or_mixed_offsets_are_not_calibrated(tmp_path, kimi):
+    recs = [_record(kimi, i, "Few", *_texts(i), completion_delta=-1) for i in range(10)]
+    recs += [_record(kimi, i, "Mixed", *_texts(i), completion_delta=-1 if i % 3 else 1) for i in range(30)]
+    src, dst = tmp_path / "ex.jsonl", tmp_path / "out.jsonl"
+    _write(src, recs)
+    summary = reconstruct_file(src, dst, kimi)
+    assert summary.traits == {}
+    assert summary.status["rejected"] == 40
+
+
+def test_prompt_tokens_without_cached_tokens_is_calibrated(tmp_path, kimi):
+    recs = [_record(kimi, i, "Cache", *_texts(i), prompt_delta=-5, cached=5) for i in range(12)]
+    recs += [_record(kimi, 50 + i, "Cache", *_texts(i), cached=0) for i in range(10)]
+    src, dst = tmp_path / "ex.jsonl", tmp_path / "out.jsonl"
+    _write(src, recs)
+    summary = reconstruct_file(src, dst, kimi)
+    assert summary.traits["Cache"].cached_excluded
+    assert summary.status["ok"] == 22
+
+
+def test_a_stripping_provider_gets_a_finding_unless_ids_prove_it(tmp_path, kimi):
+    recs = [_record(kimi, i, "Keeps", *_texts(i)) for i in range(25)]
+    strip = [_record(kimi, i, "Strips", *(t.strip() for t in _texts(i))) for i in range(25)]
+    src, dst = tmp_path / "ex.jsonl", tmp_path / "out.jsonl"
+    _write(src, recs + strip[:20], drop_native=True)
+    with open(src, "a", encoding="utf-8") as fh:  # five of them carry ground-truth ids
+        for rec in strip[20:]:
+            fh.write(json.dumps(rec) + "\n")
+    summary = reconstruct_file(src, dst, kimi)
+    rows = _rows(dst)
+    flagged = [r for r in rows if r["provider"] == "Strips" and r["status"] == "flagged"]
+    assert len(flagged) == 20
+    assert all([f["code"] for f in r["findings"]] == ["provider_strips_whitespace"] for r in flagged)
+    assert sum(r["status"] == "ok" for r in rows) == 25 + 5
+    assert summary.traits["Strips"].edits == ("strip",)
+
+
+def test_a_provider_serving_joined_text_is_found_across_the_run(tmp_path, kimi):
+    from test_evidence import _vllm_text  # the same independent model of vLLM's detokenizer
+
+    close, end = kimi.token_id("</think>"), kimi.token_id("<|im_end|>")
+    recs = []
+    for i in range(24):
+        reasoning, content = f"Thinking about item {i}.", f"Answer number {i}."
+        truth = kimi.encode(reasoning) + [close] + kimi.encode(content) + [end]
+        r, c = _vllm_text(kimi, truth).split("</think>", 1)
+        rec = _record(kimi, i, "Joins", reasoning, content)
+        rec["response"]["choices"][0]["message"].update(reasoning=r, content=c)
+        recs.append(rec)
+    src, dst = tmp_path / "ex.jsonl", tmp_path / "out.jsonl"
+    _write(src, recs, drop_native=False)  # keep the truth to compare, and as evidence too
+    summary = reconstruct_file(src, dst, kimi)
+    assert summary.traits["Joins"].joins_markers
+    rows = _rows(dst)
+    assert all(r["status"] == "ok" and r["reconstruction"] == "marker_spaces" for r in rows)
+    assert [r["completion_ids"] for r in rows] == [rec["native_ids"] for rec in recs]
+
+
+def test_a_probe_profile_flags_invisible_edits(tmp_path, kimi):
+    profile = tmp_path / "probe.json"
+    profile.write_text(json.dumps({"providers": [
+        {"provider": "Folds", "profile": {"provider": "Folds", "text_edits": ["nfkc"]}},
+        {"provider": "Clean", "profile": {"provider": "Clean", "text_edits": []}}]}))
+    recs = [_record(kimi, i, "Folds", *_texts(i)) for i in range(3)] + [_record(kimi, i, "Clean", *_texts(i)) for i in range(3)]
+    src, dst = tmp_path / "ex.jsonl", tmp_path / "out.jsonl"
+    _write(src, recs)
+    summary = reconstruct_file(src, dst, kimi, provider_profile=load_provider_profile(profile))
+    rows = _rows(dst)
+    assert [r["status"] for r in rows] == ["flagged"] * 3 + ["ok"] * 3
+    assert all(f["code"] == "provider_edits_text" and "nfkc" in f["message"] for r in rows[:3] for f in r["findings"])
+    assert summary.traits["Folds"].edit_sources == ("probe",)
+
+
+@pytest.mark.parametrize("body,where", [
+    ("not json", "cannot read"),
+    ('{"providers": 3}', "providers: must be a list"),
+    ('{"providers": [{"profile": {}}]}', "providers[0].provider"),
+    ('{"providers": [{"provider": "x", "profile": {"text_edits": "nfkc"}}]}', "text_edits: must be a list"),
+])
+def test_a_bad_profile_names_the_field(tmp_path, body, where):
+    path = tmp_path / "p.json"
+    path.write_text(body)
+    with pytest.raises(ProfileError) as err:
+        load_provider_profile(path)
+    assert where in str(err.value) and str(path) in str(err.value)
