@@ -166,3 +166,36 @@ def test_a_bad_profile_names_the_field(tmp_path, body, where):
     with pytest.raises(ProfileError) as err:
         load_provider_profile(path)
     assert where in str(err.value) and str(path) in str(err.value)
+
+
+def test_reconstruct_cli_reads_a_probe_profile(tmp_path, kimi, kimi_dir):
+    import subprocess
+    import sys
+
+    profile = tmp_path / "probe.json"
+    profile.write_text(json.dumps([{"provider": "Folds", "text_edits": ["nfkc", "marker_spaces"]}]))
+    src, dst = tmp_path / "ex.jsonl", tmp_path / "out.jsonl"
+    _write(src, [_record(kimi, 0, "Folds", *_texts(0))])
+    cli = [sys.executable, "-m", "tokenbridge.cli", "reconstruct", str(src), "-o", str(dst), "-t", str(kimi_dir)]
+    done = subprocess.run([*cli, "--provider-profile", str(profile)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    row, = _rows(dst)
+    assert [f["code"] for f in row["findings"]] == ["provider_edits_text"]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    done = subprocess.run([*cli, "--provider-profile", str(bad)], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith(f"error: --provider-profile: {bad}: cannot read")
+    assert "Traceback" not in done.stderr
+
+
+def test_a_run_config_with_a_bad_profile_fails_before_anything_is_sent(tmp_path):
+    from tokenbridge.pipeline import PipelineError
+    from tokenbridge.runconfig import load_run_config
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[run]\ntokenizer = "owner/name"\n[reconstruct]\nprovider_profile = "missing.json"\n'
+                   '[generate]\nmodel = "m"\ndatasets = ["builtin:chat"]\n')
+    with pytest.raises(PipelineError) as err:
+        load_run_config(cfg)
+    assert err.value.code == 2
+    assert f"{cfg}:4: reconstruct.provider_profile:" in str(err.value) and "missing.json" in str(err.value)

@@ -115,6 +115,9 @@ def reconstruct(
     error: list[str] = typer.Option([], "--error", help="Treat this finding code as an error (repeatable)."),
     off: list[str] = typer.Option([], "--off", help="Do not report this finding code (repeatable)."),
     summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
+    provider_profile: Optional[Path] = typer.Option(
+        None, "--provider-profile", help="`tokenbridge probe --json` output: flag providers whose text edits are invisible."
+    ),
 ) -> None:
     """Rebuild exact token ids from API text and gate every sample."""
     from rich.console import Console
@@ -124,15 +127,24 @@ def reconstruct(
     from .view import summary_table
     from .tokenizer import TokenizerError, load_tokenizer
 
+    from .traits import ProfileError, load_provider_profile
+
     policy = _policy(usage_tolerance, warn, error, off)
     _dialect_flag(dialect)
+    profile = None
+    if provider_profile is not None:
+        try:
+            profile = load_provider_profile(provider_profile)
+        except ProfileError as exc:
+            _fail(f"--provider-profile: {exc}")
     with _writing(output.parent, "reconstruct"):
         try:
             tok = load_tokenizer(tokenizer)
             resolve_dialect(tok, dialect)
         except (TokenizerError, DialectError) as exc:
             _fail(str(exc))
-        summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None)
+        summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None,
+                                   provider_profile=profile)
         if summary_json:
             from .fsio import write_text
 
@@ -141,6 +153,8 @@ def reconstruct(
     console.print(summary_table(summary, title=f"{input} → {output}"))
     for note in summary.stripping_suspects():
         typer.echo(f"warning: {note}", err=True)
+    for note in summary.calibration_notes():
+        typer.echo(f"note: {note}", err=True)
     for bad in summary.bad_lines[:_SHOWN_BAD_LINES]:
         typer.echo(f"bad record: {bad}", err=True)
     if len(summary.bad_lines) > _SHOWN_BAD_LINES:

@@ -146,14 +146,16 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
     # 2. reconstruct
     reconstructed = out / "reconstructed.jsonl"
     fp = _fingerprint([exchanges], {"tokenizer": _tokenizer_identity(cfg.tokenizer), "dialect": cfg.dialect,
-                                    "policy": dict(cfg.policy.severities), "tol": cfg.policy.usage_tolerance})
+                                    "policy": dict(cfg.policy.severities), "tol": cfg.policy.usage_tolerance,
+                                    "profile": dict(cfg.provider_profile or {})})
     if state.done("reconstruct", fp, reconstructed):
         results.append(StageResult("reconstruct", "skipped"))
     else:
-        rs = reconstruct_file(exchanges, reconstructed, tok, dialect=cfg.dialect, policy=cfg.policy)
+        rs = reconstruct_file(exchanges, reconstructed, tok, dialect=cfg.dialect, policy=cfg.policy,
+                              provider_profile=cfg.provider_profile)
         detail = rs.to_dict()
         state.record("reconstruct", fp, {"status": detail["status"], "bad_lines": len(rs.bad_lines),
-                                         "provider_notes": detail["provider_notes"]})
+                                         "provider_notes": detail["provider_notes"] + rs.calibration_notes()})
         results.append(StageResult("reconstruct", "ran", detail))
     echo(f"reconstruct: {results[-1].status} → {reconstructed}: {status_text(state.data['reconstruct'].get('status') or {})}")
     for note in state.data["reconstruct"].get("provider_notes") or ():

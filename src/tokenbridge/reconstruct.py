@@ -466,6 +466,11 @@ class ReconstructSummary:
             "provider_traits": {name: t.to_dict() for name, t in sorted(self.traits.items())},
         }
 
+    def calibration_notes(self) -> list[str]:
+        """One line per provider whose counts or text form were calibrated across the run."""
+        return [f"{name}: calibrated across the run: {t.describe()}" for name, t in sorted(self.traits.items())
+                if t.describe()]
+
     def stripping_providers(self) -> list[str]:
         return [note.split(": ", 1)[0] for note in self.stripping_suspects()]
 

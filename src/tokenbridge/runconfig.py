@@ -25,6 +25,7 @@ from .exit_codes import ExitCode
 from .export.exporter import FORMATS
 from .schema import FORBID, Bool, DialectName, NonNegInt, PosInt, Str, Where, did_you_mean, read_mapping, validate
 from .tokenizer import Tokenizer
+from .traits import ProfileError, load_provider_profile
 
 if TYPE_CHECKING:
     from .emulator.config import EmulatorConfig
@@ -54,6 +55,8 @@ class RunConfig:
     emulator: Path | None
     emulator_overrides: Mapping[str, Any]
     policy: Policy
+    #: provider -> text edits, from [reconstruct] provider_profile (None: no profile)
+    provider_profile: Mapping[str, tuple[str, ...]] | None
     export_formats: tuple[str, ...]
     include_flagged: bool
     draft_vocab_size: int | None
@@ -88,6 +91,8 @@ class RunSection:
 class ReconstructSection:
     usage_tolerance: NonNegInt = 0
     severity: Mapping[FindingCode, Severity] = field(default_factory=dict)
+    #: `tokenbridge probe --json` output: providers whose text edits are invisible per sample
+    provider_profile: Str | None = None
 
 
 @with_config(FORBID)
@@ -148,6 +153,12 @@ def load_run_config(path: str | Path) -> RunConfig:
             problems.append(where.problem(("run", "tokenizer"), problem))
     gen, datasets = _check_generate(data, where, base, tokenizer, problems)
     emulator, overrides = _check_emulator(data, where, base, problems)
+    profile = None
+    if parsed is not None and parsed.reconstruct.provider_profile:
+        try:
+            profile = load_provider_profile(_relative(parsed.reconstruct.provider_profile, base))
+        except ProfileError as exc:
+            problems.append(where.problem(("reconstruct", "provider_profile"), str(exc)))
 
     if problems or parsed is None:
         raise _config_error("\n".join(sorted(problems, key=lambda line: _file_order(line, str(path)))))
@@ -156,7 +167,7 @@ def load_run_config(path: str | Path) -> RunConfig:
         dialect=parsed.run.dialect, generate={**gen, "datasets": datasets},
         use_emulator=data.get("emulator") is not None, emulator=emulator, emulator_overrides=overrides,
         policy=Policy(severities=dict(parsed.reconstruct.severity), usage_tolerance=parsed.reconstruct.usage_tolerance),
-        export_formats=parsed.export.formats, include_flagged=parsed.export.include_flagged,
+        provider_profile=profile, export_formats=parsed.export.formats, include_flagged=parsed.export.include_flagged,
         draft_vocab_size=parsed.vocab.draft_vocab_size, report=parsed.report.enabled,
     )
 

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
+from .. import traits
 from .budget import cost_of
 from .classify import Outcome, classify_exception, classify_response
 from .request import build_request
@@ -103,8 +104,9 @@ _EDITS = (
     ("marker_spaces", lambda t: " " + t),
 )
 
-#: Edits that change the text but may keep its token count: invisible to the gate per sample.
-INVISIBLE_EDITS = frozenset({"nfc", "nfkc", "crlf_to_lf", "strip"})
+#: Edits that change the text but may keep its token count: invisible to the gate per sample
+#: (``reconstruct --provider-profile`` reads them back).
+INVISIBLE_EDITS = frozenset(traits.INVISIBLE_EDITS)
 
 
 @dataclass
