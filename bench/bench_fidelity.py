@@ -60,7 +60,7 @@ def main() -> None:
 
     from tokenbridge.emulator import EmulatorConfig, running_emulator
     from tokenbridge.generate import generate_run, settings_from_mapping
-    from tokenbridge.pipeline import _builtin_path
+    from tokenbridge.generate.settings import _builtin_path
     from tokenbridge.reconstruct import reconstruct_file, reconstruct_record
     from tokenbridge.tokenizer import load_tokenizer
 
@@ -70,6 +70,7 @@ def main() -> None:
                 for n in ("chat", "sharegpt", "plain")]
     table: dict[str, Counter] = {}
     codes: dict[str, Counter] = {}
+    truths: dict[tuple, tuple] = {}
     with tempfile.TemporaryDirectory() as tmp, running_emulator(
         EmulatorConfig(providers=providers, tool_call_without_think_close=args.no_think_close), tokenizer=tok
     ) as url:
@@ -88,22 +89,58 @@ def main() -> None:
                 rec, truth_prompt, truth = _strip_truth(json.loads(line))
                 combined.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 for row, native in zip(reconstruct_record(rec, tok), truth):
-                    exact = row["completion_ids"] == native and row["prompt_ids"] == truth_prompt
-                    if row["status"] == "ok":
-                        counts["ok, exact" if exact else "ok, WRONG"] += 1
-                    else:
-                        counts["cautious" if exact else "caught"] += 1
-                        seen.update({f["code"] for f in row["findings"] if f["severity"] == "error"} or {"(warnings only)"})
+                    truths[(str(row["provider"]), row["id"], row["choice"])] = (truth_prompt, native)
+                    _tally(row, truth_prompt, native, counts, seen)
             table[prov.name], codes[prov.name] = counts, seen
         combined.close()
-        # the run-level signal: one reconstruct over every provider's exchanges
-        notes = reconstruct_file(Path(tmp) / "all.jsonl", Path(tmp) / "all.out.jsonl", tok).stripping_suspects()
+        # the run-level view: one reconstruct over every provider's exchanges, so each
+        # provider's traits (calibration, stripping, vLLM's joined text) are found and applied
+        # and what `tokenbridge probe`'s echo tests say of each provider, as --provider-profile
+        from tokenbridge.generate import probe
+        from tokenbridge.traits import INVISIBLE_EDITS
 
-    cols = ["ok, exact", "ok, WRONG", "caught", "cautious"]
+        reports = probe(model="moonshotai/kimi-k2.5", providers=[p.name for p in providers], base_url=url, key=None,
+                        tokenizer=tok, max_tokens=512)
+        profile = {r.provider: tuple(e for e in r.profile()["text_edits"] if e in INVISIBLE_EDITS) for r in reports}
+        summary = reconstruct_file(Path(tmp) / "all.jsonl", Path(tmp) / "all.out.jsonl", tok, provider_profile=profile)
+        notes = summary.stripping_suspects() + summary.calibration_notes()
+        run_table: dict[str, Counter] = {}
+        run_codes: dict[str, Counter] = {}
+        for line in (Path(tmp) / "all.out.jsonl").open(encoding="utf-8"):
+            row = json.loads(line)
+            truth_prompt, native = truths[(str(row["provider"]), row["id"], row["choice"])]
+            _tally(row, truth_prompt, native, run_table.setdefault(str(row["provider"]), Counter()),
+                   run_codes.setdefault(str(row["provider"]), Counter()))
+
     print(f"{sum(sum(c.values()) for c in table.values())} samples, {len(providers)} providers, one quirk at rate 1.0 or"
           f" one engine profile each; {args.no_think_close:.0%} of tool calls opened without </think>;"
           " native ids withheld from reconstruction, then compared")
     print()
+    print("Each sample alone (reconstruct_record, no run-level traits):")
+    print()
+    _print_table(table, codes)
+    print()
+    print("The whole run (reconstruct_file over every provider's exchanges: run-level traits applied, and the")
+    print("profile `tokenbridge probe` measured against the same emulator as --provider-profile):")
+    print()
+    _print_table(run_table, run_codes)
+    print()
+    print("run-level provider notes:")
+    for note in notes + [f"{p}: probe found {', '.join(e)}" for p, e in sorted(profile.items()) if e] or ["(none)"]:
+        print(f"- {note}")
+
+
+def _tally(row: dict, truth_prompt: list | None, native: list, counts: Counter, seen: Counter) -> None:
+    exact = row["completion_ids"] == native and row["prompt_ids"] == truth_prompt
+    if row["status"] == "ok":
+        counts["ok, exact" if exact else "ok, WRONG"] += 1
+    else:
+        counts["cautious" if exact else "caught"] += 1
+        seen.update({f["code"] for f in row["findings"] if f["severity"] == "error"} or {"(warnings only)"})
+
+
+def _print_table(table: dict[str, Counter], codes: dict[str, Counter]) -> None:
+    cols = ["ok, exact", "ok, WRONG", "caught", "cautious"]
     print("| provider (quirk at rate 1.0, or engine) | " + " | ".join(cols) + " | codes on rejected samples |")
     print("|---|" + "---:|" * len(cols) + "---|")
     for name, counts in table.items():
@@ -115,11 +152,8 @@ def main() -> None:
     passed = total["ok, exact"] + total["ok, WRONG"]
     print()
     print(f"passed {passed}: {total['ok, WRONG']} wrong ({total['ok, WRONG'] / max(passed, 1):.1%}); "
-          f"wrong samples caught: {total['caught']}/{total['caught'] + total['ok, WRONG']}")
-    print()
-    print("run-level provider notes (reconstruct over all providers' exchanges together):")
-    for note in notes or ["(none)"]:
-        print(f"- {note}")
+          f"wrong samples caught: {total['caught']}/{total['caught'] + total['ok, WRONG']}; "
+          f"exact samples kept: {total['ok, exact']}/{total['ok, exact'] + total['cautious']}")
 
 
 if __name__ == "__main__":

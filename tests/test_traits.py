@@ -61,7 +61,7 @@ def test_a_provider_that_never_counts_the_end_token_is_calibrated(tmp_path, kimi
     summary = reconstruct_file(src, dst, kimi)
     rows = {r["id"]: r for r in _rows(dst)}
     lazy = summary.traits["Lazy"]
-    assert lazy.end_uncounted and lazy.completion_offset == 0
+    assert lazy.end_uncounted and not lazy.cached_excluded
     assert "Good" not in summary.traits
     assert sum(r["status"] == "ok" for r in rows.values()) == 24 + 5  # the ended ones and Good
     assert all(rows[f"Lazy-{100 + i}"]["status"] == "flagged" for i in range(4))  # truncated, exact
@@ -71,14 +71,26 @@ def test_a_provider_that_never_counts_the_end_token_is_calibrated(tmp_path, kimi
     assert summary.to_dict()["provider_traits"]["Lazy"]["end_uncounted"] is True
 
 
-def test_a_constant_offset_on_every_sample_is_calibrated(tmp_path, kimi):
-    recs = [_record(kimi, i, "Plus2", *_texts(i), completion_delta=2) for i in range(22)]
-    recs += [_record(kimi, 50 + i, "Plus2", f"Cut {i}", None, finish="length", completion_delta=2) for i in range(3)]
+@pytest.mark.parametrize("delta", [+1, +2, -1])
+def test_an_offset_without_a_known_cause_is_never_calibrated(tmp_path, kimi, delta):
+    """Usage one more than ours on every sample is what a model that always splits one
+    word another way looks like: calibrating it away would pass every wrong sample. And
+    an offset that holds on cut samples too is not the end token."""
+    recs = [_record(kimi, i, "Off", *_texts(i), completion_delta=delta) for i in range(22)]
+    recs += [_record(kimi, 50 + i, "Off", f"Cut {i}", None, finish="length", completion_delta=delta) for i in range(3)]
     src, dst = tmp_path / "ex.jsonl", tmp_path / "out.jsonl"
     _write(src, recs)
     summary = reconstruct_file(src, dst, kimi)
-    assert summary.traits["Plus2"].completion_offset == -2
-    assert summary.status["ok"] == 22 and summary.status["flagged"] == 3
+    assert summary.traits == {}
+    assert summary.status["rejected"] == 25
+
+
+def test_prompt_offsets_are_never_calibrated(tmp_path, kimi):
+    recs = [_record(kimi, i, "Bos", *_texts(i), prompt_delta=-1) for i in range(25)]
+    src, dst = tmp_path / "ex.jsonl", tmp_path / "out.jsonl"
+    _write(src, recs)
+    summary = reconstruct_file(src, dst, kimi)
+    assert summary.traits == {} and summary.status["rejected"] == 25
 
 
 def test_too_few_samples_or_mixed_offsets_are_not_calibrated(tmp_path, kimi):

@@ -240,11 +240,11 @@ def _usage_pairs(usage: Mapping[str, Any] | None, n_prompt: int,
     prompt = completion = None
     if _count(usage.get("prompt_tokens")):
         theirs = usage["prompt_tokens"]
-        if trait is not None:
-            theirs += trait.prompt_offset + ((cached_tokens(usage) or 0) if trait.cached_excluded else 0)
+        if trait is not None and trait.cached_excluded:
+            theirs += cached_tokens(usage) or 0
         prompt = (n_prompt, theirs)
     if _count(usage.get("completion_tokens")):
-        completion = usage["completion_tokens"] + (trait.completion_offset if trait is not None else 0)
+        completion = usage["completion_tokens"]
     return prompt, completion
 
 
@@ -416,7 +416,7 @@ class ReconstructSummary:
     bad_lines: list[BadLine] = field(default_factory=list)
     #: provider -> [rows, rows whose text keeps edge whitespace]
     edges: dict[str, list[int]] = field(default_factory=dict)
-    #: count offsets per provider, for run-level calibration
+    #: count deltas and text shapes per provider, for run-level calibration
     stats: TraitStats = field(default_factory=TraitStats)
     #: the provider traits the rows were checked with (after a calibrating second pass)
     traits: dict[str, ProviderTrait] = field(default_factory=dict)
@@ -545,8 +545,8 @@ def reconstruct_file(
 
     ``provider_profile`` (provider -> invisible text edits, from
     :func:`tokenbridge.traits.load_provider_profile`) flags those providers' samples.
-    When the run itself shows a provider trait (a constant count offset, whitespace
-    stripping), the file is reconstructed a second time with it, so every row is checked
+    When the run itself shows a provider trait (the end token left uncounted, cached
+    tokens left out, whitespace stripping, vLLM's joined text), the file is reconstructed a second time with it, so every row is checked
     against what the whole run showed; ``summary.traits`` says what was applied.
     """
     tok_source = tokenizer.source if isinstance(tokenizer, Tokenizer) else str(tokenizer)

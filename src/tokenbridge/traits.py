@@ -2,12 +2,14 @@
 
 Two kinds of trait:
 
-* **Count calibration.** A provider whose ``usage.completion_tokens`` is off by the same
-  constant on (nearly) every sample -- most often one that never counts the end token --
-  or whose ``prompt_tokens`` leaves out ``cached_tokens``, would have every sample
-  rejected as a count mismatch although its ids are right. Across a run the offset is
-  plain; its samples are then checked against the calibrated count, and the offset is
-  reported. A sample whose own count disagrees with the calibrated one is still rejected.
+* **Count calibration.** A provider whose ``usage.completion_tokens`` never counts the
+  end token (one less than ours on every sample that ended, equal on cut ones), or whose
+  ``prompt_tokens`` leaves out ``cached_tokens`` (less than ours by exactly that count),
+  would have every sample rejected as a count mismatch although its ids are right.
+  Across a run the offset is plain; its samples are then checked against the calibrated
+  count, and the calibration is reported. A sample whose own count disagrees with the
+  calibrated one is still rejected. Offsets without such a cause are never calibrated
+  (see :func:`_end_uncounted`).
 * **Text edits the gate cannot see per sample** (``strip``, ``nfc``, ``nfkc``,
   ``crlf_to_lf``): found across the run (a provider whose text never keeps edge
   whitespace) or by ``tokenbridge probe``'s echo tests (``--provider-profile``). Such a
@@ -53,12 +55,8 @@ class ProviderTrait:
     """A provider's run-level calibration and known text edits."""
 
     provider: str
-    #: added to ``usage.completion_tokens`` (ours minus theirs on every sample)
-    completion_offset: int = 0
     #: usage leaves out the end token: one less is expected from a sample that ends
     end_uncounted: bool = False
-    #: added to ``usage.prompt_tokens``
-    prompt_offset: int = 0
     #: ``prompt_tokens`` excludes ``prompt_tokens_details.cached_tokens``
     cached_excluded: bool = False
     #: invisible text edits (sorted), with where each was seen
@@ -69,20 +67,15 @@ class ProviderTrait:
 
     @property
     def calibrated(self) -> bool:
-        return bool(self.completion_offset or self.end_uncounted or self.prompt_offset or self.cached_excluded
-                    or self.joins_markers)
+        return self.end_uncounted or self.cached_excluded or self.joins_markers
 
     def describe(self) -> str | None:
         """One phrase for messages and the summary; None when nothing is calibrated."""
         said = []
         if self.end_uncounted:
             said.append("completion_tokens leaves out the end token")
-        if self.completion_offset:
-            said.append(f"completion_tokens is off by {self.completion_offset:+d}")
         if self.cached_excluded:
             said.append("prompt_tokens leaves out cached_tokens")
-        if self.prompt_offset:
-            said.append(f"prompt_tokens is off by {self.prompt_offset:+d}")
         if self.joins_markers:
             said.append("text joins markers with spaces (vLLM's detokenizer)")
         return "; ".join(said) or None
@@ -90,9 +83,7 @@ class ProviderTrait:
     def to_dict(self) -> dict[str, Any]:
         return {
             "provider": self.provider,
-            "completion_offset": self.completion_offset,
             "end_uncounted": self.end_uncounted,
-            "prompt_offset": self.prompt_offset,
             "cached_excluded": self.cached_excluded,
             "edits": list(self.edits),
             "edit_sources": list(self.edit_sources),
@@ -126,7 +117,6 @@ class TraitStats:
     """Per-provider tallies from one pass over a run; flat in memory (counters)."""
 
     completion: dict[str, Counter] = field(default_factory=dict)  # provider -> (ended, delta) counts
-    prompt: dict[str, Counter] = field(default_factory=dict)  # provider -> delta counts
     cached: dict[str, list[int]] = field(default_factory=dict)  # provider -> [rows with cached > 0, delta == cached]
     shapes: dict[str, list[int]] = field(default_factory=dict)  # provider -> [choices with a marker, joined shape]
 
@@ -141,7 +131,6 @@ class TraitStats:
         if delta.completion is not None:
             self.completion.setdefault(provider, Counter())[(delta.ended, delta.completion)] += 1
         if delta.prompt is not None:
-            self.prompt.setdefault(provider, Counter())[delta.prompt] += 1
             if delta.cached:
                 tally = self.cached.setdefault(provider, [0, 0])
                 tally[0] += 1
@@ -152,12 +141,12 @@ class TraitStats:
         """The traits this run shows, merged with ``stripping`` (providers suspected of
         stripping edge whitespace) and a probe ``profile`` (provider -> edits)."""
         out: dict[str, ProviderTrait] = {}
-        names = set(self.completion) | set(self.prompt) | set(self.shapes) | set(stripping) | set(profile or {})
+        names = set(self.completion) | set(self.cached) | set(self.shapes) | set(stripping) | set(profile or {})
         strip = set(stripping)
         for name in sorted(names):
-            comp, end_uncounted = _completion_offset(self.completion.get(name, Counter()))
+            end_uncounted = _end_uncounted(self.completion.get(name, Counter()))
+            # a constant prompt offset has no known cause (our prompt may differ): never calibrated
             cached_excluded = _cached_excluded(self.cached.get(name, [0, 0]))
-            prompt = 0 if cached_excluded else _mode(self.prompt.get(name, Counter()))
             edits: dict[str, str] = {}
             probed = (profile or {}).get(name, ())
             for edit in probed:
@@ -167,7 +156,7 @@ class TraitStats:
                 edits.setdefault("strip", "run")
             markered, joined = self.shapes.get(name, [0, 0])
             joins = "marker_spaces" in probed or (markered >= MIN_SAMPLES and joined >= MIN_SHARE * markered)
-            trait = ProviderTrait(name, comp, end_uncounted, prompt, cached_excluded,
+            trait = ProviderTrait(name, end_uncounted, cached_excluded,
                                   tuple(sorted(edits)), tuple(edits[e] for e in sorted(edits)), joins)
             if trait.calibrated or trait.edits:
                 out[name] = trait
@@ -183,26 +172,24 @@ def _mode(counts: Counter) -> int:
     return value if value and n >= MIN_SHARE * total else 0
 
 
-def _completion_offset(counts: Counter) -> tuple[int, bool]:
-    """(constant offset, end token uncounted) from (ended, delta) tallies.
+def _end_uncounted(counts: Counter) -> bool:
+    """Whether (ended, delta) tallies show a provider that never counts the end token.
 
-    A constant offset must hold for cut samples too when there are enough of them; an
-    offset of +1 on ended samples with 0 on cut ones is the end token left uncounted.
+    Only an offset with a known cause is calibrated: ours one more than usage on every
+    sample that ended, and equal on the cut ones when there are enough of them to tell
+    -- the end token left uncounted. Any other constant (usage counting more than we
+    rebuilt, above all) is just as well explained by ids that are wrong the same way on
+    every sample (a model that always splits one word another way does that), so it
+    stays a mismatch: calibrating it away would pass every wrong sample at once.
     """
     ended = Counter({d: n for (e, d), n in counts.items() if e})
     cut = Counter({d: n for (e, d), n in counts.items() if not e})
-    d_end = _mode(ended)
-    if not d_end:
-        return 0, False
+    if _mode(ended) != 1:
+        return False
     if sum(cut.values()) >= 3:
         value, n = cut.most_common(1)[0]
-        d_cut = value if n >= MIN_SHARE * sum(cut.values()) else None
-        if d_cut == d_end:
-            return d_end, False
-        if d_end == 1 and d_cut == 0:
-            return 0, True
-        return 0, False
-    return d_end, False
+        return value == 0 and n >= MIN_SHARE * sum(cut.values())
+    return True
 
 
 def _cached_excluded(tally: list[int]) -> bool:
