@@ -106,6 +106,14 @@ def test_logprobs_that_agree_prove_the_sample_without_usage(kimi, ids, form, cov
     assert codes(row) == ["usage_missing"]  # logprobs agree; only the missing usage is reported
 
 
+def test_an_end_token_logged_without_text_still_agrees(kimi, ids):
+    truth = native(kimi, REASONING, ids["close"], "Sunny.", ids["end"])
+    logged = _logprobs(kimi, truth[:-1])
+    logged["content"].append({"token": "", "bytes": [], "logprob": 0.0})  # vLLM skips the special token's text
+    row, = reconstruct_record(record(kimi, {"reasoning": REASONING, "content": "Sunny."}, logprobs=logged), kimi)
+    assert row["completion_ids"] == truth and codes(row) == ["usage_missing"]
+
+
 def test_logprobs_showing_another_tokenization_are_a_mismatch(kimi, ids):
     text = "Sunny."
     canonical = native(kimi, REASONING, ids["close"], text, ids["end"])

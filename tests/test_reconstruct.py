@@ -301,6 +301,10 @@ def _trigger(kimi, code):
             entries = [{"token": "\ufffd", "bytes": None, "logprob": -0.1}]
         rec["response"]["choices"][0]["logprobs"] = {"content": entries}
         return rec
+    if code == "end_token_mismatch":  # a stop id the user asked for, e.g. stop_token_ids=[13]
+        rec = make(kimi, content="Plain answer.", finish="stop")
+        rec["response"]["choices"][0]["matched_stop"] = 13
+        return rec
     if code == "usage_reasoning_mismatch":
         rec = make(kimi, content="Plain answer.", finish="stop")
         rec["response"]["usage"]["completion_tokens_details"] = {"reasoning_tokens": 2}

@@ -47,6 +47,7 @@ CODES: dict[str, tuple[str, str]] = {
     "usage_completion_mismatch": ("error", "our completion token count differs from usage.completion_tokens"),
     "roundtrip_mismatch": ("error", "decode(ids) differs from the text"),
     "native_mismatch": ("error", "ids differ from the ground-truth ids"),
+    "end_token_mismatch": ("error", "matched_stop names another end token than the one the ids end with"),
     "reasoning_redacted": ("error", "reasoning_details holds a summary or encrypted reasoning: not the model's own text"),
     "logprobs_mismatch": ("error", "ids differ from the ids the response's logprobs name"),
     "logprobs_unreadable": ("warning", "logprobs present but not mappable to token ids; not used as evidence"),
@@ -187,6 +188,14 @@ def _finish(view: SampleView, policy: Policy):
         yield "stop_sequence", f"request stop={stop!r}; the end token was assumed"
     elif isinstance(view.matched_stop, str) and reason != "length":
         yield "stop_sequence", f"matched_stop={view.matched_stop[:40]!r}: a stop string ended the choice, not the model's end token"
+    ends = bool(view.parts) and view.parts[-1][0] == "end"
+    if isinstance(view.matched_stop, int) and ends and view.completion_ids and view.completion_ids[-1] != view.matched_stop:
+        tok = view.tokenizer
+        name = tok.marker_ids.get(view.matched_stop)
+        yield "end_token_mismatch", (
+            f"matched_stop is id {view.matched_stop}{f' ({name})' if name else ''}, a stop id the dialect does not end "
+            f"turns with; the ids end with {view.completion_ids[-1]}"
+        )
     if reason == "tool_calls" and not view.message.get("tool_calls") and not any(k == "tool_calls" for k, _ in view.parts):
         yield "tool_calls_missing", "finish_reason='tool_calls' but no tool-call section in content and no message.tool_calls"
 

@@ -98,6 +98,8 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
             key = token.encode("utf-8", errors="surrogatepass")
         else:
             return LogprobIds(None, f"logprobs.content[{pos}] has no usable bytes or token text")
+        if not key and pos == len(entries) - 1:
+            break  # the end token, logged with its text skipped: the ids before it still count
         if index is None:
             index = _bytes_index(tok)
         found = index.get(key)

@@ -1,0 +1,55 @@
+"""Hostile values in the evidence fields never crash reconstruction: each sample still
+gets its row, with a finding or the evidence ignored, and `ok` only with exact ids."""
+
+from __future__ import annotations
+
+import copy
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenbridge.exchanges import RecordError
+from tokenbridge.reconstruct import reconstruct_record
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+entries = st.lists(st.fixed_dictionaries({}, optional={"token": json_values, "bytes": json_values,
+                                                       "logprob": json_values}), max_size=6)
+
+
+def _base(kimi):
+    from tokenbridge.chat import DIALECTS
+
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    ids = kimi.encode("Thinking.") + [kimi.token_id("</think>")] + kimi.encode("Hello.") + [kimi.token_id("<|im_end|>")]
+    prompt = len(kimi.encode(DIALECTS["kimi-k2.5"].render_request(request)))
+    return ids, {"id": "h", "request": request, "response": {
+        "provider": "P", "usage": {"prompt_tokens": prompt, "completion_tokens": len(ids)},
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "reasoning": "Thinking.", "content": "Hello."}}]}}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(logprobs=json_values | st.fixed_dictionaries({"content": entries | json_values}),
+       matched_stop=json_values, details=json_values, usage_details=json_values, cached=json_values)
+def test_hostile_evidence_is_a_finding_or_ignored_never_a_crash(kimi, logprobs, matched_stop, details,
+                                                                 usage_details, cached):
+    truth, rec = _base(kimi)
+    rec = copy.deepcopy(rec)
+    choice = rec["response"]["choices"][0]
+    choice["logprobs"] = logprobs
+    choice["matched_stop"] = matched_stop
+    choice["message"]["reasoning_details"] = details
+    rec["response"]["usage"]["completion_tokens_details"] = usage_details
+    rec["response"]["usage"]["prompt_tokens_details"] = cached
+    try:
+        rows = reconstruct_record(rec, kimi)
+    except RecordError as exc:  # a malformed reasoning_details is a bad record that names its field
+        assert exc.field.startswith("response.choices[0].message.reasoning_details")
+        return
+    row, = rows
+    if row["status"] == "ok":
+        assert row["completion_ids"] == truth
