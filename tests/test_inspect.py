@@ -53,3 +53,23 @@ def test_span_outside_the_sample_names_its_length(outputs, kimi_dir, span):
     assert res.exit_code == 2
     want = "empty span: 20 is not below 20" if span == "20:20" else f"the sample has {n} tokens, positions 0 to {n - 1}"
     assert res.output == f"error: --tokens {span}: {want}\n"
+
+
+def test_inspect_names_the_reading_the_evidence_proved(tmp_path, kimi, kimi_dir):
+    from tokenbridge.chat import DIALECTS
+
+    section = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
+               "<|tool_call_end|><|tool_calls_section_end|>")
+    request = {"model": "m", "messages": [{"role": "user", "content": "Call f."}]}
+    truth = kimi.encode("Calling f.") + kimi.encode(section) + [kimi.token_id("<|im_end|>")]
+    usage = {"prompt_tokens": len(kimi.encode(DIALECTS["kimi-k2.5"].render_request(request))),
+             "completion_tokens": len(truth)}
+    rec = {"id": "nt", "request": request, "response": {"usage": usage, "choices": [
+        {"index": 0, "finish_reason": "tool_calls", "message": {"reasoning_content": "Calling f.", "content": section}}]}}
+    src = tmp_path / "ex.jsonl"
+    src.write_text(json.dumps(rec) + "\n")
+    reconstruct_file(src, tmp_path / "r.jsonl", kimi)
+    res = _inspect(tmp_path / "r.jsonl", kimi_dir, "--id", "nt")
+    assert res.exit_code == 0, res.output
+    assert "nt choice 0: ok" in res.output and "reconstruction: no_think_close" in res.output
+    assert "</think> (163607)" not in res.output

@@ -107,6 +107,8 @@ def render_row(row: Mapping[str, Any], tok: Tokenizer, tokens: str | None = None
         f"prompt={len(row['prompt_ids'])} completion={len(row['completion_ids'])} tokens"
     )
     out: list[Any] = [head]
+    if row.get("reconstruction"):
+        out.append(Text(f"  reconstruction: {row['reconstruction']} (the reading of the response the evidence proved)"))
     for f in row["findings"]:
         out.append(Text(f"  {f['severity']}: {f['code']}: {f['message']}", style="red" if f["severity"] == "error" else "yellow"))
     seg_line = Text("  segments: ")
