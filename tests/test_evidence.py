@@ -337,3 +337,20 @@ def test_summed_usage_picks_the_reading_of_one_choice_among_several(kimi, ids):
     a, b = reconstruct_record(rec, kimi)
     assert (a["status"], b["status"]) == ("ok", "ok"), (a["findings"], b["findings"])
     assert a["completion_ids"] == plain and b["completion_ids"] == tool and b["reconstruction"] == "no_think_close"
+
+
+@pytest.mark.parametrize("cut_at", [len(TS), len(TS + CB) + 5, SECTION.index(AB) + len(AB) + 3, SECTION.index(CE) + len(CE)])
+def test_a_tool_call_cut_by_length_is_exact_not_malformed(kimi, ids, cut_at):
+    served = "Calling." + SECTION[:cut_at]
+    truth = native(kimi, REASONING, ids["close"], served)
+    row, = reconstruct_record(record(kimi, {"reasoning": REASONING, "content": served}, finish="length",
+                                     usage=len(truth)), kimi)
+    assert codes(row) == ["truncated"] and row["completion_ids"] == truth
+
+
+def test_a_cut_section_out_of_order_is_still_malformed(kimi, ids):
+    served = "Calling." + TS + AB + "{"
+    truth = native(kimi, REASONING, ids["close"], served)
+    row, = reconstruct_record(record(kimi, {"reasoning": REASONING, "content": served}, finish="length",
+                                     usage=len(truth)), kimi)
+    assert "tool_markers_malformed" in codes(row)

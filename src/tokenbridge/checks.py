@@ -270,7 +270,8 @@ def _marker_text(view: SampleView, policy: Policy):
             more = f" (+{len(hits) - 5} more)" if len(hits) > 5 else ""
             yield code, f"{len(hits)} marker(s) in {where}: {shown}{more}"
         if kind == "tool_calls":
-            problem = _tool_grammar([t for _, t in found if t in tool], d)
+            cut = view.choice.get("finish_reason") == "length" and (kind, _text) == tuple(view.parts[-1])
+            problem = _tool_grammar([t for _, t in found if t in tool], d, cut=cut)
             if problem:
                 yield "tool_markers_malformed", problem
 
@@ -292,19 +293,21 @@ def _classify(found, kind, eos, think, tool) -> dict[str, list[tuple[int, str]]]
     return out
 
 
-def _tool_grammar(seq: list[str], d: Dialect) -> str | None:
-    """section_begin (call_begin argument_begin call_end)+ section_end."""
+def _tool_grammar(seq: list[str], d: Dialect, cut: bool = False) -> str | None:
+    """section_begin (call_begin argument_begin call_end)+ section_end; with ``cut`` (a
+    length cut inside the section) any prefix of that, since the model was stopped."""
     tm = d.tool_markers
     assert tm is not None
     expect_calls = [tm.call_begin, tm.argument_begin, tm.call_end]
     if not seq or seq[0] != tm.section_begin:
         return "tool section does not start with the section marker"
-    if seq[-1] != tm.section_end:
+    closed = seq[-1] == tm.section_end and len(seq) > 1
+    if not closed and not cut:
         return f"tool section not closed by {tm.section_end!r}"
-    body = seq[1:-1]
-    if not body:
+    body = seq[1:-1] if closed else seq[1:]
+    if not body and closed:
         return "tool section holds no tool call"
-    if len(body) % 3 or any(body[i] != expect_calls[i % 3] for i in range(len(body))):
+    if (closed and len(body) % 3) or any(body[i] != expect_calls[i % 3] for i in range(len(body))):
         return "tool-call markers out of order: " + " ".join(s.strip("<|>") for s in seq)
     return None
 
