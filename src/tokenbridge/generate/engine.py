@@ -1,7 +1,7 @@
 """The request engine: asyncio + one shared aiohttp session, bounded and adaptive.
 
 ``concurrency`` workers pull samples in input order; each send first takes a slot from
-the :class:`~.limiter.AIMDLimiter` (which shrinks on 429) and a reservation from the
+the :class:`~.limiter.AdaptiveLimiter` (which shrinks when 429s are a real share) and a reservation from the
 :class:`~.budget.Budget`. A retry is scheduled with ``call_later`` (jittered exponential
 backoff, at least ``Retry-After``) instead of sleeping in a worker, so backoff never
 idles a slot. Finished responses go to :class:`StoreWriter`, which commits them in small
@@ -39,7 +39,7 @@ import json
 import random
 import re
 import time
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -51,7 +51,8 @@ from ..fsio import kill_point
 from .body import CheckedUsage, checked_usage
 from .budget import DEFAULT_RESERVE_TOKENS, Budget, cost_of, estimate_prompt_tokens
 from .classify import Outcome, classify_exception, classify_response
-from .limiter import AIMDLimiter
+from .limiter import AdaptiveLimiter
+from .progress import RateMeter
 from .request import routing_key, wire_body
 from .secrets import ApiKey, scrub, scrub_bytes
 from .settings import GenerateSettings
@@ -119,7 +120,7 @@ class EngineStats:
     prompt_tokens: int = 0
     errors: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
-    recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (t, completion_tokens) per done
+    meter: RateMeter = field(default_factory=RateMeter)  # completions and tokens per second
     in_flight: int = 0
     limit: float = 0.0
     spent: float = 0.0
@@ -130,15 +131,9 @@ class EngineStats:
     stop_reason: str | None = None
     notices: list[str] = field(default_factory=list)
 
-    def rates(self, window_s: float = 30.0) -> tuple[float, float]:
+    def rates(self) -> tuple[float, float]:
         """(samples/s, completion tokens/s) over the recent window."""
-        now = time.monotonic()
-        while self.recent and now - self.recent[0][0] > window_s:
-            self.recent.popleft()
-        if not self.recent:
-            return 0.0, 0.0
-        span = max(now - self.recent[0][0], min(window_s, now - self.started), 1e-6)
-        return len(self.recent) / span, sum(t for _, t in self.recent) / span
+        return self.meter.rates()
 
 
 def make_session(
@@ -237,7 +232,7 @@ class Engine:
         self.store = store
         self.budget = budget
         self.stats = EngineStats()
-        self.limiter = AIMDLimiter(settings.concurrency, floor=settings.min_concurrency)
+        self.limiter = AdaptiveLimiter(settings.concurrency, floor=settings.min_concurrency)
         self._session = session
         self._log = log
         self._url = settings.base_url.rstrip("/") + "/chat/completions"
@@ -577,7 +572,7 @@ class Engine:
             self.stats.errors[outcome.error_class] += 1
         if outcome.kind == "ok":
             assert record is not None and self._writer is not None
-            self.limiter.on_success()
+            self.limiter.on_success(item.sent_at)
             self._successes += 1
             self._unauthorized_streak = 0
             usage = record.usage or {}
@@ -589,7 +584,7 @@ class Engine:
                 self.stats.done += 1
                 self.stats.completion_tokens += ct
                 self.stats.prompt_tokens += pt
-                self.stats.recent.append((time.monotonic(), ct))
+                self.stats.meter.add(ct)
                 self._finish_one()
 
             self._writer.response(record, counted)
