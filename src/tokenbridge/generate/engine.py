@@ -96,6 +96,7 @@ class WorkItem:
     routing: str
     tries: int = 0  # attempts in this run
     sent_at: float = 0.0  # monotonic time the latest attempt was sent
+    granted_at: float = 0.0  # when the limiter gave the latest attempt its slot (the limit it was sent under)
     send_anyway: bool = False  # skipped for another sample's 404 last time: send it once
 
     @classmethod
@@ -356,7 +357,7 @@ class Engine:
         if self.budget.learning_sends > 1:
             self._notice("budget: no [prices] and the prices learned so far are loose: sending one request "
                          "at a time until two responses pin them down (the cap may be passed by one request)")
-        await self.limiter.acquire()
+        item.granted_at = await self.limiter.acquire()
         if self._stopping:  # stopped while waiting for a slot: send nothing new
             self.limiter.release()
             self.budget.cancel(reservation)
@@ -572,7 +573,7 @@ class Engine:
             self.stats.errors[outcome.error_class] += 1
         if outcome.kind == "ok":
             assert record is not None and self._writer is not None
-            self.limiter.on_success(item.sent_at)
+            self.limiter.on_success(item.granted_at)
             self._successes += 1
             self._unauthorized_streak = 0
             usage = record.usage or {}
@@ -612,7 +613,7 @@ class Engine:
             self._fail(item, outcome.error_class or "failed", outcome.message)
             return
         # retryable
-        if outcome.kind == "rate_limited" and self.limiter.on_rate_limited(item.sent_at):
+        if outcome.kind == "rate_limited" and self.limiter.on_rate_limited(item.granted_at):
             self.stats.limit = self.limiter.limit
         if item.tries >= self.s.max_attempts:
             self._fail(item, outcome.error_class or "retry", f"gave up after {item.tries} attempts: {outcome.message}")

@@ -15,9 +15,9 @@ whole window after a cut is what the lower limit did not remove, i.e. noise (whe
 is below ``decisive_share``), and a cut that removed next to nothing was made for
 noise and is undone; each later window can only lower the noise level, slowly.
 
-A cut goes to the concurrency the server was really serving: successes per second
-times their mean latency over the last ``window`` successes (Little's law), kept within
-[0.5, 0.95] of the old limit. The limit then holds there for as many successes as it
+A cut goes to the concurrency the server was really serving: the successes' summed
+time in the server over the last mean latency, over that span (Little's law), not below
+the level a probe started from, and within [0.5, 0.95] of the old limit. The limit then holds there for as many successes as it
 takes to keep 429s near ``target_share`` of answers (the cut's 429s over that share),
 then probes: +1 per round of requests at first, the excess over the cut level doubling
 each round after, so a cap that rose (or a cut made by chance) is left behind in a few
@@ -40,6 +40,8 @@ from typing import Callable
 
 __all__ = ["AdaptiveLimiter"]
 
+_SERVED_SPAN = 1.0  # served concurrency is measured over this many mean latencies
+
 
 @dataclass
 class AdaptiveLimiter:
@@ -49,7 +51,7 @@ class AdaptiveLimiter:
     floor: int = 1
     #: Share of 429s among recent answers that means "over a cap".
     threshold: float = 0.25
-    #: Recent answers looked at (and recent successes for the served-concurrency estimate).
+    #: Recent answers looked at.
     window: int = 64
     #: 429s needed in the window before a cut (so a handful of chance 429s never cuts).
     min_rate_limited: int = 8
@@ -69,12 +71,15 @@ class AdaptiveLimiter:
     _answers: deque = field(default_factory=deque, repr=False)  # True = 429, sent after the last cut
     _rate_limited: int = field(default=0, repr=False)  # 429s in _answers
     _served: deque = field(default_factory=deque, repr=False)  # (done_at, latency_s) of recent successes
+    _latency: float | None = field(default=None, repr=False)  # moving mean latency of successes
+    _first_sent: float = field(default=math.inf, repr=False)
     _last_cut: float = field(default=-math.inf, repr=False)
     _hold: int = field(default=0, repr=False)  # successes to wait before probing again
     _block: list = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] of the current window block
     _after_cut: bool = field(default=False, repr=False)  # the current block is the first since a cut
     _before_cut: float = field(default=0.0, repr=False)  # the limit before the last cut
     _cut_share: float = field(default=0.0, repr=False)  # the 429 share that made it
+    _base_held: bool = field(default=False, repr=False)  # a whole window at ``base`` stayed under the threshold
     _waiters: deque = field(default_factory=deque, repr=False)
 
     def __post_init__(self) -> None:
@@ -87,21 +92,24 @@ class AdaptiveLimiter:
     def slots(self) -> int:
         return max(self.floor, int(self.limit))
 
-    def try_acquire(self) -> bool:
-        """Take a slot if one is free and nobody waits for it."""
+    def try_acquire(self) -> float | None:
+        """Take a slot if one is free and nobody waits for it: the time it was granted, or None."""
         if not self._waiters and self.in_flight < self.slots:
             self.in_flight += 1
-            return True
-        return False
+            return self.clock()
+        return None
 
-    async def acquire(self) -> None:
-        """Take a slot; waiters are served in arrival order."""
-        if self.try_acquire():
-            return
+    async def acquire(self) -> float:
+        """Take a slot (waiters are served in arrival order); returns the time it was granted,
+        which is what :meth:`on_success` / :meth:`on_rate_limited` take as ``sent_at``: a slot
+        granted under the old limit but sent after a cut still answers for the old limit."""
+        granted = self.try_acquire()
+        if granted is not None:
+            return granted
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
-            await fut  # release() hands the slot over (in_flight already counts it)
+            return await fut  # release() hands the slot over (in_flight already counts it)
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self.release()
@@ -116,15 +124,18 @@ class AdaptiveLimiter:
             fut = self._waiters.popleft()
             if not fut.done():
                 self.in_flight += 1
-                fut.set_result(None)
+                fut.set_result(self.clock())
 
     # --- answers ----------------------------------------------------------------------
 
     def on_success(self, sent_at: float) -> None:
         """A 200 for a request sent at ``sent_at`` (monotonic seconds, the same clock)."""
         now = self.clock()
-        self._served.append((now, max(0.0, now - sent_at)))
-        if len(self._served) > self.window:
+        latency = max(0.0, now - sent_at)
+        self._latency = latency if self._latency is None else self._latency + 0.1 * (latency - self._latency)
+        self._first_sent = min(self._first_sent, sent_at)
+        self._served.append((now, latency))
+        while self._served and self._served[0][0] < now - _SERVED_SPAN * self._latency:
             self._served.popleft()
         if sent_at >= self._last_cut:
             self._note(False)
@@ -147,14 +158,15 @@ class AdaptiveLimiter:
         return True
 
     def served_concurrency(self) -> float | None:
-        """Requests the server was serving at once, by Little's law over recent successes."""
-        n = len(self._served)
-        if n < 2:
+        """Requests the server was serving at once, by Little's law: the successes' time in
+        the server over the last mean latency (or since the first was sent), over that span."""
+        if self._latency is None or not self._served:
             return None
-        span = self._served[-1][0] - self._served[0][0]
+        now = self.clock()
+        span = min(_SERVED_SPAN * self._latency, now - self._first_sent)
         if span <= 0:
             return None
-        return sum(lat for _, lat in self._served) / n * (n - 1) / span
+        return sum(min(lat, span) for done, lat in self._served if done >= now - span) / span
 
     def _note(self, rate_limited: bool) -> None:
         self._answers.append(rate_limited)
@@ -178,6 +190,7 @@ class AdaptiveLimiter:
         if share >= self.decisive_share:
             return  # still far over a cap: not noise
         self.noise = share
+        self._base_held = True
         if share > self._cut_share - 0.75 * self.threshold and self._before_cut > self.limit:
             self.limit = self._before_cut
             self.base = None
@@ -189,9 +202,14 @@ class AdaptiveLimiter:
         self._before_cut = old
         self._cut_share = self._rate_limited / len(self._answers)
         served = self.served_concurrency()
-        new = 0.5 * old if served is None else min(max(float(round(served)), 0.5 * old), 0.95 * old)
+        if served is None:
+            new = 0.5 * old
+        else:  # a probe that overshot started from a level that held: not below it
+            good = self.base if self.base is not None and self._base_held and self.base < old else 0.0
+            new = min(max(float(round(served)), good, 0.5 * old), 0.95 * old)
         self.limit = max(float(self.floor), min(new, float(int(old) - 1)))  # at least one slot fewer
         self.base = self.limit
+        self._base_held = False
         self.cuts += 1
         if served is None:
             self._hold = 0  # nothing learned about where the cap is: probe from here at once
