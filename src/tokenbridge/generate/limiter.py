@@ -17,7 +17,9 @@ noise and is undone; each later window can only lower the noise level, slowly.
 
 A cut goes to the concurrency the server was really serving: the successes' summed
 time in the server over the last mean latency, over that span (Little's law), not below
-the level a probe started from, and within [0.5, 0.95] of the old limit. The limit then holds there for as many successes as it
+the level a probe started from, and within [0.5, 0.95] of the old limit (0.7 of it when
+the level the last cut chose failed at once: the client's view of latency can make the
+estimate too high). The limit then holds there for as many successes as it
 takes to keep 429s near ``target_share`` of answers (the cut's 429s over that share),
 then probes: +1 per round of requests at first, the excess over the cut level doubling
 each round after, so a cap that rose (or a cut made by chance) is left behind in a few
@@ -202,8 +204,11 @@ class AdaptiveLimiter:
         self._before_cut = old
         self._cut_share = self._rate_limited / len(self._answers)
         served = self.served_concurrency()
+        failed_again = self.base is not None and not self._base_held and old <= self.base + 1
         if served is None:
             new = 0.5 * old
+        elif failed_again:  # the level the last cut chose failed at once: its estimate was too high
+            new = 0.7 * old
         else:  # a probe that overshot started from a level that held: not below it
             good = self.base if self.base is not None and self._base_held and self.base < old else 0.0
             new = min(max(float(round(served)), good, 0.5 * old), 0.95 * old)
