@@ -7,6 +7,7 @@ import asyncio
 import heapq
 import json
 import random
+import sqlite3
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,7 +30,7 @@ class Clock:
         return self.t
 
 
-def _simulate(lim: AdaptiveLimiter, clock: Clock, *, seconds: float, cap=None, noise: float = 0.0,
+def _simulate(lim: AdaptiveLimiter, clock: Clock, *, seconds: float, cap=None, noise=0.0,
               latency: float = 0.2, rtt: float = 0.001, seed: int = 1, measure_from: float = 0.0) -> dict:
     """Discrete events: an endless backlog sent as slots allow, to a server that refuses
     what is over ``cap(t)`` at once (in ``rtt``) and a share ``noise`` of the rest at random."""
@@ -44,9 +45,10 @@ def _simulate(lim: AdaptiveLimiter, clock: Clock, *, seconds: float, cap=None, n
         nonlocal seq, active
         while (granted := lim.try_acquire()) is not None:
             c = cap(clock.t - start) if callable(cap) else cap
+            p = noise(clock.t - start) if callable(noise) else noise
             if c is not None and active >= c:
                 status, took, holds = 429, rtt, False
-            elif rng.random() < noise:
+            elif rng.random() < p:
                 status, took, holds = 429, latency, False
             else:
                 status, took, holds = 200, latency * rng.uniform(0.8, 1.2), True
@@ -115,6 +117,13 @@ def test_recovers_fast_when_the_cap_is_lifted():
     lim = AdaptiveLimiter(256, clock=clock)
     r = _simulate(lim, clock, seconds=30, cap=lambda t: 64 if t < 20 else None, measure_from=25)
     assert r["in_flight"] > 0.95 * 256, r  # back at the ceiling within 5 s (25 rounds) of the lift
+
+
+def test_recovers_fast_when_heavy_noise_stops():
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=30, noise=lambda t: 0.4 if t < 20 else 0.0, measure_from=25)
+    assert r["in_flight"] > 0.95 * 256 and lim.limit == 256.0, r
 
 
 def test_a_cap_that_falls_is_followed():
@@ -243,6 +252,15 @@ def test_generate_against_a_capped_emulator_finishes_with_few_429s(kimi, tmp_pat
                                     backoff_max_s=0.2, max_attempts=20)
         summary = generate_run(settings, tmp_path / "run")
     assert summary.done == n and summary.failed == 0
+    with sqlite3.connect(tmp_path / "run" / "state.sqlite") as con:
+        attempts = con.execute("SELECT sample_id, n, started_at, latency_s, http_status FROM attempts").fetchall()
+    by_sample = {(a[0], a[1]): a for a in attempts}
+    refused = [a for a in attempts if a[4] == 429]
+    for sample, k, started, latency, _ in refused:  # Retry-After: 1 delays that request's retry...
+        assert by_sample[(sample, k + 1)][2] >= started + latency + 0.99
+    first = min(refused, key=lambda a: a[2])
+    sent_meanwhile = [a for a in attempts if first[2] + first[3] < a[2] < first[2] + first[3] + 0.9]
+    assert len(sent_meanwhile) > 20  # ...and only that request: the others went on being sent
     rate_limited = summary.errors.get("http_429", 0)
     # the first burst (56: 64 sent, 8 served), the way down to 8, a few probes; a limiter deaf to
     # 429s would churn its 56 extra slots through tens of thousands of them
