@@ -90,11 +90,12 @@ def test_random_429s_keep_the_limit_high():
     assert r["in_flight"] > 0.8 * 256, r
 
 
+@pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("cap", [3, 8, 64, 200])
-def test_a_hard_cap_is_found_quickly_and_held_with_few_429s(cap):
+def test_a_hard_cap_is_found_quickly_and_held_with_few_429s(cap, seed):
     clock = Clock()
     lim = AdaptiveLimiter(256, clock=clock)
-    r = _simulate(lim, clock, seconds=60, cap=cap, measure_from=10)
+    r = _simulate(lim, clock, seconds=60, cap=cap, measure_from=10, seed=seed)
     assert r["cuts_at"] and r["cuts_at"][0] < 0.05  # the first burst of 429s cuts at once
     assert 0.85 * cap <= r["in_flight"] <= cap + 1, r
     assert r["share_429"] <= 0.05, r
@@ -119,10 +120,11 @@ def test_recovers_fast_when_the_cap_is_lifted():
     assert r["in_flight"] > 0.95 * 256, r  # back at the ceiling within 5 s (25 rounds) of the lift
 
 
-def test_recovers_fast_when_heavy_noise_stops():
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_recovers_fast_when_heavy_noise_stops(seed):
     clock = Clock()
     lim = AdaptiveLimiter(256, clock=clock)
-    r = _simulate(lim, clock, seconds=30, noise=lambda t: 0.4 if t < 20 else 0.0, measure_from=25)
+    r = _simulate(lim, clock, seconds=30, noise=lambda t: 0.4 if t < 20 else 0.0, measure_from=25, seed=seed)
     assert r["in_flight"] > 0.95 * 256 and lim.limit == 256.0, r
 
 

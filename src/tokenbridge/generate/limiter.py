@@ -66,7 +66,8 @@ class AdaptiveLimiter:
     limit: float = 0.0
     in_flight: int = 0
     cuts: int = 0
-    #: Where the last cut left the limit (None: never cut).
+    #: Where the last cut left the limit, or where an undone cut restored it: probes
+    #: start from here (None: never cut).
     base: float | None = None
     #: Share of 429s that comes whatever the limit (learned after cuts, see above).
     noise: float = 0.0
@@ -195,7 +196,7 @@ class AdaptiveLimiter:
         self._base_held = True
         if share > self._cut_share - 0.75 * self.threshold and self._before_cut > self.limit:
             self.limit = self._before_cut
-            self.base = None
+            self.base = self.limit  # probe from here: the excess over it doubling per round
             self._hold = 0
             self._hand_over()
 
@@ -218,9 +219,9 @@ class AdaptiveLimiter:
         self.cuts += 1
         if served is None:
             self._hold = 0  # nothing learned about where the cap is: probe from here at once
-        else:  # this cut's 429s, and those the excess in flight will still get, over target_share
-            share = self._rate_limited / len(self._answers)
-            cost = self._rate_limited + max(0.0, self.in_flight - self.limit) * share
+        else:  # this cut's 429s over the noise, and those the excess in flight will still get, over target_share
+            over = max(0.0, self._cut_share - self.noise)
+            cost = over * len(self._answers) + max(0.0, self.in_flight - self.limit) * over
             self._hold = math.ceil(cost / self.target_share)
         self._answers.clear()
         self._rate_limited = 0
