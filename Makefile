@@ -30,3 +30,4 @@ bench: $(VENV)/.installed-test
 	$(PY) bench/bench_reconstruct.py
 	$(PY) bench/bench_generate.py
 	$(PY) bench/bench_fidelity.py
+	$(PY) bench/bench_limiter.py

@@ -1,4 +1,4 @@
-"""Request building, outcome classification, SSE decoding/assembly, budget, limiter, secrets."""
+"""Request building, outcome classification, SSE decoding/assembly, budget, secrets (the limiter: test_limiter.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 
 from tokenbridge.generate.budget import Budget, cost_of
 from tokenbridge.generate.classify import classify_response, parse_retry_after
-from tokenbridge.generate.limiter import AIMDLimiter
 from tokenbridge.generate.prompts import Sample
 from tokenbridge.generate.request import build_request, wire_body
 from tokenbridge.generate.secrets import ApiKey, MissingApiKey, read_api_key, scrub, scrub_bytes
@@ -302,19 +301,6 @@ def test_store_appends_attempts_and_counts_every_billed_one(tmp_path):
         assert [(a.n, a.cost, a.possible_cost) for a in store.attempts("b-1")] == [
             (1, 0.25, None), (2, 0.5, None), (3, None, 0.125)]
         assert store.total_cost() == pytest.approx(0.75) and store.possible_cost() == pytest.approx(0.125)
-
-
-def test_aimd_limiter_halves_once_per_window_then_recovers():
-    lim = AIMDLimiter(ceiling=64, floor=2)
-    assert lim.on_rate_limited(sent_at=9.0, now=10.0) and lim.limit == 32
-    assert not lim.on_rate_limited(sent_at=9.5, now=10.5) and lim.limit == 32  # sent before the cut: same burst
-    assert lim.on_rate_limited(sent_at=10.2, now=11.0) and lim.limit == 16
-    for _ in range(200):
-        lim.on_success()
-    assert 16 < lim.limit <= 64
-    for i in range(10):
-        lim.on_rate_limited(sent_at=20.0 + i, now=20.0 + i)
-    assert lim.limit == 2  # the floor
 
 
 def test_api_key_scrubbing(monkeypatch):

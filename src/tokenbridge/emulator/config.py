@@ -113,6 +113,9 @@ class ProviderConfig:
     latency_ms: NonNegFloat | None = None  # time to first byte; None: the emulator's latency_ms
     tokens_per_s: NonNegFloat = 0.0  # streaming pace; 0: as fast as possible
     context_length: PosInt = 262_144
+    #: Requests served at once; one more is answered HTTP 429 (with Retry-After) at once,
+    #: as a provider at its capacity does. None: no cap (random 429s are ``faults.rate_limit``).
+    max_concurrency: PosInt | None = None
     quirks: ProviderQuirks = field(default_factory=ProviderQuirks)
     faults: ProviderFaults = field(default_factory=ProviderFaults)
     #: Serving stack whose observable behaviour the provider reproduces (see

@@ -5,7 +5,9 @@ Routes (each also under ``/api/v1`` where OpenRouter has it):
 * ``POST /api/v1/chat/completions``, ``POST /v1/chat/completions``
 * ``GET /models``, ``/api/v1/models``, ``/v1/models``; ``GET /api/v1/models/{author}/{slug}/endpoints``
 * ``GET /api/v1/key``, ``GET /api/v1/credits`` (OpenRouter's account endpoints)
-* ``GET /health``; ``GET /stats`` (request counts: total, by provider, status, fault, sample key)
+* ``GET /health``; ``GET /stats`` (request counts: total, by provider, status, fault, sample key;
+  ``busy_s``, the chat requests' summed time in the server, so the mean concurrency over a
+  span is its growth over the span's length; ``in_flight`` now)
 * ``GET|POST /admin/credits`` (``{"credits_usd": X | null}`` sets a fresh budget),
   ``POST /admin/settings`` (``fault_rate``, ``latency_ms``), ``POST /admin/reset`` (stats, spend)
 
@@ -76,6 +78,7 @@ class _Stats:
         self.by_key: Counter[str] = Counter()
         self.ok_by_key: Counter[str] = Counter()
         self.by_request: Counter[str] = Counter()
+        self.busy_s = 0.0
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -86,6 +89,7 @@ class _Stats:
             "by_key": dict(self.by_key),
             "ok_by_key": dict(self.ok_by_key),
             "by_request": dict(self.by_request),
+            "busy_s": self.busy_s,
         }
 
 
@@ -111,17 +115,21 @@ class _Emulator:
         self._prompts: OrderedDict[tuple, list[int]] = OrderedDict()
         self._ids = itertools.count(1)
         self._models = set(config.models)
+        self._active: Counter[str] = Counter()  # requests each provider is serving now
 
     # -- chat -------------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.stats.total += 1
+        started = time.monotonic()
         try:
             resp = await self._chat(request)
         except _HTTPError as exc:
             resp = _json(error_body(exc.status, exc.message), exc.status, exc.headers)
         except Exception as exc:  # an emulator bug: say so in the body rather than a bare 500
             resp = _json(error_body(500, f"emulator error: {type(exc).__name__}: {exc}"), 500)
+        finally:
+            self.stats.busy_s += time.monotonic() - started
         self.stats.by_status[str(resp.status)] += 1
         return resp
 
@@ -146,7 +154,19 @@ class _Emulator:
         except RoutingError as exc:
             raise _HTTPError(exc.status, exc.message) from None
         self.stats.by_provider[provider.name] += 1
+        cap = provider.max_concurrency
+        if cap is not None and self._active[provider.name] >= cap:
+            self.stats.by_fault["over_capacity"] += 1
+            raise _HTTPError(429, f"{provider.name}: at capacity ({cap} requests at once), retry shortly",
+                             {"Retry-After": str(self.config.retry_after_s)})
+        self._active[provider.name] += 1
+        try:
+            return await self._serve(request, req, provider, skey, attempt, base_model)
+        finally:
+            self._active[provider.name] -= 1
 
+    async def _serve(self, request: web.Request, req: _Request, provider: ProviderConfig, skey: str, attempt: int,
+                     base_model: str) -> web.StreamResponse:
         fault = pick_fault(provider, self.fault_rate, seed=self.config.seed, key=skey, attempt=attempt)
         if fault:
             self.stats.by_fault[fault] += 1
@@ -369,7 +389,7 @@ class _Emulator:
         return _json({"status": "ok"})
 
     async def stats_view(self, request: web.Request) -> web.Response:
-        return _json({**self.stats.as_json(), "spent_usd": self.spent_usd})
+        return _json({**self.stats.as_json(), "spent_usd": self.spent_usd, "in_flight": sum(self._active.values())})
 
     async def admin_credits(self, request: web.Request) -> web.Response:
         if request.method == "POST":

@@ -1,7 +1,7 @@
 """The request engine: asyncio + one shared aiohttp session, bounded and adaptive.
 
 ``concurrency`` workers pull samples in input order; each send first takes a slot from
-the :class:`~.limiter.AIMDLimiter` (which shrinks on 429) and a reservation from the
+the :class:`~.limiter.AdaptiveLimiter` (which shrinks when 429s are a real share) and a reservation from the
 :class:`~.budget.Budget`. A retry is scheduled with ``call_later`` (jittered exponential
 backoff, at least ``Retry-After``) instead of sleeping in a worker, so backoff never
 idles a slot. Finished responses go to :class:`StoreWriter`, which commits them in small
@@ -39,7 +39,7 @@ import json
 import random
 import re
 import time
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -51,7 +51,8 @@ from ..fsio import kill_point
 from .body import CheckedUsage, checked_usage
 from .budget import DEFAULT_RESERVE_TOKENS, Budget, cost_of, estimate_prompt_tokens
 from .classify import Outcome, classify_exception, classify_response
-from .limiter import AIMDLimiter
+from .limiter import AdaptiveLimiter
+from .progress import RateMeter
 from .request import routing_key, wire_body
 from .secrets import ApiKey, scrub, scrub_bytes
 from .settings import GenerateSettings
@@ -95,6 +96,7 @@ class WorkItem:
     routing: str
     tries: int = 0  # attempts in this run
     sent_at: float = 0.0  # monotonic time the latest attempt was sent
+    granted_at: float = 0.0  # when the limiter gave the latest attempt its slot (the limit it was sent under)
     send_anyway: bool = False  # skipped for another sample's 404 last time: send it once
 
     @classmethod
@@ -119,7 +121,7 @@ class EngineStats:
     prompt_tokens: int = 0
     errors: Counter = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
-    recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (t, completion_tokens) per done
+    meter: RateMeter = field(default_factory=RateMeter)  # completions and tokens per second
     in_flight: int = 0
     limit: float = 0.0
     spent: float = 0.0
@@ -130,15 +132,9 @@ class EngineStats:
     stop_reason: str | None = None
     notices: list[str] = field(default_factory=list)
 
-    def rates(self, window_s: float = 30.0) -> tuple[float, float]:
+    def rates(self) -> tuple[float, float]:
         """(samples/s, completion tokens/s) over the recent window."""
-        now = time.monotonic()
-        while self.recent and now - self.recent[0][0] > window_s:
-            self.recent.popleft()
-        if not self.recent:
-            return 0.0, 0.0
-        span = max(now - self.recent[0][0], min(window_s, now - self.started), 1e-6)
-        return len(self.recent) / span, sum(t for _, t in self.recent) / span
+        return self.meter.rates()
 
 
 def make_session(
@@ -237,7 +233,7 @@ class Engine:
         self.store = store
         self.budget = budget
         self.stats = EngineStats()
-        self.limiter = AIMDLimiter(settings.concurrency, floor=settings.min_concurrency)
+        self.limiter = AdaptiveLimiter(settings.concurrency, floor=settings.min_concurrency)
         self._session = session
         self._log = log
         self._url = settings.base_url.rstrip("/") + "/chat/completions"
@@ -361,7 +357,7 @@ class Engine:
         if self.budget.learning_sends > 1:
             self._notice("budget: no [prices] and the prices learned so far are loose: sending one request "
                          "at a time until two responses pin them down (the cap may be passed by one request)")
-        await self.limiter.acquire()
+        item.granted_at = await self.limiter.acquire()
         if self._stopping:  # stopped while waiting for a slot: send nothing new
             self.limiter.release()
             self.budget.cancel(reservation)
@@ -577,7 +573,7 @@ class Engine:
             self.stats.errors[outcome.error_class] += 1
         if outcome.kind == "ok":
             assert record is not None and self._writer is not None
-            self.limiter.on_success()
+            self.limiter.on_success(item.granted_at)
             self._successes += 1
             self._unauthorized_streak = 0
             usage = record.usage or {}
@@ -589,7 +585,7 @@ class Engine:
                 self.stats.done += 1
                 self.stats.completion_tokens += ct
                 self.stats.prompt_tokens += pt
-                self.stats.recent.append((time.monotonic(), ct))
+                self.stats.meter.add(ct)
                 self._finish_one()
 
             self._writer.response(record, counted)
@@ -617,7 +613,7 @@ class Engine:
             self._fail(item, outcome.error_class or "failed", outcome.message)
             return
         # retryable
-        if outcome.kind == "rate_limited" and self.limiter.on_rate_limited(item.sent_at):
+        if outcome.kind == "rate_limited" and self.limiter.on_rate_limited(item.granted_at):
             self.stats.limit = self.limiter.limit
         if item.tries >= self.s.max_attempts:
             self._fail(item, outcome.error_class or "retry", f"gave up after {item.tries} attempts: {outcome.message}")

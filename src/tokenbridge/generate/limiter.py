@@ -1,45 +1,118 @@
-"""Concurrency that adapts to rate limits (AIMD: halve on 429, creep back up on success).
+"""Concurrency that finds a server's cap without mistaking random 429s for one.
 
-The limit starts at the configured concurrency (the ceiling). A 429 halves it, but only
-a 429 for a request sent *after* the last cut counts (as TCP ignores losses from the old
-window): a burst of 429s from requests already in flight is one signal. Each success
-adds ``1/limit``, i.e. about +1 per round of requests.
+A 429 means one of two things: noise (an upstream provider refusing a request now and
+then, whatever the load: OpenRouter does this all the time), or a cap (the server
+refuses whatever is over N at once). Halving on every 429 treats noise as a cap and
+settles near ``sqrt(2/p)`` in flight: 6 at 5% random 429s. This limiter cuts only when
+429s are a real share of recent answers: at least ``min_rate_limited`` of them and
+``threshold`` more than the noise of the last ``window`` answers (200 or 429) to
+requests sent since the last cut. Noise below the threshold never shrinks it. A cap
+does: a 429 comes back at once and frees its slot for the next request, which is
+refused too, so the slots over the cap turn into a stream of 429s that outnumbers the
+successes. A share of ``decisive_share`` or more cuts at once; a smaller one only over
+a whole window. The noise level is learned from the cuts: the share in the first
+whole window after a cut is what the lower limit did not remove, i.e. noise (when it
+is below ``decisive_share``), and a cut that removed next to nothing was made for
+noise and is undone; each later window can only lower the noise level, slowly.
+
+A cut goes to the concurrency the server was really serving: the successes' summed
+time in the server over the last mean latency, over that span (Little's law), not below
+the level a probe started from, and within [0.5, 0.95] of the old limit (0.7 of it when
+the level the last cut chose failed at once: the client's view of latency can make the
+estimate too high). The limit then holds there for as many successes as it
+takes to keep 429s near ``target_share`` of answers (the cut's 429s over that share),
+then probes: +1 per round of requests at first, the excess over the cut level doubling
+each round after, so a cap that rose (or a cut made by chance) is left behind in a few
+rounds rather than one slot per round.
+
+``Retry-After`` is the one request's business (the engine delays that request's retry
+by it); here a 429 is one answer in the window whatever its ``Retry-After``: one 429
+never pauses or shrinks the pool. Other failures (5xx, timeouts) say nothing about a
+cap and are not counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
-__all__ = ["AIMDLimiter"]
+__all__ = ["AdaptiveLimiter"]
+
+_SERVED_SPAN = 1.0  # served concurrency is measured over this many mean latencies
 
 
 @dataclass
-class AIMDLimiter:
+class AdaptiveLimiter:
+    """Slots for requests in flight; the engine reports each answer's 200 or 429."""
+
     ceiling: int
     floor: int = 1
-    decrease: float = 0.5
+    #: Share of 429s among recent answers that means "over a cap".
+    threshold: float = 0.25
+    #: Recent answers looked at.
+    window: int = 64
+    #: 429s needed in the window before a cut (so a handful of chance 429s never cuts).
+    min_rate_limited: int = 8
+    #: A share of 429s this high is a cap, never noise: it cuts without waiting for a whole window.
+    decisive_share: float = 0.5
+    #: After a cut, hold until the cut's 429s are this share of the answers since.
+    target_share: float = 0.03
+    #: Monotonic seconds; injected by tests.
+    clock: Callable[[], float] = time.monotonic
     limit: float = 0.0
     in_flight: int = 0
-    shrinks: int = 0
-    _last_shrink: float = field(default=-1e18, repr=False)
+    cuts: int = 0
+    #: Where the last cut left the limit, or where an undone cut restored it: probes
+    #: start from here (None: never cut).
+    base: float | None = None
+    #: Share of 429s that comes whatever the limit (learned after cuts, see above).
+    noise: float = 0.0
+    _answers: deque = field(default_factory=deque, repr=False)  # True = 429, sent after the last cut
+    _rate_limited: int = field(default=0, repr=False)  # 429s in _answers
+    _served: deque = field(default_factory=deque, repr=False)  # (done_at, latency_s) of recent successes
+    _latency: float | None = field(default=None, repr=False)  # moving mean latency of successes
+    _first_sent: float = field(default=math.inf, repr=False)
+    _last_cut: float = field(default=-math.inf, repr=False)
+    _hold: int = field(default=0, repr=False)  # successes to wait before probing again
+    _block: list = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] of the current window block
+    _after_cut: bool = field(default=False, repr=False)  # the current block is the first since a cut
+    _before_cut: float = field(default=0.0, repr=False)  # the limit before the last cut
+    _cut_share: float = field(default=0.0, repr=False)  # the 429 share that made it
+    _base_held: bool = field(default=False, repr=False)  # a whole window at ``base`` stayed under the threshold
     _waiters: deque = field(default_factory=deque, repr=False)
 
     def __post_init__(self) -> None:
         self.floor = max(1, min(self.floor, self.ceiling))
         self.limit = float(self.ceiling) if not self.limit else self.limit
 
-    async def acquire(self) -> None:
-        """Take a slot; waiters are served in arrival order."""
-        if not self._waiters and self.in_flight < int(self.limit):
+    # --- slots ------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> int:
+        return max(self.floor, int(self.limit))
+
+    def try_acquire(self) -> float | None:
+        """Take a slot if one is free and nobody waits for it: the time it was granted, or None."""
+        if not self._waiters and self.in_flight < self.slots:
             self.in_flight += 1
-            return
+            return self.clock()
+        return None
+
+    async def acquire(self) -> float:
+        """Take a slot (waiters are served in arrival order); returns the time it was granted,
+        which is what :meth:`on_success` / :meth:`on_rate_limited` take as ``sent_at``: a slot
+        granted under the old limit but sent after a cut still answers for the old limit."""
+        granted = self.try_acquire()
+        if granted is not None:
+            return granted
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
-            await fut  # release() hands the slot over (in_flight already counts it)
+            return await fut  # release() hands the slot over (in_flight already counts it)
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self.release()
@@ -50,25 +123,118 @@ class AIMDLimiter:
         self._hand_over()
 
     def _hand_over(self) -> None:
-        while self._waiters and self.in_flight < int(self.limit):
+        while self._waiters and self.in_flight < self.slots:
             fut = self._waiters.popleft()
             if not fut.done():
                 self.in_flight += 1
-                fut.set_result(None)
+                fut.set_result(self.clock())
 
-    def on_success(self) -> None:
-        if self.limit < self.ceiling:
-            self.limit = min(float(self.ceiling), self.limit + 1.0 / max(self.limit, 1.0))
+    # --- answers ----------------------------------------------------------------------
+
+    def on_success(self, sent_at: float) -> None:
+        """A 200 for a request sent at ``sent_at`` (monotonic seconds, the same clock)."""
+        now = self.clock()
+        latency = max(0.0, now - sent_at)
+        self._latency = latency if self._latency is None else self._latency + 0.1 * (latency - self._latency)
+        self._first_sent = min(self._first_sent, sent_at)
+        self._served.append((now, latency))
+        while self._served and self._served[0][0] < now - _SERVED_SPAN * self._latency:
+            self._served.popleft()
+        if sent_at >= self._last_cut:
+            self._note(False)
+        self._grow()
+
+    def on_rate_limited(self, sent_at: float) -> bool:
+        """A 429 for a request sent at ``sent_at``; returns whether the limit was cut.
+
+        A request sent before the last cut answers for the old limit and changes nothing.
+        """
+        if sent_at < self._last_cut:
+            return False
+        self._note(True)
+        n, rl = len(self._answers), self._rate_limited
+        if rl < self.min_rate_limited or rl < (self.noise + self.threshold) * n:
+            return False
+        if rl < self.decisive_share * n and n < self.window:
+            return False  # a moderate share: judged over a whole window only
+        self._cut()
+        return True
+
+    def served_concurrency(self) -> float | None:
+        """Requests the server was serving at once, by Little's law: the successes' time in
+        the server over the last mean latency (or since the first was sent), over that span."""
+        if self._latency is None or not self._served:
+            return None
+        now = self.clock()
+        span = min(_SERVED_SPAN * self._latency, now - self._first_sent)
+        if span <= 0:
+            return None
+        return sum(min(lat, span) for done, lat in self._served if done >= now - span) / span
+
+    def _note(self, rate_limited: bool) -> None:
+        self._answers.append(rate_limited)
+        self._rate_limited += rate_limited
+        if len(self._answers) > self.window:
+            self._rate_limited -= self._answers.popleft()
+        self._block[0] += 1
+        self._block[1] += rate_limited
+        if self._block[0] >= self.window:
+            share = self._block[1] / self._block[0]
+            if self._after_cut:
+                self._judge_cut(share)
+            elif share < self.noise:  # the noise may have stopped: let it fall, slowly (blocks vary)
+                self.noise -= 0.1 * (self.noise - share)
+            self._block = [0, 0]
+            self._after_cut = False
+
+    def _judge_cut(self, share: float) -> None:
+        """The first whole window after a cut: what the lower limit did not remove is noise.
+        A cut that removed next to nothing was made for noise: it is undone."""
+        if share >= self.decisive_share:
+            return  # still far over a cap: not noise
+        self.noise = share
+        self._base_held = True
+        if share > self._cut_share - 0.75 * self.threshold and self._before_cut > self.limit:
+            self.limit = self._before_cut
+            self.base = self.limit  # probe from here: the excess over it doubling per round
+            self._hold = 0
             self._hand_over()
 
-    def on_rate_limited(self, sent_at: float, now: float | None = None) -> bool:
-        """Shrink the limit for a 429 on a request sent at ``sent_at`` (monotonic seconds).
+    def _cut(self) -> None:
+        old = self.limit
+        self._before_cut = old
+        self._cut_share = self._rate_limited / len(self._answers)
+        served = self.served_concurrency()
+        failed_again = self.base is not None and not self._base_held and old <= self.base + 1
+        if served is None:
+            new = 0.5 * old
+        elif failed_again:  # the level the last cut chose failed at once: its estimate was too high
+            new = 0.7 * old
+        else:  # a probe that overshot started from a level that held: not below it
+            good = self.base if self.base is not None and self._base_held and self.base < old else 0.0
+            new = min(max(float(round(served)), good, 0.5 * old), 0.95 * old)
+        self.limit = max(float(self.floor), min(new, float(int(old) - 1)))  # at least one slot fewer
+        self.base = self.limit
+        self._base_held = False
+        self.cuts += 1
+        if served is None:
+            self._hold = 0  # nothing learned about where the cap is: probe from here at once
+        else:  # this cut's 429s over the noise, and those the excess in flight will still get, over target_share
+            over = max(0.0, self._cut_share - self.noise)
+            cost = over * len(self._answers) + max(0.0, self.in_flight - self.limit) * over
+            self._hold = math.ceil(cost / self.target_share)
+        self._answers.clear()
+        self._rate_limited = 0
+        self._block = [0, 0]
+        self._after_cut = True
+        self._last_cut = self.clock()
 
-        Returns whether it shrank: a request sent before the last cut changes nothing.
-        """
-        if sent_at < self._last_shrink:
-            return False
-        self._last_shrink = time.monotonic() if now is None else now
-        self.limit = max(float(self.floor), self.limit * self.decrease)
-        self.shrinks += 1
-        return True
+    def _grow(self) -> None:
+        if self.limit >= self.ceiling:
+            return
+        if self._hold > 0:
+            self._hold -= 1
+            return
+        excess = self.limit - (self.base if self.base is not None else self.limit)
+        self.limit = min(float(self.ceiling), self.limit + max(1.0, excess) / max(self.limit, 1.0))
+        self._hand_over()

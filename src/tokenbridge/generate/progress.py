@@ -7,15 +7,62 @@ read from :class:`~.engine.EngineStats` (the engine never waits on the display).
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import time
+from collections import deque
 from datetime import timedelta
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Callable, TextIO
 
 if TYPE_CHECKING:
     from .engine import EngineStats
 
-__all__ = ["Reporter", "format_line"]
+__all__ = ["RateMeter", "Reporter", "format_line"]
+
+
+class RateMeter:
+    """Completions and completion tokens per second over the last ``window_s`` seconds.
+
+    Counts go into ``bucket_s``-wide time buckets, so memory and cost stay the same at
+    any rate (a bounded buffer of single completions saturates: 4,096 entries over 30 s
+    could never show more than 136.5/s). The rate is the window's count over the time
+    it covers: from the start of its first bucket (or of the meter, if later) to now.
+    """
+
+    def __init__(self, window_s: float = 30.0, bucket_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.bucket_s = bucket_s
+        self.clock = clock
+        self.started = clock()
+        self._buckets: deque[list] = deque()  # [bucket index, completions, tokens], oldest first
+
+    def add(self, tokens: int = 0) -> None:
+        """One completion that produced ``tokens`` completion tokens."""
+        index = math.floor(self.clock() / self.bucket_s)
+        if self._buckets and self._buckets[-1][0] == index:
+            last = self._buckets[-1]
+            last[1] += 1
+            last[2] += tokens
+        else:
+            self._buckets.append([index, 1, tokens])
+            self._trim(index)
+
+    def rates(self) -> tuple[float, float]:
+        """(completions/s, completion tokens/s) over the window."""
+        now = self.clock()
+        first = self._trim(math.floor(now / self.bucket_s))
+        if not self._buckets:
+            return 0.0, 0.0
+        span = max(now - max(first * self.bucket_s, self.started), 1e-6)
+        return sum(b[1] for b in self._buckets) / span, sum(b[2] for b in self._buckets) / span
+
+    def _trim(self, index: int) -> int:
+        """Drop the buckets that left the window ending in bucket ``index``; its first index."""
+        first = index - max(1, round(self.window_s / self.bucket_s)) + 1
+        while self._buckets and self._buckets[0][0] < first:
+            self._buckets.popleft()
+        return first
 
 
 def _eta(stats: "EngineStats", rps: float) -> str:

@@ -1,0 +1,269 @@
+"""The adaptive limiter (simulated servers, injected clock), the progress rate meter, the
+emulator's max_concurrency, and generate against a capped emulator end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import json
+import random
+import sqlite3
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tokenbridge.emulator import ConfigError, EmulatorConfig, ProviderConfig, load_emulator_config, running_emulator
+from tokenbridge.generate import GenerateSettings, RequestSettings, generate_run
+from tokenbridge.generate.limiter import AdaptiveLimiter
+from tokenbridge.generate.progress import RateMeter
+from tokenbridge.generate.settings import DatasetSpec
+
+MODEL = "moonshotai/kimi-k2.5"
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _simulate(lim: AdaptiveLimiter, clock: Clock, *, seconds: float, cap=None, noise=0.0,
+              latency: float = 0.2, rtt: float = 0.001, seed: int = 1, measure_from: float = 0.0) -> dict:
+    """Discrete events: an endless backlog sent as slots allow, to a server that refuses
+    what is over ``cap(t)`` at once (in ``rtt``) and a share ``noise`` of the rest at random."""
+    rng = random.Random(seed)
+    events: list = []
+    seq = active = ok = rl = 0
+    area = 0.0
+    start = last = clock.t
+    cuts_at: list[float] = []
+
+    def fill() -> None:
+        nonlocal seq, active
+        while (granted := lim.try_acquire()) is not None:
+            c = cap(clock.t - start) if callable(cap) else cap
+            p = noise(clock.t - start) if callable(noise) else noise
+            if c is not None and active >= c:
+                status, took, holds = 429, rtt, False
+            elif rng.random() < p:
+                status, took, holds = 429, latency, False
+            else:
+                status, took, holds = 200, latency * rng.uniform(0.8, 1.2), True
+                active += 1
+            seq += 1
+            heapq.heappush(events, (clock.t + took, seq, granted, status, holds))
+
+    fill()
+    while events and clock.t - start < seconds:
+        when, _, sent, status, holds = heapq.heappop(events)
+        counting = when - start >= measure_from
+        if counting:
+            area += lim.in_flight * (when - max(last, start + measure_from))
+        last = clock.t = when
+        active -= holds
+        lim.release()
+        if status == 200:
+            ok += counting
+            lim.on_success(sent)
+        else:
+            rl += counting
+            if lim.on_rate_limited(sent):
+                cuts_at.append(when - start)
+        fill()
+    span = seconds - measure_from
+    return {"ok_s": ok / span, "in_flight": area / span, "share_429": rl / max(1, ok + rl), "cuts_at": cuts_at}
+
+
+def test_random_429s_keep_the_limit_high():
+    for noise in (0.01, 0.05, 0.10):
+        clock = Clock()
+        lim = AdaptiveLimiter(256, clock=clock)
+        r = _simulate(lim, clock, seconds=60, noise=noise)
+        assert r["in_flight"] > 0.95 * 256, (noise, r)  # AIMD sat at 12.6 (1%) and 6.1 (5%)
+        assert lim.limit == 256.0
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=60, noise=0.2)  # heavy noise: a chance cut is undone or left behind
+    assert r["in_flight"] > 0.8 * 256, r
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("cap", [3, 8, 64, 200])
+def test_a_hard_cap_is_found_quickly_and_held_with_few_429s(cap, seed):
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=60, cap=cap, measure_from=10, seed=seed)
+    assert r["cuts_at"] and r["cuts_at"][0] < 0.05  # the first burst of 429s cuts at once
+    assert 0.85 * cap <= r["in_flight"] <= cap + 1, r
+    assert r["share_429"] <= 0.05, r
+    assert int(lim.limit) <= cap + 2
+
+
+def test_the_cap_is_reached_within_a_few_rounds():
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=2, cap=64)  # 2 s = 10 rounds at 200 ms
+    assert 56 <= lim.limit <= 66 and len(r["cuts_at"]) <= 4, (lim.limit, r["cuts_at"])
+
+
+def test_recovers_fast_when_the_cap_is_lifted():
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    _simulate(lim, clock, seconds=60, cap=lambda t: 64 if t < 20 else None, measure_from=50)
+    assert lim.limit == 256.0
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=30, cap=lambda t: 64 if t < 20 else None, measure_from=25)
+    assert r["in_flight"] > 0.95 * 256, r  # back at the ceiling within 5 s (25 rounds) of the lift
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_recovers_fast_when_heavy_noise_stops(seed):
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=30, noise=lambda t: 0.4 if t < 20 else 0.0, measure_from=25, seed=seed)
+    assert r["in_flight"] > 0.95 * 256 and lim.limit == 256.0, r
+
+
+def test_a_cap_that_falls_is_followed():
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=40, cap=lambda t: 128 if t < 10 else 32, measure_from=20)
+    assert 0.85 * 32 <= r["in_flight"] <= 33 and r["share_429"] <= 0.05, r
+
+
+def test_cut_needs_a_real_share_and_one_429_with_retry_after_changes_nothing():
+    clock = Clock()
+    lim = AdaptiveLimiter(64, clock=clock)
+    for _ in range(7):  # a 429 (whatever its Retry-After) is one answer among the window
+        assert not lim.on_rate_limited(sent_at=clock.t - 0.1)
+    assert lim.limit == 64 and lim.cuts == 0
+    grants = [lim.try_acquire() for _ in range(64)]  # the pool is whole: nothing waits for anyone's Retry-After
+    assert None not in grants and lim.try_acquire() is None
+    assert lim.on_rate_limited(sent_at=clock.t - 0.1)  # the 8th in a row: a cap
+    assert lim.limit == 32 and lim.cuts == 1  # nothing learned about the served level yet: halve
+    clock.t += 0.01
+    assert not lim.on_rate_limited(sent_at=clock.t - 0.1)  # granted before the cut: answers for the old limit
+
+
+def test_acquire_waits_in_order_and_returns_the_grant_time():
+    clock = Clock()
+    lim = AdaptiveLimiter(2, clock=clock)
+
+    async def main():
+        a, b = await lim.acquire(), await lim.acquire()
+        assert a == b == 1000.0
+        waiter = asyncio.ensure_future(lim.acquire())
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        clock.t = 1005.0
+        lim.release()
+        assert await waiter == 1005.0 and lim.in_flight == 2
+
+    asyncio.run(main())
+
+
+# --- progress rate -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rate", [10, 1_000, 100_000])
+def test_rate_meter_is_right_at_any_rate(rate):
+    clock = Clock(500.0)
+    meter = RateMeter(clock=clock)
+    seconds = 40 if rate <= 1000 else 3  # past the 30 s window, and a short burst at 100k/s
+    for i in range(int(rate * seconds)):
+        clock.t = 500.0 + i / rate
+        meter.add(7)
+    rps, tps = meter.rates()
+    assert rps == pytest.approx(rate, rel=0.02) and tps == pytest.approx(7 * rate, rel=0.02)
+    clock.t += 60  # nothing for a whole window: the rate falls to zero
+    assert meter.rates() == (0.0, 0.0)
+
+
+def test_rate_and_eta_in_the_progress_line():
+    from tokenbridge.generate.engine import EngineStats
+    from tokenbridge.generate.progress import format_line
+
+    clock = Clock(0.0)
+    stats = EngineStats(total=1_000_000, meter=RateMeter(clock=clock))
+    for i in range(50_000):  # 5,000/s for 10 s: far past the old 136.5/s ceiling
+        clock.t = i / 5000
+        stats.meter.add(1)
+    stats.done = 50_000
+    clock.t = 10.0
+    line = format_line(stats)
+    assert "5000.0 req/s" in line and "ETA 0:03:10" in line, line  # 950,000 left at 5,000/s
+
+
+# --- emulator: max_concurrency ----------------------------------------------------------
+
+
+def _post(url: str) -> int:
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    req = urllib.request.Request(f"{url}/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        assert e.code != 429 or e.headers["Retry-After"] == "3"
+        return e.code
+
+
+def test_emulator_max_concurrency_answers_429_above_the_cap(kimi):
+    capped = ProviderConfig(name="capped/fp8", latency_ms=300.0, max_concurrency=3)
+    cfg = EmulatorConfig(providers=(capped,), retry_after_s=3, min_tokens=4, max_tokens=8)
+    with running_emulator(cfg, tokenizer=kimi) as url:
+        with ThreadPoolExecutor(8) as pool:
+            statuses = sorted(pool.map(lambda _: _post(url), range(8)))
+        assert statuses == [200] * 3 + [429] * 5
+        assert _post(url) == 200  # the slots are free again
+        with urllib.request.urlopen(url.removesuffix("/api/v1") + "/stats") as r:
+            stats = json.loads(r.read())
+        assert stats["by_fault"] == {"over_capacity": 5} and stats["in_flight"] == 0
+        assert stats["busy_s"] >= 4 * 0.3
+
+
+def test_emulator_max_concurrency_is_range_checked(tmp_path):
+    path = tmp_path / "emu.toml"
+    path.write_text('[[providers]]\nname = "a/fp8"\nmax_concurrency = 0\n')
+    with pytest.raises(ConfigError, match=r":3: providers\[0\]\.max_concurrency: "):
+        load_emulator_config(path)
+    path.write_text('[[providers]]\nname = "a/fp8"\nmax_concurrency = "8"\n')
+    with pytest.raises(ConfigError, match=r":3: providers\[0\]\.max_concurrency: "):
+        load_emulator_config(path)
+    path.write_text('[[providers]]\nname = "a/fp8"\nmax_concurrency = 8\n')
+    assert load_emulator_config(path).providers[0].max_concurrency == 8
+
+
+# --- end to end ----------------------------------------------------------------------------
+
+
+def test_generate_against_a_capped_emulator_finishes_with_few_429s(kimi, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-or-v1-test")
+    prompts = tmp_path / "p.jsonl"
+    n = 600
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"question {i % 32}"}) + "\n" for i in range(n)))
+    capped = ProviderConfig(name="capped/fp8", latency_ms=50.0, max_concurrency=8)
+    cfg = EmulatorConfig(providers=(capped,), retry_after_s=1, min_tokens=4, max_tokens=8)
+    with running_emulator(cfg, tokenizer=kimi) as url:
+        settings = GenerateSettings(datasets=(DatasetSpec("d", prompts),), request=RequestSettings(model=MODEL),
+                                    base_url=url, concurrency=64, progress="none", backoff_base_s=0.05,
+                                    backoff_max_s=0.2, max_attempts=20)
+        summary = generate_run(settings, tmp_path / "run")
+    assert summary.done == n and summary.failed == 0
+    with sqlite3.connect(tmp_path / "run" / "state.sqlite") as con:
+        attempts = con.execute("SELECT sample_id, n, started_at, latency_s, http_status FROM attempts").fetchall()
+    by_sample = {(a[0], a[1]): a for a in attempts}
+    refused = [a for a in attempts if a[4] == 429]
+    for sample, k, started, latency, _ in refused:  # Retry-After: 1 delays that request's retry...
+        assert by_sample[(sample, k + 1)][2] >= started + latency + 0.99
+    first = min(refused, key=lambda a: a[2])
+    sent_meanwhile = [a for a in attempts if first[2] + first[3] < a[2] < first[2] + first[3] + 0.9]
+    assert len(sent_meanwhile) > 20  # ...and only that request: the others went on being sent
+    rate_limited = summary.errors.get("http_429", 0)
+    # the first burst (56: 64 sent, 8 served), the way down to 8, a few probes; a limiter deaf to
+    # 429s would churn its 56 extra slots through tens of thousands of them
+    assert 0 < rate_limited <= 0.4 * n, summary.errors
