@@ -51,7 +51,7 @@ def reconstruct_exchange(
     request = ex.request
     thinking = thinking_enabled(request)
     prompt_text = dialect.render_request(request)
-    prompt_ids = tokenizer.encode(prompt_text)
+    prompt_ids = tokenizer.encode_prompt(prompt_text)
     opens = bool(dialect.think_open) and prompt_text.endswith(dialect.think_open)
     response = ex.response
     choices = response.get("choices") or []
