@@ -7,6 +7,7 @@ memory bounded by a fixed number of chunks in flight.
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing as mp
 import os
@@ -19,7 +20,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from .chat import Dialect, message_reasoning, resolve_dialect, thinking_enabled
 from .checks import Finding, Policy, SampleView, run_checks, status_of
-from .exchanges import Exchange, RecordError, iter_lines, loads_line, parse_exchange
+from .exchanges import Exchange, RecordError, loads_line, parse_exchange
 from . import fsio
 from .fsio import dumps_line
 from .outdir import check_output_file
@@ -252,6 +253,12 @@ class ReconstructSummary:
 # Per-process state for pool workers (set by the initializer).
 _WORKER: dict[str, Any] = {}
 
+#: A chunk of input: (number of its first line, whole lines as the file's bytes).
+Chunk = tuple[int, bytes]
+#: Per record of a chunk: (line, end offset of its rows in the chunk's bytes, briefs) when
+#: written as JSONL, (line, rows, None) for Parquet, (line, None, (field, message)) when bad.
+_Entry = tuple[int, Any, Any]
+
 
 def _init_worker(tokenizer_source: str, dialect_name: str | None, policy: Policy | None, as_json: bool) -> None:
     _quiet_worker_signals()
@@ -259,11 +266,24 @@ def _init_worker(tokenizer_source: str, dialect_name: str | None, policy: Policy
     _WORKER.update(tok=tok, dialect=resolve_dialect(tok, dialect_name), policy=policy, as_json=as_json)
 
 
-def _work(chunk: list[tuple[int, str]]) -> list[tuple[int, Any, Any]]:
-    """Reconstruct a chunk of lines: (line, rows or None, (field, message) or None)."""
+def _chunk_lines(chunk: Chunk) -> Iterator[tuple[int, str]]:
+    """The (line number, text) pairs :func:`~tokenbridge.exchanges.iter_lines` gives for
+    these lines: UTF-8 with surrogate escapes, universal newlines, blank lines skipped."""
+    first, data = chunk
+    for lineno, line in enumerate(io.StringIO(data.decode("utf-8", "surrogateescape"), newline=None), first):
+        if line.strip():
+            yield lineno, line
+
+
+def _work(chunk: Chunk) -> tuple[bytes, list[_Entry]]:
+    """Reconstruct a chunk of lines. JSONL rows come back as one bytes object (every
+    row serialised here, newline included) plus where each record's rows end in it: one
+    buffer to ship and write instead of a pickled object per row."""
     tok, dialect, policy, as_json = _WORKER["tok"], _WORKER["dialect"], _WORKER["policy"], _WORKER["as_json"]
-    out = []
-    for lineno, line in chunk:
+    out: list[_Entry] = []
+    parts: list[bytes] = []
+    end = 0
+    for lineno, line in _chunk_lines(chunk):
         try:
             rows = reconstruct_record(loads_line(line), tok, dialect, policy)
         except RecordError as exc:
@@ -273,11 +293,14 @@ def _work(chunk: list[tuple[int, str]]) -> list[tuple[int, Any, Any]]:
             out.append((lineno, None, ("<record>", f"{type(exc).__name__}: {exc}")))
             continue
         if as_json:
-            meta = [_brief(r) for r in rows]
-            out.append((lineno, [dumps_line(r) for r in rows], meta))
+            for row in rows:
+                data = dumps_line(row)
+                parts += (data, b"\n")
+                end += len(data) + 1
+            out.append((lineno, end, [_brief(r) for r in rows]))
         else:
             out.append((lineno, rows, None))
-    return out
+    return b"".join(parts), out
 
 
 def _quiet_worker_signals() -> None:
@@ -288,17 +311,45 @@ def _quiet_worker_signals() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _chunks(lines: Iterator[tuple[int, str]], size: int) -> Iterator[list[tuple[int, str]]]:
-    chunk: list[tuple[int, str]] = []
-    budget = 0
-    for item in lines:
-        chunk.append(item)
-        budget += len(item[1])
-        if len(chunk) >= size or budget >= 4_000_000:
-            yield chunk
-            chunk, budget = [], 0
-    if chunk:
-        yield chunk
+def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024) -> Iterator[Chunk]:
+    """The file's lines in chunks of at most ``max_lines`` lines or about ``max_bytes``,
+    as raw bytes read in blocks: the main process neither decodes nor splits text, and a
+    chunk ships to a worker as one buffer. Numbering follows text mode (``\r``,
+    ``\r\n`` and ``\n`` each end a line), as :func:`~tokenbridge.exchanges.iter_lines`
+    does; chunks end after a ``\n``, so never inside ``\r\n``."""
+    lineno = 1
+    partial: list[bytes] = []  # a line longer than a block, until its newline arrives
+    with open(path, "rb") as fh:
+        while block := fh.read(max_bytes):
+            cut = block.rfind(b"\n") + 1
+            if cut == 0:
+                partial.append(block)
+                continue
+            data = b"".join([*partial, block[:cut]]) if partial else block[:cut]
+            partial = [block[cut:]] if cut < len(block) else []
+            for piece in _at_most_lines(data, max_lines):
+                yield lineno, piece
+                lineno += piece.count(b"\n")
+                if b"\r" in piece:  # a lone \r ends a line in text mode too (memchr-fast test)
+                    lineno += piece.count(b"\r") - piece.count(b"\r\n")
+    if partial:
+        yield lineno, b"".join(partial)
+
+
+def _at_most_lines(data: bytes, max_lines: int) -> Iterator[bytes]:
+    """``data`` (whole lines) cut into pieces of at most ``max_lines`` ``\n``-lines."""
+    if data.count(b"\n") <= max_lines:
+        yield data
+        return
+    start = pos = 0
+    n = 0
+    while (pos := data.find(b"\n", pos) + 1) > 0:
+        n += 1
+        if n == max_lines:
+            yield data[start:pos]
+            start, n = pos, 0
+    if start < len(data):
+        yield data[start:]
 
 
 def reconstruct_file(
@@ -308,7 +359,7 @@ def reconstruct_file(
     dialect: str | None = None,
     policy: Policy | None = None,
     workers: int | None = None,
-    chunk_lines: int = 32,
+    chunk_lines: int = 256,
 ) -> ReconstructSummary:
     """Reconstruct every record of ``src`` (JSONL) into ``dst`` (JSONL, or Parquet by suffix).
 
@@ -325,15 +376,23 @@ def reconstruct_file(
     summary = ReconstructSummary()
     with fsio.staged_file(dst, point="reconstruct") as tmp:
         sink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
-        results = _run_chunks(_chunks(iter_lines(src), chunk_lines), workers, (tok_source, dialect, policy, not as_parquet))
+        results = _run_chunks(_chunks(src, chunk_lines), workers, (tok_source, dialect, policy, not as_parquet))
         try:
-            for lineno, rows, info in results:
-                if rows is None:
-                    summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
-                    continue
-                summary.add([_brief(r) for r in rows] if as_parquet else info)
-                sink.write(rows)
-                fsio.kill_point("reconstruct:record")
+            for blob, entries in results:
+                view = memoryview(blob)
+                start = 0
+                for lineno, rows, info in entries:
+                    if rows is None:
+                        summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
+                        continue
+                    if as_parquet:
+                        summary.add([_brief(r) for r in rows])
+                        sink.write(rows)
+                    else:
+                        summary.add(info)
+                        sink.write(view[start:rows])
+                        start = rows
+                    fsio.kill_point("reconstruct:record")
             sink.close()
         except BaseException:
             sink.abort()
@@ -343,11 +402,12 @@ def reconstruct_file(
     return summary
 
 
-def _run_chunks(chunks: Iterator[list], workers: int, init_args: tuple) -> Iterator[tuple]:
+def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iterator[tuple[bytes, list[_Entry]]]:
+    """Each chunk's :func:`_work` result, in input order, on ``workers`` processes."""
     if workers <= 1:
         _init_worker(*init_args)
         for chunk in chunks:
-            yield from _work(chunk)
+            yield _work(chunk)
         return
     # fork shares the already-loaded tokenizer (start-up in milliseconds, not a second a
     # worker); it is only safe while this process runs no other threads.
@@ -361,9 +421,9 @@ def _run_chunks(chunks: Iterator[list], workers: int, init_args: tuple) -> Itera
         for chunk in chunks:
             pending.append(pool.apply_async(_work, (chunk,)))
             while len(pending) >= max_pending:
-                yield from pending.popleft().get()
+                yield pending.popleft().get()
         while pending:
-            yield from pending.popleft().get()
+            yield pending.popleft().get()
 
 
 class _JsonlSink:
@@ -371,10 +431,9 @@ class _JsonlSink:
         self.path = path
         self._fh = open(path, "wb")
 
-    def write(self, lines: list[bytes]) -> None:
-        for line in lines:
-            self._fh.write(line)
-            self._fh.write(b"\n")
+    def write(self, data: bytes | memoryview) -> None:
+        """Whole JSONL lines, newlines included (one record's rows)."""
+        self._fh.write(data)
 
     def close(self) -> None:
         self._fh.flush()
