@@ -136,3 +136,30 @@ def test_prompt_cache_serves_shared_pieces_in_reconstruct(kimi):
             reconstruct_record(json.loads(line), kimi)
     # each later exchange finds its system prompt and earlier turns in the cache
     assert kimi.prompt_cache_stats["hits"] - before > 18 * 3
+
+
+def test_pool_spool_folder_is_removed_after_success_and_failure(tmp_path, kimi, monkeypatch):
+    import pytest
+
+    from tokenbridge import reconstruct
+    from tokenbridge.fsio import OutputWriteError, is_temp_name
+
+    src = tmp_path / "in" / "exchanges.jsonl"
+    src.parent.mkdir()
+    src.write_text("\n".join(_records(kimi)) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    reconstruct_file(src, out / "ok.jsonl", kimi, workers=2, chunk_lines=2)
+    assert sorted(p.name for p in out.iterdir()) == ["ok.jsonl"]
+
+    calls = []
+
+    def failing_write(self, data):
+        calls.append(len(data))
+        if len(calls) == 3:  # the disk fills while chunks are still spooled
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(reconstruct._JsonlSink, "write", failing_write)
+    with pytest.raises(OutputWriteError, match="No space left on device"):
+        reconstruct_file(src, out / "full.jsonl", kimi, workers=2, chunk_lines=2)
+    assert sorted(p.name for p in out.iterdir()) == ["ok.jsonl"]
+    assert not any(is_temp_name(p.name) for p in out.iterdir())

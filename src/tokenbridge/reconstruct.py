@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import threading
 from collections import Counter, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -260,10 +263,12 @@ Chunk = tuple[int, bytes]
 _Entry = tuple[int, Any, Any]
 
 
-def _init_worker(tokenizer_source: str, dialect_name: str | None, policy: Policy | None, as_json: bool) -> None:
+def _init_worker(tokenizer_source: str, dialect_name: str | None, policy: Policy | None, as_json: bool,
+                 spool: str | None = None) -> None:
     _quiet_worker_signals()
     tok = load_tokenizer(tokenizer_source)
-    _WORKER.update(tok=tok, dialect=resolve_dialect(tok, dialect_name), policy=policy, as_json=as_json)
+    _WORKER.update(tok=tok, dialect=resolve_dialect(tok, dialect_name), policy=policy, as_json=as_json,
+                   spool=spool, spooled=0)
 
 
 def _chunk_lines(chunk: Chunk) -> Iterator[tuple[int, str]]:
@@ -275,10 +280,10 @@ def _chunk_lines(chunk: Chunk) -> Iterator[tuple[int, str]]:
             yield lineno, line
 
 
-def _work(chunk: Chunk) -> tuple[bytes, list[_Entry]]:
-    """Reconstruct a chunk of lines. JSONL rows come back as one bytes object (every
-    row serialised here, newline included) plus where each record's rows end in it: one
-    buffer to ship and write instead of a pickled object per row."""
+def _work(chunk: Chunk) -> tuple[bytes | str, list[_Entry]]:
+    """Reconstruct a chunk of lines. JSONL rows come back as one buffer (every row
+    serialised here, newline included) plus where each record's rows end in it; in a
+    pool the buffer goes to a file in the spool folder and only its name comes back."""
     tok, dialect, policy, as_json = _WORKER["tok"], _WORKER["dialect"], _WORKER["policy"], _WORKER["as_json"]
     out: list[_Entry] = []
     parts: list[bytes] = []
@@ -300,7 +305,33 @@ def _work(chunk: Chunk) -> tuple[bytes, list[_Entry]]:
             out.append((lineno, end, [_brief(r) for r in rows]))
         else:
             out.append((lineno, rows, None))
-    return b"".join(parts), out
+    blob = b"".join(parts)
+    spool = _WORKER["spool"]
+    if spool is None or not blob:
+        return blob, out
+    _WORKER["spooled"] += 1
+    path = os.path.join(spool, f"{os.getpid()}-{_WORKER['spooled']}")
+    with open(path, "xb") as fh:
+        fh.write(blob)
+    return path, out
+
+
+@contextmanager
+def _chunk_rows(result: bytes | str) -> Iterator[memoryview]:
+    """The rows of one :func:`_work` result, from memory or mapped from its spool file
+    (removed after): the main process never copies them through a pipe."""
+    if isinstance(result, bytes):
+        yield memoryview(result)
+        return
+    try:
+        with open(result, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                yield view
+            finally:
+                view.release()
+    finally:
+        os.unlink(result)
 
 
 def _quiet_worker_signals() -> None:
@@ -375,37 +406,49 @@ def reconstruct_file(
         workers = 1 if os.path.getsize(src) < 256_000 else (os.cpu_count() or 1)
     summary = ReconstructSummary()
     with fsio.staged_file(dst, point="reconstruct") as tmp:
+        # Pool workers hand their JSONL rows over as files in a private folder beside the
+        # output (a temp name: a killed run's folder is removed by the next run).
+        spool = fsio.temp_path(dst) if workers > 1 and not as_parquet else None
+        if spool is not None:
+            spool.mkdir(mode=0o700)
         sink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
-        results = _run_chunks(_chunks(src, chunk_lines), workers, (tok_source, dialect, policy, not as_parquet))
+        init_args = (tok_source, dialect, policy, not as_parquet, None if spool is None else str(spool))
+        results = _run_chunks(_chunks(src, chunk_lines), workers, init_args)
         try:
-            for blob, entries in results:
-                view = memoryview(blob)
-                start = 0
-                for lineno, rows, info in entries:
-                    if rows is None:
-                        summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
-                        continue
-                    if as_parquet:
-                        summary.add([_brief(r) for r in rows])
-                        sink.write(rows)
-                    else:
-                        summary.add(info)
-                        sink.write(view[start:rows])
-                        start = rows
-                    fsio.kill_point("reconstruct:record")
+            for result, entries in results:
+                with _chunk_rows(result) as view:
+                    start = 0
+                    for lineno, rows, info in entries:
+                        if rows is None:
+                            summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
+                            continue
+                        if as_parquet:
+                            summary.add([_brief(r) for r in rows])
+                            sink.write(rows)
+                        else:
+                            summary.add(info)
+                            part = view[start:rows]
+                            try:
+                                sink.write(part)
+                            finally:  # even if an error keeps it referenced: the map must close
+                                part.release()
+                            start = rows
+                        fsio.kill_point("reconstruct:record")
             sink.close()
         except BaseException:
             sink.abort()
             raise
         finally:
             results.close()  # stops the worker pool now, not when garbage collected
+            if spool is not None:
+                shutil.rmtree(spool, ignore_errors=True)
     return summary
 
 
-def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iterator[tuple[bytes, list[_Entry]]]:
+def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iterator[tuple[bytes | str, list[_Entry]]]:
     """Each chunk's :func:`_work` result, in input order, on ``workers`` processes."""
     if workers <= 1:
-        _init_worker(*init_args)
+        _init_worker(*init_args[:4])  # in this process: rows stay in memory
         for chunk in chunks:
             yield _work(chunk)
         return
