@@ -244,7 +244,7 @@ def bench_transformers(texts: list[str], tokenizer_dir: Path) -> tuple[float, li
     return time.perf_counter() - t0, ids
 
 
-def bench_reconstruct(src: Path, tokenizer_dir: Path, workers: int) -> dict:
+def bench_reconstruct(src: Path, tokenizer_dir: Path, workers: int, code_dir: Path | None = None) -> dict:
     """Run reconstruct in a fresh process; report wall time (tokenizer load apart: a
     fixed ~0.3 s per process), CPU seconds of the main process and of the workers, and
     peak RSS (main + workers)."""
@@ -263,12 +263,15 @@ def bench_reconstruct(src: Path, tokenizer_dir: Path, workers: int) -> dict:
         f"s = reconstruct_file({str(src)!r}, {str(src) + '.out.jsonl'!r}, tok, workers={workers})\n"
         "dt = time.perf_counter() - t\n"
         "c_main, c_kids = cpu(resource.RUSAGE_SELF) - c_main, cpu(resource.RUSAGE_CHILDREN) - c_kids\n"
-        "main = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "# VmHWM: ru_maxrss keeps the high-water mark of the forked bench process across exec\n"
+        "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')]\n"
+        "main = int(hwm[0].split()[1]) if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
         "print(json.dumps({'seconds': dt, 'load_s': load, 'cpu_main': c_main, 'cpu_workers': c_kids,\n"
         "                  'rss_main_mb': main / 1024, 'rss_worker_mb': kids / 1024, 'summary': s.to_dict()}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    env = {**os.environ, "PYTHONPATH": str(code_dir)} if code_dir else None
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -308,6 +311,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (raw, then reconstruct, per corpus)")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--baseline-src", type=Path, default=None,
+                    help="another checkout's src/ to run reconstruct from too, in the same rounds (before/after)")
     args = ap.parse_args()
 
     from tokenbridge.tokenizer import load_tokenizer
@@ -338,6 +343,8 @@ def main() -> None:
                 run = {"raw": raw}
                 for w in worker_counts:
                     run[w] = bench_reconstruct(c["path"], args.tokenizer, w)
+                    if args.baseline_src:
+                        run[f"baseline {w}"] = bench_reconstruct(c["path"], args.tokenizer, w, args.baseline_src)
                 c["runs"].append(run)
         rec_half = bench_reconstruct(small, args.tokenizer, args.workers)
         for c in corpora.values():
@@ -366,17 +373,18 @@ def main() -> None:
         "Medians (ranges) over the rounds; each ratio is against raw tiktoken in the same round.",
         "CPU efficiency = CPU seconds (main + workers) / wall seconds; raw's is its own process's.",
         "",
-        "| corpus | raw s (eff) | reconstruct, workers | s | ratio vs raw | CPU efficiency | CPU s / raw CPU s | main-process CPU share |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| corpus | raw s | raw CPU efficiency | reconstruct, workers | s | ratio vs raw | CPU efficiency | CPU s / raw CPU s | main-process CPU share |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    keys = [k for wc in worker_counts for k in ([wc, f"baseline {wc}"] if args.baseline_src else [wc])]
     for name, c in corpora.items():
         raw_s = [r["raw"]["seconds"] for r in c["runs"]]
         raw_eff = [r["raw"]["cpu"] / r["raw"]["seconds"] for r in c["runs"]]
-        for wc in worker_counts:
+        for wc in keys:
             rec = [r[wc] for r in c["runs"]]
             cpu = [x["cpu_main"] + x["cpu_workers"] for x in rec]
             lines.append(
-                f"| {name} | {_median_range(raw_s)} ({statistics.median(raw_eff):.2f}) | {wc} | "
+                f"| {name} | {_median_range(raw_s)} | {_median_range(raw_eff)} | {wc} | "
                 f"{_median_range([x['seconds'] for x in rec])} | "
                 f"{_median_range([r['raw']['seconds'] / r[wc]['seconds'] for r in c['runs']])} | "
                 f"{_median_range([cp / x['seconds'] for cp, x in zip(cpu, rec)])} | "
