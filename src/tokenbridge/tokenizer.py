@@ -30,7 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-__all__ = ["Tokenizer", "TokenizerError", "load_tokenizer", "KIMI_PAT_STR", "PROMPT_CACHE_BYTES"]
+__all__ = ["KIMI_PAT_STR", "PROMPT_CACHE_BYTES", "Tokenizer", "TokenizerError", "load_tokenizer"]
 
 #: The Kimi pre-tokenizer pattern (the ``pat_str`` of ``tokenization_kimi.py``).
 KIMI_PAT_STR = "|".join(
@@ -111,7 +111,7 @@ class Tokenizer:
     _split_markers: Callable[[str], list[str | int]] | None = field(default=None, repr=False)
     #: Encode text known to hold no marker (exactly ``encode`` on such text).
     _encode_plain: Callable[[str], list[int]] | None = field(default=None, repr=False)
-    _prompt_cache: "_PieceCache" = field(init=False, repr=False)
+    _prompt_cache: _PieceCache = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "markers", {t: i for i, t in self.marker_ids.items()})
