@@ -1,17 +1,22 @@
 """Reconstruction throughput against the raw tokenizer, in one run on the same text.
 
-Measures, on the same >=10M characters of exchange records:
-  1. raw tiktoken encode, single thread (the limit a re-tokenizer could reach),
-  2. ``tokenbridge reconstruct`` end to end (JSONL in -> gated JSONL out, all cores),
-  3. the transformers fast-tokenizer path a re-tokenizing tool would use
-     (the tiktoken ranks converted by transformers' TikTokenConverter),
-and reconstruct's peak memory at two input sizes (flat means streaming works).
+Two corpora of >=10M characters each: ``bench`` (one-turn exchanges, prose questions,
+mixed prose/CJK reasoning and code answers) and ``workload`` (the production shape: long
+reasoning completions of ~3,770 tokens, multi-turn conversations sharing a few system
+prompts and their earlier turns). For each, in interleaved rounds:
+  1. raw tiktoken encode of each sample's whole text, single thread (the limit a
+     re-tokenizer could reach), wall and CPU seconds;
+  2. ``tokenbridge reconstruct`` end to end (JSONL in -> gated JSONL out) on all cores
+     and on one, wall seconds and the CPU seconds of main process and workers;
+then once: the ids check, what ``input_ids``/``loss_mask`` cost, the transformers
+fast-tokenizer path (TikTokenConverter), and peak memory at two input sizes (flat means
+streaming works).
 
 Text: what ships with the interpreter (standard-library sources for code, the Python
 reference topics for English prose), plus CJK sentences built from the tokenizer's own
-Han tokens.
+Han tokens; generated deterministically, nothing downloaded.
 
-    python bench/bench_reconstruct.py [--chars 10000000] [--tokenizer DIR]
+    python bench/bench_reconstruct.py [--chars 10000000] [--rounds 3] [--tokenizer DIR]
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import glob
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -102,6 +108,90 @@ def build_exchanges(path: Path, tok, target_chars: int, seed: int = 0) -> int:
     return total
 
 
+_TOOLS = [
+    {"type": "function", "function": {
+        "name": "search_docs", "description": "Search the reference documentation and return the best passages.",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "description": "What to look for"},
+            "limit": {"type": "integer", "description": "How many passages (1-20)"}}, "required": ["query"]}}},
+    {"type": "function", "function": {
+        "name": "run_python", "description": "Run a Python snippet in a sandbox and return stdout and stderr.",
+        "parameters": {"type": "object", "properties": {
+            "code": {"type": "string", "description": "The program text"},
+            "timeout_s": {"type": "number", "description": "Wall-clock limit in seconds"}}, "required": ["code"]}}},
+]
+
+
+def build_workload_exchanges(path: Path, tok, target_chars: int, seed: int = 0) -> dict:
+    """The production shape: long reasoning completions (~3,770 tokens each on average),
+    multi-turn conversations whose exchanges share one of a few system prompts (a third
+    with tool declarations) and each earlier turn, several conversations interleaved.
+
+    Returns what the corpus holds (records, characters, mean completion tokens)."""
+    from tokenbridge.chat import resolve_dialect
+
+    rng = random.Random(seed)
+    code, prose = _corpus_sources()
+    cjk = _cjk_sentences(tok, rng, 2000)
+    dialect = resolve_dialect(tok)
+    systems = []
+    for i in range(12):
+        src = rng.choice(prose)
+        a = rng.randrange(max(1, len(src) - 6000))
+        systems.append((f"You are assistant #{i}. Follow these guidelines.\n\n" + src[a : a + rng.randint(1500, 6000)],
+                        _TOOLS if i % 3 == 0 else None))
+
+    def completion() -> tuple[str, str]:
+        want, reasoning = rng.randint(9000, 20600), ""
+        while len(reasoning) < want:  # topics are shorter than a long reasoning: join several
+            reasoning += " ".join(rng.choice(prose)[: want - len(reasoning)].split("\n")) + " "
+        if rng.random() < 0.3:
+            reasoning += "".join(rng.choice(cjk) for _ in range(rng.randint(5, 40)))
+        body = rng.choice(code)
+        b = rng.randrange(max(1, len(body) - 3000))
+        content = "Here is the code:\n\n```python\n" + body[b : b + rng.randint(300, 3000)] + "\n```\n"
+        return reasoning, content
+
+    active: list[dict] = []
+    total = k = n_completion = 0
+    with path.open("w", encoding="utf-8") as fh:
+        while total < target_chars:
+            while len(active) < 8:
+                system, tools = rng.choice(systems)
+                active.append({"msgs": [{"role": "system", "content": system}], "tools": tools, "left": rng.randint(1, 6)})
+            conv = rng.choice(active)
+            src = rng.choice(prose)
+            a = rng.randrange(max(1, len(src) - 1200))
+            msgs = [*conv["msgs"], {"role": "user", "content": src[a : a + rng.randint(100, 1200)]}]
+            reasoning, content = completion()
+            request = {"model": "moonshotai/kimi-k2.5", "messages": msgs}
+            if conv["tools"]:
+                request["tools"] = conv["tools"]
+            prompt = dialect.render_request(request)
+            parts = dialect.completion_parts({"reasoning": reasoning, "content": content}, "stop", True)
+            n = sum(1 if kind in ("think_end", "end") else len(tok.encode(t)) for kind, t in parts)
+            record = {
+                "id": f"work-{k}",
+                "dataset": "workload",
+                "request": request,
+                "response": {
+                    "id": f"gen-{k}", "provider": "bench", "model": "moonshotai/kimi-k2.5",
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "reasoning": reasoning, "content": content}}],
+                    "usage": {"prompt_tokens": len(tok.encode(prompt)), "completion_tokens": n},
+                },
+            }
+            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+            total += len(prompt) + sum(len(t) for _, t in parts)
+            n_completion += n
+            k += 1
+            conv["msgs"] = [*msgs, {"role": "assistant", "content": content}]
+            conv["left"] -= 1
+            if conv["left"] == 0:
+                active.remove(conv)
+    return {"records": k, "chars": total, "completion_tokens_mean": n_completion / max(k, 1)}
+
+
 def _texts(path: Path, tok) -> list[str]:
     from tokenbridge.chat import resolve_dialect
 
@@ -111,24 +201,29 @@ def _texts(path: Path, tok) -> list[str]:
         rec = json.loads(line)
         msg = rec["response"]["choices"][0]["message"]
         parts = dialect.completion_parts(msg, "stop", True)
-        texts.append(dialect.render_prompt(rec["request"]["messages"]) + "".join(t for _, t in parts))
+        texts.append(dialect.render_request(rec["request"]) + "".join(t for _, t in parts))
     return texts
 
 
-def bench_raw_tiktoken(texts: list[str], tokenizer_dir: Path) -> tuple[float, list[list[int]]]:
+def raw_encoder(tokenizer_dir: Path):
+    """tiktoken built directly from the model files: the limit a re-tokenizer could reach."""
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
     from tokenbridge.tokenizer import KIMI_PAT_STR, load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir)
-    enc = tiktoken.Encoding(
+    return tiktoken.Encoding(
         "raw", pat_str=KIMI_PAT_STR, mergeable_ranks=load_tiktoken_bpe(str(tokenizer_dir / "tiktoken.model")),
         special_tokens={t: i for i, t in tok.marker_ids.items()},
     )
-    t0 = time.perf_counter()
+
+
+def bench_raw_tiktoken(texts: list[str], enc) -> dict:
+    """Raw encode of each sample's whole text, one thread: wall and CPU seconds."""
+    t0, c0 = time.perf_counter(), time.process_time()
     ids = [enc.encode(t, allowed_special="all") for t in texts]
-    return time.perf_counter() - t0, ids
+    return {"seconds": time.perf_counter() - t0, "cpu": time.process_time() - c0, "ids": ids}
 
 
 def bench_transformers(texts: list[str], tokenizer_dir: Path) -> tuple[float, list[list[int]]] | None:
@@ -149,81 +244,187 @@ def bench_transformers(texts: list[str], tokenizer_dir: Path) -> tuple[float, li
     return time.perf_counter() - t0, ids
 
 
-def bench_reconstruct(src: Path, tokenizer_dir: Path, workers: int) -> dict:
+def bench_reconstruct(src: Path, tokenizer_dir: Path, workers: int, code_dir: Path | None = None) -> dict:
     """Run reconstruct in a fresh process; report wall time (tokenizer load apart: a
-    fixed ~0.3 s per process) and peak RSS (main + workers)."""
+    fixed ~0.3 s per process), CPU seconds of the main process and of the workers, and
+    peak RSS (main + workers)."""
     code = (
         "import json, resource, sys, time\n"
         "from tokenbridge.reconstruct import reconstruct_file\n"
         "from tokenbridge.tokenizer import load_tokenizer\n"
+        "def cpu(who):\n"
+        "    r = resource.getrusage(who)\n"
+        "    return r.ru_utime + r.ru_stime\n"
         "t = time.perf_counter()\n"
         f"tok = load_tokenizer({str(tokenizer_dir)!r})\n"
         "load = time.perf_counter() - t\n"
+        "c_main, c_kids = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)\n"
         "t = time.perf_counter()\n"
         f"s = reconstruct_file({str(src)!r}, {str(src) + '.out.jsonl'!r}, tok, workers={workers})\n"
         "dt = time.perf_counter() - t\n"
-        "main = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "c_main, c_kids = cpu(resource.RUSAGE_SELF) - c_main, cpu(resource.RUSAGE_CHILDREN) - c_kids\n"
+        "# VmHWM: ru_maxrss keeps the high-water mark of the forked bench process across exec\n"
+        "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')]\n"
+        "main = int(hwm[0].split()[1]) if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
-        "print(json.dumps({'seconds': dt, 'load_s': load, 'rss_main_mb': main / 1024, 'rss_worker_mb': kids / 1024, 'summary': s.to_dict()}))\n"
+        "print(json.dumps({'seconds': dt, 'load_s': load, 'cpu_main': c_main, 'cpu_workers': c_kids,\n"
+        "                  'rss_main_mb': main / 1024, 'rss_worker_mb': kids / 1024, 'summary': s.to_dict()}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    env = {**os.environ, "PYTHONPATH": str(code_dir)} if code_dir else None
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def derived_fields_cost(out_path: Path) -> dict:
+    """What ``input_ids`` and ``loss_mask`` cost, measured on reconstruct's own output:
+    their share of the file's bytes, and the CPU seconds to build and serialise them (the
+    worker's part; writing and shipping the bytes come on top)."""
+    import orjson
+
+    rows = [orjson.loads(line) for line in out_path.open("rb")]
+    total = sum(len(orjson.dumps(r)) + 1 for r in rows)
+    lean = [{k: v for k, v in r.items() if k not in ("input_ids", "loss_mask")} for r in rows]
+    derived = total - sum(len(orjson.dumps(r)) + 1 for r in lean)
+    best_full = best_lean = float("inf")
+    for _ in range(3):
+        c = time.process_time()
+        for r in rows:
+            p, q = r["prompt_ids"], r["completion_ids"]
+            r["input_ids"], r["loss_mask"] = [*p, *q], [0] * len(p) + [1] * len(q)
+            orjson.dumps(r)
+        best_full = min(best_full, time.process_time() - c)
+        c = time.process_time()
+        for r in lean:
+            orjson.dumps(r)
+        best_lean = min(best_lean, time.process_time() - c)
+    return {"bytes": total, "derived_bytes": derived, "cpu_saved": best_full - best_lean}
+
+
+def _median_range(values: list[float], fmt: str = "{:.2f}") -> str:
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--chars", type=int, default=10_000_000)
+    ap.add_argument("--chars", type=int, default=10_000_000, help="characters per corpus")
     ap.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (raw, then reconstruct, per corpus)")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--baseline-src", type=Path, default=None,
+                    help="another checkout's src/ to run reconstruct from too, in the same rounds (before/after)")
     args = ap.parse_args()
 
     from tokenbridge.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer)
+    enc = raw_encoder(args.tokenizer)
+    loadavg = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        small, big = Path(tmp) / "half.jsonl", Path(tmp) / "full.jsonl"
-        chars = build_exchanges(big, tok, args.chars)
+        corpora: dict[str, dict] = {}
+        big = Path(tmp) / "bench.jsonl"
+        corpora["bench"] = {"path": big, "chars": build_exchanges(big, tok, args.chars)}
+        work = Path(tmp) / "workload.jsonl"
+        corpora["workload"] = {"path": work, **build_workload_exchanges(work, tok, args.chars)}
+        small = Path(tmp) / "half.jsonl"
         half_chars = build_exchanges(small, tok, args.chars // 2, seed=1)
-        texts = _texts(big, tok)
-        assert sum(map(len, texts)) == chars
+        for c in corpora.values():
+            c["texts"] = _texts(c["path"], tok)
+            assert sum(map(len, c["texts"])) == c["chars"]
+            c["runs"] = []
 
-        raw_s, raw_ids = bench_raw_tiktoken(texts, args.tokenizer)
-        rec = bench_reconstruct(big, args.tokenizer, args.workers)
+        worker_counts = sorted({args.workers, 1}, reverse=True)
+        for rnd in range(args.rounds):
+            order = list(corpora) if rnd % 2 == 0 else list(reversed(corpora))
+            for name in order:
+                c = corpora[name]
+                raw = bench_raw_tiktoken(c["texts"], enc)
+                c["raw_ids"] = raw.pop("ids")
+                run = {"raw": raw}
+                for w in worker_counts:
+                    run[w] = bench_reconstruct(c["path"], args.tokenizer, w)
+                    if args.baseline_src:
+                        run[f"baseline {w}"] = bench_reconstruct(c["path"], args.tokenizer, w, args.baseline_src)
+                c["runs"].append(run)
         rec_half = bench_reconstruct(small, args.tokenizer, args.workers)
-        hf = bench_transformers(texts, args.tokenizer)
+        for c in corpora.values():
+            # reconstruct's ids must be the raw encoder's ids, sample for sample
+            out = Path(str(c["path"]) + ".out.jsonl")
+            ours = [json.loads(line)["input_ids"] for line in out.open(encoding="utf-8")]
+            c["same"] = sum(a == b for a, b in zip(ours, c["raw_ids"]))
+            c["tokens"] = sum(map(len, c["raw_ids"]))
+            c["derived"] = derived_fields_cost(out)
+        hf = None if args.skip_transformers else bench_transformers(corpora["bench"]["texts"], args.tokenizer)
+    loadavg_end = os.getloadavg()
 
-        # reconstruct's ids must be the raw encoder's ids, sample for sample
-        ours = [json.loads(line)["input_ids"] for line in open(str(big) + ".out.jsonl", encoding="utf-8")]
-        same = sum(a == b for a, b in zip(ours, raw_ids))
-
-    n_tokens = sum(map(len, raw_ids))
+    w = args.workers
     lines = [
-        f"corpus: {len(texts)} records, {chars:,} characters, {n_tokens:,} tokens (half-size run: {half_chars:,} chars)",
-        f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}",
+        f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}; load average "
+        f"{loadavg[0]:.1f} at start, {loadavg_end[0]:.1f} at end; {args.rounds} interleaved rounds",
         "",
-        "| path | seconds | M chars/s | ratio vs raw tiktoken (1 thread) |",
-        "|---|---:|---:|---:|",
-        f"| raw tiktoken encode, 1 thread | {raw_s:.2f} | {chars / raw_s / 1e6:.2f} | 1.00 |",
-        f"| tokenbridge reconstruct end to end, {args.workers} workers | {rec['seconds']:.2f} | "
-        f"{chars / rec['seconds'] / 1e6:.2f} | {raw_s / rec['seconds']:.2f} |",
+    ]
+    for name, c in corpora.items():
+        desc = f"{len(c['texts'])} records, {c['chars']:,} characters, {c['tokens']:,} tokens"
+        if "completion_tokens_mean" in c:
+            desc += f", {c['completion_tokens_mean']:,.0f} completion tokens a record"
+        lines.append(f"corpus {name}: {desc}")
+    lines += [
+        "",
+        "Medians (ranges) over the rounds; each ratio is against raw tiktoken in the same round.",
+        "CPU efficiency = CPU seconds (main + workers) / wall seconds; raw's is its own process's.",
+        "",
+        "| corpus | raw s | raw CPU efficiency | reconstruct, workers | s | ratio vs raw | CPU efficiency | CPU s / raw CPU s | main-process CPU share |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    keys = [k for wc in worker_counts for k in ([wc, f"baseline {wc}"] if args.baseline_src else [wc])]
+    for name, c in corpora.items():
+        raw_s = [r["raw"]["seconds"] for r in c["runs"]]
+        raw_eff = [r["raw"]["cpu"] / r["raw"]["seconds"] for r in c["runs"]]
+        for wc in keys:
+            rec = [r[wc] for r in c["runs"]]
+            cpu = [x["cpu_main"] + x["cpu_workers"] for x in rec]
+            lines.append(
+                f"| {name} | {_median_range(raw_s)} | {_median_range(raw_eff)} | {wc} | "
+                f"{_median_range([x['seconds'] for x in rec])} | "
+                f"{_median_range([r['raw']['seconds'] / r[wc]['seconds'] for r in c['runs']])} | "
+                f"{_median_range([cp / x['seconds'] for cp, x in zip(cpu, rec)])} | "
+                f"{_median_range([cp / r['raw']['cpu'] for cp, r in zip(cpu, c['runs'])])} | "
+                f"{_median_range([x['cpu_main'] / cp for cp, x in zip(cpu, rec)], '{:.0%}')} |"
+            )
+    lines.append("")
+    for name, c in corpora.items():
+        cpu_ratio = statistics.median(
+            (r[w]["cpu_main"] + r[w]["cpu_workers"]) / r["raw"]["cpu"] for r in c["runs"]
+        )
+        d = c["derived"]
+        rec_cpu = statistics.median(r[w]["cpu_main"] + r[w]["cpu_workers"] for r in c["runs"])
+        summary = c["runs"][-1][w]["summary"]
+        lines += [
+            f"{name}: ids equal raw tiktoken ids: {c['same']}/{len(c['texts'])} samples; status {summary['status']}, "
+            f"codes {summary['codes']}",
+            f"{name}: {w} idle cores at these CPU seconds would give {w / cpu_ratio:.2f}x raw "
+            f"(= {w} / CPU s per raw CPU s; an upper bound: perfect overlap, no wait on the main process)",
+            f"{name}: input_ids + loss_mask are {d['derived_bytes'] / d['bytes']:.0%} of reconstructed.jsonl's bytes; "
+            f"building and serialising them costs {d['cpu_saved']:.2f} CPU s, {d['cpu_saved'] / rec_cpu:.0%} of "
+            f"reconstruct's CPU seconds (before shipping and writing those bytes)",
+        ]
+    first = corpora["bench"]["runs"][-1][w]
+    lines += [
+        "",
+        f"tokenizer load (once per process, not in the timings above): {first['load_s']:.2f} s",
+        f"peak RSS, reconstruct (bench corpus): main {rec_half['rss_main_mb']:.0f} MB / worker "
+        f"{rec_half['rss_worker_mb']:.0f} MB at {half_chars:,} chars; main {first['rss_main_mb']:.0f} MB / worker "
+        f"{first['rss_worker_mb']:.0f} MB at {corpora['bench']['chars']:,} chars",
     ]
     if hf:
         hf_s, hf_ids = hf
+        raw_ids = corpora["bench"]["raw_ids"]
         agree = sum(a == b for a, b in zip(hf_ids, raw_ids))
-        lines.append(f"| transformers fast tokenizer (TikTokenConverter), 1 thread | {hf_s:.2f} | "
-                     f"{chars / hf_s / 1e6:.2f} | {raw_s / hf_s:.2f} |")
-    lines += [
-        "",
-        f"tokenizer load (once per process, not in the timings above): {rec['load_s']:.2f} s",
-        f"reconstruct ids equal raw tiktoken ids: {same}/{len(texts)} samples; "
-        f"status {rec['summary']['status']}, codes {rec['summary']['codes']}",
-    ]
-    if hf:
-        lines.append(f"transformers fast-tokenizer ids equal raw tiktoken ids: {agree}/{len(texts)} samples")
-    lines.append(
-        f"peak RSS, reconstruct: main {rec_half['rss_main_mb']:.0f} MB / worker {rec_half['rss_worker_mb']:.0f} MB at "
-        f"{half_chars:,} chars; main {rec['rss_main_mb']:.0f} MB / worker {rec['rss_worker_mb']:.0f} MB at {chars:,} chars"
-    )
+        raw_s = corpora["bench"]["runs"][-1]["raw"]["seconds"]
+        lines.append(
+            f"transformers fast tokenizer (TikTokenConverter), 1 thread, bench corpus: {hf_s:.2f} s, "
+            f"{raw_s / hf_s:.2f}x raw (last round's raw); ids equal raw: {agree}/{len(raw_ids)}"
+        )
     print("\n".join(lines))
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ from hypothesis import strategies as st
 from tokenbridge.tokenizer import (
     KIMI_PAT_STR,
     TokenizerError,
+    _marker_finder,
+    _PieceCache,
     _split_runs_slow,
     load_tokenizer,
     read_pat_str,
@@ -180,3 +184,133 @@ def test_kimi_is_lossless_for_valid_text(text, extra):
     assert kimi.lossless
     s = text + extra + text
     assert kimi.decode_bytes(kimi.encode(s)) == s.encode("utf-8")
+
+
+# --- fast paths: the ordinary encode for marker-free text, the prompt-piece cache ------
+
+#: Text near the markers: whole markers, their fragments, and characters that start one.
+_NEAR_MARKERS = [
+    "<|im_end|>", "<|im_end|", "<|im_end", "|>", "<|", "<", "[", "]", "[BOS]", "[BOS", "[EOS]", "[E",
+    "</think>", "</think", "<think>", "<think", "think>", "</", "<t", "<|im_user|>", "<|im_middle|>",
+    "<|reserved_token_163600|>", "<|reserved_token_16360", "<|tool_call_begin|>", "<|tool_calls_section_end|",
+    "a", " ", "  ", "\n", "\r\n", "\t", "字", "é", "\u2028", "0123", "def f(x):\n    return x[0] < 1\n",
+]
+_near_marker_text = st.lists(
+    st.one_of(st.sampled_from(_NEAR_MARKERS), st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)),
+    max_size=40,
+).map("".join)
+
+
+@lru_cache(maxsize=1)
+def _raw_tiktoken():
+    """tiktoken built directly from the same files: the serving reference for text up to
+    25,000 characters (markers split out by tiktoken itself, every marker allowed)."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    from conftest import KIMI_DIR
+
+    kimi = load_tokenizer(KIMI_DIR)
+    return kimi, tiktoken.Encoding(
+        "reference", pat_str=KIMI_PAT_STR, mergeable_ranks=load_tiktoken_bpe(str(KIMI_DIR / "tiktoken.model")),
+        special_tokens={t: i for i, t in kimi.marker_ids.items()},
+    )
+
+
+def _reference_long(raw, kimi, text: str) -> list[int]:
+    """transformers' tokenize for any length: markers split out, then 400k windows and the
+    run cut (the slow reference splitter), each piece through the ordinary encode."""
+    marker = re.compile("|".join(re.escape(t) for t in sorted(kimi.markers, key=len, reverse=True)))
+    out: list[int] = []
+    pos = 0
+    for m in [*marker.finditer(text), None]:
+        end = m.start() if m else len(text)
+        for w in range(pos, end, 400_000):
+            for piece in _split_runs_slow(text[w : min(w + 400_000, end)]):
+                out.extend(raw.encode_ordinary(piece))
+        if m:
+            out.append(kimi.markers[m.group()])
+            pos = m.end()
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(_near_marker_text)
+def test_fast_paths_equal_tiktoken_on_arbitrary_text(text):
+    kimi, raw = _raw_tiktoken()
+    expected = raw.encode(text, allowed_special="all")
+    assert kimi.encode(text) == expected
+    assert kimi.encode_prompt(text) == expected
+    assert kimi.encode_prompt(text) == expected  # again: now from the cache
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.one_of(_near_marker_text, st.sampled_from(["x" * 25_003, " " * 25_010, "字" * 26_000])), min_size=1, max_size=4).map("".join))
+def test_fast_paths_equal_reference_on_long_text(text):
+    kimi, raw = _raw_tiktoken()
+    expected = _reference_long(raw, kimi, text)
+    assert kimi.encode(text) == expected
+    assert kimi.encode_prompt(text) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(_near_marker_text)
+def test_marker_precheck_is_exact(text):
+    kimi, _ = _raw_tiktoken()
+    marker = re.compile("|".join(re.escape(t) for t in sorted(kimi.markers, key=len, reverse=True)))
+    find = _marker_finder(marker, kimi.markers)
+    assert (find(text) is None) == (marker.search(text) is None)
+    assert find is not marker.search  # Kimi's markers have a pre-check (7 prefixes, 2 first characters)
+
+
+def test_marker_text_in_a_long_completion_still_becomes_marker_ids(kimi):
+    text = "reasoning " * 3000 + "</think>" + "content" + "<|im_end|>"
+    ids = kimi.encode(text)
+    assert ids.count(163607) == 1 and ids[-1] == 163586
+    assert kimi.encode("reasoning " * 3000) == ids[: ids.index(163607)]
+
+
+def test_piece_cache_is_bounded_and_least_recently_used():
+    calls: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        calls.append(text)
+        return [ord(c) for c in text]
+
+    cache = _PieceCache(max_bytes=200_000)
+    pieces = [f"piece {i:04d} " + "y" * 200 for i in range(200)]
+    for p in pieces:
+        assert list(cache.ids(p, encode)) == [ord(c) for c in p]
+    stats = cache.stats()
+    assert stats["misses"] == 200 and stats["hits"] == 0
+    assert 0 < stats["bytes"] <= 200_000 and 0 < stats["entries"] < 200
+    # the newest stay, the oldest went; a hit does not call the encoder
+    calls.clear()
+    assert list(cache.ids(pieces[-1], encode)) == [ord(c) for c in pieces[-1]] and calls == []
+    cache.ids(pieces[0], encode)
+    assert calls == [pieces[0]]
+    # a piece over an eighth of the bound is encoded but never kept
+    big = "z" * 5_000
+    assert list(cache.ids(big, encode)) == [ord("z")] * 5_000
+    assert list(cache.ids(big, encode)) == [ord("z")] * 5_000
+    assert calls.count(big) == 2
+
+
+def test_encode_prompt_reuses_shared_prompt_pieces(kimi):
+    system = "You are a careful assistant. " * 40
+    before = kimi.prompt_cache_stats
+    for q in ("first question", "second question"):
+        prompt = f"<|im_system|>system<|im_middle|>{system}<|im_end|><|im_user|>user<|im_middle|>{q}<|im_end|>"
+        assert kimi.encode_prompt(prompt) == kimi.encode(prompt)
+    after = kimi.prompt_cache_stats
+    # the second prompt found "system", the system text and "user" in the cache
+    assert after["hits"] - before["hits"] >= 3
+
+
+def test_tokenizer_json_encode_prompt_is_encode(tmp_path):
+    folder = tmp_path / "tiny"
+    _tiny_tokenizer_json(folder, ["<|im_start|>", "<|im_end|>", "<think>", "</think>"])
+    tok = load_tokenizer(folder)
+    text = "<|im_start|>hello world<|im_end|><think>think step</think>"
+    assert tok.encode_prompt(text) == tok.encode(text)
+    assert tok.prompt_cache_stats["misses"] == 0  # no splitting, no cache for these folders

@@ -7,13 +7,17 @@ memory bounded by a fixed number of chunks in flight.
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
+import mmap
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import threading
 from collections import Counter, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -21,9 +25,9 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 from .chat import Dialect, message_reasoning, resolve_dialect, thinking_enabled
 from .checks import Finding, Policy, SampleView, reasoning_counts, run_checks, status_of
 from .evidence import LogprobIds, cached_tokens, logprob_ids, logprobs_cover, matched_stop, reasoning_tokens
+from .exchanges import Exchange, RecordError, loads_line, parse_exchange
 from .hypotheses import Candidate, candidates
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
-from .exchanges import Exchange, RecordError, iter_lines, loads_line, parse_exchange
 from . import fsio
 from .fsio import dumps_line
 from .outdir import check_output_file
@@ -98,7 +102,7 @@ def _reconstruct(
     request = ex.request
     thinking = thinking_enabled(request)
     prompt_text = dialect.render_request(request)
-    prompt_ids = tokenizer.encode(prompt_text)
+    prompt_ids = tokenizer.encode_prompt(prompt_text)
     opens = bool(dialect.think_open) and prompt_text.endswith(dialect.think_open)
     response = ex.response
     choices = response.get("choices") or []
@@ -478,32 +482,83 @@ class ReconstructSummary:
 # Per-process state for pool workers (set by the initializer).
 _WORKER: dict[str, Any] = {}
 
+#: A chunk of input: (number of its first line, whole lines as the file's bytes).
+Chunk = tuple[int, bytes]
+#: Per record of a chunk: (line, end offset of its rows in the chunk's bytes, briefs) when
+#: written as JSONL, (line, rows, None) for Parquet, (line, None, (field, message)) when bad.
+_Entry = tuple[int, Any, Any]
+
 
 def _init_worker(tokenizer_source: str, dialect_name: str | None, policy: Policy | None, as_json: bool,
-                 traits: Mapping[str, ProviderTrait] | None = None) -> None:
+                 traits: Mapping[str, ProviderTrait] | None = None, spool: str | None = None) -> None:
     _quiet_worker_signals()
     tok = load_tokenizer(tokenizer_source)
     _WORKER.update(tok=tok, dialect=resolve_dialect(tok, dialect_name), policy=policy, as_json=as_json,
-                   traits=traits)
+                   traits=traits, spool=spool, spooled=0)
 
 
-def _work(chunk: list[tuple[int, str]]) -> list[tuple[int, Any, Any]]:
-    """Reconstruct a chunk of lines: (line, rows or None, (field, message) or None)."""
+def _chunk_lines(chunk: Chunk) -> Iterator[tuple[int, str]]:
+    """The (line number, text) pairs :func:`~tokenbridge.exchanges.iter_lines` gives for
+    these lines: UTF-8 with surrogate escapes, universal newlines, blank lines skipped."""
+    first, data = chunk
+    for lineno, line in enumerate(io.StringIO(data.decode("utf-8", "surrogateescape"), newline=None), first):
+        if line.strip():
+            yield lineno, line
+
+
+def _work(chunk: Chunk) -> tuple[bytes | str, list[_Entry]]:
+    """Reconstruct a chunk of lines. JSONL rows come back as one buffer (every row
+    serialised here, newline included) plus where each record's rows end in it; in a
+    pool the buffer goes to a file in the spool folder and only its name comes back."""
     tok, dialect, policy, as_json = _WORKER["tok"], _WORKER["dialect"], _WORKER["policy"], _WORKER["as_json"]
     traits = _WORKER.get("traits")
-    out = []
-    for lineno, line in chunk:
+    out: list[_Entry] = []
+    parts: list[bytes] = []
+    end = 0
+    for lineno, line in _chunk_lines(chunk):
         try:
-            rows, delta = _reconstruct(parse_exchange(loads_line(line)), tok, dialect, policy, traits)
+            rows, facts = _reconstruct(parse_exchange(loads_line(line)), tok, dialect, policy, traits)
         except RecordError as exc:
             out.append((lineno, None, (exc.field, exc.detail)))
             continue
         except Exception as exc:  # a template or tokenizer failure on this record only
             out.append((lineno, None, ("<record>", f"{type(exc).__name__}: {exc}")))
             continue
-        info = ([_brief(r) for r in rows], delta)
-        out.append((lineno, [dumps_line(r) for r in rows] if as_json else rows, info))
-    return out
+        if as_json:
+            for row in rows:
+                data = dumps_line(row)
+                parts += (data, b"\n")
+                end += len(data) + 1
+            out.append((lineno, end, ([_brief(r) for r in rows], facts)))
+        else:
+            out.append((lineno, rows, ([_brief(r) for r in rows], facts)))
+    blob = b"".join(parts)
+    spool = _WORKER["spool"]
+    if spool is None or not blob:
+        return blob, out
+    _WORKER["spooled"] += 1
+    path = os.path.join(spool, f"{os.getpid()}-{_WORKER['spooled']}")
+    with open(path, "xb") as fh:
+        fh.write(blob)
+    return path, out
+
+
+@contextmanager
+def _chunk_rows(result: bytes | str) -> Iterator[memoryview]:
+    """The rows of one :func:`_work` result, from memory or mapped from its spool file
+    (removed after): the main process never copies them through a pipe."""
+    if isinstance(result, bytes):
+        yield memoryview(result)
+        return
+    try:
+        with open(result, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                yield view
+            finally:
+                view.release()
+    finally:
+        os.unlink(result)
 
 
 def _quiet_worker_signals() -> None:
@@ -514,17 +569,45 @@ def _quiet_worker_signals() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _chunks(lines: Iterator[tuple[int, str]], size: int) -> Iterator[list[tuple[int, str]]]:
-    chunk: list[tuple[int, str]] = []
-    budget = 0
-    for item in lines:
-        chunk.append(item)
-        budget += len(item[1])
-        if len(chunk) >= size or budget >= 4_000_000:
-            yield chunk
-            chunk, budget = [], 0
-    if chunk:
-        yield chunk
+def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024) -> Iterator[Chunk]:
+    """The file's lines in chunks of at most ``max_lines`` lines or about ``max_bytes``,
+    as raw bytes read in blocks: the main process neither decodes nor splits text, and a
+    chunk ships to a worker as one buffer. Numbering follows text mode (``\r``,
+    ``\r\n`` and ``\n`` each end a line), as :func:`~tokenbridge.exchanges.iter_lines`
+    does; chunks end after a ``\n``, so never inside ``\r\n``."""
+    lineno = 1
+    partial: list[bytes] = []  # a line longer than a block, until its newline arrives
+    with open(path, "rb") as fh:
+        while block := fh.read(max_bytes):
+            cut = block.rfind(b"\n") + 1
+            if cut == 0:
+                partial.append(block)
+                continue
+            data = b"".join([*partial, block[:cut]]) if partial else block[:cut]
+            partial = [block[cut:]] if cut < len(block) else []
+            for piece in _at_most_lines(data, max_lines):
+                yield lineno, piece
+                lineno += piece.count(b"\n")
+                if b"\r" in piece:  # a lone \r ends a line in text mode too (memchr-fast test)
+                    lineno += piece.count(b"\r") - piece.count(b"\r\n")
+    if partial:
+        yield lineno, b"".join(partial)
+
+
+def _at_most_lines(data: bytes, max_lines: int) -> Iterator[bytes]:
+    """``data`` (whole lines) cut into pieces of at most ``max_lines`` ``\n``-lines."""
+    if data.count(b"\n") <= max_lines:
+        yield data
+        return
+    start = pos = 0
+    n = 0
+    while (pos := data.find(b"\n", pos) + 1) > 0:
+        n += 1
+        if n == max_lines:
+            yield data[start:pos]
+            start, n = pos, 0
+    if start < len(data):
+        yield data[start:]
 
 
 def reconstruct_file(
@@ -534,7 +617,7 @@ def reconstruct_file(
     dialect: str | None = None,
     policy: Policy | None = None,
     workers: int | None = None,
-    chunk_lines: int = 32,
+    chunk_lines: int = 256,
     provider_profile: Mapping[str, tuple[str, ...]] | None = None,
 ) -> ReconstructSummary:
     """Reconstruct every record of ``src`` (JSONL) into ``dst`` (JSONL, or Parquet by suffix).
@@ -557,48 +640,66 @@ def reconstruct_file(
     known = {name: ProviderTrait(name, edits=edits, edit_sources=("probe",) * len(edits))
              for name, edits in (provider_profile or {}).items() if edits}
     with fsio.staged_file(dst, point="reconstruct") as tmp:
-        summary = _reconstruct_pass(src, tmp, dst.suffix == ".parquet", workers, chunk_lines,
-                                    (tok_source, dialect, policy, known))
+        summary = _reconstruct_pass(src, tmp, dst, workers, chunk_lines, (tok_source, dialect, policy, known))
         traits = summary.stats.traits(summary.stripping_providers(), provider_profile)
         if traits != known:
-            again = _reconstruct_pass(src, tmp, dst.suffix == ".parquet", workers, chunk_lines,
-                                      (tok_source, dialect, policy, traits))
+            again = _reconstruct_pass(src, tmp, dst, workers, chunk_lines, (tok_source, dialect, policy, traits))
             again.stats = summary.stats
             summary = again
         summary.traits = traits
     return summary
 
 
-def _reconstruct_pass(src: str | Path, tmp: Path, as_parquet: bool, workers: int, chunk_lines: int,
+def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk_lines: int,
                       setup: tuple[str, str | None, Policy | None, Mapping[str, ProviderTrait]]) -> ReconstructSummary:
     """One pass of ``src`` into ``tmp`` with the given provider traits."""
     tok_source, dialect, policy, traits = setup
+    as_parquet = dst.suffix == ".parquet"
     summary = ReconstructSummary()
+    # Pool workers hand their JSONL rows over as files in a private folder beside the
+    # output (a temp name: a killed run's folder is removed by the next run).
+    spool = fsio.temp_path(dst) if workers > 1 and not as_parquet else None
+    if spool is not None:
+        spool.mkdir(mode=0o700)
     sink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
-    results = _run_chunks(_chunks(iter_lines(src), chunk_lines), workers,
-                          (tok_source, dialect, policy, not as_parquet, traits))
+    init_args = (tok_source, dialect, policy, not as_parquet, traits, None if spool is None else str(spool))
+    results = _run_chunks(_chunks(src, chunk_lines), workers, init_args)
     try:
-        for lineno, rows, info in results:
-            if rows is None:
-                summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
-                continue
-            summary.add(*info)
-            sink.write(rows)
-            fsio.kill_point("reconstruct:record")
+        for result, entries in results:
+            with _chunk_rows(result) as view:
+                start = 0
+                for lineno, rows, info in entries:
+                    if rows is None:
+                        summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
+                        continue
+                    summary.add(*info)
+                    if as_parquet:
+                        sink.write(rows)
+                    else:
+                        part = view[start:rows]
+                        try:
+                            sink.write(part)
+                        finally:  # even if an error keeps it referenced: the map must close
+                            part.release()
+                        start = rows
+                    fsio.kill_point("reconstruct:record")
         sink.close()
     except BaseException:
         sink.abort()
         raise
     finally:
         results.close()  # stops the worker pool now, not when garbage collected
+        if spool is not None:
+            shutil.rmtree(spool, ignore_errors=True)
     return summary
 
 
-def _run_chunks(chunks: Iterator[list], workers: int, init_args: tuple) -> Iterator[tuple]:
+def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iterator[tuple[bytes | str, list[_Entry]]]:
+    """Each chunk's :func:`_work` result, in input order, on ``workers`` processes."""
     if workers <= 1:
-        _init_worker(*init_args)
+        _init_worker(*init_args[:5])  # in this process: rows stay in memory
         for chunk in chunks:
-            yield from _work(chunk)
+            yield _work(chunk)
         return
     # fork shares the already-loaded tokenizer (start-up in milliseconds, not a second a
     # worker); it is only safe while this process runs no other threads.
@@ -612,9 +713,9 @@ def _run_chunks(chunks: Iterator[list], workers: int, init_args: tuple) -> Itera
         for chunk in chunks:
             pending.append(pool.apply_async(_work, (chunk,)))
             while len(pending) >= max_pending:
-                yield from pending.popleft().get()
+                yield pending.popleft().get()
         while pending:
-            yield from pending.popleft().get()
+            yield pending.popleft().get()
 
 
 class _JsonlSink:
@@ -622,10 +723,9 @@ class _JsonlSink:
         self.path = path
         self._fh = open(path, "wb")
 
-    def write(self, lines: list[bytes]) -> None:
-        for line in lines:
-            self._fh.write(line)
-            self._fh.write(b"\n")
+    def write(self, data: bytes | memoryview) -> None:
+        """Whole JSONL lines, newlines included (one record's rows)."""
+        self._fh.write(data)
 
     def close(self) -> None:
         self._fh.flush()

@@ -6,7 +6,10 @@ Two folder layouts are supported:
   Every id above the BPE ranks is a special token. Encoding follows the serving path
   (transformers' ``tokenize``): special-token text is split out first and becomes its
   special id, then each ordinary piece goes through the model's own ``encode``
-  (400,000-character windows, runs of >25,000 same-class characters cut).
+  (400,000-character windows, runs of >25,000 same-class characters cut). Text that
+  holds no marker (most completion text) goes straight to tiktoken's ordinary encode,
+  which gives the same ids without the special-token scan; prompts are encoded piece by
+  piece between markers, with a bounded cache for the pieces prompts share.
 * ``tokenizer.json`` folders, through Hugging Face ``tokenizers``.
 
 A Hub repo id is resolved to a local folder with ``huggingface_hub`` (tokenizer files
@@ -19,12 +22,15 @@ import ast
 import base64
 import json
 import re
+import sys
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
-__all__ = ["Tokenizer", "TokenizerError", "load_tokenizer", "KIMI_PAT_STR"]
+__all__ = ["KIMI_PAT_STR", "PROMPT_CACHE_BYTES", "Tokenizer", "TokenizerError", "load_tokenizer"]
 
 #: The Kimi pre-tokenizer pattern (the ``pat_str`` of ``tokenization_kimi.py``).
 KIMI_PAT_STR = "|".join(
@@ -49,6 +55,17 @@ _MAX_RUN_CHARS = 25_000
 # A run longer than _MAX_RUN_CHARS, anchored at the start of its run so the scan is
 # linear (an unanchored `\S{25001}` would rescan every suffix of a long run).
 _LONG_RUN = re.compile(r"(?<!\S)\S{%d}|(?<!\s)\s{%d}" % (_MAX_RUN_CHARS + 1, _MAX_RUN_CHARS + 1))
+
+#: Bound on one Tokenizer's prompt-piece cache (per process), in bytes as CPython counts
+#: them: key string + 40 bytes per id (its tuple slot and int object, counted even where
+#: the int is shared) + 150 per entry. 32 MiB holds about 800k prompt tokens.
+PROMPT_CACHE_BYTES = 32 << 20
+#: A piece costing more than this share of the bound is encoded but never cached, so one
+#: huge prompt cannot flush the shared system prompts.
+_CACHE_MAX_ENTRY_SHARE = 8
+#: Above this many distinct two-character marker prefixes the substring pre-check would
+#: cost more than the marker regex it spares; the regex alone decides.
+_MAX_PROBES = 16
 
 _HUB_FILES = [
     "tokenizer_config.json",
@@ -88,13 +105,45 @@ class Tokenizer:
     _decode_bytes: Callable[[Sequence[int]], bytes] = field(repr=False)
     _piece: Callable[[int], bytes] = field(repr=False)
     markers: Mapping[str, int] = field(init=False, repr=False)
+    #: Text -> alternating pieces: ordinary text (str, possibly empty) and marker ids
+    #: (int), such that encoding each piece alone and concatenating equals ``encode``.
+    #: None where that does not hold (``tokenizers`` folders): encode_prompt is encode.
+    _split_markers: Callable[[str], list[str | int]] | None = field(default=None, repr=False)
+    #: Encode text known to hold no marker (exactly ``encode`` on such text).
+    _encode_plain: Callable[[str], list[int]] | None = field(default=None, repr=False)
+    _prompt_cache: _PieceCache = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "markers", {t: i for i, t in self.marker_ids.items()})
+        object.__setattr__(self, "_prompt_cache", _PieceCache(PROMPT_CACHE_BYTES))
 
     def encode(self, text: str) -> list[int]:
         """Encode like the model's tokenizer: marker text becomes its marker id."""
         return self._encode(text)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """``encode(text)``, with the text between markers served from a bounded cache.
+
+        Rendered prompts repeat the same pieces (system prompts, tool declarations,
+        earlier turns of a conversation); each is encoded once per process while it stays
+        in the cache (least recently used first out, :data:`PROMPT_CACHE_BYTES` in all).
+        """
+        split, plain = self._split_markers, self._encode_plain
+        if split is None or plain is None:
+            return self._encode(text)
+        cache = self._prompt_cache
+        out: list[int] = []
+        for piece in split(text):
+            if type(piece) is int:
+                out.append(piece)
+            elif piece:
+                out.extend(cache.ids(piece, plain))
+        return out
+
+    @property
+    def prompt_cache_stats(self) -> dict[str, int]:
+        """Hits, misses, entries and bytes held of the prompt-piece cache (this process)."""
+        return self._prompt_cache.stats()
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         return self._decode_bytes(ids)
@@ -114,6 +163,50 @@ class Tokenizer:
     def max_ordinary_id(self) -> int:
         """Ids above this are markers (tiktoken layout); used as a fast pre-check."""
         return min(self.marker_ids, default=self.vocab_size) - 1
+
+
+class _PieceCache:
+    """Least-recently-used map of text piece -> its ids, bounded in bytes.
+
+    Ids are kept as tuples: a hit is copied into the caller's list in C without making
+    new int objects (an ``array`` would be 8x smaller but a hit 6x slower to unpack).
+    A lock keeps it consistent if one Tokenizer is shared by threads.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, tuple[tuple[int, ...], int]] = OrderedDict()
+        self._bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._lock = threading.Lock()
+
+    def ids(self, piece: str, encode: Callable[[str], list[int]]) -> Sequence[int]:
+        with self._lock:
+            entry = self._entries.get(piece)
+            if entry is not None:
+                self._entries.move_to_end(piece)
+                self._hits += 1
+                return entry[0]
+            self._misses += 1
+        ids = encode(piece)
+        # key + tuple (8 bytes an id) + an int object per id + the dict node
+        cost = sys.getsizeof(piece) + 40 * len(ids) + 150
+        if cost * _CACHE_MAX_ENTRY_SHARE > self.max_bytes:
+            return ids
+        frozen = tuple(ids)
+        with self._lock:
+            if piece not in self._entries:
+                self._entries[piece] = (frozen, cost)
+                self._bytes += cost
+                while self._bytes > self.max_bytes:
+                    _, (_, old) = self._entries.popitem(last=False)
+                    self._bytes -= old
+        return frozen
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"hits": self._hits, "misses": self._misses, "entries": len(self._entries), "bytes": self._bytes}
 
 
 def load_tokenizer(source: str | Path, *, revision: str | None = None) -> Tokenizer:
@@ -283,6 +376,37 @@ def _split_runs_slow(s: str) -> list[str]:
     return out
 
 
+def _marker_finder(marker_re: re.Pattern[str], markers: Iterable[str]) -> Callable[[str], re.Match[str] | None]:
+    """``marker_re.search``, behind a cheap exact pre-check where one exists.
+
+    Text that lacks every marker's first two characters cannot hold a marker. A one-
+    character ``in`` runs at memchr speed, so each marker's first character is looked
+    for first and its two-character prefixes only where it occurs: reasoning prose
+    without ``<`` or ``[`` never reaches the (50x slower) regex.
+    """
+    groups: dict[str, set[str]] = {}
+    for marker in markers:
+        groups.setdefault(marker[:1], set()).add(marker[:2])
+    probes = [(first, tuple(sorted(pairs))) for first, pairs in sorted(groups.items())]
+    search = marker_re.search
+    if (
+        not probes
+        or sum(len(pairs) for _, pairs in probes) > _MAX_PROBES
+        or any(len(p) < 2 for _, pairs in probes for p in pairs)
+    ):
+        return search
+
+    def find(text: str) -> re.Match[str] | None:
+        for first, pairs in probes:
+            if first in text:
+                for pair in pairs:
+                    if pair in text:
+                        return search(text)
+        return None
+
+    return find
+
+
 def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
     import tiktoken
 
@@ -308,23 +432,44 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
 
     allowed = enc.special_tokens_set
     marker_re = re.compile("|".join(re.escape(t) for t in sorted(names.values(), key=len, reverse=True)))
+    first_marker = _marker_finder(marker_re, names.values())
+    ordinary = enc.encode_ordinary
+
+    def encode_plain(text: str) -> list[int]:
+        # No marker in the text: tiktoken's ordinary encode gives the ids the special-
+        # aware encode would, without its per-call special-token set and scan.
+        if len(text) <= _MAX_RUN_CHARS:  # too short for a window or run cut
+            return ordinary(text)
+        out: list[int] = []
+        for piece in split_long_runs(text):
+            out.extend(ordinary(piece))
+        return out
 
     def encode(text: str) -> list[int]:
+        if first_marker(text) is None:
+            return encode_plain(text)
         # Short text cannot hit a window or run cut: one tiktoken call is exact.
         if len(text) <= _MAX_RUN_CHARS:
             return enc.encode(text, allowed_special=allowed)
         # As transformers' tokenize(): split on marker text first, then cut and encode
         # each ordinary piece, so a cut can never fall inside a marker.
         out: list[int] = []
+        for piece in split_markers(text):
+            if type(piece) is int:
+                out.append(piece)
+            elif piece:
+                out.extend(encode_plain(piece))
+        return out
+
+    def split_markers(text: str) -> list[str | int]:
+        pieces: list[str | int] = []
         pos = 0
         for m in marker_re.finditer(text):
-            for piece in split_long_runs(text[pos : m.start()]) if m.start() > pos else ():
-                out.extend(enc.encode_ordinary(piece))
-            out.append(special[m.group()])
+            pieces.append(text[pos : m.start()])
+            pieces.append(special[m.group()])
             pos = m.end()
-        for piece in split_long_runs(text[pos:]) if pos < len(text) else ():
-            out.extend(enc.encode_ordinary(piece))
-        return out
+        pieces.append(text[pos:])
+        return pieces
 
     def piece(token_id: int) -> bytes:
         return enc.decode_single_token_bytes(token_id)
@@ -341,6 +486,8 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
         _encode=encode,
         _decode_bytes=enc.decode_bytes,
         _piece=piece,
+        _split_markers=split_markers,
+        _encode_plain=encode_plain,
     )
 
 

@@ -1,0 +1,165 @@
+"""The fast paths of reconstruct give exactly what the plain paths give.
+
+Equivalence, not timing: byte chunks read the same lines (numbers included) as
+``iter_lines``; rows are the same whatever the worker count and chunk size; and they are
+the rows the pre-fast-path tokenizer (tiktoken's special-aware encode on every call, no
+prompt cache) gives, ids and findings alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenbridge.chat import resolve_dialect
+from tokenbridge.exchanges import iter_lines
+from tokenbridge.fsio import dumps_line
+from tokenbridge.reconstruct import _chunk_lines, _chunks, reconstruct_file, reconstruct_record
+from tokenbridge.tokenizer import KIMI_PAT_STR, load_tokenizer
+
+from conftest import KIMI_DIR
+
+_LINE_BYTES = st.one_of(
+    st.sampled_from([b"", b" ", b"\r", b"\xff\xfe", b"\xe4\xb8", "字".encode(), b'{"a": 1}', b"x" * 700]),
+    st.binary(max_size=30),
+)
+_ENDINGS = st.sampled_from([b"\n", b"\r\n", b"\r", b"\n\n"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_LINE_BYTES, _ENDINGS), max_size=25), st.booleans(),
+       st.integers(1, 5), st.sampled_from([1, 3, 64, 1000, 256 * 1024]))
+def test_byte_chunks_read_the_lines_iter_lines_reads(lines, trailing, max_lines, max_bytes):
+    data = b"".join(text + end for text, end in lines) + (b"tail" if trailing else b"")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "in.jsonl"
+        path.write_bytes(data)
+        expected = list(iter_lines(path))
+        chunks = list(_chunks(path, max_lines, max_bytes))
+    assert [x for c in chunks for x in _chunk_lines(c)] == expected
+    assert b"".join(d for _, d in chunks) == data  # every byte shipped once, in order
+    assert all(d.count(b"\n") <= max_lines for _, d in chunks)
+
+
+@lru_cache(maxsize=1)
+def _reference_tokenizer():
+    """The Kimi tokenizer as it was before the fast paths: every text through tiktoken's
+    special-aware encode (all markers allowed), and encode_prompt is plain encode."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    kimi = load_tokenizer(KIMI_DIR)
+    raw = tiktoken.Encoding(
+        "reference", pat_str=KIMI_PAT_STR, mergeable_ranks=load_tiktoken_bpe(str(KIMI_DIR / "tiktoken.model")),
+        special_tokens={t: i for i, t in kimi.marker_ids.items()},
+    )
+
+    def encode(text: str) -> list[int]:
+        assert len(text) <= 25_000  # the records below stay on the one-call path
+        return raw.encode(text, allowed_special="all")
+
+    return dataclasses.replace(kimi, _encode=encode, _split_markers=None, _encode_plain=None)
+
+
+def _records(kimi) -> list[str]:
+    """Multi-turn conversations over two shared system prompts, clean and dirty
+    completions, and lines that are not records."""
+    dialect = resolve_dialect(kimi)
+    systems = ["You are a careful assistant. " * 30, "Answer in French, briefly. <|im_end|> is text here. " * 10]
+    lines: list[str] = []
+    for conv in range(6):
+        msgs = [{"role": "system", "content": systems[conv % 2]}]
+        for turn in range(3):
+            msgs = [*msgs, {"role": "user", "content": f"Question {turn} of conversation {conv}: why [BOS] <think?"}]
+            reasoning = f"Let me think about turn {turn}. " * 20 + "字" * 10
+            content = f"Answer {turn}:\n```python\nx = a[0] < b\n```\n"
+            if (conv, turn) == (2, 1):
+                content += "</think>"  # a leaked marker: found from the ids
+            parts = dialect.completion_parts({"reasoning": reasoning, "content": content}, "stop", True)
+            n = sum(1 if k in ("think_end", "end") else len(kimi.encode(t)) for k, t in parts)
+            if (conv, turn) == (4, 2):
+                n += 1  # a usage mismatch
+            request = {"model": "moonshotai/kimi-k2.5", "messages": msgs}
+            record = {
+                "id": f"c{conv}-t{turn}", "dataset": "speed",
+                "request": request,
+                "response": {"id": "gen", "provider": "p", "model": "moonshotai/kimi-k2.5",
+                             "choices": [{"index": 0, "finish_reason": "stop",
+                                          "message": {"role": "assistant", "reasoning": reasoning, "content": content}}],
+                             "usage": {"prompt_tokens": len(kimi.encode(dialect.render_request(request))),
+                                       "completion_tokens": n}},
+            }
+            lines.append(json.dumps(record, ensure_ascii=conv % 2 == 0))
+            msgs = [*msgs, {"role": "assistant", "content": content}]
+    lines[5:5] = ["{not json", ""]
+    return lines
+
+
+def test_rows_equal_the_reference_path_for_any_worker_count_and_chunk_size(tmp_path, kimi):
+    lines = _records(kimi)
+    src = tmp_path / "exchanges.jsonl"
+    # CRLF endings and one invalid UTF-8 line: numbering and errors must match too
+    src.write_bytes(b"\r\n".join(line.encode() for line in lines) + b"\r\n\xff\xfe\r\n")
+
+    reference = _reference_tokenizer()
+    expected = b"".join(
+        dumps_line(row) + b"\n"
+        for line in lines if line.strip() and line != "{not json"
+        for row in reconstruct_record(json.loads(line), reference)
+    )
+    outputs = {}
+    summaries = {}
+    for workers, chunk_lines in [(1, 256), (2, 256), (2, 3), (1, 1)]:
+        dst = tmp_path / f"out-{workers}-{chunk_lines}.jsonl"
+        summary = reconstruct_file(src, dst, kimi, workers=workers, chunk_lines=chunk_lines)
+        outputs[workers, chunk_lines] = dst.read_bytes()
+        summaries[workers, chunk_lines] = summary.to_dict()
+    assert all(out == expected for out in outputs.values())
+    first = summaries[1, 256]
+    assert all(s == first for s in summaries.values())
+    assert first["records"] == 18 and first["status"]["ok"] == 16
+    assert first["status"]["rejected"] == 2
+    assert [(b["line"], b["field"]) for b in first["bad_lines"]] == [(6, "<line>"), (21, "<line>")]
+
+
+def test_prompt_cache_serves_shared_pieces_in_reconstruct(kimi):
+    lines = _records(kimi)
+    before = kimi.prompt_cache_stats["hits"]
+    for line in lines:
+        if line.strip() and line != "{not json":
+            reconstruct_record(json.loads(line), kimi)
+    # each later exchange finds its system prompt and earlier turns in the cache
+    assert kimi.prompt_cache_stats["hits"] - before > 18 * 3
+
+
+def test_pool_spool_folder_is_removed_after_success_and_failure(tmp_path, kimi, monkeypatch):
+    import pytest
+
+    from tokenbridge import reconstruct
+    from tokenbridge.fsio import OutputWriteError, is_temp_name
+
+    src = tmp_path / "in" / "exchanges.jsonl"
+    src.parent.mkdir()
+    src.write_text("\n".join(_records(kimi)) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    reconstruct_file(src, out / "ok.jsonl", kimi, workers=2, chunk_lines=2)
+    assert sorted(p.name for p in out.iterdir()) == ["ok.jsonl"]
+
+    calls = []
+
+    def failing_write(self, data):
+        calls.append(len(data))
+        if len(calls) == 3:  # the disk fills while chunks are still spooled
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(reconstruct._JsonlSink, "write", failing_write)
+    with pytest.raises(OutputWriteError, match="No space left on device"):
+        reconstruct_file(src, out / "full.jsonl", kimi, workers=2, chunk_lines=2)
+    assert sorted(p.name for p in out.iterdir()) == ["ok.jsonl"]
+    assert not any(is_temp_name(p.name) for p in out.iterdir())
