@@ -311,7 +311,11 @@ def _trigger(kimi, code):
     return rec
 
 
-@pytest.mark.parametrize("code", sorted(CODES))
+#: Codes only a non-Kimi tokenizer can raise; tests/test_families_common.py triggers them.
+_FAMILY_ONLY = {"completion_unproven"}
+
+
+@pytest.mark.parametrize("code", sorted(set(CODES) - _FAMILY_ONLY))
 def test_every_code_is_triggered_and_absent_on_clean_samples(kimi, code):
     row = reconstruct_record(_trigger(kimi, code), kimi)[0]
     assert code in codes(row)

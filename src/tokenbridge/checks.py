@@ -45,6 +45,7 @@ CODES: dict[str, tuple[str, str]] = {
     "usage_completion_mismatch": ("error", "our completion token count differs from usage.completion_tokens"),
     "roundtrip_mismatch": ("error", "decode(ids) differs from the text"),
     "native_mismatch": ("error", "ids differ from the ground-truth ids"),
+    "completion_unproven": ("error", "unknown family (chat template only): the completion's end and think markers are guessed"),
 }
 
 DEFAULT_SEVERITY: dict[str, str] = {code: sev for code, (sev, _) in CODES.items()}
@@ -197,6 +198,11 @@ def _structured_tools(view: SampleView, policy: Policy):
 def _marker_text(view: SampleView, policy: Policy):
     """Marker ids inside text parts, found from the encoded ids (text → id is exact)."""
     tok, d = view.tokenizer, view.dialect
+    if not d.completion_proven:
+        yield "completion_unproven", (
+            f"{d.name}: a chat template without a known family; the end token {d.end_token!r} and the think "
+            "markers are taken from the tokenizer, not from the engines' parsers"
+        )
     names = tok.marker_ids
     if not names:
         return
@@ -239,18 +245,21 @@ def _classify(found, kind, eos, think, tool) -> dict[str, list[tuple[int, str]]]
 
 
 def _tool_grammar(seq: list[str], d: Dialect) -> str | None:
-    """section_begin (call_begin argument_begin call_end)+ section_end."""
+    """``section_begin unit* section_end`` with at least ``min_units`` units, as the
+    dialect's :class:`ToolMarkers` describe it (Kimi: ``section_begin (call_begin
+    argument_begin call_end)+ section_end``)."""
     tm = d.tool_markers
     assert tm is not None
-    expect_calls = [tm.call_begin, tm.argument_begin, tm.call_end]
+    unit = tm.repeated
     if not seq or seq[0] != tm.section_begin:
         return "tool section does not start with the section marker"
-    if seq[-1] != tm.section_end:
+    if len(seq) < 2 or seq[-1] != tm.section_end:
         return f"tool section not closed by {tm.section_end!r}"
     body = seq[1:-1]
-    if not body:
+    if not body and tm.min_units:
         return "tool section holds no tool call"
-    if len(body) % 3 or any(body[i] != expect_calls[i % 3] for i in range(len(body))):
+    if (len(body) % len(unit) if unit else body) or any(body[i] != unit[i % len(unit)] for i in range(len(body))) \
+            or len(body) < tm.min_units * len(unit):
         return "tool-call markers out of order: " + " ".join(s.strip("<|>") for s in seq)
     return None
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from .chat import Dialect, message_reasoning, resolve_dialect, thinking_enabled
+from .chat import Dialect, message_reasoning, resolve_dialect
 from .checks import Finding, Policy, SampleView, run_checks, status_of
 from .exchanges import Exchange, RecordError, iter_lines, loads_line, parse_exchange
 from . import fsio
@@ -49,7 +49,7 @@ def reconstruct_exchange(
 ) -> list[dict[str, Any]]:
     dialect = dialect or resolve_dialect(tokenizer)
     request = ex.request
-    thinking = thinking_enabled(request)
+    thinking = dialect.thinking(request)
     prompt_text = dialect.render_request(request)
     prompt_ids = tokenizer.encode(prompt_text)
     opens = bool(dialect.think_open) and prompt_text.endswith(dialect.think_open)
