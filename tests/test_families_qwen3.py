@@ -10,6 +10,7 @@ streamed) and must come back exactly, or with a finding.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -207,7 +208,7 @@ PROMPT = [{"role": "system", "content": "You are helpful."}, {"role": "user", "c
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_sglang_served_completions_rebuild_exactly_or_are_flagged(tok, dialect, stream):
     engine = SGLangEngine(tok, "qwen3", "qwen3", {END})
-    seen = {"ok": 0, "not_ok": 0, "kinds": set()}
+    seen = {"accepted": 0, "rejected": 0, "kinds": set()}
 
     @settings(max_examples=300, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -221,18 +222,21 @@ def test_sglang_served_completions_rebuild_exactly_or_are_flagged(tok, dialect, 
         prompt_ids = tok.encode(dialect.render_request(request))
         response = engine.serve(ids, len(prompt_ids), thinking=thinking, stream=stream)
         row, = reconstruct_record({"id": "q", "request": request, "response": response}, tok)
-        if row["status"] == "ok":
+        codes = [c["code"] for c in row["findings"]]
+        seen.setdefault("codes", Counter()).update(codes)
+        if row["status"] != "rejected":  # ok, or flagged only by warnings (truncated)
             assert row["completion_ids"] == ids, (kind, text)
-            seen["ok"] += 1
+            seen["accepted"] += 1
             seen["kinds"].add(kind)
         else:
             assert row["findings"]
-            seen["not_ok"] += 1
+            seen["rejected"] += 1
         if kind == "tool_no_think_close":  # SGLang ends the reasoning at <tool_call>: the formula adds </think>
             assert row["status"] == "rejected" and "usage_completion_mismatch" in {f["code"] for f in row["findings"]}
 
     check()
-    assert seen["ok"] >= 150 and {"plain", "tool", "cut"} <= seen["kinds"], seen
+    print(seen)
+    assert seen["accepted"] >= 150 and {"plain", "tool", "cut"} <= seen["kinds"], seen
 
 
 def test_exact_ids_thinking_tool_call_and_end(tok, dialect):

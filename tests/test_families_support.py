@@ -93,7 +93,8 @@ class RawBytes:
     def __init__(self, folder: str) -> None:
         data = json.loads((SHARED / folder / "tokenizer.json").read_text(encoding="utf-8"))
         dec = _byte_decoder()
-        self.table = {i: bytes(dec[c] for c in t) for t, i in data["model"]["vocab"].items()}
+        self.table = {i: bytes(dec[c] for c in t) if all(c in dec for c in t) else t.encode()
+                      for t, i in data["model"]["vocab"].items()}
         for t in data["added_tokens"]:
             self.table[t["id"]] = t["content"].encode()
 
