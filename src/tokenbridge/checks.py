@@ -210,8 +210,9 @@ def _marker_text(view: SampleView, policy: Policy):
     think = {d.think_open, d.think_close} - {None}
     tool = set(d.tool_markers.all) if d.tool_markers else set()
     content = view.message.get("content")
-    if isinstance(content, str) and content.endswith(d.end_token):
-        yield "eos_in_text", f"content ends with {d.end_token!r} text (leaked); taken as the end token, not doubled"
+    leaked = next((e for e in d.end_tokens if isinstance(content, str) and content.endswith(e)), None)
+    if leaked:
+        yield "eos_in_text", f"content ends with {leaked!r} text (leaked); taken as the end token, not doubled"
     for (kind, _text), ids in zip(view.parts, view.part_ids):
         if kind not in ("reasoning", "content", "tool_calls") or markers.isdisjoint(ids):
             continue

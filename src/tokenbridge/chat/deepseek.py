@@ -19,6 +19,8 @@ and SGLang 0.5.23 fix:
 * Tool calls: ``<｜tool▁calls▁begin｜>(<｜tool▁call▁begin｜>name<｜tool▁sep｜>arguments
   <｜tool▁call▁end｜>)+<｜tool▁calls▁end｜>`` after the content (SGLang's ``deepseekv31``
   detector). The template declares no tools: a request's ``tools`` never reach the prompt.
+  Its history concatenates ``arguments`` as strings, so they reach it as given (SGLang
+  0.5.23 parses them into objects first, which this template cannot render).
 """
 
 from __future__ import annotations
@@ -45,4 +47,5 @@ DEEPSEEK_V31 = Dialect(
     tool_markers=TOOL_MARKERS,
     thinking_default=False,
     think_self_open=False,
+    parse_tool_arguments=False,
 )

@@ -16,7 +16,9 @@ Message = Mapping[str, Any]
 RenderFn = Callable[[Sequence[Message], Sequence[Mapping[str, Any]] | None, bool, Mapping[str, Any]], str]
 
 #: Completion part kinds, in the order they appear.
-PART_KINDS = ("think_start", "reasoning", "think_end", "content", "tool_calls", "end")
+#: ``format`` is text the chat format writes that no API field carries (GLM's newline
+#: before ``<think>``); it is encoded like any text.
+PART_KINDS = ("format", "think_start", "reasoning", "think_end", "content", "tool_calls", "end")
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,22 @@ class Dialect:
     #: (Qwen3). DeepSeek does not: after a tool result its prompt opens no block and
     #: the answer carries no think markers, whatever the engine labels it.
     think_self_open: bool = True
+    #: Text the model writes before ``think_open`` when it opens the block itself (GLM:
+    #: ``"\n"``, as its template's history shows). SGLang returns it inside the reasoning
+    #: (``"\n<think>..."`` whole, ``"\n..."`` streamed); it is taken back out of there.
+    think_open_prefix: str = ""
+    #: The end token of a turn whose content ends with a tool-call section, when it
+    #: differs from ``end_token`` (GLM: ``<|observation|>``).
+    tool_end_token: str | None = None
+    #: Whether the serving engine's JSON-string tool-call arguments reach the template
+    #: as objects (SGLang parses them; DeepSeek V3.1's template concatenates strings, so
+    #: it keeps them as given, which is what renders at all).
+    parse_tool_arguments: bool = True
+
+    @property
+    def end_tokens(self) -> tuple[str, ...]:
+        """Every token that ends a turn of this family's completion."""
+        return (self.end_token,) if self.tool_end_token is None else (self.end_token, self.tool_end_token)
 
     def thinking(self, request: Mapping[str, Any]) -> bool:
         """Whether ``request`` runs in thinking mode for this family."""
@@ -137,8 +155,9 @@ class Dialect:
         does not open the think block itself (``think_self_open`` false) and a prompt
         that opened none: the model wrote no block, and an engine forced into reasoning
         returns its whole answer as reasoning, so there is no ``think_close`` unless
-        content follows (the engine split at a ``think_close`` the model wrote). A length cut
-        appends no end token, and a cut inside the reasoning (no content yet) has no
+        content follows (the engine split at a ``think_close`` the model wrote). The end token
+        is ``end_token``, or ``tool_end_token`` after a tool-call section. A length cut
+        appends none, and a cut inside the reasoning (no content yet) has no
         ``think_close``. When the prompt does not already end with ``think_open`` the
         model writes it first. Raw tool-call sections inside ``content`` stay exactly as
         they are, as their own ``tool_calls`` parts. A leaked end marker at the very end
@@ -152,6 +171,12 @@ class Dialect:
         parts: list[tuple[str, str]] = []
         if thinking and self.think_close:
             if self.think_open and not prompt_opens_think and self.think_self_open:
+                if self.think_open_prefix:
+                    parts.append(("format", self.think_open_prefix))
+                    for lead in (self.think_open_prefix + self.think_open, self.think_open_prefix):
+                        if reasoning.startswith(lead):
+                            reasoning = reasoning[len(lead):]
+                            break
                 parts.append(("think_start", self.think_open))
             if reasoning:
                 parts.append(("reasoning", reasoning))
@@ -162,12 +187,17 @@ class Dialect:
         elif reasoning:
             # Instant mode should carry no reasoning; keep its text so the gate sees it.
             parts.append(("reasoning", reasoning))
-        ended = False
-        if content.endswith(self.end_token):
-            content, ended = content[: -len(self.end_token)], True
+        ended = None
+        for end in self.end_tokens:
+            if content.endswith(end):
+                content, ended = content[: -len(end)], end
+                break
         parts.extend(self._split_tool_sections(content))
         if ended or not cut:
-            parts.append(("end", self.end_token))
+            if ended is None:
+                after_call = self.tool_end_token is not None and bool(parts) and parts[-1][0] == "tool_calls"
+                ended = self.tool_end_token if after_call else self.end_token
+            parts.append(("end", ended))
         return parts
 
     def _split_tool_sections(self, content: str) -> list[tuple[str, str]]:

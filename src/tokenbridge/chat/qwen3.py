@@ -18,6 +18,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from .dialect import Dialect, Message, ToolMarkers
+from .template import serving_messages
 
 #: One call per section: ``<tool_call>`` JSON ``</tool_call>``, no markers inside.
 TOOL_MARKERS = ToolMarkers(section_begin="<tool_call>", section_end="</tool_call>", unit=(), min_units=0)
@@ -78,6 +79,7 @@ def render(
     thinking: bool,
     kwargs: Mapping[str, Any],
 ) -> str:
+    messages = serving_messages(messages, parse_tool_arguments=True)
     out: list[str] = []
     first_system = bool(messages) and messages[0]["role"] == "system"
     if tools:
