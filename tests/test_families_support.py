@@ -108,11 +108,12 @@ class SGLangEngine:
     id trimmed, the rest detokenized with ``skip_special_tokens=True``, reasoning split
     by the real ``ReasoningParser(model_type)`` -- whole (``parse_non_stream``) or one
     text delta per token (``parse_stream_chunk`` / ``parse_stream_end``). Usage counts
-    every completion id, the stop id included."""
+    every completion id, the stop id included. ``skip_special=False`` is SGLang with
+    ``skip_special_tokens: false`` (what it sets itself when the request sends tools)."""
 
-    def __init__(self, tok: Any, folder: str, model_type: str, stop_ids: set[int]) -> None:
+    def __init__(self, tok: Any, folder: str, model_type: str, stop_ids: set[int], *, skip_special: bool = True) -> None:
         self.tok = tok
-        self.skipped = special_ids(folder)
+        self.skipped = special_ids(folder) if skip_special else set()
         self.model_type = model_type
         self.stop_ids = stop_ids
         self.parser_cls = import_sglang_reasoning()

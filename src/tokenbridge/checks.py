@@ -46,6 +46,7 @@ CODES: dict[str, tuple[str, str]] = {
     "roundtrip_mismatch": ("error", "decode(ids) differs from the text"),
     "native_mismatch": ("error", "ids differ from the ground-truth ids"),
     "completion_unproven": ("error", "unknown family (chat template only): the completion's end and think markers are guessed"),
+    "tool_markers_dropped": ("error", "tool-call markup whose special tokens the provider dropped: the section cannot be rebuilt"),
 }
 
 DEFAULT_SEVERITY: dict[str, str] = {code: sev for code, (sev, _) in CODES.items()}
@@ -203,6 +204,14 @@ def _marker_text(view: SampleView, policy: Policy):
             f"{d.name}: a chat template without a known family; the end token {d.end_token!r} and the think "
             "markers are taken from the tokenizer, not from the engines' parsers"
         )
+    tm = d.tool_markers
+    content = view.message.get("content")
+    content_text = content if isinstance(content, str) else ""
+    if tm is not None and tm.token is not None and tm.section_begin.replace(tm.token, "") in content_text:
+        yield "tool_markers_dropped", (
+            f"content holds {tm.section_begin.replace(tm.token, '')!r}: the tool-call markup without its {tm.token!r} "
+            "special tokens (skip_special_tokens dropped them); the section cannot be rebuilt"
+        )
     names = tok.marker_ids
     if not names:
         return
@@ -213,7 +222,7 @@ def _marker_text(view: SampleView, policy: Policy):
     leaked = next((e for e in d.end_tokens if isinstance(content, str) and content.endswith(e)), None)
     if leaked:
         yield "eos_in_text", f"content ends with {leaked!r} text (leaked); taken as the end token, not doubled"
-    for (kind, _text), ids in zip(view.parts, view.part_ids):
+    for (kind, part_text), ids in zip(view.parts, view.part_ids):
         if kind not in ("reasoning", "content", "tool_calls") or markers.isdisjoint(ids):
             continue
         found = [(pos, names[i]) for pos, i in enumerate(ids) if i in markers]
@@ -223,7 +232,7 @@ def _marker_text(view: SampleView, policy: Policy):
             more = f" (+{len(hits) - 5} more)" if len(hits) > 5 else ""
             yield code, f"{len(hits)} marker(s) in {where}: {shown}{more}"
         if kind == "tool_calls":
-            problem = _tool_grammar([t for _, t in found if t in tool], d)
+            problem = _tool_grammar([t for _, t in found if t in tool], d, part_text)
             if problem:
                 yield "tool_markers_malformed", problem
 
@@ -245,12 +254,17 @@ def _classify(found, kind, eos, think, tool) -> dict[str, list[tuple[int, str]]]
     return out
 
 
-def _tool_grammar(seq: list[str], d: Dialect) -> str | None:
+def _tool_grammar(seq: list[str], d: Dialect, text: str = "") -> str | None:
     """``section_begin unit* section_end`` with at least ``min_units`` units, as the
     dialect's :class:`ToolMarkers` describe it (Kimi: ``section_begin (call_begin
-    argument_begin call_end)+ section_end``)."""
+    argument_begin call_end)+ section_end``); a text-delimited section (``tm.token``)
+    must be closed by its end text (the markers inside are checked by ``_classify``)."""
     tm = d.tool_markers
     assert tm is not None
+    if tm.token is not None:
+        if not text.endswith(tm.section_end):
+            return f"tool section not closed by {tm.section_end!r}"
+        return None if seq else "tool section holds no tool-call marker"
     unit = tm.repeated
     if not seq or seq[0] != tm.section_begin:
         return "tool section does not start with the section marker"

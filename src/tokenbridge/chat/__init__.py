@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..tokenizer import Tokenizer
 from .deepseek import DEEPSEEK_V31
+from .deepseek_v32 import DEEPSEEK_V32
 from .dialect import PART_KINDS, Dialect, ToolMarkers, message_reasoning, thinking_enabled
 from .generic import generic_dialect
 from .glm import GLM45
@@ -28,7 +29,7 @@ __all__ = [
     "thinking_enabled",
 ]
 
-DIALECTS: dict[str, Dialect] = {d.name: d for d in (KIMI_K25, QWEN3, DEEPSEEK_V31, GLM45)}
+DIALECTS: dict[str, Dialect] = {d.name: d for d in (KIMI_K25, QWEN3, DEEPSEEK_V31, DEEPSEEK_V32, GLM45)}
 
 
 class DialectError(Exception):
@@ -42,7 +43,9 @@ def _family(tokenizer: Tokenizer) -> Dialect | None:
     markers = tokenizer.markers
     if "<|im_middle|>" in markers and "<|im_assistant|>" in markers:
         return KIMI_K25
-    if "<｜Assistant｜>" in markers and "<｜tool▁sep｜>" in markers and "｜DSML｜" not in markers:
+    if "<｜Assistant｜>" in markers and "｜DSML｜" in markers:
+        return DEEPSEEK_V32
+    if "<｜Assistant｜>" in markers and "<｜tool▁sep｜>" in markers:
         return DEEPSEEK_V31
     if "[gMASK]" in markers and "<|observation|>" in markers:
         return GLM45

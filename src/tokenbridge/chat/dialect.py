@@ -42,6 +42,10 @@ class ToolMarkers:
     unit: tuple[str, ...] | None = None
     #: Fewest repetitions of ``unit`` a section holds.
     min_units: int = 1
+    #: For sections delimited by text around one marker token (DeepSeek V3.2's
+    #: ``<｜DSML｜function_calls>``): that token. ``section_begin`` / ``section_end`` are
+    #: then texts, and every marker inside a section must be this token.
+    token: str | None = None
 
     @property
     def repeated(self) -> tuple[str, ...]:
@@ -51,11 +55,16 @@ class ToolMarkers:
 
     @property
     def all(self) -> tuple[str, ...]:
+        """The marker tokens that belong to tool sections."""
+        if self.token is not None:
+            return (self.token,)
         return tuple(dict.fromkeys((self.section_begin, self.section_end, *self.repeated)))
 
     @property
     def grammar(self) -> str:
         """The grammar in words, for findings and docs."""
+        if self.token is not None:
+            return f"{self.section_begin} ... {self.section_end}, no marker but {self.token} inside"
         unit = " ".join(self.repeated)
         rep = "+" if self.min_units else "*"
         return f"{self.section_begin} ({unit}){rep} {self.section_end}" if unit else f"{self.section_begin} ... {self.section_end}"
@@ -213,6 +222,8 @@ class Dialect:
             if start < 0:
                 parts.append(("content", content[pos:]))
                 break
+            if tm.token is not None:  # cut at the marker token, where the encoder cuts too
+                start += tm.section_begin.index(tm.token)
             if start > pos:
                 parts.append(("content", content[pos:start]))
             stop = content.find(tm.section_end, start)
