@@ -311,7 +311,7 @@ def _trigger(kimi, code):
     return rec
 
 
-#: Codes only a non-Kimi tokenizer can raise; tests/test_families_common.py triggers them.
+#: Codes only a non-Kimi tokenizer can raise; tests/test_families_*.py trigger them (common, deepseek_v32).
 _FAMILY_ONLY = {"completion_unproven", "tool_markers_dropped"}
 
 
