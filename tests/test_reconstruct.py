@@ -341,9 +341,11 @@ _TRAIT_TRIGGERS = {
     "provider_strips_whitespace": {"Test": ProviderTrait("Test", edits=("strip",), edit_sources=("run",))},
     "provider_edits_text": {"Test": ProviderTrait("Test", edits=("nfkc",), edit_sources=("probe",))},
 }
+#: Codes only a non-Kimi tokenizer can raise; tests/test_families_*.py trigger them (common, deepseek_v32).
+_FAMILY_ONLY = {"completion_unproven", "tool_markers_dropped"}
 
 
-@pytest.mark.parametrize("code", sorted(CODES))
+@pytest.mark.parametrize("code", sorted(set(CODES) - _FAMILY_ONLY))
 def test_every_code_is_triggered_and_absent_on_clean_samples(kimi, code):
     row = reconstruct_record(_trigger(kimi, code), kimi, traits=_TRAIT_TRIGGERS.get(code))[0]
     assert code in codes(row)

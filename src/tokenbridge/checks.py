@@ -55,6 +55,8 @@ CODES: dict[str, tuple[str, str]] = {
     "reconstruction_ambiguous": ("error", "the response fits several native sequences and no evidence picks one"),
     "provider_strips_whitespace": ("warning", "across the run this provider's text never keeps edge whitespace: it strips, which can keep the count"),
     "provider_edits_text": ("warning", "tokenbridge probe found this provider edits text in a way that can keep the token count"),
+    "completion_unproven": ("error", "unknown family (chat template only): the completion's end and think markers are guessed"),
+    "tool_markers_dropped": ("error", "tool-call markup whose special tokens the provider dropped: the section cannot be rebuilt"),
 }
 
 DEFAULT_SEVERITY: dict[str, str] = {code: sev for code, (sev, _) in CODES.items()}
@@ -251,6 +253,19 @@ def _structured_tools(view: SampleView, policy: Policy):
 def _marker_text(view: SampleView, policy: Policy):
     """Marker ids inside text parts, found from the encoded ids (text → id is exact)."""
     tok, d = view.tokenizer, view.dialect
+    if not d.completion_proven:
+        yield "completion_unproven", (
+            f"{d.name}: a chat template without a known family; the end token {d.end_token!r} and the think "
+            "markers are taken from the tokenizer, not from the engines' parsers"
+        )
+    tm = d.tool_markers
+    content = view.message.get("content")
+    content_text = content if isinstance(content, str) else ""
+    if tm is not None and tm.token is not None and tm.section_begin.replace(tm.token, "") in content_text:
+        yield "tool_markers_dropped", (
+            f"content holds {tm.section_begin.replace(tm.token, '')!r}: the tool-call markup without its {tm.token!r} "
+            "special tokens (skip_special_tokens dropped them); the section cannot be rebuilt"
+        )
     names = tok.marker_ids
     if not names:
         return
@@ -258,9 +273,10 @@ def _marker_text(view: SampleView, policy: Policy):
     think = {d.think_open, d.think_close} - {None}
     tool = set(d.tool_markers.all) if d.tool_markers else set()
     content = view.message.get("content")
-    if isinstance(content, str) and content.endswith(d.end_token):
-        yield "eos_in_text", f"content ends with {d.end_token!r} text (leaked); taken as the end token, not doubled"
-    for (kind, _text), ids in zip(view.parts, view.part_ids):
+    leaked = next((e for e in d.end_tokens if isinstance(content, str) and content.endswith(e)), None)
+    if leaked:
+        yield "eos_in_text", f"content ends with {leaked!r} text (leaked); taken as the end token, not doubled"
+    for (kind, part_text), ids in zip(view.parts, view.part_ids):
         if kind not in ("reasoning", "content", "tool_calls") or markers.isdisjoint(ids):
             continue
         found = [(pos, names[i]) for pos, i in enumerate(ids) if i in markers]
@@ -270,8 +286,8 @@ def _marker_text(view: SampleView, policy: Policy):
             more = f" (+{len(hits) - 5} more)" if len(hits) > 5 else ""
             yield code, f"{len(hits)} marker(s) in {where}: {shown}{more}"
         if kind == "tool_calls":
-            cut = view.choice.get("finish_reason") == "length" and (kind, _text) == tuple(view.parts[-1])
-            problem = _tool_grammar([t for _, t in found if t in tool], d, cut=cut)
+            cut = view.choice.get("finish_reason") == "length" and (kind, part_text) == tuple(view.parts[-1])
+            problem = _tool_grammar([t for _, t in found if t in tool], d, part_text, cut=cut)
             if problem:
                 yield "tool_markers_malformed", problem
 
@@ -293,21 +309,32 @@ def _classify(found, kind, eos, think, tool) -> dict[str, list[tuple[int, str]]]
     return out
 
 
-def _tool_grammar(seq: list[str], d: Dialect, cut: bool = False) -> str | None:
-    """section_begin (call_begin argument_begin call_end)+ section_end; with ``cut`` (a
-    length cut inside the section) any prefix of that, since the model was stopped."""
+def _tool_grammar(seq: list[str], d: Dialect, text: str = "", cut: bool = False) -> str | None:
+    """``section_begin unit* section_end`` with at least ``min_units`` units, as the
+    dialect's :class:`ToolMarkers` describe it (Kimi: ``section_begin (call_begin
+    argument_begin call_end)+ section_end``); a text-delimited section (``tm.token``)
+    must be closed by its end text (the markers inside are checked by ``_classify``).
+    With ``cut`` (a length cut inside the section) any prefix of that is well formed:
+    the model was stopped."""
     tm = d.tool_markers
     assert tm is not None
-    expect_calls = [tm.call_begin, tm.argument_begin, tm.call_end]
+    if tm.token is not None:
+        if not text.endswith(tm.section_end) and not cut:
+            return f"tool section not closed by {tm.section_end!r}"
+        return None if seq or cut else "tool section holds no tool-call marker"
+    unit = tm.repeated
     if not seq or seq[0] != tm.section_begin:
         return "tool section does not start with the section marker"
-    closed = seq[-1] == tm.section_end and len(seq) > 1
+    closed = len(seq) >= 2 and seq[-1] == tm.section_end
     if not closed and not cut:
         return f"tool section not closed by {tm.section_end!r}"
     body = seq[1:-1] if closed else seq[1:]
-    if not body and closed:
+    if closed and not body and tm.min_units:
         return "tool section holds no tool call"
-    if (closed and len(body) % 3) or any(body[i] != expect_calls[i % 3] for i in range(len(body))):
+    bad = bool(body) if not unit else any(body[i] != unit[i % len(unit)] for i in range(len(body)))
+    if closed and unit:
+        bad = bad or bool(len(body) % len(unit)) or len(body) < tm.min_units * len(unit)
+    if bad:
         return "tool-call markers out of order: " + " ".join(s.strip("<|>") for s in seq)
     return None
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from .chat import Dialect, message_reasoning, resolve_dialect, thinking_enabled
+from .chat import Dialect, message_reasoning, resolve_dialect
 from .checks import Finding, Policy, SampleView, reasoning_counts, run_checks, status_of
 from .evidence import LogprobIds, cached_tokens, logprob_ids, logprobs_cover, matched_stop, reasoning_tokens
 from .exchanges import Exchange, RecordError, loads_line, parse_exchange
@@ -100,7 +100,7 @@ def _reconstruct(
     dialect = dialect or resolve_dialect(tokenizer)
     policy = policy or Policy()
     request = ex.request
-    thinking = thinking_enabled(request)
+    thinking = dialect.thinking(request)
     prompt_text = dialect.render_request(request)
     prompt_ids = tokenizer.encode_prompt(prompt_text)
     opens = bool(dialect.think_open) and prompt_text.endswith(dialect.think_open)

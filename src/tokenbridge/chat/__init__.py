@@ -1,14 +1,18 @@
 """Chat formats ("dialects"): render the prompt as the serving side does, and assemble
 the completion the model wrote from an API message.
 
-Adding a family means one small module that defines a :class:`Dialect` and one line in
-``DIALECTS``.
+Adding a family means one small module that defines a :class:`Dialect`, one line in
+``DIALECTS`` and its signature tokens in ``_family``.
 """
 
 from __future__ import annotations
 
 from ..tokenizer import Tokenizer
+from .deepseek import DEEPSEEK_V31
+from .deepseek_v32 import DEEPSEEK_V32
 from .dialect import PART_KINDS, Dialect, ToolMarkers, message_reasoning, thinking_enabled
+from .generic import generic_dialect
+from .glm import GLM45
 from .kimi import KIMI_K25
 from .qwen3 import QWEN3
 from .template import TemplateError, special_token_strings, template_renderer
@@ -25,7 +29,7 @@ __all__ = [
     "thinking_enabled",
 ]
 
-DIALECTS: dict[str, Dialect] = {d.name: d for d in (KIMI_K25, QWEN3)}
+DIALECTS: dict[str, Dialect] = {d.name: d for d in (KIMI_K25, QWEN3, DEEPSEEK_V31, DEEPSEEK_V32, GLM45)}
 
 
 class DialectError(Exception):
@@ -33,9 +37,18 @@ class DialectError(Exception):
 
 
 def _family(tokenizer: Tokenizer) -> Dialect | None:
+    """The family whose signature tokens the tokenizer holds (model types in the
+    tokenizers' own words: Kimi's ``<|im_middle|>``, DeepSeek's ``<｜Assistant｜>``,
+    GLM's ``[gMASK]``, ChatML's ``<|im_start|>``)."""
     markers = tokenizer.markers
     if "<|im_middle|>" in markers and "<|im_assistant|>" in markers:
         return KIMI_K25
+    if "<｜Assistant｜>" in markers and "｜DSML｜" in markers:
+        return DEEPSEEK_V32
+    if "<｜Assistant｜>" in markers and "<｜tool▁sep｜>" in markers:
+        return DEEPSEEK_V31
+    if "[gMASK]" in markers and "<|observation|>" in markers:
+        return GLM45
     if "<|im_start|>" in markers and "<|im_end|>" in markers:
         return QWEN3
     return None
@@ -47,7 +60,10 @@ def resolve_dialect(tokenizer: Tokenizer, name: str | None = None, *, use_templa
     ``name`` picks a built-in family; otherwise the family is recognised from the
     tokenizer's marker tokens. When the tokenizer folder ships its own chat template
     (and ``use_template``), prompts are rendered with it, exactly as transformers would,
-    while the family supplies the completion markers.
+    from the messages as SGLang hands them over (:func:`.template.serving_messages`),
+    while the family supplies the completion markers. A folder whose family is unknown
+    but which has a template gets the generic dialect: its prompts are the template's,
+    and the gate flags every sample ``completion_unproven``.
     """
     if name is not None:
         try:
@@ -57,11 +73,20 @@ def resolve_dialect(tokenizer: Tokenizer, name: str | None = None, *, use_templa
     else:
         family = _family(tokenizer)
         if family is None:
-            raise DialectError(
-                f"{tokenizer.source}: cannot tell the chat format from its tokens; pass --dialect "
-                f"({', '.join(sorted(DIALECTS))})"
-            )
+            if tokenizer.chat_template and use_template:
+                family = generic_dialect(tokenizer)
+            else:
+                raise DialectError(
+                    f"{tokenizer.source}: cannot tell the chat format from its tokens; pass --dialect "
+                    f"({', '.join(sorted(DIALECTS))})"
+                )
     if use_template and tokenizer.chat_template:
-        render = template_renderer(tokenizer.chat_template, special_token_strings(tokenizer.config))
+        render = template_renderer(tokenizer.chat_template, special_token_strings(tokenizer.config), serving=True,
+                                   parse_tool_arguments=family.parse_tool_arguments)
         return family.with_render(render, name=f"{family.name}+template")
+    if family.render is None:
+        raise DialectError(
+            f"{tokenizer.source}: the {family.name} dialect renders prompts only with the folder's chat template, "
+            "and this folder has none"
+        )
     return family

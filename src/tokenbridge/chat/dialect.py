@@ -16,22 +16,58 @@ Message = Mapping[str, Any]
 RenderFn = Callable[[Sequence[Message], Sequence[Mapping[str, Any]] | None, bool, Mapping[str, Any]], str]
 
 #: Completion part kinds, in the order they appear.
-PART_KINDS = ("think_start", "reasoning", "think_end", "content", "tool_calls", "end")
+#: ``format`` is text the chat format writes that no API field carries (GLM's newline
+#: before ``<think>``); it is encoded like any text.
+PART_KINDS = ("format", "think_start", "reasoning", "think_end", "content", "tool_calls", "end")
 
 
 @dataclass(frozen=True)
 class ToolMarkers:
-    """The five marker strings of a raw tool-call section."""
+    """The marker strings of a raw tool-call section, and the order they come in.
+
+    A well-formed section is ``section_begin unit* section_end`` with at least
+    ``min_units`` repetitions of ``unit``. The default unit is Kimi's and DeepSeek's
+    ``call_begin argument_begin call_end`` (a section of one or more calls); a family
+    whose section is a single call (Qwen3's ``<tool_call>...</tool_call>``) has an
+    empty unit, and GLM's unit is one argument (``<arg_key></arg_key><arg_value></arg_value>``).
+    The grammar is data, so the gate checks every family with one function.
+    """
 
     section_begin: str
     section_end: str
-    call_begin: str
-    argument_begin: str
-    call_end: str
+    call_begin: str | None = None
+    argument_begin: str | None = None
+    call_end: str | None = None
+    #: The markers repeated inside a section, in order (None: call_begin argument_begin call_end).
+    unit: tuple[str, ...] | None = None
+    #: Fewest repetitions of ``unit`` a section holds.
+    min_units: int = 1
+    #: For sections delimited by text around one marker token (DeepSeek V3.2's
+    #: ``<｜DSML｜function_calls>``): that token. ``section_begin`` / ``section_end`` are
+    #: then texts, and every marker inside a section must be this token.
+    token: str | None = None
+
+    @property
+    def repeated(self) -> tuple[str, ...]:
+        if self.unit is not None:
+            return self.unit
+        return tuple(m for m in (self.call_begin, self.argument_begin, self.call_end) if m)
 
     @property
     def all(self) -> tuple[str, ...]:
-        return (self.section_begin, self.section_end, self.call_begin, self.argument_begin, self.call_end)
+        """The marker tokens that belong to tool sections."""
+        if self.token is not None:
+            return (self.token,)
+        return tuple(dict.fromkeys((self.section_begin, self.section_end, *self.repeated)))
+
+    @property
+    def grammar(self) -> str:
+        """The grammar in words, for findings and docs."""
+        if self.token is not None:
+            return f"{self.section_begin} ... {self.section_end}, no marker but {self.token} inside"
+        unit = " ".join(self.repeated)
+        rep = "+" if self.min_units else "*"
+        return f"{self.section_begin} ({unit}){rep} {self.section_end}" if unit else f"{self.section_begin} ... {self.section_end}"
 
 
 @dataclass(frozen=True)
@@ -39,7 +75,9 @@ class Dialect:
     """Everything tokenbridge needs to know about one chat format."""
 
     name: str
-    render: RenderFn
+    #: The built-in prompt renderer; None for a family that renders only with its
+    #: folder's own chat template (:func:`resolve_dialect` refuses a folder without one).
+    render: RenderFn | None
     end_token: str
     think_open: str | None = None
     think_close: str | None = None
@@ -51,6 +89,36 @@ class Dialect:
     template_kwargs: frozenset[str] | None = None
     #: tools -> why their declaration is not proven (None: proven). Absent: unproven.
     tools_unproven: Callable[[Sequence[Any]], str | None] | None = None
+    #: Thinking mode when the request does not say (DeepSeek V3.x: off unless asked,
+    #: as its template and SGLang's ``explicit_thinking`` default have it).
+    thinking_default: bool = True
+    #: False for a family recognised only by its chat template: the end token and
+    #: think markers are a guess, and the gate says so (``completion_unproven``).
+    completion_proven: bool = True
+    #: Whether the model opens the think block itself when the prompt does not
+    #: (Qwen3). DeepSeek does not: after a tool result its prompt opens no block and
+    #: the answer carries no think markers, whatever the engine labels it.
+    think_self_open: bool = True
+    #: Text the model writes before ``think_open`` when it opens the block itself (GLM:
+    #: ``"\n"``, as its template's history shows). SGLang returns it inside the reasoning
+    #: (``"\n<think>..."`` whole, ``"\n..."`` streamed); it is taken back out of there.
+    think_open_prefix: str = ""
+    #: The end token of a turn whose content ends with a tool-call section, when it
+    #: differs from ``end_token`` (GLM: ``<|observation|>``).
+    tool_end_token: str | None = None
+    #: Whether the serving engine's JSON-string tool-call arguments reach the template
+    #: as objects (SGLang parses them; DeepSeek V3.1's template concatenates strings, so
+    #: it keeps them as given, which is what renders at all).
+    parse_tool_arguments: bool = True
+
+    @property
+    def end_tokens(self) -> tuple[str, ...]:
+        """Every token that ends a turn of this family's completion."""
+        return (self.end_token,) if self.tool_end_token is None else (self.end_token, self.tool_end_token)
+
+    def thinking(self, request: Mapping[str, Any]) -> bool:
+        """Whether ``request`` runs in thinking mode for this family."""
+        return thinking_enabled(request, default=self.thinking_default)
 
     def render_prompt(
         self,
@@ -60,7 +128,14 @@ class Dialect:
         **template_kwargs: Any,
     ) -> str:
         """The prompt text the serving side builds, generation prompt included."""
-        return self.render(messages, tools, thinking, template_kwargs)
+        return self._renderer()(messages, tools, thinking, template_kwargs)
+
+    def _renderer(self) -> RenderFn:
+        if self.render is None:
+            from .template import TemplateError
+
+            raise TemplateError(f"the {self.name} dialect renders only with its folder's chat template")
+        return self.render
 
     def render_request(self, request: Mapping[str, Any]) -> str:
         """The prompt the serving side builds for an API request body: its messages and
@@ -68,7 +143,7 @@ class Dialect:
         kwargs = dict(request.get("chat_template_kwargs") or {})
         kwargs.pop("thinking", None)
         kwargs.pop("enable_thinking", None)
-        return self.render(request["messages"], request.get("tools"), thinking_enabled(request), kwargs)
+        return self._renderer()(request["messages"], request.get("tools"), self.thinking(request), kwargs)
 
     def with_render(self, render: RenderFn, name: str | None = None) -> "Dialect":
         """The family with another prompt renderer (a real template: it takes every
@@ -85,8 +160,13 @@ class Dialect:
     ) -> list[tuple[str, str]]:
         """The completion as ``(kind, text)`` parts, in the order the model wrote them.
 
-        Thinking mode: ``reasoning + think_close + content + end_token``. A length cut
-        appends no end token, and a cut inside the reasoning (no content yet) has no
+        Thinking mode: ``reasoning + think_close + content + end_token``. A family that
+        does not open the think block itself (``think_self_open`` false) and a prompt
+        that opened none: the model wrote no block, and an engine forced into reasoning
+        returns its whole answer as reasoning, so there is no ``think_close`` unless
+        content follows (the engine split at a ``think_close`` the model wrote). The end token
+        is ``end_token``, or ``tool_end_token`` after a tool-call section. A length cut
+        appends none, and a cut inside the reasoning (no content yet) has no
         ``think_close``. When the prompt does not already end with ``think_open`` the
         model writes it first. Raw tool-call sections inside ``content`` stay exactly as
         they are, as their own ``tool_calls`` parts. A leaked end marker at the very end
@@ -99,22 +179,34 @@ class Dialect:
         cut = finish_reason == "length"
         parts: list[tuple[str, str]] = []
         if thinking and self.think_close:
-            if self.think_open and not prompt_opens_think:
+            if self.think_open and not prompt_opens_think and self.think_self_open:
+                if self.think_open_prefix:
+                    parts.append(("format", self.think_open_prefix))
+                    for lead in (self.think_open_prefix + self.think_open, self.think_open_prefix):
+                        if reasoning.startswith(lead):
+                            reasoning = reasoning[len(lead):]
+                            break
                 parts.append(("think_start", self.think_open))
             if reasoning:
                 parts.append(("reasoning", reasoning))
             if cut and not content:
                 return parts
-            parts.append(("think_end", self.think_close))
+            if prompt_opens_think or self.think_self_open or content:
+                parts.append(("think_end", self.think_close))
         elif reasoning:
             # Instant mode should carry no reasoning; keep its text so the gate sees it.
             parts.append(("reasoning", reasoning))
-        ended = False
-        if content.endswith(self.end_token):
-            content, ended = content[: -len(self.end_token)], True
+        ended = None
+        for end in self.end_tokens:
+            if content.endswith(end):
+                content, ended = content[: -len(end)], end
+                break
         parts.extend(self._split_tool_sections(content))
         if ended or not cut:
-            parts.append(("end", self.end_token))
+            if ended is None:
+                after_call = self.tool_end_token is not None and bool(parts) and parts[-1][0] == "tool_calls"
+                ended = self.tool_end_token if after_call else self.end_token
+            parts.append(("end", ended))
         return parts
 
     def _split_tool_sections(self, content: str) -> list[tuple[str, str]]:
@@ -130,6 +222,8 @@ class Dialect:
             if start < 0:
                 parts.append(("content", content[pos:]))
                 break
+            if tm.token is not None:  # cut at the marker token, where the encoder cuts too
+                start += tm.section_begin.index(tm.token)
             if start > pos:
                 parts.append(("content", content[pos:start]))
             stop = content.find(tm.section_end, start)
@@ -183,21 +277,25 @@ def reasoning_details(message: Message) -> tuple[str | None, list[str]]:
     return "".join(t for _, _, t in sorted(texts)), other
 
 
-def thinking_enabled(request: Mapping[str, Any]) -> bool:
-    """Whether a request asked for thinking mode (the default for thinking models).
+def thinking_enabled(request: Mapping[str, Any], default: bool = True) -> bool:
+    """Whether a request asked for thinking mode (``default`` when it does not say).
 
     Instant mode: ``reasoning: {"enabled": false}`` or ``reasoning.effort: "none"``, or
     ``chat_template_kwargs.thinking`` / ``enable_thinking`` false (top level or in
-    ``extra_body``).
+    ``extra_body``). Thinking mode: any other non-empty ``reasoning`` object, or either
+    switch true. An explicit off wins over an explicit on.
     """
+    asked = False
     reasoning = request.get("reasoning")
     if isinstance(reasoning, Mapping):
         if reasoning.get("enabled") is False or reasoning.get("effort") == "none":
             return False
+        asked = bool(reasoning)
     for holder in (request, request.get("extra_body") or {}):
         kwargs = holder.get("chat_template_kwargs") if isinstance(holder, Mapping) else None
         if isinstance(kwargs, Mapping):
             for key in ("thinking", "enable_thinking"):
                 if kwargs.get(key) is False:
                     return False
-    return True
+                asked = asked or kwargs.get(key) is True
+    return asked or default

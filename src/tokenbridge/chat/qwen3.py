@@ -1,10 +1,15 @@
-"""Qwen3 (ChatML with ``<think>`` blocks): a second family, written as one small module.
+"""Qwen3 (hybrid thinking; ChatML with ``<think>`` blocks and ``<tool_call>`` JSON calls).
 
 The generation prompt is ``<|im_start|>assistant\\n``; in thinking mode the model writes
-``<think>`` itself, in instant mode the prompt carries an empty ``<think>\\n\\n</think>\\n\\n``.
-Earlier assistant turns drop their reasoning. Tool results are wrapped in
-``<tool_response>`` inside a user turn, as the Qwen3 template does; tools are declared in
-the system turn.
+``<think>`` itself, in instant mode (``enable_thinking: false``) the prompt carries an
+empty ``<think>\\n\\n</think>\\n\\n``. A tool call is ``<tool_call>\\n{"name": ...,
+"arguments": ...}\\n</tool_call>`` inside the content, one section per call (SGLang's
+``qwen25`` detector); the turn ends with ``<|im_end|>``.
+
+The official folder ships its chat template, which :func:`..resolve_dialect` renders; the
+built-in renderer below is for folders without one and follows that template (earlier
+assistant turns drop their reasoning; tool results are wrapped in ``<tool_response>``
+inside a user turn; tools are declared in the system turn).
 """
 
 from __future__ import annotations
@@ -12,7 +17,11 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Sequence
 
-from .dialect import Dialect, Message
+from .dialect import Dialect, Message, ToolMarkers
+from .template import serving_messages
+
+#: One call per section: ``<tool_call>`` JSON ``</tool_call>``, no markers inside.
+TOOL_MARKERS = ToolMarkers(section_begin="<tool_call>", section_end="</tool_call>", unit=(), min_units=0)
 
 
 def _text(message: Message) -> str:
@@ -23,14 +32,45 @@ def _text(message: Message) -> str:
 
 
 def _tools_block(tools: Sequence[Mapping[str, Any]]) -> str:
-    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
     return (
-        "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
         f"{lines}\n</tools>\n\nFor each function call, return a json object with function name and "
         "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
         '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
+
+
+def _last_query(messages: Sequence[Message]) -> int:
+    """The last user turn that is not a bare ``<tool_response>`` (the template's
+    ``last_query_index``); reasoning is kept only on assistant turns after it."""
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        c = m.get("content")
+        if m["role"] == "user" and isinstance(c, str) and not (c.startswith("<tool_response>") and c.endswith("</tool_response>")):
+            return i
+    return len(messages) - 1
+
+
+def _assistant(m: Message, keep_reasoning: bool, last: bool) -> str:
+    content = _text(m)
+    reasoning = m.get("reasoning_content")
+    if not isinstance(reasoning, str):
+        reasoning = ""
+        if "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+    if keep_reasoning and (last or reasoning):
+        out = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{content.lstrip(chr(10))}"
+    else:
+        out = content
+    for n, call in enumerate(m.get("tool_calls") or ()):
+        fn = call.get("function") or call
+        args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"], ensure_ascii=False)
+        sep = "\n" if (n or content) else ""
+        out += f'{sep}<tool_call>\n{{"name": "{fn["name"]}", "arguments": {args}}}\n</tool_call>'
+    return out
 
 
 def render(
@@ -39,29 +79,28 @@ def render(
     thinking: bool,
     kwargs: Mapping[str, Any],
 ) -> str:
+    messages = serving_messages(messages, parse_tool_arguments=True)
     out: list[str] = []
-    rest = list(messages)
+    first_system = bool(messages) and messages[0]["role"] == "system"
     if tools:
-        system = _text(rest.pop(0)) if rest and rest[0]["role"] == "system" else ""
+        system = _text(messages[0]) + "\n\n" if first_system else ""
         out.append(f"<|im_start|>system\n{system}{_tools_block(tools)}<|im_end|>\n")
-    for i, m in enumerate(rest):
+    elif first_system:
+        out.append(f"<|im_start|>system\n{_text(messages[0])}<|im_end|>\n")
+    last_query = _last_query(messages)
+    n = len(messages)
+    for i, m in enumerate(messages):
         role = m["role"]
-        if role == "tool":
-            first = i == 0 or rest[i - 1]["role"] != "tool"
-            last = i == len(rest) - 1 or rest[i + 1]["role"] != "tool"
-            if first:
+        if role == "user" or (role == "system" and i):
+            out.append(f"<|im_start|>{role}\n{_text(m)}<|im_end|>\n")
+        elif role == "assistant":
+            out.append(f"<|im_start|>assistant\n{_assistant(m, i > last_query, i == n - 1)}<|im_end|>\n")
+        elif role == "tool":
+            if i == 0 or messages[i - 1]["role"] != "tool":
                 out.append("<|im_start|>user")
             out.append(f"\n<tool_response>\n{_text(m)}\n</tool_response>")
-            if last:
+            if i == n - 1 or messages[i + 1]["role"] != "tool":
                 out.append("<|im_end|>\n")
-            continue
-        body = _text(m)
-        if role == "assistant":
-            for call in m.get("tool_calls") or ():
-                fn = call["function"]
-                args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"], ensure_ascii=False)
-                body += f'\n<tool_call>\n{{"name": "{fn["name"]}", "arguments": {args}}}\n</tool_call>'
-        out.append(f"<|im_start|>{role}\n{body}<|im_end|>\n")
     out.append("<|im_start|>assistant\n")
     if not thinking:
         out.append("<think>\n\n</think>\n\n")
@@ -75,6 +114,6 @@ QWEN3 = Dialect(
     think_open="<think>",
     think_close="</think>",
     eos_markers=frozenset({"<|im_end|>", "<|endoftext|>"}),
-    tool_markers=None,
+    tool_markers=TOOL_MARKERS,
     template_kwargs=frozenset({"thinking", "enable_thinking"}),
 )

@@ -46,11 +46,46 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def template_renderer(source: str, special_tokens: Mapping[str, str] | None = None) -> RenderFn:
+def serving_messages(messages: Sequence[Message], parse_tool_arguments: bool) -> list[dict[str, Any]]:
+    """The messages as SGLang 0.5.23 hands them to a chat template: ``content: null``
+    becomes ``""`` and keys whose value is null are dropped; with
+    ``parse_tool_arguments``, an assistant tool call's JSON-string ``arguments`` become
+    the object they encode (SGLang's ``normalize_assistant_tool_call_arguments``), as
+    templates that iterate arguments (GLM) or ``tojson`` them (Qwen3) expect. A string
+    that is not a JSON object stays as it is (SGLang refuses the request)."""
+    out = []
+    for m in messages:
+        msg = {k: v for k, v in dict(m).items() if v is not None}
+        if m.get("content") is None:
+            msg["content"] = ""
+        calls = msg.get("tool_calls")
+        if parse_tool_arguments and msg.get("role") == "assistant" and isinstance(calls, list):
+            msg["tool_calls"] = [_parsed_call(c) for c in calls]
+        out.append(msg)
+    return out
+
+
+def _parsed_call(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(args, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def template_renderer(source: str, special_tokens: Mapping[str, str] | None = None, *,
+                      serving: bool = False, parse_tool_arguments: bool = False) -> RenderFn:
     """A render function for a dialect, backed by the Jinja ``source``.
 
     ``thinking`` is passed as both ``thinking`` (Kimi) and ``enable_thinking`` (Qwen3);
-    explicit template kwargs win.
+    explicit template kwargs win. With ``serving``, messages are first normalised as the
+    serving engine does (:func:`serving_messages`); without it they reach the template
+    as given, as in transformers' ``apply_chat_template``.
     """
     template = compile_template(source)
     specials = dict(special_tokens or {})
@@ -58,9 +93,10 @@ def template_renderer(source: str, special_tokens: Mapping[str, str] | None = No
     def render(messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None,
                thinking: bool, kwargs: Mapping[str, Any]) -> str:
         context = {**specials, "thinking": thinking, "enable_thinking": thinking, **kwargs}
+        msgs = serving_messages(messages, parse_tool_arguments) if serving else [dict(m) for m in messages]
         try:
             return template.render(
-                messages=[dict(m) for m in messages],
+                messages=msgs,
                 tools=list(tools) if tools else None,
                 add_generation_prompt=True,
                 **context,
