@@ -314,3 +314,21 @@ def test_tokenizer_json_encode_prompt_is_encode(tmp_path):
     text = "<|im_start|>hello world<|im_end|><think>think step</think>"
     assert tok.encode_prompt(text) == tok.encode(text)
     assert tok.prompt_cache_stats["misses"] == 0  # no splitting, no cache for these folders
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm-4.5", "deepseek-v3.1"])
+def test_byte_level_tokens_keep_their_exact_bytes(name):
+    """A token that holds part of a UTF-8 character has those bytes, not U+FFFD: logprobs
+    and cut completions are matched on bytes."""
+    from tokenbridge.tokenizer import load_tokenizer
+
+    folder = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / name
+    tok = load_tokenizer(folder)
+    text = "天气很好。Ünïcödé 😀 🦜🦜 <think>x</think>"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert tok.decode_bytes(ids) == text.encode()
+    parrot = tok.encode("🦜")
+    if len(parrot) > 1:  # a cut inside the character keeps the partial bytes
+        assert tok.decode_bytes(parrot[:1]) == "🦜".encode()[: len(tok.token_bytes(parrot[0]))]
+        assert b"\xef\xbf\xbd" not in tok.decode_bytes(parrot[:1])

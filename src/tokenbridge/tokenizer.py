@@ -505,11 +505,26 @@ def _load_tokenizers(folder: Path, source: str) -> Tokenizer:
     def encode(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False).ids
 
-    def decode_bytes(ids: Sequence[int]) -> bytes:
+    def decode_text(ids: Sequence[int]) -> bytes:
         return tok.decode(list(ids), skip_special_tokens=False).encode("utf-8", errors="surrogatepass")
 
+    # Byte-level BPE: each token is bytes spelled in GPT-2's byte alphabet, so a token
+    # holding part of a UTF-8 character has exact bytes, which decoding through text
+    # would turn into U+FFFD.
+    inverse = {ch: b for b, ch in _byte_alphabet().items()} if _byte_level(path) else None
+
     def piece(token_id: int) -> bytes:
-        return decode_bytes([token_id])
+        if inverse is None:
+            return decode_text([token_id])
+        if token_id in markers:
+            return markers[token_id].encode("utf-8")
+        token = tok.id_to_token(token_id)
+        if token is None:
+            raise KeyError(token_id)
+        return bytes(inverse[ch] for ch in token)
+
+    def decode_bytes(ids: Sequence[int]) -> bytes:
+        return decode_text(ids) if inverse is None else b"".join(piece(i) for i in ids)
 
     return Tokenizer(
         name=folder.name,
@@ -524,3 +539,26 @@ def _load_tokenizers(folder: Path, source: str) -> Tokenizer:
         _decode_bytes=decode_bytes,
         _piece=piece,
     )
+
+
+def _byte_level(path: Path) -> bool:
+    """Whether a tokenizer.json decodes with the ByteLevel decoder (alone or in a sequence)."""
+    try:
+        decoder = json.loads(path.read_text(encoding="utf-8")).get("decoder") or {}
+    except (OSError, ValueError):
+        return False
+    parts = decoder.get("decoders", [decoder]) if isinstance(decoder, dict) else []
+    return any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts)
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> character table: printable Latin-1 bytes stand for themselves, the
+    other bytes for the characters from U+0100 up, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
