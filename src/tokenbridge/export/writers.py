@@ -26,6 +26,7 @@ exactly ``[0] * P + [1] * C`` and the Arrow writers build it from ``P`` and ``C`
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 from pathlib import Path
@@ -141,8 +142,8 @@ def _turn(message: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class _ArrowBatches:
-    """Rows buffered as Arrow-ready columns: ids as one flat int64 array per batch, the
-    mask as prompt/completion lengths, the rest as records of the row schema."""
+    """Rows buffered as Arrow-ready columns: the batch's ids as one flat int64 buffer, the
+    mask as prompt lengths, the rest as records of the row schema."""
 
     def __init__(self, schema: Any, columns: tuple[str, ...]):
         import pyarrow as pa
@@ -150,15 +151,22 @@ class _ArrowBatches:
         self._pa = pa
         self.schema = schema
         self.columns = columns  # the row columns taken through to_arrow_record
-        self._ids_dtype = schema.field("input_ids").type.value_type.to_pandas_dtype()
+        self._ids_type = schema.field("input_ids").type.value_type
+        self._mask_dtype = _numpy_types()[schema.field("loss_mask").type.value_type]
+        self._rest = pa.schema([f for f in schema if f.name not in ("input_ids", "loss_mask")])
+        self._clear()
+
+    def _clear(self) -> None:
         self.records: list[dict[str, Any]] = []
-        self.ids: list[np.ndarray] = []
+        self.values = array.array("q")
+        self.lengths: list[int] = []
         self.prompt: list[int] = []
         self.tokens = 0
 
     def add(self, rec: ReconstructedRow, **extra: Any) -> None:
-        ids = np.asarray(rec["input_ids"], dtype=self._ids_dtype)
-        self.ids.append(ids)
+        ids = rec["input_ids"]
+        self.values.extend(ids)
+        self.lengths.append(len(ids))
         self.prompt.append(len(rec["prompt_ids"]))
         self.tokens += len(ids)
         self.records.append({**to_arrow_record(rec, self.columns), **extra})
@@ -169,22 +177,27 @@ class _ArrowBatches:
     def table(self) -> Any:
         """The buffered rows as one table (then the buffer is empty)."""
         pa = self._pa
-        mask_type = self.schema.field("loss_mask").type.value_type
-        offsets = np.zeros(len(self.ids) + 1, dtype=np.int32)
-        np.cumsum([len(a) for a in self.ids], out=offsets[1:])
-        values = np.concatenate(self.ids) if self.ids else np.zeros(0, self._ids_dtype)
-        mask = np.ones(len(values), dtype=mask_type.to_pandas_dtype())
+        offsets = np.zeros(len(self.lengths) + 1, dtype=np.int32)
+        np.cumsum(self.lengths, out=offsets[1:])
+        mask = np.ones(self.tokens, dtype=self._mask_dtype)
         for start, n_prompt in zip(offsets.tolist(), self.prompt):  # [0] * P + [1] * C per row
             mask[start:start + n_prompt] = 0
         arrow_offsets = pa.array(offsets)
+        values = pa.array(np.frombuffer(self.values, dtype=np.int64)).cast(self._ids_type)
         arrays = {
-            "input_ids": pa.ListArray.from_arrays(arrow_offsets, pa.array(values)),
+            "input_ids": pa.ListArray.from_arrays(arrow_offsets, values),
             "loss_mask": pa.ListArray.from_arrays(arrow_offsets, pa.array(mask)),
         }
-        rest = pa.Table.from_pylist(self.records, schema=pa.schema([f for f in self.schema if f.name not in arrays]))
+        rest = pa.Table.from_pylist(self.records, schema=self._rest)
         columns = [arrays[f.name] if f.name in arrays else rest.column(f.name) for f in self.schema]
-        self.records, self.ids, self.prompt, self.tokens = [], [], [], 0
+        self._clear()
         return pa.Table.from_arrays(columns, schema=self.schema)
+
+
+def _numpy_types() -> dict[Any, Any]:
+    import pyarrow as pa
+
+    return {pa.int8(): np.int8, pa.int32(): np.int32, pa.int64(): np.int64}
 
 
 class _HashingFile:
@@ -315,6 +328,9 @@ class ParquetWriter:
     _ROW_COLUMNS = (*META_COLUMNS, "finish_reason", "thinking", "segments", "usage", "messages", "tools",
                     "reasoning", "content", "reconstruction")
 
+    #: Columns with few distinct values; dictionary pages on ids and text only cost time and space.
+    _DICTIONARY = ["dataset", "provider", "model", "status", "finish_reason", "reconstruction"]
+
     def __init__(self, shard_rows: int = 200_000, shard_bytes: int = 256 << 20,
                  row_group_rows: int = _ROW_GROUP_ROWS, **_: Any):
         import pyarrow as pa
@@ -354,7 +370,7 @@ class ParquetWriter:
         if self._writer is None:
             path = self.data_dir / f"shard-{len(self._shards):05d}.parquet"
             self._shards.append(path)
-            self._writer = self._pq.ParquetWriter(path, self.schema, compression="zstd")
+            self._writer = self._pq.ParquetWriter(path, self.schema, compression="zstd", use_dictionary=self._DICTIONARY)
         self._writer.write_table(self._batch.table(), row_group_size=self.row_group_rows)
 
     def _end_shard(self) -> None:
