@@ -35,6 +35,7 @@ from ..fsio import kill_point, publish_dir
 from ..outdir import marker
 from ..rows import ReconstructedRow
 from .source import ExportError
+from .writers import ids_array
 
 __all__ = ["VocabCounter", "VocabJob", "VocabSummary", "build_vocab", "select_draft_vocab"]
 
@@ -130,26 +131,29 @@ class VocabCounter:
         self.wanted = frozenset({"ok", "flagged"} if job.include_flagged else {"ok"})
         self.summary = VocabSummary(job.draft_vocab_size, job.target_vocab_size, str(src), job.include_flagged)
         self.counts = np.zeros(job.target_vocab_size, dtype=np.int64)
-        self._buf: list[int] = []
+        self._buf: list[np.ndarray] = []
+        self._buffered = 0
 
     def add(self, line: int, rec: ReconstructedRow) -> None:
         if rec["status"] not in self.wanted:
             return
-        masked = rec["input_ids"][len(rec["prompt_ids"]):]  # validated: the mask is [0]*P + [1]*C
-        top = max(masked)
+        masked = ids_array(rec)[len(rec["prompt_ids"]):]  # validated: the mask is [0]*P + [1]*C
+        top = int(masked.max())
         if top >= self.job.target_vocab_size:
             raise ExportError(self.src, line, "input_ids",
                               f"holds id {top}, outside the target vocab of {self.job.target_vocab_size}")
-        self._buf.extend(masked)
+        self._buf.append(masked)
+        self._buffered += len(masked)
         self.summary.rows += 1
         self.summary.masked_tokens += len(masked)
-        if len(self._buf) >= _COUNT_BUFFER:
+        if self._buffered >= _COUNT_BUFFER:
             self._drain()
 
     def _drain(self) -> None:
         if self._buf:
-            self.counts += np.bincount(np.asarray(self._buf, dtype=np.int64), minlength=len(self.counts))
+            self.counts += np.bincount(np.concatenate(self._buf), minlength=len(self.counts))
             self._buf.clear()
+            self._buffered = 0
 
     def check_not_empty(self) -> None:
         if self.summary.masked_tokens == 0:

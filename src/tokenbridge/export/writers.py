@@ -37,7 +37,7 @@ import numpy as np
 from ..fsio import dumps_line
 from ..rows import ReconstructedRow, arrow_fields, to_arrow_record
 
-__all__ = ["WRITERS", "Writer", "metadata_of"]
+__all__ = ["WRITERS", "Writer", "ids_array", "metadata_of"]
 
 _ROW_GROUP_ROWS = 1000
 #: Buffered ids (input_ids entries) before an Arrow batch is written: bounds memory whatever the row length.
@@ -141,6 +141,20 @@ def _turn(message: Mapping[str, Any]) -> dict[str, Any]:
     return turn
 
 
+_last_ids: tuple[list[int], np.ndarray] | None = None
+
+
+def ids_array(row: ReconstructedRow) -> np.ndarray:
+    """``row["input_ids"]`` as int64, converted once per row however many consumers of the
+    pass (speculators, Parquet, the vocabulary) ask: the last row's array is kept, keyed by
+    the list itself (held, so its identity cannot be reused)."""
+    global _last_ids
+    ids = row["input_ids"]
+    if _last_ids is None or _last_ids[0] is not ids:
+        _last_ids = (ids, np.frombuffer(array.array("q", ids), dtype=np.int64))
+    return _last_ids[1]
+
+
 class _ArrowBatches:
     """Rows buffered as Arrow-ready columns: the batch's ids as one flat int64 buffer, the
     mask as prompt lengths, the rest as records of the row schema."""
@@ -158,14 +172,14 @@ class _ArrowBatches:
 
     def _clear(self) -> None:
         self.records: list[dict[str, Any]] = []
-        self.values = array.array("q")
+        self.values: list[np.ndarray] = []
         self.lengths: list[int] = []
         self.prompt: list[int] = []
         self.tokens = 0
 
     def add(self, rec: ReconstructedRow, **extra: Any) -> None:
-        ids = rec["input_ids"]
-        self.values.extend(ids)
+        ids = ids_array(rec)
+        self.values.append(ids)
         self.lengths.append(len(ids))
         self.prompt.append(len(rec["prompt_ids"]))
         self.tokens += len(ids)
@@ -183,7 +197,8 @@ class _ArrowBatches:
         for start, n_prompt in zip(offsets.tolist(), self.prompt):  # [0] * P + [1] * C per row
             mask[start:start + n_prompt] = 0
         arrow_offsets = pa.array(offsets)
-        values = pa.array(np.frombuffer(self.values, dtype=np.int64)).cast(self._ids_type)
+        flat = np.concatenate(self.values) if self.values else np.zeros(0, dtype=np.int64)
+        values = pa.array(flat).cast(self._ids_type)
         arrays = {
             "input_ids": pa.ListArray.from_arrays(arrow_offsets, values),
             "loss_mask": pa.ListArray.from_arrays(arrow_offsets, pa.array(mask)),
