@@ -253,11 +253,11 @@ def _synthetic(path, n, prompt=40, completion=100):
     return path
 
 
-@pytest.mark.parametrize("fmt", ["specforge", "parquet"])
+@pytest.mark.parametrize("fmt", ["specforge", "parquet", "speculators", "conversations"])
 def test_memory_stays_flat(tmp_path, fmt):
     import tracemalloc
 
-    options = {"row_group_rows": 200} if fmt == "parquet" else {}
+    options = {"row_group_rows": 200} if fmt in ("parquet", "speculators") else {}
     export_file(_synthetic(tmp_path / "warm.jsonl", 10), tmp_path / "warm", fmt)  # imports happen untraced
     peaks = []
     for n in (400, 3200):

@@ -41,7 +41,7 @@ __all__ = ["WRITERS", "Writer", "ids_array", "metadata_of"]
 
 _ROW_GROUP_ROWS = 1000
 #: Buffered ids (input_ids entries) before an Arrow batch is written: bounds memory whatever the row length.
-_BATCH_TOKENS = 4 << 20
+_BATCH_TOKENS = 1 << 20
 #: The provenance columns every export carries, in this order.
 META_COLUMNS = ("id", "choice", "dataset", "provider", "model", "status", "findings")
 
@@ -252,17 +252,17 @@ class SpeculatorsWriter:
     naming the shards and the torch format ``ArrowDataset`` relies on (``input_ids`` /
     ``loss_mask`` / ``seq_len`` as tensors). Each shard is written once, where it stays
     (its name gets the shard count by a rename at the end, no copy), and hashed as it is
-    written; memory holds one batch of at most ~``_BATCH_TOKENS`` ids. A shard closes
-    past ~``shard_bytes`` of ids.
+    written; memory holds one record batch (``row_group_rows`` rows, at most
+    ~``_BATCH_TOKENS`` ids). A shard closes past ~``shard_bytes`` of ids.
     """
 
     _COLUMNS = ("input_ids", "loss_mask", "seq_len", *META_COLUMNS)
 
-    def __init__(self, shard_bytes: int = 500 << 20, **_: Any):
+    def __init__(self, shard_bytes: int = 500 << 20, row_group_rows: int = _ROW_GROUP_ROWS, **_: Any):
         import pyarrow as pa
 
         self._pa = pa
-        self.shard_bytes = shard_bytes
+        self.shard_bytes, self.row_group_rows = shard_bytes, row_group_rows
         self.schema = pa.schema(
             arrow_fields(("input_ids", "loss_mask"), input_ids=pa.list_(pa.int64()), loss_mask=pa.list_(pa.int64()))
             + [pa.field("seq_len", pa.int64())]
@@ -283,7 +283,7 @@ class SpeculatorsWriter:
     def write(self, row: ReconstructedRow) -> None:
         self._batch.add(row, seq_len=len(row["input_ids"]))
         self._bytes += 16 * len(row["input_ids"])
-        if len(self._batch) >= _ROW_GROUP_ROWS or self._batch.tokens >= _BATCH_TOKENS:
+        if len(self._batch) >= self.row_group_rows or self._batch.tokens >= _BATCH_TOKENS:
             self._flush()
         if self._bytes >= self.shard_bytes:
             self._end_shard()
