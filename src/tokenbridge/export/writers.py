@@ -166,7 +166,8 @@ class _ArrowBatches:
         self.schema = schema
         self.columns = columns  # the row columns taken through to_arrow_record
         self._ids_type = schema.field("input_ids").type.value_type
-        self._mask_dtype = _numpy_types()[schema.field("loss_mask").type.value_type]
+        self._mask_type = schema.field("loss_mask").type.value_type
+        self._mask_dtype = _numpy_types()[self._mask_type]
         self._rest = pa.schema([f for f in schema if f.name not in ("input_ids", "loss_mask")])
         self._clear()
 
@@ -196,17 +197,23 @@ class _ArrowBatches:
         mask = np.ones(self.tokens, dtype=self._mask_dtype)
         for start, n_prompt in zip(offsets.tolist(), self.prompt):  # [0] * P + [1] * C per row
             mask[start:start + n_prompt] = 0
-        arrow_offsets = pa.array(offsets)
+        arrow_offsets = _from_numpy(pa, offsets, pa.int32())
         flat = np.concatenate(self.values) if self.values else np.zeros(0, dtype=np.int64)
-        values = pa.array(flat).cast(self._ids_type)
+        values = _from_numpy(pa, flat, pa.int64()).cast(self._ids_type)
         arrays = {
             "input_ids": pa.ListArray.from_arrays(arrow_offsets, values),
-            "loss_mask": pa.ListArray.from_arrays(arrow_offsets, pa.array(mask)),
+            "loss_mask": pa.ListArray.from_arrays(arrow_offsets, _from_numpy(pa, mask, self._mask_type)),
         }
         rest = pa.Table.from_pylist(self.records, schema=self._rest)
         columns = [arrays[f.name] if f.name in arrays else rest.column(f.name) for f in self.schema]
         self._clear()
         return pa.Table.from_arrays(columns, schema=self.schema)
+
+
+def _from_numpy(pa: Any, arr: np.ndarray, type_: Any) -> Any:
+    """A numpy array as an Arrow array over the same memory (no conversion, no copy)."""
+    arr = np.ascontiguousarray(arr)
+    return pa.Array.from_buffers(type_, len(arr), [None, pa.py_buffer(arr)])
 
 
 def _numpy_types() -> dict[Any, Any]:
