@@ -18,7 +18,11 @@ are printed, and every post-reconstruct time as a ratio to the same round's reco
 The speculators export's disk is sampled every 20 ms during the export (peak bytes under
 its parent folder / final size).
 
-    python bench/bench_export.py [--records 3000] [--rounds 3] [--before-ref main] [--data DIR]
+A second, small run (``--small`` records, the head of the same file) in every round gives
+each path's fixed cost (start-up work, imports, the report's figures); the ratios are also
+given extrapolated to ``--at`` rows (default 40,000) on the line through the two sizes.
+
+    python bench/bench_export.py [--records 3000] [--small 100] [--rounds 3] [--before-ref main] [--data DIR]
 """
 
 from __future__ import annotations
@@ -193,13 +197,44 @@ def _med(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def _round(data: Path, tmp: Path, before_tree: Path, after_tree: Path, tokenizer: Path, common: dict) -> dict:
+    """reconstruct, then before (per stage), then after (one pass), on ``data``."""
+    rec = _run(_RECONSTRUCT, after_tree, tokenizer=str(tokenizer), src=str(data / "exchanges.jsonl"),
+               dst=str(data / "reconstructed.jsonl"))
+    row: dict = {"reconstruct": rec, "before": {}, "after_stage": {}}
+    for stage in (*FORMATS, "vocab", "report"):
+        run_dir = tmp / "before-run"
+        _fresh(run_dir, data)
+        row["before"][stage] = _run(_STAGE, before_tree, src=str(run_dir / "reconstructed.jsonl"),
+                                    out=str(run_dir), stage=stage, **common)
+    run_dir = tmp / "after-run"
+    _fresh(run_dir, data)
+    row["after"] = _run(_ONE_PASS, after_tree, src=str(run_dir / "reconstructed.jsonl"), out=str(run_dir),
+                        formats=list(FORMATS), **common)
+    _fresh(run_dir, data)
+    row["after_stage"]["speculators"] = _run(_STAGE, after_tree, src=str(run_dir / "reconstructed.jsonl"),
+                                             out=str(run_dir), stage="speculators", **common)
+    row["before_total"] = sum(s["seconds"] for s in row["before"].values())
+    return row
+
+
+def _at(n: float, small: tuple[int, float], big: tuple[int, float]) -> float:
+    """Seconds at ``n`` rows on the line through (rows, seconds) at two sizes: a fixed cost
+    (process start-up work, imports, the report's figures) plus a cost per row."""
+    (n0, t0), (n1, t1) = small, big
+    per_row = (t1 - t0) / (n1 - n0)
+    return t0 + (n - n0) * per_row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", type=int, default=3000)
+    ap.add_argument("--small", type=int, default=100, help="records of the small run that gives the fixed costs")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--before-ref", default="main", help="git ref whose per-stage path is 'before'")
     ap.add_argument("--data", type=Path, help="folder to keep the built records in (reused when present)")
     ap.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
+    ap.add_argument("--at", type=int, default=40_000, help="rows to extrapolate the ratios to")
     args = ap.parse_args()
     after_tree = ROOT / "src"
     sys.path.insert(0, str(after_tree))
@@ -216,32 +251,25 @@ def main() -> None:
             meta = build_exchanges(exchanges, tok, args.records)
             meta_path.write_text(json.dumps(meta))
         meta = json.loads(meta_path.read_text())
+        small = tmp / "small"
+        small.mkdir()
+        with exchanges.open("rb") as fh, (small / "exchanges.jsonl").open("wb") as out:
+            for _, line in zip(range(args.small), fh):
+                out.write(line)
         before_tree = _tree_of(args.before_ref, tmp / "before")
         common = {"draft": DRAFT_VOCAB, "vocab_size": tok.vocab_size}
         rounds: list[dict] = []
+        smalls: list[dict] = []
         for r in range(args.rounds):
-            rec = _run(_RECONSTRUCT, after_tree, tokenizer=str(args.tokenizer), src=str(exchanges),
-                       dst=str(data / "reconstructed.jsonl"))
-            row: dict = {"reconstruct": rec, "before": {}, "after_stage": {}}
-            for stage in (*FORMATS, "vocab", "report"):
-                run_dir = tmp / "before-run"
-                _fresh(run_dir, data)
-                row["before"][stage] = _run(_STAGE, before_tree, src=str(run_dir / "reconstructed.jsonl"),
-                                            out=str(run_dir), stage=stage, **common)
-            run_dir = tmp / "after-run"
-            _fresh(run_dir, data)
-            row["after"] = _run(_ONE_PASS, after_tree, src=str(run_dir / "reconstructed.jsonl"), out=str(run_dir),
-                                formats=list(FORMATS), **common)
-            _fresh(run_dir, data)
-            row["after_stage"]["speculators"] = _run(_STAGE, after_tree, src=str(run_dir / "reconstructed.jsonl"),
-                                                     out=str(run_dir), stage="speculators", **common)
-            rounds.append(row)
-            print(f"round {r + 1}: reconstruct {rec['seconds']:.1f} s, before {sum(s['seconds'] for s in row['before'].values()):.1f} s, "
+            smalls.append(_round(small, tmp, before_tree, after_tree, args.tokenizer, common))
+            rounds.append(_round(data, tmp, before_tree, after_tree, args.tokenizer, common))
+            row = rounds[-1]
+            print(f"round {r + 1}: reconstruct {row['reconstruct']['seconds']:.1f} s, before {row['before_total']:.1f} s, "
                   f"after {row['after']['seconds']:.1f} s", file=sys.stderr)
         size = (data / "reconstructed.jsonl").stat().st_size
 
     recon = [r["reconstruct"]["seconds"] for r in rounds]
-    before = [sum(s["seconds"] for s in r["before"].values()) for r in rounds]
+    before = [r["before_total"] for r in rounds]
     after = [r["after"]["seconds"] for r in rounds]
     lines = [
         f"data: {meta['records']} records, {meta['completion_tokens'] / meta['records']:.0f} completion + "
@@ -269,10 +297,29 @@ def main() -> None:
                  f"{_med([s['seconds'] / c for s, c in zip(spec_after, recon)])} | {max(s['rss_mb'] for s in spec_after):.0f} |")
     lines.append("")
     lines.append(f"after / before, post-reconstruct wall: {_med([a / b for a, b in zip(after, before)])}")
+    # fixed cost + cost per row, from the small and the full run of the same round
+    n0, n1 = args.small, meta["records"]
+
+    def line_at(key):
+        return [_at(args.at, (n0, key(s)), (n1, key(b))) for s, b in zip(smalls, rounds)]
+
+    rec_at = line_at(lambda r: r["reconstruct"]["seconds"])
+    before_at = line_at(lambda r: r["before_total"])
+    after_at = line_at(lambda r: r["after"]["seconds"])
+    fixed = [(s["reconstruct"]["seconds"], s["before_total"], s["after"]["seconds"]) for s in smalls]
+    lines.append(f"fixed costs (the {n0}-record run): reconstruct {_med([f[0] for f in fixed])} s, before "
+                 f"{_med([f[1] for f in fixed])} s, after {_med([f[2] for f in fixed])} s")
+    lines.append(f"extrapolated to {args.at:,} rows (fixed + per row, per round): before "
+                 f"{_med([b / c for b, c in zip(before_at, rec_at)])}x reconstruct, after "
+                 f"{_med([a / c for a, c in zip(after_at, rec_at)])}x")
     for label, runs in (("before", [r["before"]["speculators"] for r in rounds]), ("after", spec_after)):
         peak = max(s["disk_peak"] / s["disk_final"] for s in runs)
         lines.append(f"speculators disk during export, {label}: peak {max(s['disk_peak'] for s in runs) / 1e6:.0f} MB, "
                      f"final {runs[-1]['disk_final'] / 1e6:.0f} MB, peak/final {peak:.2f}")
+    rss = [(s["before"]["speculators"]["rss_mb"], s["after_stage"]["speculators"]["rss_mb"], s["after"]["rss_mb"])
+           for s in smalls]
+    lines.append(f"peak RSS at {n0} records: before speculators {max(x[0] for x in rss):.0f} MB, after speculators "
+                 f"{max(x[1] for x in rss):.0f} MB, after one pass {max(x[2] for x in rss):.0f} MB")
     print("\n".join(lines))
 
 
