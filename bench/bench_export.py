@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_reconstruct import _cjk_sentences, _corpus_sources  # noqa: E402  (the same corpus)
+from bench_reconstruct import _cjk_sentences, _corpus_sources  # the same corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TOKENIZER = ROOT.parent / "shared" / "tokenizers" / "kimi-k2.5"

@@ -9,10 +9,18 @@ from pathlib import Path
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
-
 from test_export_support import make_run, read_jsonl, write_jsonl
-from tokenbridge.export import ExportError, ExportJob, FORMATS, VocabJob, build_vocab, export_file, run_pass
-from tokenbridge.export import validate
+
+from tokenbridge.export import (
+    FORMATS,
+    ExportError,
+    ExportJob,
+    VocabJob,
+    build_vocab,
+    export_file,
+    run_pass,
+    validate,
+)
 from tokenbridge.outdir import OutputRefused
 from tokenbridge.report import RowStats, collect_run
 
@@ -186,6 +194,7 @@ def test_fast_check_takes_the_clean_row_and_leaves_the_odd_ones(run_dir):
 
 def test_pipeline_reads_reconstructed_once(tmp_path, kimi_dir, monkeypatch):
     from test_pipeline import _config
+
     from tokenbridge import rows as rows_module
     from tokenbridge.export import onepass
     from tokenbridge.pipeline import load_run_config, run_pipeline

@@ -9,8 +9,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_export_support import (
+    make_exchange,
+    make_run,
+    read_jsonl,
+    reconstruct,
+    write_jsonl,
+)
 
-from test_export_support import make_exchange, make_run, read_jsonl, reconstruct, write_jsonl
 from tokenbridge import rows
 from tokenbridge.export import export_file
 from tokenbridge.export.writers import META_COLUMNS
@@ -51,7 +57,7 @@ WIDER = {"speculators": {"input_ids": pa.list_(pa.int64()), "loss_mask": pa.list
 
 @pytest.mark.parametrize("fmt", ["speculators", "parquet"])
 def test_every_arrow_writer_follows_the_one_schema(run, tmp_path, fmt):
-    root, src, _, _ = run
+    _, src, _, _ = run
     export_file(src, tmp_path / fmt, fmt)
     schema = _arrow_schema_of(tmp_path / fmt, fmt)
     one = rows.arrow_schema()
@@ -76,14 +82,14 @@ def test_parquet_export_carries_every_column_but_the_split_ids(run, tmp_path):
 
 
 def test_reconstruct_parquet_is_the_one_schema(run, tmp_path, kimi_dir):
-    _, _, exchanges, _ = run
+    exchanges = run[2]
     out = tmp_path / "reconstructed.parquet"
     reconstruct_file(exchanges, out, kimi_dir, workers=1)
     assert pq.read_schema(out).remove_metadata() == rows.arrow_schema()
 
 
 def test_jsonl_writers_keys(run, tmp_path):
-    _, src, _, made = run
+    src = run[1]
     export_file(src, tmp_path / "sf", "specforge")
     export_file(src, tmp_path / "conv", "conversations")
     assert {tuple(r) for r in read_jsonl(tmp_path / "sf" / "train.jsonl")} == {("input_ids", "loss_mask", *META_COLUMNS)}
@@ -107,7 +113,7 @@ def test_one_schema_in_the_source():
 
 
 def test_rows_without_reconstruction_read_as_null(run, tmp_path, kimi_dir):
-    _, src, exchanges, made = run
+    _, src, _, made = run
     old = [{k: v for k, v in r.items() if k != "reconstruction"} for r in made]
     got = [r for _, r in rows.iter_rows(write_jsonl(tmp_path / "old.jsonl", old))]
     assert [r["reconstruction"] for r in got] == [None] * len(old)

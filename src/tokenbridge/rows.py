@@ -20,7 +20,16 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, NotRequired, TypedDict
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Iterable,
+    Iterator,
+    Literal,
+    Mapping,
+    NotRequired,
+    TypedDict,
+)
 
 from .fsio import JsonLineError, dumps_line, loads_line
 

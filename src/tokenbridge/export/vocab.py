@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from . import torchfile
 from ..fsio import kill_point, publish_dir
 from ..outdir import marker
 from ..rows import ReconstructedRow
+from . import torchfile
 from .source import ExportError
 from .writers import ids_array
 
