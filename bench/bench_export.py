@@ -100,6 +100,9 @@ from pathlib import Path
 args = json.loads(sys.argv[1])
 def _rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _cpu(who=resource.RUSAGE_SELF):
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
 def _du(folder):
     total = 0
     for root, _, files in os.walk(folder):
@@ -121,11 +124,11 @@ _RECONSTRUCT = _PRELUDE + """
 from tokenbridge.reconstruct import reconstruct_file
 from tokenbridge.tokenizer import load_tokenizer
 tok = load_tokenizer(args["tokenizer"])
-t = time.perf_counter()
+t, c = time.perf_counter(), _cpu() + _cpu(resource.RUSAGE_CHILDREN)
 s = reconstruct_file(args["src"], args["dst"], tok)
-dt = time.perf_counter() - t
+dt, cpu = time.perf_counter() - t, _cpu() + _cpu(resource.RUSAGE_CHILDREN) - c
 kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-print(json.dumps({"seconds": dt, "rss_mb": _rss_mb(), "rss_worker_mb": kids, "status": s.to_dict()["status"]}))
+print(json.dumps({"seconds": dt, "cpu_s": cpu, "rss_mb": _rss_mb(), "rss_worker_mb": kids, "status": s.to_dict()["status"]}))
 """
 
 _STAGE = _PRELUDE + """
@@ -134,7 +137,7 @@ from tokenbridge.export import build_vocab, export_file
 from tokenbridge.report import build_report
 src, out, stage = Path(args["src"]), Path(args["out"]), args["stage"]
 disk = None
-t = time.perf_counter()
+t, c = time.perf_counter(), _cpu()
 if stage == "vocab":
     build_vocab(src, args["draft"], out / "vocab", args["vocab_size"])
 elif stage == "report":
@@ -145,7 +148,7 @@ else:
     export_file(src, out / "export" / stage, stage)
     disk.stop = True; disk.join()
 dt = time.perf_counter() - t
-res = {"seconds": dt, "rss_mb": _rss_mb()}
+res = {"seconds": dt, "cpu_s": _cpu() - c, "rss_mb": _rss_mb()}
 if disk is not None:
     res.update(disk_peak=disk.peak, disk_final=_du(out / "export" / stage))
 print(json.dumps(res))
@@ -156,13 +159,13 @@ import tokenbridge.export, tokenbridge.report
 from tokenbridge.export import ExportJob, VocabJob, run_pass
 from tokenbridge.report import RowStats, build_report
 src, out = Path(args["src"]), Path(args["out"])
-t = time.perf_counter()
+t, c = time.perf_counter(), _cpu()
 stats = RowStats()
 jobs = [ExportJob(fmt, out / "export" / fmt) for fmt in args["formats"]]
 res = run_pass(src, exports=jobs, vocab=VocabJob(args["draft"], out / "vocab", args["vocab_size"]), stats=stats)
 build_report(out, rows=stats)
-dt = time.perf_counter() - t
-print(json.dumps({"seconds": dt, "rss_mb": _rss_mb(), "rows": [e.rows_exported for e in res.exports]}))
+dt, cpu = time.perf_counter() - t, _cpu() - c
+print(json.dumps({"seconds": dt, "cpu_s": cpu, "rss_mb": _rss_mb(), "rows": [e.rows_exported for e in res.exports]}))
 """
 
 
@@ -215,6 +218,7 @@ def _round(data: Path, tmp: Path, before_tree: Path, after_tree: Path, tokenizer
     row["after_stage"]["speculators"] = _run(_STAGE, after_tree, src=str(run_dir / "reconstructed.jsonl"),
                                              out=str(run_dir), stage="speculators", **common)
     row["before_total"] = sum(s["seconds"] for s in row["before"].values())
+    row["before_cpu"] = sum(s["cpu_s"] for s in row["before"].values())
     return row
 
 
@@ -312,6 +316,19 @@ def main() -> None:
     lines.append(f"extrapolated to {args.at:,} rows (fixed + per row, per round): before "
                  f"{_med([b / c for b, c in zip(before_at, rec_at)])}x reconstruct, after "
                  f"{_med([a / c for a, c in zip(after_at, rec_at)])}x")
+    # CPU seconds hold up under a loaded machine: on 2 idle cores reconstruct's wall is at best its CPU / 2
+    # (2 workers), the one pass's is its CPU (one process), so these are the idle-machine ratios' lower bound
+    # for reconstruct's speed, i.e. the one pass's ratio is at most this
+    workers = os.cpu_count() or 1
+    cpu_rec = [r["reconstruct"]["cpu_s"] / workers for r in rounds]
+    lines.append(f"CPU seconds: reconstruct {_med([r['reconstruct']['cpu_s'] for r in rounds])}, before "
+                 f"{_med([r['before_cpu'] for r in rounds])}, after {_med([r['after']['cpu_s'] for r in rounds])}; "
+                 f"on {workers} idle cores (reconstruct = its CPU / {workers}): before "
+                 f"{_med([r['before_cpu'] / c for r, c in zip(rounds, cpu_rec)])}x, after "
+                 f"{_med([r['after']['cpu_s'] / c for r, c in zip(rounds, cpu_rec)])}x")
+    cpu_at = [(_at(args.at, (n0, s["reconstruct"]["cpu_s"] / workers), (n1, b["reconstruct"]["cpu_s"] / workers)),
+               _at(args.at, (n0, s["after"]["cpu_s"]), (n1, b["after"]["cpu_s"]))) for s, b in zip(smalls, rounds)]
+    lines.append(f"same, extrapolated to {args.at:,} rows: after {_med([a / r for r, a in cpu_at])}x")
     for label, runs in (("before", [r["before"]["speculators"] for r in rounds]), ("after", spec_after)):
         peak = max(s["disk_peak"] / s["disk_final"] for s in runs)
         lines.append(f"speculators disk during export, {label}: peak {max(s['disk_peak'] for s in runs) / 1e6:.0f} MB, "
