@@ -206,9 +206,10 @@ def test_failed_export_keeps_the_previous_one(run, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "out"]
 
 
-def test_invalid_json_line(tmp_path):
+def test_invalid_json_line(run, tmp_path):
+    rejected = next(r for r in run[2] if r["status"] == "rejected")
     src = tmp_path / "r.jsonl"
-    src.write_text('{"status": "rejected"}\n\n{"status": \n')
+    src.write_text(json.dumps(rejected) + '\n\n{"status": \n')
     with pytest.raises(ExportError) as err:
         export_file(src, tmp_path / "out", "specforge")
     assert (err.value.line, err.value.field) == (3, "<line>")
@@ -243,15 +244,20 @@ def _synthetic(path, n, prompt=40, completion=100):
             c = [(k * 13 + i) % 150_000 for i in range(completion)] + [163586]
             fh.write(json.dumps({"id": f"s{k}", "choice": 0, "dataset": "syn", "status": "ok", "prompt_ids": p,
                                  "completion_ids": c, "input_ids": p + c, "loss_mask": [0] * len(p) + [1] * len(c),
-                                 "findings": [], "provider": "x", "model": "m"}) + "\n")
+                                 "segments": [{"kind": "prompt", "start": 0, "end": len(p)},
+                                              {"kind": "content", "start": len(p), "end": len(p) + completion},
+                                              {"kind": "end", "start": len(p) + completion, "end": len(p + c)}],
+                                 "findings": [], "provider": "x", "model": "m", "finish_reason": "stop",
+                                 "thinking": False, "usage": None, "messages": [{"role": "user", "content": "q"}],
+                                 "tools": None, "reasoning": "", "content": "a"}) + "\n")
     return path
 
 
-@pytest.mark.parametrize("fmt", ["specforge", "parquet"])
+@pytest.mark.parametrize("fmt", ["specforge", "parquet", "speculators", "conversations"])
 def test_memory_stays_flat(tmp_path, fmt):
     import tracemalloc
 
-    options = {"row_group_rows": 200} if fmt == "parquet" else {}
+    options = {"row_group_rows": 200} if fmt in ("parquet", "speculators") else {}
     export_file(_synthetic(tmp_path / "warm.jsonl", 10), tmp_path / "warm", fmt)  # imports happen untraced
     peaks = []
     for n in (400, 3200):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, NotRequired, TypedDict
 
 from . import fsio
 from .fsio import dumps_line
 
-__all__ = ["Exchange", "RecordError", "dumps_line", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
+__all__ = ["Exchange", "ExchangeRecord", "RecordError", "dumps_line", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
 
 
 class RecordError(ValueError):
@@ -24,6 +24,24 @@ class RecordError(ValueError):
         self.field = field
         self.detail = message
         self.line: int | None = None
+
+
+class NativeIds(TypedDict, total=False):
+    prompt: list[int] | None
+    choices: list[list[int] | None]
+
+
+class ExchangeRecord(TypedDict):
+    """An exchange record as it sits on disk (one line of ``exchanges.jsonl``): the request
+    as sent and the response exactly as returned. Untrusted: :func:`parse_exchange` checks
+    it and gives an :class:`Exchange`."""
+
+    id: str | int
+    dataset: NotRequired[str | None]
+    request: dict[str, Any]  # messages (non-empty), tools?, chat_template_kwargs?, ...
+    response: dict[str, Any]  # choices, or an error body
+    native_ids: NotRequired[list[int] | NativeIds | None]  # ground truth: completion ids, or {prompt, choices}
+    meta: NotRequired[dict[str, Any]]  # generate's provider, latency_s, cost, attempts, started_at, ...
 
 
 @dataclass(frozen=True)
@@ -78,7 +96,7 @@ def _int_list(value: Any, field: str) -> list[int]:
 
 
 def parse_exchange(record: Any) -> Exchange:
-    """Check an exchange record's shape and pull out what reconstruction needs."""
+    """Check an exchange record's shape (:class:`ExchangeRecord`) and pull out what reconstruction needs."""
     if not isinstance(record, dict):
         raise RecordError("<record>", f"must be a JSON object, got {type(record).__name__}")
     if "id" not in record:

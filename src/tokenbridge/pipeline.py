@@ -102,12 +102,12 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
 
 def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult]:
     from .emulator import running_emulator
-    from .export import build_vocab, export_file
+    from .export import ExportJob, VocabJob, run_pass
     from .generate import generate_run, settings_from_mapping
     from .generate.outcome import describe_run
     from .view import status_text
     from .reconstruct import reconstruct_file
-    from .report import build_report
+    from .report import RowStats, build_report
     from .tokenizer import load_tokenizer
 
     out = cfg.out
@@ -161,46 +161,60 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
     for note in state.data["reconstruct"].get("provider_notes") or ():
         echo(f"reconstruct: warning: {note}")
 
-    # 3. export, one stage per format (skipped, not failed, when no row qualifies)
+    # 3-5. exports (one stage per format, skipped, not failed, when no row qualifies), draft vocabulary and the
+    # report's row statistics, all from one pass over reconstructed.jsonl
     wanted = {"ok", "flagged"} if cfg.include_flagged else {"ok"}
     usable = sum(n for k, n in (state.data.get("reconstruct", {}).get("status") or {}).items() if k in wanted)
+    exports: list[ExportJob] = []
+    plan: dict[str, tuple[str, str]] = {}  # stage -> (fingerprint, "ran" | "skipped" | "empty"), in stage order
     for fmt in cfg.export_formats:
         target = out / "export" / fmt
         fp = _fingerprint([reconstructed], {"format": fmt, "include_flagged": cfg.include_flagged})
         if state.done(f"export:{fmt}", fp, target):
-            results.append(StageResult(f"export:{fmt}", "skipped"))
+            plan[f"export:{fmt}"] = (fp, "skipped")
         elif not usable:
-            results.append(StageResult(f"export:{fmt}", "empty", {"rows": 0}))
-            echo(f"export {fmt}: nothing to export (no {'ok/flagged' if cfg.include_flagged else 'ok'} rows)"
-                 + _drop_stale(state, f"export:{fmt}", target, "export"))
-            continue
+            plan[f"export:{fmt}"] = (fp, "empty")
         else:
-            es = export_file(reconstructed, target, fmt, include_flagged=cfg.include_flagged)
-            detail = {"rows": es.rows_exported, "skipped": es.skipped}
-            state.record(f"export:{fmt}", fp, detail)
-            results.append(StageResult(f"export:{fmt}", "ran", detail))
-        echo(f"export {fmt}: {results[-1].status} → {target} {state.data[f'export:{fmt}'].get('rows')} rows")
-
-    # 4. draft vocabulary
-    if cfg.draft_vocab_size and not usable:
-        results.append(StageResult("vocab", "empty"))
-        echo("vocab: nothing to count (no usable rows)" + _drop_stale(state, "vocab", out / "vocab", "vocab"))
-    elif cfg.draft_vocab_size:
+            plan[f"export:{fmt}"] = (fp, "ran")
+            exports.append(ExportJob(fmt, target, include_flagged=cfg.include_flagged))
+    vocab_job = None
+    if cfg.draft_vocab_size:
         target = out / "vocab"
         fp = _fingerprint([reconstructed], {"size": cfg.draft_vocab_size, "include_flagged": cfg.include_flagged})
-        if state.done("vocab", fp, target):
-            results.append(StageResult("vocab", "skipped"))
+        if not usable:
+            plan["vocab"] = (fp, "empty")
+        elif state.done("vocab", fp, target):
+            plan["vocab"] = (fp, "skipped")
         else:
-            vs = build_vocab(reconstructed, cfg.draft_vocab_size, target, target_vocab_size=tok.vocab_size,
-                             include_flagged=cfg.include_flagged)
-            detail = {"coverage": vs.coverage, "distinct_tokens": vs.distinct_tokens}
-            state.record("vocab", fp, detail)
-            results.append(StageResult("vocab", "ran", detail))
-        echo(f"vocab: {results[-1].status} → {target} (coverage {state.data['vocab'].get('coverage'):.4f})")
+            plan["vocab"] = (fp, "ran")
+            vocab_job = VocabJob(cfg.draft_vocab_size, target, target_vocab_size=tok.vocab_size,
+                                 include_flagged=cfg.include_flagged)
+    row_stats = RowStats() if cfg.report else None
+    passed = run_pass(reconstructed, exports=exports, vocab=vocab_job, stats=row_stats) \
+        if exports or vocab_job is not None or row_stats is not None else None
+    for stage, (fp, what) in plan.items():
+        fmt = stage.partition(":")[2]
+        target, kind = (out / "export" / fmt, "export") if fmt else (out / "vocab", "vocab")
+        if what == "empty":
+            results.append(StageResult(stage, "empty", {"rows": 0} if fmt else {}))
+            echo((f"export {fmt}: nothing to export (no {'ok/flagged' if cfg.include_flagged else 'ok'} rows)" if fmt
+                  else "vocab: nothing to count (no usable rows)") + _drop_stale(state, stage, target, kind))
+            continue
+        detail: dict[str, Any] = {}
+        if what == "ran" and passed is not None:
+            if fmt:
+                es = next(e for e in passed.exports if e.format == fmt)
+                detail = {"rows": es.rows_exported, "skipped": es.skipped}
+            elif passed.vocab is not None:
+                detail = {"coverage": passed.vocab.coverage, "distinct_tokens": passed.vocab.distinct_tokens}
+            state.record(stage, fp, detail)
+        results.append(StageResult(stage, what, detail))
+        echo(f"export {fmt}: {what} → {target} {state.data[stage].get('rows')} rows" if fmt
+             else f"vocab: {what} → {target} (coverage {state.data['vocab'].get('coverage'):.4f})")
 
-    # 5. report (cheap; always rebuilt so it reflects the latest run)
+    # report (cheap; always rebuilt so it reflects the latest run)
     if cfg.report:
-        html = build_report(out)
+        html = build_report(out, rows=row_stats)
         results.append(StageResult("report", "ran", {"html": str(html)}))
         echo(f"report: {html}")
     return results

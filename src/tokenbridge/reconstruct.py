@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
 import mmap
 import multiprocessing as mp
 import os
@@ -31,6 +30,7 @@ from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
 from . import fsio
 from .fsio import dumps_line
 from .outdir import check_output_file
+from .rows import JsonlRowSink, ParquetRowSink
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["BadLine", "ReconstructSummary", "reconstruct_exchange", "reconstruct_file", "reconstruct_record"]
@@ -718,77 +718,5 @@ def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iter
             yield pending.popleft().get()
 
 
-class _JsonlSink:
-    def __init__(self, path: Path):
-        self.path = path
-        self._fh = open(path, "wb")
-
-    def write(self, data: bytes | memoryview) -> None:
-        """Whole JSONL lines, newlines included (one record's rows)."""
-        self._fh.write(data)
-
-    def close(self) -> None:
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
-
-    def abort(self) -> None:
-        self._fh.close()
-        self.path.unlink(missing_ok=True)
-
-
-class _ParquetSink:
-    """Rows buffered into bounded record batches; nested free-form fields as JSON text."""
-
-    _JSON_FIELDS = ("messages", "tools", "usage")
-
-    def __init__(self, path: Path, batch_rows: int = 512):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        self._pa = pa
-        ids = pa.list_(pa.int32())
-        seg = pa.struct([("kind", pa.string()), ("start", pa.int32()), ("end", pa.int32())])
-        finding = pa.struct([("code", pa.string()), ("severity", pa.string()), ("message", pa.string())])
-        self.schema = pa.schema(
-            [
-                ("id", pa.string()), ("choice", pa.int32()), ("dataset", pa.string()), ("status", pa.string()),
-                ("prompt_ids", ids), ("completion_ids", ids), ("input_ids", ids), ("loss_mask", pa.list_(pa.int8())),
-                ("segments", pa.list_(seg)), ("findings", pa.list_(finding)), ("provider", pa.string()),
-                ("model", pa.string()), ("finish_reason", pa.string()), ("thinking", pa.bool_()),
-                ("usage", pa.string()), ("messages", pa.string()), ("tools", pa.string()), ("reasoning", pa.string()), ("content", pa.string()),
-                ("reconstruction", pa.string()),
-            ]
-        )
-        self.path = path
-        self._writer = pq.ParquetWriter(path, self.schema)
-        self._buf: list[dict] = []
-        self._batch_rows = batch_rows
-
-    _TEXT_FIELDS = ("id", "dataset", "provider", "model", "finish_reason")
-
-    def write(self, rows: list[dict]) -> None:
-        for row in rows:
-            row = dict(row)
-            for key in self._JSON_FIELDS:
-                row[key] = None if row[key] is None else json.dumps(row[key], ensure_ascii=False)
-            for key in self._TEXT_FIELDS:  # the API may send odd types; keep them, as text
-                if row[key] is not None and not isinstance(row[key], str):
-                    row[key] = json.dumps(row[key], ensure_ascii=False)
-            self._buf.append(row)
-        if len(self._buf) >= self._batch_rows:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self._buf:
-            self._writer.write_table(self._pa.Table.from_pylist(self._buf, schema=self.schema))
-            self._buf = []
-
-    def close(self) -> None:
-        self._flush()
-        self._writer.close()
-
-    def abort(self) -> None:
-        self._buf = []
-        self._writer.close()
-        self.path.unlink(missing_ok=True)
+#: The row files' writers: rows.py holds the one schema and the one reader/writer pair.
+_JsonlSink, _ParquetSink = JsonlRowSink, ParquetRowSink

@@ -1,9 +1,10 @@
 """``export_file``: reconstruct output -> one trainer's format, validated, streamed.
 
-Rows are read, checked (:func:`check_training_row`) and written one at a time; the
-output is built in a hidden sibling folder and swapped in only when complete, so a
-failed export (a bad row stops it with file, line and field) leaves any previous export
-of that folder untouched.
+Rows are read, checked (:func:`check_training_row`) and written one at a time, in the one
+pass over the file (:mod:`.onepass`) that may feed other exports, the vocabulary and the
+report too; the output is built in a hidden sibling folder and swapped in only when
+complete, so a failed export (a bad row stops it with file, line and field) leaves any
+previous export of that folder untouched.
 """
 
 from __future__ import annotations
@@ -11,17 +12,16 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
-from ..fsio import kill_point, publish_dir
-from ..outdir import check_output_dir, marker
-from .source import STATUSES, ExportError, iter_records
-from .validate import check_training_row
-from .writers import WRITERS
+from ..fsio import kill_point
+from ..rows import ReconstructedRow
+from .source import ExportError
+from .writers import WRITERS, Writer
 
-__all__ = ["FORMATS", "ExportSummary", "export_file"]
+__all__ = ["FORMATS", "ExportJob", "ExportRun", "ExportSummary", "export_file"]
 
 FORMATS = tuple(WRITERS)
 
@@ -50,6 +50,23 @@ class ExportSummary:
         return out
 
 
+@dataclass(frozen=True)
+class ExportJob:
+    """One export to write in a pass over reconstruct output (:func:`tokenbridge.export.run_pass`)."""
+
+    fmt: str
+    out_dir: Path
+    include_flagged: bool = False
+    force: bool = False
+    #: Parquet shard tuning (``shard_rows``, ``shard_bytes``, ``row_group_rows``), speculators ``shard_bytes``
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.fmt not in WRITERS:
+            raise ValueError(f"unknown export format {self.fmt!r}; choose one of {', '.join(FORMATS)}")
+        object.__setattr__(self, "out_dir", Path(self.out_dir))
+
+
 def export_file(
     src: str | Path,
     out_dir: str | Path,
@@ -65,44 +82,53 @@ def export_file(
     tune the Parquet shards (``shard_rows``, ``shard_bytes``, ``row_group_rows``).
     ``out_dir`` must be missing, empty or an earlier export (else
     :class:`~tokenbridge.outdir.OutputRefused`, unless ``force``; see :mod:`tokenbridge.outdir`).
+    One export is a pass with one job: :func:`tokenbridge.export.run_pass` writes several at once.
     """
-    if fmt not in WRITERS:
-        raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    src, out_dir = Path(src), Path(out_dir)
-    wanted = {"ok", "flagged"} if include_flagged else {"ok"}
-    summary = ExportSummary(fmt, str(src), str(out_dir), include_flagged)
-    check_output_dir(out_dir, "export", inputs=[src], force=force)
-    with publish_dir(out_dir, point="export", marker=marker("export", format=fmt)) as tmp:
-        writer = WRITERS[fmt](tmp, **writer_options)
-        try:
-            for line, rec in iter_records(src):
-                summary.rows_read += 1
-                status = rec.get("status")
-                if status not in STATUSES:
-                    raise ExportError(src, line, "status", f"must be one of {', '.join(STATUSES)}, got {status!r}")
-                if status not in wanted:
-                    summary.skipped[status] += 1
-                    continue
-                ids, mask = check_training_row(rec, src, line)
-                writer.add(rec, ids, mask)
-                summary.rows_exported += 1
-                summary.tokens += len(ids)
-                summary.completion_tokens += sum(mask)
-                summary.datasets[str(rec.get("dataset"))] += 1
-                summary.providers[str(rec.get("provider"))] += 1
-                kill_point("export:row")
-            if summary.rows_exported == 0:
-                hint = " (pass include_flagged / --include-flagged to export flagged rows)" if summary.skipped["flagged"] else ""
-                raise ExportError(src, None, "status", f"no row to export: {summary.rows_read} read, skipped "
-                                  f"{summary.skipped['flagged']} flagged and {summary.skipped['rejected']} rejected{hint}")
-            files = writer.close()
-        except BaseException:
-            getattr(writer, "abort", lambda: None)()
-            raise
-        summary.files = [p.relative_to(tmp).as_posix() for p in files] + ["README.md"]
-        (tmp / "README.md").write_text(_card(summary), encoding="utf-8")
+    from .onepass import run_pass
+
+    job = ExportJob(fmt, Path(out_dir), include_flagged, force, writer_options)
+    return run_pass(src, exports=[job]).exports[0]
+
+
+class ExportRun:
+    """One export during a pass: its writer in the staging folder, and its counts."""
+
+    def __init__(self, job: ExportJob, src: Path, tmp: Path):
+        self.job, self.src, self.tmp = job, src, tmp
+        self.wanted = frozenset({"ok", "flagged"} if job.include_flagged else {"ok"})
+        self.summary = ExportSummary(job.fmt, str(src), str(job.out_dir), job.include_flagged)
+        self.writer: Writer = WRITERS[job.fmt](**job.options)
+        self.writer.open(tmp)
+
+    def add(self, line: int, rec: ReconstructedRow) -> None:
+        summary = self.summary
+        summary.rows_read += 1
+        status = rec["status"]
+        if status not in self.wanted:
+            summary.skipped[status] += 1
+            return
+        self.writer.write(rec)
+        n = len(rec["input_ids"])
+        summary.rows_exported += 1
+        summary.tokens += n
+        summary.completion_tokens += n - len(rec["prompt_ids"])
+        summary.datasets[str(rec["dataset"])] += 1
+        summary.providers[str(rec["provider"])] += 1
+        kill_point("export:row")
+
+    def check_not_empty(self) -> None:
+        summary = self.summary
+        if summary.rows_exported == 0:
+            hint = " (pass include_flagged / --include-flagged to export flagged rows)" if summary.skipped["flagged"] else ""
+            raise ExportError(self.src, None, "status", f"no row to export: {summary.rows_read} read, skipped "
+                              f"{summary.skipped['flagged']} flagged and {summary.skipped['rejected']} rejected{hint}")
+
+    def close(self) -> None:
+        """Close the writer and write the dataset card; the folder is then ready to publish."""
+        files = self.writer.close()
+        self.summary.files = [p.relative_to(self.tmp).as_posix() for p in files] + ["README.md"]
+        (self.tmp / "README.md").write_text(_card(self.summary), encoding="utf-8")
         kill_point("export:written")
-    return summary
 
 
 _LOADING = {

@@ -30,13 +30,14 @@ from typing import Any
 
 import numpy as np
 
-from . import torchfile
 from ..fsio import kill_point, publish_dir
-from ..outdir import check_output_dir, marker
-from .source import ExportError, iter_records
-from .validate import check_training_row
+from ..outdir import marker
+from ..rows import ReconstructedRow
+from . import torchfile
+from .source import ExportError
+from .writers import ids_array
 
-__all__ = ["VocabSummary", "build_vocab", "select_draft_vocab"]
+__all__ = ["VocabCounter", "VocabJob", "VocabSummary", "build_vocab", "select_draft_vocab"]
 
 #: Masked ids are collected into a buffer this long before counting (bounded memory).
 _COUNT_BUFFER = 1 << 20
@@ -82,6 +83,22 @@ def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.nd
     return d2t, t2d, int(filled)
 
 
+@dataclass(frozen=True)
+class VocabJob:
+    """The draft vocabulary to count in a pass over reconstruct output (:func:`tokenbridge.export.run_pass`)."""
+
+    draft_vocab_size: int
+    out_dir: Path
+    target_vocab_size: int
+    include_flagged: bool = False
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.draft_vocab_size <= self.target_vocab_size:
+            raise ValueError(f"--draft-vocab-size must be in 1..{self.target_vocab_size}, got {self.draft_vocab_size}")
+        object.__setattr__(self, "out_dir", Path(self.out_dir))
+
+
 def build_vocab(
     src: str | Path,
     draft_vocab_size: int,
@@ -95,56 +112,73 @@ def build_vocab(
     The files are written as one set (:func:`tokenbridge.fsio.publish_dir`): a reader or a
     kill sees the old set or the new one, never ``d2t.npy`` and ``t2d.npy`` from two runs.
     ``out_dir`` must be missing, empty or an earlier vocab folder (else
-    :class:`~tokenbridge.outdir.OutputRefused`, unless ``force``).
+    :class:`~tokenbridge.outdir.OutputRefused`, unless ``force``). The counting is a pass
+    over ``src`` (:func:`tokenbridge.export.run_pass`), which can feed the exports too.
     """
-    src, out_dir = Path(src), Path(out_dir)
-    if not 0 < draft_vocab_size <= target_vocab_size:
-        raise ValueError(f"--draft-vocab-size must be in 1..{target_vocab_size}, got {draft_vocab_size}")
-    check_output_dir(out_dir, "vocab", inputs=[src], force=force)
-    summary = VocabSummary(draft_vocab_size, target_vocab_size, str(src), include_flagged)
-    counts = _count_masked(src, target_vocab_size, {"ok", "flagged"} if include_flagged else {"ok"}, summary)
-    if summary.masked_tokens == 0:
-        raise ExportError(src, None, "status", "no ok row with masked tokens to count")
-    d2t, t2d, filled = select_draft_vocab(counts, draft_vocab_size)
-    summary.distinct_tokens = int(np.count_nonzero(counts))
-    summary.filled_unseen = filled
-    ranked = np.sort(counts)[::-1]
-    cumulative = np.cumsum(ranked, dtype=np.int64)
-    summary.coverage = float(counts[t2d].sum() / summary.masked_tokens)
-    summary.coverage_at = {
-        str(n): float(cumulative[n - 1] / summary.masked_tokens) for n in _COVERAGE_SIZES if n <= target_vocab_size
-    }
-    with publish_dir(out_dir, point="vocab", marker=marker("vocab")) as tmp:
-        _write_files(tmp, d2t, t2d, counts, summary)
-        kill_point("vocab:written")
-        (tmp / "vocab.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
-    return summary
+    from .onepass import run_pass
+
+    job = VocabJob(draft_vocab_size, Path(out_dir), target_vocab_size, include_flagged, force)
+    vocab = run_pass(src, vocab=job).vocab
+    assert vocab is not None
+    return vocab
 
 
-def _count_masked(src: Path, vocab_size: int, wanted: set[str], summary: VocabSummary) -> np.ndarray:
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    buf: list[int] = []
+class VocabCounter:
+    """Token counts under the loss mask of the rows a training export would keep."""
 
-    def drain() -> None:
-        if buf:
-            counts[:] += np.bincount(np.asarray(buf, dtype=np.int64), minlength=vocab_size)
-            buf.clear()
+    def __init__(self, job: VocabJob, src: Path):
+        self.job, self.src = job, src
+        self.wanted = frozenset({"ok", "flagged"} if job.include_flagged else {"ok"})
+        self.summary = VocabSummary(job.draft_vocab_size, job.target_vocab_size, str(src), job.include_flagged)
+        self.counts = np.zeros(job.target_vocab_size, dtype=np.int64)
+        self._buf: list[np.ndarray] = []
+        self._buffered = 0
 
-    for line, rec in iter_records(src):
-        if rec.get("status") not in wanted:
-            continue
-        ids, mask = check_training_row(rec, src, line)
-        masked = ids[mask.index(1):]  # validated: the mask is [0]*P + [1]*C
-        top = max(masked)
-        if top >= vocab_size:
-            raise ExportError(src, line, "input_ids", f"holds id {top}, outside the target vocab of {vocab_size}")
-        buf.extend(masked)
-        summary.rows += 1
-        summary.masked_tokens += len(masked)
-        if len(buf) >= _COUNT_BUFFER:
-            drain()
-    drain()
-    return counts
+    def add(self, line: int, rec: ReconstructedRow) -> None:
+        if rec["status"] not in self.wanted:
+            return
+        masked = ids_array(rec)[len(rec["prompt_ids"]):]  # validated: the mask is [0]*P + [1]*C
+        top = int(masked.max())
+        if top >= self.job.target_vocab_size:
+            raise ExportError(self.src, line, "input_ids",
+                              f"holds id {top}, outside the target vocab of {self.job.target_vocab_size}")
+        self._buf.append(masked)
+        self._buffered += len(masked)
+        self.summary.rows += 1
+        self.summary.masked_tokens += len(masked)
+        if self._buffered >= _COUNT_BUFFER:
+            self._drain()
+
+    def _drain(self) -> None:
+        if self._buf:
+            self.counts += np.bincount(np.concatenate(self._buf), minlength=len(self.counts))
+            self._buf.clear()
+            self._buffered = 0
+
+    def check_not_empty(self) -> None:
+        if self.summary.masked_tokens == 0:
+            raise ExportError(self.src, None, "status", "no ok row with masked tokens to count")
+
+    def publish(self) -> VocabSummary:
+        """Select the draft vocabulary and write its files as one set."""
+        self._drain()
+        self.check_not_empty()
+        summary, counts = self.summary, self.counts
+        d2t, t2d, filled = select_draft_vocab(counts, summary.draft_vocab_size)
+        summary.distinct_tokens = int(np.count_nonzero(counts))
+        summary.filled_unseen = filled
+        ranked = np.sort(counts)[::-1]
+        cumulative = np.cumsum(ranked, dtype=np.int64)
+        summary.coverage = float(counts[t2d].sum() / summary.masked_tokens)
+        summary.coverage_at = {
+            str(n): float(cumulative[n - 1] / summary.masked_tokens)
+            for n in _COVERAGE_SIZES if n <= summary.target_vocab_size
+        }
+        with publish_dir(self.job.out_dir, point="vocab", marker=marker("vocab")) as tmp:
+            _write_files(tmp, d2t, t2d, counts, summary)
+            kill_point("vocab:written")
+            (tmp / "vocab.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")
+        return summary
 
 
 def _write_files(out_dir: Path, d2t: np.ndarray, t2d: np.ndarray, counts: np.ndarray, summary: VocabSummary) -> None:

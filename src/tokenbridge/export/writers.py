@@ -1,4 +1,4 @@
-"""One incremental writer per export format; each holds at most one batch of rows.
+"""One incremental writer per export format (the :class:`Writer` protocol).
 
 * ``specforge``: ``train.jsonl``, one ``{input_ids, loss_mask, ...metadata}`` object a
   line: SpecForge's ``data.prompts_path`` pre-tokenized fast path (it reads only those
@@ -6,85 +6,122 @@
 * ``conversations``: ``conversations.jsonl``, ``{id, conversations: [{role, content,
   reasoning_content?, tool_calls?, ...}], tools?, ...metadata}``: for trainers that
   re-tokenize with their own chat template (SpecForge raw data, speculators
-  ``prepare-data``). Re-tokenizing is *not* guaranteed to reproduce our ids.
+  ``prepare-data``). Re-tokenizing is *not* guaranteed to reproduce our ids. The final
+  assistant turn's tool calls are raw marker text inside ``content``, as the model wrote
+  them (the provider sends no ``tool_calls`` a sample with exact ids could keep).
 * ``speculators``: a ``datasets`` ``save_to_disk`` folder (written with pyarrow alone,
   no ``datasets`` or torch needed) with ``input_ids`` / ``loss_mask`` (int64, as
   speculators' own ``prepare-data`` writes them), ``seq_len`` (which its ``ArrowDataset``
   needs for length bucketing), torch format on those three.
 * ``parquet``: ``data/train-XXXXX-of-YYYYY.parquet`` shards (bounded rows and bytes,
-  bounded row groups) with every field, plus a dataset card.
+  bounded row groups) with every column of the row except ``prompt_ids`` /
+  ``completion_ids`` (``num_prompt_tokens`` splits ``input_ids`` into them), plus a
+  dataset card.
 
-Every row carries ``id, choice, dataset, provider, model, status, findings``.
+Every row carries ``id, choice, dataset, provider, model, status, findings``. Column
+types come from the one row schema (:func:`tokenbridge.rows.arrow_fields`). Every writer
+gets rows :func:`~tokenbridge.export.check_training_row` has passed, so ``loss_mask`` is
+exactly ``[0] * P + [1] * C`` and the Arrow writers build it from ``P`` and ``C``.
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, BinaryIO, Mapping, Protocol
+
+import numpy as np
 
 from ..fsio import dumps_line
+from ..rows import ReconstructedRow, arrow_fields, to_arrow_record
 
-__all__ = ["WRITERS", "metadata_of"]
+__all__ = ["WRITERS", "Writer", "ids_array", "metadata_of"]
 
 _ROW_GROUP_ROWS = 1000
-_FINDING_KEYS = ("code", "severity", "message")
+#: Buffered ids (input_ids entries) before an Arrow batch is written: bounds memory whatever the row length.
+_BATCH_TOKENS = 1 << 20
+#: The provenance columns every export carries, in this order.
+META_COLUMNS = ("id", "choice", "dataset", "provider", "model", "status", "findings")
+
+
+class Writer(Protocol):
+    """An export format: ``open`` a staging folder, ``write`` validated rows, then
+    ``close`` (returns the files written) or ``abort`` (releases open files; the staging
+    folder itself is removed by :func:`tokenbridge.fsio.publish_dir`)."""
+
+    def open(self, out_dir: Path) -> None: ...
+
+    def write(self, row: ReconstructedRow) -> None: ...
+
+    def close(self) -> list[Path]: ...
+
+    def abort(self) -> None: ...
 
 
 def metadata_of(rec: Mapping[str, Any]) -> dict[str, Any]:
     """The provenance every exported row carries."""
     return {
-        "id": rec.get("id"),
-        "choice": rec.get("choice", 0),
-        "dataset": rec.get("dataset"),
-        "provider": rec.get("provider"),
-        "model": rec.get("model"),
-        "status": rec.get("status"),
-        "findings": list(rec.get("findings") or []),
+        "id": rec["id"],
+        "choice": rec["choice"],
+        "dataset": rec["dataset"],
+        "provider": rec["provider"],
+        "model": rec["model"],
+        "status": rec["status"],
+        "findings": list(rec["findings"]),
     }
 
 
 class _JsonlWriter:
     name = ""
 
-    def __init__(self, out_dir: Path, **_: Any):
-        self.path = out_dir / self.name
-        self._fh = open(self.path, "wb")
+    def __init__(self, **_: Any):
+        self.path: Path | None = None
+        self._fh: BinaryIO | None = None
 
-    def row(self, rec: Mapping[str, Any], ids: list[int], mask: list[int]) -> dict[str, Any]:
+    def open(self, out_dir: Path) -> None:
+        self.path = out_dir / self.name
+        self._fh = open(self.path, "wb", buffering=1 << 20)
+
+    def row(self, rec: ReconstructedRow) -> dict[str, Any]:
         raise NotImplementedError
 
-    def add(self, rec: Mapping[str, Any], ids: list[int], mask: list[int]) -> None:
-        self._fh.write(dumps_line(self.row(rec, ids, mask)))
+    def write(self, row: ReconstructedRow) -> None:
+        assert self._fh is not None
+        self._fh.write(dumps_line(self.row(row)))
         self._fh.write(b"\n")
 
     def close(self) -> list[Path]:
+        assert self._fh is not None and self.path is not None
         self._fh.close()
         return [self.path]
+
+    def abort(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
 
 
 class SpecForgeWriter(_JsonlWriter):
     name = "train.jsonl"
 
-    def row(self, rec, ids, mask):
-        return {"input_ids": ids, "loss_mask": mask, **metadata_of(rec)}
+    def row(self, rec: ReconstructedRow) -> dict[str, Any]:
+        return {"input_ids": rec["input_ids"], "loss_mask": rec["loss_mask"], **metadata_of(rec)}
 
 
 class ConversationsWriter(_JsonlWriter):
     name = "conversations.jsonl"
 
-    def row(self, rec, ids, mask):
-        turns = [_turn(m) for m in rec.get("messages") or []]
-        final: dict[str, Any] = {"role": "assistant", "content": rec.get("content") or ""}
-        if rec.get("reasoning"):
+    def row(self, rec: ReconstructedRow) -> dict[str, Any]:
+        turns = [_turn(m) for m in rec["messages"]]
+        final: dict[str, Any] = {"role": "assistant", "content": rec["content"]}
+        if rec["reasoning"]:
             final["reasoning_content"] = rec["reasoning"]
-        if rec.get("tool_calls"):
-            final["tool_calls"] = rec["tool_calls"]
         turns.append(final)
         out = {**metadata_of(rec), "conversations": turns}
-        if rec.get("tools"):
-            out["tools"] = json.dumps(rec["tools"], ensure_ascii=False)  # SpecForge parses a JSON string
+        if rec["tools"]:
+            # SpecForge parses a JSON string; the stdlib's spacing keeps earlier exports' bytes
+            out["tools"] = json.dumps(rec["tools"], ensure_ascii=False)
         return out
 
 
@@ -104,93 +141,191 @@ def _turn(message: Mapping[str, Any]) -> dict[str, Any]:
     return turn
 
 
-def _arrow_findings(findings: list[Any]) -> list[dict[str, str | None]]:
-    return [{k: (None if f.get(k) is None else str(f.get(k))) for k in _FINDING_KEYS} for f in findings if isinstance(f, Mapping)]
+_last_ids: tuple[list[int], np.ndarray] | None = None
 
 
-def _meta_schema_fields(pa) -> list:
-    finding = pa.struct([(k, pa.string()) for k in _FINDING_KEYS])
-    return [
-        ("id", pa.string()), ("choice", pa.int64()), ("dataset", pa.string()), ("provider", pa.string()),
-        ("model", pa.string()), ("status", pa.string()), ("findings", pa.list_(finding)),
-    ]
+def ids_array(row: ReconstructedRow) -> np.ndarray:
+    """``row["input_ids"]`` as int64, converted once per row however many consumers of the
+    pass (speculators, Parquet, the vocabulary) ask: the last row's array is kept, keyed by
+    the list itself (held, so its identity cannot be reused)."""
+    global _last_ids
+    ids = row["input_ids"]
+    if _last_ids is None or _last_ids[0] is not ids:
+        _last_ids = (ids, np.frombuffer(array.array("q", ids), dtype=np.int64))
+    return _last_ids[1]
 
 
-def _arrow_meta(rec: Mapping[str, Any]) -> dict[str, Any]:
-    meta = metadata_of(rec)
-    meta["findings"] = _arrow_findings(meta["findings"])
-    for key in ("id", "dataset", "provider", "model"):
-        if meta[key] is not None:
-            meta[key] = str(meta[key])
-    return meta
+class _ArrowBatches:
+    """Rows buffered as Arrow-ready columns: the batch's ids as one flat int64 buffer, the
+    mask as prompt lengths, the rest as records of the row schema."""
 
-
-class SpeculatorsWriter:
-    """A ``datasets`` ``save_to_disk`` folder, written with pyarrow alone.
-
-    Why not ``datasets`` itself: its ``set_format("torch")`` needs torch, and a plain
-    install has neither. The folder is what ``save_to_disk`` lays out: Arrow IPC stream
-    shards ``data-XXXXX-of-YYYYY.arrow``, ``dataset_info.json`` (features left to be read
-    from the Arrow schema, which every ``datasets`` version can do) and ``state.json``
-    naming the shards and the torch format speculators' ``ArrowDataset`` relies on
-    (``input_ids`` / ``loss_mask`` / ``seq_len`` as tensors). Rows are streamed, so memory
-    stays flat; a shard closes past ~``shard_bytes`` of ids.
-    """
-
-    def __init__(self, out_dir: Path, shard_bytes: int = 500 << 20, **_: Any):
+    def __init__(self, schema: Any, columns: tuple[str, ...]):
         import pyarrow as pa
 
         self._pa = pa
-        self.out_dir = out_dir
-        self.shard_bytes = shard_bytes
+        self.schema = schema
+        self.columns = columns  # the row columns taken through to_arrow_record
+        self._ids_type = schema.field("input_ids").type.value_type
+        self._mask_type = schema.field("loss_mask").type.value_type
+        self._mask_dtype = _numpy_types()[self._mask_type]
+        self._rest = pa.schema([f for f in schema if f.name not in ("input_ids", "loss_mask")])
+        self._clear()
+
+    def _clear(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.values: list[np.ndarray] = []
+        self.lengths: list[int] = []
+        self.prompt: list[int] = []
+        self.tokens = 0
+
+    def add(self, rec: ReconstructedRow, **extra: Any) -> None:
+        ids = ids_array(rec)
+        self.values.append(ids)
+        self.lengths.append(len(ids))
+        self.prompt.append(len(rec["prompt_ids"]))
+        self.tokens += len(ids)
+        self.records.append({**to_arrow_record(rec, self.columns), **extra})
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def table(self) -> Any:
+        """The buffered rows as one table (then the buffer is empty)."""
+        pa = self._pa
+        offsets = np.zeros(len(self.lengths) + 1, dtype=np.int32)
+        np.cumsum(self.lengths, out=offsets[1:])
+        mask = np.ones(self.tokens, dtype=self._mask_dtype)
+        for start, n_prompt in zip(offsets.tolist(), self.prompt):  # [0] * P + [1] * C per row
+            mask[start:start + n_prompt] = 0
+        arrow_offsets = _from_numpy(pa, offsets, pa.int32())
+        flat = np.concatenate(self.values) if self.values else np.zeros(0, dtype=np.int64)
+        values = _from_numpy(pa, flat, pa.int64()).cast(self._ids_type)
+        arrays = {
+            "input_ids": pa.ListArray.from_arrays(arrow_offsets, values),
+            "loss_mask": pa.ListArray.from_arrays(arrow_offsets, _from_numpy(pa, mask, self._mask_type)),
+        }
+        rest = pa.Table.from_pylist(self.records, schema=self._rest)
+        columns = [arrays[f.name] if f.name in arrays else rest.column(f.name) for f in self.schema]
+        self._clear()
+        return pa.Table.from_arrays(columns, schema=self.schema)
+
+
+def _from_numpy(pa: Any, arr: np.ndarray, type_: Any) -> Any:
+    """A numpy array as an Arrow array over the same memory (no conversion, no copy)."""
+    arr = np.ascontiguousarray(arr)
+    return pa.Array.from_buffers(type_, len(arr), [None, pa.py_buffer(arr)])
+
+
+def _numpy_types() -> dict[Any, Any]:
+    import pyarrow as pa
+
+    return {pa.int8(): np.int8, pa.int32(): np.int32, pa.int64(): np.int64}
+
+
+class _HashingFile:
+    """A write-only file that hashes what passes through (the shards' fingerprint,
+    without reading them back)."""
+
+    def __init__(self, path: Path, digest: Any):
+        self._fh = open(path, "wb")
+        self._digest = digest
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self._digest.update(view)
+        return self._fh.write(view)
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+        self.closed = True
+
+    @property
+    def mode(self) -> str:
+        return "wb"
+
+
+class SpeculatorsWriter:
+    """A ``datasets`` ``save_to_disk`` folder, written with pyarrow alone, in its final layout.
+
+    Why not ``datasets`` itself: its ``set_format("torch")`` needs torch, and a plain
+    install has neither. The folder is what ``save_to_disk`` lays out and
+    ``datasets.load_from_disk`` (speculators' ``ArrowDataset``) reads: Arrow IPC stream
+    shards ``data-XXXXX-of-YYYYY.arrow``, ``dataset_info.json`` (features left to be read
+    from the Arrow schema, which every ``datasets`` version can do) and ``state.json``
+    naming the shards and the torch format ``ArrowDataset`` relies on (``input_ids`` /
+    ``loss_mask`` / ``seq_len`` as tensors). Each shard is written once, where it stays
+    (its name gets the shard count by a rename at the end, no copy), and hashed as it is
+    written; memory holds one record batch (``row_group_rows`` rows, at most
+    ~``_BATCH_TOKENS`` ids). A shard closes past ~``shard_bytes`` of ids.
+    """
+
+    _COLUMNS = ("input_ids", "loss_mask", "seq_len", *META_COLUMNS)
+
+    def __init__(self, shard_bytes: int = 500 << 20, row_group_rows: int = _ROW_GROUP_ROWS, **_: Any):
+        import pyarrow as pa
+
+        self._pa = pa
+        self.shard_bytes, self.row_group_rows = shard_bytes, row_group_rows
         self.schema = pa.schema(
-            [("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64())]
-            + _meta_schema_fields(pa)
+            arrow_fields(("input_ids", "loss_mask"), input_ids=pa.list_(pa.int64()), loss_mask=pa.list_(pa.int64()))
+            + [pa.field("seq_len", pa.int64())]
+            + arrow_fields(META_COLUMNS)
         )
+        self.out_dir: Path | None = None
+        self._batch = _ArrowBatches(self.schema, META_COLUMNS)
         self._shards: list[Path] = []
-        self._sink: Any = None
+        self._digest = hashlib.blake2b(digest_size=8)
+        self._file: _HashingFile | None = None
         self._writer: Any = None
         self._bytes = 0
-        self._buf: list[dict] = []
         self.rows = 0
 
-    def add(self, rec, ids, mask) -> None:
-        self._buf.append({"input_ids": ids, "loss_mask": mask, "seq_len": len(ids), **_arrow_meta(rec)})
-        self._bytes += 16 * len(ids)
-        if len(self._buf) >= _ROW_GROUP_ROWS:
+    def open(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+
+    def write(self, row: ReconstructedRow) -> None:
+        self._batch.add(row, seq_len=len(row["input_ids"]))
+        self._bytes += 16 * len(row["input_ids"])
+        if len(self._batch) >= self.row_group_rows or self._batch.tokens >= _BATCH_TOKENS:
             self._flush()
         if self._bytes >= self.shard_bytes:
             self._end_shard()
 
     def _flush(self) -> None:
-        if not self._buf:
+        if not len(self._batch):
             return
+        assert self.out_dir is not None
         if self._writer is None:
             path = self.out_dir / f"shard-{len(self._shards):05d}.arrow"
             self._shards.append(path)
-            self._sink = self._pa.OSFile(str(path), "wb")
-            self._writer = self._pa.ipc.new_stream(self._sink, self.schema)
-        self._writer.write_table(self._pa.Table.from_pylist(self._buf, schema=self.schema))
-        self.rows += len(self._buf)
-        self._buf = []
+            self._file = _HashingFile(path, self._digest)
+            self._writer = self._pa.ipc.new_stream(self._file, self.schema)
+        self.rows += len(self._batch)
+        self._writer.write_table(self._batch.table())
 
     def _end_shard(self) -> None:
         self._flush()
         if self._writer is not None:
             self._writer.close()
-            self._sink.close()
-            self._writer = self._sink = None
+            assert self._file is not None
+            self._file.close()
+            self._writer = self._file = None
         self._bytes = 0
 
     def close(self) -> list[Path]:
         self._end_shard()
+        assert self.out_dir is not None
         n = len(self._shards)
         names = [f"data-{k:05d}-of-{n:05d}.arrow" for k in range(n)]
         for path, name in zip(self._shards, names):
             path.rename(self.out_dir / name)
         state = {
             "_data_files": [{"filename": name} for name in names],
-            "_fingerprint": _fingerprint(self.out_dir / name for name in names),
+            "_fingerprint": self._digest.hexdigest(),  # 16 hex digits over the shards' bytes, as datasets' own
             "_format_columns": ["input_ids", "loss_mask", "seq_len"],
             "_format_kwargs": {},
             "_format_type": "torch",
@@ -205,74 +340,60 @@ class SpeculatorsWriter:
     def abort(self) -> None:
         if self._writer is not None:
             self._writer.close()
-            self._sink.close()
-
-
-def _fingerprint(paths: Iterable[Path]) -> str:
-    """16 hex digits over the shards' bytes, the form ``datasets`` uses for its fingerprints."""
-    h = hashlib.blake2b(digest_size=8)
-    for path in paths:
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
+        if self._file is not None:
+            self._file.close()
 
 
 class ParquetWriter:
     """Sharded Parquet: a new shard past ``shard_rows`` rows or ~``shard_bytes`` of ids."""
 
-    def __init__(self, out_dir: Path, shard_rows: int = 200_000, shard_bytes: int = 256 << 20,
+    _ROW_COLUMNS = (*META_COLUMNS, "finish_reason", "thinking", "segments", "usage", "messages", "tools",
+                    "reasoning", "content", "reconstruction")
+
+    #: Columns with few distinct values; dictionary pages on ids and text only cost time and space.
+    _DICTIONARY = ["dataset", "provider", "model", "status", "finish_reason", "reconstruction"]
+
+    def __init__(self, shard_rows: int = 200_000, shard_bytes: int = 256 << 20,
                  row_group_rows: int = _ROW_GROUP_ROWS, **_: Any):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         self._pa, self._pq = pa, pq
-        self.data_dir = out_dir / "data"
-        self.data_dir.mkdir()
-        ids = pa.list_(pa.int32())
-        seg = pa.struct([("kind", pa.string()), ("start", pa.int32()), ("end", pa.int32())])
         self.schema = pa.schema(
-            [("input_ids", ids), ("loss_mask", pa.list_(pa.int8())), ("num_prompt_tokens", pa.int32()),
-             ("num_completion_tokens", pa.int32())]
-            + _meta_schema_fields(pa)
-            + [("finish_reason", pa.string()), ("thinking", pa.bool_()), ("segments", pa.list_(seg)),
-               ("usage", pa.string()), ("messages", pa.string()), ("reasoning", pa.string()), ("content", pa.string())]
+            arrow_fields(("input_ids", "loss_mask"))
+            + [pa.field("num_prompt_tokens", pa.int32()), pa.field("num_completion_tokens", pa.int32())]
+            + arrow_fields(self._ROW_COLUMNS)
         )
         self.shard_rows, self.shard_bytes, self.row_group_rows = shard_rows, shard_bytes, row_group_rows
+        self.data_dir: Path | None = None
+        self._batch = _ArrowBatches(self.schema, self._ROW_COLUMNS)
         self._shards: list[Path] = []
-        self._writer = None
+        self._writer: Any = None
         self._shard_rows = self._shard_bytes = 0
-        self._buf: list[dict] = []
 
-    def add(self, rec, ids, mask) -> None:
-        n_prompt = mask.index(1)
-        usage, messages = rec.get("usage"), rec.get("messages")
-        self._buf.append({
-            "input_ids": ids, "loss_mask": mask, "num_prompt_tokens": n_prompt,
-            "num_completion_tokens": len(ids) - n_prompt, **_arrow_meta(rec),
-            "finish_reason": rec.get("finish_reason"), "thinking": rec.get("thinking"),
-            "segments": rec.get("segments"),
-            "usage": None if usage is None else json.dumps(usage, ensure_ascii=False),
-            "messages": None if messages is None else json.dumps(messages, ensure_ascii=False),
-            "reasoning": rec.get("reasoning"), "content": rec.get("content"),
-        })
+    def open(self, out_dir: Path) -> None:
+        self.data_dir = out_dir / "data"
+        self.data_dir.mkdir()
+
+    def write(self, row: ReconstructedRow) -> None:
+        n_prompt = len(row["prompt_ids"])
+        self._batch.add(row, num_prompt_tokens=n_prompt, num_completion_tokens=len(row["input_ids"]) - n_prompt)
         self._shard_rows += 1
-        self._shard_bytes += 5 * len(ids) + len(rec.get("reasoning") or "") + len(rec.get("content") or "")
-        if len(self._buf) >= self.row_group_rows:
+        self._shard_bytes += 5 * len(row["input_ids"]) + len(row["reasoning"]) + len(row["content"])
+        if len(self._batch) >= self.row_group_rows or self._batch.tokens >= _BATCH_TOKENS:
             self._flush()
         if self._shard_rows >= self.shard_rows or self._shard_bytes >= self.shard_bytes:
             self._end_shard()
 
     def _flush(self) -> None:
-        if not self._buf:
+        if not len(self._batch):
             return
+        assert self.data_dir is not None
         if self._writer is None:
             path = self.data_dir / f"shard-{len(self._shards):05d}.parquet"
             self._shards.append(path)
-            self._writer = self._pq.ParquetWriter(path, self.schema, compression="zstd")
-        table = self._pa.Table.from_pylist(self._buf, schema=self.schema)
-        self._writer.write_table(table, row_group_size=self.row_group_rows)
-        self._buf = []
+            self._writer = self._pq.ParquetWriter(path, self.schema, compression="zstd", use_dictionary=self._DICTIONARY)
+        self._writer.write_table(self._batch.table(), row_group_size=self.row_group_rows)
 
     def _end_shard(self) -> None:
         self._flush()
@@ -283,6 +404,7 @@ class ParquetWriter:
 
     def close(self) -> list[Path]:
         self._end_shard()
+        assert self.data_dir is not None
         final = []
         for k, path in enumerate(self._shards):
             target = self.data_dir / f"train-{k:05d}-of-{len(self._shards):05d}.parquet"
@@ -290,8 +412,12 @@ class ParquetWriter:
             final.append(target)
         return final
 
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
 
-WRITERS = {
+
+WRITERS: dict[str, type[Writer]] = {
     "specforge": SpecForgeWriter,
     "speculators": SpeculatorsWriter,
     "parquet": ParquetWriter,

@@ -22,17 +22,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .collect import ReportError, collect_run
+from .collect import ReportError, RowStats, collect_run
 from .terminal import print_summary
 
-__all__ = ["ReportError", "build_report", "collect_run", "print_summary"]
+__all__ = ["ReportError", "RowStats", "build_report", "collect_run", "print_summary"]
 
 
-def build_report(run_dir: str | Path, force: bool = False) -> Path:
+def build_report(run_dir: str | Path, force: bool = False, rows: RowStats | None = None) -> Path:
     """Write ``RUN/report/report.html`` and ``report.json`` (as one set); return the HTML path.
 
     ``RUN/report`` must be missing, empty or an earlier report (else
-    :class:`~tokenbridge.outdir.OutputRefused`, unless ``force``)."""
+    :class:`~tokenbridge.outdir.OutputRefused`, unless ``force``). ``rows``: statistics
+    already gathered over ``RUN/reconstructed.jsonl`` (the pipeline's one pass,
+    :func:`tokenbridge.export.run_pass`); without them the file is read here."""
     from ..fsio import kill_point, publish_dir
     from ..outdir import check_output_dir, marker
     from .html import render_html
@@ -41,7 +43,7 @@ def build_report(run_dir: str | Path, force: bool = False) -> Path:
     run_dir = Path(run_dir)
     out = run_dir / "report"
     check_output_dir(out, "report", force=force, flag="report folder")
-    data = collect_run(run_dir)
+    data = collect_run(run_dir, rows)
     try:
         figures = render_figures(data)
     except ImportError as exc:  # pragma: no cover - matplotlib is a dependency

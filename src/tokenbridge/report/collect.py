@@ -13,19 +13,18 @@ import time
 from array import array
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import numpy as np
 
 from ..checks import CODES
 from ..exchanges import RecordError, iter_objects
-from ..export.source import iter_records
+from ..rows import STATUSES, ReconstructedRow, RowError, iter_rows
 
-__all__ = ["ReportError", "collect_run", "RECONSTRUCTED_NAMES"]
+__all__ = ["ReportError", "RowStats", "collect_run", "RECONSTRUCTED_NAMES"]
 
 #: Where reconstruct output may sit in a run folder, in order of preference.
 RECONSTRUCTED_NAMES = ("reconstructed.jsonl", "reconstructed.parquet")
-_STATUSES = ("ok", "flagged", "rejected")
 _MAX_BINS = 60
 #: Sample ids kept per finding code and per status (the report lists them for `inspect --id`).
 IDS_KEPT = 50
@@ -36,8 +35,11 @@ class ReportError(ValueError):
     """The run folder cannot be reported on (the message says which file and why)."""
 
 
-def collect_run(run_dir: str | Path) -> dict[str, Any]:
-    """Every number the report shows, from ``RUN/reconstructed.*`` and ``RUN/exchanges.jsonl``."""
+def collect_run(run_dir: str | Path, rows: RowStats | None = None) -> dict[str, Any]:
+    """Every number the report shows, from ``RUN/reconstructed.*`` and ``RUN/exchanges.jsonl``.
+
+    ``rows``: the row statistics already gathered over that reconstructed file (the
+    pipeline's one pass); without it the file is read here."""
     run_dir = Path(run_dir)
     recon = next((run_dir / n for n in RECONSTRUCTED_NAMES if (run_dir / n).is_file()), None)
     if recon is None:
@@ -48,7 +50,7 @@ def collect_run(run_dir: str | Path) -> dict[str, Any]:
         "generated_at": time.time(),
         "sources": {"reconstructed": str(recon), "exchanges": str(exchanges) if exchanges.is_file() else None},
     }
-    data.update(_rows_section(recon))
+    data.update(rows.result() if rows is not None else _rows_section(recon))
     data["glossary"] = {code: {"default": sev, "meaning": meaning} for code, (sev, meaning) in CODES.items()}
     data["exchanges"] = _exchanges_section(exchanges) if exchanges.is_file() else None
     state = run_dir / _STATE_FILE
@@ -65,46 +67,64 @@ def collect_run(run_dir: str | Path) -> dict[str, Any]:
 # --- reconstructed rows -------------------------------------------------------------------
 
 
-def _rows_section(path: Path) -> dict[str, Any]:
-    status: Counter = Counter()
-    findings: Counter = Counter()
-    by = {"provider": defaultdict(lambda: {"status": Counter(), "findings": Counter()}),
-          "dataset": defaultdict(lambda: {"status": Counter(), "findings": Counter()})}
-    prompt_len, completion_len = array("l"), array("l")
-    parity = _Parity()
-    ids = _SampleIds()
-    for _, rec in _records(path):
-        st = rec.get("status")
-        codes = [f.get("code") for f in rec.get("findings") or [] if isinstance(f, dict)]
-        status[st] += 1
-        findings.update(codes)
-        ids.add(rec, str(st), codes)
-        for key in by:
-            group = by[key][str(rec.get(key))]
+class RowStats:
+    """The report's numbers over reconstructed rows, fed one row at a time (by
+    :func:`collect_run`'s own read, or by the pipeline's one pass, :func:`tokenbridge.export.run_pass`)."""
+
+    def __init__(self) -> None:
+        self.status: Counter = Counter()
+        self.findings: Counter = Counter()
+        self.by: dict[str, defaultdict[str, dict[str, Counter]]] = {
+            key: defaultdict(lambda: {"status": Counter(), "findings": Counter()}) for key in ("provider", "dataset")}
+        self.prompt_len, self.completion_len = array("l"), array("l")
+        self.parity = _Parity()
+        self.ids = _SampleIds()
+
+    def add(self, row: ReconstructedRow) -> None:
+        st = row["status"]
+        codes = [f["code"] for f in row["findings"]]
+        self.status[st] += 1
+        self.findings.update(codes)
+        self.ids.add(row, st, codes)
+        for key, groups in self.by.items():
+            group = groups[str(row[key])]  # type: ignore[literal-required]  # "provider" / "dataset"
             group["status"][st] += 1
             group["findings"].update(codes)
-        n_prompt, n_completion = len(rec.get("prompt_ids") or []), len(rec.get("completion_ids") or [])
+        n_prompt, n_completion = len(row["prompt_ids"]), len(row["completion_ids"])
         if st in ("ok", "flagged"):
-            prompt_len.append(n_prompt)
-            completion_len.append(n_completion)
-        parity.add(rec, n_prompt, n_completion)
-    parity.close()
-    return {
-        "rows": {"total": sum(status.values()), "status": {s: status.get(s, 0) for s in _STATUSES}},
-        "findings": dict(findings.most_common()),
-        "by_provider": _groups(by["provider"]),
-        "by_dataset": _groups(by["dataset"]),
-        "lengths": {
-            "rows": "ok and flagged rows",
-            "prompt": _describe(prompt_len),
-            "completion": _describe(completion_len),
-            "prompt_hist": _histogram(prompt_len),
-            "completion_hist": _histogram(completion_len),
-        },
-        "usage_parity": parity.result(),
-        "samples_by_status": ids.result(ids.by_status, _STATUSES),
-        "samples_by_finding": ids.result(ids.by_code, [c for c, _ in findings.most_common()]),
-    }
+            self.prompt_len.append(n_prompt)
+            self.completion_len.append(n_completion)
+        self.parity.add(row, n_prompt, n_completion)
+
+    def result(self) -> dict[str, Any]:
+        self.parity.close()
+        findings, status = self.findings, self.status
+        return {
+            "rows": {"total": sum(status.values()), "status": {s: status.get(s, 0) for s in STATUSES}},
+            "findings": dict(findings.most_common()),
+            "by_provider": _groups(self.by["provider"]),
+            "by_dataset": _groups(self.by["dataset"]),
+            "lengths": {
+                "rows": "ok and flagged rows",
+                "prompt": _describe(self.prompt_len),
+                "completion": _describe(self.completion_len),
+                "prompt_hist": _histogram(self.prompt_len),
+                "completion_hist": _histogram(self.completion_len),
+            },
+            "usage_parity": self.parity.result(),
+            "samples_by_status": self.ids.result(self.ids.by_status, STATUSES),
+            "samples_by_finding": self.ids.result(self.ids.by_code, [c for c, _ in findings.most_common()]),
+        }
+
+
+def _rows_section(path: Path) -> dict[str, Any]:
+    stats = RowStats()
+    try:
+        for _, row in iter_rows(path):
+            stats.add(row)
+    except RowError as exc:
+        raise ReportError(str(exc)) from None
+    return stats.result()
 
 
 class _SampleIds:
@@ -114,8 +134,8 @@ class _SampleIds:
         self.by_status: dict[str, list[list[Any]]] = defaultdict(list)
         self.by_code: dict[str, list[list[Any]]] = defaultdict(list)
 
-    def add(self, rec: dict, status: str, codes: list[Any]) -> None:
-        sample = [str(rec.get("id")), rec.get("choice", 0)]
+    def add(self, rec: ReconstructedRow, status: str, codes: list[Any]) -> None:
+        sample = [rec["id"], rec["choice"]]
         for kept in [self.by_status[status]] + [self.by_code[str(c)] for c in dict.fromkeys(codes)]:
             if len(kept) < IDS_KEPT:
                 kept.append(sample)
@@ -125,16 +145,9 @@ class _SampleIds:
         return {k: kept.get(k, []) for k in keys}
 
 
-def _records(path: Path) -> Iterator[tuple[int, dict]]:
-    try:
-        yield from iter_records(path)
-    except ValueError as exc:
-        raise ReportError(str(exc)) from None
-
-
 def _groups(groups: dict[str, dict]) -> dict[str, Any]:
     return {
-        name: {"rows": sum(g["status"].values()), "status": {s: g["status"].get(s, 0) for s in _STATUSES},
+        name: {"rows": sum(g["status"].values()), "status": {s: g["status"].get(s, 0) for s in STATUSES},
                "findings": dict(g["findings"].most_common())}
         for name, g in sorted(groups.items())
     }
@@ -153,17 +166,17 @@ class _Parity:
         self.provider: dict[str, dict[str, array]] = defaultdict(lambda: {"prompt": array("l"), "completion": array("l")})
         self._pending: tuple[str, dict, int, int] | None = None
 
-    def add(self, rec: dict, n_prompt: int, n_completion: int) -> None:
-        key = rec.get("id")
+    def add(self, rec: ReconstructedRow, n_prompt: int, n_completion: int) -> None:
+        key = rec["id"]
         if self._pending is not None and key == self.key:
             prov, usage, p, c = self._pending
             self._pending = (prov, usage, p, c + n_completion)
             return
         self.close()
         self.key = key
-        usage = rec.get("usage")
-        if isinstance(usage, dict):
-            self._pending = (str(rec.get("provider")), usage, n_prompt, n_completion)
+        usage = rec["usage"]
+        if usage is not None:
+            self._pending = (str(rec["provider"]), usage, n_prompt, n_completion)
 
     def close(self) -> None:
         if self._pending is None:

@@ -1,0 +1,364 @@
+"""The reconstructed row: one typed definition, one Arrow schema, one reader and writer.
+
+A reconstructed row (one per choice of an exchange) is what ``reconstruct`` writes and
+what ``export``, ``vocab`` and ``report`` read. Its columns, their types and how each is
+stored in Parquet are declared here and nowhere else:
+
+* :class:`ReconstructedRow` -- the row as Python sees it (a ``TypedDict``: rows stay
+  plain dicts, so reading and writing JSON costs nothing extra);
+* :func:`arrow_schema` -- the one Arrow schema, built from :data:`_ARROW_TYPES`; exports
+  select their columns from it (:func:`arrow_fields`), so a column has one type everywhere;
+* :func:`iter_rows` -- every row of a JSONL or Parquet file, checked against the contract
+  (a bad value is a :class:`RowError` naming file, line and field);
+* :class:`JsonlRowSink` / :class:`ParquetRowSink` -- the writers ``reconstruct`` uses.
+
+Files written before the ``reconstruction`` column existed are read with it as ``None``.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Iterable,
+    Iterator,
+    Literal,
+    Mapping,
+    NotRequired,
+    TypedDict,
+)
+
+from .fsio import JsonLineError, dumps_line, loads_line
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = [
+    "COLUMNS",
+    "JSON_TEXT_COLUMNS",
+    "SEVERITIES",
+    "STATUSES",
+    "FindingRecord",
+    "JsonlRowSink",
+    "ParquetRowSink",
+    "ReconstructedRow",
+    "RowError",
+    "Segment",
+    "Severity",
+    "Status",
+    "arrow_fields",
+    "arrow_schema",
+    "iter_rows",
+]
+
+Status = Literal["ok", "flagged", "rejected"]
+#: Every status a row may carry: ``ok`` (no findings), ``flagged`` (warnings only), ``rejected``.
+STATUSES: tuple[Status, ...] = ("ok", "flagged", "rejected")
+Severity = Literal["error", "warning"]
+SEVERITIES: tuple[Severity, ...] = ("error", "warning")
+SegmentKind = Literal["prompt", "reasoning", "think_end", "content", "tool_calls", "end"]
+
+
+class Segment(TypedDict):
+    """A span of ``input_ids``: ``[start, end)``."""
+
+    kind: SegmentKind
+    start: int
+    end: int
+
+
+class FindingRecord(TypedDict):
+    code: str
+    severity: Severity
+    message: str
+
+
+class ReconstructedRow(TypedDict):
+    """One choice of one exchange, with its exact ids and the gate's verdict."""
+
+    id: str
+    choice: int
+    dataset: str | None
+    status: Status
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    input_ids: list[int]  # prompt_ids + completion_ids
+    loss_mask: list[int]  # [0] * len(prompt_ids) + [1] * len(completion_ids)
+    segments: list[Segment]
+    findings: list[FindingRecord]
+    provider: str | None
+    model: str | None
+    finish_reason: str | None
+    thinking: bool
+    usage: dict[str, Any] | None  # the response's usage object as returned
+    messages: list[dict[str, Any]]  # the request's messages
+    tools: list[dict[str, Any]] | None
+    reasoning: str
+    content: str
+    #: which reconstruction hypothesis produced the ids; None = the plain formula
+    reconstruction: NotRequired[str | None]
+
+
+#: Column order of every file that holds rows.
+COLUMNS: tuple[str, ...] = tuple(ReconstructedRow.__annotations__)
+#: Free-form columns stored as JSON text in Parquet.
+JSON_TEXT_COLUMNS = ("usage", "messages", "tools")
+#: Text columns whose value comes from the API unchecked: any other JSON value is kept as its JSON text.
+_TEXT_COLUMNS = ("dataset", "provider", "model", "finish_reason", "reconstruction")
+#: Columns a row may lack (older files): read as None.
+_OPTIONAL = ("reconstruction",)
+
+#: The one Arrow type of each column (``pyarrow`` type expressions, see :func:`_arrow_type`).
+_ARROW_TYPES: dict[str, str] = {
+    "id": "string",
+    "choice": "int32",
+    "dataset": "string",
+    "status": "string",
+    "prompt_ids": "ids",
+    "completion_ids": "ids",
+    "input_ids": "ids",
+    "loss_mask": "mask",
+    "segments": "segments",
+    "findings": "findings",
+    "provider": "string",
+    "model": "string",
+    "finish_reason": "string",
+    "thinking": "bool",
+    "usage": "string",
+    "messages": "string",
+    "tools": "string",
+    "reasoning": "string",
+    "content": "string",
+    "reconstruction": "string",
+}
+
+
+def _arrow_type(name: str) -> pa.DataType:
+    import pyarrow as pa
+
+    simple = {"string": pa.string(), "int32": pa.int32(), "bool": pa.bool_(), "ids": pa.list_(pa.int32()),
+              "mask": pa.list_(pa.int8())}
+    if name in simple:
+        return simple[name]
+    if name == "segments":
+        return pa.list_(pa.struct([("kind", pa.string()), ("start", pa.int32()), ("end", pa.int32())]))
+    if name == "findings":
+        return pa.list_(pa.struct([("code", pa.string()), ("severity", pa.string()), ("message", pa.string())]))
+    raise KeyError(name)
+
+
+@lru_cache(maxsize=1)
+def arrow_schema() -> pa.Schema:
+    """The row's Arrow schema (reconstruct's Parquet output), columns in :data:`COLUMNS` order."""
+    import pyarrow as pa
+
+    return pa.schema([(col, _arrow_type(_ARROW_TYPES[col])) for col in COLUMNS])
+
+
+def arrow_fields(columns: Iterable[str], **types: pa.DataType) -> list[pa.Field]:
+    """The schema's fields for ``columns``, in that order; ``types`` overrides a column's type
+    where a consumer needs another width (speculators reads int64 ids)."""
+    schema = arrow_schema()
+    out = []
+    for col in columns:
+        field = schema.field(col)
+        out.append(field.with_type(types[col]) if col in types else field)
+    return out
+
+
+# --- reading ---------------------------------------------------------------------------
+
+
+class RowError(ValueError):
+    """A row breaks the contract: names the file, the line (or row number) and the field."""
+
+    def __init__(self, path: str | Path, line: int | None, field: str, message: str):
+        self.path = str(path)
+        self.line = line
+        self.field = field
+        self.detail = message
+        where = self.path if line is None else f"{self.path}:{line}"
+        super().__init__(f"{where}: {field}: {message}")
+
+
+_PARQUET_BATCH_ROWS = 256
+
+
+def iter_rows(path: str | Path) -> Iterator[tuple[int, ReconstructedRow]]:
+    """(line or row number from 1, row) for every row of a reconstruct output file.
+
+    JSONL is streamed line by line, Parquet in bounded record batches, so no file is held.
+    Every row is checked against the contract (:func:`check_row`); training-specific
+    checks (ids, mask, segments) are :func:`tokenbridge.export.check_training_row`'s.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RowError(path, None, "<file>", "no such file")
+    rows = _iter_parquet(path) if path.suffix == ".parquet" else _iter_jsonl(path)
+    for line, obj in rows:
+        yield line, check_row(obj, path, line)
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    with open(path, "rb", buffering=1 << 20) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, loads_line(line)
+            except JsonLineError as exc:
+                raise RowError(path, lineno, "<line>", exc.detail) from None
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for a broken file
+        raise RowError(path, None, "<file>", f"not a readable Parquet file ({exc})") from None
+    row = 0
+    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+        for record in batch.to_pylist():
+            row += 1
+            for key in JSON_TEXT_COLUMNS:
+                value = record.get(key)
+                if isinstance(value, str):
+                    try:
+                        record[key] = loads_line(value)
+                    except JsonLineError:
+                        raise RowError(path, row, key, "is not valid JSON text") from None
+            yield row, record
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:
+    """``obj`` as a :class:`ReconstructedRow`, or :class:`RowError`. Cheap (no per-token
+    work): the column types, the status, the findings' codes and severities. Text columns
+    the API filled with another JSON type keep it as JSON text, as Parquet stores it."""
+    if not isinstance(obj, dict):
+        raise RowError(path, line, "<line>", f"must be a JSON object, got {type(obj).__name__}")
+    for col in COLUMNS:
+        if col not in obj:
+            if col in _OPTIONAL:
+                obj[col] = None
+                continue
+            raise RowError(path, line, col, "missing")
+
+    def fail(field: str, message: str) -> RowError:
+        return RowError(path, line, field, message)
+
+    if not isinstance(obj["id"], str):
+        raise fail("id", f"must be a string, got {type(obj['id']).__name__}")
+    if not _is_int(obj["choice"]) or obj["choice"] < 0:
+        raise fail("choice", f"must be a non-negative integer, got {obj['choice']!r}")
+    if obj["status"] not in STATUSES:
+        raise fail("status", f"must be one of {', '.join(STATUSES)}, got {obj['status']!r}")
+    for col in ("prompt_ids", "completion_ids", "input_ids", "loss_mask", "segments", "findings", "messages"):
+        if not isinstance(obj[col], list):
+            raise fail(col, f"must be a list, got {type(obj[col]).__name__}")
+    for k, f in enumerate(obj["findings"]):
+        if (not isinstance(f, dict) or not isinstance(f.get("code"), str) or f.get("severity") not in SEVERITIES
+                or not isinstance(f.get("message"), str)):
+            raise fail(f"findings[{k}]", "must be an object with string code and message, and severity error or warning")
+    for col in _TEXT_COLUMNS:
+        value = obj[col]
+        if value is not None and not isinstance(value, str):
+            obj[col] = _as_text(value)
+    if type(obj["thinking"]) is not bool:
+        raise fail("thinking", f"must be true or false, got {obj['thinking']!r}")
+    if obj["usage"] is not None and not isinstance(obj["usage"], dict):
+        raise fail("usage", f"must be an object or null, got {type(obj['usage']).__name__}")
+    if obj["tools"] is not None and not isinstance(obj["tools"], list):
+        raise fail("tools", f"must be a list or null, got {type(obj['tools']).__name__}")
+    for col in ("reasoning", "content"):
+        if not isinstance(obj[col], str):
+            raise fail(col, f"must be a string, got {type(obj[col]).__name__}")
+    return obj  # type: ignore[return-value]  # checked above, column by column
+
+
+def _as_text(value: Any) -> str:
+    """A JSON value as compact JSON text (the lone-surrogate fallback included)."""
+    return dumps_line(value).decode("utf-8")
+
+
+# --- writing ---------------------------------------------------------------------------
+
+
+class JsonlRowSink:
+    """Rows as JSON lines, handed over already encoded (by :func:`encode_row`, in pool
+    workers): one buffer of whole lines, newlines included."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fh = open(path, "wb")
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._fh.write(data)
+
+    def close(self) -> None:
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+
+    def abort(self) -> None:
+        self._fh.close()
+        self.path.unlink(missing_ok=True)
+
+
+def encode_row(row: Mapping[str, Any]) -> bytes:
+    """One row as its JSON line (no newline): :func:`tokenbridge.fsio.dumps_line`."""
+    return dumps_line(row)
+
+
+def to_arrow_record(row: Mapping[str, Any], columns: Iterable[str]) -> dict[str, Any]:
+    """The ``columns`` of ``row`` as Arrow values: JSON-text columns encoded, odd API values
+    in text columns as their JSON text, a missing ``reconstruction`` as None."""
+    out: dict[str, Any] = {}
+    for col in columns:
+        value = row.get(col)
+        if value is not None and (col in JSON_TEXT_COLUMNS or (col in _TEXT_COLUMNS and not isinstance(value, str))):
+            value = _as_text(value)
+        out[col] = value
+    return out
+
+
+class ParquetRowSink:
+    """Rows buffered into bounded record batches of :func:`arrow_schema`."""
+
+    def __init__(self, path: Path, batch_rows: int = 512):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self._pa = pa
+        self.schema = arrow_schema()
+        self.path = path
+        self._writer = pq.ParquetWriter(path, self.schema)
+        self._buf: list[dict[str, Any]] = []
+        self._batch_rows = batch_rows
+
+    def write(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        for row in rows:
+            self._buf.append(to_arrow_record(row, COLUMNS))
+        if len(self._buf) >= self._batch_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._buf:
+            self._writer.write_table(self._pa.Table.from_pylist(self._buf, schema=self.schema))
+            self._buf = []
+
+    def close(self) -> None:
+        self._flush()
+        self._writer.close()
+
+    def abort(self) -> None:
+        self._buf = []
+        self._writer.close()
+        self.path.unlink(missing_ok=True)

@@ -1,0 +1,180 @@
+"""The row contract: one schema every writer follows, one reader that checks every row."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_export_support import (
+    make_exchange,
+    make_run,
+    read_jsonl,
+    reconstruct,
+    write_jsonl,
+)
+
+from tokenbridge import rows
+from tokenbridge.export import export_file
+from tokenbridge.export.writers import META_COLUMNS
+from tokenbridge.reconstruct import reconstruct_file
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "tokenbridge"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def run(kimi, tmp_path_factory):
+    """Rows of the real reconstruct, one of them with tools and a reconstruction hypothesis."""
+    root = tmp_path_factory.mktemp("rows")
+    exchanges, made = make_run(kimi, 12, seed=5)
+    ex = make_exchange(50, "tool", seed=5)
+    ex["request"]["tools"] = TOOLS
+    tool_rows = reconstruct(ex, kimi, "tool")
+    assert tool_rows[0]["status"] == "ok"
+    tool_rows[0]["reconstruction"] = "tool_call_without_think_close"
+    exchanges.append(ex)
+    made += tool_rows
+    return root, write_jsonl(root / "reconstructed.jsonl", made), write_jsonl(root / "exchanges.jsonl", exchanges), made
+
+
+def _arrow_schema_of(folder: Path, fmt: str) -> pa.Schema:
+    if fmt == "speculators":
+        with pa.ipc.open_stream(next(folder.glob("*.arrow"))) as reader:
+            return reader.schema
+    return pq.read_schema(next((folder / "data").glob("*.parquet")))
+
+
+# what each writer adds to the row's columns, and the types it changes (and why: speculators reads int64)
+EXTRA = {"speculators": {"seq_len": pa.int64()},
+         "parquet": {"num_prompt_tokens": pa.int32(), "num_completion_tokens": pa.int32()}}
+WIDER = {"speculators": {"input_ids": pa.list_(pa.int64()), "loss_mask": pa.list_(pa.int64())}}
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "parquet"])
+def test_every_arrow_writer_follows_the_one_schema(run, tmp_path, fmt):
+    _, src, _, _ = run
+    export_file(src, tmp_path / fmt, fmt)
+    schema = _arrow_schema_of(tmp_path / fmt, fmt)
+    one = rows.arrow_schema()
+    for f in schema:
+        if f.name in EXTRA[fmt]:
+            assert f.type == EXTRA[fmt][f.name], f.name
+        else:
+            assert f.type == WIDER.get(fmt, {}).get(f.name, one.field(f.name).type), f.name
+    assert set(schema.names) - set(EXTRA[fmt]) >= {"input_ids", "loss_mask", *META_COLUMNS}
+
+
+def test_parquet_export_carries_every_column_but_the_split_ids(run, tmp_path):
+    _, src, _, made = run
+    export_file(src, tmp_path / "pq", "parquet")
+    names = set(pq.read_schema(next((tmp_path / "pq" / "data").glob("*.parquet"))).names)
+    assert names == set(rows.COLUMNS) - {"prompt_ids", "completion_ids"} | set(EXTRA["parquet"])
+    table = pq.read_table(next((tmp_path / "pq" / "data").glob("*.parquet"))).to_pylist()
+    want = [r for r in made if r["status"] == "ok"]
+    assert [None if t["tools"] is None else json.loads(t["tools"]) for t in table] == [r["tools"] for r in want]
+    assert any(t["tools"] for t in table)
+    assert [t["reconstruction"] for t in table] == [r.get("reconstruction") for r in want]
+
+
+def test_reconstruct_parquet_is_the_one_schema(run, tmp_path, kimi_dir):
+    exchanges = run[2]
+    out = tmp_path / "reconstructed.parquet"
+    reconstruct_file(exchanges, out, kimi_dir, workers=1)
+    assert pq.read_schema(out).remove_metadata() == rows.arrow_schema()
+
+
+def test_jsonl_writers_keys(run, tmp_path):
+    src = run[1]
+    export_file(src, tmp_path / "sf", "specforge")
+    export_file(src, tmp_path / "conv", "conversations")
+    assert {tuple(r) for r in read_jsonl(tmp_path / "sf" / "train.jsonl")} == {("input_ids", "loss_mask", *META_COLUMNS)}
+    conv = read_jsonl(tmp_path / "conv" / "conversations.jsonl")
+    assert {tuple(r) for r in conv} == {(*META_COLUMNS, "conversations"), (*META_COLUMNS, "conversations", "tools")}
+    with_tools = [c for c in conv if "tools" in c]
+    assert len(with_tools) == 1 and json.loads(with_tools[0]["tools"]) == TOOLS
+    # the model's own tool call stays raw marker text in the final turn; no invented tool_calls key
+    final = with_tools[0]["conversations"][-1]
+    assert set(final) == {"role", "content", "reasoning_content"} and "<|tool_calls_section_begin|>" in final["content"]
+
+
+def test_one_schema_in_the_source():
+    """Only rows.py spells out the row's Arrow types (grep finds one schema)."""
+    spelled = re.compile(r"pa\.struct\(|pa\.list_\(pa\.int(8|32)\(\)\)|\(\"segments\", pa\.")
+    hits = [p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py") if spelled.search(p.read_text(encoding="utf-8"))]
+    assert hits == ["rows.py"]
+
+
+# --- the reader -----------------------------------------------------------------------------
+
+
+def test_rows_without_reconstruction_read_as_null(run, tmp_path, kimi_dir):
+    _, src, _, made = run
+    old = [{k: v for k, v in r.items() if k != "reconstruction"} for r in made]
+    got = [r for _, r in rows.iter_rows(write_jsonl(tmp_path / "old.jsonl", old))]
+    assert [r["reconstruction"] for r in got] == [None] * len(old)
+    # a Parquet file from before the column existed
+    legacy = pa.schema([f for f in rows.arrow_schema() if f.name != "reconstruction"])
+    table = pa.Table.from_pylist([rows.to_arrow_record(r, legacy.names) for r in old], schema=legacy)
+    pq.write_table(table, tmp_path / "old.parquet")
+    from_parquet = [r for _, r in rows.iter_rows(tmp_path / "old.parquet")]
+    assert from_parquet == got
+    # and the value round-trips where present
+    assert [r["reconstruction"] for _, r in rows.iter_rows(src)] == [r.get("reconstruction") for r in made]
+
+
+def test_odd_api_values_read_the_same_from_jsonl_and_parquet(run, tmp_path):
+    _, _, _, made = run
+    odd = [dict(made[0], provider={"name": "Alpha", "tier": 2}, model=7, finish_reason=["stop"])]
+    from_jsonl = [r for _, r in rows.iter_rows(write_jsonl(tmp_path / "odd.jsonl", odd))]
+    sink = rows.ParquetRowSink(tmp_path / "odd.parquet")
+    sink.write(odd)
+    sink.close()
+    from_parquet = [r for _, r in rows.iter_rows(tmp_path / "odd.parquet")]
+    assert from_jsonl == from_parquet
+    assert (from_jsonl[0]["provider"], from_jsonl[0]["model"], from_jsonl[0]["finish_reason"]) == (
+        '{"name":"Alpha","tier":2}', "7", '["stop"]')
+
+
+BAD = {
+    "missing": (lambda r: r.pop("segments"), "segments", "missing"),
+    "status": (lambda r: r.update(status="great"), "status", "must be one of ok, flagged, rejected, got 'great'"),
+    "choice": (lambda r: r.update(choice=True), "choice", "must be a non-negative integer"),
+    "id": (lambda r: r.update(id=12), "id", "must be a string"),
+    "thinking": (lambda r: r.update(thinking="yes"), "thinking", "must be true or false"),
+    "usage": (lambda r: r.update(usage=[1]), "usage", "must be an object or null"),
+    "tools": (lambda r: r.update(tools="x"), "tools", "must be a list or null"),
+    "ids": (lambda r: r.update(input_ids="1,2"), "input_ids", "must be a list"),
+    "finding": (lambda r: r.update(findings=[{"code": "x", "severity": "fatal", "message": "m"}]), "findings[0]",
+                "severity error or warning"),
+    "content": (lambda r: r.update(content=None), "content", "must be a string"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_a_bad_row_names_file_line_and_field(run, tmp_path, name):
+    _, _, _, made = run
+    change, field, message = BAD[name]
+    rows_ = [dict(r) for r in made[:4]]
+    change(rows_[2])
+    src = write_jsonl(tmp_path / "bad.jsonl", rows_)
+    with pytest.raises(rows.RowError) as err:
+        list(rows.iter_rows(src))
+    assert (err.value.line, err.value.field) == (3, field)
+    assert message in err.value.detail and str(err.value).startswith(f"{src}:3: {field}: ")
+
+
+def test_not_an_object_and_not_json(tmp_path):
+    src = tmp_path / "r.jsonl"
+    src.write_text("[1, 2]\n")
+    with pytest.raises(rows.RowError, match=r"r.jsonl:1: <line>: must be a JSON object, got list"):
+        list(rows.iter_rows(src))
+    src.write_bytes(b'{"id": "\xff"}\n')
+    with pytest.raises(rows.RowError, match=r"r.jsonl:1: <line>: not valid UTF-8"):
+        list(rows.iter_rows(src))
+    with pytest.raises(rows.RowError, match="no such file"):
+        list(rows.iter_rows(tmp_path / "none.jsonl"))
