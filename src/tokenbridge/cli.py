@@ -9,6 +9,7 @@ from typing import Iterator, NoReturn, Optional
 
 import typer
 
+from .display import printable
 from .exit_codes import ExitCode
 
 app = typer.Typer(
@@ -140,7 +141,7 @@ def reconstruct(
     console = Console(stderr=False)
     console.print(summary_table(summary, title=f"{input} → {output}"))
     for note in summary.stripping_suspects():
-        typer.echo(f"warning: {note}", err=True)
+        typer.echo(printable(f"warning: {note}"), err=True)  # names providers
     for bad in summary.bad_lines[:_SHOWN_BAD_LINES]:
         typer.echo(f"bad record: {bad}", err=True)
     if len(summary.bad_lines) > _SHOWN_BAD_LINES:
@@ -306,13 +307,13 @@ def generate(
     if summary.bad_rows and (len(summary.bad_rows) > 5 or not quiet):
         typer.echo(f"{len(summary.bad_rows)} bad rows in all (listed in {out / 'generate.json'})", err=True)
     for f in summary.failures[:10]:
-        typer.echo(f"failed: {f['id']}: {f['error_class']}: {f['error']}", err=True)
+        typer.echo(printable(f"failed: {f['id']}: {f['error_class']}: {f['error']}"), err=True)  # API text
     for note in summary.notices if quiet else ():
         if note.startswith(("stopping:", "could not", str(out))):
-            typer.echo(f"note: {note}", err=True)
+            typer.echo(printable(f"note: {note}"), err=True)
     if summary.bad_usage:
-        typer.echo(f"note: {summary.bad_usage} response(s) kept with unusable usage fields, ignored "
-                   f"(e.g. {summary.bad_usage_examples[0]}; all in {out / 'generate.json'})", err=True)
+        typer.echo(printable(f"note: {summary.bad_usage} response(s) kept with unusable usage fields, ignored "
+                             f"(e.g. {summary.bad_usage_examples[0]}; all in {out / 'generate.json'})"), err=True)
     if summary.stop_reason:
         typer.echo(f"stopped: {summary.stop_reason}: {summary.already_done + summary.done} of {summary.samples} "
                    f"samples kept, {summary.pending} pending (rerun the same command to continue)", err=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from . import fsio, interrupt
+from .display import printable
 from .outdir import OutputKind, remove_own_output
 from .runconfig import PipelineError, RunConfig, check_before_generate, load_run_config
 from .runconfig import emulator_config as _emulator_config
@@ -157,7 +158,7 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
         results.append(StageResult("reconstruct", "ran", detail))
     echo(f"reconstruct: {results[-1].status} → {reconstructed}: {status_text(state.data['reconstruct'].get('status') or {})}")
     for note in state.data["reconstruct"].get("provider_notes") or ():
-        echo(f"reconstruct: warning: {note}")
+        echo(f"reconstruct: warning: {printable(note)}")  # names providers
 
     # 3. export, one stage per format (skipped, not failed, when no row qualifies)
     wanted = {"ok", "flagged"} if cfg.include_flagged else {"ok"}
