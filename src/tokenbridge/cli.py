@@ -454,6 +454,8 @@ def export(
     row_group_rows: int = typer.Option(1000, "--row-group-rows", help="Parquet: rows per row group."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty -o folder tokenbridge did not write "
                                "(never a run folder, the input's folder or the current folder)."),
+    target_vocab_size: Optional[int] = typer.Option(
+        None, "--target-vocab-size", min=1, help="Refuse rows with an id outside this vocabulary (run passes the tokenizer's)."),
 ) -> None:
     """Write validated training rows in a trainer's format."""
     from .export import ExportError, export_file
@@ -466,7 +468,8 @@ def export(
     options = {"shard_rows": shard_rows, "row_group_rows": row_group_rows} if fmt == "parquet" else {}
     try:
         with _writing(output, "export"):
-            summary = export_file(input, output, fmt, include_flagged=include_flagged, force=force, **options)
+            summary = export_file(input, output, fmt, include_flagged=include_flagged, force=force,
+                                  vocab_size=target_vocab_size, **options)
     except ExportError as exc:
         _fail(str(exc))
     skipped = summary.skipped

@@ -174,7 +174,7 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
                  + _drop_stale(state, f"export:{fmt}", target, "export"))
             continue
         else:
-            es = export_file(reconstructed, target, fmt, include_flagged=cfg.include_flagged)
+            es = export_file(reconstructed, target, fmt, include_flagged=cfg.include_flagged, vocab_size=tok.vocab_size)
             detail = {"rows": es.rows_exported, "skipped": es.skipped}
             state.record(f"export:{fmt}", fp, detail)
             results.append(StageResult(f"export:{fmt}", "ran", detail))

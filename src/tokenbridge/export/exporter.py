@@ -18,7 +18,7 @@ import yaml
 from ..fsio import kill_point, publish_dir
 from ..outdir import check_output_dir, marker
 from .source import STATUSES, ExportError, iter_records
-from .validate import check_training_row
+from .validate import RowContract, check_training_row
 from .writers import WRITERS
 
 __all__ = ["FORMATS", "ExportSummary", "export_file"]
@@ -56,6 +56,7 @@ def export_file(
     fmt: str,
     include_flagged: bool = False,
     force: bool = False,
+    vocab_size: int | None = None,
     **writer_options: Any,
 ) -> ExportSummary:
     """Export the ``ok`` rows of ``src`` (plus ``flagged`` ones if asked) to ``out_dir``.
@@ -63,6 +64,8 @@ def export_file(
     ``rejected`` rows are never exported. Raises :class:`ExportError` on the first row
     whose ids or mask are wrong, and when no row is left to export. ``writer_options``
     tune the Parquet shards (``shard_rows``, ``shard_bytes``, ``row_group_rows``).
+    Each exported row is also held to :class:`~.validate.RowContract` (ids checked against
+    ``vocab_size`` when given).
     ``out_dir`` must be missing, empty or an earlier export (else
     :class:`~tokenbridge.outdir.OutputRefused`, unless ``force``; see :mod:`tokenbridge.outdir`).
     """
@@ -74,6 +77,7 @@ def export_file(
     check_output_dir(out_dir, "export", inputs=[src], force=force)
     with publish_dir(out_dir, point="export", marker=marker("export", format=fmt)) as tmp:
         writer = WRITERS[fmt](tmp, **writer_options)
+        contract = RowContract(src, vocab_size)
         try:
             for line, rec in iter_records(src):
                 summary.rows_read += 1
@@ -84,6 +88,7 @@ def export_file(
                     summary.skipped[status] += 1
                     continue
                 ids, mask = check_training_row(rec, src, line)
+                contract.check(rec, line, ids)
                 writer.add(rec, ids, mask)
                 summary.rows_exported += 1
                 summary.tokens += len(ids)

@@ -14,6 +14,11 @@ token trained on). So every exported row must satisfy, exactly:
   unless the model was cut off (``finish_reason == "length"``) the last one is the
   end token (so a dropped end token cannot pass as a shorter completion);
 * at least one prompt token and one completion token (no all-zero / all-one masks).
+
+:class:`RowContract` then holds each exported row to the rest of the row contract
+(docs/contracts.md): typed ``id`` / ``choice`` / ``findings``, a status that its findings
+give (an ``ok`` row carries none, a ``flagged`` one no error), each ``(id, choice)``
+once, and every id inside the target vocabulary when its size is known.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from typing import Any, Mapping, Sequence
 
 from .source import ExportError
 
-__all__ = ["check_training_row"]
+__all__ = ["RowContract", "check_training_row"]
+
+_SEVERITIES = ("error", "warning")
+_OPTIONAL_TEXT = ("dataset", "provider", "model", "finish_reason")
 
 
 def check_training_row(rec: Mapping[str, Any], path: str | Path, line: int) -> tuple[list[int], list[int]]:
@@ -63,6 +71,49 @@ def check_training_row(rec: Mapping[str, Any], path: str | Path, line: int) -> t
     if isinstance(rec.get("segments"), list):
         _check_segments(rec["segments"], len(ids), n_prompt, rec.get("finish_reason"), fail)
     return ids, mask
+
+
+class RowContract:
+    """The checks that span fields and rows: one instance per exported file."""
+
+    def __init__(self, path: str | Path, vocab_size: int | None = None) -> None:
+        self.path, self.vocab_size = path, vocab_size
+        self._seen: dict[tuple[str, int], int] = {}
+
+    def check(self, rec: Mapping[str, Any], line: int, ids: list[int]) -> None:
+        """Raise :class:`ExportError` (file:line:field) for the first breach."""
+
+        def fail(field: str, message: str) -> ExportError:
+            return ExportError(self.path, line, field, message)
+
+        sid, choice = rec.get("id"), rec.get("choice", 0)
+        if not isinstance(sid, str) or not sid:
+            raise fail("id", f"must be a non-empty string, got {type(sid).__name__}")
+        if type(choice) is not int or choice < 0:
+            raise fail("choice", f"must be a non-negative integer, got {choice!r}")
+        for key in _OPTIONAL_TEXT:
+            if rec.get(key) is not None and not isinstance(rec[key], str):
+                raise fail(key, f"must be a string or null, got {type(rec[key]).__name__}")
+        findings = rec.get("findings")
+        if hasattr(findings, "tolist"):  # a Parquet source
+            findings = findings.tolist()
+        if not isinstance(findings, list):
+            raise fail("findings", f"must be a list, got {type(findings).__name__}")
+        for k, f in enumerate(findings):
+            if not isinstance(f, Mapping) or not isinstance(f.get("code"), str) or f.get("severity") not in _SEVERITIES:
+                raise fail(f"findings[{k}]", "must be an object with a string code and severity error or warning")
+        errors = [f["code"] for f in findings if f["severity"] == "error"]
+        implied = "rejected" if errors else "flagged" if findings else "ok"
+        if rec.get("status") != implied:
+            why = f"error finding {errors[0]}" if errors else f"{len(findings)} finding(s)" if findings else "no finding"
+            raise fail("status", f"is {rec.get('status')!r} but the row carries {why}, so it is {implied!r}")
+        earlier = self._seen.setdefault((sid, choice), line)
+        if earlier != line:
+            raise fail("id", f"({sid!r}, choice {choice}) is also on line {earlier}: each sample choice once")
+        if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
+            pos = _first(ids, lambda i: i >= self.vocab_size)
+            raise fail("input_ids", f"id {ids[pos]} at position {pos} is outside the vocabulary "
+                       f"(size {self.vocab_size})")
 
 
 def _int_list(value: Any, field: str, fail) -> list[int]:
