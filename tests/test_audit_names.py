@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import re
 import xml.dom.minidom
 from pathlib import Path

@@ -455,7 +455,8 @@ def export(
     force: bool = typer.Option(False, "--force", help="Replace a non-empty -o folder tokenbridge did not write "
                                "(never a run folder, the input's folder or the current folder)."),
     target_vocab_size: Optional[int] = typer.Option(
-        None, "--target-vocab-size", min=1, help="Refuse rows with an id outside this vocabulary (run passes the tokenizer's)."),
+        None, "--target-vocab-size", min=1,
+        help="Refuse rows with an id outside this vocabulary (run passes the tokenizer's)."),
 ) -> None:
     """Write validated training rows in a trainer's format."""
     from .export import ExportError, export_file

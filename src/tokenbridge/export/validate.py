@@ -105,7 +105,8 @@ class RowContract:
         errors = [f["code"] for f in findings if f["severity"] == "error"]
         implied = "rejected" if errors else "flagged" if findings else "ok"
         if rec.get("status") != implied:
-            why = f"error finding {errors[0]}" if errors else f"{len(findings)} finding(s)" if findings else "no finding"
+            why = (f"error finding {errors[0]}" if errors
+                   else f"{len(findings)} finding(s)" if findings else "no finding")
             raise fail("status", f"is {rec.get('status')!r} but the row carries {why}, so it is {implied!r}")
         earlier = self._seen.setdefault((sid, choice), line)
         if earlier != line:
