@@ -268,7 +268,9 @@ def test_memory_stays_flat(tmp_path, fmt):
         tracemalloc.stop()
     size = os.path.getsize(tmp_path / "s3200.jsonl")
     assert peaks[1] < 1.5 * peaks[0] + (1 << 20), peaks  # 8x the rows, about the same peak
-    assert peaks[1] < size / 4, (peaks, size)  # far below what holding the rows would take
+    # far below what holding the rows would take; the one thing kept per row is the
+    # (id, choice) entry that refuses a repeated sample (under 200 bytes, whatever the row's size)
+    assert peaks[1] < size / 4 + 200 * 3200, (peaks, size)
 
 
 # --- CLI --------------------------------------------------------------------------------

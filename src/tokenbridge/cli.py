@@ -9,6 +9,7 @@ from typing import Iterator, NoReturn, Optional
 
 import typer
 
+from .display import printable
 from .exit_codes import ExitCode
 
 app = typer.Typer(
@@ -152,9 +153,9 @@ def reconstruct(
     console = Console(stderr=False)
     console.print(summary_table(summary, title=f"{input} → {output}"))
     for note in summary.stripping_suspects():
-        typer.echo(f"warning: {note}", err=True)
+        typer.echo(printable(f"warning: {note}"), err=True)  # names providers
     for note in summary.calibration_notes():
-        typer.echo(f"note: {note}", err=True)
+        typer.echo(printable(f"note: {note}"), err=True)
     for bad in summary.bad_lines[:_SHOWN_BAD_LINES]:
         typer.echo(f"bad record: {bad}", err=True)
     if len(summary.bad_lines) > _SHOWN_BAD_LINES:
@@ -320,13 +321,13 @@ def generate(
     if summary.bad_rows and (len(summary.bad_rows) > 5 or not quiet):
         typer.echo(f"{len(summary.bad_rows)} bad rows in all (listed in {out / 'generate.json'})", err=True)
     for f in summary.failures[:10]:
-        typer.echo(f"failed: {f['id']}: {f['error_class']}: {f['error']}", err=True)
+        typer.echo(printable(f"failed: {f['id']}: {f['error_class']}: {f['error']}"), err=True)  # API text
     for note in summary.notices if quiet else ():
         if note.startswith(("stopping:", "could not", str(out))):
-            typer.echo(f"note: {note}", err=True)
+            typer.echo(printable(f"note: {note}"), err=True)
     if summary.bad_usage:
-        typer.echo(f"note: {summary.bad_usage} response(s) kept with unusable usage fields, ignored "
-                   f"(e.g. {summary.bad_usage_examples[0]}; all in {out / 'generate.json'})", err=True)
+        typer.echo(printable(f"note: {summary.bad_usage} response(s) kept with unusable usage fields, ignored "
+                             f"(e.g. {summary.bad_usage_examples[0]}; all in {out / 'generate.json'})"), err=True)
     if summary.stop_reason:
         typer.echo(f"stopped: {summary.stop_reason}: {summary.already_done + summary.done} of {summary.samples} "
                    f"samples kept, {summary.pending} pending (rerun the same command to continue)", err=True)
@@ -467,6 +468,9 @@ def export(
     row_group_rows: int = typer.Option(1000, "--row-group-rows", help="Parquet: rows per row group."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty -o folder tokenbridge did not write "
                                "(never a run folder, the input's folder or the current folder)."),
+    target_vocab_size: Optional[int] = typer.Option(
+        None, "--target-vocab-size", min=1,
+        help="Refuse rows with an id outside this vocabulary (run passes the tokenizer's)."),
 ) -> None:
     """Write validated training rows in a trainer's format."""
     from .export import ExportError, export_file
@@ -479,7 +483,8 @@ def export(
     options = {"shard_rows": shard_rows, "row_group_rows": row_group_rows} if fmt == "parquet" else {}
     try:
         with _writing(output, "export"):
-            summary = export_file(input, output, fmt, include_flagged=include_flagged, force=force, **options)
+            summary = export_file(input, output, fmt, include_flagged=include_flagged, force=force,
+                                  vocab_size=target_vocab_size, **options)
     except ExportError as exc:
         _fail(str(exc))
     skipped = summary.skipped

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from . import fsio, interrupt
+from .display import printable
 from .outdir import OutputKind, remove_own_output
 from .runconfig import PipelineError, RunConfig, check_before_generate, load_run_config
 from .runconfig import emulator_config as _emulator_config
@@ -159,7 +160,7 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
         results.append(StageResult("reconstruct", "ran", detail))
     echo(f"reconstruct: {results[-1].status} → {reconstructed}: {status_text(state.data['reconstruct'].get('status') or {})}")
     for note in state.data["reconstruct"].get("provider_notes") or ():
-        echo(f"reconstruct: warning: {note}")
+        echo(f"reconstruct: warning: {printable(note)}")  # names providers
 
     # 3-5. exports (one stage per format, skipped, not failed, when no row qualifies), draft vocabulary and the
     # report's row statistics, all from one pass over reconstructed.jsonl
@@ -190,7 +191,7 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
             vocab_job = VocabJob(cfg.draft_vocab_size, target, target_vocab_size=tok.vocab_size,
                                  include_flagged=cfg.include_flagged)
     row_stats = RowStats() if cfg.report else None
-    passed = run_pass(reconstructed, exports=exports, vocab=vocab_job, stats=row_stats) \
+    passed = run_pass(reconstructed, exports=exports, vocab=vocab_job, stats=row_stats, vocab_size=tok.vocab_size) \
         if exports or vocab_job is not None or row_stats is not None else None
     for stage, (fp, what) in plan.items():
         fmt = stage.partition(":")[2]

@@ -73,6 +73,7 @@ def export_file(
     fmt: str,
     include_flagged: bool = False,
     force: bool = False,
+    vocab_size: int | None = None,
     **writer_options: Any,
 ) -> ExportSummary:
     """Export the ``ok`` rows of ``src`` (plus ``flagged`` ones if asked) to ``out_dir``.
@@ -80,6 +81,8 @@ def export_file(
     ``rejected`` rows are never exported. Raises :class:`ExportError` on the first row
     whose ids or mask are wrong, and when no row is left to export. ``writer_options``
     tune the Parquet shards (``shard_rows``, ``shard_bytes``, ``row_group_rows``).
+    Each exported row is also held to :class:`~.validate.RowContract` (ids checked against
+    ``vocab_size`` when given).
     ``out_dir`` must be missing, empty or an earlier export (else
     :class:`~tokenbridge.outdir.OutputRefused`, unless ``force``; see :mod:`tokenbridge.outdir`).
     One export is a pass with one job: :func:`tokenbridge.export.run_pass` writes several at once.
@@ -87,7 +90,7 @@ def export_file(
     from .onepass import run_pass
 
     job = ExportJob(fmt, Path(out_dir), include_flagged, force, writer_options)
-    return run_pass(src, exports=[job]).exports[0]
+    return run_pass(src, exports=[job], vocab_size=vocab_size).exports[0]
 
 
 class ExportRun:

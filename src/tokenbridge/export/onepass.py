@@ -27,7 +27,7 @@ from ..fsio import publish_dir
 from ..outdir import check_output_dir, marker
 from ..rows import ReconstructedRow, iter_rows
 from .exporter import ExportJob, ExportRun, ExportSummary
-from .validate import check_training_row
+from .validate import RowContract, check_training_row
 from .vocab import VocabCounter, VocabJob, VocabSummary
 
 __all__ = ["PassResult", "RowStatsSink", "run_pass"]
@@ -51,11 +51,14 @@ def run_pass(
     exports: Sequence[ExportJob] = (),
     vocab: VocabJob | None = None,
     stats: RowStatsSink | None = None,
+    vocab_size: int | None = None,
 ) -> PassResult:
     """Read ``src`` once and write every export in ``exports``, the ``vocab`` folder, and
     feed ``stats``. Raises :class:`~tokenbridge.export.ExportError` (a bad row, or a job
     left with no row) with nothing published, and
-    :class:`~tokenbridge.outdir.OutputRefused` before reading when an output may not be replaced."""
+    :class:`~tokenbridge.outdir.OutputRefused` before reading when an output may not be replaced.
+    Every row an export or the vocabulary takes is held to :class:`~.validate.RowContract`,
+    its ids against ``vocab_size`` (default: the vocabulary job's target size) when known."""
     src = Path(src)
     for job in exports:
         check_output_dir(job.out_dir, "export", inputs=[src], force=job.force)
@@ -67,10 +70,12 @@ def run_pass(
         counter = VocabCounter(vocab, src) if vocab is not None else None
         consumers: list[ExportRun | VocabCounter] = [*runs, *([counter] if counter is not None else [])]
         trained = frozenset().union(*(c.wanted for c in consumers))
+        contract = RowContract(src, vocab_size if vocab_size is not None or vocab is None else vocab.target_vocab_size)
         for line, row in iter_rows(src):
             result.rows_read += 1
             if row["status"] in trained:
-                check_training_row(row, src, line)
+                ids, _ = check_training_row(row, src, line)
+                contract.check(row, line, ids)
             for consumer in consumers:
                 consumer.add(line, row)
             if stats is not None:

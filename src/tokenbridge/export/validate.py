@@ -14,6 +14,11 @@ token trained on). So every exported row must satisfy, exactly:
   unless the model was cut off (``finish_reason == "length"``) the last one is the
   end token (so a dropped end token cannot pass as a shorter completion);
 * at least one prompt token and one completion token (no all-zero / all-one masks).
+
+:class:`RowContract` then holds each exported row to the rest of the row contract
+(docs/contracts.md): typed ``id`` / ``choice`` / ``findings``, a status that its findings
+give (an ``ok`` row carries none, a ``flagged`` one no error), each ``(id, choice)``
+once, and every id inside the target vocabulary when its size is known.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import orjson
 
 from .source import ExportError
 
-__all__ = ["MAX_ID", "check_training_row"]
+__all__ = ["MAX_ID", "RowContract", "check_training_row"]
+
+_SEVERITIES = ("error", "warning")
 
 #: The largest token id a row can hold (ids are int32 in the row schema, tokenbridge.rows).
 MAX_ID = (1 << 31) - 1
@@ -110,6 +117,48 @@ def _exact_row(rec: Mapping[str, Any]) -> tuple[list[int], list[int], int] | Non
     if text_mask != b"".join((b"[", b"0," * len(prompt), b"1," * (len(completion) - 1), b"1]")):
         return None
     return ids, mask, len(prompt)
+
+
+class RowContract:
+    """The checks that span fields and rows: one instance per exported file."""
+
+    def __init__(self, path: str | Path, vocab_size: int | None = None) -> None:
+        self.path, self.vocab_size = path, vocab_size
+        #: hash of (id, choice) -> line: one small entry per row, never the row itself
+        self._seen: dict[int, int] = {}
+
+    def check(self, rec: Mapping[str, Any], line: int, ids: list[int]) -> None:
+        """Raise :class:`ExportError` (file:line:field) for the first breach."""
+
+        def fail(field: str, message: str) -> ExportError:
+            return ExportError(self.path, line, field, message)
+
+        sid, choice = rec.get("id"), rec.get("choice", 0)
+        if not isinstance(sid, str) or not sid:
+            raise fail("id", f"must be a non-empty string, got {type(sid).__name__}")
+        if type(choice) is not int or choice < 0:
+            raise fail("choice", f"must be a non-negative integer, got {choice!r}")
+        findings = rec.get("findings")
+        if hasattr(findings, "tolist"):  # a Parquet source
+            findings = findings.tolist()
+        if not isinstance(findings, list):
+            raise fail("findings", f"must be a list, got {type(findings).__name__}")
+        for k, f in enumerate(findings):
+            if not isinstance(f, Mapping) or not isinstance(f.get("code"), str) or f.get("severity") not in _SEVERITIES:
+                raise fail(f"findings[{k}]", "must be an object with a string code and severity error or warning")
+        errors = [f["code"] for f in findings if f["severity"] == "error"]
+        implied = "rejected" if errors else "flagged" if findings else "ok"
+        if rec.get("status") != implied:
+            why = (f"error finding {errors[0]}" if errors
+                   else f"{len(findings)} finding(s)" if findings else "no finding")
+            raise fail("status", f"is {rec.get('status')!r} but the row carries {why}, so it is {implied!r}")
+        earlier = self._seen.setdefault(hash((sid, choice)), line)
+        if earlier != line:
+            raise fail("id", f"({sid!r}, choice {choice}) is also on line {earlier}: each sample choice once")
+        if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
+            pos = _first(ids, lambda i: i >= self.vocab_size)
+            raise fail("input_ids", f"id {ids[pos]} at position {pos} is outside the vocabulary "
+                       f"(size {self.vocab_size})")
 
 
 def _int_list(value: Any, field: str, fail) -> list[int]:

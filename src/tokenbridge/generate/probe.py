@@ -392,6 +392,9 @@ def probe_caption(attempts: int) -> str:
 def render_table(reports: list[ProviderReport], attempts: int = 3):
     """A rich Table: one row per provider."""
     from rich.table import Table
+    from rich.text import Text
+
+    from ..display import printable
 
     table = Table(title="provider probe", caption=probe_caption(attempts))
     for col in ("provider", "available", "answered", "reasoning", "end-marker leak", "think-marker leak",
@@ -400,7 +403,7 @@ def render_table(reports: list[ProviderReport], attempts: int = 3):
     for rep in reports:
         s = rep.summary()
         table.add_row(
-            s["provider"],
+            Text(printable(s["provider"])),  # a name the user or the API gave: never markup
             "yes" if s["available"] else "none",
             s["ok"],
             s["reasoning_present"] or "-",
@@ -417,6 +420,9 @@ def render_table(reports: list[ProviderReport], attempts: int = 3):
 def render_profiles(reports: list[ProviderReport]):
     """A rich Table: what each provider does to text, and which evidence it returns."""
     from rich.table import Table
+    from rich.text import Text
+
+    from ..display import printable
 
     table = Table(title="provider profile (echo tests)",
                   caption="edits in bold can keep the token count: the gate cannot see them per sample")
@@ -425,7 +431,7 @@ def render_profiles(reports: list[ProviderReport]):
     for rep in reports:
         prof = rep.profile()
         edits = ", ".join(f"[bold]{e}[/bold]" if e in INVISIBLE_EDITS else e for e in prof["text_edits"]) or "none"
-        table.add_row(rep.provider, edits, *(prof["echo"].get(name, "-") for name, _ in ECHO_TESTS),
+        table.add_row(Text(printable(rep.provider)), edits, *(prof["echo"].get(name, "-") for name, _ in ECHO_TESTS),
                       _yes_no(prof["logprobs"]), _yes_no(prof["token_ids"]))
     return table
 

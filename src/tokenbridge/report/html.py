@@ -10,6 +10,8 @@ import datetime as dt
 from html import escape
 from typing import Any, Iterable, Sequence
 
+from ..display import printable
+
 __all__ = ["SECTIONS", "render_html"]
 
 #: (id, title) of every section, in page order.
@@ -81,8 +83,13 @@ def _fig(figures: dict[str, str | None], name: str, alt: str) -> str:
     return "" if uri is None else f'<img class="fig" data-figure="{name}" alt="{escape(alt)}" src="{uri}">'
 
 
+def _text(v: Any) -> str:
+    """Text from the data (a provider name, a sample id): escaped for HTML, controls shown."""
+    return escape(printable(str(v)))
+
+
 def _table(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    th = "".join(f"<th>{escape(str(h))}</th>" for h in head)
+    th = "".join(f"<th>{_text(h)}</th>" for h in head)
     trs = "".join("<tr>" + "".join(f"<td>{_cell(v)}</td>" for v in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
 
@@ -100,7 +107,7 @@ def _cell(v: Any) -> str:
         return escape(f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}")
     if isinstance(v, int):
         return f"{v:,}"
-    return escape(str(v))
+    return _text(v)
 
 
 def _no_exchanges(data) -> str:
@@ -140,14 +147,14 @@ def _generation(data) -> str:
 
 
 def _ids_cell(samples: list[list[Any]], total: int) -> str:
-    shown = " ".join(f"<code>{escape(sid)}</code>" if not choice else f"<code>{escape(sid)} (choice {choice})</code>"
+    shown = " ".join(f"<code>{_text(sid)}</code>" if not choice else f"<code>{_text(sid)} (choice {choice})</code>"
                      for sid, choice in samples)
     more = total - len(samples)
     return shown + (f" <i>… and {more:,} more</i>" if more > 0 else "")
 
 
 def _ids_table(label: str, kept: dict[str, list[list[Any]]], counts: dict[str, int]) -> str:
-    rows = "".join(f"<tr><td>{escape(k)}</td><td>{counts.get(k, 0):,}</td><td class=\"ids\">{_ids_cell(v, counts.get(k, 0))}"
+    rows = "".join(f"<tr><td>{_text(k)}</td><td>{counts.get(k, 0):,}</td><td class=\"ids\">{_ids_cell(v, counts.get(k, 0))}"
                    "</td></tr>" for k, v in kept.items() if counts.get(k, 0))
     return (f"<table><thead><tr><th>{escape(label)}</th><th>rows</th><th class=\"ids\">sample ids</th></tr></thead>"
             f"<tbody>{rows}</tbody></table>")

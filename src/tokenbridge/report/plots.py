@@ -14,11 +14,14 @@ import base64
 import io
 from typing import Any, Callable
 
+from ..display import printable
+
 __all__ = ["FIGURES", "render_figures"]
 
 STATUS_COLORS = {"ok": "#2e7d32", "flagged": "#f9a825", "rejected": "#c62828"}
 _ACCENT = "#1565c0"
 _RC = {
+    "text.parse_math": False,  # names from the API are text: "$\\foo{$" is not a formula
     "svg.fonttype": "path",
     "svg.hashsalt": "tokenbridge",
     "font.size": 9,
@@ -82,12 +85,13 @@ def _status(key: str, label: str):
         groups = data[key]
         if not groups:
             return None
-        names = list(groups)
+        keys = list(groups)
+        names = [printable(n) for n in keys]
         fig = _figure(height=max(1.6, 0.8 + 0.32 * len(names)))
         ax = fig.subplots()
         left = [0] * len(names)
         for status, color in STATUS_COLORS.items():
-            values = [groups[n]["status"][status] for n in names]
+            values = [groups[n]["status"][status] for n in keys]
             ax.barh(names, values, left=left, color=color, label=status)
             left = [a + b for a, b in zip(left, values)]
         ax.invert_yaxis()

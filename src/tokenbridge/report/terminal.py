@@ -5,7 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
+
+from ..display import printable
 
 __all__ = ["print_summary"]
 
@@ -13,20 +17,25 @@ __all__ = ["print_summary"]
 _IDS_SHOWN = 10
 
 
-def _fmt(v: Any) -> str:
+def _fmt(v: Any) -> str | Text:
     if v is None:
         return "–"
     if isinstance(v, float):
         return f"{v:,.4g}" if abs(v) < 1000 else f"{v:,.0f}"
     if isinstance(v, int):
         return f"{v:,}"
-    return str(v)
+    return _plain(v)
+
+
+def _plain(v: Any) -> Text:
+    """Text from the data (a provider name, an id) as rich text: no markup, controls shown."""
+    return Text(printable(str(v)))
 
 
 def _table(title: str, head: list[str], rows: list[list[Any]], text_columns: int = 1) -> Table:
     table = Table(title=title, title_justify="left")
     for k, h in enumerate(head):
-        table.add_column(h, justify="left" if k < text_columns else "right")
+        table.add_column(_plain(h), justify="left" if k < text_columns else "right")
     for row in rows:
         table.add_row(*(_fmt(v) for v in row))
     return table
@@ -42,7 +51,7 @@ def _ids_table(title: str, label: str, kept: dict[str, list[list[Any]]], counts:
         total = counts.get(key, 0)
         if total:
             ids = " ".join(sid if not choice else f"{sid} (choice {choice})" for sid, choice in samples[:_IDS_SHOWN])
-            table.add_row(key, f"{total:,}", ids + (" …" if total > _IDS_SHOWN else ""))
+            table.add_row(_plain(key), f"{total:,}", _plain(ids + (" …" if total > _IDS_SHOWN else "")))
     return table
 
 
@@ -51,7 +60,7 @@ def print_summary(data: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     rows = data["rows"]
     st = rows["status"]
-    console.print(f"[bold]tokenbridge report[/bold] {data['run_dir']}: {rows['total']} rows "
+    console.print(f"[bold]tokenbridge report[/bold] {escape(printable(data['run_dir']))}: {rows['total']} rows "
                   f"([green]{st['ok']} ok[/green], [yellow]{st['flagged']} flagged[/yellow], "
                   f"[red]{st['rejected']} rejected[/red])")
     gen = data.get("generation")
@@ -61,7 +70,7 @@ def print_summary(data: dict[str, Any], console: Console | None = None) -> None:
         console.print(_table("Generation (state.sqlite, every run)", ["runs", "done", "failed", "pending", "requests",
                                                                        "cost (USD)"],
                              [[gen["runs"], n["done"], n["failed"], n["pending"], gen["requests"], gen["cost_total"]]]))
-        console.print(f"failed attempts: {errors}")
+        console.print(_plain(f"failed attempts: {errors}"))
     for key, label in (("by_provider", "provider"), ("by_dataset", "dataset")):
         groups = data[key]
         console.print(_table(f"Status per {label}", [label, "rows", "ok", "flagged", "rejected"],
@@ -80,7 +89,8 @@ def print_summary(data: dict[str, Any], console: Console | None = None) -> None:
     else:
         console.print("Findings: none")
     console.print(_ids_table("Samples per status", "status", data["samples_by_status"], rows["status"]))
-    console.print(f"look at one: tokenbridge inspect {data['sources']['reconstructed']} --tokenizer TOKENIZER --id ID")
+    console.print(_plain(f"look at one: tokenbridge inspect {data['sources']['reconstructed']} --tokenizer TOKENIZER "
+                         "--id ID"))
     lengths = data["lengths"]
     if lengths["prompt"].get("count"):
         keys = ["count", "mean", "p50", "p90", "p99", "max"]
