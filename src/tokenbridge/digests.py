@@ -29,14 +29,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["RACY_NS", "Digest", "DigestCache", "FileIdentity", "file_identity", "read_digest"]
+__all__ = ["RACY_NS", "Digest", "DigestCache", "FileIdentity", "file_identity", "now_ns", "read_digest"]
 
 #: How much older than the read a file's mtime/ctime must be for its digest to be trusted.
 RACY_NS = 2_000_000_000
 _BLOCK = 1 << 20
 
 
-def _now_ns() -> int:
+def now_ns() -> int:
+    """The clock digests are dated by (one place, so a test can move it on)."""
     return time.time_ns()
 
 
@@ -108,7 +109,7 @@ class Digest:
 def read_digest(path: str | Path) -> Digest:
     """Read the whole file and return its digest. If the file changed while it was read (its
     identity before and after differ) the digest is returned untrusted (``checked_ns`` 0)."""
-    started = _now_ns()
+    started = now_ns()
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         before = FileIdentity.of(os.fstat(fh.fileno()))
@@ -169,7 +170,7 @@ class DigestCache:
         for key in [k for k in self._entries if k not in self._used]:
             del self._entries[key]
             self.changed = True
-        now = _now_ns()
+        now = now_ns()
         for key in sorted(self._used):
             known = self._entries.get(key)
             current = file_identity(key)

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 import aiohttp
 import orjson
 
-from .. import __version__
+from .. import __version__, digests
 from ..digests import Digest, file_identity, read_digest
 from ..exit_codes import ExitCode
 from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, write_bytes
@@ -363,7 +363,7 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
         if kept is not None:
             return target, kept
         digest = hashlib.sha256()
-        started = time.time_ns()
+        started = digests.now_ns()
         fd, tmp = tempfile.mkstemp(prefix=".exchanges.", suffix=".tmp", dir=out_dir)
         try:
             os.fchmod(fd, FILE_MODE)  # the same mode as reconstructed.jsonl, which holds the same data
@@ -423,7 +423,7 @@ def _kept_exchanges(store: Store, target: Path, source: dict[str, Any]) -> list[
         return None
     if written.stands_for(current):
         return bad
-    if not current.settled(time.time_ns()):
+    if not current.settled(digests.now_ns()):
         return None
     try:
         now = read_digest(target)
