@@ -125,7 +125,7 @@ def _mean_log_uniform(lo: int, hi: int) -> float:
     return float(lo) if lo == hi else (hi - lo) / math.log(hi / lo)
 
 
-def _write_inputs(folder: Path, n: int, min_tokens: int, max_tokens: int, concurrency: int) -> Path:
+def _write_inputs(folder: Path, n: int, min_tokens: int, max_tokens: int, concurrency: int, tokenizer: Path) -> Path:
     prompts = folder / "prompts.jsonl"
     with prompts.open("w", encoding="utf-8") as fh:
         for i in range(n):
@@ -140,7 +140,7 @@ def _write_inputs(folder: Path, n: int, min_tokens: int, max_tokens: int, concur
         "latency_ms = 0\ntokens_per_s = 0\n", encoding="utf-8")
     config = folder / "run.toml"
     config.write_text(
-        f'[run]\nout = "out"\ntokenizer = "{TOKENIZER}"\n\n[emulator]\nconfig = "{emulator}"\n\n'
+        f'[run]\nout = "out"\ntokenizer = "{tokenizer}"\n\n[emulator]\nconfig = "{emulator}"\n\n'
         f'[generate]\nmodel = "moonshotai/kimi-k2.5"\nconcurrency = {concurrency}\nmax_tokens = {max_tokens + 1024}\n'
         'progress = "none"\nextra_body = { return_token_ids = true }\n'
         f'datasets = [ {{ name = "bench", path = "{prompts}" }} ]\n\n'
@@ -179,7 +179,7 @@ def _completion_tokens(out: Path) -> tuple[int, int]:
 def bench_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
     folder = workdir / f"scale-{n}"
     folder.mkdir(parents=True)
-    config = _write_inputs(folder, n, args.min_tokens, args.max_tokens, args.concurrency)
+    config = _write_inputs(folder, n, args.min_tokens, args.max_tokens, args.concurrency, args.tokenizer)
     first = _one_run(config, "first")
     out = folder / "out"
     tokens, done = _completion_tokens(out)
@@ -256,6 +256,7 @@ def main() -> None:
     ap.add_argument("--min-tokens", type=int, default=1650)
     ap.add_argument("--max-tokens", type=int, default=6200)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--tokenizer", type=Path, default=TOKENIZER)
     ap.add_argument("--workdir", type=Path, default=None, help="where run folders go (default: a temp folder)")
     ap.add_argument("--keep", action="store_true", help="keep the run folders")
     ap.add_argument("--write-results", action="store_true")
