@@ -175,15 +175,21 @@ def _settle(out: Path) -> None:
     """After a complete run: re-read the outputs digested while still fresh (once, now that
     they have aged) and tell generate that exchanges.jsonl is the file it wrote, so the next
     run reads neither (see tokenbridge.digests)."""
+    import sqlite3
+
     from .generate.run import EXCHANGES_FILE, confirm_exchanges
+    from .generate.store import StoreError
 
     state = _RUN_STATE.get()
     if state is None:
         return
     state.settle()
     known = state.digests.entry(out / EXCHANGES_FILE)
-    if known is not None:
-        confirm_exchanges(out, known)
+    try:
+        if known is not None:
+            confirm_exchanges(out, known)
+    except (StoreError, sqlite3.Error):
+        pass  # only a saving: the next generate reads the file to tell
 
 
 def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult]:
@@ -304,10 +310,15 @@ def _store_counts(out: Path) -> dict[str, Any]:
     """What the report reads from generate's store, as counters (no row is read): the report
     is rebuilt when they move. Not the number of invocations: a rerun that sent nothing
     leaves the report as it was."""
-    from .generate.store import Store
+    import sqlite3
 
-    with Store.open(out) as store:
-        return store.change_counts()
+    from .generate.store import Store, StoreError
+
+    try:
+        with Store.open(out) as store:
+            return store.change_counts()
+    except (StoreError, sqlite3.Error) as exc:  # the report says so itself; this only makes it run
+        return {"unreadable": str(exc)}
 
 
 def _drop_stale(state: _State, stage: str, target: Path, kind: OutputKind) -> str:
