@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
@@ -121,8 +120,8 @@ def _child(config: Path, result: Path) -> None:
 # --- the parent -----------------------------------------------------------------------------
 
 
-def _mean_log_uniform(lo: int, hi: int) -> float:
-    return float(lo) if lo == hi else (hi - lo) / math.log(hi / lo)
+def _mean_completion(rows: list[dict]) -> float:
+    return sum(r["completion_tokens"] for r in rows) / max(1, sum(r["done"] for r in rows))
 
 
 def _write_inputs(folder: Path, n: int, min_tokens: int, max_tokens: int, concurrency: int, tokenizer: Path) -> Path:
@@ -190,7 +189,8 @@ def bench_size(n: int, args: argparse.Namespace, workdir: Path) -> dict:
     row["post_generation_s"] = post
     row["rerun_ratio"] = rerun["total_s"] / post
     print(json.dumps({k: v for k, v in row.items() if k not in ("first", "rerun")}, indent=1), flush=True)
-    print("first:", [(s["stage"], round(s["s"], 2), round(s["peak_rss_mib"])) for s in first["stages"]], flush=True)
+    print("first:", [(s["stage"], round(s["s"], 2), round(s["peak_rss_mib"])) for s in first["stages"]],
+          first["hashed"], flush=True)
     print("rerun:", [(s["stage"], round(s["s"], 2)) for s in rerun["stages"]], rerun["hashed"], rerun["statuses"],
           flush=True)
     if not args.keep:
@@ -204,7 +204,8 @@ def _table(rows: list[dict], args: argparse.Namespace) -> str:
         f"`python bench/bench_scale.py{' --with-40k' if 40000 in args.prompts else ''}` on {os.cpu_count()} CPU cores "
         f"(CPython {platform.python_version()}), {time.strftime('%Y-%m-%d')}: `tokenbridge run` (in a child process) on "
         f"the built-in emulator, one clean provider, completions {args.min_tokens}..{args.max_tokens} tokens "
-        f"log-uniform (mean ~{_mean_log_uniform(args.min_tokens, args.max_tokens):,.0f}), concurrency "
+        f"log-uniform (the emulator's lengths are approximate: {_mean_completion(rows):,.0f} tokens per completion "
+        "measured), concurrency "
         f"{args.concurrency}, every export format, a {32000}-token draft vocabulary, the report. Then the same "
         "command again. Stage times are wall seconds from one stage's last line to the next's (generate includes the "
         "tokenizer load and the emulator's start; \"settle\" is the run's last step, which re-reads the outputs "
