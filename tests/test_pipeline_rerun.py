@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
+from contextlib import contextmanager
 import time
 from pathlib import Path
 
@@ -30,28 +30,39 @@ AFTER_GENERATE = STAGES[1:]
 
 # --- what the process opens -------------------------------------------------------------
 
-_opened: list[str] | None = None
 
+@pytest.fixture
+def opens():
+    """``with opens() as opened``: every path opened inside the block through Python's open
+    functions (builtins.open, io.open which Path.open uses, os.open). An audit hook would see
+    more, but it stays for the whole test process, and with one installed SQLite's WAL files
+    outlived their connections in later tests."""
+    import builtins
+    import io
 
-def _audit(event: str, args: tuple) -> None:
-    if _opened is not None and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
-        _opened.append(os.path.abspath(os.fsdecode(args[0])))
+    @contextmanager
+    def recording():
+        opened: list[str] = []
+        on = [True]
+        mp = pytest.MonkeyPatch()
 
+        def spy(real):
+            def wrapper(file, *args, **kwargs):
+                if on[0] and isinstance(file, (str, bytes, os.PathLike)):
+                    opened.append(os.path.abspath(os.fsdecode(file)))
+                return real(file, *args, **kwargs)
+            return wrapper
 
-sys.addaudithook(_audit)  # for the whole test process; records only inside _opens()
+        mp.setattr(builtins, "open", spy(builtins.open))
+        mp.setattr(io, "open", spy(io.open))
+        mp.setattr(os, "open", spy(os.open))
+        try:
+            yield opened
+        finally:
+            on[0] = False
+            mp.undo()
 
-
-class _opens:
-    """Every path opened (by Python code) inside the block."""
-
-    def __enter__(self) -> list[str]:
-        global _opened
-        _opened = []
-        return _opened
-
-    def __exit__(self, *exc: object) -> None:
-        global _opened
-        _opened = None
+    return recording
 
 
 def _data_files(out: Path) -> list[Path]:
@@ -88,11 +99,11 @@ def finished(tmp_path, kimi_dir, aged):
 # --- the rerun ----------------------------------------------------------------------------
 
 
-def test_rerun_of_a_finished_run_skips_every_stage_and_reads_no_data_file(finished):
+def test_rerun_of_a_finished_run_skips_every_stage_and_reads_no_data_file(finished, opens):
     cfg, out = finished
     before, data_before = _identities(out), _data(out)
     lines: list[str] = []
-    with _opens() as opened:
+    with opens() as opened:
         res = _run(cfg, lines)
     assert res == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE}}
     assert any(x.startswith("generate: 16 samples: 16 already done; nothing sent") for x in lines)
@@ -103,7 +114,8 @@ def test_rerun_of_a_finished_run_skips_every_stage_and_reads_no_data_file(finish
     assert f"report: skipped → {out / 'report' / 'report.html'}" in lines
 
 
-def test_first_run_settles_the_digests_of_fresh_files_so_the_rerun_reads_nothing(tmp_path, kimi_dir, monkeypatch):
+def test_first_run_settles_the_digests_of_fresh_files_so_the_rerun_reads_nothing(tmp_path, kimi_dir, monkeypatch,
+                                                                                 opens):
     """Real clock during the stages (every output is fresh when digested, so untrusted); the
     clock moves on before the run's last step, which reads those files once more."""
     from tokenbridge import pipeline
@@ -127,7 +139,7 @@ def test_first_run_settles_the_digests_of_fresh_files_so_the_rerun_reads_nothing
     with Store.open(out) as store:  # and generate was told its file is the one it wrote
         assert Digest.from_json(store.exchanges_record()["file"]).trusted
     before = _identities(out)
-    with _opens() as opened:
+    with opens() as opened:
         res = _run(cfg)
     assert set(res.values()) == {"ran", "skipped"} and res["reconstruct"] == res["report"] == "skipped"
     assert set(opened) & {str(p) for p in _data_files(out)} == {str(out / "pipeline.json")}
@@ -149,14 +161,14 @@ def test_replaced_rows_rerun_exports_vocab_and_report_only(finished):
     assert report["rows"]["total"] == 8
 
 
-def test_touched_files_are_read_once_and_rerun_nothing(finished):
+def test_touched_files_are_read_once_and_rerun_nothing(finished, opens):
     cfg, out = finished
     exchanges, recon = out / "exchanges.jsonl", out / "reconstructed.jsonl"
     before = _identities(out)
     later = time.time_ns() + 5_000_000_000
     for p in (exchanges, recon):
         os.utime(p, ns=(later, later))
-    with _opens() as opened:
+    with opens() as opened:
         res = _run(cfg)
     assert res == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE}}
     # exchanges.jsonl: generate compares it with what it wrote (no rewrite), then reconstruct's digest
@@ -165,7 +177,7 @@ def test_touched_files_are_read_once_and_rerun_nothing(finished):
     assert after["exchanges.jsonl"][0] == before["exchanges.jsonl"][0]  # the same inode: verified, not rewritten
     assert {k: v for k, v in after.items() if k not in ("exchanges.jsonl", "reconstructed.jsonl", "pipeline.json")} == \
            {k: v for k, v in before.items() if k not in ("exchanges.jsonl", "reconstructed.jsonl", "pipeline.json")}
-    with _opens() as opened:  # and now both are trusted again
+    with opens() as opened:  # and now both are trusted again
         _run(cfg)
     assert str(exchanges) not in opened and str(recon) not in opened
 
