@@ -220,10 +220,10 @@ def test_pipeline_reads_reconstructed_once(tmp_path, kimi_dir, monkeypatch):
         [(r["input_ids"], r["loss_mask"]) for r in ok]
     report = json.loads((out / "report" / "report.json").read_text())
     assert report["rows"]["status"] == {s: sum(r["status"] == s for r in rows) for s in ("ok", "flagged", "rejected")}
-    # a rerun skips the exports and the vocabulary, and still reads the file once, for the report
+    # a rerun skips the exports, the vocabulary and the report, and reads nothing
     reads.clear()
     again = {r.name: r.status for r in run_pipeline(load_run_config(_config(tmp_path, kimi_dir)), echo=lambda _: None)}
-    assert again["export:parquet"] == again["vocab"] == "skipped" and reads == ["reconstructed.jsonl"]
+    assert again["export:parquet"] == again["vocab"] == again["report"] == "skipped" and reads == []
     shutil.rmtree(out / "export" / "parquet")
     reads.clear()
     third = {r.name: r.status for r in run_pipeline(load_run_config(_config(tmp_path, kimi_dir)), echo=lambda _: None)}

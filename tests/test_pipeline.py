@@ -70,13 +70,13 @@ def test_run_end_to_end_then_rerun_skips(tmp_path, kimi_dir):
     before = (out / "reconstructed.jsonl").read_bytes()
 
     second = {r.name: r.status for r in run_pipeline(cfg, echo=lambda _: None)}
-    assert second["reconstruct"] == "skipped" and second["vocab"] == "skipped"
+    assert second["reconstruct"] == "skipped" and second["vocab"] == "skipped" and second["report"] == "skipped"
     assert all(second[f"export:{f}"] == "skipped" for f in ("specforge", "speculators", "parquet", "conversations"))
     assert (out / "reconstructed.jsonl").read_bytes() == before
 
     shutil.rmtree(out / "export" / "parquet")
     third = {r.name: r.status for r in run_pipeline(cfg, echo=lambda _: None)}
-    assert third["export:parquet"] == "ran" and third["export:specforge"] == "skipped"
+    assert third["export:parquet"] == "ran" and third["export:specforge"] == "skipped" and third["report"] == "skipped"
 
 
 def test_policy_change_reruns_reconstruct(tmp_path, kimi_dir):

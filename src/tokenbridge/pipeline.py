@@ -4,6 +4,8 @@ Every stage is resumable and skipped when already done: a stage records a finger
 of its inputs (content hashes) and settings in ``RUN/pipeline.json`` after it finishes,
 and runs again only when that fingerprint changes or its output is gone. Generation
 resumes from its own store, so re-running after a crash continues where it stopped.
+Content hashes are cached by file identity (:mod:`tokenbridge.digests`), so a rerun of a
+finished run reads no data file in full.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 from contextlib import nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from . import fsio, interrupt
 from .display import printable
+from .digests import DigestCache, read_digest
 from .outdir import OutputKind, remove_own_output
 from .runconfig import PipelineError, RunConfig, check_before_generate, load_run_config
 from .runconfig import emulator_config as _emulator_config
@@ -35,11 +39,9 @@ class StageResult:
 
 
 def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """The file's SHA-256; during a run from the run's cache (read only if it changed)."""
+    state = _RUN_STATE.get()
+    return state.digests.digest(path) if state is not None else read_digest(path).sha256
 
 
 def _tokenizer_identity(source: str) -> str:
@@ -65,14 +67,16 @@ def _fingerprint(inputs: list[Path], settings: Any) -> str:
 
 
 class _State:
-    """RUN/pipeline.json: one fingerprint per finished stage, written atomically."""
+    """RUN/pipeline.json: one fingerprint per finished stage and the digest cache, written
+    atomically. Made once per run; it is then the run's state (``_RUN_STATE``), whose cache
+    :func:`_digest` uses. A damaged file is said (``echo``) and only costs re-running."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, echo: Callable[[str], None] = print):
         self.path = out / "pipeline.json"
-        try:
-            self.data: dict[str, Any] = json.loads(self.path.read_text(encoding="utf-8"))
-        except (FileNotFoundError, ValueError):
-            self.data = {}
+        self.data, self.digests, problems = _load_state(self.path)
+        for problem in problems:
+            echo(f"warning: {self.path}: {problem}")
+        _RUN_STATE.set(self)
 
     def done(self, stage: str, fingerprint: str, output: Path) -> bool:
         return self.data.get(stage, {}).get("fingerprint") == fingerprint and output.exists()
@@ -85,8 +89,69 @@ class _State:
         if self.data.pop(stage, None) is not None:
             self._save()
 
+    def settle(self) -> None:
+        """After the last stage: make the digests taken of fresh files trusted for the next run."""
+        self.digests.settle()
+        if self.digests.changed:
+            self._save()
+
     def _save(self) -> None:
-        fsio.write_text(self.path, json.dumps(self.data, indent=2, default=str) + "\n", point="state")
+        doc = {**self.data, _DIGESTS_KEY: self.digests.to_json()}
+        fsio.write_text(self.path, json.dumps(doc, indent=2, default=str) + "\n", point="state")
+        self.digests.changed = False
+
+
+#: The run in progress (its _State), so _fingerprint finds the digest cache without being passed it.
+_RUN_STATE: ContextVar[_State | None] = ContextVar("tokenbridge_run_state", default=None)
+#: pipeline.json's key for the digest cache; every other top-level key is a stage.
+_DIGESTS_KEY = "digests"
+#: What each stage's entry must hold, beyond its fingerprint, for the lines the pipeline prints.
+_ENTRY_FIELDS: dict[str, tuple[str, type | tuple[type, ...]]] = {
+    "status": ("an object", dict), "provider_notes": ("a list", list), "rows": ("an integer", int),
+    "coverage": ("a number", (int, float)),
+}
+
+
+def _load_state(path: Path) -> tuple[dict[str, Any], DigestCache, list[str]]:
+    """The stages and the digest cache of ``path`` (empty when it is missing), and what was
+    damaged in it: a damaged stage only runs again, a damaged digest is only computed again."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return {}, DigestCache(), []
+    except OSError as exc:
+        raise PipelineError(f"{path}: cannot read the run's stage record ({exc.strerror or exc}); "
+                            "move it away to re-run every stage") from None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return {}, DigestCache(), [f"damaged (not valid JSON: {exc}); every stage after generate runs again"]
+    if not isinstance(doc, dict):
+        return {}, DigestCache(), ["damaged (not a JSON object); every stage after generate runs again"]
+    digests, bad_digests = DigestCache.from_json(doc.pop(_DIGESTS_KEY, None))
+    problems = []
+    if bad_digests:
+        problems.append(f"{len(bad_digests)} cached digest(s) damaged ({bad_digests[0]}); those files are read again")
+    stages = {}
+    for stage, entry in doc.items():
+        why = _entry_problem(entry)
+        if why:
+            problems.append(f"stage {stage!r} damaged ({why}); it runs again")
+        else:
+            stages[stage] = entry
+    return stages, digests, problems
+
+
+def _entry_problem(entry: Any) -> str | None:
+    if not isinstance(entry, dict):
+        return "not an object"
+    if not isinstance(entry.get("fingerprint"), str):
+        return "no fingerprint"
+    for name, (what, kind) in _ENTRY_FIELDS.items():
+        value = entry.get(name)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            return f"{name} is not {what}"
+    return None
 
 
 def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[StageResult]:
@@ -98,7 +163,34 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     with run_lock(cfg.out, command="run", retry=f"or set another [run] out in {cfg.source}"):
         for folder in (cfg.out, cfg.out / "export"):
             fsio.clean_stale_temps(folder)
-        return _run_stages(cfg, echo)
+        token = _RUN_STATE.set(None)
+        try:
+            results = _run_stages(cfg, echo)
+            _settle(cfg.out)
+            return results
+        finally:
+            _RUN_STATE.reset(token)
+
+
+def _settle(out: Path) -> None:
+    """After a complete run: re-read the outputs digested while still fresh (once, now that
+    they have aged) and tell generate that exchanges.jsonl is the file it wrote, so the next
+    run reads neither (see tokenbridge.digests)."""
+    import sqlite3
+
+    from .generate.run import EXCHANGES_FILE, confirm_exchanges
+    from .generate.store import StoreError
+
+    state = _RUN_STATE.get()
+    if state is None:
+        return
+    state.settle()
+    known = state.digests.entry(out / EXCHANGES_FILE)
+    try:
+        if known is not None:
+            confirm_exchanges(out, known)
+    except (StoreError, sqlite3.Error):
+        pass  # only a saving: the next generate reads the file to tell
 
 
 def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult]:
@@ -112,7 +204,7 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
     from .tokenizer import load_tokenizer
 
     out = cfg.out
-    state = _State(out)
+    state = _State(out, echo)
     tok = load_tokenizer(cfg.tokenizer)
     check_before_generate(cfg, tok)  # the config checks that need the tokenizer, before any request
     results: list[StageResult] = []
@@ -190,7 +282,12 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
             plan["vocab"] = (fp, "ran")
             vocab_job = VocabJob(cfg.draft_vocab_size, target, target_vocab_size=tok.vocab_size,
                                  include_flagged=cfg.include_flagged)
-    row_stats = RowStats() if cfg.report else None
+    # the report is fingerprinted first: its row statistics come from the same pass, which
+    # then runs only for what is due
+    report_html = out / "report" / "report.html"
+    report_fp = _fingerprint([reconstructed, exchanges], {"report": _store_counts(out)}) if cfg.report else ""
+    report_due = cfg.report and not state.done("report", report_fp, report_html)
+    row_stats = RowStats() if report_due else None
     passed = run_pass(reconstructed, exports=exports, vocab=vocab_job, stats=row_stats, vocab_size=tok.vocab_size) \
         if exports or vocab_job is not None or row_stats is not None else None
     for stage, (fp, what) in plan.items():
@@ -213,16 +310,36 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
         echo(f"export {fmt}: {what} → {target} {state.data[stage].get('rows')} rows" if fmt
              else f"vocab: {what} → {target} (coverage {state.data['vocab'].get('coverage'):.4f})")
 
-    # report (cheap; always rebuilt so it reflects the latest run)
+    # 5. report (its inputs: the rows, the exchanges, and generate's counts in the store)
     if cfg.report:
-        html = build_report(out, rows=row_stats)
-        results.append(StageResult("report", "ran", {"html": str(html)}))
-        echo(f"report: {html}")
+        if not report_due:
+            results.append(StageResult("report", "skipped"))
+            html = report_html
+        else:
+            html = build_report(out, rows=row_stats)
+            state.record("report", report_fp, {"html": str(html)})
+            results.append(StageResult("report", "ran", {"html": str(html)}))
+        echo(f"report: {results[-1].status} → {html}")
     return results
 
 
 #: generate's exit statuses after which the later stages run: all done, or some failed
 _GENERATE_GOES_ON = (0, 1)
+
+
+def _store_counts(out: Path) -> dict[str, Any]:
+    """What the report reads from generate's store, as counters (no row is read): the report
+    is rebuilt when they move. Not the number of invocations: a rerun that sent nothing
+    leaves the report as it was."""
+    import sqlite3
+
+    from .generate.store import Store, StoreError
+
+    try:
+        with Store.open(out) as store:
+            return store.change_counts()
+    except (StoreError, sqlite3.Error) as exc:  # the report says so itself; this only makes it run
+        return {"unreadable": str(exc)}
 
 
 def _drop_stale(state: _State, stage: str, target: Path, kind: OutputKind) -> str:

@@ -3,12 +3,14 @@
 Re-running the same settings on the same folder resumes: done samples are skipped,
 failed ones are tried again, and ``exchanges.jsonl`` is rewritten from the store with
 this invocation's samples (input order; other stored samples are counted in
-``RunSummary.left_out``). The whole run holds ``RUN/.lock``.
+``RunSummary.left_out``), unless it already is that file: the store records what it was
+written from and which file it became (``meta.exchanges``). The whole run holds ``RUN/.lock``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -25,6 +27,8 @@ from urllib.parse import urlparse
 import aiohttp
 import orjson
 
+from .. import __version__, digests
+from ..digests import Digest, file_identity, read_digest
 from ..exit_codes import ExitCode
 from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, write_bytes
 from .budget import Budget
@@ -343,8 +347,9 @@ def write_exchanges(out_dir: str | Path, ids: Sequence[str] | None = None) -> Pa
 
 
 def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, list[str]]:
-    """Write the file; returns it and "id: reason" for each stored row left out because it
-    cannot be re-emitted (never an exception for what is stored)."""
+    """Write the file, unless it already is what the store holds; returns it and "id: reason"
+    for each stored row left out because it cannot be re-emitted (never an exception for
+    what is stored)."""
     if not (out_dir / STATE_FILE).is_file():
         raise FileNotFoundError(f"{out_dir / STATE_FILE}: no generate state in this folder")
     target = out_dir / EXCHANGES_FILE
@@ -353,6 +358,12 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
     store = Store.open(out_dir)
     bad: list[str] = []
     try:
+        source = _exchanges_source(store, ids)
+        kept = _kept_exchanges(store, target, source)
+        if kept is not None:
+            return target, kept
+        digest = hashlib.sha256()
+        started = digests.now_ns()
         fd, tmp = tempfile.mkstemp(prefix=".exchanges.", suffix=".tmp", dir=out_dir)
         try:
             os.fchmod(fd, FILE_MODE)  # the same mode as reconstructed.jsonl, which holds the same data
@@ -364,18 +375,84 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
                         bad.append(f"{sid}: {exc}")
                         continue
                     fh.write(line)
+                    digest.update(line)
                 fh.flush()
                 os.fsync(fh.fileno())
             kill_point("generate:exchanges written")
-            os.replace(tmp, target)
+            os.replace(tmp, target)  # a fresh inode: how a later run tells this file from any other
             kill_point("generate:exchanges replaced")
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        fsync_dir(out_dir)
+        written = file_identity(target)
+        if written is not None:
+            # never trusted as it stands (the file is as new as the read): a later run confirms
+            # it by reading it, or the pipeline does (confirm_exchanges) once it has aged
+            record = {"source": source, "file": Digest(digest.hexdigest(), written, started).to_json(), "bad": bad}
+            try:
+                store.record_exchanges(record)
+            except sqlite3.Error:
+                pass  # the old record names another file: the next run rewrites this one
     finally:
         store.close()
-    fsync_dir(out_dir)
     return target, bad
+
+
+def _exchanges_source(store: Store, ids: Sequence[str] | None) -> dict[str, Any]:
+    """What decides exchanges.jsonl's bytes: the ids asked for, the done samples and their
+    responses (the store's ``done_changes`` counter), and the code that formats them."""
+    chosen = None if ids is None else hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()
+    return {"tokenbridge": __version__, "ids": chosen, "done_changes": store.change_counts().get("done_changes")}
+
+
+def _kept_exchanges(store: Store, target: Path, source: dict[str, Any]) -> list[str] | None:
+    """The rows left out of ``target`` when it is the file last written from ``source`` (no
+    need to write it again), else None. Its identity tells, once trusted; else (fresh, or
+    touched) its content is read and compared, when it is old enough to be read reliably."""
+    record = store.exchanges_record()
+    if record is None or record.get("source") != source:
+        return None
+    bad = record.get("bad")
+    try:
+        written = Digest.from_json(record.get("file"))
+    except ValueError:
+        return None
+    current = file_identity(target)
+    if current is None or not isinstance(bad, list) or not all(isinstance(b, str) for b in bad):
+        return None
+    if written.stands_for(current):
+        return bad
+    if not current.settled(digests.now_ns()):
+        return None
+    try:
+        now = read_digest(target)
+    except OSError:
+        return None
+    if now.sha256 != written.sha256:
+        return None
+    store.record_exchanges({**record, "file": now.to_json()})
+    return bad
+
+
+def confirm_exchanges(out_dir: str | Path, known: Digest) -> bool:
+    """Record that ``RUN/exchanges.jsonl`` is the file generate last wrote, given a trusted
+    digest of it taken by someone else (the pipeline, which reads it anyway): the next
+    generate then trusts it without reading it. Returns whether anything was recorded.
+    The caller holds the run folder's lock."""
+    out_dir = Path(out_dir)
+    if not known.trusted or not (out_dir / STATE_FILE).is_file():
+        return False
+    with Store.open(out_dir) as store:
+        record = store.exchanges_record()
+        try:
+            written = Digest.from_json((record or {}).get("file"))
+        except ValueError:
+            return False
+        if written.trusted or written.sha256 != known.sha256 or file_identity(out_dir / EXCHANGES_FILE) != known.file:
+            return False
+        store.record_exchanges({**record, "file": known.to_json()})
+    return True
 
 
 def _exchange_line(sid: str, dataset: str, request: str, body: bytes, meta: dict[str, Any]) -> bytes:

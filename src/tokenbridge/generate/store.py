@@ -13,6 +13,11 @@ Tables
                  = every byte of the SSE stream (zlib), plus provider, model, usage, cost,
                  latency, timestamps, attempts, stream flag, and the ``base_url`` it came from.
   ``runs``       one row per invocation: settings (no secret), start/end, outcome.
+  ``meta``       ``schema_version``; ``done_changes`` / ``attempt_changes``, counters that
+                 triggers move on every change to a done sample or response / to an attempt
+                 (whoever writes: a hand edit too), so readers can tell "nothing changed"
+                 without reading rows; ``exchanges``, what ``exchanges.jsonl`` was last
+                 written from (see :mod:`.run`).
 
 Money spent is the sum of ``attempts.cost`` (every billed attempt has a row there, a
 retried one too); money possibly spent adds ``possible_cost`` of attempts without a cost.
@@ -96,7 +101,21 @@ CREATE TABLE IF NOT EXISTS responses (
     stream INTEGER NOT NULL DEFAULT 0,
     base_url TEXT
 );
-"""
+INSERT OR IGNORE INTO meta(key, value) VALUES ('done_changes', '0'), ('attempt_changes', '0');
+""" + "".join(
+    f"CREATE TRIGGER IF NOT EXISTS {name} AFTER {event} BEGIN UPDATE meta SET value = CAST(value AS INTEGER) + 1"
+    f" WHERE key = '{counter}'; END;\n"
+    for name, event, counter in (
+        ("responses_inserted", "INSERT ON responses", "done_changes"),
+        ("responses_updated", "UPDATE ON responses", "done_changes"),
+        ("responses_deleted", "DELETE ON responses", "done_changes"),
+        ("done_sample_updated", "UPDATE ON samples WHEN OLD.status = 'done' OR NEW.status = 'done'", "done_changes"),
+        ("done_sample_deleted", "DELETE ON samples WHEN OLD.status = 'done'", "done_changes"),
+        ("attempts_inserted", "INSERT ON attempts", "attempt_changes"),
+        ("attempts_updated", "UPDATE ON attempts", "attempt_changes"),
+        ("attempts_deleted", "DELETE ON attempts", "attempt_changes"),
+    )
+)
 _UPGRADE_1_TO_2 = (
     "ALTER TABLE attempts ADD COLUMN possible_cost REAL",
     "ALTER TABLE responses ADD COLUMN base_url TEXT",
@@ -341,6 +360,26 @@ class Store:
 
     def status_counts(self) -> dict[str, int]:
         return dict(self._conn.execute("SELECT status, COUNT(*) FROM samples GROUP BY status"))
+
+    def change_counts(self) -> dict[str, Any]:
+        """The change counters and the samples per status: equal values, equal rows (see ``meta``)."""
+        counters = dict(self._conn.execute(
+            "SELECT key, CAST(value AS INTEGER) FROM meta WHERE key IN ('done_changes', 'attempt_changes')"))
+        return {**counters, "samples": dict(sorted(self.status_counts().items()))}
+
+    def exchanges_record(self) -> dict[str, Any] | None:
+        """What ``exchanges.jsonl`` was last written from (:func:`.run._write_exchanges`), or None."""
+        row = self._conn.execute("SELECT value FROM meta WHERE key='exchanges'").fetchone()
+        try:
+            value = json.loads(row[0]) if row else None
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
+
+    def record_exchanges(self, record: dict[str, Any]) -> None:
+        with self._tx():
+            self._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('exchanges', ?)",
+                               (json.dumps(record, sort_keys=True),))
 
     def total_cost(self) -> float:
         """Everything billed so far: the cost of every attempt, kept or retried."""

@@ -1,0 +1,329 @@
+"""A rerun of a finished `tokenbridge run` is a real skip: no data file read, nothing rewritten.
+
+Evidence is what was opened (a Python audit hook sees every ``open``) and the outputs'
+inodes and mtimes, never a timing. The digest clock (:func:`tokenbridge.digests.now_ns`)
+is moved on where a test needs files to look older than the racy window.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+import time
+from pathlib import Path
+
+import pytest
+
+from outputs_support import cli, kill_env, leftovers
+from test_pipeline import _config
+from tokenbridge import digests
+from tokenbridge.digests import Digest, DigestCache, file_identity
+from tokenbridge.fsio import write_bytes
+from tokenbridge.generate.store import Store
+from tokenbridge.pipeline import PipelineError, load_run_config, run_pipeline
+
+STAGES = ["generate", "reconstruct", "export:specforge", "export:speculators", "export:parquet",
+          "export:conversations", "vocab", "report"]
+AFTER_GENERATE = STAGES[1:]
+
+# --- what the process opens -------------------------------------------------------------
+
+
+@pytest.fixture
+def opens():
+    """``with opens() as opened``: every path opened inside the block through Python's open
+    functions (builtins.open, io.open which Path.open uses, os.open). An audit hook would see
+    more, but it stays for the whole test process, and with one installed SQLite's WAL files
+    outlived their connections in later tests."""
+    import builtins
+    import io
+
+    @contextmanager
+    def recording():
+        opened: list[str] = []
+        on = [True]
+        mp = pytest.MonkeyPatch()
+
+        def spy(real):
+            def wrapper(file, *args, **kwargs):
+                if on[0] and isinstance(file, (str, bytes, os.PathLike)):
+                    opened.append(os.path.abspath(os.fsdecode(file)))
+                return real(file, *args, **kwargs)
+            return wrapper
+
+        mp.setattr(builtins, "open", spy(builtins.open))
+        mp.setattr(io, "open", spy(io.open))
+        mp.setattr(os, "open", spy(os.open))
+        try:
+            yield opened
+        finally:
+            on[0] = False
+            mp.undo()
+
+    return recording
+
+
+def _data_files(out: Path) -> list[Path]:
+    """Every file the stages write (generate's store and summary aside)."""
+    return sorted(p for p in out.rglob("*") if p.is_file() and p.name not in (".lock", "generate.json")
+                  and not p.name.startswith("state.sqlite"))
+
+
+def _identities(out: Path) -> dict[str, tuple[int, int]]:
+    return {p.relative_to(out).as_posix(): (os.stat(p).st_ino, os.stat(p).st_mtime_ns) for p in _data_files(out)}
+
+
+def _data(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in _data_files(out)}
+
+
+def _run(cfg, lines: list[str] | None = None) -> dict[str, str]:
+    return {r.name: r.status for r in run_pipeline(cfg, echo=(lines.append if lines is not None else lambda _: None))}
+
+
+@pytest.fixture
+def aged(monkeypatch):
+    """The digest clock runs 10 s ahead: every file looks older than the racy window when read."""
+    monkeypatch.setattr(digests, "now_ns", lambda: time.time_ns() + 10_000_000_000)
+
+
+@pytest.fixture
+def finished(tmp_path, kimi_dir, aged):
+    cfg = load_run_config(_config(tmp_path, kimi_dir))
+    assert set(_run(cfg).values()) == {"ran"}
+    return cfg, tmp_path / "out"
+
+
+# --- the rerun ----------------------------------------------------------------------------
+
+
+def test_rerun_of_a_finished_run_skips_every_stage_and_reads_no_data_file(finished, opens):
+    cfg, out = finished
+    before, data_before = _identities(out), _data(out)
+    lines: list[str] = []
+    with opens() as opened:
+        res = _run(cfg, lines)
+    assert res == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE}}
+    assert any(x.startswith("generate: 16 samples: 16 already done; nothing sent") for x in lines)
+    # of the files the stages write, only the stage record is opened (read, not rewritten)
+    assert set(opened) & {str(p) for p in _data_files(out)} == {str(out / "pipeline.json")}
+    assert _identities(out) == before  # nothing rewritten: same inodes, same mtimes
+    assert _data(out) == data_before
+    assert f"report: skipped → {out / 'report' / 'report.html'}" in lines
+
+
+def test_first_run_settles_the_digests_of_fresh_files_so_the_rerun_reads_nothing(tmp_path, kimi_dir, monkeypatch,
+                                                                                 opens):
+    """Real clock during the stages (every output is fresh when digested, so untrusted); the
+    clock moves on before the run's last step, which reads those files once more."""
+    from tokenbridge import pipeline
+
+    settled: list[list[str]] = []
+    real_settle = pipeline._State.settle
+
+    def settle_later(state):
+        monkeypatch.setattr(digests, "now_ns", lambda: time.time_ns() + 10_000_000_000)
+        fresh = [k for k, v in state.digests.to_json().items() if not Digest.from_json(v).trusted]
+        real_settle(state)
+        settled.append(sorted(fresh))
+
+    monkeypatch.setattr(pipeline._State, "settle", settle_later)
+    cfg = load_run_config(_config(tmp_path, kimi_dir))
+    _run(cfg)
+    out = tmp_path / "out"
+    assert settled == [[str(out / "exchanges.jsonl"), str(out / "reconstructed.jsonl")]]
+    saved = json.loads((out / "pipeline.json").read_text())["digests"]
+    assert all(Digest.from_json(v).trusted for v in saved.values())
+    with Store.open(out) as store:  # and generate was told its file is the one it wrote
+        assert Digest.from_json(store.exchanges_record()["file"]).trusted
+    before = _identities(out)
+    with opens() as opened:
+        res = _run(cfg)
+    assert set(res.values()) == {"ran", "skipped"} and res["reconstruct"] == res["report"] == "skipped"
+    assert set(opened) & {str(p) for p in _data_files(out)} == {str(out / "pipeline.json")}
+    assert _identities(out) == before
+
+
+# --- what a change re-runs ------------------------------------------------------------------
+
+
+def test_replaced_rows_rerun_exports_vocab_and_report_only(finished):
+    cfg, out = finished
+    recon = out / "reconstructed.jsonl"
+    exchanges_id = _identities(out)["exchanges.jsonl"]
+    write_bytes(recon, b"".join(recon.read_bytes().splitlines(keepends=True)[:8]))
+    res = _run(cfg)
+    assert res == {"generate": "ran", "reconstruct": "skipped", **{s: "ran" for s in AFTER_GENERATE[1:]}}
+    assert _identities(out)["exchanges.jsonl"] == exchanges_id
+    report = json.loads((out / "report" / "report.json").read_text())
+    assert report["rows"]["total"] == 8
+
+
+def test_touched_files_are_read_once_and_rerun_nothing(finished, opens):
+    cfg, out = finished
+    exchanges, recon = out / "exchanges.jsonl", out / "reconstructed.jsonl"
+    before = _identities(out)
+    later = time.time_ns() + 5_000_000_000
+    for p in (exchanges, recon):
+        os.utime(p, ns=(later, later))
+    with opens() as opened:
+        res = _run(cfg)
+    assert res == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE}}
+    # exchanges.jsonl: generate compares it with what it wrote (no rewrite), then reconstruct's digest
+    assert opened.count(str(exchanges)) == 2 and opened.count(str(recon)) == 1
+    after = _identities(out)
+    assert after["exchanges.jsonl"][0] == before["exchanges.jsonl"][0]  # the same inode: verified, not rewritten
+    assert {k: v for k, v in after.items() if k not in ("exchanges.jsonl", "reconstructed.jsonl", "pipeline.json")} == \
+           {k: v for k, v in before.items() if k not in ("exchanges.jsonl", "reconstructed.jsonl", "pipeline.json")}
+    with opens() as opened:  # and now both are trusted again
+        _run(cfg)
+    assert str(exchanges) not in opened and str(recon) not in opened
+
+
+def test_replaced_exchanges_are_rewritten_from_the_store_and_nothing_else_runs(finished):
+    cfg, out = finished
+    exchanges = out / "exchanges.jsonl"
+    original = exchanges.read_bytes()
+    write_bytes(exchanges, original.replace(b'"dataset":"chat"', b'"dataset":"CHAT"', 1))  # same size, new inode
+    res = _run(cfg)
+    assert res == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE}}
+    assert exchanges.read_bytes() == original
+
+
+def test_a_new_prompt_reruns_every_stage(finished, tmp_path, kimi_dir):
+    cfg, out = finished
+    path = _config(tmp_path, kimi_dir)
+    path.write_text(path.read_text().replace("limit = 4", "limit = 5"), encoding="utf-8")
+    more = load_run_config(path)
+    before = _identities(out)
+    res = _run(more)
+    assert res == {s: "ran" for s in STAGES}
+    assert len((out / "exchanges.jsonl").read_bytes().splitlines()) == 17
+    assert _identities(out)["exchanges.jsonl"][0] != before["exchanges.jsonl"][0]
+
+
+def test_a_deleted_report_reruns_the_report_only(finished):
+    cfg, out = finished
+    (out / "report" / "report.html").unlink()
+    res = _run(cfg)
+    assert res == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE[:-1]}, "report": "ran"}
+    assert (out / "report" / "report.html").is_file()
+
+
+def test_new_failed_attempts_rebuild_the_report_but_not_the_rest(finished):
+    """The report also shows generate's counts from the store: a change there rebuilds it."""
+    cfg, out = finished
+    with Store.open(out) as store:
+        store._conn.execute("UPDATE attempts SET error_class='hand_edited' WHERE rowid=1")
+    res = _run(cfg)
+    assert res == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE[:-1]}, "report": "ran"}
+    report = json.loads((out / "report" / "report.json").read_text())
+    assert report["generation"]["errors"]["hand_edited"] == 1
+
+
+# --- the digest cache itself ------------------------------------------------------------------
+
+
+def test_same_size_rewrite_with_the_same_mtime_is_seen_by_its_new_inode(tmp_path, aged):
+    f = tmp_path / "f.jsonl"
+    write_bytes(f, b"a" * 100)
+    cache = DigestCache()
+    first = cache.digest(f)
+    old = os.stat(f)
+    write_bytes(f, b"b" * 100)  # what every tokenbridge output is: a rename of a fresh temp file
+    os.utime(f, ns=(old.st_atime_ns, old.st_mtime_ns))  # even in the same mtime tick
+    new = os.stat(f)
+    assert (new.st_size, new.st_mtime_ns) == (old.st_size, old.st_mtime_ns) and new.st_ino != old.st_ino
+    assert cache.digest(f) != first and cache.read == [str(f), str(f)]
+    assert cache.digest(f) == cache.digest(f) and len(cache.read) == 2  # and then cached
+
+
+def test_a_digest_of_a_fresh_file_is_not_trusted_until_it_is_read_again_aged(tmp_path, monkeypatch):
+    """The racy rule: same identity is not proof when the file was as new as the read."""
+    f = tmp_path / "f.jsonl"
+    f.write_bytes(b"x" * 10)
+    ident = file_identity(f)
+    stale = "0" * 64  # a digest of other content than the file's, with the file's identity
+    racy = DigestCache({str(f): Digest(stale, ident, ident.mtime_ns + digests.RACY_NS - 1)})
+    assert racy.digest(f) != stale and racy.read == [str(f)]  # within the window: read again
+    settled = DigestCache({str(f): Digest(stale, ident, ident.mtime_ns + digests.RACY_NS + 1_000_000)})
+    assert settled.digest(f) == stale and settled.read == []  # beyond it the identity is trusted
+
+    cache = DigestCache()
+    d = cache.digest(f)  # real clock: the file is fresh
+    assert not cache.entry(f).trusted and cache.digest(f) == d and len(cache.read) == 2
+    cache.settle()
+    assert len(cache.read) == 2  # still fresh: settling cannot make it trusted yet
+    monkeypatch.setattr(digests, "now_ns", lambda: time.time_ns() + 10_000_000_000)
+    cache.settle()
+    assert len(cache.read) == 3 and cache.entry(f).trusted
+    assert cache.digest(f) == d and len(cache.read) == 3
+
+
+def test_in_place_rewrite_keeping_size_and_mtime_changes_ctime(tmp_path, aged):
+    f = tmp_path / "f.jsonl"
+    f.write_bytes(b"a" * 100)
+    old = os.stat(f)
+    cache = DigestCache()
+    first = cache.digest(f)
+    time.sleep(0.01)
+    with open(f, "r+b") as fh:  # same inode, same size
+        fh.write(b"b" * 100)
+    os.utime(f, ns=(old.st_atime_ns, old.st_mtime_ns))  # mtime put back
+    assert os.stat(f).st_ino == old.st_ino and os.stat(f).st_ctime_ns != old.st_ctime_ns
+    assert cache.digest(f) != first
+
+
+# --- damage and kills -----------------------------------------------------------------------------
+
+
+def test_damaged_pipeline_json_is_a_clear_message_and_only_costs_a_rerun(finished):
+    cfg, out = finished
+    state = out / "pipeline.json"
+    state.write_text('{"reconstruct": {"fingerprint": "', encoding="utf-8")
+    lines: list[str] = []
+    res = _run(cfg, lines)
+    assert res == {s: "ran" for s in STAGES}
+    assert f"warning: {state}: damaged (not valid JSON: Unterminated string starting at: line 1 column 33 (char 32));" \
+           " every stage after generate runs again" in lines
+    doc = json.loads(state.read_text())
+    doc["vocab"]["coverage"] = "high"
+    doc["digests"][str(out / "reconstructed.jsonl")]["size"] = -1
+    state.write_text(json.dumps(doc), encoding="utf-8")
+    lines.clear()
+    res = _run(cfg, lines)
+    assert res == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE if s != "vocab"}, "vocab": "ran"}
+    assert [x for x in lines if x.startswith("warning:")] == [
+        f"warning: {state}: 1 cached digest(s) damaged (digests[{str(out / 'reconstructed.jsonl')!r}]: size is not a "
+        "non-negative integer); those files are read again",
+        f"warning: {state}: stage 'vocab' damaged (coverage is not a number); it runs again"]
+    state.write_text("[]", encoding="utf-8")
+    lines.clear()
+    assert set(_run(cfg, lines).values()) == {"ran"}
+    assert f"warning: {state}: damaged (not a JSON object); every stage after generate runs again" in lines
+    state.unlink()
+    state.mkdir()
+    with pytest.raises(PipelineError, match=rf"^{state}: cannot read the run's stage record \(Is a directory\); "
+                                            "move it away to re-run every stage$"):
+        run_pipeline(cfg, echo=lambda _: None)
+
+
+@pytest.mark.parametrize("point", ["state:staged", "state:renamed", "generate:exchanges replaced"])
+def test_kill_during_a_rerun_leaves_a_consistent_state(finished, tmp_path, point):
+    cfg, out = finished
+    want = {k: v for k, v in _data(out).items() if k != "pipeline.json"}
+    if point.startswith("state"):
+        later = time.time_ns()
+        os.utime(out / "reconstructed.jsonl", ns=(later, later))  # the rerun has a digest to record
+    else:
+        (out / "exchanges.jsonl").unlink()  # the rerun's generate writes it again
+    res = cli("run", str(tmp_path / "run.toml"), env=kill_env(point))
+    assert res.returncode == -9, (res.returncode, res.stdout, res.stderr)
+    json.loads((out / "pipeline.json").read_text())  # the old state or the new one, whole
+    lines: list[str] = []
+    assert _run(cfg, lines) == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE}}
+    assert not [x for x in lines if x.startswith("warning")]
+    assert {k: v for k, v in _data(out).items() if k != "pipeline.json"} == want
+    assert leftovers(tmp_path) == []
