@@ -24,6 +24,7 @@ demo: $(VENV)/.installed-demo
 	$(TB) run examples/demo.toml
 
 test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/pytest
 
 bench: $(VENV)/.installed-test

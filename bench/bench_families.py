@@ -124,7 +124,7 @@ def main() -> None:
             corpora[name] = (folder, src, texts, chars)
             results[name] = {"raw": [], "rec": [], "chars": chars, "records": len(texts)}
         for _ in range(args.rounds):
-            for name, (folder, src, texts, chars) in corpora.items():
+            for name, (folder, src, texts, _chars) in corpora.items():
                 kind, encode = raw_encoder(folder)
                 t0 = time.perf_counter()
                 raw_ids = [encode(t) for t in texts]

@@ -12,7 +12,6 @@ parser (whole and streamed) come back exactly, or with a finding.
 from __future__ import annotations
 
 import copy
-import json
 from collections import Counter
 from typing import Any
 

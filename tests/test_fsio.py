@@ -56,7 +56,7 @@ def test_outputs_get_one_mode_whatever_the_umask(tmp_path):
 def test_a_failed_write_names_the_output_and_leaves_nothing(tmp_path):
     target = tmp_path / "out.json"
     with pytest.raises(OutputWriteError, match=f"^{target}: cannot write"):
-        with publish_dir(target) as tmp:
+        with publish_dir(target):
             raise OSError(28, "No space left on device")
     assert list(tmp_path.iterdir()) == []
 

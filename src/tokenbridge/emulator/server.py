@@ -458,7 +458,7 @@ async def _admin_body(request: web.Request) -> dict[str, Any]:
     try:
         body = json.loads(await request.read() or b"{}")
     except ValueError:
-        raise web.HTTPBadRequest(text=dumps(error_body(400, "body is not JSON")), content_type="application/json")
+        raise web.HTTPBadRequest(text=dumps(error_body(400, "body is not JSON")), content_type="application/json") from None
     if not isinstance(body, dict):
         raise web.HTTPBadRequest(text=dumps(error_body(400, "body must be an object")), content_type="application/json")
     return body

@@ -255,7 +255,7 @@ def _exchanges_section(path: Path) -> dict[str, Any]:
     per_provider: dict[str, dict[str, float]] = defaultdict(lambda: {"exchanges": 0, "cost": 0.0, "latency_s": 0.0,
                                                                      "latency_n": 0, "completion_tokens": 0})
     try:
-        for lineno, rec in iter_objects(path):
+        for _lineno, rec in iter_objects(path):
             count += 1
             meta = rec.get("meta") if isinstance(rec.get("meta"), dict) else {}
             response = rec.get("response") if isinstance(rec.get("response"), dict) else {}
