@@ -15,7 +15,8 @@ from .chat.dialect import reasoning_details
 from .evidence import LogprobIds, logprobs_cover
 from .tokenizer import Tokenizer
 
-__all__ = ["CODES", "DEFAULT_SEVERITY", "Finding", "Policy", "SampleView", "reasoning_counts", "run_checks", "status_of"]
+__all__ = ["CODES", "DEFAULT_SEVERITY", "Finding", "Policy", "SampleView", "ends_turn", "logprobs_fit", "reasoning_counts",
+           "run_checks", "status_of"]
 
 #: Every finding code with its default severity and what it means.
 CODES: dict[str, tuple[str, str]] = {
@@ -137,8 +138,7 @@ class SampleView:
         if self.native_completion is not None:
             return list(self.native_completion) == list(self.completion_ids)
         if self.logged is not None and self.logged.ids is not None:
-            ends = bool(self.parts) and self.parts[-1][0] == "end"
-            return logprobs_cover(self.logged.ids, self.completion_ids, 0, ends) in ("all", "all_but_end")
+            return logprobs_fit(self.logged.ids, self.parts, self.part_ids, self.completion_ids) in ("all", "all_but_end")
         return False
 
     @property
@@ -190,8 +190,7 @@ def _finish(view: SampleView, policy: Policy):
         yield "stop_sequence", f"request stop={stop!r}; the end token was assumed"
     elif isinstance(view.matched_stop, str) and reason != "length":
         yield "stop_sequence", f"matched_stop={view.matched_stop[:40]!r}: a stop string ended the choice, not the model's end token"
-    ends = bool(view.parts) and view.parts[-1][0] == "end"
-    if isinstance(view.matched_stop, int) and ends and view.completion_ids and view.completion_ids[-1] != view.matched_stop:
+    if isinstance(view.matched_stop, int) and ends_turn(view.parts) and view.completion_ids and view.completion_ids[-1] != view.matched_stop:
         tok = view.tokenizer
         name = tok.marker_ids.get(view.matched_stop)
         yield "end_token_mismatch", (
@@ -489,6 +488,24 @@ def _native(view: SampleView, policy: Policy):
         )
 
 
+def ends_turn(parts: Sequence[tuple[str, str]]) -> bool:
+    """Whether a completion ends with its end token (a length cut has none)."""
+    return bool(parts) and parts[-1][0] == "end"
+
+
+def logprobs_fit(logged: Sequence[int], parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]],
+                 completion_ids: Sequence[int]) -> str | None:
+    """How ``logged`` ids account for this completion (:func:`.evidence.logprobs_cover`),
+    its content starting after the think block; None when they contradict it."""
+    start = pos = 0
+    for (kind, _), ids in zip(parts, part_ids):
+        pos += len(ids)
+        if kind == "think_end":
+            start = pos
+            break
+    return logprobs_cover(logged, completion_ids, start, ends_turn(parts))
+
+
 def reasoning_counts(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> set[int]:
     """Every value of ``usage.completion_tokens_details.reasoning_tokens`` an engine
     reports for this completion.
@@ -528,13 +545,8 @@ def _logprobs(view: SampleView, policy: Policy):
         yield "logprobs_unreadable", f"{logged.problem}; logprobs not used as evidence"
         return
     parts, ids = view.parts, view.completion_ids
-    ends = bool(parts) and parts[-1][0] == "end"
-    start, pos = 0, 0
-    for (kind, _), part in zip(parts, view.part_ids):
-        pos += len(part)
-        if kind == "think_end":
-            start = pos
-    if logprobs_cover(logged.ids, ids, start, ends) is not None:
+    ends = ends_turn(parts)
+    if logprobs_fit(logged.ids, parts, view.part_ids, ids) is not None:
         return
     got = list(logged.ids)
     n = next((i for i, (a, b) in enumerate(zip(ids, got)) if a != b), min(len(ids), len(got)))

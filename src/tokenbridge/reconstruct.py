@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from .chat import Dialect, message_reasoning, resolve_dialect
-from .checks import Finding, Policy, SampleView, reasoning_counts, run_checks, status_of
-from .evidence import LogprobIds, cached_tokens, logprob_ids, logprobs_cover, matched_stop, reasoning_tokens
+from .checks import Finding, Policy, SampleView, ends_turn, logprobs_fit, reasoning_counts, run_checks, status_of
+from .evidence import LogprobIds, cached_tokens, logprob_ids, matched_stop, reasoning_tokens
 from .exchanges import Exchange, RecordError, loads_line, parse_exchange
 from .hypotheses import Candidate, candidates
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
@@ -72,8 +72,7 @@ class _Choice:
 
     def counted(self, k: int) -> int:
         """How many of candidate ``k``'s ids the provider's usage counts."""
-        parts = self.cands[k].parts
-        ends = bool(parts) and parts[-1][0] == "end"
+        ends = ends_turn(self.cands[k].parts)
         return sum(len(ids) for ids in self.cand_ids[k]) - (1 if self.end_uncounted and ends else 0)
 
 
@@ -126,8 +125,9 @@ def _reconstruct(
             p.end_uncounted = True
     usage_prompt, usage_completion = _usage_pairs(usage, len(prompt_ids), trait)
     single = len(plans) == 1
+    reasoning = reasoning_tokens(usage) if single else None  # summed over choices otherwise: not checked
     if any(len(p.cands) > 1 for p in plans):
-        _choose(plans, usage_completion, policy, reasoning_tokens(usage) if single else None, dialect, tokenizer)
+        _choose(plans, usage_completion, policy, reasoning)
     total_completion = sum(p.counted(p.chosen) for p in plans)
     rows = []
     for p in plans:
@@ -153,7 +153,7 @@ def _reconstruct(
             native_completion=p.native,
             logged=p.logged,
             matched_stop=p.stop,
-            reasoning_tokens=reasoning_tokens(usage) if single else None,
+            reasoning_tokens=reasoning,
             provider_edits=tuple(zip(trait.edits, trait.edit_sources)) if trait is not None else (),
             calibration=trait.describe() if trait is not None else None,
         )
@@ -195,7 +195,7 @@ def _delta(plans: list[_Choice], rows: list[dict[str, Any]], usage: Mapping[str,
     completion = usage.get("completion_tokens")
     prompt = usage.get("prompt_tokens")
     return CountDelta(
-        ended=bool(parts) and parts[-1][0] == "end",
+        ended=ends_turn(parts),
         completion=len(p.ids(0)) - completion if _count(completion) else None,
         prompt=n_prompt - prompt if _count(prompt) else None,
         cached=cached_tokens(usage),
@@ -256,12 +256,11 @@ def _usage_pairs(usage: Mapping[str, Any] | None, n_prompt: int,
 _MAX_COMBINATIONS = 512
 
 
-def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, reasoning: int | None,
-            dialect: Dialect, tok: Tokenizer) -> None:
+def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, reasoning: int | None) -> None:
     """Pick, per choice, the one candidate the evidence proves; record ambiguity."""
     options: list[list[int]] = []
     for p in plans:
-        keep = [k for k in range(len(p.cands)) if _fits(p, k, reasoning, dialect, tok)]
+        keep = [k for k in range(len(p.cands)) if _fits(p, k, reasoning)]
         options.append(keep)
     if usage_completion is not None and policy.usage_tolerance == 0:
         sizes = [[plans[c].counted(k) for k in opts] for c, opts in enumerate(options)]
@@ -288,31 +287,19 @@ def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, 
                 p.ambiguous = [p.cands[k].name or "formula" for k in opts]
 
 
-def _fits(p: _Choice, k: int, reasoning: int | None, dialect: Dialect, tok: Tokenizer) -> bool:
+def _fits(p: _Choice, k: int, reasoning: int | None) -> bool:
     """Whether candidate ``k`` agrees with this choice's own evidence."""
     ids = p.ids(k)
     if p.native is not None and list(p.native) != ids:
         return False
     parts, part_ids = p.cands[k].parts, p.cand_ids[k]
-    ends = bool(parts) and parts[-1][0] == "end"
-    if p.logged is not None and p.logged.ids is not None:
-        if logprobs_cover(p.logged.ids, ids, _content_start(parts, part_ids), ends) is None:
-            return False
-    if isinstance(p.stop, int) and ends and ids[-1] != p.stop:
+    if p.logged is not None and p.logged.ids is not None and logprobs_fit(p.logged.ids, parts, part_ids, ids) is None:
+        return False
+    if isinstance(p.stop, int) and ends_turn(parts) and ids[-1] != p.stop:
         return False
     if reasoning and reasoning not in reasoning_counts(parts, part_ids):
         return False
     return True
-
-
-def _content_start(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> int:
-    """Position of the first id after the think block (0 when there is none)."""
-    pos = 0
-    for (kind, _), ids in zip(parts, part_ids):
-        pos += len(ids)
-        if kind == "think_end":
-            return pos
-    return 0
 
 
 def _count(value: Any) -> bool:
@@ -438,26 +425,32 @@ class ReconstructSummary:
             counts[0] += 1
             counts[1] += edge
 
-    def stripping_suspects(self, min_rows: int = 20, min_rate: float = 0.1) -> list[str]:
-        """Providers whose text never keeps edge whitespace while the others' often does.
+    def _strippers(self, min_rows: int = 20, min_rate: float = 0.1) -> list[tuple[str, int, float]]:
+        """(provider, samples, the others' edge-whitespace rate) for each provider whose text
+        never keeps edge whitespace while the others' often does.
 
         A provider that ``.strip()``s reasoning/content can turn ``".\n"`` into ``"."``,
         the same number of tokens with a different id: invisible per sample without
         ground-truth ids, but plain across a run.
         """
-        notes = []
+        found = []
         for prov, (n, edge) in sorted(self.edges.items()):
             others = [(m, e) for p, (m, e) in self.edges.items() if p != prov and m >= min_rows]
             total = sum(m for m, _ in others)
             rate = sum(e for _, e in others) / total if total else 0.0
             if n >= min_rows and edge == 0 and rate >= min_rate:
-                notes.append(
-                    f"{prov}: none of its {n} samples keeps leading/trailing whitespace in reasoning or content, "
-                    f"against {rate:.0%} of the other providers' samples: it probably strips whitespace, and a strip "
-                    "that keeps the token count (e.g. '.\\n' -> '.') passes the gate unseen. Use ground-truth ids "
-                    "or other providers."
-                )
-        return notes
+                found.append((prov, n, rate))
+        return found
+
+    def stripping_suspects(self) -> list[str]:
+        """One note per provider that probably strips whitespace (:meth:`_strippers`)."""
+        return [
+            f"{prov}: none of its {n} samples keeps leading/trailing whitespace in reasoning or content, "
+            f"against {rate:.0%} of the other providers' samples: it probably strips whitespace, and a strip "
+            "that keeps the token count (e.g. '.\\n' -> '.') passes the gate unseen. Use ground-truth ids "
+            "or other providers."
+            for prov, n, rate in self._strippers()
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -476,7 +469,7 @@ class ReconstructSummary:
                 if t.describe()]
 
     def stripping_providers(self) -> list[str]:
-        return [note.split(": ", 1)[0] for note in self.stripping_suspects()]
+        return [prov for prov, _, _ in self._strippers()]
 
 
 # Per-process state for pool workers (set by the initializer).
