@@ -27,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from test_families_support import OracleTokenizer
 from tokenbridge.chat import DIALECTS
 from tokenbridge.chat.kimi import DEFAULT_SYSTEM
 from tokenbridge.chat.kimi_tools import declare_tools, sort_keys_deep
@@ -64,28 +65,9 @@ needs_official = pytest.mark.skipif(OFFICIAL is None, reason="tinker-cookbook==0
                                     "(pip install --no-deps -r requirements-oracles.txt)")
 
 
-class _OracleTokenizer:
-    """The slice of the transformers tokenizer API that ``KimiK25Renderer`` calls, backed
-    by our tokenizer, so both sides encode with the same BPE."""
-
-    unk_token_id = -1
-
-    def __init__(self, tok: Any) -> None:
-        self._tok = tok
-
-    def convert_tokens_to_ids(self, token: str) -> int:
-        return self._tok.markers.get(token, self.unk_token_id)
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tok.encode(text)
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self._tok.decode(ids)
-
-
 @pytest.fixture(scope="module")
 def oracles(kimi) -> dict[bool, KimiK25Renderer]:
-    adapter = _OracleTokenizer(kimi)
+    adapter = OracleTokenizer(kimi)
     return {thinking: KimiK25Renderer(adapter, KimiK25RendererConfig(thinking=thinking)) for thinking in (True, False)}
 
 

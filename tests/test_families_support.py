@@ -58,14 +58,20 @@ class OracleTokenizer:
         return self._tok.decode(ids)
 
 
-def import_sglang_reasoning():
+def register_sglang_namespace(missing: Any) -> None:
+    """Register sglang as a bare namespace package, so its ``__init__`` (the whole
+    runtime) never runs; ``missing(reason)`` (pytest.skip or pytest.fail) when absent."""
     if "sglang" not in sys.modules:
         spec = importlib.util.find_spec("sglang")
         if spec is None or not spec.submodule_search_locations:
-            pytest.skip("sglang is not installed: `make` installs requirements-oracles.txt (--no-deps)")
+            missing("sglang is not installed: `make` installs requirements-oracles.txt (--no-deps)")
         pkg = types.ModuleType("sglang")
         pkg.__path__ = list(spec.submodule_search_locations)
         sys.modules["sglang"] = pkg
+
+
+def import_sglang_reasoning():
+    register_sglang_namespace(pytest.skip)
     try:
         from sglang.srt.parser.reasoning_parser import ReasoningParser
     except ImportError as e:  # pragma: no cover - CI installs it

@@ -22,29 +22,21 @@ nothing inside sglang is replaced.
 from __future__ import annotations
 
 import codecs
-import importlib.util
 import json
 import random
-import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
+from test_families_support import register_sglang_namespace
 from tokenbridge.chat import resolve_dialect
 from tokenbridge.emulator.synthetic import SyntheticModel
 from tokenbridge.reconstruct import reconstruct_record
 
 
 def _import_sglang() -> tuple[Any, Any, Any]:
-    if "sglang" not in sys.modules:
-        spec = importlib.util.find_spec("sglang")
-        if spec is None or not spec.submodule_search_locations:
-            pytest.fail("sglang is not installed: `make` installs requirements-oracles.txt (--no-deps)")
-        pkg = types.ModuleType("sglang")
-        pkg.__path__ = list(spec.submodule_search_locations)
-        sys.modules["sglang"] = pkg
+    register_sglang_namespace(pytest.fail)  # CI installs it: a missing oracle is a failure here
     from sglang.srt.entrypoints.openai.protocol import Tool
     from sglang.srt.function_call.kimik2_detector import KimiK2Detector
     from sglang.srt.parser.reasoning_parser import ReasoningParser
