@@ -107,7 +107,7 @@ class HostileServer:
         self._ready = threading.Event()
         self.gate = threading.Event()  # opens the replies of "gate" mode
 
-    def __enter__(self) -> "HostileServer":
+    def __enter__(self) -> HostileServer:
         self._thread = threading.Thread(target=self._serve, name="hostile-server", daemon=True)
         self._thread.start()
         if not self._ready.wait(10):

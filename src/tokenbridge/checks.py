@@ -8,7 +8,8 @@ Each check returns findings with a stable ``code``; a :class:`Policy` maps codes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 from .chat import Dialect, message_reasoning
 from .chat.dialect import reasoning_details

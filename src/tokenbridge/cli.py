@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Iterator, NoReturn, Optional
+from typing import NoReturn
+from collections.abc import Iterator
 
 import typer
 
@@ -54,7 +55,7 @@ def _policy(usage_tolerance: int, warn: list[str], error: list[str], off: list[s
     return Policy(severities=dict(section.severity), usage_tolerance=section.usage_tolerance)
 
 
-def _dialect_flag(dialect: Optional[str]) -> None:
+def _dialect_flag(dialect: str | None) -> None:
     """``--dialect`` must name a known chat format (with "did you mean")."""
     from .schema import DialectName, Where, validate
 
@@ -109,14 +110,14 @@ def reconstruct(
     input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Exchange records (JSONL)."),
     output: Path = typer.Option(..., "-o", "--output", help="Output JSONL, or Parquet when it ends .parquet."),
     tokenizer: str = typer.Option(..., "--tokenizer", "-t", help="Tokenizer folder or Hub repo id."),
-    dialect: Optional[str] = typer.Option(None, "--dialect", help="Chat format (default: from the tokenizer)."),
+    dialect: str | None = typer.Option(None, "--dialect", help="Chat format (default: from the tokenizer)."),
     workers: int = typer.Option(0, "--workers", "-j", help="Worker processes (0 = all cores)."),
     usage_tolerance: int = typer.Option(0, "--usage-tolerance", help="Allowed |ours - usage| token delta."),
     warn: list[str] = typer.Option([], "--warn", help="Treat this finding code as a warning (repeatable)."),
     error: list[str] = typer.Option([], "--error", help="Treat this finding code as an error (repeatable)."),
     off: list[str] = typer.Option([], "--off", help="Do not report this finding code (repeatable)."),
-    summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
-    provider_profile: Optional[Path] = typer.Option(
+    summary_json: Path | None = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
+    provider_profile: Path | None = typer.Option(
         None, "--provider-profile", help="`tokenbridge probe --json` output: flag providers whose text edits are invisible."
     ),
 ) -> None:
@@ -176,10 +177,10 @@ def inspect(
     input: Path = typer.Argument(..., exists=True, dir_okay=False,
                                  help="Reconstruct output (JSONL or .parquet), or exchange JSONL."),
     tokenizer: str = typer.Option(..., "--tokenizer", "-t", help="Tokenizer folder or Hub repo id."),
-    sample_id: Optional[str] = typer.Option(None, "--id", help="Sample id (default: the first record)."),
+    sample_id: str | None = typer.Option(None, "--id", help="Sample id (default: the first record)."),
     choice: int = typer.Option(0, "--choice", min=0, help="Choice index."),
-    tokens: Optional[str] = typer.Option(None, "--tokens", help="Also list tokens A:B (positions; ':' for all)."),
-    dialect: Optional[str] = typer.Option(None, "--dialect", help="Chat format, for exchange records."),
+    tokens: str | None = typer.Option(None, "--tokens", help="Also list tokens A:B (positions; ':' for all)."),
+    dialect: str | None = typer.Option(None, "--dialect", help="Chat format, for exchange records."),
 ) -> None:
     """Show one sample's tokens with their ids and segment kinds."""
     from rich.console import Console
@@ -211,45 +212,45 @@ def inspect(
 # --- generate / probe ------------------------------------------------------------------
 
 
-def _csv(value: Optional[str]) -> Optional[list[str]]:
+def _csv(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
 
 @app.command()
 def generate(
-    prompts: Optional[list[str]] = typer.Argument(
+    prompts: list[str] | None = typer.Argument(
         None,
         help="Prompt datasets: PATH or NAME=PATH (JSONL, Parquet, HF save_to_disk folder, folder of files); "
         "given here, they replace the config's datasets.",
     ),
     out: Path = typer.Option(..., "--out", "-o", help="Run folder (state.sqlite, exchanges.jsonl); rerun to resume."),
-    base_url: Optional[str] = typer.Option(None, "--base-url", help="API base, e.g. https://openrouter.ai/api/v1."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model id, e.g. moonshotai/kimi-k2.5."),
-    concurrency: Optional[int] = typer.Option(None, "--concurrency", "-c", min=1, help="Requests in flight at most."),
-    max_attempts: Optional[int] = typer.Option(None, "--max-attempts", min=1, help="Attempts per sample per run."),
-    stream: Optional[bool] = typer.Option(None, "--stream/--no-stream", help="Use SSE streaming."),
-    max_cost: Optional[float] = typer.Option(None, "--max-cost", min=0, help="Stop before spending more (USD, run folder total)."),
-    config: Optional[Path] = typer.Option(None, "--config", exists=True, dir_okay=False, help="TOML/YAML settings."),
+    base_url: str | None = typer.Option(None, "--base-url", help="API base, e.g. https://openrouter.ai/api/v1."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Model id, e.g. moonshotai/kimi-k2.5."),
+    concurrency: int | None = typer.Option(None, "--concurrency", "-c", min=1, help="Requests in flight at most."),
+    max_attempts: int | None = typer.Option(None, "--max-attempts", min=1, help="Attempts per sample per run."),
+    stream: bool | None = typer.Option(None, "--stream/--no-stream", help="Use SSE streaming."),
+    max_cost: float | None = typer.Option(None, "--max-cost", min=0, help="Stop before spending more (USD, run folder total)."),
+    config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False, help="TOML/YAML settings."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Count prompt tokens and estimate cost; send nothing."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", "-t", help="Tokenizer folder (for --dry-run)."),
-    limit: Optional[int] = typer.Option(None, "--limit", min=0, help="At most N samples per dataset."),
-    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help="Env variable holding the key."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1),
-    temperature: Optional[float] = typer.Option(None, "--temperature"),
-    top_p: Optional[float] = typer.Option(None, "--top-p"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    n: Optional[int] = typer.Option(None, "--n", min=1, help="Choices per prompt."),
-    reasoning: Optional[str] = typer.Option(None, "--reasoning", help="Effort (low|medium|high), or on / off."),
-    provider_order: Optional[str] = typer.Option(None, "--provider-order", help="Comma list: try these first."),
-    provider_only: Optional[str] = typer.Option(None, "--provider-only", help="Comma list: only these."),
-    provider_ignore: Optional[str] = typer.Option(None, "--provider-ignore", help="Comma list: never these."),
-    quantizations: Optional[str] = typer.Option(None, "--quantizations", help="Comma list, e.g. int4,fp8."),
-    fallbacks: Optional[bool] = typer.Option(None, "--fallbacks/--no-fallbacks", help="provider.allow_fallbacks."),
-    progress: Optional[str] = typer.Option(None, "--progress", help="auto | rich | plain | none."),
-    summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the run summary here."),
-    max_response_bytes: Optional[int] = typer.Option(
+    tokenizer: str | None = typer.Option(None, "--tokenizer", "-t", help="Tokenizer folder (for --dry-run)."),
+    limit: int | None = typer.Option(None, "--limit", min=0, help="At most N samples per dataset."),
+    api_key_env: str | None = typer.Option(None, "--api-key-env", help="Env variable holding the key."),
+    max_tokens: int | None = typer.Option(None, "--max-tokens", min=1),
+    temperature: float | None = typer.Option(None, "--temperature"),
+    top_p: float | None = typer.Option(None, "--top-p"),
+    seed: int | None = typer.Option(None, "--seed"),
+    n: int | None = typer.Option(None, "--n", min=1, help="Choices per prompt."),
+    reasoning: str | None = typer.Option(None, "--reasoning", help="Effort (low|medium|high), or on / off."),
+    provider_order: str | None = typer.Option(None, "--provider-order", help="Comma list: try these first."),
+    provider_only: str | None = typer.Option(None, "--provider-only", help="Comma list: only these."),
+    provider_ignore: str | None = typer.Option(None, "--provider-ignore", help="Comma list: never these."),
+    quantizations: str | None = typer.Option(None, "--quantizations", help="Comma list, e.g. int4,fp8."),
+    fallbacks: bool | None = typer.Option(None, "--fallbacks/--no-fallbacks", help="provider.allow_fallbacks."),
+    progress: str | None = typer.Option(None, "--progress", help="auto | rich | plain | none."),
+    summary_json: Path | None = typer.Option(None, "--summary-json", help="Also write the run summary here."),
+    max_response_bytes: int | None = typer.Option(
         None, "--max-response-bytes", min=1024, help="Refuse a response (or stream) larger than this (default 64 MiB)."),
-    attempt_timeout: Optional[float] = typer.Option(
+    attempt_timeout: float | None = typer.Option(
         None, "--attempt-timeout", min=0.001, help="Seconds one attempt may take in all, streams too (default 900)."),
     force_settings: bool = typer.Option(
         False, "--force-settings",
@@ -350,7 +351,7 @@ _GENERATE_FLAGS = {
 }
 
 
-def _write_summary(path: Optional[Path], data: dict) -> None:
+def _write_summary(path: Path | None, data: dict) -> None:
     if path is None:
         return
     try:
@@ -364,12 +365,12 @@ def probe(
     model: str = typer.Option(..., "--model", "-m", help="Model id, e.g. moonshotai/kimi-k2.5."),
     providers: str = typer.Option(..., "--providers", help="Comma list of providers, e.g. chutes/int4,siliconflow/int4."),
     base_url: str = typer.Option("https://openrouter.ai/api/v1", "--base-url", help="API base URL."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the full results as JSON here."),
-    tokenizer: Optional[str] = typer.Option(
+    json_out: Path | None = typer.Option(None, "--json", help="Write the full results as JSON here."),
+    tokenizer: str | None = typer.Option(
         None, "--tokenizer", "-t", help="Tokenizer folder (default: ../shared/tokenizers/kimi-k2.5)."
     ),
     max_tokens: int = typer.Option(2048, "--max-tokens", min=1),
-    reasoning: Optional[str] = typer.Option(None, "--reasoning", help="Effort (low|medium|high), or on / off."),
+    reasoning: str | None = typer.Option(None, "--reasoning", help="Effort (low|medium|high), or on / off."),
     api_key_env: str = typer.Option("OPENROUTER_API_KEY", "--api-key-env", help="Env variable holding the key."),
 ) -> None:
     """Pin each provider, send probe prompts, and report what survives reconstruction."""
@@ -411,17 +412,17 @@ def probe(
 def emulator(
     port: int = typer.Option(8000, "--port", "-p", help="Port to listen on (0 = any free port)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (keep it loopback)."),
-    latency_ms: Optional[float] = typer.Option(None, "--latency-ms", help="Time to first byte, ms, for every provider."),
-    fault_rate: Optional[float] = typer.Option(
+    latency_ms: float | None = typer.Option(None, "--latency-ms", help="Time to first byte, ms, for every provider."),
+    fault_rate: float | None = typer.Option(
         None, "--fault-rate", help="Share of requests that get a transport fault (429/5xx/malformed/...)."
     ),
-    config: Optional[Path] = typer.Option(
+    config: Path | None = typer.Option(
         None, "--config", "-c", exists=True, dir_okay=False, help="Emulator config (TOML or YAML)."
     ),
-    tokenizer: Optional[str] = typer.Option(
+    tokenizer: str | None = typer.Option(
         None, "--tokenizer", "-t", help="Tokenizer folder (default: ../shared/tokenizers/kimi-k2.5)."
     ),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for outputs, quirks and faults."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed for outputs, quirks and faults."),
 ) -> None:
     """Serve a loopback OpenRouter-compatible API backed by a synthetic model (for dry runs)."""
     import dataclasses
@@ -468,7 +469,7 @@ def export(
     row_group_rows: int = typer.Option(1000, "--row-group-rows", help="Parquet: rows per row group."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty -o folder tokenbridge did not write "
                                "(never a run folder, the input's folder or the current folder)."),
-    target_vocab_size: Optional[int] = typer.Option(
+    target_vocab_size: int | None = typer.Option(
         None, "--target-vocab-size", min=1,
         help="Refuse rows with an id outside this vocabulary (run passes the tokenizer's)."),
 ) -> None:
@@ -499,10 +500,10 @@ def vocab(
     input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Reconstruct output (JSONL, or .parquet)."),
     draft_vocab_size: int = typer.Option(..., "--draft-vocab-size", "-n", min=1, help="Draft vocabulary size N."),
     output: Path = typer.Option(..., "-o", "--output", help="Output folder for d2t/t2d files and vocab.json."),
-    target_vocab_size: Optional[int] = typer.Option(
+    target_vocab_size: int | None = typer.Option(
         None, "--target-vocab-size", help="Target model vocab size (the length of t2d)."
     ),
-    tokenizer: Optional[str] = typer.Option(
+    tokenizer: str | None = typer.Option(
         None, "--tokenizer", "-t", help="Tokenizer folder to take the target vocab size from."
     ),
     include_flagged: bool = typer.Option(False, "--include-flagged", help="Also count 'flagged' rows."),

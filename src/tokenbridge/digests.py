@@ -27,7 +27,8 @@ import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 __all__ = ["RACY_NS", "Digest", "DigestCache", "FileIdentity", "file_identity", "now_ns", "read_digest"]
 
@@ -52,7 +53,7 @@ class FileIdentity:
     dev: int
 
     @classmethod
-    def of(cls, st: os.stat_result) -> "FileIdentity":
+    def of(cls, st: os.stat_result) -> FileIdentity:
         return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
     def settled(self, at_ns: int) -> bool:
@@ -89,7 +90,7 @@ class Digest:
         return {"sha256": self.sha256, **asdict(self.file), "checked_ns": self.checked_ns}
 
     @classmethod
-    def from_json(cls, obj: Any) -> "Digest":
+    def from_json(cls, obj: Any) -> Digest:
         """Raises ValueError for anything but what :meth:`to_json` writes."""
         if not isinstance(obj, dict):
             raise ValueError("not an object")
@@ -133,7 +134,7 @@ class DigestCache:
         self.changed = False
 
     @classmethod
-    def from_json(cls, obj: Any) -> tuple["DigestCache", list[str]]:
+    def from_json(cls, obj: Any) -> tuple[DigestCache, list[str]]:
         """The cache saved by :meth:`to_json`; entries that cannot be read are dropped and
         named in the second value (they are only computed again)."""
         if obj is None:

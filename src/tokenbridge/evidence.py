@@ -19,7 +19,8 @@ finding at worst, never a lost sample.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from .tokenizer import Tokenizer
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict
+from collections.abc import Iterator, Mapping
 
 from . import fsio
 from .fsio import dumps_line

@@ -48,7 +48,8 @@ import signal
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
+from collections.abc import Iterator
 
 import orjson
 

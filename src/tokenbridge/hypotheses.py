@@ -24,7 +24,8 @@ The common case, a message none of these fit, has one candidate and costs nothin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from .chat import Dialect, message_reasoning
 

@@ -13,7 +13,8 @@ import signal
 import threading
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, Iterator, NoReturn
+from typing import Any, NoReturn
+from collections.abc import Iterator
 
 __all__ = ["EXIT_INTERRUPTED", "STOPPED", "install", "kept_handlers", "stop_on_signals"]
 

@@ -24,7 +24,8 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
+from collections.abc import Iterable
 
 from .fsio import MARKER, is_temp_name
 

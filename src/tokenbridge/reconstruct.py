@@ -19,7 +19,8 @@ from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from .chat import Dialect, message_reasoning, resolve_dialect
 from .checks import Finding, Policy, SampleView, ends_turn, logprobs_fit, reasoning_counts, run_checks, status_of

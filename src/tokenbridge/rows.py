@@ -23,13 +23,11 @@ from pathlib import Path
 from typing import (
     TYPE_CHECKING,
     Any,
-    Iterable,
-    Iterator,
     Literal,
-    Mapping,
     NotRequired,
     TypedDict,
 )
+from collections.abc import Iterable, Iterator, Mapping
 
 from .fsio import JsonLineError, dumps_line, loads_line
 

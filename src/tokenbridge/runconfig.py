@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+from collections.abc import Mapping
 
 from pydantic import AfterValidator, Field, with_config
 

@@ -21,9 +21,10 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, Mapping, Sequence, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
+from collections.abc import Callable, Mapping, Sequence
 
 from typing_extensions import is_typeddict
 from pydantic import AfterValidator, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError
@@ -73,7 +74,7 @@ def _rate(value: float) -> float:
 Rate = Annotated[float, Strict(), AfterValidator(_rate)]
 
 T = TypeVar("T")
-Loc = tuple[Union[str, int], ...]
+Loc = tuple[str | int, ...]
 
 #: Keys whose values never appear in a message (they may hold a credential).
 _SECRET_KEYS = {"api_key", "headers"}
@@ -97,13 +98,13 @@ class Where:
     #: More keys accepted at a place than the schema has there (for "did you mean").
     also_known: Mapping[Loc, Sequence[str]] = dataclasses.field(default_factory=dict)
 
-    def at(self, *loc: str | int) -> "Where":
+    def at(self, *loc: str | int) -> Where:
         return dataclasses.replace(self, prefix=self.prefix + loc)
 
-    def renamed(self, renames: tuple[tuple[Loc, Loc], ...]) -> "Where":
+    def renamed(self, renames: tuple[tuple[Loc, Loc], ...]) -> Where:
         return dataclasses.replace(self, renames=self.renames + renames)
 
-    def knowing(self, also_known: Mapping[Loc, Sequence[str]]) -> "Where":
+    def knowing(self, also_known: Mapping[Loc, Sequence[str]]) -> Where:
         return dataclasses.replace(self, also_known={**self.also_known, **also_known})
 
     def line(self, loc: Sequence[str | int]) -> int | None:
@@ -188,7 +189,7 @@ def did_you_mean(word: Any, options: Sequence[str]) -> str:
     return f" (known: {', '.join(options)})" if options else ""
 
 
-@lru_cache(maxsize=None)
+@cache
 def _adapter(schema: Any) -> TypeAdapter[Any]:
     return TypeAdapter(schema)
 

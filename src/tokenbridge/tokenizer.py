@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 __all__ = ["KIMI_PAT_STR", "PROMPT_CACHE_BYTES", "Tokenizer", "TokenizerError", "load_tokenizer"]
 

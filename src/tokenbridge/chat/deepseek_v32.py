@@ -28,7 +28,8 @@ other marker appears there), and DeepSeek's own encoder beyond SGLang's copy of 
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from .dialect import Dialect, Message, ToolMarkers
 from .template import TemplateError

@@ -9,7 +9,8 @@ prompt renderer.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 Message = Mapping[str, Any]
 #: render(messages, tools, thinking, extra template kwargs) -> prompt text
@@ -145,7 +146,7 @@ class Dialect:
         kwargs.pop("enable_thinking", None)
         return self._renderer()(request["messages"], request.get("tools"), self.thinking(request), kwargs)
 
-    def with_render(self, render: RenderFn, name: str | None = None) -> "Dialect":
+    def with_render(self, render: RenderFn, name: str | None = None) -> Dialect:
         """The family with another prompt renderer (a real template: it takes every
         template kwarg and declares tools itself)."""
         return replace(self, render=render, name=name or self.name, template_kwargs=None,

@@ -24,7 +24,8 @@ omits it. ``tests/test_chat_k25_oracle.py`` pins that difference.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from .dialect import Dialect, Message, ToolMarkers
 from .kimi_tools import declare_tools

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
+from collections.abc import Mapping, Sequence
 
 __all__ = ["ToolDeclaration", "declare_tools", "sort_keys_deep"]
 
@@ -103,9 +104,9 @@ class _Node:
     description: str = ""
     constraints: dict[str, Any] = field(default_factory=dict)
     name: str = ""  # scalar type name / ref target name
-    fields: list["_Field"] = field(default_factory=list)
-    extra: "_Node | bool | None" = None  # additionalProperties
-    items: list["_Node"] = field(default_factory=list)  # array item / anyOf members
+    fields: list[_Field] = field(default_factory=list)
+    extra: _Node | bool | None = None  # additionalProperties
+    items: list[_Node] = field(default_factory=list)  # array item / anyOf members
     literals: list[str] = field(default_factory=list)  # enum / union members, printed
 
 

@@ -15,7 +15,8 @@ inside a user turn; tools are declared in the system turn).
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from .dialect import Dialect, Message, ToolMarkers
 from .template import serving_messages

@@ -10,7 +10,8 @@ OpenRouter load-balances.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from .config import ProviderConfig
 from .hashing import draw

@@ -6,7 +6,7 @@ import asyncio
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from aiohttp import web
 

@@ -22,7 +22,8 @@ import json
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from aiohttp import web
 

@@ -21,7 +21,8 @@ import random
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from ..chat import Dialect
 from ..tokenizer import Tokenizer

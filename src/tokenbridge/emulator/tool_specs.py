@@ -12,7 +12,8 @@ import json
 import random
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 __all__ = ["ToolSpec", "tools_from_param", "tools_from_text", "make_arguments"]
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import Protocol
+from collections.abc import Iterator, Sequence
 
 from ..fsio import publish_dir
 from ..outdir import check_output_dir, marker

@@ -24,7 +24,8 @@ once, and every id inside the target vocabulary when its size is known.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import orjson
 

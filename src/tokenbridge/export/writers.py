@@ -30,7 +30,8 @@ import array
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping, Protocol
+from typing import Any, BinaryIO, Protocol
+from collections.abc import Mapping
 
 import numpy as np
 

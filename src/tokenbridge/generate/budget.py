@@ -39,7 +39,8 @@ attempt row, counted against the cap in later runs too); nothing resolves it aft
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from .body import checked_usage
 from .settings import Prices

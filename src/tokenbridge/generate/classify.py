@@ -34,7 +34,8 @@ import email.utils
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
+from collections.abc import Mapping
 
 import aiohttp
 

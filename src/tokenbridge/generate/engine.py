@@ -42,7 +42,8 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import aiohttp
 import orjson
@@ -100,7 +101,7 @@ class WorkItem:
     send_anyway: bool = False  # skipped for another sample's 404 last time: send it once
 
     @classmethod
-    def from_stored(cls, s: StoredSample) -> "WorkItem":
+    def from_stored(cls, s: StoredSample) -> WorkItem:
         req = json.loads(s.request)
         n = req.get("n") or 1
         reserve = (req.get("max_tokens") or req.get("max_completion_tokens") or DEFAULT_RESERVE_TOKENS) * n

@@ -38,7 +38,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["AdaptiveLimiter"]
 

@@ -18,7 +18,7 @@ import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from .errors import GenerateError, RunFolderBusy
 

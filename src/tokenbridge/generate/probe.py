@@ -29,7 +29,8 @@ import json
 import time
 import unicodedata
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import aiohttp
 

@@ -12,7 +12,8 @@ import sys
 import time
 from collections import deque
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, TextIO
+from typing import TYPE_CHECKING, TextIO
+from collections.abc import Callable
 
 if TYPE_CHECKING:
     from .engine import EngineStats
@@ -65,7 +66,7 @@ class RateMeter:
         return first
 
 
-def _eta(stats: "EngineStats", rps: float) -> str:
+def _eta(stats: EngineStats, rps: float) -> str:
     left = stats.total - stats.done - stats.failed - stats.abandoned
     if left <= 0:
         return "0:00:00"
@@ -74,13 +75,13 @@ def _eta(stats: "EngineStats", rps: float) -> str:
     return str(timedelta(seconds=int(left / rps)))
 
 
-def _errors(stats: "EngineStats") -> str:
+def _errors(stats: EngineStats) -> str:
     if not stats.errors:
         return "none"
     return " ".join(f"{k}={v}" for k, v in stats.errors.most_common(6))
 
 
-def format_line(stats: "EngineStats") -> str:
+def format_line(stats: EngineStats) -> str:
     """One plain progress line (also the final summary line)."""
     rps, tps = stats.rates()
     return (
@@ -101,7 +102,7 @@ class Reporter:
         self.interval_s = interval_s
         self._progress = None
         self._task_id = None
-        self._stats: "EngineStats | None" = None
+        self._stats: EngineStats | None = None
         self._runner: asyncio.Task | None = None
 
     def log(self, message: str) -> None:
@@ -113,7 +114,7 @@ class Reporter:
         else:
             print(message, file=sys.stderr, flush=True)
 
-    def start(self, stats: "EngineStats") -> None:
+    def start(self, stats: EngineStats) -> None:
         self._stats = stats
         if not stats.total:  # nothing to send: "resuming: N already done" said it all, no "0/0" bar
             return

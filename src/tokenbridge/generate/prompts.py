@@ -29,7 +29,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Container, Iterable, Iterator
+from typing import Any
+from collections.abc import Container, Iterable, Iterator
 
 from .errors import GenerateError
 from .settings import DatasetSpec

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from .prompts import Sample
 from .settings import RequestSettings

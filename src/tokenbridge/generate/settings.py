@@ -28,7 +28,8 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Literal
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BeforeValidator, Field, with_config
@@ -288,7 +289,7 @@ class GenerateSettings:
         check_base_url(self.base_url)
         check_headers(self.headers)
 
-    def with_overrides(self, **overrides: Any) -> "GenerateSettings":
+    def with_overrides(self, **overrides: Any) -> GenerateSettings:
         """A copy with the given non-None fields replaced (CLI flags over the config file),
         checked against the schema like a config file."""
         return override_settings(self, overrides)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import codecs
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import orjson
 

@@ -40,7 +40,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
+from collections.abc import Iterable, Iterator
 
 from .body import MAX_PLAUSIBLE_COST, MAX_PLAUSIBLE_TOKENS
 from .errors import GenerateError
@@ -209,7 +210,7 @@ class Store:
         self.run: int | None = None
 
     @classmethod
-    def open(cls, run_dir: str | Path) -> "Store":
+    def open(cls, run_dir: str | Path) -> Store:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / STATE_FILE
@@ -239,7 +240,7 @@ class Store:
     def close(self) -> None:
         self._conn.close()
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -565,5 +566,5 @@ class Store:
         def __exit__(self, exc_type: object, *rest: object) -> None:
             self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
 
-    def _tx(self) -> "Store._Tx":
+    def _tx(self) -> Store._Tx:
         return Store._Tx(self._conn)

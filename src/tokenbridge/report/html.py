@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import datetime as dt
 from html import escape
-from typing import Any, Iterable, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 from ..display import printable
 
@@ -57,7 +58,7 @@ def render_html(data: dict[str, Any], figures: dict[str, str | None]) -> str:
         _cost(data, figures),
         _throughput(data, figures),
     ]
-    when = dt.datetime.fromtimestamp(data["generated_at"], dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    when = dt.datetime.fromtimestamp(data["generated_at"], dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     nav = "".join(f'<a href="#{sid}">{escape(title)}</a>' for sid, title in SECTIONS)
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'

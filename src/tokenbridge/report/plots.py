@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ..display import printable
 
