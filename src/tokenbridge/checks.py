@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Iterable, Mapping, Sequence
 
-from .chat import Dialect, message_reasoning
+from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
 from .evidence import LogprobIds, logprobs_cover
 from .tokenizer import Tokenizer
@@ -59,6 +59,8 @@ CODES: dict[str, tuple[str, str]] = {
     "provider_edits_text": ("warning", "tokenbridge probe found this provider edits text in a way that can keep the token count"),
     "completion_unproven": ("error", "unknown family (chat template only): the completion's end and think markers are guessed"),
     "tool_markers_dropped": ("error", "tool-call markup whose special tokens the provider dropped: the section cannot be rebuilt"),
+    "harmony_message_lost": ("error", "gpt-oss: a harmony message the serving parser dropped or merged (tool call at a trimmed <|call|>, preamble, joined analysis): cannot be rebuilt"),
+    "prompt_date_unproven": ("error", "gpt-oss: the prompt prints the serving day and the exchange's timing admits several (or none) that no evidence tells apart"),
 }
 
 DEFAULT_SEVERITY: dict[str, str] = {code: sev for code, (sev, _) in CODES.items()}
@@ -323,6 +325,7 @@ def _tool_grammar(seq: list[str], d: Dialect, text: str = "", cut: bool = False)
             return f"tool section not closed by {tm.section_end!r}"
         return None if seq or cut else "tool section holds no tool-call marker"
     unit = tm.repeated
+    seq = [m for m in seq if m not in tm.optional]
     if not seq or seq[0] != tm.section_begin:
         return "tool section does not start with the section marker"
     closed = len(seq) >= 2 and seq[-1] == tm.section_end
@@ -562,6 +565,35 @@ def _logprobs(view: SampleView, policy: Policy):
     )
 
 
+#: Tokens a harmony message costs beyond its text: ``<|end|><|start|>assistant<|channel|>NAME<|message|>``.
+_HARMONY_HEADER = 6
+
+
+def _harmony(view: SampleView, policy: Policy):
+    """What SGLang's gpt-oss parser loses, and the evidence that shows it: the stop id
+    ``<|call|>`` with no tool call in the text (the call was dropped with its trimmed
+    stop), or a completion count at least one message header above ours (a preamble
+    merged into content, analysis messages joined, a dropped call)."""
+    d = view.dialect
+    if not isinstance(d, HarmonyDialect):
+        return
+    has_call = any(kind == "tool_calls" for kind, _ in view.parts)
+    call_id = view.tokenizer.markers.get(d.tool_end_token or "")
+    if view.matched_stop is not None and view.matched_stop == call_id and not has_call:
+        yield "harmony_message_lost", (
+            f"matched_stop is {d.tool_end_token} but the text holds no tool call: the serving parser dropped the "
+            "commentary tool call whose end it trimmed; its tokens are unknown"
+        )
+        return
+    pair = view.usage_completion
+    if pair is not None and pair[1] - pair[0] >= _HARMONY_HEADER and view.calibration is None:
+        yield "harmony_message_lost", (
+            f"usage counts {pair[1] - pair[0]} more completion tokens than the messages rebuilt from the text: at "
+            "least one harmony message is missing (a commentary preamble merged into content, analysis messages "
+            "joined, or a tool call dropped at its trimmed <|call|>), and where it stood is unknown"
+        )
+
+
 def _provider_edits(view: SampleView, policy: Policy):
     if not view.provider_edits or view.proven_by_ids:
         return
@@ -592,5 +624,6 @@ _CHECKS = (
     _native,
     _logprobs,
     _reasoning_count,
+    _harmony,
     _provider_edits,
 )

@@ -17,6 +17,13 @@ evidence proves (usage, logprobs, token ids, stop id), or reports them all.
 * ``end=<marker>``: the end token the evidence names (``matched_stop``, the last logged
   or native id) when it is not the dialect's usual one (``[EOS]`` instead of
   ``<|im_end|>``).
+* gpt-oss (harmony, :class:`~.chat.HarmonyDialect`) has readings of its own instead:
+  ``empty_analysis`` (no reasoning served: the model wrote no analysis message, or an
+  empty one, which SGLang's parser shows the same) and, for a length cut after the
+  reasoning with no content, ``cut_header=K[:CHANNEL]`` (the cut fell K tokens into the
+  next message's header, which SGLang holds back). Its end token follows from the
+  message (``<|return|>`` after the final channel, ``<|call|>`` after a tool call), so
+  only ``<|endoftext|>`` is an ``end=`` reading.
 
 The common case, a message none of these fit, has one candidate and costs nothing more.
 """
@@ -27,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Mapping, Sequence
 
-from .chat import Dialect, message_reasoning
+from .chat import Dialect, HarmonyDialect, message_reasoning
 
 __all__ = ["Candidate", "candidates", "unjoin_marker_spaces"]
 
@@ -138,6 +145,8 @@ def candidates(
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
+    if isinstance(dialect, HarmonyDialect):
+        return _harmony(dialect, message, finish_reason, out, end_markers)
     tm = dialect.tool_markers
     reasoning, content = _text(message)
     closed_by_formula = any(kind == "think_end" for kind, _ in base)
@@ -175,6 +184,21 @@ def candidates(
         out = [c for c in out if "marker_spaces" in c.names]
     for marker in end_markers:
         if marker == dialect.end_token:
+            continue
+        for cand in list(out):
+            if cand.parts and cand.parts[-1][0] == "end":
+                out.append(Candidate([*cand.parts[:-1], ("end", marker)], (*cand.names, f"end={marker}")))
+    return out
+
+
+def _harmony(dialect: HarmonyDialect, message: Mapping[str, Any], finish_reason: str | None,
+             out: list[Candidate], end_markers: Sequence[str]) -> list[Candidate]:
+    empty = dialect.empty_analysis_reading(message, finish_reason)
+    if empty is not None:
+        out.append(Candidate(empty, ("empty_analysis",)))
+    out.extend(Candidate(parts, (name,)) for parts, name in dialect.cut_readings(message, finish_reason))
+    for marker in end_markers:
+        if marker in dialect.end_tokens:
             continue
         for cand in list(out):
             if cand.parts and cand.parts[-1][0] == "end":

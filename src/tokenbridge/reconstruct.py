@@ -101,9 +101,6 @@ def _reconstruct(
     policy = policy or Policy()
     request = ex.request
     thinking = dialect.thinking(request)
-    prompt_text = dialect.render_request(request)
-    prompt_ids = tokenizer.encode_prompt(prompt_text)
-    opens = bool(dialect.think_open) and prompt_text.endswith(dialect.think_open)
     response = ex.response
     choices = response.get("choices") or []
     provider = response.get("provider") or ex.meta.get("provider")
@@ -111,13 +108,18 @@ def _reconstruct(
     usage = response.get("usage") if isinstance(response.get("usage"), dict) else None
     trait = traits.get(str(provider)) if traits else None
     meta = _RowMeta(ex, provider, model, thinking, usage)
+    prompt_text, prompt_ids, prompt_name, prompt_doubt = _prompt(dialect, tokenizer, ex, usage, trait)
+    opens = bool(dialect.think_open) and prompt_text.endswith(dialect.think_open)
+    prompt_findings = []
+    if prompt_doubt and policy.severity("prompt_date_unproven") != "off":
+        prompt_findings.append(Finding("prompt_date_unproven", policy.severity("prompt_date_unproven"), prompt_doubt))
 
     if not choices:  # an error body: one rejected row that says why
         err = response.get("error")
         detail = err.get("message", err) if isinstance(err, dict) else err
         finding = Finding("finish_error", policy.severity("finish_error"), f"response has no choices: {detail}")
         findings = [finding] if finding.severity != "off" else []
-        return [_row(meta, 0, prompt_ids, [], [], findings, None, "", "", None)], RecordFacts()
+        return [_row(meta, 0, prompt_ids, [], [], [*findings, *prompt_findings], None, "", "", prompt_name)], RecordFacts()
 
     joins = trait is not None and trait.joins_markers
     plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking, opens, joins) for idx, choice in enumerate(choices)]
@@ -158,7 +160,7 @@ def _reconstruct(
             provider_edits=tuple(zip(trait.edits, trait.edit_sources)) if trait is not None else (),
             calibration=trait.describe() if trait is not None else None,
         )
-        findings = run_checks(view, policy)
+        findings = [*run_checks(view, policy), *prompt_findings]
         if p.ambiguous and policy.severity("reconstruction_ambiguous") != "off":
             findings.append(Finding("reconstruction_ambiguous", policy.severity("reconstruction_ambiguous"),
                                     f"the response fits {len(p.ambiguous)} native sequences ({', '.join(p.ambiguous)}) "
@@ -167,13 +169,52 @@ def _reconstruct(
         message = p.choice["message"]
         index = p.choice["index"] if _count(p.choice.get("index")) else p.index
         rows.append(_row(meta, index, prompt_ids, completion_ids, segments, findings, p.choice.get("finish_reason"),
-                         message_reasoning(message) or "", message.get("content") or "", p.cands[p.chosen].name))
+                         message_reasoning(message) or "", message.get("content") or "",
+                         _joined(prompt_name, p.cands[p.chosen].name)))
     if len(rows) > 1 and usage_completion is not None:
         _mark_siblings(rows, policy)
     markered = [p for p in plans if _has_marker(p.cands[0].parts)]
     facts = RecordFacts(_delta(plans, rows, usage, len(prompt_ids)), len(markered),
                         sum(any("marker_spaces" in c.names for c in p.cands) for p in markered))
     return rows, facts
+
+
+def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, Any] | None,
+            trait: ProviderTrait | None) -> tuple[str, list[int], str | None, str | None]:
+    """(prompt text, its ids, the reading's name, why it is unproven or None).
+
+    One reading for every family whose prompt the request fixes. gpt-oss's prompt also
+    prints the serving day: each day the exchange's timing admits is a reading, kept
+    when the ground-truth prompt ids or ``usage.prompt_tokens`` agree with it."""
+    readings = dialect.prompt_readings(ex.request, ex.response, ex.meta)
+    if len(readings) == 1 and readings[0].name is None:
+        text = readings[0].text
+        return text, tok.encode_prompt(text), None, None
+    encoded = [(r, tok.encode_prompt(r.text)) for r in readings]
+    keep = encoded
+    if ex.native_prompt is not None:
+        keep = [(r, ids) for r, ids in keep if ids == list(ex.native_prompt)]
+    else:
+        pair, _ = _usage_pairs(usage, 0, trait)
+        if pair is not None:
+            keep = [(r, ids) for r, ids in keep if len(ids) == pair[1]]
+    if not keep:  # no reading fits: the first is kept and the mismatch findings say why
+        keep = encoded[:1]
+    reading, ids = keep[0]
+    doubt = None
+    if reading.name == "date=unknown":
+        doubt = ("the template prints the serving day and the exchange has no timing (no response.created, no "
+                 "meta.started_at): today's date was assumed")
+    elif len({tuple(i) for _, i in keep}) > 1:
+        doubt = (f"the template prints the serving day and the exchange's timing admits {len(keep)} "
+                 f"({', '.join(str(r.name) for r, _ in keep)}) with different prompt ids; no ground-truth prompt "
+                 "ids or count tells them apart")
+    return reading.text, ids, reading.name, doubt
+
+
+def _joined(*names: str | None) -> str | None:
+    kept = [n for n in names if n]
+    return "+".join(kept) if kept else None
 
 
 def _has_marker(parts: Sequence[tuple[str, str]]) -> bool:

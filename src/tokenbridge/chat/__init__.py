@@ -10,9 +10,10 @@ from __future__ import annotations
 from ..tokenizer import Tokenizer
 from .deepseek import DEEPSEEK_V31
 from .deepseek_v32 import DEEPSEEK_V32
-from .dialect import PART_KINDS, Dialect, ToolMarkers, message_reasoning, thinking_enabled
+from .dialect import PART_KINDS, Dialect, PromptReading, ToolMarkers, message_reasoning, thinking_enabled
 from .generic import generic_dialect
 from .glm import GLM45
+from .harmony import GPT_OSS, HarmonyDialect
 from .kimi import KIMI_K25
 from .qwen3 import QWEN3
 from .template import TemplateError, special_token_strings, template_renderer
@@ -22,6 +23,8 @@ __all__ = [
     "PART_KINDS",
     "Dialect",
     "DialectError",
+    "HarmonyDialect",
+    "PromptReading",
     "TemplateError",
     "ToolMarkers",
     "message_reasoning",
@@ -29,7 +32,7 @@ __all__ = [
     "thinking_enabled",
 ]
 
-DIALECTS: dict[str, Dialect] = {d.name: d for d in (KIMI_K25, QWEN3, DEEPSEEK_V31, DEEPSEEK_V32, GLM45)}
+DIALECTS: dict[str, Dialect] = {d.name: d for d in (KIMI_K25, QWEN3, DEEPSEEK_V31, DEEPSEEK_V32, GLM45, GPT_OSS)}
 
 
 class DialectError(Exception):
@@ -39,7 +42,7 @@ class DialectError(Exception):
 def _family(tokenizer: Tokenizer) -> Dialect | None:
     """The family whose signature tokens the tokenizer holds (model types in the
     tokenizers' own words: Kimi's ``<|im_middle|>``, DeepSeek's ``<｜Assistant｜>``,
-    GLM's ``[gMASK]``, ChatML's ``<|im_start|>``)."""
+    GLM's ``[gMASK]``, harmony's ``<|channel|>`` + ``<|call|>``, ChatML's ``<|im_start|>``)."""
     markers = tokenizer.markers
     if "<|im_middle|>" in markers and "<|im_assistant|>" in markers:
         return KIMI_K25
@@ -49,6 +52,8 @@ def _family(tokenizer: Tokenizer) -> Dialect | None:
         return DEEPSEEK_V31
     if "[gMASK]" in markers and "<|observation|>" in markers:
         return GLM45
+    if all(m in markers for m in ("<|channel|>", "<|message|>", "<|call|>", "<|return|>")):
+        return GPT_OSS
     if "<|im_start|>" in markers and "<|im_end|>" in markers:
         return QWEN3
     return None
@@ -80,7 +85,7 @@ def resolve_dialect(tokenizer: Tokenizer, name: str | None = None, *, use_templa
                     f"{tokenizer.source}: cannot tell the chat format from its tokens; pass --dialect "
                     f"({', '.join(sorted(DIALECTS))})"
                 )
-    if use_template and tokenizer.chat_template:
+    if use_template and tokenizer.chat_template and not family.own_renderer:
         render = template_renderer(tokenizer.chat_template, special_token_strings(tokenizer.config), serving=True,
                                    parse_tool_arguments=family.parse_tool_arguments)
         return family.with_render(render, name=f"{family.name}+template")

@@ -47,6 +47,8 @@ class ToolMarkers:
     #: ``<｜DSML｜function_calls>``): that token. ``section_begin`` / ``section_end`` are
     #: then texts, and every marker inside a section must be this token.
     token: str | None = None
+    #: Markers a section may hold anywhere, outside the grammar (harmony's ``<|constrain|>``).
+    optional: tuple[str, ...] = ()
 
     @property
     def repeated(self) -> tuple[str, ...]:
@@ -59,7 +61,7 @@ class ToolMarkers:
         """The marker tokens that belong to tool sections."""
         if self.token is not None:
             return (self.token,)
-        return tuple(dict.fromkeys((self.section_begin, self.section_end, *self.repeated)))
+        return tuple(dict.fromkeys((self.section_begin, self.section_end, *self.repeated, *self.optional)))
 
     @property
     def grammar(self) -> str:
@@ -69,6 +71,15 @@ class ToolMarkers:
         unit = " ".join(self.repeated)
         rep = "+" if self.min_units else "*"
         return f"{self.section_begin} ({unit}){rep} {self.section_end}" if unit else f"{self.section_begin} ... {self.section_end}"
+
+
+@dataclass(frozen=True)
+class PromptReading:
+    """One prompt the serving side may have rendered: its text and what was assumed."""
+
+    text: str
+    #: What the text depends on beyond the request (``date=YYYY-MM-DD``), else None.
+    name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,10 @@ class Dialect:
     #: as objects (SGLang parses them; DeepSeek V3.1's template concatenates strings, so
     #: it keeps them as given, which is what renders at all).
     parse_tool_arguments: bool = True
+    #: The serving stack renders prompts with its own code, not the folder's chat
+    #: template (gpt-oss under vLLM: ``openai_harmony``); :func:`..resolve_dialect`
+    #: then keeps the built-in renderer.
+    own_renderer: bool = False
 
     @property
     def end_tokens(self) -> tuple[str, ...]:
@@ -145,6 +160,12 @@ class Dialect:
         kwargs.pop("thinking", None)
         kwargs.pop("enable_thinking", None)
         return self._renderer()(request["messages"], request.get("tools"), self.thinking(request), kwargs)
+
+    def prompt_readings(self, request: Mapping[str, Any], response: Mapping[str, Any] | None = None,
+                        meta: Mapping[str, Any] | None = None) -> list[PromptReading]:
+        """Every prompt the serving side may have built for ``request``: one for every
+        family whose prompt the request alone fixes (gpt-oss's also depends on the day)."""
+        return [PromptReading(self.render_request(request))]
 
     def with_render(self, render: RenderFn, name: str | None = None) -> Dialect:
         """The family with another prompt renderer (a real template: it takes every

@@ -1,0 +1,275 @@
+"""gpt-oss (OpenAI's harmony format): channels instead of think markers.
+
+A completion starts right after the prompt's ``<|start|>assistant`` and is a run of
+messages, each ``<|channel|>NAME<|message|>TEXT`` ended by ``<|end|>``, the next one
+opening with ``<|start|>assistant`` again. The turn ends with the final answer's
+``<|return|>`` or a tool call's ``<|call|>`` (both stop tokens, as is ``<|endoftext|>``):
+
+* ``<|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>final<|message|>C<|return|>``;
+  the analysis channel is the API's ``reasoning``, the final channel its ``content``;
+* a tool call: ``<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>``.
+
+What SGLang 0.5.23 serves (``ReasoningParser("gpt-oss")`` over text that keeps the
+special tokens, ``skip_special_tokens`` forced off for gpt-oss; the matched stop id
+trimmed): the analysis text as reasoning, the final text as content; several analysis
+messages joined; a commentary preamble (``commentary`` without a recipient) merged into
+content; and a tool call, whose ``<|call|>`` was trimmed, dropped whole (its harmony parser
+waits for an end token that never comes). A served raw tool call (the stop kept) stays
+in content from its ``<|start|>`` and is rebuilt as it is.
+
+The prompt: the folder's HF template, which SGLang renders (default), prints the serving
+day (``strftime_now``) into the system turn; :meth:`HarmonyDialect.prompt_readings`
+renders one prompt per UTC day the exchange's timing admits. vLLM and ``renderers``
+render with ``openai_harmony`` instead (different developer-turn spacing);
+:data:`GPT_OSS_HARMONY` is that stack's built-in renderer (:mod:`.harmony_render`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from .dialect import Dialect, Message, PromptReading, ToolMarkers, message_reasoning
+
+__all__ = ["GPT_OSS", "HarmonyDialect", "PromptReading", "serving_days"]
+
+START = "<|start|>assistant"
+ANALYSIS = "<|channel|>analysis<|message|>"
+FINAL = "<|channel|>final<|message|>"
+END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
+
+#: A message header, token by token as the model writes it after an analysis message:
+#: what a length cut inside it leaves behind (the served text then shows nothing of it).
+HEADER_TOKENS = (END, "<|start|>", "assistant", "<|channel|>")
+#: The channel names a cut after ``<|channel|>`` may have reached.
+CHANNELS = ("final", "commentary", "analysis")
+
+#: The structural tokens of a raw tool call's header: ``<|channel|>`` opens it,
+#: ``<|message|>`` ends it, ``<|constrain|>`` may come between.
+TOOL_MARKERS = ToolMarkers(section_begin="<|channel|>", section_end="<|message|>", unit=(), min_units=0,
+                           optional=("<|constrain|>",))
+
+#: The longest a serving engine takes from rendering the prompt to stamping ``created``
+#: when the exchange carries no client-side timing (an assumption, documented).
+MAX_RENDER_TO_CREATED_S = 3600
+#: Clock difference allowed between the server and the client that timed the request.
+CLOCK_SKEW_S = 300
+
+
+def serving_days(response: Mapping[str, Any], meta: Mapping[str, Any]) -> list[str] | None:
+    """The UTC days (``YYYY-MM-DD``) on which the prompt may have been rendered, oldest
+    first; None when the exchange says nothing about when it ran.
+
+    The client's own timing (``meta.started_at`` + ``meta.latency_s``, with clock skew)
+    brackets the render; without it, the response's ``created`` (the server's clock,
+    stamped after rendering) does, up to :data:`MAX_RENDER_TO_CREATED_S` earlier. The
+    server clock is taken as UTC: a server in another time zone prints another day
+    near midnight, which nothing in the response shows.
+    """
+    start = _number(meta.get("started_at"))
+    latency = _number(meta.get("latency_s"))
+    created = _number(response.get("created"))
+    if start is not None:
+        lo, hi = start - CLOCK_SKEW_S, start + (latency or 0.0) + CLOCK_SKEW_S
+    elif created is not None:
+        lo, hi = created - MAX_RENDER_TO_CREATED_S, created + CLOCK_SKEW_S
+    else:
+        return None
+    try:
+        first = datetime.fromtimestamp(lo, tz=timezone.utc).date()
+        last = datetime.fromtimestamp(hi, tz=timezone.utc).date()
+    except (OverflowError, OSError, ValueError):
+        return None
+    days: list[str] = []
+    day = first
+    while day <= last and len(days) < 3:
+        days.append(day.isoformat())
+        day += timedelta(days=1)
+    return days
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if value == value and abs(value) < 1e11 else None  # NaN and absurd times are no timing
+
+
+def _day_clock(day: str) -> Callable[[str], str]:
+    """``strftime_now`` for a template, fixed at noon UTC of ``day``."""
+    when = datetime.fromisoformat(day).replace(hour=12, tzinfo=timezone.utc)
+
+    def strftime_now(fmt: str) -> str:
+        return when.strftime(fmt)
+
+    return strftime_now
+
+
+def _text(message: Message) -> tuple[str, str | None]:
+    content = message.get("content") or ""
+    if not isinstance(content, str):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    reasoning = message_reasoning(message)
+    return content, reasoning
+
+
+@dataclass(frozen=True)
+class HarmonyDialect(Dialect):
+    """A dialect whose completion is a run of harmony messages (see the module doc)."""
+
+    #: The template prints the serving day: prompts are rendered once per possible day.
+    dated_prompt: bool = True
+
+    def thinking(self, request: Mapping[str, Any]) -> bool:
+        """Always: gpt-oss writes its analysis channel whatever the request says (SGLang
+        forces reasoning for ``gpt-oss`` and refuses ``reasoning_effort: none``)."""
+        return True
+
+    def render_request(self, request: Mapping[str, Any]) -> str:
+        return self.prompt_readings(request)[0].text
+
+    def template_kwargs_of(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """The kwargs SGLang passes the template: ``reasoning_effort`` (top level or
+        ``reasoning.effort``), then the request's ``chat_template_kwargs``."""
+        kwargs: dict[str, Any] = {}
+        effort = request.get("reasoning_effort")
+        reasoning = request.get("reasoning")
+        if effort is None and isinstance(reasoning, Mapping):
+            effort = reasoning.get("effort")
+        if isinstance(effort, str):
+            kwargs["reasoning_effort"] = effort
+        extra = request.get("chat_template_kwargs")
+        if isinstance(extra, Mapping):
+            kwargs.update(extra)
+        return kwargs
+
+    def prompt_readings(self, request: Mapping[str, Any], response: Mapping[str, Any] | None = None,
+                        meta: Mapping[str, Any] | None = None) -> list[PromptReading]:
+        """Every prompt the serving side may have built: one per serving day when the
+        renderer prints the date; the first is today's when the exchange has no timing."""
+        render = self._renderer()
+        kwargs = self.template_kwargs_of(request)
+        messages, tools = request["messages"], request.get("tools")
+        if not self.dated_prompt:
+            return [PromptReading(render(messages, tools, True, kwargs))]
+        days = serving_days(response or {}, meta or {}) if response is not None else None
+        if days is None:
+            days = [datetime.now(timezone.utc).date().isoformat()]
+            names: list[str | None] = ["date=unknown"]
+        else:
+            names = [f"date={d}" for d in days]
+        out = []
+        for day, name in zip(days, names):
+            text = render(messages, tools, True, {**kwargs, "strftime_now": _day_clock(day)})
+            out.append(PromptReading(text, name))
+        return out
+
+    def completion_parts(
+        self,
+        message: Message,
+        finish_reason: str | None,
+        thinking: bool,
+        prompt_opens_think: bool = True,
+    ) -> list[tuple[str, str]]:
+        """The harmony messages of a served answer, as ``(kind, text)`` parts.
+
+        ``reasoning`` (when present) is one analysis message; ``content`` is the final
+        message, or, when it holds a raw tool call (from ``<|start|>assistant``, or from
+        ``<|channel|>`` with no analysis before it), that call ended by ``<|call|>``. A
+        length cut appends no end token, and a cut inside the analysis (no content) no
+        ``<|end|>``: the other places a cut may fall are readings (:mod:`..hypotheses`).
+        A leaked ``<|return|>`` / ``<|call|>`` at the end of content is the end token.
+        """
+        content, reasoning = _text(message)
+        cut = finish_reason == "length"
+        parts: list[tuple[str, str]] = []
+        first = True
+        if reasoning:
+            parts += [("format", ANALYSIS), ("reasoning", reasoning)]
+            if cut and not content:
+                return parts
+            parts.append(("think_end", END))
+            first = False
+        ended = next((e for e in self.end_tokens if content.endswith(e)), None)
+        if ended:
+            content = content[: -len(ended)]
+        call = _raw_call(content, first)
+        if call is not None:
+            lead, body = call
+            if lead:
+                parts.append(("format", lead))
+            parts.append(("tool_calls", body))
+            if ended or not cut:
+                parts.append(("end", ended or CALL))
+            return parts
+        parts.append(("format", FINAL if first else START + FINAL))
+        if content:
+            parts.append(("content", content))
+        if ended or not cut:
+            parts.append(("end", ended or RETURN))
+        return parts
+
+    def cut_readings(self, message: Message, finish_reason: str | None) -> list[tuple[list[tuple[str, str]], str]]:
+        """A length cut with reasoning and no content: the served text is the same
+        wherever in the next message's header the cut fell (SGLang holds back an
+        unfinished header). One reading per place, named ``cut_header=K`` (K header
+        tokens written) or ``cut_header=K:CHANNEL``."""
+        content, reasoning = _text(message)
+        if finish_reason != "length" or content or not reasoning:
+            return []
+        base: list[tuple[str, str]] = [("format", ANALYSIS), ("reasoning", reasoning)]
+        out = []
+        for k in range(1, len(HEADER_TOKENS) + 1):
+            out.append(([*base, ("format", "".join(HEADER_TOKENS[:k]))], f"cut_header={k}"))
+        head = "".join(HEADER_TOKENS)
+        for channel in CHANNELS:
+            out.append(([*base, ("format", head + channel)], f"cut_header=5:{channel}"))
+            out.append(([*base, ("format", head + channel + "<|message|>")], f"cut_header=6:{channel}"))
+        return out
+
+    def empty_analysis_reading(self, message: Message, finish_reason: str | None) -> list[tuple[str, str]] | None:
+        """No reasoning served: the model may have written no analysis message, or an
+        empty one (``<|channel|>analysis<|message|><|end|>``), which the parser shows the
+        same. The second reading's parts; None when reasoning is present."""
+        content, reasoning = _text(message)
+        if reasoning:
+            return None
+        parts = self.completion_parts(message, finish_reason, True)
+        rest = parts[1:] if parts and parts[0] == ("format", FINAL) else None
+        if rest is None:  # a raw tool call as the first message
+            rest = parts
+            if rest and rest[0][0] == "tool_calls":
+                rest = [("format", START), *rest]
+            else:
+                return None
+        else:
+            rest = [("format", START + FINAL), *rest]
+        return [("format", ANALYSIS), ("think_end", END), *rest]
+
+
+def _raw_call(content: str, first: bool) -> tuple[str, str] | None:
+    """(lead, call body) when ``content`` is a raw commentary tool call: after another
+    message it opens with ``<|start|>assistant`` (lead), as the first message with its
+    header (``<|channel|>`` or `` to=``)."""
+    if not first:
+        if content.startswith(START) and "<|message|>" in content:
+            return START, content[len(START):]
+        return None
+    if (content.startswith("<|channel|>commentary") or content.startswith(" to=")) and "<|message|>" in content:
+        return "", content
+    return None
+
+
+GPT_OSS = HarmonyDialect(
+    name="gpt-oss",
+    render=None,
+    end_token=RETURN,
+    tool_end_token=CALL,
+    think_open=None,
+    think_close=END,
+    eos_markers=frozenset({RETURN, CALL, "<|endoftext|>"}),
+    tool_markers=TOOL_MARKERS,
+    parse_tool_arguments=True,
+)
+
