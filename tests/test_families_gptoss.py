@@ -223,6 +223,99 @@ def test_generated_conversations_match_openai_harmony_up_to_the_pinned_stack_dif
     assert seen["differs"] >= 100, seen
 
 
+_TYPED_TOOL = {"type": "function", "function": {"name": "lookup", "description": "", "parameters": {
+    "type": "object", "required": ["k"], "properties": {
+        "k": {"type": "integer", "description": "which"}, "tags": {"type": "array", "items": {"type": "string"}},
+        "mode": {"type": "string", "enum": ["a", "b"]}, "on": {"type": "boolean", "default": True},
+        "x": {"type": "number", "default": 1.5}}}}}
+_NO_PARAMS = {"type": "function", "function": {"name": "ping", "description": "Ping.", "parameters": {}}}
+
+
+@st.composite
+def harmony_conversations(draw) -> tuple[list[dict[str, Any]], Any]:
+    """Conversations for the openai_harmony stack: a system message first, later or
+    twice; tool-call turns with and without reasoning and text, results by name."""
+    msgs: list[dict[str, Any]] = []
+    system = st.sampled_from(["You are terse.", "你是助手。", "Be\nkind."])
+    if draw(st.booleans()):
+        msgs.append({"role": "system", "content": draw(system)})
+    for turn in range(draw(st.integers(1, 3))):
+        msgs.append({"role": "user", "content": draw(texts)})
+        if draw(st.integers(0, 5)) == 0:
+            msgs.append({"role": "system", "content": draw(system)})
+        if draw(st.integers(0, 2)) == 0:
+            calls = []
+            for k in range(draw(st.integers(1, 2))):
+                name = draw(st.sampled_from(["get_weather", "search"]))
+                args = draw(st.dictionaries(st.sampled_from(["city", "q"]), words, max_size=2))
+                calls.append({"id": f"c{turn}{k}", "type": "function", "function": {
+                    "name": name, "arguments": json.dumps(args, ensure_ascii=False) if draw(st.booleans()) else args}})
+            turn_msg: dict[str, Any] = {"role": "assistant", "content": draw(st.one_of(st.just(""), words)),
+                                        "tool_calls": calls}
+            if draw(st.booleans()):
+                turn_msg["reasoning_content"] = draw(words)
+            msgs.append(turn_msg)
+            msgs.extend({"role": "tool", "tool_call_id": c["id"], "name": c["function"]["name"], "content": draw(words)}
+                        for c in calls)
+        if draw(st.integers(0, 3)):
+            msgs.append({"role": "assistant", "content": draw(texts)})
+    if msgs[-1]["role"] == "assistant" and draw(st.booleans()):
+        msgs.append({"role": "user", "content": draw(texts)})
+    tools = draw(st.one_of(st.none(), st.just(TOOLS), st.just([*TOOLS[:1], _TYPED_TOOL, _NO_PARAMS])))
+    return msgs, tools
+
+
+@needs_renderers
+def test_harmony_stack_dialect_matches_openai_harmony(tok, monkeypatch):
+    """``--dialect gpt-oss-harmony``: the openai_harmony stack's bytes, with the folder's
+    template ignored, over generated conversations; the same token ids as renderers
+    (which renders message by message) but for its analysis prefill."""
+    monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(SHARED / "gpt-oss"))
+    harmony = resolve_dialect(tok, "gpt-oss-harmony")
+    assert harmony.name == "gpt-oss-harmony"
+    prefill = [CHANNEL, ANALYSIS, MESSAGE]
+    seen = Counter()
+    for effort in ("low", "high"):
+        oracle = GptOssRenderer(OracleTokenizer(tok), GptOssRendererConfig(conversation_start_date=DAY,
+                                                                           reasoning_effort=effort))
+
+        @settings(max_examples=150, deadline=None, derandomize=True,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @given(harmony_conversations())
+        def check(case):
+            msgs, tools = case
+            reading, = harmony.prompt_readings({"messages": msgs, "tools": tools, "reasoning_effort": effort},
+                                               {"created": NOON}, {})
+            theirs = oracle.render(msgs, tools=tools, add_generation_prompt=True).token_ids
+            assert theirs[-3:] == prefill
+            assert tok.decode_bytes(theirs[:-3]).decode() == reading.text
+            seen["same_ids"] += tok.encode(reading.text) == theirs[:-3]
+            seen["n"] += 1
+            seen["typed_tools"] += bool(tools) and len(tools) == 3
+            seen["late_system"] += any(m["role"] == "system" for m in msgs[1:])
+            seen["analysis_kept"] += "<|channel|>analysis" in reading.text
+            seen["string_args"] += any(isinstance(c["function"]["arguments"], str)
+                                       for m in msgs for c in m.get("tool_calls") or ())
+
+        check()
+    print(dict(seen))
+    assert seen["n"] == 300 and seen["same_ids"] == 300, seen
+    assert min(seen[k] for k in ("typed_tools", "late_system", "analysis_kept", "string_args")) >= 20, seen
+
+
+def test_harmony_stack_dialect_flags_what_it_does_not_reproduce(tok):
+    harmony = resolve_dialect(tok, "gpt-oss-harmony")
+    nested = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"o": {"type": "object", "properties": {"h": {"type": "string"}}}}}}}
+    rec = {"id": "h", "request": {"messages": PROMPT, "tools": [nested], "chat_template_kwargs": {"x": 1}},
+           "response": {"created": NOON, "choices": [{"message": {"reasoning_content": "r", "content": "c"},
+                                                      "finish_reason": "stop"}]}}
+    row, = reconstruct_record(rec, tok, harmony)
+    codes = {f["code"] for f in row["findings"]}
+    assert {"tools_declared", "template_kwarg_unknown"} <= codes, row["findings"]
+    assert any("f.o: a parameter type outside" in f["message"] for f in row["findings"])
+
+
 # --- completions -------------------------------------------------------------------------------
 
 PROMPT = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Check the weather tool."}]

@@ -13,7 +13,7 @@ from .deepseek_v32 import DEEPSEEK_V32
 from .dialect import PART_KINDS, Dialect, PromptReading, ToolMarkers, message_reasoning, thinking_enabled
 from .generic import generic_dialect
 from .glm import GLM45
-from .harmony import GPT_OSS, HarmonyDialect
+from .harmony import GPT_OSS, GPT_OSS_HARMONY, HarmonyDialect
 from .kimi import KIMI_K25
 from .qwen3 import QWEN3
 from .template import TemplateError, special_token_strings, template_renderer
@@ -32,7 +32,7 @@ __all__ = [
     "thinking_enabled",
 ]
 
-DIALECTS: dict[str, Dialect] = {d.name: d for d in (KIMI_K25, QWEN3, DEEPSEEK_V31, DEEPSEEK_V32, GLM45, GPT_OSS)}
+DIALECTS: dict[str, Dialect] = {d.name: d for d in (KIMI_K25, QWEN3, DEEPSEEK_V31, DEEPSEEK_V32, GLM45, GPT_OSS, GPT_OSS_HARMONY)}
 
 
 class DialectError(Exception):

@@ -21,19 +21,21 @@ The prompt: the folder's HF template, which SGLang renders (default), prints the
 day (``strftime_now``) into the system turn; :meth:`HarmonyDialect.prompt_readings`
 renders one prompt per UTC day the exchange's timing admits. vLLM and ``renderers``
 render with ``openai_harmony`` instead (different developer-turn spacing);
-:data:`GPT_OSS_HARMONY` is that stack's built-in renderer (:mod:`.harmony_render`).
+:data:`GPT_OSS_HARMONY` (``--dialect gpt-oss-harmony``) renders as that stack does
+(:mod:`.harmony_render`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from . import harmony_render
 from .dialect import Dialect, Message, PromptReading, ToolMarkers, message_reasoning
 
-__all__ = ["GPT_OSS", "HarmonyDialect", "PromptReading", "serving_days"]
+__all__ = ["GPT_OSS", "GPT_OSS_HARMONY", "HarmonyDialect", "serving_days"]
 
 START = "<|start|>assistant"
 ANALYSIS = "<|channel|>analysis<|message|>"
@@ -273,3 +275,14 @@ GPT_OSS = HarmonyDialect(
     parse_tool_arguments=True,
 )
 
+
+#: The same completions, with prompts as the ``openai_harmony`` stack (vLLM) renders them;
+#: ``--dialect gpt-oss-harmony`` picks it over the folder's template (SGLang).
+GPT_OSS_HARMONY = replace(
+    GPT_OSS,
+    name="gpt-oss-harmony",
+    render=harmony_render.render,
+    own_renderer=True,
+    template_kwargs=frozenset({"reasoning_effort"}),
+    tools_unproven=harmony_render.unproven_tools,
+)

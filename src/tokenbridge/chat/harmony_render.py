@@ -1,0 +1,194 @@
+"""gpt-oss prompts as the ``openai_harmony`` stack renders them (vLLM, ``renderers``).
+
+Written from the harmony format, not from the folder's template; the tests hold it
+against ``renderers==0.1.12`` (``openai_harmony==0.0.4`` underneath). Against the HF
+template (SGLang) it differs in three places: developer instructions with no tool
+declaration after them end without ``\\n\\n``; a tool call's header has no `` json``
+content type; a tool result is its text, not its ``tojson``. The conversion of chat
+messages is ``renderers``' (which states vLLM parity; vLLM's own was not run here):
+
+* the system preamble as the template's (identity, knowledge cutoff, the serving day,
+  ``Reasoning: low|medium|high``, the channel line, the ``functions`` routing line when
+  tools are declared);
+* the first system message (wherever it is) becomes the developer message's
+  ``# Instructions``, followed by ``# Tools`` when tools are declared; a later system or
+  developer message is a developer message of its own;
+* an assistant turn is its analysis (only for a tool-call turn that no later final
+  answer follows), its final text, then one ``<|start|>assistant to=functions.NAME
+  <|channel|>commentary<|message|>ARGS<|call|>`` per call; an empty turn is an empty
+  final message; a tool result is ``<|start|>functions.NAME to=assistant<|channel|>
+  commentary<|message|>TEXT<|end|>``;
+* the generation prompt is ``<|start|>assistant`` (``renderers`` prefills the analysis
+  header after it, which vLLM does not).
+
+Tool parameter types are rendered for strings (and their enums), numbers, integers,
+booleans and arrays of those; any other schema is flagged ``tools_declared``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from .dialect import Message
+from .template import TemplateError
+
+IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
+CUTOFF = "2024-06"
+EFFORTS = ("low", "medium", "high")
+_PRIMITIVE = {"string": "string", "number": "number", "integer": "number", "boolean": "boolean"}
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+    return str(content)
+
+
+def _system(day: str, effort: str, tools: bool) -> str:
+    route = "\nCalls to these tools must go to the commentary channel: 'functions'." if tools else ""
+    return (f"<|start|>system<|message|>{IDENTITY}\nKnowledge cutoff: {CUTOFF}\nCurrent date: {day}\n\n"
+            f"Reasoning: {effort}\n\n# Valid channels: analysis, commentary, final. Channel must be included for "
+            f"every message.{route}<|end|>")
+
+
+def _type(spec: Mapping[str, Any]) -> str | None:
+    """A parameter's TypeScript type, or None outside the reproduced subset."""
+    kind = spec.get("type")
+    if kind == "string" and isinstance(spec.get("enum"), list) and spec["enum"]:
+        if not all(isinstance(v, str) for v in spec["enum"]):
+            return None
+        return " | ".join(f'"{v}"' for v in spec["enum"])
+    if isinstance(kind, str) and kind in _PRIMITIVE and "enum" not in spec:
+        return _PRIMITIVE[kind]
+    items = spec.get("items")
+    if kind == "array" and isinstance(items, Mapping):
+        inner = _type(items)
+        return f"{inner}[]" if inner in _PRIMITIVE.values() else None
+    return None
+
+
+def unproven_tools(tools: Sequence[Any]) -> str | None:
+    """Why these tool declarations are outside what :func:`render` reproduces, or None."""
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            return "a tool without function.name"
+        if not isinstance(fn.get("description", ""), str):
+            return f"{fn['name']}: a non-string description"
+        params = fn.get("parameters")
+        if params is None or params == {}:
+            continue
+        props = params.get("properties") if isinstance(params, Mapping) else None
+        if not isinstance(props, Mapping):
+            return f"{fn['name']}: parameters without properties"
+        for name, spec in props.items():
+            if not isinstance(spec, Mapping) or _type(spec) is None:
+                return f"{fn['name']}.{name}: a parameter type outside strings, numbers, booleans and their arrays"
+            if not isinstance(spec.get("description", ""), str):
+                return f"{fn['name']}.{name}: a non-string description"
+    return None
+
+
+def _tool(tool: Mapping[str, Any]) -> str:
+    fn = tool.get("function") or tool
+    head = f"// {fn['description']}\n" if fn.get("description") else ""
+    params = fn.get("parameters") or {}
+    if not params:
+        return f"{head}type {fn['name']} = (_: any) => any;\n\n"
+    required = params.get("required") or []
+    lines = []
+    for name, spec in (params.get("properties") or {}).items():
+        note = f"// {spec['description']}\n" if spec.get("description") else ""
+        default = f", // default: {json.dumps(spec['default'])}" if "default" in spec else ","
+        lines.append(f"{note}{name}{'' if name in required else '?'}: {_type(spec) or 'any'}{default}\n")
+    return f"{head}type {fn['name']} = (_: {{\n{''.join(lines)}}}) => any;\n\n"
+
+
+def _developer(instructions: str | None, tools: Sequence[Mapping[str, Any]] | None) -> str:
+    body = []
+    if instructions:
+        body.append(f"# Instructions\n\n{instructions}")
+    if tools:
+        body.append("# Tools\n\n## functions\n\nnamespace functions {\n\n" + "".join(_tool(t) for t in tools)
+                    + "} // namespace functions")
+    return "<|start|>developer<|message|>" + "\n\n".join(body) + "<|end|>"
+
+
+def _keeps_analysis(messages: Sequence[Message], i: int) -> bool:
+    if not messages[i].get("tool_calls"):
+        return False
+    return not any(m.get("role") == "assistant" and not m.get("tool_calls") and _text(m.get("content"))
+                   for m in messages[i + 1:])
+
+
+def _assistant(messages: Sequence[Message], i: int) -> str:
+    m = messages[i]
+    out = []
+    reasoning = m.get("reasoning_content")
+    if _keeps_analysis(messages, i) and isinstance(reasoning, str) and reasoning:
+        out.append(f"<|start|>assistant<|channel|>analysis<|message|>{reasoning}<|end|>")
+    text = _text(m.get("content"))
+    if text:
+        out.append(f"<|start|>assistant<|channel|>final<|message|>{text}<|end|>")
+    for call in m.get("tool_calls") or ():
+        fn = call.get("function") or call
+        name = str(fn.get("name", ""))
+        args = fn.get("arguments", {})
+        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        recipient = name if name.startswith("functions.") else f"functions.{name}"
+        out.append(f"<|start|>assistant to={recipient}<|channel|>commentary<|message|>{args}<|call|>")
+    return "".join(out) or "<|start|>assistant<|channel|>final<|message|><|end|>"
+
+
+def _tool_name(messages: Sequence[Message], i: int) -> str:
+    m = messages[i]
+    if isinstance(m.get("name"), str) and m["name"]:
+        return str(m["name"])
+    for prev in reversed(messages[:i]):
+        for call in prev.get("tool_calls") or ():
+            if isinstance(call, Mapping) and call.get("id") == m.get("tool_call_id"):
+                return str((call.get("function") or call).get("name", ""))
+    raise TemplateError(f"messages[{i}]: a tool result with no name and no matching tool call")
+
+
+def render(
+    messages: Sequence[Message],
+    tools: Sequence[Mapping[str, Any]] | None,
+    thinking: bool,
+    kwargs: Mapping[str, Any],
+) -> str:
+    effort = kwargs.get("reasoning_effort", "medium")
+    if effort not in EFFORTS:
+        raise TemplateError(f"reasoning_effort {effort!r}: openai_harmony knows {', '.join(EFFORTS)}")
+    clock: Callable[[str], str] | None = kwargs.get("strftime_now")
+    day = clock("%Y-%m-%d") if clock is not None else datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    first_system = next((i for i, m in enumerate(messages) if m.get("role") == "system"), None)
+    out = [_system(day, str(effort), bool(tools))]
+    if first_system is not None or tools:
+        instructions = _text(messages[first_system].get("content")) if first_system is not None else None
+        out.append(_developer(instructions, tools))
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if i == first_system:
+            continue
+        if role == "user":
+            out.append(f"<|start|>user<|message|>{_text(m.get('content'))}<|end|>")
+        elif role in ("system", "developer"):
+            out.append(_developer(_text(m.get("content")), None))
+        elif role == "assistant":
+            out.append(_assistant(messages, i))
+        elif role == "tool":
+            name = _tool_name(messages, i)
+            recipient = name if name.startswith("functions.") else f"functions.{name}"
+            out.append(f"<|start|>{recipient} to=assistant<|channel|>commentary<|message|>{_text(m.get('content'))}<|end|>")
+        else:
+            raise TemplateError(f"messages[{i}]: role {role!r} is not rendered by the gpt-oss-harmony dialect")
+    out.append("<|start|>assistant")
+    return "".join(out)
