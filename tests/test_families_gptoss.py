@@ -266,41 +266,41 @@ def harmony_conversations(draw) -> tuple[list[dict[str, Any]], Any]:
 
 
 @needs_renderers
-def test_harmony_stack_dialect_matches_openai_harmony(tok, monkeypatch):
+@pytest.mark.parametrize("effort", ["low", "high"])
+def test_harmony_stack_dialect_matches_openai_harmony(tok, monkeypatch, effort):
     """``--dialect gpt-oss-harmony``: the openai_harmony stack's bytes, with the folder's
-    template ignored, over generated conversations; the same token ids as renderers
-    (which renders message by message) but for its analysis prefill."""
+    template ignored, over generated conversations (150 per effort); the same token ids
+    as renderers (which renders message by message) but for its analysis prefill."""
     monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(SHARED / "gpt-oss"))
     harmony = resolve_dialect(tok, "gpt-oss-harmony")
     assert harmony.name == "gpt-oss-harmony"
+    oracle = GptOssRenderer(OracleTokenizer(tok), GptOssRendererConfig(conversation_start_date=DAY, reasoning_effort=effort))
     prefill = [CHANNEL, ANALYSIS, MESSAGE]
     seen = Counter()
-    for effort in ("low", "high"):
-        oracle = GptOssRenderer(OracleTokenizer(tok), GptOssRendererConfig(conversation_start_date=DAY,
-                                                                           reasoning_effort=effort))
 
-        @settings(max_examples=150, deadline=None, derandomize=True,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-        @given(harmony_conversations())
-        def check(case):
-            msgs, tools = case
-            reading, = harmony.prompt_readings({"messages": msgs, "tools": tools, "reasoning_effort": effort},
-                                               {"created": NOON}, {})
-            theirs = oracle.render(msgs, tools=tools, add_generation_prompt=True).token_ids
-            assert theirs[-3:] == prefill
-            assert tok.decode_bytes(theirs[:-3]).decode() == reading.text
-            seen["same_ids"] += tok.encode(reading.text) == theirs[:-3]
-            seen["n"] += 1
-            seen["typed_tools"] += bool(tools) and len(tools) == 3
-            seen["late_system"] += any(m["role"] == "system" for m in msgs[1:])
-            seen["analysis_kept"] += "<|channel|>analysis" in reading.text
-            seen["string_args"] += any(isinstance(c["function"]["arguments"], str)
-                                       for m in msgs for c in m.get("tool_calls") or ())
+    @settings(max_examples=150, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(harmony_conversations())
+    def check(case):
+        msgs, tools = case
+        reading, = harmony.prompt_readings({"messages": msgs, "tools": tools, "reasoning_effort": effort},
+                                           {"created": NOON}, {})
+        theirs = oracle.render(msgs, tools=tools, add_generation_prompt=True).token_ids
+        assert theirs[-3:] == prefill
+        assert tok.decode_bytes(theirs[:-3]).decode() == reading.text
+        assert f"\nReasoning: {effort}\n" in reading.text
+        seen["same_ids"] += tok.encode(reading.text) == theirs[:-3]
+        seen["n"] += 1
+        seen["typed_tools"] += bool(tools) and len(tools) == 3
+        seen["late_system"] += any(m["role"] == "system" for m in msgs[1:])
+        seen["analysis_kept"] += "<|channel|>analysis" in reading.text
+        seen["string_args"] += any(isinstance(c["function"]["arguments"], str)
+                                   for m in msgs for c in m.get("tool_calls") or ())
 
-        check()
+    check()
     print(dict(seen))
-    assert seen["n"] == 300 and seen["same_ids"] == 300, seen
-    assert min(seen[k] for k in ("typed_tools", "late_system", "analysis_kept", "string_args")) >= 20, seen
+    assert seen["n"] == 150 and seen["same_ids"] == 150, seen
+    assert min(seen[k] for k in ("typed_tools", "late_system", "analysis_kept", "string_args")) >= 10, seen
 
 
 def test_harmony_stack_dialect_flags_what_it_does_not_reproduce(tok):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
@@ -569,7 +569,7 @@ def _logprobs(view: SampleView, policy: Policy):
 _HARMONY_HEADER = 6
 
 
-def _harmony(view: SampleView, policy: Policy):
+def _harmony(view: SampleView, policy: Policy) -> Iterator[tuple[str, str]]:
     """What SGLang's gpt-oss parser loses, and the evidence that shows it: the stop id
     ``<|call|>`` with no tool call in the text (the call was dropped with its trimmed
     stop), or a completion count at least one message header above ours (a preamble

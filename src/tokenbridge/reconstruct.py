@@ -110,7 +110,7 @@ def _reconstruct(
     meta = _RowMeta(ex, provider, model, thinking, usage)
     prompt_text, prompt_ids, prompt_name, prompt_doubt = _prompt(dialect, tokenizer, ex, usage, trait)
     opens = bool(dialect.think_open) and prompt_text.endswith(dialect.think_open)
-    prompt_findings = []
+    prompt_findings: list[Finding] = []
     if prompt_doubt and policy.severity("prompt_date_unproven") != "off":
         prompt_findings.append(Finding("prompt_date_unproven", policy.severity("prompt_date_unproven"), prompt_doubt))
 
