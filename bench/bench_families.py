@@ -1,11 +1,13 @@
 """Reconstruction throughput per model family against that family's raw tokenizer, in one run.
 
 For each tokenizer folder in ../shared/tokenizers (Kimi K2.5, Qwen3, DeepSeek V3.1 / V3.2,
-GLM-4.5), on the same kind of exchange records (bench_reconstruct.py's corpus: prose
+GLM-4.5, gpt-oss), on the same kind of exchange records (bench_reconstruct.py's corpus: prose
 questions, prose + CJK reasoning, code answers, thinking mode):
 
   1. raw encode of each sample's full text (prompt + completion), single thread, with the
-     family's own encoder (tiktoken for Kimi, ``tokenizers`` for the tokenizer.json folders);
+     family's own encoder (tiktoken for Kimi; for gpt-oss tiktoken's own ``o200k_harmony``
+     built from the folder's ``o200k_base.tiktoken``, OpenAI's hash checked; ``tokenizers``
+     for the other tokenizer.json folders);
   2. ``reconstruct_file`` end to end (parse, render with the family's dialect, encode every
      part, the whole gate, write), all cores;
 
@@ -32,7 +34,7 @@ from bench_reconstruct import _corpus_sources, bench_reconstruct  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "tokenizers"
-FAMILIES = ["kimi-k2.5", "qwen3", "deepseek-v3.1", "deepseek-v3.2", "glm-4.5"]
+FAMILIES = ["kimi-k2.5", "qwen3", "deepseek-v3.1", "deepseek-v3.2", "glm-4.5", "gpt-oss"]
 #: Thinking mode for every family (DeepSeek thinks only when asked).
 REQUEST_EXTRA = {"reasoning": {"enabled": True}}
 
@@ -58,6 +60,7 @@ def build(path: Path, tok, target_chars: int, seed: int = 0) -> tuple[list[str],
     code, prose = _corpus_sources()
     cjk = _cjk_sentences(tok, rng, 2000)
     dialect = resolve_dialect(tok)
+    created = int(time.time())  # gpt-oss's prompt prints the serving day: the records say when they ran
     texts, total, k = [], 0, 0
     with path.open("w", encoding="utf-8") as fh:
         while total < target_chars:
@@ -71,12 +74,12 @@ def build(path: Path, tok, target_chars: int, seed: int = 0) -> tuple[list[str],
             b = rng.randrange(max(1, len(body) - 4000))
             content = "Here is the code:\n\n```python\n" + body[b: b + rng.randint(500, 6000)] + "\n```\n"
             request = {"messages": msgs, **REQUEST_EXTRA}
-            prompt = dialect.render_request(request)
+            prompt = dialect.prompt_readings(request, {"created": created}, {})[0].text
             opens = bool(dialect.think_open) and prompt.endswith(dialect.think_open)
             parts = dialect.completion_parts({"reasoning": reasoning, "content": content}, "stop", True, opens)
             completion = "".join(t for _, t in parts)
             record = {"id": f"bench-{k}", "dataset": "bench", "request": request, "response": {
-                "id": f"gen-{k}", "provider": "bench", "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                "id": f"gen-{k}", "provider": "bench", "created": created, "choices": [{"index": 0, "finish_reason": "stop", "message": {
                     "role": "assistant", "reasoning": reasoning, "content": content}}],
                 "usage": {"prompt_tokens": len(tok.encode(prompt)), "completion_tokens": len(tok.encode(completion))}}}
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -98,6 +101,19 @@ def raw_encoder(folder: Path):
         enc = tiktoken.Encoding("raw", pat_str=KIMI_PAT_STR, mergeable_ranks=load_tiktoken_bpe(str(folder / "tiktoken.model")),
                                 special_tokens={t: i for i, t in tok.marker_ids.items()})
         return "tiktoken", lambda t: enc.encode(t, allowed_special="all")
+    if (folder / "o200k_base.tiktoken").is_file():
+        from unittest import mock
+
+        import tiktoken
+        from tiktoken import load
+        from tiktoken_ext import openai_public
+
+        def local(url: str, expected_hash: str | None = None) -> dict[bytes, int]:
+            return load.load_tiktoken_bpe(str(folder / "o200k_base.tiktoken"), expected_hash=expected_hash)
+
+        with mock.patch.object(openai_public, "load_tiktoken_bpe", local):  # the folder's file, not the network
+            harmony = tiktoken.Encoding(**openai_public.o200k_harmony())
+        return "tiktoken o200k_harmony", lambda t: harmony.encode(t, allowed_special="all")
     from tokenizers import Tokenizer
 
     hf = Tokenizer.from_file(str(folder / "tokenizer.json"))

@@ -15,7 +15,7 @@ from tokenbridge.reconstruct import reconstruct_record
 
 @pytest.mark.parametrize("folder, name", [
     ("qwen3", "qwen3+template"), ("deepseek-v3.1", "deepseek-v3.1+template"), ("deepseek-v3.2", "deepseek-v3.2"),
-    ("glm-4.5", "glm-4.5+template"),
+    ("glm-4.5", "glm-4.5+template"), ("gpt-oss", "gpt-oss+template"),
 ])
 def test_each_shared_folder_resolves_to_its_family(folder, name):
     assert resolve_dialect(family_tokenizer(folder)).name == name
@@ -31,7 +31,10 @@ def test_dialect_flag_overrides_detection():
         resolve_dialect(tok, "deepseek-v3.1")
     qwen = family_tokenizer("qwen3")
     assert resolve_dialect(qwen, "qwen3", use_template=False).name == "qwen3"
-    assert set(DIALECTS) == {"kimi-k2.5", "qwen3", "deepseek-v3.1", "deepseek-v3.2", "glm-4.5"}
+    assert set(DIALECTS) == {"kimi-k2.5", "qwen3", "deepseek-v3.1", "deepseek-v3.2", "glm-4.5", "gpt-oss",
+                             "gpt-oss-harmony"}
+    gptoss = family_tokenizer("gpt-oss")  # the openai_harmony stack keeps its own renderer over the template
+    assert resolve_dialect(gptoss, "gpt-oss-harmony").name == "gpt-oss-harmony"
 
 
 def _unknown_folder(path, template: str | None):
