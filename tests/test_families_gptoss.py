@@ -67,6 +67,51 @@ def test_folder_resolves_to_gpt_oss_with_its_template(tok, dialect):
     assert resolve_dialect(tok, "gpt-oss").name == "gpt-oss+template"
 
 
+def test_folder_encodes_through_tiktoken_with_the_ids_of_its_tokenizer_json(tok):
+    """The folder's ``o200k_base.tiktoken`` with the tokenizer.json's split regex and added
+    tokens: the ids and bytes of the HF tokenizer SGLang serves with, over generated text
+    with harmony markers, digits, long whitespace runs and partial UTF-8 tokens."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from test_families_support import RawBytes
+
+    assert tok.kind == "tiktoken" and tok.lossless and tok.vocab_size == 200019 and len(tok.marker_ids) == 21
+    hf = HFTokenizer.from_file(str(SHARED / "gpt-oss" / "tokenizer.json"))
+    raw = RawBytes("gpt-oss")
+    markers = st.sampled_from(["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
+                               "<|constrain|>", "<|endoftext|>", "<|reserved_200017|>", "<|endofprompt|>", "<|chan"])
+    pieces = st.one_of(texts, markers, st.integers(0, 10 ** 12).map(str), st.sampled_from(["   \n\n  ", "\t" * 40, "'s 'LL"]))
+    seen = Counter()
+
+    @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(pieces, max_size=8).map("".join))
+    def check(text):
+        ids = tok.encode(text)
+        assert ids == hf.encode(text, add_special_tokens=False).ids
+        assert tok.decode_bytes(ids) == b"".join(raw(i) for i in ids) == text.encode()
+        seen["markers"] += any(i in tok.marker_ids for i in ids)
+        seen["n"] += 1
+
+    check()
+    assert seen["n"] == 300 and seen["markers"] >= 100, seen
+
+
+def test_a_tiktoken_file_that_does_not_fit_the_tokenizer_json_is_not_used(tmp_path):
+    """A ``.tiktoken`` file beside a tokenizer.json that is not a whole-word byte-level BPE
+    over exactly its ranks: the folder loads through ``tokenizers``, as before."""
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+
+    from tokenbridge.tokenizer import load_tokenizer
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "ranks.tiktoken").write_text("aGVsbG8= 0\n")
+    assert load_tokenizer(tmp_path).kind == "tokenizers"
+
+
 def test_prompt_recorded_in_provenance(tok, dialect):
     """PROVENANCE.md's rendering (system "You are helpful.", user "Hi", the day fixed to
     2025-01-01): the system turn is the model's preamble, the system message becomes
@@ -411,7 +456,7 @@ def test_gate_codes_for_harmony_markers_in_text(tok, dialect, content, code):
 def natives(draw) -> tuple[str, str]:
     """(kind, native completion text) as gpt-oss writes it after ``<|start|>assistant``."""
     kind = draw(st.sampled_from(["final", "final", "final", "no_analysis", "empty_analysis", "preamble",
-                                 "two_analysis", "tool", "cut", "cut"]))
+                                 "two_analysis", "tool", "cut", "cut", "cut"]))
     reasoning = draw(texts.filter(bool))
     final = "<|channel|>final<|message|>" + draw(texts) + "<|return|>"
     if kind == "no_analysis":

@@ -10,7 +10,11 @@ Two folder layouts are supported:
   holds no marker (most completion text) goes straight to tiktoken's ordinary encode,
   which gives the same ids without the special-token scan; prompts are encoded piece by
   piece between markers, with a bounded cache for the pieces prompts share.
-* ``tokenizer.json`` folders, through Hugging Face ``tokenizers``.
+* ``tokenizer.json`` folders, through Hugging Face ``tokenizers``; or, where the folder
+  also holds the BPE ranks as a ``.tiktoken`` file (gpt-oss: ``o200k_base.tiktoken``)
+  and the tokenizer.json is a plain byte-level BPE over exactly those ranks (one split
+  regex, no normaliser, ``ignore_merges``), through tiktoken with that regex and the
+  tokenizer.json's added tokens: the same ids, several times faster, and lossless.
 
 A Hub repo id is resolved to a local folder with ``huggingface_hub`` (tokenizer files
 only); offline and not cached is a clear :class:`TokenizerError`.
@@ -224,7 +228,8 @@ def _load_cached(source: str, revision: str | None) -> Tokenizer:
     if (folder / "tiktoken.model").is_file():
         return _load_tiktoken(folder, source)
     if (folder / "tokenizer.json").is_file():
-        return _load_tokenizers(folder, source)
+        fast = _load_tiktoken_beside_json(folder, source)
+        return fast if fast is not None else _load_tokenizers(folder, source)
     raise TokenizerError(f"{folder}: has neither tiktoken.model nor tokenizer.json")
 
 
@@ -488,6 +493,88 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
         _piece=piece,
         _split_markers=split_markers,
         _encode_plain=encode_plain,
+    )
+
+
+def _tiktoken_layout(folder: Path) -> tuple[Path, str, dict[int, str]] | None:
+    """(ranks file, split regex, added tokens) when ``tokenizer.json`` is a byte-level BPE
+    that tiktoken reproduces: one ``*.tiktoken`` file beside it, a ``Split`` regex
+    (isolated) then ``ByteLevel`` without its own regex, no normaliser, a BPE model that
+    takes whole words first (``ignore_merges``, as tiktoken does); else None."""
+    files = sorted(folder.glob("*.tiktoken"))
+    if len(files) != 1:
+        return None
+    data = _read_json(folder / "tokenizer.json")
+    pre = data.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    model = data.get("model") or {}
+    if (not isinstance(steps, list) or len(steps) != 2 or data.get("normalizer") is not None
+            or model.get("type") != "BPE" or model.get("ignore_merges") is not True):
+        return None
+    split, level = steps
+    regex = (split.get("pattern") or {}).get("Regex") if split.get("type") == "Split" else None
+    if (not isinstance(regex, str) or split.get("behavior") != "Isolated" or split.get("invert")
+            or level.get("type") != "ByteLevel" or level.get("use_regex") is not False):
+        return None
+    added = {t["id"]: t["content"] for t in data.get("added_tokens") or ()
+             if isinstance(t, dict) and isinstance(t.get("id"), int) and isinstance(t.get("content"), str)}
+    if len(model.get("vocab") or {}) + len(added) != max(added, default=-1) + 1 or not added:
+        return None
+    return files[0], regex, added
+
+
+def _load_tiktoken_beside_json(folder: Path, source: str) -> Tokenizer | None:
+    import tiktoken
+
+    layout = _tiktoken_layout(folder)
+    if layout is None:
+        return None
+    path, regex, names = layout
+    ranks = _load_ranks(path)
+    if len(ranks) != min(names):  # the ranks must be exactly the BPE vocabulary below the added tokens
+        return None
+    special = {t: i for i, t in names.items()}
+    try:
+        enc = tiktoken.Encoding(name=f"tokenbridge:{folder.name}", pat_str=regex, mergeable_ranks=ranks,
+                                special_tokens=special)
+    except Exception as exc:
+        raise TokenizerError(f"{path}: tiktoken rejected the data ({exc})") from None
+    config = _read_json(folder / "tokenizer_config.json")
+    allowed = enc.special_tokens_set
+    marker_re = re.compile("|".join(re.escape(t) for t in sorted(names.values(), key=len, reverse=True)))
+    first_marker = _marker_finder(marker_re, names.values())
+    ordinary = enc.encode_ordinary
+
+    def encode(text: str) -> list[int]:
+        return ordinary(text) if first_marker(text) is None else enc.encode(text, allowed_special=allowed)
+
+    def split_markers(text: str) -> list[str | int]:
+        pieces: list[str | int] = []
+        pos = 0
+        for m in marker_re.finditer(text):
+            pieces.append(text[pos : m.start()])
+            pieces.append(special[m.group()])
+            pos = m.end()
+        pieces.append(text[pos:])
+        return pieces
+
+    def piece(token_id: int) -> bytes:
+        return enc.decode_single_token_bytes(token_id)
+
+    return Tokenizer(
+        name=folder.name,
+        source=source,
+        kind="tiktoken",
+        lossless=True,
+        vocab_size=max(names) + 1,
+        marker_ids=names,
+        chat_template=_chat_template(folder, config),
+        config=config,
+        _encode=encode,
+        _decode_bytes=enc.decode_bytes,
+        _piece=piece,
+        _split_markers=split_markers,
+        _encode_plain=ordinary,
     )
 
 
