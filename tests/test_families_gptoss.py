@@ -393,6 +393,18 @@ def test_exact_ids_raw_tool_call_with_its_stop_kept(tok, dialect):
     assert {f["code"] for f in row["findings"]} == {"usage_missing", "eos_in_text"}
 
 
+def test_only_a_message_with_a_recipient_is_read_as_a_raw_call(tok, dialect):
+    """Served raw text of a final message is not a tool call (same count, another end
+    token): it stays content, and its markers are findings."""
+    row, = reconstruct_record(_record(tok, dialect, {"reasoning_content": "r",
+                                                     "content": "<|start|>assistant<|channel|>final<|message|>C"}), tok)
+    assert row["completion_ids"][-1] == RETURN and "tool_calls" not in [s["kind"] for s in row["segments"]]
+    assert row["status"] == "rejected" and "special_token_text" in {f["code"] for f in row["findings"]}
+    first = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}'  # the first message, no analysis
+    row, = reconstruct_record(_record(tok, dialect, {"content": first + "<|call|>"}), tok)
+    assert row["completion_ids"] == tok.encode(first + "<|call|>")
+
+
 def test_sglang_drops_the_tool_call_whose_stop_it_trimmed(tok, dialect):
     """SGLang trims ``<|call|>`` and its harmony parser then drops the call: reasoning,
     empty content. ``matched_stop`` (or the count) says a message is lost."""

@@ -251,16 +251,20 @@ class HarmonyDialect(Dialect):
 
 
 def _raw_call(content: str, first: bool) -> tuple[str, str] | None:
-    """(lead, call body) when ``content`` is a raw commentary tool call: after another
-    message it opens with ``<|start|>assistant`` (lead), as the first message with its
-    header (``<|channel|>`` or `` to=``)."""
-    if not first:
-        if content.startswith(START) and "<|message|>" in content:
-            return START, content[len(START):]
+    """(lead, call body) when ``content`` is a raw tool call: a message whose header (up
+    to ``<|message|>``) names a recipient (``to=functions.NAME``; built-in tools too),
+    opened by ``<|start|>assistant`` (the lead) after another message, or starting at its
+    header (``<|channel|>`` or `` to=``) as the first one. Anything else is final text."""
+    lead = START if not first else ""
+    if not content.startswith(lead):
         return None
-    if (content.startswith("<|channel|>commentary") or content.startswith(" to=")) and "<|message|>" in content:
-        return "", content
-    return None
+    body = content[len(lead):]
+    header, sep, _ = body.partition("<|message|>")
+    if not sep or " to=" not in " " + header or "<|start|>" in header:
+        return None
+    if not (header.startswith("<|channel|>") or header.startswith(" to=")):
+        return None
+    return lead, body
 
 
 GPT_OSS = HarmonyDialect(
