@@ -193,6 +193,8 @@ def candidates(
 
 def _harmony(dialect: HarmonyDialect, message: Mapping[str, Any], finish_reason: str | None,
              out: list[Candidate], end_markers: Sequence[str]) -> list[Candidate]:
+    """gpt-oss's readings after the formula (``out``), and ``<|endoftext|>`` as the end
+    where the evidence names it (the other ends follow from the message)."""
     empty = dialect.empty_analysis_reading(message, finish_reason)
     if empty is not None:
         out.append(Candidate(empty, ("empty_analysis",)))

@@ -238,15 +238,12 @@ class HarmonyDialect(Dialect):
         if reasoning:
             return None
         parts = self.completion_parts(message, finish_reason, True)
-        rest = parts[1:] if parts and parts[0] == ("format", FINAL) else None
-        if rest is None:  # a raw tool call as the first message
-            rest = parts
-            if rest and rest[0][0] == "tool_calls":
-                rest = [("format", START), *rest]
-            else:
-                return None
+        if parts and parts[0] == ("format", FINAL):
+            rest = [("format", START + FINAL), *parts[1:]]
+        elif parts and parts[0][0] == "tool_calls":  # a raw tool call as the first message
+            rest = [("format", START), *parts]
         else:
-            rest = [("format", START + FINAL), *rest]
+            return None
         return [("format", ANALYSIS), ("think_end", END), *rest]
 
 
