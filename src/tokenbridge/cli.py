@@ -15,6 +15,9 @@ from .exit_codes import ExitCode
 
 app = typer.Typer(
     add_completion=False,
+    # click's plain help and usage errors: typer's rich help imports rich.markdown and
+    # markdown_it, about 0.15 s of every start-up (`tokenbridge --help` must take <= 0.2 s)
+    rich_markup_mode=None,
     no_args_is_help=True,
     context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
     help="Exact-token training data for speculative-decoding drafts from text-only APIs.",
