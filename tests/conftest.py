@@ -22,3 +22,10 @@ def kimi(kimi_dir):
     from tokenbridge.tokenizer import load_tokenizer
 
     return load_tokenizer(kimi_dir)
+
+
+@pytest.fixture(autouse=True)
+def _no_tokenizer_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TOKENBRIDGE_TOKENIZER set in the developer's shell must not change what a test
+    sees: the tests that want it set it themselves."""
+    monkeypatch.delenv("TOKENBRIDGE_TOKENIZER", raising=False)

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 from collections.abc import Iterator
 
 import typer
 
 from .display import printable
 from .exit_codes import ExitCode
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 app = typer.Typer(
     add_completion=False,
@@ -75,6 +78,20 @@ def _fail(message: str, code: int = ExitCode.CONFIG) -> NoReturn:
     raise typer.Exit(int(code))
 
 
+def _tokenizer(flag_value: str | None, config_value: str | None = None, config: str | None = None) -> Tokenizer:
+    """The command's tokenizer: its flag, else its config's, else ``$TOKENBRIDGE_TOKENIZER``
+    (never a path guessed from the working directory); a problem is one error line, exit 2."""
+    from .tokenizer import TokenizerError, load_tokenizer
+    from .tokenizer_source import choose_tokenizer
+
+    try:
+        return load_tokenizer(choose_tokenizer(flag_value, config_value, config=config))
+    except TokenizerError as exc:
+        _fail(str(exc))
+
+
+_TOKENIZER_HELP = "Tokenizer folder or Hub repo id (default: $TOKENBRIDGE_TOKENIZER)."
+
 _SHOWN_BAD_LINES = 20  # reconstruct prints this many bad lines, then a count
 
 
@@ -112,7 +129,7 @@ def _writing(output: Path | None, command: str) -> Iterator[None]:
 def reconstruct(
     input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Exchange records (JSONL)."),
     output: Path = typer.Option(..., "-o", "--output", help="Output JSONL, or Parquet when it ends .parquet."),
-    tokenizer: str = typer.Option(..., "--tokenizer", "-t", help="Tokenizer folder or Hub repo id."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", "-t", help=_TOKENIZER_HELP),
     dialect: str | None = typer.Option(None, "--dialect", help="Chat format (default: from the tokenizer)."),
     workers: int = typer.Option(0, "--workers", "-j", help="Worker processes (0 = all cores)."),
     usage_tolerance: int = typer.Option(0, "--usage-tolerance", help="Allowed |ours - usage| token delta."),
@@ -130,8 +147,6 @@ def reconstruct(
     from .chat import DialectError, resolve_dialect
     from .reconstruct import reconstruct_file
     from .view import summary_table
-    from .tokenizer import TokenizerError, load_tokenizer
-
     from .traits import ProfileError, load_provider_profile
 
     policy = _policy(usage_tolerance, warn, error, off)
@@ -142,11 +157,11 @@ def reconstruct(
             profile = load_provider_profile(provider_profile)
         except ProfileError as exc:
             _fail(f"--provider-profile: {exc}")
+    tok = _tokenizer(tokenizer)
     with _writing(output.parent, "reconstruct"):
         try:
-            tok = load_tokenizer(tokenizer)
             resolve_dialect(tok, dialect)
-        except (TokenizerError, DialectError) as exc:
+        except DialectError as exc:
             _fail(str(exc))
         summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None,
                                    provider_profile=profile)
@@ -179,7 +194,7 @@ def reconstruct(
 def inspect(
     input: Path = typer.Argument(..., exists=True, dir_okay=False,
                                  help="Reconstruct output (JSONL or .parquet), or exchange JSONL."),
-    tokenizer: str = typer.Option(..., "--tokenizer", "-t", help="Tokenizer folder or Hub repo id."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", "-t", help=_TOKENIZER_HELP),
     sample_id: str | None = typer.Option(None, "--id", help="Sample id (default: the first record)."),
     choice: int = typer.Option(0, "--choice", min=0, help="Choice index."),
     tokens: str | None = typer.Option(None, "--tokens", help="Also list tokens A:B (positions; ':' for all)."),
@@ -188,7 +203,6 @@ def inspect(
     """Show one sample's tokens with their ids and segment kinds."""
     from rich.console import Console
 
-    from .tokenizer import TokenizerError, load_tokenizer
     from .view import check_span, find_row, parse_span, render_row
 
     if tokens is not None:
@@ -196,10 +210,7 @@ def inspect(
             parse_span(tokens)
         except ValueError as exc:
             raise typer.BadParameter(f"{tokens!r}: {exc}", param_hint="--tokens") from None
-    try:
-        tok = load_tokenizer(tokenizer)
-    except TokenizerError as exc:
-        _fail(str(exc))
+    tok = _tokenizer(tokenizer)
     try:
         row = find_row(input, tok, sample_id, choice, dialect)
     except LookupError as exc:
@@ -235,7 +246,9 @@ def generate(
     max_cost: float | None = typer.Option(None, "--max-cost", min=0, help="Stop before spending more (USD, run folder total)."),
     config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False, help="TOML/YAML settings."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Count prompt tokens and estimate cost; send nothing."),
-    tokenizer: str | None = typer.Option(None, "--tokenizer", "-t", help="Tokenizer folder (for --dry-run)."),
+    tokenizer: str | None = typer.Option(
+        None, "--tokenizer", "-t", help="Tokenizer folder (for --dry-run; default: the config's, else "
+        "$TOKENBRIDGE_TOKENIZER, else prompt tokens are approximated)."),
     limit: int | None = typer.Option(None, "--limit", min=0, help="At most N samples per dataset."),
     api_key_env: str | None = typer.Option(None, "--api-key-env", help="Env variable holding the key."),
     max_tokens: int | None = typer.Option(None, "--max-tokens", min=1),
@@ -300,6 +313,13 @@ def generate(
             },
         }, Where("command line", flags=_GENERATE_FLAGS))
         if dry_run:
+            import dataclasses
+            import os
+
+            from .tokenizer_source import TOKENIZER_ENV
+
+            if settings.tokenizer is None and os.environ.get(TOKENIZER_ENV, "").strip():
+                settings = dataclasses.replace(settings, tokenizer=os.environ[TOKENIZER_ENV])
             report = _dry_run(settings, out)
             for line in report.lines():
                 typer.echo(line)
@@ -369,9 +389,7 @@ def probe(
     providers: str = typer.Option(..., "--providers", help="Comma list of providers, e.g. chutes/int4,siliconflow/int4."),
     base_url: str = typer.Option("https://openrouter.ai/api/v1", "--base-url", help="API base URL."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the full results as JSON here."),
-    tokenizer: str | None = typer.Option(
-        None, "--tokenizer", "-t", help="Tokenizer folder (default: ../shared/tokenizers/kimi-k2.5)."
-    ),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", "-t", help=_TOKENIZER_HELP),
     max_tokens: int = typer.Option(2048, "--max-tokens", min=1),
     reasoning: str | None = typer.Option(None, "--reasoning", help="Effort (low|medium|high), or on / off."),
     api_key_env: str = typer.Option("OPENROUTER_API_KEY", "--api-key-env", help="Env variable holding the key."),
@@ -382,18 +400,14 @@ def probe(
     from .generate import GenerateError, probe as _probe, read_api_key, render_table
     from .generate.run import is_local_url
     from .generate.settings import check_base_url, normalize_reasoning
-    from .tokenizer import TokenizerError, load_tokenizer
 
-    source = tokenizer or "../shared/tokenizers/kimi-k2.5"
     try:
         check_base_url(base_url, "--base-url")
-        tok = load_tokenizer(source)
+        tok = _tokenizer(tokenizer)
         key = read_api_key(api_key_env, required=not is_local_url(base_url))
         effort = normalize_reasoning(reasoning, "--reasoning") if reasoning else None
     except GenerateError as exc:
         _fail(str(exc), exc.exit_code)
-    except TokenizerError as exc:
-        _fail(str(exc))
     names = _csv(providers) or []
     if not names:
         _fail("--providers: give at least one provider")
@@ -423,17 +437,16 @@ def emulator(
         None, "--config", "-c", exists=True, dir_okay=False, help="Emulator config (TOML or YAML)."
     ),
     tokenizer: str | None = typer.Option(
-        None, "--tokenizer", "-t", help="Tokenizer folder (default: ../shared/tokenizers/kimi-k2.5)."
+        None, "--tokenizer", "-t", help="Tokenizer folder or Hub repo id (default: the config's, else $TOKENBRIDGE_TOKENIZER)."
     ),
     seed: int | None = typer.Option(None, "--seed", help="Seed for outputs, quirks and faults."),
 ) -> None:
     """Serve a loopback OpenRouter-compatible API backed by a synthetic model (for dry runs)."""
     import dataclasses
 
-    from .emulator import DEFAULT_TOKENIZER, ConfigError, EmulatorConfig, load_emulator_config, serve
+    from .emulator import ConfigError, EmulatorConfig, load_emulator_config, serve
     from .emulator.config import emulator_config_problems
     from .schema import Where
-    from .tokenizer import TokenizerError, load_tokenizer
 
     try:
         cfg = load_emulator_config(config) if config else EmulatorConfig()
@@ -448,13 +461,7 @@ def emulator(
     if checked is None:
         _fail("\n".join(problems))
     cfg = checked
-    source = tokenizer or cfg.tokenizer or (str(DEFAULT_TOKENIZER) if DEFAULT_TOKENIZER.is_dir() else None)
-    if source is None:
-        _fail(f"no tokenizer: {DEFAULT_TOKENIZER} does not exist here; pass --tokenizer DIR")
-    try:
-        tok = load_tokenizer(source)
-    except TokenizerError as exc:
-        _fail(str(exc))
+    tok = _tokenizer(tokenizer, cfg.tokenizer, config="the --config file")
     serve(cfg, tok, host=host, port=port, announce=typer.echo)
 
 
@@ -507,26 +514,26 @@ def vocab(
         None, "--target-vocab-size", help="Target model vocab size (the length of t2d)."
     ),
     tokenizer: str | None = typer.Option(
-        None, "--tokenizer", "-t", help="Tokenizer folder to take the target vocab size from."
+        None, "--tokenizer", "-t", help="Tokenizer folder to take the target vocab size from "
+        "(default: $TOKENBRIDGE_TOKENIZER)."
     ),
     include_flagged: bool = typer.Option(False, "--include-flagged", help="Also count 'flagged' rows."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty -o folder tokenbridge did not write "
                                "(never a run folder, the input's folder or the current folder)."),
 ) -> None:
     """Build the draft vocabulary (d2t / t2d) from token frequencies under the loss mask."""
-    from .export import ExportError, build_vocab
+    import os
 
-    if target_vocab_size is None and tokenizer is None:
-        raise typer.BadParameter("give --target-vocab-size or --tokenizer", param_hint="--target-vocab-size")
+    from .export import ExportError, build_vocab
+    from .tokenizer_source import TOKENIZER_ENV
+
+    if target_vocab_size is None and tokenizer is None and not os.environ.get(TOKENIZER_ENV, "").strip():
+        raise typer.BadParameter(f"give --target-vocab-size or --tokenizer (or set {TOKENIZER_ENV})",
+                                 param_hint="--target-vocab-size")
     try:
         with _writing(output, "vocab"):
             if target_vocab_size is None:
-                from .tokenizer import TokenizerError, load_tokenizer
-
-                try:
-                    target_vocab_size = load_tokenizer(tokenizer).vocab_size
-                except TokenizerError as exc:
-                    _fail(str(exc))
+                target_vocab_size = _tokenizer(tokenizer).vocab_size
             summary = build_vocab(input, draft_vocab_size, output, target_vocab_size, include_flagged=include_flagged,
                                   force=force)
     except (ExportError, ValueError) as exc:
