@@ -6,7 +6,7 @@ import json
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import typer
 
@@ -14,6 +14,9 @@ from .display import printable
 from .exit_codes import ExitCode
 
 if TYPE_CHECKING:
+    from .checks import Policy
+    from .generate import GenerateSettings
+    from .generate.run import RunSummary
     from .tokenizer import Tokenizer
 
 app = typer.Typer(
@@ -46,7 +49,7 @@ def _main(
 # --- reconstruct / inspect -------------------------------------------------------------
 
 
-def _policy(usage_tolerance: int, warn: list[str], error: list[str], off: list[str]):
+def _policy(usage_tolerance: int, warn: list[str], error: list[str], off: list[str]) -> Policy:
     """The severity flags, checked by the run config's ``[reconstruct]`` schema."""
     from .checks import Policy
     from .runconfig import ReconstructSection
@@ -66,7 +69,8 @@ def _dialect_flag(dialect: str | None) -> None:
     from .schema import DialectName, Where, validate
 
     if dialect is not None:
-        problems = validate(dict[str, DialectName], {"dialect": dialect}, Where("command line", flags={"dialect": "--dialect"}))[1]
+        # DialectName is a Literal built from the registry at import: a type to pydantic, a variable to mypy
+        problems = validate(dict[str, DialectName], {"dialect": dialect}, Where("command line", flags={"dialect": "--dialect"}))[1]  # type: ignore[valid-type]
         if problems:
             _fail("\n".join(problems))
 
@@ -281,49 +285,22 @@ def generate(
     130 interrupted.
     """
     from .chat import DialectError
-    from .generate import (
-        GenerateError,
-        GenerateSettings,
-        dry_run as _dry_run,
-        generate_run,
-        load_config,
-        parse_dataset_arg,
-    )
-    from .generate.settings import override_settings
-    from .schema import Where
+    from .generate import GenerateError, generate_run
     from .tokenizer import TokenizerError
 
+    flags = {
+        "base_url": base_url, "concurrency": concurrency, "max_attempts": max_attempts, "stream": stream,
+        "max_cost": max_cost, "tokenizer": tokenizer, "limit": limit, "api_key_env": api_key_env,
+        "progress": progress, "max_response_bytes": max_response_bytes, "attempt_timeout_s": attempt_timeout,
+    }
+    request = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+               "n": n, "reasoning": reasoning}
+    provider = {"order": _csv(provider_order), "only": _csv(provider_only), "ignore": _csv(provider_ignore),
+                "quantizations": _csv(quantizations), "allow_fallbacks": fallbacks}
     try:
-        settings = load_config(config) if config else GenerateSettings()
-        provider = dict(settings.request.provider or {})
-        for key, value in (("order", _csv(provider_order)), ("only", _csv(provider_only)),
-                           ("ignore", _csv(provider_ignore)), ("quantizations", _csv(quantizations)),
-                           ("allow_fallbacks", fallbacks)):
-            if value is not None:
-                provider[key] = value
-        # the flags map onto the config's schema and are checked by it (flags win over the file)
-        settings = override_settings(settings, {
-            "datasets": tuple(parse_dataset_arg(p) for p in prompts) if prompts else None,
-            "base_url": base_url, "concurrency": concurrency, "max_attempts": max_attempts, "stream": stream,
-            "max_cost": max_cost, "tokenizer": tokenizer, "limit": limit, "api_key_env": api_key_env,
-            "progress": progress, "max_response_bytes": max_response_bytes, "attempt_timeout_s": attempt_timeout,
-            "request": {
-                "model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                "n": n, "reasoning": reasoning, "provider": provider or None,
-            },
-        }, Where("command line", flags=_GENERATE_FLAGS))
+        settings = _generate_settings(config, prompts, flags, request, provider)
         if dry_run:
-            import dataclasses
-            import os
-
-            from .tokenizer_source import TOKENIZER_ENV
-
-            if settings.tokenizer is None and os.environ.get(TOKENIZER_ENV, "").strip():
-                settings = dataclasses.replace(settings, tokenizer=os.environ[TOKENIZER_ENV])
-            report = _dry_run(settings, out)
-            for line in report.lines():
-                typer.echo(line)
-            _write_summary(summary_json, report.to_dict())
+            _generate_dry_run(settings, out, summary_json)
             return
         summary = generate_run(settings, out, force_settings=force_settings)
     except KeyboardInterrupt:  # outside the send loop (loading, writing): nothing half-written is kept
@@ -332,6 +309,51 @@ def generate(
         _fail(str(exc), exc.exit_code)
     except (TokenizerError, DialectError) as exc:
         _fail(str(exc))
+    _echo_totals(summary)
+    _echo_run_problems(summary, out, quiet=settings.progress == "none")  # else the progress log showed them
+    typer.echo(f"exchanges: {summary.exchanges}"
+               + (f" ({summary.left_out} other stored samples left out)" if summary.left_out else ""))
+    _write_summary(summary_json, summary.to_dict())
+    raise typer.Exit(summary.exit_code)
+
+
+def _generate_settings(config: Path | None, prompts: list[str] | None, flags: Mapping[str, object],
+                       request: Mapping[str, object], provider: Mapping[str, object]) -> GenerateSettings:
+    """The config file's settings (or the defaults) with the given flags over them; the flags
+    map onto the config's schema and are checked by it, each problem naming its flag."""
+    from .generate import GenerateSettings, load_config, parse_dataset_arg
+    from .generate.settings import override_settings
+    from .schema import Where
+
+    settings = load_config(config) if config else GenerateSettings()
+    merged = {**(settings.request.provider or {}), **{k: v for k, v in provider.items() if v is not None}}
+    overrides = {
+        **flags,
+        "datasets": tuple(parse_dataset_arg(p) for p in prompts) if prompts else None,
+        "request": {**request, "provider": merged or None},
+    }
+    return override_settings(settings, overrides, Where("command line", flags=_GENERATE_FLAGS))
+
+
+def _generate_dry_run(settings: GenerateSettings, out: Path, summary_json: Path | None) -> None:
+    """Count and price what a run would send; exact with a tokenizer (the flag's, the config's
+    or ``$TOKENBRIDGE_TOKENIZER``), approximate without one."""
+    import dataclasses
+    import os
+
+    from .generate import dry_run
+    from .tokenizer_source import TOKENIZER_ENV
+
+    if settings.tokenizer is None and os.environ.get(TOKENIZER_ENV, "").strip():
+        settings = dataclasses.replace(settings, tokenizer=os.environ[TOKENIZER_ENV])
+    report = dry_run(settings, out)
+    for line in report.lines():
+        typer.echo(line)
+    _write_summary(summary_json, report.to_dict())
+
+
+def _echo_totals(summary: RunSummary) -> None:
+    """The run's one-line account: samples, requests, money, time."""
     typer.echo(
         f"{summary.done} done this run ({summary.already_done} before), {summary.failed} failed, "
         f"{summary.pending} pending, {len(summary.bad_rows)} bad rows; {summary.requests} requests, "
@@ -339,7 +361,11 @@ def generate(
         + (f", ${summary.spent_possible:.4f} possibly billed" if summary.spent_possible else "")
         + f") in {summary.elapsed_s:.1f}s"
     )
-    quiet = settings.progress == "none"  # otherwise the progress log already showed these
+
+
+def _echo_run_problems(summary: RunSummary, out: Path, *, quiet: bool) -> None:
+    """Bad rows, failures, unusable usage and why the run stopped, on stderr; with ``quiet``
+    (no progress log) also the first bad rows and the notes the log would have shown."""
     for row in summary.bad_rows[:5] if quiet else ():
         typer.echo(f"bad row: {row}", err=True)
     if summary.bad_rows and (len(summary.bad_rows) > 5 or not quiet):
@@ -355,10 +381,6 @@ def generate(
     if summary.stop_reason:
         typer.echo(f"stopped: {summary.stop_reason}: {summary.already_done + summary.done} of {summary.samples} "
                    f"samples kept, {summary.pending} pending (rerun the same command to continue)", err=True)
-    typer.echo(f"exchanges: {summary.exchanges}"
-               + (f" ({summary.left_out} other stored samples left out)" if summary.left_out else ""))
-    _write_summary(summary_json, summary.to_dict())
-    raise typer.Exit(summary.exit_code)
 
 
 _GENERATE_FLAGS = {
@@ -374,7 +396,7 @@ _GENERATE_FLAGS = {
 }
 
 
-def _write_summary(path: Path | None, data: dict) -> None:
+def _write_summary(path: Path | None, data: Mapping[str, object]) -> None:
     if path is None:
         return
     try:
@@ -452,8 +474,8 @@ def emulator(
         cfg = load_emulator_config(config) if config else EmulatorConfig()
     except ConfigError as exc:
         _fail(str(exc))
-    overrides = {k: v for k, v in {"latency_ms": latency_ms, "fault_rate": fault_rate, "seed": seed}.items()
-                 if v is not None}
+    overrides: dict[str, object] = {k: v for k, v in {"latency_ms": latency_ms, "fault_rate": fault_rate,
+                                                      "seed": seed}.items() if v is not None}
     if latency_ms is not None:  # the flag wins over per-provider latencies too
         overrides["providers"] = tuple(dataclasses.replace(p, latency_ms=None) for p in cfg.providers)
     flags = {"latency_ms": "--latency-ms", "fault_rate": "--fault-rate", "seed": "--seed"}
