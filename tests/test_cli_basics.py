@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import re
 import tomllib
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from conftest import ROOT
 from tokenbridge import __version__
 from tokenbridge.cli import app
 
-ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ["reconstruct", "inspect", "generate", "probe", "emulator", "export", "vocab", "report", "run"]
 
 
