@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from typer.testing import CliRunner
 
 from tokenbridge.cli import app
@@ -98,9 +99,16 @@ def test_cli_inspect_shows_marker_positions(tmp_path, kimi, kimi_dir):
     assert f"</think> (163607) at position {pos} [think_end]" in res.output
     assert f"<|im_end|> (163586) at position {len(row['input_ids']) - 1} [end]" in res.output
     assert "163595" in res.output and "ok" in res.output
-    # straight from the exchange file, reconstructed on the fly
+
+
+def test_cli_inspect_reconstructs_an_exchange_file_on_the_fly(kimi_dir):
     res = CliRunner().invoke(app, ["inspect", str(EXAMPLE), "-t", str(kimi_dir), "--id", "ex-leak"])
     assert res.exit_code == 0 and "eos_in_text" in res.output
+
+
+def test_cli_inspect_names_a_missing_sample(tmp_path, kimi, kimi_dir):
+    out = tmp_path / "r.jsonl"
+    reconstruct_file(EXAMPLE, out, kimi)
     res = CliRunner().invoke(app, ["inspect", str(out), "-t", str(kimi_dir), "--id", "missing"])
     assert res.exit_code == 2 and "no sample missing" in res.output
 
@@ -140,20 +148,19 @@ def test_parquet_output_keeps_odd_field_types(tmp_path, kimi):
     assert json.loads(row["provider"]) == {"name": "X"} and row["choice"] == 0
 
 
-def test_cli_inspect_survives_bad_lines_and_bad_flags(tmp_path, kimi_dir):
-    src = tmp_path / "s.jsonl"
+@pytest.mark.parametrize(("file", "flags", "code", "message"), [
+    ("s.jsonl", ["--id", "ex-tool"], 0, "ex-tool"),  # a bad line before the sample is passed over
+    ("s.jsonl", ["--id", "ex-tool", "--tokens", "a:b"], 2, "--tokens"),
+    ("s.jsonl", ["--choice", "-1"], 2, "--choice"),
+    ("b.jsonl", ["--id", "ex-broken"], 2, "b.jsonl:1: request.messages[0].role"),  # the record with no role
+], ids=["bad-line-skipped", "bad-span", "negative-choice", "broken-record"])
+def test_cli_inspect_survives_bad_lines_and_bad_flags(tmp_path, kimi_dir, file, flags, code, message):
     lines = EXAMPLE.read_text(encoding="utf-8").splitlines()
-    src.write_text("{not json\n" + lines[1] + "\n", encoding="utf-8")
-    res = CliRunner().invoke(app, ["inspect", str(src), "-t", str(kimi_dir), "--id", "ex-tool"])
-    assert res.exit_code == 0, res.output
-    res = CliRunner().invoke(app, ["inspect", str(src), "-t", str(kimi_dir), "--id", "ex-tool", "--tokens", "a:b"])
-    assert res.exit_code == 2 and "--tokens" in res.output
-    res = CliRunner().invoke(app, ["inspect", str(src), "-t", str(kimi_dir), "--choice", "-1"])
-    assert res.exit_code == 2
-    broken = tmp_path / "b.jsonl"
-    broken.write_text(lines[7] + "\n", encoding="utf-8")  # the example's record with no role
-    res = CliRunner().invoke(app, ["inspect", str(broken), "-t", str(kimi_dir), "--id", "ex-broken"])
-    assert res.exit_code == 2 and "b.jsonl:1: request.messages[0].role" in res.output
+    (tmp_path / "s.jsonl").write_text("{not json\n" + lines[1] + "\n", encoding="utf-8")
+    (tmp_path / "b.jsonl").write_text(lines[7] + "\n", encoding="utf-8")
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path / file), "-t", str(kimi_dir), *flags])
+    assert res.exit_code == code and message in res.output, res.output
+    assert "Traceback" not in res.output
 
 
 def test_stripping_provider_is_named_across_a_run():
