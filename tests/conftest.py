@@ -11,6 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KIMI_DIR = ROOT.parent / "shared" / "tokenizers" / "kimi-k2.5"
+#: The README's seven exchange records and one broken line.
+EXAMPLE_EXCHANGES = ROOT / "examples" / "exchanges.jsonl"
 #: The six providers with real quirks that `make demo` and the README use.
 EXAMPLE_EMULATOR = ROOT / "examples" / "emulator.toml"
 MODEL = "moonshotai/kimi-k2.5"

@@ -3,27 +3,23 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
+from conftest import EXAMPLE_EXCHANGES, read_jsonl
 from tokenbridge.cli import app
 from tokenbridge.reconstruct import reconstruct_file
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "exchanges.jsonl"
-
-
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+EXAMPLE = EXAMPLE_EXCHANGES
 
 
 def test_example_file_reconstructs_with_its_bad_line_reported(tmp_path, kimi):
     out = tmp_path / "out.jsonl"
     summary = reconstruct_file(EXAMPLE, out, kimi)
     assert [(b.line, b.field) for b in summary.bad_lines] == [(8, "request.messages[0].role")]
-    rows = _rows(out)
+    rows = read_jsonl(out)
     assert [r["id"] for r in rows] == ["ex-clean", "ex-tool", "ex-cjk", "ex-leak", "ex-truncated", "ex-instant", "ex-parsed"]
     status = {r["id"]: (r["status"], sorted(f["code"] for f in r["findings"])) for r in rows}
     assert status == {
@@ -56,7 +52,7 @@ def test_parquet_and_two_workers_equal_jsonl(tmp_path, kimi):
     pq_out = tmp_path / "out.parquet"
     reconstruct_file(big, pq_out, kimi, workers=1)
     table = pq.read_table(pq_out).to_pylist()
-    rows = _rows(one)
+    rows = read_jsonl(one)
     assert len(table) == len(rows)
     for a, b in zip(table, rows):
         for key in ("id", "status", "prompt_ids", "completion_ids", "input_ids", "loss_mask", "segments", "findings"):
@@ -73,7 +69,7 @@ def test_cli_reconstruct_summary_and_exit_code(tmp_path, kimi_dir):
     assert "exchanges.jsonl:8: request.messages[0].role: missing or not a string" in res.output
     assert "structured_tool_calls" in res.output and "eos_in_text" in res.output
     assert json.loads(summary.read_text())["status"] == {"ok": 4, "flagged": 1, "rejected": 2}
-    assert len(_rows(out)) == 7
+    assert len(read_jsonl(out)) == 7
 
 
 def test_cli_reconstruct_policy_flags(tmp_path, kimi_dir):
@@ -83,7 +79,7 @@ def test_cli_reconstruct_policy_flags(tmp_path, kimi_dir):
     res = CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(out), "-t", str(kimi_dir),
                                    "--warn", "eos_in_text", "--off", "truncated"])
     assert res.exit_code == 0, res.output
-    status = {r["id"]: r["status"] for r in _rows(out)}
+    status = {r["id"]: r["status"] for r in read_jsonl(out)}
     assert status["ex-leak"] == "flagged" and status["ex-truncated"] == "ok"
     res = CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(out), "-t", str(kimi_dir), "--warn", "bogus"])
     assert res.exit_code == 2 and "unknown finding code 'bogus'" in res.output
@@ -92,7 +88,7 @@ def test_cli_reconstruct_policy_flags(tmp_path, kimi_dir):
 def test_cli_inspect_shows_marker_positions(tmp_path, kimi, kimi_dir):
     out = tmp_path / "r.jsonl"
     reconstruct_file(EXAMPLE, out, kimi)
-    row = next(r for r in _rows(out) if r["id"] == "ex-tool")
+    row = next(r for r in read_jsonl(out) if r["id"] == "ex-tool")
     pos = row["input_ids"].index(163607)
     res = CliRunner().invoke(app, ["inspect", str(out), "-t", str(kimi_dir), "--id", "ex-tool", "--tokens", f"{pos}:{pos + 2}"])
     assert res.exit_code == 0, res.output

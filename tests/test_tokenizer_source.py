@@ -11,11 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import ROOT
+from conftest import EXAMPLE_EXCHANGES as EXCHANGES
 from tokenbridge.cli import app
 from tokenbridge.emulator import EmulatorConfig, running_emulator
 from tokenbridge.tokenizer_source import TOKENIZER_ENV, NoTokenizerError
 
-EXCHANGES = ROOT / "examples" / "exchanges.jsonl"
 TWO_WAYS = ("error: no tokenizer given: pass --tokenizer (a tokenizer folder or Hub repo id) or set the "
             f"environment variable {TOKENIZER_ENV}")
 THREE_WAYS = ("error: no tokenizer given: pass --tokenizer (a tokenizer folder or Hub repo id), set tokenizer in "
