@@ -161,8 +161,8 @@ def reconstruct(
             profile = load_provider_profile(provider_profile)
         except ProfileError as exc:
             _fail(f"--provider-profile: {exc}")
-    tok = _tokenizer(tokenizer)
     with _writing(output.parent, "reconstruct"):
+        tok = _tokenizer(tokenizer)  # loading takes a while: Ctrl-C there is one line too
         try:
             resolve_dialect(tok, dialect)
         except DialectError as exc:
