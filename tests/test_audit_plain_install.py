@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT, write_run_config
 from outputs_support import SRC
-from test_pipeline import _config
 from tokenbridge.pipeline import load_run_config, run_pipeline
 
-ROOT = Path(__file__).resolve().parents[1]
 #: Import roots of what the extras (and the test tools) bring; none is a dependency of the package.
 EXTRAS_ONLY = ("torch", "transformers", "datasets", "pandas", "openai", "hypothesis", "pytest", "specforge",
                "speculators", "sglang", "renderers", "tinker_cookbook", "safetensors")
@@ -74,7 +73,7 @@ def workdir(kimi_dir, tmp_path_factory) -> Path:
     root.mkdir()
     (root / "examples").symlink_to(ROOT / "examples")
     (root.parent / "shared").symlink_to(kimi_dir.parents[1])
-    run_pipeline(load_run_config(_config(root, kimi_dir)), echo=lambda _: None)
+    run_pipeline(load_run_config(write_run_config(root, kimi_dir)), echo=lambda _: None)
     (root / "RUN").mkdir()
     (root / "out" / "reconstructed.jsonl").rename(root / "RUN" / "reconstructed.jsonl")
     (root / "runs" / "k25").mkdir(parents=True)  # what the README's (online) generate leaves

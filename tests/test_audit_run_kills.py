@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import write_run_config
 from outputs_support import leftovers, snapshot
-from test_pipeline import _config
 from tokenbridge import fsio
 from tokenbridge.generate import Store
 from tokenbridge.pipeline import load_run_config, run_pipeline
@@ -37,7 +37,7 @@ _WHEN = ("started_at", "finished_at", "latency_s", "base_url", "attempts")
 
 def _small_config(root: Path, kimi_dir: Path) -> Path:
     """The pipeline test's config with 4 samples: every kind of commit point, fewer repeats."""
-    cfg = _config(root, kimi_dir)
+    cfg = write_run_config(root, kimi_dir)
     cfg.write_text(cfg.read_text().replace("limit = 12", "limit = 3").replace("limit = 4", "limit = 1"),
                    encoding="utf-8")
     return cfg

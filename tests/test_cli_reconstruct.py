@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from typer.testing import CliRunner
 
+from conftest import EXAMPLE_EXCHANGES, read_jsonl
 from tokenbridge.cli import app
 from tokenbridge.reconstruct import reconstruct_file
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "exchanges.jsonl"
-
-
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+EXAMPLE = EXAMPLE_EXCHANGES
 
 
 def test_example_file_reconstructs_with_its_bad_line_reported(tmp_path, kimi):
     out = tmp_path / "out.jsonl"
     summary = reconstruct_file(EXAMPLE, out, kimi)
     assert [(b.line, b.field) for b in summary.bad_lines] == [(8, "request.messages[0].role")]
-    rows = _rows(out)
+    rows = read_jsonl(out)
     assert [r["id"] for r in rows] == ["ex-clean", "ex-tool", "ex-cjk", "ex-leak", "ex-truncated", "ex-instant", "ex-parsed"]
     status = {r["id"]: (r["status"], sorted(f["code"] for f in r["findings"])) for r in rows}
     assert status == {
@@ -55,7 +52,7 @@ def test_parquet_and_two_workers_equal_jsonl(tmp_path, kimi):
     pq_out = tmp_path / "out.parquet"
     reconstruct_file(big, pq_out, kimi, workers=1)
     table = pq.read_table(pq_out).to_pylist()
-    rows = _rows(one)
+    rows = read_jsonl(one)
     assert len(table) == len(rows)
     for a, b in zip(table, rows):
         for key in ("id", "status", "prompt_ids", "completion_ids", "input_ids", "loss_mask", "segments", "findings"):
@@ -72,7 +69,7 @@ def test_cli_reconstruct_summary_and_exit_code(tmp_path, kimi_dir):
     assert "exchanges.jsonl:8: request.messages[0].role: missing or not a string" in res.output
     assert "structured_tool_calls" in res.output and "eos_in_text" in res.output
     assert json.loads(summary.read_text())["status"] == {"ok": 4, "flagged": 1, "rejected": 2}
-    assert len(_rows(out)) == 7
+    assert len(read_jsonl(out)) == 7
 
 
 def test_cli_reconstruct_policy_flags(tmp_path, kimi_dir):
@@ -82,7 +79,7 @@ def test_cli_reconstruct_policy_flags(tmp_path, kimi_dir):
     res = CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(out), "-t", str(kimi_dir),
                                    "--warn", "eos_in_text", "--off", "truncated"])
     assert res.exit_code == 0, res.output
-    status = {r["id"]: r["status"] for r in _rows(out)}
+    status = {r["id"]: r["status"] for r in read_jsonl(out)}
     assert status["ex-leak"] == "flagged" and status["ex-truncated"] == "ok"
     res = CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(out), "-t", str(kimi_dir), "--warn", "bogus"])
     assert res.exit_code == 2 and "unknown finding code 'bogus'" in res.output
@@ -91,16 +88,23 @@ def test_cli_reconstruct_policy_flags(tmp_path, kimi_dir):
 def test_cli_inspect_shows_marker_positions(tmp_path, kimi, kimi_dir):
     out = tmp_path / "r.jsonl"
     reconstruct_file(EXAMPLE, out, kimi)
-    row = next(r for r in _rows(out) if r["id"] == "ex-tool")
+    row = next(r for r in read_jsonl(out) if r["id"] == "ex-tool")
     pos = row["input_ids"].index(163607)
     res = CliRunner().invoke(app, ["inspect", str(out), "-t", str(kimi_dir), "--id", "ex-tool", "--tokens", f"{pos}:{pos + 2}"])
     assert res.exit_code == 0, res.output
     assert f"</think> (163607) at position {pos} [think_end]" in res.output
     assert f"<|im_end|> (163586) at position {len(row['input_ids']) - 1} [end]" in res.output
     assert "163595" in res.output and "ok" in res.output
-    # straight from the exchange file, reconstructed on the fly
+
+
+def test_cli_inspect_reconstructs_an_exchange_file_on_the_fly(kimi_dir):
     res = CliRunner().invoke(app, ["inspect", str(EXAMPLE), "-t", str(kimi_dir), "--id", "ex-leak"])
     assert res.exit_code == 0 and "eos_in_text" in res.output
+
+
+def test_cli_inspect_names_a_missing_sample(tmp_path, kimi, kimi_dir):
+    out = tmp_path / "r.jsonl"
+    reconstruct_file(EXAMPLE, out, kimi)
     res = CliRunner().invoke(app, ["inspect", str(out), "-t", str(kimi_dir), "--id", "missing"])
     assert res.exit_code == 2 and "no sample missing" in res.output
 
@@ -140,20 +144,19 @@ def test_parquet_output_keeps_odd_field_types(tmp_path, kimi):
     assert json.loads(row["provider"]) == {"name": "X"} and row["choice"] == 0
 
 
-def test_cli_inspect_survives_bad_lines_and_bad_flags(tmp_path, kimi_dir):
-    src = tmp_path / "s.jsonl"
+@pytest.mark.parametrize(("file", "flags", "code", "message"), [
+    ("s.jsonl", ["--id", "ex-tool"], 0, "ex-tool"),  # a bad line before the sample is passed over
+    ("s.jsonl", ["--id", "ex-tool", "--tokens", "a:b"], 2, "--tokens"),
+    ("s.jsonl", ["--choice", "-1"], 2, "--choice"),
+    ("b.jsonl", ["--id", "ex-broken"], 2, "b.jsonl:1: request.messages[0].role"),  # the record with no role
+], ids=["bad-line-skipped", "bad-span", "negative-choice", "broken-record"])
+def test_cli_inspect_survives_bad_lines_and_bad_flags(tmp_path, kimi_dir, file, flags, code, message):
     lines = EXAMPLE.read_text(encoding="utf-8").splitlines()
-    src.write_text("{not json\n" + lines[1] + "\n", encoding="utf-8")
-    res = CliRunner().invoke(app, ["inspect", str(src), "-t", str(kimi_dir), "--id", "ex-tool"])
-    assert res.exit_code == 0, res.output
-    res = CliRunner().invoke(app, ["inspect", str(src), "-t", str(kimi_dir), "--id", "ex-tool", "--tokens", "a:b"])
-    assert res.exit_code == 2 and "--tokens" in res.output
-    res = CliRunner().invoke(app, ["inspect", str(src), "-t", str(kimi_dir), "--choice", "-1"])
-    assert res.exit_code == 2
-    broken = tmp_path / "b.jsonl"
-    broken.write_text(lines[7] + "\n", encoding="utf-8")  # the example's record with no role
-    res = CliRunner().invoke(app, ["inspect", str(broken), "-t", str(kimi_dir), "--id", "ex-broken"])
-    assert res.exit_code == 2 and "b.jsonl:1: request.messages[0].role" in res.output
+    (tmp_path / "s.jsonl").write_text("{not json\n" + lines[1] + "\n", encoding="utf-8")
+    (tmp_path / "b.jsonl").write_text(lines[7] + "\n", encoding="utf-8")
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path / file), "-t", str(kimi_dir), *flags])
+    assert res.exit_code == code and message in res.output, res.output
+    assert "Traceback" not in res.output
 
 
 def test_stripping_provider_is_named_across_a_run():

@@ -20,8 +20,6 @@ from tokenbridge.exit_codes import ExitCode
 from tokenbridge.generate import ConfigError, GenerateSettings, load_config
 from tokenbridge.pipeline import PipelineError, RunConfig, load_run_config
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _run_toml(kimi_dir: Path, base_url: str = "http://127.0.0.1:9/api/v1") -> str:
     return f"""[run]

@@ -6,6 +6,7 @@ import json
 import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -18,37 +19,42 @@ def _invoke(args, env=None):
     return CliRunner().invoke(app, ["generate", *args], env=env or {})
 
 
-def test_usage_errors_name_the_problem(tmp_path):
+def _one_prompt(tmp_path: Path) -> Path:
     prompts = tmp_path / "b3.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n", encoding="utf-8")
-    out = str(tmp_path / "run")
+    return prompts
 
-    res = _invoke([str(tmp_path / "nope.jsonl"), "--out", out, "--model", "m", "--base-url", "http://127.0.0.1:9/v1"])
-    assert res.exit_code == 2 and "nope.jsonl does not exist" in res.output
 
-    res = _invoke([str(prompts), "--out", out, "--model", "m", "--base-url", "https://openrouter.ai/api/v1",
-                   "--api-key-env", "TB_SURELY_UNSET_KEY"], env={"TB_SURELY_UNSET_KEY": ""})
-    assert res.exit_code == 2 and "TB_SURELY_UNSET_KEY is not set" in res.output
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["{tmp}/nope.jsonl", "--model", "m", "--base-url", "http://127.0.0.1:9/v1"], {}, "nope.jsonl does not exist"),
+    (["{prompts}", "--model", "m", "--base-url", "https://openrouter.ai/api/v1", "--api-key-env", "TB_SURELY_UNSET_KEY"],
+     {"TB_SURELY_UNSET_KEY": ""}, "TB_SURELY_UNSET_KEY is not set"),
+    (["{prompts}", "--base-url", "http://127.0.0.1:9/v1"], {}, "no model given"),
+    (["{prompts}", "--config", "{tmp}/c.toml"], {}, "c.toml:2: concurency: unknown key; did you mean 'concurrency'?"),
+], ids=["missing-prompts", "unset-key", "no-model", "config-typo"])
+def test_usage_errors_name_the_problem(tmp_path, args, env, message):
+    prompts = _one_prompt(tmp_path)
+    (tmp_path / "c.toml").write_text('model = "m"\nconcurency = 3\n', encoding="utf-8")
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{prompts}", str(prompts)) for a in args]
+    res = _invoke([*argv, "--out", str(tmp_path / "run")], env=env)
+    assert res.exit_code == 2 and message in res.output, res.output
+    assert not (tmp_path / "run").exists()
 
-    res = _invoke([str(prompts), "--out", out, "--base-url", "http://127.0.0.1:9/v1"])
-    assert res.exit_code == 2 and "no model given" in res.output
 
-    cfg = tmp_path / "c.toml"
-    cfg.write_text('model = "m"\nconcurency = 3\n', encoding="utf-8")
-    res = _invoke([str(prompts), "--out", out, "--config", str(cfg)])
-    assert res.exit_code == 2 and "c.toml:2: concurency: unknown key; did you mean 'concurrency'?" in res.output
-
-    res = _invoke([str(prompts), "--out", out, "--model", "m", "--reasoning", "high", "--provider-only", "a,b",
-                   "--dry-run"])
+def test_a_dry_run_without_a_tokenizer_says_its_counts_are_approximate(tmp_path):
+    res = _invoke([str(_one_prompt(tmp_path)), "--out", str(tmp_path / "run"), "--model", "m", "--reasoning", "high",
+                   "--provider-only", "a,b", "--dry-run"])
     assert res.exit_code == 0 and "samples: 1 (0 already done, 1 to send)" in res.output
     assert "approx." in res.output  # no --tokenizer: character estimate, said so
 
-    (tmp_path / "run2").mkdir()
-    (tmp_path / "run2" / "state.sqlite").write_bytes(b"this is not sqlite" * 100)
-    res = _invoke([str(prompts), "--out", str(tmp_path / "run2"), "--model", "m", "--base-url",
+
+def test_a_run_folder_whose_state_is_not_sqlite_is_refused(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "state.sqlite").write_bytes(b"this is not sqlite" * 100)
+    res = _invoke([str(_one_prompt(tmp_path)), "--out", str(tmp_path / "run"), "--model", "m", "--base-url",
                    "http://127.0.0.1:9/v1"])
     assert res.exit_code == 2 and "not a usable tokenbridge state file" in res.output
-    assert not (tmp_path / "run").exists()
+    assert (tmp_path / "run" / "state.sqlite").read_bytes() == b"this is not sqlite" * 100  # never replaced
 
 
 def _one_line_error(res, code: int) -> str:
@@ -85,39 +91,56 @@ def test_a_second_process_on_the_run_folder_fails_fast(tmp_path):
         pass
 
 
-def test_anticipated_errors_are_one_line_with_their_exit_code(tmp_path, kimi, monkeypatch):
-    prompts = tmp_path / "b3.jsonl"
-    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"hi {i}"}) + "\n" for i in range(6)), encoding="utf-8")
-    out = str(tmp_path / "run")
-
-    line = _one_line_error(_invoke([str(prompts), "--out", out, "--model", "m", "--base-url", "openrouter.ai/api/v1"]), 2)
-    assert "needs http:// or https://" in line
-    cfg = tmp_path / "c.toml"
-    cfg.write_text('model = "m"\n[headers]\nAuthorization = "Bearer sk-x"\n', encoding="utf-8")
-    line = _one_line_error(_invoke([str(prompts), "--out", out, "--config", str(cfg)]), 2)
-    assert "look like credentials" in line and "sk-x" not in line
+@pytest.mark.parametrize(("how", "message", "hidden"), [
+    (["--model", "m", "--base-url", "openrouter.ai/api/v1"], "needs http:// or https://", None),
+    (["--config", "{tmp}/c.toml"], "look like credentials", "sk-x"),
+], ids=["url-without-scheme", "credentials-in-headers"])
+def test_bad_settings_are_one_line_exit_2(tmp_path, how, message, hidden):
+    (tmp_path / "c.toml").write_text('model = "m"\n[headers]\nAuthorization = "Bearer sk-x"\n', encoding="utf-8")
+    args = [str(_six_prompts(tmp_path)), "--out", str(tmp_path / "run"), *[a.replace("{tmp}", str(tmp_path)) for a in how]]
+    line = _one_line_error(_invoke(args), 2)
+    assert message in line and (hidden is None or hidden not in line)
     assert not (tmp_path / "run").exists()
 
+
+def _six_prompts(tmp_path: Path) -> Path:
+    prompts = tmp_path / "b3.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"hi {i}"}) + "\n" for i in range(6)), encoding="utf-8")
+    return prompts
+
+
+@pytest.fixture
+def finished(tmp_path, kimi):
+    """(the emulator's URL, the arguments of a generate run that finished on it)."""
     with running_emulator(EmulatorConfig(min_tokens=5, max_tokens=20), tokenizer=kimi) as url:
-        args = [str(prompts), "--out", out, "--model", "moonshotai/kimi-k2.5", "--base-url", url, "--progress", "none",
-                "--max-tokens", "50"]
+        args = [str(_six_prompts(tmp_path)), "--out", str(tmp_path / "run"), "--model", "moonshotai/kimi-k2.5",
+                "--base-url", url, "--progress", "none", "--max-tokens", "50"]
         res = _invoke(args)
         assert res.exit_code == 0, res.output
-        line = _one_line_error(_invoke([*args[:-1], "60"]), 2)
-        assert "6 with another request (max_tokens 50 -> 60, e.g. b3-0)" in line and "--force-settings" in line
-        res = _invoke([*args[:-1], "60", "--force-settings", "--limit", "2"])
-        assert res.exit_code == 0 and "(4 other stored samples left out)" in res.output, res.output
+        yield url, args
 
-        from tokenbridge.generate import store as store_mod
 
-        def full(self):
-            self._conn.execute("ROLLBACK")
-            raise sqlite3.OperationalError("database or disk is full")
+def test_changed_settings_are_refused_then_kept_with_force_settings(finished):
+    _, args = finished
+    line = _one_line_error(_invoke([*args[:-1], "60"]), 2)
+    assert "6 with another request (max_tokens 50 -> 60, e.g. b3-0)" in line and "--force-settings" in line
+    res = _invoke([*args[:-1], "60", "--force-settings", "--limit", "2"])
+    assert res.exit_code == 0 and "(4 other stored samples left out)" in res.output, res.output
 
-        monkeypatch.setattr(store_mod.Store, "finish", full)
-        more = tmp_path / "more.jsonl"
-        more.write_text(json.dumps({"id": 1, "prompt": "new"}) + "\n", encoding="utf-8")
-        res = _invoke([str(more), *args[1:]])
+
+def test_a_store_write_failure_is_exit_6_with_a_note(finished, tmp_path, monkeypatch):
+    from tokenbridge.generate import store as store_mod
+
+    _, args = finished
+
+    def full(self):
+        self._conn.execute("ROLLBACK")
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store_mod.Store, "finish", full)
+    more = tmp_path / "more.jsonl"
+    more.write_text(json.dumps({"id": 1, "prompt": "new"}) + "\n", encoding="utf-8")
+    res = _invoke([str(more), *args[1:]])
     assert res.exit_code == 6 and "Traceback" not in res.output, res.output
     assert "note: stopping: store write failed: database or disk is full" in res.output
     assert "stopped: store_error" in res.output

@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 from typer.testing import CliRunner
 
+from conftest import ROOT
 from tokenbridge.cli import app
 from tokenbridge.emulator import EmulatorConfig, running_emulator, sample_key
 from tokenbridge.generate import GenerateSettings, RequestSettings, Store, generate_run
@@ -29,7 +30,6 @@ from tokenbridge.generate.settings import DatasetSpec
 
 FAKE_KEY = "sk-or-v1-TOKENBRIDGE-FAKE-KEY-5f3a9c1e7b2d4086"
 MODEL = "moonshotai/kimi-k2.5"
-ROOT = Path(__file__).resolve().parents[1]
 # Fields that legitimately differ between two runs of the same prompts: the provider's
 # generation id and timestamp, and our own timing / transport notes.
 VOLATILE_RESPONSE = ("id", "created")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from conftest import write_prompts
 from tokenbridge.generate import GenerateSettings, RequestSettings, Store, agenerate_run, write_exchanges
 from tokenbridge.generate.run import ExitCode
 from tokenbridge.generate.secrets import ApiKey
@@ -34,9 +35,7 @@ def _ok_body(text: str, **extra) -> dict:
 
 
 def _prompts(tmp_path: Path, n: int) -> DatasetSpec:
-    f = tmp_path / "p.jsonl"
-    f.write_text("".join(json.dumps({"id": i, "prompt": f"q{i}"}) + "\n" for i in range(n)), encoding="utf-8")
-    return DatasetSpec("b3", f)
+    return DatasetSpec("b3", write_prompts(tmp_path, n))
 
 
 def _prompt_of(body: dict) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from conftest import write_prompts
 from hostile_server import HostileServer, key_leaks
 from tokenbridge.cli import app
 from tokenbridge.generate import GenerateSettings, RequestSettings, Store, agenerate_run, write_exchanges
@@ -29,9 +30,7 @@ def server():
 
 
 def _prompts(tmp_path: Path, n: int) -> DatasetSpec:
-    f = tmp_path / "p.jsonl"
-    f.write_text("".join(json.dumps({"id": i, "prompt": f"q{i}"}) + "\n" for i in range(n)), encoding="utf-8")
-    return DatasetSpec("h", f)
+    return DatasetSpec("h", write_prompts(tmp_path, n))
 
 
 def _settings(url: str, spec: DatasetSpec, **kw) -> GenerateSettings:

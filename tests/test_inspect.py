@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from test_cli_reconstruct import EXAMPLE
+from conftest import EXAMPLE_EXCHANGES as EXAMPLE
 from tokenbridge.cli import app
 from tokenbridge.reconstruct import reconstruct_file
 

@@ -193,7 +193,7 @@ def test_fast_check_takes_the_clean_row_and_leaves_the_odd_ones(run_dir):
 
 
 def test_pipeline_reads_reconstructed_once(tmp_path, kimi_dir, monkeypatch):
-    from test_pipeline import _config
+    from conftest import write_run_config
 
     from tokenbridge import rows as rows_module
     from tokenbridge.export import onepass
@@ -209,7 +209,7 @@ def test_pipeline_reads_reconstructed_once(tmp_path, kimi_dir, monkeypatch):
     monkeypatch.setattr(onepass, "iter_rows", counting)
     monkeypatch.setattr(rows_module, "iter_rows", counting)
     monkeypatch.setattr("tokenbridge.report.collect.iter_rows", counting)
-    results = {r.name: r.status for r in run_pipeline(load_run_config(_config(tmp_path, kimi_dir)), echo=lambda _: None)}
+    results = {r.name: r.status for r in run_pipeline(load_run_config(write_run_config(tmp_path, kimi_dir)), echo=lambda _: None)}
     assert results["export:specforge"] == results["vocab"] == results["report"] == "ran"
     assert reads == ["reconstructed.jsonl"]
     out = tmp_path / "out"
@@ -222,9 +222,9 @@ def test_pipeline_reads_reconstructed_once(tmp_path, kimi_dir, monkeypatch):
     assert report["rows"]["status"] == {s: sum(r["status"] == s for r in rows) for s in ("ok", "flagged", "rejected")}
     # a rerun skips the exports, the vocabulary and the report, and reads nothing
     reads.clear()
-    again = {r.name: r.status for r in run_pipeline(load_run_config(_config(tmp_path, kimi_dir)), echo=lambda _: None)}
+    again = {r.name: r.status for r in run_pipeline(load_run_config(write_run_config(tmp_path, kimi_dir)), echo=lambda _: None)}
     assert again["export:parquet"] == again["vocab"] == again["report"] == "skipped" and reads == []
     shutil.rmtree(out / "export" / "parquet")
     reads.clear()
-    third = {r.name: r.status for r in run_pipeline(load_run_config(_config(tmp_path, kimi_dir)), echo=lambda _: None)}
+    third = {r.name: r.status for r in run_pipeline(load_run_config(write_run_config(tmp_path, kimi_dir)), echo=lambda _: None)}
     assert third["export:parquet"] == "ran" and third["export:specforge"] == "skipped" and reads == ["reconstructed.jsonl"]

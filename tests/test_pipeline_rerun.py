@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import write_run_config
 from outputs_support import cli, kill_env, leftovers
-from test_pipeline import _config
 from tokenbridge import digests
 from tokenbridge.digests import Digest, DigestCache, file_identity
 from tokenbridge.fsio import write_bytes
@@ -90,7 +90,7 @@ def aged(monkeypatch):
 
 @pytest.fixture
 def finished(tmp_path, kimi_dir, aged):
-    cfg = load_run_config(_config(tmp_path, kimi_dir))
+    cfg = load_run_config(write_run_config(tmp_path, kimi_dir))
     assert set(_run(cfg).values()) == {"ran"}
     return cfg, tmp_path / "out"
 
@@ -129,7 +129,7 @@ def test_first_run_settles_the_digests_of_fresh_files_so_the_rerun_reads_nothing
         settled.append(sorted(fresh))
 
     monkeypatch.setattr(pipeline._State, "settle", settle_later)
-    cfg = load_run_config(_config(tmp_path, kimi_dir))
+    cfg = load_run_config(write_run_config(tmp_path, kimi_dir))
     _run(cfg)
     out = tmp_path / "out"
     assert settled == [[str(out / "exchanges.jsonl"), str(out / "reconstructed.jsonl")]]
@@ -193,7 +193,7 @@ def test_replaced_exchanges_are_rewritten_from_the_store_and_nothing_else_runs(f
 
 def test_a_new_prompt_reruns_every_stage(finished, tmp_path, kimi_dir):
     cfg, out = finished
-    path = _config(tmp_path, kimi_dir)
+    path = write_run_config(tmp_path, kimi_dir)
     path.write_text(path.read_text().replace("limit = 4", "limit = 5"), encoding="utf-8")
     more = load_run_config(path)
     before = _identities(out)

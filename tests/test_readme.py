@@ -8,9 +8,8 @@ import shlex
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT
 
 
 def _commands(section: str) -> list[list[str]]:

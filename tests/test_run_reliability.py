@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import LEAKY_EMULATOR, write_run_config
 from outputs_support import cli, kill_env, leftovers, snapshot, start_cli, wait_stopped
-from test_pipeline import _config
 from tokenbridge.interrupt import STOPPED
 from tokenbridge.pipeline import PipelineError, load_run_config, run_pipeline
 
@@ -29,13 +29,13 @@ _GENERATE_FILES = ("state.sqlite", "exchanges.jsonl", "generate.json")
 def reference(kimi_dir, tmp_path_factory) -> Path:
     """The run folder of one uninterrupted ``run``."""
     root = tmp_path_factory.mktemp("reference")
-    run_pipeline(load_run_config(_config(root, kimi_dir)), echo=lambda _: None)
+    run_pipeline(load_run_config(write_run_config(root, kimi_dir)), echo=lambda _: None)
     return root / "out"
 
 
 def _resumed_copy(reference: Path, tmp_path: Path, kimi_dir: Path) -> Path:
     """A config whose run folder holds the reference's generate state only."""
-    cfg = _config(tmp_path, kimi_dir)
+    cfg = write_run_config(tmp_path, kimi_dir)
     (tmp_path / "out").mkdir()
     for name in _GENERATE_FILES:
         shutil.copy2(reference / name, tmp_path / "out" / name)
@@ -119,10 +119,9 @@ def test_run_stops_when_generate_cannot_rewrite_exchanges(reference, tmp_path, k
 def test_no_usable_rows_removes_the_old_exports_and_says_so(tmp_path, kimi_dir):
     """A rerun whose rows are all rejected must not leave the last run's export as a result."""
     emu = tmp_path / "leaky.toml"
-    emu.write_text('models = ["moonshotai/kimi-k2.5"]\n[[providers]]\nname = "leaky/int4"\nquantization = "int4"\n'
-                   "[providers.quirks]\nend_marker_leak = 1.0\n", encoding="utf-8")
+    emu.write_text(LEAKY_EMULATOR, encoding="utf-8")
     lenient = '[export]\nformats = ["specforge"]\ninclude_flagged = true\n'
-    text = _config(tmp_path, kimi_dir, lenient).read_text().replace(str(Path(__file__).parents[1] / "examples" / "emulator.toml"), str(emu))
+    text = write_run_config(tmp_path, kimi_dir, lenient, emulator=emu).read_text()
     path = tmp_path / "leaky-run.toml"
     path.write_text(text.replace("[vocab]", '[reconstruct]\nseverity = { eos_in_text = "warning" }\n\n[vocab]'),
                     encoding="utf-8")

@@ -20,14 +20,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from outputs_support import SRC, cli, kill_env, leftovers, snapshot
-from test_export_support import make_run, write_jsonl
+
 from tokenbridge.export import build_vocab, export_file
 from tokenbridge.fsio import clean_stale_temps
 from tokenbridge.report import collect_run
-
-N_EXCHANGES = 10
 
 
 def _killed(res) -> None:
@@ -90,21 +87,11 @@ def test_folder_killed_at_commit_is_old_or_new_set(tmp_path, point, how):
 # --- each stage, through the CLI ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def base(kimi, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("base")
-    exchanges, rows = make_run(kimi, N_EXCHANGES)
-    write_jsonl(root / "exchanges.jsonl", exchanges)
-    write_jsonl(root / "reconstructed.jsonl", rows)
-    write_jsonl(root / "first-half.jsonl", rows[: len(rows) // 2])
-    return root
-
-
-def test_reconstruct_killed_mid_file_then_rerun(base, kimi_dir, tmp_path):
+def test_reconstruct_killed_mid_file_then_rerun(stage_inputs, kimi_dir, tmp_path):
     ref, out = tmp_path / "ref.jsonl", tmp_path / "out" / "r.jsonl"
 
     def reconstruct(dst: Path, env=None):
-        return cli("reconstruct", str(base / "exchanges.jsonl"), "-o", str(dst), "-t", str(kimi_dir), env=env)
+        return cli("reconstruct", str(stage_inputs / "exchanges.jsonl"), "-o", str(dst), "-t", str(kimi_dir), env=env)
 
     _ok(reconstruct(ref))
     _killed(reconstruct(out, env=kill_env("reconstruct:record", 3)))
@@ -114,32 +101,32 @@ def test_reconstruct_killed_mid_file_then_rerun(base, kimi_dir, tmp_path):
 
 
 @pytest.mark.parametrize("point", ["export:row:2", "export:swapped:1"])
-def test_export_killed_then_rerun(base, tmp_path, point):
+def test_export_killed_then_rerun(stage_inputs, tmp_path, point):
     ref, out = tmp_path / "ref", tmp_path / "out"
 
     def export(src: Path, dst: Path, env=None):
         return cli("export", str(src), "-o", str(dst), "--format", "specforge", env=env)
 
-    export_file(base / "reconstructed.jsonl", ref, "specforge")
-    export_file(base / "first-half.jsonl", out, "specforge")  # an older export the new one replaces
+    export_file(stage_inputs / "reconstructed.jsonl", ref, "specforge")
+    export_file(stage_inputs / "first-half.jsonl", out, "specforge")  # an older export the new one replaces
     old = snapshot(out)
     new = {k: v.replace(str(ref).encode(), str(out).encode()) for k, v in snapshot(ref).items()}
     name, nth = point.rsplit(":", 1)
-    _killed(export(base / "reconstructed.jsonl", out, env=kill_env(name, int(nth))))
+    _killed(export(stage_inputs / "reconstructed.jsonl", out, env=kill_env(name, int(nth))))
     assert snapshot(out) in (old, new)  # the old set or the new one, never a mix
-    _ok(export(base / "reconstructed.jsonl", out))
+    _ok(export(stage_inputs / "reconstructed.jsonl", out))
     assert snapshot(out) == new and leftovers(tmp_path) == []
 
 
-def test_vocab_killed_between_its_files_keeps_one_set(base, tmp_path):
+def test_vocab_killed_between_its_files_keeps_one_set(stage_inputs, tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "out"
 
     def vocab(n: int, dst: Path, env=None):
-        return cli("vocab", str(base / "reconstructed.jsonl"), "-n", str(n), "-o", str(dst),
+        return cli("vocab", str(stage_inputs / "reconstructed.jsonl"), "-n", str(n), "-o", str(dst),
                    "--target-vocab-size", "163840", env=env, no_torch=True)
 
-    build_vocab(base / "reconstructed.jsonl", 256, ref, 163840)
-    build_vocab(base / "reconstructed.jsonl", 64, out, 163840)  # d2t/t2d of another size: must never mix
+    build_vocab(stage_inputs / "reconstructed.jsonl", 256, ref, 163840)
+    build_vocab(stage_inputs / "reconstructed.jsonl", 64, out, 163840)  # d2t/t2d of another size: must never mix
     old = snapshot(out)
     _killed(vocab(256, out, env=kill_env("vocab:written")))
     assert snapshot(out) == old
@@ -153,10 +140,10 @@ def test_vocab_killed_between_its_files_keeps_one_set(base, tmp_path):
     assert leftovers(tmp_path) == []
 
 
-def test_report_killed_between_its_files_then_rerun(base, tmp_path):
+def test_report_killed_between_its_files_then_rerun(stage_inputs, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    shutil.copy(base / "reconstructed.jsonl", run / "reconstructed.jsonl")
+    shutil.copy(stage_inputs / "reconstructed.jsonl", run / "reconstructed.jsonl")
     _killed(cli("report", str(run), env=kill_env("report:written")))
     assert not (run / "report").exists()
     _ok(cli("report", str(run)))

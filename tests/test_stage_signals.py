@@ -12,21 +12,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from outputs_support import kill_env, leftovers, start_cli, wait_stopped
-from test_export_support import make_run, write_jsonl
+
 from tokenbridge.interrupt import STOPPED
-
-N_EXCHANGES = 10
-
-
-@pytest.fixture(scope="module")
-def base(kimi, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("base")
-    exchanges, rows = make_run(kimi, N_EXCHANGES)
-    write_jsonl(root / "exchanges.jsonl", exchanges)
-    write_jsonl(root / "reconstructed.jsonl", rows)
-    return root
 
 
 def _interrupt(proc: subprocess.Popen, sig: int, group: bool = False) -> tuple[int, str]:
@@ -48,24 +36,24 @@ def _stopped_cleanly(code: int, err: str) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_reconstruct_with_a_worker_pool_stops_in_one_line(base, kimi_dir, tmp_path, sig):
+def test_reconstruct_with_a_worker_pool_stops_in_one_line(stage_inputs, kimi_dir, tmp_path, sig):
     out = tmp_path / "r.jsonl"
-    proc = start_cli("reconstruct", str(base / "exchanges.jsonl"), "-o", str(out), "-t", str(kimi_dir), "-j", "2",
+    proc = start_cli("reconstruct", str(stage_inputs / "exchanges.jsonl"), "-o", str(out), "-t", str(kimi_dir), "-j", "2",
                      env=kill_env("reconstruct:record", 2, "SIGSTOP"), start_new_session=True)
     code, err = _interrupt(proc, sig, group=sig == signal.SIGINT)  # Ctrl-C reaches the workers too
     _stopped_cleanly(code, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == [] and leftovers(tmp_path) == []
 
 
-def test_export_sigterm_keeps_the_previous_export(base, tmp_path):
-    from tokenbridge.export import export_file
-
+def test_export_sigterm_keeps_the_previous_export(stage_inputs, tmp_path):
     from outputs_support import snapshot
 
+    from tokenbridge.export import export_file
+
     out = tmp_path / "sf"
-    export_file(base / "reconstructed.jsonl", out, "specforge")
+    export_file(stage_inputs / "reconstructed.jsonl", out, "specforge")
     before = snapshot(out)
-    proc = start_cli("export", str(base / "reconstructed.jsonl"), "-o", str(out), "-f", "parquet",
+    proc = start_cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "-f", "parquet",
                      env=kill_env("export:row", 1, "SIGSTOP"))
     _stopped_cleanly(*_interrupt(proc, signal.SIGTERM))
     assert snapshot(out) == before and leftovers(tmp_path) == []
@@ -104,13 +92,13 @@ def _run(*args: str) -> tuple[int, str]:
     return proc.returncode, err
 
 
-def test_reconstruct_on_a_full_disk(base, kimi_dir, small_disk):
+def test_reconstruct_on_a_full_disk(stage_inputs, kimi_dir, small_disk):
     out = small_disk / "r.jsonl"
-    _one_error_line(_run("reconstruct", str(base / "exchanges.jsonl"), "-o", str(out), "-t", str(kimi_dir)), out)
+    _one_error_line(_run("reconstruct", str(stage_inputs / "exchanges.jsonl"), "-o", str(out), "-t", str(kimi_dir)), out)
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
 
 
-def test_export_on_a_full_disk(base, small_disk):
+def test_export_on_a_full_disk(stage_inputs, small_disk):
     out = small_disk / "sf"
-    _one_error_line(_run("export", str(base / "reconstructed.jsonl"), "-o", str(out), "-f", "specforge"), out)
+    _one_error_line(_run("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "-f", "specforge"), out)
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]

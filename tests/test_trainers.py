@@ -11,15 +11,14 @@ import importlib.metadata
 import os
 import re
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import ROOT
 from test_export_support import make_run, read_jsonl, write_jsonl
 from tokenbridge.export import build_vocab, export_file
 
-ROOT = Path(__file__).resolve().parents[1]
 V = 163840
 
 

@@ -5,16 +5,25 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import NoReturn
-from collections.abc import Iterator
+from typing import TYPE_CHECKING, NoReturn
+from collections.abc import Iterator, Mapping
 
 import typer
 
 from .display import printable
 from .exit_codes import ExitCode
 
+if TYPE_CHECKING:
+    from .checks import Policy
+    from .generate import GenerateSettings
+    from .generate.run import RunSummary
+    from .tokenizer import Tokenizer
+
 app = typer.Typer(
     add_completion=False,
+    # click's plain help and usage errors: typer's rich help imports rich.markdown and
+    # markdown_it, about 0.15 s of every start-up (`tokenbridge --help` must take <= 0.2 s)
+    rich_markup_mode=None,
     no_args_is_help=True,
     context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
     help="Exact-token training data for speculative-decoding drafts from text-only APIs.",
@@ -40,7 +49,7 @@ def _main(
 # --- reconstruct / inspect -------------------------------------------------------------
 
 
-def _policy(usage_tolerance: int, warn: list[str], error: list[str], off: list[str]):
+def _policy(usage_tolerance: int, warn: list[str], error: list[str], off: list[str]) -> Policy:
     """The severity flags, checked by the run config's ``[reconstruct]`` schema."""
     from .checks import Policy
     from .runconfig import ReconstructSection
@@ -60,7 +69,8 @@ def _dialect_flag(dialect: str | None) -> None:
     from .schema import DialectName, Where, validate
 
     if dialect is not None:
-        problems = validate(dict[str, DialectName], {"dialect": dialect}, Where("command line", flags={"dialect": "--dialect"}))[1]
+        # DialectName is a Literal built from the registry at import: a type to pydantic, a variable to mypy
+        problems = validate(dict[str, DialectName], {"dialect": dialect}, Where("command line", flags={"dialect": "--dialect"}))[1]  # type: ignore[valid-type]
         if problems:
             _fail("\n".join(problems))
 
@@ -71,6 +81,20 @@ def _fail(message: str, code: int = ExitCode.CONFIG) -> NoReturn:
         typer.echo(f"error: {line}", err=True)
     raise typer.Exit(int(code))
 
+
+def _tokenizer(flag_value: str | None, config_value: str | None = None, config: str | None = None) -> Tokenizer:
+    """The command's tokenizer: its flag, else its config's, else ``$TOKENBRIDGE_TOKENIZER``
+    (never a path guessed from the working directory); a problem is one error line, exit 2."""
+    from .tokenizer import TokenizerError, load_tokenizer
+    from .tokenizer_source import choose_tokenizer
+
+    try:
+        return load_tokenizer(choose_tokenizer(flag_value, config_value, config=config))
+    except TokenizerError as exc:
+        _fail(str(exc))
+
+
+_TOKENIZER_HELP = "Tokenizer folder or Hub repo id (default: $TOKENBRIDGE_TOKENIZER)."
 
 _SHOWN_BAD_LINES = 20  # reconstruct prints this many bad lines, then a count
 
@@ -109,7 +133,7 @@ def _writing(output: Path | None, command: str) -> Iterator[None]:
 def reconstruct(
     input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Exchange records (JSONL)."),
     output: Path = typer.Option(..., "-o", "--output", help="Output JSONL, or Parquet when it ends .parquet."),
-    tokenizer: str = typer.Option(..., "--tokenizer", "-t", help="Tokenizer folder or Hub repo id."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", "-t", help=_TOKENIZER_HELP),
     dialect: str | None = typer.Option(None, "--dialect", help="Chat format (default: from the tokenizer)."),
     workers: int = typer.Option(0, "--workers", "-j", help="Worker processes (0 = all cores)."),
     usage_tolerance: int = typer.Option(0, "--usage-tolerance", help="Allowed |ours - usage| token delta."),
@@ -127,8 +151,6 @@ def reconstruct(
     from .chat import DialectError, resolve_dialect
     from .reconstruct import reconstruct_file
     from .view import summary_table
-    from .tokenizer import TokenizerError, load_tokenizer
-
     from .traits import ProfileError, load_provider_profile
 
     policy = _policy(usage_tolerance, warn, error, off)
@@ -140,10 +162,10 @@ def reconstruct(
         except ProfileError as exc:
             _fail(f"--provider-profile: {exc}")
     with _writing(output.parent, "reconstruct"):
+        tok = _tokenizer(tokenizer)  # loading takes a while: Ctrl-C there is one line too
         try:
-            tok = load_tokenizer(tokenizer)
             resolve_dialect(tok, dialect)
-        except (TokenizerError, DialectError) as exc:
+        except DialectError as exc:
             _fail(str(exc))
         summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None,
                                    provider_profile=profile)
@@ -176,7 +198,7 @@ def reconstruct(
 def inspect(
     input: Path = typer.Argument(..., exists=True, dir_okay=False,
                                  help="Reconstruct output (JSONL or .parquet), or exchange JSONL."),
-    tokenizer: str = typer.Option(..., "--tokenizer", "-t", help="Tokenizer folder or Hub repo id."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", "-t", help=_TOKENIZER_HELP),
     sample_id: str | None = typer.Option(None, "--id", help="Sample id (default: the first record)."),
     choice: int = typer.Option(0, "--choice", min=0, help="Choice index."),
     tokens: str | None = typer.Option(None, "--tokens", help="Also list tokens A:B (positions; ':' for all)."),
@@ -185,7 +207,6 @@ def inspect(
     """Show one sample's tokens with their ids and segment kinds."""
     from rich.console import Console
 
-    from .tokenizer import TokenizerError, load_tokenizer
     from .view import check_span, find_row, parse_span, render_row
 
     if tokens is not None:
@@ -193,10 +214,7 @@ def inspect(
             parse_span(tokens)
         except ValueError as exc:
             raise typer.BadParameter(f"{tokens!r}: {exc}", param_hint="--tokens") from None
-    try:
-        tok = load_tokenizer(tokenizer)
-    except TokenizerError as exc:
-        _fail(str(exc))
+    tok = _tokenizer(tokenizer)
     try:
         row = find_row(input, tok, sample_id, choice, dialect)
     except LookupError as exc:
@@ -232,7 +250,9 @@ def generate(
     max_cost: float | None = typer.Option(None, "--max-cost", min=0, help="Stop before spending more (USD, run folder total)."),
     config: Path | None = typer.Option(None, "--config", exists=True, dir_okay=False, help="TOML/YAML settings."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Count prompt tokens and estimate cost; send nothing."),
-    tokenizer: str | None = typer.Option(None, "--tokenizer", "-t", help="Tokenizer folder (for --dry-run)."),
+    tokenizer: str | None = typer.Option(
+        None, "--tokenizer", "-t", help="Tokenizer folder (for --dry-run; default: the config's, else "
+        "$TOKENBRIDGE_TOKENIZER, else prompt tokens are approximated)."),
     limit: int | None = typer.Option(None, "--limit", min=0, help="At most N samples per dataset."),
     api_key_env: str | None = typer.Option(None, "--api-key-env", help="Env variable holding the key."),
     max_tokens: int | None = typer.Option(None, "--max-tokens", min=1),
@@ -265,42 +285,22 @@ def generate(
     130 interrupted.
     """
     from .chat import DialectError
-    from .generate import (
-        GenerateError,
-        GenerateSettings,
-        dry_run as _dry_run,
-        generate_run,
-        load_config,
-        parse_dataset_arg,
-    )
-    from .generate.settings import override_settings
-    from .schema import Where
+    from .generate import GenerateError, generate_run
     from .tokenizer import TokenizerError
 
+    flags = {
+        "base_url": base_url, "concurrency": concurrency, "max_attempts": max_attempts, "stream": stream,
+        "max_cost": max_cost, "tokenizer": tokenizer, "limit": limit, "api_key_env": api_key_env,
+        "progress": progress, "max_response_bytes": max_response_bytes, "attempt_timeout_s": attempt_timeout,
+    }
+    request = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+               "n": n, "reasoning": reasoning}
+    provider = {"order": _csv(provider_order), "only": _csv(provider_only), "ignore": _csv(provider_ignore),
+                "quantizations": _csv(quantizations), "allow_fallbacks": fallbacks}
     try:
-        settings = load_config(config) if config else GenerateSettings()
-        provider = dict(settings.request.provider or {})
-        for key, value in (("order", _csv(provider_order)), ("only", _csv(provider_only)),
-                           ("ignore", _csv(provider_ignore)), ("quantizations", _csv(quantizations)),
-                           ("allow_fallbacks", fallbacks)):
-            if value is not None:
-                provider[key] = value
-        # the flags map onto the config's schema and are checked by it (flags win over the file)
-        settings = override_settings(settings, {
-            "datasets": tuple(parse_dataset_arg(p) for p in prompts) if prompts else None,
-            "base_url": base_url, "concurrency": concurrency, "max_attempts": max_attempts, "stream": stream,
-            "max_cost": max_cost, "tokenizer": tokenizer, "limit": limit, "api_key_env": api_key_env,
-            "progress": progress, "max_response_bytes": max_response_bytes, "attempt_timeout_s": attempt_timeout,
-            "request": {
-                "model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
-                "n": n, "reasoning": reasoning, "provider": provider or None,
-            },
-        }, Where("command line", flags=_GENERATE_FLAGS))
+        settings = _generate_settings(config, prompts, flags, request, provider)
         if dry_run:
-            report = _dry_run(settings, out)
-            for line in report.lines():
-                typer.echo(line)
-            _write_summary(summary_json, report.to_dict())
+            _generate_dry_run(settings, out, summary_json)
             return
         summary = generate_run(settings, out, force_settings=force_settings)
     except KeyboardInterrupt:  # outside the send loop (loading, writing): nothing half-written is kept
@@ -309,6 +309,51 @@ def generate(
         _fail(str(exc), exc.exit_code)
     except (TokenizerError, DialectError) as exc:
         _fail(str(exc))
+    _echo_totals(summary)
+    _echo_run_problems(summary, out, quiet=settings.progress == "none")  # else the progress log showed them
+    typer.echo(f"exchanges: {summary.exchanges}"
+               + (f" ({summary.left_out} other stored samples left out)" if summary.left_out else ""))
+    _write_summary(summary_json, summary.to_dict())
+    raise typer.Exit(summary.exit_code)
+
+
+def _generate_settings(config: Path | None, prompts: list[str] | None, flags: Mapping[str, object],
+                       request: Mapping[str, object], provider: Mapping[str, object]) -> GenerateSettings:
+    """The config file's settings (or the defaults) with the given flags over them; the flags
+    map onto the config's schema and are checked by it, each problem naming its flag."""
+    from .generate import GenerateSettings, load_config, parse_dataset_arg
+    from .generate.settings import override_settings
+    from .schema import Where
+
+    settings = load_config(config) if config else GenerateSettings()
+    merged = {**(settings.request.provider or {}), **{k: v for k, v in provider.items() if v is not None}}
+    overrides = {
+        **flags,
+        "datasets": tuple(parse_dataset_arg(p) for p in prompts) if prompts else None,
+        "request": {**request, "provider": merged or None},
+    }
+    return override_settings(settings, overrides, Where("command line", flags=_GENERATE_FLAGS))
+
+
+def _generate_dry_run(settings: GenerateSettings, out: Path, summary_json: Path | None) -> None:
+    """Count and price what a run would send; exact with a tokenizer (the flag's, the config's
+    or ``$TOKENBRIDGE_TOKENIZER``), approximate without one."""
+    import dataclasses
+    import os
+
+    from .generate import dry_run
+    from .tokenizer_source import TOKENIZER_ENV
+
+    if settings.tokenizer is None and os.environ.get(TOKENIZER_ENV, "").strip():
+        settings = dataclasses.replace(settings, tokenizer=os.environ[TOKENIZER_ENV])
+    report = dry_run(settings, out)
+    for line in report.lines():
+        typer.echo(line)
+    _write_summary(summary_json, report.to_dict())
+
+
+def _echo_totals(summary: RunSummary) -> None:
+    """The run's one-line account: samples, requests, money, time."""
     typer.echo(
         f"{summary.done} done this run ({summary.already_done} before), {summary.failed} failed, "
         f"{summary.pending} pending, {len(summary.bad_rows)} bad rows; {summary.requests} requests, "
@@ -316,7 +361,11 @@ def generate(
         + (f", ${summary.spent_possible:.4f} possibly billed" if summary.spent_possible else "")
         + f") in {summary.elapsed_s:.1f}s"
     )
-    quiet = settings.progress == "none"  # otherwise the progress log already showed these
+
+
+def _echo_run_problems(summary: RunSummary, out: Path, *, quiet: bool) -> None:
+    """Bad rows, failures, unusable usage and why the run stopped, on stderr; with ``quiet``
+    (no progress log) also the first bad rows and the notes the log would have shown."""
     for row in summary.bad_rows[:5] if quiet else ():
         typer.echo(f"bad row: {row}", err=True)
     if summary.bad_rows and (len(summary.bad_rows) > 5 or not quiet):
@@ -332,10 +381,6 @@ def generate(
     if summary.stop_reason:
         typer.echo(f"stopped: {summary.stop_reason}: {summary.already_done + summary.done} of {summary.samples} "
                    f"samples kept, {summary.pending} pending (rerun the same command to continue)", err=True)
-    typer.echo(f"exchanges: {summary.exchanges}"
-               + (f" ({summary.left_out} other stored samples left out)" if summary.left_out else ""))
-    _write_summary(summary_json, summary.to_dict())
-    raise typer.Exit(summary.exit_code)
 
 
 _GENERATE_FLAGS = {
@@ -351,7 +396,7 @@ _GENERATE_FLAGS = {
 }
 
 
-def _write_summary(path: Path | None, data: dict) -> None:
+def _write_summary(path: Path | None, data: Mapping[str, object]) -> None:
     if path is None:
         return
     try:
@@ -366,9 +411,7 @@ def probe(
     providers: str = typer.Option(..., "--providers", help="Comma list of providers, e.g. chutes/int4,siliconflow/int4."),
     base_url: str = typer.Option("https://openrouter.ai/api/v1", "--base-url", help="API base URL."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the full results as JSON here."),
-    tokenizer: str | None = typer.Option(
-        None, "--tokenizer", "-t", help="Tokenizer folder (default: ../shared/tokenizers/kimi-k2.5)."
-    ),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", "-t", help=_TOKENIZER_HELP),
     max_tokens: int = typer.Option(2048, "--max-tokens", min=1),
     reasoning: str | None = typer.Option(None, "--reasoning", help="Effort (low|medium|high), or on / off."),
     api_key_env: str = typer.Option("OPENROUTER_API_KEY", "--api-key-env", help="Env variable holding the key."),
@@ -379,18 +422,14 @@ def probe(
     from .generate import GenerateError, probe as _probe, read_api_key, render_table
     from .generate.run import is_local_url
     from .generate.settings import check_base_url, normalize_reasoning
-    from .tokenizer import TokenizerError, load_tokenizer
 
-    source = tokenizer or "../shared/tokenizers/kimi-k2.5"
     try:
         check_base_url(base_url, "--base-url")
-        tok = load_tokenizer(source)
+        tok = _tokenizer(tokenizer)
         key = read_api_key(api_key_env, required=not is_local_url(base_url))
         effort = normalize_reasoning(reasoning, "--reasoning") if reasoning else None
     except GenerateError as exc:
         _fail(str(exc), exc.exit_code)
-    except TokenizerError as exc:
-        _fail(str(exc))
     names = _csv(providers) or []
     if not names:
         _fail("--providers: give at least one provider")
@@ -420,24 +459,23 @@ def emulator(
         None, "--config", "-c", exists=True, dir_okay=False, help="Emulator config (TOML or YAML)."
     ),
     tokenizer: str | None = typer.Option(
-        None, "--tokenizer", "-t", help="Tokenizer folder (default: ../shared/tokenizers/kimi-k2.5)."
+        None, "--tokenizer", "-t", help="Tokenizer folder or Hub repo id (default: the config's, else $TOKENBRIDGE_TOKENIZER)."
     ),
     seed: int | None = typer.Option(None, "--seed", help="Seed for outputs, quirks and faults."),
 ) -> None:
     """Serve a loopback OpenRouter-compatible API backed by a synthetic model (for dry runs)."""
     import dataclasses
 
-    from .emulator import DEFAULT_TOKENIZER, ConfigError, EmulatorConfig, load_emulator_config, serve
+    from .emulator import ConfigError, EmulatorConfig, load_emulator_config, serve
     from .emulator.config import emulator_config_problems
     from .schema import Where
-    from .tokenizer import TokenizerError, load_tokenizer
 
     try:
         cfg = load_emulator_config(config) if config else EmulatorConfig()
     except ConfigError as exc:
         _fail(str(exc))
-    overrides = {k: v for k, v in {"latency_ms": latency_ms, "fault_rate": fault_rate, "seed": seed}.items()
-                 if v is not None}
+    overrides: dict[str, object] = {k: v for k, v in {"latency_ms": latency_ms, "fault_rate": fault_rate,
+                                                      "seed": seed}.items() if v is not None}
     if latency_ms is not None:  # the flag wins over per-provider latencies too
         overrides["providers"] = tuple(dataclasses.replace(p, latency_ms=None) for p in cfg.providers)
     flags = {"latency_ms": "--latency-ms", "fault_rate": "--fault-rate", "seed": "--seed"}
@@ -445,13 +483,7 @@ def emulator(
     if checked is None:
         _fail("\n".join(problems))
     cfg = checked
-    source = tokenizer or cfg.tokenizer or (str(DEFAULT_TOKENIZER) if DEFAULT_TOKENIZER.is_dir() else None)
-    if source is None:
-        _fail(f"no tokenizer: {DEFAULT_TOKENIZER} does not exist here; pass --tokenizer DIR")
-    try:
-        tok = load_tokenizer(source)
-    except TokenizerError as exc:
-        _fail(str(exc))
+    tok = _tokenizer(tokenizer, cfg.tokenizer, config="the --config file")
     serve(cfg, tok, host=host, port=port, announce=typer.echo)
 
 
@@ -504,26 +536,26 @@ def vocab(
         None, "--target-vocab-size", help="Target model vocab size (the length of t2d)."
     ),
     tokenizer: str | None = typer.Option(
-        None, "--tokenizer", "-t", help="Tokenizer folder to take the target vocab size from."
+        None, "--tokenizer", "-t", help="Tokenizer folder to take the target vocab size from "
+        "(default: $TOKENBRIDGE_TOKENIZER)."
     ),
     include_flagged: bool = typer.Option(False, "--include-flagged", help="Also count 'flagged' rows."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty -o folder tokenbridge did not write "
                                "(never a run folder, the input's folder or the current folder)."),
 ) -> None:
     """Build the draft vocabulary (d2t / t2d) from token frequencies under the loss mask."""
-    from .export import ExportError, build_vocab
+    import os
 
-    if target_vocab_size is None and tokenizer is None:
-        raise typer.BadParameter("give --target-vocab-size or --tokenizer", param_hint="--target-vocab-size")
+    from .export import ExportError, build_vocab
+    from .tokenizer_source import TOKENIZER_ENV
+
+    if target_vocab_size is None and tokenizer is None and not os.environ.get(TOKENIZER_ENV, "").strip():
+        raise typer.BadParameter(f"give --target-vocab-size or --tokenizer (or set {TOKENIZER_ENV})",
+                                 param_hint="--target-vocab-size")
     try:
         with _writing(output, "vocab"):
             if target_vocab_size is None:
-                from .tokenizer import TokenizerError, load_tokenizer
-
-                try:
-                    target_vocab_size = load_tokenizer(tokenizer).vocab_size
-                except TokenizerError as exc:
-                    _fail(str(exc))
+                target_vocab_size = _tokenizer(tokenizer).vocab_size
             summary = build_vocab(input, draft_vocab_size, output, target_vocab_size, include_flagged=include_flagged,
                                   force=force)
     except (ExportError, ValueError) as exc:

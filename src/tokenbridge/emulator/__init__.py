@@ -55,12 +55,11 @@ from .config import (
     load_emulator_config,
 )
 from .hashing import sample_key
-from .runner import DEFAULT_TOKENIZER, running_emulator, serve
+from .runner import running_emulator, serve
 from .server import build_app
 from .synthetic import Generation, SyntheticModel
 
 __all__ = [
-    "DEFAULT_TOKENIZER",
     "TRANSPORT_FAULTS",
     "ConfigError",
     "EmulatorConfig",

@@ -11,26 +11,23 @@ from collections.abc import Callable, Iterator
 from aiohttp import web
 
 from ..tokenizer import Tokenizer, load_tokenizer
+from ..tokenizer_source import choose_tokenizer
 from .config import EmulatorConfig
 from .server import build_app
 
-__all__ = ["running_emulator", "serve", "DEFAULT_TOKENIZER"]
+__all__ = ["running_emulator", "serve"]
 
-#: Where the CLI looks for the tokenizer when none is given (relative to the cwd).
-DEFAULT_TOKENIZER = Path("../shared/tokenizers/kimi-k2.5")
 _START_TIMEOUT_S = 30.0
 _SHUTDOWN_TIMEOUT_S = 1.0
 
 
 def _resolve_tokenizer(tokenizer: Tokenizer | str | Path | None, config: EmulatorConfig) -> Tokenizer:
+    """The given tokenizer, else the config's, else ``$TOKENBRIDGE_TOKENIZER``
+    (:class:`~tokenbridge.tokenizer_source.NoTokenizerError` when none names one)."""
     if isinstance(tokenizer, Tokenizer):
         return tokenizer
-    source = tokenizer or config.tokenizer
-    if source is None:
-        if not DEFAULT_TOKENIZER.is_dir():
-            raise ValueError(f"no tokenizer given and {DEFAULT_TOKENIZER} does not exist; pass one")
-        source = DEFAULT_TOKENIZER
-    return load_tokenizer(source)
+    return load_tokenizer(choose_tokenizer(tokenizer, config.tokenizer, flag="tokenizer=",
+                                           config="the emulator config"))
 
 
 @contextmanager
