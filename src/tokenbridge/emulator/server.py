@@ -249,7 +249,7 @@ class _Emulator:
         except (TemplateError, KeyError, TypeError, AttributeError, ValueError) as exc:
             raise _HTTPError(400, f"cannot render the prompt from these messages: {type(exc).__name__}: {exc}") from None
         opening = self.dialect.think_open
-        entry = (self.tok.encode(text), bool(opening) and text.endswith(opening))
+        entry = (self.tok.encode(text), opening is not None and text.endswith(opening))
         self._prompts[key] = entry
         if len(self._prompts) > 4096:
             self._prompts.popitem(last=False)
