@@ -55,9 +55,6 @@ class FamilyProfile:
     content_lead_thinking: str = ""
     content_lead_instant: str = ""
     tools_when_thinking: bool = True
-    #: Whether the model sometimes opens a tool section without ``</think>`` first
-    #: (``EmulatorConfig.tool_call_without_think_close`` applies only then).
-    opens_tools_without_think_close: bool = False
     sglang_parser: str = ""
     #: SGLang's detector ``tool_start_token``: where forced reasoning ends without ``</think>``.
     sglang_tool_start: str | None = None
@@ -66,7 +63,9 @@ class FamilyProfile:
 
 
 FAMILIES: dict[str, FamilyProfile] = {p.name: p for p in (
-    FamilyProfile("kimi-k2.5", opens_tools_without_think_close=True, sglang_parser="kimi_k2",
+    # Kimi's own writer (synthetic.py) also opens tool sections without </think>
+    # (``EmulatorConfig.tool_call_without_think_close``); the other families never do.
+    FamilyProfile("kimi-k2.5", sglang_parser="kimi_k2",
                   sglang_tool_start="<|tool_calls_section_begin|>", vllm_reasoning="kimi_k2",
                   vllm_joins_added_tokens=True),
     FamilyProfile("qwen3", reasoning_frame=("\n", "\n"), content_lead_thinking="\n\n", sglang_parser="qwen3",

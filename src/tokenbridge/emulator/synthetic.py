@@ -225,6 +225,13 @@ class SyntheticModel:
         ids: list[int] = []
         for _, text in parts:
             ids += self.tok.encode(text)
+        if not self.tok.lossless:
+            # A normalising tokenizer (Qwen3's NFC) cannot emit every text: what the model
+            # wrote is what its ids decode to, part by part.
+            parts = [(kind, self.tok.decode(self.tok.encode(text))) for kind, text in parts]
+            if reasoning is not None:
+                reasoning = "".join(text for kind, text in parts if kind == "reasoning")
+            content = "".join(text for kind, text in parts if kind in ("content", "tool_calls"))
         return Generation(reasoning=reasoning, content=content, native_ids=tuple(ids), spans=tuple(parts),
                           calls=calls)
 
