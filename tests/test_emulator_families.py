@@ -25,6 +25,7 @@ from tokenbridge.chat import Dialect, TemplateError, resolve_dialect
 from tokenbridge.emulator.engines import engine_text
 from tokenbridge.emulator.families import family_profile
 from tokenbridge.emulator.synthetic import SyntheticModel
+from tokenbridge.reconstruct import reconstruct_record
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["qwen3", "deepseek-v3.1", "deepseek-v3.2", "glm-4.5"]
@@ -200,3 +201,33 @@ def test_example_config_runs_end_to_end(tmp_path, name):
     # the export holds exactly the ok rows, ids as rebuilt
     train = [json.loads(line) for line in (out / "export" / "specforge" / "train.jsonl").read_text(encoding="utf-8").splitlines()]
     assert sorted(t["input_ids"] for t in train) == sorted(r["prompt_ids"] + r["completion_ids"] for r in ok)
+
+
+def test_sglang_oracle_over_500_emulator_completions_passes_no_wrong_ids(family):
+    """The issue's oracle run: the emulator model's native completions (bundled prompts,
+    both modes, whole and cut at a random token) served by SGLang's real parser, streamed
+    or whole, then reconstructed: no sample the gate accepts has ids other than the native ones."""
+    name, tok, dialect = family
+    engine = SGLangEngine(tok, name, family_profile(dialect).sglang_parser, {tok.token_id(t) for t in dialect.end_tokens})
+    rnd = random.Random(5)
+    seen = Counter()
+    for request, thinking, gen in _generations(tok, dialect, name, 140):
+        ids = list(gen.native_ids)
+        prompt_ids = tok.encode(dialect.render_request(request))
+        for cut in (len(ids), rnd.randint(1, len(ids))):
+            stream = rnd.random() < 0.5
+            response = engine.serve(ids[:cut], len(prompt_ids), thinking=thinking, stream=stream)
+            row, = reconstruct_record({"id": "o", "request": request, "response": response}, tok)
+            seen["completions"] += 1
+            if cut == len(ids):
+                seen["whole"] += 1
+                seen["whole_dropped"] += bool(dialect.tool_markers.token and tok.token_id(dialect.tool_markers.token) in ids)
+            if row["status"] != "rejected":
+                assert row["completion_ids"] == ids[:cut] and row["prompt_ids"] == prompt_ids, (cut, row["findings"])
+                seen["accepted_" + ("cut" if cut < len(ids) else "whole")] += 1
+            else:
+                seen.update(f["code"] for f in row["findings"] if f["severity"] == "error")
+    assert seen["completions"] >= 500, seen
+    # every whole completion is rebuilt exactly, but those whose ｜DSML｜ SGLang's skip drops
+    assert seen["accepted_whole"] == seen["whole"] - seen["whole_dropped"], seen
+    assert seen["accepted_cut"] >= seen["whole"] // 2, seen
