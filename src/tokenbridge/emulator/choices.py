@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
@@ -105,8 +106,10 @@ def build_choice(
 
     tm = dialect.tool_markers
     if tm is not None and (structured_tools or hit("parse_tool_calls")):
-        parse = _parse_family_sections if gen.spans else _parse_tool_sections
-        content, calls = parse(view.content, dialect, gen)
+        if gen.spans:
+            content, calls = _parse_family_sections(view.content, dialect, gen)
+        else:
+            content, calls = _parse_tool_sections(view.content, dialect)
         if calls:
             view = replace(view, content=content, tool_calls=calls,
                            finish_reason="length" if cut else "tool_calls")
@@ -157,9 +160,9 @@ def _text_view(ids: list[int], gen: Generation, cut: bool, tok: Tokenizer, diale
 def _spans_view(ids: list[int], gen: Generation, cut: bool, tok: Tokenizer, index: int) -> ChoiceView:
     """The text view of a family generation: its own text, or after a cut the bytes the
     kept ids decode to, handed back to the parts they came from (markers shown nowhere).
-    By bytes, not ids, so a non-canonical split cannot shift a part boundary."""
+    By bytes, not ids, so a non-canonical split cannot shift a part boundary. (Its
+    ``reasoning_tokens`` is the engine's count, set by the caller.)"""
     reasoning, content = gen.reasoning, gen.content
-    reasoning_ids = 0
     if cut:
         left = len(tok.decode_bytes(ids))
         got: dict[str, bytearray] = {"reasoning": bytearray(), "content": bytearray()}
@@ -172,10 +175,8 @@ def _spans_view(ids: list[int], gen: Generation, cut: bool, tok: Tokenizer, inde
                 got["content"] += take
         reasoning = got["reasoning"].decode("utf-8", errors="ignore") if gen.reasoning is not None else None
         content = got["content"].decode("utf-8", errors="ignore")
-    else:
-        reasoning_ids = sum(len(tok.encode(t)) for k, t in gen.spans if k == "reasoning")
     return ChoiceView(index=index, reasoning=reasoning, content=content, finish_reason="length" if cut else "stop",
-                      native_ids=tuple(ids), reasoning_tokens=reasoning_ids)
+                      native_ids=tuple(ids), reasoning_tokens=0)
 
 
 def _reasoning_ids(ids: list[int], gen: Generation, tok: Tokenizer, think_close: int | None, cut: bool) -> int:
@@ -202,8 +203,7 @@ def _parse_family_sections(content: str, dialect: Dialect, gen: Generation) -> t
     around the sections stays content."""
     assert dialect.tool_markers is not None
     tm = dialect.tool_markers
-    begin = tm.section_begin
-    section = re.compile(re.escape(begin) + ".*?" + re.escape(tm.section_end), re.S)
+    section = re.compile(re.escape(tm.section_begin) + ".*?" + re.escape(tm.section_end), re.S)
     if not gen.calls or not section.search(content):
         return content, ()
     calls = tuple({"index": i, "id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
@@ -211,7 +211,7 @@ def _parse_family_sections(content: str, dialect: Dialect, gen: Generation) -> t
     return section.sub("", content), calls
 
 
-def _parse_tool_sections(content: str, dialect: Dialect, gen: Generation | None = None) -> tuple[str, tuple[dict[str, Any], ...]]:
+def _parse_tool_sections(content: str, dialect: Dialect) -> tuple[str, tuple[dict[str, Any], ...]]:
     """Complete raw sections -> structured calls; the rest of the text stays content."""
     assert dialect.tool_markers is not None
     section, call = _tool_patterns(dialect.tool_markers)
@@ -244,7 +244,9 @@ _TEXT_EDITS = (
 )
 
 
-def _apply_text_quirks(view: ChoiceView, hit, dialect: Dialect, *, ended: bool, end_text: str) -> ChoiceView:
+def _apply_text_quirks(
+    view: ChoiceView, hit: Callable[[str], bool], dialect: Dialect, *, ended: bool, end_text: str
+) -> ChoiceView:
     reasoning, content, has_key = view.reasoning, view.content, True
     thinking = reasoning is not None
     if thinking and dialect.think_close and hit("reasoning_in_content"):
