@@ -113,7 +113,7 @@ class _Emulator:
         self.latency_ms = config.latency_ms
         self.credits_usd = config.credits_usd
         self.spent_usd = 0.0
-        self._prompts: OrderedDict[tuple, tuple[list[int], bool]] = OrderedDict()
+        self._prompts: OrderedDict[tuple[str, str, bool, str], tuple[list[int], bool]] = OrderedDict()
         self._ids = itertools.count(1)
         self._models = set(config.models)
         self._active: Counter[str] = Counter()  # requests each provider is serving now
@@ -205,7 +205,7 @@ class _Emulator:
             text = text[: max(1, len(text) // 2)]
         return web.Response(text=text, content_type="application/json")
 
-    def _choices(self, req: _Request, provider: ProviderConfig, skey: str, error: dict | None,
+    def _choices(self, req: _Request, provider: ProviderConfig, skey: str, error: dict[str, Any] | None,
                  opens_think: bool) -> list[ChoiceView]:
         views = []
         for i in range(req.n):
