@@ -19,13 +19,14 @@ import pytest
 
 from test_families_support import family_tokenizer
 from tokenbridge.chat import resolve_dialect
-from tokenbridge.emulator import EmulatorConfig, ProviderConfig, running_emulator
+from tokenbridge.emulator import EmulatorConfig, ProviderConfig, ProviderQuirks, running_emulator
 from tokenbridge.generate.sse import SSEDecoder, StreamAssembler
 from tokenbridge.reconstruct import reconstruct_record
 
 TOOLS_IN_SYSTEM = "You may call these tools:\n- get_weather: current weather for a city\n"
 PROVIDERS = (ProviderConfig(name="clean/fp8"), ProviderConfig(name="sgl/fp8", engine="sglang"),
-             ProviderConfig(name="vll/fp8", engine="vllm"))
+             ProviderConfig(name="vll/fp8", engine="vllm"),
+             ProviderConfig(name="split/fp8", quirks=ProviderQuirks(noncanonical=1.0)))
 
 
 @pytest.fixture(scope="module", params=["qwen3", "deepseek-v3.1", "deepseek-v3.2", "glm-4.5"])
@@ -164,3 +165,17 @@ def test_clean_provider_counts_the_reasoning_alone_and_cuts_by_the_ids(served):
             assert row["completion_ids"] == native and [f["code"] for f in row["findings"]] == ["truncated"]
             cuts += 1
     assert cuts >= 3
+
+
+def test_noncanonical_quirk_splits_one_token_in_every_family(served):
+    """DeepSeek's markers include ids 0-2, so ordinary tokens are not "ids below the first
+    marker": the split must still find one (it did not, and the quirk was silently off)."""
+    name, tok, dialect, url = served
+    body, clean = _chat(url, "clean")
+    _, split = _chat(url, "split")
+    a, b = clean["choices"][0]["token_ids"], split["choices"][0]["token_ids"]
+    assert len(b) == len(a) + 1 and tok.decode_bytes(b) == tok.decode_bytes(a)
+    assert split["choices"][0]["message"] == clean["choices"][0]["message"]
+    row, native = _rebuild(tok, body, split)
+    assert row["status"] == "rejected" and row["completion_ids"] != native
+    assert "usage_completion_mismatch" in {f["code"] for f in row["findings"]}

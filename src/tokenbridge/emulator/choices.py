@@ -275,7 +275,10 @@ def _apply_text_quirks(
 
 @lru_cache(maxsize=4)
 def _byte_table(tok: Tokenizer) -> dict[bytes, int]:
-    return {tok.token_bytes(i): i for i in range(tok.max_ordinary_id + 1)}
+    """Ordinary token bytes -> id. Markers are skipped by id, not by a bound: DeepSeek's
+    ``<｜begin▁of▁sentence｜>`` and friends are ids 0-2."""
+    markers = tok.marker_ids
+    return {tok.token_bytes(i): i for i in range(tok.vocab_size) if i not in markers}
 
 
 def split_one_token(tok: Tokenizer, ids: list[int], where: float) -> list[int] | None:
@@ -292,7 +295,7 @@ def split_one_token(tok: Tokenizer, ids: list[int], where: float) -> list[int] |
     for off in range(n):
         i = (begin + off) % n
         t = ids[i]
-        if t > tok.max_ordinary_id:
+        if t in tok.marker_ids:
             continue
         b = tok.token_bytes(t)
         for k in range(1, len(b)):
