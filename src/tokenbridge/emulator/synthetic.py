@@ -83,7 +83,7 @@ class SyntheticModel:
         self.tool_call_without_think_close = tool_call_without_think_close
         self.min_tokens = min_tokens
         self.max_tokens = max_tokens
-        self._cache: OrderedDict[tuple, Generation] = OrderedDict()
+        self._cache: OrderedDict[tuple[Any, ...], Generation] = OrderedDict()
         self._cache_size = cache_size
         self.think_close_id = tokenizer.token_id(dialect.think_close) if dialect.think_close else None
         self.end_id = tokenizer.token_id(dialect.end_token)
@@ -108,11 +108,8 @@ class SyntheticModel:
         if hit is not None:
             self._cache.move_to_end(slot)
             return hit
-        rng = random.Random(canonical_json([self.seed, *key]))
-        if self._kimi:
-            gen = self._write(messages, tools, thinking, rng, key)
-        else:
-            gen = self._write_family(messages, tools, thinking, rng, key, prompt_opens_think)
+        gen = self._write(messages, tools, thinking, random.Random(canonical_json([self.seed, *key])), key,
+                          prompt_opens_think)
         self._cache[slot] = gen
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -120,14 +117,28 @@ class SyntheticModel:
 
     # -- writing ----------------------------------------------------------------------
 
-    def _write(self, messages, tools, thinking, rng: random.Random, key: tuple) -> Generation:
+    def _write(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None,
+        thinking: bool,
+        rng: random.Random,
+        key: tuple[Any, ...],
+        prompt_opens_think: bool,
+    ) -> Generation:
+        """One set of choices (the same draws for every family), written in the family's
+        frame and tool grammar: Kimi's own (:meth:`_assemble`), or the dialect's (:meth:`_native`)."""
         last = messages[-1] if messages else {}
+        # DeepSeek after a tool result: the prompt opens no think block and the model
+        # writes none; an engine forced into reasoning serves its answer as reasoning.
+        blockless = not self._kimi and thinking and not prompt_opens_think and not self.dialect.think_self_open
         echo = _ECHO.search(_text(last)) if last.get("role") == "user" else None
         if echo is not None:
-            return self._assemble("The user wants this text repeated exactly." if thinking else None, echo.group(1))
+            reasoning = "The user wants this text repeated exactly." if thinking and not blockless else None
+            return self._finish(reasoning, echo.group(1), thinking, prompt_opens_think, blockless, framed=False)
         topic = prose.read_topic(_text(_last_user(messages)))
         specs = tools_from_param(tools) if tools else tools_from_text(_system_text(messages))
-        if self.dialect.tool_markers is None:
+        if self.dialect.tool_markers is None or (thinking and not self.family.tools_when_thinking):
             specs = []
         budget = int(math.exp(rng.uniform(math.log(self.min_tokens), math.log(self.max_tokens))))
         share = rng.uniform(0.35, 0.7) if thinking else 0.0
@@ -139,64 +150,43 @@ class SyntheticModel:
             and last.get("role") == "user"
             and draw(self.seed, "tool_call", *key) < self.tool_call_rate
         )
+        calls: tuple[tuple[str, str], ...] = ()
         if wants_call:
-            calls = self._pick_calls(rng, specs, topic)
-            reasoning, content = prose.write_tool_preamble(rng, topic, [name for name, _ in calls])
-            section = self._tool_section(calls, _prior_calls(messages))
-            if thinking and draw(self.seed, "no_think_close", *key) < self.tool_call_without_think_close:
-                return self._assemble(reasoning, section, think_closed=False)
+            picked = self._pick_calls(rng, specs, topic)
+            reasoning, content = prose.write_tool_preamble(rng, topic, [name for name, _ in picked])
+            if self._kimi:
+                section = self._tool_section(picked, _prior_calls(messages))
+                if thinking and draw(self.seed, "no_think_close", *key) < self.tool_call_without_think_close:
+                    return self._assemble(reasoning, section, think_closed=False)
+            else:
+                # a sentence before the call always: the renderer's form of a call after
+                # empty content differs by family, and the section is cut out after it
+                content = content or f"Let me call {picked[0][0]}."
+                calls = tuple((name, json.dumps(args, ensure_ascii=False)) for name, args in picked)
+                section = tool_section_text(self.dialect, calls)
             content += section
         elif last.get("role") == "tool":
             reasoning, content = prose.write_after_tool(rng, topic, _text(last), answer_chars)
         else:
             reasoning = prose.write_reasoning(rng, topic, reasoning_chars)
             content = prose.write_answer(rng, topic, answer_chars)
-        return self._assemble(reasoning if thinking else None, content)
-
-    def _write_family(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Any] | None,
-        thinking: bool,
-        rng: random.Random,
-        key: tuple[Any, ...],
-        prompt_opens_think: bool,
-    ) -> Generation:
-        """The Kimi writer's choices (same draws), in the family's frame and grammar."""
-        fam = self.family
-        last = messages[-1] if messages else {}
-        # DeepSeek after a tool result: the prompt opens no think block and the model
-        # writes none; an engine forced into reasoning serves its answer as reasoning.
-        blockless = thinking and not prompt_opens_think and not self.dialect.think_self_open
-        echo = _ECHO.search(_text(last)) if last.get("role") == "user" else None
-        if echo is not None:
-            reasoning = "The user wants this text repeated exactly." if thinking and not blockless else None
-            return self._native(reasoning, echo.group(1), thinking, prompt_opens_think, blockless, framed=False)
-        topic = prose.read_topic(_text(_last_user(messages)))
-        specs = tools_from_param(tools) if tools else tools_from_text(_system_text(messages))
-        if self.dialect.tool_markers is None or (thinking and not fam.tools_when_thinking):
-            specs = []
-        budget = int(math.exp(rng.uniform(math.log(self.min_tokens), math.log(self.max_tokens))))
-        share = rng.uniform(0.35, 0.7) if thinking else 0.0
-        reasoning_chars = max(40, int(budget * share * 4))
-        answer_chars = max(20, int(budget * (1 - share) * 4))
-        wants_call = specs and last.get("role") == "user" and draw(self.seed, "tool_call", *key) < self.tool_call_rate
-        calls: tuple[tuple[str, str], ...] = ()
-        if wants_call:
-            picked = self._pick_calls(rng, specs, topic)
-            reasoning, content = prose.write_tool_preamble(rng, topic, [name for name, _ in picked])
-            # a sentence before the call always: the renderer's form of a call after empty
-            # content differs by family, and the section is cut out after the content
-            content = content or f"Let me call {picked[0][0]}."
-            calls = tuple((name, json.dumps(args, ensure_ascii=False)) for name, args in picked)
-            content += tool_section_text(self.dialect, calls)
-        elif last.get("role") == "tool":
-            reasoning, content = prose.write_after_tool(rng, topic, _text(last), answer_chars)
-        else:
-            reasoning = prose.write_reasoning(rng, topic, reasoning_chars)
-            content = prose.write_answer(rng, topic, answer_chars)
-        return self._native(reasoning if thinking and not blockless else None, content, thinking,
+        return self._finish(reasoning if thinking and not blockless else None, content, thinking,
                             prompt_opens_think, blockless, calls)
+
+    def _finish(
+        self,
+        reasoning: str | None,
+        content: str,
+        thinking: bool,
+        prompt_opens_think: bool,
+        blockless: bool,
+        calls: tuple[tuple[str, str], ...] = (),
+        *,
+        framed: bool = True,
+    ) -> Generation:
+        if self._kimi:
+            return self._assemble(reasoning, content)
+        return self._native(reasoning, content, thinking, prompt_opens_think, blockless, calls, framed=framed)
 
     def _native(
         self,
@@ -235,12 +225,12 @@ class SyntheticModel:
         return Generation(reasoning=reasoning, content=content, native_ids=tuple(ids), spans=tuple(parts),
                           calls=calls)
 
-    def _pick_calls(self, rng, specs: list[ToolSpec], topic) -> list[tuple[str, dict]]:
+    def _pick_calls(self, rng: random.Random, specs: list[ToolSpec], topic: prose.Topic) -> list[tuple[str, dict[str, Any]]]:
         count = 2 if len(specs) > 1 and rng.random() < 0.2 else 1
         chosen = rng.sample(specs, count)
         return [(s.name, make_arguments(rng, s, topic.phrase)) for s in chosen]
 
-    def _tool_section(self, calls: list[tuple[str, dict]], start: int) -> str:
+    def _tool_section(self, calls: list[tuple[str, dict[str, Any]]], start: int) -> str:
         tm = self.dialect.tool_markers
         assert tm is not None
         body = "".join(
