@@ -183,10 +183,10 @@ def candidates(
     if joins_markers and any("marker_spaces" in c.names for c in out):
         out = [c for c in out if "marker_spaces" in c.names]
     for marker in end_markers:
-        if marker == dialect.end_token:
-            continue
         for cand in list(out):
-            if cand.parts and cand.parts[-1][0] == "end":
+            # a reading that already ends with the named token (GLM's <|observation|>
+            # after a tool call) is that reading, not a second one
+            if cand.parts and cand.parts[-1][0] == "end" and cand.parts[-1][1] != marker:
                 out.append(Candidate([*cand.parts[:-1], ("end", marker)], (*cand.names, f"end={marker}")))
     return out
 

@@ -2,7 +2,9 @@
 
 It answers chat completions (plain JSON and SSE streams) from a deterministic synthetic
 model whose native ids come from the real tokenizer, through configurable "providers"
-that show the quirks and failures real providers do.
+that show the quirks and failures real providers do. The model family is the
+tokenizer's (Kimi K2.5, Qwen3, DeepSeek V3.1 / V3.2, GLM-4.5; :mod:`.families`), and
+``engine = "sglang"`` / ``"vllm"`` serve what those engines make of that family's ids.
 
 Stable API (the generate engine's tests use it)::
 

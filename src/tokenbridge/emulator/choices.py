@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
@@ -66,9 +67,13 @@ def build_choice(
     draw_key: tuple,
     error: dict[str, Any] | None = None,
     logprobs: LogprobsAsk | None = None,
+    stream: bool = False,
+    thinking: bool | None = None,
 ) -> ChoiceView:
-    """The choice ``provider`` returns for ``gen``; ``error`` cuts it halfway, finish "error"."""
+    """The choice ``provider`` returns for ``gen``; ``error`` cuts it halfway, finish "error";
+    ``stream``: the text as the engine's streamed deltas add up."""
     q = provider.quirks
+    thinking = gen.reasoning is not None if thinking is None else thinking
 
     def hit(name: str) -> bool:
         rate = getattr(q, name)
@@ -84,26 +89,34 @@ def build_choice(
     if cut:
         ids = ids[:limit]
     engine = provider.engine
-    view = _text_view(ids, gen, cut, tok, dialect, index)
+    view = _spans_view(ids, gen, cut, tok, index) if gen.spans else _text_view(ids, gen, cut, tok, dialect, index)
     if engine != "none":
-        shown = engine_text(tok, dialect, ids, gen.reasoning is not None, engine)
+        shown = engine_text(tok, dialect, ids, thinking, engine, stream=stream)
         ended = not cut and error is None
         view = replace(view, reasoning=shown.reasoning, content=shown.content or "", engine=engine,
                        null_content=shown.content is None,
                        reasoning_key="reasoning_content" if engine == "sglang" else "reasoning",
-                       matched_stop=tok.token_id(dialect.end_token) if engine == "sglang" and ended else None)
+                       matched_stop=ids[-1] if engine == "sglang" and ended else None)
     think_close = tok.token_id(dialect.think_close) if dialect.think_close else None
-    view = replace(view, reasoning_tokens=reasoning_token_count(ids, think_close, gen.reasoning is not None, engine))
+    if gen.spans and engine == "none":
+        count = _reasoning_ids(ids, gen, tok, think_close, cut) if thinking else 0
+    else:
+        count = reasoning_token_count(ids, think_close, thinking, engine)
+    view = replace(view, reasoning_tokens=count)
 
     tm = dialect.tool_markers
     if tm is not None and (structured_tools or hit("parse_tool_calls")):
-        content, calls = _parse_tool_sections(view.content, dialect)
+        if gen.spans:
+            content, calls = _parse_family_sections(view.content, dialect, gen)
+        else:
+            content, calls = _parse_tool_sections(view.content, dialect)
         if calls:
             view = replace(view, content=content, tool_calls=calls,
                            finish_reason="length" if cut else "tool_calls")
     if error is not None:
         view = replace(view, finish_reason="error", error=error)
-    view = _apply_text_quirks(view, hit, dialect, ended=not cut and error is None)
+    end_text = tok.marker_ids.get(ids[-1], dialect.end_token) if ids else dialect.end_token
+    view = _apply_text_quirks(view, hit, dialect, ended=not cut and error is None, end_text=end_text)
     if view.reasoning:
         details = "only" if hit("reasoning_details_only") else "both" if hit("reasoning_details") else "none"
         view = replace(view, details=details, has_reasoning_key=view.has_reasoning_key and details != "only")
@@ -144,9 +157,58 @@ def _text_view(ids: list[int], gen: Generation, cut: bool, tok: Tokenizer, diale
     )
 
 
+def _spans_view(ids: list[int], gen: Generation, cut: bool, tok: Tokenizer, index: int) -> ChoiceView:
+    """The text view of a family generation: its own text, or after a cut the bytes the
+    kept ids decode to, handed back to the parts they came from (markers shown nowhere).
+    By bytes, not ids, so a non-canonical split cannot shift a part boundary. (Its
+    ``reasoning_tokens`` is the engine's count, set by the caller.)"""
+    reasoning, content = gen.reasoning, gen.content
+    if cut:
+        left = len(tok.decode_bytes(ids))
+        got: dict[str, bytearray] = {"reasoning": bytearray(), "content": bytearray()}
+        for kind, text in gen.spans:
+            raw = text.encode("utf-8")
+            take, left = raw[:left], left - min(left, len(raw))
+            if kind == "reasoning":
+                got["reasoning"] += take
+            elif kind in ("content", "tool_calls"):
+                got["content"] += take
+        reasoning = got["reasoning"].decode("utf-8", errors="ignore") if gen.reasoning is not None else None
+        content = got["content"].decode("utf-8", errors="ignore")
+    return ChoiceView(index=index, reasoning=reasoning, content=content, finish_reason="length" if cut else "stop",
+                      native_ids=tuple(ids), reasoning_tokens=0)
+
+
+def _reasoning_ids(ids: list[int], gen: Generation, tok: Tokenizer, think_close: int | None, cut: bool) -> int:
+    """The ids of the reasoning part alone (no think markers, no GLM newline), as
+    OpenRouter-normalised providers count ``reasoning_tokens``, within the ids kept."""
+    kinds = [kind for kind, _ in gen.spans]
+    if "reasoning" not in kinds:
+        return 0
+    start = sum(len(tok.encode(text)) for _, text in gen.spans[: kinds.index("reasoning")])
+    if "think_end" in kinds:
+        stop = ids.index(think_close, start) if think_close in ids[start:] else len(ids)
+    else:  # no think block (DeepSeek after a tool result): reasoning up to the end token
+        stop = len(ids) - (0 if cut else 1)
+    return max(0, min(stop, len(ids)) - start)
+
+
 def _decode(tok: Tokenizer, ids: list[int]) -> str:
     # A cut can end inside a UTF-8 character; like a streaming detokenizer, hold it back.
     return tok.decode_bytes(ids).decode("utf-8", errors="ignore")
+
+
+def _parse_family_sections(content: str, dialect: Dialect, gen: Generation) -> tuple[str, tuple[dict[str, Any], ...]]:
+    """A family's complete sections -> the calls the model made (it knows them); the text
+    around the sections stays content."""
+    assert dialect.tool_markers is not None
+    tm = dialect.tool_markers
+    section = re.compile(re.escape(tm.section_begin) + ".*?" + re.escape(tm.section_end), re.S)
+    if not gen.calls or not section.search(content):
+        return content, ()
+    calls = tuple({"index": i, "id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
+                  for i, (name, args) in enumerate(gen.calls))
+    return section.sub("", content), calls
 
 
 def _parse_tool_sections(content: str, dialect: Dialect) -> tuple[str, tuple[dict[str, Any], ...]]:
@@ -182,7 +244,9 @@ _TEXT_EDITS = (
 )
 
 
-def _apply_text_quirks(view: ChoiceView, hit, dialect: Dialect, *, ended: bool) -> ChoiceView:
+def _apply_text_quirks(
+    view: ChoiceView, hit: Callable[[str], bool], dialect: Dialect, *, ended: bool, end_text: str
+) -> ChoiceView:
     reasoning, content, has_key = view.reasoning, view.content, True
     thinking = reasoning is not None
     if thinking and dialect.think_close and hit("reasoning_in_content"):
@@ -193,7 +257,7 @@ def _apply_text_quirks(view: ChoiceView, hit, dialect: Dialect, *, ended: bool) 
     if thinking and dialect.think_open and hit("think_open_in_reasoning"):
         reasoning = dialect.think_open + (reasoning or "")
     if ended and hit("end_marker_leak"):
-        content = content + dialect.end_token
+        content = content + end_text
     for quirk, edit in _TEXT_EDITS:
         if hit(quirk):
             content = edit(content)
@@ -211,7 +275,10 @@ def _apply_text_quirks(view: ChoiceView, hit, dialect: Dialect, *, ended: bool) 
 
 @lru_cache(maxsize=4)
 def _byte_table(tok: Tokenizer) -> dict[bytes, int]:
-    return {tok.token_bytes(i): i for i in range(tok.max_ordinary_id + 1)}
+    """Ordinary token bytes -> id. Markers are skipped by id, not by a bound: DeepSeek's
+    ``<｜begin▁of▁sentence｜>`` and friends are ids 0-2."""
+    markers = tok.marker_ids
+    return {tok.token_bytes(i): i for i in range(tok.vocab_size) if i not in markers}
 
 
 def split_one_token(tok: Tokenizer, ids: list[int], where: float) -> list[int] | None:
@@ -228,7 +295,7 @@ def split_one_token(tok: Tokenizer, ids: list[int], where: float) -> list[int] |
     for off in range(n):
         i = (begin + off) % n
         t = ids[i]
-        if t > tok.max_ordinary_id:
+        if t in tok.marker_ids:
             continue
         b = tok.token_bytes(t)
         for k in range(1, len(b)):

@@ -59,7 +59,8 @@ class ConfigError(ValueError):
 class ProviderQuirks:
     """How a provider's text view differs from what the model wrote (ids stay exact)."""
 
-    #: ``<|im_end|>`` text appended to ``content`` when the model stopped.
+    #: The end token's text (``<|im_end|>``; GLM's ``<|observation|>`` after a call) appended
+    #: to ``content`` when the model stopped.
     end_marker_leak: Rate = 0.0
     #: ``</think>`` text prepended to ``content`` (reasoning still split off).
     think_close_in_content: Rate = 0.0
@@ -152,7 +153,8 @@ class EmulatorConfig:
     credits_usd: NonNegFloat | None = None
     #: Chance that the model calls a tool when tools are offered and the user spoke last.
     tool_call_rate: Rate = 0.8
-    #: Chance that a tool call opens without ``</think>`` first (Kimi K2 does this).
+    #: Chance that a tool call opens without ``</think>`` first (Kimi K2 does this; the
+    #: other families' models never do, and ignore it).
     tool_call_without_think_close: Rate = 0.0
     #: Synthetic completion length range in tokens (log-uniform, approximate).
     min_tokens: PosInt = 30

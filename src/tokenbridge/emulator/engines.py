@@ -21,6 +21,24 @@ the engines' own code (read, not copied):
   ``reasoning_tokens`` is 0. A cut inside a UTF-8 character is held back.
 * ``none``: the emulator's own ideal text view (what OpenRouter normalizes to):
   ``reasoning_tokens`` counts the reasoning ids without ``</think>``.
+
+The other families (:mod:`.families` holds each one's parser names and quirks):
+
+* ``sglang``: the same base detector (``BaseReasoningFormatDetector``) with the family's
+  ``tool_start_token`` (``<tool_call>`` for ``qwen3``, ``glm45`` and ``deepseek-v3``),
+  special tokens as the folder's ``tokenizer.json`` marks them (DeepSeek V3.2's
+  ``｜DSML｜`` is special, so dropped). Forced reasoning strips leading ``<think>``s
+  whole (GLM's ``"\\n<think>R"`` keeps both); streamed, the parser drops the first
+  ``<think>`` wherever it comes (GLM: ``"\\nR"``).
+* ``vllm``: ``tokenizers``' own decode, no spaces (the join is only in the slow-tokenizer
+  path); ``Qwen3ReasoningParser`` / ``Glm4MoeModelReasoningParser`` split only when both
+  ``<think>`` and ``</think>`` are there, dropping what comes before ``<think>``, and
+  serve the whole text as content otherwise (a cut inside the reasoning, a tool call
+  opened without ``</think>``); ``DeepSeekV3ReasoningParser`` serves everything as
+  content unless the request asked for thinking, then reasoning until ``</think>``
+  (``DeepSeekR1ReasoningParser``). Read from vllm-project/vllm at commits 693e2a48
+  (qwen3), c9e9c484 (glm4_moe), d4f465fb (deepseek_v3), d5c95556 (deepseek_r1).
+  ``reasoning_tokens`` is 0: the base ``count_reasoning_tokens``.
 """
 
 from __future__ import annotations
@@ -30,6 +48,7 @@ from typing import Any, Literal
 
 from ..chat import Dialect
 from ..tokenizer import Tokenizer
+from .families import FamilyProfile, family_profile, skipped_ids
 
 __all__ = ["Engine", "EngineText", "engine_text", "logprob_entries", "reasoning_token_count"]
 
@@ -44,20 +63,13 @@ class EngineText:
     content: str | None
 
 
-def _skipped(tok: Tokenizer, dialect: Dialect) -> set[int]:
-    """Ids ``skip_special_tokens`` drops: every marker except the think and tool ones."""
-    keep = {m for m in (dialect.think_open, dialect.think_close) if m}
-    if dialect.tool_markers is not None:
-        tm = dialect.tool_markers
-        keep |= {tm.section_begin, tm.section_end, tm.call_begin, tm.argument_begin, tm.call_end}
-    return {i for i, text in tok.marker_ids.items() if text not in keep}
-
-
-def _detokenize(tok: Tokenizer, dialect: Dialect, ids: list[int], engine: Engine) -> str:
-    skipped = _skipped(tok, dialect)
+def _detokenize(tok: Tokenizer, dialect: Dialect, ids: list[int], engine: Engine, fam: FamilyProfile) -> str:
+    skipped = skipped_ids(tok, dialect)
     visible = [i for i in ids if i not in skipped]
     if engine == "sglang":
         return tok.decode_bytes(visible).decode("utf-8", errors="replace")
+    if not fam.vllm_joins_added_tokens:  # a fast tokenizer: its own decode, a cut character held back
+        return tok.decode_bytes(visible).decode("utf-8", errors="ignore")
     # vLLM: runs of ordinary tokens, each added token on its own, joined by one space
     pieces: list[str] = []
     run: list[int] = []
@@ -75,24 +87,61 @@ def _detokenize(tok: Tokenizer, dialect: Dialect, ids: list[int], engine: Engine
     return " " + " ".join(pieces) if pieces else ""
 
 
-def engine_text(tok: Tokenizer, dialect: Dialect, ids: list[int], thinking: bool, engine: Engine) -> EngineText:
-    """The (reasoning, content) an engine serves for completion ``ids`` (stop id included)."""
-    text = _detokenize(tok, dialect, ids, engine)
-    reasoning: str | None = None
-    content = text
-    if thinking and dialect.think_close:
-        section = dialect.tool_markers.section_begin if dialect.tool_markers is not None else None
-        at = text.find(dialect.think_close)
-        if at >= 0:
-            reasoning, content = text[:at], text[at + len(dialect.think_close):]
-        elif section and section in text:
-            at = text.index(section)
-            reasoning, content = text[:at], text[at:]
-        else:
-            reasoning, content = text, ""
+def engine_text(
+    tok: Tokenizer, dialect: Dialect, ids: list[int], thinking: bool, engine: Engine, *, stream: bool = False
+) -> EngineText:
+    """The (reasoning, content) an engine serves for completion ``ids`` (stop id included);
+    ``stream``: as the streamed deltas add up (SGLang only; vLLM is modelled whole)."""
+    fam = family_profile(dialect)
+    text = _detokenize(tok, dialect, ids, engine, fam)
+    if engine == "vllm" and fam.vllm_reasoning != "kimi_k2":
+        reasoning, content = _vllm_split(text, dialect, fam, thinking)
+        return EngineText(reasoning, content or None)
+    reasoning, content = _sglang_split(text, dialect, fam, thinking, stream=stream and engine == "sglang")
     if engine == "vllm":
         return EngineText(reasoning, content or None)
     return EngineText(reasoning or None, content)
+
+
+def _sglang_split(text: str, dialect: Dialect, fam: FamilyProfile, thinking: bool, *, stream: bool) -> tuple[str | None, str]:
+    """SGLang 0.5.23's ``BaseReasoningFormatDetector``, forced into reasoning in thinking
+    mode: split at the first ``</think>``, else at the family's tool start (kept in the
+    content), else all reasoning."""
+    opening, closing = dialect.think_open, dialect.think_close
+    if not closing or not (thinking or (opening and opening in text)):
+        return None, text
+    if opening and stream:
+        text = text.replace(opening, "", 1)
+    elif opening:
+        while text.startswith(opening):
+            text = text[len(opening):]
+    at = text.find(closing)
+    if at >= 0:
+        return text[:at], text[at + len(closing):]
+    tool = fam.sglang_tool_start
+    if tool and tool in text:
+        at = text.index(tool)
+        return text[:at], text[at:]
+    return text, ""
+
+
+def _vllm_split(text: str, dialect: Dialect, fam: FamilyProfile, thinking: bool) -> tuple[str | None, str]:
+    opening, closing = dialect.think_open or "", dialect.think_close or ""
+    if not closing:
+        return None, text
+    if fam.vllm_reasoning == "deepseek_v3":
+        if not thinking:
+            return None, text  # IdentityReasoningParser
+        if opening:
+            before, sep, after = text.partition(opening)
+            text = after if sep else before
+        reasoning, sep, content = text.partition(closing)
+        return (reasoning, content) if sep else (text, "")
+    if not opening or opening not in text or closing not in text:
+        return None, text
+    text = text.partition(opening)[2]
+    reasoning, _, content = text.partition(closing)
+    return reasoning, content
 
 
 def reasoning_token_count(ids: list[int], think_close_id: int | None, thinking: bool, engine: Engine) -> int:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from ..chat import TemplateError, resolve_dialect, thinking_enabled
+from ..chat import TemplateError, resolve_dialect
 from ..tokenizer import Tokenizer
 from .choices import ChoiceView, LogprobsAsk, build_choice
 from .config import EmulatorConfig, ProviderConfig
@@ -113,7 +113,7 @@ class _Emulator:
         self.latency_ms = config.latency_ms
         self.credits_usd = config.credits_usd
         self.spent_usd = 0.0
-        self._prompts: OrderedDict[tuple, list[int]] = OrderedDict()
+        self._prompts: OrderedDict[tuple[str, str, bool, str], tuple[list[int], bool]] = OrderedDict()
         self._ids = itertools.count(1)
         self._models = set(config.models)
         self._active: Counter[str] = Counter()  # requests each provider is serving now
@@ -178,11 +178,11 @@ class _Emulator:
             await asyncio.sleep(latency)
             raise self._fault_error(fault, provider, skey, attempt)
 
-        prompt_ids = self._prompt_ids(req, skey)
+        prompt_ids, opens_think = self._prompt_ids(req, skey)
         error = None
         if fault == "choice_error" or (fault == "midstream_error" and not req.stream):
             error = {"code": 502, "message": f"{provider.name}: the upstream connection dropped mid-generation"}
-        views = self._choices(req, provider, skey, error)
+        views = self._choices(req, provider, skey, error, opens_think)
         usage = usage_body(len(prompt_ids), views, provider.prompt_price, provider.completion_price)
         env = Envelope(
             id=f"gen-{int(time.time())}-{skey[:8]}{next(self._ids):06d}",
@@ -205,11 +205,12 @@ class _Emulator:
             text = text[: max(1, len(text) // 2)]
         return web.Response(text=text, content_type="application/json")
 
-    def _choices(self, req: _Request, provider: ProviderConfig, skey: str, error: dict | None) -> list[ChoiceView]:
+    def _choices(self, req: _Request, provider: ProviderConfig, skey: str, error: dict[str, Any] | None,
+                 opens_think: bool) -> list[ChoiceView]:
         views = []
         for i in range(req.n):
             index = 0 if req.temperature == 0 else i  # greedy: every choice is the same sample
-            gen = self.model.generate(req.messages, req.tools, req.thinking, req.seed, index)
+            gen = self.model.generate(req.messages, req.tools, req.thinking, req.seed, index, opens_think)
             views.append(build_choice(
                 gen,
                 tok=self.tok,
@@ -221,6 +222,8 @@ class _Emulator:
                 draw_key=(self.config.seed, skey, req.seed, index),
                 error=error if i == 0 else None,
                 logprobs=req.logprobs,
+                stream=req.stream,
+                thinking=req.thinking,
             ))
         return views
 
@@ -233,7 +236,8 @@ class _Emulator:
         status = 502 if draw(self.config.seed, "5xx", skey, attempt) < 0.5 else 503
         return _HTTPError(status, f"{provider.name}: provider returned error (upstream {status})")
 
-    def _prompt_ids(self, req: _Request, skey: str) -> list[int]:
+    def _prompt_ids(self, req: _Request, skey: str) -> tuple[list[int], bool]:
+        """The prompt ids, and whether the prompt text ends by opening the think block."""
         kwargs = req.body.get("chat_template_kwargs")
         key = (skey, dumps(req.tools) if req.tools else "", req.thinking, dumps(kwargs) if kwargs else "")
         hit = self._prompts.get(key)
@@ -244,11 +248,12 @@ class _Emulator:
             text = self.dialect.render_request(req.body)
         except (TemplateError, KeyError, TypeError, AttributeError, ValueError) as exc:
             raise _HTTPError(400, f"cannot render the prompt from these messages: {type(exc).__name__}: {exc}") from None
-        ids = self.tok.encode(text)
-        self._prompts[key] = ids
+        opening = self.dialect.think_open
+        entry = (self.tok.encode(text), opening is not None and text.endswith(opening))
+        self._prompts[key] = entry
         if len(self._prompts) > 4096:
             self._prompts.popitem(last=False)
-        return ids
+        return entry
 
     def _check_auth(self, request: web.Request) -> None:
         if self.config.api_key is None:
@@ -298,7 +303,7 @@ class _Emulator:
             temperature=temperature,
             stream=body.get("stream") is True,
             return_token_ids=body.get("return_token_ids") is True,
-            thinking=thinking_enabled(body),
+            thinking=self.dialect.thinking(body),
             logprobs=logprobs,
         )
 

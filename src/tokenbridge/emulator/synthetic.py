@@ -1,12 +1,20 @@
 """The deterministic model behind the emulator.
 
 For a request it writes the text parts and the *native ids* the real model would have
-emitted, built from the real tokenizer:
+emitted, built from the real tokenizer. For Kimi K2.5:
 
 * thinking: ``encode(reasoning) + [</think>] + encode(content) + [<|im_end|>]``
 * instant:  ``encode(content) + [<|im_end|>]``
 * a tool call opened without ``</think>`` (Kimi K2 does this; ``tool_call_without_think_close``):
   ``encode(reasoning) + encode(tool section) + [<|im_end|>]``
+
+Every other family (picked from the tokenizer, as the CLI picks it) writes its text in
+its own frame (:mod:`.families`: Qwen3's ``<think>\\n R \\n</think>\\n\\n C``, GLM's ``\\n``
+before the content), its tool sections as its own prompt renderer writes a tool-calling
+turn, and its ids are the parts of the dialect's own completion assembly
+(``Dialect.completion_parts``: think markers where the family writes them, GLM's
+``<|observation|>`` after a call, DeepSeek's bare answer after a tool result), each
+encoded with the real tokenizer.
 
 ``content`` may hold a raw tool-call section (marker text, which encodes to the marker
 ids). Outputs are cached per key so that serving the same sample again (retries, ``n``
@@ -27,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from ..chat import Dialect
 from ..tokenizer import Tokenizer
 from . import prose
+from .families import FamilyProfile, family_profile, tool_section_text
 from .hashing import canonical_json, draw, sample_key
 from .tool_specs import ToolSpec, make_arguments, tools_from_param, tools_from_text
 
@@ -46,6 +55,10 @@ class Generation:
     content: str  # text, raw tool-call sections included
     native_ids: tuple[int, ...]  # the completion ids, end token included
     think_closed: bool = True  # False: the model went from reasoning straight to a tool section
+    #: the completion parts (kind, text) in order, for families other than Kimi: where a cut falls
+    spans: tuple[tuple[str, str], ...] = ()
+    #: the tool calls written, as (name, JSON arguments), for families other than Kimi
+    calls: tuple[tuple[str, str], ...] = ()
 
 
 class SyntheticModel:
@@ -70,10 +83,12 @@ class SyntheticModel:
         self.tool_call_without_think_close = tool_call_without_think_close
         self.min_tokens = min_tokens
         self.max_tokens = max_tokens
-        self._cache: OrderedDict[tuple, Generation] = OrderedDict()
+        self._cache: OrderedDict[tuple[Any, ...], Generation] = OrderedDict()
         self._cache_size = cache_size
         self.think_close_id = tokenizer.token_id(dialect.think_close) if dialect.think_close else None
         self.end_id = tokenizer.token_id(dialect.end_token)
+        self.family: FamilyProfile = family_profile(dialect)
+        self._kimi = self.family.name == "kimi-k2.5"
 
     def generate(
         self,
@@ -82,28 +97,48 @@ class SyntheticModel:
         thinking: bool,
         seed: int,
         index: int,
+        prompt_opens_think: bool = True,
     ) -> Generation:
+        """``prompt_opens_think``: the rendered prompt ends with the think-open marker
+        (DeepSeek's prompt after a tool result does not, and its model then writes no
+        think block); it keys the cache, not the draws."""
         key = (sample_key(messages), canonical_json(tools) if tools else "", thinking, seed, index)
-        hit = self._cache.get(key)
+        slot = (*key, prompt_opens_think)
+        hit = self._cache.get(slot)
         if hit is not None:
-            self._cache.move_to_end(key)
+            self._cache.move_to_end(slot)
             return hit
-        gen = self._write(messages, tools, thinking, random.Random(canonical_json([self.seed, *key])), key)
-        self._cache[key] = gen
+        gen = self._write(messages, tools, thinking, random.Random(canonical_json([self.seed, *key])), key,
+                          prompt_opens_think)
+        self._cache[slot] = gen
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return gen
 
     # -- writing ----------------------------------------------------------------------
 
-    def _write(self, messages, tools, thinking, rng: random.Random, key: tuple) -> Generation:
+    def _write(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Any] | None,
+        thinking: bool,
+        rng: random.Random,
+        key: tuple[Any, ...],
+        prompt_opens_think: bool,
+    ) -> Generation:
+        """One set of choices (the same draws for every family), written in the family's
+        frame and tool grammar: Kimi's own (:meth:`_assemble`), or the dialect's (:meth:`_native`)."""
         last = messages[-1] if messages else {}
+        # DeepSeek after a tool result: the prompt opens no think block and the model
+        # writes none; an engine forced into reasoning serves its answer as reasoning.
+        blockless = not self._kimi and thinking and not prompt_opens_think and not self.dialect.think_self_open
         echo = _ECHO.search(_text(last)) if last.get("role") == "user" else None
         if echo is not None:
-            return self._assemble("The user wants this text repeated exactly." if thinking else None, echo.group(1))
+            reasoning = "The user wants this text repeated exactly." if thinking and not blockless else None
+            return self._finish(reasoning, echo.group(1), thinking, prompt_opens_think, blockless, framed=False)
         topic = prose.read_topic(_text(_last_user(messages)))
         specs = tools_from_param(tools) if tools else tools_from_text(_system_text(messages))
-        if self.dialect.tool_markers is None:
+        if self.dialect.tool_markers is None or (thinking and not self.family.tools_when_thinking):
             specs = []
         budget = int(math.exp(rng.uniform(math.log(self.min_tokens), math.log(self.max_tokens))))
         share = rng.uniform(0.35, 0.7) if thinking else 0.0
@@ -115,26 +150,87 @@ class SyntheticModel:
             and last.get("role") == "user"
             and draw(self.seed, "tool_call", *key) < self.tool_call_rate
         )
+        calls: tuple[tuple[str, str], ...] = ()
         if wants_call:
-            calls = self._pick_calls(rng, specs, topic)
-            reasoning, content = prose.write_tool_preamble(rng, topic, [name for name, _ in calls])
-            section = self._tool_section(calls, _prior_calls(messages))
-            if thinking and draw(self.seed, "no_think_close", *key) < self.tool_call_without_think_close:
-                return self._assemble(reasoning, section, think_closed=False)
+            picked = self._pick_calls(rng, specs, topic)
+            reasoning, content = prose.write_tool_preamble(rng, topic, [name for name, _ in picked])
+            if self._kimi:
+                section = self._tool_section(picked, _prior_calls(messages))
+                if thinking and draw(self.seed, "no_think_close", *key) < self.tool_call_without_think_close:
+                    return self._assemble(reasoning, section, think_closed=False)
+            else:
+                # a sentence before the call always: the renderer's form of a call after
+                # empty content differs by family, and the section is cut out after it
+                content = content or f"Let me call {picked[0][0]}."
+                calls = tuple((name, json.dumps(args, ensure_ascii=False)) for name, args in picked)
+                section = tool_section_text(self.dialect, calls)
             content += section
         elif last.get("role") == "tool":
             reasoning, content = prose.write_after_tool(rng, topic, _text(last), answer_chars)
         else:
             reasoning = prose.write_reasoning(rng, topic, reasoning_chars)
             content = prose.write_answer(rng, topic, answer_chars)
-        return self._assemble(reasoning if thinking else None, content)
+        return self._finish(reasoning if thinking and not blockless else None, content, thinking,
+                            prompt_opens_think, blockless, calls)
 
-    def _pick_calls(self, rng, specs: list[ToolSpec], topic) -> list[tuple[str, dict]]:
+    def _finish(
+        self,
+        reasoning: str | None,
+        content: str,
+        thinking: bool,
+        prompt_opens_think: bool,
+        blockless: bool,
+        calls: tuple[tuple[str, str], ...] = (),
+        *,
+        framed: bool = True,
+    ) -> Generation:
+        if self._kimi:
+            return self._assemble(reasoning, content)
+        return self._native(reasoning, content, thinking, prompt_opens_think, blockless, calls, framed=framed)
+
+    def _native(
+        self,
+        reasoning: str | None,
+        content: str,
+        thinking: bool,
+        prompt_opens_think: bool,
+        blockless: bool,
+        calls: tuple[tuple[str, str], ...] = (),
+        *,
+        framed: bool = True,
+    ) -> Generation:
+        """Frame the text (not an echo: that is the user's, verbatim), then the ids of
+        the dialect's own completion parts."""
+        fam = self.family
+        lead = fam.content_lead_thinking if thinking and not blockless else fam.content_lead_instant
+        if lead and framed:
+            content = lead + content.lstrip("\n")
+        if blockless:
+            reasoning, content = content, ""  # served as reasoning: no think block to split at
+        elif reasoning is not None:
+            opening, closing = fam.reasoning_frame
+            reasoning = opening + reasoning + closing
+        message = {"reasoning": reasoning, "content": content}
+        parts = self.dialect.completion_parts(message, "stop", thinking, prompt_opens_think)
+        ids: list[int] = []
+        for _, text in parts:
+            ids += self.tok.encode(text)
+        if not self.tok.lossless:
+            # A normalising tokenizer (Qwen3's NFC) cannot emit every text: what the model
+            # wrote is what its ids decode to, part by part.
+            parts = [(kind, self.tok.decode(self.tok.encode(text))) for kind, text in parts]
+            if reasoning is not None:
+                reasoning = "".join(text for kind, text in parts if kind == "reasoning")
+            content = "".join(text for kind, text in parts if kind in ("content", "tool_calls"))
+        return Generation(reasoning=reasoning, content=content, native_ids=tuple(ids), spans=tuple(parts),
+                          calls=calls)
+
+    def _pick_calls(self, rng: random.Random, specs: list[ToolSpec], topic: prose.Topic) -> list[tuple[str, dict[str, Any]]]:
         count = 2 if len(specs) > 1 and rng.random() < 0.2 else 1
         chosen = rng.sample(specs, count)
         return [(s.name, make_arguments(rng, s, topic.phrase)) for s in chosen]
 
-    def _tool_section(self, calls: list[tuple[str, dict]], start: int) -> str:
+    def _tool_section(self, calls: list[tuple[str, dict[str, Any]]], start: int) -> str:
         tm = self.dialect.tool_markers
         assert tm is not None
         body = "".join(
