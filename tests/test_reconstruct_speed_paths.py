@@ -9,7 +9,9 @@ prompt cache) gives, ids and findings alike.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import re
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -18,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenbridge.chat import resolve_dialect
-from tokenbridge.exchanges import iter_lines
+from tokenbridge.exchanges import RecordError, iter_lines, loads_line
 from tokenbridge.fsio import dumps_line
-from tokenbridge.reconstruct import _chunk_lines, _chunks, reconstruct_file, reconstruct_record
-from tokenbridge.tokenizer import KIMI_PAT_STR, load_tokenizer
+from tokenbridge.reconstruct import _chunk_lines, _chunks, _load, reconstruct_file, reconstruct_record
+from tokenbridge.tokenizer import KIMI_PAT_STR, load_tokenizer, marker_pattern
 
 from conftest import KIMI_DIR
 
@@ -42,9 +44,43 @@ def test_byte_chunks_read_the_lines_iter_lines_reads(lines, trailing, max_lines,
         path.write_bytes(data)
         expected = list(iter_lines(path))
         chunks = list(_chunks(path, max_lines, max_bytes))
-    assert [x for c in chunks for x in _chunk_lines(c)] == expected
+    got = [(n, _text(line)) for c in chunks for n, line in _chunk_lines(c)]
+    assert got == expected
     assert b"".join(d for _, d in chunks) == data  # every byte shipped once, in order
     assert all(d.count(b"\n") <= max_lines for _, d in chunks)
+
+
+def _text(line: bytes | str) -> str:
+    """A line as iter_lines' text: bytes lines decode as it decodes."""
+    return line.decode("utf-8", "surrogateescape") if isinstance(line, bytes) else line
+
+
+_JSONISH = st.one_of(
+    st.sampled_from([b'{"a": 1}', b'{"a": "\\ud800"}', b'{"a": "\xff"}', b'{"a": "\xe4\xb8"}', b"\xef\xbb\xbf{}",
+                     '{"字": "\u3000"}'.encode(), "\u3000".encode(), b"\x1c", b"[1, 2", b"nan", b'"x"']),
+    st.binary(max_size=12).map(lambda b: b'{"k": "' + b + b'"}'),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_JSONISH, min_size=1, max_size=6))
+def test_byte_lines_parse_as_their_text_parses(lines):
+    """A line kept as bytes gives the value (or the RecordError) that loads_line gives for
+    its text, and blank-as-text lines are skipped alike."""
+    data = b"\n".join(lines) + b"\n"
+    expected = {n: text for n, text in enumerate(io.StringIO(data.decode("utf-8", "surrogateescape"), newline=None), 1)
+                if text.strip()}
+    got = dict(_chunk_lines((1, data)))
+    assert sorted(got) == sorted(expected)
+    for n, line in got.items():
+        assert _outcome(_load, line) == _outcome(loads_line, expected[n])
+
+
+def _outcome(read, line):
+    try:
+        return ("value", read(line))
+    except RecordError as exc:
+        return ("error", exc.field, exc.detail)
 
 
 @lru_cache(maxsize=1)
@@ -163,3 +199,34 @@ def test_pool_spool_folder_is_removed_after_success_and_failure(tmp_path, kimi, 
         reconstruct_file(src, out / "full.jsonl", kimi, workers=2, chunk_lines=2)
     assert sorted(p.name for p in out.iterdir()) == ["ok.jsonl"]
     assert not any(is_temp_name(p.name) for p in out.iterdir())
+
+
+_NESTED_MARKERS = ("<a", "<ab", "<abc", "<b>", "b", "[EOS]", "[E", "<|x|>")
+
+
+@lru_cache(maxsize=1)
+def _kimi_markers() -> tuple[str, ...]:
+    return tuple(load_tokenizer(KIMI_DIR).markers)
+
+
+def _near(markers: tuple[str, ...]):
+    """Text made of markers, their prefixes and stray characters."""
+    bits = [m[:k] for m in markers for k in range(1, len(m) + 1)]
+    return st.lists(st.one_of(st.sampled_from(bits), st.text("<|>[]/abcEOS _x", max_size=4)), max_size=30).map("".join)
+
+
+def _alternation(markers) -> re.Pattern[str]:
+    """The plain form: every marker, longest first."""
+    return re.compile("(" + "|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)) + ")")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_marker_prefix_tree_matches_the_longest_first_alternation(data):
+    """The prefix-tree regex finds the same markers at the same places as the plain
+    longest-first alternation, on Kimi's 256 markers and on a set of nested prefixes."""
+    for markers in (_kimi_markers(), _NESTED_MARKERS):
+        text = data.draw(_near(markers))
+        tree, plain = marker_pattern(markers), _alternation(markers)
+        assert tree.split(text) == plain.split(text)
+        assert [m.span() for m in tree.finditer(text)] == [m.span() for m in plain.finditer(text)]

@@ -29,6 +29,8 @@ from typing import (
 )
 from collections.abc import Iterable, Iterator, Mapping
 
+import orjson
+
 from .fsio import JsonLineError, dumps_line, loads_line
 
 if TYPE_CHECKING:
@@ -311,8 +313,41 @@ class JsonlRowSink:
 
 
 def encode_row(row: Mapping[str, Any]) -> bytes:
-    """One row as its JSON line (no newline): :func:`tokenbridge.fsio.dumps_line`."""
-    return dumps_line(row)
+    """One row as its JSON line (no newline): :func:`tokenbridge.fsio.dumps_line`'s
+    bytes exactly, made faster.
+
+    ``input_ids`` and ``loss_mask`` repeat ``prompt_ids`` + ``completion_ids`` (41% of a
+    row's bytes): they are spliced from those lists' own JSON and a repeated ``0,`` /
+    ``1,`` instead of serialising every id a second time. A row whose derived columns do
+    not follow from its ids (or that has none) is serialised whole.
+    """
+    keys = list(row)
+    try:
+        at = keys.index("input_ids")
+    except ValueError:
+        return dumps_line(row)
+    prompt, completion = row.get("prompt_ids"), row.get("completion_ids")
+    if (
+        keys[at + 1 : at + 2] != ["loss_mask"]
+        or type(prompt) is not list
+        or type(completion) is not list
+        or row["input_ids"] != [*prompt, *completion]
+        or row["loss_mask"] != [0] * len(prompt) + [1] * len(completion)
+    ):
+        return dumps_line(row)
+    try:
+        head = orjson.dumps({k: row[k] for k in keys[:at]})
+        tail = orjson.dumps({k: row[k] for k in keys[at + 2 :]})
+        ids_p, ids_c = orjson.dumps(prompt), orjson.dumps(completion)
+    except TypeError:  # lone surrogates (or anything else orjson refuses): the fallback's bytes
+        return dumps_line(row)
+    ids = ids_c if not prompt else ids_p if not completion else ids_p[:-1] + b"," + ids_c[1:]
+    n = len(prompt) + len(completion)
+    mask = b"[" + (b"0," * len(prompt) + b"1," * len(completion))[:-1] + b"]" if n else b"[]"
+    return b"".join((
+        head[:-1], b"," if at else b"", b'"input_ids":', ids, b',"loss_mask":', mask,
+        b"," + tail[1:] if len(tail) > 2 else b"}",
+    ))
 
 
 def to_arrow_record(row: Mapping[str, Any], columns: Iterable[str]) -> dict[str, Any]:
