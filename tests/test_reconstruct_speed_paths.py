@@ -22,10 +22,11 @@ from hypothesis import strategies as st
 from tokenbridge.chat import resolve_dialect
 from tokenbridge.exchanges import RecordError, iter_lines, loads_line
 from tokenbridge.fsio import dumps_line
+from tokenbridge.rows import encode_row
 from tokenbridge.reconstruct import _chunk_lines, _chunks, _load, reconstruct_file, reconstruct_record
 from tokenbridge.tokenizer import KIMI_PAT_STR, load_tokenizer, marker_pattern
 
-from conftest import KIMI_DIR
+from conftest import KIMI_DIR, ROOT
 
 _LINE_BYTES = st.one_of(
     st.sampled_from([b"", b" ", b"\r", b"\xff\xfe", b"\xe4\xb8", "字".encode(), b'{"a": 1}', b"x" * 700]),
@@ -230,3 +231,46 @@ def test_marker_prefix_tree_matches_the_longest_first_alternation(data):
         tree, plain = marker_pattern(markers), _alternation(markers)
         assert tree.split(text) == plain.split(text)
         assert [m.span() for m in tree.finditer(text)] == [m.span() for m in plain.finditer(text)]
+
+
+def _row_like(prompt: list[int], completion: list[int], text: str = "é\u2028\"\\x") -> dict:
+    return {"id": "r", "choice": 0, "status": "ok", "prompt_ids": prompt, "completion_ids": completion,
+            "input_ids": [*prompt, *completion], "loss_mask": [0] * len(prompt) + [1] * len(completion),
+            "segments": [], "content": text, "messages": [{"role": "user", "content": text}]}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=20), st.lists(st.integers(0, 2**31 - 1), max_size=20),
+       st.text(max_size=20))
+def test_encoded_rows_are_the_bytes_of_the_whole_row(prompt, completion, text):
+    """encode_row splices input_ids/loss_mask from the ids' own JSON: the bytes are
+    dumps_line's for the whole row, empty lists and lone surrogates included."""
+    row = _row_like(prompt, completion, text)
+    assert encode_row(row) == dumps_line(row)
+    assert json.loads(encode_row(row)) == json.loads(dumps_line(row))
+
+
+def test_encoded_rows_fall_back_whole_when_the_derived_columns_do_not_follow():
+    row = _row_like([1, 2], [3])
+    odd = [dict(row, input_ids=[1, 2]), dict(row, loss_mask=[0, 1, 1]), {k: v for k, v in row.items() if k != "loss_mask"},
+           {k: v for k, v in row.items() if k != "input_ids"}, dict(row, prompt_ids=(1, 2))]
+    for r in odd:
+        assert encode_row(r) == dumps_line(r)
+    reordered = {"input_ids": row["input_ids"], "loss_mask": row["loss_mask"], **row}  # first keys
+    assert encode_row(reordered) == dumps_line(reordered)
+    last = {**{k: v for k, v in row.items() if k not in ("input_ids", "loss_mask")},
+            "input_ids": row["input_ids"], "loss_mask": row["loss_mask"]}  # last keys
+    assert encode_row(last) == dumps_line(last)
+
+
+def test_reconstructed_file_is_the_whole_rows_bytes(tmp_path, kimi):
+    """Every line reconstruct writes is dumps_line of the row reconstruct_record returns."""
+    src = ROOT / "examples" / "exchanges.jsonl"
+    reconstruct_file(src, tmp_path / "out.jsonl", kimi, workers=1)
+    expected = []
+    for _, line in iter_lines(src):
+        try:
+            expected += [dumps_line(r) + b"\n" for r in reconstruct_record(json.loads(line), kimi)]
+        except RecordError:
+            continue
+    assert len(expected) == 7 and (tmp_path / "out.jsonl").read_bytes() == b"".join(expected)
