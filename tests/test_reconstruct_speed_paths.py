@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tokenbridge.chat import resolve_dialect
 from tokenbridge.exchanges import RecordError, iter_lines, loads_line
 from tokenbridge.fsio import dumps_line
-from tokenbridge.rows import encode_row
+from tokenbridge.rows import DERIVED_COLUMNS, encode_lean_row, encode_row, with_derived
 from tokenbridge.reconstruct import _chunk_lines, _chunks, _load, reconstruct_file, reconstruct_record
 from tokenbridge.tokenizer import KIMI_PAT_STR, load_tokenizer, marker_pattern
 
@@ -248,6 +248,9 @@ def test_encoded_rows_are_the_bytes_of_the_whole_row(prompt, completion, text):
     row = _row_like(prompt, completion, text)
     assert encode_row(row) == dumps_line(row)
     assert json.loads(encode_row(row)) == json.loads(dumps_line(row))
+    lean = {k: v for k, v in row.items() if k not in DERIVED_COLUMNS}
+    assert with_derived(lean) == row and list(with_derived(lean)) == list(row)  # same columns, same order
+    assert encode_lean_row(lean) == dumps_line(row)
 
 
 def test_encoded_rows_fall_back_whole_when_the_derived_columns_do_not_follow():
@@ -256,6 +259,10 @@ def test_encoded_rows_fall_back_whole_when_the_derived_columns_do_not_follow():
            {k: v for k, v in row.items() if k != "input_ids"}, dict(row, prompt_ids=(1, 2))]
     for r in odd:
         assert encode_row(r) == dumps_line(r)
+    lean = {k: v for k, v in row.items() if k not in DERIVED_COLUMNS}
+    apart = {"prompt_ids": lean["prompt_ids"], **{k: v for k, v in lean.items() if k != "prompt_ids"}}
+    for r in (apart, dict(lean, content="\ud800"), dict(lean, completion_ids=(3,))):
+        assert encode_lean_row(r) == dumps_line(with_derived(r))
     reordered = {"input_ids": row["input_ids"], "loss_mask": row["loss_mask"], **row}  # first keys
     assert encode_row(reordered) == dumps_line(reordered)
     last = {**{k: v for k, v in row.items() if k not in ("input_ids", "loss_mask")},

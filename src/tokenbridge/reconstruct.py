@@ -33,7 +33,7 @@ from .hypotheses import Candidate, candidates
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
 from . import fsio
 from .outdir import check_output_file
-from .rows import JsonlRowSink, ParquetRowSink, encode_row
+from .rows import JsonlRowSink, ParquetRowSink, encode_lean_row, with_derived
 from .tokenizer import EncodeError, Tokenizer, load_tokenizer
 
 __all__ = ["RECORD_ERRORS", "BadLine", "ReconstructSummary", "reconstruct_exchange", "reconstruct_file",
@@ -101,7 +101,7 @@ def reconstruct_exchange(
 ) -> list[dict[str, Any]]:
     """One row per choice. ``traits`` holds what a whole run showed about each provider
     (count offsets, text edits): see :mod:`tokenbridge.traits`."""
-    return _reconstruct(ex, tokenizer, dialect, policy, traits)[0]
+    return [with_derived(row) for row in _reconstruct(ex, tokenizer, dialect, policy, traits)[0]]
 
 
 def _reconstruct(
@@ -111,7 +111,8 @@ def _reconstruct(
     policy: Policy | None,
     traits: Mapping[str, ProviderTrait] | None,
 ) -> tuple[list[dict[str, Any]], RecordFacts]:
-    """The rows, and what the record tells run-level detection (:mod:`.traits`)."""
+    """The rows (without their derived columns, :func:`~tokenbridge.rows.with_derived`), and
+    what the record tells run-level detection (:mod:`.traits`)."""
     dialect = dialect or resolve_dialect(tokenizer)
     policy = policy or Policy()
     request = ex.request
@@ -373,9 +374,7 @@ def _row(meta: _RowMeta, *, choice: int, prompt_ids: list[int], completion_ids: 
         "dataset": ex.dataset,
         "status": status_of(findings),
         "prompt_ids": prompt_ids,
-        "completion_ids": completion_ids,
-        "input_ids": [*prompt_ids, *completion_ids],
-        "loss_mask": [0] * len(prompt_ids) + [1] * len(completion_ids),
+        "completion_ids": completion_ids,  # input_ids and loss_mask follow from these, when written
         "segments": segments,
         "findings": [f.to_dict() for f in findings],
         "provider": meta.provider,
@@ -602,12 +601,12 @@ def _work(chunk: Chunk) -> _ChunkResult:
         briefs = [_brief(r) for r in rows]
         if as_json:
             for row in rows:
-                data = encode_row(row)
+                data = encode_lean_row(row)
                 parts += (data, b"\n")
                 end += len(data) + 1
             out.append(_Done(lineno, end, None, briefs, facts))
         else:
-            out.append(_Done(lineno, end, rows, briefs, facts))
+            out.append(_Done(lineno, end, [with_derived(r) for r in rows], briefs, facts))
     blob = b"".join(parts)
     spool = _WORKER["spool"]
     if spool is None or not blob:
