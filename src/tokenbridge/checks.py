@@ -269,8 +269,7 @@ def _marker_text(view: SampleView, policy: Policy):
     names = tok.marker_ids
     if not names:
         return
-    markers = names.keys()
-    lowest = min(names)  # an id below every marker id is no marker: max() rules most parts out fast
+    markers = set(names)
     think = {d.think_open, d.think_close} - {None}
     tool = set(d.tool_markers.all) if d.tool_markers else set()
     content = view.message.get("content")
@@ -278,7 +277,7 @@ def _marker_text(view: SampleView, policy: Policy):
     if leaked:
         yield "eos_in_text", f"content ends with {leaked!r} text (leaked); taken as the end token, not doubled"
     for (kind, part_text), ids in zip(view.parts, view.part_ids):
-        if kind not in ("reasoning", "content", "tool_calls") or not ids or max(ids) < lowest or markers.isdisjoint(ids):
+        if kind not in ("reasoning", "content", "tool_calls") or markers.isdisjoint(ids):
             continue
         found = [(pos, names[i]) for pos, i in enumerate(ids) if i in markers]
         where = "reasoning" if kind == "reasoning" else "content"

@@ -83,7 +83,9 @@ class _Choice:
         """Candidate ``k``'s completion ids (one list per candidate: never mutate it)."""
         flat = self._flat.get(k)
         if flat is None:
-            flat = self._flat[k] = list(itertools.chain.from_iterable(self.cand_ids[k]))
+            flat = self._flat[k] = []
+            for part in self.cand_ids[k]:
+                flat += part  # a list's own extend: a copy of pointers, no iterator
         return flat
 
     def counted(self, k: int) -> int:
