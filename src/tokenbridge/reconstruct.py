@@ -19,8 +19,8 @@ from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
@@ -35,6 +35,9 @@ from . import fsio
 from .outdir import check_output_file
 from .rows import JsonlRowSink, ParquetRowSink, encode_lean_row, with_derived
 from .tokenizer import EncodeError, Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from multiprocessing.pool import AsyncResult
 
 __all__ = ["RECORD_ERRORS", "BadLine", "ReconstructSummary", "reconstruct_exchange", "reconstruct_file",
            "reconstruct_record"]
@@ -342,7 +345,8 @@ def _mark_siblings(rows: list[dict[str, Any]], policy: Policy) -> None:
             row["status"] = status_of([Finding(f["code"], f["severity"], f["message"]) for f in row["findings"]])
 
 
-def _segments(n_prompt: int, parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> list[dict]:
+def _segments(n_prompt: int, parts: Sequence[tuple[str, str]],
+              part_ids: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
     segs = [{"kind": "prompt", "start": 0, "end": n_prompt}]
     pos = n_prompt
     for (kind, _), ids in zip(parts, part_ids):
@@ -364,7 +368,7 @@ class _RowMeta:
     usage: Mapping[str, Any] | None
 
 
-def _row(meta: _RowMeta, *, choice: int, prompt_ids: list[int], completion_ids: list[int], segments: list[dict],
+def _row(meta: _RowMeta, *, choice: int, prompt_ids: list[int], completion_ids: list[int], segments: list[dict[str, Any]],
          findings: list[Finding], finish_reason: Any, reasoning: str, content: str,
          reconstruction: str | None) -> dict[str, Any]:
     if not segments:
@@ -750,8 +754,8 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
                         summary.bad_lines.append(BadLine(str(src), entry.line, entry.field, entry.message))
                         continue
                     summary.add(entry.briefs, entry.facts)
-                    if entry.rows is not None:
-                        sink.write(entry.rows)
+                    if isinstance(sink, _ParquetSink):
+                        sink.write(entry.rows or ())
                     else:
                         part = view[start:entry.end]
                         try:
@@ -771,7 +775,8 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
     return summary
 
 
-def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iterator[_ChunkResult]:
+def _run_chunks(chunks: Iterator[Chunk], workers: int,
+                init_args: tuple[Any, ...]) -> Generator[_ChunkResult, None, None]:
     """Each chunk's :func:`_work` result, in input order, on ``workers`` processes."""
     if workers <= 1:
         _init_worker(*init_args[:5])  # in this process: rows stay in memory
@@ -785,7 +790,7 @@ def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iter
         _init_worker(*init_args)
     ctx = mp.get_context(method)
     with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
-        pending: deque = deque()
+        pending: deque[AsyncResult[_ChunkResult]] = deque()
         max_pending = workers * 4
         for chunk in chunks:
             pending.append(pool.apply_async(_work, (chunk,)))
