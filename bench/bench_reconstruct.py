@@ -205,6 +205,33 @@ def _texts(path: Path, tok) -> list[str]:
     return texts
 
 
+def _encode_calls(path: Path, tok) -> list[tuple[str, list[str]]]:
+    """Per record, the texts reconstruct encodes: the rendered prompt and each completion part."""
+    from tokenbridge.chat import resolve_dialect
+
+    dialect = resolve_dialect(tok)
+    calls = []
+    for line in path.open(encoding="utf-8"):
+        rec = json.loads(line)
+        choice = rec["response"]["choices"][0]
+        parts = dialect.completion_parts(choice["message"], choice.get("finish_reason"), dialect.thinking(rec["request"]))
+        calls.append((dialect.render_request(rec["request"]), [t for kind, t in parts if kind not in ("think_start", "think_end", "end")]))
+    return calls
+
+
+def bench_encode_alone(calls: list[tuple[str, list[str]]], tok) -> float:
+    """CPU seconds of reconstruct's own encoding and nothing else: each prompt through
+    ``encode_prompt`` (its piece cache starting empty, as in a fresh process) and each
+    completion part through ``encode``. What is left of reconstruct's CPU is the rest."""
+    tok._prompt_cache.__init__(tok._prompt_cache.max_bytes)
+    c = time.process_time()
+    for prompt, parts in calls:
+        tok.encode_prompt(prompt)
+        for text in parts:
+            tok.encode(text)
+    return time.process_time() - c
+
+
 def raw_encoder(tokenizer_dir: Path):
     """tiktoken built directly from the model files: the limit a re-tokenizer could reach."""
     import tiktoken
@@ -355,6 +382,7 @@ def main() -> None:
         half_chars = build_exchanges(small, tok, args.chars // 2, seed=1)
         for c in corpora.values():
             c["texts"] = _texts(c["path"], tok)
+            c["calls"] = _encode_calls(c["path"], tok)
             assert sum(map(len, c["texts"])) == c["chars"]
             c["runs"] = []
 
@@ -365,7 +393,7 @@ def main() -> None:
                 c = corpora[name]
                 raw = bench_raw_tiktoken(c["texts"], enc)
                 c["raw_ids"] = raw.pop("ids")
-                run = {"raw": raw}
+                run = {"raw": raw, "encode_alone": bench_encode_alone(c["calls"], tok)}
                 for w in worker_counts:
                     run[w] = bench_reconstruct(c["path"], args.tokenizer, w)
                     if args.baseline_src:
@@ -428,12 +456,17 @@ def main() -> None:
         )
         d = c["derived"]
         rec_cpu = statistics.median(r[w]["cpu_main"] + r[w]["cpu_workers"] for r in c["runs"])
+        alone = [r["encode_alone"] / r["raw"]["cpu"] for r in c["runs"]]
+        one = [(r[1]["cpu_main"] + r[1]["cpu_workers"]) / r["raw"]["cpu"] for r in c["runs"]]
         summary = c["runs"][-1][w]["summary"]
         lines += [
             f"{name}: ids equal raw tiktoken ids: {c['same']}/{len(c['texts'])} samples; status {summary['status']}, "
             f"codes {summary['codes']}",
             f"{name}: {w} idle cores at these CPU seconds would give {w / cpu_ratio:.2f}x raw "
             f"(= {w} / CPU s per raw CPU s; an upper bound: perfect overlap, no wait on the main process)",
+            f"{name}: the floor: reconstruct's own encode calls alone (prompt pieces cached, as in one process) cost "
+            f"{_median_range(alone)} raw CPU s; one process's whole reconstruct {_median_range(one)}, so the rest "
+            f"(parse, render, the gate, the rows) is {statistics.median(one) - statistics.median(alone):.2f}",
             f"{name}: input_ids + loss_mask are {d['derived_bytes'] / d['bytes']:.0%} of reconstructed.jsonl's bytes; "
             f"spliced (as written) they cost {d['cpu_spliced']:.3f} CPU s, {d['cpu_spliced'] / rec_cpu:.1%} of "
             f"reconstruct's CPU seconds; built and serialised as lists {d['cpu_lists']:.3f} CPU s "
