@@ -547,7 +547,7 @@ def _chunk_lines(chunk: Chunk) -> Iterator[tuple[int, bytes | str]]:
     """The records of these lines, numbered as :func:`~tokenbridge.exchanges.iter_lines`
     numbers them (UTF-8 with surrogate escapes, universal newlines, blank lines skipped).
 
-    Where only ``\n`` ends lines, a line stays bytes (orjson reads them as they are: no
+    Where no CR is in the chunk (LF ends every line), a line stays bytes (orjson reads them as they are: no
     decode, no second UTF-8 pass); a line that may be blank as text is decoded to decide.
     """
     first, data = chunk
