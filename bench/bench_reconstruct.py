@@ -205,6 +205,33 @@ def _texts(path: Path, tok) -> list[str]:
     return texts
 
 
+def _encode_calls(path: Path, tok) -> list[tuple[str, list[str]]]:
+    """Per record, the texts reconstruct encodes: the rendered prompt and each completion part."""
+    from tokenbridge.chat import resolve_dialect
+
+    dialect = resolve_dialect(tok)
+    calls = []
+    for line in path.open(encoding="utf-8"):
+        rec = json.loads(line)
+        choice = rec["response"]["choices"][0]
+        parts = dialect.completion_parts(choice["message"], choice.get("finish_reason"), dialect.thinking(rec["request"]))
+        calls.append((dialect.render_request(rec["request"]), [t for kind, t in parts if kind not in ("think_start", "think_end", "end")]))
+    return calls
+
+
+def bench_encode_alone(calls: list[tuple[str, list[str]]], tok) -> float:
+    """CPU seconds of reconstruct's own encoding and nothing else: each prompt through
+    ``encode_prompt`` (its piece cache starting empty, as in a fresh process) and each
+    completion part through ``encode``. What is left of reconstruct's CPU is the rest."""
+    tok._prompt_cache.__init__(tok._prompt_cache.max_bytes)
+    c = time.process_time()
+    for prompt, parts in calls:
+        tok.encode_prompt(prompt)
+        for text in parts:
+            tok.encode(text)
+    return time.process_time() - c
+
+
 def raw_encoder(tokenizer_dir: Path):
     """tiktoken built directly from the model files: the limit a re-tokenizer could reach."""
     import tiktoken
@@ -248,10 +275,22 @@ def bench_reconstruct(src: Path, tokenizer_dir: Path, workers: int, code_dir: Pa
     """Run reconstruct in a fresh process; report wall time (tokenizer load apart: a
     fixed ~0.3 s per process), CPU seconds of the main process and of the workers, and
     peak RSS (main + workers)."""
+    log = f"{src}.busy.{workers}"
     code = (
-        "import json, resource, sys, time\n"
+        "import functools, json, os, resource, sys, time\n"
+        "import tokenbridge.reconstruct as R\n"
         "from tokenbridge.reconstruct import reconstruct_file\n"
         "from tokenbridge.tokenizer import load_tokenizer\n"
+        "# each chunk's wall span in its worker, to see how busy the workers were (idle cores only)\n"
+        f"LOG = {log!r}\n"
+        "_work = R._work\n"
+        "@functools.wraps(_work)\n"
+        "def timed(chunk):\n"
+        "    t0 = time.perf_counter(); out = _work(chunk); t1 = time.perf_counter()\n"
+        "    with open(LOG, 'a') as fh: fh.write(f'{os.getpid()} {t0} {t1}\\n')\n"
+        "    return out\n"
+        "R._work = timed\n"
+        "open(LOG, 'w').close()\n"
         "def cpu(who):\n"
         "    r = resource.getrusage(who)\n"
         "    return r.ru_utime + r.ru_stime\n"
@@ -262,12 +301,18 @@ def bench_reconstruct(src: Path, tokenizer_dir: Path, workers: int, code_dir: Pa
         "t = time.perf_counter()\n"
         f"s = reconstruct_file({str(src)!r}, {str(src) + '.out.jsonl'!r}, tok, workers={workers})\n"
         "dt = time.perf_counter() - t\n"
+        "spans = {}\n"
+        "for line in open(LOG):\n"
+        "    pid, a, b = line.split(); spans.setdefault(pid, []).append((float(a), float(b)))\n"
+        "busy = sum(b - a for v in spans.values() for a, b in v) / (max(len(spans), 1) * dt)\n"
+        "tail = (t + dt - min(max(b for _, b in v) for v in spans.values())) / dt if len(spans) > 1 else 0.0\n"
         "c_main, c_kids = cpu(resource.RUSAGE_SELF) - c_main, cpu(resource.RUSAGE_CHILDREN) - c_kids\n"
         "# VmHWM: ru_maxrss keeps the high-water mark of the forked bench process across exec\n"
         "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')]\n"
         "main = int(hwm[0].split()[1]) if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
-        "print(json.dumps({'seconds': dt, 'load_s': load, 'cpu_main': c_main, 'cpu_workers': c_kids,\n"
+        "print(json.dumps({'seconds': dt, 'load_s': load, 'cpu_main': c_main, 'cpu_workers': c_kids, 'busy': busy,\n"
+        "                  'tail': tail,\n"
         "                  'rss_main_mb': main / 1024, 'rss_worker_mb': kids / 1024, 'summary': s.to_dict()}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(code_dir)} if code_dir else None
@@ -277,27 +322,34 @@ def bench_reconstruct(src: Path, tokenizer_dir: Path, workers: int, code_dir: Pa
 
 def derived_fields_cost(out_path: Path) -> dict:
     """What ``input_ids`` and ``loss_mask`` cost, measured on reconstruct's own output:
-    their share of the file's bytes, and the CPU seconds to build and serialise them (the
-    worker's part; writing and shipping the bytes come on top)."""
+    their share of the file's bytes, and the CPU seconds they add to encoding the rows,
+    spliced as reconstruct writes them (``rows.encode_lean_row``) and built and serialised
+    as lists (what it did before); writing the bytes comes on top."""
     import orjson
+
+    from tokenbridge.rows import DERIVED_COLUMNS, encode_lean_row
 
     rows = [orjson.loads(line) for line in out_path.open("rb")]
     total = sum(len(orjson.dumps(r)) + 1 for r in rows)
-    lean = [{k: v for k, v in r.items() if k not in ("input_ids", "loss_mask")} for r in rows]
+    lean = [{k: v for k, v in r.items() if k not in DERIVED_COLUMNS} for r in rows]
     derived = total - sum(len(orjson.dumps(r)) + 1 for r in lean)
-    best_full = best_lean = float("inf")
+    best = {"lists": float("inf"), "spliced": float("inf"), "none": float("inf")}
     for _ in range(3):
         c = time.process_time()
-        for r in rows:
+        for r in lean:
             p, q = r["prompt_ids"], r["completion_ids"]
-            r["input_ids"], r["loss_mask"] = [*p, *q], [0] * len(p) + [1] * len(q)
-            orjson.dumps(r)
-        best_full = min(best_full, time.process_time() - c)
+            orjson.dumps({**r, "input_ids": [*p, *q], "loss_mask": [0] * len(p) + [1] * len(q)})
+        best["lists"] = min(best["lists"], time.process_time() - c)
+        c = time.process_time()
+        for r in lean:
+            encode_lean_row(r)
+        best["spliced"] = min(best["spliced"], time.process_time() - c)
         c = time.process_time()
         for r in lean:
             orjson.dumps(r)
-        best_lean = min(best_lean, time.process_time() - c)
-    return {"bytes": total, "derived_bytes": derived, "cpu_saved": best_full - best_lean}
+        best["none"] = min(best["none"], time.process_time() - c)
+    return {"bytes": total, "derived_bytes": derived, "cpu_lists": best["lists"] - best["none"],
+            "cpu_spliced": best["spliced"] - best["none"]}
 
 
 def _median_range(values: list[float], fmt: str = "{:.2f}") -> str:
@@ -330,6 +382,7 @@ def main() -> None:
         half_chars = build_exchanges(small, tok, args.chars // 2, seed=1)
         for c in corpora.values():
             c["texts"] = _texts(c["path"], tok)
+            c["calls"] = _encode_calls(c["path"], tok)
             assert sum(map(len, c["texts"])) == c["chars"]
             c["runs"] = []
 
@@ -340,7 +393,7 @@ def main() -> None:
                 c = corpora[name]
                 raw = bench_raw_tiktoken(c["texts"], enc)
                 c["raw_ids"] = raw.pop("ids")
-                run = {"raw": raw}
+                run = {"raw": raw, "encode_alone": bench_encode_alone(c["calls"], tok)}
                 for w in worker_counts:
                     run[w] = bench_reconstruct(c["path"], args.tokenizer, w)
                     if args.baseline_src:
@@ -373,8 +426,12 @@ def main() -> None:
         "Medians (ranges) over the rounds; each ratio is against raw tiktoken in the same round.",
         "CPU efficiency = CPU seconds (main + workers) / wall seconds; raw's is its own process's.",
         "",
-        "| corpus | raw s | raw CPU efficiency | reconstruct, workers | s | ratio vs raw | CPU efficiency | CPU s / raw CPU s | main-process CPU share |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "Workers busy = the share of the run's wall time the workers spent inside chunks (1.0: never waiting);",
+        "tail = the share of the run after the first worker took its last chunk's result home (the other one idle).",
+        "",
+        "| corpus | raw s | raw CPU efficiency | reconstruct, workers | s | ratio vs raw | CPU efficiency | CPU s / raw CPU s "
+        "| main-process CPU share | workers busy | tail |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     keys = [k for wc in worker_counts for k in ([wc, f"baseline {wc}"] if args.baseline_src else [wc])]
     for name, c in corpora.items():
@@ -389,7 +446,8 @@ def main() -> None:
                 f"{_median_range([r['raw']['seconds'] / r[wc]['seconds'] for r in c['runs']])} | "
                 f"{_median_range([cp / x['seconds'] for cp, x in zip(cpu, rec)])} | "
                 f"{_median_range([cp / r['raw']['cpu'] for cp, r in zip(cpu, c['runs'])])} | "
-                f"{_median_range([x['cpu_main'] / cp for cp, x in zip(cpu, rec)], '{:.0%}')} |"
+                f"{_median_range([x['cpu_main'] / cp for cp, x in zip(cpu, rec)], '{:.0%}')} | "
+                f"{_median_range([x['busy'] for x in rec])} | {_median_range([x['tail'] for x in rec], '{:.0%}')} |"
             )
     lines.append("")
     for name, c in corpora.items():
@@ -398,15 +456,21 @@ def main() -> None:
         )
         d = c["derived"]
         rec_cpu = statistics.median(r[w]["cpu_main"] + r[w]["cpu_workers"] for r in c["runs"])
+        alone = [r["encode_alone"] / r["raw"]["cpu"] for r in c["runs"]]
+        one = [(r[1]["cpu_main"] + r[1]["cpu_workers"]) / r["raw"]["cpu"] for r in c["runs"]]
         summary = c["runs"][-1][w]["summary"]
         lines += [
             f"{name}: ids equal raw tiktoken ids: {c['same']}/{len(c['texts'])} samples; status {summary['status']}, "
             f"codes {summary['codes']}",
             f"{name}: {w} idle cores at these CPU seconds would give {w / cpu_ratio:.2f}x raw "
             f"(= {w} / CPU s per raw CPU s; an upper bound: perfect overlap, no wait on the main process)",
+            f"{name}: the floor: reconstruct's own encode calls alone (prompt pieces cached, as in one process) cost "
+            f"{_median_range(alone)} raw CPU s; one process's whole reconstruct {_median_range(one)}, so the rest "
+            f"(parse, render, the gate, the rows) is {statistics.median(one) - statistics.median(alone):.2f}",
             f"{name}: input_ids + loss_mask are {d['derived_bytes'] / d['bytes']:.0%} of reconstructed.jsonl's bytes; "
-            f"building and serialising them costs {d['cpu_saved']:.2f} CPU s, {d['cpu_saved'] / rec_cpu:.0%} of "
-            f"reconstruct's CPU seconds (before shipping and writing those bytes)",
+            f"spliced (as written) they cost {d['cpu_spliced']:.3f} CPU s, {d['cpu_spliced'] / rec_cpu:.1%} of "
+            f"reconstruct's CPU seconds; built and serialised as lists {d['cpu_lists']:.3f} CPU s "
+            f"({d['cpu_lists'] / rec_cpu:.1%}); writing the bytes comes on top",
         ]
     first = corpora["bench"]["runs"][-1][w]
     lines += [

@@ -9,7 +9,9 @@ prompt cache) gives, ids and findings alike.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import re
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -18,12 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenbridge.chat import resolve_dialect
-from tokenbridge.exchanges import iter_lines
+from tokenbridge.exchanges import RecordError, iter_lines, loads_line
 from tokenbridge.fsio import dumps_line
-from tokenbridge.reconstruct import _chunk_lines, _chunks, reconstruct_file, reconstruct_record
-from tokenbridge.tokenizer import KIMI_PAT_STR, load_tokenizer
+from tokenbridge.rows import DERIVED_COLUMNS, encode_lean_row, encode_row, with_derived
+from tokenbridge.reconstruct import _chunk_lines, _chunks, _load, reconstruct_file, reconstruct_record
+from tokenbridge.tokenizer import KIMI_PAT_STR, load_tokenizer, marker_pattern
 
-from conftest import KIMI_DIR
+from conftest import KIMI_DIR, ROOT
 
 _LINE_BYTES = st.one_of(
     st.sampled_from([b"", b" ", b"\r", b"\xff\xfe", b"\xe4\xb8", "字".encode(), b'{"a": 1}', b"x" * 700]),
@@ -42,9 +45,43 @@ def test_byte_chunks_read_the_lines_iter_lines_reads(lines, trailing, max_lines,
         path.write_bytes(data)
         expected = list(iter_lines(path))
         chunks = list(_chunks(path, max_lines, max_bytes))
-    assert [x for c in chunks for x in _chunk_lines(c)] == expected
+    got = [(n, _text(line)) for c in chunks for n, line in _chunk_lines(c)]
+    assert got == expected
     assert b"".join(d for _, d in chunks) == data  # every byte shipped once, in order
     assert all(d.count(b"\n") <= max_lines for _, d in chunks)
+
+
+def _text(line: bytes | str) -> str:
+    """A line as iter_lines' text: bytes lines decode as it decodes."""
+    return line.decode("utf-8", "surrogateescape") if isinstance(line, bytes) else line
+
+
+_JSONISH = st.one_of(
+    st.sampled_from([b'{"a": 1}', b'{"a": "\\ud800"}', b'{"a": "\xff"}', b'{"a": "\xe4\xb8"}', b"\xef\xbb\xbf{}",
+                     '{"字": "\u3000"}'.encode(), "\u3000".encode(), b"\x1c", b"[1, 2", b"nan", b'"x"']),
+    st.binary(max_size=12).map(lambda b: b'{"k": "' + b + b'"}'),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_JSONISH, min_size=1, max_size=6))
+def test_byte_lines_parse_as_their_text_parses(lines):
+    """A line kept as bytes gives the value (or the RecordError) that loads_line gives for
+    its text, and blank-as-text lines are skipped alike."""
+    data = b"\n".join(lines) + b"\n"
+    expected = {n: text for n, text in enumerate(io.StringIO(data.decode("utf-8", "surrogateescape"), newline=None), 1)
+                if text.strip()}
+    got = dict(_chunk_lines((1, data)))
+    assert sorted(got) == sorted(expected)
+    for n, line in got.items():
+        assert _outcome(_load, line) == _outcome(loads_line, expected[n])
+
+
+def _outcome(read, line):
+    try:
+        return ("value", read(line))
+    except RecordError as exc:
+        return ("error", exc.field, exc.detail)
 
 
 @lru_cache(maxsize=1)
@@ -163,3 +200,84 @@ def test_pool_spool_folder_is_removed_after_success_and_failure(tmp_path, kimi, 
         reconstruct_file(src, out / "full.jsonl", kimi, workers=2, chunk_lines=2)
     assert sorted(p.name for p in out.iterdir()) == ["ok.jsonl"]
     assert not any(is_temp_name(p.name) for p in out.iterdir())
+
+
+_NESTED_MARKERS = ("<a", "<ab", "<abc", "<b>", "b", "[EOS]", "[E", "<|x|>")
+
+
+@lru_cache(maxsize=1)
+def _kimi_markers() -> tuple[str, ...]:
+    return tuple(load_tokenizer(KIMI_DIR).markers)
+
+
+def _near(markers: tuple[str, ...]):
+    """Text made of markers, their prefixes and stray characters."""
+    bits = [m[:k] for m in markers for k in range(1, len(m) + 1)]
+    return st.lists(st.one_of(st.sampled_from(bits), st.text("<|>[]/abcEOS _x", max_size=4)), max_size=30).map("".join)
+
+
+def _alternation(markers) -> re.Pattern[str]:
+    """The plain form: every marker, longest first."""
+    return re.compile("(" + "|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)) + ")")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_marker_prefix_tree_matches_the_longest_first_alternation(data):
+    """The prefix-tree regex finds the same markers at the same places as the plain
+    longest-first alternation, on Kimi's 256 markers and on a set of nested prefixes."""
+    for markers in (_kimi_markers(), _NESTED_MARKERS):
+        text = data.draw(_near(markers))
+        tree, plain = marker_pattern(markers), _alternation(markers)
+        assert tree.split(text) == plain.split(text)
+        assert [m.span() for m in tree.finditer(text)] == [m.span() for m in plain.finditer(text)]
+
+
+def _row_like(prompt: list[int], completion: list[int], text: str = "é\u2028\"\\x") -> dict:
+    return {"id": "r", "choice": 0, "status": "ok", "prompt_ids": prompt, "completion_ids": completion,
+            "input_ids": [*prompt, *completion], "loss_mask": [0] * len(prompt) + [1] * len(completion),
+            "segments": [], "content": text, "messages": [{"role": "user", "content": text}]}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=20), st.lists(st.integers(0, 2**31 - 1), max_size=20),
+       st.text(max_size=20))
+def test_encoded_rows_are_the_bytes_of_the_whole_row(prompt, completion, text):
+    """encode_row splices input_ids/loss_mask from the ids' own JSON: the bytes are
+    dumps_line's for the whole row, empty lists and lone surrogates included."""
+    row = _row_like(prompt, completion, text)
+    assert encode_row(row) == dumps_line(row)
+    assert json.loads(encode_row(row)) == json.loads(dumps_line(row))
+    lean = {k: v for k, v in row.items() if k not in DERIVED_COLUMNS}
+    assert with_derived(lean) == row and list(with_derived(lean)) == list(row)  # same columns, same order
+    assert encode_lean_row(lean) == dumps_line(row)
+
+
+def test_encoded_rows_fall_back_whole_when_the_derived_columns_do_not_follow():
+    row = _row_like([1, 2], [3])
+    odd = [dict(row, input_ids=[1, 2]), dict(row, loss_mask=[0, 1, 1]), {k: v for k, v in row.items() if k != "loss_mask"},
+           {k: v for k, v in row.items() if k != "input_ids"}, dict(row, prompt_ids=(1, 2))]
+    for r in odd:
+        assert encode_row(r) == dumps_line(r)
+    lean = {k: v for k, v in row.items() if k not in DERIVED_COLUMNS}
+    apart = {"prompt_ids": lean["prompt_ids"], **{k: v for k, v in lean.items() if k != "prompt_ids"}}
+    for r in (apart, dict(lean, content="\ud800"), dict(lean, completion_ids=(3,))):
+        assert encode_lean_row(r) == dumps_line(with_derived(r))
+    reordered = {"input_ids": row["input_ids"], "loss_mask": row["loss_mask"], **row}  # first keys
+    assert encode_row(reordered) == dumps_line(reordered)
+    last = {**{k: v for k, v in row.items() if k not in ("input_ids", "loss_mask")},
+            "input_ids": row["input_ids"], "loss_mask": row["loss_mask"]}  # last keys
+    assert encode_row(last) == dumps_line(last)
+
+
+def test_reconstructed_file_is_the_whole_rows_bytes(tmp_path, kimi):
+    """Every line reconstruct writes is dumps_line of the row reconstruct_record returns."""
+    src = ROOT / "examples" / "exchanges.jsonl"
+    reconstruct_file(src, tmp_path / "out.jsonl", kimi, workers=1)
+    expected = []
+    for _, line in iter_lines(src):
+        try:
+            expected += [dumps_line(r) + b"\n" for r in reconstruct_record(json.loads(line), kimi)]
+        except RecordError:
+            continue
+    assert len(expected) == 7 and (tmp_path / "out.jsonl").read_bytes() == b"".join(expected)

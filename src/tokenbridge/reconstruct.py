@@ -19,22 +19,34 @@ from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+
+import orjson
 
 from .chat import Dialect, message_reasoning, resolve_dialect
+from .chat.template import TemplateError
 from .checks import Finding, Policy, SampleView, ends_turn, logprobs_fit, reasoning_counts, run_checks, status_of
-from .evidence import LogprobIds, cached_tokens, logprob_ids, matched_stop, reasoning_tokens
+from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
 from .exchanges import Exchange, RecordError, loads_line, parse_exchange
 from .hypotheses import Candidate, candidates
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
 from . import fsio
-from .fsio import dumps_line
 from .outdir import check_output_file
-from .rows import JsonlRowSink, ParquetRowSink
-from .tokenizer import Tokenizer, load_tokenizer
+from .rows import JsonlRowSink, ParquetRowSink, encode_lean_row, with_derived
+from .tokenizer import EncodeError, Tokenizer, load_tokenizer
 
-__all__ = ["BadLine", "ReconstructSummary", "reconstruct_exchange", "reconstruct_file", "reconstruct_record"]
+if TYPE_CHECKING:
+    from multiprocessing.pool import AsyncResult
+
+__all__ = ["RECORD_ERRORS", "BadLine", "ReconstructSummary", "reconstruct_exchange", "reconstruct_file",
+           "reconstruct_record"]
+
+#: What one exchange record can cause: a bad shape (:class:`~tokenbridge.exchanges.RecordError`),
+#: a chat template that refuses it (:class:`~tokenbridge.chat.template.TemplateError`), text the
+#: tokenizer cannot take (:class:`~tokenbridge.tokenizer.EncodeError`). ``reconstruct_file`` reports
+#: these as bad lines; anything else is a bug and surfaces with its traceback.
+RECORD_ERRORS: tuple[type[Exception], ...] = (RecordError, TemplateError, EncodeError)
 
 #: Parts that are a single marker token rather than text to encode.
 _MARKER_PARTS = {"think_start", "think_end", "end"}
@@ -67,9 +79,17 @@ class _Choice:
     ambiguous: list[str] = field(default_factory=list)
     #: usage leaves out the end token (a provider trait)
     end_uncounted: bool = False
+    #: candidate -> its completion ids, built once (a reasoning completion is thousands of ids)
+    _flat: dict[int, list[int]] = field(default_factory=dict)
 
     def ids(self, k: int) -> list[int]:
-        return [i for part in self.cand_ids[k] for i in part]
+        """Candidate ``k``'s completion ids (one list per candidate: never mutate it)."""
+        flat = self._flat.get(k)
+        if flat is None:
+            flat = self._flat[k] = []
+            for part in self.cand_ids[k]:
+                flat += part  # a list's own extend: a copy of pointers, no iterator
+        return flat
 
     def counted(self, k: int) -> int:
         """How many of candidate ``k``'s ids the provider's usage counts."""
@@ -86,7 +106,7 @@ def reconstruct_exchange(
 ) -> list[dict[str, Any]]:
     """One row per choice. ``traits`` holds what a whole run showed about each provider
     (count offsets, text edits): see :mod:`tokenbridge.traits`."""
-    return _reconstruct(ex, tokenizer, dialect, policy, traits)[0]
+    return [with_derived(row) for row in _reconstruct(ex, tokenizer, dialect, policy, traits)[0]]
 
 
 def _reconstruct(
@@ -96,7 +116,8 @@ def _reconstruct(
     policy: Policy | None,
     traits: Mapping[str, ProviderTrait] | None,
 ) -> tuple[list[dict[str, Any]], RecordFacts]:
-    """The rows, and what the record tells run-level detection (:mod:`.traits`)."""
+    """The rows (without their derived columns, :func:`~tokenbridge.rows.with_derived`), and
+    what the record tells run-level detection (:mod:`.traits`)."""
     dialect = dialect or resolve_dialect(tokenizer)
     policy = policy or Policy()
     request = ex.request
@@ -119,7 +140,10 @@ def _reconstruct(
         detail = err.get("message", err) if isinstance(err, dict) else err
         finding = Finding("finish_error", policy.severity("finish_error"), f"response has no choices: {detail}")
         findings = [finding] if finding.severity != "off" else []
-        return [_row(meta, 0, prompt_ids, [], [], [*findings, *prompt_findings], None, "", "", prompt_name)], RecordFacts()
+        row = _row(meta, choice=0, prompt_ids=prompt_ids, completion_ids=[], segments=[],
+                   findings=[*findings, *prompt_findings], finish_reason=None, reasoning="", content="",
+                   reconstruction=prompt_name)
+        return [row], RecordFacts()
 
     joins = trait is not None and trait.joins_markers
     plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking, opens, joins) for idx, choice in enumerate(choices)]
@@ -167,10 +191,11 @@ def _reconstruct(
                                     "and no evidence (usage, logprobs, token ids, stop id) tells them apart"))
         segments = _segments(len(prompt_ids), parts, part_ids)
         message = p.choice["message"]
-        index = p.choice["index"] if _count(p.choice.get("index")) else p.index
-        rows.append(_row(meta, index, prompt_ids, completion_ids, segments, findings, p.choice.get("finish_reason"),
-                         message_reasoning(message) or "", message.get("content") or "",
-                         _joined(prompt_name, p.cands[p.chosen].name)))
+        index = p.choice["index"] if is_count(p.choice.get("index")) else p.index
+        rows.append(_row(meta, choice=index, prompt_ids=prompt_ids, completion_ids=completion_ids, segments=segments,
+                         findings=findings, finish_reason=p.choice.get("finish_reason"),
+                         reasoning=message_reasoning(message) or "", content=message.get("content") or "",
+                         reconstruction=_joined(prompt_name, p.cands[p.chosen].name)))
     if len(rows) > 1 and usage_completion is not None:
         _mark_siblings(rows, policy)
     markered = [p for p in plans if _has_marker(p.cands[0].parts)]
@@ -238,8 +263,8 @@ def _delta(plans: list[_Choice], rows: list[dict[str, Any]], usage: Mapping[str,
     prompt = usage.get("prompt_tokens")
     return CountDelta(
         ended=ends_turn(parts),
-        completion=len(p.ids(0)) - completion if _count(completion) else None,
-        prompt=n_prompt - prompt if _count(prompt) else None,
+        completion=len(p.ids(0)) - completion if is_count(completion) else None,
+        prompt=n_prompt - prompt if is_count(prompt) else None,
         cached=cached_tokens(usage),
     )
 
@@ -284,12 +309,12 @@ def _usage_pairs(usage: Mapping[str, Any] | None, n_prompt: int,
     if usage is None:
         return None, None
     prompt = completion = None
-    if _count(usage.get("prompt_tokens")):
+    if is_count(usage.get("prompt_tokens")):
         theirs = usage["prompt_tokens"]
         if trait is not None and trait.cached_excluded:
             theirs += cached_tokens(usage) or 0
         prompt = (n_prompt, theirs)
-    if _count(usage.get("completion_tokens")):
+    if is_count(usage.get("completion_tokens")):
         completion = usage["completion_tokens"]
     return prompt, completion
 
@@ -344,10 +369,6 @@ def _fits(p: _Choice, k: int, reasoning: int | None) -> bool:
     return True
 
 
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _mark_siblings(rows: list[dict[str, Any]], policy: Policy) -> None:
     """With n > 1, usage counts all choices together: a choice is proven only when no
     other choice has an error, since one choice's error can hide another's. A sibling
@@ -365,7 +386,8 @@ def _mark_siblings(rows: list[dict[str, Any]], policy: Policy) -> None:
             row["status"] = status_of([Finding(f["code"], f["severity"], f["message"]) for f in row["findings"]])
 
 
-def _segments(n_prompt: int, parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> list[dict]:
+def _segments(n_prompt: int, parts: Sequence[tuple[str, str]],
+              part_ids: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
     segs = [{"kind": "prompt", "start": 0, "end": n_prompt}]
     pos = n_prompt
     for (kind, _), ids in zip(parts, part_ids):
@@ -387,7 +409,7 @@ class _RowMeta:
     usage: Mapping[str, Any] | None
 
 
-def _row(meta: _RowMeta, choice: int, prompt_ids: list[int], completion_ids: list[int], segments: list[dict],
+def _row(meta: _RowMeta, *, choice: int, prompt_ids: list[int], completion_ids: list[int], segments: list[dict[str, Any]],
          findings: list[Finding], finish_reason: Any, reasoning: str, content: str,
          reconstruction: str | None) -> dict[str, Any]:
     if not segments:
@@ -399,9 +421,7 @@ def _row(meta: _RowMeta, choice: int, prompt_ids: list[int], completion_ids: lis
         "dataset": ex.dataset,
         "status": status_of(findings),
         "prompt_ids": prompt_ids,
-        "completion_ids": completion_ids,
-        "input_ids": [*prompt_ids, *completion_ids],
-        "loss_mask": [0] * len(prompt_ids) + [1] * len(completion_ids),
+        "completion_ids": completion_ids,  # input_ids and loss_mask follow from these, when written
         "segments": segments,
         "findings": [f.to_dict() for f in findings],
         "provider": meta.provider,
@@ -433,7 +453,11 @@ class BadLine:
         return f"{self.path}:{self.line}: {self.field}: {self.message}"
 
 
-def _brief(row: Mapping[str, Any]) -> tuple[str, list[str], str, bool]:
+#: What the summary needs of a row (:func:`_brief`): status, codes, provider, edge whitespace.
+Brief = tuple[str, list[str], str, bool]
+
+
+def _brief(row: Mapping[str, Any]) -> Brief:
     """What the summary needs of a row: status, codes, provider, and whether its text
     keeps any leading/trailing whitespace (a provider that strips never does)."""
     edge = any(t[:1].isspace() or t[-1:].isspace() for t in (row["reasoning"], row["content"]) if isinstance(t, str))
@@ -454,7 +478,7 @@ class ReconstructSummary:
     #: the provider traits the rows were checked with (after a calibrating second pass)
     traits: dict[str, ProviderTrait] = field(default_factory=dict)
 
-    def add(self, briefs: Iterable[tuple[str, list[str], str, bool]], facts: RecordFacts | None = None) -> None:
+    def add(self, briefs: Iterable[Brief], facts: RecordFacts | None = None) -> None:
         self.records += 1
         briefs = list(briefs)
         if facts is not None and briefs:
@@ -519,9 +543,32 @@ _WORKER: dict[str, Any] = {}
 
 #: A chunk of input: (number of its first line, whole lines as the file's bytes).
 Chunk = tuple[int, bytes]
-#: Per record of a chunk: (line, end offset of its rows in the chunk's bytes, briefs) when
-#: written as JSONL, (line, rows, None) for Parquet, (line, None, (field, message)) when bad.
-_Entry = tuple[int, Any, Any]
+
+
+@dataclass(frozen=True)
+class _Done:
+    """A record reconstructed: its JSONL rows end at byte ``end`` of the chunk's buffer
+    (Parquet: ``rows`` holds them instead)."""
+
+    line: int
+    end: int
+    rows: list[dict[str, Any]] | None
+    briefs: list[Brief]
+    facts: RecordFacts
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """A record that is bad input (:data:`RECORD_ERRORS`): where and why."""
+
+    line: int
+    field: str
+    message: str
+
+
+_Entry = _Done | _Refused
+#: One chunk's result: its JSONL rows (the bytes, or the spool file holding them) and one entry a record.
+_ChunkResult = tuple[bytes | str, list[_Entry]]
 
 
 def _init_worker(tokenizer_source: str, dialect_name: str | None, policy: Policy | None, as_json: bool,
@@ -532,19 +579,55 @@ def _init_worker(tokenizer_source: str, dialect_name: str | None, policy: Policy
                    traits=traits, spool=spool, spooled=0)
 
 
-def _chunk_lines(chunk: Chunk) -> Iterator[tuple[int, str]]:
-    """The (line number, text) pairs :func:`~tokenbridge.exchanges.iter_lines` gives for
-    these lines: UTF-8 with surrogate escapes, universal newlines, blank lines skipped."""
+#: First bytes (after ASCII whitespace) of a line that may still be blank as text: the
+#: separators U+001C..U+001F and any non-ASCII character (U+0085, U+00A0, U+3000, ...).
+_MAYBE_BLANK = frozenset(range(0x1C, 0x20)) | frozenset(range(0x80, 0x100))
+
+
+def _chunk_lines(chunk: Chunk) -> Iterator[tuple[int, bytes | str]]:
+    """The records of these lines, numbered as :func:`~tokenbridge.exchanges.iter_lines`
+    numbers them (UTF-8 with surrogate escapes, universal newlines, blank lines skipped).
+
+    Where no CR is in the chunk (LF ends every line), a line stays bytes (orjson reads them as they are: no
+    decode, no second UTF-8 pass); a line that may be blank as text is decoded to decide.
+    """
     first, data = chunk
-    for lineno, line in enumerate(io.StringIO(data.decode("utf-8", "surrogateescape"), newline=None), first):
-        if line.strip():
-            yield lineno, line
+    if b"\r" in data:
+        for lineno, line in enumerate(io.StringIO(data.decode("utf-8", "surrogateescape"), newline=None), first):
+            if line.strip():
+                yield lineno, line
+        return
+    for lineno, raw in enumerate(data.splitlines(keepends=True), first):  # as text mode would, newline kept
+        lead = raw.lstrip()[:1]
+        if not lead:
+            continue
+        if lead[0] in _MAYBE_BLANK:
+            text = raw.decode("utf-8", "surrogateescape")
+            if text.strip():
+                yield lineno, text
+            continue
+        yield lineno, raw
 
 
-def _work(chunk: Chunk) -> tuple[bytes | str, list[_Entry]]:
+def _load(line: bytes | str) -> Any:
+    """The JSON value of a line, exactly as :func:`~tokenbridge.exchanges.loads_line`
+    reads its text (which raises RecordError)."""
+    if isinstance(line, bytes):
+        try:
+            return orjson.loads(line)
+        except orjson.JSONDecodeError:  # not UTF-8, lone surrogate escapes, or not JSON: the text path says
+            line = line.decode("utf-8", "surrogateescape")
+    return loads_line(line)
+
+
+def _work(chunk: Chunk) -> _ChunkResult:
     """Reconstruct a chunk of lines. JSONL rows come back as one buffer (every row
     serialised here, newline included) plus where each record's rows end in it; in a
-    pool the buffer goes to a file in the spool folder and only its name comes back."""
+    pool the buffer goes to a file in the spool folder and only its name comes back.
+
+    Bad input (:data:`RECORD_ERRORS`) becomes a :class:`_Refused` entry; any other
+    exception is a bug: it propagates (through the pool) with the line it happened on.
+    """
     tok, dialect, policy, as_json = _WORKER["tok"], _WORKER["dialect"], _WORKER["policy"], _WORKER["as_json"]
     traits = _WORKER.get("traits")
     out: list[_Entry] = []
@@ -552,21 +635,25 @@ def _work(chunk: Chunk) -> tuple[bytes | str, list[_Entry]]:
     end = 0
     for lineno, line in _chunk_lines(chunk):
         try:
-            rows, facts = _reconstruct(parse_exchange(loads_line(line)), tok, dialect, policy, traits)
+            rows, facts = _reconstruct(parse_exchange(_load(line)), tok, dialect, policy, traits)
         except RecordError as exc:
-            out.append((lineno, None, (exc.field, exc.detail)))
+            out.append(_Refused(lineno, exc.field, exc.detail))
             continue
-        except Exception as exc:  # a template or tokenizer failure on this record only
-            out.append((lineno, None, ("<record>", f"{type(exc).__name__}: {exc}")))
+        except RECORD_ERRORS as exc:  # the chat template or the tokenizer refused this record
+            out.append(_Refused(lineno, "<record>", f"{type(exc).__name__}: {exc}"))
             continue
+        except Exception as exc:
+            exc.add_note(f"while reconstructing the record on line {lineno} (an internal error, not bad input)")
+            raise
+        briefs = [_brief(r) for r in rows]
         if as_json:
             for row in rows:
-                data = dumps_line(row)
+                data = encode_lean_row(row)
                 parts += (data, b"\n")
                 end += len(data) + 1
-            out.append((lineno, end, ([_brief(r) for r in rows], facts)))
+            out.append(_Done(lineno, end, None, briefs, facts))
         else:
-            out.append((lineno, rows, ([_brief(r) for r in rows], facts)))
+            out.append(_Done(lineno, end, [with_derived(r) for r in rows], briefs, facts))
     blob = b"".join(parts)
     spool = _WORKER["spool"]
     if spool is None or not blob:
@@ -703,20 +790,20 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
         for result, entries in results:
             with _chunk_rows(result) as view:
                 start = 0
-                for lineno, rows, info in entries:
-                    if rows is None:
-                        summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
+                for entry in entries:
+                    if isinstance(entry, _Refused):
+                        summary.bad_lines.append(BadLine(str(src), entry.line, entry.field, entry.message))
                         continue
-                    summary.add(*info)
-                    if as_parquet:
-                        sink.write(rows)
+                    summary.add(entry.briefs, entry.facts)
+                    if isinstance(sink, _ParquetSink):
+                        sink.write(entry.rows or ())
                     else:
-                        part = view[start:rows]
+                        part = view[start:entry.end]
                         try:
                             sink.write(part)
                         finally:  # even if an error keeps it referenced: the map must close
                             part.release()
-                        start = rows
+                        start = entry.end
                     fsio.kill_point("reconstruct:record")
         sink.close()
     except BaseException:
@@ -729,7 +816,8 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
     return summary
 
 
-def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iterator[tuple[bytes | str, list[_Entry]]]:
+def _run_chunks(chunks: Iterator[Chunk], workers: int,
+                init_args: tuple[Any, ...]) -> Generator[_ChunkResult, None, None]:
     """Each chunk's :func:`_work` result, in input order, on ``workers`` processes."""
     if workers <= 1:
         _init_worker(*init_args[:5])  # in this process: rows stay in memory
@@ -743,7 +831,7 @@ def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iter
         _init_worker(*init_args)
     ctx = mp.get_context(method)
     with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
-        pending: deque = deque()
+        pending: deque[AsyncResult[_ChunkResult]] = deque()
         max_pending = workers * 4
         for chunk in chunks:
             pending.append(pool.apply_async(_work, (chunk,)))

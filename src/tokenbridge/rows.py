@@ -29,6 +29,8 @@ from typing import (
 )
 from collections.abc import Iterable, Iterator, Mapping
 
+import orjson
+
 from .fsio import JsonLineError, dumps_line, loads_line
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COLUMNS",
+    "DERIVED_COLUMNS",
     "JSON_TEXT_COLUMNS",
     "SEVERITIES",
     "STATUSES",
@@ -49,7 +52,10 @@ __all__ = [
     "Status",
     "arrow_fields",
     "arrow_schema",
+    "encode_lean_row",
+    "encode_row",
     "iter_rows",
+    "with_derived",
 ]
 
 Status = Literal["ok", "flagged", "rejected"]
@@ -310,9 +316,72 @@ class JsonlRowSink:
         self.path.unlink(missing_ok=True)
 
 
+#: The columns that follow from ``prompt_ids`` + ``completion_ids`` (and come right after them).
+DERIVED_COLUMNS = ("input_ids", "loss_mask")
+
+
+def with_derived(lean: Mapping[str, Any]) -> dict[str, Any]:
+    """A row built without :data:`DERIVED_COLUMNS` (what reconstruct holds while it gates),
+    with them put in after ``completion_ids``."""
+    out: dict[str, Any] = {}
+    for key, value in lean.items():
+        out[key] = value
+        if key == "completion_ids":
+            prompt, completion = lean["prompt_ids"], value
+            out["input_ids"] = [*prompt, *completion]
+            out["loss_mask"] = [0] * len(prompt) + [1] * len(completion)
+    return out
+
+
+def encode_lean_row(lean: Mapping[str, Any]) -> bytes:
+    """The JSON line (no newline) of :func:`with_derived` of ``lean``, byte for byte, without
+    building or serialising the derived columns: ``input_ids`` is spliced from the two id
+    lists' own JSON and ``loss_mask`` is a repeated ``0,`` / ``1,`` (41% of a row's bytes
+    for a fraction of the CPU). ``lean`` needs ``prompt_ids`` then ``completion_ids``,
+    adjacent; anything else is serialised whole."""
+    return _encode(lean, lean)
+
+
 def encode_row(row: Mapping[str, Any]) -> bytes:
-    """One row as its JSON line (no newline): :func:`tokenbridge.fsio.dumps_line`."""
-    return dumps_line(row)
+    """One row as its JSON line (no newline): :func:`tokenbridge.fsio.dumps_line`'s bytes
+    exactly; derived columns that follow from the ids are spliced as in
+    :func:`encode_lean_row`, any others serialised as they are."""
+    prompt, completion = row.get("prompt_ids"), row.get("completion_ids")
+    if type(prompt) is not list or type(completion) is not list:
+        return dumps_line(row)
+    keys = list(row)
+    at = keys.index("prompt_ids")
+    if (
+        keys[at : at + 4] != ["prompt_ids", "completion_ids", *DERIVED_COLUMNS]
+        or row["input_ids"] != [*prompt, *completion]
+        or row["loss_mask"] != [0] * len(prompt) + [1] * len(completion)
+    ):
+        return dumps_line(row)
+    return _encode({k: v for k, v in row.items() if k not in DERIVED_COLUMNS}, row)
+
+
+def _encode(lean: Mapping[str, Any], full: Mapping[str, Any]) -> bytes:
+    """``dumps_line(full)``, where ``full`` is ``lean`` with the derived columns after its ids."""
+    keys = list(lean)
+    try:
+        at = keys.index("prompt_ids")
+    except ValueError:
+        at = -1
+    prompt, completion = lean.get("prompt_ids"), lean.get("completion_ids")
+    if at < 0 or keys[at + 1 : at + 2] != ["completion_ids"] or type(prompt) is not list or type(completion) is not list:
+        return dumps_line(with_derived(lean) if full is lean else full)
+    try:
+        head = orjson.dumps({k: lean[k] for k in keys[:at]})
+        tail = orjson.dumps({k: lean[k] for k in keys[at + 2 :]})
+        ids_p, ids_c = orjson.dumps(prompt), orjson.dumps(completion)
+    except TypeError:  # lone surrogates (or anything else orjson refuses): the fallback's bytes
+        return dumps_line(with_derived(lean) if full is lean else full)
+    ids = ids_c if not prompt else ids_p if not completion else ids_p[:-1] + b"," + ids_c[1:]
+    mask = b"[" + (b"0," * len(prompt) + b"1," * len(completion))[:-1] + b"]" if prompt or completion else b"[]"
+    return b"".join((
+        head[:-1], b"," if at else b"", b'"prompt_ids":', ids_p, b',"completion_ids":', ids_c,
+        b',"input_ids":', ids, b',"loss_mask":', mask, b"," + tail[1:] if len(tail) > 2 else b"}",
+    ))
 
 
 def to_arrow_record(row: Mapping[str, Any], columns: Iterable[str]) -> dict[str, Any]:

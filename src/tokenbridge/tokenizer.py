@@ -34,7 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-__all__ = ["KIMI_PAT_STR", "PROMPT_CACHE_BYTES", "Tokenizer", "TokenizerError", "load_tokenizer"]
+__all__ = ["KIMI_PAT_STR", "PROMPT_CACHE_BYTES", "EncodeError", "Tokenizer", "TokenizerError", "load_tokenizer"]
 
 #: The Kimi pre-tokenizer pattern (the ``pat_str`` of ``tokenization_kimi.py``).
 KIMI_PAT_STR = "|".join(
@@ -86,6 +86,11 @@ _HUB_FILES = [
 
 class TokenizerError(Exception):
     """The tokenizer could not be found or read; the message names the file."""
+
+
+class EncodeError(ValueError):
+    """This text cannot be encoded by this tokenizer (``tokenizers`` refuses lone
+    surrogates, which tiktoken replaces): a fault of the record, not of the tokenizer."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -381,6 +386,37 @@ def _split_runs_slow(s: str) -> list[str]:
     return out
 
 
+def marker_pattern(markers: Iterable[str]) -> re.Pattern[str]:
+    """A regex for every marker, matching at each position the longest marker there (what
+    the longest-first alternation ``<|im_end|>|...|<think>`` matches), as one capture group.
+
+    It is written as a prefix tree, ``<(?:\\|(?:im_(?:end|...)...)|think>|...)|\\[...``: at a
+    ``<`` the engine follows one branch instead of trying each of 256 markers in turn,
+    2-3x faster on prompts full of markers and on code full of ``<``.
+    """
+    trie: _Trie = {}
+    for marker in markers:
+        node = trie
+        for ch in marker:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # a marker ends here
+    return re.compile(f"({_trie_regex(trie)})")
+
+
+#: A prefix tree of markers: character -> subtree; the key "" marks where a marker ends.
+_Trie = dict[str, "_Trie"]
+
+
+def _trie_regex(node: _Trie) -> str:
+    branches = [re.escape(ch) + _trie_regex(child) for ch, child in sorted(node.items()) if ch]
+    if not branches:
+        return ""
+    body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+    if "" in node:  # a marker ends here and longer ones go on: longer first (greedy), else stop
+        return f"(?:{body})?" if len(branches) == 1 else f"{body}?"
+    return body
+
+
 def _marker_finder(marker_re: re.Pattern[str], markers: Iterable[str]) -> Callable[[str], re.Match[str] | None]:
     """``marker_re.search``, behind a cheap exact pre-check where one exists.
 
@@ -436,7 +472,8 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
         raise TokenizerError(f"{folder / 'tiktoken.model'}: tiktoken rejected the data ({exc})") from None
 
     allowed = enc.special_tokens_set
-    marker_re = re.compile("|".join(re.escape(t) for t in sorted(names.values(), key=len, reverse=True)))
+    marker_re = marker_pattern(names.values())
+    marker_split = marker_re.split
     first_marker = _marker_finder(marker_re, names.values())
     ordinary = enc.encode_ordinary
 
@@ -467,13 +504,10 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
         return out
 
     def split_markers(text: str) -> list[str | int]:
-        pieces: list[str | int] = []
-        pos = 0
-        for m in marker_re.finditer(text):
-            pieces.append(text[pos : m.start()])
-            pieces.append(special[m.group()])
-            pos = m.end()
-        pieces.append(text[pos:])
+        # text, marker, text, ..., text (the pattern's one group keeps the markers)
+        pieces: list[str | int] = marker_split(text)
+        if len(pieces) > 1:
+            pieces[1::2] = [special[m] for m in pieces[1::2]]  # type: ignore[index]
         return pieces
 
     def piece(token_id: int) -> bytes:
@@ -590,7 +624,19 @@ def _load_tokenizers(folder: Path, source: str) -> Tokenizer:
     markers = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}
 
     def encode(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False).ids
+        try:
+            return tok.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            if not isinstance(text, str):
+                raise
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise EncodeError(
+                    f"text holds a lone surrogate (U+{ord(exc.object[exc.start]):04X} at char {exc.start}), "
+                    f"which {folder.name}'s tokenizer cannot encode"
+                ) from None
+            raise
 
     def decode_text(ids: Sequence[int]) -> bytes:
         return tok.decode(list(ids), skip_special_tokens=False).encode("utf-8", errors="surrogatepass")

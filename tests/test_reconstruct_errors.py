@@ -1,0 +1,128 @@
+"""What reconstruct does with what goes wrong: bad input is a bad line (file, line, field)
+and every other record is still written; a bug is an internal error with its traceback.
+Counts from the API are counts only when they are non-negative integers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tokenbridge.reconstruct as reconstruct_module
+from tokenbridge.reconstruct import reconstruct_file, reconstruct_record
+
+from conftest import KIMI_DIR, ROOT
+
+TOKENIZERS = KIMI_DIR.parent
+USER = {"role": "user", "content": "What is 2 + 2?"}
+
+
+def _record(rid: str, messages: list[dict], **response: object) -> dict:
+    message = {"role": "assistant", "reasoning_content": "Add them.", "content": "4"}
+    body = {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}], **response}
+    return {"id": rid, "request": {"messages": messages, "reasoning": {"enabled": True}}, "response": body}
+
+
+def _write(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_a_record_the_chat_template_refuses_is_a_bad_line(tmp_path):
+    """DeepSeek V3.2's renderer refuses a role it does not render (TemplateError): that
+    record is a bad line naming the error, the others are written and gated."""
+    src = _write(tmp_path / "in.jsonl", [
+        _record("a", [USER]),
+        _record("b", [{"role": "developer", "content": "x"}, USER]),
+        _record("c", [USER]),
+    ])
+    summary = reconstruct_file(src, tmp_path / "out.jsonl", TOKENIZERS / "deepseek-v3.2", workers=1)
+    assert [(b.line, b.field) for b in summary.bad_lines] == [(2, "<record>")]
+    assert summary.bad_lines[0].message.startswith("TemplateError: ") and "developer" in summary.bad_lines[0].message
+    rows = _rows(tmp_path / "out.jsonl")
+    assert [r["id"] for r in rows] == ["a", "c"]
+    assert [r["status"] for r in rows] == ["flagged", "flagged"]  # usage_missing only: the ids are exact
+    assert [[f["code"] for f in r["findings"]] for r in rows] == [["usage_missing"], ["usage_missing"]]
+
+
+def test_text_a_tokenizers_folder_cannot_encode_is_a_bad_line(tmp_path):
+    """``tokenizers`` refuses lone surrogates (tiktoken replaces them and the gate flags the
+    round trip): EncodeError, a bad line, not a crash and not a silent row."""
+    lone = '{"id": "s", "request": {"messages": [{"role": "user", "content": "a\\ud800b"}]}, ' \
+           '"response": {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}]}}\n'
+    good = json.dumps(_record("g", [USER])) + "\n"
+    src = tmp_path / "in.jsonl"
+    src.write_text(good + lone + good, encoding="utf-8")
+    summary = reconstruct_file(src, tmp_path / "out.jsonl", TOKENIZERS / "qwen3", workers=1)
+    assert [(b.line, b.field) for b in summary.bad_lines] == [(2, "<record>")]
+    assert summary.bad_lines[0].message.startswith("EncodeError: text holds a lone surrogate (U+D800 at char ")
+    assert [r["id"] for r in _rows(tmp_path / "out.jsonl")] == ["g", "g"]
+
+
+def _boom(*args: object, **kwargs: object) -> list:
+    raise ZeroDivisionError("a bug in a check")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_bug_is_an_internal_error_with_its_traceback_not_a_bad_line(tmp_path, monkeypatch, workers):
+    """Anything but bad input surfaces: the exception itself (through the pool, with the
+    worker's traceback), a note naming the line, nothing published, no spool left."""
+    monkeypatch.setattr(reconstruct_module, "run_checks", _boom)  # pool workers are forked: they see it too
+    src = _write(tmp_path / "in.jsonl", [_record(f"r{i}", [USER]) for i in range(3)])
+    dst = tmp_path / "out.jsonl"
+    with pytest.raises(ZeroDivisionError, match="a bug in a check") as info:
+        reconstruct_file(src, dst, KIMI_DIR, workers=workers)
+    assert info.value.__notes__ == [
+        "while reconstructing the record on line 1 (an internal error, not bad input)"]
+    if workers > 1:  # the worker's own frames come back with it
+        assert "_boom" in str(info.value.__cause__) and "run_checks" in str(info.value.__cause__)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_cli_exits_non_zero_with_the_traceback_on_a_bug(tmp_path):
+    src = _write(tmp_path / "in.jsonl", [_record("r", [USER])])
+    code = (
+        "import sys\n"
+        "import tokenbridge.reconstruct as r\n"
+        "def boom(*a, **k):\n"
+        "    raise ZeroDivisionError('a bug in a check')\n"
+        "r.run_checks = boom\n"
+        "from tokenbridge.cli import main\n"
+        f"sys.argv = ['tokenbridge', 'reconstruct', {str(src)!r}, '-o', {str(tmp_path / 'out.jsonl')!r}, "
+        f"'--tokenizer', {str(KIMI_DIR)!r}]\n"
+        "main()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+    assert proc.returncode != 0
+    assert "ZeroDivisionError" in proc.stderr and "a bug in a check" in proc.stderr
+    assert "Traceback" in proc.stderr or "╭" in proc.stderr  # plain or rich traceback
+    assert "bad record" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("bad", [-1, -4096, True, 3.0, "12"])
+def test_usage_counts_must_be_non_negative_integers(kimi, bad):
+    """A negative (or non-integer) usage count is no count: ``usage_missing`` says it was
+    not checked, never a mismatch against a number the API could not have meant."""
+    rec = _record("u", [USER], usage={"prompt_tokens": bad, "completion_tokens": bad})
+    rec["request"]["model"] = "moonshotai/kimi-k2.5"
+    row, = reconstruct_record(rec, kimi)
+    assert [f["code"] for f in row["findings"]] == ["usage_missing"]
+    assert row["findings"][0]["message"] == "usage has no integer prompt_tokens / completion_tokens: that count is not checked"
+    assert row["status"] == "flagged"
+
+
+def test_a_negative_choice_index_is_not_an_index(kimi):
+    rec = _record("i", [USER])
+    rec["response"]["choices"].append(dict(rec["response"]["choices"][0], index=-1))
+    rec["response"]["choices"][0]["index"] = 5
+    rows = reconstruct_record(rec, kimi)
+    assert [r["choice"] for r in rows] == [5, 1]  # -1 falls back to the position
