@@ -29,6 +29,7 @@ from typing import (
 )
 from collections.abc import Iterable, Iterator, Mapping
 
+from .exit_codes import ExitCode
 from .fsio import JsonLineError, dumps_line, loads_line
 
 if TYPE_CHECKING:
@@ -171,7 +172,10 @@ def arrow_fields(columns: Iterable[str], **types: pa.DataType) -> list[pa.Field]
 
 
 class RowError(ValueError):
-    """A row breaks the contract: names the file, the line (or row number) and the field."""
+    """A row breaks the contract: names the file, the line (or row number) and the field.
+    Bad input data, not a bad flag: the command exits ``exit_code`` (1, as for bad records)."""
+
+    exit_code = ExitCode.INCOMPLETE
 
     def __init__(self, path: str | Path, line: int | None, field: str, message: str):
         self.path = str(path)
