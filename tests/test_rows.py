@@ -178,3 +178,34 @@ def test_not_an_object_and_not_json(tmp_path):
         list(rows.iter_rows(src))
     with pytest.raises(rows.RowError, match="no such file"):
         list(rows.iter_rows(tmp_path / "none.jsonl"))
+
+
+def test_a_damaged_parquet_row_group_names_the_file_and_row(run, tmp_path, monkeypatch):
+    """Damage past the footer (a later row group) is a RowError naming where reading stopped, not a traceback."""
+    _, _, _, made = run
+    monkeypatch.setattr(rows, "_PARQUET_BATCH_ROWS", 4)  # one read batch per row group
+    path = tmp_path / "r.parquet"
+    sink = rows.ParquetRowSink(path, batch_rows=4)
+    for r in made[:8]:
+        sink.write([r])
+    sink.close()
+    meta = pq.ParquetFile(path).metadata
+    assert meta.num_row_groups == 2 and meta.row_group(0).num_rows == 4
+    col = meta.row_group(1).column(0)
+    data = bytearray(path.read_bytes())
+    data[col.data_page_offset:col.data_page_offset + col.total_compressed_size] = b"\xff" * col.total_compressed_size
+    path.write_bytes(bytes(data))
+    got = []
+    with pytest.raises(rows.RowError) as err:
+        for _, row in rows.iter_rows(path):
+            got.append(row["id"])
+    assert got == [r["id"] for r in made[:4]]
+    assert (err.value.line, err.value.field) == (5, "<row>")
+    assert str(err.value).startswith(f"{path}:5: <row>: cannot be read (")
+
+
+def test_a_file_that_is_not_parquet_is_a_row_error(tmp_path):
+    path = tmp_path / "r.parquet"
+    path.write_bytes(b"PAR1 not really")
+    with pytest.raises(rows.RowError, match=r"r.parquet: <file>: not a readable Parquet file \("):
+        list(rows.iter_rows(path))

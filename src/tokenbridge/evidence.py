@@ -62,7 +62,7 @@ def _bytes_index(tok: Tokenizer) -> dict[bytes, int]:
             continue
         try:
             index.setdefault(tok.token_bytes(i), i)
-        except Exception:  # a hole in the id space (reserved ids without bytes)
+        except KeyError:  # a hole in the id space (reserved ids without bytes)
             continue
     for i, text in tok.marker_ids.items():
         index[text.encode("utf-8")] = i

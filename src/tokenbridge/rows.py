@@ -216,14 +216,25 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    # a broken file is an ArrowException (ArrowInvalid is also a ValueError) or an OSError,
+    # when opened and again in any later row group
+    broken = (pa.ArrowException, OSError, ValueError)
     try:
         pf = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises several types for a broken file
+    except broken as exc:
         raise RowError(path, None, "<file>", f"not a readable Parquet file ({exc})") from None
     row = 0
-    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+    batches = pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS)
+    while True:
+        try:
+            batch = next(batches, None)
+        except broken as exc:
+            raise RowError(path, row + 1, "<row>", f"cannot be read ({exc})") from None
+        if batch is None:
+            return
         for record in batch.to_pylist():
             row += 1
             for key in JSON_TEXT_COLUMNS:

@@ -152,7 +152,8 @@ class Tokenizer:
         return self._decode_bytes(ids).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes of one token (marker ids give their text)."""
+        """The raw bytes of one token (marker ids give their text); KeyError for an id
+        that has none (a hole in the id space)."""
         return self._piece(token_id)
 
     def token_id(self, marker: str) -> int:
