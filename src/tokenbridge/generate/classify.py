@@ -38,6 +38,7 @@ from typing import Any, Literal
 from collections.abc import Mapping
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .body import BodyError, check_body
 
@@ -115,6 +116,12 @@ def _bad_choices(choices: list[Any]) -> str:
             return f"choices[{pos}].index repeats {idx}"
         seen.add(idx)
     return ""
+
+
+#: What an HTTP attempt's transport can raise: aiohttp's errors, sockets and timeouts
+#: (OSError), a body or stream that does not decode (ValueError). classify_exception sorts
+#: these; anything else raised during an attempt is a bug.
+TRANSPORT_FAILURES: tuple[type[Exception], ...] = (aiohttp.ClientError, HttpProcessingError, OSError, ValueError)
 
 
 def classify_exception(exc: BaseException) -> Outcome:
