@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 from collections.abc import Iterator, Mapping
 
-from . import fsio
-from .fsio import dumps_line
+from . import jsonl
+from .jsonl import is_int, iter_lines
 
-__all__ = ["Exchange", "ExchangeRecord", "RecordError", "dumps_line", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
+__all__ = ["Exchange", "ExchangeRecord", "RecordError", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
 
 
 class RecordError(ValueError):
@@ -86,12 +86,12 @@ def _check_details(details: Any, field: str) -> None:
         if key is not None and entry.get(key) is not None and not isinstance(entry[key], str):
             raise RecordError(f"{field}[{k}].{key}", "must be a string or null")
         index = entry.get("index")
-        if index is not None and (not isinstance(index, int) or isinstance(index, bool)):
+        if index is not None and not is_int(index):
             raise RecordError(f"{field}[{k}].index", "must be an integer")
 
 
 def _int_list(value: Any, field: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+    if not isinstance(value, list) or not all(is_int(i) for i in value):
         raise RecordError(field, "must be a list of integers")
     return value
 
@@ -189,20 +189,12 @@ def parse_exchange(record: Any) -> Exchange:
     )
 
 
-def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of the non-blank lines of a JSONL file, lazily."""
-    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if line.strip():
-                yield lineno, line
-
-
 def loads_line(line: str) -> Any:
-    """Parse one JSONL line (:func:`tokenbridge.fsio.loads_line`, which keeps lone
+    """Parse one JSONL line (:func:`tokenbridge.jsonl.loads_line`, which keeps lone
     surrogate escapes for the gate); a line that is not JSON raises RecordError."""
     try:
-        return fsio.loads_line(line)
-    except fsio.JsonLineError as exc:
+        return jsonl.loads_line(line)
+    except jsonl.JsonLineError as exc:
         raise RecordError("<line>", exc.detail) from None
 
 

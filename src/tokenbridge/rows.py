@@ -30,7 +30,7 @@ from typing import (
 from collections.abc import Iterable, Iterator, Mapping
 
 from .exit_codes import ExitCode
-from .fsio import JsonLineError, dumps_line, loads_line
+from .jsonl import JsonLineError, dumps_line, json_text, loads_line
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -283,7 +283,7 @@ def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:
     for col in _TEXT_COLUMNS:
         value = obj[col]
         if value is not None and not isinstance(value, str):
-            obj[col] = _as_text(value)
+            obj[col] = json_text(value)
     if type(obj["thinking"]) is not bool:
         raise fail("thinking", f"must be true or false, got {obj['thinking']!r}")
     if obj["usage"] is not None and not isinstance(obj["usage"], dict):
@@ -294,11 +294,6 @@ def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:
         if not isinstance(obj[col], str):
             raise fail(col, f"must be a string, got {type(obj[col]).__name__}")
     return obj  # type: ignore[return-value]  # checked above, column by column
-
-
-def _as_text(value: Any) -> str:
-    """A JSON value as compact JSON text (the lone-surrogate fallback included)."""
-    return dumps_line(value).decode("utf-8")
 
 
 # --- writing ---------------------------------------------------------------------------
@@ -326,7 +321,7 @@ class JsonlRowSink:
 
 
 def encode_row(row: Mapping[str, Any]) -> bytes:
-    """One row as its JSON line (no newline): :func:`tokenbridge.fsio.dumps_line`."""
+    """One row as its JSON line (no newline): :func:`tokenbridge.jsonl.dumps_line`."""
     return dumps_line(row)
 
 
@@ -337,7 +332,7 @@ def to_arrow_record(row: Mapping[str, Any], columns: Iterable[str]) -> dict[str,
     for col in columns:
         value = row.get(col)
         if value is not None and (col in JSON_TEXT_COLUMNS or (col in _TEXT_COLUMNS and not isinstance(value, str))):
-            value = _as_text(value)
+            value = json_text(value)
         out[col] = value
     return out
 

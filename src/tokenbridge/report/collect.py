@@ -20,6 +20,7 @@ import numpy as np
 
 from ..checks import CODES
 from ..exchanges import RecordError, iter_objects
+from ..jsonl import is_int
 from ..rows import STATUSES, ReconstructedRow, RowError, iter_rows
 
 __all__ = ["ReportError", "RowStats", "collect_run", "RECONSTRUCTED_NAMES"]
@@ -186,7 +187,7 @@ class _Parity:
         self._pending = None
         for side, ours in (("prompt", p), ("completion", c)):
             theirs = usage.get(f"{side}_tokens")
-            if isinstance(theirs, int) and not isinstance(theirs, bool):
+            if is_int(theirs):
                 self.deltas[side].append(theirs - ours)
                 self.provider[prov][side].append(theirs - ours)
 
