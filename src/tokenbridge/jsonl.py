@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 from collections.abc import Iterator
 
 import orjson
@@ -75,11 +75,11 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
                 yield lineno, line
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """A JSON integer: an ``int`` that is not a bool (``true`` reads as ``1``)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_count(value: object) -> bool:
+def is_count(value: object) -> TypeGuard[int]:
     """A JSON count: a non-negative integer, not a bool."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0

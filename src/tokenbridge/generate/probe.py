@@ -369,9 +369,10 @@ def _inspect(call: ProbeCall, request: dict, response: dict, tok: Any, dialect: 
         else:
             call.tool_markers = "none"
     record = {"id": f"probe-{call.provider}-{call.prompt}", "dataset": "probe", "request": request, "response": response}
+    reported: tuple[type[Exception], ...] = (RecordError, *RENDER_FAILURES)  # what the response or template broke
     try:
         rows = reconstruct_record(record, tok, dialect)
-    except (RecordError, *RENDER_FAILURES) as exc:  # a probe reports what the response or template broke
+    except reported as exc:  # a probe reports, a bug keeps its traceback
         call.findings.append(f"reconstruct_failed: {type(exc).__name__}: {exc}")
         return
     row = rows[0]
