@@ -220,3 +220,33 @@ def test_render_request_passes_template_kwargs_and_thinking(tmp_path):
     assert d.render_request(req) == "hej|False|x"
     assert KIMI.render_request({"messages": [{"role": "user", "content": "x"}], "reasoning": {"effort": "none"}}).endswith(
         "<think></think>")
+
+
+@pytest.mark.parametrize(("source", "why"), [
+    ("{{ messages[0]['content'] + 1 }}", "chat template failed: TypeError: "),
+    ("{{ messages[0].nope.deeper }}", "chat template failed: UndefinedError: "),
+    ("{{ 1 // 0 }}", "chat template failed: ZeroDivisionError: "),
+    ("{{ raise_exception('no system role') }}", "no system role"),
+])
+def test_a_template_failing_on_its_data_is_a_template_error(source, why):
+    """What the template's own code raises is the template's failure, one TemplateError per case."""
+    from tokenbridge.chat import TemplateError
+    from tokenbridge.chat.template import template_renderer
+
+    render = template_renderer(source)
+    with pytest.raises(TemplateError) as info:
+        render([{"role": "user", "content": "hi"}], None, True, {})
+    assert str(info.value).startswith(why)
+
+
+def test_a_bug_in_our_template_helpers_keeps_its_traceback(monkeypatch):
+    """A failure of tokenbridge's own code inside rendering is not passed off as a template error."""
+    from tokenbridge.chat import template
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in tojson")
+
+    monkeypatch.setattr(template, "_tojson", broken)
+    render = template.template_renderer("{{ messages | tojson }}  {# unique source: not from the compile cache #}")
+    with pytest.raises(RuntimeError, match="a bug in tojson"):
+        render([{"role": "user", "content": "hi"}], None, True, {})

@@ -354,3 +354,34 @@ def test_a_cut_section_out_of_order_is_still_malformed(kimi, ids):
     row, = reconstruct_record(record(kimi, {"reasoning": REASONING, "content": served}, finish="length",
                                      usage=len(truth)), kimi)
     assert "tool_markers_malformed" in codes(row)
+
+
+def _tiny_tokenizer(piece):
+    from tokenbridge.tokenizer import Tokenizer
+
+    return Tokenizer(name="tiny", source="tiny", kind="test", vocab_size=4, marker_ids={3: "<|end|>"},
+                     chat_template=None, config={}, lossless=True, _encode=lambda text: [],
+                     _decode_bytes=lambda ids: b"", _piece=piece)
+
+
+def _logged(*tokens: str) -> dict:
+    return {"logprobs": {"content": [{"token": t, "logprob": 0.0} for t in tokens]}}
+
+
+def test_logprob_ids_skip_ids_without_bytes():
+    """An id with no bytes (KeyError from token_bytes) is a hole in the id space, not an error."""
+    from tokenbridge.evidence import logprob_ids
+
+    pieces = {0: b"a", 2: b"c"}  # 1 is a hole
+    tok = _tiny_tokenizer(lambda i: pieces[i])
+    assert logprob_ids(tok, _logged("c", "a", "<|end|>")).ids == (2, 0, 3)
+
+
+def test_logprob_ids_do_not_hide_a_tokenizer_bug():
+    from tokenbridge.evidence import logprob_ids
+
+    def piece(i: int) -> bytes:
+        raise RuntimeError("broken tokenizer")
+
+    with pytest.raises(RuntimeError, match="broken tokenizer"):
+        logprob_ids(_tiny_tokenizer(piece), _logged("a"))

@@ -627,6 +627,52 @@ def test_an_internal_error_is_stored_without_the_key(tmp_path, monkeypatch):
         assert KEY.value.encode() not in path.read_bytes(), path
 
 
+def test_an_internal_error_is_counted_with_its_traceback(tmp_path, monkeypatch):
+    """A bug caught so the run goes on is counted and its traceback kept (key masked) in generate.json."""
+    from tokenbridge.generate import engine as eng
+
+    def broken(self, item, outcome, record):
+        raise RuntimeError(f"bug near Bearer {KEY.value}")
+
+    monkeypatch.setattr(eng.Engine, "_handle", broken)
+    summary = _run(Script(lambda p, a, b, r: asyncio.sleep(0, _json(_ok_body(p)))), tmp_path, 2)
+    assert summary.internal_errors == 2 and len(summary.tracebacks) == 2
+    first = summary.tracebacks[0]
+    assert first.startswith("Traceback (most recent call last):") and "in broken" in first
+    assert first.endswith("RuntimeError: bug near Bearer ***")
+    saved = json.loads((tmp_path / "run" / "generate.json").read_text())
+    assert (saved["internal_errors"], saved["tracebacks"]) == (2, summary.tracebacks)
+
+
+def test_a_bug_while_reading_a_response_is_internal_not_a_client_error(tmp_path, monkeypatch):
+    """Only transport failures are classified (and maybe retried); a bug in our reading code is an internal error."""
+    from tokenbridge.generate import engine as eng
+
+    def broken(status, headers, body):
+        raise KeyError("a bug in classify_response")
+
+    monkeypatch.setattr(eng, "classify_response", broken)
+    summary = _run(Script(lambda p, a, b, r: asyncio.sleep(0, _json(_ok_body(p)))), tmp_path, 1)
+    assert summary.failures == [{"id": "b3-0", "error_class": "internal", "error": "KeyError: 'a bug in classify_response'"}]
+    assert summary.errors == {} and summary.internal_errors == 1 and summary.requests == 1
+    assert summary.exit_code == ExitCode.INCOMPLETE
+
+
+def test_a_bug_in_the_store_writer_is_internal_not_a_store_failure(tmp_path, monkeypatch):
+    """The writer stops the run on a database error (exit 6); any other exception is a bug: exit 8, with its traceback."""
+    from tokenbridge.generate import store as store_mod
+
+    def broken(self, batch):
+        raise TypeError("a bug in stage")
+
+    monkeypatch.setattr(store_mod.Store, "stage", broken)
+    summary = _run(Script(lambda p, a, b, r: asyncio.sleep(0, _json(_ok_body(p)))), tmp_path, 2)
+    assert summary.exit_code == ExitCode.INTERNAL and summary.stop_reason == "internal_error"
+    assert any(n.startswith("stopping: internal error in the store writer (TypeError: a bug in stage)")
+               for n in summary.notices)
+    assert summary.internal_errors == 1 and summary.tracebacks[0].endswith("TypeError: a bug in stage")
+
+
 def test_bad_rows_never_crash_a_run(tmp_path):
     f = tmp_path / "a.jsonl"
     f.write_text('{"id": "x-1", "prompt": "ok"}\n{"id": 2, "prompt": "bad \\ud800 here"}\n', encoding="utf-8")

@@ -409,6 +409,39 @@ def test_dry_run_without_a_tokenizer_counts_the_rendered_prompt(tmp_path):
     assert report.notes[0] == "no --tokenizer: prompt tokens are approximate (characters of the kimi-k2.5-rendered prompt / 4)"
 
 
+def _dry_run_dataset(tmp_path):
+    from tokenbridge.generate.settings import DatasetSpec
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": f"Question {i}?"}) + "\n" for i in range(3)))
+    return DatasetSpec("d", path)
+
+
+def test_dry_run_reports_a_prompt_the_dialect_cannot_render(tmp_path):
+    """A render failure on the data is a reported bad row per prompt, not a crash."""
+    from tokenbridge.generate import GenerateSettings, dry_run
+
+    settings = GenerateSettings(datasets=(_dry_run_dataset(tmp_path),), request=RequestSettings(model="m"),
+                                dialect="deepseek-v3.1")  # renders only with a folder's template
+    report = dry_run(settings)
+    assert report.to_send == 0 and len(report.bad_rows) == 3
+    assert report.bad_rows[0].endswith(": cannot render the prompt: TemplateError: "
+                                       "the deepseek-v3.1 dialect renders only with its folder's chat template")
+
+
+def test_dry_run_does_not_hide_a_bug_as_a_bad_row(tmp_path, monkeypatch):
+    from tokenbridge.chat import DIALECTS
+    from tokenbridge.generate import GenerateSettings, dry_run
+
+    def broken(self, request):
+        raise RuntimeError("a bug in render_request")
+
+    monkeypatch.setattr(type(DIALECTS["kimi-k2.5"]), "render_request", broken)
+    settings = GenerateSettings(datasets=(_dry_run_dataset(tmp_path),), request=RequestSettings(model="m"))
+    with pytest.raises(RuntimeError, match="a bug in render_request"):
+        dry_run(settings)
+
+
 @pytest.mark.parametrize("mode", ["plain", "rich"])
 def test_progress_shows_no_0_of_0_bar_when_nothing_is_left_to_send(mode):
     import asyncio

@@ -249,3 +249,27 @@ def test_a_stage_writing_into_a_busy_run_folder_is_refused(run_dir):
         "tokenbridge run); wait for it to finish or write outside that run folder"
     ]
     assert not (run_dir / "export").exists()
+
+
+def test_force_into_a_folder_of_exports_replaces_only_that_format(run_dir):
+    """``-o RUN/export --force`` for one format: that format's folder is replaced, its siblings kept byte for byte."""
+    exports = run_dir / "export"
+    src = run_dir / "reconstructed.jsonl"
+    for fmt in ("specforge", "parquet"):
+        res = _invoke("export", str(src), "-o", str(exports / fmt), "--format", fmt)
+        assert res.exit_code == 0, res.output
+    (exports / "specforge" / "train.jsonl").write_text("stale\n", encoding="utf-8")
+    parquet = snapshot(exports / "parquet")
+    res = _export(src, exports, "--force")
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in exports.iterdir()) == ["parquet", "specforge"]
+    assert snapshot(exports / "parquet") == parquet
+    assert sorted(snapshot(exports / "specforge")) == [".tokenbridge-output", "README.md", "train.jsonl"]
+    assert (exports / "specforge" / "train.jsonl").read_bytes().count(b"\n") == sum(r["status"] == "ok" for r in _rows(src))
+    assert not leftovers(run_dir)
+
+
+def _rows(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]

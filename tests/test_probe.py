@@ -150,3 +150,35 @@ def test_probe_json_holds_the_profile(tmp_path, kimi, kimi_dir):
     assert "provider profile (echo tests)" in res.output and "crlf_to_lf" in res.output
     prof = json.loads(out.read_text(encoding="utf-8"))["providers"][0]["profile"]
     assert prof["text_edits"] == ["crlf_to_lf"] and prof["echo"]["crlf"] == "crlf_to_lf"
+
+
+def _inspected(kimi, response: dict):
+    import importlib
+
+    from tokenbridge.chat import resolve_dialect
+
+    module = importlib.import_module("tokenbridge.generate.probe")  # the package exports the function as `probe`
+    call = module.ProbeCall("P", "plain", available=True, ok=True)
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    module._inspect(call, request, response, kimi, resolve_dialect(kimi))
+    return call
+
+
+def test_a_response_reconstruct_refuses_is_a_probe_finding(kimi):
+    """A malformed choice is reported in the table (the record error's field and message), not raised."""
+    call = _inspected(kimi, {"choices": [{"index": 0, "message": {"role": "assistant", "content": 5}}]})
+    assert call.findings == ["reconstruct_failed: RecordError: response.choices[0].message.content: "
+                             "must be a string, a list of parts or null"]
+
+
+def test_a_bug_under_the_probe_is_not_reported_as_a_finding(kimi, monkeypatch):
+    import pytest
+
+    from tokenbridge import reconstruct
+
+    def broken(*args, **kwargs):
+        raise AttributeError("a bug in reconstruct")
+
+    monkeypatch.setattr(reconstruct, "reconstruct_record", broken)
+    with pytest.raises(AttributeError, match="a bug in reconstruct"):
+        _inspected(kimi, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}}]})

@@ -367,3 +367,46 @@ def test_generation_numbers_agree_with_generate(tmp_path, kimi):
     exchanges = [json.loads(x) for x in (run / "exchanges.jsonl").read_text().splitlines()]
     assert summary.failed == 0  # so every attempt belongs to a sample in exchanges.jsonl
     assert data["exchanges"]["attempts"] == sum(e["meta"]["attempts"] for e in exchanges) == summary.requests
+
+
+def _store_run(runs, tmp_path: Path) -> Path:
+    """A run folder with rows and a generate store holding one run (WAL mode, closed)."""
+    from tokenbridge.generate.store import Store
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(runs["full"] / "reconstructed.jsonl", run / "reconstructed.jsonl")
+    with Store.open(run) as store:
+        store.begin_run({"seed": 1})
+    return run
+
+
+def _files(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir()}
+
+
+def test_report_reads_a_closed_store_without_creating_files(runs, tmp_path):
+    """A read-only open must not leave state.sqlite-wal / -shm behind (SQLite's mode=ro alone does)."""
+    run = _store_run(runs, tmp_path)
+    before = _files(run)
+    assert before == {"reconstructed.jsonl", "state.sqlite"}
+    res = CliRunner().invoke(app, ["report", str(run)])
+    assert res.exit_code == 0, res.output
+    assert _files(run) - before == {".lock", "report/report.html", "report/report.json", "report/.tokenbridge-output"}
+    assert json.loads((run / "report" / "report.json").read_text())["generation"]["runs"] == 1
+
+
+def test_report_reads_what_a_killed_generate_left_in_the_wal(runs, tmp_path):
+    """A store whose writer died holds its last commits in -wal only: they are read, and no file is added."""
+    import sys
+
+    run = _store_run(runs, tmp_path)
+    code = ("import os, sys; from tokenbridge.generate.store import Store; s = Store.open(sys.argv[1]); "
+            "s.begin_run({'seed': 2}); os._exit(0)")
+    subprocess.run([sys.executable, "-c", code, str(run)], check=True, env={**os.environ, "PYTHONPATH": "src"})
+    before = _files(run)
+    assert {"state.sqlite-wal", "state.sqlite-shm"} <= before
+    res = CliRunner().invoke(app, ["report", str(run)])
+    assert res.exit_code == 0, res.output
+    assert _files(run) - before == {".lock", "report/report.html", "report/report.json", "report/.tokenbridge-output"}
+    assert json.loads((run / "report" / "report.json").read_text())["generation"]["runs"] == 2

@@ -19,7 +19,7 @@ from test_export_support import (
 
 from tokenbridge import rows
 from tokenbridge.export import export_file
-from tokenbridge.export.writers import META_COLUMNS
+from tokenbridge.export.writers import META_COLUMNS, WRITERS, Writer
 from tokenbridge.reconstruct import reconstruct_file
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tokenbridge"
@@ -178,3 +178,76 @@ def test_not_an_object_and_not_json(tmp_path):
         list(rows.iter_rows(src))
     with pytest.raises(rows.RowError, match="no such file"):
         list(rows.iter_rows(tmp_path / "none.jsonl"))
+
+
+def test_a_damaged_parquet_row_group_names_the_file_and_row(run, tmp_path, monkeypatch):
+    """Damage past the footer (a later row group) is a RowError naming where reading stopped, not a traceback."""
+    _, _, _, made = run
+    monkeypatch.setattr(rows, "_PARQUET_BATCH_ROWS", 4)  # one read batch per row group
+    path = tmp_path / "r.parquet"
+    sink = rows.ParquetRowSink(path, batch_rows=4)
+    for r in made[:8]:
+        sink.write([r])
+    sink.close()
+    meta = pq.ParquetFile(path).metadata
+    assert meta.num_row_groups == 2 and meta.row_group(0).num_rows == 4
+    col = meta.row_group(1).column(0)
+    data = bytearray(path.read_bytes())
+    data[col.data_page_offset:col.data_page_offset + col.total_compressed_size] = b"\xff" * col.total_compressed_size
+    path.write_bytes(bytes(data))
+    got = []
+    with pytest.raises(rows.RowError) as err:
+        for _, row in rows.iter_rows(path):
+            got.append(row["id"])
+    assert got == [r["id"] for r in made[:4]]
+    assert (err.value.line, err.value.field) == (5, "<row>")
+    assert str(err.value).startswith(f"{path}:5: <row>: cannot be read (")
+
+
+def test_a_file_that_is_not_parquet_is_a_row_error(tmp_path):
+    path = tmp_path / "r.parquet"
+    path.write_bytes(b"PAR1 not really")
+    with pytest.raises(rows.RowError, match=r"r.parquet: <file>: not a readable Parquet file \("):
+        list(rows.iter_rows(path))
+
+
+# --- every writer against the row contract -------------------------------------------------
+
+#: What each format adds beyond the row's columns (a new writer must say here what it adds)
+WRITER_EXTRA = {"specforge": set(), "conversations": {"conversations"}, "speculators": {"seq_len"},
+                "parquet": {"num_prompt_tokens", "num_completion_tokens"}}
+#: Row columns a format stores as JSON text rather than as the value
+WRITER_JSON_TEXT = {"conversations": {"tools"}, "parquet": set(rows.JSON_TEXT_COLUMNS)}
+
+
+def _written_rows(folder: Path, fmt: str) -> list[dict]:
+    if fmt in ("specforge", "conversations"):
+        return read_jsonl(folder / ("train.jsonl" if fmt == "specforge" else "conversations.jsonl"))
+    if fmt == "speculators":
+        out: list[dict] = []
+        for path in sorted(folder.glob("*.arrow")):
+            with pa.ipc.open_stream(path) as reader:
+                out += reader.read_all().to_pylist()
+        return out
+    return pq.read_table(sorted((folder / "data").glob("*.parquet"))).to_pylist()
+
+
+@pytest.mark.parametrize("fmt", sorted(WRITERS))
+def test_every_writer_holds_the_row_contract(run, tmp_path, fmt):
+    """Each writer implements the Writer protocol, and each column it writes is a row column holding the
+    row's value (or JSON text of it), or one of the extras it declares; the provenance columns always."""
+    _, src, _, made = run
+    assert isinstance(WRITERS[fmt](), Writer)
+    export_file(src, tmp_path / fmt, fmt)
+    written = _written_rows(tmp_path / fmt, fmt)
+    want = [r for r in made if r["status"] == "ok"]
+    assert len(written) == len(want) > 0
+    for got, row in zip(written, want):
+        assert set(META_COLUMNS) <= set(got), fmt
+        for col, value in got.items():
+            if col in WRITER_EXTRA[fmt]:
+                continue
+            assert col in rows.COLUMNS, (fmt, col)
+            if col in WRITER_JSON_TEXT.get(fmt, ()) and value is not None:
+                value = json.loads(value)
+            assert value == row[col], (fmt, col)

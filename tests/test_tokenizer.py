@@ -332,3 +332,50 @@ def test_byte_level_tokens_keep_their_exact_bytes(name):
     if len(parrot) > 1:  # a cut inside the character keeps the partial bytes
         assert tok.decode_bytes(parrot[:1]) == "🦜".encode()[: len(tok.token_bytes(parrot[0]))]
         assert b"\xef\xbf\xbd" not in tok.decode_bytes(parrot[:1])
+
+
+_FAKE_HF_TOKEN = "hf_" + "Zq7" * 12
+
+
+def _hub_failing_with(monkeypatch, exc: BaseException) -> None:
+    import huggingface_hub
+
+    def fail(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fail)
+    monkeypatch.setenv("HF_TOKEN", _FAKE_HF_TOKEN)
+
+
+def test_hub_error_keeps_its_message_without_the_token(monkeypatch):
+    """The reason the Hub gave is kept (not just its type name), the access token masked in every form."""
+    import httpx
+    from huggingface_hub.errors import HfHubHTTPError
+
+    url = f"https://huggingface.co/api/models/o/n?token={_FAKE_HF_TOKEN}"
+    response = httpx.Response(401, request=httpx.Request("GET", url))
+    _hub_failing_with(monkeypatch, HfHubHTTPError(f"401 Client Error: Unauthorized for url: {url}\nBearer {_FAKE_HF_TOKEN}",
+                                                  response=response))
+    with pytest.raises(TokenizerError) as info:
+        load_tokenizer("o/n")
+    msg = str(info.value)
+    assert msg == ("o/n: could not download the tokenizer from the Hub and it is not cached (HfHubHTTPError: "
+                   "401 Client Error: Unauthorized for url: https://huggingface.co/api/models/o/n?token=*** Bearer ***). "
+                   "Pass a local folder, or run once with network access.")
+    assert "Zq7" not in msg
+
+
+def test_hub_error_masks_any_token_shaped_text(monkeypatch):
+    """A token other than the configured one (or none configured) is still masked."""
+    other = "hf_" + "Ab9" * 10
+    _hub_failing_with(monkeypatch, OSError(f"cannot reach the Hub with {other}"))
+    monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(TokenizerError, match=r"\(OSError: cannot reach the Hub with \*\*\*\)") as info:
+        load_tokenizer("o/n")
+    assert "Ab9" not in str(info.value)
+
+
+def test_a_bug_inside_the_hub_loader_is_not_called_a_download_failure(monkeypatch):
+    _hub_failing_with(monkeypatch, KeyError("a bug"))
+    with pytest.raises(KeyError):
+        load_tokenizer("o/n")

@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
 
+from .jsonl import is_count
+
 __all__ = ["RACY_NS", "Digest", "DigestCache", "FileIdentity", "file_identity", "now_ns", "read_digest"]
 
 #: How much older than the read a file's mtime/ctime must be for its digest to be trusted.
@@ -100,7 +102,7 @@ class Digest:
         nums = {}
         for name in ("size", "mtime_ns", "ctime_ns", "ino", "dev", "checked_ns"):
             v = obj.get(name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            if not is_count(v):
                 raise ValueError(f"{name} is not a non-negative integer")
             nums[name] = v
         checked = nums.pop("checked_ns")

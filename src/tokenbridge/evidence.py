@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Mapping, Sequence
 
+from .jsonl import is_count, is_int
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -33,11 +34,6 @@ __all__ = [
     "matched_stop",
     "reasoning_tokens",
 ]
-
-
-def is_count(value: Any) -> bool:
-    """A JSON token count: a non-negative integer, not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -62,7 +58,7 @@ def _bytes_index(tok: Tokenizer) -> dict[bytes, int]:
             continue
         try:
             index.setdefault(tok.token_bytes(i), i)
-        except Exception:  # a hole in the id space (reserved ids without bytes)
+        except KeyError:  # a hole in the id space (reserved ids without bytes)
             continue
     for i, text in tok.marker_ids.items():
         index[text.encode("utf-8")] = i
@@ -93,7 +89,7 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
                 continue
             return LogprobIds(None, f"logprobs.content[{pos}].token {token[:40]!r} names no id of this tokenizer")
         raw = entry.get("bytes")
-        if isinstance(raw, list) and all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in raw):
+        if isinstance(raw, list) and all(is_int(b) and 0 <= b < 256 for b in raw):
             key = bytes(raw)
         elif raw is None and isinstance(token, str) and "\ufffd" not in token:
             key = token.encode("utf-8", errors="surrogatepass")

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 from collections.abc import Iterator, Mapping
 
-from . import fsio
-from .fsio import dumps_line
+from . import jsonl
+from .jsonl import is_int, iter_lines
 
-__all__ = ["Exchange", "ExchangeRecord", "RecordError", "dumps_line", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
+__all__ = ["Exchange", "ExchangeRecord", "RecordError", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
 
 
 class RecordError(ValueError):
@@ -86,12 +86,12 @@ def _check_details(details: Any, field: str) -> None:
         if key is not None and entry.get(key) is not None and not isinstance(entry[key], str):
             raise RecordError(f"{field}[{k}].{key}", "must be a string or null")
         index = entry.get("index")
-        if index is not None and (not isinstance(index, int) or isinstance(index, bool)):
+        if index is not None and not is_int(index):
             raise RecordError(f"{field}[{k}].index", "must be an integer")
 
 
 def _int_list(value: Any, field: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+    if not isinstance(value, list) or not all(is_int(i) for i in value):
         raise RecordError(field, "must be a list of integers")
     return value
 
@@ -105,63 +105,100 @@ def parse_exchange(record: Any) -> Exchange:
     rid = record["id"]
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise RecordError("id", "must be a string or an integer")
-    request = record.get("request")
+    request = _checked_request(record.get("request"))
+    response = record.get("response")
+    if not isinstance(response, dict):
+        raise RecordError("response", "missing" if response is None else "must be an object")
+    choices = _checked_choices(response)
+    native_prompt, native_choices = _native_ids(record, response, choices)
+    meta = record.get("meta")
+    dataset = record.get("dataset")
+    return Exchange(
+        id=str(rid),
+        request=request,
+        response=response,
+        dataset=str(dataset) if dataset is not None else None,
+        meta=meta if isinstance(meta, dict) else {},
+        native_prompt=native_prompt,
+        native_choices=native_choices,
+    )
+
+
+def _checked_request(request: Any) -> dict[str, Any]:
+    """``request``: an object with non-empty ``messages`` (each with a string role, its
+    content and tool calls in shape), ``tools`` a list, ``chat_template_kwargs`` an object."""
     if not isinstance(request, dict):
         raise RecordError("request", "missing" if request is None else "must be an object")
     messages = request.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RecordError("request.messages", "missing" if messages is None else "must be a non-empty list")
     for i, m in enumerate(messages):
-        at = f"request.messages[{i}]"
-        if not isinstance(m, dict):
-            raise RecordError(at, "must be an object")
-        if not isinstance(m.get("role"), str):
-            raise RecordError(f"{at}.role", "missing or not a string")
-        _check_content(m.get("content"), f"{at}.content")
-        calls = m.get("tool_calls")
-        if calls is not None:
-            if not isinstance(calls, list):
-                raise RecordError(f"{at}.tool_calls", "must be a list")
-            for j, call in enumerate(calls):
-                fn = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(fn, dict):
-                    raise RecordError(f"{at}.tool_calls[{j}].function", "missing or not an object")
-                if "arguments" not in fn:
-                    raise RecordError(f"{at}.tool_calls[{j}].function.arguments", "missing")
+        _check_message(m, f"request.messages[{i}]")
     tools = request.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RecordError("request.tools", "must be a list")
     kwargs = request.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise RecordError("request.chat_template_kwargs", "must be an object")
-    response = record.get("response")
-    if not isinstance(response, dict):
-        raise RecordError("response", "missing" if response is None else "must be an object")
+    return request
+
+
+def _check_message(m: Any, at: str) -> None:
+    if not isinstance(m, dict):
+        raise RecordError(at, "must be an object")
+    if not isinstance(m.get("role"), str):
+        raise RecordError(f"{at}.role", "missing or not a string")
+    _check_content(m.get("content"), f"{at}.content")
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise RecordError(f"{at}.tool_calls", "must be a list")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise RecordError(f"{at}.tool_calls[{j}].function", "missing or not an object")
+        if "arguments" not in fn:
+            raise RecordError(f"{at}.tool_calls[{j}].function.arguments", "missing")
+
+
+def _checked_choices(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """``response.choices`` (empty for an error body), each an object whose message has its
+    text fields in shape."""
     choices = response.get("choices")
-    if choices is None and "error" not in response:
-        raise RecordError("response.choices", "missing (and the response carries no error)")
-    if choices is not None:
-        if not isinstance(choices, list):
-            raise RecordError("response.choices", "must be a list")
-        for i, c in enumerate(choices):
-            if not isinstance(c, dict):
-                raise RecordError(f"response.choices[{i}]", "must be an object")
-            msg = c.get("message")
-            if not isinstance(msg, dict):
-                raise RecordError(f"response.choices[{i}].message", "missing or not an object")
-            _check_content(msg.get("content"), f"response.choices[{i}].message.content")
-            for key in ("reasoning", "reasoning_content"):
-                if msg.get(key) is not None and not isinstance(msg[key], str):
-                    raise RecordError(f"response.choices[{i}].message.{key}", "must be a string or null")
-            if msg.get("tool_calls") is not None and not isinstance(msg["tool_calls"], list):
-                raise RecordError(f"response.choices[{i}].message.tool_calls", "must be a list or null")
-            _check_details(msg.get("reasoning_details"), f"response.choices[{i}].message.reasoning_details")
-    n = len(choices or ())
+    if choices is None:
+        if "error" not in response:
+            raise RecordError("response.choices", "missing (and the response carries no error)")
+        return []
+    if not isinstance(choices, list):
+        raise RecordError("response.choices", "must be a list")
+    for i, c in enumerate(choices):
+        if not isinstance(c, dict):
+            raise RecordError(f"response.choices[{i}]", "must be an object")
+        msg = c.get("message")
+        at = f"response.choices[{i}].message"
+        if not isinstance(msg, dict):
+            raise RecordError(at, "missing or not an object")
+        _check_content(msg.get("content"), f"{at}.content")
+        for key in ("reasoning", "reasoning_content"):
+            if msg.get(key) is not None and not isinstance(msg[key], str):
+                raise RecordError(f"{at}.{key}", "must be a string or null")
+        if msg.get("tool_calls") is not None and not isinstance(msg["tool_calls"], list):
+            raise RecordError(f"{at}.tool_calls", "must be a list or null")
+        _check_details(msg.get("reasoning_details"), f"{at}.reasoning_details")
+    return choices
+
+
+def _native_ids(record: dict[str, Any], response: dict[str, Any],
+                choices: list[dict[str, Any]]) -> tuple[list[int] | None, list[list[int] | None]]:
+    """Ground-truth ids: vLLM's inside the response, then the record's ``native_ids`` (a
+    list: the first choice's; an object: ``prompt`` and ``choices``), which win."""
+    n = len(choices)
     native_prompt: list[int] | None = None
     native_choices: list[list[int] | None] = [None] * n
-    if "prompt_token_ids" in response and response["prompt_token_ids"] is not None:
+    if response.get("prompt_token_ids") is not None:
         native_prompt = _int_list(response["prompt_token_ids"], "response.prompt_token_ids")
-    for i, c in enumerate(choices or ()):
+    for i, c in enumerate(choices):
         if c.get("token_ids") is not None:
             native_choices[i] = _int_list(c["token_ids"], f"response.choices[{i}].token_ids")
     native = record.get("native_ids")
@@ -176,33 +213,15 @@ def parse_exchange(record: Any) -> Exchange:
                 native_choices[i] = _int_list(ids, f"native_ids.choices[{i}]")
     elif native is not None:
         raise RecordError("native_ids", "must be a list of ids or {prompt, choices}")
-    meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
-    dataset = record.get("dataset")
-    return Exchange(
-        id=str(rid),
-        request=request,
-        response=response,
-        dataset=str(dataset) if dataset is not None else None,
-        meta=meta,
-        native_prompt=native_prompt,
-        native_choices=native_choices,
-    )
-
-
-def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of the non-blank lines of a JSONL file, lazily."""
-    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if line.strip():
-                yield lineno, line
+    return native_prompt, native_choices
 
 
 def loads_line(line: str) -> Any:
-    """Parse one JSONL line (:func:`tokenbridge.fsio.loads_line`, which keeps lone
+    """Parse one JSONL line (:func:`tokenbridge.jsonl.loads_line`, which keeps lone
     surrogate escapes for the gate); a line that is not JSON raises RecordError."""
     try:
-        return fsio.loads_line(line)
-    except fsio.JsonLineError as exc:
+        return jsonl.loads_line(line)
+    except jsonl.JsonLineError as exc:
         raise RecordError("<line>", exc.detail) from None
 
 

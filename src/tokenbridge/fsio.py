@@ -20,9 +20,8 @@ File modes: outputs are ``0644`` (folders ``0755``), whatever the umask, so the 
 never has two modes (``exchanges.jsonl`` too). ``generate.json``, which may hold error
 text, is :data:`PRIVATE_MODE` ``0600``; ``state.sqlite`` has the mode SQLite gives it.
 
-JSON lines: :func:`loads_line` / :func:`dumps_line` are the one reader/writer pair; both
-keep lone surrogates (``"\\ud800"``, invalid UTF-8) by falling back to the stdlib and
-``\\u`` escapes, so such text still reaches the gate and the file stays valid UTF-8.
+JSON lines are :mod:`tokenbridge.jsonl`'s (``loads_line`` / ``dumps_line`` are
+re-exported here for older imports).
 
 Tests only: ``TOKENBRIDGE_TEST_KILL_AT=<point>:<n>`` makes the process ``SIGKILL`` itself
 the ``n``-th time it passes the named commit point (:func:`kill_point`), for seeded,
@@ -51,10 +50,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from collections.abc import Iterator
 
-import orjson
+from .jsonl import JsonLineError, dumps_line, loads_line
 
 __all__ = [
     "FILE_MODE",
+    "JsonLineError",
     "MARKER",
     "PRIVATE_MODE",
     "OutputWriteError",
@@ -63,6 +63,7 @@ __all__ = [
     "is_temp_name",
     "kill_point",
     "loads_line",
+    "open_staged",
     "publish_dir",
     "staged_file",
     "temp_path",
@@ -308,38 +309,3 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(b))
-
-
-# --- JSON lines -----------------------------------------------------------------------
-
-
-class JsonLineError(ValueError):
-    """A line that is not valid JSON; ``detail`` says where in the line."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
-
-
-def loads_line(line: str | bytes) -> Any:
-    """Parse one JSON line: orjson for speed, the stdlib for what orjson refuses (lone
-    surrogate escapes, which the gate must still see). Raises :class:`JsonLineError`."""
-    try:
-        return orjson.loads(line)
-    except orjson.JSONDecodeError:
-        pass
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise JsonLineError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-    except UnicodeDecodeError as exc:
-        raise JsonLineError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-
-
-def dumps_line(obj: Any) -> bytes:
-    """One compact JSON line (no newline) as UTF-8 bytes; ASCII-escaped when the text
-    holds lone surrogates (or anything else orjson refuses), so the file stays valid UTF-8."""
-    try:
-        return orjson.dumps(obj)
-    except TypeError:
-        return json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode("ascii")

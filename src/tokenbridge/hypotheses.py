@@ -35,6 +35,7 @@ from typing import Any
 from collections.abc import Mapping, Sequence
 
 from .chat import Dialect, HarmonyDialect, message_reasoning
+from .content import content_text
 
 __all__ = ["Candidate", "candidates", "unjoin_marker_spaces"]
 
@@ -56,10 +57,7 @@ class Candidate:
 
 def _text(message: Mapping[str, Any]) -> tuple[str, str]:
     reasoning = message_reasoning(message) or ""
-    content = message.get("content") or ""
-    if not isinstance(content, str):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
-    return reasoning, content
+    return reasoning, content_text(message.get("content"))
 
 
 def _markers(dialect: Dialect) -> list[str]:

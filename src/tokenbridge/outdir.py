@@ -16,6 +16,10 @@ folder or any parent of it, the current folder or any parent of it, ``$HOME`` an
 
 ``reconstruct -o`` naming its own input (same path, symlink or hard link) is refused too
 (:func:`check_output_file`).
+
+A folder of exports (the run layout's ``RUN/export``: every entry an earlier export's
+folder) is never replaced whole by one format: :func:`export_target` sends that format to
+its own sub-folder, so ``--force`` can only replace that format's output.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ __all__ = [
     "OutputRefused",
     "check_output_dir",
     "check_output_file",
+    "export_target",
     "is_run_folder",
     "marker",
     "remove_own_output",
@@ -156,6 +161,20 @@ def check_output_file(target: str | Path, source: str | Path, *, flag: str = "-o
         raise OutputRefused(f"{flag} {target}: is a folder; give a file name such as {target / 'reconstructed.jsonl'}")
     if target.exists() and os.path.samefile(target, source):
         raise OutputRefused(f"{flag} {target}: is the input file; give another output name")
+
+
+def export_target(target: str | Path, fmt: str) -> Path:
+    """Where an export of ``fmt`` asked for at ``target`` is written: ``target/fmt`` when
+    ``target`` is a folder of exports (not one itself, and every entry an earlier
+    tokenbridge export's folder, as ``RUN/export`` holds ``specforge/``, ``parquet/``, ...),
+    so exporting one format never replaces the others; else ``target`` itself."""
+    target = Path(target)
+    if not target.is_dir() or target.is_symlink() or (target / MARKER).exists():
+        return target
+    entries = [e for e in os.scandir(target) if not is_temp_name(e.name)]
+    if entries and all(e.is_dir(follow_symlinks=False) and _is_own(Path(e.path), "export") for e in entries):
+        return target / fmt
+    return target
 
 
 def remove_own_output(target: str | Path, kind: OutputKind) -> bool:

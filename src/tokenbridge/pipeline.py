@@ -16,7 +16,7 @@ from contextlib import nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Mapping
 
 from . import fsio, interrupt
@@ -25,6 +25,11 @@ from .digests import DigestCache, read_digest
 from .outdir import OutputKind, remove_own_output
 from .runconfig import PipelineError, RunConfig, check_before_generate, load_run_config
 from .runconfig import emulator_config as _emulator_config
+
+if TYPE_CHECKING:
+    from .export import ExportJob, PassResult, VocabJob
+    from .report import RowStats
+    from .tokenizer import Tokenizer
 
 __all__ = ["PipelineError", "RunConfig", "StageResult", "load_run_config", "run_pipeline"]
 
@@ -195,27 +200,27 @@ def _settle(out: Path) -> None:
 
 
 def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult]:
-    from .emulator import running_emulator
-    from .export import ExportJob, VocabJob, run_pass
-    from .generate import generate_run, settings_from_mapping
-    from .generate.outcome import describe_run
-    from .view import status_text
-    from .reconstruct import reconstruct_file
-    from .report import RowStats, build_report
     from .tokenizer import load_tokenizer
 
-    out = cfg.out
-    state = _State(out, echo)
+    state = _State(cfg.out, echo)
     tok = load_tokenizer(cfg.tokenizer)
     check_before_generate(cfg, tok)  # the config checks that need the tokenizer, before any request
-    results: list[StageResult] = []
+    results = [_generate_stage(cfg, tok, echo)]
+    results.append(_reconstruct_stage(cfg, tok, state, echo))
+    results.extend(_after_reconstruct(cfg, tok, state, echo))
+    return results
 
-    # 1. generate (resumes from its store; done samples are never sent again)
+
+def _generate_stage(cfg: RunConfig, tok: Tokenizer, echo: Callable[[str], None]) -> StageResult:
+    """1. generate (resumes from its store; done samples are never sent again). Raises
+    PipelineError when it stopped or failed: the later stages never run on stale exchanges."""
+    from .emulator import running_emulator
+    from .generate import generate_run, settings_from_mapping
+    from .generate.outcome import describe_run
+
+    out = cfg.out
     settings = settings_from_mapping(cfg.generate, source=str(cfg.source), base_dir=cfg.source.parent)
-    if cfg.use_emulator:
-        context = running_emulator(_emulator_config(cfg), tokenizer=tok)
-    else:
-        context = nullcontext(None)
+    context = running_emulator(_emulator_config(cfg), tokenizer=tok) if cfg.use_emulator else nullcontext(None)
     with context as url:
         if url is not None:
             settings = settings.with_overrides(base_url=url)
@@ -223,9 +228,8 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
         with interrupt.kept_handlers():  # generate leaves the default ones behind
             summary = generate_run(settings, out)
     exchanges = out / "exchanges.jsonl"
-    gen_detail = {"done": summary.done, "failed": summary.failed, "spent_usd": summary.spent_total,
-                  "stop_reason": summary.stop_reason, "exit_code": summary.exit_code}
-    results.append(StageResult("generate", "ran", gen_detail))
+    detail = {"done": summary.done, "failed": summary.failed, "spent_usd": summary.spent_total,
+              "stop_reason": summary.stop_reason, "exit_code": summary.exit_code}
     echo(f"generate: {describe_run(summary)}")
     if summary.stop_reason:
         raise PipelineError(f"generate stopped ({summary.stop_reason}); fix it and run the same command again",
@@ -236,31 +240,75 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
                             "fix it and run the same command again", code=summary.exit_code)
     if not exchanges.exists():
         raise PipelineError(f"generate wrote no {exchanges}")
+    return StageResult("generate", "ran", detail)
 
-    # 2. reconstruct
-    reconstructed = out / "reconstructed.jsonl"
+
+def _reconstruct_stage(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Callable[[str], None]) -> StageResult:
+    """2. reconstruct exchanges.jsonl into reconstructed.jsonl (skipped while unchanged)."""
+    from .reconstruct import reconstruct_file
+    from .view import status_text
+
+    exchanges, reconstructed = cfg.out / "exchanges.jsonl", cfg.out / "reconstructed.jsonl"
     fp = _fingerprint([exchanges], {"tokenizer": _tokenizer_identity(cfg.tokenizer), "dialect": cfg.dialect,
                                     "policy": dict(cfg.policy.severities), "tol": cfg.policy.usage_tolerance,
                                     "profile": dict(cfg.provider_profile or {})})
     if state.done("reconstruct", fp, reconstructed):
-        results.append(StageResult("reconstruct", "skipped"))
+        result = StageResult("reconstruct", "skipped")
     else:
         rs = reconstruct_file(exchanges, reconstructed, tok, dialect=cfg.dialect, policy=cfg.policy,
                               provider_profile=cfg.provider_profile)
         detail = rs.to_dict()
         state.record("reconstruct", fp, {"status": detail["status"], "bad_lines": len(rs.bad_lines),
                                          "provider_notes": detail["provider_notes"] + rs.calibration_notes()})
-        results.append(StageResult("reconstruct", "ran", detail))
-    echo(f"reconstruct: {results[-1].status} → {reconstructed}: {status_text(state.data['reconstruct'].get('status') or {})}")
+        result = StageResult("reconstruct", "ran", detail)
+    echo(f"reconstruct: {result.status} → {reconstructed}: {status_text(state.data['reconstruct'].get('status') or {})}")
     for note in state.data["reconstruct"].get("provider_notes") or ():
         echo(f"reconstruct: warning: {printable(note)}")  # names providers
+    return result
 
-    # 3-5. exports (one stage per format, skipped, not failed, when no row qualifies), draft vocabulary and the
-    # report's row statistics, all from one pass over reconstructed.jsonl
+
+#: stage -> (fingerprint, "ran" | "skipped" | "empty"), in stage order
+_Plan = dict[str, tuple[str, str]]
+
+
+def _after_reconstruct(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Callable[[str], None]) -> list[StageResult]:
+    """3-5. exports (one stage per format, skipped, not failed, when no row qualifies), draft
+    vocabulary and the report's row statistics, all from one pass over reconstructed.jsonl;
+    then the report. A bad row is a PipelineError with the row's exit code (1)."""
+    from .export import ExportError, run_pass
+    from .report import RowStats
+
+    out = cfg.out
+    reconstructed = out / "reconstructed.jsonl"
+    plan, exports, vocab_job = _plan_exports(cfg, tok, state)
+    # the report is fingerprinted first: its row statistics come from the same pass, which
+    # then runs only for what is due
+    report_html = out / "report" / "report.html"
+    report_fp = _fingerprint([reconstructed, out / "exchanges.jsonl"], {"report": _store_counts(out)}) if cfg.report else ""
+    report_due = cfg.report and not state.done("report", report_fp, report_html)
+    row_stats = RowStats() if report_due else None
+    passed = None
+    if exports or vocab_job is not None or row_stats is not None:
+        try:
+            passed = run_pass(reconstructed, exports=exports, vocab=vocab_job, stats=row_stats, vocab_size=tok.vocab_size)
+        except ExportError as exc:  # a bad row: bad data, as for reconstruct's bad records
+            raise PipelineError(str(exc), code=exc.exit_code) from None
+    results = _record_pass(cfg, state, plan, passed, echo)
+    if cfg.report:
+        results.append(_report_stage(cfg, state, report_fp, report_due, row_stats, echo))
+    return results
+
+
+def _plan_exports(cfg: RunConfig, tok: Tokenizer, state: _State) -> tuple[_Plan, list[ExportJob], VocabJob | None]:
+    """What each export and the vocabulary do in this run, and the jobs for the pass."""
+    from .export import ExportJob, VocabJob
+
+    out = cfg.out
+    reconstructed = out / "reconstructed.jsonl"
     wanted = {"ok", "flagged"} if cfg.include_flagged else {"ok"}
     usable = sum(n for k, n in (state.data.get("reconstruct", {}).get("status") or {}).items() if k in wanted)
     exports: list[ExportJob] = []
-    plan: dict[str, tuple[str, str]] = {}  # stage -> (fingerprint, "ran" | "skipped" | "empty"), in stage order
+    plan: _Plan = {}
     for fmt in cfg.export_formats:
         target = out / "export" / fmt
         fp = _fingerprint([reconstructed], {"format": fmt, "include_flagged": cfg.include_flagged})
@@ -283,17 +331,18 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
             plan["vocab"] = (fp, "ran")
             vocab_job = VocabJob(cfg.draft_vocab_size, target, target_vocab_size=tok.vocab_size,
                                  include_flagged=cfg.include_flagged)
-    # the report is fingerprinted first: its row statistics come from the same pass, which
-    # then runs only for what is due
-    report_html = out / "report" / "report.html"
-    report_fp = _fingerprint([reconstructed, exchanges], {"report": _store_counts(out)}) if cfg.report else ""
-    report_due = cfg.report and not state.done("report", report_fp, report_html)
-    row_stats = RowStats() if report_due else None
-    passed = run_pass(reconstructed, exports=exports, vocab=vocab_job, stats=row_stats, vocab_size=tok.vocab_size) \
-        if exports or vocab_job is not None or row_stats is not None else None
+    return plan, exports, vocab_job
+
+
+def _record_pass(cfg: RunConfig, state: _State, plan: _Plan, passed: PassResult | None,
+                 echo: Callable[[str], None]) -> list[StageResult]:
+    """One result (and line) per planned export / vocab stage; an empty one drops its stale output."""
+    out = cfg.out
+    results: list[StageResult] = []
     for stage, (fp, what) in plan.items():
         fmt = stage.partition(":")[2]
-        target, kind = (out / "export" / fmt, "export") if fmt else (out / "vocab", "vocab")
+        kind: OutputKind = "export" if fmt else "vocab"
+        target = out / "export" / fmt if fmt else out / "vocab"
         if what == "empty":
             results.append(StageResult(stage, "empty", {"rows": 0} if fmt else {}))
             echo((f"export {fmt}: nothing to export (no {'ok/flagged' if cfg.include_flagged else 'ok'} rows)" if fmt
@@ -310,18 +359,22 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
         results.append(StageResult(stage, what, detail))
         echo(f"export {fmt}: {what} → {target} {state.data[stage].get('rows')} rows" if fmt
              else f"vocab: {what} → {target} (coverage {state.data['vocab'].get('coverage'):.4f})")
-
-    # 5. report (its inputs: the rows, the exchanges, and generate's counts in the store)
-    if cfg.report:
-        if not report_due:
-            results.append(StageResult("report", "skipped"))
-            html = report_html
-        else:
-            html = build_report(out, rows=row_stats)
-            state.record("report", report_fp, {"html": str(html)})
-            results.append(StageResult("report", "ran", {"html": str(html)}))
-        echo(f"report: {results[-1].status} → {html}")
     return results
+
+
+def _report_stage(cfg: RunConfig, state: _State, fp: str, due: bool, row_stats: RowStats | None,
+                  echo: Callable[[str], None]) -> StageResult:
+    """5. the report (its inputs: the rows, the exchanges, and generate's counts in the store)."""
+    from .report import build_report
+
+    if not due:
+        result, html = StageResult("report", "skipped"), cfg.out / "report" / "report.html"
+    else:
+        html = build_report(cfg.out, rows=row_stats)
+        state.record("report", fp, {"html": str(html)})
+        result = StageResult("report", "ran", {"html": str(html)})
+    echo(f"report: {result.status} → {html}")
+    return result
 
 
 #: generate's exit statuses after which the later stages run: all done, or some failed

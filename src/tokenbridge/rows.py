@@ -31,7 +31,8 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import orjson
 
-from .fsio import JsonLineError, dumps_line, loads_line
+from .exit_codes import ExitCode
+from .jsonl import JsonLineError, dumps_line, json_text, loads_line
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -177,7 +178,10 @@ def arrow_fields(columns: Iterable[str], **types: pa.DataType) -> list[pa.Field]
 
 
 class RowError(ValueError):
-    """A row breaks the contract: names the file, the line (or row number) and the field."""
+    """A row breaks the contract: names the file, the line (or row number) and the field.
+    Bad input data, not a bad flag: the command exits ``exit_code`` (1, as for bad records)."""
+
+    exit_code = ExitCode.INCOMPLETE
 
     def __init__(self, path: str | Path, line: int | None, field: str, message: str):
         self.path = str(path)
@@ -218,14 +222,25 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    # a broken file is an ArrowException (ArrowInvalid is also a ValueError) or an OSError,
+    # when opened and again in any later row group
+    broken = (pa.ArrowException, OSError, ValueError)
     try:
         pf = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises several types for a broken file
+    except broken as exc:
         raise RowError(path, None, "<file>", f"not a readable Parquet file ({exc})") from None
     row = 0
-    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+    batches = pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS)
+    while True:
+        try:
+            batch = next(batches, None)
+        except broken as exc:
+            raise RowError(path, row + 1, "<row>", f"cannot be read ({exc})") from None
+        if batch is None:
+            return
         for record in batch.to_pylist():
             row += 1
             for key in JSON_TEXT_COLUMNS:
@@ -274,7 +289,7 @@ def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:
     for col in _TEXT_COLUMNS:
         value = obj[col]
         if value is not None and not isinstance(value, str):
-            obj[col] = _as_text(value)
+            obj[col] = json_text(value)
     if type(obj["thinking"]) is not bool:
         raise fail("thinking", f"must be true or false, got {obj['thinking']!r}")
     if obj["usage"] is not None and not isinstance(obj["usage"], dict):
@@ -285,11 +300,6 @@ def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:
         if not isinstance(obj[col], str):
             raise fail(col, f"must be a string, got {type(obj[col]).__name__}")
     return obj  # type: ignore[return-value]  # checked above, column by column
-
-
-def _as_text(value: Any) -> str:
-    """A JSON value as compact JSON text (the lone-surrogate fallback included)."""
-    return dumps_line(value).decode("utf-8")
 
 
 # --- writing ---------------------------------------------------------------------------
@@ -343,7 +353,7 @@ def encode_lean_row(lean: Mapping[str, Any]) -> bytes:
 
 
 def encode_row(row: Mapping[str, Any]) -> bytes:
-    """One row as its JSON line (no newline): :func:`tokenbridge.fsio.dumps_line`'s bytes
+    """One row as its JSON line (no newline): :func:`tokenbridge.jsonl.dumps_line`'s bytes
     exactly; derived columns that follow from the ids are spliced as in
     :func:`encode_lean_row`, any others serialised as they are."""
     prompt, completion = row.get("prompt_ids"), row.get("completion_ids")
@@ -391,7 +401,7 @@ def to_arrow_record(row: Mapping[str, Any], columns: Iterable[str]) -> dict[str,
     for col in columns:
         value = row.get(col)
         if value is not None and (col in JSON_TEXT_COLUMNS or (col in _TEXT_COLUMNS and not isinstance(value, str))):
-            value = _as_text(value)
+            value = json_text(value)
         out[col] = value
     return out
 

@@ -161,7 +161,8 @@ class Tokenizer:
         return self._decode_bytes(ids).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes of one token (marker ids give their text)."""
+        """The raw bytes of one token (marker ids give their text); KeyError for an id
+        that has none (a hole in the id space)."""
         return self._piece(token_id)
 
     def token_id(self, marker: str) -> int:
@@ -243,21 +244,42 @@ def _hub_folder(repo_id: str, revision: str | None) -> Path:
         from huggingface_hub import snapshot_download
     except ImportError as exc:  # pragma: no cover - a declared dependency
         raise TokenizerError("huggingface_hub is needed to load a Hub repo id") from exc
+    # The Hub's errors are OSError (HTTP, network, offline, missing repo or file) or
+    # ValueError (a malformed repo id); anything else is a bug and keeps its traceback.
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_FILES))
-    except Exception as exc:  # network, auth, missing repo
+    except (OSError, ValueError) as exc:
         try:
             return Path(
                 snapshot_download(
                     repo_id, revision=revision, allow_patterns=_HUB_FILES, local_files_only=True
                 )
             )
-        except Exception:
+        except (OSError, ValueError):
             pass
         raise TokenizerError(
             f"{repo_id}: could not download the tokenizer from the Hub and it is not cached "
-            f"({type(exc).__name__}). Pass a local folder, or run once with network access."
+            f"({_hub_reason(exc)}). Pass a local folder, or run once with network access."
         ) from None
+
+
+#: A Hugging Face access token as it can appear in an error text (header, URL).
+_HF_TOKEN = re.compile(r"hf_[A-Za-z0-9]{20,}")
+_REASON_CHARS = 400
+
+
+def _hub_reason(exc: BaseException) -> str:
+    """The Hub's error on one line, with the user's token masked (an HTTP error can quote
+    the request's URL or headers) before it is clipped (a clipped token is still a token)."""
+    from huggingface_hub import get_token
+
+    from .generate.secrets import scrub
+
+    text = scrub(" ".join(str(exc).split()), get_token())
+    text = _HF_TOKEN.sub("***", text)
+    if len(text) > _REASON_CHARS:
+        text = text[:_REASON_CHARS] + "…"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _read_json(path: Path) -> dict:
@@ -468,7 +490,7 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
             mergeable_ranks=ranks,
             special_tokens=special,
         )
-    except Exception as exc:
+    except (ValueError, OverflowError) as exc:  # a pattern that does not compile, a rank out of range
         raise TokenizerError(f"{folder / 'tiktoken.model'}: tiktoken rejected the data ({exc})") from None
 
     allowed = enc.special_tokens_set
@@ -618,7 +640,7 @@ def _load_tokenizers(folder: Path, source: str) -> Tokenizer:
     path = folder / "tokenizer.json"
     try:
         tok = HFTokenizer.from_file(str(path))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file
         raise TokenizerError(f"{path}: tokenizers could not load it ({exc})") from None
     config = _read_json(folder / "tokenizer_config.json")
     markers = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}

@@ -10,7 +10,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from .exchanges import RecordError, iter_lines, loads_line
+from .exchanges import RecordError, loads_line
+from .jsonl import iter_lines
 from .tokenizer import Tokenizer
 
 _STYLE = {

@@ -22,6 +22,7 @@ __all__ = [
     "DIALECTS",
     "PART_KINDS",
     "Dialect",
+    "RENDER_FAILURES",
     "DialectError",
     "HarmonyDialect",
     "PromptReading",
@@ -31,6 +32,11 @@ __all__ = [
     "resolve_dialect",
     "thinking_enabled",
 ]
+
+#: What rendering a request can raise on data it does not fit: a template's own error and
+#: a built-in renderer's on a field of the wrong shape or value (tool-call arguments that
+#: are not JSON, a missing key). Callers that report a bad record catch these, not Exception.
+RENDER_FAILURES: tuple[type[Exception], ...] = (TemplateError, ValueError, LookupError, TypeError)
 
 DIALECTS: dict[str, Dialect] = {d.name: d for d in (KIMI_K25, QWEN3, DEEPSEEK_V31, DEEPSEEK_V32, GLM45, GPT_OSS, GPT_OSS_HARMONY)}
 

@@ -12,6 +12,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
+from ..content import content_text
+from ..jsonl import is_int
+
 Message = Mapping[str, Any]
 #: render(messages, tools, thinking, extra template kwargs) -> prompt text
 RenderFn = Callable[[Sequence[Message], Sequence[Mapping[str, Any]] | None, bool, Mapping[str, Any]], str]
@@ -195,9 +198,7 @@ class Dialect:
         of ``content`` is taken as the end token itself, never doubled.
         """
         reasoning = message_reasoning(message) or ""
-        content = message.get("content") or ""
-        if not isinstance(content, str):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+        content = content_text(message.get("content"))
         cut = finish_reason == "length"
         parts: list[tuple[str, str]] = []
         if thinking and self.think_close:
@@ -290,7 +291,7 @@ def reasoning_details(message: Message) -> tuple[str | None, list[str]]:
         kind = entry.get("type")
         if kind == "reasoning.text" and isinstance(entry.get("text"), str):
             index = entry.get("index")
-            order = index if isinstance(index, int) and not isinstance(index, bool) else pos
+            order = index if is_int(index) else pos
             texts.append((order, pos, entry["text"]))
         elif kind in REDACTED_DETAIL_TYPES:
             other.append(str(kind))

@@ -18,6 +18,7 @@ import json
 from typing import Any
 from collections.abc import Mapping, Sequence
 
+from ..content import content_text
 from .dialect import Dialect, Message, ToolMarkers
 from .template import serving_messages
 
@@ -26,10 +27,7 @@ TOOL_MARKERS = ToolMarkers(section_begin="<tool_call>", section_end="</tool_call
 
 
 def _text(message: Message) -> str:
-    c = message.get("content")
-    if isinstance(c, str):
-        return c
-    return "".join(str(p.get("text", "")) for p in (c or ()))
+    return content_text(message.get("content"))
 
 
 def _tools_block(tools: Sequence[Mapping[str, Any]]) -> str:

@@ -30,6 +30,13 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+#: What a template's own code raises on the data it is given (Jinja's errors, and the
+#: Python errors of its expressions: ``message['content'] + 1``, ``x[5]``, ``1 / 0``, a
+#: recursive macro); anything else is a bug of ours and keeps its traceback.
+_TEMPLATE_FAILURES = (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError,
+                      RecursionError)
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
@@ -104,7 +111,7 @@ def template_renderer(source: str, special_tokens: Mapping[str, str] | None = No
             )
         except TemplateError:
             raise
-        except Exception as exc:
+        except _TEMPLATE_FAILURES as exc:
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
 
     return render

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 import yaml
 
 from ..fsio import kill_point
+from ..outdir import export_target
 from ..rows import ReconstructedRow
 from .source import ExportError
 from .writers import WRITERS, Writer
@@ -85,12 +86,14 @@ def export_file(
     Each exported row is also held to :class:`~.validate.RowContract` (ids checked against
     ``vocab_size`` when given).
     ``out_dir`` must be missing, empty or an earlier export (else
-    :class:`~tokenbridge.outdir.OutputRefused`, unless ``force``; see :mod:`tokenbridge.outdir`).
+    :class:`~tokenbridge.outdir.OutputRefused`, unless ``force``; see :mod:`tokenbridge.outdir`);
+    a folder of exports (``RUN/export``) gets this format in ``out_dir/fmt``
+    (:func:`~tokenbridge.outdir.export_target`), the other formats' folders left as they are.
     One export is a pass with one job: :func:`tokenbridge.export.run_pass` writes several at once.
     """
     from .onepass import run_pass
 
-    job = ExportJob(fmt, Path(out_dir), include_flagged, force, writer_options)
+    job = ExportJob(fmt, export_target(out_dir, fmt), include_flagged, force, writer_options)
     return run_pass(src, exports=[job], vocab_size=vocab_size).exports[0]
 
 

@@ -30,12 +30,13 @@ import array
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 from collections.abc import Mapping
 
 import numpy as np
 
-from ..fsio import dumps_line
+from ..content import content_text, is_text_parts
+from ..jsonl import dumps_line
 from ..rows import ReconstructedRow, arrow_fields, to_arrow_record
 
 __all__ = ["WRITERS", "Writer", "ids_array", "metadata_of"]
@@ -47,6 +48,7 @@ _BATCH_TOKENS = 1 << 20
 META_COLUMNS = ("id", "choice", "dataset", "provider", "model", "status", "findings")
 
 
+@runtime_checkable
 class Writer(Protocol):
     """An export format: ``open`` a staging folder, ``write`` validated rows, then
     ``close`` (returns the files written) or ``abort`` (releases open files; the staging
@@ -130,8 +132,8 @@ def _turn(message: Mapping[str, Any]) -> dict[str, Any]:
     """A request message in the ``{role, content, reasoning_content?, tool_calls?}`` shape."""
     turn: dict[str, Any] = {"role": message.get("role")}
     content = message.get("content")
-    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
-        content = "".join(str(p.get("text", "")) for p in content)
+    if is_text_parts(content):
+        content = content_text(content)
     turn["content"] = "" if content is None else content
     reasoning = message.get("reasoning_content", message.get("reasoning"))
     if reasoning:

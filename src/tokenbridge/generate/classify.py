@@ -38,7 +38,9 @@ from typing import Any, Literal
 from collections.abc import Mapping
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
+from ..jsonl import is_count, is_int
 from .body import BodyError, check_body
 
 __all__ = ["Outcome", "classify_exception", "classify_response", "parse_retry_after", "RETRY_STATUSES"]
@@ -109,12 +111,18 @@ def _bad_choices(choices: list[Any]) -> str:
         if not isinstance(choice, dict):
             return f"choices[{pos}] is a {type(choice).__name__}, not an object"
         idx = choice.get("index", pos)
-        if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
+        if not is_count(idx):
             return f"choices[{pos}].index is {idx!r}, not a non-negative integer"
         if idx in seen:
             return f"choices[{pos}].index repeats {idx}"
         seen.add(idx)
     return ""
+
+
+#: What an HTTP attempt's transport can raise: aiohttp's errors, sockets and timeouts
+#: (OSError), a body or stream that does not decode (ValueError). classify_exception sorts
+#: these; anything else raised during an attempt is a bug.
+TRANSPORT_FAILURES: tuple[type[Exception], ...] = (aiohttp.ClientError, HttpProcessingError, OSError, ValueError)
 
 
 def classify_exception(exc: BaseException) -> Outcome:
@@ -180,7 +188,7 @@ def _parse_json(text: str) -> Any:
 def _error_code(err: Any) -> int | None:
     if isinstance(err, dict):
         code = err.get("code")
-        if isinstance(code, int) and not isinstance(code, bool):
+        if is_int(code):
             return code
         if isinstance(code, str) and code.isdigit():
             return int(code)

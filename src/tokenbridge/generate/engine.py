@@ -38,7 +38,9 @@ import dataclasses
 import json
 import random
 import re
+import sqlite3
 import time
+import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,7 +53,7 @@ import orjson
 from ..fsio import kill_point
 from .body import CheckedUsage, checked_usage
 from .budget import DEFAULT_RESERVE_TOKENS, Budget, cost_of, estimate_prompt_tokens
-from .classify import Outcome, classify_exception, classify_response
+from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_response
 from .limiter import AdaptiveLimiter
 from .progress import RateMeter
 from .request import routing_key, wire_body
@@ -65,6 +67,7 @@ __all__ = ["DRAIN_S", "Engine", "EngineStats", "StopReason", "WorkItem", "make_s
 #: After an interrupt, requests in flight get this long to finish and be stored.
 DRAIN_S = 60.0
 _MAX_MESSAGE = 500
+_MAX_TRACEBACKS = 3
 
 
 class ResponseTooLarge(Exception):
@@ -132,6 +135,8 @@ class EngineStats:
     bad_usage_examples: list[str] = field(default_factory=list)  # "id: usage.cost = -5", first 10
     stop_reason: str | None = None
     notices: list[str] = field(default_factory=list)
+    internal_errors: int = 0  # bugs caught so the run goes on (samples failed as "internal")
+    tracebacks: list[str] = field(default_factory=list)  # the first few, key masked
 
     def rates(self) -> tuple[float, float]:
         """(samples/s, completion tokens/s) over the recent window."""
@@ -198,7 +203,7 @@ class StoreWriter:
                     self.store.stage(batch)
                     kill_point("generate:store.stage")
                     await asyncio.get_running_loop().run_in_executor(self._pool, self.store.finish)
-                except Exception as exc:  # disk full, locked db: stop, keep what is committed
+                except (sqlite3.Error, OSError) as exc:  # disk full, locked db: stop, keep what is committed
                     self.error = exc
                     if self.on_error:
                         self.on_error(exc)
@@ -312,8 +317,9 @@ class Engine:
             done_wait = asyncio.create_task(self._all_done.wait())
             await asyncio.wait([done_wait, writer_task], return_when=asyncio.FIRST_COMPLETED)
             done_wait.cancel()
-            if writer_task.done() and not writer_task.cancelled() and writer_task.exception() is not None:
-                exc = writer_task.exception()
+            exc = writer_task.exception() if writer_task.done() and not writer_task.cancelled() else None
+            if exc is not None:
+                self._internal(exc)
                 self._notice(f"stopping: internal error in the store writer ({type(exc).__name__}: {exc}); "
                              "responses not yet committed stay pending")
                 self.request_stop(StopReason.INTERNAL)
@@ -338,6 +344,7 @@ class Engine:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a bug must not hang the run: fail this sample, go on
+                self._internal(exc)  # counted, its traceback kept
                 self._notice(f"internal error on {item.sample_id}: {type(exc).__name__}: {exc}")
                 self._fail(item, "internal", f"{type(exc).__name__}: {exc}")  # _fail scrubs the key
 
@@ -472,7 +479,7 @@ class Engine:
                                   status, maybe_billed=True)
             else:
                 outcome = classify_exception(exc)
-        except Exception as exc:  # noqa: BLE001 - every transport failure is classified, none escapes
+        except TRANSPORT_FAILURES as exc:  # classified; anything else is a bug (internal, with its traceback)
             outcome = classify_exception(exc)
         latency = time.monotonic() - t0
         message = _clip(scrub(outcome.message, self.key))
@@ -660,6 +667,15 @@ class Engine:
         self._outstanding -= 1
         if self._outstanding <= 0 and self._all_done is not None:
             self._all_done.set()
+
+    def _internal(self, exc: BaseException) -> None:
+        """Count a bug caught so the run goes on; keep (and log) the traceback of the first
+        few, key masked (an exception's text can quote a header)."""
+        self.stats.internal_errors += 1
+        if len(self.stats.tracebacks) < _MAX_TRACEBACKS:
+            text = scrub("".join(traceback.format_exception(exc)), self.key).rstrip("\n")
+            self.stats.tracebacks.append(text)
+            self._log(text)
 
     def _notice(self, message: str) -> None:
         message = scrub(message, self.key)

@@ -67,6 +67,8 @@ class DryRunReport:
 
 def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None) -> DryRunReport:
     """Load and render every prompt, count tokens, estimate cost. Sends nothing, writes nothing."""
+    from ..chat import RENDER_FAILURES
+
     loaded = load_prompts(settings.datasets, default_limit=settings.limit)
     done_ids: set[str] = set()
     observed: float | None = None
@@ -90,7 +92,7 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None) -> Dr
         request = build_request(s, settings.request)
         try:
             n = count(request)
-        except Exception as exc:  # noqa: BLE001 - a row the template cannot render is reported, not fatal
+        except RENDER_FAILURES as exc:  # a row the template cannot render is reported, not fatal
             render_errors.append(f"{s.source}: cannot render the prompt: {type(exc).__name__}: {exc}")
             continue
         d["prompt_tokens"] += n

@@ -36,7 +36,7 @@ import aiohttp
 
 from .. import traits
 from .budget import cost_of
-from .classify import Outcome, classify_exception, classify_response
+from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_response
 from .request import build_request
 from .prompts import Sample
 from .secrets import ApiKey, scrub, scrub_bytes
@@ -333,7 +333,7 @@ async def _send(session, url, headers, key, request, attempts) -> tuple[Outcome,
                 outcome, parsed = classify_response(status, resp.headers, raw)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
-        except Exception as exc:  # noqa: BLE001 - reported in the table
+        except TRANSPORT_FAILURES as exc:  # reported in the table; anything else is a bug
             outcome, parsed, status = classify_exception(exc), None, None
         latency = time.monotonic() - t0
         if not outcome.retryable:
@@ -347,6 +347,8 @@ _THINK_LEAKS = frozenset({"think_marker_in_content", "think_marker_in_reasoning"
 
 
 def _inspect(call: ProbeCall, request: dict, response: dict, tok: Any, dialect: Any) -> None:
+    from ..chat import RENDER_FAILURES
+    from ..exchanges import RecordError
     from ..reconstruct import reconstruct_record
 
     choice = response["choices"][0]
@@ -367,9 +369,10 @@ def _inspect(call: ProbeCall, request: dict, response: dict, tok: Any, dialect: 
         else:
             call.tool_markers = "none"
     record = {"id": f"probe-{call.provider}-{call.prompt}", "dataset": "probe", "request": request, "response": response}
+    reported: tuple[type[Exception], ...] = (RecordError, *RENDER_FAILURES)  # what the response or template broke
     try:
         rows = reconstruct_record(record, tok, dialect)
-    except Exception as exc:  # noqa: BLE001 - a probe reports, it does not crash
+    except reported as exc:  # a probe reports, a bug keeps its traceback
         call.findings.append(f"reconstruct_failed: {type(exc).__name__}: {exc}")
         return
     row = rows[0]

@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import signal
 import sqlite3
-import tempfile
 import threading
 import time
 import warnings
@@ -31,7 +29,7 @@ import orjson
 from .. import __version__, digests
 from ..digests import Digest, file_identity, read_digest
 from ..exit_codes import ExitCode
-from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, write_bytes
+from ..fsio import PRIVATE_MODE, OutputWriteError, kill_point, open_staged, write_bytes
 from .budget import Budget
 from .body import BodyError, check_body, one_line
 from .engine import DRAIN_S, Engine, StopReason, WorkItem
@@ -99,6 +97,8 @@ class RunSummary:
     bad_usage: int = 0  # responses kept whose usage fields were unusable (ignored, see generate.body)
     bad_usage_examples: list[str] = field(default_factory=list)  # first 10: "id: usage.cost = -5"
     bad_stored: int = 0  # stored responses that cannot be re-emitted (older versions): left out of exchanges
+    internal_errors: int = 0  # bugs caught so the run went on (their samples failed as "internal")
+    tracebacks: list[str] = field(default_factory=list)  # the first 3 of them, the key masked
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,7 +147,33 @@ async def agenerate_run(
         key = read_api_key(settings.api_key_env, required=not is_local_url(settings.base_url))
     reporter = reporter or Reporter(settings.progress, interval_s=settings.log_interval_s)
     t0 = time.monotonic()
+    rows, bad_rows = _load_rows(settings, reporter)
 
+    with run_lock(out_dir):
+        for stale in out_dir.glob(f".{SUMMARY_FILE}.*.tmp"):  # left by an older version killed while writing
+            stale.unlink(missing_ok=True)
+        store = Store.open(out_dir)
+        try:
+            ready = _begin(store, rows, settings, force_settings, reporter, out_dir)
+            del rows
+            engine = Engine(settings, key, store, ready.budget, session=session, log=reporter.log)
+            if ready.already_done:
+                reporter.log(f"resuming: {ready.already_done} of {len(ready.ids)} samples already done, "
+                             f"{len(ready.pending)} to send")
+            send_s = await _send(engine, ready.pending, reporter, signals)
+            summary = _summarize(store, engine, ready, bad_rows, key, out_dir)
+            summary.elapsed_s, summary.send_s = time.monotonic() - t0, send_s
+        finally:
+            store.close()
+        _write_outputs(out_dir, ready.ids, summary, reporter)
+    return summary
+
+
+_Row = tuple[str, str, str, str]  # (id, dataset, source, request JSON)
+
+
+def _load_rows(settings: GenerateSettings, reporter: Reporter) -> tuple[list[_Row], list[str]]:
+    """The samples of every dataset as store rows, and the bad source rows (the first 20 said)."""
     loaded = load_prompts(settings.datasets, default_limit=settings.limit)
     for err in loaded.errors[:20]:
         reporter.log(f"bad row: {err}")
@@ -157,111 +183,130 @@ async def agenerate_run(
         (s.id, s.dataset, s.source, json.dumps(build_request(s, settings.request), ensure_ascii=False, separators=(",", ":")))
         for s in loaded.samples
     ]
-    ids = [r[0] for r in rows]
-    bad_rows = [str(e) for e in loaded.errors]
-    del loaded
+    return rows, [str(e) for e in loaded.errors]
 
-    with run_lock(out_dir):
-        for stale in out_dir.glob(f".{SUMMARY_FILE}.*.tmp"):  # left by a process killed while writing
-            stale.unlink(missing_ok=True)
-        store = Store.open(out_dir)
-        try:
-            try:
-                rows, ids = keep_stored_ids(rows, store.statuses())  # ids from before the prefix fix
-                changed, kept_old = _reconcile(store, rows, ids, settings, force_settings, reporter, out_dir)
-                kill_point("generate:samples added")
-                del rows
-                run = store.begin_run(settings.describe())
-                kill_point("generate:run begun")
-                store.reopen_failed(ids)
-                kill_point("generate:failed reopened")
-                current = store.samples(ids)
-                spent_before, possible_before = store.total_cost(), store.possible_cost()
-                observations = list(store.price_observations()) if settings.max_cost and not settings.prices else []
-            except sqlite3.Error as exc:
-                raise StoreError(f"{store.path}: cannot write the run state: {exc}", exit_code=ExitCode.STORE) from None
-            already_done = sum(1 for s in current if s.status == "done")
-            pending = [WorkItem.from_stored(s) for s in current if s.status == "pending"]
-            del current
-            budget = Budget(settings.max_cost, settings.prices, spent=spent_before, possible=possible_before)
-            for prov, p, c, k in observations:
-                budget.observe(prov, p, c, k)
-            engine = Engine(settings, key, store, budget, session=session, log=reporter.log)
-            if already_done:
-                reporter.log(f"resuming: {already_done} of {len(ids)} samples already done, {len(pending)} to send")
-            reporter.start(engine.stats)
-            restore = _install_signals(engine, reporter) if signals else None
-            t_send = time.monotonic()
-            try:
-                stats = await engine.run(pending)
-            finally:
-                send_s = time.monotonic() - t_send
-                if restore:
-                    restore()
-                await reporter.close()
-            stop = engine.stopping
-            wanted = set(ids)
-            failures = [{"id": sid, "error_class": cls, "error": err} for sid, cls, err in store.failures() if sid in wanted]
-            statuses = store.statuses()
-            counts = [statuses[i] for i in ids]
-            n_done = counts.count("done")
-            n_failed = counts.count("failed")
-            exit_code = _exit_code(stop, n_failed, len(bad_rows))
-            notices = [scrub(n, key) for n in stats.notices]
-            try:
-                store.end_run(run, stop or ("complete" if exit_code == ExitCode.OK else "incomplete"))
-                kill_point("generate:run ended")
-            except sqlite3.Error as exc:  # the disk that failed the engine may fail this too
-                notices.append(f"could not record the run's end: {exc}")
-            left_out = sum(1 for v in statuses.values() if v == "done") - n_done
-            summary = RunSummary(
-                out_dir=str(out_dir),
-                run=run,
-                samples=len(counts),
-                already_done=already_done,
-                done=stats.done,
-                failed=stats.failed,
-                pending=len(counts) - n_done - n_failed,
-                requests=stats.requests,
-                spent_run=budget.spent - spent_before,
-                spent_total=budget.spent,
-                spent_possible=budget.possible,
-                prompt_tokens=stats.prompt_tokens,
-                completion_tokens=stats.completion_tokens,
-                elapsed_s=time.monotonic() - t0,
-                send_s=send_s,
-                errors=dict(stats.errors),
-                stop_reason=stop,
-                exit_code=exit_code,
-                bad_rows=bad_rows,
-                changed_requests=changed,
-                kept_old_settings=kept_old,
-                left_out=left_out,
-                failures=failures[:50],
-                notices=notices,
-                bad_usage=stats.bad_usage,
-                bad_usage_examples=list(stats.bad_usage_examples),
-            )
-        finally:
-            store.close()
-        try:
-            path, bad = _write_exchanges(out_dir, ids)
-            summary.exchanges = str(path)
-            if bad:
-                summary.bad_stored = len(bad)
-                summary.notices.append(
-                    f"{len(bad)} stored response(s) cannot be re-emitted and were left out of {EXCHANGES_FILE} "
-                    f"(stored by an older version; e.g. {bad[0]}); send them again in a new run folder")
-                reporter.log(summary.notices[-1])
-        except (OSError, sqlite3.Error) as exc:
-            summary.notices.append(f"{out_dir / EXCHANGES_FILE} not rewritten: {exc}")
-            summary.exit_code = summary.exit_code or ExitCode.STORE
-        try:
-            text = json.dumps(summary.to_dict(), indent=2, ensure_ascii=False) + "\n"
-            write_bytes(out_dir / SUMMARY_FILE, text.encode(), point="generate:summary", mode=PRIVATE_MODE)
-        except (OSError, OutputWriteError) as exc:
-            summary.notices.append(f"{out_dir / SUMMARY_FILE} not written: {exc}")
-    return summary
+
+@dataclass
+class _Begun:
+    """A run recorded in the store: its samples, what is left to send, the budget so far."""
+
+    run: int
+    ids: list[str]
+    already_done: int
+    pending: list[WorkItem]
+    budget: Budget
+    spent_before: float
+    changed: int
+    kept_old: int
+
+
+def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, force: bool, reporter: Reporter,
+           out_dir: Path) -> _Begun:
+    """Add the samples, check the stored ones against these settings, record the run and
+    reopen the failed ones (a store that cannot be written is a StoreError, exit 6)."""
+    try:
+        rows, ids = keep_stored_ids(rows, store.statuses())  # ids from before the prefix fix
+        changed, kept_old = _reconcile(store, rows, ids, settings, force, reporter, out_dir)
+        kill_point("generate:samples added")
+        run = store.begin_run(settings.describe())
+        kill_point("generate:run begun")
+        store.reopen_failed(ids)
+        kill_point("generate:failed reopened")
+        current = store.samples(ids)
+        spent_before, possible_before = store.total_cost(), store.possible_cost()
+        observations = list(store.price_observations()) if settings.max_cost and not settings.prices else []
+    except sqlite3.Error as exc:
+        raise StoreError(f"{store.path}: cannot write the run state: {exc}", exit_code=ExitCode.STORE) from None
+    budget = Budget(settings.max_cost, settings.prices, spent=spent_before, possible=possible_before)
+    for prov, p, c, k in observations:
+        budget.observe(prov, p, c, k)
+    return _Begun(run=run, ids=ids, already_done=sum(1 for s in current if s.status == "done"),
+                  pending=[WorkItem.from_stored(s) for s in current if s.status == "pending"],
+                  budget=budget, spent_before=spent_before, changed=changed, kept_old=kept_old)
+
+
+async def _send(engine: Engine, pending: list[WorkItem], reporter: Reporter, signals: bool) -> float:
+    """Send every pending sample (SIGINT/SIGTERM stop cleanly when ``signals``); the seconds it took."""
+    reporter.start(engine.stats)
+    restore = _install_signals(engine, reporter) if signals else None
+    t_send = time.monotonic()
+    try:
+        await engine.run(pending)
+    finally:
+        send_s = time.monotonic() - t_send
+        if restore:
+            restore()
+        await reporter.close()
+    return send_s
+
+
+def _summarize(store: Store, engine: Engine, begun: _Begun, bad_rows: list[str], key: ApiKey | None,
+               out_dir: Path) -> RunSummary:
+    """What the run did, from the engine's counters and the store; records the run's end."""
+    stats, stop, ids, budget = engine.stats, engine.stopping, begun.ids, begun.budget
+    wanted = set(ids)
+    failures = [{"id": sid, "error_class": cls, "error": err} for sid, cls, err in store.failures() if sid in wanted]
+    statuses = store.statuses()
+    counts = [statuses[i] for i in ids]
+    n_done = counts.count("done")
+    n_failed = counts.count("failed")
+    exit_code = _exit_code(stop, n_failed, len(bad_rows))
+    notices = [scrub(n, key) for n in stats.notices]
+    try:
+        store.end_run(begun.run, stop or ("complete" if exit_code == ExitCode.OK else "incomplete"))
+        kill_point("generate:run ended")
+    except sqlite3.Error as exc:  # the disk that failed the engine may fail this too
+        notices.append(f"could not record the run's end: {exc}")
+    return RunSummary(
+        out_dir=str(out_dir),
+        run=begun.run,
+        samples=len(counts),
+        already_done=begun.already_done,
+        done=stats.done,
+        failed=stats.failed,
+        pending=len(counts) - n_done - n_failed,
+        requests=stats.requests,
+        spent_run=budget.spent - begun.spent_before,
+        spent_total=budget.spent,
+        spent_possible=budget.possible,
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.completion_tokens,
+        elapsed_s=0.0,
+        errors=dict(stats.errors),
+        stop_reason=stop,
+        exit_code=exit_code,
+        bad_rows=bad_rows,
+        changed_requests=begun.changed,
+        kept_old_settings=begun.kept_old,
+        left_out=sum(1 for v in statuses.values() if v == "done") - n_done,
+        failures=failures[:50],
+        notices=notices,
+        bad_usage=stats.bad_usage,
+        bad_usage_examples=list(stats.bad_usage_examples),
+        internal_errors=stats.internal_errors,
+        tracebacks=list(stats.tracebacks),
+    )
+
+
+def _write_outputs(out_dir: Path, ids: Sequence[str], summary: RunSummary, reporter: Reporter) -> None:
+    """exchanges.jsonl from the store (a failure is exit 6), then generate.json (0600)."""
+    try:
+        path, bad = _write_exchanges(out_dir, ids)
+        summary.exchanges = str(path)
+        if bad:
+            summary.bad_stored = len(bad)
+            summary.notices.append(
+                f"{len(bad)} stored response(s) cannot be re-emitted and were left out of {EXCHANGES_FILE} "
+                f"(stored by an older version; e.g. {bad[0]}); send them again in a new run folder")
+            reporter.log(summary.notices[-1])
+    except (OSError, OutputWriteError, sqlite3.Error) as exc:
+        summary.notices.append(f"{out_dir / EXCHANGES_FILE} not rewritten: {exc}")
+        summary.exit_code = summary.exit_code or ExitCode.STORE
+    try:
+        text = json.dumps(summary.to_dict(), indent=2, ensure_ascii=False) + "\n"
+        write_bytes(out_dir / SUMMARY_FILE, text.encode(), point="generate:summary", mode=PRIVATE_MODE)
+    except (OSError, OutputWriteError) as exc:
+        summary.notices.append(f"{out_dir / SUMMARY_FILE} not written: {exc}")
 
 
 def _reconcile(
@@ -354,7 +399,7 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
     if not (out_dir / STATE_FILE).is_file():
         raise FileNotFoundError(f"{out_dir / STATE_FILE}: no generate state in this folder")
     target = out_dir / EXCHANGES_FILE
-    for stale in out_dir.glob(".exchanges.*.tmp"):  # left by a run killed while writing
+    for stale in out_dir.glob(".exchanges.*.tmp"):  # left by an older version killed while writing
         stale.unlink(missing_ok=True)
     store = Store.open(out_dir)
     bad: list[str] = []
@@ -365,27 +410,17 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
             return target, kept
         digest = hashlib.sha256()
         started = digests.now_ns()
-        fd, tmp = tempfile.mkstemp(prefix=".exchanges.", suffix=".tmp", dir=out_dir)
-        try:
-            os.fchmod(fd, FILE_MODE)  # the same mode as reconstructed.jsonl, which holds the same data
-            with os.fdopen(fd, "wb") as fh:
-                for sid, dataset, request, body, meta in store.iter_done(ids):
-                    try:
-                        line = _exchange_line(sid, dataset, request, body, meta)
-                    except (BodyError, ValueError, TypeError) as exc:
-                        bad.append(f"{sid}: {exc}")
-                        continue
-                    fh.write(line)
-                    digest.update(line)
-                fh.flush()
-                os.fsync(fh.fileno())
-            kill_point("generate:exchanges written")
-            os.replace(tmp, target)  # a fresh inode: how a later run tells this file from any other
-            kill_point("generate:exchanges replaced")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        fsync_dir(out_dir)
+        # staged and renamed in (a fresh inode: how a later run tells this file from any
+        # other), mode 0644 as reconstructed.jsonl, which holds the same data
+        with open_staged(target, point="generate:exchanges") as fh:
+            for sid, dataset, request, body, meta in store.iter_done(ids):
+                try:
+                    line = _exchange_line(sid, dataset, request, body, meta)
+                except (BodyError, ValueError, TypeError) as exc:
+                    bad.append(f"{sid}: {exc}")
+                    continue
+                fh.write(line)
+                digest.update(line)
         written = file_identity(target)
         if written is not None:
             # never trusted as it stands (the file is as new as the read): a later run confirms

@@ -50,6 +50,7 @@ from ..schema import (
     read_mapping,
     validate,
 )
+from ..jsonl import is_int
 from .errors import GenerateError
 
 __all__ = [
@@ -283,8 +284,7 @@ class GenerateSettings:
         if not (isinstance(self.attempt_timeout_s, (int, float)) and not isinstance(self.attempt_timeout_s, bool)
                 and 0 < self.attempt_timeout_s < float("inf")):
             raise ConfigError(f"attempt_timeout_s must be a positive number of seconds, got {self.attempt_timeout_s!r}")
-        if not (isinstance(self.max_response_bytes, int) and not isinstance(self.max_response_bytes, bool)
-                and self.max_response_bytes >= 1024):
+        if not (is_int(self.max_response_bytes) and self.max_response_bytes >= 1024):
             raise ConfigError(f"max_response_bytes must be an integer >= 1024, got {self.max_response_bytes!r}")
         check_base_url(self.base_url)
         check_headers(self.headers)

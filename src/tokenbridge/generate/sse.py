@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 import orjson
 
+from ..jsonl import is_count, is_int
+
 __all__ = ["SSEDecoder", "SSEEvent", "StreamAssembler", "StreamError"]
 
 _CHOICE_FIXED = ("index", "delta", "message", "finish_reason", "native_finish_reason", "logprobs")
@@ -163,7 +165,7 @@ class StreamAssembler:
 
     def _add_choice(self, choice: dict[str, Any]) -> None:
         idx = choice.get("index") or 0
-        if isinstance(idx, bool) or not isinstance(idx, int) or idx < 0:
+        if not is_count(idx):
             raise StreamError(f"stream chunk has choice index {idx!r}, not a non-negative integer")
         out = self.choices.setdefault(idx, {"index": idx})
         msg = self.messages.setdefault(idx, {})
@@ -198,7 +200,7 @@ class StreamAssembler:
             if not isinstance(call, dict):
                 continue
             k = call.get("index", len(slots) if call.get("id") else max(slots, default=pos))
-            if isinstance(k, bool) or not isinstance(k, int):
+            if not is_int(k):
                 raise StreamError(f"stream chunk has tool call index {k!r}, not an integer")
             slot = slots.setdefault(k, {"index": k})
             for key, value in call.items():

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterable, Iterator
 
+from ..jsonl import is_count
 from .body import MAX_PLAUSIBLE_COST, MAX_PLAUSIBLE_TOKENS
 from .errors import GenerateError
 
@@ -135,7 +136,7 @@ def _usage(usage_json: str | None) -> dict[str, Any]:
 
 
 def _count(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_PLAUSIBLE_TOKENS else None
+    return v if is_count(v) and v <= MAX_PLAUSIBLE_TOKENS else None
 
 
 def _plausible_cost(v: Any) -> bool:

@@ -1,0 +1,85 @@
+"""JSON lines as tokenbridge reads and writes them, and the checks on JSON numbers.
+
+Every JSONL file (exchange records, reconstructed rows, exports) goes through this pair:
+
+* :func:`loads_line` parses with orjson and falls back to the stdlib for what orjson
+  refuses: a lone surrogate escape (``"\\ud800"``) is not valid UTF-8, but it is what the
+  API sent and the gate must still see it;
+* :func:`dumps_line` writes compact JSON with orjson, and ASCII-escapes (stdlib) when the
+  value holds lone surrogates, so the file stays valid UTF-8;
+* :func:`iter_lines` gives the non-blank lines of a file with their numbers (invalid
+  UTF-8 kept as surrogate escapes, for the gate's ``replacement_char``-style checks);
+* :func:`json_text` is a value as the compact JSON text Parquet columns hold.
+
+JSON has one number type, and Python reads ``true`` as a bool, which is an ``int``:
+:func:`is_int` / :func:`is_count` are the one test for "an integer" / "a non-negative
+integer" of a value from outside.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, TypeGuard
+from collections.abc import Iterator
+
+import orjson
+
+__all__ = ["JsonLineError", "dumps_line", "is_count", "is_int", "iter_lines", "json_text", "loads_line"]
+
+
+class JsonLineError(ValueError):
+    """A line that is not valid JSON; ``detail`` says where in the line."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+# Any: a JSON line holds any JSON value; callers check its shape.
+def loads_line(line: str | bytes) -> Any:
+    """Parse one JSON line: orjson for speed, the stdlib for what orjson refuses (lone
+    surrogate escapes, which the gate must still see). Raises :class:`JsonLineError`."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise JsonLineError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except UnicodeDecodeError as exc:
+        raise JsonLineError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def dumps_line(obj: Any) -> bytes:  # Any: any JSON value
+    """One compact JSON line (no newline) as UTF-8 bytes; ASCII-escaped when the text
+    holds lone surrogates (or anything else orjson refuses), so the file stays valid UTF-8."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def json_text(value: Any) -> str:  # Any: any JSON value
+    """A JSON value as compact JSON text (the lone-surrogate fallback included)."""
+    return dumps_line(value).decode("utf-8")
+
+
+def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of the non-blank lines of a JSONL file, lazily; bytes that are
+    not UTF-8 stay in the text as surrogate escapes."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if line.strip():
+                yield lineno, line
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """A JSON integer: an ``int`` that is not a bool (``true`` reads as ``1``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_count(value: object) -> TypeGuard[int]:
+    """A JSON count: a non-negative integer, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

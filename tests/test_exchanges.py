@@ -1,0 +1,80 @@
+"""parse_exchange: each check names its field and says what is wrong; native ids in their order of precedence."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tokenbridge.exchanges import RecordError, parse_exchange
+
+GOOD = {
+    "id": "r1", "dataset": "d",
+    "request": {"messages": [{"role": "user", "content": "hi"}]},
+    "response": {"choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}, "finish_reason": "stop"}]},
+}
+
+
+def _bad(path: str, value):
+    rec = copy.deepcopy(GOOD)
+    *head, last = path.split(".")
+    node = rec
+    for key in head:
+        node = node[int(key)] if key.isdigit() else node[key]
+    if value is KeyError:
+        del node[last]
+    elif isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return rec
+
+
+CASES = [
+    (_bad("id", KeyError), "id", "missing"),
+    (_bad("id", True), "id", "must be a string or an integer"),
+    (_bad("request", KeyError), "request", "missing"),
+    (_bad("request.messages", []), "request.messages", "must be a non-empty list"),
+    (_bad("request.messages.0", "hi"), "request.messages[0]", "must be an object"),
+    (_bad("request.messages.0.role", 3), "request.messages[0].role", "missing or not a string"),
+    (_bad("request.messages.0.content", 3), "request.messages[0].content", "must be a string, a list of parts or null"),
+    (_bad("request.messages.0.tool_calls", {}), "request.messages[0].tool_calls", "must be a list"),
+    (_bad("request.tools", {}), "request.tools", "must be a list"),
+    (_bad("response", []), "response", "must be an object"),
+    (_bad("response.choices", KeyError), "response.choices", "missing (and the response carries no error)"),
+    (_bad("response.choices", {}), "response.choices", "must be a list"),
+    (_bad("response.choices.0", 1), "response.choices[0]", "must be an object"),
+    (_bad("response.choices.0.message", None), "response.choices[0].message", "missing or not an object"),
+    (_bad("response.choices.0.message.reasoning", 1), "response.choices[0].message.reasoning", "must be a string or null"),
+    (_bad("response.choices.0.message.reasoning_details", {}), "response.choices[0].message.reasoning_details",
+     "must be a list or null"),
+    (_bad("response.prompt_token_ids", [1, True]), "response.prompt_token_ids", "must be a list of integers"),
+    (_bad("response.choices.0.token_ids", "1 2"), "response.choices[0].token_ids", "must be a list of integers"),
+    (_bad("native_ids", "x"), "native_ids", "must be a list of ids or {prompt, choices}"),
+    (_bad("native_ids", {"choices": [[1.5]]}), "native_ids.choices[0]", "must be a list of integers"),
+]
+
+
+@pytest.mark.parametrize(("record", "field", "detail"), CASES, ids=[c[1] + ":" + c[2][:20] for c in CASES])
+def test_a_bad_record_names_its_field(record, field, detail):
+    with pytest.raises(RecordError) as err:
+        parse_exchange(record)
+    assert (err.value.field, err.value.detail) == (field, detail)
+
+
+def test_an_error_body_has_no_choices():
+    ex = parse_exchange({"id": 7, "request": GOOD["request"], "response": {"error": {"message": "boom"}}})
+    assert (ex.id, ex.native_choices, ex.native_prompt, ex.meta, ex.dataset) == ("7", [], None, {}, None)
+
+
+def test_native_ids_of_the_record_win_over_the_response():
+    rec = copy.deepcopy(GOOD)
+    rec["response"]["prompt_token_ids"] = [1, 2]
+    rec["response"]["choices"][0]["token_ids"] = [3]
+    assert (parse_exchange(rec).native_prompt, parse_exchange(rec).native_choices) == ([1, 2], [[3]])
+    rec["native_ids"] = [9, 9]
+    assert parse_exchange(rec).native_choices == [[9, 9]]
+    rec["native_ids"] = {"prompt": [5], "choices": [[6], [7]]}  # a second choice the response lacks is ignored
+    ex = parse_exchange(rec)
+    assert (ex.native_prompt, ex.native_choices) == ([5], [[6]])
+    assert parse_exchange({**rec, "meta": "not an object"}).meta == {}
