@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 __all__ = ["KIMI_PAT_STR", "PROMPT_CACHE_BYTES", "Tokenizer", "TokenizerError", "load_tokenizer"]
 
@@ -134,7 +135,7 @@ class Tokenizer:
         cache = self._prompt_cache
         out: list[int] = []
         for piece in split(text):
-            if type(piece) is int:
+            if isinstance(piece, int):
                 out.append(piece)
             elif piece:
                 out.extend(cache.ids(piece, plain))
@@ -250,9 +251,11 @@ def _hub_folder(repo_id: str, revision: str | None) -> Path:
         ) from None
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
+    """A tokenizer folder's JSON file, ``{}`` when absent; its values are checked by the callers."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        return data
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
@@ -291,7 +294,9 @@ def read_pat_str(folder: Path) -> str:
         except (OSError, SyntaxError) as exc:
             raise TokenizerError(f"{path}: cannot parse ({exc})") from None
         for node in ast.walk(tree):
-            targets = []
+            targets: list[ast.expr] = []
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+                continue
             if isinstance(node, ast.Assign):
                 targets, value = node.targets, node.value
             elif isinstance(node, ast.AnnAssign) and node.value is not None:
@@ -455,7 +460,7 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
         # each ordinary piece, so a cut can never fall inside a marker.
         out: list[int] = []
         for piece in split_markers(text):
-            if type(piece) is int:
+            if isinstance(piece, int):
                 out.append(piece)
             elif piece:
                 out.extend(encode_plain(piece))
