@@ -117,7 +117,7 @@ class RecordFacts:
 class TraitStats:
     """Per-provider tallies from one pass over a run; flat in memory (counters)."""
 
-    completion: dict[str, Counter] = field(default_factory=dict)  # provider -> (ended, delta) counts
+    completion: dict[str, Counter[tuple[bool, int]]] = field(default_factory=dict)  # provider -> (ended, delta) counts
     cached: dict[str, list[int]] = field(default_factory=dict)  # provider -> [rows with cached > 0, delta == cached]
     shapes: dict[str, list[int]] = field(default_factory=dict)  # provider -> [choices with a marker, joined shape]
 
@@ -164,7 +164,7 @@ class TraitStats:
         return out
 
 
-def _mode(counts: Counter) -> int:
+def _mode(counts: Counter[int]) -> int:
     """The offset (non-zero) shared by at least MIN_SHARE of MIN_SAMPLES or more, else 0."""
     total = sum(counts.values())
     if total < MIN_SAMPLES:
@@ -173,7 +173,7 @@ def _mode(counts: Counter) -> int:
     return value if value and n >= MIN_SHARE * total else 0
 
 
-def _end_uncounted(counts: Counter) -> bool:
+def _end_uncounted(counts: Counter[tuple[bool, int]]) -> bool:
     """Whether (ended, delta) tallies show a provider that never counts the end token.
 
     Only an offset with a known cause is calibrated: ours one more than usage on every
