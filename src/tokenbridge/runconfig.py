@@ -146,8 +146,10 @@ def load_run_config(path: str | Path) -> RunConfig:
     base = path.parent
     parsed, problems = validate(RunFile, data, where)
 
-    run = data.get("run") if isinstance(data.get("run"), Mapping) else {}
-    tokenizer = run.get("tokenizer") if isinstance(run.get("tokenizer"), str) else ""
+    raw_run = data.get("run")
+    run: Mapping[str, Any] = raw_run if isinstance(raw_run, Mapping) else {}
+    raw_tokenizer = run.get("tokenizer")
+    tokenizer = raw_tokenizer if isinstance(raw_tokenizer, str) else ""
     if tokenizer:
         tokenizer, problem = _tokenizer_source(tokenizer, base)
         if problem:
