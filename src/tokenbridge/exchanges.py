@@ -176,7 +176,8 @@ def parse_exchange(record: Any) -> Exchange:
                 native_choices[i] = _int_list(ids, f"native_ids.choices[{i}]")
     elif native is not None:
         raise RecordError("native_ids", "must be a list of ids or {prompt, choices}")
-    meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
+    raw_meta = record.get("meta")
+    meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
     dataset = record.get("dataset")
     return Exchange(
         id=str(rid),
