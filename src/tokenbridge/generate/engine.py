@@ -120,7 +120,7 @@ class EngineStats:
     requests: int = 0
     completion_tokens: int = 0
     prompt_tokens: int = 0
-    errors: Counter = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
     meter: RateMeter = field(default_factory=RateMeter)  # completions and tokens per second
     in_flight: int = 0
@@ -209,7 +209,7 @@ class StoreWriter:
             if self._closed and not self._batch:
                 return
 
-    async def close(self, task: asyncio.Task) -> None:
+    async def close(self, task: asyncio.Task[None]) -> None:
         self._closed = True
         self._wake.set()
         await task
@@ -245,7 +245,7 @@ class Engine:
         self._unavailable: dict[str, tuple[str, str]] = {}  # routing key -> (message, sample that got it)
         self._unauthorized_streak = 0
         self._successes = 0
-        self._queue: asyncio.PriorityQueue | None = None
+        self._queue: asyncio.PriorityQueue[tuple[int, WorkItem]] | None = None
         self._timers: dict[str, tuple[asyncio.TimerHandle, WorkItem]] = {}
         self._outstanding = 0
         self._all_done: asyncio.Event | None = None
@@ -301,12 +301,11 @@ class Engine:
         self._writer = StoreWriter(self.store, self.s.commit_interval_s)
         self._writer.on_error = lambda exc: self._store_failed(exc)
         writer_task = asyncio.create_task(self._writer.run(), name="tokenbridge-store-writer")
-        own_session = self._session is None
-        if own_session:  # headers set once on our own session instead of merged per request
+        session = self._session
+        own_session = session is None
+        if session is None:  # headers set once on our own session instead of merged per request
             session = make_session(self.s.concurrency, proxy_from_env=self.s.proxy_from_env, headers=self._headers)
             self._request_headers = None
-        else:
-            session = self._session
         workers = [asyncio.create_task(self._worker(session)) for _ in range(self.s.concurrency)]
         try:
             done_wait = asyncio.create_task(self._all_done.wait())
@@ -628,7 +627,7 @@ class Engine:
         self._timers[item.sample_id] = (handle, item)
 
     def _backoff(self, tries: int, retry_after: float | None) -> float:
-        cap = min(self.s.backoff_max_s, self.s.backoff_base_s * (2 ** (tries - 1)))
+        cap: float = min(self.s.backoff_max_s, self.s.backoff_base_s * (2 ** (tries - 1)))
         delay = cap / 2 + random.uniform(0, cap / 2)
         if retry_after is not None:
             delay = max(delay, min(retry_after, max(self.s.backoff_max_s, 300.0)))  # sane ceiling
