@@ -49,7 +49,7 @@ def _skipped(tok: Tokenizer, dialect: Dialect) -> set[int]:
     keep = {m for m in (dialect.think_open, dialect.think_close) if m}
     if dialect.tool_markers is not None:
         tm = dialect.tool_markers
-        keep |= {tm.section_begin, tm.section_end, tm.call_begin, tm.argument_begin, tm.call_end}
+        keep |= {m for m in (tm.section_begin, tm.section_end, tm.call_begin, tm.argument_begin, tm.call_end) if m is not None}
     return {i for i, text in tok.marker_ids.items() if text not in keep}
 
 

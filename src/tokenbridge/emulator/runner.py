@@ -80,11 +80,13 @@ def running_emulator(
         thread.join(5)
         loop.close()
         error = box["error"]
-        raise RuntimeError(f"the emulator could not listen on {host}:{port}: {error}") from error  # type: ignore[misc]
+        raise RuntimeError(f"the emulator could not listen on {host}:{port}: {error}") from error  # type: ignore[misc]  # main() put a BaseException there
     try:
         yield f"http://{host}:{box['port']}/api/v1"
     finally:
-        loop.call_soon_threadsafe(box["stop"].set)  # type: ignore[union-attr]
+        stop = box["stop"]  # main() puts its Event there before it sets `started`
+        if isinstance(stop, asyncio.Event):
+            loop.call_soon_threadsafe(stop.set)
         thread.join(_SHUTDOWN_TIMEOUT_S + 10)
         if not thread.is_alive():
             loop.close()

@@ -113,7 +113,7 @@ class _Emulator:
         self.latency_ms = config.latency_ms
         self.credits_usd = config.credits_usd
         self.spent_usd = 0.0
-        self._prompts: OrderedDict[tuple, list[int]] = OrderedDict()
+        self._prompts: OrderedDict[tuple[str, str, bool, str], list[int]] = OrderedDict()  # see _prompt_ids
         self._ids = itertools.count(1)
         self._models = set(config.models)
         self._active: Counter[str] = Counter()  # requests each provider is serving now
@@ -205,7 +205,8 @@ class _Emulator:
             text = text[: max(1, len(text) // 2)]
         return web.Response(text=text, content_type="application/json")
 
-    def _choices(self, req: _Request, provider: ProviderConfig, skey: str, error: dict | None) -> list[ChoiceView]:
+    def _choices(self, req: _Request, provider: ProviderConfig, skey: str, error: dict[str, Any] | None,
+                 ) -> list[ChoiceView]:
         views = []
         for i in range(req.n):
             index = 0 if req.temperature == 0 else i  # greedy: every choice is the same sample
@@ -304,7 +305,9 @@ class _Emulator:
 
     # -- streaming --------------------------------------------------------------------
 
-    async def _stream(self, request, env, views, usage, prompt_ids, fault, provider, latency) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, env: Envelope, views: list[ChoiceView], usage: dict[str, Any],
+                      prompt_ids: list[int] | None, fault: str | None, provider: ProviderConfig, latency: float,
+                      ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:

@@ -30,6 +30,9 @@ from . import prose
 from .hashing import canonical_json, draw, sample_key
 from .tool_specs import ToolSpec, make_arguments, tools_from_param, tools_from_text
 
+#: A generation's cache key: (conversation key, tools JSON, thinking, seed, choice index).
+_Key = tuple[str, str, bool, int, int]
+
 __all__ = ["ECHO_BEGIN", "ECHO_END", "Generation", "SyntheticModel"]
 
 #: A user message holding ``ECHO_BEGIN + text + ECHO_END`` gets ``text`` back verbatim as
@@ -70,7 +73,7 @@ class SyntheticModel:
         self.tool_call_without_think_close = tool_call_without_think_close
         self.min_tokens = min_tokens
         self.max_tokens = max_tokens
-        self._cache: OrderedDict[tuple, Generation] = OrderedDict()
+        self._cache: OrderedDict[_Key, Generation] = OrderedDict()
         self._cache_size = cache_size
         self.think_close_id = tokenizer.token_id(dialect.think_close) if dialect.think_close else None
         self.end_id = tokenizer.token_id(dialect.end_token)
@@ -96,7 +99,8 @@ class SyntheticModel:
 
     # -- writing ----------------------------------------------------------------------
 
-    def _write(self, messages, tools, thinking, rng: random.Random, key: tuple) -> Generation:
+    def _write(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None, thinking: bool,
+               rng: random.Random, key: _Key) -> Generation:
         last = messages[-1] if messages else {}
         echo = _ECHO.search(_text(last)) if last.get("role") == "user" else None
         if echo is not None:
@@ -129,12 +133,13 @@ class SyntheticModel:
             content = prose.write_answer(rng, topic, answer_chars)
         return self._assemble(reasoning if thinking else None, content)
 
-    def _pick_calls(self, rng, specs: list[ToolSpec], topic) -> list[tuple[str, dict]]:
+    def _pick_calls(self, rng: random.Random, specs: list[ToolSpec], topic: prose.Topic,
+                    ) -> list[tuple[str, dict[str, Any]]]:
         count = 2 if len(specs) > 1 and rng.random() < 0.2 else 1
         chosen = rng.sample(specs, count)
         return [(s.name, make_arguments(rng, s, topic.phrase)) for s in chosen]
 
-    def _tool_section(self, calls: list[tuple[str, dict]], start: int) -> str:
+    def _tool_section(self, calls: list[tuple[str, dict[str, Any]]], start: int) -> str:
         tm = self.dialect.tool_markers
         assert tm is not None
         body = "".join(
