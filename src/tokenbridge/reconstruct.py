@@ -19,8 +19,8 @@ from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeGuard
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 
 from .chat import Dialect, message_reasoning, resolve_dialect
 from .checks import Finding, Policy, SampleView, ends_turn, logprobs_fit, reasoning_counts, run_checks, status_of
@@ -33,6 +33,9 @@ from .fsio import dumps_line
 from .outdir import check_output_file
 from .rows import JsonlRowSink, ParquetRowSink
 from .tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from multiprocessing.pool import AsyncResult
 
 __all__ = ["BadLine", "ReconstructSummary", "reconstruct_exchange", "reconstruct_file", "reconstruct_record"]
 
@@ -103,7 +106,7 @@ def _reconstruct(
     thinking = dialect.thinking(request)
     prompt_text = dialect.render_request(request)
     prompt_ids = tokenizer.encode_prompt(prompt_text)
-    opens = bool(dialect.think_open) and prompt_text.endswith(dialect.think_open)
+    opens = bool(dialect.think_open and prompt_text.endswith(dialect.think_open))
     response = ex.response
     choices = response.get("choices") or []
     provider = response.get("provider") or ex.meta.get("provider")
@@ -303,7 +306,7 @@ def _fits(p: _Choice, k: int, reasoning: int | None) -> bool:
     return True
 
 
-def _count(value: Any) -> bool:
+def _count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -324,7 +327,8 @@ def _mark_siblings(rows: list[dict[str, Any]], policy: Policy) -> None:
             row["status"] = status_of([Finding(f["code"], f["severity"], f["message"]) for f in row["findings"]])
 
 
-def _segments(n_prompt: int, parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> list[dict]:
+def _segments(n_prompt: int, parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]],
+              ) -> list[dict[str, Any]]:
     segs = [{"kind": "prompt", "start": 0, "end": n_prompt}]
     pos = n_prompt
     for (kind, _), ids in zip(parts, part_ids):
@@ -346,7 +350,7 @@ class _RowMeta:
     usage: Mapping[str, Any] | None
 
 
-def _row(meta: _RowMeta, choice: int, prompt_ids: list[int], completion_ids: list[int], segments: list[dict],
+def _row(meta: _RowMeta, choice: int, prompt_ids: list[int], completion_ids: list[int], segments: list[dict[str, Any]],
          findings: list[Finding], finish_reason: Any, reasoning: str, content: str,
          reconstruction: str | None) -> dict[str, Any]:
     if not segments:
@@ -403,8 +407,8 @@ def _brief(row: Mapping[str, Any]) -> tuple[str, list[str], str, bool]:
 class ReconstructSummary:
     records: int = 0
     rows: int = 0
-    status: Counter = field(default_factory=Counter)
-    codes: Counter = field(default_factory=Counter)
+    status: Counter[str] = field(default_factory=Counter)
+    codes: Counter[str] = field(default_factory=Counter)
     bad_lines: list[BadLine] = field(default_factory=list)
     #: provider -> [rows, rows whose text keeps edge whitespace]
     edges: dict[str, list[int]] = field(default_factory=dict)
@@ -655,7 +659,7 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
     spool = fsio.temp_path(dst) if workers > 1 and not as_parquet else None
     if spool is not None:
         spool.mkdir(mode=0o700)
-    sink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
+    sink: JsonlRowSink | ParquetRowSink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
     init_args = (tok_source, dialect, policy, not as_parquet, traits, None if spool is None else str(spool))
     results = _run_chunks(_chunks(src, chunk_lines), workers, init_args)
     try:
@@ -667,7 +671,7 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
                         summary.bad_lines.append(BadLine(str(src), lineno, info[0], info[1]))
                         continue
                     summary.add(*info)
-                    if as_parquet:
+                    if isinstance(sink, ParquetRowSink):  # as_parquet
                         sink.write(rows)
                     else:
                         part = view[start:rows]
@@ -688,7 +692,11 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
     return summary
 
 
-def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iterator[tuple[bytes | str, list[_Entry]]]:
+#: :func:`_work`'s result: the chunk's rows (bytes, or a spool file's path) and its entries.
+_Result = tuple[bytes | str, list[_Entry]]
+
+
+def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: tuple[Any, ...]) -> Generator[_Result, None, None]:
     """Each chunk's :func:`_work` result, in input order, on ``workers`` processes."""
     if workers <= 1:
         _init_worker(*init_args[:5])  # in this process: rows stay in memory
@@ -702,7 +710,7 @@ def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iter
         _init_worker(*init_args)
     ctx = mp.get_context(method)
     with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
-        pending: deque = deque()
+        pending: deque[AsyncResult[_Result]] = deque()
         max_pending = workers * 4
         for chunk in chunks:
             pending.append(pool.apply_async(_work, (chunk,)))
