@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,6 +212,7 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
 
     # 1. generate (resumes from its store; done samples are never sent again)
     settings = settings_from_mapping(cfg.generate, source=str(cfg.source), base_dir=cfg.source.parent)
+    context: AbstractContextManager[str | None]
     if cfg.use_emulator:
         context = running_emulator(_emulator_config(cfg), tokenizer=tok)
     else:
@@ -293,13 +294,14 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
         if exports or vocab_job is not None or row_stats is not None else None
     for stage, (fp, what) in plan.items():
         fmt = stage.partition(":")[2]
+        kind: OutputKind
         target, kind = (out / "export" / fmt, "export") if fmt else (out / "vocab", "vocab")
         if what == "empty":
             results.append(StageResult(stage, "empty", {"rows": 0} if fmt else {}))
             echo((f"export {fmt}: nothing to export (no {'ok/flagged' if cfg.include_flagged else 'ok'} rows)" if fmt
                   else "vocab: nothing to count (no usable rows)") + _drop_stale(state, stage, target, kind))
             continue
-        detail: dict[str, Any] = {}
+        detail = {}
         if what == "ran" and passed is not None:
             if fmt:
                 es = next(e for e in passed.exports if e.format == fmt)
