@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 from collections.abc import Iterator
 
 import typer
 
 from .display import printable
 from .exit_codes import ExitCode
+
+if TYPE_CHECKING:  # the CLI imports what a command needs when it runs
+    from .checks import Policy
 
 app = typer.Typer(
     add_completion=False,
@@ -40,7 +43,7 @@ def _main(
 # --- reconstruct / inspect -------------------------------------------------------------
 
 
-def _policy(usage_tolerance: int, warn: list[str], error: list[str], off: list[str]):
+def _policy(usage_tolerance: int, warn: list[str], error: list[str], off: list[str]) -> Policy:
     """The severity flags, checked by the run config's ``[reconstruct]`` schema."""
     from .checks import Policy
     from .runconfig import ReconstructSection
@@ -351,7 +354,7 @@ _GENERATE_FLAGS = {
 }
 
 
-def _write_summary(path: Path | None, data: dict) -> None:
+def _write_summary(path: Path | None, data: dict[str, Any]) -> None:
     if path is None:
         return
     try:
@@ -436,7 +439,7 @@ def emulator(
         cfg = load_emulator_config(config) if config else EmulatorConfig()
     except ConfigError as exc:
         _fail(str(exc))
-    overrides = {k: v for k, v in {"latency_ms": latency_ms, "fault_rate": fault_rate, "seed": seed}.items()
+    overrides: dict[str, Any] = {k: v for k, v in {"latency_ms": latency_ms, "fault_rate": fault_rate, "seed": seed}.items()
                  if v is not None}
     if latency_ms is not None:  # the flag wins over per-provider latencies too
         overrides["providers"] = tuple(dataclasses.replace(p, latency_ms=None) for p in cfg.providers)
@@ -520,6 +523,7 @@ def vocab(
             if target_vocab_size is None:
                 from .tokenizer import TokenizerError, load_tokenizer
 
+                assert tokenizer is not None  # one of the two is given (checked above)
                 try:
                     target_vocab_size = load_tokenizer(tokenizer).vocab_size
                 except TokenizerError as exc:
