@@ -22,7 +22,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlparse
 
 import aiohttp
@@ -446,8 +446,10 @@ def confirm_exchanges(out_dir: str | Path, known: Digest) -> bool:
         return False
     with Store.open(out_dir) as store:
         record = store.exchanges_record()
+        if record is None:  # nothing recorded: from_json(None) would refuse it too
+            return False
         try:
-            written = Digest.from_json((record or {}).get("file"))
+            written = Digest.from_json(record.get("file"))
         except ValueError:
             return False
         if written.trusted or written.sha256 != known.sha256 or file_identity(out_dir / EXCHANGES_FILE) != known.file:
@@ -473,7 +475,7 @@ def is_local_url(base_url: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
 
-def _install_signals(engine: Engine, reporter: Reporter):
+def _install_signals(engine: Engine, reporter: Reporter) -> Callable[[], None] | None:
     """First SIGINT/SIGTERM: stop sending, give in-flight requests :data:`DRAIN_S` to finish
     and be stored. Second: abort now (in-flight requests stay pending), exit 130."""
     if threading.current_thread() is not threading.main_thread():
