@@ -55,7 +55,8 @@ _WINDOW_CHARS = 400_000
 _MAX_RUN_CHARS = 25_000
 # A run longer than _MAX_RUN_CHARS, anchored at the start of its run so the scan is
 # linear (an unanchored `\S{25001}` would rescan every suffix of a long run).
-_LONG_RUN = re.compile(r"(?<!\S)\S{%d}|(?<!\s)\s{%d}" % (_MAX_RUN_CHARS + 1, _MAX_RUN_CHARS + 1))
+_RUN_PAST_MAX = "{" + str(_MAX_RUN_CHARS + 1) + "}"
+_LONG_RUN = re.compile(r"(?<!\S)\S" + _RUN_PAST_MAX + r"|(?<!\s)\s" + _RUN_PAST_MAX)
 
 #: Bound on one Tokenizer's prompt-piece cache (per process), in bytes as CPython counts
 #: them: key string + 40 bytes per id (its tuple slot and int object, counted even where
