@@ -351,7 +351,7 @@ def _key(lines: list[str], start: int, end: int, key: str) -> int | None:
 def _entry(lines: list[str], start: int, end: int, key: str, index: int, at: int | None) -> tuple[int, int] | None:
     """The lines of entry ``index`` of the list ``key``: a TOML ``[[key]]`` table, a YAML
     ``- `` item, or one inline table per line of a TOML array."""
-    heads = [i for i in range(start, end) if re.match(r"^\s*\[\[\s*(?:[\w.-]+\.)?%s\s*\]\]" % re.escape(key), lines[i])]
+    heads = [i for i in range(start, end) if re.match(r"^\s*\[\[\s*(?:[\w.-]+\.)?" + re.escape(key) + r"\s*\]\]", lines[i])]
     if heads:
         return (heads[index], heads[index + 1] if index + 1 < len(heads) else end) if index < len(heads) else None
     if at is None:
