@@ -131,11 +131,10 @@ class TraitStats:
             return
         if delta.completion is not None:
             self.completion.setdefault(provider, Counter())[(delta.ended, delta.completion)] += 1
-        if delta.prompt is not None:
-            if delta.cached:
-                tally = self.cached.setdefault(provider, [0, 0])
-                tally[0] += 1
-                tally[1] += delta.prompt == delta.cached
+        if delta.prompt is not None and delta.cached:
+            tally = self.cached.setdefault(provider, [0, 0])
+            tally[0] += 1
+            tally[1] += delta.prompt == delta.cached
 
     def traits(self, stripping: Iterable[str] = (), profile: Mapping[str, tuple[str, ...]] | None = None,
                ) -> dict[str, ProviderTrait]:
