@@ -301,9 +301,7 @@ def _fits(p: _Choice, k: int, reasoning: int | None) -> bool:
         return False
     if isinstance(p.stop, int) and ends_turn(parts) and ids[-1] != p.stop:
         return False
-    if reasoning and reasoning not in reasoning_counts(parts, part_ids):
-        return False
-    return True
+    return not reasoning or reasoning in reasoning_counts(parts, part_ids)
 
 
 def _count(value: Any) -> TypeGuard[int]:
