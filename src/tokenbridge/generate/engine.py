@@ -447,16 +447,16 @@ class Engine:
                 sock_connect=self.s.connect_timeout_s,
                 sock_read=self.s.read_timeout_s if stream else None,
             )
-            async with deadline:
-                async with session.post(self._url, data=wire, headers=self._request_headers, timeout=timeout) as resp:
-                    status, headers = resp.status, resp.headers
-                    ctype = resp.headers.get("Content-Type", "")
-                    if stream and status == 200 and "text/event-stream" in ctype:
-                        streamed = True
-                        body, raw, outcome, parsed = await self._read_stream(resp)
-                    else:
-                        body = scrub_bytes(await self._read_capped(resp), self.key)  # before any message is cut
-                        outcome, parsed = classify_response(status, resp.headers, body)
+            async with deadline, session.post(self._url, data=wire, headers=self._request_headers,
+                                              timeout=timeout) as resp:
+                status, headers = resp.status, resp.headers
+                ctype = resp.headers.get("Content-Type", "")
+                if stream and status == 200 and "text/event-stream" in ctype:
+                    streamed = True
+                    body, raw, outcome, parsed = await self._read_stream(resp)
+                else:
+                    body = scrub_bytes(await self._read_capped(resp), self.key)  # before any message is cut
+                    outcome, parsed = classify_response(status, resp.headers, body)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except ResponseTooLarge as exc:
