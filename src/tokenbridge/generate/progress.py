@@ -11,6 +11,7 @@ import math
 import sys
 import time
 from collections import deque
+from contextlib import suppress
 from datetime import timedelta
 from typing import TYPE_CHECKING, TextIO
 from collections.abc import Callable
@@ -167,10 +168,8 @@ class Reporter:
     async def close(self) -> None:
         if self._runner is not None:
             self._runner.cancel()
-            try:
+            with suppress(asyncio.CancelledError):
                 await self._runner
-            except asyncio.CancelledError:
-                pass
         if self._progress is not None:
             self._update_rich()
             self._progress.stop()

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import warnings
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -391,10 +392,8 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
             # never trusted as it stands (the file is as new as the read): a later run confirms
             # it by reading it, or the pipeline does (confirm_exchanges) once it has aged
             record = {"source": source, "file": Digest(digest.hexdigest(), written, started).to_json(), "bad": bad}
-            try:
+            with suppress(sqlite3.Error):  # the old record names another file: the next run rewrites this one
                 store.record_exchanges(record)
-            except sqlite3.Error:
-                pass  # the old record names another file: the next run rewrites this one
     finally:
         store.close()
     return target, bad
