@@ -295,7 +295,7 @@ class JsonlRowSink:
 
     def __init__(self, path: Path):
         self.path = path
-        self._fh = open(path, "wb")
+        self._fh = open(path, "wb")  # noqa: SIM115 - the sink owns it until close() or abort()
 
     def write(self, data: bytes | memoryview) -> None:
         self._fh.write(data)
