@@ -45,7 +45,7 @@ def _corpus_sources() -> tuple[list[str], list[str]]:
     from pydoc_data.topics import topics
 
     stdlib = sysconfig.get_paths()["stdlib"]
-    code = [open(p, encoding="utf-8", errors="replace").read() for p in sorted(glob.glob(f"{stdlib}/*.py"))]
+    code = [Path(p).read_text(encoding="utf-8", errors="replace") for p in sorted(glob.glob(f"{stdlib}/*.py"))]
     prose = [topics[k] for k in sorted(topics) if len(topics[k]) > 2000]
     return code, prose
 
