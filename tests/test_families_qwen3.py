@@ -176,7 +176,7 @@ def test_list_content_renders_empty_in_the_template_but_joined_in_the_builtin(di
 def _call_text(name: str, args: dict[str, Any]) -> str:
     import json
 
-    return '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (name, json.dumps(args, ensure_ascii=False))
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args, ensure_ascii=False)}}}\n</tool_call>'
 
 
 @st.composite
