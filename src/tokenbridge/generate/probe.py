@@ -265,15 +265,17 @@ async def aprobe(
             )
             for name, messages in PROBE_PROMPTS:
                 request = build_request(Sample(f"probe-{name}", "probe", messages), rs)
-                jobs.append(_one(session, url, headers, key, p, name, request, tokenizer, dialect, attempts))
+                jobs.append(_one(session, url, headers, key, provider=p, name=name, request=request, tok=tokenizer,
+                                 dialect=dialect, attempts=attempts))
             for name, text in ECHO_TESTS:
                 messages = [{"role": "user", "content": "Repeat the text between the markers exactly, every "
                              f"character and space, and write nothing else.\n{ECHO_BEGIN}{text}{ECHO_END}"}]
                 request = build_request(Sample(f"echo-{name}", "probe", messages), rs)
-                jobs.append(_echo(session, url, headers, key, p, name, text, request, attempts))
+                jobs.append(_echo(session, url, headers, key, provider=p, name=name, text=text, request=request,
+                                  attempts=attempts))
             request = build_request(Sample("probe-evidence", "probe", PROBE_PROMPTS[0][1]), rs)
             request.update(logprobs=True, top_logprobs=1, return_token_ids=True)
-            jobs.append(_evidence(session, url, headers, key, p, request, attempts))
+            jobs.append(_evidence(session, url, headers, key, provider=p, request=request, attempts=attempts))
         results = await asyncio.gather(*jobs)
     reports = []
     for p in providers:
@@ -290,7 +292,7 @@ def probe(**kwargs: Any) -> list[ProviderReport]:
     return asyncio.run(aprobe(**kwargs))
 
 
-async def _one(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None, provider: str,
+async def _one(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None, *, provider: str,
                name: str, request: dict[str, Any], tok: Tokenizer, dialect: Dialect, attempts: int) -> ProbeCall:
     outcome, parsed, status, latency = await _send(session, url, headers, key, request, attempts)
     call = ProbeCall(provider, name, available=outcome.kind != "unavailable", ok=outcome.kind == "ok",
@@ -302,7 +304,7 @@ async def _one(session: aiohttp.ClientSession, url: str, headers: dict[str, str]
     return call
 
 
-async def _echo(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None, provider: str,
+async def _echo(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None, *, provider: str,
                 name: str, text: str, request: dict[str, Any], attempts: int) -> EchoCall:
     outcome, parsed, _, _ = await _send(session, url, headers, key, request, attempts)
     if outcome.kind != "ok":
@@ -317,7 +319,7 @@ async def _echo(session: aiohttp.ClientSession, url: str, headers: dict[str, str
 _Evidence = tuple[str, bool | None, bool | None]
 
 
-async def _evidence(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None,
+async def _evidence(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None, *,
                     provider: str, request: dict[str, Any], attempts: int) -> _Evidence:
     """(provider, logprobs came back, token ids came back) for a call that asks for both."""
     outcome, parsed, _, _ = await _send(session, url, headers, key, request, attempts)
