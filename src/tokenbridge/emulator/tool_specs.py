@@ -107,7 +107,7 @@ def make_arguments(rng: random.Random, spec: ToolSpec, topic_phrase: str) -> dic
             for name in names}
 
 
-def _value(rng: random.Random, name: str, schema: Mapping[str, Any], topic: str) -> Any:
+def _value(rng: random.Random, name: str, schema: Mapping[str, Any], topic: str) -> Any:  # noqa: PLR0911 - one return per JSON-schema type and name hint
     enum = schema.get("enum")
     if isinstance(enum, list) and enum:
         return rng.choice(enum)
