@@ -123,7 +123,8 @@ def _reconstruct(
         return [_row(meta, 0, prompt_ids, [], [], findings, None, "", "", None)], RecordFacts()
 
     joins = trait is not None and trait.joins_markers
-    plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking, opens, joins) for idx, choice in enumerate(choices)]
+    plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking=thinking, opens=opens, joins=joins)
+             for idx, choice in enumerate(choices)]
     if trait is not None and trait.end_uncounted:
         for p in plans:
             p.end_uncounted = True
@@ -206,7 +207,7 @@ def _delta(plans: list[_Choice], rows: list[dict[str, Any]], usage: Mapping[str,
     )
 
 
-def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dialect: Dialect,
+def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dialect: Dialect, *,
           thinking: bool, opens: bool, joins: bool) -> _Choice:
     message = choice["message"]
     finish = choice.get("finish_reason")
@@ -610,6 +611,7 @@ def reconstruct_file(
     src: str | Path,
     dst: str | Path,
     tokenizer: str | Path | Tokenizer,
+    *,
     dialect: str | None = None,
     policy: Policy | None = None,
     workers: int | None = None,
