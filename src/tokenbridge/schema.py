@@ -201,7 +201,7 @@ def _adapter(schema: Any) -> TypeAdapter[Any]:
 # --- messages ----------------------------------------------------------------------------
 
 
-def _message(schema: Any, err: Any, where: Where) -> str:
+def _message(schema: Any, err: Any, where: Where) -> str:  # noqa: PLR0911 - one message per pydantic error type
     kind: str = err["type"]
     loc = tuple(err["loc"])
     if "[key]" in loc:
