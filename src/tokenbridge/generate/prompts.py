@@ -135,7 +135,7 @@ def load_prompts(specs: list[DatasetSpec] | tuple[DatasetSpec, ...], *, default_
     return out
 
 
-def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:
+def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:  # noqa: PLR0912 - a check per field of an untrusted row
     """One row -> :class:`Sample`; raises ``_BadRow`` (field + message) when malformed."""
     if isinstance(row, _Unparsable):
         raise _BadRow("<line>", f"not valid JSON: {row.reason}")
