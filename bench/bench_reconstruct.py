@@ -304,7 +304,7 @@ def _median_range(values: list[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
-def main() -> None:
+def main() -> None:  # noqa: PLR0915 - a benchmark's script: one measured step after another
     ap = argparse.ArgumentParser()
     ap.add_argument("--chars", type=int, default=10_000_000, help="characters per corpus")
     ap.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
