@@ -696,7 +696,11 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
 _Result = tuple[bytes | str, list[_Entry]]
 
 
-def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: tuple[Any, ...]) -> Generator[_Result, None, None]:
+#: :func:`_init_worker`'s arguments: tokenizer source, dialect, policy, as JSON, traits, spool folder.
+_WorkerArgs = tuple[str, str | None, Policy | None, bool, Mapping[str, ProviderTrait], str | None]
+
+
+def _run_chunks(chunks: Iterator[Chunk], workers: int, init_args: _WorkerArgs) -> Generator[_Result, None, None]:
     """Each chunk's :func:`_work` result, in input order, on ``workers`` processes."""
     if workers <= 1:
         _init_worker(*init_args[:5])  # in this process: rows stay in memory
