@@ -325,8 +325,9 @@ def _literal_str(node: ast.AST) -> str | None:
     ):
         sep = _literal_str(node.func.value)
         parts = [_literal_str(e) for e in node.args[0].elts]
-        if sep is not None and all(p is not None for p in parts):
-            return sep.join(parts)  # type: ignore[arg-type]
+        texts = [p for p in parts if p is not None]
+        if sep is not None and len(texts) == len(parts):
+            return sep.join(texts)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         left, right = _literal_str(node.left), _literal_str(node.right)
         if left is not None and right is not None:
