@@ -66,7 +66,11 @@ class RunConfig:
 
 # --- the schema of the sections that are not another config's ------------------------------
 
-ExportFormat = Literal[FORMATS]  # type: ignore[valid-type]
+#: The names are the exporter's FORMATS, computed at import; a static checker sees a ``str``.
+if TYPE_CHECKING:
+    ExportFormat = str
+else:
+    ExportFormat = Literal[FORMATS]
 
 
 def _finding_code(code: str) -> str:
