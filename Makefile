@@ -25,6 +25,7 @@ demo: $(VENV)/.installed-demo
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest
 
 bench: $(VENV)/.installed-test

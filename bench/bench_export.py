@@ -230,7 +230,7 @@ def _at(n: float, small: tuple[int, float], big: tuple[int, float]) -> float:
     return t0 + (n - n0) * per_row
 
 
-def main() -> None:
+def main() -> None:  # noqa: PLR0915 - a benchmark's script: one measured step after another
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", type=int, default=3000)
     ap.add_argument("--small", type=int, default=100, help="records of the small run that gives the fixed costs")

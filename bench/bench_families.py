@@ -147,7 +147,8 @@ def main() -> None:
                 results[name]["raw"].append(time.perf_counter() - t0)
                 rec = bench_reconstruct(src, folder, args.workers)
                 results[name]["rec"].append(rec["seconds"])
-                ours = [json.loads(line)["input_ids"] for line in open(str(src) + ".out.jsonl", encoding="utf-8")]
+                ours = [json.loads(line)["input_ids"]
+                        for line in Path(str(src) + ".out.jsonl").read_text(encoding="utf-8").splitlines()]
                 results[name].update(kind=kind, same=sum(a == b for a, b in zip(ours, raw_ids)),
                                      status=rec["summary"]["status"], codes=rec["summary"]["codes"],
                                      tokens=sum(map(len, raw_ids)))

@@ -56,10 +56,9 @@ async def _bare_aiohttp(url: str, n: int, conc: int, max_tokens: int) -> int:
         async def one(i: int) -> None:
             nonlocal ok
             body = {"model": MODEL, "messages": _messages(i), "max_tokens": max_tokens, "usage": {"include": True}}
-            async with sem:
-                async with session.post(url + "/chat/completions", json=body) as resp:
-                    data = json.loads(await resp.read())
-                    ok += resp.status == 200 and bool(data.get("choices"))
+            async with sem, session.post(url + "/chat/completions", json=body) as resp:
+                data = json.loads(await resp.read())
+                ok += resp.status == 200 and bool(data.get("choices"))
 
         await asyncio.gather(*(one(i) for i in range(n)))
     return ok

@@ -45,7 +45,7 @@ def _corpus_sources() -> tuple[list[str], list[str]]:
     from pydoc_data.topics import topics
 
     stdlib = sysconfig.get_paths()["stdlib"]
-    code = [open(p, encoding="utf-8", errors="replace").read() for p in sorted(glob.glob(f"{stdlib}/*.py"))]
+    code = [Path(p).read_text(encoding="utf-8", errors="replace") for p in sorted(glob.glob(f"{stdlib}/*.py"))]
     prose = [topics[k] for k in sorted(topics) if len(topics[k]) > 2000]
     return code, prose
 
@@ -356,7 +356,7 @@ def _median_range(values: list[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
-def main() -> None:
+def main() -> None:  # noqa: PLR0915 - a benchmark's script: one measured step after another
     ap = argparse.ArgumentParser()
     ap.add_argument("--chars", type=int, default=10_000_000, help="characters per corpus")
     ap.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)

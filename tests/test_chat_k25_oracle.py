@@ -171,7 +171,7 @@ def tool_call_round(draw, idx: int) -> list[dict[str, Any]]:
     for k in range(n):
         name = draw(st.sampled_from(["get_weather", "search", "run_code"]))
         args = draw(st.one_of(st.dictionaries(st.sampled_from(["city", "q", "n"]), st.one_of(words, st.integers()), max_size=2),
-                              words.map(lambda w: '{"q": "%s"}' % w.replace('"', ""))))
+                              words.map(lambda w: '{"q": "' + w.replace('"', "") + '"}')))
         calls.append({"id": f"functions.{name}:{idx + k}", "type": "function", "function": {"name": name, "arguments": args}})
     assistant: dict[str, Any] = {"role": "assistant", "content": draw(st.one_of(st.none(), texts)), "tool_calls": calls}
     if draw(st.booleans()):

@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenbridge.reconstruct import reconstruct_record
 
-WORDS = (
+WORDS = (  # noqa: SIM905 - the sample text reads as text
     "the model thinks about prime numbers and 42 apples; naïve café 東京 ünïcödé "
     "def f(x): return x * 2 — tokens, bytes & markers? yes: 3.14159 [ok] {json} 🙂"
 ).split()

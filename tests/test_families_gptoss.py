@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from typing import Any
 
 import pytest
@@ -192,7 +192,7 @@ def test_template_path_equals_transformers_apply_chat_template(tok, dialect):
                 request = {"messages": convo[:n], "tools": tools, **kwargs}
                 ours = dialect.prompt_readings(request, {}, {"started_at": now, "latency_s": 0})
                 local = datetime.now().date().isoformat()
-                assert theirs in [r.text for r in ours] or local != datetime.now(timezone.utc).date().isoformat()
+                assert theirs in [r.text for r in ours] or local != datetime.now(UTC).date().isoformat()
 
 
 # --- the HF template (SGLang) against openai_harmony (renderers, vLLM) -----------------------

@@ -94,7 +94,7 @@ def conversations(draw, thinking: bool) -> tuple[list[dict[str, Any]], Any]:
     return msgs, draw(tool_lists)
 
 
-def _compare(tok, dialect, oracles, msgs, tools, thinking, seen):
+def _compare(tok, dialect, oracles, msgs, tools, thinking, *, seen):
     text = dialect.render_prompt(msgs, tools, thinking)
     assert DIALECTS["qwen3"].render_prompt(msgs, tools, thinking) == text  # the built-in follows the template
     theirs = oracles[thinking].render(msgs, tools=tools, add_generation_prompt=True).token_ids
@@ -117,7 +117,7 @@ def test_generated_conversations_match_renderers(tok, dialect, oracles, thinking
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(conversations(thinking))
     def check(case):
-        _compare(tok, dialect, oracles, *case, thinking, seen)
+        _compare(tok, dialect, oracles, *case, thinking, seen=seen)
 
     check()
     assert seen["conversations"] >= 250, seen
@@ -176,7 +176,7 @@ def test_list_content_renders_empty_in_the_template_but_joined_in_the_builtin(di
 def _call_text(name: str, args: dict[str, Any]) -> str:
     import json
 
-    return '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (name, json.dumps(args, ensure_ascii=False))
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args, ensure_ascii=False)}}}\n</tool_call>'
 
 
 @st.composite

@@ -55,9 +55,8 @@ def test_outputs_get_one_mode_whatever_the_umask(tmp_path):
 
 def test_a_failed_write_names_the_output_and_leaves_nothing(tmp_path):
     target = tmp_path / "out.json"
-    with pytest.raises(OutputWriteError, match=f"^{target}: cannot write"):
-        with publish_dir(target):
-            raise OSError(28, "No space left on device")
+    with pytest.raises(OutputWriteError, match=f"^{target}: cannot write"), publish_dir(target):
+        raise OSError(28, "No space left on device")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -130,6 +130,15 @@ def test_hf_save_to_disk_folder_and_dataset_dict(tmp_path):
         load_prompts([_spec(tmp_path / "dd", "b7", split="dev")])
 
 
+@pytest.mark.parametrize("body", ['{"splits": 3}', '{"splits": "train"}', '["train"]', '{"splits": ["train", 1]}', '{}'])
+def test_dataset_dict_with_bad_splits_is_a_clear_error(tmp_path, body):
+    # an int used to raise TypeError and a string was searched by substring ("train" in "train")
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text(body)
+    with pytest.raises(PromptSourceError, match=r"dd/dataset_dict\.json: splits: must be a list of split names"):
+        load_prompts([_spec(tmp_path / "dd", "b7")])
+
+
 def test_folder_of_files_in_name_order(tmp_path):
     d = tmp_path / "mix"
     d.mkdir()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sqlite3
 import zlib
@@ -155,10 +156,8 @@ def _everything_written(root: Path) -> dict[str, bytes]:
                 for row in conn.execute(f"SELECT * FROM {table}"):
                     for i, v in enumerate(row):
                         if isinstance(v, bytes):
-                            try:
+                            with contextlib.suppress(zlib.error):
                                 v = zlib.decompress(v)
-                            except zlib.error:
-                                pass
                         out[f"{db}:{table}:{i}:{row[0]}"] = v if isinstance(v, bytes) else str(v).encode()
         finally:
             conn.close()

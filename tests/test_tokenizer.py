@@ -70,7 +70,7 @@ def test_known_ordinary_ids(kimi):
 
 
 def test_builtin_pattern_is_the_shared_one(kimi_dir):
-    assert KIMI_PAT_STR == (kimi_dir / "pat_str.txt").read_text(encoding="utf-8")
+    assert (kimi_dir / "pat_str.txt").read_text(encoding="utf-8") == KIMI_PAT_STR
 
 
 def test_pat_str_read_statically_from_tokenization_file(tmp_path, kimi_dir):

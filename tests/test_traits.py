@@ -15,7 +15,7 @@ PROMPT = [{"role": "user", "content": "Say something."}]
 REQUEST = {"model": "moonshotai/kimi-k2.5", "messages": PROMPT}
 
 
-def _record(kimi, i: int, provider: str, reasoning: str, content: str | None, finish: str = "stop",
+def _record(kimi, i: int, provider: str, reasoning: str, content: str | None, *, finish: str = "stop",
             completion_delta: int = 0, prompt_delta: int = 0, cached: int | None = None) -> dict:
     close, end = kimi.token_id("</think>"), kimi.token_id("<|im_end|>")
     truth = kimi.encode(reasoning)

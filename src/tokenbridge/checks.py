@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
@@ -164,6 +164,9 @@ def run_checks(view: SampleView, policy: Policy | None = None) -> list[Finding]:
 
 # --- individual checks: each yields (code, message) -------------------------------------
 
+#: What a check yields: (finding code, message); the policy gives it its severity.
+_Hit = tuple[str, str]
+
 
 def _text_fields(view: SampleView) -> list[tuple[str, str]]:
     msg = view.message
@@ -176,7 +179,7 @@ def _text_fields(view: SampleView) -> list[tuple[str, str]]:
     return out
 
 
-def _finish(view: SampleView, policy: Policy):
+def _finish(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     reason = view.choice.get("finish_reason")
     if view.choice.get("error") or reason == "error":
         err = view.choice.get("error")
@@ -204,7 +207,7 @@ def _finish(view: SampleView, policy: Policy):
         yield "tool_calls_missing", "finish_reason='tool_calls' but no tool-call section in content and no message.tool_calls"
 
 
-def _reasoning_presence(view: SampleView, policy: Policy):
+def _reasoning_presence(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     msg = view.message
     has_reasoning = any(k == "reasoning" for k, _ in view.parts)
     content = any(k in ("content", "tool_calls") for k, _ in view.parts)
@@ -242,7 +245,7 @@ def _reasoning_presence(view: SampleView, policy: Policy):
             )
 
 
-def _structured_tools(view: SampleView, policy: Policy):
+def _structured_tools(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     calls = view.message.get("tool_calls")
     if calls:
         n = len(calls) if isinstance(calls, list) else 1
@@ -252,7 +255,7 @@ def _structured_tools(view: SampleView, policy: Policy):
         )
 
 
-def _marker_text(view: SampleView, policy: Policy):
+def _marker_text(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     """Marker ids inside text parts, found from the encoded ids (text → id is exact)."""
     tok, d = view.tokenizer, view.dialect
     if not d.completion_proven:
@@ -294,7 +297,8 @@ def _marker_text(view: SampleView, policy: Policy):
                 yield "tool_markers_malformed", problem
 
 
-def _classify(found, kind, eos, think, tool) -> dict[str, list[tuple[int, str]]]:
+def _classify(found: Iterable[tuple[int, str]], kind: str, eos: Set[str], think: Set[str | None], tool: Set[str],
+              ) -> dict[str, list[tuple[int, str]]]:
     out: dict[str, list[tuple[int, str]]] = {}
     for pos, text in found:
         if text in eos:
@@ -342,7 +346,7 @@ def _tool_grammar(seq: list[str], d: Dialect, text: str = "", cut: bool = False)
     return None
 
 
-def _tools(view: SampleView, policy: Policy):
+def _tools(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     tools = view.request.get("tools")
     if not tools:
         return
@@ -358,7 +362,7 @@ def _tools(view: SampleView, policy: Policy):
 _THINKING_KEYS = frozenset({"thinking", "enable_thinking"})
 
 
-def _template_kwargs(view: SampleView, policy: Policy):
+def _template_kwargs(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     known = view.dialect.template_kwargs
     top = view.request.get("chat_template_kwargs")
     if isinstance(top, Mapping) and known is not None:
@@ -400,7 +404,7 @@ def media_parts(request: Mapping[str, Any]) -> dict[str, int]:
     return counts
 
 
-def _media(view: SampleView, policy: Policy):
+def _media(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     counts = media_parts(view.request)
     if not counts:
         return
@@ -419,14 +423,14 @@ def _media(view: SampleView, policy: Policy):
         )
 
 
-def _replacement(view: SampleView, policy: Policy):
+def _replacement(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     for name, text in _text_fields(view):
         n = text.count("\ufffd")
         if n:
             yield "replacement_char", f"{n} U+FFFD in {name} (first at char {text.index(chr(0xFFFD))})"
 
 
-def _roundtrip(view: SampleView, policy: Policy):
+def _roundtrip(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     """decode(ids) must give the text back byte for byte.
 
     A byte-level BPE with no normaliser (``tokenizer.lossless``, the tiktoken layout)
@@ -456,7 +460,7 @@ def _first_diff(got: bytes, expected: bytes) -> str:
     return f"decoded {len(got)} bytes vs text {len(expected)} bytes, first difference at byte {n}: {got[n:n + 12]!r} vs {expected[n:n + 12]!r}"
 
 
-def _usage(view: SampleView, policy: Policy):
+def _usage(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     missing = [what for what, pair in (("prompt_tokens", view.usage_prompt), ("completion_tokens", view.usage_completion))
                if pair is None]
     if missing:
@@ -474,7 +478,7 @@ def _usage(view: SampleView, policy: Policy):
             yield code, f"{what}: ours {ours}, usage {theirs} (delta {ours - theirs:+d}, tolerance {tol}{cal})"
 
 
-def _native(view: SampleView, policy: Policy):
+def _native(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     tok = view.tokenizer
     for what, ours, native in (
         ("prompt", view.prompt_ids, view.native_prompt),
@@ -528,7 +532,7 @@ def reasoning_counts(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequen
     return {reasoning, sum(len(ids) for ids in part_ids)}
 
 
-def _reasoning_count(view: SampleView, policy: Policy):
+def _reasoning_count(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     got = view.reasoning_tokens
     if not got or not view.thinking:
         return
@@ -541,7 +545,7 @@ def _reasoning_count(view: SampleView, policy: Policy):
         )
 
 
-def _logprobs(view: SampleView, policy: Policy):
+def _logprobs(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     logged = view.logged
     if logged is None:
         return
@@ -594,7 +598,7 @@ def _harmony(view: SampleView, policy: Policy) -> Iterator[tuple[str, str]]:
         )
 
 
-def _provider_edits(view: SampleView, policy: Policy):
+def _provider_edits(view: SampleView, policy: Policy) -> Iterator[tuple[str, str]]:
     if not view.provider_edits or view.proven_by_ids:
         return
     probed = sorted(edit for edit, source in view.provider_edits if source == "probe")

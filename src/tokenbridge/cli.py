@@ -70,7 +70,7 @@ def _dialect_flag(dialect: str | None) -> None:
 
     if dialect is not None:
         # DialectName is a Literal built from the registry at import: a type to pydantic, a variable to mypy
-        problems = validate(dict[str, DialectName], {"dialect": dialect}, Where("command line", flags={"dialect": "--dialect"}))[1]  # type: ignore[valid-type]
+        problems = validate(dict[str, DialectName], {"dialect": dialect}, Where("command line", flags={"dialect": "--dialect"}))[1]
         if problems:
             _fail("\n".join(problems))
 

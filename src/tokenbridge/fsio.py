@@ -214,9 +214,8 @@ def staged_file(target: str | Path, *, point: str = "file", mode: int = FILE_MOD
 
 def write_bytes(target: str | Path, data: bytes, *, point: str = "file", mode: int = FILE_MODE) -> None:
     """Replace ``target`` with ``data`` atomically (durable once this returns)."""
-    with staged_file(target, point=point, mode=mode) as tmp:
-        with open(tmp, "xb") as fh:
-            fh.write(data)
+    with staged_file(target, point=point, mode=mode) as tmp, open(tmp, "xb") as fh:
+        fh.write(data)
 
 
 def write_text(target: str | Path, text: str, *, point: str = "file", mode: int = FILE_MODE) -> None:
@@ -226,9 +225,8 @@ def write_text(target: str | Path, text: str, *, point: str = "file", mode: int 
 @contextmanager
 def open_staged(target: str | Path, *, point: str = "file", mode: int = FILE_MODE) -> Iterator[BinaryIO]:
     """:func:`staged_file`, opened for binary writing."""
-    with staged_file(target, point=point, mode=mode) as tmp:
-        with open(tmp, "xb") as fh:
-            yield fh
+    with staged_file(target, point=point, mode=mode) as tmp, open(tmp, "xb") as fh:
+        yield fh
 
 
 def _prepare_parent(target: Path) -> None:

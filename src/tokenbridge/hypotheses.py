@@ -134,6 +134,7 @@ def candidates(
     thinking: bool,
     prompt_opens_think: bool,
     end_markers: Sequence[str] = (),
+    *,
     joins_markers: bool = False,
 ) -> list[Candidate]:
     """The plain formula first, then every other reading this message admits.

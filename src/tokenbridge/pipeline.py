@@ -348,7 +348,7 @@ def _record_pass(cfg: RunConfig, state: _State, plan: _Plan, passed: PassResult 
             echo((f"export {fmt}: nothing to export (no {'ok/flagged' if cfg.include_flagged else 'ok'} rows)" if fmt
                   else "vocab: nothing to count (no usable rows)") + _drop_stale(state, stage, target, kind))
             continue
-        detail: dict[str, Any] = {}
+        detail = {}
         if what == "ran" and passed is not None:
             if fmt:
                 es = next(e for e in passed.exports if e.format == fmt)

@@ -130,7 +130,7 @@ def _reconstruct(
     trait = traits.get(str(provider)) if traits else None
     meta = _RowMeta(ex, provider, model, thinking, usage)
     prompt_text, prompt_ids, prompt_name, prompt_doubt = _prompt(dialect, tokenizer, ex, usage, trait)
-    opens = bool(dialect.think_open) and prompt_text.endswith(dialect.think_open)
+    opens = bool(dialect.think_open and prompt_text.endswith(dialect.think_open))
     prompt_findings: list[Finding] = []
     if prompt_doubt and policy.severity("prompt_date_unproven") != "off":
         prompt_findings.append(Finding("prompt_date_unproven", policy.severity("prompt_date_unproven"), prompt_doubt))
@@ -146,7 +146,8 @@ def _reconstruct(
         return [row], RecordFacts()
 
     joins = trait is not None and trait.joins_markers
-    plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking, opens, joins) for idx, choice in enumerate(choices)]
+    plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking=thinking, opens=opens, joins=joins)
+             for idx, choice in enumerate(choices)]
     if trait is not None and trait.end_uncounted:
         for p in plans:
             p.end_uncounted = True
@@ -269,7 +270,7 @@ def _delta(plans: list[_Choice], rows: list[dict[str, Any]], usage: Mapping[str,
     )
 
 
-def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dialect: Dialect,
+def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dialect: Dialect, *,
           thinking: bool, opens: bool, joins: bool) -> _Choice:
     message = choice["message"]
     finish = choice.get("finish_reason")
@@ -364,9 +365,7 @@ def _fits(p: _Choice, k: int, reasoning: int | None) -> bool:
         return False
     if isinstance(p.stop, int) and ends_turn(parts) and ids[-1] != p.stop:
         return False
-    if reasoning and reasoning not in reasoning_counts(parts, part_ids):
-        return False
-    return True
+    return not reasoning or reasoning in reasoning_counts(parts, part_ids)
 
 
 def _mark_siblings(rows: list[dict[str, Any]], policy: Policy) -> None:
@@ -468,8 +467,8 @@ def _brief(row: Mapping[str, Any]) -> Brief:
 class ReconstructSummary:
     records: int = 0
     rows: int = 0
-    status: Counter = field(default_factory=Counter)
-    codes: Counter = field(default_factory=Counter)
+    status: Counter[str] = field(default_factory=Counter)
+    codes: Counter[str] = field(default_factory=Counter)
     bad_lines: list[BadLine] = field(default_factory=list)
     #: provider -> [rows, rows whose text keeps edge whitespace]
     edges: dict[str, list[int]] = field(default_factory=dict)
@@ -736,6 +735,7 @@ def reconstruct_file(
     src: str | Path,
     dst: str | Path,
     tokenizer: str | Path | Tokenizer,
+    *,
     dialect: str | None = None,
     policy: Policy | None = None,
     workers: int | None = None,
@@ -783,7 +783,7 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
     spool = fsio.temp_path(dst) if workers > 1 and not as_parquet else None
     if spool is not None:
         spool.mkdir(mode=0o700)
-    sink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
+    sink: JsonlRowSink | ParquetRowSink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
     init_args = (tok_source, dialect, policy, not as_parquet, traits, None if spool is None else str(spool))
     results = _run_chunks(_chunks(src, chunk_lines), workers, init_args)
     try:

@@ -257,7 +257,7 @@ def _is_int(value: Any) -> bool:
     return type(value) is int
 
 
-def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:
+def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:  # noqa: PLR0912 - a check per column of an untrusted row
     """``obj`` as a :class:`ReconstructedRow`, or :class:`RowError`. Cheap (no per-token
     work): the column types, the status, the findings' codes and severities. Text columns
     the API filled with another JSON type keep it as JSON text, as Parquet stores it."""
@@ -311,7 +311,7 @@ class JsonlRowSink:
 
     def __init__(self, path: Path):
         self.path = path
-        self._fh = open(path, "wb")
+        self._fh = open(path, "wb")  # noqa: SIM115 - the sink owns it until close() or abort()
 
     def write(self, data: bytes | memoryview) -> None:
         self._fh.write(data)

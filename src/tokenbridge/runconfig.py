@@ -66,7 +66,11 @@ class RunConfig:
 
 # --- the schema of the sections that are not another config's ------------------------------
 
-ExportFormat = Literal[FORMATS]  # type: ignore[valid-type]
+#: The names are the exporter's FORMATS, computed at import; a static checker sees a ``str``.
+if TYPE_CHECKING:
+    ExportFormat = str
+else:
+    ExportFormat = Literal[FORMATS]
 
 
 def _finding_code(code: str) -> str:
@@ -146,8 +150,10 @@ def load_run_config(path: str | Path) -> RunConfig:
     base = path.parent
     parsed, problems = validate(RunFile, data, where)
 
-    run = data.get("run") if isinstance(data.get("run"), Mapping) else {}
-    tokenizer = run.get("tokenizer") if isinstance(run.get("tokenizer"), str) else ""
+    raw_run = data.get("run")
+    run: Mapping[str, Any] = raw_run if isinstance(raw_run, Mapping) else {}
+    raw_tokenizer = run.get("tokenizer")
+    tokenizer = raw_tokenizer if isinstance(raw_tokenizer, str) else ""
     if tokenizer:
         tokenizer, problem = _tokenizer_source(tokenizer, base)
         if problem:

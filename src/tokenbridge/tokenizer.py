@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 __all__ = ["KIMI_PAT_STR", "PROMPT_CACHE_BYTES", "EncodeError", "Tokenizer", "TokenizerError", "load_tokenizer"]
 
@@ -58,7 +59,8 @@ _WINDOW_CHARS = 400_000
 _MAX_RUN_CHARS = 25_000
 # A run longer than _MAX_RUN_CHARS, anchored at the start of its run so the scan is
 # linear (an unanchored `\S{25001}` would rescan every suffix of a long run).
-_LONG_RUN = re.compile(r"(?<!\S)\S{%d}|(?<!\s)\s{%d}" % (_MAX_RUN_CHARS + 1, _MAX_RUN_CHARS + 1))
+_RUN_PAST_MAX = "{" + str(_MAX_RUN_CHARS + 1) + "}"
+_LONG_RUN = re.compile(r"(?<!\S)\S" + _RUN_PAST_MAX + r"|(?<!\s)\s" + _RUN_PAST_MAX)
 
 #: Bound on one Tokenizer's prompt-piece cache (per process), in bytes as CPython counts
 #: them: key string + 40 bytes per id (its tuple slot and int object, counted even where
@@ -143,7 +145,7 @@ class Tokenizer:
         cache = self._prompt_cache
         out: list[int] = []
         for piece in split(text):
-            if type(piece) is int:
+            if isinstance(piece, int):
                 out.append(piece)
             elif piece:
                 out.extend(cache.ids(piece, plain))
@@ -282,9 +284,10 @@ def _hub_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        return data
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
@@ -323,7 +326,9 @@ def read_pat_str(folder: Path) -> str:
         except (OSError, SyntaxError) as exc:
             raise TokenizerError(f"{path}: cannot parse ({exc})") from None
         for node in ast.walk(tree):
-            targets = []
+            targets: list[ast.expr] = []
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+                continue
             if isinstance(node, ast.Assign):
                 targets, value = node.targets, node.value
             elif isinstance(node, ast.AnnAssign) and node.value is not None:
@@ -351,8 +356,9 @@ def _literal_str(node: ast.AST) -> str | None:
     ):
         sep = _literal_str(node.func.value)
         parts = [_literal_str(e) for e in node.args[0].elts]
-        if sep is not None and all(p is not None for p in parts):
-            return sep.join(parts)  # type: ignore[arg-type]
+        texts = [p for p in parts if p is not None]
+        if sep is not None and len(texts) == len(parts):
+            return sep.join(texts)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         left, right = _literal_str(node.left), _literal_str(node.right)
         if left is not None and right is not None:
@@ -519,7 +525,7 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
         # each ordinary piece, so a cut can never fall inside a marker.
         out: list[int] = []
         for piece in split_markers(text):
-            if type(piece) is int:
+            if isinstance(piece, int):
                 out.append(piece)
             elif piece:
                 out.extend(encode_plain(piece))

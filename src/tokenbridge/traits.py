@@ -117,7 +117,7 @@ class RecordFacts:
 class TraitStats:
     """Per-provider tallies from one pass over a run; flat in memory (counters)."""
 
-    completion: dict[str, Counter] = field(default_factory=dict)  # provider -> (ended, delta) counts
+    completion: dict[str, Counter[tuple[bool, int]]] = field(default_factory=dict)  # provider -> (ended, delta) counts
     cached: dict[str, list[int]] = field(default_factory=dict)  # provider -> [rows with cached > 0, delta == cached]
     shapes: dict[str, list[int]] = field(default_factory=dict)  # provider -> [choices with a marker, joined shape]
 
@@ -131,11 +131,10 @@ class TraitStats:
             return
         if delta.completion is not None:
             self.completion.setdefault(provider, Counter())[(delta.ended, delta.completion)] += 1
-        if delta.prompt is not None:
-            if delta.cached:
-                tally = self.cached.setdefault(provider, [0, 0])
-                tally[0] += 1
-                tally[1] += delta.prompt == delta.cached
+        if delta.prompt is not None and delta.cached:
+            tally = self.cached.setdefault(provider, [0, 0])
+            tally[0] += 1
+            tally[1] += delta.prompt == delta.cached
 
     def traits(self, stripping: Iterable[str] = (), profile: Mapping[str, tuple[str, ...]] | None = None,
                ) -> dict[str, ProviderTrait]:
@@ -164,7 +163,7 @@ class TraitStats:
         return out
 
 
-def _mode(counts: Counter) -> int:
+def _mode(counts: Counter[int]) -> int:
     """The offset (non-zero) shared by at least MIN_SHARE of MIN_SAMPLES or more, else 0."""
     total = sum(counts.values())
     if total < MIN_SAMPLES:
@@ -173,7 +172,7 @@ def _mode(counts: Counter) -> int:
     return value if value and n >= MIN_SHARE * total else 0
 
 
-def _end_uncounted(counts: Counter) -> bool:
+def _end_uncounted(counts: Counter[tuple[bool, int]]) -> bool:
     """Whether (ended, delta) tallies show a provider that never counts the end token.
 
     Only an offset with a known cause is calibrated: ours one more than usage on every

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
 
 from rich.console import Group
 from rich.table import Table
@@ -13,6 +13,9 @@ from rich.text import Text
 from .exchanges import RecordError, loads_line
 from .jsonl import iter_lines
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .reconstruct import ReconstructSummary
 
 _STYLE = {
     "prompt": "dim",
@@ -30,7 +33,7 @@ def status_text(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "flagged", "rejected"))
 
 
-def summary_table(summary, title: str = "reconstruct") -> Group:
+def summary_table(summary: ReconstructSummary, title: str = "reconstruct") -> Group:
     """Counts of records, statuses and finding codes."""
     totals = Table(title=title, show_header=True)
     for col in ("records", "samples", "ok", "flagged", "rejected", "bad lines"):
@@ -50,7 +53,7 @@ def summary_table(summary, title: str = "reconstruct") -> Group:
     return Group(*parts)
 
 
-def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dialect: str | None) -> dict:
+def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dialect: str | None) -> Mapping[str, Any]:
     """The reconstructed row for ``sample_id`` (first record if None), from reconstruct's
     JSONL or Parquet output; exchange records are reconstructed on the fly. LookupError
     when absent."""
@@ -79,7 +82,7 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
     raise LookupError(f"{path}: no sample {sample_id or '(first)'} with choice {choice}")
 
 
-def _find_parquet_row(path: Path, sample_id: str | None, choice: int) -> dict:
+def _find_parquet_row(path: Path, sample_id: str | None, choice: int) -> Mapping[str, Any]:
     from .export.source import ExportError, iter_records
 
     try:
@@ -155,7 +158,7 @@ def check_span(span: str, n_tokens: int) -> tuple[int, int]:
     return start, stop
 
 
-def _token_table(ids, kinds, tok: Tokenizer, span: str) -> Table:
+def _token_table(ids: Sequence[int], kinds: Sequence[str], tok: Tokenizer, span: str) -> Table:
     start, stop = check_span(span, len(ids))
     table = Table(show_header=True, box=None)
     for col in ("pos", "id", "token", "segment"):

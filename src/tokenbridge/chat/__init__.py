@@ -76,6 +76,7 @@ def resolve_dialect(tokenizer: Tokenizer, name: str | None = None, *, use_templa
     but which has a template gets the generic dialect: its prompts are the template's,
     and the gate flags every sample ``completion_unproven``.
     """
+    family: Dialect | None
     if name is not None:
         try:
             family = DIALECTS[name]

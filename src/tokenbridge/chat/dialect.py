@@ -227,8 +227,8 @@ class Dialect:
         parts.extend(self._split_tool_sections(content))
         if ended or not cut:
             if ended is None:
-                after_call = self.tool_end_token is not None and bool(parts) and parts[-1][0] == "tool_calls"
-                ended = self.tool_end_token if after_call else self.end_token
+                after_call = bool(parts) and parts[-1][0] == "tool_calls"
+                ended = self.tool_end_token if after_call and self.tool_end_token is not None else self.end_token
             parts.append(("end", ended))
         return parts
 
@@ -268,8 +268,9 @@ def message_reasoning(message: Message) -> str | None:
     if text:
         return text
     for key in ("reasoning", "reasoning_content"):
-        if isinstance(message.get(key), str):
-            return message[key]
+        value = message.get(key)
+        if isinstance(value, str):
+            return value
     return None
 
 

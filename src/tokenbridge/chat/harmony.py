@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from typing import Any
 
 from . import harmony_render
@@ -80,8 +80,8 @@ def serving_days(response: Mapping[str, Any], meta: Mapping[str, Any]) -> list[s
     else:
         return None
     try:
-        first = datetime.fromtimestamp(lo, tz=timezone.utc).date()
-        last = datetime.fromtimestamp(hi, tz=timezone.utc).date()
+        first = datetime.fromtimestamp(lo, tz=UTC).date()
+        last = datetime.fromtimestamp(hi, tz=UTC).date()
     except (OverflowError, OSError, ValueError):
         return None
     days: list[str] = []
@@ -100,7 +100,7 @@ def _number(value: Any) -> float | None:
 
 def _day_clock(day: str) -> Callable[[str], str]:
     """``strftime_now`` for a template, fixed at noon UTC of ``day``."""
-    when = datetime.fromisoformat(day).replace(hour=12, tzinfo=timezone.utc)
+    when = datetime.fromisoformat(day).replace(hour=12, tzinfo=UTC)
 
     def strftime_now(fmt: str) -> str:
         return when.strftime(fmt)
@@ -157,7 +157,7 @@ class HarmonyDialect(Dialect):
             return [PromptReading(render(messages, tools, True, kwargs))]
         days = serving_days(response or {}, meta or {}) if response is not None else None
         if days is None:
-            days = [datetime.now(timezone.utc).date().isoformat()]
+            days = [datetime.now(UTC).date().isoformat()]
             names: list[str | None] = ["date=unknown"]
         else:
             names = [f"date={d}" for d in days]

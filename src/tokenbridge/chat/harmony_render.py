@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from typing import Any
 
 from .dialect import Message
@@ -168,7 +168,7 @@ def render(
     if effort not in EFFORTS:
         raise TemplateError(f"reasoning_effort {effort!r}: openai_harmony knows {', '.join(EFFORTS)}")
     clock: Callable[[str], str] | None = kwargs.get("strftime_now")
-    day = clock("%Y-%m-%d") if clock is not None else datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    day = clock("%Y-%m-%d") if clock is not None else datetime.now(UTC).strftime("%Y-%m-%d")
     first_system = next((i for i, m in enumerate(messages) if m.get("role") == "system"), None)
     out = [_system(day, str(effort), bool(tools))]
     if first_system is not None or tools:

@@ -131,7 +131,7 @@ def _describe(schema: Mapping[str, Any]) -> str:
     return desc
 
 
-def _parse(schema: Any, reg: _Registry) -> _Node:
+def _parse(schema: Any, reg: _Registry) -> _Node:  # noqa: PLR0911 - one node per schema keyword, in the reference's order
     """One schema node, in the order the reference walks it (refs resolve as met)."""
     if isinstance(schema, bool):
         return _Node("scalar", name="any" if schema else "null")

@@ -64,7 +64,7 @@ def build_choice(
     index: int,
     max_tokens: int | None,
     structured_tools: bool,
-    draw_key: tuple,
+    draw_key: tuple[object, ...],
     error: dict[str, Any] | None = None,
     logprobs: LogprobsAsk | None = None,
     stream: bool = False,
@@ -76,7 +76,7 @@ def build_choice(
     thinking = gen.reasoning is not None if thinking is None else thinking
 
     def hit(name: str) -> bool:
-        rate = getattr(q, name)
+        rate: float = getattr(q, name)
         return rate > 0 and draw(provider.name, name, *draw_key) < rate
 
     ids = list(gen.native_ids)
@@ -229,6 +229,8 @@ def _parse_tool_sections(content: str, dialect: Dialect) -> tuple[str, tuple[dic
 
 @lru_cache(maxsize=8)
 def _tool_patterns(tm: ToolMarkers) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    if tm.call_begin is None or tm.argument_begin is None or tm.call_end is None:
+        raise ValueError(f"{tm.section_begin}: the emulator parses only tool sections with call markers")
     section = re.compile(re.escape(tm.section_begin) + "(.*?)" + re.escape(tm.section_end), re.S)
     call = re.compile(
         re.escape(tm.call_begin) + "(.*?)" + re.escape(tm.argument_begin) + "(.*?)" + re.escape(tm.call_end), re.S
@@ -249,7 +251,7 @@ def _apply_text_quirks(
 ) -> ChoiceView:
     reasoning, content, has_key = view.reasoning, view.content, True
     thinking = reasoning is not None
-    if thinking and dialect.think_close and hit("reasoning_in_content"):
+    if reasoning is not None and dialect.think_close and hit("reasoning_in_content"):
         content, reasoning = reasoning + dialect.think_close + content, None
         thinking = False
     if thinking and dialect.think_close and hit("think_close_in_content"):

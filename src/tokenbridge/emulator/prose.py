@@ -18,7 +18,7 @@ __all__ = ["Topic", "read_topic", "write_reasoning", "write_answer", "write_tool
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
 _WORD = re.compile(r"[A-Za-z][A-Za-z'-]{3,}")
 _STOP = frozenset(
-    "about above after again also because been before being between could does doing down during each from "
+    "about above after again also because been before being between could does doing down during each from "  # noqa: SIM905 - a word list reads as text
     "further have having here into just like more most much only other over same should some such than that "
     "their them then there these they this those through under until very what when where which while whom "
     "will with would your please explain tell give write want need make know help thanks thank using".split()

@@ -42,7 +42,8 @@ def error_body(code: int, message: str, **metadata: Any) -> dict[str, Any]:
     return {"error": err}
 
 
-def usage_body(prompt_tokens: int, choices: list[ChoiceView], prompt_price: float, completion_price: float) -> dict:
+def usage_body(prompt_tokens: int, choices: list[ChoiceView], prompt_price: float, completion_price: float,
+               ) -> dict[str, Any]:
     completion = sum(len(c.native_ids) for c in choices)
     cost = (prompt_tokens * prompt_price + completion * completion_price) / 1e6
     return {

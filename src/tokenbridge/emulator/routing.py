@@ -11,7 +11,7 @@ OpenRouter load-balances.
 from __future__ import annotations
 
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from .config import ProviderConfig
 from .hashing import draw
@@ -52,7 +52,7 @@ def _matches(p: ProviderConfig, names: Sequence[str]) -> bool:
     return p.name.lower() in names or p.slug.lower() in names
 
 
-def _sort_key(sort: str):
+def _sort_key(sort: str) -> Callable[[ProviderConfig], float]:
     if sort == "price":
         return lambda p: p.prompt_price + p.completion_price
     if sort == "latency":

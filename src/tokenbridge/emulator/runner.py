@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from collections.abc import Callable, Iterator
 
@@ -77,11 +77,13 @@ def running_emulator(
         thread.join(5)
         loop.close()
         error = box["error"]
-        raise RuntimeError(f"the emulator could not listen on {host}:{port}: {error}") from error  # type: ignore[misc]
+        raise RuntimeError(f"the emulator could not listen on {host}:{port}: {error}") from error  # type: ignore[misc]  # main() put a BaseException there
     try:
         yield f"http://{host}:{box['port']}/api/v1"
     finally:
-        loop.call_soon_threadsafe(box["stop"].set)  # type: ignore[union-attr]
+        stop = box["stop"]  # main() puts its Event there before it sets `started`
+        if isinstance(stop, asyncio.Event):
+            loop.call_soon_threadsafe(stop.set)
         thread.join(_SHUTDOWN_TIMEOUT_S + 10)
         if not thread.is_alive():
             loop.close()
@@ -109,7 +111,5 @@ def serve(
         finally:
             await runner.cleanup()
 
-    try:
+    with suppress(KeyboardInterrupt):
         asyncio.run(main())
-    except KeyboardInterrupt:
-        pass

@@ -196,7 +196,8 @@ class _Emulator:
         if fault in (None, "slow"):
             self.stats.ok_by_key[skey] += 1
         if req.stream:
-            return await self._stream(request, env, views, usage, ids_out, fault, provider, latency)
+            return await self._stream(request, env, views, usage, prompt_ids=ids_out, fault=fault, provider=provider,
+                                      latency=latency)
         await asyncio.sleep(latency)
         if fault == "error_body":
             return _json(error_body(502, f"{provider.name}: provider returned an error", provider_name=provider.name))
@@ -309,7 +310,9 @@ class _Emulator:
 
     # -- streaming --------------------------------------------------------------------
 
-    async def _stream(self, request, env, views, usage, prompt_ids, fault, provider, latency) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, env: Envelope, views: list[ChoiceView], usage: dict[str, Any], *,
+                      prompt_ids: list[int] | None, fault: str | None, provider: ProviderConfig, latency: float,
+                      ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:

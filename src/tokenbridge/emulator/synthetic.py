@@ -39,6 +39,9 @@ from .families import FamilyProfile, family_profile, tool_section_text
 from .hashing import canonical_json, draw, sample_key
 from .tool_specs import ToolSpec, make_arguments, tools_from_param, tools_from_text
 
+#: A generation's cache key: (conversation key, tools JSON, thinking, seed, choice index).
+_Key = tuple[str, str, bool, int, int]
+
 __all__ = ["ECHO_BEGIN", "ECHO_END", "Generation", "SyntheticModel"]
 
 #: A user message holding ``ECHO_BEGIN + text + ECHO_END`` gets ``text`` back verbatim as

@@ -46,7 +46,8 @@ def tools_from_param(tools: Sequence[Any] | None) -> list[ToolSpec]:
 def _spec(item: Any) -> ToolSpec | None:
     if not isinstance(item, Mapping):
         return None
-    fn = item.get("function") if isinstance(item.get("function"), Mapping) else item
+    function = item.get("function")
+    fn: Mapping[str, Any] = function if isinstance(function, Mapping) else item
     name = fn.get("name")
     if not isinstance(name, str) or not re.fullmatch(_IDENT, name):
         return None
@@ -106,7 +107,7 @@ def make_arguments(rng: random.Random, spec: ToolSpec, topic_phrase: str) -> dic
             for name in names}
 
 
-def _value(rng: random.Random, name: str, schema: Mapping[str, Any], topic: str) -> Any:
+def _value(rng: random.Random, name: str, schema: Mapping[str, Any], topic: str) -> Any:  # noqa: PLR0911 - one return per JSON-schema type and name hint
     enum = schema.get("enum")
     if isinstance(enum, list) and enum:
         return rng.choice(enum)
@@ -123,7 +124,8 @@ def _value(rng: random.Random, name: str, schema: Mapping[str, Any], topic: str)
     if kind == "boolean":
         return rng.random() < 0.5
     if kind == "array":
-        item = schema.get("items") if isinstance(schema.get("items"), Mapping) else {}
+        items = schema.get("items")
+        item: Mapping[str, Any] = items if isinstance(items, Mapping) else {}
         return [_value(rng, name, item, topic) for _ in range(rng.randint(1, 3))]
     if kind == "object":
         return {}

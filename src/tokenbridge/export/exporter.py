@@ -42,8 +42,8 @@ class ExportSummary:
     skipped: dict[str, int] = field(default_factory=lambda: {"flagged": 0, "rejected": 0})
     tokens: int = 0
     completion_tokens: int = 0
-    datasets: Counter = field(default_factory=Counter)
-    providers: Counter = field(default_factory=Counter)
+    datasets: Counter[str] = field(default_factory=Counter)
+    providers: Counter[str] = field(default_factory=Counter)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

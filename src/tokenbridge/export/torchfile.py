@@ -17,14 +17,14 @@ import os
 import struct
 import zipfile
 from pathlib import Path
-from typing import Union
+from typing import TypeAlias
 from collections.abc import Mapping
 
 import numpy as np
 
 __all__ = ["TorchValue", "save"]
 
-TorchValue = Union[int, str, bool, np.ndarray, Mapping[int | str, "TorchValue"]]
+TorchValue: TypeAlias = int | str | bool | np.ndarray | Mapping[int | str, "TorchValue"]
 
 #: numpy dtype -> torch's legacy typed-storage class name (what torch.save pickles).
 _STORAGES: dict[np.dtype, str] = {

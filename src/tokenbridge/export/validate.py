@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import orjson
 
@@ -37,6 +37,8 @@ _SEVERITIES = ("error", "warning")
 
 #: The largest token id a row can hold (ids are int32 in the row schema, tokenbridge.rows).
 MAX_ID = (1 << 31) - 1
+#: Builds the error for a field of the row being checked (file and line are bound).
+_Fail = Callable[[str, str], ExportError]
 #: Every digit as ``9``: ten in a row is an id that may not fit int32 (the slow path decides).
 _DIGITS_AS_NINE = bytes.maketrans(b"0123456789", b"9999999999")
 
@@ -82,7 +84,7 @@ def check_training_row(rec: Mapping[str, Any], path: str | Path, line: int) -> t
         pos = _first(mask[:n_prompt], bool)
         if pos is not None:
             raise fail("loss_mask", f"is 1 at position {pos}, inside the prompt (positions 0..{n_prompt - 1})")
-        pos = n_prompt + _first(mask[n_prompt:], lambda x: not x)
+        pos = n_prompt + _at(mask[n_prompt:], lambda x: not x)
         raise fail("loss_mask", f"is 0 at position {pos}, inside the completion (positions {n_prompt}..{len(ids) - 1})")
     if isinstance(rec.get("segments"), list):
         _check_segments(rec["segments"], len(ids), n_prompt, rec.get("finish_reason"), fail)
@@ -140,7 +142,7 @@ class RowContract:
         if type(choice) is not int or choice < 0:
             raise fail("choice", f"must be a non-negative integer, got {choice!r}")
         findings = rec.get("findings")
-        if hasattr(findings, "tolist"):  # a Parquet source
+        if findings is not None and hasattr(findings, "tolist"):  # a Parquet source
             findings = findings.tolist()
         if not isinstance(findings, list):
             raise fail("findings", f"must be a list, got {type(findings).__name__}")
@@ -156,24 +158,25 @@ class RowContract:
         earlier = self._seen.setdefault(hash((sid, choice)), line)
         if earlier != line:
             raise fail("id", f"({sid!r}, choice {choice}) is also on line {earlier}: each sample choice once")
-        if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
-            pos = _first(ids, lambda i: i >= self.vocab_size)
+        vocab_size = self.vocab_size
+        if vocab_size is not None and ids and max(ids) >= vocab_size:
+            pos = _at(ids, lambda i: i >= vocab_size)
             raise fail("input_ids", f"id {ids[pos]} at position {pos} is outside the vocabulary "
                        f"(size {self.vocab_size})")
 
 
-def _int_list(value: Any, field: str, fail) -> list[int]:
+def _int_list(value: Any, field: str, fail: _Fail) -> list[int]:
     if hasattr(value, "tolist"):  # numpy / pyarrow arrays from a Parquet source
         value = value.tolist()
     if not isinstance(value, list):
         raise fail(field, f"must be a list of integers, got {type(value).__name__}")
     if not set(map(type, value)) <= {int}:
-        pos = _first(value, lambda x: type(x) is not int)
+        pos = _at(value, lambda x: type(x) is not int)
         raise fail(field, f"must hold integers only, found {type(value[pos]).__name__} at position {pos}")
     return value
 
 
-def _prompt_length(rec: Mapping[str, Any], ids: list[int], fail) -> int:
+def _prompt_length(rec: Mapping[str, Any], ids: list[int], fail: _Fail) -> int:
     prompt, completion = rec.get("prompt_ids"), rec.get("completion_ids")
     if prompt is not None or completion is not None:
         prompt = _int_list(prompt, "prompt_ids", fail)
@@ -186,12 +189,13 @@ def _prompt_length(rec: Mapping[str, Any], ids: list[int], fail) -> int:
         return len(prompt)
     segments = rec.get("segments")
     if isinstance(segments, list) and segments and isinstance(segments[0], Mapping):
-        if segments[0].get("kind") == "prompt" and isinstance(segments[0].get("end"), int):
-            return segments[0]["end"]
+        end = segments[0].get("end")
+        if segments[0].get("kind") == "prompt" and isinstance(end, int):
+            return end
     raise fail("prompt_ids", "missing, and no prompt segment says where the prompt ends")
 
 
-def _check_segments(segments: Sequence[Any], n: int, n_prompt: int, finish_reason: Any, fail) -> None:
+def _check_segments(segments: Sequence[Any], n: int, n_prompt: int, finish_reason: Any, fail: _Fail) -> None:
     pos = 0
     for k, seg in enumerate(segments):
         field = f"segments[{k}]"
@@ -212,8 +216,16 @@ def _check_segments(segments: Sequence[Any], n: int, n_prompt: int, finish_reaso
                    f"finished with {finish_reason!r} must end with the end token")
 
 
-def _first(seq: Sequence[Any], pred) -> int | None:
+def _first(seq: Sequence[Any], pred: Callable[[Any], object]) -> int | None:
     for k, item in enumerate(seq):
         if pred(item):
             return k
     return None
+
+
+def _at(seq: Sequence[Any], pred: Callable[[Any], object]) -> int:
+    """:func:`_first` where the caller has shown such an item exists."""
+    pos = _first(seq, pred)
+    if pos is None:
+        raise AssertionError("no item matches, though the caller checked one does")
+    return pos

@@ -85,7 +85,7 @@ class _JsonlWriter:
 
     def open(self, out_dir: Path) -> None:
         self.path = out_dir / self.name
-        self._fh = open(self.path, "wb", buffering=1 << 20)
+        self._fh = open(self.path, "wb", buffering=1 << 20)  # noqa: SIM115 - the writer owns it until close()
 
     def row(self, rec: ReconstructedRow) -> dict[str, Any]:
         raise NotImplementedError
@@ -230,7 +230,7 @@ class _HashingFile:
     without reading them back)."""
 
     def __init__(self, path: Path, digest: Any):
-        self._fh = open(path, "wb")
+        self._fh = open(path, "wb")  # noqa: SIM115 - the file object owns it until close()
         self._digest = digest
         self.closed = False
 

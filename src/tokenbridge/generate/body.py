@@ -94,16 +94,17 @@ def checked_usage(parsed: Any) -> CheckedUsage:
     usage = parsed["usage"]
     if not isinstance(usage, dict):
         return CheckedUsage(None, problems=[f"usage is a {type(usage).__name__}, not an object"])
-    out = CheckedUsage(dict(usage))
+    kept: dict[str, Any] = dict(usage)  # out.usage: what passes the checks below
+    out = CheckedUsage(kept)
     for name in ("prompt_tokens", "completion_tokens"):
         if name not in usage:
             continue
         n = _token_count(usage[name])
         if n is None:
             out.problems.append(f"usage.{name} = {_show(usage[name])}")
-            del out.usage[name]  # type: ignore[union-attr]
+            del kept[name]
         else:
-            out.usage[name] = n  # type: ignore[index]
+            kept[name] = n
             setattr(out, name, n)
     if "cost" in usage and usage["cost"] is not None:
         c = usage["cost"]
@@ -111,7 +112,7 @@ def checked_usage(parsed: Any) -> CheckedUsage:
             out.cost = float(c)
         else:
             out.problems.append(f"usage.cost = {_show(c)}")
-            del out.usage["cost"]  # type: ignore[union-attr]
+            del kept["cost"]
     return out
 
 

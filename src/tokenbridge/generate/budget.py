@@ -99,7 +99,7 @@ class PriceBounds:
     def bound(self, prompt: int, completion: int) -> tuple[float, bool] | None:
         """(USD no request of this size can exceed, whether it is exact), or None if unbounded."""
         best: float | None = None
-        for p, c, k in {self.lo, self.hi} - {None}:
+        for p, c, k in {obs for obs in (self.lo, self.hi) if obs is not None}:
             if (prompt and not p) or (completion and not c):
                 continue  # this response says nothing about one of the prices
             y = max(prompt / p if prompt else 0.0, completion / c if completion else 0.0)

@@ -64,7 +64,7 @@ class Outcome:
         return self.kind in ("retry", "rate_limited")
 
 
-def classify_response(
+def classify_response(  # noqa: PLR0911 - one outcome per kind of answer, in the order they are told apart
     status: int, headers: Mapping[str, str], body: bytes | str
 ) -> tuple[Outcome, dict[str, Any] | None]:
     """The outcome of one finished HTTP exchange, and the parsed body when it is JSON.

@@ -123,7 +123,7 @@ class EngineStats:
     requests: int = 0
     completion_tokens: int = 0
     prompt_tokens: int = 0
-    errors: Counter = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
     meter: RateMeter = field(default_factory=RateMeter)  # completions and tokens per second
     in_flight: int = 0
@@ -214,7 +214,7 @@ class StoreWriter:
             if self._closed and not self._batch:
                 return
 
-    async def close(self, task: asyncio.Task) -> None:
+    async def close(self, task: asyncio.Task[None]) -> None:
         self._closed = True
         self._wake.set()
         await task
@@ -250,7 +250,7 @@ class Engine:
         self._unavailable: dict[str, tuple[str, str]] = {}  # routing key -> (message, sample that got it)
         self._unauthorized_streak = 0
         self._successes = 0
-        self._queue: asyncio.PriorityQueue | None = None
+        self._queue: asyncio.PriorityQueue[tuple[int, WorkItem]] | None = None
         self._timers: dict[str, tuple[asyncio.TimerHandle, WorkItem]] = {}
         self._outstanding = 0
         self._all_done: asyncio.Event | None = None
@@ -306,12 +306,11 @@ class Engine:
         self._writer = StoreWriter(self.store, self.s.commit_interval_s)
         self._writer.on_error = lambda exc: self._store_failed(exc)
         writer_task = asyncio.create_task(self._writer.run(), name="tokenbridge-store-writer")
-        own_session = self._session is None
-        if own_session:  # headers set once on our own session instead of merged per request
+        session = self._session
+        own_session = session is None
+        if session is None:  # headers set once on our own session instead of merged per request
             session = make_session(self.s.concurrency, proxy_from_env=self.s.proxy_from_env, headers=self._headers)
             self._request_headers = None
-        else:
-            session = self._session
         workers = [asyncio.create_task(self._worker(session)) for _ in range(self.s.concurrency)]
         try:
             done_wait = asyncio.create_task(self._all_done.wait())
@@ -455,16 +454,16 @@ class Engine:
                 sock_connect=self.s.connect_timeout_s,
                 sock_read=self.s.read_timeout_s if stream else None,
             )
-            async with deadline:
-                async with session.post(self._url, data=wire, headers=self._request_headers, timeout=timeout) as resp:
-                    status, headers = resp.status, resp.headers
-                    ctype = resp.headers.get("Content-Type", "")
-                    if stream and status == 200 and "text/event-stream" in ctype:
-                        streamed = True
-                        body, raw, outcome, parsed = await self._read_stream(resp)
-                    else:
-                        body = scrub_bytes(await self._read_capped(resp), self.key)  # before any message is cut
-                        outcome, parsed = classify_response(status, resp.headers, body)
+            async with deadline, session.post(self._url, data=wire, headers=self._request_headers,
+                                              timeout=timeout) as resp:
+                status, headers = resp.status, resp.headers
+                ctype = resp.headers.get("Content-Type", "")
+                if stream and status == 200 and "text/event-stream" in ctype:
+                    streamed = True
+                    body, raw, outcome, parsed = await self._read_stream(resp)
+                else:
+                    body = scrub_bytes(await self._read_capped(resp), self.key)  # before any message is cut
+                    outcome, parsed = classify_response(status, resp.headers, body)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except ResponseTooLarge as exc:
@@ -635,7 +634,7 @@ class Engine:
         self._timers[item.sample_id] = (handle, item)
 
     def _backoff(self, tries: int, retry_after: float | None) -> float:
-        cap = min(self.s.backoff_max_s, self.s.backoff_base_s * (2 ** (tries - 1)))
+        cap: float = min(self.s.backoff_max_s, self.s.backoff_base_s * (2 ** (tries - 1)))
         delay = cap / 2 + random.uniform(0, cap / 2)
         if retry_after is not None:
             delay = max(delay, min(retry_after, max(self.s.backoff_max_s, 300.0)))  # sane ceiling

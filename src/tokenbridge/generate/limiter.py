@@ -71,19 +71,19 @@ class AdaptiveLimiter:
     base: float | None = None
     #: Share of 429s that comes whatever the limit (learned after cuts, see above).
     noise: float = 0.0
-    _answers: deque = field(default_factory=deque, repr=False)  # True = 429, sent after the last cut
+    _answers: deque[bool] = field(default_factory=deque, repr=False)  # True = 429, sent after the last cut
     _rate_limited: int = field(default=0, repr=False)  # 429s in _answers
-    _served: deque = field(default_factory=deque, repr=False)  # (done_at, latency_s) of recent successes
+    _served: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (done_at, latency_s) of recent successes
     _latency: float | None = field(default=None, repr=False)  # moving mean latency of successes
     _first_sent: float = field(default=math.inf, repr=False)
     _last_cut: float = field(default=-math.inf, repr=False)
     _hold: int = field(default=0, repr=False)  # successes to wait before probing again
-    _block: list = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] of the current window block
+    _block: list[int] = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] of the current window block
     _after_cut: bool = field(default=False, repr=False)  # the current block is the first since a cut
     _before_cut: float = field(default=0.0, repr=False)  # the limit before the last cut
     _cut_share: float = field(default=0.0, repr=False)  # the 429 share that made it
     _base_held: bool = field(default=False, repr=False)  # a whole window at ``base`` stayed under the threshold
-    _waiters: deque = field(default_factory=deque, repr=False)
+    _waiters: deque[asyncio.Future[float]] = field(default_factory=deque, repr=False)
 
     def __post_init__(self) -> None:
         self.floor = max(1, min(self.floor, self.ceiling))
@@ -109,7 +109,7 @@ class AdaptiveLimiter:
         granted = self.try_acquire()
         if granted is not None:
             return granted
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
             return await fut  # release() hands the slot over (in_flight already counts it)

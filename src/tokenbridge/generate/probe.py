@@ -29,8 +29,8 @@ import json
 import time
 import unicodedata
 from dataclasses import asdict, dataclass, field
-from typing import Any
-from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine, Iterable, Sequence
 
 import aiohttp
 
@@ -40,7 +40,13 @@ from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_
 from .request import build_request
 from .prompts import Sample
 from .secrets import ApiKey, scrub, scrub_bytes
-from .settings import RequestSettings, check_base_url
+from .settings import Reasoning, RequestSettings, check_base_url
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from ..chat import Dialect
+    from ..tokenizer import Tokenizer
 
 __all__ = ["ECHO_TESTS", "INVISIBLE_EDITS", "classify_echo", "PROBE_PROMPTS", "RETRY_WAIT_CAP_S", "EchoCall", "ProbeCall", "ProviderReport", "aprobe",
            "probe", "render_profiles", "render_table"]
@@ -217,7 +223,7 @@ class ProviderReport:
         return {**self.summary(), "calls": calls, "profile": self.profile()}
 
 
-def _share(values) -> str | None:
+def _share(values: Iterable[bool | None]) -> str | None:
     vals = [v for v in values if v is not None]
     if not vals:
         return None
@@ -230,10 +236,10 @@ async def aprobe(
     providers: Sequence[str],
     base_url: str,
     key: ApiKey | None,
-    tokenizer: Any,
-    dialect: Any = None,
+    tokenizer: Tokenizer,
+    dialect: Dialect | None = None,
     max_tokens: int = 2048,
-    reasoning: dict[str, Any] | None = None,
+    reasoning: Reasoning | None = None,
     timeout_s: float = 300.0,
     attempts: int = 3,
     extra_body: dict[str, Any] | None = None,
@@ -248,7 +254,7 @@ async def aprobe(
     if key is not None:
         headers["Authorization"] = f"Bearer {key.value}"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        jobs = []
+        jobs: list[Coroutine[Any, Any, ProbeCall | EchoCall | _Evidence]] = []
         for p in providers:
             rs = RequestSettings(
                 model=model,
@@ -259,15 +265,17 @@ async def aprobe(
             )
             for name, messages in PROBE_PROMPTS:
                 request = build_request(Sample(f"probe-{name}", "probe", messages), rs)
-                jobs.append(_one(session, url, headers, key, p, name, request, tokenizer, dialect, attempts))
+                jobs.append(_one(session, url, headers, key, provider=p, name=name, request=request, tok=tokenizer,
+                                 dialect=dialect, attempts=attempts))
             for name, text in ECHO_TESTS:
                 messages = [{"role": "user", "content": "Repeat the text between the markers exactly, every "
                              f"character and space, and write nothing else.\n{ECHO_BEGIN}{text}{ECHO_END}"}]
                 request = build_request(Sample(f"echo-{name}", "probe", messages), rs)
-                jobs.append(_echo(session, url, headers, key, p, name, text, request, attempts))
+                jobs.append(_echo(session, url, headers, key, provider=p, name=name, text=text, request=request,
+                                  attempts=attempts))
             request = build_request(Sample("probe-evidence", "probe", PROBE_PROMPTS[0][1]), rs)
             request.update(logprobs=True, top_logprobs=1, return_token_ids=True)
-            jobs.append(_evidence(session, url, headers, key, p, request, attempts))
+            jobs.append(_evidence(session, url, headers, key, provider=p, request=request, attempts=attempts))
         results = await asyncio.gather(*jobs)
     reports = []
     for p in providers:
@@ -284,7 +292,8 @@ def probe(**kwargs: Any) -> list[ProviderReport]:
     return asyncio.run(aprobe(**kwargs))
 
 
-async def _one(session, url, headers, key, provider, name, request, tok, dialect, attempts) -> ProbeCall:
+async def _one(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None, *, provider: str,
+               name: str, request: dict[str, Any], tok: Tokenizer, dialect: Dialect, attempts: int) -> ProbeCall:
     outcome, parsed, status, latency = await _send(session, url, headers, key, request, attempts)
     call = ProbeCall(provider, name, available=outcome.kind != "unavailable", ok=outcome.kind == "ok",
                      http_status=status, latency_s=latency)
@@ -295,7 +304,8 @@ async def _one(session, url, headers, key, provider, name, request, tok, dialect
     return call
 
 
-async def _echo(session, url, headers, key, provider, name, text, request, attempts) -> EchoCall:
+async def _echo(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None, *, provider: str,
+                name: str, text: str, request: dict[str, Any], attempts: int) -> EchoCall:
     outcome, parsed, _, _ = await _send(session, url, headers, key, request, attempts)
     if outcome.kind != "ok":
         return EchoCall(provider, name, False, "failed", error=scrub(f"{outcome.error_class}: {outcome.message}", key))
@@ -305,7 +315,12 @@ async def _echo(session, url, headers, key, provider, name, text, request, attem
     return EchoCall(provider, name, True, verdict, edit)
 
 
-async def _evidence(session, url, headers, key, provider, request, attempts) -> tuple[str, bool | None, bool | None]:
+#: (provider, logprobs came back, token ids came back); None where the call failed.
+_Evidence = tuple[str, bool | None, bool | None]
+
+
+async def _evidence(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None, *,
+                    provider: str, request: dict[str, Any], attempts: int) -> _Evidence:
     """(provider, logprobs came back, token ids came back) for a call that asks for both."""
     outcome, parsed, _, _ = await _send(session, url, headers, key, request, attempts)
     if outcome.kind != "ok" or not parsed.get("choices"):
@@ -317,7 +332,8 @@ async def _evidence(session, url, headers, key, provider, request, attempts) -> 
     return provider, has_lp, isinstance(ids, list) and bool(ids)
 
 
-async def _send(session, url, headers, key, request, attempts) -> tuple[Outcome, Any, int | None, float | None]:
+async def _send(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None,
+                request: dict[str, Any], attempts: int) -> tuple[Outcome, Any, int | None, float | None]:
     """POST ``request`` with up to ``attempts`` tries; (outcome, parsed body, status, latency)."""
     body = json.dumps(request, ensure_ascii=False).encode()
     outcome: Outcome = Outcome("retry", "not_sent")
@@ -346,7 +362,7 @@ async def _send(session, url, headers, key, request, attempts) -> tuple[Outcome,
 _THINK_LEAKS = frozenset({"think_marker_in_content", "think_marker_in_reasoning"})
 
 
-def _inspect(call: ProbeCall, request: dict, response: dict, tok: Any, dialect: Any) -> None:
+def _inspect(call: ProbeCall, request: dict[str, Any], response: dict[str, Any], tok: Any, dialect: Any) -> None:
     from ..chat import RENDER_FAILURES
     from ..exchanges import RecordError
     from ..reconstruct import reconstruct_record
@@ -393,7 +409,7 @@ def probe_caption(attempts: int) -> str:
     )
 
 
-def render_table(reports: list[ProviderReport], attempts: int = 3):
+def render_table(reports: list[ProviderReport], attempts: int = 3) -> Table:
     """A rich Table: one row per provider."""
     from rich.table import Table
     from rich.text import Text
@@ -421,7 +437,7 @@ def render_table(reports: list[ProviderReport], attempts: int = 3):
     return table
 
 
-def render_profiles(reports: list[ProviderReport]):
+def render_profiles(reports: list[ProviderReport]) -> Table:
     """A rich Table: what each provider does to text, and which evidence it returns."""
     from rich.table import Table
     from rich.text import Text

@@ -11,11 +11,14 @@ import math
 import sys
 import time
 from collections import deque
+from contextlib import suppress
 from datetime import timedelta
 from typing import TYPE_CHECKING, TextIO
 from collections.abc import Callable
 
 if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
     from .engine import EngineStats
 
 __all__ = ["RateMeter", "Reporter", "format_line"]
@@ -36,7 +39,7 @@ class RateMeter:
         self.bucket_s = bucket_s
         self.clock = clock
         self.started = clock()
-        self._buckets: deque[list] = deque()  # [bucket index, completions, tokens], oldest first
+        self._buckets: deque[list[int]] = deque()  # [bucket index, completions, tokens], oldest first
 
     def add(self, tokens: int = 0) -> None:
         """One completion that produced ``tokens`` completion tokens."""
@@ -100,10 +103,10 @@ class Reporter:
             mode = "rich" if self.out.isatty() else "plain"
         self.mode = mode
         self.interval_s = interval_s
-        self._progress = None
-        self._task_id = None
+        self._progress: Progress | None = None
+        self._task_id: TaskID | None = None
         self._stats: EngineStats | None = None
-        self._runner: asyncio.Task | None = None
+        self._runner: asyncio.Task[None] | None = None
 
     def log(self, message: str) -> None:
         """A one-off notice, printed without breaking the live bar."""
@@ -138,6 +141,9 @@ class Reporter:
             self._runner = asyncio.create_task(self._loop())
 
     async def _loop(self) -> None:
+        stats = self._stats  # set by start(), which runs this loop
+        if stats is None:
+            return
         last_plain = time.monotonic()
         while True:
             await asyncio.sleep(0.25 if self.mode == "rich" else 1.0)
@@ -145,11 +151,11 @@ class Reporter:
                 self._update_rich()
             elif time.monotonic() - last_plain >= self.interval_s:
                 last_plain = time.monotonic()
-                print(format_line(self._stats), file=self.out, flush=True)
+                print(format_line(stats), file=self.out, flush=True)
 
     def _update_rich(self) -> None:
         stats = self._stats
-        if self._progress is None or stats is None:
+        if self._progress is None or stats is None or self._task_id is None:
             return
         rps, tps = stats.rates()
         detail = (
@@ -162,10 +168,8 @@ class Reporter:
     async def close(self) -> None:
         if self._runner is not None:
             self._runner.cancel()
-            try:
+            with suppress(asyncio.CancelledError):
                 await self._runner
-            except asyncio.CancelledError:
-                pass
         if self._progress is not None:
             self._update_rich()
             self._progress.stop()

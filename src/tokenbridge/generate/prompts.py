@@ -135,7 +135,7 @@ def load_prompts(specs: list[DatasetSpec] | tuple[DatasetSpec, ...], *, default_
     return out
 
 
-def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:
+def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:  # noqa: PLR0912 - a check per field of an untrusted row
     """One row -> :class:`Sample`; raises ``_BadRow`` (field + message) when malformed."""
     if isinstance(row, _Unparsable):
         raise _BadRow("<line>", f"not valid JSON: {row.reason}")
@@ -429,10 +429,15 @@ def _iter_arrow_folder(folder: Path) -> Iterator[tuple[str, str, Any]]:
 
 
 def _pick_split(folder: Path, spec: DatasetSpec) -> Path:
+    where = folder / "dataset_dict.json"
     try:
-        splits = json.loads((folder / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise PromptSourceError(f"{folder / 'dataset_dict.json'}: unreadable ({exc})") from None
+        data = json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PromptSourceError(f"{where}: unreadable ({exc})") from None
+    found = data.get("splits") if isinstance(data, dict) else None
+    if not isinstance(found, list) or not all(isinstance(s, str) for s in found):
+        raise PromptSourceError(f"{where}: splits: must be a list of split names, got {found!r}")
+    splits: list[str] = found
     if spec.split:
         if spec.split not in splits:
             raise PromptSourceError(f"dataset {spec.name!r}: split {spec.split!r} not in {folder} (has {splits})")
@@ -444,7 +449,7 @@ def _pick_split(folder: Path, spec: DatasetSpec) -> Path:
     raise PromptSourceError(f"dataset {spec.name!r}: {folder} has splits {splits}; name one with split=")
 
 
-class _MaybeSurrogates(dict):
+class _MaybeSurrogates(dict[str, Any]):
     """A JSONL row whose text has surrogate escapes: checked field by field for lone ones."""
 
 

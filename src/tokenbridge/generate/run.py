@@ -17,10 +17,11 @@ import sqlite3
 import threading
 import time
 import warnings
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlparse
 
 import aiohttp
@@ -206,7 +207,7 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, force: bo
     reopen the failed ones (a store that cannot be written is a StoreError, exit 6)."""
     try:
         rows, ids = keep_stored_ids(rows, store.statuses())  # ids from before the prefix fix
-        changed, kept_old = _reconcile(store, rows, ids, settings, force, reporter, out_dir)
+        changed, kept_old = _reconcile(store, rows, ids, settings, force=force, reporter=reporter, out_dir=out_dir)
         kill_point("generate:samples added")
         run = store.begin_run(settings.describe())
         kill_point("generate:run begun")
@@ -314,6 +315,7 @@ def _reconcile(
     rows: list[tuple[str, str, str, str]],
     ids: list[str],
     settings: GenerateSettings,
+    *,
     force: bool,
     reporter: Reporter,
     out_dir: Path,
@@ -426,10 +428,8 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
             # never trusted as it stands (the file is as new as the read): a later run confirms
             # it by reading it, or the pipeline does (confirm_exchanges) once it has aged
             record = {"source": source, "file": Digest(digest.hexdigest(), written, started).to_json(), "bad": bad}
-            try:
+            with suppress(sqlite3.Error):  # the old record names another file: the next run rewrites this one
                 store.record_exchanges(record)
-            except sqlite3.Error:
-                pass  # the old record names another file: the next run rewrites this one
     finally:
         store.close()
     return target, bad
@@ -481,8 +481,10 @@ def confirm_exchanges(out_dir: str | Path, known: Digest) -> bool:
         return False
     with Store.open(out_dir) as store:
         record = store.exchanges_record()
+        if record is None:  # nothing recorded: from_json(None) would refuse it too
+            return False
         try:
-            written = Digest.from_json((record or {}).get("file"))
+            written = Digest.from_json(record.get("file"))
         except ValueError:
             return False
         if written.trusted or written.sha256 != known.sha256 or file_identity(out_dir / EXCHANGES_FILE) != known.file:
@@ -508,7 +510,7 @@ def is_local_url(base_url: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1")
 
 
-def _install_signals(engine: Engine, reporter: Reporter):
+def _install_signals(engine: Engine, reporter: Reporter) -> Callable[[], None] | None:
     """First SIGINT/SIGTERM: stop sending, give in-flight requests :data:`DRAIN_S` to finish
     and be stored. Second: abort now (in-flight requests stay pending), exit 130."""
     if threading.current_thread() is not threading.main_thread():

@@ -114,7 +114,7 @@ def check_base_url(url: Any, where: str = "settings") -> str:
     problem = _base_url_problem(url)
     if problem:
         raise ConfigError(f"{where}: base_url {problem}")
-    return url
+    return str(url)  # already a str: _base_url_problem refuses anything else
 
 
 def check_headers(headers: Any, where: str = "settings") -> dict[str, str]:
@@ -298,7 +298,8 @@ class GenerateSettings:
         """JSON-able view for the store's run log (contains no secret: only the env name)."""
         d = asdict(self)
         d["datasets"] = [{**asdict(s), "path": str(s.path)} for s in self.datasets]
-        return json.loads(json.dumps(d, default=str))
+        out: dict[str, Any] = json.loads(json.dumps(d, default=str))
+        return out
 
 
 _TOP_KEYS = tuple(f.name for f in fields(GenerateSettings))
@@ -323,7 +324,8 @@ def override_settings(
     out, problems = validate(GenerateSettings, data, where)
     if problems:
         raise ConfigError("\n".join(problems))
-    return out
+    checked: GenerateSettings = out
+    return checked
 
 
 # --- loading -----------------------------------------------------------------------------

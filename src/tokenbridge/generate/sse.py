@@ -88,7 +88,10 @@ class SSEDecoder:
 
     def _line(self, line: str) -> SSEEvent | None:
         if not line:
-            return self._dispatch() if self._has_data else self._reset()
+            if self._has_data:
+                return self._dispatch()
+            self._reset()
+            return None
         if line.startswith(":"):
             self.comments.append(line[1:].strip())
             return None
@@ -111,7 +114,6 @@ class SSEDecoder:
         self._data = []
         self._event = ""
         self._has_data = False
-        return None
 
 
 def _next_eol(buf: str, start: int) -> int:

@@ -253,7 +253,9 @@ class Store:
         cur = self._conn.execute(
             "INSERT INTO runs(started_at, settings) VALUES (?, ?)", (time.time(), json.dumps(settings, sort_keys=True))
         )
-        self.run = int(cur.lastrowid)
+        if cur.lastrowid is None:  # sqlite sets it on every INSERT into a rowid table
+            raise StoreError("runs: the new row has no id")
+        self.run = cur.lastrowid
         return self.run
 
     def end_run(self, run: int, outcome: str) -> None:
@@ -407,9 +409,9 @@ class Store:
             "SELECT provider, usage, cost FROM responses WHERE cost IS NOT NULL AND usage IS NOT NULL"
         ):
             usage = _usage(usage_json)
-            p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if _count(p) is not None and _count(c) is not None and _plausible_cost(cost):
-                yield prov or "", int(p), int(c), float(cost)
+            p, c = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+            if p is not None and c is not None and _plausible_cost(cost):
+                yield prov or "", p, c, float(cost)
 
     def token_totals(self) -> tuple[int, int, float]:
         """(prompt tokens, completion tokens, cost) over stored responses that report usage."""
@@ -552,7 +554,9 @@ class Store:
             " possible_cost FROM attempts WHERE sample_id=? ORDER BY n",
             (sample_id,),
         )
-        return [AttemptRecord(*r[:8], stream=bool(r[8]), possible_cost=r[9]) for r in rows]
+        return [AttemptRecord(sid, n, started, latency, status, error_class, message, cost, stream=bool(stream),
+                              possible_cost=possible)
+                for sid, n, started, latency, status, error_class, message, cost, stream, possible in rows]
 
     def failures(self) -> list[tuple[str, str | None, str | None]]:
         return list(self._conn.execute("SELECT id, error_class, error FROM samples WHERE status='failed' ORDER BY seq"))

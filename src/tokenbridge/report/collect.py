@@ -74,9 +74,9 @@ class RowStats:
     :func:`collect_run`'s own read, or by the pipeline's one pass, :func:`tokenbridge.export.run_pass`)."""
 
     def __init__(self) -> None:
-        self.status: Counter = Counter()
-        self.findings: Counter = Counter()
-        self.by: dict[str, defaultdict[str, dict[str, Counter]]] = {
+        self.status: Counter[str] = Counter()
+        self.findings: Counter[str] = Counter()
+        self.by: dict[str, defaultdict[str, dict[str, Counter[str]]]] = {
             key: defaultdict(lambda: {"status": Counter(), "findings": Counter()}) for key in ("provider", "dataset")}
         self.prompt_len, self.completion_len = array("l"), array("l")
         self.parity = _Parity()
@@ -147,7 +147,7 @@ class _SampleIds:
         return {k: kept.get(k, []) for k in keys}
 
 
-def _groups(groups: dict[str, dict]) -> dict[str, Any]:
+def _groups(groups: dict[str, dict[str, Counter[str]]]) -> dict[str, Any]:
     return {
         name: {"rows": sum(g["status"].values()), "status": {s: g["status"].get(s, 0) for s in STATUSES},
                "findings": dict(g["findings"].most_common())}
@@ -165,8 +165,8 @@ class _Parity:
     def __init__(self) -> None:
         self.key: Any = None
         self.deltas = {"prompt": array("l"), "completion": array("l")}
-        self.provider: dict[str, dict[str, array]] = defaultdict(lambda: {"prompt": array("l"), "completion": array("l")})
-        self._pending: tuple[str, dict, int, int] | None = None
+        self.provider: dict[str, dict[str, array[int]]] = defaultdict(lambda: {"prompt": array("l"), "completion": array("l")})
+        self._pending: tuple[str, dict[str, Any], int, int] | None = None
 
     def add(self, rec: ReconstructedRow, n_prompt: int, n_completion: int) -> None:
         key = rec["id"]
@@ -176,9 +176,9 @@ class _Parity:
             return
         self.close()
         self.key = key
-        usage = rec["usage"]
-        if usage is not None:
-            self._pending = (str(rec["provider"]), usage, n_prompt, n_completion)
+        row_usage = rec["usage"]
+        if row_usage is not None:
+            self._pending = (str(rec["provider"]), row_usage, n_prompt, n_completion)
 
     def close(self) -> None:
         if self._pending is None:
@@ -207,7 +207,7 @@ class _Parity:
         }
 
 
-def _delta_stats(values: array) -> dict[str, Any]:
+def _delta_stats(values: array[int]) -> dict[str, Any]:
     if not len(values):
         return {"count": 0}
     a = np.asarray(values, dtype=np.int64)
@@ -216,7 +216,7 @@ def _delta_stats(values: array) -> dict[str, Any]:
             "mean_abs": float(np.abs(a).mean())}
 
 
-def _delta_hist(values: array) -> dict[str, int]:
+def _delta_hist(values: array[int]) -> dict[str, int]:
     """Exact delta -> count (deltas are few distinct small integers in practice)."""
     counts = Counter(values)
     if len(counts) > 200:  # a wide spread: bucket into 41 equal bins
@@ -225,7 +225,7 @@ def _delta_hist(values: array) -> dict[str, int]:
     return {str(k): v for k, v in sorted(counts.items())}
 
 
-def _describe(values: array) -> dict[str, Any]:
+def _describe(values: array[int]) -> dict[str, Any]:
     if not len(values):
         return {"count": 0}
     a = np.asarray(values, dtype=np.int64)
@@ -259,9 +259,8 @@ def _exchanges_section(path: Path) -> dict[str, Any]:
     try:
         for _lineno, rec in iter_objects(path):
             count += 1
-            meta = rec.get("meta") if isinstance(rec.get("meta"), dict) else {}
-            response = rec.get("response") if isinstance(rec.get("response"), dict) else {}
-            usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
+            meta, response = _dict(rec.get("meta")), _dict(rec.get("response"))
+            usage = _dict(response.get("usage"))
             if not response.get("choices"):
                 errors += 1
             c = _num(meta.get("cost"))
@@ -351,13 +350,18 @@ def _open_read_only(path: Path) -> sqlite3.Connection:
     return sqlite3.connect(f"{path.resolve().as_uri()}?{query}", uri=True, timeout=5)
 
 
+def _dict(value: Any) -> dict[str, Any]:
+    """``value`` when it is a JSON object, else ``{}`` (a record's optional sections)."""
+    return value if isinstance(value, dict) else {}
+
+
 def _num(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
 
 
-def _describe_float(values: array) -> dict[str, Any]:
+def _describe_float(values: array[float]) -> dict[str, Any]:
     if not len(values):
         return {"count": 0}
     a = np.asarray(values, dtype=np.float64)
@@ -366,7 +370,8 @@ def _describe_float(values: array) -> dict[str, Any]:
             "p99": float(q[2]), "max": float(a.max())}
 
 
-def _timeline(finished: array, cost: array, prompt: array, completion: array, started_min: float) -> dict[str, Any]:
+def _timeline(finished: array[float], cost: array[float], prompt: array[int], completion: array[int], started_min: float,
+              ) -> dict[str, Any]:
     """Per time bin (seconds from the first start): requests, tokens, cost; and the running cost."""
     t = np.asarray(finished, dtype=np.float64)
     order = np.argsort(t, kind="stable")

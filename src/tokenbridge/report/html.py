@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime as dt
 from html import escape
 from typing import Any
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from ..display import printable
 
@@ -111,12 +111,12 @@ def _cell(v: Any) -> str:
     return _text(v)
 
 
-def _no_exchanges(data) -> str:
+def _no_exchanges(data: dict[str, Any]) -> str:
     return "exchanges.jsonl is not in the run folder" if data["sources"]["exchanges"] is None else \
         "no exchange carries meta.finished_at"
 
 
-def _overview(data) -> str:
+def _overview(data: dict[str, Any]) -> str:
     rows, ex = data["rows"], data.get("exchanges")
     cards = [("rows", rows["total"])] + [(s, rows["status"][s]) for s in ("ok", "flagged", "rejected")]
     if ex:
@@ -131,7 +131,7 @@ def _overview(data) -> str:
     return _section("overview", rows["total"] > 0, html)
 
 
-def _generation(data) -> str:
+def _generation(data: dict[str, Any]) -> str:
     gen = data.get("generation")
     if not gen:
         why = data.get("generation_error") or "state.sqlite (generate's store) is not in the run folder"
@@ -161,7 +161,7 @@ def _ids_table(label: str, kept: dict[str, list[list[Any]]], counts: dict[str, i
             f"<tbody>{rows}</tbody></table>")
 
 
-def _samples(data) -> str:
+def _samples(data: dict[str, Any]) -> str:
     if not data["rows"]["total"]:
         return _section("samples", False, _empty("the reconstructed file has no rows"))
     recon = data["sources"]["reconstructed"]
@@ -174,7 +174,7 @@ def _samples(data) -> str:
     return _section("samples", True, html)
 
 
-def _glossary(data) -> str:
+def _glossary(data: dict[str, Any]) -> str:
     rows = [[code, g["default"], g["meaning"], data["findings"].get(code, 0)] for code, g in data["glossary"].items()]
     html = (_table(["code", "default severity", "meaning", "rows here"], rows)
             + '<p class="note">A row is ok with no finding, rejected with any error, flagged otherwise. '
@@ -182,13 +182,13 @@ def _glossary(data) -> str:
     return _section("glossary", True, html)
 
 
-def _status_rows(groups: dict[str, Any]):
+def _status_rows(groups: dict[str, Any]) -> Iterator[list[Any]]:
     for name, g in groups.items():
         st = g["status"]
         yield [name, g["rows"], st["ok"], st["flagged"], st["rejected"], _Share(st["ok"] / g["rows"]) if g["rows"] else None]
 
 
-def _status(data, figures) -> str:
+def _status(data: dict[str, Any], figures: dict[str, str | None]) -> str:
     if not data["rows"]["total"]:
         return _section("status", False, _empty("the reconstructed file has no rows"))
     head = ["", "rows", "ok", "flagged", "rejected", "ok share"]
@@ -205,7 +205,7 @@ def _findings_table(groups: dict[str, Any], label: str) -> str:
     return _table([f"code \\ {label}"] + names, ([c] + [groups[n]["findings"].get(c, 0) for n in names] for c in codes))
 
 
-def _findings(data, figures) -> str:
+def _findings(data: dict[str, Any], figures: dict[str, str | None]) -> str:
     if not data["findings"]:
         return _section("findings", False, _empty("no row has a finding"))
     html = (_fig(figures, "findings", "finding codes")
@@ -214,7 +214,7 @@ def _findings(data, figures) -> str:
     return _section("findings", True, html)
 
 
-def _lengths(data, figures) -> str:
+def _lengths(data: dict[str, Any], figures: dict[str, str | None]) -> str:
     lengths = data["lengths"]
     if not lengths["prompt"].get("count"):
         return _section("lengths", False, _empty("no ok or flagged row"))
@@ -225,12 +225,12 @@ def _lengths(data, figures) -> str:
     return _section("lengths", True, html)
 
 
-def _parity(data, figures) -> str:
+def _parity(data: dict[str, Any], figures: dict[str, str | None]) -> str:
     parity = data["usage_parity"]
     if parity is None:
         return _section("parity", False, _empty("no row carries usage"))
     keys = ["count", "exact", "exact_share", "mean", "mean_abs", "min", "max"]
-    def cells(stats):
+    def cells(stats: dict[str, Any]) -> list[Any]:
         return [_Share(stats[k]) if k == "exact_share" and k in stats else stats.get(k) for k in keys]
 
     rows = [[side] + cells(parity[side]) for side in ("prompt", "completion")]
@@ -241,7 +241,7 @@ def _parity(data, figures) -> str:
     return _section("parity", True, html)
 
 
-def _cost(data, figures) -> str:
+def _cost(data: dict[str, Any], figures: dict[str, str | None]) -> str:
     ex = data.get("exchanges")
     if not ex or not ex.get("timeline"):
         return _section("cost", False, _empty(_no_exchanges(data)))
@@ -255,7 +255,7 @@ def _cost(data, figures) -> str:
     return _section("cost", True, html)
 
 
-def _throughput(data, figures) -> str:
+def _throughput(data: dict[str, Any], figures: dict[str, str | None]) -> str:
     ex = data.get("exchanges")
     if not ex or not ex.get("timeline"):
         return _section("throughput", False, _empty(_no_exchanges(data)))

@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
 from ..display import printable
+
+if TYPE_CHECKING:  # matplotlib itself is imported when a figure is drawn (the CLI starts fast)
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+    from matplotlib.typing import RcKeyType
 
 __all__ = ["FIGURES", "render_figures"]
 
 STATUS_COLORS = {"ok": "#2e7d32", "flagged": "#f9a825", "rejected": "#c62828"}
 _ACCENT = "#1565c0"
-_RC = {
+_RC: dict[RcKeyType, Any] = {
     "text.parse_math": False,  # names from the API are text: "$\\foo{$" is not a formula
     "svg.fonttype": "path",
     "svg.hashsalt": "tokenbridge",
@@ -31,6 +36,10 @@ _RC = {
     "axes.grid": True,
     "grid.alpha": 0.3,
 }
+
+
+#: A figure's builder: the report's data -> the figure, or None where its section has no data.
+_Builder = Callable[[dict[str, Any]], "Figure | None"]
 
 
 def render_figures(data: dict[str, Any]) -> dict[str, str | None]:
@@ -45,25 +54,25 @@ def render_figures(data: dict[str, Any]) -> dict[str, str | None]:
     return out
 
 
-def _figure(width: float = 7.5, height: float = 3.0):
+def _figure(width: float = 7.5, height: float = 3.0) -> Figure:
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def _integer_ticks():
+def _integer_ticks() -> MaxNLocator:
     from matplotlib.ticker import MaxNLocator
 
     return MaxNLocator(integer=True)
 
 
-def _data_uri(fig) -> str:
+def _data_uri(fig: Figure) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="svg", metadata={"Date": None})
     return "data:image/svg+xml;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _lengths(data):
+def _lengths(data: dict[str, Any]) -> Figure | None:
     lengths = data["lengths"]
     if not lengths["prompt"].get("count"):
         return None
@@ -81,8 +90,8 @@ def _lengths(data):
     return fig
 
 
-def _status(key: str, label: str):
-    def build(data):
+def _status(key: str, label: str) -> _Builder:
+    def build(data: dict[str, Any]) -> Figure | None:
         groups = data[key]
         if not groups:
             return None
@@ -105,7 +114,7 @@ def _status(key: str, label: str):
     return build
 
 
-def _findings(data):
+def _findings(data: dict[str, Any]) -> Figure | None:
     codes = list(data["findings"].items())[:20]
     if not codes:
         return None
@@ -119,7 +128,7 @@ def _findings(data):
     return fig
 
 
-def _parity(data):
+def _parity(data: dict[str, Any]) -> Figure | None:
     parity = data["usage_parity"]
     if parity is None:
         return None
@@ -139,7 +148,7 @@ def _parity(data):
     return fig
 
 
-def _timeline(data):
+def _timeline(data: dict[str, Any]) -> dict[str, Any] | None:
     ex = data.get("exchanges")
     return None if not ex or not ex.get("timeline") else ex["timeline"]
 
@@ -152,7 +161,7 @@ def _unit(duration_s: float) -> tuple[float, str]:
     return 1.0, "seconds"
 
 
-def _cost(data):
+def _cost(data: dict[str, Any]) -> Figure | None:
     tl = _timeline(data)
     if tl is None or data["exchanges"].get("cost_total") is None:
         return None
@@ -168,7 +177,7 @@ def _cost(data):
     return fig
 
 
-def _throughput(data):
+def _throughput(data: dict[str, Any]) -> Figure | None:
     tl = _timeline(data)
     if tl is None:
         return None
@@ -190,7 +199,7 @@ def _throughput(data):
     return fig
 
 
-FIGURES: dict[str, Callable[[dict[str, Any]], Any]] = {
+FIGURES: dict[str, _Builder] = {
     "lengths": _lengths,
     "status_provider": _status("by_provider", "provider"),
     "status_dataset": _status("by_dataset", "dataset"),
