@@ -80,7 +80,8 @@ def test_folder_encodes_through_tiktoken_with_the_ids_of_its_tokenizer_json(tok)
     raw = RawBytes("gpt-oss")
     markers = st.sampled_from(["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>",
                                "<|constrain|>", "<|endoftext|>", "<|reserved_200017|>", "<|endofprompt|>", "<|chan"])
-    pieces = st.one_of(texts, markers, st.integers(0, 10 ** 12).map(str), st.sampled_from(["   \n\n  ", "\t" * 40, "'s 'LL"]))
+    pieces = st.one_of(texts, markers, markers, st.integers(0, 10 ** 12).map(str),
+                       st.sampled_from(["   \n\n  ", "\t" * 40, "'s 'LL"]))
     seen = Counter()
 
     @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -93,7 +94,8 @@ def test_folder_encodes_through_tiktoken_with_the_ids_of_its_tokenizer_json(tok)
         seen["n"] += 1
 
     check()
-    assert seen["n"] == 300 and seen["markers"] >= 100, seen
+    print(dict(seen))
+    assert seen["n"] == 300 and seen["markers"] >= 90, seen
 
 
 def test_a_tiktoken_file_that_does_not_fit_the_tokenizer_json_is_not_used(tmp_path):
@@ -519,7 +521,9 @@ def test_sglang_served_completions_rebuild_exactly_or_are_flagged(tok, dialect, 
 
     check()
     print(dict(seen))
-    assert seen["n"] == 300 and seen["accepted"] >= 120, seen
-    assert min(seen[f"accepted_{k}"] for k in ("final", "cut")) >= 30, seen
+    # coverage floors, not results: generation order varies between a lone run and the suite
+    # (accepted 123-134 and accepted cuts 25-35 of 300 seen)
+    assert seen["n"] == 300 and seen["accepted"] >= 100, seen
+    assert seen["accepted_final"] >= 60 and seen["accepted_cut"] >= 15, seen
     # what SGLang's parser loses never passes
     assert all(seen[f"accepted_{k}"] == 0 for k in ("preamble", "two_analysis", "tool", "no_analysis")), seen
