@@ -1,5 +1,12 @@
 """Concurrency that finds a server's cap without mistaking random 429s for one.
 
+The run starts at ``start`` slots (slow start), not at the ceiling: every request sent at
+once before the first answer is a request a capped server may refuse, and 256 sent into a
+cap of 16 are 240 refusals (8% of a 3,000-request run) before the limiter hears of any.
+Each success adds ``start_growth`` slots (the window triples per round of requests) until
+the ceiling or the first cut, which ends slow start; a cut later judged to be noise (below)
+resumes it. A fault-free run reaches 256 from 16 in three rounds.
+
 A 429 means one of two things: noise (an upstream provider refusing a request now and
 then, whatever the load: OpenRouter does this all the time), or a cap (the server
 refuses whatever is over N at once). Halving on every 429 treats noise as a cap and
@@ -15,11 +22,17 @@ whole window after a cut is what the lower limit did not remove, i.e. noise (whe
 is below ``decisive_share``), and a cut that removed next to nothing was made for
 noise and is undone; each later window can only lower the noise level, slowly.
 
-A cut goes to the concurrency the server was really serving: the successes' summed
-time in the server over the last mean latency, over that span (Little's law), not below
-the level a probe started from, and within [0.5, 0.95] of the old limit (0.7 of it when
-the level the last cut chose failed at once: the client's view of latency can make the
-estimate too high). The limit then holds there for as many successes as it
+A cut goes to the concurrency the server was really serving. While the limit is steady
+that is the successes' summed time in the server over the last mean latency, over that
+span (Little's law), not below the level a probe started from, and within [0.5, 0.95] of
+the old limit. That figure lags a limit that just moved: in slow start it sees the level
+of a round ago, and right after a cut the level before it. There (in slow start, when the
+level the last cut chose failed at once, and before any success) the cut goes to the
+requests in flight that the server accepted: those in flight less the refused ones still
+in flight, counted as the 429s that came back within their own turnaround of now (a slot
+refused every turnaround answers once per turnaround; Little's law again), not below half
+the old limit. A server that refuses above C is then cut to C, wherever the window was.
+The limit then holds there for as many successes as it
 takes to keep 429s near ``target_share`` of answers (the cut's 429s over that share),
 then probes: +1 per round of requests at first, the excess over the cut level doubling
 each round after, so a cap that rose (or a cut made by chance) is left behind in a few
@@ -37,8 +50,8 @@ import asyncio
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 __all__ = ["AdaptiveLimiter"]
 
@@ -51,6 +64,10 @@ class AdaptiveLimiter:
 
     ceiling: int
     floor: int = 1
+    #: Slots at the start (within [floor, ceiling]); slow start grows them to the ceiling.
+    start: int = 16
+    #: Slots each success adds in slow start (2: the window triples per round of requests).
+    start_growth: float = 2.0
     #: Share of 429s among recent answers that means "over a cap".
     threshold: float = 0.25
     #: Recent answers looked at.
@@ -71,23 +88,28 @@ class AdaptiveLimiter:
     base: float | None = None
     #: Share of 429s that comes whatever the limit (learned after cuts, see above).
     noise: float = 0.0
-    _answers: deque = field(default_factory=deque, repr=False)  # True = 429, sent after the last cut
+    _answers: deque[bool] = field(default_factory=deque, repr=False)  # True = 429, sent after the last cut
     _rate_limited: int = field(default=0, repr=False)  # 429s in _answers
-    _served: deque = field(default_factory=deque, repr=False)  # (done_at, latency_s) of recent successes
+    _refused: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (sent, answered) of those 429s
+    _served: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (done_at, latency_s) of recent successes
     _latency: float | None = field(default=None, repr=False)  # moving mean latency of successes
     _first_sent: float = field(default=math.inf, repr=False)
     _last_cut: float = field(default=-math.inf, repr=False)
     _hold: int = field(default=0, repr=False)  # successes to wait before probing again
-    _block: list = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] of the current window block
+    _block: list[int] = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] of the current window block
     _after_cut: bool = field(default=False, repr=False)  # the current block is the first since a cut
     _before_cut: float = field(default=0.0, repr=False)  # the limit before the last cut
     _cut_share: float = field(default=0.0, repr=False)  # the 429 share that made it
     _base_held: bool = field(default=False, repr=False)  # a whole window at ``base`` stayed under the threshold
-    _waiters: deque = field(default_factory=deque, repr=False)
+    _slow: bool = field(default=False, repr=False)  # in slow start
+    _cut_slow: bool = field(default=False, repr=False)  # the last cut ended slow start
+    _waiters: deque[asyncio.Future[float]] = field(default_factory=deque, repr=False)
 
     def __post_init__(self) -> None:
         self.floor = max(1, min(self.floor, self.ceiling))
-        self.limit = float(self.ceiling) if not self.limit else self.limit
+        if not self.limit:
+            self.limit = float(max(self.floor, min(self.start, self.ceiling)))
+        self._slow = self.limit < self.ceiling
 
     # --- slots ------------------------------------------------------------------------
 
@@ -109,7 +131,7 @@ class AdaptiveLimiter:
         granted = self.try_acquire()
         if granted is not None:
             return granted
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
             return await fut  # release() hands the slot over (in_flight already counts it)
@@ -151,6 +173,9 @@ class AdaptiveLimiter:
         """
         if sent_at < self._last_cut:
             return False
+        self._refused.append((sent_at, self.clock()))
+        if len(self._refused) > self.window:
+            self._refused.popleft()
         self._note(True)
         n, rl = len(self._answers), self._rate_limited
         if rl < self.min_rate_limited or rl < (self.noise + self.threshold) * n:
@@ -170,6 +195,13 @@ class AdaptiveLimiter:
         if span <= 0:
             return None
         return sum(min(lat, span) for done, lat in self._served if done >= now - span) / span
+
+    def _refused_in_flight(self) -> int:
+        """Refused requests in flight now: the 429s (since the last cut) that came back
+        within their own turnaround of now. A slot the server refuses every turnaround
+        answers once per turnaround, so each such slot counts once."""
+        now = self.clock()
+        return sum(1 for sent, answered in self._refused if now - answered < answered - sent)
 
     def _note(self, rate_limited: bool) -> None:
         self._answers.append(rate_limited)
@@ -198,32 +230,33 @@ class AdaptiveLimiter:
             self.limit = self._before_cut
             self.base = self.limit  # probe from here: the excess over it doubling per round
             self._hold = 0
+            self._slow = self._cut_slow and self.limit < self.ceiling  # a cut for noise ended nothing
             self._hand_over()
 
     def _cut(self) -> None:
         old = self.limit
         self._before_cut = old
         self._cut_share = self._rate_limited / len(self._answers)
+        self._cut_slow, self._slow = self._slow, False
         served = self.served_concurrency()
+        refused = self._refused_in_flight()
         failed_again = self.base is not None and not self._base_held and old <= self.base + 1
-        if served is None:
-            new = 0.5 * old
-        elif failed_again:  # the level the last cut chose failed at once: its estimate was too high
-            new = 0.7 * old
-        else:  # a probe that overshot started from a level that held: not below it
+        accepted = float(self.in_flight - refused)
+        if served is None or self._cut_slow or failed_again:  # the served level lags: count what was accepted
+            new = max(accepted, 0.5 * old)
+        else:  # a probe that overshot started from a level that held: not below it, nor below what was accepted
             good = self.base if self.base is not None and self._base_held and self.base < old else 0.0
-            new = min(max(float(round(served)), good, 0.5 * old), 0.95 * old)
+            new = min(max(float(round(served)), good, accepted, 0.5 * old), 0.95 * old)
         self.limit = max(float(self.floor), min(new, float(int(old) - 1)))  # at least one slot fewer
         self.base = self.limit
         self._base_held = False
         self.cuts += 1
-        if served is None:
-            self._hold = 0  # nothing learned about where the cap is: probe from here at once
-        else:  # this cut's 429s over the noise, and those the excess in flight will still get, over target_share
-            over = max(0.0, self._cut_share - self.noise)
-            cost = over * len(self._answers) + max(0.0, self.in_flight - self.limit) * over
-            self._hold = math.ceil(cost / self.target_share)
+        # this cut's 429s over the noise, and those the refused requests still in flight will get, over target_share
+        over = max(0.0, self._cut_share - self.noise)
+        cost = over * len(self._answers) + min(max(0.0, self.in_flight - self.limit), refused) * over
+        self._hold = math.ceil(cost / self.target_share)
         self._answers.clear()
+        self._refused.clear()
         self._rate_limited = 0
         self._block = [0, 0]
         self._after_cut = True
@@ -231,6 +264,11 @@ class AdaptiveLimiter:
 
     def _grow(self) -> None:
         if self.limit >= self.ceiling:
+            return
+        if self._slow:
+            self.limit = min(float(self.ceiling), self.limit + self.start_growth)
+            self._slow = self.limit < self.ceiling
+            self._hand_over()
             return
         if self._hold > 0:
             self._hold -= 1
