@@ -131,9 +131,9 @@ def test_slow_start_reaches_the_ceiling_in_a_few_rounds():
     for latency in (0.05, 1.0, 60.0):
         clock = Clock()
         lim = AdaptiveLimiter(256, clock=clock)
-        r = _simulate(lim, clock, seconds=5 * latency, latency=latency, measure_from=4 * latency)
+        r = _simulate(lim, clock, seconds=6 * latency, latency=latency, measure_from=5 * latency)
         assert r["peak_before_answer"] == 16 and r["cuts_at"] == []
-        assert lim.limit == 256.0 and r["in_flight"] > 255, r  # 16, 48, 144, 256: the 4th round is whole
+        assert lim.limit == 256.0 and r["in_flight"] > 255, r  # 16, 32, 64, 128, 256: the 6th round is whole
     lim = AdaptiveLimiter(256, start=256)  # no slow start when asked
     assert lim.limit == 256.0 and lim.slots == 256
     assert AdaptiveLimiter(8).limit == 8.0 and AdaptiveLimiter(64, floor=32).limit == 32.0
@@ -186,17 +186,30 @@ def test_a_cap_that_falls_is_followed():
 def test_cut_needs_a_real_share_and_one_429_with_retry_after_changes_nothing():
     clock = Clock()
     lim = AdaptiveLimiter(64, start=64, clock=clock)
-    for _ in range(7):  # a 429 (whatever its Retry-After) is one answer among the window
-        assert not lim.on_rate_limited(sent_at=clock.t - 0.1)
-    assert lim.limit == 64 and lim.cuts == 0
-    grants = [lim.try_acquire() for _ in range(64)]  # the pool is whole: nothing waits for anyone's Retry-After
+    grants = [lim.try_acquire() for _ in range(64)]
     assert None not in grants and lim.try_acquire() is None
-    assert lim.on_rate_limited(sent_at=clock.t - 0.1)  # the 8th in a row: a cap
+
+    def refused() -> bool:  # as the engine does: release, the slot goes to the next request, then the answer
+        lim.release()
+        assert lim.try_acquire() is not None  # the pool is whole: nothing waits for anyone's Retry-After
+        return lim.on_rate_limited(sent_at=clock.t - 0.1)
+
+    for _ in range(7):  # a 429 (whatever its Retry-After) is one answer among the window
+        assert not refused()
+    assert lim.limit == 64 and lim.cuts == 0
+    assert refused()  # the 8th in a row: a cap
     # no success yet to measure the served level by: the 64 in flight less the 8 refused ones
-    # (each came back within its own turnaround of now, so each is a slot still being refused)
+    # (each came back within its own turnaround of now and its slot was sent again)
     assert lim.limit == 56 and lim.cuts == 1
     clock.t += 0.01
     assert not lim.on_rate_limited(sent_at=clock.t - 0.1)  # granted before the cut: answers for the old limit
+    lim2 = AdaptiveLimiter(64, start=64, clock=clock)
+    for _ in range(8):  # slots that nobody took again (nothing left to send) are not refused in flight
+        assert lim2.try_acquire() is not None
+    for _ in range(8):
+        lim2.release()
+        cut = lim2.on_rate_limited(sent_at=clock.t - 0.1)
+    assert cut and lim2.limit == 32.0  # 0 in flight: half the old limit, the floor of a cut
 
 
 def test_acquire_waits_in_order_and_returns_the_grant_time():

@@ -3,9 +3,12 @@
 The run starts at ``start`` slots (slow start), not at the ceiling: every request sent at
 once before the first answer is a request a capped server may refuse, and 256 sent into a
 cap of 16 are 240 refusals (8% of a 3,000-request run) before the limiter hears of any.
-Each success adds ``start_growth`` slots (the window triples per round of requests) until
+Each success adds ``start_growth`` slots (the window doubles per round of requests) until
 the ceiling or the first cut, which ends slow start; a cut later judged to be noise (below)
-resumes it. A fault-free run reaches 256 from 16 in three rounds.
+resumes it. A fault-free run reaches 256 from 16 in four rounds. Doubling, not more: a
+round's answers can come back together (a server with a steady latency), and the window
+then grows by the whole growth before the first 429 can say where the cap is; those
+requests are refused, up to one cap's worth at doubling.
 
 A 429 means one of two things: noise (an upstream provider refusing a request now and
 then, whatever the load: OpenRouter does this all the time), or a cap (the server
@@ -29,9 +32,10 @@ the old limit. That figure lags a limit that just moved: in slow start it sees t
 of a round ago, and right after a cut the level before it. There (in slow start, when the
 level the last cut chose failed at once, and before any success) the cut goes to the
 requests in flight that the server accepted: those in flight less the refused ones still
-in flight, counted as the 429s that came back within their own turnaround of now (a slot
-refused every turnaround answers once per turnaround; Little's law again), not below half
-the old limit. A server that refuses above C is then cut to C, wherever the window was.
+in flight, counted as the 429s whose slot went to the next request and that came back
+within their own turnaround of now (a slot refused every turnaround answers once per
+turnaround; Little's law again), not below half the old limit (in slow start: the level
+of the round before, which was served). A server that refuses above C is then cut to C, wherever the window was.
 The limit then holds there for as many successes as it
 takes to keep 429s near ``target_share`` of answers (the cut's 429s over that share),
 then probes: +1 per round of requests at first, the excess over the cut level doubling
@@ -66,8 +70,8 @@ class AdaptiveLimiter:
     floor: int = 1
     #: Slots at the start (within [floor, ceiling]); slow start grows them to the ceiling.
     start: int = 16
-    #: Slots each success adds in slow start (2: the window triples per round of requests).
-    start_growth: float = 2.0
+    #: Slots each success adds in slow start (1: the window doubles per round of requests).
+    start_growth: float = 1.0
     #: Share of 429s among recent answers that means "over a cap".
     threshold: float = 0.25
     #: Recent answers looked at.
@@ -90,7 +94,7 @@ class AdaptiveLimiter:
     noise: float = 0.0
     _answers: deque[bool] = field(default_factory=deque, repr=False)  # True = 429, sent after the last cut
     _rate_limited: int = field(default=0, repr=False)  # 429s in _answers
-    _refused: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (sent, answered) of those 429s
+    _refused: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (sent, answered): last 429s re-sent
     _served: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (done_at, latency_s) of recent successes
     _latency: float | None = field(default=None, repr=False)  # moving mean latency of successes
     _first_sent: float = field(default=math.inf, repr=False)
@@ -171,11 +175,12 @@ class AdaptiveLimiter:
 
         A request sent before the last cut answers for the old limit and changes nothing.
         """
+        if self.in_flight == self.slots:  # its slot went to the next request (the engine releases first)
+            self._refused.append((sent_at, self.clock()))  # sent before the last cut or after: all count below
+            if len(self._refused) > self.ceiling:
+                self._refused.popleft()
         if sent_at < self._last_cut:
             return False
-        self._refused.append((sent_at, self.clock()))
-        if len(self._refused) > self.window:
-            self._refused.popleft()
         self._note(True)
         n, rl = len(self._answers), self._rate_limited
         if rl < self.min_rate_limited or rl < (self.noise + self.threshold) * n:
@@ -197,9 +202,10 @@ class AdaptiveLimiter:
         return sum(min(lat, span) for done, lat in self._served if done >= now - span) / span
 
     def _refused_in_flight(self) -> int:
-        """Refused requests in flight now: the 429s (since the last cut) that came back
-        within their own turnaround of now. A slot the server refuses every turnaround
-        answers once per turnaround, so each such slot counts once."""
+        """Refused requests in flight now: the 429s whose slot went to the next request and
+        that came back within their own turnaround of now. A slot the server refuses every
+        turnaround answers once per turnaround, so each such slot counts once; a slot that
+        stayed free (over a lower limit, or nothing left to send) is not in flight."""
         now = self.clock()
         return sum(1 for sent, answered in self._refused if now - answered < answered - sent)
 
@@ -256,7 +262,6 @@ class AdaptiveLimiter:
         cost = over * len(self._answers) + min(max(0.0, self.in_flight - self.limit), refused) * over
         self._hold = math.ceil(cost / self.target_share)
         self._answers.clear()
-        self._refused.clear()
         self._rate_limited = 0
         self._block = [0, 0]
         self._after_cut = True
