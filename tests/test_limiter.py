@@ -242,23 +242,53 @@ def test_rate_meter_is_right_at_any_rate(rate):
         meter.add(7)
     rps, tps = meter.rates()
     assert rps == pytest.approx(rate, rel=0.02) and tps == pytest.approx(7 * rate, rel=0.02)
-    clock.t += 60  # nothing for a whole window: the rate falls to zero
-    assert meter.rates() == (0.0, 0.0)
+    last = clock.t
+    clock.t += 60  # nothing for a whole window: the last 20 completions over the time since the first of them
+    rps, tps = meter.rates()
+    assert rps == pytest.approx(20 / (clock.t - (last - 19 / rate)), rel=0.02) and tps == pytest.approx(7 * rps)
+    clock.t += 86_400 * 365  # a year later: still 20 over the time they took, never a division by zero
+    assert 0 < meter.rates()[0] < 1e-6
 
 
-def test_rate_and_eta_in_the_progress_line():
+@pytest.mark.parametrize("every_s", [60.0, 600.0])
+def test_rate_meter_is_right_below_one_completion_per_window(every_s):
+    """One slot and long reasoning: a 30 s window alone shows 0 or 1/30 s by turns."""
+    clock = Clock(0.0)
+    meter = RateMeter(clock=clock)
+    seen = []
+    for i in range(1, 60):
+        clock.t = i * every_s
+        meter.add(3)
+        if i >= 21:
+            for at in (0.0, 0.5 * every_s):  # right after one, and halfway to the next
+                clock.t = i * every_s + at
+                seen.append(meter.rates()[0] * every_s)
+    assert min(seen) > 0.9 and max(seen) < 1.1, (min(seen), max(seen))  # the true rate, within 10%
+    assert len(meter._buckets) <= 21  # memory: the completions the rate needs, not the history
+
+
+def _line_at(rate: float, seconds: float, total: int) -> str:
     from tokenbridge.generate.engine import EngineStats
     from tokenbridge.generate.progress import format_line
 
     clock = Clock(0.0)
-    stats = EngineStats(total=1_000_000, meter=RateMeter(clock=clock))
-    for i in range(50_000):  # 5,000/s for 10 s: far past the old 136.5/s ceiling
-        clock.t = i / 5000
+    stats = EngineStats(total=total, meter=RateMeter(clock=clock))
+    n = int(rate * seconds)
+    for i in range(n):
+        clock.t = i / rate
         stats.meter.add(1)
-    stats.done = 50_000
-    clock.t = 10.0
-    line = format_line(stats)
+    stats.done = n
+    clock.t = seconds
+    return format_line(stats)
+
+
+def test_rate_and_eta_in_the_progress_line():
+    line = _line_at(5000, 10, 1_000_000)  # far past the old 136.5/s ceiling
     assert "5000.0 req/s" in line and "ETA 0:03:10" in line, line  # 950,000 left at 5,000/s
+    line = _line_at(10, 60, 40_000)
+    assert "10.0 req/s" in line and "ETA 1:05:40" in line, line  # 39,400 left at 10/s
+    line = _line_at(1 / 60, 3600, 100)  # one a minute: 60 done, 40 left
+    assert "0.0 req/s" in line and "ETA 0:40:00" in line, line
 
 
 # --- emulator: max_concurrency ----------------------------------------------------------
