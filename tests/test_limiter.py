@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tokenbridge.emulator import ConfigError, EmulatorConfig, ProviderConfig, load_emulator_config, running_emulator
+from tokenbridge.emulator.config import ProviderFaults
 from tokenbridge.generate import GenerateSettings, RequestSettings, generate_run
 from tokenbridge.generate.limiter import AdaptiveLimiter
 from tokenbridge.generate.progress import RateMeter
@@ -360,3 +361,33 @@ def test_generate_against_a_capped_emulator_finishes_with_few_429s(kimi, tmp_pat
     # the first burst (56: 64 sent, 8 served), the way down to 8, a few probes; a limiter deaf to
     # 429s would churn its 56 extra slots through tens of thousands of them
     assert 0 < rate_limited <= 0.4 * n, summary.errors
+
+
+def test_random_429s_with_retry_after_delay_only_their_own_request(kimi, tmp_path, monkeypatch):
+    """20% of answers 429 with Retry-After: 1, at any load: each refused request waits out
+    its Retry-After, and the others keep the whole pool busy (the limiter does not shrink)."""
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-or-v1-test")
+    prompts = tmp_path / "p.jsonl"
+    n, conc = 400, 32
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"question {i % 32}"}) + "\n" for i in range(n)))
+    noisy = ProviderConfig(name="noisy/fp8", latency_ms=100.0, faults=ProviderFaults(rate_limit=0.2))
+    cfg = EmulatorConfig(providers=(noisy,), retry_after_s=1, min_tokens=4, max_tokens=8)
+    with running_emulator(cfg, tokenizer=kimi) as url:
+        settings = GenerateSettings(datasets=(DatasetSpec("d", prompts),), request=RequestSettings(model=MODEL),
+                                    base_url=url, concurrency=conc, progress="none", backoff_base_s=0.05,
+                                    backoff_max_s=0.2, max_attempts=20)
+        summary = generate_run(settings, tmp_path / "run")
+    assert summary.done == n and summary.failed == 0
+    with sqlite3.connect(tmp_path / "run" / "state.sqlite") as con:
+        attempts = con.execute("SELECT sample_id, n, started_at, latency_s, http_status FROM attempts").fetchall()
+    by_sample = {(a[0], a[1]): a for a in attempts}
+    refused = [a for a in attempts if a[4] == 429]
+    assert 0.1 * len(attempts) < len(refused) < 0.3 * len(attempts)
+    for sample, k, started, latency, _ in refused:
+        assert by_sample[(sample, k + 1)][2] >= started + latency + 0.99
+    # between the first 429's answer and the last first attempt, the pool stays full
+    first = min(a[2] + a[3] for a in refused)
+    last_first = max(a[2] for a in attempts if a[1] == 1)
+    assert last_first - first > 0.5, (first, last_first)
+    busy = sum(max(0.0, min(s + lat, last_first) - max(s, first)) for _, _, s, lat, _ in attempts)
+    assert busy / (last_first - first) > 0.8 * conc
