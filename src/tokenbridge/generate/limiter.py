@@ -5,10 +5,12 @@ once before the first answer is a request a capped server may refuse, and 256 se
 cap of 16 are 240 refusals (8% of a 3,000-request run) before the limiter hears of any.
 Each success adds ``start_growth`` slots (the window doubles per round of requests) until
 the ceiling or the first cut, which ends slow start; a cut later judged to be noise (below)
-resumes it. A fault-free run reaches 256 from 16 in four rounds. Doubling, not more: a
-round's answers can come back together (a server with a steady latency), and the window
-then grows by the whole growth before the first 429 can say where the cap is; those
-requests are refused, up to one cap's worth at doubling.
+resumes it. A fault-free run reaches 256 from 16 in about five rounds. The growth is
+paced: each success's slot comes at a point spread over the next half mean latency. A
+round's answers can come back together (a server with a steady latency), and unpaced the
+window would double in one burst before the first 429 could say where the cap is: 128 to
+256 into a cap of 130 is 126 refusals (4% of a 3,000-request run), paced it is the growth
+during one 429's turnaround and the cut.
 
 A 429 means one of two things: noise (an upstream provider refusing a request now and
 then, whatever the load: OpenRouter does this all the time), or a cap (the server
@@ -35,9 +37,12 @@ requests in flight that the server accepted: those in flight less the refused on
 in flight, counted as the 429s whose slot went to the next request and that came back
 within their own turnaround of now (a slot refused every turnaround answers once per
 turnaround; Little's law again), not below half the old limit (in slow start: the level
-of the round before, which was served). A server that refuses above C is then cut to C, wherever the window was.
-The limit then holds there for as many successes as it
-takes to keep 429s near ``target_share`` of answers (the cut's 429s over that share),
+of the round before, which was served). That count is also a floor for the steady cut
+(Little's law over a handful of successes is noisy at caps of 3 or 4). A server that
+refuses above C is so cut near C wherever the window was, in one or two cuts when the
+429s come back in a burst. The limit then holds there for as many successes as it
+takes to keep 429s near ``target_share`` of answers (the cut's 429s over that share, and
+one for each refused request still in flight),
 then probes: +1 per round of requests at first, the excess over the cut level doubling
 each round after, so a cap that rose (or a cut made by chance) is left behind in a few
 rounds rather than one slot per round.
@@ -60,6 +65,7 @@ from dataclasses import dataclass, field
 __all__ = ["AdaptiveLimiter"]
 
 _SERVED_SPAN = 1.0  # served concurrency is measured over this many mean latencies
+_GOLDEN = 0.6180339887498949  # successive multiples mod 1 spread evenly over [0, 1)
 
 
 @dataclass
@@ -84,6 +90,9 @@ class AdaptiveLimiter:
     target_share: float = 0.03
     #: Monotonic seconds; injected by tests.
     clock: Callable[[], float] = time.monotonic
+    #: ``schedule(delay_s, fn)``: runs slow start's paced growth; None: the running event
+    #: loop's ``call_later`` (no loop: growth at once). Injected by tests.
+    schedule: Callable[[float, Callable[[], None]], object] | None = None
     limit: float = 0.0
     in_flight: int = 0
     cuts: int = 0
@@ -107,6 +116,7 @@ class AdaptiveLimiter:
     _base_held: bool = field(default=False, repr=False)  # a whole window at ``base`` stayed under the threshold
     _slow: bool = field(default=False, repr=False)  # in slow start
     _cut_slow: bool = field(default=False, repr=False)  # the last cut ended slow start
+    _paced: int = field(default=0, repr=False)  # slow-start growth steps scheduled
     _waiters: deque[asyncio.Future[float]] = field(default_factory=deque, repr=False)
 
     def __post_init__(self) -> None:
@@ -175,7 +185,9 @@ class AdaptiveLimiter:
 
         A request sent before the last cut answers for the old limit and changes nothing.
         """
-        if self.in_flight == self.slots:  # its slot went to the next request (the engine releases first)
+        # its slot went to a waiting request (the engine releases first), or is the one slot its own
+        # worker takes again next (no other waiter at the ceiling); over a lower limit it stays free
+        if self.slots - 1 <= self.in_flight <= self.slots:
             self._refused.append((sent_at, self.clock()))  # sent before the last cut or after: all count below
             if len(self._refused) > self.ceiling:
                 self._refused.popleft()
@@ -271,9 +283,14 @@ class AdaptiveLimiter:
         if self.limit >= self.ceiling:
             return
         if self._slow:
-            self.limit = min(float(self.ceiling), self.limit + self.start_growth)
-            self._slow = self.limit < self.ceiling
-            self._hand_over()
+            self._paced += 1
+            delay = (self._paced * _GOLDEN) % 1.0 * 0.5 * (self._latency or 0.0)  # over half a mean latency
+            schedule = self.schedule or _loop_call_later()
+            if schedule is None or delay <= 0:
+                self._slow_step(self.cuts)
+            else:
+                cuts = self.cuts
+                schedule(delay, lambda: self._slow_step(cuts))
             return
         if self._hold > 0:
             self._hold -= 1
@@ -281,3 +298,17 @@ class AdaptiveLimiter:
         excess = self.limit - (self.base if self.base is not None else self.limit)
         self.limit = min(float(self.ceiling), self.limit + max(1.0, excess) / max(self.limit, 1.0))
         self._hand_over()
+
+    def _slow_step(self, cuts: int) -> None:
+        """One success's slow-start growth, paced: nothing if a cut came since it was due."""
+        if self._slow and cuts == self.cuts and self.limit < self.ceiling:
+            self.limit = min(float(self.ceiling), self.limit + self.start_growth)
+            self._slow = self.limit < self.ceiling
+            self._hand_over()
+
+
+def _loop_call_later() -> Callable[[float, Callable[[], None]], object] | None:
+    try:
+        return asyncio.get_running_loop().call_later
+    except RuntimeError:  # no loop (a synchronous caller): grow at once
+        return None
