@@ -23,14 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "RESULTS.md"
-MODEL = "moonshotai/kimi-k2.5"
-DISTINCT_PROMPTS = 64  # the emulator caches per prompt, so its own cost stays small and flat
-
-
-def _messages(i: int) -> list[dict]:
-    return [{"role": "user", "content": f"Benchmark prompt number {i % DISTINCT_PROMPTS}: say something short."}]
+from generate_loop import (MODEL, TOKENIZER, emulator_url, messages, run_generate, spawn_emulator, stop_emulator,
+                           write_results)
 
 
 def _cpu_s() -> float:
@@ -55,7 +49,7 @@ async def _bare_aiohttp(url: str, n: int, conc: int, max_tokens: int) -> int:
 
         async def one(i: int) -> None:
             nonlocal ok
-            body = {"model": MODEL, "messages": _messages(i), "max_tokens": max_tokens, "usage": {"include": True}}
+            body = {"model": MODEL, "messages": messages(i), "max_tokens": max_tokens, "usage": {"include": True}}
             async with sem, session.post(url + "/chat/completions", json=body) as resp:
                 data = json.loads(await resp.read())
                 ok += resp.status == 200 and bool(data.get("choices"))
@@ -75,7 +69,7 @@ async def _openai_sdk(url: str, n: int, conc: int, max_tokens: int) -> int:
         nonlocal ok
         async with sem:
             try:
-                r = await client.chat.completions.create(model=MODEL, messages=_messages(i), max_tokens=max_tokens,
+                r = await client.chat.completions.create(model=MODEL, messages=messages(i), max_tokens=max_tokens,
                                                          extra_body={"usage": {"include": True}})
                 ok += bool(r.choices)
             except Exception:  # noqa: BLE001 - counted as not ok
@@ -86,22 +80,8 @@ async def _openai_sdk(url: str, n: int, conc: int, max_tokens: int) -> int:
     return ok
 
 
-def _tokenbridge(url: str, n: int, conc: int, max_tokens: int, workdir: Path) -> int:
-    from tokenbridge.generate import GenerateSettings, RequestSettings, generate_run
-    from tokenbridge.generate.settings import DatasetSpec
-
-    prompts = workdir / "prompts.jsonl"
-    with prompts.open("w", encoding="utf-8") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": i, "messages": _messages(i)}) + "\n")
-    settings = GenerateSettings(
-        datasets=(DatasetSpec("bench", prompts),),
-        request=RequestSettings(model=MODEL, max_tokens=max_tokens),
-        base_url=url,
-        concurrency=conc,
-        progress="none",
-    )
-    summary = generate_run(settings, workdir / "run")
+def _tokenbridge(url: str, n: int, conc: int, max_tokens: int, workdir: Path) -> tuple[int, float]:
+    summary = run_generate(url, n, conc, workdir, max_tokens=max_tokens)
     return summary.done, summary.send_s
 
 
@@ -127,20 +107,6 @@ def _child(args: argparse.Namespace) -> None:
 # --- parent: emulator + the three clients -------------------------------------------------
 
 
-def _start_emulator(latency_ms: float, tokenizer: str, workdir: Path) -> tuple[subprocess.Popen, str]:
-    cfg = workdir / "emulator.toml"
-    cfg.write_text("min_tokens = 8\nmax_tokens = 24\n", encoding="utf-8")
-    cmd = [sys.executable, "-m", "tokenbridge.cli", "emulator", "--port", "0", "--latency-ms", str(latency_ms),
-           "--config", str(cfg), "--tokenizer", tokenizer]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "http://" not in line:
-        proc.kill()
-        raise SystemExit(f"emulator did not start: {line}")
-    return proc, "http://" + line.split("http://", 1)[1].split()[0]
-
-
 def _median(runs: list[dict]) -> dict:
     ordered = sorted(runs, key=lambda r: r["req_s"])
     return {**ordered[len(ordered) // 2], "rounds": len(runs)}
@@ -158,25 +124,13 @@ def _run_client(client: str, url: str, args: argparse.Namespace, workdir: Path, 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _write_results(text: str) -> None:
-    old = RESULTS.read_text(encoding="utf-8") if RESULTS.exists() else "# Benchmarks\n"
-    head = "## Generation"
-    if head in old:
-        start = old.index(head)
-        nxt = old.find("\n## ", start + len(head))
-        new = old[:start] + text.rstrip("\n") + "\n" + (old[nxt:] if nxt >= 0 else "")
-    else:
-        new = old.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n"
-    RESULTS.write_text(new, encoding="utf-8")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--concurrency", type=int, default=512)
     ap.add_argument("--latency-ms", type=float, default=50.0)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--tokenizer", default=str(ROOT.parent / "shared" / "tokenizers" / "kimi-k2.5"))
+    ap.add_argument("--tokenizer", default=str(TOKENIZER))
     ap.add_argument("--rounds", type=int, default=3, help="rounds of tokenbridge and aiohttp (median kept)")
     ap.add_argument("--write-results", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -189,16 +143,19 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="tb-bench-") as tmp:
         work = Path(tmp)
-        emu, url = _start_emulator(args.latency_ms, args.tokenizer, work)
+        cfg = work / "emulator.toml"
+        emu = spawn_emulator("min_tokens = 8\nmax_tokens = 24\n", args.latency_ms, args.tokenizer, cfg)
         try:
+            url = emulator_url(emu, cfg)
             asyncio.run(_bare_aiohttp(url, min(args.requests, 1000), args.concurrency, args.max_tokens))  # warm caches
             rounds: dict[str, list[dict]] = {"tokenbridge": [], "aiohttp": [], "openai": []}
             for i in range(args.rounds):  # interleaved, so drift on a shared machine hits both alike
                 for client in ("tokenbridge", "aiohttp") + (("openai",) if i == 0 else ()):
                     rounds[client].append(_run_client(client, url, args, work, i))
         finally:
-            emu.terminate()
-            emu.wait(10)
+            said = stop_emulator(emu, cfg)
+            if said:
+                print(f"the emulator said:\n{said[-3000:]}", file=sys.stderr)
     results = [_median(runs) for runs in rounds.values()]
     by = {r["client"]: r for r in results}
     ratio = by["tokenbridge"]["req_s"] / by["aiohttp"]["req_s"]
@@ -226,7 +183,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write_results:
-        _write_results(text)
+        write_results("## Generation", text)
 
 
 if __name__ == "__main__":

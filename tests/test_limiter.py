@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tokenbridge.emulator import ConfigError, EmulatorConfig, ProviderConfig, load_emulator_config, running_emulator
+from tokenbridge.emulator.config import ProviderFaults
 from tokenbridge.generate import GenerateSettings, RequestSettings, generate_run
 from tokenbridge.generate.limiter import AdaptiveLimiter
 from tokenbridge.generate.progress import RateMeter
@@ -31,19 +32,33 @@ class Clock:
 
 
 def _simulate(lim: AdaptiveLimiter, clock: Clock, *, seconds: float, cap=None, noise=0.0,
-              latency: float = 0.2, rtt: float = 0.001, seed: int = 1, measure_from: float = 0.0) -> dict:
+              latency: float = 0.2, jitter: float = 0.2, rtt: float = 0.001, seed: int = 1,
+              measure_from: float = 0.0) -> dict:
     """Discrete events: an endless backlog sent as slots allow, to a server that refuses
-    what is over ``cap(t)`` at once (in ``rtt``) and a share ``noise`` of the rest at random."""
+    what is over ``cap(t)`` at once (in ``rtt``) and a share ``noise`` of the rest at random,
+    and serves the rest in ``latency`` +- ``jitter`` of it. The limiter's paced growth runs
+    as events too. Rates and in flight count from ``measure_from``; ``whole_429`` is over
+    the whole run."""
     rng = random.Random(seed)
     events: list = []
-    seq = active = ok = rl = 0
+    seq = active = ok = rl = all_ok = all_rl = peak_before_answer = 0
+
+    def schedule(delay: float, fn) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (clock.t + delay, seq, fn, "timer", False))
+
+    lim.schedule = schedule
     area = 0.0
     start = last = clock.t
     cuts_at: list[float] = []
+    first_429_at = None
 
     def fill() -> None:
-        nonlocal seq, active
+        nonlocal seq, active, peak_before_answer
         while (granted := lim.try_acquire()) is not None:
+            if not all_ok + all_rl:
+                peak_before_answer = lim.in_flight
             c = cap(clock.t - start) if callable(cap) else cap
             p = noise(clock.t - start) if callable(noise) else noise
             if c is not None and active >= c:
@@ -51,7 +66,7 @@ def _simulate(lim: AdaptiveLimiter, clock: Clock, *, seconds: float, cap=None, n
             elif rng.random() < p:
                 status, took, holds = 429, latency, False
             else:
-                status, took, holds = 200, latency * rng.uniform(0.8, 1.2), True
+                status, took, holds = 200, latency * rng.uniform(1 - jitter, 1 + jitter), True
                 active += 1
             seq += 1
             heapq.heappush(events, (clock.t + took, seq, granted, status, holds))
@@ -63,18 +78,28 @@ def _simulate(lim: AdaptiveLimiter, clock: Clock, *, seconds: float, cap=None, n
         if counting:
             area += lim.in_flight * (when - max(last, start + measure_from))
         last = clock.t = when
+        if status == "timer":
+            sent()
+            fill()
+            continue
         active -= holds
         lim.release()
+        fill()  # as in the engine: a freed slot goes to a waiting request before the answer is reported
         if status == 200:
             ok += counting
+            all_ok += 1
             lim.on_success(sent)
         else:
             rl += counting
+            all_rl += 1
+            first_429_at = when - start if first_429_at is None else first_429_at
             if lim.on_rate_limited(sent):
                 cuts_at.append(when - start)
         fill()
     span = seconds - measure_from
-    return {"ok_s": ok / span, "in_flight": area / span, "share_429": rl / max(1, ok + rl), "cuts_at": cuts_at}
+    return {"ok_s": ok / span, "in_flight": area / span, "share_429": rl / max(1, ok + rl), "cuts_at": cuts_at,
+            "whole_429": all_rl / max(1, all_ok + all_rl), "successes": all_ok, "first_429_at": first_429_at,
+            "peak_before_answer": peak_before_answer}
 
 
 def test_random_429s_keep_the_limit_high():
@@ -91,15 +116,54 @@ def test_random_429s_keep_the_limit_high():
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-@pytest.mark.parametrize("cap", [3, 8, 64, 200])
+@pytest.mark.parametrize("cap", [3, 4, 8, 16, 64, 200])
 def test_a_hard_cap_is_found_quickly_and_held_with_few_429s(cap, seed):
     clock = Clock()
     lim = AdaptiveLimiter(256, clock=clock)
     r = _simulate(lim, clock, seconds=60, cap=cap, measure_from=10, seed=seed)
-    assert r["cuts_at"] and r["cuts_at"][0] < 0.05  # the first burst of 429s cuts at once
+    assert r["cuts_at"][0] - r["first_429_at"] < 0.02  # the first burst of the cap's 429s cuts at once
     assert 0.85 * cap <= r["in_flight"] <= cap + 1, r
-    assert r["share_429"] <= 0.05, r
+    assert r["share_429"] <= 0.05, r  # the whole run's share: the 3,000-request test below
     assert int(lim.limit) <= cap + 2
+
+
+@pytest.mark.parametrize("latency", [0.05, 0.2, 5.0, 60.0])
+@pytest.mark.parametrize("cap", [4, 16, 64, 200])
+def test_a_run_of_3000_requests_from_256_into_a_cap_gets_few_429s(cap, latency):
+    """The whole run, start-up included: starting at 256 into a cap of C cost 256 - C
+    refusals before the first answer (8% of a 3,000-request run at C = 16)."""
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    seconds = 3000 / cap * latency  # about 3,000 answers
+    r = _simulate(lim, clock, seconds=seconds, cap=cap, latency=latency, rtt=latency / 200,
+                  measure_from=seconds / 2)
+    assert r["peak_before_answer"] == 16  # slow start: 16 sent before anything came back
+    assert r["whole_429"] <= 0.05, r
+    assert 0.85 * cap <= r["in_flight"] <= cap + 1, r  # the second half of the run
+
+
+@pytest.mark.parametrize("cap", [40, 100, 130, 150, 200, 250])
+def test_slow_start_is_paced_when_answers_come_back_together(cap):
+    """A server with one steady latency answers a round at once: unpaced, the window
+    doubled in one burst before a 429 could come back (128 to 256 into a cap of 130 was
+    9.7% of a 3,000-request run refused, 250 was fine, 130 not)."""
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=3000 / cap, cap=cap, latency=1.0, jitter=0.0, rtt=0.05)
+    assert r["whole_429"] <= 0.05, r
+
+
+def test_slow_start_reaches_the_ceiling_in_a_few_rounds():
+    for latency in (0.05, 1.0, 60.0):
+        clock = Clock()
+        lim = AdaptiveLimiter(256, clock=clock)
+        r = _simulate(lim, clock, seconds=7 * latency, latency=latency, measure_from=6 * latency)
+        assert r["peak_before_answer"] == 16 and r["cuts_at"] == []
+        # 16, 32, 64, 128, 256, each step paced over half a latency: the 7th round is whole
+        assert lim.limit == 256.0 and r["in_flight"] > 255, r
+    lim = AdaptiveLimiter(256, start=256)  # no slow start when asked
+    assert lim.limit == 256.0 and lim.slots == 256
+    assert AdaptiveLimiter(8).limit == 8.0 and AdaptiveLimiter(64, floor=32).limit == 32.0
 
 
 def test_the_cap_is_reached_within_a_few_rounds():
@@ -107,6 +171,10 @@ def test_the_cap_is_reached_within_a_few_rounds():
     lim = AdaptiveLimiter(256, clock=clock)
     r = _simulate(lim, clock, seconds=2, cap=64)  # 2 s = 10 rounds at 200 ms
     assert 56 <= lim.limit <= 66 and len(r["cuts_at"]) <= 4, (lim.limit, r["cuts_at"])
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=0.8, cap=64)  # the slow start's cut lands on the cap itself
+    assert 62 <= lim.limit <= 64 and len(r["cuts_at"]) <= 2, (lim.limit, r["cuts_at"])
 
 
 def test_recovers_fast_when_the_cap_is_lifted():
@@ -128,6 +196,13 @@ def test_recovers_fast_when_heavy_noise_stops(seed):
     assert r["in_flight"] > 0.95 * 256 and lim.limit == 256.0, r
 
 
+def test_a_cap_that_rises_is_followed_within_a_few_rounds():
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=30, cap=lambda t: 32 if t < 20 else 128, measure_from=25)
+    assert 0.85 * 128 <= r["in_flight"] <= 129 and r["share_429"] <= 0.05, r
+
+
 def test_a_cap_that_falls_is_followed():
     clock = Clock()
     lim = AdaptiveLimiter(256, clock=clock)
@@ -137,16 +212,31 @@ def test_a_cap_that_falls_is_followed():
 
 def test_cut_needs_a_real_share_and_one_429_with_retry_after_changes_nothing():
     clock = Clock()
-    lim = AdaptiveLimiter(64, clock=clock)
-    for _ in range(7):  # a 429 (whatever its Retry-After) is one answer among the window
-        assert not lim.on_rate_limited(sent_at=clock.t - 0.1)
-    assert lim.limit == 64 and lim.cuts == 0
-    grants = [lim.try_acquire() for _ in range(64)]  # the pool is whole: nothing waits for anyone's Retry-After
+    lim = AdaptiveLimiter(64, start=64, clock=clock)
+    grants = [lim.try_acquire() for _ in range(64)]
     assert None not in grants and lim.try_acquire() is None
-    assert lim.on_rate_limited(sent_at=clock.t - 0.1)  # the 8th in a row: a cap
-    assert lim.limit == 32 and lim.cuts == 1  # nothing learned about the served level yet: halve
+
+    def refused() -> bool:  # as the engine does: release, the slot goes to the next request, then the answer
+        lim.release()
+        assert lim.try_acquire() is not None  # the pool is whole: nothing waits for anyone's Retry-After
+        return lim.on_rate_limited(sent_at=clock.t - 0.1)
+
+    for _ in range(7):  # a 429 (whatever its Retry-After) is one answer among the window
+        assert not refused()
+    assert lim.limit == 64 and lim.cuts == 0
+    assert refused()  # the 8th in a row: a cap
+    # no success yet to measure the served level by: the 64 in flight less the 8 refused ones
+    # (each came back within its own turnaround of now and its slot was sent again)
+    assert lim.limit == 56 and lim.cuts == 1
     clock.t += 0.01
     assert not lim.on_rate_limited(sent_at=clock.t - 0.1)  # granted before the cut: answers for the old limit
+    lim2 = AdaptiveLimiter(64, start=64, clock=clock)
+    for _ in range(8):  # slots that nobody took again (nothing left to send) are not refused in flight
+        assert lim2.try_acquire() is not None
+    for _ in range(8):
+        lim2.release()
+        cut = lim2.on_rate_limited(sent_at=clock.t - 0.1)
+    assert cut and lim2.limit == 32.0  # 0 in flight: half the old limit, the floor of a cut
 
 
 def test_acquire_waits_in_order_and_returns_the_grant_time():
@@ -179,23 +269,53 @@ def test_rate_meter_is_right_at_any_rate(rate):
         meter.add(7)
     rps, tps = meter.rates()
     assert rps == pytest.approx(rate, rel=0.02) and tps == pytest.approx(7 * rate, rel=0.02)
-    clock.t += 60  # nothing for a whole window: the rate falls to zero
-    assert meter.rates() == (0.0, 0.0)
+    last = clock.t
+    clock.t += 60  # nothing for a whole window: the last 20 completions over the time since the first of them
+    rps, tps = meter.rates()
+    assert rps == pytest.approx(20 / (clock.t - (last - 19 / rate)), rel=0.02) and tps == pytest.approx(7 * rps)
+    clock.t += 86_400 * 365  # a year later: still 20 over the time they took, never a division by zero
+    assert 0 < meter.rates()[0] < 1e-6
 
 
-def test_rate_and_eta_in_the_progress_line():
+@pytest.mark.parametrize("every_s", [60.0, 600.0])
+def test_rate_meter_is_right_below_one_completion_per_window(every_s):
+    """One slot and long reasoning: a 30 s window alone shows 0 or 1/30 s by turns."""
+    clock = Clock(0.0)
+    meter = RateMeter(clock=clock)
+    seen = []
+    for i in range(1, 60):
+        clock.t = i * every_s
+        meter.add(3)
+        if i >= 21:
+            for at in (0.0, 0.5 * every_s):  # right after one, and halfway to the next
+                clock.t = i * every_s + at
+                seen.append(meter.rates()[0] * every_s)
+    assert min(seen) > 0.9 and max(seen) < 1.1, (min(seen), max(seen))  # the true rate, within 10%
+    assert len(meter._buckets) <= 21  # memory: the completions the rate needs, not the history
+
+
+def _line_at(rate: float, seconds: float, total: int) -> str:
     from tokenbridge.generate.engine import EngineStats
     from tokenbridge.generate.progress import format_line
 
     clock = Clock(0.0)
-    stats = EngineStats(total=1_000_000, meter=RateMeter(clock=clock))
-    for i in range(50_000):  # 5,000/s for 10 s: far past the old 136.5/s ceiling
-        clock.t = i / 5000
+    stats = EngineStats(total=total, meter=RateMeter(clock=clock))
+    n = int(rate * seconds)
+    for i in range(n):
+        clock.t = i / rate
         stats.meter.add(1)
-    stats.done = 50_000
-    clock.t = 10.0
-    line = format_line(stats)
+    stats.done = n
+    clock.t = seconds
+    return format_line(stats)
+
+
+def test_rate_and_eta_in_the_progress_line():
+    line = _line_at(5000, 10, 1_000_000)  # far past the old 136.5/s ceiling
     assert "5000.0 req/s" in line and "ETA 0:03:10" in line, line  # 950,000 left at 5,000/s
+    line = _line_at(10, 60, 40_000)
+    assert "10.0 req/s" in line and "ETA 1:05:40" in line, line  # 39,400 left at 10/s
+    line = _line_at(1 / 60, 3600, 100)  # one a minute: 60 done, 40 left
+    assert "0.0 req/s" in line and "ETA 0:40:00" in line, line
 
 
 # --- emulator: max_concurrency ----------------------------------------------------------
@@ -267,3 +387,33 @@ def test_generate_against_a_capped_emulator_finishes_with_few_429s(kimi, tmp_pat
     # the first burst (56: 64 sent, 8 served), the way down to 8, a few probes; a limiter deaf to
     # 429s would churn its 56 extra slots through tens of thousands of them
     assert 0 < rate_limited <= 0.4 * n, summary.errors
+
+
+def test_random_429s_with_retry_after_delay_only_their_own_request(kimi, tmp_path, monkeypatch):
+    """20% of answers 429 with Retry-After: 1, at any load: each refused request waits out
+    its Retry-After, and the others keep the whole pool busy (the limiter does not shrink)."""
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-or-v1-test")
+    prompts = tmp_path / "p.jsonl"
+    n, conc = 400, 32
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"question {i % 32}"}) + "\n" for i in range(n)))
+    noisy = ProviderConfig(name="noisy/fp8", latency_ms=100.0, faults=ProviderFaults(rate_limit=0.2))
+    cfg = EmulatorConfig(providers=(noisy,), retry_after_s=1, min_tokens=4, max_tokens=8)
+    with running_emulator(cfg, tokenizer=kimi) as url:
+        settings = GenerateSettings(datasets=(DatasetSpec("d", prompts),), request=RequestSettings(model=MODEL),
+                                    base_url=url, concurrency=conc, progress="none", backoff_base_s=0.05,
+                                    backoff_max_s=0.2, max_attempts=20)
+        summary = generate_run(settings, tmp_path / "run")
+    assert summary.done == n and summary.failed == 0
+    with sqlite3.connect(tmp_path / "run" / "state.sqlite") as con:
+        attempts = con.execute("SELECT sample_id, n, started_at, latency_s, http_status FROM attempts").fetchall()
+    by_sample = {(a[0], a[1]): a for a in attempts}
+    refused = [a for a in attempts if a[4] == 429]
+    assert 0.1 * len(attempts) < len(refused) < 0.3 * len(attempts)
+    for sample, k, started, latency, _ in refused:
+        assert by_sample[(sample, k + 1)][2] >= started + latency + 0.99
+    # between the first 429's answer and the last first attempt, the pool stays full
+    first = min(a[2] + a[3] for a in refused)
+    last_first = max(a[2] for a in attempts if a[1] == 1)
+    assert last_first - first > 0.5, (first, last_first)
+    busy = sum(max(0.0, min(s + lat, last_first) - max(s, first)) for _, _, s, lat, _ in attempts)
+    assert busy / (last_first - first) > 0.8 * conc

@@ -1,5 +1,17 @@
 """Concurrency that finds a server's cap without mistaking random 429s for one.
 
+The run starts at ``start`` slots (slow start), not at the ceiling: every request sent at
+once before the first answer is a request a capped server may refuse, and 256 sent into a
+cap of 16 are 240 refusals (8% of a 3,000-request run) before the limiter hears of any.
+Each success adds ``start_growth`` slots (the window doubles per round of requests) until
+the ceiling or the first cut, which ends slow start; a cut later judged to be noise (below)
+resumes it. A fault-free run reaches 256 from 16 in about five rounds. The growth is
+paced: each success's slot comes at a point spread over the next half mean latency. A
+round's answers can come back together (a server with a steady latency), and unpaced the
+window would double in one burst before the first 429 could say where the cap is: 128 to
+256 into a cap of 130 is 126 refusals (4% of a 3,000-request run), paced it is the growth
+during one 429's turnaround and the cut.
+
 A 429 means one of two things: noise (an upstream provider refusing a request now and
 then, whatever the load: OpenRouter does this all the time), or a cap (the server
 refuses whatever is over N at once). Halving on every 429 treats noise as a cap and
@@ -15,12 +27,22 @@ whole window after a cut is what the lower limit did not remove, i.e. noise (whe
 is below ``decisive_share``), and a cut that removed next to nothing was made for
 noise and is undone; each later window can only lower the noise level, slowly.
 
-A cut goes to the concurrency the server was really serving: the successes' summed
-time in the server over the last mean latency, over that span (Little's law), not below
-the level a probe started from, and within [0.5, 0.95] of the old limit (0.7 of it when
-the level the last cut chose failed at once: the client's view of latency can make the
-estimate too high). The limit then holds there for as many successes as it
-takes to keep 429s near ``target_share`` of answers (the cut's 429s over that share),
+A cut goes to the concurrency the server was really serving. While the limit is steady
+that is the successes' summed time in the server over the last mean latency, over that
+span (Little's law), not below the level a probe started from, and within [0.5, 0.95] of
+the old limit. That figure lags a limit that just moved: in slow start it sees the level
+of a round ago, and right after a cut the level before it. There (in slow start, when the
+level the last cut chose failed at once, and before any success) the cut goes to the
+requests in flight that the server accepted: those in flight less the refused ones still
+in flight, counted as the 429s whose slot went to the next request and that came back
+within their own turnaround of now (a slot refused every turnaround answers once per
+turnaround; Little's law again), not below half the old limit (in slow start: the level
+of the round before, which was served). That count is also a floor for the steady cut
+(Little's law over a handful of successes is noisy at caps of 3 or 4). A server that
+refuses above C is so cut near C wherever the window was, in one or two cuts when the
+429s come back in a burst. The limit then holds there for as many successes as it
+takes to keep 429s near ``target_share`` of answers (the cut's 429s over that share, and
+one for each refused request still in flight),
 then probes: +1 per round of requests at first, the excess over the cut level doubling
 each round after, so a cap that rose (or a cut made by chance) is left behind in a few
 rounds rather than one slot per round.
@@ -37,12 +59,13 @@ import asyncio
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 __all__ = ["AdaptiveLimiter"]
 
 _SERVED_SPAN = 1.0  # served concurrency is measured over this many mean latencies
+_GOLDEN = 0.6180339887498949  # successive multiples mod 1 spread evenly over [0, 1)
 
 
 @dataclass
@@ -51,6 +74,10 @@ class AdaptiveLimiter:
 
     ceiling: int
     floor: int = 1
+    #: Slots at the start (within [floor, ceiling]); slow start grows them to the ceiling.
+    start: int = 16
+    #: Slots each success adds in slow start (1: the window doubles per round of requests).
+    start_growth: float = 1.0
     #: Share of 429s among recent answers that means "over a cap".
     threshold: float = 0.25
     #: Recent answers looked at.
@@ -63,6 +90,9 @@ class AdaptiveLimiter:
     target_share: float = 0.03
     #: Monotonic seconds; injected by tests.
     clock: Callable[[], float] = time.monotonic
+    #: ``schedule(delay_s, fn)``: runs slow start's paced growth; None: the running event
+    #: loop's ``call_later`` (no loop: growth at once). Injected by tests.
+    schedule: Callable[[float, Callable[[], None]], object] | None = None
     limit: float = 0.0
     in_flight: int = 0
     cuts: int = 0
@@ -73,6 +103,7 @@ class AdaptiveLimiter:
     noise: float = 0.0
     _answers: deque[bool] = field(default_factory=deque, repr=False)  # True = 429, sent after the last cut
     _rate_limited: int = field(default=0, repr=False)  # 429s in _answers
+    _refused: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (sent, answered): last 429s re-sent
     _served: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (done_at, latency_s) of recent successes
     _latency: float | None = field(default=None, repr=False)  # moving mean latency of successes
     _first_sent: float = field(default=math.inf, repr=False)
@@ -83,11 +114,16 @@ class AdaptiveLimiter:
     _before_cut: float = field(default=0.0, repr=False)  # the limit before the last cut
     _cut_share: float = field(default=0.0, repr=False)  # the 429 share that made it
     _base_held: bool = field(default=False, repr=False)  # a whole window at ``base`` stayed under the threshold
+    _slow: bool = field(default=False, repr=False)  # in slow start
+    _cut_slow: bool = field(default=False, repr=False)  # the last cut ended slow start
+    _paced: int = field(default=0, repr=False)  # slow-start growth steps scheduled
     _waiters: deque[asyncio.Future[float]] = field(default_factory=deque, repr=False)
 
     def __post_init__(self) -> None:
         self.floor = max(1, min(self.floor, self.ceiling))
-        self.limit = float(self.ceiling) if not self.limit else self.limit
+        if not self.limit:
+            self.limit = float(max(self.floor, min(self.start, self.ceiling)))
+        self._slow = self.limit < self.ceiling
 
     # --- slots ------------------------------------------------------------------------
 
@@ -149,6 +185,12 @@ class AdaptiveLimiter:
 
         A request sent before the last cut answers for the old limit and changes nothing.
         """
+        # its slot went to a waiting request (the engine releases first), or is the one slot its own
+        # worker takes again next (no other waiter at the ceiling); over a lower limit it stays free
+        if self.slots - 1 <= self.in_flight <= self.slots:
+            self._refused.append((sent_at, self.clock()))  # sent before the last cut or after: all count below
+            if len(self._refused) > self.ceiling:
+                self._refused.popleft()
         if sent_at < self._last_cut:
             return False
         self._note(True)
@@ -170,6 +212,14 @@ class AdaptiveLimiter:
         if span <= 0:
             return None
         return sum(min(lat, span) for done, lat in self._served if done >= now - span) / span
+
+    def _refused_in_flight(self) -> int:
+        """Refused requests in flight now: the 429s whose slot went to the next request and
+        that came back within their own turnaround of now. A slot the server refuses every
+        turnaround answers once per turnaround, so each such slot counts once; a slot that
+        stayed free (over a lower limit, or nothing left to send) is not in flight."""
+        now = self.clock()
+        return sum(1 for sent, answered in self._refused if now - answered < answered - sent)
 
     def _note(self, rate_limited: bool) -> None:
         self._answers.append(rate_limited)
@@ -198,31 +248,31 @@ class AdaptiveLimiter:
             self.limit = self._before_cut
             self.base = self.limit  # probe from here: the excess over it doubling per round
             self._hold = 0
+            self._slow = self._cut_slow and self.limit < self.ceiling  # a cut for noise ended nothing
             self._hand_over()
 
     def _cut(self) -> None:
         old = self.limit
         self._before_cut = old
         self._cut_share = self._rate_limited / len(self._answers)
+        self._cut_slow, self._slow = self._slow, False
         served = self.served_concurrency()
+        refused = self._refused_in_flight()
         failed_again = self.base is not None and not self._base_held and old <= self.base + 1
-        if served is None:
-            new = 0.5 * old
-        elif failed_again:  # the level the last cut chose failed at once: its estimate was too high
-            new = 0.7 * old
-        else:  # a probe that overshot started from a level that held: not below it
+        accepted = float(self.in_flight - refused)
+        if served is None or self._cut_slow or failed_again:  # the served level lags: count what was accepted
+            new = max(accepted, 0.5 * old)
+        else:  # a probe that overshot started from a level that held: not below it, nor below what was accepted
             good = self.base if self.base is not None and self._base_held and self.base < old else 0.0
-            new = min(max(float(round(served)), good, 0.5 * old), 0.95 * old)
+            new = min(max(float(round(served)), good, accepted, 0.5 * old), 0.95 * old)
         self.limit = max(float(self.floor), min(new, float(int(old) - 1)))  # at least one slot fewer
         self.base = self.limit
         self._base_held = False
         self.cuts += 1
-        if served is None:
-            self._hold = 0  # nothing learned about where the cap is: probe from here at once
-        else:  # this cut's 429s over the noise, and those the excess in flight will still get, over target_share
-            over = max(0.0, self._cut_share - self.noise)
-            cost = over * len(self._answers) + max(0.0, self.in_flight - self.limit) * over
-            self._hold = math.ceil(cost / self.target_share)
+        # this cut's 429s over the noise, and those the refused requests still in flight will get, over target_share
+        over = max(0.0, self._cut_share - self.noise)
+        cost = over * len(self._answers) + min(max(0.0, self.in_flight - self.limit), refused) * over
+        self._hold = math.ceil(cost / self.target_share)
         self._answers.clear()
         self._rate_limited = 0
         self._block = [0, 0]
@@ -232,9 +282,33 @@ class AdaptiveLimiter:
     def _grow(self) -> None:
         if self.limit >= self.ceiling:
             return
+        if self._slow:
+            self._paced += 1
+            delay = (self._paced * _GOLDEN) % 1.0 * 0.5 * (self._latency or 0.0)  # over half a mean latency
+            schedule = self.schedule or _loop_call_later()
+            if schedule is None or delay <= 0:
+                self._slow_step(self.cuts)
+            else:
+                cuts = self.cuts
+                schedule(delay, lambda: self._slow_step(cuts))
+            return
         if self._hold > 0:
             self._hold -= 1
             return
         excess = self.limit - (self.base if self.base is not None else self.limit)
         self.limit = min(float(self.ceiling), self.limit + max(1.0, excess) / max(self.limit, 1.0))
         self._hand_over()
+
+    def _slow_step(self, cuts: int) -> None:
+        """One success's slow-start growth, paced: nothing if a cut came since it was due."""
+        if self._slow and cuts == self.cuts and self.limit < self.ceiling:
+            self.limit = min(float(self.ceiling), self.limit + self.start_growth)
+            self._slow = self.limit < self.ceiling
+            self._hand_over()
+
+
+def _loop_call_later() -> Callable[[float, Callable[[], None]], object] | None:
+    try:
+        return asyncio.get_running_loop().call_later
+    except RuntimeError:  # no loop (a synchronous caller): grow at once
+        return None

@@ -25,21 +25,29 @@ __all__ = ["RateMeter", "Reporter", "format_line"]
 
 
 class RateMeter:
-    """Completions and completion tokens per second over the last ``window_s`` seconds.
+    """Completions and completion tokens per second over the last ``window_s`` seconds, or
+    over the last ``min_count`` completions where the window holds fewer.
 
     Counts go into ``bucket_s``-wide time buckets, so memory and cost stay the same at
     any rate (a bounded buffer of single completions saturates: 4,096 entries over 30 s
-    could never show more than 136.5/s). The rate is the window's count over the time
-    it covers: from the start of its first bucket (or of the meter, if later) to now.
+    could never show more than 136.5/s). The rate is the count over the time it covers:
+    from the start of its first bucket (or of the meter, if later) to now. A window alone
+    is wrong at low rates: at one completion a minute (one slot, long reasoning) a 30 s
+    window shows 0 or 1/30 s by turns; the last ``min_count`` completions give 1/60 s.
+    At most ``max_buckets`` are kept (a rate that low is then over fewer completions).
     """
 
     def __init__(self, window_s: float = 30.0, bucket_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, min_count: int = 20,
+                 max_buckets: int = 1024) -> None:
         self.window_s = window_s
         self.bucket_s = bucket_s
         self.clock = clock
+        self.min_count = min_count
+        self.max_buckets = max_buckets
         self.started = clock()
         self._buckets: deque[list[int]] = deque()  # [bucket index, completions, tokens], oldest first
+        self._count = 0  # completions in _buckets
 
     def add(self, tokens: int = 0) -> None:
         """One completion that produced ``tokens`` completion tokens."""
@@ -50,23 +58,41 @@ class RateMeter:
             last[2] += tokens
         else:
             self._buckets.append([index, 1, tokens])
-            self._trim(index)
+        self._count += 1
+        self._trim(self._window_start(index))
 
     def rates(self) -> tuple[float, float]:
-        """(completions/s, completion tokens/s) over the window."""
+        """(completions/s, completion tokens/s) over the window, or over the last
+        ``min_count`` completions (taken from the oldest bucket they need in proportion)."""
         now = self.clock()
-        first = self._trim(math.floor(now / self.bucket_s))
-        if not self._buckets:
+        first = self._window_start(math.floor(now / self.bucket_s))
+        self._trim(first)
+        count = tokens = 0.0
+        since = first * self.bucket_s
+        for index, n, tok in reversed(self._buckets):
+            if index >= first:
+                count, tokens = count + n, tokens + tok
+                continue
+            take = min(n, self.min_count - count)
+            if take <= 0:
+                break
+            count, tokens, since = count + take, tokens + tok * take / n, index * self.bucket_s
+        if not count:
             return 0.0, 0.0
-        span = max(now - max(first * self.bucket_s, self.started), 1e-6)
-        return sum(b[1] for b in self._buckets) / span, sum(b[2] for b in self._buckets) / span
+        span = max(now - max(since, self.started), 1e-6)
+        return count / span, tokens / span
 
-    def _trim(self, index: int) -> int:
-        """Drop the buckets that left the window ending in bucket ``index``; its first index."""
-        first = index - max(1, round(self.window_s / self.bucket_s)) + 1
-        while self._buckets and self._buckets[0][0] < first:
-            self._buckets.popleft()
-        return first
+    def _window_start(self, index: int) -> int:
+        """The first bucket of the window that ends in bucket ``index``."""
+        return index - max(1, round(self.window_s / self.bucket_s)) + 1
+
+    def _trim(self, first: int) -> None:
+        """Drop the buckets before bucket ``first`` (the window's first) but for those the
+        last ``min_count`` completions need; never keep more than ``max_buckets``."""
+        buckets = self._buckets
+        while buckets and (len(buckets) > self.max_buckets
+                           or (buckets[0][0] < first and self._count - buckets[0][1] >= self.min_count)):
+            self._count -= buckets.popleft()[1]
 
 
 def _eta(stats: EngineStats, rps: float) -> str:
