@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import signal
 import sqlite3
+import tempfile
 import threading
 import time
 import warnings
@@ -30,7 +32,7 @@ import orjson
 from .. import __version__, digests
 from ..digests import Digest, file_identity, read_digest
 from ..exit_codes import ExitCode
-from ..fsio import PRIVATE_MODE, OutputWriteError, kill_point, open_staged, write_bytes
+from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, write_bytes
 from .budget import Budget
 from .body import BodyError, check_body, one_line
 from .engine import DRAIN_S, Engine, StopReason, WorkItem
@@ -151,7 +153,7 @@ async def agenerate_run(
     rows, bad_rows = _load_rows(settings, reporter)
 
     with run_lock(out_dir):
-        for stale in out_dir.glob(f".{SUMMARY_FILE}.*.tmp"):  # left by an older version killed while writing
+        for stale in out_dir.glob(f".{SUMMARY_FILE}.*.tmp"):  # left by a process killed while writing
             stale.unlink(missing_ok=True)
         store = Store.open(out_dir)
         try:
@@ -300,7 +302,7 @@ def _write_outputs(out_dir: Path, ids: Sequence[str], summary: RunSummary, repor
                 f"{len(bad)} stored response(s) cannot be re-emitted and were left out of {EXCHANGES_FILE} "
                 f"(stored by an older version; e.g. {bad[0]}); send them again in a new run folder")
             reporter.log(summary.notices[-1])
-    except (OSError, OutputWriteError, sqlite3.Error) as exc:
+    except (OSError, sqlite3.Error) as exc:
         summary.notices.append(f"{out_dir / EXCHANGES_FILE} not rewritten: {exc}")
         summary.exit_code = summary.exit_code or ExitCode.STORE
     try:
@@ -401,7 +403,7 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
     if not (out_dir / STATE_FILE).is_file():
         raise FileNotFoundError(f"{out_dir / STATE_FILE}: no generate state in this folder")
     target = out_dir / EXCHANGES_FILE
-    for stale in out_dir.glob(".exchanges.*.tmp"):  # left by an older version killed while writing
+    for stale in out_dir.glob(".exchanges.*.tmp"):  # left by a run killed while writing
         stale.unlink(missing_ok=True)
     store = Store.open(out_dir)
     bad: list[str] = []
@@ -412,17 +414,27 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
             return target, kept
         digest = hashlib.sha256()
         started = digests.now_ns()
-        # staged and renamed in (a fresh inode: how a later run tells this file from any
-        # other), mode 0644 as reconstructed.jsonl, which holds the same data
-        with open_staged(target, point="generate:exchanges") as fh:
-            for sid, dataset, request, body, meta in store.iter_done(ids):
-                try:
-                    line = _exchange_line(sid, dataset, request, body, meta)
-                except (BodyError, ValueError, TypeError) as exc:
-                    bad.append(f"{sid}: {exc}")
-                    continue
-                fh.write(line)
-                digest.update(line)
+        fd, tmp = tempfile.mkstemp(prefix=".exchanges.", suffix=".tmp", dir=out_dir)
+        try:
+            os.fchmod(fd, FILE_MODE)  # the same mode as reconstructed.jsonl, which holds the same data
+            with os.fdopen(fd, "wb") as fh:
+                for sid, dataset, request, body, meta in store.iter_done(ids):
+                    try:
+                        line = _exchange_line(sid, dataset, request, body, meta)
+                    except (BodyError, ValueError, TypeError) as exc:
+                        bad.append(f"{sid}: {exc}")
+                        continue
+                    fh.write(line)
+                    digest.update(line)
+                fh.flush()
+                os.fsync(fh.fileno())
+            kill_point("generate:exchanges written")
+            os.replace(tmp, target)  # a fresh inode: how a later run tells this file from any other
+            kill_point("generate:exchanges replaced")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        fsync_dir(out_dir)
         written = file_identity(target)
         if written is not None:
             # never trusted as it stands (the file is as new as the read): a later run confirms
