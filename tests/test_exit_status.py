@@ -39,8 +39,6 @@ def test_a_bad_row_carries_exit_status_1(kimi, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="cli.export still ends ExportError with _fail's default (2); "
-                   "it should pass exc.exit_code (cli.py is outside this branch)")
 def test_export_command_exits_1_on_a_bad_row(kimi, tmp_path):
     src = tmp_path / "rows.jsonl"
     write_jsonl(src, make_run(kimi, 6)[1])

@@ -399,10 +399,12 @@ _GENERATE_FLAGS = {
 def _write_summary(path: Path | None, data: Mapping[str, object]) -> None:
     if path is None:
         return
+    from .fsio import OutputWriteError, write_text
+
     try:
-        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    except OSError as exc:
-        _fail(f"--summary-json {path}: {exc.strerror or exc}")
+        write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n", point="summary-json")
+    except (OSError, OutputWriteError) as exc:
+        _fail(f"--summary-json {path}: {getattr(exc, 'strerror', None) or exc}")
 
 
 @app.command()
@@ -441,7 +443,12 @@ def probe(
     Console(highlight=False).print(render_profiles(reports))
     if json_out:
         data = {"model": model, "base_url": base_url, "providers": [r.to_dict() for r in reports]}
-        json_out.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        from .fsio import OutputWriteError, write_text
+
+        try:
+            write_text(json_out, json.dumps(data, indent=2, ensure_ascii=False) + "\n", point="probe-json")
+        except (OSError, OutputWriteError) as exc:
+            _fail(f"--json {json_out}: {getattr(exc, 'strerror', None) or exc}")
 
 
 # --- emulator --------------------------------------------------------------------------
@@ -519,7 +526,7 @@ def export(
             summary = export_file(input, output, fmt, include_flagged=include_flagged, force=force,
                                   vocab_size=target_vocab_size, **options)
     except ExportError as exc:
-        _fail(str(exc))
+        _fail(str(exc), exc.exit_code)
     skipped = summary.skipped
     typer.echo(
         f"{summary.rows_exported} rows ({summary.tokens} tokens, {summary.completion_tokens} under the loss mask) "
@@ -558,7 +565,9 @@ def vocab(
                 target_vocab_size = _tokenizer(tokenizer).vocab_size
             summary = build_vocab(input, draft_vocab_size, output, target_vocab_size, include_flagged=include_flagged,
                                   force=force)
-    except (ExportError, ValueError) as exc:
+    except ExportError as exc:
+        _fail(str(exc), exc.exit_code)
+    except ValueError as exc:
         _fail(str(exc))
     typer.echo(
         f"draft vocab {summary.draft_vocab_size} of {summary.target_vocab_size}: coverage {summary.coverage:.2%} of "
