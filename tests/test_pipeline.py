@@ -172,7 +172,8 @@ def test_a_policy_change_reruns_reconstruct(tmp_path, kimi_dir):
     ("[run]\ntokenizer = 'x'\n[exprot]\n", r"bad.toml:3: exprot: unknown key; did you mean 'export'\?"),
     ("[run]\nout = 'o'\n", r"bad.toml:1: run.tokenizer: missing"),
 ], ids=["misspelt-section", "no-tokenizer"])
-def test_config_errors_name_the_key(tmp_path, text, message):
+def test_config_errors_name_the_key(tmp_path, monkeypatch, text, message):
+    monkeypatch.delenv("TOKENBRIDGE_TOKENIZER", raising=False)
     bad = tmp_path / "bad.toml"
     bad.write_text(text, encoding="utf-8")
     with pytest.raises(PipelineError, match=message):

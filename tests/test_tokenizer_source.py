@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import ROOT
+from conftest import ROOT, write_run_config
 from conftest import EXAMPLE_EXCHANGES as EXCHANGES
 from tokenbridge.cli import app
 from tokenbridge.emulator import EmulatorConfig, running_emulator
@@ -109,3 +109,47 @@ def test_emulator_without_any_tokenizer_names_the_ways(monkeypatch):
         pass
     assert str(err.value) == ("no tokenizer given: pass tokenizer= (a tokenizer folder or Hub repo id), set tokenizer "
                               f"in the emulator config, or set the environment variable {TOKENIZER_ENV}")
+
+
+def _run_config_without_tokenizer(tmp_path: Path) -> Path:
+    """The suite's whole-pipeline config with its ``[run] tokenizer`` line taken out."""
+    cfg = write_run_config(tmp_path, tmp_path)
+    text = cfg.read_text(encoding="utf-8")
+    cfg.write_text(text.replace(f'tokenizer = "{tmp_path}"\n', ""), encoding="utf-8")
+    assert "tokenizer" not in cfg.read_text(encoding="utf-8")
+    return cfg
+
+
+def test_a_run_config_without_tokenizer_takes_the_env_variable(tmp_path, kimi_dir, monkeypatch):
+    from tokenbridge.runconfig import load_run_config
+
+    monkeypatch.setenv(TOKENIZER_ENV, str(kimi_dir))
+    assert load_run_config(_run_config_without_tokenizer(tmp_path)).tokenizer == str(kimi_dir)
+
+
+def test_a_run_config_without_tokenizer_or_env_variable_names_both(tmp_path, monkeypatch):
+    from tokenbridge.pipeline import PipelineError
+    from tokenbridge.runconfig import load_run_config
+
+    monkeypatch.delenv(TOKENIZER_ENV, raising=False)
+    cfg = _run_config_without_tokenizer(tmp_path)
+    with pytest.raises(PipelineError) as err:
+        load_run_config(cfg)
+    assert str(err.value) == (f"{cfg}:2: run.tokenizer: missing: name a tokenizer folder or Hub repo id here, "
+                              f"or set {TOKENIZER_ENV}")
+
+
+def test_a_run_config_with_a_bad_env_variable_names_the_variable(tmp_path, monkeypatch):
+    from tokenbridge.pipeline import PipelineError
+    from tokenbridge.runconfig import load_run_config
+
+    monkeypatch.setenv(TOKENIZER_ENV, str(tmp_path / "nope"))
+    with pytest.raises(PipelineError, match=rf"run.tokenizer: no such tokenizer folder: .*nope \({TOKENIZER_ENV}\)$"):
+        load_run_config(_run_config_without_tokenizer(tmp_path))
+
+
+def test_the_config_tokenizer_wins_over_the_env_variable(tmp_path, kimi_dir, monkeypatch):
+    from tokenbridge.runconfig import load_run_config
+
+    monkeypatch.setenv(TOKENIZER_ENV, str(tmp_path / "nope"))
+    assert load_run_config(write_run_config(tmp_path, kimi_dir)).tokenizer == str(kimi_dir)

@@ -13,6 +13,8 @@ paid generation.
 
 from __future__ import annotations
 
+import os
+
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ from .exit_codes import ExitCode
 from .export.exporter import FORMATS
 from .schema import FORBID, Bool, DialectName, NonNegInt, PosInt, Str, Where, did_you_mean, read_mapping, validate
 from .tokenizer import Tokenizer
+from .tokenizer_source import TOKENIZER_ENV
 from .traits import ProfileError, load_provider_profile
 
 if TYPE_CHECKING:
@@ -86,7 +89,8 @@ Severity = Literal["error", "warning", "off"]
 @with_config(FORBID)
 @dataclass(frozen=True)
 class RunSection:
-    tokenizer: Annotated[Str, Field(min_length=1)]  # a tokenizer folder or a Hub repo id (owner/name)
+    # a tokenizer folder or a Hub repo id (owner/name); without it, $TOKENBRIDGE_TOKENIZER
+    tokenizer: Annotated[Str, Field(min_length=1)] | None = None
     out: Annotated[Str, Field(min_length=1)] | None = None  # default: runs/<config stem>
     dialect: DialectName | None = None
 
@@ -158,6 +162,12 @@ def load_run_config(path: str | Path) -> RunConfig:
         tokenizer, problem = _tokenizer_source(tokenizer, base)
         if problem:
             problems.append(where.problem(("run", "tokenizer"), problem))
+    elif raw_tokenizer is None:  # not in the file: the environment's, relative to the working directory
+        env = os.environ.get(TOKENIZER_ENV, "").strip()
+        tokenizer, problem = _tokenizer_source(env, Path.cwd()) if env else (
+            "", f"missing: name a tokenizer folder or Hub repo id here, or set {TOKENIZER_ENV}")
+        if problem:
+            problems.append(where.problem(("run", "tokenizer"), f"{problem} ({TOKENIZER_ENV})" if env else problem))
     gen, datasets = _check_generate(data, where, base, tokenizer, problems)
     emulator, overrides = _check_emulator(data, where, base, problems)
     profile = None
