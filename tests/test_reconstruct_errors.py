@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import tokenbridge.reconstruct as reconstruct_module
+from tokenbridge.checks import Policy
 from tokenbridge.reconstruct import reconstruct_file, reconstruct_record
 
 from conftest import KIMI_DIR, ROOT
@@ -66,23 +66,26 @@ def test_text_a_tokenizers_folder_cannot_encode_is_a_bad_line(tmp_path):
     assert [r["id"] for r in _rows(tmp_path / "out.jsonl")] == ["g", "g"]
 
 
-def _boom(*args: object, **kwargs: object) -> list:
-    raise ZeroDivisionError("a bug in a check")
+class _BuggyPolicy(Policy):
+    """A policy whose lookup fails: a bug inside the gate, not bad input. It travels to
+    pool workers with the rest of their setup, under fork and spawn alike."""
+
+    def severity(self, code: str) -> str:
+        raise ZeroDivisionError("a bug in a check")
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_bug_is_an_internal_error_with_its_traceback_not_a_bad_line(tmp_path, monkeypatch, workers):
+def test_a_bug_is_an_internal_error_with_its_traceback_not_a_bad_line(tmp_path, workers):
     """Anything but bad input surfaces: the exception itself (through the pool, with the
     worker's traceback), a note naming the line, nothing published, no spool left."""
-    monkeypatch.setattr(reconstruct_module, "run_checks", _boom)  # pool workers are forked: they see it too
     src = _write(tmp_path / "in.jsonl", [_record(f"r{i}", [USER]) for i in range(3)])
     dst = tmp_path / "out.jsonl"
     with pytest.raises(ZeroDivisionError, match="a bug in a check") as info:
-        reconstruct_file(src, dst, KIMI_DIR, workers=workers)
+        reconstruct_file(src, dst, KIMI_DIR, policy=_BuggyPolicy(), workers=workers)
     assert info.value.__notes__ == [
         "while reconstructing the record on line 1 (an internal error, not bad input)"]
     if workers > 1:  # the worker's own frames come back with it
-        assert "_boom" in str(info.value.__cause__) and "run_checks" in str(info.value.__cause__)
+        assert "in severity" in str(info.value.__cause__) and "run_checks" in str(info.value.__cause__)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 

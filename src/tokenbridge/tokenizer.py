@@ -35,7 +35,8 @@ from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["KIMI_PAT_STR", "PROMPT_CACHE_BYTES", "EncodeError", "Tokenizer", "TokenizerError", "load_tokenizer"]
+__all__ = ["KIMI_PAT_STR", "PROMPT_CACHE_BYTES", "EncodeError", "Tokenizer", "TokenizerError", "load_tokenizer",
+           "marker_pattern"]
 
 #: The Kimi pre-tokenizer pattern (the ``pat_str`` of ``tokenization_kimi.py``).
 KIMI_PAT_STR = "|".join(
