@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tokenbridge.checks import Policy
+from tokenbridge.exit_codes import ExitCode
 from tokenbridge.reconstruct import reconstruct_file, reconstruct_record
 
 from conftest import KIMI_DIR, ROOT
@@ -104,9 +105,10 @@ def test_cli_exits_non_zero_with_the_traceback_on_a_bug(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "COLUMNS": "200"})
-    assert proc.returncode != 0
+    assert proc.returncode == ExitCode.INTERNAL == 8
     assert "ZeroDivisionError" in proc.stderr and "a bug in a check" in proc.stderr
-    assert "Traceback" in proc.stderr or "╭" in proc.stderr  # plain or rich traceback
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert proc.stderr.rstrip().endswith("error: internal error (a bug in tokenbridge, not in your data): the traceback is above")
     assert "bad record" not in proc.stderr + proc.stdout
     assert not (tmp_path / "out.jsonl").exists()
 
@@ -129,3 +131,26 @@ def test_a_negative_choice_index_is_not_an_index(kimi):
     rec["response"]["choices"][0]["index"] = 5
     rows = reconstruct_record(rec, kimi)
     assert [r["choice"] for r in rows] == [5, 1]  # -1 falls back to the position
+
+
+def test_a_bugs_traceback_never_shows_a_secret_from_the_environment(tmp_path):
+    """The traceback main() prints is scrubbed: a bug whose message (or a frame's source
+    line) carries the API key shows *** instead, raw and JSON-escaped alike."""
+    src = _write(tmp_path / "in.jsonl", [_record("r", [USER])])
+    key = "sk-or-v1-" + "5e" * 16
+    code = (
+        "import os, sys\n"
+        "import tokenbridge.reconstruct as r\n"
+        "def boom(*a, **k):\n"
+        "    raise RuntimeError('bug holding ' + os.environ['OPENROUTER_API_KEY'])\n"
+        "r.run_checks = boom\n"
+        "from tokenbridge.cli import main\n"
+        f"sys.argv = ['tokenbridge', 'reconstruct', {str(src)!r}, '-o', {str(tmp_path / 'out.jsonl')!r}, "
+        f"'--tokenizer', {str(KIMI_DIR)!r}]\n"
+        "main()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OPENROUTER_API_KEY": key})
+    assert proc.returncode == ExitCode.INTERNAL
+    assert "bug holding ***" in proc.stderr
+    assert key not in proc.stderr + proc.stdout and key[9:] not in proc.stderr

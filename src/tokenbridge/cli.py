@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -24,6 +26,9 @@ app = typer.Typer(
     # click's plain help and usage errors: typer's rich help imports rich.markdown and
     # markdown_it, about 0.15 s of every start-up (`tokenbridge --help` must take <= 0.2 s)
     rich_markup_mode=None,
+    # a bug's traceback is printed by main(), plainly: rich's pretty one shows every frame's
+    # locals, and a local can be the API key
+    pretty_exceptions_enable=False,
     no_args_is_help=True,
     context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
     help="Exact-token training data for speculative-decoding drafts from text-only APIs.",
@@ -650,7 +655,23 @@ def run(
 
 
 def main() -> None:
-    app()
+    """The console script: a bug (any exception a command does not turn into an ``error:``
+    line) prints its traceback, scrubbed of secrets from the environment, and exits
+    :attr:`ExitCode.INTERNAL`, never the bad-input status 1."""
+    try:
+        app()
+    except Exception:  # noqa: BLE001 - the last line of defence: report a bug as a bug
+        import traceback
+
+        from .generate.secrets import scrub
+
+        text = traceback.format_exc()
+        for name, value in os.environ.items():
+            if len(value) >= 8 and any(w in name.upper() for w in ("KEY", "TOKEN", "SECRET", "PASSWORD")):
+                text = scrub(text, value)
+        sys.stderr.write(text)
+        typer.echo("error: internal error (a bug in tokenbridge, not in your data): the traceback is above", err=True)
+        raise SystemExit(int(ExitCode.INTERNAL)) from None
 
 
 if __name__ == "__main__":
