@@ -126,6 +126,7 @@ def _sglang_split(text: str, dialect: Dialect, fam: FamilyProfile, thinking: boo
 
 
 def _vllm_split(text: str, dialect: Dialect, fam: FamilyProfile, thinking: bool) -> tuple[str | None, str]:
+    """vLLM's whole-response split for a tokenizer.json family (see the module doc)."""
     opening, closing = dialect.think_open or "", dialect.think_close or ""
     if not closing:
         return None, text
