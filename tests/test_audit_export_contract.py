@@ -113,7 +113,7 @@ def test_cli_refuses_in_one_line_and_keeps_the_previous_export(rows, tmp_path):
     _oov(bad_rows[k])
     bad = write_jsonl(tmp_path / "bad.jsonl", bad_rows)
     res = cli("export", str(bad), "-o", str(out), "-f", "specforge", "--target-vocab-size", str(V))
-    assert res.returncode == 2, res.stderr  # as for every other bad row (test_export.py)
+    assert res.returncode == 1, res.stderr  # as for every other bad row (test_export.py, test_exit_status.py)
     assert res.stderr.strip().splitlines() == [
         f"error: {bad}:{k + 1}: input_ids: id {V} at position {len(bad_rows[k]['input_ids']) - 2} is outside the "
         f"vocabulary (size {V})"]

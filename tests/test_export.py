@@ -286,7 +286,7 @@ def test_cli_export_and_bad_row(run, tmp_path):
     k = _first_ok(run[2])
     bad = write_jsonl(tmp_path / "bad.jsonl", _corrupt(run[2], k, loss_mask=run[2][k]["loss_mask"][1:] + [1]))
     res = runner.invoke(app, ["export", str(bad), "-o", str(tmp_path / "o2"), "--format", "parquet"])
-    assert res.exit_code == 2
+    assert res.exit_code == 1  # bad data, not a bad flag (docs/contracts.md, stage exit codes)
     assert f"{bad}:{k + 1}: loss_mask: is 1 at position" in res.output
 
 
