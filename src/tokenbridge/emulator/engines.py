@@ -114,8 +114,8 @@ def engine_text(
             raise ValueError(f"the emulator models no {engine} profile for {fam.name} (only sglang)")
         if not keep_stop and ids and tok.marker_ids.get(ids[-1]) in dialect.eos_markers:
             ids = ids[:-1]
-        reasoning, content = _harmony_split(tok.decode_bytes(ids).decode("utf-8", errors="replace"), stream=stream)
-        return EngineText(reasoning or None, content)
+        said, shown = _harmony_split(tok.decode_bytes(ids).decode("utf-8", errors="replace"), stream=stream)
+        return EngineText(said or None, shown)
     text = _detokenize(tok, dialect, ids, engine, fam)
     if engine == "vllm" and fam.vllm_reasoning != "kimi_k2":
         reasoning, content = _vllm_split(text, dialect, fam, thinking)
