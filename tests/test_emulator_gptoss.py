@@ -142,6 +142,19 @@ def test_sglang_profile_serves_what_sglangs_gpt_oss_parser_serves(tok, dialect, 
     assert compared["whole"] >= 190 and compared["cut"] >= 150 and compared["calls"] >= 20, compared
 
 
+@pytest.mark.parametrize("tail", ["a < b <", "x <|", "y<|ret", "plain"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_sglang_profile_on_content_ending_like_a_marker(tok, dialect, tail, stream):
+    """A final answer cut where its text could begin a marker: the streaming parser holds
+    that tail back and never flushes it; whole, it is served. Our profile, like SGLang's."""
+    ids = tok.encode("<|channel|>analysis<|message|>R<|end|><|start|>assistant<|channel|>final<|message|>" + tail)
+    theirs = _engine(tok, dialect).serve(ids, 0, thinking=True, stream=stream)["choices"][0]["message"]
+    ours = engine_text(tok, dialect, ids, True, "sglang", stream=stream)
+    assert (ours.reasoning, ours.content) == (theirs["reasoning_content"], theirs["content"])
+    held = stream and tail != "plain"
+    assert ours.reasoning == "R" and (ours.content != tail) == held, ours
+
+
 def test_a_vllm_provider_for_gpt_oss_is_a_config_error_not_a_500(tok, dialect):
     from tokenbridge.emulator.server import _Emulator
 
