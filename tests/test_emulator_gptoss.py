@@ -142,6 +142,36 @@ def test_sglang_profile_serves_what_sglangs_gpt_oss_parser_serves(tok, dialect, 
     assert compared["whole"] >= 190 and compared["cut"] >= 150 and compared["calls"] >= 20, compared
 
 
+_A, _NEXT = "<|channel|>analysis<|message|>", "<|end|><|start|>assistant"
+_SHAPES = {
+    "preamble": _A + "R1" + _NEXT + "<|channel|>commentary<|message|>Pre." + _NEXT + "<|channel|>final<|message|>Ans.<|return|>",
+    "two_analysis": _A + "R1" + _NEXT + "<|channel|>analysis<|message|>R2" + _NEXT + "<|channel|>final<|message|>A.<|return|>",
+    "call": _A + "R1" + _NEXT + "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>",
+    "no_analysis": "<|channel|>final<|message|>Only.<|return|>",
+    "empty_analysis": _A + _NEXT + "<|channel|>final<|message|>E.<|return|>",
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_SHAPES))
+def test_sglang_profile_at_every_cut_of_every_harmony_shape(tok, dialect, shape):
+    """The shapes the emulator's model does not write (preambles, two analyses, no or an
+    empty analysis) too: every prefix, whole and streamed, stop trimmed and kept."""
+    ids = tok.encode(_SHAPES[shape])
+    for keep in (False, True):
+        engine = _engine(tok, dialect)
+        if keep:
+            engine.stop_ids = set()
+        for stream in (False, True):
+            for cut in range(1, len(ids) + 1):
+                theirs = engine.serve(ids[:cut], 0, thinking=True, stream=stream)["choices"][0]["message"]
+                ours = engine_text(tok, dialect, ids[:cut], True, "sglang", stream=stream, keep_stop=keep)
+                assert (ours.reasoning, ours.content) == (theirs["reasoning_content"], theirs["content"]), (keep, stream, cut)
+    whole = engine_text(tok, dialect, ids, True, "sglang")
+    assert (whole.reasoning, whole.content) == {
+        "preamble": ("R1", "Pre.Ans."), "two_analysis": ("R1R2", "A."), "call": ("R1", ""),
+        "no_analysis": (None, "Only."), "empty_analysis": (None, "E.")}[shape]
+
+
 @pytest.mark.parametrize("tail", ["a < b <", "x <|", "y<|ret", "plain"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_sglang_profile_on_content_ending_like_a_marker(tok, dialect, tail, stream):

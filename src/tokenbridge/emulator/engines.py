@@ -162,34 +162,27 @@ def _harmony_split(text: str, *, stream: bool) -> tuple[str, str]:
     pos = 0
     while pos < len(text):
         head = text.find("<|channel|>", pos)
-        if head < 0:
-            break  # an unfinished ``<|start|>assistant``: held back, never shown
-        body = text.find("<|message|>", head)
+        body = text.find("<|message|>", head) if head >= 0 else -1
         if body < 0:
-            break  # an unfinished header
+            break  # an unfinished ``<|start|>assistant`` or header: held back, never shown
         channel = text[head + len("<|channel|>"):body].strip().lower()
         start = body + len("<|message|>")
-        stops = [(text.find(e, start), e) for e in (("<|return|>",) if channel.startswith("final") else
-                                                    ("<|end|>", "<|call|>"))]
-        found = [(at, e) for at, e in stops if at >= 0]
-        at, end = min(found) if found else (len(text), "")
+        ends = ("<|return|>",) if channel.startswith("final") else ("<|end|>", "<|call|>")
+        at, end = min(((text.find(e, start), e) for e in ends if e in text[start:]), default=(len(text), ""))
         message = text[start:at]
-        if channel.startswith("analysis"):
-            if end != "<|call|>":
-                reasoning.append(message)
+        if end == "<|call|>":
+            # a call whose stop was kept: raw, from the <|start|> that opened its message
+            opened = text.rfind("<|start|>", pos, head)
+            content.append(text[opened if opened >= 0 else head:at + len(end)])
+        elif channel.startswith("analysis"):
+            reasoning.append(message)  # an unfinished analysis is shown as it grows
         elif channel.startswith("final"):
-            if stream and not end:
-                message = _held_back(message)
-            content.append(message)
-        elif channel.startswith("commentary") and end:
-            # a preamble (<|end|>) is content; a call with its <|call|> kept stays raw
-            content.append(message if end == "<|end|>" else text[text.rfind("<|start|>", pos, head) if
-                                                                 "<|start|>" in text[pos:head] else head:at + len(end)])
-        elif not end:
-            break  # an unfinished commentary message: waits for an end that never comes
-        pos = at + len(end)
+            content.append(_held_back(message) if stream and not end else message)
+        elif end:
+            content.append(message)  # a commentary preamble
         if not end:
-            break
+            break  # anything unfinished ends the text (a commentary call waits for its end)
+        pos = at + len(end)
     return "".join(reasoning), "".join(content)
 
 
