@@ -244,6 +244,7 @@ def test_sglang_oracle_over_500_emulator_completions_passes_no_wrong_ids(tok, di
                 seen["accepted_call"] += whole and bool(gen.calls)
             else:
                 seen.update(f["code"] for f in row["findings"] if f["severity"] == "error")
+    print(dict(seen))
     assert seen["completions"] >= 500, seen
     # every whole final answer is rebuilt exactly; every call SGLang dropped is rejected
     assert seen["accepted_whole"] == seen["whole"] - seen["whole_calls"] and seen["accepted_call"] == 0, seen
