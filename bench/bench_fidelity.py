@@ -29,18 +29,31 @@ import time
 from collections import Counter
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenbridge.emulator.families import FamilyProfile
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _providers():
+def _providers(family: FamilyProfile):
+    """One provider per quirk and per engine profile the family has. ``no_stop_trim`` is an
+    SGLang request flag, so it rides on the SGLang profile (gpt-oss, where the stop is text
+    the parser reads; elsewhere the stop is a skipped special token). gpt-oss has no vLLM
+    profile."""
     from tokenbridge.emulator import ProviderConfig, ProviderQuirks
 
+    harmony = family.writer == "harmony"
     out = [ProviderConfig(name="clean/fp8")]
     for f in fields(ProviderQuirks):
-        out.append(ProviderConfig(name=f"{f.name.replace('_', '-')}/fp8", quirks=ProviderQuirks(**{f.name: 1.0})))
-    for engine in ("sglang", "vllm"):
+        if f.name != "no_stop_trim":
+            out.append(ProviderConfig(name=f"{f.name.replace('_', '-')}/fp8", quirks=ProviderQuirks(**{f.name: 1.0})))
+    for engine in ("sglang", "vllm") if family.vllm_reasoning != "unmodelled" else ("sglang",):
         out.append(ProviderConfig(name=f"engine-{engine}/fp8", engine=engine))
+    if harmony:
+        out.append(ProviderConfig(name="engine-sglang-no-stop-trim/fp8", engine="sglang",
+                                  quirks=ProviderQuirks(no_stop_trim=1.0)))
     return tuple(out)
 
 
@@ -61,6 +74,7 @@ _FAMILIES = (
     ("deepseek-v3.2 thinking", "deepseek-v3.2", "deepseek/deepseek-v3.2", {"enabled": True}),
     ("deepseek-v3.2 instant", "deepseek-v3.2", "deepseek/deepseek-v3.2", None),
     ("glm-4.5", "glm-4.5", "z-ai/glm-4.5", None),
+    ("gpt-oss", "gpt-oss", "openai/gpt-oss-120b", None),
 )
 
 
@@ -109,10 +123,12 @@ def _run_family(folder: Path, model: str, reasoning: dict | None, args: argparse
     from tokenbridge.generate import generate_run, settings_from_mapping
     from tokenbridge.generate.settings import _builtin_path
     from tokenbridge.reconstruct import reconstruct_file, reconstruct_record
+    from tokenbridge.chat import resolve_dialect
+    from tokenbridge.emulator.families import family_profile
     from tokenbridge.tokenizer import load_tokenizer
 
     tok = load_tokenizer(folder)
-    providers = _providers()
+    providers = _providers(family_profile(resolve_dialect(tok)))
     datasets = [{"name": n, "path": _builtin_path(f"builtin:prompts/{n}.jsonl"), **({"limit": args.limit} if args.limit else {})}
                 for n in ("chat", "sharegpt", "plain")]
     table: dict[str, Counter] = {}

@@ -19,6 +19,7 @@ from ..chat import Dialect, ToolMarkers
 from ..tokenizer import Tokenizer
 from .config import ProviderConfig
 from .engines import engine_text, logprob_entries, reasoning_token_count
+from .families import family_profile
 from .hashing import draw
 from .synthetic import Generation
 
@@ -91,7 +92,7 @@ def build_choice(
     engine = provider.engine
     view = _spans_view(ids, gen, cut, tok, index) if gen.spans else _text_view(ids, gen, cut, tok, dialect, index)
     if engine != "none":
-        shown = engine_text(tok, dialect, ids, thinking, engine, stream=stream)
+        shown = engine_text(tok, dialect, ids, thinking, engine, stream=stream, keep_stop=hit("no_stop_trim"))
         ended = not cut and error is None
         view = replace(view, reasoning=shown.reasoning, content=shown.content or "", engine=engine,
                        null_content=shown.content is None,
@@ -203,7 +204,10 @@ def _parse_family_sections(content: str, dialect: Dialect, gen: Generation) -> t
     around the sections stays content."""
     assert dialect.tool_markers is not None
     tm = dialect.tool_markers
-    section = re.compile(re.escape(tm.section_begin) + ".*?" + re.escape(tm.section_end), re.S)
+    if family_profile(dialect).writer == "harmony":  # the call is a whole message, from its <|start|>
+        section = re.compile(re.escape("<|start|>assistant<|channel|>commentary to=") + ".*", re.S)
+    else:
+        section = re.compile(re.escape(tm.section_begin) + ".*?" + re.escape(tm.section_end), re.S)
     if not gen.calls or not section.search(content):
         return content, ()
     calls = tuple({"index": i, "id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}

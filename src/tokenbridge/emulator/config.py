@@ -86,6 +86,9 @@ class ProviderQuirks:
     unicode_nfkc: Rate = 0.0
     #: ``\r\n`` in the text turned into ``\n`` (usage counts the original).
     crlf_to_lf: Rate = 0.0
+    #: SGLang's ``no_stop_trim``: the stop token's text kept for the reasoning parser
+    #: (gpt-oss: a tool call then stays in ``content`` raw, ``<|call|>`` included).
+    no_stop_trim: Rate = 0.0
 
 
 @with_config(FORBID)

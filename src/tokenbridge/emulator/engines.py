@@ -39,6 +39,19 @@ The other families (:mod:`.families` holds each one's parser names and quirks):
   (``DeepSeekR1ReasoningParser``). Read from vllm-project/vllm at commits 693e2a48
   (qwen3), c9e9c484 (glm4_moe), d4f465fb (deepseek_v3), d5c95556 (deepseek_r1).
   ``reasoning_tokens`` is 0: the base ``count_reasoning_tokens``.
+
+gpt-oss (harmony), SGLang only (no vLLM profile is modelled for it):
+
+* ``sglang``: special tokens kept (SGLang turns ``skip_special_tokens`` off for gpt-oss),
+  the matched stop id trimmed unless the request set ``no_stop_trim``, then
+  ``ReasoningParser("gpt-oss")`` (its ``HarmonyParser``), inverted for the messages gpt-oss
+  writes: analysis texts joined are the reasoning (an unfinished one too); final text and
+  commentary preambles are the content; a commentary call whose ``<|call|>`` was trimmed
+  is never complete and is dropped, one with its ``<|call|>`` kept stays in the content
+  raw, from its ``<|start|>``; an unfinished header shows nothing. Streamed, the parser
+  holds back a tail of the content that could begin a marker (``<``, ``<|``...) and its
+  end-of-stream flush does not give it back. ``reasoning_tokens`` counts up to and
+  including the first ``<|end|>`` (the detector's ``think_end_token``).
 """
 
 from __future__ import annotations
@@ -88,11 +101,21 @@ def _detokenize(tok: Tokenizer, dialect: Dialect, ids: list[int], engine: Engine
 
 
 def engine_text(
-    tok: Tokenizer, dialect: Dialect, ids: list[int], thinking: bool, engine: Engine, *, stream: bool = False
+    tok: Tokenizer, dialect: Dialect, ids: list[int], thinking: bool, engine: Engine, *, stream: bool = False,
+    keep_stop: bool = False,
 ) -> EngineText:
     """The (reasoning, content) an engine serves for completion ``ids`` (stop id included);
-    ``stream``: as the streamed deltas add up (SGLang only; vLLM is modelled whole)."""
+    ``stream``: as the streamed deltas add up (SGLang only; vLLM is modelled whole);
+    ``keep_stop``: SGLang's ``no_stop_trim`` (gpt-oss only: elsewhere the stop is a
+    special token the detokenizer skips anyway)."""
     fam = family_profile(dialect)
+    if fam.writer == "harmony":
+        if engine != "sglang":
+            raise ValueError(f"the emulator models no {engine} profile for {fam.name} (only sglang)")
+        if not keep_stop and ids and tok.marker_ids.get(ids[-1]) in dialect.eos_markers:
+            ids = ids[:-1]
+        said, shown = _harmony_split(tok.decode_bytes(ids).decode("utf-8", errors="replace"), stream=stream)
+        return EngineText(said or None, shown)
     text = _detokenize(tok, dialect, ids, engine, fam)
     if engine == "vllm" and fam.vllm_reasoning != "kimi_k2":
         reasoning, content = _vllm_split(text, dialect, fam, thinking)
@@ -123,6 +146,56 @@ def _sglang_split(text: str, dialect: Dialect, fam: FamilyProfile, thinking: boo
         at = text.index(tool)
         return text[:at], text[at:]
     return text, ""
+
+
+_HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
+_HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+
+
+def _harmony_split(text: str, *, stream: bool) -> tuple[str, str]:
+    """SGLang 0.5.23's gpt-oss split of ``text`` (special tokens kept), for the message
+    shapes gpt-oss writes (see the module doc): walk the messages, each an optional
+    ``<|start|>ROLE``, ``<|channel|>HEADER<|message|>BODY`` and an end marker or the end
+    of the text."""
+    reasoning: list[str] = []
+    content: list[str] = []
+    pos = 0
+    while pos < len(text):
+        head = text.find("<|channel|>", pos)
+        body = text.find("<|message|>", head) if head >= 0 else -1
+        if body < 0:
+            break  # an unfinished ``<|start|>assistant`` or header: held back, never shown
+        channel = text[head + len("<|channel|>"):body].strip().lower()
+        start = body + len("<|message|>")
+        ends = ("<|return|>",) if channel.startswith("final") else ("<|end|>", "<|call|>")
+        at, end = min(((text.find(e, start), e) for e in ends if e in text[start:]), default=(len(text), ""))
+        message = text[start:at]
+        if end == "<|call|>":
+            # a call whose stop was kept: raw, from the <|start|> that opened its message
+            opened = text.rfind("<|start|>", pos, head)
+            content.append(text[opened if opened >= 0 else head:at + len(end)])
+        elif channel.startswith("analysis"):
+            reasoning.append(message)  # an unfinished analysis is shown as it grows
+        elif channel.startswith("final"):
+            content.append(_held_back(message) if stream and not end else message)
+        elif end:
+            content.append(message)  # a commentary preamble
+        if not end:
+            break  # anything unfinished ends the text (a commentary call waits for its end)
+        pos = at + len(end)
+    return "".join(reasoning), "".join(content)
+
+
+def _held_back(text: str) -> str:
+    """``text`` without its longest tail that could begin a harmony marker (what the
+    streaming parser holds back and its end-of-stream flush drops)."""
+    hold = 0
+    for marker in _HARMONY_MARKERS:
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):
+            if marker.startswith(text[-k:]):
+                hold = max(hold, k)
+                break
+    return text[:-hold] if hold else text
 
 
 def _vllm_split(text: str, dialect: Dialect, fam: FamilyProfile, thinking: bool) -> tuple[str | None, str]:

@@ -14,6 +14,10 @@ serving engines make of the ids. A :class:`FamilyProfile` holds exactly that, as
   spaces (only for slow tokenizers: Kimi's tiktoken class; the ``tokenizer.json``
   families use ``tokenizers``' own decode, which adds none).
 
+gpt-oss (harmony) has no think block at all: its ``writer`` is ``harmony`` (analysis and
+final channels, one commentary tool call ended by ``<|call|>``), its SGLang parser keeps
+the special tokens, and no vLLM profile is modelled for it.
+
 The tool-call *grammar* is not here: the synthetic model takes it from the dialect's own
 prompt renderer, which writes a tool-calling assistant turn exactly as the model was
 trained to emit it (:func:`tool_section_text`). Adding a family is one entry in
@@ -32,7 +36,7 @@ from typing import Literal
 from ..chat import Dialect
 from ..tokenizer import Tokenizer
 
-__all__ = ["FAMILIES", "FamilyProfile", "VllmReasoning", "family_profile", "skipped_ids", "tool_section_text"]
+__all__ = ["FAMILIES", "FamilyProfile", "VllmReasoning", "Writer", "family_profile", "skipped_ids", "tool_section_text"]
 
 #: How vLLM's reasoning parser for the family splits a whole response:
 #: ``kimi_k2`` (``KimiK2ReasoningParser``: like SGLang's, ends at the tool section),
@@ -41,7 +45,12 @@ __all__ = ["FAMILIES", "FamilyProfile", "VllmReasoning", "family_profile", "skip
 #: dropped), ``deepseek_v3`` (``DeepSeekV3ReasoningParser``: thinking requests go to
 #: ``DeepSeekR1ReasoningParser``, all reasoning until ``</think>``; others to
 #: ``IdentityReasoningParser``, all content).
-VllmReasoning = Literal["kimi_k2", "both_markers", "deepseek_v3"]
+#: ``unmodelled``: no vLLM profile (gpt-oss: vLLM serves harmony through ``openai_harmony``,
+#: which this emulator does not invert); a vLLM provider for it is a config error.
+VllmReasoning = Literal["kimi_k2", "both_markers", "deepseek_v3", "unmodelled"]
+#: How the synthetic model lays out a completion: ``think`` (a think block, then content and
+#: the family's tool section) or ``harmony`` (gpt-oss's channels; see :mod:`.synthetic`).
+Writer = Literal["think", "harmony"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,7 @@ class FamilyProfile:
     sglang_tool_start: str | None = None
     vllm_reasoning: VllmReasoning = "both_markers"
     vllm_joins_added_tokens: bool = False
+    writer: Writer = "think"
 
 
 FAMILIES: dict[str, FamilyProfile] = {p.name: p for p in (
@@ -78,6 +88,9 @@ FAMILIES: dict[str, FamilyProfile] = {p.name: p for p in (
                   vllm_reasoning="deepseek_v3"),
     FamilyProfile("glm-4.5", content_lead_thinking="\n", content_lead_instant="\n", sglang_parser="glm45",
                   sglang_tool_start="<tool_call>", vllm_reasoning="both_markers"),
+    # Harmony: SGLang's gpt-oss detector runs its HarmonyParser over text with the special
+    # tokens kept (engines.py); it has no tool start of the think-block kind.
+    FamilyProfile("gpt-oss", sglang_parser="gpt-oss", vllm_reasoning="unmodelled", writer="harmony"),
 )}
 
 
@@ -85,7 +98,12 @@ def family_profile(dialect: Dialect) -> FamilyProfile:
     """The profile of ``dialect``'s family (``qwen3+template`` is ``qwen3``); a family
     without an entry (the generic dialect) gets the plain frame and no engine quirks."""
     base = dialect.name.split("+", 1)[0]
+    base = _SAME_COMPLETIONS.get(base, base)
     return FAMILIES.get(base, FamilyProfile(base))
+
+
+#: Dialects that render prompts their own way but share a family's completions.
+_SAME_COMPLETIONS = {"gpt-oss-harmony": "gpt-oss"}
 
 
 _SENTINEL = "\u2063TB-CONTENT\u2063"

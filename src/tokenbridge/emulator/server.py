@@ -28,9 +28,10 @@ from collections.abc import Mapping
 from aiohttp import web
 
 from ..chat import TemplateError, resolve_dialect
+from ..chat.harmony import HarmonyDialect, serving_days
 from ..tokenizer import Tokenizer
 from .choices import ChoiceView, LogprobsAsk, build_choice
-from .config import EmulatorConfig, ProviderConfig
+from .config import ConfigError, EmulatorConfig, ProviderConfig
 from .faults import pick_fault
 from .hashing import draw, request_key, sample_key
 from .responses import PROCESSING, Envelope, completion_body, dumps, error_body, sse_events, usage_body
@@ -108,12 +109,17 @@ class _Emulator:
             min_tokens=config.min_tokens,
             max_tokens=config.max_tokens,
         )
+        fam = self.model.family
+        unserved = [p.name for p in config.providers if p.engine == "vllm" and fam.vllm_reasoning == "unmodelled"]
+        if unserved:
+            raise ConfigError(f"providers {', '.join(unserved)}: the emulator models no vllm engine for {fam.name} "
+                              "(use engine = \"sglang\" or \"none\")")
         self.stats = _Stats()
         self.fault_rate = config.fault_rate
         self.latency_ms = config.latency_ms
         self.credits_usd = config.credits_usd
         self.spent_usd = 0.0
-        self._prompts: OrderedDict[tuple[str, str, bool, str], tuple[list[int], bool]] = OrderedDict()
+        self._prompts: OrderedDict[tuple[str, str, bool, str, str], tuple[list[int], bool]] = OrderedDict()
         self._ids = itertools.count(1)
         self._models = set(config.models)
         self._active: Counter[str] = Counter()  # requests each provider is serving now
@@ -178,7 +184,8 @@ class _Emulator:
             await asyncio.sleep(latency)
             raise self._fault_error(fault, provider, skey, attempt)
 
-        prompt_ids, opens_think = self._prompt_ids(req, skey)
+        created = int(time.time())
+        prompt_ids, opens_think = self._prompt_ids(req, skey, created)
         error = None
         if fault == "choice_error" or (fault == "midstream_error" and not req.stream):
             error = {"code": 502, "message": f"{provider.name}: the upstream connection dropped mid-generation"}
@@ -186,7 +193,7 @@ class _Emulator:
         usage = usage_body(len(prompt_ids), views, provider.prompt_price, provider.completion_price)
         env = Envelope(
             id=f"gen-{int(time.time())}-{skey[:8]}{next(self._ids):06d}",
-            created=int(time.time()),
+            created=created,
             model=base_model,
             provider=provider.name,
         )
@@ -237,16 +244,24 @@ class _Emulator:
         status = 502 if draw(self.config.seed, "5xx", skey, attempt) < 0.5 else 503
         return _HTTPError(status, f"{provider.name}: provider returned error (upstream {status})")
 
-    def _prompt_ids(self, req: _Request, skey: str) -> tuple[list[int], bool]:
-        """The prompt ids, and whether the prompt text ends by opening the think block."""
+    def _prompt_ids(self, req: _Request, skey: str, created: int) -> tuple[list[int], bool]:
+        """The prompt ids, and whether the prompt text ends by opening the think block.
+        A dialect whose prompt prints the serving day (gpt-oss) renders the first day the
+        response's ``created`` admits, as the gate reads it back."""
         kwargs = req.body.get("chat_template_kwargs")
-        key = (skey, dumps(req.tools) if req.tools else "", req.thinking, dumps(kwargs) if kwargs else "")
+        dated = isinstance(self.dialect, HarmonyDialect) and self.dialect.dated_prompt
+        days = serving_days({"created": created}, {}) if dated else None
+        day = days[0] if days else ""
+        key = (skey, dumps(req.tools) if req.tools else "", req.thinking, dumps(kwargs) if kwargs else "", day)
         hit = self._prompts.get(key)
         if hit is not None:
             self._prompts.move_to_end(key)
             return hit
         try:
-            text = self.dialect.render_request(req.body)
+            if dated:
+                text = self.dialect.prompt_readings(req.body, {"created": created}, {})[0].text
+            else:
+                text = self.dialect.render_request(req.body)
         except (TemplateError, KeyError, TypeError, AttributeError, ValueError) as exc:
             raise _HTTPError(400, f"cannot render the prompt from these messages: {type(exc).__name__}: {exc}") from None
         opening = self.dialect.think_open

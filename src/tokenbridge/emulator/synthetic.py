@@ -16,6 +16,13 @@ turn, and its ids are the parts of the dialect's own completion assembly
 ``<|observation|>`` after a call, DeepSeek's bare answer after a tool result), each
 encoded with the real tokenizer.
 
+gpt-oss writes harmony messages instead (``FamilyProfile.writer == "harmony"``), through
+the dialect's own ``completion_parts``: ``<|channel|>analysis<|message|>R<|end|>
+<|start|>assistant<|channel|>final<|message|>C<|return|>``, or after the analysis one
+commentary call ``<|start|>assistant<|channel|>commentary to=functions.NAME
+<|constrain|>json<|message|>ARGS<|call|>`` (a harmony call ends the turn: one per turn,
+no final text); the end markers are their single ids (``Tokenizer.token_id``).
+
 ``content`` may hold a raw tool-call section (marker text, which encodes to the marker
 ids). Outputs are cached per key so that serving the same sample again (retries, ``n``
 splits, streamed vs not) costs no CPU and yields the same bytes.
@@ -42,7 +49,7 @@ from .tool_specs import ToolSpec, make_arguments, tools_from_param, tools_from_t
 #: A generation's cache key: (conversation key, tools JSON, thinking, seed, choice index).
 _Key = tuple[str, str, bool, int, int]
 
-__all__ = ["ECHO_BEGIN", "ECHO_END", "Generation", "SyntheticModel"]
+__all__ = ["ECHO_BEGIN", "ECHO_END", "Generation", "SyntheticModel", "harmony_call_text"]
 
 #: A user message holding ``ECHO_BEGIN + text + ECHO_END`` gets ``text`` back verbatim as
 #: the content (what ``tokenbridge probe``'s echo tests ask a real model to do).
@@ -161,6 +168,13 @@ class SyntheticModel:
                 section = self._tool_section(picked, _prior_calls(messages))
                 if thinking and draw(self.seed, "no_think_close", *key) < self.tool_call_without_think_close:
                     return self._assemble(reasoning, section, think_closed=False)
+            elif self.family.writer == "harmony":
+                # the preamble sentence joins the analysis: the call message holds only the call
+                name, args = picked[0]
+                calls = ((name, json.dumps(args, ensure_ascii=False)),)
+                reasoning = f"{reasoning} {content}".strip() if content else reasoning
+                content = ""
+                section = harmony_call_text(name, calls[0][1])
             else:
                 # a sentence before the call always: the renderer's form of a call after
                 # empty content differs by family, and the section is cut out after it
@@ -216,8 +230,12 @@ class SyntheticModel:
         message = {"reasoning": reasoning, "content": content}
         parts = self.dialect.completion_parts(message, "stop", thinking, prompt_opens_think)
         ids: list[int] = []
-        for _, text in parts:
-            ids += self.tok.encode(text)
+        harmony = fam.writer == "harmony"
+        for kind, text in parts:
+            if harmony and kind in ("think_end", "end"):
+                ids.append(self.tok.token_id(text))  # <|end|>, <|return|>, <|call|>: one id each
+            else:
+                ids += self.tok.encode(text)
         if not self.tok.lossless:
             # A normalising tokenizer (Qwen3's NFC) cannot emit every text: what the model
             # wrote is what its ids decode to, part by part.
@@ -252,6 +270,12 @@ class SyntheticModel:
         ids += self.tok.encode(content)
         ids.append(self.end_id)
         return Generation(reasoning=reasoning, content=content, native_ids=tuple(ids), think_closed=think_closed)
+
+
+def harmony_call_text(name: str, arguments: str) -> str:
+    """A gpt-oss tool call as its content (after an analysis message), up to the
+    ``<|call|>`` the dialect appends: the header SGLang's HF template renders in history."""
+    return f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{arguments}"
 
 
 def _text(message: Mapping[str, Any]) -> str:
