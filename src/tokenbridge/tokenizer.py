@@ -33,7 +33,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import tiktoken
 
 __all__ = ["KIMI_PAT_STR", "PROMPT_CACHE_BYTES", "EncodeError", "Tokenizer", "TokenizerError", "load_tokenizer",
            "marker_pattern"]
@@ -500,6 +503,16 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
     except (ValueError, OverflowError) as exc:  # a pattern that does not compile, a rank out of range
         raise TokenizerError(f"{folder / 'tiktoken.model'}: tiktoken rejected the data ({exc})") from None
 
+    return _tiktoken_tokenizer(folder, source, enc, names, config, vocab_size=n_ranks + _KIMI_NUM_RESERVED,
+                               cut_long_runs=True)
+
+
+def _tiktoken_tokenizer(folder: Path, source: str, enc: tiktoken.Encoding, names: dict[int, str], config: dict[str, Any], *,
+                        vocab_size: int, cut_long_runs: bool) -> Tokenizer:
+    """A :class:`Tokenizer` over a built ``tiktoken.Encoding`` whose special tokens are
+    ``names``. ``cut_long_runs``: encode as transformers' ``tokenize()`` does for a folder
+    whose own tokenizer cuts long runs (Kimi's); without it one tiktoken call is exact."""
+    special = {t: i for i, t in names.items()}
     allowed = enc.special_tokens_set
     marker_re = marker_pattern(names.values())
     marker_split = marker_re.split
@@ -509,7 +522,7 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
     def encode_plain(text: str) -> list[int]:
         # No marker in the text: tiktoken's ordinary encode gives the ids the special-
         # aware encode would, without its per-call special-token set and scan.
-        if len(text) <= _MAX_RUN_CHARS:  # too short for a window or run cut
+        if not cut_long_runs or len(text) <= _MAX_RUN_CHARS:  # too short for a window or run cut
             return ordinary(text)
         out: list[int] = []
         for piece in split_long_runs(text):
@@ -520,7 +533,7 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
         if first_marker(text) is None:
             return encode_plain(text)
         # Short text cannot hit a window or run cut: one tiktoken call is exact.
-        if len(text) <= _MAX_RUN_CHARS:
+        if not cut_long_runs or len(text) <= _MAX_RUN_CHARS:
             return enc.encode(text, allowed_special=allowed)
         # As transformers' tokenize(): split on marker text first, then cut and encode
         # each ordinary piece, so a cut can never fall inside a marker.
@@ -547,7 +560,7 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
         source=source,
         kind="tiktoken",
         lossless=True,
-        vocab_size=n_ranks + _KIMI_NUM_RESERVED,
+        vocab_size=vocab_size,
         marker_ids=names,
         chat_template=_chat_template(folder, config),
         config=config,
@@ -600,45 +613,10 @@ def _load_tiktoken_beside_json(folder: Path, source: str) -> Tokenizer | None:
     try:
         enc = tiktoken.Encoding(name=f"tokenbridge:{folder.name}", pat_str=regex, mergeable_ranks=ranks,
                                 special_tokens=special)
-    except Exception as exc:
+    except (ValueError, OverflowError) as exc:  # a pattern that does not compile, a rank out of range
         raise TokenizerError(f"{path}: tiktoken rejected the data ({exc})") from None
     config = _read_json(folder / "tokenizer_config.json")
-    allowed = enc.special_tokens_set
-    marker_re = re.compile("|".join(re.escape(t) for t in sorted(names.values(), key=len, reverse=True)))
-    first_marker = _marker_finder(marker_re, names.values())
-    ordinary = enc.encode_ordinary
-
-    def encode(text: str) -> list[int]:
-        return ordinary(text) if first_marker(text) is None else enc.encode(text, allowed_special=allowed)
-
-    def split_markers(text: str) -> list[str | int]:
-        pieces: list[str | int] = []
-        pos = 0
-        for m in marker_re.finditer(text):
-            pieces.append(text[pos : m.start()])
-            pieces.append(special[m.group()])
-            pos = m.end()
-        pieces.append(text[pos:])
-        return pieces
-
-    def piece(token_id: int) -> bytes:
-        return enc.decode_single_token_bytes(token_id)
-
-    return Tokenizer(
-        name=folder.name,
-        source=source,
-        kind="tiktoken",
-        lossless=True,
-        vocab_size=max(names) + 1,
-        marker_ids=names,
-        chat_template=_chat_template(folder, config),
-        config=config,
-        _encode=encode,
-        _decode_bytes=enc.decode_bytes,
-        _piece=piece,
-        _split_markers=split_markers,
-        _encode_plain=ordinary,
-    )
+    return _tiktoken_tokenizer(folder, source, enc, names, config, vocab_size=max(names) + 1, cut_long_runs=False)
 
 
 def _load_tokenizers(folder: Path, source: str) -> Tokenizer:
