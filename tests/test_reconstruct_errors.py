@@ -90,21 +90,27 @@ def test_a_bug_is_an_internal_error_with_its_traceback_not_a_bad_line(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
-def test_cli_exits_non_zero_with_the_traceback_on_a_bug(tmp_path):
+def _reconstruct_cli_with_a_bug(tmp_path, raise_stmt: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``tokenbridge reconstruct`` in a fresh interpreter, its gate patched to run
+    ``raise_stmt`` (a bug, not bad input)."""
     src = _write(tmp_path / "in.jsonl", [_record("r", [USER])])
     code = (
-        "import sys\n"
+        "import os, sys\n"
         "import tokenbridge.reconstruct as r\n"
         "def boom(*a, **k):\n"
-        "    raise ZeroDivisionError('a bug in a check')\n"
+        f"    {raise_stmt}\n"
         "r.run_checks = boom\n"
         "from tokenbridge.cli import main\n"
         f"sys.argv = ['tokenbridge', 'reconstruct', {str(src)!r}, '-o', {str(tmp_path / 'out.jsonl')!r}, "
         f"'--tokenizer', {str(KIMI_DIR)!r}]\n"
         "main()\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", **env})
+
+
+def test_cli_exits_non_zero_with_the_traceback_on_a_bug(tmp_path):
+    proc = _reconstruct_cli_with_a_bug(tmp_path, "raise ZeroDivisionError('a bug in a check')", {"COLUMNS": "200"})
     assert proc.returncode == ExitCode.INTERNAL == 8
     assert "ZeroDivisionError" in proc.stderr and "a bug in a check" in proc.stderr
     assert "Traceback (most recent call last)" in proc.stderr
@@ -134,23 +140,11 @@ def test_a_negative_choice_index_is_not_an_index(kimi):
 
 
 def test_a_bugs_traceback_never_shows_a_secret_from_the_environment(tmp_path):
-    """The traceback main() prints is scrubbed: a bug whose message (or a frame's source
-    line) carries the API key shows *** instead, raw and JSON-escaped alike."""
-    src = _write(tmp_path / "in.jsonl", [_record("r", [USER])])
+    """The traceback main() prints is scrubbed: a bug whose message carries the API key
+    shows *** instead."""
     key = "sk-or-v1-" + "5e" * 16
-    code = (
-        "import os, sys\n"
-        "import tokenbridge.reconstruct as r\n"
-        "def boom(*a, **k):\n"
-        "    raise RuntimeError('bug holding ' + os.environ['OPENROUTER_API_KEY'])\n"
-        "r.run_checks = boom\n"
-        "from tokenbridge.cli import main\n"
-        f"sys.argv = ['tokenbridge', 'reconstruct', {str(src)!r}, '-o', {str(tmp_path / 'out.jsonl')!r}, "
-        f"'--tokenizer', {str(KIMI_DIR)!r}]\n"
-        "main()\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OPENROUTER_API_KEY": key})
+    proc = _reconstruct_cli_with_a_bug(tmp_path, "raise RuntimeError('bug holding ' + os.environ['OPENROUTER_API_KEY'])",
+                                       {"OPENROUTER_API_KEY": key})
     assert proc.returncode == ExitCode.INTERNAL
     assert "bug holding ***" in proc.stderr
     assert key not in proc.stderr + proc.stdout and key[9:] not in proc.stderr
