@@ -307,6 +307,33 @@ def test_encode_prompt_reuses_shared_prompt_pieces(kimi):
     assert after["hits"] - before["hits"] >= 3
 
 
+_NEAR_MARKER_TEXT = st.lists(st.one_of(
+    st.sampled_from(["<|im_end|>", "</think>", "<think>", "[EOS]", "<|tool_call_begin|>", "<|im_", "</th", "[E", "<", "[",
+                     "|>", "think>", "<|", "a < b", "x[0]", "字", "\n"]),
+    st.text(max_size=6)), max_size=12).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_NEAR_MARKER_TEXT)
+def test_marker_free_text_encodes_to_no_marker_id(kimi, text):
+    """The gate skips its marker-id scan for text ``marker_free`` clears: that is only
+    right if such text never encodes to a marker id (and text holding one is never cleared)."""
+    ids = kimi.encode(text)
+    holds_marker = any(i in kimi.marker_ids for i in ids)
+    if kimi.marker_free(text):
+        assert not holds_marker
+    if holds_marker:
+        assert not kimi.marker_free(text)
+    assert kimi.marker_free(text) == (re.search("|".join(map(re.escape, kimi.markers)), text) is None)
+
+
+def test_tokenizer_json_folders_leave_marker_ids_to_the_scan(tmp_path):
+    folder = tmp_path / "tiny"
+    _tiny_tokenizer_json(folder, ["<|im_start|>", "<|im_end|>"])
+    tok = load_tokenizer(folder)
+    assert not tok.marker_free("plain words") and not tok.marker_free("<|im_end|>")
+
+
 def test_tokenizer_json_encode_prompt_is_encode(tmp_path):
     folder = tmp_path / "tiny"
     _tiny_tokenizer_json(folder, ["<|im_start|>", "<|im_end|>", "<think>", "</think>"])

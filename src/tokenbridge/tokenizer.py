@@ -126,6 +126,9 @@ class Tokenizer:
     _split_markers: Callable[[str], list[str | int]] | None = field(default=None, repr=False)
     #: Encode text known to hold no marker (exactly ``encode`` on such text).
     _encode_plain: Callable[[str], list[int]] | None = field(default=None, repr=False)
+    #: Whether text may hold marker text (False: its ids hold no marker id, exactly).
+    #: None where only the ids can tell (``tokenizers`` folders).
+    _may_hold_marker: Callable[[str], bool] | None = field(default=None, repr=False)
     _prompt_cache: _PieceCache = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -154,6 +157,13 @@ class Tokenizer:
             elif piece:
                 out.extend(cache.ids(piece, plain))
         return out
+
+    def marker_free(self, text: str) -> bool:
+        """True when ``encode(text)`` certainly holds no marker id: the text holds no
+        marker's text, by the same memchr-fast test ``encode`` itself runs (tiktoken
+        layout). False means "look at the ids": it may hold one, or only they can say."""
+        may = self._may_hold_marker
+        return may is not None and not may(text)
 
     @property
     def prompt_cache_stats(self) -> dict[str, int]:
@@ -569,6 +579,7 @@ def _tiktoken_tokenizer(folder: Path, source: str, enc: tiktoken.Encoding, names
         _piece=piece,
         _split_markers=split_markers,
         _encode_plain=encode_plain,
+        _may_hold_marker=lambda text: first_marker(text) is not None,
     )
 
 
