@@ -706,29 +706,31 @@ def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024) -> It
                 continue
             data = b"".join([*partial, block[:cut]]) if partial else block[:cut]
             partial = [block[cut:]] if cut < len(block) else []
-            for piece in _at_most_lines(data, max_lines):
+            for piece, n_lines in _at_most_lines(data, max_lines):
                 yield lineno, piece
-                lineno += piece.count(b"\n")
+                lineno += n_lines
                 if b"\r" in piece:  # a lone \r ends a line in text mode too (memchr-fast test)
                     lineno += piece.count(b"\r") - piece.count(b"\r\n")
     if partial:
         yield lineno, b"".join(partial)
 
 
-def _at_most_lines(data: bytes, max_lines: int) -> Iterator[bytes]:
-    """``data`` (whole lines) cut into pieces of at most ``max_lines`` ``\n``-lines."""
-    if data.count(b"\n") <= max_lines:
-        yield data
+def _at_most_lines(data: bytes, max_lines: int) -> Iterator[tuple[bytes, int]]:
+    """``data`` (whole lines) cut into pieces of at most ``max_lines`` ``\n``-lines, each
+    with its number of ``\n`` (counted once: a count is a pass over the bytes)."""
+    total = data.count(b"\n")
+    if total <= max_lines:
+        yield data, total
         return
     start = pos = 0
     n = 0
     while (pos := data.find(b"\n", pos) + 1) > 0:
         n += 1
         if n == max_lines:
-            yield data[start:pos]
+            yield data[start:pos], n
             start, n = pos, 0
     if start < len(data):
-        yield data[start:]
+        yield data[start:], n
 
 
 def reconstruct_file(

@@ -9,6 +9,7 @@ prompt renderer.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
@@ -53,15 +54,15 @@ class ToolMarkers:
     #: Markers a section may hold anywhere, outside the grammar (harmony's ``<|constrain|>``).
     optional: tuple[str, ...] = ()
 
-    @property
+    @cached_property
     def repeated(self) -> tuple[str, ...]:
         if self.unit is not None:
             return self.unit
         return tuple(m for m in (self.call_begin, self.argument_begin, self.call_end) if m)
 
-    @property
+    @cached_property
     def all(self) -> tuple[str, ...]:
-        """The marker tokens that belong to tool sections."""
+        """The marker tokens that belong to tool sections (built once: the gate asks per sample)."""
         if self.token is not None:
             return (self.token,)
         return tuple(dict.fromkeys((self.section_begin, self.section_end, *self.repeated, *self.optional)))
