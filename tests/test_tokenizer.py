@@ -325,6 +325,7 @@ def test_marker_free_text_encodes_to_no_marker_id(kimi, text):
     if holds_marker:
         assert not kimi.marker_free(text)
     assert kimi.marker_free(text) == (re.search("|".join(map(re.escape, kimi.markers)), text) is None)
+    assert kimi.encode_checked(text) == (ids, kimi.marker_free(text))  # one test, the same answers
 
 
 def test_tokenizer_json_folders_leave_marker_ids_to_the_scan(tmp_path):
@@ -332,6 +333,7 @@ def test_tokenizer_json_folders_leave_marker_ids_to_the_scan(tmp_path):
     _tiny_tokenizer_json(folder, ["<|im_start|>", "<|im_end|>"])
     tok = load_tokenizer(folder)
     assert not tok.marker_free("plain words") and not tok.marker_free("<|im_end|>")
+    assert tok.encode_checked("plain words") == (tok.encode("plain words"), False)
 
 
 def test_tokenizer_json_encode_prompt_is_encode(tmp_path):

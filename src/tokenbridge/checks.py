@@ -134,6 +134,9 @@ class SampleView:
     provider_edits: Sequence[tuple[str, str]] = ()
     #: the provider's count calibration, in words, when one applies
     calibration: str | None = None
+    #: per part, whether :meth:`Tokenizer.encode_checked` found its text free of marker
+    #: text (its ids then hold no marker id); empty: unknown, the gate tests each text
+    part_marker_free: Sequence[bool] = ()
 
     @property
     def proven_by_ids(self) -> bool:
@@ -281,8 +284,9 @@ def _marker_text(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     leaked = next((e for e in d.end_tokens if isinstance(content, str) and content.endswith(e)), None)
     if leaked:
         yield "eos_in_text", f"content ends with {leaked!r} text (leaked); taken as the end token, not doubled"
-    for (kind, part_text), ids in zip(view.parts, view.part_ids):
-        if kind not in ("reasoning", "content", "tool_calls") or tok.marker_free(part_text) or markers.isdisjoint(ids):
+    free = view.part_marker_free or [tok.marker_free(t) for _, t in view.parts]
+    for (kind, part_text), ids, clear in zip(view.parts, view.part_ids, free):
+        if kind not in ("reasoning", "content", "tool_calls") or clear or markers.isdisjoint(ids):
             continue
         found = [(pos, names[i]) for pos, i in enumerate(ids) if i in markers]
         where = "reasoning" if kind == "reasoning" else "content"

@@ -74,6 +74,8 @@ class _Choice:
     stop: int | str | None
     cands: list[Candidate]
     cand_ids: list[list[list[int]]]
+    #: per candidate, per part: its text holds no marker's text (so its ids hold no marker id)
+    cand_free: list[list[bool]]
     chosen: int = 0
     #: names of every candidate the evidence could not rule out, when more than one
     ambiguous: list[str] = field(default_factory=list)
@@ -174,6 +176,7 @@ def _reconstruct(
             prompt_ids=prompt_ids,
             parts=parts,
             part_ids=part_ids,
+            part_marker_free=p.cand_free[p.chosen],
             completion_ids=completion_ids,
             usage_prompt=usage_prompt,
             usage_completion=pair,
@@ -279,9 +282,20 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     stop = matched_stop(choice)
     ends = _named_ends(tok, dialect, finish, stop, logged, native)
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins)
-    cand_ids = [[[tok.token_id(text)] if kind in _MARKER_PARTS else tok.encode(text) for kind, text in c.parts]
-                for c in cands]
-    return _Choice(idx, choice, native, logged, stop, cands, cand_ids)
+    cand_ids: list[list[list[int]]] = []
+    cand_free: list[list[bool]] = []
+    for c in cands:
+        ids_c, free_c = [], []
+        for kind, text in c.parts:
+            if kind in _MARKER_PARTS:
+                ids, free = [tok.token_id(text)], False
+            else:
+                ids, free = tok.encode_checked(text)
+            ids_c.append(ids)
+            free_c.append(free)
+        cand_ids.append(ids_c)
+        cand_free.append(free_c)
+    return _Choice(idx, choice, native, logged, stop, cands, cand_ids, cand_free)
 
 
 def _named_ends(tok: Tokenizer, dialect: Dialect, finish: Any, stop: int | str | None,

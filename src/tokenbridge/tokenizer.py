@@ -158,6 +158,13 @@ class Tokenizer:
                 out.extend(cache.ids(piece, plain))
         return out
 
+    def encode_checked(self, text: str) -> tuple[list[int], bool]:
+        """``(encode(text), marker_free(text))``, the marker test run once for both."""
+        may, plain = self._may_hold_marker, self._encode_plain
+        if may is None or plain is None or may(text):
+            return self._encode(text), False
+        return plain(text), True
+
     def marker_free(self, text: str) -> bool:
         """True when ``encode(text)`` certainly holds no marker id: the text holds no
         marker's text, by the same memchr-fast test ``encode`` itself runs (tiktoken
