@@ -24,7 +24,7 @@ from tokenbridge.exchanges import RecordError, iter_lines, loads_line
 from tokenbridge.fsio import dumps_line
 from tokenbridge.rows import DERIVED_COLUMNS, encode_lean_row, encode_row, with_derived
 from tokenbridge.reconstruct import _chunk_lines, _chunks, _load, reconstruct_file, reconstruct_record
-from tokenbridge.tokenizer import KIMI_PAT_STR, load_tokenizer, marker_pattern
+from tokenbridge.tokenizer import KIMI_PAT_STR, load_tokenizer, marker_pattern, marker_splitter
 
 from conftest import KIMI_DIR, ROOT
 
@@ -231,6 +231,28 @@ def test_marker_prefix_tree_matches_the_longest_first_alternation(data):
         tree, plain = marker_pattern(markers), _alternation(markers)
         assert tree.split(text) == plain.split(text)
         assert [m.span() for m in tree.finditer(text)] == [m.span() for m in plain.finditer(text)]
+
+
+_MANY_FIRSTS = ("<a", "[b", "{c", "(d", "|e", "ab")  # more first characters than the splitter groups
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_marker_splitter_cuts_where_the_whole_pattern_cuts(data):
+    """Splitting by the largest first-character group (when no other group's marker is
+    in the text) gives the whole pattern's pieces: on Kimi's 256 markers, on nested
+    prefixes across groups (``<a``/``<ab``, ``[E``/``[EOS]``, a one-character ``b``),
+    and on a set with too many groups to split by one."""
+    for markers in (_kimi_markers(), _NESTED_MARKERS, _MANY_FIRSTS):
+        text = data.draw(_near(markers))
+        assert marker_splitter(markers)(text) == marker_pattern(markers).split(text)
+
+
+def test_marker_splitter_takes_the_whole_pattern_when_another_group_occurs():
+    split = marker_splitter(_NESTED_MARKERS)
+    assert split("x<ab y") == ["x", "<ab", " y"]  # only the largest group ("<...") occurs
+    assert split("<ab[EOS]b") == ["", "<ab", "", "[EOS]", "", "b", ""]  # "[" and "b" groups too
+    assert split("<a[E") == ["", "<a", "", "[E", ""]
 
 
 def _row_like(prompt: list[int], completion: list[int], text: str = "é\u2028\"\\x") -> dict:
