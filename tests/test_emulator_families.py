@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from test_families_support import SHARED, SGLangEngine, family_tokenizer, import_sglang_reasoning
+from test_families_support import SGLangEngine, family_tokenizer, import_sglang_reasoning, run_example
 from tokenbridge.chat import Dialect, TemplateError, resolve_dialect
 from tokenbridge.emulator.engines import engine_text
 from tokenbridge.emulator.families import family_profile
@@ -166,30 +166,13 @@ def _expected_ok(row_provider: str, native: list[int], tok: Any, dialect: Dialec
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_example_config_runs_end_to_end(tmp_path, name):
-    from tokenbridge.pipeline import load_run_config, run_pipeline
-
-    text = (ROOT / "examples" / f"{name}.toml").read_text(encoding="utf-8")
-    assert f'tokenizer = "../../shared/tokenizers/{name}"' in text
-    text = text.replace(f'out = "../runs/{name}"', 'out = "out"').replace(
-        f'tokenizer = "../../shared/tokenizers/{name}"', f'tokenizer = "{SHARED / name}"').replace(
-        'progress = "auto"', 'progress = "none"').replace('builtin:', str(ROOT / "src/tokenbridge/data") + "/")
-    cfg = tmp_path / f"{name}.toml"
-    cfg.write_text(text, encoding="utf-8")
-    results = {r.name: r.status for r in run_pipeline(load_run_config(cfg), echo=lambda _: None)}
-    assert "failed" not in results.values(), results
-
+    run = run_example(tmp_path, name)
     tok = family_tokenizer(name)
     dialect = resolve_dialect(tok)
-    out = tmp_path / "out"
-    native = {}
-    for line in (out / "exchanges.jsonl").read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line)
-        native[rec["id"]] = (rec["response"]["prompt_token_ids"], rec["response"]["choices"][0]["token_ids"],
-                             rec["response"]["provider"])
-    rows = [json.loads(line) for line in (out / "reconstructed.jsonl").read_text(encoding="utf-8").splitlines()]
+    native, rows = run.native, run.rows
     assert len(rows) == len(native) == 70
     expected = sum(_expected_ok(p, ids, tok, dialect, name) for _, ids, p in native.values())
-    ok = [r for r in rows if r["status"] == "ok"]
+    ok = run.ok_rows()
     assert len(ok) == expected, Counter((r["provider"], r["status"], tuple(f["code"] for f in r["findings"])) for r in rows)
     for r in ok:
         prompt_ids, completion_ids, _ = native[r["id"]]
@@ -199,8 +182,7 @@ def test_example_config_runs_end_to_end(tmp_path, name):
     calls = sum(bool(_section_ids(tok, dialect) & set(ids)) for _, ids, _ in native.values())
     assert calls >= 5, calls
     # the export holds exactly the ok rows, ids as rebuilt
-    train = [json.loads(line) for line in (out / "export" / "specforge" / "train.jsonl").read_text(encoding="utf-8").splitlines()]
-    assert sorted(t["input_ids"] for t in train) == sorted(r["prompt_ids"] + r["completion_ids"] for r in ok)
+    assert sorted(run.train_input_ids()) == sorted(r["prompt_ids"] + r["completion_ids"] for r in ok)
 
 
 def test_sglang_oracle_over_500_emulator_completions_passes_no_wrong_ids(family):

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from test_families_support import SHARED, SGLangEngine, family_tokenizer, import_sglang_reasoning
+from test_families_support import SGLangEngine, family_tokenizer, import_sglang_reasoning, run_example
 from tokenbridge.chat import resolve_dialect
 from tokenbridge.emulator.config import ConfigError, EmulatorConfig, ProviderConfig
 from tokenbridge.emulator.engines import engine_text
@@ -268,29 +268,11 @@ def _expected_ok(provider: str, native: list[int]) -> bool:
 
 
 def test_example_config_runs_end_to_end(tmp_path, tok, dialect):
-    from tokenbridge.pipeline import load_run_config, run_pipeline
-
-    name = "gpt-oss"
-    text = (ROOT / "examples" / f"{name}.toml").read_text(encoding="utf-8")
-    assert f'tokenizer = "../../shared/tokenizers/{name}"' in text
-    text = text.replace(f'out = "../runs/{name}"', 'out = "out"').replace(
-        f'tokenizer = "../../shared/tokenizers/{name}"', f'tokenizer = "{SHARED / name}"').replace(
-        'progress = "auto"', 'progress = "none"').replace('builtin:', str(ROOT / "src/tokenbridge/data") + "/")
-    cfg = tmp_path / f"{name}.toml"
-    cfg.write_text(text, encoding="utf-8")
-    results = {r.name: r.status for r in run_pipeline(load_run_config(cfg), echo=lambda _: None)}
-    assert "failed" not in results.values(), results
-
-    out = tmp_path / "out"
-    native = {}
-    for line in (out / "exchanges.jsonl").read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line)
-        native[rec["id"]] = (rec["response"]["prompt_token_ids"], rec["response"]["choices"][0]["token_ids"],
-                             rec["response"]["provider"])
-    rows = [json.loads(line) for line in (out / "reconstructed.jsonl").read_text(encoding="utf-8").splitlines()]
+    run = run_example(tmp_path, "gpt-oss")
+    native, rows = run.native, run.rows
     assert len(rows) == len(native) == 70
     expected = sum(_expected_ok(p, ids) for _, ids, p in native.values())
-    ok = [r for r in rows if r["status"] == "ok"]
+    ok = run.ok_rows()
     assert len(ok) == expected, Counter((r["provider"], r["status"], tuple(f["code"] for f in r["findings"])) for r in rows)
     for r in ok:
         prompt_ids, completion_ids, _ = native[r["id"]]
@@ -307,5 +289,4 @@ def test_example_config_runs_end_to_end(tmp_path, tok, dialect):
     assert len(by_provider) == 4 and min(by_provider.values()) >= 5, by_provider
     calls = Counter(p for _, ids, p in native.values() if ids[-1] == CALL)
     assert sum(calls.values()) >= 5, calls
-    train = [json.loads(line) for line in (out / "export" / "specforge" / "train.jsonl").read_text(encoding="utf-8").splitlines()]
-    assert sorted(t["input_ids"] for t in train) == sorted(r["prompt_ids"] + r["completion_ids"] for r in ok)
+    assert sorted(run.train_input_ids()) == sorted(r["prompt_ids"] + r["completion_ids"] for r in ok)

@@ -9,6 +9,7 @@ so its ``__init__`` (the whole runtime) never runs; the parser modules import no
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -36,6 +37,49 @@ def special_ids(name: str) -> set[int]:
     """Ids a ``skip_special_tokens=True`` decode drops (``special: true`` added tokens)."""
     data = json.loads((SHARED / name / "tokenizer.json").read_text(encoding="utf-8"))
     return {t["id"] for t in data["added_tokens"] if t.get("special")}
+
+
+@dataclasses.dataclass
+class ExampleRun:
+    """An ``examples/<family>.toml`` run end to end in a temporary folder (emulator, no keys)."""
+
+    out: Path
+    #: exchange id -> (native prompt ids, native completion ids, provider), as the emulator served them
+    native: dict[str, tuple[list[int], list[int], str]]
+    rows: list[dict[str, Any]]
+
+    def ok_rows(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["status"] == "ok"]
+
+    def train_input_ids(self) -> list[list[int]]:
+        """The SpecForge export's ``input_ids``, one list per exported sample."""
+        path = self.out / "export" / "specforge" / "train.jsonl"
+        return [json.loads(line)["input_ids"] for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def run_example(tmp_path: Path, name: str) -> ExampleRun:
+    """Run the shipped example config of family ``name`` with its paths pointed here
+    (output in ``tmp_path/out``, the tokenizer from ../shared, bundled prompts from the
+    source tree); fails the test if any stage failed."""
+    from tokenbridge.pipeline import load_run_config, run_pipeline
+
+    text = (ROOT / "examples" / f"{name}.toml").read_text(encoding="utf-8")
+    assert f'tokenizer = "../../shared/tokenizers/{name}"' in text
+    text = text.replace(f'out = "../runs/{name}"', 'out = "out"').replace(
+        f'tokenizer = "../../shared/tokenizers/{name}"', f'tokenizer = "{SHARED / name}"').replace(
+        'progress = "auto"', 'progress = "none"').replace('builtin:', str(ROOT / "src/tokenbridge/data") + "/")
+    cfg = tmp_path / f"{name}.toml"
+    cfg.write_text(text, encoding="utf-8")
+    results = {r.name: r.status for r in run_pipeline(load_run_config(cfg), echo=lambda _: None)}
+    assert "failed" not in results.values(), results
+    out = tmp_path / "out"
+    native = {}
+    for line in (out / "exchanges.jsonl").read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        native[rec["id"]] = (rec["response"]["prompt_token_ids"], rec["response"]["choices"][0]["token_ids"],
+                             rec["response"]["provider"])
+    rows = [json.loads(line) for line in (out / "reconstructed.jsonl").read_text(encoding="utf-8").splitlines()]
+    return ExampleRun(out, native, rows)
 
 
 class OracleTokenizer:
