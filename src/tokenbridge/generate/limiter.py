@@ -66,6 +66,8 @@ __all__ = ["AdaptiveLimiter"]
 
 _SERVED_SPAN = 1.0  # served concurrency is measured over this many mean latencies
 _GOLDEN = 0.6180339887498949  # successive multiples mod 1 spread evenly over [0, 1)
+_HISTORY = 3.0  # in flight's changes and the 429s are kept for this many mean latencies
+_FLIGHT_MAX = 64  # and for at most this many changes per slot of the ceiling (memory, before any latency is known)
 
 
 @dataclass
@@ -105,6 +107,8 @@ class AdaptiveLimiter:
     _rate_limited: int = field(default=0, repr=False)  # 429s in _answers
     _refused: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (sent, answered): last 429s re-sent
     _served: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (done_at, latency_s) of recent successes
+    _flight: deque[tuple[float, int]] = field(default_factory=deque, repr=False)  # (at, in_flight): its recent changes
+    _refusals: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (sent, answered): recent 429s
     _latency: float | None = field(default=None, repr=False)  # moving mean latency of successes
     _first_sent: float = field(default=math.inf, repr=False)
     _last_cut: float = field(default=-math.inf, repr=False)
@@ -134,9 +138,24 @@ class AdaptiveLimiter:
     def try_acquire(self) -> float | None:
         """Take a slot if one is free and nobody waits for it: the time it was granted, or None."""
         if not self._waiters and self.in_flight < self.slots:
-            self.in_flight += 1
-            return self.clock()
+            return self._take()
         return None
+
+    def _take(self) -> float:
+        self.in_flight += 1
+        now = self.clock()
+        self._record(now)
+        return now
+
+    def _record(self, now: float) -> None:
+        """Keeps in flight's recent changes: :meth:`_accepted_before` reads it back."""
+        self._flight.append((now, self.in_flight))
+        if len(self._flight) > _FLIGHT_MAX * self.ceiling:
+            self._flight.popleft()
+        if self._latency is not None:  # the entry at or before the cutoff stays: the level there
+            cutoff = now - _HISTORY * self._latency
+            while len(self._flight) > 1 and self._flight[1][0] <= cutoff:
+                self._flight.popleft()
 
     async def acquire(self) -> float:
         """Take a slot (waiters are served in arrival order); returns the time it was granted,
@@ -156,14 +175,14 @@ class AdaptiveLimiter:
 
     def release(self) -> None:
         self.in_flight -= 1
+        self._record(self.clock())
         self._hand_over()
 
     def _hand_over(self) -> None:
         while self._waiters and self.in_flight < self.slots:
             fut = self._waiters.popleft()
             if not fut.done():
-                self.in_flight += 1
-                fut.set_result(self.clock())
+                fut.set_result(self._take())
 
     # --- answers ----------------------------------------------------------------------
 
@@ -187,10 +206,15 @@ class AdaptiveLimiter:
         """
         # its slot went to a waiting request (the engine releases first), or is the one slot its own
         # worker takes again next (no other waiter at the ceiling); over a lower limit it stays free
+        now = self.clock()
         if self.slots - 1 <= self.in_flight <= self.slots:
-            self._refused.append((sent_at, self.clock()))  # sent before the last cut or after: all count below
+            self._refused.append((sent_at, now))  # sent before the last cut or after: all count below
             if len(self._refused) > self.ceiling:
                 self._refused.popleft()
+        self._refusals.append((sent_at, now))
+        horizon = now - _HISTORY * (self._latency or math.inf)
+        while self._refusals and (self._refusals[0][1] < horizon or len(self._refusals) > _FLIGHT_MAX * self.ceiling):
+            self._refusals.popleft()
         if sent_at < self._last_cut:
             return False
         self._note(True)
@@ -220,6 +244,39 @@ class AdaptiveLimiter:
         stayed free (over a lower limit, or nothing left to send) is not in flight."""
         now = self.clock()
         return sum(1 for sent, answered in self._refused if now - answered < answered - sent)
+
+    def _accepted_before(self) -> int | None:
+        """The most requests in flight that the server accepted at once over the mean latency
+        up to one 429 turnaround ago: by then every refusal of a request in flight has come
+        back, so in flight less the refused ones is exact. Now it is not: the requests sent
+        within the last turnaround (a probe's or slow start's new slots) have not been
+        answered yet, and those a cap will refuse look accepted. None: too little history."""
+        if self._latency is None or not self._refusals or not self._flight:
+            return None
+        now = self.clock()
+        until = now - max(answered - sent for sent, answered in self._refusals)
+        since = until - self._latency
+        if self._flight[0][0] > since:
+            return None  # in flight before the history began is unknown
+        # (at, order, in_flight or None, refused delta): a 429's own send and answer bracket its time
+        points: list[tuple[float, int, int | None, int]] = [(at, 0, n, 0) for at, n in self._flight if since < at <= until]
+        level = next(n for at, n in reversed(self._flight) if at <= since)
+        refused = 0
+        for sent, answered in self._refusals:
+            if sent <= since < answered:
+                refused += 1
+            if since < sent <= until:
+                points.append((sent, 1, None, 1))
+            if since < answered <= until:
+                points.append((answered, 1, None, -1))
+        points.sort(key=lambda p: (p[0], p[1]))
+        best = level - refused
+        for i, (at, _, n, delta) in enumerate(points):
+            level = level if n is None else n
+            refused += delta
+            if i + 1 == len(points) or points[i + 1][0] > at:  # every change at one instant, then the count
+                best = max(best, level - refused)
+        return best
 
     def _note(self, rate_limited: bool) -> None:
         self._answers.append(rate_limited)
@@ -259,12 +316,15 @@ class AdaptiveLimiter:
         served = self.served_concurrency()
         refused = self._refused_in_flight()
         failed_again = self.base is not None and not self._base_held and old <= self.base + 1
-        accepted = float(self.in_flight - refused)
+        resolved = self._accepted_before()
+        accepted = float(self.in_flight - refused if resolved is None else resolved)
         if served is None or self._cut_slow or failed_again:  # the served level lags: count what was accepted
             new = max(accepted, 0.5 * old)
         else:  # a probe that overshot started from a level that held: not below it, nor below what was accepted
             good = self.base if self.base is not None and self._base_held and self.base < old else 0.0
-            new = min(max(float(round(served)), good, accepted, 0.5 * old), 0.95 * old)
+            # half the old limit bounds a guess; the accepted count is exact (a probe far over a cap near its base)
+            least = 0.0 if resolved is not None else 0.5 * old
+            new = min(max(float(round(served)), good, accepted, least), 0.95 * old)
         self.limit = max(float(self.floor), min(new, float(int(old) - 1)))  # at least one slot fewer
         self.base = self.limit
         self._base_held = False
