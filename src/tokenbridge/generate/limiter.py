@@ -67,6 +67,7 @@ __all__ = ["AdaptiveLimiter"]
 _SERVED_SPAN = 1.0  # served concurrency is measured over this many mean latencies
 _GOLDEN = 0.6180339887498949  # successive multiples mod 1 spread evenly over [0, 1)
 _HISTORY = 3.0  # in flight's changes and the 429s are kept for this many mean latencies
+_PROBE_Z = 3.0  # a probe's 429 share this many standard errors over its base's is a cap
 _FLIGHT_MAX = 64  # and for at most this many changes per slot of the ceiling (memory, before any latency is known)
 
 
@@ -105,6 +106,9 @@ class AdaptiveLimiter:
     noise: float = 0.0
     _answers: deque[bool] = field(default_factory=deque, repr=False)  # True = 429, sent after the last cut
     _rate_limited: int = field(default=0, repr=False)  # 429s in _answers
+    _probing: list[int] = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] since the probe (or slow start) began
+    _baseline: list[int] = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] at the base before the probe
+    _probe_cut: tuple[float, float] | None = field(default=None, repr=False)  # (base share, probe share) of a probe's cut
     _refused: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (sent, answered): last 429s re-sent
     _served: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (done_at, latency_s) of recent successes
     _flight: deque[tuple[float, int]] = field(default_factory=deque, repr=False)  # (at, in_flight): its recent changes
@@ -219,12 +223,34 @@ class AdaptiveLimiter:
             return False
         self._note(True)
         n, rl = len(self._answers), self._rate_limited
-        if rl < self.min_rate_limited or rl < (self.noise + self.threshold) * n:
-            return False
-        if rl < self.decisive_share * n and n < self.window:
-            return False  # a moderate share: judged over a whole window only
-        self._cut()
+        probe = self._probe_over_base()
+        if probe is None:
+            if rl < self.min_rate_limited or rl < (self.noise + self.threshold) * n:
+                return False
+            if rl < self.decisive_share * n and n < self.window:
+                return False  # a moderate share: judged over a whole window only
+        self._cut(probe)
         return True
+
+    def _probe_over_base(self) -> tuple[float, float] | None:
+        """(base share, probe share) when a probe's 429s are a real share over its base's.
+
+        A cap's 429s come with the level, noise's whatever the level: a probe is the test. Its
+        answers' 429 share is set against the answers' at the base it started from (the hold
+        before it): ``_PROBE_Z`` standard errors over is a cap. This finds a cap whose 429s come
+        back slowly: the share a slot over it makes falls with the turnaround (a slot refused
+        every fifth of a latency is 5 429s a latency beside 200 successes at a cap of 200),
+        and a fixed ``threshold`` over the noise waited for a dozen slots over."""
+        (n0, r0), (n1, r1) = self._baseline, self._probing
+        if self._slow or self._hold or self.base is None or self.limit <= self.base or not n0 or not n1:
+            return None
+        if r1 < self.min_rate_limited:
+            return None
+        p0, p1 = r0 / n0, r1 / n1
+        pooled = (r0 + r1) / (n0 + n1)
+        if p1 - p0 < _PROBE_Z * math.sqrt(pooled * (1 - pooled) * (1 / n0 + 1 / n1)):
+            return None
+        return p0, p1
 
     def served_concurrency(self) -> float | None:
         """Requests the server was serving at once, by Little's law: the successes' time in
@@ -281,6 +307,8 @@ class AdaptiveLimiter:
     def _note(self, rate_limited: bool) -> None:
         self._answers.append(rate_limited)
         self._rate_limited += rate_limited
+        self._probing[0] += 1
+        self._probing[1] += rate_limited
         if len(self._answers) > self.window:
             self._rate_limited -= self._answers.popleft()
         self._block[0] += 1
@@ -301,15 +329,21 @@ class AdaptiveLimiter:
             return  # still far over a cap: not noise
         self.noise = share
         self._base_held = True
-        if share > self._cut_share - 0.75 * self.threshold and self._before_cut > self.limit:
+        # a probe's cut went back to a base that held: were it noise, the next probe's share
+        # is its base's (the hold measures it) and it does not cut again; one window cannot tell
+        # a probe's few 429s from noise, so it is never undone
+        for_noise = self._probe_cut is None and share > self._cut_share - 0.75 * self.threshold
+        if for_noise and self._before_cut > self.limit:
             self.limit = self._before_cut
             self.base = self.limit  # probe from here: the excess over it doubling per round
             self._hold = 0
+            self._begin_probe()
             self._slow = self._cut_slow and self.limit < self.ceiling  # a cut for noise ended nothing
             self._hand_over()
 
-    def _cut(self) -> None:
+    def _cut(self, probe: tuple[float, float] | None = None) -> None:
         old = self.limit
+        self._probe_cut = probe
         self._before_cut = old
         self._cut_share = self._rate_limited / len(self._answers)
         self._cut_slow, self._slow = self._slow, False
@@ -319,22 +353,28 @@ class AdaptiveLimiter:
         resolved = self._accepted_before()
         accepted = float(self.in_flight - refused if resolved is None else resolved)
         if served is None or self._cut_slow or failed_again:  # the served level lags: count what was accepted
-            new = max(accepted, 0.5 * old)
+            new = accepted if resolved is not None else max(accepted, 0.5 * old)
         else:  # a probe that overshot started from a level that held: not below it, nor below what was accepted
             good = self.base if self.base is not None and self._base_held and self.base < old else 0.0
-            # half the old limit bounds a guess; the accepted count is exact (a probe far over a cap near its base)
-            least = 0.0 if resolved is not None else 0.5 * old
-            new = min(max(float(round(served)), good, accepted, least), 0.95 * old)
+            if resolved is not None:  # exact: no guess to bound (a probe far over a cap near its base) unless
+                new = max(good, accepted)  # the share may be noise's (which leaves a share refused at any level)
+                new = new if probe is not None else min(new, 0.95 * old)
+            else:
+                new = min(max(float(round(served)), good, accepted, 0.5 * old), 0.95 * old)
         self.limit = max(float(self.floor), min(new, float(int(old) - 1)))  # at least one slot fewer
         self.base = self.limit
         self._base_held = False
         self.cuts += 1
         # this cut's 429s over the noise, and those the refused requests still in flight will get, over target_share
+        # (all the probe's 429s, not the window's: a slow probe's window holds a few of them)
         over = max(0.0, self._cut_share - self.noise)
-        cost = over * len(self._answers) + min(max(0.0, self.in_flight - self.limit), refused) * over
+        (n0, r0), (n1, r1) = self._baseline, self._probing
+        excess = max(0.0, r1 - max(self.noise, r0 / n0 if n0 else 0.0) * n1)
+        cost = excess + min(max(0.0, self.in_flight - self.limit), refused)  # each of those is one more 429
         self._hold = math.ceil(cost / self.target_share)
         self._answers.clear()
         self._rate_limited = 0
+        self._probing = [0, 0]
         self._block = [0, 0]
         self._after_cut = True
         self._last_cut = self.clock()
@@ -354,10 +394,16 @@ class AdaptiveLimiter:
             return
         if self._hold > 0:
             self._hold -= 1
+            if not self._hold:
+                self._begin_probe()
             return
         excess = self.limit - (self.base if self.base is not None else self.limit)
         self.limit = min(float(self.ceiling), self.limit + max(1.0, excess) / max(self.limit, 1.0))
         self._hand_over()
+
+    def _begin_probe(self) -> None:
+        """The answers at the base so far are the probe's baseline; its own 429s are what it costs."""
+        self._baseline, self._probing = self._probing, [0, 0]
 
     def _slow_step(self, cuts: int) -> None:
         """One success's slow-start growth, paced: nothing if a cut came since it was due."""
