@@ -68,6 +68,8 @@ _SERVED_SPAN = 1.0  # served concurrency is measured over this many mean latenci
 _GOLDEN = 0.6180339887498949  # successive multiples mod 1 spread evenly over [0, 1)
 _HISTORY = 3.0  # in flight's changes and the 429s are kept for this many mean latencies
 _PROBE_Z = 3.0  # a probe's 429 share this many standard errors over its base's is a cap
+_OVER_SLOTS = 0.5  # a probe's refused requests in flight, averaged over it and the hold after it
+_PROBE_ROUNDS = 4  # a probe at the ceiling is tested over this many rounds of answers, then it held
 _FLIGHT_MAX = 64  # and for at most this many changes per slot of the ceiling (memory, before any latency is known)
 
 
@@ -107,8 +109,10 @@ class AdaptiveLimiter:
     _answers: deque[bool] = field(default_factory=deque, repr=False)  # True = 429, sent after the last cut
     _rate_limited: int = field(default=0, repr=False)  # 429s in _answers
     _probing: list[int] = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] since the probe (or slow start) began
+    _refused_s: float = field(default=0.0, repr=False)  # the probe's 429s' summed turnaround: slot time refused
     _baseline: list[int] = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] at the base before the probe
     _probe_cut: tuple[float, float] | None = field(default=None, repr=False)  # (base share, probe share) of a probe's cut
+    _probe_from: float | None = field(default=None, repr=False)  # the level the probe's baseline was measured at (None: no test)
     _refused: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (sent, answered): last 429s re-sent
     _served: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (done_at, latency_s) of recent successes
     _flight: deque[tuple[float, int]] = field(default_factory=deque, repr=False)  # (at, in_flight): its recent changes
@@ -222,6 +226,7 @@ class AdaptiveLimiter:
         if sent_at < self._last_cut:
             return False
         self._note(True)
+        self._refused_s += now - sent_at
         n, rl = len(self._answers), self._rate_limited
         probe = self._probe_over_base()
         if probe is None:
@@ -242,9 +247,12 @@ class AdaptiveLimiter:
         every fifth of a latency is 5 429s a latency beside 200 successes at a cap of 200),
         and a fixed ``threshold`` over the noise waited for a dozen slots over."""
         (n0, r0), (n1, r1) = self._baseline, self._probing
-        if self._slow or self._hold or self.base is None or self.limit <= self.base or not n0 or not n1:
+        if self._slow or self._hold or self._probe_from is None or not n0 or not n1:
             return None
-        if r1 < self.min_rate_limited:
+        if self.limit >= self.ceiling and n1 > _PROBE_ROUNDS * self.limit:
+            self._probe_from = None  # the ceiling held (testing on would take noise for a cap, by chance)
+            return None
+        if self.limit <= self._probe_from or r1 < self.min_rate_limited:
             return None
         p0, p1 = r0 / n0, r1 / n1
         pooled = (r0 + r1) / (n0 + n1)
@@ -365,13 +373,19 @@ class AdaptiveLimiter:
         self.base = self.limit
         self._base_held = False
         self.cuts += 1
-        # this cut's 429s over the noise, and those the refused requests still in flight will get, over target_share
-        # (all the probe's 429s, not the window's: a slow probe's window holds a few of them)
-        over = max(0.0, self._cut_share - self.noise)
+        # the probe's 429s over its base's share (all of them, not the window's: a slow probe's window holds a
+        # few), and one for each refused request still in flight: over target_share of answers. Where 429s
+        # come back slowly, each held a slot a while: for a probe's cut (a cap), that time over _OVER_SLOTS, in
+        # successes at this level.
         (n0, r0), (n1, r1) = self._baseline, self._probing
         excess = max(0.0, r1 - max(self.noise, r0 / n0 if n0 else 0.0) * n1)
-        cost = excess + min(max(0.0, self.in_flight - self.limit), refused)  # each of those is one more 429
-        self._hold = math.ceil(cost / self.target_share)
+        pending = min(max(0.0, self.in_flight - self.limit), refused)
+        cost = excess + pending
+        turnaround = self._refused_s / r1 if r1 else 0.0
+        slot_s = 0.0 if probe is None else cost * turnaround * self.limit / (_OVER_SLOTS * (self._latency or math.inf))
+        self._hold = max(1, math.ceil(max(cost / self.target_share, slot_s)))  # its last success begins the probe
+        self._probe_from = None
+        self._refused_s = 0.0
         self._answers.clear()
         self._rate_limited = 0
         self._probing = [0, 0]
@@ -404,12 +418,17 @@ class AdaptiveLimiter:
     def _begin_probe(self) -> None:
         """The answers at the base so far are the probe's baseline; its own 429s are what it costs."""
         self._baseline, self._probing = self._probing, [0, 0]
+        self._refused_s = 0.0
+        self._probe_from = self.limit
 
     def _slow_step(self, cuts: int) -> None:
         """One success's slow-start growth, paced: nothing if a cut came since it was due."""
         if self._slow and cuts == self.cuts and self.limit < self.ceiling:
             self.limit = min(float(self.ceiling), self.limit + self.start_growth)
             self._slow = self.limit < self.ceiling
+            if not self._slow:  # at the ceiling: slow start's answers are the baseline, its last round the probe
+                self._begin_probe()
+                self._probe_from = 0.0
             self._hand_over()
 
 
