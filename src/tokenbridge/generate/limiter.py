@@ -27,22 +27,39 @@ whole window after a cut is what the lower limit did not remove, i.e. noise (whe
 is below ``decisive_share``), and a cut that removed next to nothing was made for
 noise and is undone; each later window can only lower the noise level, slowly.
 
-A cut goes to the concurrency the server was really serving. While the limit is steady
-that is the successes' summed time in the server over the last mean latency, over that
-span (Little's law), not below the level a probe started from, and within [0.5, 0.95] of
-the old limit. That figure lags a limit that just moved: in slow start it sees the level
-of a round ago, and right after a cut the level before it. There (in slow start, when the
-level the last cut chose failed at once, and before any success) the cut goes to the
-requests in flight that the server accepted: those in flight less the refused ones still
-in flight, counted as the 429s whose slot went to the next request and that came back
-within their own turnaround of now (a slot refused every turnaround answers once per
-turnaround; Little's law again), not below half the old limit (in slow start: the level
-of the round before, which was served). That count is also a floor for the steady cut
-(Little's law over a handful of successes is noisy at caps of 3 or 4). A server that
-refuses above C is so cut near C wherever the window was, in one or two cuts when the
-429s come back in a burst. The limit then holds there for as many successes as it
-takes to keep 429s near ``target_share`` of answers (the cut's 429s over that share, and
-one for each refused request still in flight),
+That share depends on how fast a cap's 429s come back: a slot over a cap answers once per
+turnaround, so at a turnaround of a fifth of the latency it is 5 429s a latency beside 200
+successes at a cap of 200 (2.4%), and ``threshold`` over the noise waited for a dozen
+slots over. A probe (below) is therefore also a test: a cap's 429s come with the level,
+noise comes whatever the level, so the share of the probe's answers is set against the
+share at the base it started from (the hold before it), and ``_PROBE_Z`` standard errors
+over (at least ``min_rate_limited`` 429s) is a cap. Such a cut goes back to the base and is
+never undone: one window after it cannot tell a probe's few 429s from noise, and were it
+noise, the next probe sees its base's share and does not cut. Slow start that reaches the
+ceiling uncut is tested the same way for ``_PROBE_ROUNDS`` rounds, its own answers the
+baseline (a cap of 250 under a ceiling of 256), then the ceiling has held.
+
+A cut goes to the concurrency the server was really serving: the most requests in flight
+that it accepted at once, over the mean latency up to one 429 turnaround ago. By then every
+refusal of a request that was in flight has come back, so in flight (its recent changes
+are kept) less the 429s in flight at that instant is exact; at a cap of C it is C. Now it
+is not: the slots slow start or a probe added within the last turnaround have not been
+answered yet, and those the cap will refuse look accepted (at a fifth-latency turnaround
+that put the cut a slot or two over the cap, the 429s that stayed were judged noise and
+the cut undone: 9% of a run). A steady cut that may be noise's stays within 0.95 of the
+old limit; a probe's is not below its base. Without that history (before any success, or
+no 429 yet to time a turnaround by) the cut goes to the successes' summed time in the
+server over the last mean latency, over that span (Little's law), within [0.5, 0.95] of
+the old limit, or, where that figure lags a limit that just moved (in slow start, when the
+level the last cut chose failed at once, and before any success), to those in flight less
+the refused ones still in flight, counted as the 429s whose slot went to the next request
+and that came back within their own turnaround of now, not below half the old limit. A
+server that refuses above C is so cut to C wherever the window was. The limit then holds
+there for as many successes as it takes to keep 429s near ``target_share`` of answers (all
+the probe's 429s over its base's share, not the last window's, and one for each refused
+request still in flight); after a probe's cut also until the slot time its 429s held
+(their turnarounds) averages under ``_OVER_SLOTS`` of a slot, else a cap whose 429s come
+back in half a latency has a probe a slot or two over it a third of the time,
 then probes: +1 per round of requests at first, the excess over the cut level doubling
 each round after, so a cap that rose (or a cut made by chance) is left behind in a few
 rounds rather than one slot per round.
