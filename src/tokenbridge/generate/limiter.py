@@ -310,15 +310,15 @@ class AdaptiveLimiter:
         if self._flight[0][0] > since:
             return None  # in flight before the history began is unknown
         # (at, order, in_flight or None, refused delta): a 429's own send and answer bracket its time
-        points: list[tuple[float, int, int | None, int]] = [(at, 0, n, 0) for at, n in self._flight if since < at <= until]
+        points: list[tuple[float, int, int | None, int]] = [(at, 0, n, 0) for at, n in self._flight if since < at < until]
         level = next(n for at, n in reversed(self._flight) if at <= since)
         refused = 0
         for sent, answered in self._refusals:
             if sent <= since < answered:
                 refused += 1
-            if since < sent <= until:
+            if since < sent < until:
                 points.append((sent, 1, None, 1))
-            if since < answered <= until:
+            if since < answered < until:
                 points.append((answered, 1, None, -1))
         points.sort(key=lambda p: (p[0], p[1]))
         best = level - refused
