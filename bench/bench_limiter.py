@@ -18,7 +18,12 @@ Figures come from the run's own store: the rate is successes per second between 
 10th and 90th percentile of success times (the steady part: no start-up, no retry tail),
 mean in flight is the attempts' summed time in that stretch over its length, and the
 429 share is over every attempt of the run (whole run, start-up included) and over the
-attempts sent in the stretch (steady). "Whole s" is first send to last answer.
+attempts sent in the stretch (steady). "Whole s" is first send to last answer. The whole
+run is also cut in three (``_phases``): the ramp (slow start, until in flight first reaches
+95% of its steady level), the backlog (until the last first attempt is sent: "in flight,
+backlog" is first send to there, where the limiter decides what is in flight) and the
+drain (fewer requests than slots left: the last answers and the retry tail); each part's
+slot-seconds short of the steady level is its share of the steady-to-whole gap.
 
     python bench/bench_limiter.py                  # 3 rounds, 3000 samples per run
     python bench/bench_limiter.py --quick          # 1 round, 600 samples, caps 16 and 64 at 200 ms
