@@ -145,7 +145,7 @@ def test_a_run_of_3000_requests_from_256_into_a_cap_gets_few_429s(cap, latency):
 @pytest.mark.parametrize("turnaround", [2, 5, 10])
 @pytest.mark.parametrize("latency", [0.2, 5.0, 60.0])
 @pytest.mark.parametrize("cap", [4, 16, 64, 200])
-def test_a_cap_whose_429s_come_back_slowly_is_told_from_noise(cap, latency, turnaround):
+def test_a_cap_whose_429s_come_back_slowly_is_told_from_noise(cap: int, latency: float, turnaround: int) -> None:
     """429s back in a half, a fifth, a tenth of the latency (a loaded server): a slot over the
     cap is a few 429s a latency, a share a fixed threshold takes for noise. The cut landed a
     slot or two over the cap (the slots sent within the last turnaround looked accepted), the
@@ -161,7 +161,7 @@ def test_a_cap_whose_429s_come_back_slowly_is_told_from_noise(cap, latency, turn
 
 
 @pytest.mark.parametrize("turnaround", [2, 5, 10])
-def test_a_cap_just_under_the_ceiling_is_found_when_its_429s_come_back_slowly(turnaround):
+def test_a_cap_just_under_the_ceiling_is_found_when_its_429s_come_back_slowly(turnaround: int) -> None:
     """Slow start reached the ceiling of 256 over a cap of 250 with no cut: at a fifth-latency
     turnaround its six slots over were 9% of the run in 429s, under the fixed threshold, and
     nothing probed. Slow start's answers are the baseline of a test at the ceiling."""
