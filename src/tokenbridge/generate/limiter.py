@@ -128,7 +128,7 @@ class AdaptiveLimiter:
     _probing: list[int] = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] since the probe (or slow start) began
     _refused_s: float = field(default=0.0, repr=False)  # the probe's 429s' summed turnaround: slot time refused
     _baseline: list[int] = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] at the base before the probe
-    _probe_cut: tuple[float, float] | None = field(default=None, repr=False)  # (base share, probe share) of a probe's cut
+    _probe_cut: bool = field(default=False, repr=False)  # the last cut was a probe's (never undone)
     _probe_from: float | None = field(default=None, repr=False)  # the level the probe's baseline was measured at (None: no test)
     _refused: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (sent, answered): last 429s re-sent
     _served: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (done_at, latency_s) of recent successes
@@ -246,7 +246,7 @@ class AdaptiveLimiter:
         self._refused_s += now - sent_at
         n, rl = len(self._answers), self._rate_limited
         probe = self._probe_over_base()
-        if probe is None:
+        if not probe:
             if rl < self.min_rate_limited or rl < (self.noise + self.threshold) * n:
                 return False
             if rl < self.decisive_share * n and n < self.window:
@@ -254,8 +254,8 @@ class AdaptiveLimiter:
         self._cut(probe)
         return True
 
-    def _probe_over_base(self) -> tuple[float, float] | None:
-        """(base share, probe share) when a probe's 429s are a real share over its base's.
+    def _probe_over_base(self) -> bool:
+        """Whether a probe's 429s are a real share over its base's.
 
         A cap's 429s come with the level, noise's whatever the level: a probe is the test. Its
         answers' 429 share is set against the answers' at the base it started from (the hold
@@ -265,17 +265,14 @@ class AdaptiveLimiter:
         and a fixed ``threshold`` over the noise waited for a dozen slots over."""
         (n0, r0), (n1, r1) = self._baseline, self._probing
         if self._slow or self._hold or self._probe_from is None or not n0 or not n1:
-            return None
+            return False
         if self.limit >= self.ceiling and n1 > _PROBE_ROUNDS * self.limit:
             self._probe_from = None  # the ceiling held (testing on would take noise for a cap, by chance)
-            return None
+            return False
         if self.limit <= self._probe_from or r1 < self.min_rate_limited:
-            return None
-        p0, p1 = r0 / n0, r1 / n1
+            return False
         pooled = (r0 + r1) / (n0 + n1)
-        if p1 - p0 < _PROBE_Z * math.sqrt(pooled * (1 - pooled) * (1 / n0 + 1 / n1)):
-            return None
-        return p0, p1
+        return r1 / n1 - r0 / n0 >= _PROBE_Z * math.sqrt(pooled * (1 - pooled) * (1 / n0 + 1 / n1))
 
     def served_concurrency(self) -> float | None:
         """Requests the server was serving at once, by Little's law: the successes' time in
@@ -357,7 +354,7 @@ class AdaptiveLimiter:
         # a probe's cut went back to a base that held: were it noise, the next probe's share
         # is its base's (the hold measures it) and it does not cut again; one window cannot tell
         # a probe's few 429s from noise, so it is never undone
-        for_noise = self._probe_cut is None and share > self._cut_share - 0.75 * self.threshold
+        for_noise = not self._probe_cut and share > self._cut_share - 0.75 * self.threshold
         if for_noise and self._before_cut > self.limit:
             self.limit = self._before_cut
             self.base = self.limit  # probe from here: the excess over it doubling per round
@@ -366,7 +363,7 @@ class AdaptiveLimiter:
             self._slow = self._cut_slow and self.limit < self.ceiling  # a cut for noise ended nothing
             self._hand_over()
 
-    def _cut(self, probe: tuple[float, float] | None = None) -> None:
+    def _cut(self, probe: bool = False) -> None:
         old = self.limit
         self._probe_cut = probe
         self._before_cut = old
@@ -381,9 +378,9 @@ class AdaptiveLimiter:
             new = accepted if resolved is not None else max(accepted, 0.5 * old)
         else:  # a probe that overshot started from a level that held: not below it, nor below what was accepted
             good = self.base if self.base is not None and self._base_held and self.base < old else 0.0
-            if resolved is not None:  # exact: no guess to bound (a probe far over a cap near its base) unless
-                new = max(good, accepted)  # the share may be noise's (which leaves a share refused at any level)
-                new = new if probe is not None else min(new, 0.95 * old)
+            if resolved is not None:  # exact: bounded by the base only (a probe far over a cap near it), but
+                new = max(good, accepted)  # a share that may be noise's (refused at any level) cuts within 0.95
+                new = new if probe else min(new, 0.95 * old)
             else:
                 new = min(max(float(round(served)), good, accepted, 0.5 * old), 0.95 * old)
         self.limit = max(float(self.floor), min(new, float(int(old) - 1)))  # at least one slot fewer
@@ -399,7 +396,7 @@ class AdaptiveLimiter:
         pending = min(max(0.0, self.in_flight - self.limit), refused)
         cost = excess + pending
         turnaround = self._refused_s / r1 if r1 else 0.0
-        slot_s = 0.0 if probe is None else cost * turnaround * self.limit / (_OVER_SLOTS * (self._latency or math.inf))
+        slot_s = 0.0 if not probe else cost * turnaround * self.limit / (_OVER_SLOTS * (self._latency or math.inf))
         self._hold = max(1, math.ceil(max(cost / self.target_share, slot_s)))  # its last success begins the probe
         self._probe_from = None
         self._refused_s = 0.0
