@@ -173,6 +173,16 @@ def test_a_cap_just_under_the_ceiling_is_found_when_its_429s_come_back_slowly(tu
     assert lim.base == 250, lim.base  # cut to the cap itself
 
 
+def test_the_accepted_count_leaves_out_the_instant_a_refusal_answering_now_was_sent() -> None:
+    """One turnaround ago is the last instant whose refusals are all back, but a request sent
+    at exactly that instant answers now, maybe after the answer being handled: counted, it
+    put slow start's cut (tripling, 429s back in a fifth of a latency) at 41 on a cap of 40."""
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock, start_growth=2.0)
+    r = _simulate(lim, clock, seconds=10, cap=40, latency=1.0, rtt=0.2)
+    assert len(r["cuts_at"]) == 1 and lim.base == 40, (r["cuts_at"], lim.base)
+
+
 @pytest.mark.parametrize("cap", [40, 100, 130, 150, 200, 250])
 def test_slow_start_is_paced_when_answers_come_back_together(cap):
     """A server with one steady latency answers a round at once: unpaced, the window
