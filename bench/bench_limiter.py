@@ -18,7 +18,12 @@ Figures come from the run's own store: the rate is successes per second between 
 10th and 90th percentile of success times (the steady part: no start-up, no retry tail),
 mean in flight is the attempts' summed time in that stretch over its length, and the
 429 share is over every attempt of the run (whole run, start-up included) and over the
-attempts sent in the stretch (steady). "Whole s" is first send to last answer.
+attempts sent in the stretch (steady). "Whole s" is first send to last answer. The whole
+run is also cut in three (``_phases``): the ramp (slow start, until in flight first reaches
+95% of its steady level), the backlog (until the last first attempt is sent: "in flight,
+backlog" is first send to there, where the limiter decides what is in flight) and the
+drain (fewer requests than slots left: the last answers and the retry tail); each part's
+slot-seconds short of the steady level is its share of the steady-to-whole gap.
 
     python bench/bench_limiter.py                  # 3 rounds, 3000 samples per run
     python bench/bench_limiter.py --quick          # 1 round, 600 samples, caps 16 and 64 at 200 ms
@@ -69,12 +74,12 @@ def _run(url: str, n: int, concurrency: int, workdir: Path, start: int | None) -
 
 def _measure(db: Path) -> dict[str, float]:
     con = sqlite3.connect(db)
-    rows = con.execute("SELECT started_at, latency_s, http_status, error_class FROM attempts").fetchall()
+    rows = con.execute("SELECT started_at, latency_s, http_status, error_class, n FROM attempts").fetchall()
     con.close()
-    ok_ends = sorted(s + lat for s, lat, status, err in rows if status == 200 and err is None)
+    ok_ends = sorted(s + lat for s, lat, status, err, _ in rows if status == 200 and err is None)
     t10, t90 = ok_ends[len(ok_ends) // 10], ok_ends[(len(ok_ends) * 9) // 10]
     span = t90 - t10
-    busy = sum(max(0.0, min(s + (lat or 0.0), t90) - max(s, t10)) for s, lat, _, _ in rows)
+    busy = _busy([(s, s + (lat or 0.0)) for s, lat, *_ in rows], t10, t90)
     in_stretch = sum(1 for t in ok_ends if t10 < t <= t90)
     sent_in_stretch = [r for r in rows if t10 <= r[0] <= t90]
     first, last = min(r[0] for r in rows), max(r[0] + (r[1] or 0.0) for r in rows)
@@ -86,6 +91,39 @@ def _measure(db: Path) -> dict[str, float]:
         "whole_s": last - first,
         "whole_in_flight": sum(r[1] or 0.0 for r in rows) / (last - first),
         "attempts": len(rows),
+        **_phases(rows, busy / span),
+    }
+
+
+def _busy(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """The attempts' summed time within [lo, hi]."""
+    return sum(max(0.0, min(end, hi) - max(start, lo)) for start, end in spans)
+
+
+def _phases(rows: list[tuple[Any, ...]], steady: float) -> dict[str, float]:
+    """The whole run cut where the limiter's part ends: the ramp (first send until in flight
+    first reaches 95% of the steady level: slow start, and the cut's way down to a cap), the
+    backlog (until the last first attempt is sent: while it lasts the limiter decides what is in
+    flight), the drain (the last answers and the retries' tail: fewer requests than slots are
+    left, which no limiter can fill). Each part's slot-seconds short of the steady level is its
+    share of the gap between the steady and the whole-run figure."""
+    spans = sorted((s, s + (lat or 0.0)) for s, lat, *_ in rows)
+    first, last = spans[0][0], max(end for _, end in spans)
+    last_first = max(r[0] for r in rows if r[4] == 1)
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    level, ramp_end = 0, last_first
+    for at, step in edges:
+        level += step
+        if level >= 0.95 * steady:
+            ramp_end = min(at, last_first)
+            break
+    parts = {"ramp": (first, ramp_end), "backlog": (ramp_end, last_first), "drain": (last_first, last)}
+    short = {name: max(0.0, steady * (hi - lo) - _busy(spans, lo, hi)) for name, (lo, hi) in parts.items()}
+    gap = sum(short.values()) or 1.0
+    return {
+        "backlog_in_flight": _busy(spans, first, last_first) / max(1e-9, last_first - first),
+        "ramp_s": ramp_end - first, "drain_s": last - last_first,
+        **{f"gap_{name}": short[name] / gap for name in parts},
     }
 
 
@@ -125,7 +163,10 @@ def main() -> None:
                     runs[name].append(res)
                     print(f"round {r + 1} {name}: {res['req_s']:.0f} req/s, {res['in_flight']:.1f} in flight, "
                           f"429 share {res['share_429']:.1%} (steady {res['steady_429']:.1%}), whole "
-                          f"{res['whole_s']:.1f} s, done {res['done']}, failed {res['failed']} "
+                          f"{res['whole_s']:.1f} s, {res['backlog_in_flight']:.1f} in flight while the backlog "
+                          f"lasted, ramp {res['ramp_s']:.1f} s, drain {res['drain_s']:.1f} s, gap ramp/backlog/drain "
+                          f"{res['gap_ramp']:.0%}/{res['gap_backlog']:.0%}/{res['gap_drain']:.0%}, "
+                          f"done {res['done']}, failed {res['failed']} "
                           f"({time.perf_counter() - t_run:.0f} s)", file=sys.stderr, flush=True)
         finally:
             for name, proc in procs.items():
@@ -156,24 +197,44 @@ def _table(runs: dict[str, list[dict[str, float]]], caps: list[int], args: argpa
         "and of those sent in the stretch (steady). Median (min-max) over the rounds; ratios: median over the "
         "fault-free median (rate) and over the no-slow-start median (whole-run time).",
         "",
-        "| scenario | req/s | ratio vs fault-free | in flight, steady | in flight, whole | 429 share, whole run "
-        "| 429 share, steady | whole s | x no slow start | done / failed |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| scenario | req/s | ratio vs fault-free | in flight, steady | in flight, whole | in flight, backlog "
+        "| 429 share, whole run | 429 share, steady | whole s | x no slow start | done / failed |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, rs in runs.items():
         lines.append(
             f"| {name} | {_cell([x['req_s'] for x in rs], '.0f')} | {med(name, 'req_s') / base:.2f}x | "
             f"{_cell([x['in_flight'] for x in rs], '.1f')} | {_cell([x['whole_in_flight'] for x in rs], '.1f')} | "
+            f"{_cell([x['backlog_in_flight'] for x in rs], '.1f')} | "
             f"{_cell([x['share_429'] for x in rs], '.1%')} | {_cell([x['steady_429'] for x in rs], '.1%')} | "
             f"{_cell([x['whole_s'] for x in rs], '.1f')} | {med(name, 'whole_s') / base_whole:.2f}x | "
             f"{sum(int(x['done']) for x in rs)} / {sum(int(x['failed']) for x in rs)} |"
+        )
+    lines += [
+        "",
+        "Where the whole run's in flight went (\"in flight, backlog\" is first send to the last first attempt's "
+        "send: after it fewer requests than slots are left). Ramp: first send until in flight first reaches 95% of "
+        "its steady level; drain: the last first send to the last answer (the last answers and the retries' tail, "
+        "a 429's retry waiting out its Retry-After). Gap: each part's slot-seconds short of the steady level, as "
+        "shares of the gap between the steady and the whole-run figure.",
+        "",
+        "| scenario | ramp s | backlog s | drain s | gap: ramp | gap: backlog | gap: drain |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, rs in runs.items():
+        lines.append(
+            f"| {name} | {_cell([x['ramp_s'] for x in rs], '.1f')} | "
+            f"{_cell([x['whole_s'] - x['ramp_s'] - x['drain_s'] for x in rs], '.1f')} | "
+            f"{_cell([x['drain_s'] for x in rs], '.1f')} | {_cell([x['gap_ramp'] for x in rs], '.0%')} | "
+            f"{_cell([x['gap_backlog'] for x in rs], '.0%')} | {_cell([x['gap_drain'] for x in rs], '.0%')} |"
         )
     targets = [f"5% random 429s >= 0.8x fault-free ({med('5% random 429s', 'req_s') / base:.2f}x)",
                f"30% mixed >= 0.5x ({med('30% mixed faults', 'req_s') / base:.2f}x)"]
     for cap in caps:
         name = f"hard cap {cap}"
         targets.append(f"hard cap {cap}: >= {0.8 * cap:.1f} in flight ({med(name, 'in_flight'):.1f} steady, "
-                       f"{med(name, 'whole_in_flight'):.1f} whole) with <= 5% answered 429 "
+                       f"{med(name, 'whole_in_flight'):.1f} whole, {med(name, 'backlog_in_flight'):.1f} while the "
+                       f"backlog lasted) with <= 5% answered 429 "
                        f"({med(name, 'share_429'):.1%} of the whole run)")
     targets.append(f"fault-free with slow start: {med('fault-free', 'whole_s') / base_whole:.2f}x the whole-run "
                    f"time without, {med('fault-free', 'req_s') / med(NO_SLOW_START, 'req_s'):.2f}x its steady rate")

@@ -27,22 +27,39 @@ whole window after a cut is what the lower limit did not remove, i.e. noise (whe
 is below ``decisive_share``), and a cut that removed next to nothing was made for
 noise and is undone; each later window can only lower the noise level, slowly.
 
-A cut goes to the concurrency the server was really serving. While the limit is steady
-that is the successes' summed time in the server over the last mean latency, over that
-span (Little's law), not below the level a probe started from, and within [0.5, 0.95] of
-the old limit. That figure lags a limit that just moved: in slow start it sees the level
-of a round ago, and right after a cut the level before it. There (in slow start, when the
-level the last cut chose failed at once, and before any success) the cut goes to the
-requests in flight that the server accepted: those in flight less the refused ones still
-in flight, counted as the 429s whose slot went to the next request and that came back
-within their own turnaround of now (a slot refused every turnaround answers once per
-turnaround; Little's law again), not below half the old limit (in slow start: the level
-of the round before, which was served). That count is also a floor for the steady cut
-(Little's law over a handful of successes is noisy at caps of 3 or 4). A server that
-refuses above C is so cut near C wherever the window was, in one or two cuts when the
-429s come back in a burst. The limit then holds there for as many successes as it
-takes to keep 429s near ``target_share`` of answers (the cut's 429s over that share, and
-one for each refused request still in flight),
+That share depends on how fast a cap's 429s come back: a slot over a cap answers once per
+turnaround, so at a turnaround of a fifth of the latency it is 5 429s a latency beside 200
+successes at a cap of 200 (2.4%), and ``threshold`` over the noise waited for a dozen
+slots over. A probe (below) is therefore also a test: a cap's 429s come with the level,
+noise comes whatever the level, so the share of the probe's answers is set against the
+share at the base it started from (the hold before it), and ``_PROBE_Z`` standard errors
+over (at least ``min_rate_limited`` 429s) is a cap. Such a cut goes back to the base and is
+never undone: one window after it cannot tell a probe's few 429s from noise, and were it
+noise, the next probe sees its base's share and does not cut. Slow start that reaches the
+ceiling uncut is tested the same way for ``_PROBE_ROUNDS`` rounds, its own answers the
+baseline (a cap of 250 under a ceiling of 256), then the ceiling has held.
+
+A cut goes to the concurrency the server was really serving: the most requests in flight
+that it accepted at once, over the mean latency up to one 429 turnaround ago. By then every
+refusal of a request that was in flight has come back, so in flight (its recent changes
+are kept) less the 429s in flight at that instant is exact; at a cap of C it is C. Now it
+is not: the slots slow start or a probe added within the last turnaround have not been
+answered yet, and those the cap will refuse look accepted (at a fifth-latency turnaround
+that put the cut a slot or two over the cap, the 429s that stayed were judged noise and
+the cut undone: 9% of a run). A steady cut that may be noise's stays within 0.95 of the
+old limit; a probe's is not below its base. Without that history (before any success, or
+no 429 yet to time a turnaround by) the cut goes to the successes' summed time in the
+server over the last mean latency, over that span (Little's law), within [0.5, 0.95] of
+the old limit, or, where that figure lags a limit that just moved (in slow start, when the
+level the last cut chose failed at once, and before any success), to those in flight less
+the refused ones still in flight, counted as the 429s whose slot went to the next request
+and that came back within their own turnaround of now, not below half the old limit. A
+server that refuses above C is so cut to C wherever the window was. The limit then holds
+there for as many successes as it takes to keep 429s near ``target_share`` of answers (all
+the probe's 429s over its base's share, not the last window's, and one for each refused
+request still in flight); after a probe's cut also until the slot time its 429s held
+(their turnarounds) averages under ``_OVER_SLOTS`` of a slot, else a cap whose 429s come
+back in half a latency has a probe a slot or two over it a third of the time,
 then probes: +1 per round of requests at first, the excess over the cut level doubling
 each round after, so a cap that rose (or a cut made by chance) is left behind in a few
 rounds rather than one slot per round.
@@ -66,6 +83,11 @@ __all__ = ["AdaptiveLimiter"]
 
 _SERVED_SPAN = 1.0  # served concurrency is measured over this many mean latencies
 _GOLDEN = 0.6180339887498949  # successive multiples mod 1 spread evenly over [0, 1)
+_HISTORY = 3.0  # in flight's changes and the 429s are kept for this many mean latencies
+_PROBE_Z = 3.0  # a probe's 429 share this many standard errors over its base's is a cap
+_OVER_SLOTS = 0.5  # a probe's refused requests in flight, averaged over it and the hold after it
+_PROBE_ROUNDS = 4  # a probe at the ceiling is tested over this many rounds of answers, then it held
+_FLIGHT_MAX = 64  # and for at most this many changes per slot of the ceiling (memory, before any latency is known)
 
 
 @dataclass
@@ -103,8 +125,15 @@ class AdaptiveLimiter:
     noise: float = 0.0
     _answers: deque[bool] = field(default_factory=deque, repr=False)  # True = 429, sent after the last cut
     _rate_limited: int = field(default=0, repr=False)  # 429s in _answers
+    _probing: list[int] = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] since the probe (or slow start) began
+    _refused_s: float = field(default=0.0, repr=False)  # the probe's 429s' summed turnaround: slot time refused
+    _baseline: list[int] = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] at the base before the probe
+    _probe_cut: bool = field(default=False, repr=False)  # the last cut was a probe's (never undone)
+    _probe_from: float | None = field(default=None, repr=False)  # the level the probe's baseline was measured at (None: no test)
     _refused: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (sent, answered): last 429s re-sent
     _served: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (done_at, latency_s) of recent successes
+    _flight: deque[tuple[float, int]] = field(default_factory=deque, repr=False)  # (at, in_flight): its recent changes
+    _refusals: deque[tuple[float, float]] = field(default_factory=deque, repr=False)  # (sent, answered): recent 429s
     _latency: float | None = field(default=None, repr=False)  # moving mean latency of successes
     _first_sent: float = field(default=math.inf, repr=False)
     _last_cut: float = field(default=-math.inf, repr=False)
@@ -134,9 +163,24 @@ class AdaptiveLimiter:
     def try_acquire(self) -> float | None:
         """Take a slot if one is free and nobody waits for it: the time it was granted, or None."""
         if not self._waiters and self.in_flight < self.slots:
-            self.in_flight += 1
-            return self.clock()
+            return self._take()
         return None
+
+    def _take(self) -> float:
+        self.in_flight += 1
+        now = self.clock()
+        self._record(now)
+        return now
+
+    def _record(self, now: float) -> None:
+        """Keeps in flight's recent changes: :meth:`_accepted_before` reads it back."""
+        self._flight.append((now, self.in_flight))
+        if len(self._flight) > _FLIGHT_MAX * self.ceiling:
+            self._flight.popleft()
+        if self._latency is not None:  # the entry at or before the cutoff stays: the level there
+            cutoff = now - _HISTORY * self._latency
+            while len(self._flight) > 1 and self._flight[1][0] <= cutoff:
+                self._flight.popleft()
 
     async def acquire(self) -> float:
         """Take a slot (waiters are served in arrival order); returns the time it was granted,
@@ -156,14 +200,14 @@ class AdaptiveLimiter:
 
     def release(self) -> None:
         self.in_flight -= 1
+        self._record(self.clock())
         self._hand_over()
 
     def _hand_over(self) -> None:
         while self._waiters and self.in_flight < self.slots:
             fut = self._waiters.popleft()
             if not fut.done():
-                self.in_flight += 1
-                fut.set_result(self.clock())
+                fut.set_result(self._take())
 
     # --- answers ----------------------------------------------------------------------
 
@@ -187,20 +231,48 @@ class AdaptiveLimiter:
         """
         # its slot went to a waiting request (the engine releases first), or is the one slot its own
         # worker takes again next (no other waiter at the ceiling); over a lower limit it stays free
+        now = self.clock()
         if self.slots - 1 <= self.in_flight <= self.slots:
-            self._refused.append((sent_at, self.clock()))  # sent before the last cut or after: all count below
+            self._refused.append((sent_at, now))  # sent before the last cut or after: all count below
             if len(self._refused) > self.ceiling:
                 self._refused.popleft()
+        self._refusals.append((sent_at, now))
+        horizon = now - _HISTORY * (self._latency or math.inf)
+        while self._refusals and (self._refusals[0][1] < horizon or len(self._refusals) > _FLIGHT_MAX * self.ceiling):
+            self._refusals.popleft()
         if sent_at < self._last_cut:
             return False
         self._note(True)
+        self._refused_s += now - sent_at
         n, rl = len(self._answers), self._rate_limited
-        if rl < self.min_rate_limited or rl < (self.noise + self.threshold) * n:
-            return False
-        if rl < self.decisive_share * n and n < self.window:
-            return False  # a moderate share: judged over a whole window only
-        self._cut()
+        probe = self._probe_over_base()
+        if not probe:
+            if rl < self.min_rate_limited or rl < (self.noise + self.threshold) * n:
+                return False
+            if rl < self.decisive_share * n and n < self.window:
+                return False  # a moderate share: judged over a whole window only
+        self._cut(probe)
         return True
+
+    def _probe_over_base(self) -> bool:
+        """Whether a probe's 429s are a real share over its base's.
+
+        A cap's 429s come with the level, noise's whatever the level: a probe is the test. Its
+        answers' 429 share is set against the answers' at the base it started from (the hold
+        before it): ``_PROBE_Z`` standard errors over is a cap. This finds a cap whose 429s come
+        back slowly: the share a slot over it makes falls with the turnaround (a slot refused
+        every fifth of a latency is 5 429s a latency beside 200 successes at a cap of 200),
+        and a fixed ``threshold`` over the noise waited for a dozen slots over."""
+        (n0, r0), (n1, r1) = self._baseline, self._probing
+        if self._slow or self._hold or self._probe_from is None or not n0 or not n1:
+            return False
+        if self.limit >= self.ceiling and n1 > _PROBE_ROUNDS * self.limit:
+            self._probe_from = None  # the ceiling held (testing on would take noise for a cap, by chance)
+            return False
+        if self.limit <= self._probe_from or r1 < self.min_rate_limited:
+            return False
+        pooled = (r0 + r1) / (n0 + n1)
+        return r1 / n1 - r0 / n0 >= _PROBE_Z * math.sqrt(pooled * (1 - pooled) * (1 / n0 + 1 / n1))
 
     def served_concurrency(self) -> float | None:
         """Requests the server was serving at once, by Little's law: the successes' time in
@@ -221,9 +293,44 @@ class AdaptiveLimiter:
         now = self.clock()
         return sum(1 for sent, answered in self._refused if now - answered < answered - sent)
 
+    def _accepted_before(self) -> int | None:
+        """The most requests in flight that the server accepted at once over the mean latency
+        up to one 429 turnaround ago: by then every refusal of a request in flight has come
+        back, so in flight less the refused ones is exact. Now it is not: the requests sent
+        within the last turnaround (a probe's or slow start's new slots) have not been
+        answered yet, and those a cap will refuse look accepted. None: too little history."""
+        if self._latency is None or not self._refusals or not self._flight:
+            return None
+        now = self.clock()
+        until = now - max(answered - sent for sent, answered in self._refusals)
+        since = until - self._latency
+        if self._flight[0][0] > since:
+            return None  # in flight before the history began is unknown
+        # (at, order, in_flight or None, refused delta): a 429's own send and answer bracket its time
+        points: list[tuple[float, int, int | None, int]] = [(at, 0, n, 0) for at, n in self._flight if since < at < until]
+        level = next(n for at, n in reversed(self._flight) if at <= since)
+        refused = 0
+        for sent, answered in self._refusals:
+            if sent <= since < answered:
+                refused += 1
+            if since < sent < until:
+                points.append((sent, 1, None, 1))
+            if since < answered < until:
+                points.append((answered, 1, None, -1))
+        points.sort(key=lambda p: (p[0], p[1]))
+        best = level - refused
+        for i, (at, _, n, delta) in enumerate(points):
+            level = level if n is None else n
+            refused += delta
+            if i + 1 == len(points) or points[i + 1][0] > at:  # every change at one instant, then the count
+                best = max(best, level - refused)
+        return best
+
     def _note(self, rate_limited: bool) -> None:
         self._answers.append(rate_limited)
         self._rate_limited += rate_limited
+        self._probing[0] += 1
+        self._probing[1] += rate_limited
         if len(self._answers) > self.window:
             self._rate_limited -= self._answers.popleft()
         self._block[0] += 1
@@ -244,37 +351,58 @@ class AdaptiveLimiter:
             return  # still far over a cap: not noise
         self.noise = share
         self._base_held = True
-        if share > self._cut_share - 0.75 * self.threshold and self._before_cut > self.limit:
+        # a probe's cut went back to a base that held: were it noise, the next probe's share
+        # is its base's (the hold measures it) and it does not cut again; one window cannot tell
+        # a probe's few 429s from noise, so it is never undone
+        for_noise = not self._probe_cut and share > self._cut_share - 0.75 * self.threshold
+        if for_noise and self._before_cut > self.limit:
             self.limit = self._before_cut
             self.base = self.limit  # probe from here: the excess over it doubling per round
             self._hold = 0
+            self._begin_probe()
             self._slow = self._cut_slow and self.limit < self.ceiling  # a cut for noise ended nothing
             self._hand_over()
 
-    def _cut(self) -> None:
+    def _cut(self, probe: bool = False) -> None:
         old = self.limit
+        self._probe_cut = probe
         self._before_cut = old
         self._cut_share = self._rate_limited / len(self._answers)
         self._cut_slow, self._slow = self._slow, False
         served = self.served_concurrency()
         refused = self._refused_in_flight()
         failed_again = self.base is not None and not self._base_held and old <= self.base + 1
-        accepted = float(self.in_flight - refused)
+        resolved = self._accepted_before()
+        accepted = float(self.in_flight - refused if resolved is None else resolved)
         if served is None or self._cut_slow or failed_again:  # the served level lags: count what was accepted
-            new = max(accepted, 0.5 * old)
+            new = accepted if resolved is not None else max(accepted, 0.5 * old)
         else:  # a probe that overshot started from a level that held: not below it, nor below what was accepted
             good = self.base if self.base is not None and self._base_held and self.base < old else 0.0
-            new = min(max(float(round(served)), good, accepted, 0.5 * old), 0.95 * old)
+            if resolved is not None:  # exact: bounded by the base only (a probe far over a cap near it), but
+                new = max(good, accepted)  # a share that may be noise's (refused at any level) cuts within 0.95
+                new = new if probe else min(new, 0.95 * old)
+            else:
+                new = min(max(float(round(served)), good, accepted, 0.5 * old), 0.95 * old)
         self.limit = max(float(self.floor), min(new, float(int(old) - 1)))  # at least one slot fewer
         self.base = self.limit
         self._base_held = False
         self.cuts += 1
-        # this cut's 429s over the noise, and those the refused requests still in flight will get, over target_share
-        over = max(0.0, self._cut_share - self.noise)
-        cost = over * len(self._answers) + min(max(0.0, self.in_flight - self.limit), refused) * over
-        self._hold = math.ceil(cost / self.target_share)
+        # the probe's 429s over its base's share (all of them, not the window's: a slow probe's window holds a
+        # few), and one for each refused request still in flight: over target_share of answers. Where 429s
+        # come back slowly, each held a slot a while: for a probe's cut (a cap), that time over _OVER_SLOTS, in
+        # successes at this level.
+        (n0, r0), (n1, r1) = self._baseline, self._probing
+        excess = max(0.0, r1 - max(self.noise, r0 / n0 if n0 else 0.0) * n1)
+        pending = min(max(0.0, self.in_flight - self.limit), refused)
+        cost = excess + pending
+        turnaround = self._refused_s / r1 if r1 else 0.0
+        slot_s = 0.0 if not probe else cost * turnaround * self.limit / (_OVER_SLOTS * (self._latency or math.inf))
+        self._hold = max(1, math.ceil(max(cost / self.target_share, slot_s)))  # its last success begins the probe
+        self._probe_from = None
+        self._refused_s = 0.0
         self._answers.clear()
         self._rate_limited = 0
+        self._probing = [0, 0]
         self._block = [0, 0]
         self._after_cut = True
         self._last_cut = self.clock()
@@ -294,16 +422,27 @@ class AdaptiveLimiter:
             return
         if self._hold > 0:
             self._hold -= 1
+            if not self._hold:
+                self._begin_probe()
             return
         excess = self.limit - (self.base if self.base is not None else self.limit)
         self.limit = min(float(self.ceiling), self.limit + max(1.0, excess) / max(self.limit, 1.0))
         self._hand_over()
+
+    def _begin_probe(self) -> None:
+        """The answers at the base so far are the probe's baseline; its own 429s are what it costs."""
+        self._baseline, self._probing = self._probing, [0, 0]
+        self._refused_s = 0.0
+        self._probe_from = self.limit
 
     def _slow_step(self, cuts: int) -> None:
         """One success's slow-start growth, paced: nothing if a cut came since it was due."""
         if self._slow and cuts == self.cuts and self.limit < self.ceiling:
             self.limit = min(float(self.ceiling), self.limit + self.start_growth)
             self._slow = self.limit < self.ceiling
+            if not self._slow:  # at the ceiling: slow start's answers are the baseline, its last round the probe
+                self._begin_probe()
+                self._probe_from = 0.0
             self._hand_over()
 
 
