@@ -20,6 +20,7 @@ from tokenbridge.tokenizer import (
     _PieceCache,
     _split_runs_slow,
     load_tokenizer,
+    marker_pattern,
     read_pat_str,
     split_long_runs,
 )
@@ -258,9 +259,26 @@ def test_fast_paths_equal_reference_on_long_text(text):
 def test_marker_precheck_is_exact(text):
     kimi, _ = _raw_tiktoken()
     marker = re.compile("|".join(re.escape(t) for t in sorted(kimi.markers, key=len, reverse=True)))
-    find = _marker_finder(marker, kimi.markers)
-    assert (find(text) is None) == (marker.search(text) is None)
-    assert find is not marker.search  # Kimi's markers have a pre-check (7 prefixes, 2 first characters)
+    find = _marker_finder(kimi.markers)
+    ours, theirs = find(text), marker.search(text)
+    assert (ours is None) == (theirs is None)
+    if ours is not None and theirs is not None:  # the same first marker, longest there
+        assert ours.span() == theirs.span()
+
+
+_NESTED = ("<a", "<ab", "<abc", "[E", "[EOS]", "b", "<|x|>")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text("<ab[EOS]|xc ", max_size=24))
+def test_marker_finder_gives_the_whole_patterns_first_match_across_groups(text):
+    """Groups by first character ("<", "[", "b"): the leftmost of their first matches is
+    the whole pattern's first match, the longest marker there (a "b" inside "<ab" is not one)."""
+    theirs = marker_pattern(_NESTED).search(text)
+    ours = _marker_finder(_NESTED)(text)
+    assert (ours is None) == (theirs is None)
+    if ours is not None and theirs is not None:
+        assert ours.span() == theirs.span()
 
 
 def test_marker_text_in_a_long_completion_still_becomes_marker_ids(kimi):

@@ -73,12 +73,9 @@ PROMPT_CACHE_BYTES = 32 << 20
 #: A piece costing more than this share of the bound is encoded but never cached, so one
 #: huge prompt cannot flush the shared system prompts.
 _CACHE_MAX_ENTRY_SHARE = 8
-#: Above this many first characters of markers, :func:`marker_splitter` splits with the
-#: whole pattern (each other group is one search of the text).
+#: Above this many first characters of markers, one pattern of every marker splits and
+#: searches (each group is one search of the text).
 _MAX_GROUPS = 4
-#: Above this many distinct two-character marker prefixes the substring pre-check would
-#: cost more than the marker regex it spares; the regex alone decides.
-_MAX_PROBES = 16
 
 _HUB_FILES = [
     "tokenizer_config.json",
@@ -469,27 +466,35 @@ def _trie_regex(node: _Trie) -> str:
     return body
 
 
-def marker_splitter(markers: Iterable[str]) -> Callable[[str], list[str]]:
-    """``marker_pattern(markers).split`` (text, marker, text, ..., text), faster.
+@lru_cache(maxsize=16)
+def _marker_groups(markers: tuple[str, ...]) -> tuple[tuple[str, re.Pattern[str]], ...]:
+    """The markers' patterns by first character, the largest group first; empty where a
+    group per first character would not pay (one group, or more than :data:`_MAX_GROUPS`).
 
-    A pattern whose markers all start with one character has that character as a
-    literal prefix, and ``re`` finds a literal prefix at memchr speed; the pattern of
-    every marker (Kimi's start with ``<`` or ``[``) is tried at each character, 4-5x
-    slower on long prompts. So the markers are grouped by their first character: the
-    largest group splits, and only when another group's pattern finds a marker in the
-    text does the whole pattern split instead. Where no other group's marker occurs,
-    the two splits are the same, match for match.
-    """
-    markers = list(markers)
-    whole = marker_pattern(markers)
+    A pattern whose markers all start with one character has that character as a literal
+    prefix, which ``re`` finds at memchr speed; the pattern of every marker (Kimi's start
+    with ``<`` or ``[``) is tried at each character, 4-5x slower."""
     groups: dict[str, list[str]] = {}
     for marker in markers:
         groups.setdefault(marker[:1], []).append(marker)
     if len(groups) < 2 or len(groups) > _MAX_GROUPS:
+        return ()
+    ordered = sorted(groups.items(), key=lambda item: len(item[1]), reverse=True)
+    return tuple((first, marker_pattern(group)) for first, group in ordered)
+
+
+def marker_splitter(markers: Iterable[str]) -> Callable[[str], list[str]]:
+    """``marker_pattern(markers).split`` (text, marker, text, ..., text), faster: the
+    largest first-character group (:func:`_marker_groups`) splits, and only when another
+    group's pattern finds a marker in the text does the whole pattern split instead.
+    Where no other group's marker occurs, the two splits are the same, match for match."""
+    markers = tuple(markers)
+    whole = marker_pattern(markers)
+    groups = _marker_groups(markers)
+    if not groups:
         return whole.split
-    main, *others = sorted(groups.values(), key=len, reverse=True)
-    main_split = marker_pattern(main).split
-    searches = [marker_pattern(group).search for group in others]
+    main_split = groups[0][1].split
+    searches = [pattern.search for _, pattern in groups[1:]]
 
     def split(text: str) -> list[str]:
         for search in searches:
@@ -500,33 +505,25 @@ def marker_splitter(markers: Iterable[str]) -> Callable[[str], list[str]]:
     return split
 
 
-def _marker_finder(marker_re: re.Pattern[str], markers: Iterable[str]) -> Callable[[str], re.Match[str] | None]:
-    """``marker_re.search``, behind a cheap exact pre-check where one exists.
-
-    Text that lacks every marker's first two characters cannot hold a marker. A one-
-    character ``in`` runs at memchr speed, so each marker's first character is looked
-    for first and its two-character prefixes only where it occurs: reasoning prose
-    without ``<`` or ``[`` never reaches the (50x slower) regex.
-    """
-    groups: dict[str, set[str]] = {}
-    for marker in markers:
-        groups.setdefault(marker[:1], set()).add(marker[:2])
-    probes = [(first, tuple(sorted(pairs))) for first, pairs in sorted(groups.items())]
-    search = marker_re.search
-    if (
-        not probes
-        or sum(len(pairs) for _, pairs in probes) > _MAX_PROBES
-        or any(len(p) < 2 for _, pairs in probes for p in pairs)
-    ):
-        return search
+def _marker_finder(markers: Iterable[str]) -> Callable[[str], re.Match[str] | None]:
+    """``marker_pattern(markers).search``, faster: each first-character group is looked
+    for only where its first character occurs (a one-character ``in``, memchr speed), by
+    its own pattern (a literal prefix, :func:`_marker_groups`); the leftmost of the
+    groups' matches is the whole pattern's (the longest marker at the leftmost place a
+    marker starts: only its own group's markers start with that character). Reasoning
+    prose without ``<`` or ``[`` never reaches a regex."""
+    markers = tuple(markers)
+    groups = _marker_groups(markers)
+    if not groups:
+        return marker_pattern(markers).search
+    searches = [(first, pattern.search) for first, pattern in groups]
 
     def find(text: str) -> re.Match[str] | None:
-        for first, pairs in probes:
-            if first in text:
-                for pair in pairs:
-                    if pair in text:
-                        return search(text)
-        return None
+        best = None
+        for first, search in searches:
+            if first in text and (found := search(text)) is not None and (best is None or found.start() < best.start()):
+                best = found
+        return best
 
     return find
 
@@ -565,9 +562,8 @@ def _tiktoken_tokenizer(folder: Path, source: str, enc: tiktoken.Encoding, names
     whose own tokenizer cuts long runs (Kimi's); without it one tiktoken call is exact."""
     special = {t: i for i, t in names.items()}
     allowed = enc.special_tokens_set
-    marker_re = marker_pattern(names.values())
     marker_split = marker_splitter(names.values())
-    first_marker = _marker_finder(marker_re, names.values())
+    first_marker = _marker_finder(names.values())
     ordinary = enc.encode_ordinary
 
     def encode_plain(text: str) -> list[int]:
