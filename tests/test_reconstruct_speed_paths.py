@@ -51,9 +51,9 @@ def test_byte_chunks_read_the_lines_iter_lines_reads(lines, trailing, max_lines,
     assert all(d.count(b"\n") <= max_lines for _, d in chunks)
 
 
-def _text(line: bytes | str) -> str:
-    """A line as iter_lines' text: bytes lines decode as it decodes."""
-    return line.decode("utf-8", "surrogateescape") if isinstance(line, bytes) else line
+def _text(line: memoryview | str) -> str:
+    """A line as iter_lines' text: lines kept as bytes decode as it decodes."""
+    return line if isinstance(line, str) else str(line, "utf-8", "surrogateescape")
 
 
 _JSONISH = st.one_of(

@@ -597,12 +597,20 @@ def _init_worker(tokenizer_source: str, dialect_name: str | None, policy: Policy
 _MAYBE_BLANK = frozenset(range(0x1C, 0x20)) | frozenset(range(0x80, 0x100))
 
 
-def _chunk_lines(chunk: Chunk) -> Iterator[tuple[int, bytes | str]]:
+#: Bytes ``bytes.lstrip()`` strips (ASCII whitespace).
+_ASCII_SPACE = frozenset(b" \t\n\r\x0b\x0c")
+
+#: A line of a chunk: a view of its bytes (LF-only chunks) or its text.
+Line = memoryview | str
+
+
+def _chunk_lines(chunk: Chunk) -> Iterator[tuple[int, Line]]:
     """The records of these lines, numbered as :func:`~tokenbridge.exchanges.iter_lines`
     numbers them (UTF-8 with surrogate escapes, universal newlines, blank lines skipped).
 
-    Where no CR is in the chunk (LF ends every line), a line stays bytes (orjson reads them as they are: no
-    decode, no second UTF-8 pass); a line that may be blank as text is decoded to decide.
+    Where no CR is in the chunk (LF ends every line), a line is a view of the chunk's
+    bytes, newline kept (orjson reads it as it is: no copy, no decode, no second UTF-8
+    pass); a line that may be blank as text is decoded to decide.
     """
     first, data = chunk
     if b"\r" in data:
@@ -610,26 +618,31 @@ def _chunk_lines(chunk: Chunk) -> Iterator[tuple[int, bytes | str]]:
             if line.strip():
                 yield lineno, line
         return
-    for lineno, raw in enumerate(data.splitlines(keepends=True), first):  # as text mode would, newline kept
-        lead = raw.lstrip()[:1]
-        if not lead:
-            continue
-        if lead[0] in _MAYBE_BLANK:
-            text = raw.decode("utf-8", "surrogateescape")
+    view = memoryview(data)
+    lineno, start, size = first, 0, len(data)
+    while start < size:
+        end = data.find(b"\n", start) + 1 or size
+        lead = data[start]
+        if lead in _ASCII_SPACE:  # rare: find the first byte that is not
+            rest = data[start:end].lstrip()
+            lead = rest[0] if rest else -1
+        if lead in _MAYBE_BLANK:
+            text = data[start:end].decode("utf-8", "surrogateescape")
             if text.strip():
                 yield lineno, text
-            continue
-        yield lineno, raw
+        elif lead >= 0:
+            yield lineno, view[start:end]
+        start, lineno = end, lineno + 1
 
 
-def _load(line: bytes | str) -> Any:
+def _load(line: bytes | Line) -> Any:
     """The JSON value of a line, exactly as :func:`~tokenbridge.exchanges.loads_line`
     reads its text (which raises RecordError)."""
-    if isinstance(line, bytes):
+    if not isinstance(line, str):
         try:
             return orjson.loads(line)
         except orjson.JSONDecodeError:  # not UTF-8, lone surrogate escapes, or not JSON: the text path says
-            line = line.decode("utf-8", "surrogateescape")
+            line = str(line, "utf-8", "surrogateescape")
     return loads_line(line)
 
 
