@@ -148,3 +148,15 @@ def test_a_bugs_traceback_never_shows_a_secret_from_the_environment(tmp_path):
     assert proc.returncode == ExitCode.INTERNAL
     assert "bug holding ***" in proc.stderr
     assert key not in proc.stderr + proc.stdout and key[9:] not in proc.stderr
+
+
+def test_a_bugs_traceback_never_shows_a_key_read_under_a_name_of_the_users(tmp_path):
+    """``--api-key-env`` names the variable: one that says neither KEY nor TOKEN is still
+    scrubbed, because the key was read (``read_api_key``) in this process."""
+    key = "sk-or-v1-" + "7a" * 16
+    raise_stmt = ("from tokenbridge.generate.secrets import read_api_key; "
+                  "raise RuntimeError('bug holding ' + read_api_key('ROUTER_CRED').value)")
+    proc = _reconstruct_cli_with_a_bug(tmp_path, raise_stmt, {"ROUTER_CRED": key})
+    assert proc.returncode == ExitCode.INTERNAL
+    assert "bug holding ***" in proc.stderr
+    assert key not in proc.stderr + proc.stdout and key[9:] not in proc.stderr

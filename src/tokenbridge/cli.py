@@ -663,12 +663,14 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - the last line of defence: report a bug as a bug
         import traceback
 
-        from .generate.secrets import scrub
+        from .generate.secrets import keys_read, scrub
 
         text = traceback.format_exc()
-        for name, value in os.environ.items():
-            if len(value) >= 8 and any(w in name.upper() for w in ("KEY", "TOKEN", "SECRET", "PASSWORD")):
-                text = scrub(text, value)
+        # every key the command read (under whatever variable name), and anything that looks like one
+        secrets = {*keys_read(), *(value for name, value in os.environ.items() if len(value) >= 8
+                                   and any(w in name.upper() for w in ("KEY", "TOKEN", "SECRET", "PASSWORD")))}
+        for value in sorted(secrets, key=len, reverse=True):  # a longer secret first: one inside it stays whole
+            text = scrub(text, value)
         sys.stderr.write(text)
         typer.echo("error: internal error (a bug in tokenbridge, not in your data): the traceback is above", err=True)
         raise SystemExit(int(ExitCode.INTERNAL)) from None

@@ -28,7 +28,7 @@ from functools import lru_cache
 
 from .errors import GenerateError
 
-__all__ = ["ApiKey", "MissingApiKey", "read_api_key", "scrub", "scrub_bytes"]
+__all__ = ["ApiKey", "MissingApiKey", "keys_read", "read_api_key", "scrub", "scrub_bytes"]
 
 _MASK = "***"
 _MIN_B64 = 8  # shorter base64 fragments would mask innocent text (a key is 20+ characters)
@@ -63,7 +63,18 @@ def read_api_key(env_name: str = "OPENROUTER_API_KEY", *, required: bool = True)
         if required:
             raise MissingApiKey(f"environment variable {env_name} is not set (it must hold the API key)")
         return None
+    _READ.add(value)
     return ApiKey(env_name, value)
+
+
+#: Every key this process has read, whatever its variable is called (``api_key_env`` is the
+#: user's to name): the console script's last-resort traceback is scrubbed of each.
+_READ: set[str] = set()
+
+
+def keys_read() -> tuple[str, ...]:
+    """The values of every key :func:`read_api_key` has returned in this process."""
+    return tuple(_READ)
 
 
 def scrub(text: str, key: ApiKey | str | None) -> str:
