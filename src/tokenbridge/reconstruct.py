@@ -560,11 +560,10 @@ Chunk = tuple[int, bytes]
 
 @dataclass(frozen=True)
 class _Done:
-    """A record reconstructed: its JSONL rows end at byte ``end`` of the chunk's buffer
+    """A record reconstructed: its JSONL rows are in the chunk's buffer, in input order
     (Parquet: ``rows`` holds them instead)."""
 
     line: int
-    end: int
     rows: list[dict[str, Any]] | None
     briefs: list[Brief]
     facts: RecordFacts
@@ -648,7 +647,7 @@ def _load(line: bytes | Line) -> Any:
 
 def _work(chunk: Chunk) -> _ChunkResult:
     """Reconstruct a chunk of lines. JSONL rows come back as one buffer (every row
-    serialised here, newline included) plus where each record's rows end in it; in a
+    serialised here, newline included, in input order) plus one entry a record; in a
     pool the buffer goes to a file in the spool folder and only its name comes back.
 
     Bad input (:data:`RECORD_ERRORS`) becomes a :class:`_Refused` entry; any other
@@ -658,7 +657,6 @@ def _work(chunk: Chunk) -> _ChunkResult:
     traits = _WORKER.get("traits")
     out: list[_Entry] = []
     parts: list[bytes] = []
-    end = 0
     for lineno, line in _chunk_lines(chunk):
         try:
             rows, facts = _reconstruct(parse_exchange(_load(line)), tok, dialect, policy, traits)
@@ -674,12 +672,10 @@ def _work(chunk: Chunk) -> _ChunkResult:
         briefs = [_brief(r) for r in rows]
         if as_json:
             for row in rows:
-                data = encode_lean_row(row)
-                parts += (data, b"\n")
-                end += len(data) + 1
-            out.append(_Done(lineno, end, None, briefs, facts))
+                parts += (encode_lean_row(row), b"\n")
+            out.append(_Done(lineno, None, briefs, facts))
         else:
-            out.append(_Done(lineno, end, [with_derived(r) for r in rows], briefs, facts))
+            out.append(_Done(lineno, [with_derived(r) for r in rows], briefs, facts))
     blob = b"".join(parts)
     spool = _WORKER["spool"]
     if spool is None or not blob:
@@ -818,7 +814,8 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
     try:
         for result, entries in results:
             with _chunk_rows(result) as view:
-                start = 0
+                if len(view) and isinstance(sink, _JsonlSink):
+                    sink.write(view)  # the chunk's rows in input order, bad lines holding none: one write
                 for entry in entries:
                     if isinstance(entry, _Refused):
                         summary.bad_lines.append(BadLine(str(src), entry.line, entry.field, entry.message))
@@ -826,13 +823,6 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
                     summary.add(entry.briefs, entry.facts)
                     if isinstance(sink, _ParquetSink):
                         sink.write(entry.rows or ())
-                    else:
-                        part = view[start:entry.end]
-                        try:
-                            sink.write(part)
-                        finally:  # even if an error keeps it referenced: the map must close
-                            part.release()
-                        start = entry.end
                     fsio.kill_point("reconstruct:record")
         sink.close()
     except BaseException:
