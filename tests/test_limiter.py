@@ -458,3 +458,36 @@ def test_random_429s_with_retry_after_delay_only_their_own_request(kimi, tmp_pat
     assert last_first - first > 0.5, (first, last_first)
     busy = sum(max(0.0, min(s + lat, last_first) - max(s, first)) for _, _, s, lat, _ in attempts)
     assert busy / (last_first - first) > 0.8 * conc
+
+
+def test_a_cap_that_appears_mid_run_costs_few_429s():
+    """No cap, then one of 100: each cut after the first must count what is accepted since
+    the last cut (the history before it still shows the old level; counting it cut one
+    slot per 8 429s, 18.7% of the run refused)."""
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=40, cap=lambda t: 100 if t > 10 else None, measure_from=20)
+    assert r["whole_429"] <= 0.05, r
+    assert 0.85 * 100 <= r["in_flight"] <= 101, r
+
+
+@pytest.mark.parametrize(("ceiling", "cap"), [(16, 15), (16, 14)])
+def test_a_short_cap_under_noise_is_left_behind_when_it_lifts(ceiling, cap):
+    """At the ceiling from the start (no slow start) with 5% noise, a cap for 10 s: the cut's
+    hold pays for that cut's 429s, not for every noise 429 since the run began (a hold of
+    3,767 successes kept the limit at 15 for minutes)."""
+    clock = Clock()
+    lim = AdaptiveLimiter(ceiling, start=ceiling, clock=clock)
+    r = _simulate(lim, clock, seconds=200, noise=0.05, cap=lambda t: cap if 100 < t < 110 else None, latency=1.0,
+                  rtt=0.2, measure_from=150)
+    assert lim.limit == ceiling and r["in_flight"] > ceiling - 0.5, (lim.limit, lim._hold, r)
+
+
+def test_the_ceiling_test_ends_with_its_counts():
+    """Slow start reaches the ceiling, noise rises later, a cap comes and goes: the limit is
+    back at the ceiling (the ended ceiling test's counts made a hold of 38,000 successes)."""
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=100, noise=lambda t: 0.05 if t > 20 else 0.0,
+                  cap=lambda t: 250 if 60 < t < 70 else None, measure_from=80)
+    assert lim.limit == 256.0 and r["in_flight"] > 0.98 * 256, (lim.limit, lim._hold, r)

@@ -87,7 +87,7 @@ _HISTORY = 3.0  # in flight's changes and the 429s are kept for this many mean l
 _PROBE_Z = 3.0  # a probe's 429 share this many standard errors over its base's is a cap
 _OVER_SLOTS = 0.5  # a probe's refused requests in flight, averaged over it and the hold after it
 _PROBE_ROUNDS = 4  # a probe at the ceiling is tested over this many rounds of answers, then it held
-_FLIGHT_MAX = 64  # and for at most this many changes per slot of the ceiling (memory, before any latency is known)
+_FLIGHT_MAX = 8  # and for at most this many changes per slot of the ceiling (memory, before any latency is known)
 
 
 @dataclass
@@ -268,11 +268,13 @@ class AdaptiveLimiter:
             return False
         if self.limit >= self.ceiling and n1 > _PROBE_ROUNDS * self.limit:
             self._probe_from = None  # the ceiling held (testing on would take noise for a cap, by chance)
+            self._probing, self._baseline = [0, 0], [0, 0]  # and its counts end with it (a later cut's cost)
             return False
         if self.limit <= self._probe_from or r1 < self.min_rate_limited:
             return False
         pooled = (r0 + r1) / (n0 + n1)
-        return r1 / n1 - r0 / n0 >= _PROBE_Z * math.sqrt(pooled * (1 - pooled) * (1 / n0 + 1 / n1))
+        se = math.sqrt(pooled * (1 - pooled) * (1 / n0 + 1 / n1))
+        return se > 0 and r1 / n1 - r0 / n0 >= _PROBE_Z * se
 
     def served_concurrency(self) -> float | None:
         """Requests the server was serving at once, by Little's law: the successes' time in
@@ -303,9 +305,15 @@ class AdaptiveLimiter:
             return None
         now = self.clock()
         until = now - max(answered - sent for sent, answered in self._refusals)
-        since = until - self._latency
+        # not before the last cut: what was accepted above the level it left says nothing of now (a cap
+        # that fell is cut again within a turnaround, and the history would still show the old level)
+        since = max(until - self._latency, self._last_cut)
+        if since >= until:
+            return None
         if self._flight[0][0] > since:
             return None  # in flight before the history began is unknown
+        if len(self._refusals) >= _FLIGHT_MAX * self.ceiling and self._refusals[0][1] > since:
+            return None  # refusals answered after `since` were dropped (the bound on memory): unknown
         # (at, order, in_flight or None, refused delta): a 429's own send and answer bracket its time
         points: list[tuple[float, int, int | None, int]] = [(at, 0, n, 0) for at, n in self._flight if since < at < until]
         level = next(n for at, n in reversed(self._flight) if at <= since)
@@ -393,6 +401,8 @@ class AdaptiveLimiter:
         # successes at this level.
         (n0, r0), (n1, r1) = self._baseline, self._probing
         excess = max(0.0, r1 - max(self.noise, r0 / n0 if n0 else 0.0) * n1)
+        if self._probe_from is None or not n0:  # no probe under test: the counts may span the whole run so far
+            excess = min(excess, max(0.0, self._cut_share - self.noise) * len(self._answers))
         pending = min(max(0.0, self.in_flight - self.limit), refused)
         cost = excess + pending
         turnaround = self._refused_s / r1 if r1 else 0.0
