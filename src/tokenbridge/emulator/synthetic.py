@@ -137,7 +137,7 @@ class SyntheticModel:
         prompt_opens_think: bool,
     ) -> Generation:
         """One set of choices (the same draws for every family), written in the family's
-        frame and tool grammar: Kimi's own (:meth:`_assemble`), or the dialect's (:meth:`_native`)."""
+        frame and tool grammar: Kimi's own (:meth:`_assemble`), or the dialect's (:meth:`_finish`)."""
         last = messages[-1] if messages else {}
         # DeepSeek after a tool result: the prompt opens no think block and the model
         # writes none; an engine forced into reasoning serves its answer as reasoning.
@@ -201,23 +201,10 @@ class SyntheticModel:
         *,
         framed: bool = True,
     ) -> Generation:
+        """Kimi's text as served (:meth:`_assemble`); any other family's framed (not an echo:
+        that is the user's, verbatim), then the ids of the dialect's own completion parts."""
         if self._kimi:
             return self._assemble(reasoning, content)
-        return self._native(reasoning, content, thinking, prompt_opens_think, blockless, calls, framed=framed)
-
-    def _native(
-        self,
-        reasoning: str | None,
-        content: str,
-        thinking: bool,
-        prompt_opens_think: bool,
-        blockless: bool,
-        calls: tuple[tuple[str, str], ...] = (),
-        *,
-        framed: bool = True,
-    ) -> Generation:
-        """Frame the text (not an echo: that is the user's, verbatim), then the ids of
-        the dialect's own completion parts."""
         fam = self.family
         lead = fam.content_lead_thinking if thinking and not blockless else fam.content_lead_instant
         if lead and framed:
