@@ -35,6 +35,25 @@ def kimi(kimi_dir):
     return load_tokenizer(kimi_dir)
 
 
+@pytest.fixture(scope="module")
+def tok(request: pytest.FixtureRequest):
+    """The tokenizer of the module's ``FAMILY`` (a folder under ../shared/tokenizers)."""
+    from test_families_support import family_tokenizer
+
+    family = getattr(request.module, "FAMILY", None)
+    if family is None:
+        pytest.fail(f"{request.module.__name__} uses the tok fixture but sets no FAMILY")
+    return family_tokenizer(family)
+
+
+@pytest.fixture(scope="module")
+def dialect(tok):
+    """The dialect resolved from :func:`tok`."""
+    from tokenbridge.chat import resolve_dialect
+
+    return resolve_dialect(tok)
+
+
 @pytest.fixture(autouse=True)
 def _no_tokenizer_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
     """A TOKENBRIDGE_TOKENIZER set in the developer's shell must not change what a test

@@ -23,8 +23,7 @@ from typing import Any
 
 import pytest
 
-from test_families_support import SGLangEngine, family_tokenizer, import_sglang_reasoning, run_example
-from tokenbridge.chat import resolve_dialect
+from test_families_support import SGLangEngine, import_sglang_reasoning, run_example
 from tokenbridge.emulator.config import ConfigError, EmulatorConfig, ProviderConfig
 from tokenbridge.emulator.engines import engine_text
 from tokenbridge.emulator.families import family_profile
@@ -37,14 +36,7 @@ ASSISTANT = 173781
 NOON = 1735732800  # 2025-01-01 12:00 UTC
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return family_tokenizer("gpt-oss")
-
-
-@pytest.fixture(scope="module")
-def dialect(tok):
-    return resolve_dialect(tok)
+FAMILY = "gpt-oss"  # the tok / dialect fixtures (conftest)
 
 
 def _prompts(limit: int) -> list[list[dict[str, Any]]]:

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_families_support import SHARED, SGLangEngine, OracleTokenizer, family_tokenizer, import_sglang_reasoning, texts, words
+from test_families_support import SHARED, SGLangEngine, OracleTokenizer, import_sglang_reasoning, texts, words
 from tokenbridge.chat import DialectError, resolve_dialect
 from tokenbridge.reconstruct import reconstruct_record
 
@@ -40,14 +40,7 @@ CALLS, CALLS_END, CALL, CALL_END, SEP, OUT_END = 128806, 128807, 128808, 128809,
 ASSISTANT_TEXT = "<｜Assistant｜>"
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return family_tokenizer("deepseek-v3.1")
-
-
-@pytest.fixture(scope="module")
-def dialect(tok):
-    return resolve_dialect(tok)
+FAMILY = "deepseek-v3.1"  # the tok / dialect fixtures (conftest)
 
 
 def test_folder_resolves_to_v31_with_its_template(tok, dialect):

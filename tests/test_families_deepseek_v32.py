@@ -19,21 +19,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_families_support import SGLangEngine, TOOLS, family_tokenizer, import_sglang_reasoning, texts, tool_lists, tool_round, words
-from tokenbridge.chat import TemplateError, resolve_dialect
+from test_families_support import SGLangEngine, TOOLS, import_sglang_reasoning, texts, tool_lists, tool_round, words
+from tokenbridge.chat import TemplateError
 from tokenbridge.reconstruct import reconstruct_record
 
 BOS, EOS, THINK, THINK_END, DSML = 0, 1, 128798, 128799, 128793
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return family_tokenizer("deepseek-v3.2")
-
-
-@pytest.fixture(scope="module")
-def dialect(tok):
-    return resolve_dialect(tok)
+FAMILY = "deepseek-v3.2"  # the tok / dialect fixtures (conftest)
 
 
 @pytest.fixture(scope="module")

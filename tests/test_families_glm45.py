@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_families_support import (SHARED, SGLangEngine, TOOLS, OracleTokenizer, family_tokenizer, texts, tool_lists,
+from test_families_support import (SHARED, SGLangEngine, TOOLS, OracleTokenizer, texts, tool_lists,
                                    tool_round, words)
-from tokenbridge.chat import TemplateError, resolve_dialect
+from tokenbridge.chat import TemplateError
 from tokenbridge.chat.template import template_renderer
 from tokenbridge.reconstruct import reconstruct_record
 
@@ -38,14 +38,7 @@ THINK, THINK_END, CALL, CALL_END, RESPONSE, RESPONSE_END, KEY, KEY_END, VALUE, V
 NL = 198
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return family_tokenizer("glm-4.5")
-
-
-@pytest.fixture(scope="module")
-def dialect(tok):
-    return resolve_dialect(tok)
+FAMILY = "glm-4.5"  # the tok / dialect fixtures (conftest)
 
 
 def test_folder_resolves_to_glm_with_its_template(tok, dialect):

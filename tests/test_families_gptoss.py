@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_families_support import (SHARED, SGLangEngine, TOOLS, OracleTokenizer, family_tokenizer, texts, tool_lists,
+from test_families_support import (SHARED, SGLangEngine, TOOLS, OracleTokenizer, texts, tool_lists,
                                    words)
 from tokenbridge.chat import resolve_dialect
 from tokenbridge.chat.harmony import serving_days
@@ -43,14 +43,7 @@ DAY = "2025-01-01"
 NOON = 1735732800  # 2025-01-01 12:00 UTC
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return family_tokenizer("gpt-oss")
-
-
-@pytest.fixture(scope="module")
-def dialect(tok):
-    return resolve_dialect(tok)
+FAMILY = "gpt-oss"  # the tok / dialect fixtures (conftest)
 
 
 def _word(tok, text: str) -> int:

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_families_support import SGLangEngine, TOOLS, OracleTokenizer, family_tokenizer, nonempty, texts, tool_lists, tool_round, words
+from test_families_support import SGLangEngine, TOOLS, OracleTokenizer, nonempty, texts, tool_lists, tool_round, words
 from tokenbridge.chat import DIALECTS, resolve_dialect
 from tokenbridge.reconstruct import reconstruct_record
 
@@ -33,14 +33,7 @@ needs_renderers = pytest.mark.skipif(Qwen3Renderer is None, reason=globals().get
 END, THINK, THINK_END, CALL, CALL_END = 151645, 151667, 151668, 151657, 151658
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return family_tokenizer("qwen3")
-
-
-@pytest.fixture(scope="module")
-def dialect(tok):
-    return resolve_dialect(tok)
+FAMILY = "qwen3"  # the tok / dialect fixtures (conftest)
 
 
 @pytest.fixture(scope="module")
