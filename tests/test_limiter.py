@@ -402,21 +402,29 @@ def test_emulator_max_concurrency_is_range_checked(tmp_path):
 # --- end to end ----------------------------------------------------------------------------
 
 
-def test_generate_against_a_capped_emulator_finishes_with_few_429s(kimi, tmp_path, monkeypatch):
+def _generate_against(kimi, tmp_path, monkeypatch, provider: ProviderConfig, n: int, *, concurrency: int):
+    """``generate_run`` of ``n`` prompts against an emulator serving ``provider`` (Retry-After 1 s):
+    its summary, after asserting every prompt done, and every attempt as
+    (sample_id, n, started_at, latency_s, http_status)."""
     monkeypatch.setenv("OPENROUTER_API_KEY", "sk-or-v1-test")
     prompts = tmp_path / "p.jsonl"
-    n = 600
     prompts.write_text("".join(json.dumps({"id": i, "prompt": f"question {i % 32}"}) + "\n" for i in range(n)))
-    capped = ProviderConfig(name="capped/fp8", latency_ms=50.0, max_concurrency=8)
-    cfg = EmulatorConfig(providers=(capped,), retry_after_s=1, min_tokens=4, max_tokens=8)
+    cfg = EmulatorConfig(providers=(provider,), retry_after_s=1, min_tokens=4, max_tokens=8)
     with running_emulator(cfg, tokenizer=kimi) as url:
         settings = GenerateSettings(datasets=(DatasetSpec("d", prompts),), request=RequestSettings(model=MODEL),
-                                    base_url=url, concurrency=64, progress="none", backoff_base_s=0.05,
+                                    base_url=url, concurrency=concurrency, progress="none", backoff_base_s=0.05,
                                     backoff_max_s=0.2, max_attempts=20)
         summary = generate_run(settings, tmp_path / "run")
     assert summary.done == n and summary.failed == 0
     with sqlite3.connect(tmp_path / "run" / "state.sqlite") as con:
         attempts = con.execute("SELECT sample_id, n, started_at, latency_s, http_status FROM attempts").fetchall()
+    return summary, attempts
+
+
+def test_generate_against_a_capped_emulator_finishes_with_few_429s(kimi, tmp_path, monkeypatch):
+    n = 600
+    capped = ProviderConfig(name="capped/fp8", latency_ms=50.0, max_concurrency=8)
+    summary, attempts = _generate_against(kimi, tmp_path, monkeypatch, capped, n, concurrency=64)
     by_sample = {(a[0], a[1]): a for a in attempts}
     refused = [a for a in attempts if a[4] == 429]
     for sample, k, started, latency, _ in refused:  # Retry-After: 1 delays that request's retry...
@@ -433,20 +441,9 @@ def test_generate_against_a_capped_emulator_finishes_with_few_429s(kimi, tmp_pat
 def test_random_429s_with_retry_after_delay_only_their_own_request(kimi, tmp_path, monkeypatch):
     """20% of answers 429 with Retry-After: 1, at any load: each refused request waits out
     its Retry-After, and the others keep the whole pool busy (the limiter does not shrink)."""
-    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-or-v1-test")
-    prompts = tmp_path / "p.jsonl"
     n, conc = 400, 32
-    prompts.write_text("".join(json.dumps({"id": i, "prompt": f"question {i % 32}"}) + "\n" for i in range(n)))
     noisy = ProviderConfig(name="noisy/fp8", latency_ms=100.0, faults=ProviderFaults(rate_limit=0.2))
-    cfg = EmulatorConfig(providers=(noisy,), retry_after_s=1, min_tokens=4, max_tokens=8)
-    with running_emulator(cfg, tokenizer=kimi) as url:
-        settings = GenerateSettings(datasets=(DatasetSpec("d", prompts),), request=RequestSettings(model=MODEL),
-                                    base_url=url, concurrency=conc, progress="none", backoff_base_s=0.05,
-                                    backoff_max_s=0.2, max_attempts=20)
-        summary = generate_run(settings, tmp_path / "run")
-    assert summary.done == n and summary.failed == 0
-    with sqlite3.connect(tmp_path / "run" / "state.sqlite") as con:
-        attempts = con.execute("SELECT sample_id, n, started_at, latency_s, http_status FROM attempts").fetchall()
+    summary, attempts = _generate_against(kimi, tmp_path, monkeypatch, noisy, n, concurrency=conc)
     by_sample = {(a[0], a[1]): a for a in attempts}
     refused = [a for a in attempts if a[4] == 429]
     assert 0.1 * len(attempts) < len(refused) < 0.3 * len(attempts)
