@@ -37,18 +37,38 @@ _ENDINGS = st.sampled_from([b"\n", b"\r\n", b"\r", b"\n\n"])
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(_LINE_BYTES, _ENDINGS), max_size=25), st.booleans(),
-       st.integers(1, 5), st.sampled_from([1, 3, 64, 1000, 256 * 1024]))
-def test_byte_chunks_read_the_lines_iter_lines_reads(lines, trailing, max_lines, max_bytes):
+       st.integers(1, 5), st.sampled_from([1, 3, 64, 1000, 256 * 1024]), st.sampled_from([1, 2, 3]))
+def test_byte_chunks_read_the_lines_iter_lines_reads(lines, trailing, max_lines, max_bytes, workers):
     data = b"".join(text + end for text, end in lines) + (b"tail" if trailing else b"")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "in.jsonl"
         path.write_bytes(data)
         expected = list(iter_lines(path))
-        chunks = list(_chunks(path, max_lines, max_bytes))
+        chunks = list(_chunks(path, max_lines, max_bytes, workers=workers))
     got = [(n, _text(line)) for c in chunks for n, line in _chunk_lines(c)]
     assert got == expected
     assert b"".join(d for _, d in chunks) == data  # every byte shipped once, in order
     assert all(d.count(b"\n") <= max_lines for _, d in chunks)
+
+
+def test_chunks_shrink_towards_the_end_of_the_file_for_a_pool(tmp_path):
+    """With workers, each block read is a 2*workers-th of what is left (16 KiB at least),
+    so the last chunks are small and no worker is left alone on a long one; one process
+    reads full blocks throughout."""
+    line = b'{"k": "' + b"x" * 990 + b'"}\n'  # 1,000 bytes
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(line * 2000)
+    sizes = [len(d) for _, d in _chunks(path, 10_000, 256 * 1024, workers=2)]
+    assert sum(sizes) == 2_000_000
+    left = 2_000_000
+    for size in sizes:  # a chunk is its block's whole lines, plus the line the last block cut
+        assert size <= max(16 * 1024, min(256 * 1024, left // 4)) + 1000
+        left -= size
+    assert sizes[:4] == [262000] * 4
+    assert all(size <= 17 * 1024 for size in sizes[-4:])
+    assert len(sizes) < 20
+    alone = [len(d) for _, d in _chunks(path, 10_000, 256 * 1024)]
+    assert len(alone) == 8 and all(size >= 262000 for size in alone[:-1])
 
 
 def _text(line: memoryview | str) -> str:

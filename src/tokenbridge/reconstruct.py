@@ -713,16 +713,26 @@ def _quiet_worker_signals() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024) -> Iterator[Chunk]:
+#: The smallest block :func:`_chunks` reads while it shrinks them towards the file's end.
+_MIN_BLOCK = 16 * 1024
+
+
+def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024, *, workers: int = 1) -> Iterator[Chunk]:
     """The file's lines in chunks of at most ``max_lines`` lines or about ``max_bytes``,
     as raw bytes read in blocks: the main process neither decodes nor splits text, and a
     chunk ships to a worker as one buffer. Numbering follows text mode (``\r``,
     ``\r\n`` and ``\n`` each end a line), as :func:`~tokenbridge.exchanges.iter_lines`
-    does; chunks end after a ``\n``, so never inside ``\r\n``."""
+    does; chunks end after a ``\n``, so never inside ``\r\n``.
+
+    For ``workers`` > 1 the blocks shrink as the unread part does (a ``2 * workers``-th
+    of it, down to :data:`_MIN_BLOCK`): the last chunks are small, so no worker is left
+    alone on a long one while the others have nothing to do."""
     lineno = 1
     partial: list[bytes] = []  # a line longer than a block, until its newline arrives
     with open(path, "rb") as fh:
-        while block := fh.read(max_bytes):
+        left = os.fstat(fh.fileno()).st_size
+        while block := fh.read(max_bytes if workers <= 1 else max(_MIN_BLOCK, min(max_bytes, left // (2 * workers)))):
+            left -= len(block)
             cut = block.rfind(b"\n") + 1
             if cut == 0:
                 partial.append(block)
@@ -810,7 +820,7 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
         spool.mkdir(mode=0o700)
     sink: JsonlRowSink | ParquetRowSink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
     init_args = (tok_source, dialect, policy, not as_parquet, traits, None if spool is None else str(spool))
-    results = _run_chunks(_chunks(src, chunk_lines), workers, init_args)
+    results = _run_chunks(_chunks(src, chunk_lines, workers=workers), workers, init_args)
     try:
         for result, entries in results:
             with _chunk_rows(result) as view:
