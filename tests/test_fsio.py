@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 
+from tokenbridge import fsio
 from tokenbridge.fsio import (
     FILE_MODE,
     JsonLineError,
@@ -19,8 +21,10 @@ from tokenbridge.fsio import (
     loads_line,
     publish_dir,
     temp_path,
+    WriteBehind,
     write_text,
 )
+from tokenbridge.rows import JsonlRowSink
 
 
 def test_dumps_line_is_compact_utf8_like_the_stdlib():
@@ -73,3 +77,31 @@ def test_stale_temps_of_a_dead_process_go_and_nothing_else(tmp_path):
     removed = clean_stale_temps(tmp_path)
     assert sorted(p.name for p in removed) == [f".r.jsonl.{pid}-0123abcd.tbtmp", f".vocab.{pid}-0123abcd.tbtmp"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*keep, live.name])
+
+
+def test_write_behind_syncs_every_so_many_bytes_one_at_a_time(tmp_path, monkeypatch):
+    synced: list[int] = []
+    monkeypatch.setattr(fsio, "_datasync", synced.append)
+    with open(tmp_path / "out", "wb") as fh:
+        behind = WriteBehind(fh.fileno(), every=2000)
+        for _ in range(5):
+            behind.wrote(1000)
+            behind.finish()  # the sync (if one started) is done before the next write
+        assert synced == [fh.fileno()] * 2  # after 2,000 and 4,000 bytes; 1,000 left for the final fsync
+
+
+def test_write_behind_reports_a_failed_sync_once(tmp_path, monkeypatch):
+    def fail(fd: int) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(fsio, "_datasync", fail)
+    sink = JsonlRowSink(tmp_path / "rows.jsonl")
+    sink._behind._every = 10
+    sink.write(b'{"a": 1}\n' * 3)
+    with pytest.raises(OSError, match="I/O error"):
+        sink.close()
+    sink = JsonlRowSink(tmp_path / "other.jsonl")
+    sink._behind._every = 10
+    sink.write(b'{"a": 1}\n' * 3)
+    sink.abort()  # thrown away: the sync's error is not the one to tell
+    assert not (tmp_path / "other.jsonl").exists()

@@ -44,6 +44,7 @@ import re
 import secrets
 import shutil
 import signal
+import threading
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -188,6 +189,46 @@ def _fsync_file(path: Path, mode: int) -> None:
         os.fchmod(fd, mode)
     finally:
         os.close(fd)
+
+
+class WriteBehind:
+    """Puts a file being written on disk while it is still being written: every
+    ``every`` bytes reported by :meth:`wrote`, one background thread runs
+    ``fdatasync`` on it (one at a time; the writer never waits for it), so the final
+    fsync of a large output only waits for its last part. :meth:`finish` waits for the
+    thread and raises what it met (its error would not be reported to a later fsync).
+    Start one only after any fork: a forked child must not inherit a thread."""
+
+    def __init__(self, fd: int, every: int = 8 << 20):
+        self._fd, self._every, self._unsynced = fd, every, 0
+        self._thread: threading.Thread | None = None
+        self._error: OSError | None = None
+
+    def wrote(self, n: int) -> None:
+        self._unsynced += n
+        if self._unsynced < self._every or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._unsynced = 0
+        self._thread = threading.Thread(target=self._sync, name="tokenbridge-write-behind", daemon=True)
+        self._thread.start()
+
+    def _sync(self) -> None:
+        try:
+            _datasync(self._fd)
+        except OSError as exc:
+            self._error = exc
+
+    def finish(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+#: fdatasync where the platform has it (not macOS): the file's data, not its times.
+_datasync = getattr(os, "fdatasync", os.fsync)
 
 
 @contextmanager

@@ -17,6 +17,7 @@ Files written before the ``reconstruction`` column existed are read with it as `
 
 from __future__ import annotations
 
+import contextlib
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -32,6 +33,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import orjson
 
 from .exit_codes import ExitCode
+from .fsio import WriteBehind
 from .jsonl import JsonLineError, dumps_line, json_text, loads_line
 
 if TYPE_CHECKING:
@@ -312,16 +314,22 @@ class JsonlRowSink:
     def __init__(self, path: Path):
         self.path = path
         self._fh = open(path, "wb")  # noqa: SIM115 - the sink owns it until close() or abort()
+        self._behind = WriteBehind(self._fh.fileno())
 
     def write(self, data: bytes | memoryview) -> None:
         self._fh.write(data)
+        self._behind.wrote(len(data))
 
     def close(self) -> None:
+        """Flushed and on disk (the last part synced here, the rest already behind)."""
         self._fh.flush()
+        self._behind.finish()
         os.fsync(self._fh.fileno())
         self._fh.close()
 
     def abort(self) -> None:
+        with contextlib.suppress(OSError):  # thrown away: the error that aborted it is the one to tell
+            self._behind.finish()
         self._fh.close()
         self.path.unlink(missing_ok=True)
 
