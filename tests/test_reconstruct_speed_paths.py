@@ -37,38 +37,18 @@ _ENDINGS = st.sampled_from([b"\n", b"\r\n", b"\r", b"\n\n"])
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(_LINE_BYTES, _ENDINGS), max_size=25), st.booleans(),
-       st.integers(1, 5), st.sampled_from([1, 3, 64, 1000, 256 * 1024]), st.sampled_from([1, 2, 3]))
-def test_byte_chunks_read_the_lines_iter_lines_reads(lines, trailing, max_lines, max_bytes, workers):
+       st.integers(1, 5), st.sampled_from([1, 3, 64, 1000, 256 * 1024]))
+def test_byte_chunks_read_the_lines_iter_lines_reads(lines, trailing, max_lines, max_bytes):
     data = b"".join(text + end for text, end in lines) + (b"tail" if trailing else b"")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "in.jsonl"
         path.write_bytes(data)
         expected = list(iter_lines(path))
-        chunks = list(_chunks(path, max_lines, max_bytes, workers=workers))
+        chunks = list(_chunks(path, max_lines, max_bytes))
     got = [(n, _text(line)) for c in chunks for n, line in _chunk_lines(c)]
     assert got == expected
     assert b"".join(d for _, d in chunks) == data  # every byte shipped once, in order
     assert all(d.count(b"\n") <= max_lines for _, d in chunks)
-
-
-def test_chunks_shrink_towards_the_end_of_the_file_for_a_pool(tmp_path):
-    """With workers, each block read is a 2*workers-th of what is left (16 KiB at least),
-    so the last chunks are small and no worker is left alone on a long one; one process
-    reads full blocks throughout."""
-    line = b'{"k": "' + b"x" * 990 + b'"}\n'  # 1,000 bytes
-    path = tmp_path / "in.jsonl"
-    path.write_bytes(line * 2000)
-    sizes = [len(d) for _, d in _chunks(path, 10_000, 256 * 1024, workers=2)]
-    assert sum(sizes) == 2_000_000
-    left = 2_000_000
-    for size in sizes:  # a chunk is its block's whole lines, plus the line the last block cut
-        assert size <= max(16 * 1024, min(256 * 1024, left // 4)) + 1000
-        left -= size
-    assert sizes[:4] == [262000] * 4
-    assert all(size <= 17 * 1024 for size in sizes[-4:])
-    assert len(sizes) < 20
-    alone = [len(d) for _, d in _chunks(path, 10_000, 256 * 1024)]
-    assert len(alone) == 8 and all(size >= 262000 for size in alone[:-1])
 
 
 def _text(line: memoryview | str) -> str:
@@ -158,7 +138,15 @@ def _records(kimi) -> list[str]:
     return lines
 
 
-def test_rows_equal_the_reference_path_for_any_worker_count_and_chunk_size(tmp_path, kimi):
+def _small_ranges(monkeypatch, size: int = 700) -> None:
+    """Pool workers read ranges of about ``size`` bytes (a few records each)."""
+    from tokenbridge import lanes
+
+    monkeypatch.setattr(lanes, "RANGE_BYTES", size)
+    monkeypatch.setattr(lanes, "MIN_RANGE_BYTES", size)
+
+
+def test_rows_equal_the_reference_path_for_any_worker_count_and_chunk_size(tmp_path, kimi, monkeypatch):
     lines = _records(kimi)
     src = tmp_path / "exchanges.jsonl"
     # CRLF endings and one invalid UTF-8 line: numbering and errors must match too
@@ -172,11 +160,14 @@ def test_rows_equal_the_reference_path_for_any_worker_count_and_chunk_size(tmp_p
     )
     outputs = {}
     summaries = {}
-    for workers, chunk_lines in [(1, 256), (2, 256), (2, 3), (1, 1)]:
-        dst = tmp_path / f"out-{workers}-{chunk_lines}.jsonl"
-        summary = reconstruct_file(src, dst, kimi, workers=workers, chunk_lines=chunk_lines)
-        outputs[workers, chunk_lines] = dst.read_bytes()
-        summaries[workers, chunk_lines] = summary.to_dict()
+    # (workers, lines a chunk in one process / bytes a range in a pool)
+    for workers, chunk in [(1, 256), (2, 256 * 1024), (2, 700), (3, 1), (1, 1)]:
+        dst = tmp_path / f"out-{workers}-{chunk}.jsonl"
+        if workers > 1:
+            _small_ranges(monkeypatch, chunk)
+        summary = reconstruct_file(src, dst, kimi, workers=workers, chunk_lines=chunk)
+        outputs[workers, chunk] = dst.read_bytes()
+        summaries[workers, chunk] = summary.to_dict()
     assert all(out == expected for out in outputs.values())
     first = summaries[1, 256]
     assert all(s == first for s in summaries.values())
@@ -205,6 +196,7 @@ def test_pool_spool_folder_is_removed_after_success_and_failure(tmp_path, kimi, 
     src.parent.mkdir()
     src.write_text("\n".join(_records(kimi)) + "\n", encoding="utf-8")
     out = tmp_path / "out"
+    _small_ranges(monkeypatch)  # many chunks spooled, so the disk can fill between them
     reconstruct_file(src, out / "ok.jsonl", kimi, workers=2, chunk_lines=2)
     assert sorted(p.name for p in out.iterdir()) == ["ok.jsonl"]
 

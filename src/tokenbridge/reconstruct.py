@@ -1,8 +1,9 @@
 """Rebuild the exact token ids of each API response and run the gate on them.
 
 ``reconstruct_record`` turns one exchange record into one row per choice;
-``reconstruct_file`` streams a JSONL file through it on all cores, in input order, with
-memory bounded by a fixed number of chunks in flight.
+``reconstruct_file`` streams a JSONL file through it on all cores (:mod:`.lanes`: each
+worker on a stretch of the file), in input order, with memory bounded by the ranges in
+flight and the rows of out-of-order ranges waiting on disk (about one stretch a worker).
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import threading
-from collections import Counter, deque
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 
 import orjson
@@ -35,9 +35,7 @@ from . import fsio
 from .outdir import check_output_file
 from .rows import JsonlRowSink, ParquetRowSink, encode_lean_row, with_derived
 from .tokenizer import EncodeError, Tokenizer, load_tokenizer
-
-if TYPE_CHECKING:
-    from multiprocessing.pool import AsyncResult
+from .lanes import map_lines
 
 __all__ = ["RECORD_ERRORS", "BadLine", "ReconstructSummary", "reconstruct_exchange", "reconstruct_file",
            "reconstruct_record"]
@@ -645,19 +643,20 @@ def _load(line: bytes | Line) -> Any:
     return loads_line(line)
 
 
-def _work(chunk: Chunk) -> _ChunkResult:
-    """Reconstruct a chunk of lines. JSONL rows come back as one buffer (every row
-    serialised here, newline included, in input order) plus one entry a record; in a
-    pool the buffer goes to a file in the spool folder and only its name comes back.
+def _work(data: bytes) -> _ChunkResult:
+    """Reconstruct a chunk of whole lines, numbered from 1 (the caller knows where the
+    chunk starts). JSONL rows come back as one buffer (every row serialised here,
+    newline included, in input order) plus one entry a record; from a worker process the
+    buffer goes to a file in the spool folder and only its name comes back.
 
     Bad input (:data:`RECORD_ERRORS`) becomes a :class:`_Refused` entry; any other
-    exception is a bug: it propagates (through the pool) with the line it happened on.
+    exception is a bug: it propagates, carrying the line it happened on (:func:`_note_bug`).
     """
     tok, dialect, policy, as_json = _WORKER["tok"], _WORKER["dialect"], _WORKER["policy"], _WORKER["as_json"]
     traits = _WORKER.get("traits")
     out: list[_Entry] = []
     parts: list[bytes] = []
-    for lineno, line in _chunk_lines(chunk):
+    for lineno, line in _chunk_lines((1, data)):
         try:
             rows, facts = _reconstruct(parse_exchange(_load(line)), tok, dialect, policy, traits)
         except RecordError as exc:
@@ -667,7 +666,7 @@ def _work(chunk: Chunk) -> _ChunkResult:
             out.append(_Refused(lineno, "<record>", f"{type(exc).__name__}: {exc}"))
             continue
         except Exception as exc:
-            exc.add_note(f"while reconstructing the record on line {lineno} (an internal error, not bad input)")
+            exc.__dict__[_BUG_LINE] = lineno
             raise
         briefs = [_brief(r) for r in rows]
         if as_json:
@@ -685,6 +684,17 @@ def _work(chunk: Chunk) -> _ChunkResult:
     with open(path, "xb") as fh:
         fh.write(blob)
     return path, out
+
+
+#: Where a bug's exception carries its line within the chunk.
+_BUG_LINE = "_tokenbridge_chunk_line"
+
+
+def _note_bug(exc: BaseException, first: int) -> None:
+    """Name the file line of a bug raised in :func:`_work` on the chunk starting at ``first``."""
+    at = exc.__dict__.pop(_BUG_LINE, None) if hasattr(exc, "__dict__") else None
+    if at is not None:
+        exc.add_note(f"while reconstructing the record on line {first + at - 1} (an internal error, not bad input)")
 
 
 @contextmanager
@@ -713,26 +723,16 @@ def _quiet_worker_signals() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-#: The smallest block :func:`_chunks` reads while it shrinks them towards the file's end.
-_MIN_BLOCK = 16 * 1024
-
-
-def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024, *, workers: int = 1) -> Iterator[Chunk]:
+def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024) -> Iterator[Chunk]:
     """The file's lines in chunks of at most ``max_lines`` lines or about ``max_bytes``,
-    as raw bytes read in blocks: the main process neither decodes nor splits text, and a
-    chunk ships to a worker as one buffer. Numbering follows text mode (``\r``,
-    ``\r\n`` and ``\n`` each end a line), as :func:`~tokenbridge.exchanges.iter_lines`
-    does; chunks end after a ``\n``, so never inside ``\r\n``.
-
-    For ``workers`` > 1 the blocks shrink as the unread part does (a ``2 * workers``-th
-    of it, down to :data:`_MIN_BLOCK`): the last chunks are small, so no worker is left
-    alone on a long one while the others have nothing to do."""
+    as raw bytes read in blocks (one process: :mod:`.lanes` reads for a pool). Numbering
+    follows text mode (``\r``, ``\r\n`` and ``\n`` each end a line), as
+    :func:`~tokenbridge.exchanges.iter_lines` does; chunks end after a ``\n``, so never
+    inside ``\r\n``."""
     lineno = 1
     partial: list[bytes] = []  # a line longer than a block, until its newline arrives
     with open(path, "rb") as fh:
-        left = os.fstat(fh.fileno()).st_size
-        while block := fh.read(max_bytes if workers <= 1 else max(_MIN_BLOCK, min(max_bytes, left // (2 * workers)))):
-            left -= len(block)
+        while block := fh.read(max_bytes):
             cut = block.rfind(b"\n") + 1
             if cut == 0:
                 partial.append(block)
@@ -820,15 +820,15 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
         spool.mkdir(mode=0o700)
     sink: JsonlRowSink | ParquetRowSink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
     init_args = (tok_source, dialect, policy, not as_parquet, traits, None if spool is None else str(spool))
-    results = _run_chunks(_chunks(src, chunk_lines, workers=workers), workers, init_args)
+    results = _run_chunks(str(src), chunk_lines, workers, init_args)
     try:
-        for result, entries in results:
+        for first, (result, entries) in results:
             with _chunk_rows(result) as view:
                 if len(view) and isinstance(sink, _JsonlSink):
                     sink.write(view)  # the chunk's rows in input order, bad lines holding none: one write
                 for entry in entries:
                     if isinstance(entry, _Refused):
-                        summary.bad_lines.append(BadLine(str(src), entry.line, entry.field, entry.message))
+                        summary.bad_lines.append(BadLine(str(src), first + entry.line - 1, entry.field, entry.message))
                         continue
                     summary.add(entry.briefs, entry.facts)
                     if isinstance(sink, _ParquetSink):
@@ -845,29 +845,21 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
     return summary
 
 
-def _run_chunks(chunks: Iterator[Chunk], workers: int,
-                init_args: tuple[Any, ...]) -> Generator[_ChunkResult, None, None]:
-    """Each chunk's :func:`_work` result, in input order, on ``workers`` processes."""
+def _run_chunks(src: str, chunk_lines: int, workers: int,
+                init_args: tuple[Any, ...]) -> Generator[tuple[int, _ChunkResult], None, None]:
+    """(first line, :func:`_work` result) of every chunk, in input order: in this process,
+    or on ``workers`` processes (:mod:`.lanes`: each on a stretch of the file)."""
     if workers <= 1:
         _init_worker(*init_args[:5])  # in this process: rows stay in memory
-        for chunk in chunks:
-            yield _work(chunk)
+        for first, data in _chunks(src, chunk_lines):
+            try:
+                yield first, _work(data)
+            except Exception as exc:
+                _note_bug(exc, first)
+                raise
         return
-    # fork shares the already-loaded tokenizer (start-up in milliseconds, not a second a
-    # worker); it is only safe while this process runs no other threads.
-    method = "fork" if threading.active_count() == 1 and "fork" in mp.get_all_start_methods() else "spawn"
-    if method == "fork":
-        _init_worker(*init_args)
-    ctx = mp.get_context(method)
-    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
-        pending: deque[AsyncResult[_ChunkResult]] = deque()
-        max_pending = workers * 4
-        for chunk in chunks:
-            pending.append(pool.apply_async(_work, (chunk,)))
-            while len(pending) >= max_pending:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+    _init_worker(*init_args)  # before a fork: the workers start with the tokenizer loaded
+    yield from map_lines(src, workers, _init_worker, init_args, _work, on_error=_note_bug)
 
 
 #: The row files' writers: rows.py holds the one schema and the one reader/writer pair.

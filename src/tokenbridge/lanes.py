@@ -1,0 +1,275 @@
+"""A file's lines mapped over worker processes, each worker on a stretch of its own,
+results handed back in file order.
+
+Why not ``multiprocessing.Pool``: it deals chunks out in file order, so two workers
+alternate and each sees every other part of a stretch of conversations (a multi-turn
+history's pieces land in the other process's prompt cache), and its three handler
+threads in the parent pickle and pipe every input byte while competing with the workers
+for the same cores. Here the parent never reads the data. It hands out byte ranges:
+each worker starts on its own stretch of the file (an equal share of what is not yet
+given out, at most :data:`STRETCH_BYTES`) and works forward through it; a worker whose
+stretch is done takes the next one, and when none is left, ranges off the back of the
+stretch with the most left. Ranges shrink as the work left does, so the workers finish
+together. The parent puts the results back in file order; out-of-order results wait,
+at most about one stretch per worker of them.
+
+A range ``[a, b)`` owns the lines that *start* in it (a line starts at 0 or after a
+``\\n``): the worker skips the line ``a`` cuts and reads through the one ``b`` cuts, so
+any partition of the file into ranges reads every line exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Generic, NoReturn, TypeVar
+
+__all__ = ["STRETCH_BYTES", "map_lines", "owned_lines", "text_lines"]
+
+R = TypeVar("R")
+
+#: The most of the file one worker is given to work through on its own.
+STRETCH_BYTES = 16 << 20
+#: Ranges handed out: at most this many bytes, at least the smaller one (towards the end).
+RANGE_BYTES = 256 * 1024
+MIN_RANGE_BYTES = 16 * 1024
+#: Ranges queued per worker: it starts the next while the parent takes the last one's result.
+_DEPTH = 2
+_READ = 64 * 1024
+
+
+def owned_lines(fd: int, a: int, b: int) -> tuple[int, bytes]:
+    """Where the lines that start in ``[a, b)`` of the file open as ``fd`` start, and
+    their bytes."""
+    start = a
+    if a > 0:  # the line a cuts belongs to the range before: start after its newline
+        pos = a - 1
+        while True:
+            block = os.pread(fd, _READ, pos)
+            if not block:
+                return pos, b""
+            cut = block.find(b"\n")
+            if cut >= 0:
+                start = pos + cut + 1
+                break
+            pos += len(block)
+    if start >= b:
+        return start, b""
+    parts = [os.pread(fd, b - start, start)]
+    end = start + len(parts[0])
+    if end == b and not parts[0].endswith(b"\n"):  # b cuts a line: read through its newline
+        while block := os.pread(fd, _READ, end):
+            cut = block.find(b"\n")
+            if cut >= 0:
+                parts.append(block[: cut + 1])
+                break
+            parts.append(block)
+            end += len(block)
+    return start, parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def text_lines(data: bytes) -> int:
+    """How many lines text mode ends in ``data`` (``\\n``, ``\\r\\n`` and a lone ``\\r``
+    each end one)."""
+    n = data.count(b"\n")
+    if b"\r" in data:
+        n += data.count(b"\r") - data.count(b"\r\n")
+    return n
+
+
+def _lines_before(path: str, offset: int) -> int:
+    """:func:`text_lines` of the file's first ``offset`` bytes, read a block at a time."""
+    n, last = 0, b""
+    with open(path, "rb") as fh:
+        while offset > 0 and (block := fh.read(min(offset, 1 << 20))):
+            offset -= len(block)
+            n += text_lines(block) - (last == b"\r" and block[:1] == b"\n")
+            last = block[-1:]
+    return n
+
+
+class _RemoteTraceback(Exception):
+    """A worker's traceback, as the ``__cause__`` of the exception it raised."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass
+class _Stretch:
+    front: int
+    end: int
+
+
+class _Ranges:
+    """Which byte range each worker reads next (the parent's bookkeeping, no I/O)."""
+
+    def __init__(self, size: int, workers: int):
+        self.size, self.workers = size, workers
+        self.unassigned = 0
+        self.stretches: list[_Stretch | None] = [None] * workers
+
+    def _left(self) -> int:
+        return self.size - self.unassigned + sum(s.end - s.front for s in self.stretches if s is not None)
+
+    def take(self, worker: int) -> tuple[int, int] | None:
+        span = max(MIN_RANGE_BYTES, min(RANGE_BYTES, self._left() // (2 * self.workers)))
+        mine = self.stretches[worker]
+        if mine is None or mine.front >= mine.end:
+            if self.unassigned < self.size:  # a stretch of its own: a share of what is not given out
+                idle = sum(s is None or s.front >= s.end for s in self.stretches)  # this worker among them
+                share = -(-(self.size - self.unassigned) // idle)
+                length = min(STRETCH_BYTES, max(share, span))
+                mine = self.stretches[worker] = _Stretch(self.unassigned, min(self.size, self.unassigned + length))
+                self.unassigned = mine.end
+            else:  # none left: off the back of the stretch with the most left
+                most = max((s for s in self.stretches if s is not None), key=lambda s: s.end - s.front, default=None)
+                if most is None or most.front >= most.end:
+                    return None
+                a = max(most.front, most.end - span)
+                b, most.end = most.end, a
+                return a, b
+        a = mine.front
+        mine.front = min(mine.end, a + span)
+        return a, mine.front
+
+
+def _serve(conn: Connection, path: str, init: Callable[..., None], init_args: tuple[Any, ...],
+           work: Callable[[bytes], Any]) -> None:
+    """A worker: read each range it is sent, ``work`` its lines, send back the result."""
+    init(*init_args)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while (task := conn.recv()) is not None:
+            a, b = task
+            start, data = owned_lines(fd, a, b)
+            try:
+                reply: tuple[Any, ...] = ("ok", a, b, text_lines(data), work(data))
+            except Exception as exc:
+                conn.send(_failure(start, exc))
+                return
+            conn.send(reply)
+    except (EOFError, KeyboardInterrupt):  # the parent is gone or stopping us
+        return
+    finally:
+        os.close(fd)
+
+
+def _failure(start: int, exc: BaseException) -> tuple[Any, ...]:
+    text = "".join(traceback.format_exception(exc))
+    try:
+        pickle.dumps(exc)
+    except Exception:  # an exception that cannot travel: its type, text and traceback do
+        exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+    return ("err", start, exc, text)
+
+
+@dataclass
+class _Worker(Generic[R]):
+    process: Any
+    conn: Connection
+    queued: int = 0
+
+
+def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tuple[Any, ...],
+              work: Callable[[bytes], R],
+              on_error: Callable[[BaseException, int], None] | None = None) -> Iterator[tuple[int, R]]:
+    """``(number of the first line, work(lines))`` for ranges of ``path``, in file order,
+    on ``workers`` processes, each set up once with ``init(*init_args)``.
+
+    ``work`` gets the bytes of whole lines (the last may lack its newline). An exception
+    in ``work`` is raised here, its worker traceback as ``__cause__``; ``on_error(exc,
+    first_line)`` may annotate it first. A worker that dies stops the run with an error.
+    """
+    size = os.path.getsize(path)
+    # fork shares the already-loaded tokenizer (start-up in milliseconds, not a second a
+    # worker); it is only safe while this process runs no other threads.
+    fork = threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
+    ctx = mp.get_context("fork") if fork else mp.get_context("spawn")
+    ranges = _Ranges(size, workers)
+    pool: list[_Worker[R]] = []
+    try:
+        for _ in range(workers):
+            here, there = ctx.Pipe()
+            process = ctx.Process(target=_serve, args=(there, path, init, init_args, work), daemon=True)
+            process.start()
+            there.close()
+            pool.append(_Worker(process, here))
+        for i, w in enumerate(pool):
+            _feed(ranges, i, w)
+        yield from _collect(path, pool, ranges, on_error)
+    finally:
+        _stop(pool)
+
+
+def _feed(ranges: _Ranges, i: int, w: _Worker[Any]) -> None:
+    while w.queued < _DEPTH and (task := ranges.take(i)) is not None:
+        w.conn.send(task)
+        w.queued += 1
+
+
+def _collect(path: str, pool: list[_Worker[R]], ranges: _Ranges,
+             on_error: Callable[[BaseException, int], None] | None) -> Iterator[tuple[int, R]]:
+    done: dict[int, tuple[int, int, R]] = {}
+    expected, line = 0, 1
+    by_conn = {w.conn: i for i, w in enumerate(pool)}
+    sentinels = {w.process.sentinel: i for i, w in enumerate(pool)}
+    while expected < ranges.size:
+        for ready in wait([*by_conn, *sentinels]):
+            if ready in sentinels:  # a worker ended: fine only with nothing queued (its replies read first)
+                i = sentinels[ready]
+                if pool[i].queued and not pool[i].conn.poll():
+                    _died(pool[i])
+                if not pool[i].queued:
+                    del sentinels[ready], by_conn[pool[i].conn]
+                continue
+            i = by_conn[ready]  # type: ignore[index]
+            w = pool[i]
+            try:
+                reply = w.conn.recv()
+            except EOFError:
+                _died(w)
+            w.queued -= 1
+            if reply[0] == "err":
+                _, start, exc, text = reply
+                exc.__cause__ = _RemoteTraceback(text)
+                if on_error is not None:
+                    on_error(exc, 1 + _lines_before(path, start))
+                raise exc
+            _, a, b, n, result = reply
+            done[a] = (b, n, result)
+            _feed(ranges, i, w)
+        while expected in done:
+            b, n, result = done.pop(expected)
+            yield line, result
+            line += n
+            expected = b
+
+
+def _died(w: _Worker[Any]) -> NoReturn:
+    w.process.join(1)
+    raise RuntimeError(f"a reconstruct worker stopped (exit code {w.process.exitcode}) before finishing its work")
+
+
+def _stop(pool: list[_Worker[Any]]) -> None:
+    """End every worker: asked to stop, then terminated if it does not at once."""
+    for w in pool:
+        with contextlib.suppress(OSError):
+            w.conn.send(None)
+    for w in pool:
+        w.process.join(0.5)
+        if w.process.is_alive():
+            w.process.terminate()
+            w.process.join()
+        w.conn.close()

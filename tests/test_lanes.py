@@ -1,0 +1,148 @@
+"""tokenbridge.lanes: byte ranges that read every line once, handed out so each worker
+keeps to a stretch of its own, results back in file order, failures that surface."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenbridge import lanes
+from tokenbridge.exchanges import iter_lines
+from tokenbridge.lanes import _lines_before, _Ranges, map_lines, owned_lines, text_lines
+from tokenbridge.reconstruct import _chunk_lines
+
+_LINES = st.lists(st.tuples(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"").replace(b"\r", b"")),
+                            st.sampled_from([b"\n", b"\r\n", b"\r", b"\n\n", b"\r\r\n"])), max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_LINES, st.booleans(), st.lists(st.integers(0, 2000), max_size=12))
+def test_any_partition_into_ranges_reads_every_line_once(tmp_path_factory, lines, trailing, cuts):
+    data = b"".join(text + end for text, end in lines) + (b"tail" if trailing else b"")
+    path = tmp_path_factory.mktemp("l") / "in.jsonl"
+    path.write_bytes(data)
+    bounds = [0, *sorted({c for c in cuts if 0 < c < len(data)}), len(data)]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pieces = [owned_lines(fd, a, b) for a, b in zip(bounds, bounds[1:])]
+    finally:
+        os.close(fd)
+    assert b"".join(p for _, p in pieces) == data
+    for start, piece in pieces:
+        assert data[start:start + len(piece)] == piece
+        assert start == 0 or data[start - 1:start] == b"\n" or not piece  # a piece starts where a line does
+        assert not piece or piece.endswith(b"\n") or start + len(piece) == len(data)
+    # numbering: a piece's first line is one past the lines text mode ends before it
+    got, line = [], 1
+    for _, piece in pieces:
+        got += list(_chunk_lines((line, piece)))
+        line += text_lines(piece)
+    assert [(n, _text(t)) for n, t in got] == list(iter_lines(path))
+
+
+def _text(line: memoryview | str) -> str:
+    return line if isinstance(line, str) else str(line, "utf-8", "surrogateescape")
+
+
+def test_lines_before_counts_a_crlf_cut_by_a_block_once(tmp_path, monkeypatch):
+    data = b"a" * ((1 << 20) - 1) + b"\r\n" + b"b\rc\n"
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(data)
+    for offset in (0, 5, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, len(data)):
+        assert _lines_before(str(path), offset) == text_lines(data[:offset]), offset
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 5_000_000), st.integers(1, 4), st.randoms(use_true_random=False))
+def test_ranges_partition_the_file_and_keep_each_worker_on_its_stretch(size, workers, rnd):
+    ranges = _Ranges(size, workers)
+    taken: list[tuple[int, int, int]] = []
+    live = list(range(workers))
+    while live:
+        w = rnd.choice(live)
+        got = ranges.take(w)
+        if got is None:
+            live.remove(w)
+            continue
+        taken.append((w, *got))
+    spans = sorted((a, b) for _, a, b in taken)
+    assert all(b > a for a, b in spans)
+    assert [(0, 0), *spans][-1][1] == size  # reaches the end...
+    assert all(prev[1] == nxt[0] for prev, nxt in zip([(0, 0), *spans], spans))  # ...with no gap or overlap
+    assert all(b - a <= max(lanes.RANGE_BYTES, lanes.MIN_RANGE_BYTES) for a, b in spans)
+
+
+def test_each_worker_starts_on_its_own_share_and_the_last_ranges_are_small():
+    ranges = _Ranges(4_000_000, 2)
+    first = [ranges.take(0), ranges.take(1)]
+    assert first == [(0, lanes.RANGE_BYTES), (2_000_000, 2_000_000 + lanes.RANGE_BYTES)]
+    order = []
+    while (got := ranges.take(len(order) % 2)) is not None:
+        order.append(got)
+    assert all(b - a <= lanes.MIN_RANGE_BYTES for a, b in order[-4:])
+    # a stretch bigger than STRETCH_BYTES is never given to one worker at once
+    big = _Ranges(10 * lanes.STRETCH_BYTES, 2)
+    big.take(0)
+    big.take(1)
+    assert [s.end - s.front + lanes.RANGE_BYTES for s in big.stretches if s] == [lanes.STRETCH_BYTES] * 2
+
+
+def _init(tag: str) -> None:
+    os.environ["LANES_TEST_TAG"] = tag
+
+
+def _count(data: bytes) -> tuple[int, str]:
+    return data.count(b"\n"), os.environ["LANES_TEST_TAG"]
+
+
+def test_results_come_back_in_file_order_with_their_first_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(lanes, "RANGE_BYTES", 64)
+    monkeypatch.setattr(lanes, "MIN_RANGE_BYTES", 64)
+    rnd = random.Random(3)
+    lines = [b"x" * rnd.randrange(0, 150) + b"\n" for _ in range(400)]
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(lines))
+    out = list(map_lines(str(path), 3, _init, ("set up",), _count))
+    assert [first for first, _ in out] == [1 + sum(n for _, (n, _) in out[:k]) for k in range(len(out))]
+    assert sum(n for _, (n, _) in out) == 400
+    assert {tag for _, (_, tag) in out} == {"set up"}
+
+
+def _fail_on_z(data: bytes) -> int:
+    if b"z" in data:
+        raise ZeroDivisionError("a bug on z")
+    return 0
+
+
+def test_a_worker_exception_surfaces_with_its_traceback_and_first_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(lanes, "RANGE_BYTES", 16)
+    monkeypatch.setattr(lanes, "MIN_RANGE_BYTES", 16)
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"a\r\n" * 20 + b"z\n" + b"b\n" * 20)
+    seen = []
+    with pytest.raises(ZeroDivisionError, match="a bug on z") as info:
+        list(map_lines(str(path), 2, _init, ("x",), _fail_on_z, on_error=lambda exc, first: seen.append(first)))
+    assert "_fail_on_z" in str(info.value.__cause__)
+    # the failing range starts on a line at or before the z line (21), after the lines before it
+    assert len(seen) == 1 and 15 <= seen[0] <= 21
+
+
+def _die(data: bytes) -> int:
+    os._exit(3)
+
+
+def test_a_worker_that_dies_stops_the_run_instead_of_hanging(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"a\n" * 100)
+    with pytest.raises(RuntimeError, match=r"worker stopped \(exit code 3\)"):
+        list(map_lines(str(path), 2, _init, ("x",), _die))
+
+
+def test_an_empty_file_starts_nothing_and_yields_nothing(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"")
+    assert list(map_lines(str(path), 2, _init, ("x",), _count)) == []
