@@ -199,7 +199,7 @@ class WriteBehind:
     thread and raises what it met (its error would not be reported to a later fsync).
     Start one only after any fork: a forked child must not inherit a thread."""
 
-    def __init__(self, fd: int, every: int = 8 << 20):
+    def __init__(self, fd: int, every: int = 4 << 20):
         self._fd, self._every, self._unsynced = fd, every, 0
         self._thread: threading.Thread | None = None
         self._error: OSError | None = None

@@ -199,6 +199,7 @@ def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tup
     ctx = mp.get_context("fork") if fork else mp.get_context("spawn")
     ranges = _Ranges(size, workers)
     pool: list[_Worker[R]] = []
+    finished = False
     try:
         for _ in range(workers):
             here, there = ctx.Pipe()
@@ -209,8 +210,9 @@ def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tup
         for i, w in enumerate(pool):
             _feed(ranges, i, w)
         yield from _collect(path, pool, ranges, on_error)
+        finished = True
     finally:
-        _stop(pool)
+        _stop(pool, finished)
 
 
 def _feed(ranges: _Ranges, i: int, w: _Worker[Any]) -> None:
@@ -262,14 +264,17 @@ def _died(w: _Worker[Any]) -> NoReturn:
     raise RuntimeError(f"a reconstruct worker stopped (exit code {w.process.exitcode}) before finishing its work")
 
 
-def _stop(pool: list[_Worker[Any]]) -> None:
-    """End every worker: asked to stop, then terminated if it does not at once."""
+def _stop(pool: list[_Worker[Any]], finished: bool) -> None:
+    """End every worker. Done with the work, each is told to stop and left to exit on its
+    own (its exit takes milliseconds nobody needs to wait for: ``multiprocessing`` reaps
+    it at the next start or at exit). Otherwise each is terminated and waited for."""
     for w in pool:
-        with contextlib.suppress(OSError):
-            w.conn.send(None)
-    for w in pool:
-        w.process.join(0.5)
-        if w.process.is_alive():
+        if finished:
+            with contextlib.suppress(OSError):
+                w.conn.send(None)
+        else:
             w.process.terminate()
+    for w in pool:
+        if not finished:
             w.process.join()
         w.conn.close()
