@@ -76,6 +76,20 @@ def test_ranges_partition_the_file_and_keep_each_worker_on_its_stretch(size, wor
     assert all(b - a <= max(lanes.RANGE_BYTES, lanes.MIN_RANGE_BYTES) for a, b in spans)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 3), st.randoms(use_true_random=False))
+def test_a_slow_worker_never_has_more_than_a_stretch_a_worker_waiting_on_it(workers, rnd):
+    """One worker takes a range only now and then: the others' ranges past its front (the
+    results that wait for it) stay within a stretch a worker, plus the ranges in flight."""
+    stretch = 1 << 20
+    ranges = _Ranges(40 << 20, workers + 1, stretch)
+    slow = workers  # the last worker
+    ranges.take(slow)
+    while (got := ranges.take(rnd.randrange(workers) if rnd.random() < 0.97 else slow)) is not None:
+        front = min((s.front for s in ranges.stretches if s is not None and s.front < s.end), default=got[1])
+        assert got[1] - front <= (workers + 1) * stretch + stretch
+
+
 def test_each_worker_starts_on_its_own_share_and_the_last_ranges_are_small():
     ranges = _Ranges(4_000_000, 2)
     first = [ranges.take(0), ranges.take(1)]

@@ -115,27 +115,29 @@ class _Stretch:
 class _Ranges:
     """Which byte range each worker reads next (the parent's bookkeeping, no I/O)."""
 
-    def __init__(self, size: int, workers: int):
-        self.size, self.workers = size, workers
+    def __init__(self, size: int, workers: int, stretch: int = STRETCH_BYTES):
+        self.size, self.workers, self.stretch = size, workers, stretch
         self.unassigned = 0
         self.stretches: list[_Stretch | None] = [None] * workers
 
-    def _left(self) -> int:
-        return self.size - self.unassigned + sum(s.end - s.front for s in self.stretches if s is not None)
-
     def take(self, worker: int) -> tuple[int, int] | None:
-        span = max(MIN_RANGE_BYTES, min(RANGE_BYTES, self._left() // (2 * self.workers)))
+        busy = [s for s in self.stretches if s is not None and s.front < s.end]
+        left = self.size - self.unassigned + sum(s.end - s.front for s in busy)
+        span = max(MIN_RANGE_BYTES, min(RANGE_BYTES, left // (2 * self.workers)))
         mine = self.stretches[worker]
         if mine is None or mine.front >= mine.end:
-            if self.unassigned < self.size:  # a stretch of its own: a share of what is not given out
-                idle = sum(s is None or s.front >= s.end for s in self.stretches)  # this worker among them
-                share = -(-(self.size - self.unassigned) // idle)
-                length = min(STRETCH_BYTES, max(share, span))
+            # A stretch of its own (a share of what is not given out), unless the stretches
+            # behind are so far behind that results would pile up waiting for them: then,
+            # or when nothing is left to give out, ranges off the back of the busiest one.
+            behind = self.unassigned - min((s.front for s in busy), default=self.unassigned)
+            if self.unassigned < self.size and behind < self.workers * self.stretch:
+                share = -(-(self.size - self.unassigned) // (self.workers - len(busy)))
+                length = min(self.stretch, max(share, span))
                 mine = self.stretches[worker] = _Stretch(self.unassigned, min(self.size, self.unassigned + length))
                 self.unassigned = mine.end
-            else:  # none left: off the back of the stretch with the most left
-                most = max((s for s in self.stretches if s is not None), key=lambda s: s.end - s.front, default=None)
-                if most is None or most.front >= most.end:
+            else:
+                most = max(busy, key=lambda s: s.end - s.front, default=None)
+                if most is None:
                     return None
                 a = max(most.front, most.end - span)
                 b, most.end = most.end, a
@@ -183,21 +185,23 @@ class _Worker(Generic[R]):
 
 
 def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tuple[Any, ...],
-              work: Callable[[bytes], R],
-              on_error: Callable[[BaseException, int], None] | None = None) -> Iterator[tuple[int, R]]:
+              work: Callable[[bytes], R], *, on_error: Callable[[BaseException, int], None] | None = None,
+              stretch: int = STRETCH_BYTES) -> Iterator[tuple[int, R]]:
     """``(number of the first line, work(lines))`` for ranges of ``path``, in file order,
     on ``workers`` processes, each set up once with ``init(*init_args)``.
 
     ``work`` gets the bytes of whole lines (the last may lack its newline). An exception
     in ``work`` is raised here, its worker traceback as ``__cause__``; ``on_error(exc,
     first_line)`` may annotate it first. A worker that dies stops the run with an error.
+    Results waiting for earlier ones are held here: ``stretch`` bounds them (about one
+    stretch of input a worker), so make it small where a result is large.
     """
     size = os.path.getsize(path)
     # fork shares the already-loaded tokenizer (start-up in milliseconds, not a second a
     # worker); it is only safe while this process runs no other threads.
     fork = threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
     ctx = mp.get_context("fork") if fork else mp.get_context("spawn")
-    ranges = _Ranges(size, workers)
+    ranges = _Ranges(size, workers, stretch)
     pool: list[_Worker[R]] = []
     finished = False
     try:

@@ -31,11 +31,10 @@ from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_
 from .exchanges import Exchange, RecordError, loads_line, parse_exchange
 from .hypotheses import Candidate, candidates
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
-from . import fsio
+from . import fsio, lanes
 from .outdir import check_output_file
 from .rows import JsonlRowSink, ParquetRowSink, encode_lean_row, with_derived
 from .tokenizer import EncodeError, Tokenizer, load_tokenizer
-from .lanes import map_lines
 
 __all__ = ["RECORD_ERRORS", "BadLine", "ReconstructSummary", "reconstruct_exchange", "reconstruct_file",
            "reconstruct_record"]
@@ -859,7 +858,9 @@ def _run_chunks(src: str, chunk_lines: int, workers: int,
                 raise
         return
     _init_worker(*init_args)  # before a fork: the workers start with the tokenizer loaded
-    yield from map_lines(src, workers, _init_worker, init_args, _work, on_error=_note_bug)
+    # Parquet rows come back whole (not spooled): short stretches hold few of them waiting.
+    stretch = lanes.STRETCH_BYTES if init_args[3] else lanes.RANGE_BYTES
+    yield from lanes.map_lines(src, workers, _init_worker, init_args, _work, on_error=_note_bug, stretch=stretch)
 
 
 #: The row files' writers: rows.py holds the one schema and the one reader/writer pair.
