@@ -149,14 +149,152 @@ def _die(data: bytes) -> int:
     os._exit(3)
 
 
-def test_a_worker_that_dies_stops_the_run_instead_of_hanging(tmp_path):
+def test_a_worker_that_dies_stops_the_run_instead_of_hanging(tmp_path, monkeypatch):
+    """With ranges still queued to it (its socket unread: the parent's recv sees a reset,
+    its send a broken pipe), the run ends with the one error that says what happened."""
+    monkeypatch.setattr(lanes, "RANGE_BYTES", 16)
+    monkeypatch.setattr(lanes, "MIN_RANGE_BYTES", 16)
     path = tmp_path / "in.jsonl"
-    path.write_bytes(b"a\n" * 100)
-    with pytest.raises(RuntimeError, match=r"worker stopped \(exit code 3\)"):
-        list(map_lines(str(path), 2, _init, ("x",), _die))
+    path.write_bytes(b"a\n" * 2000)
+    for _ in range(5):
+        with pytest.raises(RuntimeError, match=r"worker stopped \(exit code 3\)"):
+            list(map_lines(str(path), 2, _init, ("x",), _die))
+
+
+class _TwoArgs(Exception):
+    def __init__(self, a: str, b: str):
+        super().__init__(f"{a}/{b}")
+
+
+def _fail_unpicklably(data: bytes) -> int:
+    exc = _TwoArgs("bad", "thing")  # pickles, but cannot be rebuilt from its args
+    exc.__dict__["seen"] = 7
+    exc.add_note("a note that travels")
+    raise exc
+
+
+def test_an_exception_that_cannot_be_rebuilt_arrives_as_its_type_and_text(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"a\n" * 10)
+    seen = []
+    with pytest.raises(RuntimeError, match=r"^_TwoArgs: bad/thing") as info:
+        list(map_lines(str(path), 2, _init, ("x",), _fail_unpicklably, on_error=lambda exc, first: seen.append(first)))
+    assert info.value.__notes__ == ["a note that travels"] and info.value.__dict__["seen"] == 7
+    assert "_fail_unpicklably" in str(info.value.__cause__)
+    assert seen == [1]
+
+
+def _bad_init(tag: str) -> None:
+    raise LookupError(f"no tokenizer {tag}")
+
+
+def test_a_failed_set_up_surfaces_as_itself(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"a\n" * 10)
+    with pytest.raises(LookupError, match="no tokenizer here") as info:
+        list(map_lines(str(path), 2, _bad_init, ("here",), _count))
+    assert "_bad_init" in str(info.value.__cause__)
+
+
+def test_a_pipe_is_refused_and_reconstruct_reads_it_in_one_process(tmp_path, kimi):
+    from tokenbridge.reconstruct import reconstruct_file
+
+    from test_reconstruct_speed_paths import _records
+
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        list(map_lines(str(fifo), 2, _init, ("x",), _count))
+    data = ("\n".join(_records(kimi)) + "\n").encode()
+    (tmp_path / "in.jsonl").write_bytes(data)
+    reconstruct_file(tmp_path / "in.jsonl", tmp_path / "file.jsonl", kimi, workers=1)
+    pid = os.fork()
+    if pid == 0:  # the writer end of the pipe
+        with open(fifo, "wb") as fh:
+            fh.write(data)
+        os._exit(0)
+    summary = reconstruct_file(fifo, tmp_path / "pipe.jsonl", kimi, workers=2)
+    os.waitpid(pid, 0)
+    assert (tmp_path / "pipe.jsonl").read_bytes() == (tmp_path / "file.jsonl").read_bytes()
+    assert summary.to_dict()["records"] == 18
+
+
+def test_ranges_inside_one_long_line_read_only_themselves(tmp_path, monkeypatch):
+    """A CR-only file is one \\n-line: every range but the first owns nothing, and reads
+    only its own bytes looking for a line start (not on to the end of the file)."""
+    data = b"x" * 99 + b"\r"
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(data * 20_000)  # 2 MB, no \n
+    read = []
+    real = os.pread
+
+    def counting(fd: int, n: int, offset: int) -> bytes:
+        out = real(fd, n, offset)
+        read.append(len(out))
+        return out
+
+    monkeypatch.setattr(lanes.os, "pread", counting)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pieces = [owned_lines(fd, a, min(a + 16_384, 2_000_000)) for a in range(0, 2_000_000, 16_384)]
+    finally:
+        os.close(fd)
+    assert b"".join(p for _, p in pieces) == data * 20_000
+    assert sum(read) <= 2 * 2_000_000 + 16_384
 
 
 def test_an_empty_file_starts_nothing_and_yields_nothing(tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_bytes(b"")
     assert list(map_lines(str(path), 2, _init, ("x",), _count)) == []
+
+
+_ORPHAN = """
+import os, sys, time
+from tokenbridge import lanes
+def init(): pass
+def work(data):
+    print(os.getpid(), flush=True)
+    time.sleep(0.05)
+    return len(data)
+lanes.RANGE_BYTES = lanes.MIN_RANGE_BYTES = 100
+for _ in lanes.map_lines(sys.argv[1], 2, init, (), work):
+    pass
+"""
+
+
+def test_workers_end_when_their_parent_is_killed(tmp_path):
+    """A forked worker must not hold the parent's end of any pipe: then a SIGKILLed parent
+    is an EOF to its workers, and they exit instead of waiting forever."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"a\n" * 100_000)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN, str(path)], stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    pids = set()
+    while len(pids) < 2:
+        pids.add(int(proc.stdout.readline()))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_running(p) for p in pids):
+            time.sleep(0.05)
+        assert not any(_running(p) for p in pids)
+    finally:  # a failing run leaves no orphans behind
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False

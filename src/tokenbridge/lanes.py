@@ -24,6 +24,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import stat
 import threading
 import traceback
 from collections.abc import Callable, Iterator
@@ -49,10 +50,10 @@ def owned_lines(fd: int, a: int, b: int) -> tuple[int, bytes]:
     """Where the lines that start in ``[a, b)`` of the file open as ``fd`` start, and
     their bytes."""
     start = a
-    if a > 0:  # the line a cuts belongs to the range before: start after its newline
+    if a > 0:  # the line a cuts belongs to the range before: start after its newline, if in range
         pos = a - 1
-        while True:
-            block = os.pread(fd, _READ, pos)
+        while True:  # never past b: a range inside one long line owns nothing and reads only itself
+            block = os.pread(fd, min(_READ, b - pos), pos)
             if not block:
                 return pos, b""
             cut = block.find(b"\n")
@@ -60,6 +61,8 @@ def owned_lines(fd: int, a: int, b: int) -> tuple[int, bytes]:
                 start = pos + cut + 1
                 break
             pos += len(block)
+            if pos >= b:
+                return b, b""
     if start >= b:
         return start, b""
     parts = [os.pread(fd, b - start, start)]
@@ -147,34 +150,47 @@ class _Ranges:
         return a, mine.front
 
 
-def _serve(conn: Connection, path: str, init: Callable[..., None], init_args: tuple[Any, ...],
-           work: Callable[[bytes], Any]) -> None:
-    """A worker: read each range it is sent, ``work`` its lines, send back the result."""
-    init(*init_args)
-    fd = os.open(path, os.O_RDONLY)
+def _serve(conn: Connection, inherited: list[Connection], path: str, init: Callable[..., None],
+           init_args: tuple[Any, ...], work: Callable[[bytes], Any]) -> None:
+    """A worker: read each range it is sent, ``work`` its lines, send back the result.
+    Any failure (in ``init`` too) is sent back as ``("err", ...)`` before it ends."""
+    for other in inherited:  # the parent's ends a fork copied: with them open, a dead parent is no EOF
+        other.close()
+    start = -1
     try:
-        while (task := conn.recv()) is not None:
-            a, b = task
-            start, data = owned_lines(fd, a, b)
-            try:
-                reply: tuple[Any, ...] = ("ok", a, b, text_lines(data), work(data))
-            except Exception as exc:
-                conn.send(_failure(start, exc))
-                return
-            conn.send(reply)
-    except (EOFError, KeyboardInterrupt):  # the parent is gone or stopping us
+        init(*init_args)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while (task := conn.recv()) is not None:
+                a, b = task
+                start, data = owned_lines(fd, a, b)
+                conn.send(("ok", a, b, text_lines(data), work(data)))
+        finally:
+            os.close(fd)
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent is gone
         return
-    finally:
-        os.close(fd)
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            conn.send(_failure(start, exc))
 
 
 def _failure(start: int, exc: BaseException) -> tuple[Any, ...]:
+    """The reply for an exception: itself if it survives a round trip through pickle,
+    else a RuntimeError with its type and text (and its notes and attributes that do)."""
     text = "".join(traceback.format_exception(exc))
-    try:
-        pickle.dumps(exc)
-    except Exception:  # an exception that cannot travel: its type, text and traceback do
-        exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+    if not _travels(exc):
+        plain = RuntimeError(f"{type(exc).__name__}: {exc}")
+        plain.__dict__.update({k: v for k, v in getattr(exc, "__dict__", {}).items() if _travels(v)})
+        exc = plain
     return ("err", start, exc, text)
+
+
+def _travels(value: object) -> bool:
+    try:
+        pickle.loads(pickle.dumps(value))
+    except Exception:
+        return False
+    return True
 
 
 @dataclass
@@ -182,6 +198,7 @@ class _Worker(Generic[R]):
     process: Any
     conn: Connection
     queued: int = 0
+    stopped: bool = False
 
 
 def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tuple[Any, ...],
@@ -190,12 +207,16 @@ def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tup
     """``(number of the first line, work(lines))`` for ranges of ``path``, in file order,
     on ``workers`` processes, each set up once with ``init(*init_args)``.
 
-    ``work`` gets the bytes of whole lines (the last may lack its newline). An exception
-    in ``work`` is raised here, its worker traceback as ``__cause__``; ``on_error(exc,
-    first_line)`` may annotate it first. A worker that dies stops the run with an error.
+    ``path`` must be a regular file (ranges are offsets); its size is taken at the start
+    (a line being appended then is read whole, later ones not). ``work`` gets the bytes
+    of whole lines (the last may lack its newline). An exception in ``init`` or ``work``
+    is raised here, its worker traceback as ``__cause__``; ``on_error(exc, first_line)``
+    may annotate one from ``work`` first. A worker that dies stops the run with an error.
     Results waiting for earlier ones are held here: ``stretch`` bounds them (about one
     stretch of input a worker), so make it small where a result is large.
     """
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError(f"{path}: not a regular file (a pipe or device cannot be read in ranges)")
     size = os.path.getsize(path)
     # fork shares the already-loaded tokenizer (start-up in milliseconds, not a second a
     # worker); it is only safe while this process runs no other threads.
@@ -207,10 +228,11 @@ def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tup
     try:
         for _ in range(workers):
             here, there = ctx.Pipe()
-            process = ctx.Process(target=_serve, args=(there, path, init, init_args, work), daemon=True)
+            inherited = [*(w.conn for w in pool), here] if fork else []
+            process = ctx.Process(target=_serve, args=(there, inherited, path, init, init_args, work), daemon=True)
+            pool.append(_Worker(process, here))
             process.start()
             there.close()
-            pool.append(_Worker(process, here))
         for i, w in enumerate(pool):
             _feed(ranges, i, w)
         yield from _collect(path, pool, ranges, on_error)
@@ -220,42 +242,51 @@ def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tup
 
 
 def _feed(ranges: _Ranges, i: int, w: _Worker[Any]) -> None:
+    """Keep the worker :data:`_DEPTH` ranges ahead; one with nothing left to do is told to
+    stop now, so it has exited by the time the parent is done."""
     while w.queued < _DEPTH and (task := ranges.take(i)) is not None:
-        w.conn.send(task)
+        _send(w, task)
         w.queued += 1
+    if not w.queued and not w.stopped:
+        _send(w, None)
+        w.stopped = True
+
+
+def _send(w: _Worker[Any], message: tuple[int, int] | None) -> None:
+    try:
+        w.conn.send(message)
+    except OSError:
+        _died(w)
 
 
 def _collect(path: str, pool: list[_Worker[R]], ranges: _Ranges,
              on_error: Callable[[BaseException, int], None] | None) -> Iterator[tuple[int, R]]:
     done: dict[int, tuple[int, int, R]] = {}
     expected, line = 0, 1
-    by_conn = {w.conn: i for i, w in enumerate(pool)}
-    sentinels = {w.process.sentinel: i for i, w in enumerate(pool)}
     while expected < ranges.size:
-        for ready in wait([*by_conn, *sentinels]):
-            if ready in sentinels:  # a worker ended: fine only with nothing queued (its replies read first)
-                i = sentinels[ready]
-                if pool[i].queued and not pool[i].conn.poll():
-                    _died(pool[i])
-                if not pool[i].queued:
-                    del sentinels[ready], by_conn[pool[i].conn]
+        waiting = {w.conn: w for w in pool if w.queued}
+        if not waiting:
+            raise RuntimeError(f"lanes: no worker holds the range at byte {expected}")  # a bug in _Ranges
+        ready = wait([*waiting, *(w.process.sentinel for w in waiting.values())])
+        for w in waiting.values():
+            if w.conn not in ready:
+                if w.process.sentinel in ready and not w.conn.poll():
+                    _died(w)
                 continue
-            i = by_conn[ready]  # type: ignore[index]
-            w = pool[i]
             try:
                 reply = w.conn.recv()
-            except EOFError:
+            except (EOFError, OSError):
                 _died(w)
             w.queued -= 1
             if reply[0] == "err":
                 _, start, exc, text = reply
                 exc.__cause__ = _RemoteTraceback(text)
-                if on_error is not None:
+                if on_error is not None and start >= 0:
                     on_error(exc, 1 + _lines_before(path, start))
                 raise exc
             _, a, b, n, result = reply
             done[a] = (b, n, result)
-            _feed(ranges, i, w)
+            _feed(ranges, pool.index(w), w)
         while expected in done:
             b, n, result = done.pop(expected)
             yield line, result
@@ -269,16 +300,16 @@ def _died(w: _Worker[Any]) -> NoReturn:
 
 
 def _stop(pool: list[_Worker[Any]], finished: bool) -> None:
-    """End every worker. Done with the work, each is told to stop and left to exit on its
-    own (its exit takes milliseconds nobody needs to wait for: ``multiprocessing`` reaps
-    it at the next start or at exit). Otherwise each is terminated and waited for."""
+    """End every worker: when the work is done they were told to stop and are waited for
+    (they exit as they run out of ranges); otherwise each is terminated first."""
     for w in pool:
-        if finished:
-            with contextlib.suppress(OSError):
-                w.conn.send(None)
-        else:
-            w.process.terminate()
-    for w in pool:
+        if w.process.pid is None:  # never started
+            continue
         if not finished:
+            w.process.terminate()
+        w.process.join(None if not finished else 5)
+        if w.process.is_alive():
+            w.process.terminate()
             w.process.join()
+    for w in pool:
         w.conn.close()

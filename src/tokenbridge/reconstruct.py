@@ -2,8 +2,9 @@
 
 ``reconstruct_record`` turns one exchange record into one row per choice;
 ``reconstruct_file`` streams a JSONL file through it on all cores (:mod:`.lanes`: each
-worker on a stretch of the file), in input order, with memory bounded by the ranges in
-flight and the rows of out-of-order ranges waiting on disk (about one stretch a worker).
+worker on a stretch of the file; one process for a pipe), in input order, with memory
+bounded by the ranges in flight and the results of out-of-order ranges (about one stretch
+a worker: JSONL rows wait on disk; Parquet rows in memory, so their stretches are short).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import stat
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -793,6 +795,8 @@ def reconstruct_file(
     check_output_file(dst, src)
     if workers is None:  # auto: all cores, unless the pool's start-up costs more than it saves
         workers = 1 if os.path.getsize(src) < 256_000 else (os.cpu_count() or 1)
+    if workers > 1 and not stat.S_ISREG(os.stat(src).st_mode):  # a pipe cannot be read in ranges
+        workers = 1
     known = {name: ProviderTrait(name, edits=edits, edit_sources=("probe",) * len(edits))
              for name, edits in (provider_profile or {}).items() if edits}
     with fsio.staged_file(dst, point="reconstruct") as tmp:
