@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 __all__ = ["STRETCH_BYTES", "map_lines", "owned_lines", "text_lines"]
 
@@ -78,13 +78,15 @@ def owned_lines(fd: int, a: int, b: int) -> tuple[int, bytes]:
     return start, parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+def lone_crs(data: bytes) -> int:
+    """How many ``\\r`` in ``data`` no ``\\n`` follows: each ends a line in text mode."""
+    return data.count(b"\r") - data.count(b"\r\n") if b"\r" in data else 0
+
+
 def text_lines(data: bytes) -> int:
     """How many lines text mode ends in ``data`` (``\\n``, ``\\r\\n`` and a lone ``\\r``
     each end one)."""
-    n = data.count(b"\n")
-    if b"\r" in data:
-        n += data.count(b"\r") - data.count(b"\r\n")
-    return n
+    return data.count(b"\n") + lone_crs(data)
 
 
 def _lines_before(path: str, offset: int) -> int:
@@ -99,14 +101,7 @@ def _lines_before(path: str, offset: int) -> int:
 
 
 class _RemoteTraceback(Exception):
-    """A worker's traceback, as the ``__cause__`` of the exception it raised."""
-
-    def __init__(self, text: str):
-        super().__init__(text)
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
+    """A worker's traceback (its one argument), as the ``__cause__`` of the exception it raised."""
 
 
 @dataclass
@@ -194,7 +189,7 @@ def _travels(value: object) -> bool:
 
 
 @dataclass
-class _Worker(Generic[R]):
+class _Worker:
     process: Any
     conn: Connection
     queued: int = 0
@@ -215,15 +210,15 @@ def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tup
     Results waiting for earlier ones are held here: ``stretch`` bounds them (about one
     stretch of input a worker), so make it small where a result is large.
     """
-    if not stat.S_ISREG(os.stat(path).st_mode):
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
         raise ValueError(f"{path}: not a regular file (a pipe or device cannot be read in ranges)")
-    size = os.path.getsize(path)
     # fork shares the already-loaded tokenizer (start-up in milliseconds, not a second a
     # worker); it is only safe while this process runs no other threads.
     fork = threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
     ctx = mp.get_context("fork") if fork else mp.get_context("spawn")
-    ranges = _Ranges(size, workers, stretch)
-    pool: list[_Worker[R]] = []
+    ranges = _Ranges(info.st_size, workers, stretch)
+    pool: list[_Worker] = []
     finished = False
     try:
         for _ in range(workers):
@@ -241,7 +236,7 @@ def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tup
         _stop(pool, finished)
 
 
-def _feed(ranges: _Ranges, i: int, w: _Worker[Any]) -> None:
+def _feed(ranges: _Ranges, i: int, w: _Worker) -> None:
     """Keep the worker :data:`_DEPTH` ranges ahead; one with nothing left to do is told to
     stop now, so it has exited by the time the parent is done."""
     while w.queued < _DEPTH and (task := ranges.take(i)) is not None:
@@ -252,23 +247,23 @@ def _feed(ranges: _Ranges, i: int, w: _Worker[Any]) -> None:
         w.stopped = True
 
 
-def _send(w: _Worker[Any], message: tuple[int, int] | None) -> None:
+def _send(w: _Worker, message: tuple[int, int] | None) -> None:
     try:
         w.conn.send(message)
     except OSError:
         _died(w)
 
 
-def _collect(path: str, pool: list[_Worker[R]], ranges: _Ranges,
+def _collect(path: str, pool: list[_Worker], ranges: _Ranges,
              on_error: Callable[[BaseException, int], None] | None) -> Iterator[tuple[int, R]]:
     done: dict[int, tuple[int, int, R]] = {}
     expected, line = 0, 1
     while expected < ranges.size:
-        waiting = {w.conn: w for w in pool if w.queued}
+        waiting = [(i, w) for i, w in enumerate(pool) if w.queued]
         if not waiting:
             raise RuntimeError(f"lanes: no worker holds the range at byte {expected}")  # a bug in _Ranges
-        ready = wait([*waiting, *(w.process.sentinel for w in waiting.values())])
-        for w in waiting.values():
+        ready = wait([handle for _, w in waiting for handle in (w.conn, w.process.sentinel)])
+        for i, w in waiting:
             if w.conn not in ready:
                 if w.process.sentinel in ready and not w.conn.poll():
                     _died(w)
@@ -286,7 +281,7 @@ def _collect(path: str, pool: list[_Worker[R]], ranges: _Ranges,
                 raise exc
             _, a, b, n, result = reply
             done[a] = (b, n, result)
-            _feed(ranges, pool.index(w), w)
+            _feed(ranges, i, w)
         while expected in done:
             b, n, result = done.pop(expected)
             yield line, result
@@ -294,12 +289,12 @@ def _collect(path: str, pool: list[_Worker[R]], ranges: _Ranges,
             expected = b
 
 
-def _died(w: _Worker[Any]) -> NoReturn:
+def _died(w: _Worker) -> NoReturn:
     w.process.join(1)
     raise RuntimeError(f"a reconstruct worker stopped (exit code {w.process.exitcode}) before finishing its work")
 
 
-def _stop(pool: list[_Worker[Any]], finished: bool) -> None:
+def _stop(pool: list[_Worker], finished: bool) -> None:
     """End every worker: when the work is done they were told to stop and are waited for
     (they exit as they run out of ranges); otherwise each is terminated first."""
     for w in pool:
@@ -307,8 +302,8 @@ def _stop(pool: list[_Worker[Any]], finished: bool) -> None:
             continue
         if not finished:
             w.process.terminate()
-        w.process.join(None if not finished else 5)
-        if w.process.is_alive():
+        w.process.join(5)
+        if w.process.is_alive():  # a finished worker that did not exit when told
             w.process.terminate()
             w.process.join()
     for w in pool:

@@ -693,7 +693,7 @@ _BUG_LINE = "_tokenbridge_chunk_line"
 
 def _note_bug(exc: BaseException, first: int) -> None:
     """Name the file line of a bug raised in :func:`_work` on the chunk starting at ``first``."""
-    at = exc.__dict__.pop(_BUG_LINE, None) if hasattr(exc, "__dict__") else None
+    at = exc.__dict__.pop(_BUG_LINE, None)
     if at is not None:
         exc.add_note(f"while reconstructing the record on line {first + at - 1} (an internal error, not bad input)")
 
@@ -742,9 +742,7 @@ def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024) -> It
             partial = [block[cut:]] if cut < len(block) else []
             for piece, n_lines in _at_most_lines(data, max_lines):
                 yield lineno, piece
-                lineno += n_lines
-                if b"\r" in piece:  # a lone \r ends a line in text mode too (memchr-fast test)
-                    lineno += piece.count(b"\r") - piece.count(b"\r\n")
+                lineno += n_lines + lanes.lone_crs(piece)  # a lone \r ends a line in text mode too
     if partial:
         yield lineno, b"".join(partial)
 
@@ -793,9 +791,10 @@ def reconstruct_file(
     tok_source = tokenizer.source if isinstance(tokenizer, Tokenizer) else str(tokenizer)
     dst = Path(dst)
     check_output_file(dst, src)
+    info = os.stat(src)
     if workers is None:  # auto: all cores, unless the pool's start-up costs more than it saves
-        workers = 1 if os.path.getsize(src) < 256_000 else (os.cpu_count() or 1)
-    if workers > 1 and not stat.S_ISREG(os.stat(src).st_mode):  # a pipe cannot be read in ranges
+        workers = 1 if info.st_size < 256_000 else (os.cpu_count() or 1)
+    if not stat.S_ISREG(info.st_mode):  # a pipe cannot be read in ranges
         workers = 1
     known = {name: ProviderTrait(name, edits=edits, edit_sources=("probe",) * len(edits))
              for name, edits in (provider_profile or {}).items() if edits}
