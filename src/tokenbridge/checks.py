@@ -8,6 +8,7 @@ Each check returns findings with a stable ``code``; a :class:`Policy` maps codes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 
@@ -147,7 +148,7 @@ class SampleView:
             return logprobs_fit(self.logged.ids, self.parts, self.part_ids, self.completion_ids) in ("all", "all_but_end")
         return False
 
-    @property
+    @cached_property
     def message(self) -> Mapping[str, Any]:
         return self.choice.get("message") or self.choice.get("delta") or {}
 
@@ -278,16 +279,15 @@ def _marker_text(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     if not names:
         return
     markers = names.keys()
-    think = {d.think_open, d.think_close} - {None}
-    tool = set(d.tool_markers.all) if d.tool_markers else set()
-    content = view.message.get("content")
-    leaked = next((e for e in d.end_tokens if isinstance(content, str) and content.endswith(e)), None)
-    if leaked:
+    if content_text and content_text.endswith(d.end_tokens):
+        leaked = next(e for e in d.end_tokens if content_text.endswith(e))
         yield "eos_in_text", f"content ends with {leaked!r} text (leaked); taken as the end token, not doubled"
     free = view.part_marker_free or [tok.marker_free(t) for _, t in view.parts]
     for (kind, part_text), ids, clear in zip(view.parts, view.part_ids, free):
         if kind not in ("reasoning", "content", "tool_calls") or clear or markers.isdisjoint(ids):
             continue
+        think = {d.think_open, d.think_close} - {None}
+        tool = set(d.tool_markers.all) if d.tool_markers else set()
         found = [(pos, names[i]) for pos, i in enumerate(ids) if i in markers]
         where = "reasoning" if kind == "reasoning" else "content"
         for code, hits in _classify(found, kind, d.eos_markers, think, tool).items():
@@ -447,7 +447,7 @@ def _roundtrip(view: SampleView, policy: Policy) -> Iterator[_Hit]:
         ("completion", [t for _, t in view.parts], view.completion_ids),
         ("prompt", [view.prompt_text], view.prompt_ids),
     ):
-        if tok.lossless and all(_utf8(t) for t in texts):
+        if tok.lossless and _all_utf8(texts):
             continue
         expected = "".join(texts).encode("utf-8", errors="surrogatepass")
         got = tok.decode_bytes(ids)
@@ -455,11 +455,13 @@ def _roundtrip(view: SampleView, policy: Policy) -> Iterator[_Hit]:
             yield "roundtrip_mismatch", f"{what}: {_first_diff(got, expected)}"
 
 
-def _utf8(text: str) -> bool:
-    """Whether ``text`` is valid UTF-8 (no lone surrogate). Each part is tested alone, not
+def _all_utf8(texts: Iterable[str]) -> bool:
+    """Whether every text is valid UTF-8 (no lone surrogate). Each is tested alone, not
     joined: a string tiktoken has encoded keeps its UTF-8 form, so the test is a copy."""
     try:
-        text.encode("utf-8")
+        for text in texts:
+            if not text.isascii():  # an ASCII string (a flag CPython keeps) is valid UTF-8 as it is
+                text.encode("utf-8")
     except UnicodeEncodeError:
         return False
     return True

@@ -154,8 +154,7 @@ def candidates(
     if thinking and closed_by_formula and opens_section:
         out.append(Candidate([p for p in base if p[0] != "think_end"], ("no_think_close",)))
 
-    markers = _markers(dialect)
-    if markers and (reasoning.startswith(" ") or content.startswith(" ")):
+    if (reasoning.startswith(" ") or content.startswith(" ")) and (markers := _markers(dialect)):
         # vLLM's parser cut the joined text at </think> (the content then starts with a
         # join space, or is empty) or, with no </think>, at the tool section.
         joined = []

@@ -94,8 +94,8 @@ class _Choice:
 
     def counted(self, k: int) -> int:
         """How many of candidate ``k``'s ids the provider's usage counts."""
-        ends = ends_turn(self.cands[k].parts)
-        return sum(len(ids) for ids in self.cand_ids[k]) - (1 if self.end_uncounted and ends else 0)
+        uncounted = self.end_uncounted and ends_turn(self.cands[k].parts)
+        return sum(map(len, self.cand_ids[k])) - uncounted
 
 
 def reconstruct_exchange(

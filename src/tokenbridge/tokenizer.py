@@ -149,13 +149,8 @@ class Tokenizer:
         split, plain = self._split_markers, self._encode_plain
         if split is None or plain is None:
             return self._encode(text)
-        cache = self._prompt_cache
         out: list[int] = []
-        for piece in split(text):
-            if isinstance(piece, int):
-                out.append(piece)
-            elif piece:
-                out.extend(cache.ids(piece, plain))
+        self._prompt_cache.extend(out, split(text), plain)
         return out
 
     def encode_checked(self, text: str) -> tuple[list[int], bool]:
@@ -214,28 +209,50 @@ class _PieceCache:
         self._misses = 0
         self._lock = threading.Lock()
 
-    def ids(self, piece: str, encode: Callable[[str], list[int]]) -> Sequence[int]:
-        with self._lock:
-            entry = self._entries.get(piece)
-            if entry is not None:
-                self._entries.move_to_end(piece)
-                self._hits += 1
-                return entry[0]
-            self._misses += 1
-        ids = encode(piece)
+    def ids(self, piece: str, encode: Callable[[str], list[int]]) -> list[int]:
+        """One piece's ids (:meth:`extend` with one piece)."""
+        out: list[int] = []
+        self.extend(out, (piece,), encode)
+        return out
+
+    def extend(self, out: list[int], pieces: Iterable[str | int], encode: Callable[[str], list[int]]) -> None:
+        """Append the ids of ``pieces`` to ``out``: an int is a marker's id, a text piece is
+        served from the cache or encoded (the lock released meanwhile) and kept. One lock
+        acquisition for a whole prompt's pieces, not one per piece."""
+        lock, entries = self._lock, self._entries
+        with lock:
+            for piece in pieces:
+                if isinstance(piece, int):
+                    out.append(piece)
+                    continue
+                if not piece:
+                    continue
+                entry = entries.get(piece)
+                if entry is not None:
+                    entries.move_to_end(piece)
+                    self._hits += 1
+                    out += entry[0]
+                    continue
+                self._misses += 1
+                lock.release()
+                try:
+                    ids = encode(piece)
+                finally:
+                    lock.acquire()
+                out += ids
+                self._keep(piece, ids)
+
+    def _keep(self, piece: str, ids: list[int]) -> None:
+        """Store a piece's ids (the lock held), oldest first out past the bound."""
         # key + tuple (8 bytes an id) + an int object per id + the dict node
         cost = sys.getsizeof(piece) + 40 * len(ids) + 150
-        if cost * _CACHE_MAX_ENTRY_SHARE > self.max_bytes:
-            return ids
-        frozen = tuple(ids)
-        with self._lock:
-            if piece not in self._entries:
-                self._entries[piece] = (frozen, cost)
-                self._bytes += cost
-                while self._bytes > self.max_bytes:
-                    _, (_, old) = self._entries.popitem(last=False)
-                    self._bytes -= old
-        return frozen
+        if cost * _CACHE_MAX_ENTRY_SHARE > self.max_bytes or piece in self._entries:
+            return
+        self._entries[piece] = (tuple(ids), cost)
+        self._bytes += cost
+        while self._bytes > self.max_bytes:
+            _, (_, old) = self._entries.popitem(last=False)
+            self._bytes -= old
 
     def stats(self) -> dict[str, int]:
         with self._lock:

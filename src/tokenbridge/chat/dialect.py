@@ -310,6 +310,8 @@ def thinking_enabled(request: Mapping[str, Any], default: bool = True) -> bool:
     ``extra_body``). Thinking mode: any other non-empty ``reasoning`` object, or either
     switch true. An explicit off wins over an explicit on.
     """
+    if "reasoning" not in request and "chat_template_kwargs" not in request and "extra_body" not in request:
+        return default  # the common request says nothing: no need to look further
     asked = False
     reasoning = request.get("reasoning")
     if isinstance(reasoning, Mapping):
