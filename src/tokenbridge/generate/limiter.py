@@ -27,6 +27,16 @@ whole window after a cut is what the lower limit did not remove, i.e. noise (whe
 is below ``decisive_share``), and a cut that removed next to nothing was made for
 noise and is undone; each later window can only lower the noise level, slowly.
 
+What a cut leaves is not always noise. Where answers reach us late (a loaded event
+loop) we count in flight what the server is done with, the accepted count overstates a
+cap, and a cut stops a slot or two over it: at a cap of 6, two slots over left 44% of
+429s, learned as noise and held for the rest of the run. So a cut that took much away
+(not one for noise) but left a material share (``_MATERIAL`` of ``threshold``) is tested
+a slot lower for one window (:meth:`_step_down`): fewer 429s there by more than chance is
+a cap's residue, and it steps on while the share stays material (then holds for the
+steps' 429s); as many is noise, and the level comes back with the noise learned over
+both windows.
+
 That share depends on how fast a cap's 429s come back: a slot over a cap answers once per
 turnaround, so at a turnaround of a fifth of the latency it is 5 429s a latency beside 200
 successes at a cap of 200 (2.4%), and ``threshold`` over the noise waited for a dozen
@@ -87,6 +97,8 @@ _HISTORY = 3.0  # in flight's changes and the 429s are kept for this many mean l
 _PROBE_Z = 3.0  # a probe's 429 share this many standard errors over its base's is a cap
 _OVER_SLOTS = 0.5  # a probe's refused requests in flight, averaged over it and the hold after it
 _PROBE_ROUNDS = 4  # a probe at the ceiling is tested over this many rounds of answers, then it held
+_STEP_Z = 2.0  # a step's window this many standard errors under the window a slot higher is a cap's residue
+_MATERIAL = 0.25  # after a cut, a 429 share of this much of ``threshold`` is tested a slot lower before it is noise
 _FLIGHT_MAX = 8  # and for at most this many changes per slot of the ceiling (memory, before any latency is known)
 
 
@@ -146,6 +158,7 @@ class AdaptiveLimiter:
     _slow: bool = field(default=False, repr=False)  # in slow start
     _cut_slow: bool = field(default=False, repr=False)  # the last cut ended slow start
     _paced: int = field(default=0, repr=False)  # slow-start growth steps scheduled
+    _step: tuple[int, int, int] | None = field(default=None, repr=False)  # (level, answers, 429s) a step down left
     _waiters: deque[asyncio.Future[float]] = field(default_factory=deque, repr=False)
 
     def __post_init__(self) -> None:
@@ -242,7 +255,10 @@ class AdaptiveLimiter:
             self._refusals.popleft()
         if sent_at < self._last_cut:
             return False
+        cuts = self.cuts
         self._note(True)
+        if self.cuts != cuts:  # the window it closed stepped down
+            return True
         self._refused_s += now - sent_at
         n, rl = len(self._answers), self._rate_limited
         probe = self._probe_over_base()
@@ -344,25 +360,48 @@ class AdaptiveLimiter:
         self._block[0] += 1
         self._block[1] += rate_limited
         if self._block[0] >= self.window:
-            share = self._block[1] / self._block[0]
-            if self._after_cut:
-                self._judge_cut(share)
-            elif share < self.noise:  # the noise may have stopped: let it fall, slowly (blocks vary)
-                self.noise -= 0.1 * (self.noise - share)
-            self._block = [0, 0]
-            self._after_cut = False
+            (n, refused), after = self._block, self._after_cut
+            self._block, self._after_cut = [0, 0], False  # before the judgement: a step there starts the next
+            if after:
+                self._judge_cut(refused / n, refused)
+            elif refused / n < self.noise:  # the noise may have stopped: let it fall, slowly (blocks vary)
+                self.noise -= 0.1 * (self.noise - refused / n)
 
-    def _judge_cut(self, share: float) -> None:
+    def _judge_cut(self, share: float, refused: int) -> None:
         """The first whole window after a cut: what the lower limit did not remove is noise.
-        A cut that removed next to nothing was made for noise: it is undone."""
+        A cut that removed next to nothing was made for noise: it is undone. A cut that
+        removed much but left a material share may have stopped a slot or two over a cap:
+        that share is tested a slot lower first (:meth:`_step_down`)."""
         if share >= self.decisive_share:
             return  # still far over a cap: not noise
-        self.noise = share
-        self._base_held = True
+        step, self._step = self._step, None
+        if step is not None:
+            upper, n_up, r_up = step
+            if self.slots != upper - 1:
+                pass  # the level moved in the window (a probe began): the test is void, judged as it is
+            elif _fewer(r_up, n_up, refused, self.window, self.threshold):  # the level matters: a cap's 429s
+                # the level it left cost its window's 429s: hold long enough to keep them near target_share
+                self._hold = max(self._hold, math.ceil(r_up / self.target_share))
+                if refused >= self.min_rate_limited and share >= _MATERIAL * self.threshold and self.slots > self.floor:
+                    self._step_down(share, refused)  # and what is left is still a lot: one more
+                    return
+            else:  # as many 429s a slot lower: noise, and the level comes back
+                self.limit = self.base = float(upper)
+                self.noise = (r_up + refused) / (n_up + self.window)
+                self._base_held = True
+                self._hand_over()
+                return
         # a probe's cut went back to a base that held: were it noise, the next probe's share
         # is its base's (the hold measures it) and it does not cut again; one window cannot tell
         # a probe's few 429s from noise, so it is never undone
-        for_noise = not self._probe_cut and share > self._cut_share - 0.75 * self.threshold
+        # (after a step that found fewer 429s a slot lower, the cut it tested is a cap's: not undone)
+        for_noise = step is None and not self._probe_cut and share > self._cut_share - 0.75 * self.threshold
+        if (step is None and not for_noise and refused >= self.min_rate_limited
+                and share >= _MATERIAL * self.threshold and self.slots > self.floor):
+            self._step_down(share, refused)  # a share this size may be a cap's residue: a slot lower tells
+            return
+        self.noise = share
+        self._base_held = True
         if for_noise and self._before_cut > self.limit:
             self.limit = self._before_cut
             self.base = self.limit  # probe from here: the excess over it doubling per round
@@ -371,7 +410,28 @@ class AdaptiveLimiter:
             self._slow = self._cut_slow and self.limit < self.ceiling  # a cut for noise ended nothing
             self._hand_over()
 
+    def _step_down(self, share: float, refused: int) -> None:
+        """One slot under the level whose last window left ``refused`` 429s, for one window:
+        fewer 429s there is a cap's residue, as many is noise (:meth:`_judge_cut`). Where
+        answers reach us late (a loaded event loop) we count in flight what the server is
+        done with, the accepted count overstates a cap and a cut stops a slot or two over
+        it; the 429s that leaves, learned as noise, were held for the rest of the run (44%
+        at a cap of 6). The hold lasts at least the window, so no probe moves the level, and
+        the share is the noise meanwhile, as it would be without the test: were it noise, a
+        noise level of zero would take every chance window for a cap and cut on."""
+        self.noise = share
+        self._step = (self.slots, self.window, refused)
+        self.limit = self.base = float(self.slots - 1)
+        self._hold = max(self._hold, self.window)
+        self.cuts += 1
+        self._answers.clear()
+        self._rate_limited = 0
+        self._block = [0, 0]
+        self._after_cut = True
+        self._last_cut = self.clock()
+
     def _cut(self, probe: bool = False) -> None:
+        self._step = None  # a cut in a step's window ends the test
         old = self.limit
         self._probe_cut = probe
         self._before_cut = old
@@ -461,3 +521,11 @@ def _loop_call_later() -> Callable[[float, Callable[[], None]], object] | None:
         return asyncio.get_running_loop().call_later
     except RuntimeError:  # no loop (a synchronous caller): grow at once
         return None
+
+
+def _fewer(r1: int, n1: int, r0: int, n0: int, threshold: float) -> bool:
+    """Whether ``r0`` 429s of ``n0`` answers are fewer than ``r1`` of ``n1`` by more than
+    chance (``_STEP_Z`` standard errors) and by a quarter of ``threshold``."""
+    pooled = (r0 + r1) / (n0 + n1)
+    se = math.sqrt(pooled * (1 - pooled) * (1 / n0 + 1 / n1))
+    return r1 / n1 - r0 / n0 >= max(_STEP_Z * se, threshold / 4)
