@@ -176,10 +176,10 @@ def test_a_small_cap_is_held_when_answers_reach_the_client_late(cap: int, lag: f
     loaded event loop) make the client count in flight what the server is done with, so
     the accepted count overstates the cap and a cut stops a slot or two over it. The 429s
     that leaves were learned as noise and held for the run (a median 33-43% of answers at a
-    cap of 4 or 6); a window a slot lower now tells them apart. Not in every run: one window
-    against one cannot always tell a one-slot step from chance (at a cap of 6 and half a
-    latency late, two seeds of six still end at 15-24%), so the median run is what is held
-    to a bound."""
+    cap of 4 or 6, in every run); a window a slot lower now tells them apart. Not in every
+    run: one window against one cannot always tell a one-slot step from chance (at a cap of
+    6 and half a latency late, three seeds of six still end at 14-29%), so what is held to a
+    bound is that at least half the runs keep 429s to a tenth (the old limiter: none)."""
     shares = []
     for seed in range(1, 7):
         clock = Clock()
@@ -187,8 +187,7 @@ def test_a_small_cap_is_held_when_answers_reach_the_client_late(cap: int, lag: f
         r = _simulate(lim, clock, seconds=6.0, cap=cap, latency=0.01, rtt=0.002, seed=seed, measure_from=2.0,
                       lag=0.01 * lag)
         shares.append(r["share_429"])
-    shares.sort()
-    assert shares[len(shares) // 2] <= 0.15, shares
+    assert sum(share <= 0.1 for share in shares) >= len(shares) / 2, shares
 
 
 @pytest.mark.parametrize("turnaround", [2, 5, 10])

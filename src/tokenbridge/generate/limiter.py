@@ -31,7 +31,8 @@ What a cut leaves is not always noise. Where answers reach us late (a loaded eve
 loop) we count in flight what the server is done with, the accepted count overstates a
 cap, and a cut stops a slot or two over it: at a cap of 6, two slots over left 44% of
 429s, learned as noise and held for the rest of the run. So a cut that took much away
-(not one for noise) but left a material share (``_MATERIAL`` of ``threshold``) is tested
+(not one for noise) but left a share a material step (``_MATERIAL`` of ``threshold``)
+over what it would be with no cap (a probe's base's share, else the noise known) is tested
 a slot lower for one window (:meth:`_step_down`): fewer 429s there by more than chance is
 a cap's residue, and it steps on while the share stays material (then holds for the
 steps' 429s); as many is noise, and the level comes back with the noise learned over
@@ -158,7 +159,7 @@ class AdaptiveLimiter:
     _slow: bool = field(default=False, repr=False)  # in slow start
     _cut_slow: bool = field(default=False, repr=False)  # the last cut ended slow start
     _paced: int = field(default=0, repr=False)  # slow-start growth steps scheduled
-    _step: tuple[int, int, int] | None = field(default=None, repr=False)  # (level, answers, 429s) a step down left
+    _step: tuple[int, int, int, float] | None = field(default=None, repr=False)  # (level, answers, 429s, share expected) a step left
     _waiters: deque[asyncio.Future[float]] = field(default_factory=deque, repr=False)
 
     def __post_init__(self) -> None:
@@ -372,18 +373,21 @@ class AdaptiveLimiter:
         A cut that removed next to nothing was made for noise: it is undone. A cut that
         removed much but left a material share may have stopped a slot or two over a cap:
         that share is tested a slot lower first (:meth:`_step_down`)."""
-        if share >= self.decisive_share:
-            return  # still far over a cap: not noise
         step, self._step = self._step, None
+        if share >= self.decisive_share:
+            if step is not None:
+                self.noise = step[3]  # far over a cap a slot lower too: the test is over, its noise level with it
+            return  # still far over a cap: not noise
         if step is not None:
-            upper, n_up, r_up = step
+            upper, n_up, r_up, expected = step
             if self.slots != upper - 1:
-                pass  # the level moved in the window (a probe began): the test is void, judged as it is
+                pass  # the level moved in the window: the test is void, judged as it is
             elif _fewer(r_up, n_up, refused, self.window, self.threshold):  # the level matters: a cap's 429s
                 # the level it left cost its window's 429s: hold long enough to keep them near target_share
                 self._hold = max(self._hold, math.ceil(r_up / self.target_share))
-                if refused >= self.min_rate_limited and share >= _MATERIAL * self.threshold and self.slots > self.floor:
-                    self._step_down(share, refused)  # and what is left is still a lot: one more
+                if (refused >= self.min_rate_limited and share >= expected + _MATERIAL * self.threshold
+                        and self.slots > self.floor):
+                    self._step_down(share, refused, expected)  # and what is left is still a lot: one more
                     return
             else:  # as many 429s a slot lower: noise, and the level comes back
                 self.limit = self.base = float(upper)
@@ -396,9 +400,12 @@ class AdaptiveLimiter:
         # a probe's few 429s from noise, so it is never undone
         # (after a step that found fewer 429s a slot lower, the cut it tested is a cap's: not undone)
         for_noise = step is None and not self._probe_cut and share > self._cut_share - 0.75 * self.threshold
+        # what the share would be with no cap over us: a probe's base measured it (its hold), else the noise known
+        (n0, r0) = self._baseline
+        expected = r0 / n0 if self._probe_cut and n0 else self.noise
         if (step is None and not for_noise and refused >= self.min_rate_limited
-                and share >= _MATERIAL * self.threshold and self.slots > self.floor):
-            self._step_down(share, refused)  # a share this size may be a cap's residue: a slot lower tells
+                and share >= expected + _MATERIAL * self.threshold and self.slots > self.floor):
+            self._step_down(share, refused, expected)  # more than that may be a cap's residue: a slot lower tells
             return
         self.noise = share
         self._base_held = True
@@ -410,19 +417,22 @@ class AdaptiveLimiter:
             self._slow = self._cut_slow and self.limit < self.ceiling  # a cut for noise ended nothing
             self._hand_over()
 
-    def _step_down(self, share: float, refused: int) -> None:
+    def _step_down(self, share: float, refused: int, expected: float) -> None:
         """One slot under the level whose last window left ``refused`` 429s, for one window:
         fewer 429s there is a cap's residue, as many is noise (:meth:`_judge_cut`). Where
         answers reach us late (a loaded event loop) we count in flight what the server is
         done with, the accepted count overstates a cap and a cut stops a slot or two over
         it; the 429s that leaves, learned as noise, were held for the rest of the run (44%
-        at a cap of 6). The hold lasts at least the window, so no probe moves the level, and
-        the share is the noise meanwhile, as it would be without the test: were it noise, a
-        noise level of zero would take every chance window for a cap and cut on."""
+        at a cap of 6). ``expected`` is the share with no cap over us (the probe's base's, or
+        the noise known): only a share a material step over it is tested. The hold outlasts
+        the window (its answers, and the successes of requests sent before it), so no probe
+        moves the level, and the share is the noise meanwhile, as it would be without the
+        test: were it noise, a noise level of zero would take every chance window for a cap
+        and cut on."""
         self.noise = share
-        self._step = (self.slots, self.window, refused)
+        self._step = (self.slots, self.window, refused, expected)
+        self._hold = max(self._hold, self.window + self.slots)
         self.limit = self.base = float(self.slots - 1)
-        self._hold = max(self._hold, self.window)
         self.cuts += 1
         self._answers.clear()
         self._rate_limited = 0
