@@ -19,6 +19,7 @@ both agree with the official behaviour, except for the one systematic difference
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import importlib.util
 from types import ModuleType
 from typing import Any
@@ -486,3 +487,46 @@ def test_tinker_cookbook_full_renderer_is_skipped_with_reason():
     from tinker_cookbook.renderers.kimi_k25 import KimiK25Renderer as TinkerK25  # pragma: no cover
 
     assert TinkerK25 is not None  # pragma: no cover
+
+
+def _with_default(value):
+    return {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "number", "default": value, "description": "d"}}}}}
+
+
+def test_declarations_are_cached_by_value_and_never_confused():
+    """A dataset sends one tool list with every request: its declaration is built once. The
+    cache is keyed by the value (keys sorted), so a fresh parse of the same tools hits it,
+    and values a plain dump would merge (True / 1 / 1.0, NaN / None) keep their own."""
+    from tokenbridge.chat import kimi_tools
+
+    kimi_tools._DECLARED.clear()
+    defaults = [True, 1, 1.0, None, float("nan"), float("inf"), "1", 0, False, -0.0, 0.0]
+    decls = [declare_tools([_with_default(v)]) for v in defaults]
+    assert decls == [kimi_tools._declare([_with_default(v)]) for v in defaults]  # as built uncached
+    assert len({d.text for d in decls}) == len(defaults) == len(kimi_tools._DECLARED)
+    assert "// Default: True\n" in decls[0].text and "// Default: 1\n" in decls[1].text
+    assert "// Default: 1.0\n" in decls[2].text and "// Default" not in decls[3].text
+    assert "// Default: nan\n" in decls[4].text
+    reparsed = json.loads(json.dumps(UNSORTED_DEFS))  # another object, keys in another order
+    reparsed["function"] = dict(reversed(list(reparsed["function"].items())))
+    first = declare_tools([UNSORTED_DEFS])
+    assert declare_tools([reparsed]) is first
+    with_enum = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"m": {"enum": ["a", "b"]}}, "required": ["m"]}}}
+    listed = declare_tools([with_enum])
+    tupled = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"m": {"enum": ("a", "b")}}, "required": ("m",)}}}
+    assert declare_tools((tupled,)) is listed  # a tuple is the array it is sent as
+    assert kimi_tools._declare([tupled]) == listed and 'm: "a" | "b"' in listed.text
+    assert kimi_tools._declare([reparsed]) == first
+
+
+def test_declaration_cache_stays_bounded():
+    from tokenbridge.chat import kimi_tools
+
+    kimi_tools._DECLARED.clear()
+    for k in range(kimi_tools._DECLARED_MAX + 10):
+        declare_tools([_with_default(k)])
+    assert len(kimi_tools._DECLARED) <= kimi_tools._DECLARED_MAX
+    assert declare_tools([{1: "not JSON"}]).form == "json" and len(kimi_tools._DECLARED) <= kimi_tools._DECLARED_MAX

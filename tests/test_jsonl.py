@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenbridge import exchanges, fsio, jsonl, rows
 from tokenbridge.content import content_text, is_text_parts
@@ -50,3 +52,54 @@ def test_is_text_parts():
     assert is_text_parts([{"type": "text", "text": "a"}]) and is_text_parts([])
     assert not is_text_parts([{"type": "text", "text": "a"}, {"type": "image_url"}])
     assert not is_text_parts("a") and not is_text_parts(None)
+
+
+# --- value_key: a cache key that tells JSON values apart -------------------------------
+
+_SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+            | st.floats(allow_nan=True, allow_infinity=True)
+            | st.text(st.characters(codec=None, exclude_categories=()), max_size=6)
+            | st.sampled_from(["null", "NaN", "a null here", "1", "1.0", "true"]))
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(st.text(max_size=4), inner, max_size=4), max_leaves=12)
+
+
+def _strict(value):
+    """The value with every type spelled out and objects' keys sorted: equal exactly when
+    two values must share a key."""
+    if isinstance(value, dict):
+        return ("object", tuple((k, _strict(value[k])) for k in sorted(value)))
+    if isinstance(value, list | tuple):
+        return ("array", tuple(_strict(v) for v in value))
+    return (type(value).__name__, repr(value))
+
+
+@given(_JSON, _JSON)
+@settings(max_examples=400, deadline=None)
+def test_value_key_is_equal_exactly_for_equal_values(a, b):
+    assert (jsonl.value_key(a) == jsonl.value_key(b)) == (_strict(a) == _strict(b))
+
+
+@given(st.dictionaries(st.text(max_size=4), _SCALARS, min_size=2, max_size=6))
+@settings(max_examples=100, deadline=None)
+def test_value_key_ignores_key_order_at_every_depth(obj):
+    reordered = dict(reversed(list(obj.items())))
+    assert jsonl.value_key([{"x": obj}]) == jsonl.value_key([{"x": reordered}])
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    (float("nan"), None), (float("inf"), None), (float("-inf"), float("inf")), (1, 1.0), (1, True), (0, False),
+    (0.0, -0.0), ("\ud800", "\ufffd"), (2**64, 2**64 + 1), ({"a": None}, {"a": float("nan")}), ([1], [[1]]),
+])
+def test_value_key_keeps_apart_what_a_fast_dump_would_merge(a, b):
+    assert jsonl.value_key(a) != jsonl.value_key(b)
+    assert jsonl.value_key([a]) == jsonl.value_key((a,))  # a tuple is the array it is sent as
+
+
+def test_value_key_is_none_for_what_is_not_json():
+    assert jsonl.value_key({1: "a"}) is None  # the stdlib would write it as {"1": "a"}
+    assert jsonl.value_key([None, {"b": {2: "a"}}]) is None
+    assert jsonl.value_key({"a": {1, 2}}) is None
+    cycle: list = []
+    cycle.append(cycle)
+    assert jsonl.value_key(cycle) is None

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from collections.abc import Mapping, Sequence
 
+from ..jsonl import value_key
+
 __all__ = ["ToolDeclaration", "declare_tools", "sort_keys_deep"]
 
 _INDENT = "  "
@@ -72,17 +74,38 @@ class _Unsupported(Exception):
 
 
 def sort_keys_deep(value: Any) -> Any:
-    """Every dict's keys in sorted order, at every depth (lists keep their order)."""
+    """Every dict's keys in sorted order, at every depth (lists keep their order; a tuple
+    is the list it is sent as, so a declaration depends only on the JSON the API gets)."""
     if isinstance(value, Mapping):
         return {k: sort_keys_deep(value[k]) for k in sorted(value)}
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return [sort_keys_deep(v) for v in value]
     return value
 
 
+#: Declarations already built, by :func:`~tokenbridge.jsonl.value_key` of the tool list: a
+#: dataset sends one tool list with every request, and the prompt and the gate each need
+#: its declaration (34 us for two functions; the key costs 0.6 us). Cleared when full.
+_DECLARED: dict[bytes, ToolDeclaration] = {}
+_DECLARED_MAX = 256
+
+
 def declare_tools(tools: Sequence[Any]) -> ToolDeclaration:
     """The declaration K2.5 renders for a non-empty ``tools`` list."""
-    ordered = sort_keys_deep(list(tools))
+    tools = list(tools)
+    key = value_key(tools)
+    if key is None:
+        return _declare(tools)
+    decl = _DECLARED.get(key)
+    if decl is None:
+        if len(_DECLARED) >= _DECLARED_MAX:
+            _DECLARED.clear()
+        decl = _DECLARED[key] = _declare(tools)
+    return decl
+
+
+def _declare(tools: list[Any]) -> ToolDeclaration:
+    ordered = sort_keys_deep(tools)
     try:
         return ToolDeclaration(_typescript(ordered), "typescript")
     except _Fallback as e:
