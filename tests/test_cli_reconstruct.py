@@ -193,3 +193,31 @@ def test_cli_many_bad_lines_show_twenty_then_a_count_and_say_nothing_was_written
     shown = [x for x in res.output.splitlines() if x.startswith("bad record: ")]
     assert [x.split(":")[2] for x in shown] == [str(n) for n in range(1, 21)]
     assert res.output.endswith(f"... and 5 more bad lines\nno record was written: {out} is empty.\n")
+
+
+@pytest.mark.parametrize(("suffix", "workers"), [(".jsonl", "1"), (".jsonl", "2"), (".parquet", "1"), (".parquet", "2")])
+def test_records_that_crashed_the_run_are_bad_lines_and_the_rest_is_written(tmp_path, kimi_dir, suffix, workers):
+    """Found by a hostile-input test: each of these was a traceback (exit 8) that lost every
+    good record of the file. Now each is its own bad line, named, and the others are rows."""
+    good = EXAMPLE.read_text(encoding="utf-8").splitlines()[0]
+    rec = json.loads(good)
+    extra = {**rec, "request": {**rec["request"], "extra_body": "x"}}
+    listed = json.loads(good)
+    listed["response"]["choices"][0]["finish_reason"] = ["stop"]
+    too_deep = good[:-1] + ', "x": ' + "[" * 1100 + "]" * 1100 + "}"  # past orjson's 1024: the stdlib's recursion
+    walked = json.loads(good)  # parsed (under 1024 levels), too deep for Python to walk
+    walked["request"]["tools"] = [{"type": "function", "function": {"name": "f", "parameters": {"x": "DEEP"}}}]
+    walked_line = json.dumps(walked).replace('"DEEP"', "[" * 1000 + "]" * 1000)
+    src = tmp_path / "in.jsonl"
+    lines = [good, json.dumps(extra), json.dumps(listed), too_deep, walked_line, good.replace('"ex-clean"', '"ex-2"')]
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / f"out{suffix}"
+    res = CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(out), "-t", str(kimi_dir), "-j", workers])
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output and "internal error" not in res.output
+    assert f"{src}:2: request.extra_body: must be an object or null, got str" in res.output
+    assert f"{src}:3: response.choices[0].finish_reason: must be a string or null, got list" in res.output
+    assert f"{src}:4: <line>: nested more than 1024 levels deep" in res.output
+    assert f"{src}:5: <record>: nested too deeply to reconstruct (RecursionError)" in res.output
+    rows = read_jsonl(out) if suffix == ".jsonl" else pq.read_table(out).to_pylist()
+    assert [r["id"] for r in rows] == ["ex-clean", "ex-2"]

@@ -52,6 +52,22 @@ CASES = [
     (_bad("response.choices.0.token_ids", "1 2"), "response.choices[0].token_ids", "must be a list of integers"),
     (_bad("native_ids", "x"), "native_ids", "must be a list of ids or {prompt, choices}"),
     (_bad("native_ids", {"choices": [[1.5]]}), "native_ids.choices[0]", "must be a list of integers"),
+    # read by the renderers and the gate: a wrong type was a traceback or taken silently
+    (_bad("id", ""), "id", "must not be empty (every row is named by it)"),
+    (_bad("request.extra_body", "x"), "request.extra_body", "must be an object or null, got str"),
+    (_bad("request.reasoning", ["high"]), "request.reasoning", "must be an object or null, got list"),
+    (_bad("request.chat_template_kwargs", 1), "request.chat_template_kwargs", "must be an object or null, got int"),
+    (_bad("request.n", "2"), "request.n", "must be a positive integer or null, got '2'"),
+    (_bad("request.n", 0), "request.n", "must be a positive integer or null, got 0"),
+    (_bad("request.n", True), "request.n", "must be a positive integer or null, got True"),
+    (_bad("response.choices.0.finish_reason", ["stop"]), "response.choices[0].finish_reason",
+     "must be a string or null, got list"),
+    (_bad("response.choices.0.finish_reason", {"type": "stop"}), "response.choices[0].finish_reason",
+     "must be a string or null, got dict"),
+    (_bad("dataset", {"name": "d"}), "dataset", "must be a string or null, got dict"),
+    (_bad("native_ids", {"a": 1}), "native_ids.a", "unknown key: native_ids holds prompt and choices"),
+    (_bad("native_ids", {"choices": {"0": [1]}}), "native_ids.choices",
+     "must be a list (one id list or null per choice)"),
 ]
 
 
@@ -77,4 +93,7 @@ def test_native_ids_of_the_record_win_over_the_response():
     rec["native_ids"] = {"prompt": [5], "choices": [[6], [7]]}  # a second choice the response lacks is ignored
     ex = parse_exchange(rec)
     assert (ex.native_prompt, ex.native_choices) == ([5], [[6]])
-    assert parse_exchange({**rec, "meta": "not an object"}).meta == {}
+    assert parse_exchange({**rec, "meta": None}).meta == {}
+    with pytest.raises(RecordError, match="must be an object or null, got str") as caught:
+        parse_exchange({**rec, "meta": "not an object"})  # said, not taken for no meta
+    assert caught.value.field == "meta"

@@ -66,16 +66,26 @@ def _bytes_index(tok: Tokenizer) -> dict[bytes, int]:
     return index
 
 
+def _logged_entries(lp: Any) -> list[Any] | str | None:
+    """``logprobs.content``; None when nothing was logged (no logprobs, an empty value,
+    ``{"content": null}``); else why it cannot be read."""
+    if not lp:
+        return None
+    if not isinstance(lp, Mapping):
+        return f"logprobs is not an object ({type(lp).__name__})"
+    entries = lp.get("content")
+    if entries is None or isinstance(entries, list):
+        return entries
+    return "logprobs.content is not a list"
+
+
 def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
     """The token ids in ``choice.logprobs.content``; None when the choice has none."""
-    lp = choice.get("logprobs")
-    if lp is None:
-        return None
-    entries = lp.get("content") if isinstance(lp, Mapping) else None
+    entries = _logged_entries(choice.get("logprobs"))
     if entries is None:
-        return None  # e.g. {"content": null}: nothing was logged
-    if not isinstance(entries, list):
-        return LogprobIds(None, "logprobs.content is not a list")
+        return None
+    if isinstance(entries, str):
+        return LogprobIds(None, entries)
     index: dict[bytes, int] | None = None
     out: list[int] = []
     for pos, entry in enumerate(entries):
@@ -84,7 +94,7 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
         token = entry.get("token")
         if isinstance(token, str) and token.startswith("token_id:"):
             tail = token[len("token_id:"):]
-            if tail.isdigit() and int(tail) < tok.vocab_size:
+            if tail.isascii() and tail.isdigit() and len(tail) <= 12 and int(tail) < tok.vocab_size:
                 out.append(int(tail))
                 continue
             return LogprobIds(None, f"logprobs.content[{pos}].token {token[:40]!r} names no id of this tokenizer")

@@ -105,6 +105,8 @@ def parse_exchange(record: Any) -> Exchange:
     rid = record["id"]
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise RecordError("id", "must be a string or an integer")
+    if rid == "":
+        raise RecordError("id", "must not be empty (every row is named by it)")
     request = _checked_request(record.get("request"))
     response = record.get("response")
     if not isinstance(response, dict):
@@ -112,13 +114,17 @@ def parse_exchange(record: Any) -> Exchange:
     choices = _checked_choices(response)
     native_prompt, native_choices = _native_ids(record, response, choices)
     meta = record.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise RecordError("meta", f"must be an object or null, got {type(meta).__name__}")
     dataset = record.get("dataset")
+    if dataset is not None and not isinstance(dataset, str):
+        raise RecordError("dataset", f"must be a string or null, got {type(dataset).__name__}")
     return Exchange(
         id=str(rid),
         request=request,
         response=response,
-        dataset=str(dataset) if dataset is not None else None,
-        meta=meta if isinstance(meta, dict) else {},
+        dataset=dataset,
+        meta=meta or {},
         native_prompt=native_prompt,
         native_choices=native_choices,
     )
@@ -137,9 +143,13 @@ def _checked_request(request: Any) -> dict[str, Any]:
     tools = request.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RecordError("request.tools", "must be a list")
-    kwargs = request.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise RecordError("request.chat_template_kwargs", "must be an object")
+    for key in ("chat_template_kwargs", "extra_body", "reasoning"):  # read for the thinking switch and stop
+        value = request.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise RecordError(f"request.{key}", f"must be an object or null, got {type(value).__name__}")
+    n = request.get("n")
+    if n is not None and not (is_int(n) and n >= 1):
+        raise RecordError("request.n", f"must be a positive integer or null, got {n!r}"[:200])
     return request
 
 
@@ -175,6 +185,9 @@ def _checked_choices(response: dict[str, Any]) -> list[dict[str, Any]]:
     for i, c in enumerate(choices):
         if not isinstance(c, dict):
             raise RecordError(f"response.choices[{i}]", "must be an object")
+        finish = c.get("finish_reason")
+        if finish is not None and not isinstance(finish, str):
+            raise RecordError(f"response.choices[{i}].finish_reason", f"must be a string or null, got {type(finish).__name__}")
         msg = c.get("message")
         at = f"response.choices[{i}].message"
         if not isinstance(msg, dict):
@@ -206,8 +219,13 @@ def _native_ids(record: dict[str, Any], response: dict[str, Any],
         if n:
             native_choices[0] = _int_list(native, "native_ids")
     elif isinstance(native, dict):
+        unknown = sorted(set(native) - {"prompt", "choices"})
+        if unknown:
+            raise RecordError(f"native_ids.{unknown[0]}"[:200], "unknown key: native_ids holds prompt and choices")
         if native.get("prompt") is not None:
             native_prompt = _int_list(native["prompt"], "native_ids.prompt")
+        if native.get("choices") is not None and not isinstance(native["choices"], list):
+            raise RecordError("native_ids.choices", "must be a list (one id list or null per choice)")
         for i, ids in enumerate(native.get("choices") or ()):
             if i < n and ids is not None:
                 native_choices[i] = _int_list(ids, f"native_ids.choices[{i}]")

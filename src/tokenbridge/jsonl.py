@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import orjson
 
-__all__ = ["JsonLineError", "dumps_line", "is_count", "is_int", "iter_lines", "json_text", "loads_line", "value_key"]
+__all__ = ["MAX_DEPTH", "JsonLineError", "dumps_line", "is_count", "is_int", "iter_lines", "json_text", "loads_line", "value_key"]
 
 
 class JsonLineError(ValueError):
@@ -36,6 +36,11 @@ class JsonLineError(ValueError):
     def __init__(self, detail: str) -> None:
         super().__init__(detail)
         self.detail = detail
+
+
+#: The deepest nesting a line may have: orjson's own limit, and what the API bodies
+#: generate stores may hold (:mod:`tokenbridge.generate.body`).
+MAX_DEPTH = 1024
 
 
 # Any: a JSON line holds any JSON value; callers check its shape.
@@ -52,6 +57,8 @@ def loads_line(line: str | bytes) -> Any:
         raise JsonLineError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
     except UnicodeDecodeError as exc:
         raise JsonLineError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:  # orjson stops at 1024 levels, the stdlib at Python's stack
+        raise JsonLineError(f"nested more than {MAX_DEPTH} levels deep") from None
 
 
 def dumps_line(obj: Any) -> bytes:  # Any: any JSON value

@@ -35,7 +35,7 @@ from .hypotheses import Candidate, candidates
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
 from . import fsio, lanes
 from .outdir import check_output_file
-from .rows import JsonlRowSink, ParquetRowSink, encode_lean_row, with_derived
+from .rows import COLUMNS, JsonlRowSink, ParquetRowSink, encode_lean_row, to_arrow_record, with_derived
 from .tokenizer import EncodeError, Tokenizer, load_tokenizer
 
 __all__ = ["RECORD_ERRORS", "BadLine", "ReconstructSummary", "reconstruct_exchange", "reconstruct_file",
@@ -560,7 +560,7 @@ Chunk = tuple[int, bytes]
 @dataclass(frozen=True)
 class _Done:
     """A record reconstructed: its JSONL rows are in the chunk's buffer, in input order
-    (Parquet: ``rows`` holds them instead)."""
+    (Parquet: ``rows`` holds them instead, as Arrow records)."""
 
     line: int
     rows: list[dict[str, Any]] | None
@@ -660,22 +660,28 @@ def _work(data: bytes) -> _ChunkResult:
     for lineno, line in _chunk_lines((1, data)):
         try:
             rows, facts = _reconstruct(parse_exchange(_load(line)), tok, dialect, policy, traits)
+            # the row's JSON (or Arrow record) here, so a value too deep to write fails its record
+            encoded = [encode_lean_row(row) for row in rows] if as_json else None
+            records = None if as_json else [to_arrow_record(with_derived(r), COLUMNS) for r in rows]
         except RecordError as exc:
             out.append(_Refused(lineno, exc.field, exc.detail))
             continue
         except RECORD_ERRORS as exc:  # the chat template or the tokenizer refused this record
             out.append(_Refused(lineno, "<record>", f"{type(exc).__name__}: {exc}"))
             continue
+        except RecursionError:  # parsed (orjson reads 1024 levels), too deep for Python to walk
+            out.append(_Refused(lineno, "<record>", _TOO_DEEP))
+            continue
         except Exception as exc:
             exc.__dict__[_BUG_LINE] = lineno
             raise
         briefs = [_brief(r) for r in rows]
-        if as_json:
-            for row in rows:
-                parts += (encode_lean_row(row), b"\n")
+        if encoded is not None:
+            for text in encoded:
+                parts += (text, b"\n")
             out.append(_Done(lineno, None, briefs, facts))
         else:
-            out.append(_Done(lineno, [with_derived(r) for r in rows], briefs, facts))
+            out.append(_Done(lineno, records, briefs, facts))
     blob = b"".join(parts)
     spool = _WORKER["spool"]
     if spool is None or not blob:
@@ -686,6 +692,9 @@ def _work(data: bytes) -> _ChunkResult:
         fh.write(blob)
     return path, out
 
+
+#: Why a record nested too deeply for the renderers, the gate or the row's JSON is refused.
+_TOO_DEEP = "nested too deeply to reconstruct (RecursionError)"
 
 #: Where a bug's exception carries its line within the chunk.
 _BUG_LINE = "_tokenbridge_chunk_line"
@@ -834,7 +843,7 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
                         continue
                     summary.add(entry.briefs, entry.facts)
                     if isinstance(sink, _ParquetSink):
-                        sink.write(entry.rows or ())
+                        sink.write_records(entry.rows or ())
                     fsio.kill_point("reconstruct:record")
         sink.close()
     except BaseException:

@@ -437,8 +437,12 @@ class ParquetRowSink:
         self._batch_rows = batch_rows
 
     def write(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        for row in rows:
-            self._buf.append(to_arrow_record(row, COLUMNS))
+        self.write_records(to_arrow_record(row, COLUMNS) for row in rows)
+
+    def write_records(self, records: Iterable[dict[str, Any]]) -> None:
+        """Rows already made :func:`to_arrow_record`'s (in a reconstruct worker, where a value
+        too deep to write fails its own record)."""
+        self._buf.extend(records)
         if len(self._buf) >= self._batch_rows:
             self._flush()
 
