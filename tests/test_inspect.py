@@ -73,3 +73,22 @@ def test_inspect_names_the_reading_the_evidence_proved(tmp_path, kimi, kimi_dir)
     assert res.exit_code == 0, res.output
     assert "nt choice 0: ok" in res.output and "reconstruction: no_think_close" in res.output
     assert "</think> (163607)" not in res.output
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (-1, "input_ids: has a negative id at position"),
+    (200_000, "input_ids: id 200000 at position"),
+    (5.0, "input_ids: must hold integers only, found float at position"),
+    ("5", "input_ids: must hold integers only, found str at position"),
+])
+def test_a_row_edited_by_hand_is_named_not_a_traceback(outputs, kimi_dir, tmp_path, value, message):
+    """inspect holds a row from disk to export's contract, ids within the tokenizer's
+    vocabulary: each of these was an OverflowError, KeyError or TypeError traceback."""
+    row = json.loads(outputs[0].read_text(encoding="utf-8").splitlines()[0])
+    at = len(row["prompt_ids"])
+    row["completion_ids"][0] = row["input_ids"][at] = value
+    path = tmp_path / "edited.jsonl"
+    path.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    res = _inspect(path, kimi_dir, "--tokens", f"{at}:{at + 3}")
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert f"{path}:1: {message}" in " ".join(res.output.split())

@@ -410,3 +410,33 @@ def test_report_reads_what_a_killed_generate_left_in_the_wal(runs, tmp_path):
     assert res.exit_code == 0, res.output
     assert _files(run) - before == {".lock", "report/report.html", "report/report.json", "report/.tokenbridge-output"}
     assert json.loads((run / "report" / "report.json").read_text())["generation"]["runs"] == 2
+
+
+def _edited(rows, k, edit):
+    out = [json.loads(json.dumps(r)) for r in rows]
+    edit(out[k])
+    return out
+
+
+@pytest.mark.parametrize(("edit", "field", "message"), [
+    (lambda r: r["input_ids"].__setitem__(3, -7), "input_ids", "has a negative id at position 3"),
+    (lambda r: r.__setitem__("loss_mask", r["loss_mask"][:-5]), "loss_mask", "entries but input_ids has"),
+    (lambda r: r.update(status="ok", findings=[{"code": "truncated", "severity": "warning", "message": "x"}]),
+     "status", "is 'ok' but the row carries 1 finding(s), so it is 'flagged'"),
+    (lambda r: r.update(id=""), "id", "must be a non-empty string"),
+])
+def test_report_refuses_rows_export_refuses(runs, tmp_path, edit, field, message):
+    """A report counts what it can vouch for: a rows file edited by hand fails it as it fails
+    export, naming file, line and field (it counted them as they were before)."""
+    write_jsonl(tmp_path / "reconstructed.jsonl", _edited(runs["rows"], 4, edit))
+    with pytest.raises(ReportError) as caught:
+        collect_run(tmp_path)
+    assert str(caught.value).startswith(f"{tmp_path / 'reconstructed.jsonl'}:5: {field}: ")
+    assert message in str(caught.value)
+
+
+def test_report_refuses_a_sample_listed_twice(runs, tmp_path):
+    rows = runs["rows"]
+    write_jsonl(tmp_path / "reconstructed.jsonl", [*rows, rows[2]])
+    with pytest.raises(ReportError, match=rf":{len(rows) + 1}: id: .* is also on line 3"):
+        collect_run(tmp_path)

@@ -219,11 +219,15 @@ def inspect(
             parse_span(tokens)
         except ValueError as exc:
             raise typer.BadParameter(f"{tokens!r}: {exc}", param_hint="--tokens") from None
+    from .rows import RowError
+
     tok = _tokenizer(tokenizer)
     try:
         row = find_row(input, tok, sample_id, choice, dialect)
     except LookupError as exc:
         _fail(str(exc.args[0]))
+    except RowError as exc:  # a row edited by hand: bad data, as export says of it
+        _fail(str(exc), exc.exit_code)
     if tokens is not None:
         try:
             check_span(tokens, len(row["input_ids"]))

@@ -56,12 +56,12 @@ def summary_table(summary: ReconstructSummary, title: str = "reconstruct") -> Gr
 def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dialect: str | None) -> Mapping[str, Any]:
     """The reconstructed row for ``sample_id`` (first record if None), from reconstruct's
     JSONL or Parquet output; exchange records are reconstructed on the fly. LookupError
-    when absent."""
+    when absent, :class:`~tokenbridge.rows.RowError` when the row breaks the contract."""
     from .chat import resolve_dialect
-    from .reconstruct import reconstruct_record
+    from .reconstruct import RECORD_ERRORS, reconstruct_record
 
     if path.suffix == ".parquet":
-        return _find_parquet_row(path, sample_id, choice)
+        return _find_parquet_row(path, sample_id, choice, tok)
     for lineno, line in iter_lines(path):
         try:
             record = loads_line(line)
@@ -72,26 +72,45 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
         if "input_ids" in record:
             if record.get("choice", 0) != choice:
                 continue
-            return record
+            return _checked_row(record, path, lineno, tok)
         try:
             rows = reconstruct_record(record, tok, resolve_dialect(tok, dialect))
-        except RecordError as exc:
+        except RECORD_ERRORS as exc:
             raise LookupError(f"{path}:{lineno}: {exc}") from None
+        except RecursionError:  # parsed (orjson reads 1024 levels), too deep for Python to walk
+            raise LookupError(f"{path}:{lineno}: nested too deeply to reconstruct") from None
         if choice < len(rows):
             return rows[choice]
     raise LookupError(f"{path}: no sample {sample_id or '(first)'} with choice {choice}")
 
 
-def _find_parquet_row(path: Path, sample_id: str | None, choice: int) -> Mapping[str, Any]:
+def _find_parquet_row(path: Path, sample_id: str | None, choice: int, tok: Tokenizer) -> Mapping[str, Any]:
     from .export.source import ExportError, iter_records
 
+    found = None
     try:
-        for _, record in iter_records(path):
+        for number, record in iter_records(path):
             if (sample_id is None or record.get("id") == sample_id) and record.get("choice", 0) == choice:
-                return record
+                found = number, record
+                break
     except ExportError as exc:
         raise LookupError(str(exc)) from None
-    raise LookupError(f"{path}: no sample {sample_id or '(first)'} with choice {choice}")
+    if found is None:
+        raise LookupError(f"{path}: no sample {sample_id or '(first)'} with choice {choice}")
+    return _checked_row(found[1], path, found[0], tok)
+
+
+def _checked_row(record: Mapping[str, Any], path: Path, line: int, tok: Tokenizer) -> Mapping[str, Any]:
+    """A row from disk held to the contract export holds it to (it may have been edited by
+    hand), its ids within this tokenizer's vocabulary, or :class:`~tokenbridge.rows.RowError`
+    naming file, line and field."""
+    from .export.validate import RowContract, check_training_row
+    from .rows import check_row
+
+    row = check_row(record, path, line)
+    ids, _ = check_training_row(row, path, line)
+    RowContract(path, tok.vocab_size).check(row, line, ids)
+    return row
 
 
 def _kind_at(segments: list[Mapping[str, Any]]) -> list[str]:

@@ -120,9 +120,16 @@ class RowStats:
 
 
 def _rows_section(path: Path) -> dict[str, Any]:
+    """The rows' statistics, every row held to the contract export holds its rows to (a
+    report counts what it can vouch for: a file edited by hand fails here as it would there)."""
+    from ..export.validate import RowContract, check_training_row
+
     stats = RowStats()
+    contract = RowContract(path)
     try:
-        for _, row in iter_rows(path):
+        for line, row in iter_rows(path):
+            ids, _ = check_training_row(row, path, line)
+            contract.check(row, line, ids)
             stats.add(row)
     except RowError as exc:
         raise ReportError(str(exc)) from None
