@@ -53,3 +53,23 @@ def test_hostile_evidence_is_a_finding_or_ignored_never_a_crash(kimi, logprobs, 
     row, = rows
     if row["status"] == "ok":
         assert row["completion_ids"] == truth
+
+
+def test_logprobs_that_are_not_an_object_are_unreadable_not_taken_for_none(kimi):
+    """``logprobs: 5`` read as no logprobs at all; a 5000-digit ``token_id:`` raised int()'s
+    digit limit. Both are evidence that cannot be read, and say so."""
+    from tokenbridge.evidence import LogprobIds, logprob_ids
+
+    for value, problem in [(5, "logprobs is not an object (int)"), ("x", "logprobs is not an object (str)"),
+                           ([{"token": "a"}], "logprobs is not an object (list)"),
+                           ({"content": 5}, "logprobs.content is not a list")]:
+        assert logprob_ids(kimi, {"logprobs": value}) == LogprobIds(None, problem)
+    for value in (None, {}, {"content": None}, False, []):
+        assert logprob_ids(kimi, {"logprobs": value}) is None  # nothing was logged
+    for tail in ("9" * 5000, "²", "１２"):
+        found = logprob_ids(kimi, {"logprobs": {"content": [{"token": "token_id:" + tail}]}})
+        assert found is not None and found.ids is None and "names no id of this tokenizer" in (found.problem or "")
+    _, rec = _base(kimi)
+    rec["response"]["choices"][0]["logprobs"] = 5
+    (row,) = reconstruct_record(rec, kimi)
+    assert [f["code"] for f in row["findings"]] == ["logprobs_unreadable"] and row["status"] == "flagged"
