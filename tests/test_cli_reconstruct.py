@@ -221,3 +221,27 @@ def test_records_that_crashed_the_run_are_bad_lines_and_the_rest_is_written(tmp_
     assert f"{src}:5: <record>: nested too deeply to reconstruct (RecursionError)" in res.output
     rows = read_jsonl(out) if suffix == ".jsonl" else pq.read_table(out).to_pylist()
     assert [r["id"] for r in rows] == ["ex-clean", "ex-2"]
+
+
+@pytest.mark.parametrize(("workers", "suffix"), [(1, ".jsonl"), (2, ".jsonl"), (1, ".parquet"), (2, ".parquet")])
+def test_a_repeated_id_is_a_bad_line_naming_the_first_and_its_rows_are_left_out(tmp_path, kimi, workers, suffix):
+    """export takes each (id, choice) once and refused the whole file over a repeat that
+    reconstruct let through; now reconstruct says so per record and keeps the first."""
+    lines = EXAMPLE.read_text(encoding="utf-8").splitlines()[:7]
+    many = [json.dumps({**json.loads(line), "id": f"r{k}"}) for k in range(60) for line in lines[k % 7 : k % 7 + 1]]
+    repeats = {10: 3, 11: 3, 25: 0, 59: 58}  # line index -> the index whose id it repeats
+    with_repeats = [json.dumps({**json.loads(line), "id": f"r{repeats.get(k, k)}"}) for k, line in enumerate(many)]
+    src, clean_src = tmp_path / "in.jsonl", tmp_path / "clean.jsonl"
+    src.write_text("\n".join(with_repeats) + "\n", encoding="utf-8")
+    clean_src.write_text("\n".join(line for k, line in enumerate(with_repeats) if k not in repeats) + "\n", encoding="utf-8")
+    out, clean = tmp_path / f"out{suffix}", tmp_path / f"clean-out{suffix}"
+    summary = reconstruct_file(src, out, kimi, workers=workers, chunk_lines=4)
+    assert [(b.line, b.field, b.message) for b in summary.bad_lines] == [
+        (k + 1, "id", f"'r{first}' is also the id of line {first + 1}: each record once (its rows are named by id and choice)")
+        for k, first in sorted(repeats.items())]
+    reconstruct_file(clean_src, clean, kimi, workers=1)
+    if suffix == ".jsonl":
+        assert out.read_bytes() == clean.read_bytes()
+    else:
+        assert pq.read_table(out).to_pylist() == pq.read_table(clean).to_pylist()
+    assert summary.records == 60 - len(repeats)

@@ -60,11 +60,11 @@ def test_text_a_tokenizers_folder_cannot_encode_is_a_bad_line(tmp_path):
            '"response": {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}]}}\n'
     good = json.dumps(_record("g", [USER])) + "\n"
     src = tmp_path / "in.jsonl"
-    src.write_text(good + lone + good, encoding="utf-8")
+    src.write_text(good + lone + good.replace('"g"', '"h"'), encoding="utf-8")
     summary = reconstruct_file(src, tmp_path / "out.jsonl", TOKENIZERS / "qwen3", workers=1)
     assert [(b.line, b.field) for b in summary.bad_lines] == [(2, "<record>")]
     assert summary.bad_lines[0].message.startswith("EncodeError: text holds a lone surrogate (U+D800 at char ")
-    assert [r["id"] for r in _rows(tmp_path / "out.jsonl")] == ["g", "g"]
+    assert [r["id"] for r in _rows(tmp_path / "out.jsonl")] == ["g", "h"]
 
 
 class _BuggyPolicy(Policy):

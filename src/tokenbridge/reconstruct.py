@@ -566,6 +566,10 @@ class _Done:
     rows: list[dict[str, Any]] | None
     briefs: list[Brief]
     facts: RecordFacts
+    #: the record's id (each record once: its rows are named by it and their choice)
+    id: str
+    #: bytes of its rows in the chunk's buffer (JSONL)
+    size: int
 
 
 @dataclass(frozen=True)
@@ -659,7 +663,8 @@ def _work(data: bytes) -> _ChunkResult:
     parts: list[bytes] = []
     for lineno, line in _chunk_lines((1, data)):
         try:
-            rows, facts = _reconstruct(parse_exchange(_load(line)), tok, dialect, policy, traits)
+            ex = parse_exchange(_load(line))
+            rows, facts = _reconstruct(ex, tok, dialect, policy, traits)
             # the row's JSON (or Arrow record) here, so a value too deep to write fails its record
             encoded = [encode_lean_row(row) for row in rows] if as_json else None
             records = None if as_json else [to_arrow_record(with_derived(r), COLUMNS) for r in rows]
@@ -679,9 +684,9 @@ def _work(data: bytes) -> _ChunkResult:
         if encoded is not None:
             for text in encoded:
                 parts += (text, b"\n")
-            out.append(_Done(lineno, None, briefs, facts))
+            out.append(_Done(lineno, None, briefs, facts, ex.id, sum(map(len, encoded)) + len(encoded)))
         else:
-            out.append(_Done(lineno, records, briefs, facts))
+            out.append(_Done(lineno, records, briefs, facts, ex.id, 0))
     blob = b"".join(parts)
     spool = _WORKER["spool"]
     if spool is None or not blob:
@@ -832,14 +837,24 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
     sink: JsonlRowSink | ParquetRowSink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
     init_args = (tok_source, dialect, policy, not as_parquet, traits, None if spool is None else str(spool))
     results = _run_chunks(str(src), chunk_lines, workers, init_args)
+    seen: dict[int, int] = {}  # hash of a record's id -> its line: a few bytes a record, never the id
     try:
         for first, (result, entries) in results:
             with _chunk_rows(result) as view:
+                skip = _repeated(entries, first, seen, str(src))
                 if len(view) and isinstance(sink, _JsonlSink):
-                    sink.write(view)  # the chunk's rows in input order, bad lines holding none: one write
+                    # the chunk's rows in input order, bad lines holding none: one write, unless a record repeats
+                    if not skip:
+                        sink.write(view)
+                    for piece in _kept(view, entries, skip) if skip else ():
+                        with piece:  # released now: a mapped spool file closes only with no view left on it
+                            sink.write(piece)
                 for entry in entries:
                     if isinstance(entry, _Refused):
                         summary.bad_lines.append(BadLine(str(src), first + entry.line - 1, entry.field, entry.message))
+                        continue
+                    if entry.line in skip:
+                        summary.bad_lines.append(skip[entry.line])
                         continue
                     summary.add(entry.briefs, entry.facts)
                     if isinstance(sink, _ParquetSink):
@@ -854,6 +869,33 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
         if spool is not None:
             shutil.rmtree(spool, ignore_errors=True)
     return summary
+
+
+def _repeated(entries: list[_Entry], first: int, seen: dict[int, int], src: str) -> dict[int, BadLine]:
+    """The records of a chunk (by ``first``-relative line) whose id an earlier record has:
+    each is a bad line naming the first one, and its rows are left out, since a row is
+    named by its id and choice and export takes each once (the earlier record's rows stand)."""
+    skip: dict[int, BadLine] = {}
+    for entry in entries:
+        if isinstance(entry, _Done):
+            line = first + entry.line - 1
+            earlier = seen.setdefault(hash(entry.id), line)
+            if earlier != line:
+                skip[entry.line] = BadLine(src, line, "id", f"{entry.id!r} is also the id of line {earlier}: each "
+                                           "record once (its rows are named by id and choice)")
+    return skip
+
+
+def _kept(view: memoryview, entries: list[_Entry], skip: Mapping[int, BadLine]) -> Iterator[memoryview]:
+    """The chunk's row bytes without those of the records in ``skip``."""
+    start = pos = 0
+    for entry in entries:
+        if isinstance(entry, _Done):
+            if entry.line in skip:
+                yield view[start:pos]
+                start = pos + entry.size
+            pos += entry.size
+    yield view[start:pos]
 
 
 def _run_chunks(src: str, chunk_lines: int, workers: int,
