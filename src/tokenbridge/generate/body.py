@@ -21,6 +21,8 @@ response. Per field (:func:`checked_usage`):
     cut before its usage chunk);
   * ``cost``: a finite number 0..:data:`MAX_PLAUSIBLE_COST` USD; anything else is
     dropped, so the cost comes from ``[prices]`` (or the no-prices reservation path);
+  * any other field nested more than :data:`MAX_USAGE_DEPTH` deep is dropped from the
+    stored usage (which is written with ``json.dumps``, and that recurses);
   * ``usage`` that is not an object is absent.
 Every dropped field is reported (``RunSummary.bad_usage``: count and first examples).
 The body itself is stored as received: reconstruct reads usage from it and flags it.
@@ -39,7 +41,9 @@ __all__ = ["BodyError", "MAX_PLAUSIBLE_COST", "MAX_PLAUSIBLE_TOKENS", "CheckedUs
 
 MAX_PLAUSIBLE_TOKENS = 10**9
 MAX_PLAUSIBLE_COST = 1000.0  # USD for one response; more is a provider bug, not a price
+MAX_USAGE_DEPTH = 64  # json.dumps recurses: a usage field deeper than this is dropped from the stored usage
 _WS = b" \t\r\n"
+_ACCOUNTING = ("prompt_tokens", "completion_tokens", "cost")
 
 
 class BodyError(ValueError):
@@ -96,7 +100,7 @@ def checked_usage(parsed: Any) -> CheckedUsage:
         return CheckedUsage(None, problems=[f"usage is a {type(usage).__name__}, not an object"])
     kept: dict[str, Any] = dict(usage)  # out.usage: what passes the checks below
     out = CheckedUsage(kept)
-    for name in ("prompt_tokens", "completion_tokens"):
+    for name in _ACCOUNTING[:2]:
         if name not in usage:
             continue
         n = _token_count(usage[name])
@@ -106,6 +110,9 @@ def checked_usage(parsed: Any) -> CheckedUsage:
         else:
             kept[name] = n
             setattr(out, name, n)
+    for name in [k for k, v in usage.items() if k not in _ACCOUNTING and _too_deep(v)]:  # json.dumps recurses
+        out.problems.append(f"usage.{name} is nested more than {MAX_USAGE_DEPTH} deep")
+        del kept[name]
     if "cost" in usage and usage["cost"] is not None:
         c = usage["cost"]
         if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and 0 <= c <= MAX_PLAUSIBLE_COST:
@@ -114,6 +121,16 @@ def checked_usage(parsed: Any) -> CheckedUsage:
             out.problems.append(f"usage.cost = {_show(c)}")
             del kept["cost"]
     return out
+
+
+def _too_deep(v: Any) -> bool:
+    """Nested more than :data:`MAX_USAGE_DEPTH` lists/objects deep (checked without recursing)."""
+    level: list[Any] = [v]
+    for _ in range(MAX_USAGE_DEPTH + 1):
+        level = [c for x in level for c in (x.values() if isinstance(x, dict) else x if isinstance(x, list) else ())]
+        if not level:
+            return False
+    return True
 
 
 def _token_count(v: Any) -> int | None:
@@ -126,7 +143,12 @@ def _token_count(v: Any) -> int | None:
 
 
 def _show(v: Any) -> str:
-    text = orjson.dumps(v, option=orjson.OPT_NON_STR_KEYS).decode() if _dumpable(v) else repr(v)
+    """A short rendering for a report. orjson writes 255 levels at most and ``repr``
+    raises RecursionError near 1000, while a kept body may nest 1024 deep."""
+    try:
+        text = orjson.dumps(v, option=orjson.OPT_NON_STR_KEYS).decode() if _dumpable(v) else repr(v)
+    except RecursionError:
+        text = f"<{type(v).__name__} nested too deep to show>"
     return text if len(text) <= 40 else text[:37] + "..."
 
 

@@ -38,6 +38,7 @@ from typing import Any, Literal
 from collections.abc import Mapping
 
 import aiohttp
+import orjson
 from aiohttp.http_exceptions import HttpProcessingError
 
 from ..jsonl import is_count, is_int
@@ -112,7 +113,7 @@ def _bad_choices(choices: list[Any]) -> str:
             return f"choices[{pos}] is a {type(choice).__name__}, not an object"
         idx = choice.get("index", pos)
         if not is_count(idx):
-            return f"choices[{pos}].index is {idx!r}, not a non-negative integer"
+            return f"choices[{pos}].index is {_shown(idx, as_repr=True)}, not a non-negative integer"
         if idx in seen:
             return f"choices[{pos}].index repeats {idx}"
         seen.add(idx)
@@ -175,6 +176,9 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
 
 
 def _parse_json(text: str) -> Any:
+    """The body as JSON, or None. json.loads reads what error pages send (NaN, lone
+    surrogates) but recurses in C and raises RecursionError near 1000 levels; orjson reads
+    the 1024 levels :func:`~.body.check_body` accepts. Too deep for both: not JSON."""
     # OpenRouter pads slow non-streamed responses with whitespace to keep the connection open.
     stripped = text.strip()
     if not stripped:
@@ -183,26 +187,33 @@ def _parse_json(text: str) -> Any:
         return json.loads(stripped)
     except ValueError:
         return None
+    except RecursionError:
+        pass
+    try:
+        return orjson.loads(stripped)
+    except orjson.JSONDecodeError:
+        return None
 
 
 def _error_code(err: Any) -> int | None:
-    if isinstance(err, dict):
-        code = err.get("code")
-        if is_int(code):
-            return code
-        if isinstance(code, str) and code.isdigit():
-            return int(code)
-    return None
+    """``error.code`` when it is a plausible HTTP status (100..599, an int or ASCII digits);
+    anything else is no status, so the body is an ``api_error``."""
+    if not isinstance(err, dict):
+        return None
+    code = err.get("code")
+    if isinstance(code, str) and code.isascii() and code.isdigit() and len(code) == 3:
+        code = int(code)
+    return code if is_int(code) and 100 <= code <= 599 else None
 
 
 def _error_message(parsed: Any, text: str) -> str:
     if isinstance(parsed, dict):
         err = parsed.get("error")
         if isinstance(err, dict):
-            msg = str(err.get("message") or err.get("code") or "")
+            msg = _shown(err.get("message") or err.get("code") or "")
             raw = (err.get("metadata") or {}).get("raw") if isinstance(err.get("metadata"), dict) else None
             if raw:
-                msg = f"{msg} ({_clip(str(raw), 200)})"
+                msg = f"{msg} ({_shown(raw, 200)})"
             if msg:
                 return _clip(msg)
         if isinstance(err, str) and err:
@@ -210,6 +221,16 @@ def _error_message(parsed: Any, text: str) -> str:
         if isinstance(parsed.get("message"), str):
             return _clip(parsed["message"])
     return _clip(text.strip())
+
+
+def _shown(value: Any, n: int = _MAX_MESSAGE, *, as_repr: bool = False) -> str:
+    """``str(value)`` (or its repr) clipped. A parsed body may nest 1024 levels and ``str``
+    of a list or dict recurses, raising RecursionError near 1000: such a value is shown by
+    its type."""
+    try:
+        return _clip(repr(value) if as_repr else value if isinstance(value, str) else str(value), n)
+    except RecursionError:
+        return f"<{type(value).__name__} nested too deep to show>"
 
 
 def _clip(text: str, n: int = _MAX_MESSAGE) -> str:

@@ -548,7 +548,11 @@ class Engine:
             # cut after every choice finished: the answer is whole, only usage / [DONE] is missing
             self._notice(f"a stream was cut after its finish_reason ({type(exc).__name__}); kept without its tail")
         if asm.errors:
-            err = scrub_bytes(json.dumps({"error": asm.errors[-1]}, default=str).encode(), self.key)
+            try:
+                text = json.dumps({"error": asm.errors[-1]}, default=str)
+            except RecursionError:  # parsed from a chunk (orjson: 1024 levels), too deep for json.dumps
+                text = json.dumps({"error": {"message": "an error object nested too deep to show"}})
+            err = scrub_bytes(text.encode(), self.key)
             out, _ = classify_response(200, {}, err)
             cls = "stream_error" if out.kind == "retry" else out.error_class
             message = f"mid-stream error: {out.message}"

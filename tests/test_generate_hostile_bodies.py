@@ -1,0 +1,311 @@
+"""generate against bodies built to break parsers: deep nesting, absurd error codes, SSE
+floods of comments, bare CRs and endless lines. Each must end as a stored response or a
+classified attempt, in time and memory proportional to its size."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import tracemalloc
+
+import pytest
+from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from test_generate_engine import Script, _chunk, _json, _ok_body, _run, _sse
+from tokenbridge.generate import Store
+from tokenbridge.generate.classify import classify_response
+from tokenbridge.generate.run import ExitCode
+from tokenbridge.generate.sse import MAX_COMMENT_CHARS, MAX_COMMENTS, SSEDecoder
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def _deep_ok(depth: int, cost: float = 0.25) -> bytes:
+    """A valid completion (as check_body reads it) with one extra field nested ``depth`` deep."""
+    doc = json.dumps(_ok_body("deep") | {"usage": {"prompt_tokens": 3, "completion_tokens": 2, "cost": cost}})
+    return doc[:-1].encode() + b', "x": ' + _nested(depth) + b"}"
+
+
+def _body(data: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=data, status=status, content_type="application/json")
+
+
+# --- deep nesting: json.loads recurses, orjson (the boundary) reads 1024 levels ------------
+
+
+def test_a_200_body_nested_1020_deep_is_stored_and_its_cost_counted(tmp_path):
+    deep = _deep_ok(1020)
+
+    async def reply(prompt, attempt, body, request):
+        return _body(deep)
+
+    summary = _run(Script(reply), tmp_path, 1)
+    assert (summary.done, summary.failed, summary.exit_code, summary.errors) == (1, 0, ExitCode.OK, {})
+    assert summary.internal_errors == 0
+    assert summary.spent_total == pytest.approx(0.25)
+    with Store.open(tmp_path / "run") as store:
+        assert store.response("b3-0") == (deep, None)
+        (att,) = store.attempts("b3-0")
+    assert (att.http_status, att.error_class) == (200, None)
+
+
+def test_a_500_nested_3000_deep_is_retried_by_its_status(tmp_path):
+    async def reply(prompt, attempt, body, request):
+        if attempt == 1:
+            return _body(b'{"error": {"message": "m", "x": ' + _nested(3000) + b"}}", 500)
+        return _json(_ok_body("ok"))
+
+    script = Script(reply)
+    summary = _run(script, tmp_path, 1)
+    assert (summary.done, summary.exit_code, summary.errors, summary.internal_errors) == (1, ExitCode.OK,
+                                                                                         {"http_500": 1}, 0)
+    assert script.attempts["q0"] == 2
+    with Store.open(tmp_path / "run") as store:
+        first = store.attempts("b3-0")[0]
+    assert (first.http_status, first.error_class) == (500, "http_500")
+    assert first.message == '{"error": {"message": "m", "x": ' + "[" * 468 + "…"  # too deep to read: the clipped text
+
+
+def test_a_200_too_deep_to_parse_is_a_retried_bad_json(tmp_path):
+    async def reply(prompt, attempt, body, request):
+        return _body(_deep_ok(3000)) if attempt == 1 else _json(_ok_body("ok"))
+
+    summary = _run(Script(reply), tmp_path, 1)
+    assert (summary.done, summary.errors, summary.internal_errors) == (1, {"bad_json": 1}, 0)
+    with Store.open(tmp_path / "run") as store:
+        first = store.attempts("b3-0")[0]
+    assert (first.http_status, first.error_class) == (200, "bad_json")
+    assert first.message.startswith("response is not JSON: ")
+
+
+def test_deep_values_in_messages_usage_and_indexes_are_shown_by_type():
+    deep = _nested(1020).decode()
+    out, parsed = classify_response(502, {}, '{"error": {"message": ' + deep + "}}")
+    assert (out.kind, out.error_class, out.message) == ("retry", "http_502", "<list nested too deep to show>")
+    assert isinstance(parsed, dict)
+    out, _ = classify_response(200, {}, '{"error": {"code": 503, "message": ' + deep + "}}")
+    assert (out.kind, out.error_class, out.message) == ("retry", "api_error", "<list nested too deep to show>")
+    out, _ = classify_response(200, {}, '{"choices": [{"index": ' + deep + "}]}")
+    assert (out.error_class, out.message) == ("bad_choices", "choices[0].index is <list nested too deep to show>, "
+                                                             "not a non-negative integer")
+
+
+def test_a_deep_bad_cost_keeps_the_response_and_is_reported(tmp_path):
+    doc = json.dumps(_ok_body("ok")).replace('"cost": 0.001', '"cost": ' + _nested(1020).decode())
+
+    async def reply(prompt, attempt, body, request):
+        return _body(doc.encode())
+
+    summary = _run(Script(reply), tmp_path, 1)
+    assert (summary.done, summary.errors, summary.internal_errors) == (1, {}, 0)
+    assert summary.bad_usage_examples == ["b3-0: usage.cost = <list nested too deep to show>"]
+
+
+def test_a_deep_usage_field_is_left_out_of_the_stored_usage_and_the_response_kept(tmp_path):
+    doc = json.dumps(_ok_body("ok")).replace('"cost": 0.001', '"cost": 0.001, "x": ' + _nested(1020).decode())
+
+    async def reply(prompt, attempt, body, request):
+        return _body(doc.encode())
+
+    summary = _run(Script(reply), tmp_path, 1)
+    assert (summary.done, summary.exit_code, summary.internal_errors) == (1, ExitCode.OK, 0)
+    assert summary.spent_total == pytest.approx(0.001)
+    assert summary.bad_usage_examples == ["b3-0: usage.x is nested more than 64 deep"]
+    with Store.open(tmp_path / "run") as store:
+        assert store.response("b3-0") == (doc.encode(), None)
+        (usage,) = store._conn.execute("SELECT usage FROM responses WHERE sample_id='b3-0'").fetchone()
+    assert json.loads(usage) == {"prompt_tokens": 3, "completion_tokens": 2, "cost": 0.001}
+
+
+# --- error codes: only a plausible HTTP status is a status ---------------------------------
+
+
+@pytest.mark.parametrize("code", ['"' + "9" * 5000 + '"', '"\u00b2"', '"0429"', '"42"', "1e3", "429.5", "true",
+                                  "-503", "700", '"700"'])
+def test_an_implausible_error_code_is_an_api_error(code):
+    out, parsed = classify_response(200, {}, '{"error": {"code": ' + code + ', "message": "m"}}')
+    assert (out.kind, out.error_class, out.message, out.status) == ("retry", "api_error", "m", 200)
+    assert isinstance(parsed, dict)
+
+
+@pytest.mark.parametrize(("code", "kind", "cls"), [('"429"', "rate_limited", "http_429"), ("402", "payment", "http_402"),
+                                                   ('"401"', "fail", "http_401"), ("503", "retry", "api_error")])
+def test_a_plausible_error_code_still_decides(code, kind, cls):
+    out, _ = classify_response(200, {}, '{"error": {"code": ' + code + ', "message": "m"}}')
+    assert (out.kind, out.error_class) == (kind, cls)
+
+
+def test_a_5000_digit_error_code_end_to_end_is_a_retried_api_error(tmp_path):
+    async def reply(prompt, attempt, body, request):
+        if attempt == 1:
+            return _body(b'{"error": {"code": "' + b"9" * 5000 + b'", "message": "m"}}')
+        return _json(_ok_body("ok"))
+
+    summary = _run(Script(reply), tmp_path, 1)
+    assert (summary.done, summary.errors) == (1, {"api_error": 1})
+    with Store.open(tmp_path / "run") as store:
+        first = store.attempts("b3-0")[0]
+    assert (first.error_class, first.message) == ("api_error", "m")
+
+
+# --- SSE: memory and time proportional to the bytes fed ------------------------------------
+
+
+def _feed(decoder: SSEDecoder, data: bytes, step: int, *, within_s: float | None = None) -> list:
+    """Feed ``data`` in ``step``-byte chunks; fail as soon as ``within_s`` has passed."""
+    out = []
+    t0 = time.perf_counter()
+    for i in range(0, len(data), step):
+        out += decoder.feed(data[i : i + step])
+        if within_s is not None:
+            assert time.perf_counter() - t0 < within_s, f"{i} of {len(data)} bytes after {within_s} s"
+    return out
+
+
+def _retained(fn) -> int:
+    """Bytes still allocated after ``fn()`` (what the decoder keeps, not what it passed through)."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        keep = fn()
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    del keep
+    return after - before
+
+
+def test_a_comment_flood_keeps_a_count_and_a_bounded_sample():
+    flood = b":ab\n" * (1 << 18) + b": " + b"c" * 100_000 + b"\n"  # 1 MiB of comments, then one long one
+    dec = SSEDecoder()
+
+    def feed() -> SSEDecoder:
+        assert _feed(dec, flood, 65536) == []
+        return dec
+
+    retained = _retained(feed)
+    assert dec.comment_count == (1 << 18) + 1
+    assert dec.comments == ["ab"] * MAX_COMMENTS
+    assert retained < 64 * 1024  # a list per line would be ~15 MiB
+    dec = SSEDecoder()
+    list(dec.feed(b": " + b"c" * 100_000 + b"\n"))
+    assert dec.comments == ["c" * MAX_COMMENT_CHARS] and dec.comment_count == 1
+
+
+def test_a_flood_of_data_lines_is_held_as_text_not_one_object_per_line():
+    lines = 1 << 18
+    dec = SSEDecoder()
+    flood = b"data:xy\n" * lines
+    retained = _retained(lambda: _feed(dec, flood, 65536))
+    assert retained < len(flood)  # the text and its growth room; a list of strs would be ~15 MiB
+    (event,) = list(dec.feed(b"\n"))
+    assert event.data == "\n".join(["xy"] * lines)
+
+
+def test_a_flood_of_bare_crs_is_fed_in_linear_time():
+    dec = SSEDecoder()
+    assert _feed(dec, b"data: a" + b"\r" * (4 << 20), 65536, within_s=1.0) == [_event("a")]
+    assert list(dec.feed(b"\ndata: b\n\n")) == [_event("b")]  # a CR at the end may be a CRLF
+
+
+def test_an_endless_line_is_fed_in_linear_time():
+    dec = SSEDecoder()
+    assert _feed(dec, b"data: " + b"x" * (8 << 20), 4096, within_s=1.0) == []
+    (event,) = list(dec.feed(b"\r\n\r\n"))
+    assert len(event.data) == 8 << 20 and set(event.data) == {"x"}
+
+
+def _event(data: str, name: str = "message"):
+    from tokenbridge.generate.sse import SSEEvent
+
+    return SSEEvent(data, name)
+
+
+def test_a_stream_behind_floods_of_comments_and_crs_is_kept(tmp_path):
+    good = _sse([_chunk({"role": "assistant", "content": "Hel"}),
+                 _chunk({"content": "lo"}, "stop", usage={"prompt_tokens": 3, "completion_tokens": 2, "cost": 0.01})])
+
+    async def reply(prompt, attempt, body, request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(4):
+            await resp.write(b":ab\n" * (1 << 16))
+            await resp.write(b"\r" * (1 << 18))
+        await resp.write(good)
+        await resp.write_eof()
+        return resp
+
+    summary = _run(Script(reply), tmp_path, 1, stream=True)
+    assert (summary.done, summary.errors, summary.internal_errors) == (1, {}, 0)
+    assert summary.spent_total == pytest.approx(0.01)
+
+
+# --- SSE: the same events as a whole-buffer split, however the bytes arrive ---------------
+
+
+def _reference(raw: bytes) -> tuple[list[tuple[str, str]], int]:
+    """The event-stream rules applied to the whole text at once: (events, comment count)."""
+    lines = re.split(r"\r\n|\r|\n", raw.decode("utf-8"))
+    last = lines.pop()
+    if last:  # a last line without its line end still counts at close
+        lines.append(last)
+    events, data, name, comments = [], None, "", 0
+    for line in lines:
+        if not line:
+            if data is not None:
+                events.append((name or "message", "\n".join(data)))
+            data, name = None, ""
+        elif line.startswith(":"):
+            comments += 1
+        else:
+            field, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if field == "data":
+                data = [*(data or []), value]
+            elif field == "event":
+                name = value
+    if data is not None:
+        events.append((name or "message", "\n".join(data)))
+    return events, comments
+
+
+_PIECES = st.sampled_from(["\r\n", "\n", "\r", "\r\r", "\n\r", "data: ", "data:", "data", "event: e", "event:",
+                           ": c", ":", "x", " y", "é", "😀", "id: 1", "da", "ta: z", ":\r"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_PIECES, max_size=40), st.lists(st.integers(0, 400), max_size=12))
+def test_any_split_gives_the_events_of_a_whole_buffer_split(pieces, cuts):
+    raw = "".join(pieces).encode("utf-8")
+    bounds = sorted(min(c, len(raw)) for c in cuts)  # repeats make empty chunks
+    dec = SSEDecoder()
+    got = []
+    for a, b in zip([0, *bounds], [*bounds, len(raw)]):
+        got += [(e.event, e.data) for e in dec.feed(raw[a:b])]
+    got += [(e.event, e.data) for e in dec.close()]
+    events, comments = _reference(raw)
+    assert got == events
+    assert dec.comment_count == comments
+
+
+def test_a_mid_stream_error_nested_1000_deep_is_a_retried_stream_error(tmp_path):
+    """orjson reads a chunk's ``error`` 1024 levels deep; re-serialising it for the classifier
+    with json.dumps recursed past Python's stack: an internal error, not a classified one."""
+    deep = b'data: {"id": "x", "choices": [], "error": {"code": 502, "x": ' + _nested(1000) + b"}}\n\n"
+
+    async def reply(prompt, attempt, body, request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        payload = (b'data: ' + json.dumps(_chunk({"role": "assistant", "content": "Hel"})).encode() + b"\n\n" + deep
+                   if attempt == 1 else _sse([_chunk({"content": "ok"}, "stop")]))
+        await resp.write(payload)
+        await resp.write_eof()
+        return resp
+
+    summary = _run(Script(reply), tmp_path, 1, stream=True)
+    assert (summary.done, summary.errors, summary.internal_errors) == (1, {"stream_error": 1}, 0)
