@@ -12,6 +12,8 @@ so fields we do not know about survive.
 from __future__ import annotations
 
 import codecs
+import io
+import re
 from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Iterator
@@ -35,91 +37,104 @@ class SSEEvent:
     event: str = "message"
 
 
+#: A run of line ends (CRLF, LF or CR): one regex match, so a flood of bare CRs or blank
+#: lines costs one C-level scan, not a Python step per line.
+_EOLS = re.compile(r"[\r\n]+")
+_ONE_EOL = frozenset({"\r", "\n", "\r\n"})
+MAX_COMMENTS = 16  # comment lines kept as a sample; the raw stream holds them all
+MAX_COMMENT_CHARS = 200
+
+
 @dataclass
 class SSEDecoder:
-    """Incremental event-stream decoder: ``feed(bytes)`` yields complete events."""
+    """Incremental event-stream decoder: ``feed(bytes)`` yields complete events.
+
+    Linear in the bytes fed: each chunk is scanned once, and a line that spans chunks is
+    accumulated in a :class:`io.StringIO` (never re-scanned or re-copied per chunk). Memory
+    stays within a small multiple of the current line plus the current event's data:
+    ``comments`` keeps only the first :data:`MAX_COMMENTS` (clipped), ``comment_count``
+    counts them all."""
 
     comments: list[str] = field(default_factory=list)
+    comment_count: int = 0
     _decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("strict"))
-    _buf: str = ""
-    _data: list[str] = field(default_factory=list)
+    _partial: io.StringIO | None = None  # the current line's start, from earlier chunks
+    _data: io.StringIO | None = None  # the current event's data lines, joined by LF
     _event: str = ""
     _pending_cr: bool = False
-    _has_data: bool = False
 
     def feed(self, chunk: bytes) -> Iterator[SSEEvent]:
-        text = self._decoder.decode(chunk)
-        if self._pending_cr and text.startswith("\n"):
-            text = text[1:]  # the LF of a CRLF split across two reads
-        self._pending_cr = False
-        self._buf += text
-        yield from self._drain()
+        yield from self._scan(self._decoder.decode(chunk))
 
     def close(self) -> Iterator[SSEEvent]:
         """End of stream: a last event without its blank line is still delivered."""
-        self._buf += self._decoder.decode(b"", final=True)
-        if self._buf:
-            self._buf += "\n"
-        yield from self._drain()
-        if self._has_data:
-            yield self._dispatch()
-
-    def _drain(self) -> Iterator[SSEEvent]:
-        buf = self._buf
-        start = 0
-        n = len(buf)
-        while start < n:
-            i = _next_eol(buf, start)
-            if i < 0:
-                break
-            line = buf[start:i]
-            if buf[i] == "\r":
-                if i + 1 < n:
-                    start = i + 2 if buf[i + 1] == "\n" else i + 1
-                else:
-                    self._pending_cr = True
-                    start = i + 1
-            else:
-                start = i + 1
+        yield from self._scan(self._decoder.decode(b"", final=True))
+        if self._partial is not None:
+            line = self._partial.getvalue()
+            self._partial = None
             event = self._line(line)
             if event is not None:
                 yield event
-        self._buf = buf[start:]
+        if self._data is not None:
+            yield self._dispatch()
+
+    def _scan(self, text: str) -> Iterator[SSEEvent]:
+        pos = 0
+        if text and self._pending_cr:
+            self._pending_cr = False
+            if text[0] == "\n":
+                pos = 1  # the LF of a CRLF split across two reads
+        for m in _EOLS.finditer(text, pos):
+            line = text[pos : m.start()]
+            if self._partial is not None:
+                self._partial.write(line)
+                line = self._partial.getvalue()
+                self._partial = None
+            event = self._line(line)
+            if event is not None:
+                yield event
+            ends = m.group()
+            if ends not in _ONE_EOL:  # two or more line ends: a blank line (more are no-ops)
+                event = self._line("")
+                if event is not None:
+                    yield event
+            pos = m.end()
+            self._pending_cr = pos == len(text) and ends[-1] == "\r"
+        if pos < len(text):
+            if self._partial is None:
+                self._partial = io.StringIO()
+            self._partial.write(text[pos:])
 
     def _line(self, line: str) -> SSEEvent | None:
         if not line:
-            if self._has_data:
+            if self._data is not None:
                 return self._dispatch()
-            self._reset()
+            self._event = ""
             return None
-        if line.startswith(":"):
-            self.comments.append(line[1:].strip())
+        if line[0] == ":":
+            self.comment_count += 1
+            if len(self.comments) < MAX_COMMENTS:
+                self.comments.append(line[1:].strip()[:MAX_COMMENT_CHARS])
             return None
         name, sep, value = line.partition(":")
         if sep and value.startswith(" "):
             value = value[1:]
         if name == "data":
-            self._data.append(value)
-            self._has_data = True
+            if self._data is None:
+                self._data = io.StringIO()
+            else:
+                self._data.write("\n")
+            self._data.write(value)
         elif name == "event":
             self._event = value
         return None
 
     def _dispatch(self) -> SSEEvent:
-        event = SSEEvent("\n".join(self._data), self._event or "message")
-        self._reset()
-        return event
-
-    def _reset(self) -> None:
-        self._data = []
+        data = self._data.getvalue() if self._data is not None else ""
+        event = SSEEvent(data, self._event or "message")
+        self._data = None
         self._event = ""
-        self._has_data = False
-
-
-def _next_eol(buf: str, start: int) -> int:
-    lf = buf.find("\n", start)
-    cr = buf.find("\r", start, lf if lf >= 0 else len(buf))
-    return cr if cr >= 0 else lf
+        return event
 
 
 @dataclass
