@@ -152,6 +152,11 @@ BAD = {
     "finding": (lambda r: r.update(findings=[{"code": "x", "severity": "fatal", "message": "m"}]), "findings[0]",
                 "severity error or warning"),
     "content": (lambda r: r.update(content=None), "content", "must be a string"),
+    # the conversations export wrote these as they were
+    "messages": (lambda r: r.update(messages=[]), "messages", "must be a non-empty list, got list"),
+    "role": (lambda r: r.update(messages=[{**r["messages"][0], "role": 7}]), "messages[0]",
+             "must be an object with a string role"),
+    "deep": (lambda r: r.update(messages=[[[]]]), "messages[0]", "must be an object with a string role"),
 }
 
 
@@ -251,3 +256,16 @@ def test_every_writer_holds_the_row_contract(run, tmp_path, fmt):
             if col in WRITER_JSON_TEXT.get(fmt, ()) and value is not None:
                 value = json.loads(value)
             assert value == row[col], (fmt, col)
+
+
+def test_a_segment_of_no_known_kind_is_refused_by_export(run, tmp_path):
+    """Segments name what each span of ids is; an unknown kind went into every export."""
+    _, _, _, made = run
+    rows_ = [json.loads(json.dumps(r)) for r in made[:4] if r["status"] == "ok"]
+    rows_[0]["segments"][1]["kind"] = "bonus"
+    src = write_jsonl(tmp_path / "bad.jsonl", rows_)
+    with pytest.raises(rows.RowError) as err:
+        export_file(src, tmp_path / "out", "specforge")
+    assert (err.value.line, err.value.field) == (1, "segments[1].kind")
+    assert err.value.detail.startswith("is 'bonus', not one of prompt, think_start, reasoning, think_end, content")
+    assert not (tmp_path / "out").exists()

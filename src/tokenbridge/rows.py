@@ -27,8 +27,9 @@ from typing import (
     Literal,
     NotRequired,
     TypedDict,
+    get_args,
 )
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import orjson
 
@@ -43,6 +44,7 @@ __all__ = [
     "COLUMNS",
     "DERIVED_COLUMNS",
     "JSON_TEXT_COLUMNS",
+    "SEGMENT_KINDS",
     "SEVERITIES",
     "STATUSES",
     "FindingRecord",
@@ -66,7 +68,8 @@ Status = Literal["ok", "flagged", "rejected"]
 STATUSES: tuple[Status, ...] = ("ok", "flagged", "rejected")
 Severity = Literal["error", "warning"]
 SEVERITIES: tuple[Severity, ...] = ("error", "warning")
-SegmentKind = Literal["prompt", "reasoning", "think_end", "content", "tool_calls", "end"]
+SegmentKind = Literal["prompt", "think_start", "reasoning", "think_end", "content", "tool_calls", "end"]
+SEGMENT_KINDS: tuple[SegmentKind, ...] = get_args(SegmentKind)
 
 
 class Segment(TypedDict):
@@ -259,6 +262,16 @@ def _is_int(value: Any) -> bool:
     return type(value) is int
 
 
+def _check_messages(messages: Any, fail: Callable[[str, str], RowError]) -> None:
+    """The request's messages as reconstruct validated them: a non-empty list of objects
+    with a string role (the conversations export and the report read them)."""
+    if not isinstance(messages, list) or not messages:
+        raise fail("messages", f"must be a non-empty list, got {type(messages).__name__}")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise fail(f"messages[{k}]", "must be an object with a string role")
+
+
 def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:  # noqa: PLR0912 - a check per column of an untrusted row
     """``obj`` as a :class:`ReconstructedRow`, or :class:`RowError`. Cheap (no per-token
     work): the column types, the status, the findings' codes and severities. Text columns
@@ -298,6 +311,7 @@ def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:  # noq
         raise fail("usage", f"must be an object or null, got {type(obj['usage']).__name__}")
     if obj["tools"] is not None and not isinstance(obj["tools"], list):
         raise fail("tools", f"must be a list or null, got {type(obj['tools']).__name__}")
+    _check_messages(obj["messages"], fail)
     for col in ("reasoning", "content"):
         if not isinstance(obj[col], str):
             raise fail(col, f"must be a string, got {type(obj[col]).__name__}")

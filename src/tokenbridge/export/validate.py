@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import orjson
 
+from ..rows import SEGMENT_KINDS
 from .source import ExportError
 
 __all__ = ["MAX_ID", "RowContract", "check_training_row"]
@@ -203,6 +204,8 @@ def _check_segments(segments: Sequence[Any], n: int, n_prompt: int, finish_reaso
             raise fail(field, "must be an object with integer start and end")
         if seg["start"] != pos or seg["end"] < seg["start"]:
             raise fail(field, f"spans {seg['start']}..{seg['end']} but the previous segment ended at {pos}")
+        if seg.get("kind") not in SEGMENT_KINDS:
+            raise fail(f"{field}.kind", f"is {seg.get('kind')!r}, not one of {', '.join(SEGMENT_KINDS)}"[:300])
         is_prompt = seg.get("kind") == "prompt"
         if (k == 0) != is_prompt:
             raise fail(f"{field}.kind", "the first segment, and only it, must be the prompt")
