@@ -267,5 +267,11 @@ def test_a_segment_of_no_known_kind_is_refused_by_export(run, tmp_path):
     with pytest.raises(rows.RowError) as err:
         export_file(src, tmp_path / "out", "specforge")
     assert (err.value.line, err.value.field) == (1, "segments[1].kind")
-    assert err.value.detail.startswith("is 'bonus', not one of prompt, think_start, reasoning, think_end, content")
+    assert err.value.detail.startswith("is 'bonus', not one of prompt, format, think_start, reasoning, think_end")
     assert not (tmp_path / "out").exists()
+
+
+def test_segment_kinds_are_the_prompt_and_every_dialects_part_kinds():
+    from tokenbridge.chat.dialect import PART_KINDS
+
+    assert ("prompt", *PART_KINDS) == rows.SEGMENT_KINDS

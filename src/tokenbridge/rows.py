@@ -68,7 +68,8 @@ Status = Literal["ok", "flagged", "rejected"]
 STATUSES: tuple[Status, ...] = ("ok", "flagged", "rejected")
 Severity = Literal["error", "warning"]
 SEVERITIES: tuple[Severity, ...] = ("error", "warning")
-SegmentKind = Literal["prompt", "think_start", "reasoning", "think_end", "content", "tool_calls", "end"]
+#: The prompt, then the dialects' completion part kinds (:data:`tokenbridge.chat.dialect.PART_KINDS`).
+SegmentKind = Literal["prompt", "format", "think_start", "reasoning", "think_end", "content", "tool_calls", "end"]
 SEGMENT_KINDS: tuple[SegmentKind, ...] = get_args(SegmentKind)
 
 
