@@ -92,3 +92,27 @@ def test_a_row_edited_by_hand_is_named_not_a_traceback(outputs, kimi_dir, tmp_pa
     res = _inspect(path, kimi_dir, "--tokens", f"{at}:{at + 3}")
     assert res.exit_code == 1 and "Traceback" not in res.output
     assert f"{path}:1: {message}" in " ".join(res.output.split())
+
+
+def test_a_rejected_row_and_a_gpt_oss_row_are_shown(tmp_path):
+    """inspect holds ``ok`` rows to the training contract only: a rejected row with no
+    completion is the one to look at, and harmony's ``format`` segments are a known kind."""
+    from conftest import KIMI_DIR
+
+    TOKENIZERS = KIMI_DIR.parent
+
+    def record(rid, content, finish):
+        return {"id": rid, "request": {"messages": [{"role": "user", "content": "Hi"}]},
+                "response": {"choices": [{"message": {"role": "assistant", "content": content, "reasoning": "r"},
+                                          "finish_reason": finish}]}}
+
+    src = tmp_path / "ex.jsonl"
+    src.write_text(json.dumps(record("ok1", "Hello.", "stop")) + "\n" + json.dumps(record("cut", "", "length")) + "\n",
+                   encoding="utf-8")
+    for family in ("qwen3", "gpt-oss"):
+        out = tmp_path / f"{family}.jsonl"
+        reconstruct_file(src, out, TOKENIZERS / family, workers=1)
+        for rid in ("ok1", "cut"):
+            res = _inspect(out, TOKENIZERS / family, "--id", rid, "--tokens", ":")
+            assert res.exit_code == 0, (family, rid, res.output)
+            assert f"{rid} choice 0: " in res.output

@@ -428,10 +428,11 @@ def _edited(rows, k, edit):
 def test_report_refuses_rows_export_refuses(runs, tmp_path, edit, field, message):
     """A report counts what it can vouch for: a rows file edited by hand fails it as it fails
     export, naming file, line and field (it counted them as they were before)."""
-    write_jsonl(tmp_path / "reconstructed.jsonl", _edited(runs["rows"], 4, edit))
+    k = next(k for k, r in enumerate(runs["rows"]) if r["status"] == "ok" and k > 2)  # ok rows must be trainable
+    write_jsonl(tmp_path / "reconstructed.jsonl", _edited(runs["rows"], k, edit))
     with pytest.raises(ReportError) as caught:
         collect_run(tmp_path)
-    assert str(caught.value).startswith(f"{tmp_path / 'reconstructed.jsonl'}:5: {field}: ")
+    assert str(caught.value).startswith(f"{tmp_path / 'reconstructed.jsonl'}:{k + 1}: {field}: ")
     assert message in str(caught.value)
 
 
@@ -440,3 +441,27 @@ def test_report_refuses_a_sample_listed_twice(runs, tmp_path):
     write_jsonl(tmp_path / "reconstructed.jsonl", [*rows, rows[2]])
     with pytest.raises(ReportError, match=rf":{len(rows) + 1}: id: .* is also on line 3"):
         collect_run(tmp_path)
+
+
+def test_report_counts_a_rejected_row_with_no_completion(tmp_path):
+    """Only an ``ok`` row must be trainable: reconstruct writes a rejected (or truncated) row
+    with no completion token, and the report counts it (a cold review caught the report
+    refusing such a file after the contract check came in)."""
+    from conftest import KIMI_DIR
+
+    TOKENIZERS = KIMI_DIR.parent
+    from tokenbridge.reconstruct import reconstruct_file
+
+    def record(rid, content, finish):
+        return {"id": rid, "request": {"messages": [{"role": "user", "content": "Hi"}],
+                                       "chat_template_kwargs": {"enable_thinking": False}},
+                "response": {"choices": [{"message": {"role": "assistant", "content": content}, "finish_reason": finish}]}}
+
+    write_jsonl(tmp_path / "ex.jsonl", [record("ok1", "Hello.", "stop"), record("cut", "", "length")])
+    run = tmp_path / "run"
+    run.mkdir()
+    reconstruct_file(tmp_path / "ex.jsonl", run / "reconstructed.jsonl", TOKENIZERS / "qwen3", workers=1)
+    cut = json.loads((run / "reconstructed.jsonl").read_text(encoding="utf-8").splitlines()[1])
+    assert cut["completion_ids"] == [] and cut["status"] != "ok"
+    data = collect_run(run)
+    assert data["rows"]["total"] == 2 and sum(data["rows"]["status"].values()) == 2

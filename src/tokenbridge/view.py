@@ -102,13 +102,20 @@ def _find_parquet_row(path: Path, sample_id: str | None, choice: int, tok: Token
 
 def _checked_row(record: Mapping[str, Any], path: Path, line: int, tok: Tokenizer) -> Mapping[str, Any]:
     """A row from disk held to the contract export holds it to (it may have been edited by
-    hand), its ids within this tokenizer's vocabulary, or :class:`~tokenbridge.rows.RowError`
-    naming file, line and field."""
+    hand): an ``ok`` row trainable, any row's status agreeing with its findings and its ids
+    integers within this tokenizer's vocabulary (a rejected row is shown too: it is the
+    one to look at); else :class:`~tokenbridge.rows.RowError` naming file, line and field."""
     from .export.validate import RowContract, check_training_row
-    from .rows import check_row
+    from .rows import RowError, check_row
 
     row = check_row(record, path, line)
-    ids, _ = check_training_row(row, path, line)
+    if row["status"] == "ok":
+        ids = check_training_row(row, path, line)[0]
+    else:
+        ids = row["input_ids"]
+        bad = next((k for k, i in enumerate(ids) if type(i) is not int or i < 0), None)
+        if bad is not None:
+            raise RowError(path, line, "input_ids", f"holds {ids[bad]!r} at position {bad}, not a token id"[:200])
     RowContract(path, tok.vocab_size).check(row, line, ids)
     return row
 

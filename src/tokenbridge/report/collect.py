@@ -121,14 +121,16 @@ class RowStats:
 
 def _rows_section(path: Path) -> dict[str, Any]:
     """The rows' statistics, every row held to the contract export holds its rows to (a
-    report counts what it can vouch for: a file edited by hand fails here as it would there)."""
+    report counts what it can vouch for: a file edited by hand fails here as it would there):
+    its status agrees with its findings, each sample choice once, and an ``ok`` row's ids,
+    mask and segments are trainable (a rejected row may have no completion to train on)."""
     from ..export.validate import RowContract, check_training_row
 
     stats = RowStats()
     contract = RowContract(path)
     try:
         for line, row in iter_rows(path):
-            ids, _ = check_training_row(row, path, line)
+            ids = check_training_row(row, path, line)[0] if row["status"] == "ok" else row["input_ids"]
             contract.check(row, line, ids)
             stats.add(row)
     except RowError as exc:
