@@ -10,6 +10,7 @@ a worker: JSONL rows wait on disk; Parquet rows in memory, so their stretches ar
 from __future__ import annotations
 
 import io
+import hashlib
 import itertools
 import mmap
 import multiprocessing as mp
@@ -837,7 +838,7 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
     sink: JsonlRowSink | ParquetRowSink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
     init_args = (tok_source, dialect, policy, not as_parquet, traits, None if spool is None else str(spool))
     results = _run_chunks(str(src), chunk_lines, workers, init_args)
-    seen: dict[int, int] = {}  # hash of a record's id -> its line: a few bytes a record, never the id
+    seen: dict[bytes, int] = {}  # a record id's digest -> its line: a few bytes a record, never the id
     try:
         for first, (result, entries) in results:
             with _chunk_rows(result) as view:
@@ -871,7 +872,7 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
     return summary
 
 
-def _repeated(entries: list[_Entry], first: int, seen: dict[int, int], src: str) -> dict[int, BadLine]:
+def _repeated(entries: list[_Entry], first: int, seen: dict[bytes, int], src: str) -> dict[int, BadLine]:
     """The records of a chunk (by ``first``-relative line) whose id an earlier record has:
     each is a bad line naming the first one, and its rows are left out, since a row is
     named by its id and choice and export takes each once (the earlier record's rows stand)."""
@@ -879,7 +880,9 @@ def _repeated(entries: list[_Entry], first: int, seen: dict[int, int], src: str)
     for entry in entries:
         if isinstance(entry, _Done):
             line = first + entry.line - 1
-            earlier = seen.setdefault(hash(entry.id), line)
+            # 128 bits: a collision would drop a record as a repeat; at a million ids, odds of 1e-27
+            digest = hashlib.blake2b(entry.id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+            earlier = seen.setdefault(digest, line)
             if earlier != line:
                 skip[entry.line] = BadLine(src, line, "id", f"{entry.id!r} is also the id of line {earlier}: each "
                                            "record once (its rows are named by id and choice)")
