@@ -167,6 +167,12 @@ def reconstruct(
         except ProfileError as exc:
             _fail(f"--provider-profile: {exc}")
     with _writing(output.parent, "reconstruct"):
+        from .outdir import check_output_file
+
+        # every output before any work: a refused --summary-json must not come after -o was written
+        check_output_file(output, input)
+        if summary_json is not None:
+            check_output_file(summary_json, input, flag="--summary-json", name="summary.json", outputs={"-o": output})
         tok = _tokenizer(tokenizer)  # loading takes a while: Ctrl-C there is one line too
         try:
             resolve_dialect(tok, dialect)
@@ -306,6 +312,16 @@ def generate(
                "n": n, "reasoning": reasoning}
     provider = {"order": _csv(provider_order), "only": _csv(provider_only), "ignore": _csv(provider_ignore),
                 "quantizations": _csv(quantizations), "allow_fallbacks": fallbacks}
+    from .outdir import OutputRefused, check_output_file, run_folder_problem
+
+    why = run_folder_problem(out)  # before any request: a run writes exchanges.jsonl and its store there
+    if why is not None:
+        _fail(f"--out {why}")
+    if summary_json is not None:  # checked now, not after the paid generation
+        try:
+            check_output_file(summary_json, out / "exchanges.jsonl", flag="--summary-json", name="summary.json")
+        except OutputRefused as exc:
+            _fail(str(exc))
     try:
         settings = _generate_settings(config, prompts, flags, request, provider)
         if dry_run:

@@ -11,6 +11,12 @@ one, never half of one:
   between them is repaired by the next start);
 * :func:`write_bytes` / :func:`write_text` — small files at once.
 
+A file output replaces only a regular file (:func:`output_file`): the rename would put a
+regular file in place of a named pipe, a device node (``-o /dev/null`` as root) or a
+socket, so those are refused (:class:`OutputRefused`) before anything is written. A
+symlink is written through: the regular file it names is replaced and the link is kept;
+a symlink to anything else (or to nothing) is refused.
+
 Temp names are ``.<name>.<pid>-<random>.tbtmp`` (and ``.tbold`` for a replaced folder on
 its way out): unique per process and call, and carrying the pid, so
 :func:`clean_stale_temps` (run before every write into a folder) removes exactly the
@@ -44,6 +50,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import threading
 from collections import Counter
 from contextlib import contextmanager
@@ -58,6 +65,7 @@ __all__ = [
     "JsonLineError",
     "MARKER",
     "PRIVATE_MODE",
+    "OutputRefused",
     "OutputWriteError",
     "clean_stale_temps",
     "dumps_line",
@@ -65,6 +73,7 @@ __all__ = [
     "kill_point",
     "loads_line",
     "open_staged",
+    "output_file",
     "publish_dir",
     "staged_file",
     "temp_path",
@@ -89,9 +98,22 @@ class OutputWriteError(Exception):
 
     def __init__(self, path: Path, exc: OSError) -> None:
         self.path = path
-        self.errno = exc.errno
+        self.errno: int | None = exc.errno
         why = exc.strerror or str(exc)
         super().__init__(f"{path}: cannot write ({why}); nothing partial was kept")
+
+
+class OutputRefused(OutputWriteError):
+    """The output path would replace something tokenbridge did not create; nothing was
+    written. An :class:`OutputWriteError` too, so every handler of failed writes shows it
+    as one line (:mod:`tokenbridge.outdir` raises it for folders)."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        Exception.__init__(self, message)
+        self.path = path if path is not None else Path()
+        self.errno = None
 
 
 # --- test hook ------------------------------------------------------------------------
@@ -231,12 +253,46 @@ class WriteBehind:
 _datasync = getattr(os, "fdatasync", os.fsync)
 
 
+_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def output_file(target: str | Path, *, flag: str | None = None) -> Path:
+    """The path a file output is renamed onto: ``target``, or the regular file a symlink
+    there names (the link is kept). Raises :class:`OutputRefused` (``flag`` leads its
+    message) when that is not missing or a regular file: a rename would replace a FIFO or
+    a device node with a plain file."""
+    target = Path(target)
+    lead = f"{flag} {target}" if flag else str(target)
+    try:
+        info = os.lstat(target)
+    except OSError:  # missing (or unreachable: the write itself says why)
+        return target
+    if stat.S_ISREG(info.st_mode):
+        return target
+    if not stat.S_ISLNK(info.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
+        raise OutputRefused(f"{lead}: is {kind}, not a regular file; refusing to replace it: give a file name", target)
+    try:
+        real = Path(os.path.realpath(target, strict=True))
+        info = os.stat(real)
+    except OSError:
+        raise OutputRefused(f"{lead}: is a symlink to a missing file (or a loop); refusing to write through it: "
+                            "give a file name", target) from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
+        raise OutputRefused(f"{lead}: is a symlink to {real}, {kind}; refusing to replace it: give a file name",
+                            target)
+    return real
+
+
 @contextmanager
 def staged_file(target: str | Path, *, point: str = "file", mode: int = FILE_MODE) -> Iterator[Path]:
     """Yield a temp path beside ``target``; write it, and on a clean exit it is fsynced
     and renamed onto ``target``. On any exception the temp is removed; an ``OSError``
-    becomes :class:`OutputWriteError` naming ``target``."""
-    target = Path(target)
+    becomes :class:`OutputWriteError` naming ``target``. A ``target`` that is not a
+    regular file is refused first, and a symlink written through (:func:`output_file`)."""
+    target = output_file(target)
     _prepare_parent(target)
     tmp = temp_path(target)
     try:

@@ -14,8 +14,15 @@ anything else is refused (:class:`OutputRefused`, exit 2) unless ``force``. Even
 ``pipeline.json`` inside, at any depth up to :data:`_RUN_SCAN_DEPTH`), an input file, its
 folder or any parent of it, the current folder or any parent of it, ``$HOME`` and ``/``.
 
-``reconstruct -o`` naming its own input (same path, symlink or hard link) is refused too
-(:func:`check_output_file`).
+A file output (``reconstruct -o`` / ``--summary-json``) naming its input (same path,
+symlink or hard link), another output of the same command, a folder, or anything but a
+regular file (a FIFO, a device node: :func:`tokenbridge.fsio.output_file`) is refused
+before any work (:func:`check_output_file`).
+
+``tokenbridge run``'s ``[run] out`` is written file by file (exchanges.jsonl,
+reconstructed.jsonl, pipeline.json, ...), so it is accepted only when missing, empty, or a
+folder an earlier run made (:func:`is_own_run_folder`), and never when it is ``/``, a
+system folder (``/etc``, ``/usr``, ...) or ``$HOME`` (:func:`run_folder_problem`).
 
 A folder of exports (the run layout's ``RUN/export``: every entry an earlier export's
 folder) is never replaced whole by one format: :func:`export_target` sends that format to
@@ -26,12 +33,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Any, Literal
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from .fsio import MARKER, is_temp_name
+from .fsio import MARKER, OutputRefused, is_temp_name, output_file
 
 __all__ = [
     "MARKER",
@@ -40,10 +49,12 @@ __all__ = [
     "check_output_dir",
     "check_output_file",
     "export_target",
+    "is_own_run_folder",
     "is_run_folder",
     "marker",
     "remove_own_output",
     "run_folder_of",
+    "run_folder_problem",
 ]
 
 OutputKind = Literal["export", "vocab", "report"]
@@ -53,12 +64,13 @@ _LEGACY_FILES: dict[str, frozenset[str]] = {
     "vocab": frozenset({"d2t.npy", "t2d.npy", "vocab_mapping.pt", "token_freq.pt", "vocab.json"}),
     "report": frozenset({"report.html", "report.json"}),
 }
-
-
-class OutputRefused(Exception):
-    """The output path would replace something tokenbridge did not create."""
-
-    exit_code = 2
+#: Never a run folder, whatever they hold (a run's files once written into one may not make it ours).
+_SYSTEM_FOLDERS = frozenset(Path(p) for p in (
+    "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
+    "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var"))
+_SQLITE_HEADER = b"SQLite format 3\x00"
+#: What generate's lock file ``RUN/.lock`` holds (generate/lock.py, not imported: slow to import).
+_LOCK_TEXT = re.compile(rb"^\d+ tokenbridge \S")
 
 
 def marker(kind: OutputKind, **info: Any) -> dict[str, Any]:
@@ -154,13 +166,76 @@ def check_output_dir(
                         "give a new or empty folder, or --force to replace it")
 
 
-def check_output_file(target: str | Path, source: str | Path, *, flag: str = "-o") -> None:
-    """Refuse an output file that is its input (path, symlink or hard link) or a folder."""
-    target, source = Path(target), Path(source)
+def check_output_file(target: str | Path, source: str | Path, *, flag: str = "-o", name: str = "reconstructed.jsonl",
+                      outputs: Mapping[str, str | Path] | None = None) -> None:
+    """Refuse, before any work, an output file that is a folder, not a regular file
+    (:func:`tokenbridge.fsio.output_file`), the input (path, symlink or hard link) or
+    another output of the same command (``outputs``: its flag -> its path)."""
+    target = Path(target)
     if target.is_dir():
-        raise OutputRefused(f"{flag} {target}: is a folder; give a file name such as {target / 'reconstructed.jsonl'}")
-    if target.exists() and os.path.samefile(target, source):
-        raise OutputRefused(f"{flag} {target}: is the input file; give another output name")
+        raise OutputRefused(f"{flag} {target}: is a folder; give a file name such as {target / name}", target)
+    output_file(target, flag=flag)
+    if _same_file(target, source):
+        raise OutputRefused(f"{flag} {target}: is the input file; give another output name", target)
+    for other_flag, other in (outputs or {}).items():
+        if _same_file(target, other):
+            raise OutputRefused(f"{flag} {target}: is also the {other_flag} output; give another name", target)
+
+
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same path once resolved, or (both
+    existing) the same inode, as a hard link is."""
+    if Path(a).resolve() == Path(b).resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one is missing
+        return False
+
+
+def is_own_run_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a folder an earlier ``run`` or ``generate`` made: it holds
+    generate's store ``state.sqlite`` (an SQLite database) or the run lock ``.lock`` as
+    tokenbridge writes it (``<pid> tokenbridge <command>``, made first, so a run killed
+    before its store existed counts too). ``exchanges.jsonl`` or ``pipeline.json`` prove
+    nothing: a user's folder may hold files of those names."""
+    path = Path(path)
+    return _head(path / "state.sqlite").startswith(_SQLITE_HEADER) or bool(_LOCK_TEXT.match(_head(path / ".lock")))
+
+
+def _head(path: Path) -> bytes:
+    """The first bytes of ``path`` when it is a regular file (never opens a FIFO), else b""."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return b""
+        with open(path, "rb") as fh:
+            return fh.read(64)
+    except OSError:
+        return b""
+
+
+def run_folder_problem(out: str | Path) -> str | None:
+    """Why ``out`` may not be a run's folder, or None: a run writes its files into it
+    (replacing any of the same names), so it must be missing, empty or an earlier run's
+    folder (:func:`is_own_run_folder`), and never ``/``, a system folder or ``$HOME``."""
+    out = Path(out)
+    resolved = out.resolve()
+    home = os.environ.get("HOME")
+    what = ("the root folder" if resolved == Path("/") else "a system folder" if resolved in _SYSTEM_FOLDERS
+            else "your home folder" if home and resolved == Path(home).resolve() else None)
+    if what:
+        return f"{out}: refusing to write a run into {what}; give a new or empty folder"
+    if not resolved.exists():
+        return None
+    if not resolved.is_dir():
+        return f"{out}: exists and is not a folder; give a new or empty folder"
+    if not os.listdir(resolved) or is_own_run_folder(resolved):
+        return None
+    if (resolved / "state.sqlite").exists():
+        return (f"{out / 'state.sqlite'}: not a usable tokenbridge state file (not an SQLite database); nothing was "
+                "written: give a new or empty folder")
+    return (f"{out}: folder is not empty and is not a tokenbridge run folder (no state.sqlite or .lock of an "
+            "earlier run); nothing was written: give a new or empty folder")
 
 
 def export_target(target: str | Path, fmt: str) -> Path:

@@ -23,7 +23,7 @@ from . import fsio, interrupt
 from .display import printable
 from .digests import DigestCache, read_digest
 from .outdir import OutputKind, remove_own_output
-from .runconfig import PipelineError, RunConfig, check_before_generate, load_run_config
+from .runconfig import PipelineError, RunConfig, check_before_generate, check_out, load_run_config
 from .runconfig import emulator_config as _emulator_config
 
 if TYPE_CHECKING:
@@ -163,9 +163,11 @@ def _entry_problem(entry: Any) -> str | None:
 def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[StageResult]:
     """Run every stage in order, holding the run folder's lock throughout; returns what
     each stage did. Raises PipelineError (and RunFolderBusy when another process holds
-    the folder)."""
+    the folder); a ``[run] out`` that is not a new, empty or earlier run folder is refused
+    before anything is written into it (:func:`~tokenbridge.runconfig.check_out`)."""
     from .generate.lock import run_lock
 
+    check_out(cfg)  # before the lock: its file would make any folder look like a run's
     with run_lock(cfg.out, command="run", retry=f"or set another [run] out in {cfg.source}"):
         for folder in (cfg.out, cfg.out / "export"):
             fsio.clean_stale_temps(folder)

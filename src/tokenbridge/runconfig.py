@@ -26,6 +26,7 @@ from pydantic import AfterValidator, Field, with_config
 from .checks import CODES, Policy
 from .exit_codes import ExitCode
 from .export.exporter import FORMATS
+from .outdir import run_folder_problem
 from .schema import FORBID, Bool, DialectName, NonNegInt, PosInt, Str, Where, did_you_mean, read_mapping, validate
 from .tokenizer import Tokenizer
 from .tokenizer_source import TOKENIZER_ENV
@@ -34,7 +35,7 @@ from .traits import ProfileError, load_provider_profile
 if TYPE_CHECKING:
     from .emulator.config import EmulatorConfig
 
-__all__ = ["PipelineError", "RunConfig", "check_before_generate", "emulator_config", "load_run_config"]
+__all__ = ["PipelineError", "RunConfig", "check_before_generate", "check_out", "emulator_config", "load_run_config"]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -309,3 +310,18 @@ def check_before_generate(cfg: RunConfig, tok: Tokenizer) -> None:
                                       f"{tok.vocab_size}, got {cfg.draft_vocab_size}"))
     if problems:
         raise _config_error("\n".join(problems))
+
+
+def check_out(cfg: RunConfig) -> None:
+    """``[run] out`` must be missing, empty or an earlier run's folder (never ``/``, a
+    system folder or ``$HOME``): a run writes its files into it, so a user's folder would
+    lose files of the same names. Checked when the run starts (the folder may have changed
+    since the config was loaded). Raises :class:`PipelineError` (code 2)."""
+    why = run_folder_problem(cfg.out)
+    if why is None:
+        return
+    try:
+        text = cfg.source.read_text(encoding="utf-8")
+    except OSError:
+        text = None
+    raise _config_error(Where(str(cfg.source), text).problem(("run", "out"), why))

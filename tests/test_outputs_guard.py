@@ -1,0 +1,292 @@
+"""Every output path is checked before any work, and nothing the user owns is replaced.
+
+* ``reconstruct --summary-json`` naming the input, the ``-o`` output or a folder is refused
+  before anything is written (it used to replace the input with the summary);
+* a file output naming a FIFO or a device node (or a symlink to one, or to nothing) is
+  refused by :func:`tokenbridge.fsio.output_file`, which every single-file writer passes;
+  a symlink to a regular file is written through and kept;
+* ``run``'s ``[run] out`` must be missing, empty or an earlier run's folder, never ``/``,
+  a system folder or ``$HOME`` (it used to write a run's files into any folder).
+
+Each refusal: exit 2, one ``error:`` line, and the user's files byte-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import EXAMPLE_EXCHANGES, write_run_config
+from outputs_support import leftovers, snapshot
+from test_outputs_safety import _invoke
+from tokenbridge.cli import app
+from tokenbridge.fsio import OutputRefused, staged_file, write_text
+from tokenbridge.outdir import is_own_run_folder, run_folder_problem
+from tokenbridge.pipeline import PipelineError, load_run_config, run_pipeline
+
+_FIFO = "is a named pipe (FIFO), not a regular file; refusing to replace it: give a file name"
+
+
+@pytest.fixture
+def src(tmp_path) -> Path:
+    """The README's seven good exchange records (no bad line: reconstruct exits 0)."""
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(EXAMPLE_EXCHANGES.read_text(encoding="utf-8").splitlines(keepends=True)[:7]),
+                    encoding="utf-8")
+    return path
+
+
+def _reconstruct(src: Path, out: Path, kimi_dir: Path, *extra: str):
+    return _invoke("reconstruct", str(src), "-o", str(out), "-t", str(kimi_dir), *extra)
+
+
+def _refused_with(res, line: str) -> None:
+    assert res.exit_code == 2, res.output
+    assert isinstance(res.exception, SystemExit), res.output
+    assert res.output.splitlines() == [f"error: {line}"]
+
+
+def _fifo(path: Path) -> tuple[int, int]:
+    os.mkfifo(path)
+    return os.lstat(path).st_ino, os.lstat(path).st_mode
+
+
+# --- 1. reconstruct --summary-json ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["path", "symlink", "hard link"])
+def test_summary_json_naming_the_input_is_refused_before_any_work(src, tmp_path, kimi_dir, how):
+    summary = {"path": src, "symlink": tmp_path / "link.json", "hard link": tmp_path / "hard.json"}[how]
+    if how == "symlink":
+        summary.symlink_to(src)
+    elif how == "hard link":
+        os.link(src, summary)
+    before = snapshot(tmp_path)
+    _refused_with(_reconstruct(src, tmp_path / "rec.jsonl", kimi_dir, "--summary-json", str(summary)),
+                  f"--summary-json {summary}: is the input file; give another output name")
+    assert snapshot(tmp_path) == before and not (tmp_path / "rec.jsonl").exists()
+    assert how != "symlink" or summary.is_symlink()
+
+
+def test_summary_json_naming_the_output_is_refused(src, tmp_path, kimi_dir):
+    rec = tmp_path / "rec.jsonl"
+    assert _reconstruct(src, rec, kimi_dir).exit_code == 0
+    before = snapshot(tmp_path)
+    _refused_with(_reconstruct(src, rec, kimi_dir, "--summary-json", str(rec)),
+                  f"--summary-json {rec}: is also the -o output; give another name")
+    assert snapshot(tmp_path) == before
+
+
+def test_summary_json_naming_a_folder_is_refused_before_the_output_is_written(src, tmp_path, kimi_dir):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    _refused_with(_reconstruct(src, tmp_path / "rec.jsonl", kimi_dir, "--summary-json", str(folder)),
+                  f"--summary-json {folder}: is a folder; give a file name such as {folder / 'summary.json'}")
+    assert sorted(os.listdir(tmp_path)) == ["d", "in.jsonl"] and not os.listdir(folder)
+
+
+def test_summary_json_to_a_new_file_then_over_its_own_previous_outputs(src, tmp_path, kimi_dir):
+    rec, summary = tmp_path / "rec.jsonl", tmp_path / "summary.json"
+    first = _reconstruct(src, rec, kimi_dir, "--summary-json", str(summary))
+    assert first.exit_code == 0, first.output
+    rows, doc = rec.read_bytes(), json.loads(summary.read_text(encoding="utf-8"))
+    assert doc["status"] == {"ok": 4, "flagged": 1, "rejected": 2} and len(rows.splitlines()) == 7
+    again = _reconstruct(src, rec, kimi_dir, "--summary-json", str(summary))
+    assert again.exit_code == 0, again.output
+    assert rec.read_bytes() == rows and json.loads(summary.read_text(encoding="utf-8")) == doc
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "rec.jsonl", "summary.json"]
+
+
+# --- 2. outputs that are not regular files ---------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["-o", "--summary-json"])
+def test_an_output_that_is_a_fifo_is_refused_before_any_work(src, tmp_path, kimi_dir, flag):
+    fifo = tmp_path / "pipe"
+    made = _fifo(fifo)
+    out, extra = (fifo, ()) if flag == "-o" else (tmp_path / "rec.jsonl", ("--summary-json", str(fifo)))
+    _refused_with(_reconstruct(src, out, kimi_dir, *extra), f"{flag} {fifo}: {_FIFO}")
+    assert (os.lstat(fifo).st_ino, os.lstat(fifo).st_mode) == made and stat.S_ISFIFO(made[1])
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "pipe"]
+
+
+def test_an_output_that_is_a_device_node_is_refused(src, tmp_path, kimi_dir):
+    node = tmp_path / "null"  # a /dev/null of our own: the real one is never put at risk
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("making a device node needs CAP_MKNOD")
+    made = os.lstat(node)
+    _refused_with(_reconstruct(src, node, kimi_dir),
+                  f"-o {node}: is a character device, not a regular file; refusing to replace it: give a file name")
+    after = os.lstat(node)
+    assert (after.st_ino, after.st_mode, after.st_rdev) == (made.st_ino, made.st_mode, made.st_rdev)
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "null"]
+
+
+@pytest.mark.parametrize("to", ["fifo", "nothing"])
+def test_a_symlink_to_a_fifo_or_to_nothing_is_refused(src, tmp_path, kimi_dir, to):
+    link = tmp_path / "out.jsonl"
+    if to == "fifo":
+        _fifo(tmp_path / "pipe")
+        link.symlink_to(tmp_path / "pipe")
+        why = f"is a symlink to {(tmp_path / 'pipe').resolve()}, a named pipe (FIFO); refusing to replace it"
+    else:
+        link.symlink_to(tmp_path / "missing.jsonl")
+        why = "is a symlink to a missing file (or a loop); refusing to write through it"
+    _refused_with(_reconstruct(src, link, kimi_dir), f"-o {link}: {why}: give a file name")
+    assert link.is_symlink() and not leftovers(tmp_path)
+    assert to == "nothing" or stat.S_ISFIFO(os.lstat(tmp_path / "pipe").st_mode)
+
+
+def test_a_symlink_to_a_regular_file_is_written_through_and_kept(src, tmp_path, kimi_dir):
+    (tmp_path / "real").mkdir()
+    real, link, plain = tmp_path / "real" / "rec.jsonl", tmp_path / "link.jsonl", tmp_path / "plain.jsonl"
+    real.write_text("an older output\n", encoding="utf-8")
+    link.symlink_to(real)
+    assert _reconstruct(src, link, kimi_dir).exit_code == 0
+    assert _reconstruct(src, plain, kimi_dir).exit_code == 0
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert real.read_bytes() == plain.read_bytes() and not leftovers(tmp_path)
+
+
+def test_every_file_writer_refuses_a_fifo(tmp_path):
+    fifo = tmp_path / "pipe"
+    made = _fifo(fifo)
+    with pytest.raises(OutputRefused) as caught:
+        write_text(fifo, "x")
+    assert str(caught.value) == f"{fifo}: {_FIFO}"
+    with pytest.raises(OutputRefused, match=r"is a named pipe \(FIFO\)"), staged_file(fifo):
+        pytest.fail("a staged file onto a FIFO was started")
+    assert (os.lstat(fifo).st_ino, os.lstat(fifo).st_mode) == made and os.listdir(tmp_path) == ["pipe"]
+
+
+def test_generate_summary_json_onto_a_fifo_is_one_line(tmp_path):
+    """Another command writing single files (through fsio.write_text): the FIFO is kept."""
+    prompts, fifo = tmp_path / "p.jsonl", tmp_path / "pipe"
+    prompts.write_text('{"prompt": "hi"}\n', encoding="utf-8")
+    made = _fifo(fifo)
+    res = CliRunner().invoke(app, ["generate", str(prompts), "--out", str(tmp_path / "run"), "--model", "m",
+                                   "--dry-run", "--summary-json", str(fifo)])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("error:") or "Traceback" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"error: --summary-json {fifo}: "), res.output
+    assert errors[0].endswith(_FIFO)
+    assert (os.lstat(fifo).st_ino, os.lstat(fifo).st_mode) == made
+
+
+def test_generate_checks_its_outputs_before_any_request(tmp_path):
+    """generate wrote exchanges.jsonl and its store into any folder, and checked
+    --summary-json only after the (paid) generation: both are refused before a request."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n', encoding="utf-8")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "exchanges.jsonl").write_bytes(b"my exchanges\n")
+    unreachable = ["--model", "m", "--base-url", "http://127.0.0.1:9/v1"]  # a request would fail, not hang
+    res = CliRunner().invoke(app, ["generate", str(prompts), "--out", str(mine), *unreachable])
+    assert res.exit_code == 2 and res.output.strip() == (
+        f"error: --out {mine}: folder is not empty and is not a tokenbridge run folder (no state.sqlite or .lock of "
+        "an earlier run); nothing was written: give a new or empty folder")
+    assert os.listdir(mine) == ["exchanges.jsonl"] and (mine / "exchanges.jsonl").read_bytes() == b"my exchanges\n"
+    res = CliRunner().invoke(app, ["generate", str(prompts), "--out", str(tmp_path / "run"), *unreachable,
+                                   "--summary-json", str(tmp_path)])
+    assert res.exit_code == 2 and res.output.strip() == (
+        f"error: --summary-json {tmp_path}: is a folder; give a file name such as {tmp_path / 'summary.json'}")
+    assert not (tmp_path / "run").exists()
+
+
+# --- 3. run's [run] out ---------------------------------------------------------------------
+
+
+_USER_FILES = {"exchanges.jsonl": b"my exchanges\n", "reconstructed.jsonl": b"my rows\n", "pipeline.json": b"{}\n"}
+
+
+@pytest.mark.parametrize("extra", [{}, {"state.sqlite": b"my notes, not a database\n"}])
+def test_run_into_a_user_folder_is_refused_before_anything_is_written(tmp_path, kimi_dir, extra):
+    cfg = write_run_config(tmp_path, kimi_dir)
+    out = load_run_config(cfg).out
+    out.mkdir()
+    for name, data in {**_USER_FILES, **extra}.items():
+        (out / name).write_bytes(data)
+    names = sorted(os.listdir(out))
+    res = CliRunner().invoke(app, ["run", str(cfg)])
+    why = (f"{out / 'state.sqlite'}: not a usable tokenbridge state file (not an SQLite database)" if extra else
+           f"{out}: folder is not empty and is not a tokenbridge run folder (no state.sqlite or .lock of an earlier run)")
+    _refused_with(res, f"{cfg}:3: run.out: {why}; nothing was written: give a new or empty folder")
+    assert snapshot(out) == {**_USER_FILES, **extra} and sorted(os.listdir(out)) == names  # no .lock either
+    with pytest.raises(PipelineError, match="not a usable tokenbridge state file" if extra else
+                       "is not a tokenbridge run folder") as caught:  # the API too
+        run_pipeline(load_run_config(cfg), echo=lambda _: None)
+    assert caught.value.code == 2 and sorted(os.listdir(out)) == names
+
+
+@pytest.mark.parametrize(("out", "what"), [("/", "the root folder"), ("/etc", "a system folder"),
+                                           ("HOME", "your home folder")])
+def test_run_into_the_root_a_system_folder_or_home_is_refused(tmp_path, kimi_dir, monkeypatch, out, what):
+    import tokenbridge.generate.lock as lock
+
+    def no_lock(*_a: object, **_k: object) -> None:
+        raise AssertionError("the run went on to lock (and write into) its folder")
+
+    monkeypatch.setattr(lock, "run_lock", no_lock)  # a regression must not write into / or /etc
+    if out == "HOME":
+        home = tmp_path / "home"
+        home.mkdir()
+        (home / ".lock").write_bytes(b"1 tokenbridge run\n")  # even when it looks like a run folder
+        monkeypatch.setenv("HOME", str(home))
+        out = str(home)
+    cfg = write_run_config(tmp_path, kimi_dir)
+    cfg.write_text(cfg.read_text(encoding="utf-8").replace('out = "out"', f'out = "{out}"'), encoding="utf-8")
+    _refused_with(CliRunner().invoke(app, ["run", str(cfg)]),
+                  f"{cfg}:3: run.out: {out}: refusing to write a run into {what}; give a new or empty folder")
+
+
+def test_run_starts_in_an_empty_folder_and_resumes_its_own(tmp_path, kimi_dir):
+    cfg = write_run_config(tmp_path, kimi_dir)
+    cfg.write_text(cfg.read_text(encoding="utf-8").replace("limit = 12", "limit = 2").replace("limit = 4", "limit = 1"),
+                   encoding="utf-8")
+    out = load_run_config(cfg).out
+    out.mkdir()
+    first = {r.name: r.status for r in run_pipeline(load_run_config(cfg), echo=lambda _: None)}
+    assert set(first.values()) == {"ran"} and is_own_run_folder(out)
+    res = CliRunner().invoke(app, ["run", str(cfg)])
+    assert res.exit_code == 0, res.output
+    assert "done: generate ran, reconstruct skipped, export:specforge skipped" in res.output
+
+
+@pytest.mark.parametrize(("files", "ours"), [
+    ({"state.sqlite": b"SQLite format 3\x00..."}, True),
+    ({".lock": b"4242 tokenbridge run\n"}, True),  # killed before its store existed
+    (_USER_FILES, False),
+    ({"state.sqlite": b"my notes"}, False),
+    ({".lock": b""}, False),
+    ({".lock": b"my lock file\n"}, False),
+])
+def test_what_marks_a_run_folder(tmp_path, files, ours):
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    assert is_own_run_folder(tmp_path) is ours
+    why = None if ours else (
+        f"{tmp_path / 'state.sqlite'}: not a usable tokenbridge state file (not an SQLite database); nothing was "
+        "written: give a new or empty folder" if "state.sqlite" in files else
+        f"{tmp_path}: folder is not empty and is not a tokenbridge run folder (no state.sqlite or .lock of an "
+        "earlier run); nothing was written: give a new or empty folder")
+    assert run_folder_problem(tmp_path) == why
+
+
+def test_a_fifo_named_like_a_marker_is_not_opened(tmp_path):
+    _fifo(tmp_path / "state.sqlite")  # opening it would block
+    _fifo(tmp_path / ".lock")
+    assert not is_own_run_folder(tmp_path)
+    assert run_folder_problem(tmp_path / "missing") is None
+    (tmp_path / "empty").mkdir()
+    assert run_folder_problem(tmp_path / "empty") is None
+    (tmp_path / "file").write_text("x", encoding="utf-8")
+    assert run_folder_problem(tmp_path / "file") == f"{tmp_path / 'file'}: exists and is not a folder; " \
+                                                    "give a new or empty folder"
