@@ -250,3 +250,20 @@ def test_a_bug_in_our_template_helpers_keeps_its_traceback(monkeypatch):
     render = template.template_renderer("{{ messages | tojson }}  {# unique source: not from the compile cache #}")
     with pytest.raises(RuntimeError, match="a bug in tojson"):
         render([{"role": "user", "content": "hi"}], None, True, {})
+
+
+def test_a_dialect_whose_tokens_the_tokenizer_lacks_is_refused(kimi):
+    """``dialect = "qwen3"`` on Kimi's tokenizer rendered ChatML's markers as text: every
+    sample went to the API, was paid for, then rejected. Refused before anything is sent."""
+    from conftest import KIMI_DIR
+    from tokenbridge.tokenizer import load_tokenizer
+
+    with pytest.raises(DialectError) as caught:
+        resolve_dialect(kimi, "qwen3")
+    assert str(caught.value) == (f"{kimi.source}: the qwen3 dialect needs the token(s) <|im_start|>, which this "
+                                 "tokenizer does not have (it is kimi-k2.5's: drop the dialect or give kimi-k2.5)")
+    qwen = load_tokenizer(KIMI_DIR.parent / "qwen3")
+    with pytest.raises(DialectError, match="the kimi-k2.5 dialect needs the token.s. <.im_middle.>, <.im_assistant.>"):
+        resolve_dialect(qwen, "kimi-k2.5")
+    assert resolve_dialect(qwen, "qwen3").name.startswith("qwen3")
+    assert resolve_dialect(kimi, "kimi-k2.5").name == "kimi-k2.5"

@@ -2,7 +2,7 @@
 the completion the model wrote from an API message.
 
 Adding a family means one small module that defines a :class:`Dialect`, one line in
-``DIALECTS`` and its signature tokens in ``_family``.
+``DIALECTS`` and its signature tokens in ``_SIGNATURES``.
 """
 
 from __future__ import annotations
@@ -45,23 +45,27 @@ class DialectError(Exception):
     """No dialect fits the tokenizer, or the name is unknown."""
 
 
+#: Each family's signature tokens, in the order families are recognised (model types in the
+#: tokenizers' own words: Kimi's ``<|im_middle|>``, DeepSeek's ``<｜Assistant｜>``, GLM's
+#: ``[gMASK]``, harmony's ``<|channel|>`` + ``<|call|>``, ChatML's ``<|im_start|>``). A
+#: tokenizer without a family's signature cannot write that family's markers as tokens.
+_SIGNATURES: tuple[tuple[Dialect, tuple[str, ...]], ...] = (
+    (KIMI_K25, ("<|im_middle|>", "<|im_assistant|>")),
+    (DEEPSEEK_V32, ("<｜Assistant｜>", "｜DSML｜")),
+    (DEEPSEEK_V31, ("<｜Assistant｜>", "<｜tool▁sep｜>")),
+    (GLM45, ("[gMASK]", "<|observation|>")),
+    (GPT_OSS, ("<|channel|>", "<|message|>", "<|call|>", "<|return|>")),
+    (QWEN3, ("<|im_start|>", "<|im_end|>")),
+)
+_SIGNATURES_BY_NAME = {**{d.name: sig for d, sig in _SIGNATURES}, GPT_OSS_HARMONY.name: dict(_SIGNATURES)[GPT_OSS]}
+
+
 def _family(tokenizer: Tokenizer) -> Dialect | None:
-    """The family whose signature tokens the tokenizer holds (model types in the
-    tokenizers' own words: Kimi's ``<|im_middle|>``, DeepSeek's ``<｜Assistant｜>``,
-    GLM's ``[gMASK]``, harmony's ``<|channel|>`` + ``<|call|>``, ChatML's ``<|im_start|>``)."""
+    """The first family whose signature tokens the tokenizer holds."""
     markers = tokenizer.markers
-    if "<|im_middle|>" in markers and "<|im_assistant|>" in markers:
-        return KIMI_K25
-    if "<｜Assistant｜>" in markers and "｜DSML｜" in markers:
-        return DEEPSEEK_V32
-    if "<｜Assistant｜>" in markers and "<｜tool▁sep｜>" in markers:
-        return DEEPSEEK_V31
-    if "[gMASK]" in markers and "<|observation|>" in markers:
-        return GLM45
-    if all(m in markers for m in ("<|channel|>", "<|message|>", "<|call|>", "<|return|>")):
-        return GPT_OSS
-    if "<|im_start|>" in markers and "<|im_end|>" in markers:
-        return QWEN3
+    for dialect, signature in _SIGNATURES:
+        if all(m in markers for m in signature):
+            return dialect
     return None
 
 
@@ -82,6 +86,12 @@ def resolve_dialect(tokenizer: Tokenizer, name: str | None = None, *, use_templa
             family = DIALECTS[name]
         except KeyError:
             raise DialectError(f"unknown dialect {name!r}; known: {', '.join(sorted(DIALECTS))}") from None
+        missing = [m for m in _SIGNATURES_BY_NAME.get(name, ()) if m not in tokenizer.markers]
+        if missing:  # every sample would be rendered with text where the model has a token, and rejected
+            found = _family(tokenizer)
+            raise DialectError(
+                f"{tokenizer.source}: the {name} dialect needs the token(s) {', '.join(missing)}, which this tokenizer "
+                f"does not have" + (f" (it is {found.name}'s: drop the dialect or give {found.name})" if found else ""))
     else:
         family = _family(tokenizer)
         if family is None:
