@@ -399,3 +399,19 @@ def test_exit_codes_are_the_documented_ones():
         "BUSY": 7, "INTERNAL": 8, "INTERRUPTED": 130,
     }
     assert ExitCode.CONFIG is ExitCode.USAGE
+
+
+def test_run_a_nul_in_a_path_is_a_config_error(tmp_path, kimi_dir):
+    """A NUL in a TOML string (``\\u0000``) reached os.stat as ValueError: embedded null byte."""
+    text = _replace(_run_toml(kimi_dir), 'out = "out"', 'out = "o\\u0000ut"')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [f"{path}:{_line(text, 'out = ')}: run.out: must not contain a NUL character"]
+
+
+def test_run_a_dialect_the_tokenizer_cannot_write_is_refused_before_generation(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), 'out = "out"', 'out = "out"\ndialect = "qwen3"')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'dialect')}: run.dialect: {kimi_dir}: the qwen3 dialect needs the token(s) <|im_start|>, "
+        "which this tokenizer does not have (it is kimi-k2.5's: drop the dialect or give kimi-k2.5)"]
+    assert not (tmp_path / "out" / "state.sqlite").exists()

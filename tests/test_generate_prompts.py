@@ -148,6 +148,11 @@ def test_folder_of_files_in_name_order(tmp_path):
     assert [s.id for s in load_prompts([_spec(d, "b8")]).samples] == ["b8-1", "b8-2"]
     with pytest.raises(PromptSourceError, match="does not exist"):
         load_prompts([_spec(tmp_path / "missing")])
+    import os
+
+    os.mkfifo(tmp_path / "pipe")  # a FIFO (or /dev/zero) was listed as a folder: NotADirectoryError
+    with pytest.raises(PromptSourceError, match=r"pipe is not a file or a folder"):
+        load_prompts([_spec(tmp_path / "pipe")])
 
 
 def test_tools_and_extra_message_keys(tmp_path):

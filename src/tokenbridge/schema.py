@@ -52,9 +52,16 @@ __all__ = [
 #: Every schema class carries this: unknown keys are errors, never ignored.
 FORBID = ConfigDict(extra="forbid")
 
+def _no_nul(value: str) -> str:
+    """No config string holds NUL (TOML's ``"\u0000"``): a path with one is an OS error at use."""
+    if "\x00" in value:
+        raise ValueError("must not contain a NUL character")
+    return value
+
+
 Bool = StrictBool
 Int = StrictInt
-Str = StrictStr
+Str = Annotated[StrictStr, AfterValidator(_no_nul)]
 Float = Annotated[float, Strict()]  # an int is a number too; a string or a bool is not
 PosInt = Annotated[StrictInt, Field(ge=1)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]

@@ -339,6 +339,8 @@ def _iter_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
     if path.is_file():
         yield from _iter_file(path)
         return
+    if not path.is_dir():  # a device or a FIFO: reading one would never end
+        raise PromptSourceError(f"dataset {spec.name!r}: {path} is not a file or a folder")
     if (path / "dataset_dict.json").is_file():
         yield from _iter_arrow_folder(_pick_split(path, spec))
         return
