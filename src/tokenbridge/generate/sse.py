@@ -50,16 +50,17 @@ class SSEDecoder:
     """Incremental event-stream decoder: ``feed(bytes)`` yields complete events.
 
     Linear in the bytes fed: each chunk is scanned once, and a line that spans chunks is
-    accumulated in a :class:`io.StringIO` (never re-scanned or re-copied per chunk). Memory
-    stays within a small multiple of the current line plus the current event's data:
-    ``comments`` keeps only the first :data:`MAX_COMMENTS` (clipped), ``comment_count``
-    counts them all."""
+    accumulated (never re-scanned or re-copied per chunk). Memory stays within a small
+    multiple of the current line plus the current event's data: ``comments`` keeps only
+    the first :data:`MAX_COMMENTS` (clipped), ``comment_count`` counts them all. A line in
+    two pieces, or an event of one data line (the common cases), is a plain string; a
+    third piece or a second line moves it into a :class:`io.StringIO`."""
 
     comments: list[str] = field(default_factory=list)
     comment_count: int = 0
     _decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("strict"))
-    _partial: io.StringIO | None = None  # the current line's start, from earlier chunks
-    _data: io.StringIO | None = None  # the current event's data lines, joined by LF
+    _partial: str | io.StringIO | None = None  # the current line's start, from earlier chunks
+    _data: str | io.StringIO | None = None  # the current event's data lines, joined by LF
     _event: str = ""
     _pending_cr: bool = False
 
@@ -70,7 +71,7 @@ class SSEDecoder:
         """End of stream: a last event without its blank line is still delivered."""
         yield from self._scan(self._decoder.decode(b"", final=True))
         if self._partial is not None:
-            line = self._partial.getvalue()
+            line = _text(self._partial)
             self._partial = None
             event = self._line(line)
             if event is not None:
@@ -84,11 +85,13 @@ class SSEDecoder:
             self._pending_cr = False
             if text[0] == "\n":
                 pos = 1  # the LF of a CRLF split across two reads
+        if "\r" not in text and "\n\n\n" not in text:  # what servers send: LF ends, one blank line between events
+            yield from self._lf_lines(text[pos:] if pos else text)
+            return
         for m in _EOLS.finditer(text, pos):
             line = text[pos : m.start()]
             if self._partial is not None:
-                self._partial.write(line)
-                line = self._partial.getvalue()
+                line = self._partial + line if isinstance(self._partial, str) else _text(_joined(self._partial, line))
                 self._partial = None
             event = self._line(line)
             if event is not None:
@@ -101,9 +104,23 @@ class SSEDecoder:
             pos = m.end()
             self._pending_cr = pos == len(text) and ends[-1] == "\r"
         if pos < len(text):
-            if self._partial is None:
-                self._partial = io.StringIO()
-            self._partial.write(text[pos:])
+            rest = text[pos:]
+            self._partial = rest if self._partial is None else _joined(self._partial, rest)
+
+    def _lf_lines(self, text: str) -> Iterator[SSEEvent]:
+        """:meth:`_scan` of text whose line ends are all LF, never three in a row: one C-level
+        split (half the time per event of the run scan), the same events."""
+        lines = text.split("\n")
+        rest = lines.pop()  # after the last LF: the next line's start ("" when the text ends a line)
+        if lines and self._partial is not None:
+            held, self._partial = self._partial, None
+            lines[0] = held + lines[0] if isinstance(held, str) else _text(_joined(held, lines[0]))
+        for line in lines:
+            event = self._line(line)
+            if event is not None:
+                yield event
+        if rest:
+            self._partial = rest if self._partial is None else _joined(self._partial, rest)
 
     def _line(self, line: str) -> SSEEvent | None:
         if not line:
@@ -120,21 +137,33 @@ class SSEDecoder:
         if sep and value.startswith(" "):
             value = value[1:]
         if name == "data":
-            if self._data is None:
-                self._data = io.StringIO()
-            else:
-                self._data.write("\n")
-            self._data.write(value)
+            self._data = value if self._data is None else _joined(self._data, "\n", value)
         elif name == "event":
             self._event = value
         return None
 
     def _dispatch(self) -> SSEEvent:
-        data = self._data.getvalue() if self._data is not None else ""
+        data = _text(self._data) if self._data is not None else ""
         event = SSEEvent(data, self._event or "message")
         self._data = None
         self._event = ""
         return event
+
+
+def _joined(held: str | io.StringIO, *more: str) -> io.StringIO:
+    """``held`` with ``more`` after it, in a buffer: a plain string is copied once, when a
+    second piece arrives; a buffer grows in place."""
+    if isinstance(held, str):
+        buf = io.StringIO()
+        buf.write(held)
+        held = buf
+    for piece in more:
+        held.write(piece)
+    return held
+
+
+def _text(held: str | io.StringIO) -> str:
+    return held if isinstance(held, str) else held.getvalue()
 
 
 @dataclass
