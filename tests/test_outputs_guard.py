@@ -258,6 +258,13 @@ def test_run_starts_in_an_empty_folder_and_resumes_its_own(tmp_path, kimi_dir):
     res = CliRunner().invoke(app, ["run", str(cfg)])
     assert res.exit_code == 0, res.output
     assert "done: generate ran, reconstruct skipped, export:specforge skipped" in res.output
+    # a FIFO where the run keeps exchanges.jsonl: reading it to compare would hang, replacing it destroys it
+    (out / "exchanges.jsonl").unlink()
+    made = _fifo(out / "exchanges.jsonl")
+    res = CliRunner().invoke(app, ["run", str(cfg)])
+    assert res.exit_code == 6, res.output
+    assert f"{out / 'exchanges.jsonl'} not rewritten: {out / 'exchanges.jsonl'}: {_FIFO}" in " ".join(res.output.split())
+    assert (os.lstat(out / "exchanges.jsonl").st_ino, os.lstat(out / "exchanges.jsonl").st_mode) == made
 
 
 @pytest.mark.parametrize(("files", "ours"), [

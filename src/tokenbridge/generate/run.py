@@ -32,7 +32,7 @@ import orjson
 from .. import __version__, digests
 from ..digests import Digest, file_identity, read_digest
 from ..exit_codes import ExitCode
-from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, write_bytes
+from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, output_file, write_bytes
 from .budget import Budget
 from .body import BodyError, check_body, one_line
 from .engine import DRAIN_S, Engine, StopReason, WorkItem
@@ -302,7 +302,7 @@ def _write_outputs(out_dir: Path, ids: Sequence[str], summary: RunSummary, repor
                 f"{len(bad)} stored response(s) cannot be re-emitted and were left out of {EXCHANGES_FILE} "
                 f"(stored by an older version; e.g. {bad[0]}); send them again in a new run folder")
             reporter.log(summary.notices[-1])
-    except (OSError, sqlite3.Error) as exc:
+    except (OSError, sqlite3.Error, OutputWriteError) as exc:
         summary.notices.append(f"{out_dir / EXCHANGES_FILE} not rewritten: {exc}")
         summary.exit_code = summary.exit_code or ExitCode.STORE
     try:
@@ -402,7 +402,7 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
     what is stored)."""
     if not (out_dir / STATE_FILE).is_file():
         raise FileNotFoundError(f"{out_dir / STATE_FILE}: no generate state in this folder")
-    target = out_dir / EXCHANGES_FILE
+    target = output_file(out_dir / EXCHANGES_FILE)  # a FIFO there would hang the read below: refused
     for stale in out_dir.glob(".exchanges.*.tmp"):  # left by a run killed while writing
         stale.unlink(missing_ok=True)
     store = Store.open(out_dir)
@@ -414,7 +414,7 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
             return target, kept
         digest = hashlib.sha256()
         started = digests.now_ns()
-        fd, tmp = tempfile.mkstemp(prefix=".exchanges.", suffix=".tmp", dir=out_dir)
+        fd, tmp = tempfile.mkstemp(prefix=".exchanges.", suffix=".tmp", dir=target.parent)  # a link's file: its folder
         try:
             os.fchmod(fd, FILE_MODE)  # the same mode as reconstructed.jsonl, which holds the same data
             with os.fdopen(fd, "wb") as fh:
@@ -434,7 +434,7 @@ def _write_exchanges(out_dir: Path, ids: Sequence[str] | None) -> tuple[Path, li
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        fsync_dir(out_dir)
+        fsync_dir(target.parent)
         written = file_identity(target)
         if written is not None:
             # never trusted as it stands (the file is as new as the read): a later run confirms
