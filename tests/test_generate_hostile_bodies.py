@@ -309,3 +309,41 @@ def test_a_mid_stream_error_nested_1000_deep_is_a_retried_stream_error(tmp_path)
 
     summary = _run(Script(reply), tmp_path, 1, stream=True)
     assert (summary.done, summary.errors, summary.internal_errors) == (1, {"stream_error": 1}, 0)
+
+
+def test_a_placeholder_key_is_not_masked_in_stored_responses(tmp_path):
+    """A self-hosted server's key ``e`` (or ``EMPTY``, ``the``) was masked wherever its text
+    occurred: every body's ``"choices"`` became ``"choic***s"`` and all samples failed, each
+    attempt paid for. Keys under MIN_MASKED characters are placeholders, said so once."""
+    import asyncio
+
+    from test_generate_engine import _prompts, _serve, _settings
+    from tokenbridge.generate import agenerate_run
+    from tokenbridge.generate.progress import Reporter
+    from tokenbridge.generate.secrets import MIN_MASKED, ApiKey, scrub, scrub_bytes
+
+    async def reply(prompt, attempt, body, request):
+        return _json(_ok_body("So the plan is: sort the cache"))
+
+    logged: list[str] = []
+
+    class _Log(Reporter):
+        def log(self, message: str) -> None:
+            logged.append(message)
+
+    async def main():
+        runner, url = await _serve(Script(reply))
+        try:
+            return await agenerate_run(_settings(url, _prompts(tmp_path, 2)), tmp_path / "run",
+                                       key=ApiKey("LOCAL_KEY", "the"), reporter=_Log("none"))
+        finally:
+            await runner.cleanup()
+
+    summary = asyncio.run(main())
+    assert (summary.done, summary.errors) == (2, {})
+    stored = (tmp_path / "run" / "exchanges.jsonl").read_text(encoding="utf-8")
+    assert stored.count("So the plan is: sort the cache") == 2 and "***" not in stored
+    assert any("the key in $LOCAL_KEY is 3 characters, a placeholder rather than a secret" in m for m in logged)
+    real = "sk-or-v1-" + "0123456789abcdef" * 4
+    assert len(real) >= MIN_MASKED and scrub(f"echo {real}!", real) == "echo ***!"
+    assert scrub_bytes(b'"choices": [1]', "e") == b'"choices": [1]' and scrub("EMPTY", "EMPTY") == "EMPTY"

@@ -41,7 +41,7 @@ from .lock import run_lock
 from .progress import Reporter
 from .prompts import keep_stored_ids, load_prompts
 from .request import build_request
-from .secrets import ApiKey, read_api_key, scrub
+from .secrets import ApiKey, placeholder_notice, read_api_key, scrub
 from .settings import ConfigError, GenerateSettings, endpoint_identity
 from .store import STATE_FILE, Store, StoreError
 
@@ -149,6 +149,8 @@ async def agenerate_run(
     if key is None:
         key = read_api_key(settings.api_key_env, required=not is_local_url(settings.base_url))
     reporter = reporter or Reporter(settings.progress, interval_s=settings.log_interval_s)
+    if (notice := placeholder_notice(key)) is not None:
+        reporter.log(notice)
     t0 = time.monotonic()
     rows, bad_rows = _load_rows(settings, reporter)
 

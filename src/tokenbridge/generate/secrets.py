@@ -16,6 +16,12 @@ Forms masked (each replaced by ``***``):
 
 Callers mask *before* clipping text (a clipped key is still a key) and scrub the
 assembled body of a stream, not its pieces (see the engine).
+
+A key shorter than :data:`MIN_MASKED` characters is a placeholder (vLLM's ``EMPTY``, a
+local server's ``dummy``), not a secret, and is not masked: masking ``e`` or ``the``
+turned every stored response into ``So *** plan is`` and every body's ``"choices"`` into
+``"choic***s"`` (all samples failed, each paid for). Real keys are far longer
+(OpenRouter's are 73 characters); :func:`placeholder_notice` says so once a run.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ from functools import lru_cache
 
 from .errors import GenerateError
 
-__all__ = ["ApiKey", "MissingApiKey", "keys_read", "read_api_key", "scrub", "scrub_bytes"]
+__all__ = ["MIN_MASKED", "ApiKey", "MissingApiKey", "keys_read", "placeholder_notice", "read_api_key", "scrub",
+           "scrub_bytes"]
 
 _MASK = "***"
+MIN_MASKED = 16  # shorter keys are placeholders; masking them corrupts responses (see above)
 _MIN_B64 = 8  # shorter base64 fragments would mask innocent text (a key is 20+ characters)
 _PERCENT_HEX = re.compile(rb"%[0-9A-Fa-f]{2}")
 
@@ -67,6 +75,14 @@ def read_api_key(env_name: str = "OPENROUTER_API_KEY", *, required: bool = True)
     return ApiKey(env_name, value)
 
 
+def placeholder_notice(key: ApiKey | None) -> str | None:
+    """What to tell the user when ``key`` is too short to be masked, else None."""
+    if key is None or len(key.value) >= MIN_MASKED:
+        return None
+    return (f"the key in ${key.env_name} is {len(key.value)} characters, a placeholder rather than a secret: it is "
+            f"not masked in stored responses or messages (masking so short a text would corrupt them)")
+
+
 #: Every key this process has read, whatever its variable is called (``api_key_env`` is the
 #: user's to name): the console script's last-resort traceback is scrubbed of each.
 _READ: set[str] = set()
@@ -80,7 +96,7 @@ def keys_read() -> tuple[str, ...]:
 def scrub(text: str, key: ApiKey | str | None) -> str:
     """``text`` with every known encoding of the key replaced by ``***``."""
     value = key.value if isinstance(key, ApiKey) else key
-    if not value or not text:
+    if not value or not text or len(value) < MIN_MASKED:
         return text
     return scrub_bytes(text.encode("utf-8", "surrogatepass"), value).decode("utf-8", "surrogatepass")
 
@@ -88,7 +104,7 @@ def scrub(text: str, key: ApiKey | str | None) -> str:
 def scrub_bytes(data: bytes, key: ApiKey | str | None) -> bytes:
     """Like :func:`scrub` for raw bytes (a server that echoes the key must not get it stored)."""
     value = key.value if isinstance(key, ApiKey) else key
-    if not value or not data:
+    if not value or not data or len(value) < MIN_MASKED:
         return data
     forms = _forms(value)
     mask = _MASK.encode()
