@@ -297,3 +297,29 @@ def test_a_fifo_named_like_a_marker_is_not_opened(tmp_path):
     (tmp_path / "file").write_text("x", encoding="utf-8")
     assert run_folder_problem(tmp_path / "file") == f"{tmp_path / 'file'}: exists and is not a folder; " \
                                                     "give a new or empty folder"
+
+
+def test_run_exits_1_and_names_what_generate_left_behind(tmp_path, kimi_dir):
+    """run exited 0 when every sample failed or prompt rows were bad, and printed only a
+    count: now each, as generate alone does, is exit 1 with the first rows named."""
+    cfg = write_run_config(tmp_path, kimi_dir)
+    text = cfg.read_text(encoding="utf-8")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": ""}\n', encoding="utf-8")
+    cfg.write_text(text.replace('  { name = "chat", path = "builtin:prompts/chat.jsonl", limit = 12 },\n', "")
+                   .replace('{ name = "plain", path = "builtin:prompts/plain.jsonl", limit = 4 }',
+                            f'{{ name = "p", path = "{bad}" }}'), encoding="utf-8")
+    res = CliRunner().invoke(app, ["run", str(cfg)])
+    assert res.exit_code == 1, res.output
+    assert f"generate: bad row: {bad}: line 2: field 'prompt'" in res.output and "done: generate ran" in res.output
+    again = CliRunner().invoke(app, ["run", str(cfg)])  # nothing new, still incomplete
+    assert again.exit_code == 1, again.output
+    failing = tmp_path / "failing"
+    failing.mkdir()
+    cfg2 = write_run_config(failing, kimi_dir, "")
+    cfg2.write_text(cfg2.read_text(encoding="utf-8").replace("latency_ms = 0", "latency_ms = 0\nfault_rate = 1.0")
+                    .replace("progress = \"none\"", "progress = \"none\"\nmax_attempts = 1")
+                    .replace("limit = 12", "limit = 2").replace("limit = 4", "limit = 1"), encoding="utf-8")
+    res = CliRunner().invoke(app, ["run", str(cfg2)])
+    assert res.exit_code == 1, res.output
+    assert "generate: failed: " in res.output

@@ -643,7 +643,7 @@ def run(
 ) -> None:
     """Datasets → generate → reconstruct → export → vocab → report, each stage resumable."""
     from .generate import GenerateError
-    from .pipeline import PipelineError, load_run_config, run_pipeline
+    from .pipeline import PipelineError, incomplete, load_run_config, run_pipeline
 
     from .fsio import OutputWriteError
     from .interrupt import EXIT_INTERRUPTED, STOPPED, stop_on_signals
@@ -672,6 +672,8 @@ def run(
     names = [made.get(r.name, f"export/{r.name.partition(':')[2]}/") for r in results
              if r.name != "generate" and r.status in ("ran", "skipped")]  # never an old output as a result
     typer.echo(f"results in {cfg.out} ({', '.join(names) or 'none'})")
+    if incomplete(results):  # failed samples, bad prompt rows or refused records: 1, as each stage alone
+        raise typer.Exit(ExitCode.INCOMPLETE)
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from . import fsio, interrupt
 from .display import printable
 from .digests import DigestCache, read_digest
+from .exit_codes import ExitCode
 from .outdir import OutputKind, remove_own_output
 from .runconfig import PipelineError, RunConfig, check_before_generate, check_out, load_run_config
 from .runconfig import emulator_config as _emulator_config
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from .report import RowStats
     from .tokenizer import Tokenizer
 
-__all__ = ["PipelineError", "RunConfig", "StageResult", "load_run_config", "run_pipeline"]
+__all__ = ["PipelineError", "RunConfig", "StageResult", "incomplete", "load_run_config", "run_pipeline"]
 
 
 @dataclass
@@ -39,6 +40,17 @@ class StageResult:
     name: str
     status: str  # "ran" | "skipped"
     detail: dict[str, Any] = field(default_factory=dict)
+
+
+def incomplete(results: list[StageResult]) -> bool:
+    """Whether the run finished with something left behind: samples generate could not get
+    or bad prompt rows, or exchange records reconstruct refused (exit 1, as each stage alone)."""
+    for r in results:
+        if r.name == "generate" and r.detail.get("exit_code") == ExitCode.INCOMPLETE:
+            return True
+        if r.name == "reconstruct" and r.detail.get("bad_lines"):
+            return True
+    return False
 
 
 # --- stage bookkeeping -------------------------------------------------------------------
@@ -233,6 +245,12 @@ def _generate_stage(cfg: RunConfig, tok: Tokenizer, echo: Callable[[str], None])
     detail = {"done": summary.done, "failed": summary.failed, "spent_usd": summary.spent_total,
               "stop_reason": summary.stop_reason, "exit_code": summary.exit_code}
     echo(f"generate: {describe_run(summary)}")
+    for row in summary.bad_rows[:5]:  # what `generate` prints: each bad prompt row names file, line and field
+        echo(printable(f"generate: bad row: {row}"))
+    if len(summary.bad_rows) > 5:
+        echo(f"generate: {len(summary.bad_rows)} bad rows in all (listed in {out / 'generate.json'})")
+    for f in summary.failures[:5]:
+        echo(printable(f"generate: failed: {f['id']}: {f['error_class']}: {f['error']}"))  # API text
     if summary.stop_reason:
         raise PipelineError(f"generate stopped ({summary.stop_reason}); fix it and run the same command again",
                             code=summary.exit_code or 1)
@@ -255,7 +273,7 @@ def _reconstruct_stage(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
                                     "policy": dict(cfg.policy.severities), "tol": cfg.policy.usage_tolerance,
                                     "profile": dict(cfg.provider_profile or {})})
     if state.done("reconstruct", fp, reconstructed):
-        result = StageResult("reconstruct", "skipped")
+        result = StageResult("reconstruct", "skipped", {"bad_lines": state.data["reconstruct"].get("bad_lines") or 0})
     else:
         rs = reconstruct_file(exchanges, reconstructed, tok, dialect=cfg.dialect, policy=cfg.policy,
                               provider_profile=cfg.provider_profile)
