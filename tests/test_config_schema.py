@@ -415,3 +415,10 @@ def test_run_a_dialect_the_tokenizer_cannot_write_is_refused_before_generation(t
         f"{path}:{_line(text, 'dialect')}: run.dialect: {kimi_dir}: the qwen3 dialect needs the token(s) <|im_start|>, "
         "which this tokenizer does not have (it is kimi-k2.5's: drop the dialect or give kimi-k2.5)"]
     assert not (tmp_path / "out" / "state.sqlite").exists()
+
+
+def test_run_concurrency_past_the_bound_is_a_config_error(tmp_path, kimi_dir):
+    """10**8 slots took the limiter's per-slot history to 24 GB and an OOM kill."""
+    text = _replace(_run_toml(kimi_dir), "concurrency = 2", "concurrency = 100000000")
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [f"{path}:{_line(text, 'concurrency')}: generate.concurrency: must be <= 10000, got 100000000"]

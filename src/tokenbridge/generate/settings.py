@@ -246,6 +246,11 @@ class RequestSettings:
     send_tools: Bool = False
 
 
+#: Requests in flight at most: far past what any API serves one key (OpenRouter's limits are
+#: in the hundreds), and what the limiter's per-slot history stays small at.
+MAX_CONCURRENCY = 10_000
+
+
 @with_config(FORBID)
 @dataclass(frozen=True)
 class GenerateSettings:
@@ -255,8 +260,9 @@ class GenerateSettings:
     request: RequestSettings = field(default_factory=RequestSettings)
     base_url: Annotated[Str, AfterValidator(_valid_url)] = DEFAULT_BASE_URL
     api_key_env: Annotated[Str, Field(min_length=1)] = "OPENROUTER_API_KEY"
-    concurrency: PosInt = 64
-    min_concurrency: PosInt = 1
+    # the limiter keeps a few entries a slot: 10**8 slots were 24 GB and an OOM kill
+    concurrency: Annotated[PosInt, Field(le=MAX_CONCURRENCY)] = 64
+    min_concurrency: Annotated[PosInt, Field(le=MAX_CONCURRENCY)] = 1
     max_attempts: PosInt = 6
     stream: Bool = False
     max_cost: NonNegFloat | None = None
