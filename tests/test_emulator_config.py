@@ -104,3 +104,23 @@ def test_cli_rejects_a_bad_config(kimi_dir, tmp_path):
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2 and f"{bad}" in out.stderr and "fault_rate" in out.stderr
+
+
+def test_emulator_on_a_port_in_use_or_a_bad_host_is_one_line(kimi_dir):
+    """Each was a traceback and exit 8 (an internal error) for an ordinary bad flag."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from tokenbridge.cli import app
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        res = CliRunner().invoke(app, ["emulator", "--port", str(port), "-t", str(kimi_dir)])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert f"error: --host 127.0.0.1 --port {port}: cannot listen there (" in res.output and "address already in use" in res.output
+    res = CliRunner().invoke(app, ["emulator", "--port", "0", "--host", "not a host", "-t", str(kimi_dir)])
+    assert res.exit_code == 2 and "error: --host not a host --port 0: cannot listen there (" in res.output
+    assert CliRunner().invoke(app, ["emulator", "--port", "70000", "-t", str(kimi_dir)]).exit_code == 2

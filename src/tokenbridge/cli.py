@@ -481,7 +481,7 @@ def probe(
 
 @app.command()
 def emulator(
-    port: int = typer.Option(8000, "--port", "-p", help="Port to listen on (0 = any free port)."),
+    port: int = typer.Option(8000, "--port", "-p", min=0, max=65535, help="Port to listen on (0 = any free port)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (keep it loopback)."),
     latency_ms: float | None = typer.Option(None, "--latency-ms", help="Time to first byte, ms, for every provider."),
     fault_rate: float | None = typer.Option(
@@ -516,7 +516,10 @@ def emulator(
         _fail("\n".join(problems))
     cfg = checked
     tok = _tokenizer(tokenizer, cfg.tokenizer, config="the --config file")
-    serve(cfg, tok, host=host, port=port, announce=typer.echo)
+    try:
+        serve(cfg, tok, host=host, port=port, announce=typer.echo)
+    except OSError as exc:  # the port in use, an address that does not resolve or is not this machine's
+        _fail(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})")
 
 
 
