@@ -124,3 +124,17 @@ def test_emulator_on_a_port_in_use_or_a_bad_host_is_one_line(kimi_dir):
     res = CliRunner().invoke(app, ["emulator", "--port", "0", "--host", "not a host", "-t", str(kimi_dir)])
     assert res.exit_code == 2 and "error: --host not a host --port 0: cannot listen there (" in res.output
     assert CliRunner().invoke(app, ["emulator", "--port", "70000", "-t", str(kimi_dir)]).exit_code == 2
+
+
+def test_infinite_numbers_are_config_errors(tmp_path, kimi_dir):
+    """latency_ms = inf hung every request; prompt_price = inf wrote "cost": Infinity, not JSON."""
+    from typer.testing import CliRunner
+
+    from tokenbridge.cli import app
+
+    cfg = tmp_path / "emu.toml"
+    cfg.write_text('[[providers]]\nname = "a"\nprompt_price = inf\n', encoding="utf-8")
+    res = CliRunner().invoke(app, ["emulator", "--port", "0", "-t", str(kimi_dir), "-c", str(cfg)])
+    assert res.exit_code == 2 and f"error: {cfg}:3: providers[0].prompt_price: must be a finite number, got inf" in res.output
+    res = CliRunner().invoke(app, ["emulator", "--port", "0", "-t", str(kimi_dir), "--latency-ms", "inf"])
+    assert res.exit_code == 2 and "error: --latency-ms: must be a finite number, got inf" in res.output

@@ -62,11 +62,13 @@ def _no_nul(value: str) -> str:
 Bool = StrictBool
 Int = StrictInt
 Str = Annotated[StrictStr, AfterValidator(_no_nul)]
-Float = Annotated[float, Strict()]  # an int is a number too; a string or a bool is not
+# an int is a number too; a string or a bool is not; inf and nan are no setting (latency_ms = inf hung every
+# request, prompt_price = inf made every response's cost the invalid JSON Infinity)
+Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 PosInt = Annotated[StrictInt, Field(ge=1)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
-PosFloat = Annotated[float, Strict(), Field(gt=0)]
-NonNegFloat = Annotated[float, Strict(), Field(ge=0)]
+PosFloat = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
 #: A chat format name from :data:`tokenbridge.chat.DIALECTS` (a typo gets "did you mean").
 #: The names are the registry's keys, computed at import; a static checker sees a ``str``.
 if TYPE_CHECKING:
@@ -230,8 +232,10 @@ def _message(schema: Any, err: Any, where: Where) -> str:  # noqa: PLR0911 - one
         return f"must be true or false{got}{tip}"
     if kind in ("int_type", "int_parsing", "int_from_float"):
         return f"must be an integer{got}"
-    if kind in ("float_type", "float_parsing", "finite_number"):
+    if kind in ("float_type", "float_parsing"):
         return f"must be a number{got}"
+    if kind == "finite_number":
+        return f"must be a finite number{got}"
     if kind == "string_type":
         return f"must be a string{got}"
     if kind in ("tuple_type", "list_type"):
