@@ -245,3 +245,27 @@ def test_a_repeated_id_is_a_bad_line_naming_the_first_and_its_rows_are_left_out(
     else:
         assert pq.read_table(out).to_pylist() == pq.read_table(clean).to_pylist()
     assert summary.records == 60 - len(repeats)
+
+
+def test_a_lone_surrogate_reaches_parquet_as_its_json_text(tmp_path, kimi):
+    """An API's "\\ud800" (valid JSON, flagged by the gate) crashed reconstruct's Parquet
+    writer and the Parquet export with UnicodeEncodeError, exit 8: an Arrow string is UTF-8.
+    The text is stored as its JSON text, as other odd API values in text columns are."""
+    from tokenbridge.export import export_file
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "s", "request": {"messages": [{"role": "user", "content": "hi"}]}, "response": {"choices": '
+                   '[{"message": {"content": "a\\ud800b", "reasoning": "r"}, "finish_reason": "stop"}]}}\n', encoding="utf-8")
+    reconstruct_file(src, tmp_path / "out.parquet", kimi, workers=1)
+    (row,) = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert row["content"] == '"a\\ud800b"' and row["reasoning"] == "r" and row["status"] == "rejected"
+    reconstruct_file(src, tmp_path / "out.jsonl", kimi, workers=1)
+    ok = json.loads((tmp_path / "out.jsonl").read_text(encoding="utf-8"))
+    ok.update(status="ok", findings=[])  # as if the gate had passed it: the export must write it, not crash
+    (tmp_path / "edited.jsonl").write_text(json.dumps(ok) + "\n", encoding="utf-8")
+    export_file(tmp_path / "edited.jsonl", tmp_path / "x", "parquet")
+    assert '"a\\ud800b"' in [r["content"] for r in pq.read_table(next((tmp_path / "x").rglob("*.parquet"))).to_pylist()]
+    big = dict(ok, choice=2**31)
+    (tmp_path / "big.jsonl").write_text(json.dumps(big) + "\n", encoding="utf-8")
+    with pytest.raises(Exception, match=r"big.jsonl:1: choice: must be a non-negative integer up to 2147483647"):
+        export_file(tmp_path / "big.jsonl", tmp_path / "y", "parquet")

@@ -427,14 +427,28 @@ def _mask(n_prompt: int, n_completion: int) -> tuple[bytes, ...]:
 
 def to_arrow_record(row: Mapping[str, Any], columns: Iterable[str]) -> dict[str, Any]:
     """The ``columns`` of ``row`` as Arrow values: JSON-text columns encoded, odd API values
-    in text columns as their JSON text, a missing ``reconstruction`` as None."""
+    in text columns as their JSON text, a missing ``reconstruction`` as None. A text that
+    holds a lone surrogate (an API's ``"\\ud800"``, which the gate flags) is stored as its
+    JSON text too: an Arrow string is UTF-8, and writing one raised UnicodeEncodeError."""
     out: dict[str, Any] = {}
     for col in columns:
         value = row.get(col)
-        if value is not None and (col in JSON_TEXT_COLUMNS or (col in _TEXT_COLUMNS and not isinstance(value, str))):
+        odd = col in JSON_TEXT_COLUMNS or (col in _TEXT_COLUMNS and not isinstance(value, str))
+        if value is not None and odd or isinstance(value, str) and not _utf8(value):
             value = json_text(value)
         out[col] = value
     return out
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (no lone surrogate)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class ParquetRowSink:

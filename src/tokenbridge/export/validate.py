@@ -140,8 +140,8 @@ class RowContract:
         sid, choice = rec.get("id"), rec.get("choice", 0)
         if not isinstance(sid, str) or not sid:
             raise fail("id", f"must be a non-empty string, got {type(sid).__name__}")
-        if type(choice) is not int or choice < 0:
-            raise fail("choice", f"must be a non-negative integer, got {choice!r}")
+        if type(choice) is not int or not 0 <= choice <= MAX_ID:  # Parquet holds it as int32
+            raise fail("choice", f"must be a non-negative integer up to {MAX_ID}, got {choice!r}"[:200])
         findings = rec.get("findings")
         if findings is not None and hasattr(findings, "tolist"):  # a Parquet source
             findings = findings.tolist()
