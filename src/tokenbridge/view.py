@@ -105,17 +105,14 @@ def _checked_row(record: Mapping[str, Any], path: Path, line: int, tok: Tokenize
     hand): an ``ok`` row trainable, any row's status agreeing with its findings and its ids
     integers within this tokenizer's vocabulary (a rejected row is shown too: it is the
     one to look at); else :class:`~tokenbridge.rows.RowError` naming file, line and field."""
-    from .export.validate import RowContract, check_training_row
+    from .export.validate import RowContract, stored_row_ids
     from .rows import RowError, check_row
 
     row = check_row(record, path, line)
-    if row["status"] == "ok":
-        ids = check_training_row(row, path, line)[0]
-    else:
-        ids = row["input_ids"]
-        bad = next((k for k, i in enumerate(ids) if type(i) is not int or i < 0), None)
-        if bad is not None:
-            raise RowError(path, line, "input_ids", f"holds {ids[bad]!r} at position {bad}, not a token id"[:200])
+    ids = stored_row_ids(row, path, line)
+    bad = next((k for k, i in enumerate(ids) if type(i) is not int or i < 0), None)  # shown one by one below
+    if bad is not None:
+        raise RowError(path, line, "input_ids", f"holds {ids[bad]!r} at position {bad}, not a token id"[:200])
     RowContract(path, tok.vocab_size).check(row, line, ids)
     return row
 

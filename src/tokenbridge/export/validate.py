@@ -32,7 +32,7 @@ import orjson
 from ..rows import SEGMENT_KINDS
 from .source import ExportError
 
-__all__ = ["MAX_ID", "RowContract", "check_training_row"]
+__all__ = ["MAX_ID", "RowContract", "check_training_row", "stored_row_ids"]
 
 _SEVERITIES = ("error", "warning")
 
@@ -121,6 +121,14 @@ def _exact_row(rec: Mapping[str, Any]) -> tuple[list[int], list[int], int] | Non
     if text_mask != b"".join((b"[", b"0," * len(prompt), b"1," * (len(completion) - 1), b"1]")):
         return None
     return ids, mask, len(prompt)
+
+
+def stored_row_ids(rec: Mapping[str, Any], path: str | Path, line: int) -> list[Any]:
+    """The ids of a row read back from disk (report, inspect): an ``ok`` row's held to
+    :func:`check_training_row`, as export would take it; another's as they are, since a
+    rejected or truncated row may have no completion to train on. Hand them to
+    :meth:`RowContract.check`."""
+    return check_training_row(rec, path, line)[0] if rec["status"] == "ok" else rec["input_ids"]
 
 
 class RowContract:

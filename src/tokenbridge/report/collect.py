@@ -124,14 +124,13 @@ def _rows_section(path: Path) -> dict[str, Any]:
     report counts what it can vouch for: a file edited by hand fails here as it would there):
     its status agrees with its findings, each sample choice once, and an ``ok`` row's ids,
     mask and segments are trainable (a rejected row may have no completion to train on)."""
-    from ..export.validate import RowContract, check_training_row
+    from ..export.validate import RowContract, stored_row_ids
 
     stats = RowStats()
     contract = RowContract(path)
     try:
         for line, row in iter_rows(path):
-            ids = check_training_row(row, path, line)[0] if row["status"] == "ok" else row["input_ids"]
-            contract.check(row, line, ids)
+            contract.check(row, line, stored_row_ids(row, path, line))
             stats.add(row)
     except RowError as exc:
         raise ReportError(str(exc)) from None
