@@ -844,12 +844,12 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
             with _chunk_rows(result) as view:
                 skip = _repeated(entries, first, seen, str(src))
                 if len(view) and isinstance(sink, _JsonlSink):
-                    # the chunk's rows in input order, bad lines holding none: one write, unless a record repeats
-                    if not skip:
+                    if not skip:  # the chunk's rows in input order, bad lines holding none: one write
                         sink.write(view)
-                    for piece in _kept(view, entries, skip) if skip else ():
-                        with piece:  # released now: a mapped spool file closes only with no view left on it
-                            sink.write(piece)
+                    else:  # around the records that repeat an id
+                        for piece in _kept(view, entries, skip):
+                            with piece:  # released now: a mapped spool file closes only with no view left on it
+                                sink.write(piece)
                 for entry in entries:
                     if isinstance(entry, _Refused):
                         summary.bad_lines.append(BadLine(str(src), first + entry.line - 1, entry.field, entry.message))
