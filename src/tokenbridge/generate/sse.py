@@ -89,11 +89,7 @@ class SSEDecoder:
             yield from self._lf_lines(text[pos:] if pos else text)
             return
         for m in _EOLS.finditer(text, pos):
-            line = text[pos : m.start()]
-            if self._partial is not None:
-                line = self._partial + line if isinstance(self._partial, str) else _text(_joined(self._partial, line))
-                self._partial = None
-            event = self._line(line)
+            event = self._line(self._completed(text[pos : m.start()]))
             if event is not None:
                 yield event
             ends = m.group()
@@ -104,23 +100,32 @@ class SSEDecoder:
             pos = m.end()
             self._pending_cr = pos == len(text) and ends[-1] == "\r"
         if pos < len(text):
-            rest = text[pos:]
-            self._partial = rest if self._partial is None else _joined(self._partial, rest)
+            self._hold(text[pos:])
 
     def _lf_lines(self, text: str) -> Iterator[SSEEvent]:
         """:meth:`_scan` of text whose line ends are all LF, never three in a row: one C-level
         split (half the time per event of the run scan), the same events."""
         lines = text.split("\n")
         rest = lines.pop()  # after the last LF: the next line's start ("" when the text ends a line)
-        if lines and self._partial is not None:
-            held, self._partial = self._partial, None
-            lines[0] = held + lines[0] if isinstance(held, str) else _text(_joined(held, lines[0]))
+        if lines:
+            lines[0] = self._completed(lines[0])
         for line in lines:
             event = self._line(line)
             if event is not None:
                 yield event
         if rest:
-            self._partial = rest if self._partial is None else _joined(self._partial, rest)
+            self._hold(rest)
+
+    def _completed(self, end: str) -> str:
+        """The line that ``end`` ends: with its start from earlier chunks, if any."""
+        held, self._partial = self._partial, None
+        if held is None:
+            return end
+        return held + end if isinstance(held, str) else _text(_joined(held, end))
+
+    def _hold(self, rest: str) -> None:
+        """Keep ``rest``, a line's start with no line end yet, after what is held."""
+        self._partial = rest if self._partial is None else _joined(self._partial, rest)
 
     def _line(self, line: str) -> SSEEvent | None:
         if not line:
