@@ -9,7 +9,9 @@ Two folder layouts are supported:
   (400,000-character windows, runs of >25,000 same-class characters cut). Text that
   holds no marker (most completion text) goes straight to tiktoken's ordinary encode,
   which gives the same ids without the special-token scan; prompts are encoded piece by
-  piece between markers, with a bounded cache for the pieces prompts share.
+  piece between markers, with a bounded cache for the pieces prompts share. tiktoken
+  is given the pattern with its plain alternatives in one group (:mod:`.pattern`): the
+  same pieces, found with a quarter less work.
 * ``tokenizer.json`` folders, through Hugging Face ``tokenizers``; or, where the folder
   also holds the BPE ranks as a ``.tiktoken`` file (gpt-oss: ``o200k_base.tiktoken``)
   and the tokenizer.json is a plain byte-level BPE over exactly those ranks (one split
@@ -34,6 +36,8 @@ from functools import lru_cache
 from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
+
+from .pattern import grouped_pattern
 
 if TYPE_CHECKING:
     import tiktoken
@@ -561,7 +565,7 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
     try:
         enc = tiktoken.Encoding(
             name=f"tokenbridge:{folder.name}",
-            pat_str=pat_str,
+            pat_str=grouped_pattern(pat_str),  # the same pieces, most of them found natively
             mergeable_ranks=ranks,
             special_tokens=special,
         )
@@ -677,7 +681,7 @@ def _load_tiktoken_beside_json(folder: Path, source: str) -> Tokenizer | None:
         return None
     special = {t: i for i, t in names.items()}
     try:
-        enc = tiktoken.Encoding(name=f"tokenbridge:{folder.name}", pat_str=regex, mergeable_ranks=ranks,
+        enc = tiktoken.Encoding(name=f"tokenbridge:{folder.name}", pat_str=grouped_pattern(regex), mergeable_ranks=ranks,
                                 special_tokens=special)
     except (ValueError, OverflowError) as exc:  # a pattern that does not compile, a rank out of range
         raise TokenizerError(f"{path}: tiktoken rejected the data ({exc})") from None

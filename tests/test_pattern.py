@@ -1,0 +1,153 @@
+"""The pre-tokenizer pattern regrouped for tiktoken's regex engine: how it is read, what is
+grouped and what is left alone, and that the real Kimi and gpt-oss ranks give the same ids
+under it as under the model's own pattern, held against tiktoken built from the model files."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import KIMI_DIR, ROOT
+from tokenbridge.pattern import grouped_pattern, top_level_alternatives
+from tokenbridge.tokenizer import KIMI_PAT_STR
+
+GPTOSS_DIR = ROOT.parent / "shared" / "tokenizers" / "gpt-oss"
+_TAIL = r"|\s+(?!\S)|\s+"
+
+
+def _gptoss_pattern() -> str:
+    data = json.loads((GPTOSS_DIR / "tokenizer.json").read_text(encoding="utf-8"))
+    return data["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
+
+
+@pytest.mark.parametrize(("pattern", "parts"), [
+    ("a|b", ["a", "b"]),
+    ("[|]|b", ["[|]", "b"]),  # a | inside a class
+    (r"\||b", [r"\|", "b"]),  # an escaped |
+    ("(a|b)|c", ["(a|b)", "c"]),  # inside a group
+    ("(?i:'s|'t)x|y", ["(?i:'s|'t)x", "y"]),
+    ("[]|]|x", ["[]|]", "x"]),  # ']' first in a class is literal
+    ("[^]|]|x", ["[^]|]", "x"]),
+    ("[a&&[^|]]|x", ["[a&&[^|]]", "x"]),  # a nested class
+    ("[[:alpha:]|]|x", ["[[:alpha:]|]", "x"]),
+    (r"\p{L}+|\x{7C}", [r"\p{L}+", r"\x{7C}"]),
+    ("a||b", ["a", "", "b"]),
+])
+def test_top_level_alternatives(pattern, parts):
+    assert top_level_alternatives(pattern) == parts
+
+
+@pytest.mark.parametrize("pattern", ["a|(b", "a)|b", "[a|b", "a|b\\", "((a)|b"])
+def test_unbalanced_patterns_are_not_read(pattern):
+    assert top_level_alternatives(pattern) is None
+    assert grouped_pattern(pattern) == pattern
+
+
+def test_kimi_pattern_groups_its_six_plain_alternatives():
+    parts = top_level_alternatives(KIMI_PAT_STR)
+    assert parts is not None and len(parts) == 8  # the | inside its (?i:'s|'t|...) groups are not top level
+    assert parts[-2:] == [r"\s+(?!\S)", r"\s+"]
+    assert grouped_pattern(KIMI_PAT_STR) == "(?:" + KIMI_PAT_STR.removesuffix(_TAIL) + ")" + _TAIL
+
+
+def test_gptoss_pattern_groups_its_five_plain_alternatives():
+    pattern = _gptoss_pattern()
+    assert len(top_level_alternatives(pattern)) == 7
+    assert grouped_pattern(pattern) == "(?:" + pattern.removesuffix(_TAIL) + ")" + _TAIL
+
+
+@pytest.mark.parametrize(("pattern", "grouped"), [
+    (r"a|b|c(?=x)", r"(?:a|b)|c(?=x)"),  # a run before the look-around
+    (r"\s+(?!\S)|\s+|a|b", r"\s+(?!\S)|(?:\s+|a|b)"),  # a run after it
+    (r"a|b(?<!x)|c|d|e(?>f)|g", r"a|b(?<!x)|(?:c|d)|e(?>f)|g"),  # runs of one stay as they are
+    (r"(a)|b|\1", r"(?:(a)|b)|\1"),  # a backreference: the group it names keeps its number
+    (r"a++|b|c", r"a++|(?:b|c)"),  # a possessive quantifier
+])
+def test_runs_of_plain_alternatives_are_grouped(pattern, grouped):
+    assert grouped_pattern(pattern) == grouped
+
+
+@pytest.mark.parametrize("pattern", [
+    "a|b|c",  # nothing fancy: the regex crate runs it whole already
+    r"(?i)a|b|c(?=x)",  # a bare flag reaches the later alternatives; a group would end its reach
+    r"a|(?-u)b|c(?!x)",
+    r"a|b(?=x)",  # no run of two
+])
+def test_patterns_left_unchanged(pattern):
+    assert grouped_pattern(pattern) == pattern
+
+
+@cache
+def _encodings(family: str):
+    """(the model's own pattern, grouped) as two tiktoken encodings over the real ranks."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    if family == "kimi":
+        ranks, pattern = load_tiktoken_bpe(str(KIMI_DIR / "tiktoken.model")), KIMI_PAT_STR
+    else:
+        ranks, pattern = load_tiktoken_bpe(str(GPTOSS_DIR / "o200k_base.tiktoken")), _gptoss_pattern()
+    grouped = grouped_pattern(pattern)
+    assert grouped != pattern
+    return (tiktoken.Encoding(f"{family}-own", pat_str=pattern, mergeable_ranks=ranks, special_tokens={}),
+            tiktoken.Encoding(f"{family}-grouped", pat_str=grouped, mergeable_ranks=ranks, special_tokens={}))
+
+
+# Every class the alternatives tell apart: whitespace runs with and without line ends
+# (what the look-around decides), each letter category, marks, Han, digits, the
+# contractions, punctuation with and without a space before it, and the end of text.
+_ATOMS = [" ", "  ", "\t", "\n", "\r", "\r\n", "\u00a0", "\u3000", "\x0b", "\x85", "a", "Z", "é", "e\u0301", "ǅ", "ʰ",
+          "ª", "字", "中文", "1", "12345", "٣", "'s", "'T", "'ll", "'", "!", "/", "...", "()", "_", "😀", "x" * 5]
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.lists(st.sampled_from(_ATOMS), max_size=40).map("".join), st.sampled_from(["kimi", "gptoss"]))
+def test_grouped_pattern_gives_the_same_ids(text, family):
+    own, grouped = _encodings(family)
+    assert grouped.encode_ordinary(text) == own.encode_ordinary(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters(blacklist_categories=("Cs",)), max_size=200), st.sampled_from(["kimi", "gptoss"]))
+def test_grouped_pattern_gives_the_same_ids_on_any_text(text, family):
+    own, grouped = _encodings(family)
+    assert grouped.encode_ordinary(text) == own.encode_ordinary(text)
+
+
+@pytest.mark.parametrize("family", ["kimi", "gptoss"])
+def test_grouped_pattern_gives_the_same_ids_on_code_and_prose(family):
+    """Whole files: the standard library's indentation, blank lines and trailing spaces."""
+    import inspect
+    import textwrap
+
+    import json as module_a
+    import pathlib as module_b
+
+    own, grouped = _encodings(family)
+    for text in (inspect.getsource(module_a), inspect.getsource(module_b), textwrap.__doc__ or "",
+                 "  trailing  \n\n\t\tindent\n   \n" * 50 + "   "):
+        assert grouped.encode_ordinary(text) == own.encode_ordinary(text)
+
+
+def test_tiktoken_folders_are_built_with_the_grouped_pattern(monkeypatch, kimi_dir):
+    import tiktoken
+
+    from tokenbridge import tokenizer
+
+    built: list[str] = []
+    real = tiktoken.Encoding.__init__
+
+    def record(self, name, *, pat_str, **kwargs):
+        built.append(pat_str)
+        real(self, name, pat_str=pat_str, **kwargs)
+
+    monkeypatch.setattr(tiktoken.Encoding, "__init__", record)
+    kimi = tokenizer._load_tiktoken(kimi_dir, str(kimi_dir))
+    gptoss = tokenizer._load_tiktoken_beside_json(GPTOSS_DIR, str(GPTOSS_DIR))
+    assert gptoss is not None
+    assert built == [grouped_pattern(KIMI_PAT_STR), grouped_pattern(_gptoss_pattern())]
+    assert kimi.encode("def f():\n        return  1  \n") == _encodings("kimi")[0].encode_ordinary("def f():\n        return  1  \n")
