@@ -151,3 +151,25 @@ def test_tiktoken_folders_are_built_with_the_grouped_pattern(monkeypatch, kimi_d
     assert gptoss is not None
     assert built == [grouped_pattern(KIMI_PAT_STR), grouped_pattern(_gptoss_pattern())]
     assert kimi.encode("def f():\n        return  1  \n") == _encodings("kimi")[0].encode_ordinary("def f():\n        return  1  \n")
+
+
+def test_a_regrouped_pattern_that_does_not_compile_falls_back_to_the_models_own(monkeypatch, kimi_dir):
+    """The rewrite is an optimisation: it can never be why a folder fails to load."""
+    from tokenbridge import tokenizer
+
+    monkeypatch.setattr(tokenizer, "grouped_pattern", lambda pattern: "(" + pattern)
+    kimi = tokenizer._load_tiktoken(kimi_dir, str(kimi_dir))
+    text = "def f():\n        return  1  \n"
+    assert kimi.encode(text) == _encodings("kimi")[0].encode_ordinary(text)
+
+
+def test_a_pattern_tiktoken_rejects_is_still_a_clear_error(tmp_path, kimi_dir):
+    from tokenbridge.tokenizer import TokenizerError, _load_tiktoken
+
+    folder = tmp_path / "kimi"
+    folder.mkdir()
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        (folder / name).symlink_to(kimi_dir / name)
+    (folder / "tokenization_kimi.py").write_text('pat_str = "(unclosed|a|b"\n', encoding="utf-8")
+    with pytest.raises(TokenizerError, match=r"tiktoken\.model: tiktoken rejected the data"):
+        _load_tiktoken(folder, str(folder))

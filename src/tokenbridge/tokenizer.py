@@ -550,7 +550,6 @@ def _marker_finder(markers: Iterable[str]) -> Callable[[str], re.Match[str] | No
 
 
 def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
-    import tiktoken
 
     config = _read_json(folder / "tokenizer_config.json")
     ranks = _load_ranks(folder / "tiktoken.model")
@@ -562,18 +561,25 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
         names[i] = entry["content"] if isinstance(entry, dict) and "content" in entry else f"<|reserved_token_{i}|>"
     pat_str = read_pat_str(folder)
     special = {t: i for i, t in names.items()}
-    try:
-        enc = tiktoken.Encoding(
-            name=f"tokenbridge:{folder.name}",
-            pat_str=grouped_pattern(pat_str),  # the same pieces, most of them found natively
-            mergeable_ranks=ranks,
-            special_tokens=special,
-        )
-    except (ValueError, OverflowError) as exc:  # a pattern that does not compile, a rank out of range
-        raise TokenizerError(f"{folder / 'tiktoken.model'}: tiktoken rejected the data ({exc})") from None
-
+    enc = _encoding(folder / "tiktoken.model", pat_str, ranks, special)
     return _tiktoken_tokenizer(folder, source, enc, names, config, vocab_size=n_ranks + _KIMI_NUM_RESERVED,
                                cut_long_runs=True)
+
+
+def _encoding(path: Path, pat_str: str, ranks: dict[bytes, int], special: dict[str, int]) -> tiktoken.Encoding:
+    """tiktoken over ``ranks``, splitting text with ``pat_str`` regrouped (:mod:`.pattern`:
+    the same pieces, most of them found natively); with ``pat_str`` as it is should the
+    regrouped one not compile, so a rewrite can never be why a folder fails to load."""
+    import tiktoken
+
+    grouped = grouped_pattern(pat_str)
+    for pattern in dict.fromkeys((grouped, pat_str)):
+        try:
+            return tiktoken.Encoding(name=f"tokenbridge:{path.parent.name}", pat_str=pattern, mergeable_ranks=ranks,
+                                     special_tokens=special)
+        except (ValueError, OverflowError) as exc:  # a pattern that does not compile, a rank out of range
+            error = exc
+    raise TokenizerError(f"{path}: tiktoken rejected the data ({error})") from None
 
 
 def _tiktoken_tokenizer(folder: Path, source: str, enc: tiktoken.Encoding, names: dict[int, str], config: dict[str, Any], *,
@@ -670,7 +676,6 @@ def _tiktoken_layout(folder: Path) -> tuple[Path, str, dict[int, str]] | None:
 
 
 def _load_tiktoken_beside_json(folder: Path, source: str) -> Tokenizer | None:
-    import tiktoken
 
     layout = _tiktoken_layout(folder)
     if layout is None:
@@ -680,11 +685,7 @@ def _load_tiktoken_beside_json(folder: Path, source: str) -> Tokenizer | None:
     if len(ranks) != min(names):  # the ranks must be exactly the BPE vocabulary below the added tokens
         return None
     special = {t: i for i, t in names.items()}
-    try:
-        enc = tiktoken.Encoding(name=f"tokenbridge:{folder.name}", pat_str=grouped_pattern(regex), mergeable_ranks=ranks,
-                                special_tokens=special)
-    except (ValueError, OverflowError) as exc:  # a pattern that does not compile, a rank out of range
-        raise TokenizerError(f"{path}: tiktoken rejected the data ({exc})") from None
+    enc = _encoding(path, regex, ranks, special)
     config = _read_json(folder / "tokenizer_config.json")
     return _tiktoken_tokenizer(folder, source, enc, names, config, vocab_size=max(names) + 1, cut_long_runs=False)
 
