@@ -1,42 +1,73 @@
-"""A pre-tokenizer pattern rewritten so tiktoken's regex engine runs most of it natively.
+"""The pre-tokenizer patterns tokenbridge knows, and each one regrouped so tiktoken's regex
+engine runs most of it natively.
 
-tiktoken compiles ``pat_str`` with ``fancy_regex``. A pattern with any look-around
-(every GPT-4-style pattern ends ``\\s+(?!\\S)|\\s+``) is run by fancy_regex's backtracking
-VM, which tries the top-level alternatives one by one and hands each plain one to the
-``regex`` crate separately. Wrapped in one non-capturing group, a run of plain
-alternatives is a single ``regex``-crate search instead: same pieces, same ids, and on
-Kimi's pattern a quarter less encode time (bench/RESULTS.md).
+tiktoken compiles ``pat_str`` with ``fancy_regex``. A pattern with any look-around (both
+patterns here end ``\\s+(?!\\S)|\\s+``) runs in fancy_regex's backtracking VM. The VM tries
+the top-level alternatives one by one and hands each plain one to the ``regex`` crate on
+its own. If the plain alternatives are wrapped in one non-capturing group, they become a
+single ``regex``-crate search. The pieces and ids are the same, and on Kimi's pattern the
+encode costs a quarter less (bench/RESULTS.md).
 
-Why the pieces cannot change: ordered alternation is associative. ``A|B|C`` and
-``(?:A|B)|C`` try A, then B, then C at each position and take the first that matches;
-nothing follows the group inside its alternative, so nothing can backtrack into it, and
-the ``regex`` crate's leftmost-first match of ``A|B`` at a position is the one a
-backtracking engine finds. A non-capturing group renumbers no capture group. The one
-thing a group would change is the reach of a bare inline flag (``(?i)`` applies to the
-rest of the pattern, but only to the end of an enclosing group), so a pattern with one
-is returned unchanged, as is any pattern this reader does not fully understand.
+**Why only proven patterns are regrouped.** For a backtracking engine, ordered alternation
+is associative: ``A|B|C`` and ``(?:A|B)|C`` pick the same match. The group, however, is
+run by the ``regex`` crate, and that crate rewrites alternations. For example, it lifts a
+common first element out of ``P X|P Y`` to make ``P(?:X|Y)``. When ``P`` is quantified,
+that changes which alternative wins: ``.*q|.*b`` matches ``xq`` in a backtracking engine
+and ``xqb`` in the crate. A general rewrite would also need a full lexer for
+fancy_regex's syntax (comments, free-form group names, flags split by comments).
+
+So :func:`grouped_pattern` regroups only the patterns in :data:`PROVEN`, and returns every
+other pattern unchanged. For each proven pattern:
+- its grouped alternatives do not all start with one element, so nothing is lifted;
+- ``tests/test_pattern.py`` holds its grouped form against the pattern itself on the model's
+  real ranks, over texts built to reach every alternative, under the tiktoken installed.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["grouped_pattern", "top_level_alternatives"]
+__all__ = ["KIMI_PAT_STR", "O200K_PAT_STR", "PROVEN", "grouped_pattern", "top_level_alternatives"]
 
-#: What makes an alternative something the ``regex`` crate cannot run (fancy_regex's
-#: additions): look-around, atomic groups, conditionals, backreferences, ``\K``/``\G``,
-#: and possessive quantifiers. Tested on the alternative's text with escapes kept, so a
-#: false hit (``\\(?=`` as a literal) only leaves that alternative ungrouped: slower,
-#: never wrong.
-_FANCY = re.compile(r"\(\?(?:<?[=!]|>|\()|\\[1-9kKgG]|(?<!\\)[*+?}]\+")
+#: The Kimi pre-tokenizer pattern (the ``pat_str`` of ``tokenization_kimi.py``).
+KIMI_PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 
-#: A bare inline-flag group, ``(?i)`` or ``(?-u)``: its reach would end at our group.
-_BARE_FLAGS = re.compile(r"\(\?[a-zA-Z-]+\)")
+#: o200k's pattern, as tiktoken's ``o200k_base`` and gpt-oss's ``tokenizer.json`` spell it.
+O200K_PAT_STR = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+
+#: The patterns :func:`grouped_pattern` regroups (each held against itself in the tests).
+PROVEN = frozenset({KIMI_PAT_STR, O200K_PAT_STR})
+
+#: What makes an alternative something the ``regex`` crate cannot run: look-around.
+#: (Enough for the proven patterns; it is no general classifier.)
+_FANCY = re.compile(r"\(\?<?[=!]")
 
 
 def top_level_alternatives(pattern: str) -> list[str] | None:
     """``pattern`` split at its top-level ``|`` (outside groups, character classes and
-    escapes), or None where its brackets do not balance."""
+    escapes), or None where its brackets do not balance. A partial lexer: enough for the
+    proven patterns, wrong for syntax it does not know (comments, free-form names)."""
     parts: list[str] = []
     depth = klass = 0
     start = i = 0
@@ -72,24 +103,15 @@ def top_level_alternatives(pattern: str) -> list[str] | None:
 
 
 def grouped_pattern(pattern: str) -> str:
-    """``pattern`` with each run of two or more consecutive plain top-level alternatives
-    in one non-capturing group; the same pattern where there is nothing to gain or it
-    cannot be read with certainty."""
+    """``pattern`` with its leading run of plain top-level alternatives in one
+    non-capturing group, where ``pattern`` is one of :data:`PROVEN`; any other pattern as
+    it is (see the module's docstring for why)."""
+    if pattern not in PROVEN:
+        return pattern
     parts = top_level_alternatives(pattern)
-    if parts is None or _BARE_FLAGS.search(pattern) or not any(_FANCY.search(part) for part in parts):
-        return pattern  # unreadable, a flag's reach at stake, or the regex crate runs it all already
-    out: list[str] = []
-    run: list[str] = []
-    for part in [*parts, None]:
-        if part is not None and not _FANCY.search(part):
-            run.append(part)
-            continue
-        if len(run) > 1:
-            out.append("(?:" + "|".join(run) + ")")
-        else:
-            out.extend(run)
-        run = []
-        if part is not None:
-            out.append(part)
-    grouped = "|".join(out)
-    return grouped if len(out) < len(parts) else pattern
+    if parts is None:  # never for the proven patterns (tested); unchanged is always safe
+        return pattern
+    plain = next((i for i, part in enumerate(parts) if _FANCY.search(part)), len(parts))
+    if plain < 2:
+        return pattern
+    return "|".join(["(?:" + "|".join(parts[:plain]) + ")", *parts[plain:]])

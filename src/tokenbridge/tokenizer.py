@@ -9,9 +9,9 @@ Two folder layouts are supported:
   (400,000-character windows, runs of >25,000 same-class characters cut). Text that
   holds no marker (most completion text) goes straight to tiktoken's ordinary encode,
   which gives the same ids without the special-token scan; prompts are encoded piece by
-  piece between markers, with a bounded cache for the pieces prompts share. tiktoken
-  is given the pattern with its plain alternatives in one group (:mod:`.pattern`): the
-  same pieces, found with a quarter less work.
+  piece between markers, with a bounded cache for the pieces prompts share. Where the
+  pattern is one proven in :mod:`.pattern` (Kimi's, o200k's), tiktoken is given it with
+  its plain alternatives in one group: the same pieces, found with a quarter less work.
 * ``tokenizer.json`` folders, through Hugging Face ``tokenizers``; or, where the folder
   also holds the BPE ranks as a ``.tiktoken`` file (gpt-oss: ``o200k_base.tiktoken``)
   and the tokenizer.json is a plain byte-level BPE over exactly those ranks (one split
@@ -37,27 +37,13 @@ from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from .pattern import grouped_pattern
+from .pattern import KIMI_PAT_STR, grouped_pattern
 
 if TYPE_CHECKING:
     import tiktoken
 
 __all__ = ["KIMI_PAT_STR", "PROMPT_CACHE_BYTES", "EncodeError", "Tokenizer", "TokenizerError", "load_tokenizer",
            "marker_pattern", "marker_splitter"]
-
-#: The Kimi pre-tokenizer pattern (the ``pat_str`` of ``tokenization_kimi.py``).
-KIMI_PAT_STR = "|".join(
-    [
-        r"""[\p{Han}]+""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""\p{N}{1,3}""",
-        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-        r"""\s*[\r\n]+""",
-        r"""\s+(?!\S)""",
-        r"""\s+""",
-    ]
-)
 
 #: Kimi reserves this many ids above the BPE ranks for special tokens.
 _KIMI_NUM_RESERVED = 256
@@ -567,9 +553,10 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
 
 
 def _encoding(path: Path, pat_str: str, ranks: dict[bytes, int], special: dict[str, int]) -> tiktoken.Encoding:
-    """tiktoken over ``ranks``, splitting text with ``pat_str`` regrouped (:mod:`.pattern`:
-    the same pieces, most of them found natively); with ``pat_str`` as it is should the
-    regrouped one not compile, so a rewrite can never be why a folder fails to load."""
+    """tiktoken over ``ranks``, splitting text with ``pat_str``, regrouped where it is a
+    proven pattern (:mod:`.pattern`: the same pieces, most of them found natively); with
+    ``pat_str`` as it is should the regrouped one not compile, so the rewrite can never be
+    why a folder fails to load."""
     import tiktoken
 
     grouped = grouped_pattern(pat_str)
