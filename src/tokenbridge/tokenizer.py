@@ -536,7 +536,6 @@ def _marker_finder(markers: Iterable[str]) -> Callable[[str], re.Match[str] | No
 
 
 def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
-
     config = _read_json(folder / "tokenizer_config.json")
     ranks = _load_ranks(folder / "tiktoken.model")
     n_ranks = len(ranks)
@@ -663,7 +662,6 @@ def _tiktoken_layout(folder: Path) -> tuple[Path, str, dict[int, str]] | None:
 
 
 def _load_tiktoken_beside_json(folder: Path, source: str) -> Tokenizer | None:
-
     layout = _tiktoken_layout(folder)
     if layout is None:
         return None
