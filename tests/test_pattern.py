@@ -1,6 +1,6 @@
-"""The pre-tokenizer patterns regrouped for tiktoken's regex engine: how a pattern is read,
-that only the proven ones are regrouped (a cold attack found patterns the regex crate would
-run differently once grouped), and that the real Kimi and gpt-oss ranks give the same ids
+"""The pre-tokenizer patterns regrouped for tiktoken's regex engine: that only the proven
+ones are regrouped (a cold attack found patterns the regex crate would run differently once
+grouped), and that the real Kimi and gpt-oss ranks give the same ids
 under each grouped form as under the pattern itself, held against tiktoken on the model files."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import KIMI_DIR, ROOT
-from tokenbridge.pattern import KIMI_PAT_STR, O200K_PAT_STR, PROVEN, grouped_pattern, top_level_alternatives
+from tokenbridge.pattern import KIMI_PAT_STR, O200K_PAT_STR, PROVEN, grouped_pattern
 
 GPTOSS_DIR = ROOT.parent / "shared" / "tokenizers" / "gpt-oss"
 _TAIL = r"|\s+(?!\S)|\s+"
@@ -24,39 +24,14 @@ def _gptoss_pattern() -> str:
     return data["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
 
 
-@pytest.mark.parametrize(("pattern", "parts"), [
-    ("a|b", ["a", "b"]),
-    ("[|]|b", ["[|]", "b"]),  # a | inside a class
-    (r"\||b", [r"\|", "b"]),  # an escaped |
-    ("(a|b)|c", ["(a|b)", "c"]),  # inside a group
-    ("(?i:'s|'t)x|y", ["(?i:'s|'t)x", "y"]),
-    ("[]|]|x", ["[]|]", "x"]),  # ']' first in a class is literal
-    ("[^]|]|x", ["[^]|]", "x"]),
-    ("[a&&[^|]]|x", ["[a&&[^|]]", "x"]),  # a nested class
-    ("[[:alpha:]|]|x", ["[[:alpha:]|]", "x"]),
-    (r"\p{L}+|\x{7C}", [r"\p{L}+", r"\x{7C}"]),
-    ("a||b", ["a", "", "b"]),
-])
-def test_top_level_alternatives(pattern, parts):
-    assert top_level_alternatives(pattern) == parts
-
-
-@pytest.mark.parametrize("pattern", ["a|(b", "a)|b", "[a|b", "a|b\\", "((a)|b"])
-def test_unbalanced_patterns_are_not_read(pattern):
-    assert top_level_alternatives(pattern) is None
-    assert grouped_pattern(pattern) == pattern
-
-
 def test_kimi_pattern_groups_its_six_plain_alternatives():
-    parts = top_level_alternatives(KIMI_PAT_STR)
-    assert parts is not None and len(parts) == 8  # the | inside its (?i:'s|'t|...) groups are not top level
-    assert parts[-2:] == [r"\s+(?!\S)", r"\s+"]
+    assert KIMI_PAT_STR.endswith(_TAIL)
     assert grouped_pattern(KIMI_PAT_STR) == "(?:" + KIMI_PAT_STR.removesuffix(_TAIL) + ")" + _TAIL
 
 
 def test_gptoss_pattern_groups_its_five_plain_alternatives():
     pattern = _gptoss_pattern()
-    assert len(top_level_alternatives(pattern)) == 7
+    assert pattern.endswith(_TAIL)
     assert grouped_pattern(pattern) == "(?:" + pattern.removesuffix(_TAIL) + ")" + _TAIL
 
 
@@ -80,6 +55,8 @@ def test_the_gptoss_folders_pattern_is_o200ks():
     KIMI_PAT_STR.replace("{1,3}", "{1,4}"),
     O200K_PAT_STR + "|x",
     r"a|b|c(?=x)",
+    # unbalanced: no pattern at all
+    "a|(b", "a)|b", "[a|b", "a|b\\", "((a)|b",
 ])
 def test_only_proven_patterns_are_regrouped(pattern):
     assert pattern not in PROVEN
