@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_reconstruct import _cjk_sentences, _corpus_sources  # the same corpus
+from bench_reconstruct import _cjk_sentences, _corpus_sources, machine  # the same corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TOKENIZER = ROOT.parent / "shared" / "tokenizers" / "kimi-k2.5"
@@ -279,7 +279,7 @@ def main() -> None:  # noqa: PLR0915 - a benchmark's script: one measured step a
         f"data: {meta['records']} records, {meta['completion_tokens'] / meta['records']:.0f} completion + "
         f"{meta['prompt_tokens'] / meta['records']:.0f} prompt tokens each; reconstructed.jsonl {size / 1e6:.0f} MB "
         f"({size / meta['records'] / 1e3:.1f} KB a row); status {rounds[-1]['reconstruct']['status']}",
-        f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}; {args.rounds} interleaved rounds, "
+        f"machine: {machine()}; {args.rounds} interleaved rounds, "
         "median (min-max)",
         "",
         "| step | seconds | x reconstruct (same round) | peak RSS MB |",

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_reconstruct import _corpus_sources, bench_reconstruct  # noqa: E402
+from bench_reconstruct import _corpus_sources, bench_reconstruct, machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "tokenizers"
@@ -153,7 +153,7 @@ def main() -> None:
                                      status=rec["summary"]["status"], codes=rec["summary"]["codes"],
                                      tokens=sum(map(len, raw_ids)))
 
-    print(f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}; {args.rounds} interleaved rounds, "
+    print(f"machine: {machine()}; {args.rounds} interleaved rounds, "
           f"{args.workers} reconstruct workers; median (range) of the per-round ratios")
     print()
     print("| family | raw encoder | records | M chars | tokens | raw encode M chars/s | reconstruct M chars/s | "

@@ -39,6 +39,18 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TOKENIZER = ROOT.parent / "shared" / "tokenizers" / "kimi-k2.5"
 
 
+def machine() -> str:
+    """Cores, CPU model and Python: ratios against raw move with the CPU (raw is Rust,
+    the rest of reconstruct Python), so a figure is only comparable on the same model."""
+    model = "CPU model unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores ({model}), Python {sys.version.split()[0]}"
+
+
 def _corpus_sources() -> tuple[list[str], list[str]]:
     """Code: the standard library's own modules. Prose: the Python reference topics
     (``pydoc_data``). Both ship with the interpreter, so the corpus is the same on every
@@ -307,8 +319,13 @@ def bench_transformers(texts: list[str], tokenizer_dir: Path) -> tuple[float, li
 def bench_reconstruct(src: Path, tokenizer_dir: Path, workers: int, code_dir: Path | None = None) -> dict:
     """Run reconstruct in a fresh process; report wall time (tokenizer load apart: a
     fixed ~0.3 s per process), CPU seconds of the main process and of the workers, and
-    peak RSS (main + workers)."""
+    peak RSS (main + workers).
+
+    The output is written fresh, as a first run writes it: the previous round's is removed
+    first (untimed). Replacing an existing output adds the kernel's freeing of the old file
+    to the final rename (14-16 ms for 75 MB here), which is not reconstruct's work."""
     log = f"{src}.busy.{workers}"
+    Path(f"{src}.out.jsonl").unlink(missing_ok=True)
     code = (
         "import functools, json, os, resource, sys, time\n"
         "import tokenbridge.reconstruct as R\n"
@@ -445,7 +462,7 @@ def main() -> None:  # noqa: PLR0915 - a benchmark's script: one measured step a
 
     w = args.workers
     lines = [
-        f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}; load average "
+        f"machine: {machine()}; load average "
         f"{loadavg[0]:.1f} at start, {loadavg_end[0]:.1f} at end; {args.rounds} interleaved rounds",
         "",
     ]
