@@ -39,7 +39,7 @@ def _print_version(value: bool) -> None:
     if value:
         from . import __version__
 
-        typer.echo(f"tokenbridge {__version__}")
+        _say(f"tokenbridge {__version__}")
         raise typer.Exit()
 
 
@@ -80,10 +80,18 @@ def _dialect_flag(dialect: str | None) -> None:
             _fail("\n".join(problems))
 
 
+def _say(text: str, *, err: bool = False) -> None:
+    """One line for the user. It may quote data, an API's words or a path, so every control
+    or invisible character in it is shown escaped (:func:`~tokenbridge.display.printable`):
+    nothing from outside recolours, retitles or rewrites the terminal, or forges a line."""
+    typer.echo(printable(text), err=err)
+
+
 def _fail(message: str, code: int = ExitCode.CONFIG) -> NoReturn:
-    """One ``error:`` line per problem, then exit with ``code``."""
-    for line in message.splitlines() or [""]:
-        typer.echo(f"error: {line}", err=True)
+    """One ``error:`` line per problem (problems are joined with newlines; any other line
+    break inside one is data, and shown escaped), then exit with ``code``."""
+    for line in message.rstrip("\n").split("\n"):
+        _say(f"error: {line}", err=True)
     raise typer.Exit(int(code))
 
 
@@ -126,7 +134,7 @@ def _writing(output: Path | None, command: str) -> Iterator[None]:
                     _fail(str(exc), exc.exit_code)
             yield
     except KeyboardInterrupt:
-        typer.echo(STOPPED, err=True)
+        _say(STOPPED, err=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except OutputRefused as exc:
         _fail(str(exc), exc.exit_code)
@@ -187,20 +195,20 @@ def reconstruct(
     console = Console(stderr=False)
     console.print(summary_table(summary, title=f"{input} → {output}"))
     for note in summary.stripping_suspects():
-        typer.echo(printable(f"warning: {note}"), err=True)  # names providers
+        _say(f"warning: {note}", err=True)  # names providers
     for note in summary.calibration_notes():
-        typer.echo(printable(f"note: {note}"), err=True)
+        _say(f"note: {note}", err=True)
     for bad in summary.bad_lines[:_SHOWN_BAD_LINES]:
-        typer.echo(f"bad record: {bad}", err=True)
+        _say(f"bad record: {bad}", err=True)
     if len(summary.bad_lines) > _SHOWN_BAD_LINES:
         more = len(summary.bad_lines) - _SHOWN_BAD_LINES
-        typer.echo(f"... and {more} more bad lines" + (" (all in --summary-json)" if summary_json else ""), err=True)
+        _say(f"... and {more} more bad lines" + (" (all in --summary-json)" if summary_json else ""), err=True)
     if summary.records == 0 and not summary.bad_lines:
-        typer.echo(f"warning: {input} holds no records; {output} has no rows.", err=True)
+        _say(f"warning: {input} holds no records; {output} has no rows.", err=True)
     elif summary.rows == 0:
-        typer.echo(f"no record was written: {output} is empty.", err=True)
+        _say(f"no record was written: {output} is empty.", err=True)
     elif summary.bad_lines:
-        typer.echo(f"{len(summary.bad_lines)} bad record(s) skipped; the others were written.", err=True)
+        _say(f"{len(summary.bad_lines)} bad record(s) skipped; the others were written.", err=True)
     if summary.bad_lines:
         raise typer.Exit(int(ExitCode.INCOMPLETE))
 
@@ -336,8 +344,8 @@ def generate(
         _fail(str(exc))
     _echo_totals(summary)
     _echo_run_problems(summary, out, quiet=settings.progress == "none")  # else the progress log showed them
-    typer.echo(f"exchanges: {summary.exchanges}"
-               + (f" ({summary.left_out} other stored samples left out)" if summary.left_out else ""))
+    _say(f"exchanges: {summary.exchanges}"
+         + (f" ({summary.left_out} other stored samples left out)" if summary.left_out else ""))
     _write_summary(summary_json, summary.to_dict())
     raise typer.Exit(summary.exit_code)
 
@@ -373,13 +381,13 @@ def _generate_dry_run(settings: GenerateSettings, out: Path, summary_json: Path 
         settings = dataclasses.replace(settings, tokenizer=os.environ[TOKENIZER_ENV])
     report = dry_run(settings, out)
     for line in report.lines():
-        typer.echo(line)
+        _say(line)
     _write_summary(summary_json, report.to_dict())
 
 
 def _echo_totals(summary: RunSummary) -> None:
     """The run's one-line account: samples, requests, money, time."""
-    typer.echo(
+    _say(
         f"{summary.done} done this run ({summary.already_done} before), {summary.failed} failed, "
         f"{summary.pending} pending, {len(summary.bad_rows)} bad rows; {summary.requests} requests, "
         f"${summary.spent_run:.4f} this run (${summary.spent_total:.4f} total"
@@ -392,20 +400,20 @@ def _echo_run_problems(summary: RunSummary, out: Path, *, quiet: bool) -> None:
     """Bad rows, failures, unusable usage and why the run stopped, on stderr; with ``quiet``
     (no progress log) also the first bad rows and the notes the log would have shown."""
     for row in summary.bad_rows[:5] if quiet else ():
-        typer.echo(f"bad row: {row}", err=True)
+        _say(f"bad row: {row}", err=True)
     if summary.bad_rows and (len(summary.bad_rows) > 5 or not quiet):
-        typer.echo(f"{len(summary.bad_rows)} bad rows in all (listed in {out / 'generate.json'})", err=True)
+        _say(f"{len(summary.bad_rows)} bad rows in all (listed in {out / 'generate.json'})", err=True)
     for f in summary.failures[:10]:
-        typer.echo(printable(f"failed: {f['id']}: {f['error_class']}: {f['error']}"), err=True)  # API text
+        _say(f"failed: {f['id']}: {f['error_class']}: {f['error']}", err=True)  # API text
     for note in summary.notices if quiet else ():
         if note.startswith(("stopping:", "could not", str(out))):
-            typer.echo(printable(f"note: {note}"), err=True)
+            _say(f"note: {note}", err=True)
     if summary.bad_usage:
-        typer.echo(printable(f"note: {summary.bad_usage} response(s) kept with unusable usage fields, ignored "
-                             f"(e.g. {summary.bad_usage_examples[0]}; all in {out / 'generate.json'})"), err=True)
+        _say(f"note: {summary.bad_usage} response(s) kept with unusable usage fields, ignored "
+             f"(e.g. {summary.bad_usage_examples[0]}; all in {out / 'generate.json'})", err=True)
     if summary.stop_reason:
-        typer.echo(f"stopped: {summary.stop_reason}: {summary.already_done + summary.done} of {summary.samples} "
-                   f"samples kept, {summary.pending} pending (rerun the same command to continue)", err=True)
+        _say(f"stopped: {summary.stop_reason}: {summary.already_done + summary.done} of {summary.samples} "
+             f"samples kept, {summary.pending} pending (rerun the same command to continue)", err=True)
 
 
 _GENERATE_FLAGS = {
@@ -517,7 +525,7 @@ def emulator(
     cfg = checked
     tok = _tokenizer(tokenizer, cfg.tokenizer, config="the --config file")
     try:
-        serve(cfg, tok, host=host, port=port, announce=typer.echo)
+        serve(cfg, tok, host=host, port=port, announce=_say)
     except OSError as exc:  # the port in use, an address that does not resolve or is not this machine's
         _fail(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})")
 
@@ -556,7 +564,7 @@ def export(
     except ExportError as exc:
         _fail(str(exc), exc.exit_code)
     skipped = summary.skipped
-    typer.echo(
+    _say(
         f"{summary.rows_exported} rows ({summary.tokens} tokens, {summary.completion_tokens} under the loss mask) "
         f"→ {output} [{fmt}]; skipped {skipped['flagged']} flagged, {skipped['rejected']} rejected"
     )
@@ -597,13 +605,13 @@ def vocab(
         _fail(str(exc), exc.exit_code)
     except ValueError as exc:
         _fail(str(exc))
-    typer.echo(
+    _say(
         f"draft vocab {summary.draft_vocab_size} of {summary.target_vocab_size}: coverage {summary.coverage:.2%} of "
         f"{summary.masked_tokens} masked tokens ({summary.distinct_tokens} distinct; {summary.filled_unseen} unseen "
         f"ids filled) → {output}"
     )
     for name, why in summary.skipped_files.items():
-        typer.echo(f"not written: {name} ({why})", err=True)
+        _say(f"not written: {name} ({why})", err=True)
 
 
 @app.command()
@@ -623,7 +631,7 @@ def report(
         _fail(str(exc))
     data = json.loads((html.parent / "report.json").read_text(encoding="utf-8"))
     print_summary(data, Console(highlight=False))
-    typer.echo(f"report: {html}")
+    _say(f"report: {html}")
 
 
 # --- run -------------------------------------------------------------------------------
@@ -655,9 +663,9 @@ def run(
     try:
         cfg = load_run_config(config)
         with stop_on_signals():
-            results = run_pipeline(cfg, echo=lambda line: typer.echo(line))
+            results = run_pipeline(cfg, echo=_say)
     except KeyboardInterrupt:
-        typer.echo(STOPPED, err=True)
+        _say(STOPPED, err=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except OutputRefused as exc:
         _fail(str(exc), exc.exit_code)
@@ -670,11 +678,11 @@ def run(
     except _anticipated_errors() as exc:
         _fail(f"{type(exc).__name__}: {exc}", ExitCode.CONFIG)
     ran = ", ".join(f"{r.name} {r.status}" for r in results)
-    typer.echo(f"done: {ran}")
+    _say(f"done: {ran}")
     made = {"reconstruct": "reconstructed.jsonl", "vocab": "vocab/", "report": "report/report.html"}
     names = [made.get(r.name, f"export/{r.name.partition(':')[2]}/") for r in results
              if r.name != "generate" and r.status in ("ran", "skipped")]  # never an old output as a result
-    typer.echo(f"results in {cfg.out} ({', '.join(names) or 'none'})")
+    _say(f"results in {cfg.out} ({', '.join(names) or 'none'})")
     if incomplete(results):  # failed samples, bad prompt rows or refused records: 1, as each stage alone
         raise typer.Exit(ExitCode.INCOMPLETE)
 
@@ -697,7 +705,7 @@ def main() -> None:
         for value in sorted(secrets, key=len, reverse=True):  # a longer secret first: one inside it stays whole
             text = scrub(text, value)
         sys.stderr.write(text)
-        typer.echo("error: internal error (a bug in tokenbridge, not in your data): the traceback is above", err=True)
+        _say("error: internal error (a bug in tokenbridge, not in your data): the traceback is above", err=True)
         raise SystemExit(int(ExitCode.INTERNAL)) from None
 
 

@@ -13,8 +13,14 @@ import re
 
 __all__ = ["printable"]
 
-#: C0 and C1 controls, DEL, and the bidi embedding/override/isolate controls.
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+#: C0 and C1 controls, DEL, the bidi marks and embedding/override/isolate controls, the
+#: invisible characters that make two names look alike (zero-width space, joiners, word
+#: joiner, invisible operators, byte-order mark, soft hyphen), the line and paragraph
+#: separators that break a line where none shows, and lone surrogates (not text: they
+#: cannot even be written as UTF-8).
+_UNSAFE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\xad\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff\ud800-\udfff]"
+)
 
 
 def _escape(m: re.Match[str]) -> str:
@@ -25,5 +31,6 @@ def _escape(m: re.Match[str]) -> str:
 
 
 def printable(text: str) -> str:
-    """``text`` with every control character shown as an escape; other text unchanged."""
+    """``text`` with every control, invisible or lone-surrogate character shown as an
+    escape; other text unchanged."""
     return _UNSAFE.sub(_escape, text)

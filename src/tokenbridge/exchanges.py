@@ -12,7 +12,7 @@ from typing import Any, NotRequired, TypedDict
 from collections.abc import Iterator, Mapping
 
 from . import jsonl
-from .jsonl import is_int, iter_lines
+from .jsonl import is_int, iter_lines, not_text
 
 __all__ = ["Exchange", "ExchangeRecord", "RecordError", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
 
@@ -119,6 +119,10 @@ def parse_exchange(record: Any) -> Exchange:
     dataset = record.get("dataset")
     if dataset is not None and not isinstance(dataset, str):
         raise RecordError("dataset", f"must be a string or null, got {type(dataset).__name__}")
+    for field, value in (("id", rid), ("dataset", dataset), ("response.provider", response.get("provider")),
+                         ("response.model", response.get("model")), ("request.model", request.get("model")),
+                         ("meta.provider", (meta or {}).get("provider"))):
+        _check_names_text(field, value)
     return Exchange(
         id=str(rid),
         request=request,
@@ -128,6 +132,14 @@ def parse_exchange(record: Any) -> Exchange:
         native_prompt=native_prompt,
         native_choices=native_choices,
     )
+
+
+def _check_names_text(field: str, value: Any) -> None:
+    """A name every row carries (id, dataset, provider, model) must be text: one holding a
+    lone surrogate could be written by no output (UTF-8 JSON, Parquet, the dataset card,
+    the report), so it is refused here, by name, not left to break each of them later."""
+    if why := not_text(value):
+        raise RecordError(field, why)
 
 
 def _checked_request(request: Any) -> dict[str, Any]:

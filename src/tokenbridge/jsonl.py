@@ -21,13 +21,15 @@ integer" of a value from outside.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, TypeGuard
 from collections.abc import Iterator
 
 import orjson
 
-__all__ = ["MAX_DEPTH", "JsonLineError", "dumps_line", "is_count", "is_int", "iter_lines", "json_text", "loads_line", "value_key"]
+__all__ = ["MAX_DEPTH", "JsonLineError", "dumps_line", "is_count", "is_int", "iter_lines", "json_text", "loads_line",
+           "not_text", "value_key"]
 
 
 class JsonLineError(ValueError):
@@ -129,3 +131,15 @@ def is_int(value: object) -> TypeGuard[int]:
 def is_count(value: object) -> TypeGuard[int]:
     """A JSON count: a non-negative integer, not a bool."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+#: A UTF-16 surrogate on its own: JSON can spell one (``"\\ud800"``), but it is not text.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def not_text(value: object) -> str | None:
+    """Why a string read from JSON is not text (a lone surrogate, which no UTF-8 output can
+    write), or None: for the names every row carries (id, dataset, provider, model)."""
+    if isinstance(value, str) and (m := _LONE_SURROGATE.search(value)):
+        return f"holds a lone surrogate (U+{ord(m.group()):04X} at character {m.start()}): not text, and no output can write it"
+    return None

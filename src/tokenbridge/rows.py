@@ -35,7 +35,7 @@ import orjson
 
 from .exit_codes import ExitCode
 from .fsio import WriteBehind
-from .jsonl import JsonLineError, dumps_line, json_text, loads_line
+from .jsonl import JsonLineError, dumps_line, json_text, loads_line, not_text
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -306,6 +306,9 @@ def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:  # noq
         value = obj[col]
         if value is not None and not isinstance(value, str):
             obj[col] = json_text(value)
+    for col in ("id", "dataset", "provider", "model"):  # names every output writes
+        if why := not_text(obj[col]):
+            raise fail(col, why)
     if type(obj["thinking"]) is not bool:
         raise fail("thinking", f"must be true or false, got {obj['thinking']!r}")
     if obj["usage"] is not None and not isinstance(obj["usage"], dict):

@@ -10,6 +10,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from .display import printable
 from .exchanges import RecordError, loads_line
 from .jsonl import iter_lines
 from .tokenizer import Tokenizer
@@ -34,8 +35,9 @@ def status_text(counts: Mapping[str, int]) -> str:
 
 
 def summary_table(summary: ReconstructSummary, title: str = "reconstruct") -> Group:
-    """Counts of records, statuses and finding codes."""
-    totals = Table(title=title, show_header=True)
+    """Counts of records, statuses and finding codes. The title names files: it is text,
+    never rich markup (``x[/y].jsonl`` is a file name, not a closing tag)."""
+    totals = Table(title=Text(printable(title)), show_header=True)
     for col in ("records", "samples", "ok", "flagged", "rejected", "bad lines"):
         totals.add_column(col, justify="right")
     totals.add_row(
@@ -48,7 +50,7 @@ def summary_table(summary: ReconstructSummary, title: str = "reconstruct") -> Gr
         codes.add_column("finding")
         codes.add_column("samples", justify="right")
         for code, n in sorted(summary.codes.items(), key=lambda kv: (-kv[1], kv[0])):
-            codes.add_row(code, str(n))
+            codes.add_row(Text(printable(code)), str(n))
         parts.append(codes)
     return Group(*parts)
 
@@ -125,23 +127,29 @@ def _kind_at(segments: list[Mapping[str, Any]]) -> list[str]:
 
 
 def render_row(row: Mapping[str, Any], tok: Tokenizer, tokens: str | None = None) -> Group:
+    """One sample for the terminal. Its id, provider, finish reason and findings quote API
+    text and rows from disk: each line is built as plain text (never markup) with every
+    control or invisible character escaped (:func:`~tokenbridge.display.printable`)."""
     ids = row["input_ids"]
     kinds = _kind_at(row["segments"])
     head = Text()
-    head.append(f"{row['id']} choice {row.get('choice', 0)}: ", style="bold")
-    head.append(row["status"], style={"ok": "green", "flagged": "yellow", "rejected": "red"}.get(row["status"], ""))
-    head.append(
+    head.append(printable(f"{row['id']} choice {row.get('choice', 0)}: "), style="bold")
+    head.append(printable(row["status"]),
+                style={"ok": "green", "flagged": "yellow", "rejected": "red"}.get(row["status"], ""))
+    head.append(printable(
         f"  provider={row.get('provider')} finish={row.get('finish_reason')} "
         f"prompt={len(row['prompt_ids'])} completion={len(row['completion_ids'])} tokens"
-    )
+    ))
     out: list[Any] = [head]
     if row.get("reconstruction"):
-        out.append(Text(f"  reconstruction: {row['reconstruction']} (the reading of the response the evidence proved)"))
+        out.append(Text(printable(
+            f"  reconstruction: {row['reconstruction']} (the reading of the response the evidence proved)")))
     for f in row["findings"]:
-        out.append(Text(f"  {f['severity']}: {f['code']}: {f['message']}", style="red" if f["severity"] == "error" else "yellow"))
+        out.append(Text(printable(f"  {f['severity']}: {f['code']}: {f['message']}"),
+                        style="red" if f["severity"] == "error" else "yellow"))
     seg_line = Text("  segments: ")
     for seg in row["segments"]:
-        seg_line.append(f"{seg['kind']}[{seg['start']}:{seg['end']}] ", style=_STYLE.get(seg["kind"], ""))
+        seg_line.append(printable(f"{seg['kind']}[{seg['start']}:{seg['end']}] "), style=_STYLE.get(seg["kind"], ""))
     out.append(seg_line)
     markers = tok.marker_ids
     n_prompt = len(row["prompt_ids"])
@@ -149,7 +157,7 @@ def render_row(row: Mapping[str, Any], tok: Tokenizer, tokens: str | None = None
         tid = ids[pos]
         if tid in markers:
             kind = kinds[pos] if pos < len(kinds) else "?"
-            out.append(Text(f"  {markers[tid]} ({tid}) at position {pos} [{kind}]", style=_STYLE.get(kind, "")))
+            out.append(Text(printable(f"  {markers[tid]} ({tid}) at position {pos} [{kind}]"), style=_STYLE.get(kind, "")))
     if tokens is not None:
         out.append(_token_table(ids, kinds, tok, tokens))
     return Group(*out)
@@ -190,5 +198,5 @@ def _token_table(ids: Sequence[int], kinds: Sequence[str], tok: Tokenizer, span:
         tid = ids[pos]
         text = tok.token_bytes(tid).decode("utf-8", errors="backslashreplace")
         kind = kinds[pos] if pos < len(kinds) else "?"
-        table.add_row(str(pos), str(tid), repr(text), kind, style=_STYLE.get(kind, ""))
+        table.add_row(str(pos), str(tid), Text(repr(text)), Text(printable(kind)), style=_STYLE.get(kind, ""))
     return table

@@ -9,6 +9,7 @@ previous export of that folder untouched.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 
 import yaml
 
+from ..display import printable
 from ..fsio import kill_point
 from ..outdir import export_target
 from ..rows import ReconstructedRow
@@ -149,6 +151,19 @@ _LOADING = {
 }
 
 
+#: Characters Markdown reads as syntax inside a table cell (a column, a code span, emphasis,
+#: a link or image, an HTML tag or entity, the escape itself): each gets a backslash.
+_MARKDOWN = re.compile(r"([\\`*_\[\]<>&|~])")
+
+
+def _cell(name: str) -> str:
+    """A dataset or provider name (data, from the API or the prompt files) as one Markdown
+    table cell that shows it as it is: controls, line breaks and invisible characters
+    escaped (:func:`~tokenbridge.display.printable`), Markdown and HTML syntax backslashed,
+    so no name can add a row, a column, a link or a tag to a card meant for publishing."""
+    return _MARKDOWN.sub(r"\\\1", printable(name))
+
+
 def _card(summary: ExportSummary) -> str:
     """Dataset card: YAML front matter (``configs`` for the Hub loader, our counts) + prose."""
     meta: dict[str, Any] = {}
@@ -169,9 +184,9 @@ def _card(summary: ExportSummary) -> str:
         f"(skipped {summary.skipped['flagged']} flagged, {summary.skipped['rejected']} rejected)",
         f"- Tokens: {summary.tokens} in total, {summary.completion_tokens} under the loss mask",
         "", "| dataset | rows |", "| --- | ---: |",
-        *[f"| {k} | {v} |" for k, v in sorted(summary.datasets.items())],
+        *[f"| {_cell(k)} | {v} |" for k, v in sorted(summary.datasets.items())],
         "", "| provider | rows |", "| --- | ---: |",
-        *[f"| {k} | {v} |" for k, v in sorted(summary.providers.items())],
+        *[f"| {_cell(k)} | {v} |" for k, v in sorted(summary.providers.items())],
         "", "## Loading", "", _LOADING[summary.format].format(dir=summary.out_dir), "",
         "Every row carries `id`, `choice`, `dataset`, `provider`, `model`, `status` and `findings`.", "",
     ]

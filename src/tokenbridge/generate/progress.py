@@ -16,6 +16,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, TextIO
 from collections.abc import Callable
 
+from ..display import printable
+
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
@@ -135,9 +137,11 @@ class Reporter:
         self._runner: asyncio.Task[None] | None = None
 
     def log(self, message: str) -> None:
-        """A one-off notice, printed without breaking the live bar."""
+        """A one-off notice, printed without breaking the live bar. Notices quote API error
+        messages and prompt rows' own keys: every control character is shown escaped."""
         if self.mode == "none":
             return
+        message = printable(message)
         if self._progress is not None:
             self._progress.console.print(message, markup=False, highlight=False)
         else:

@@ -120,7 +120,7 @@ def _findings(data: dict[str, Any]) -> Figure | None:
         return None
     fig = _figure(height=max(1.6, 0.8 + 0.28 * len(codes)))
     ax = fig.subplots()
-    ax.barh([c for c, _ in codes], [n for _, n in codes], color=_ACCENT)
+    ax.barh([printable(c) for c, _ in codes], [n for _, n in codes], color=_ACCENT)
     ax.invert_yaxis()
     ax.set_xlabel("rows with the finding")
     ax.xaxis.set_major_locator(_integer_ticks())
