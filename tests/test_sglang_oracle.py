@@ -349,3 +349,50 @@ def test_emulator_sglang_profile_matches_the_real_parsers(corpus):
         assert (ours.reasoning, ours.content) == (served["reasoning_content"], served["content"]), rec["id"]
         checked += 1
     assert checked >= 600
+
+
+def _serve_n(server: SGLangServer, natives: list[Native], prompt_tokens: int, *, stream: bool) -> dict[str, Any]:
+    """SGLang's response with n > 1: one choice per native completion, ``completion_tokens``
+    and ``reasoning_tokens`` summed over the choices (``usage_processor`` in 0.5.23)."""
+    served = [server.serve(nat, prompt_tokens, stream=stream) for nat in natives]
+    choices = [dict(r["choices"][0], index=k) for k, r in enumerate(served)]
+    completion = sum(r["usage"]["completion_tokens"] for r in served)
+    reasoning = sum(r["usage"]["completion_tokens_details"]["reasoning_tokens"] for r in served)
+    return {"id": "sgl", "object": "chat.completion", "created": 0, "model": "kimi-k2.5", "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                      "total_tokens": prompt_tokens + completion,
+                      "completion_tokens_details": {"reasoning_tokens": reasoning}}}
+
+
+def test_n_choices_are_never_ok_with_wrong_ids(corpus, kimi_dir):
+    """With n > 1 an engine sums usage over the choices, so a reading one id too long in one
+    choice can hide one id too short in another: the summed ``reasoning_tokens`` must be
+    checked as well. Pairs from the corpus, and the shapes a cold attack found passing."""
+    tok, dialect = corpus["tok"], corpus["dialect"]
+    end, close, think = tok.token_id("<|im_end|>"), tok.token_id("</think>"), tok.token_id("<think>")
+    req = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
+    e = tok.encode
+    section = _tool_section([("get_weather", {"city": "Paris"})])
+    shapes = [
+        # the turn ends still thinking, after a repeated <think> the parser strips; then an ordinary answer
+        [[think, *e("The user asks something simple. I should answer directly."), end],
+         [*e("Simple question. Answer it."), close, *e("Paris is sunny today."), end]],
+        # a tool call after </think>; an answer that ended while still thinking
+        [[*e("I need the weather."), close, *e(section), end], [*e("Simple question, I think the answer is"), end]],
+    ]
+    plain = [n for n in corpus["natives"] if n.kind == "plain" and not n.cut and not n.request.get("tools")]
+    pairs = shapes + [[a.ids, b.ids] for a, b in zip(plain[0:80:2], plain[1:80:2])]
+    server = SGLangServer(tok, kimi_dir)
+    prompt_ids = tok.encode(dialect.render_request(req))
+    wrong, ok_plain = [], 0
+    for k, ids in enumerate(pairs):
+        natives = [Native(req, list(i), "n2") for i in ids]
+        for stream in (False, True):
+            record = {"id": f"n{k}-{int(stream)}", "request": req,
+                      "response": _serve_n(server, natives, len(prompt_ids), stream=stream)}
+            rows = reconstruct_record(record, tok)
+            wrong += [(record["id"], c) for c, (row, nat) in enumerate(zip(rows, natives))
+                      if row["status"] == "ok" and row["completion_ids"] != nat.ids]
+            ok_plain += k >= len(shapes) and all(r["status"] == "ok" for r in rows)
+    assert wrong == []
+    assert ok_plain >= 70  # pairs of plain answers are still proven (2 x 40 served)

@@ -17,7 +17,7 @@ from .chat.dialect import reasoning_details
 from .evidence import LogprobIds, logprobs_cover
 from .tokenizer import Tokenizer
 
-__all__ = ["CODES", "DEFAULT_SEVERITY", "Finding", "Policy", "SampleView", "ends_turn", "logprobs_fit", "reasoning_counts",
+__all__ = ["CODES", "DEFAULT_SEVERITY", "Finding", "Policy", "SampleView", "ends_turn", "logprobs_fit", "reasoning_count_ways", "reasoning_counts",
            "run_checks", "status_of"]
 
 #: Every finding code with its default severity and what it means.
@@ -129,8 +129,11 @@ class SampleView:
     logged: LogprobIds | None = None
     #: SGLang's ``matched_stop``: stop id or stop string
     matched_stop: int | str | None = None
-    #: ``usage...reasoning_tokens`` for a single-choice response, else None
+    #: ``usage...reasoning_tokens`` (with n > 1 choices, their sum)
     reasoning_tokens: int | None = None
+    #: With n > 1 choices, the sums ``reasoning_tokens`` may take over all the chosen readings
+    #: (:func:`reasoning_count_ways`, each engine's way); None for one choice (its own parts say)
+    reasoning_allowed: frozenset[int] | None = None
     #: (edit, where it was found: "run" or "probe") for this sample's provider
     provider_edits: Sequence[tuple[str, str]] = ()
     #: the provider's count calibration, in words, when one applies
@@ -528,30 +531,37 @@ def logprobs_fit(logged: Sequence[int], parts: Sequence[tuple[str, str]], part_i
 
 def reasoning_counts(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> set[int]:
     """Every value of ``usage.completion_tokens_details.reasoning_tokens`` an engine
-    reports for this completion.
+    reports for this completion (:func:`reasoning_count_ways`)."""
+    return set(reasoning_count_ways(parts, part_ids))
+
+
+def reasoning_count_ways(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """``reasoning_tokens`` as each kind of engine counts this completion: (the reasoning
+    text alone, as OpenRouter-normalised providers count it; SGLang's count).
 
     SGLang (0.5.23, ``Req.update_reasoning_tokens``) counts every output token up to and
     including ``</think>``, and every token (the end token too) when ``</think>`` never
-    came. OpenRouter-normalised providers count the reasoning text alone. vLLM's Kimi
-    parser counts nothing (0), which is no evidence and is not checked.
+    came. vLLM's Kimi parser counts nothing (0), which is no evidence and is not checked.
+    With n > 1 choices an engine reports the sum over them, each counted its one way.
     """
     reasoning = sum(len(ids) for (kind, _), ids in zip(parts, part_ids) if kind == "reasoning")
     before = 0
     for (kind, _), ids in zip(parts, part_ids):
         before += len(ids)
         if kind == "think_end":
-            return {reasoning, before}
-    return {reasoning, sum(len(ids) for ids in part_ids)}
+            return reasoning, before
+    return reasoning, sum(len(ids) for ids in part_ids)
 
 
 def _reasoning_count(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     got = view.reasoning_tokens
     if not got or not view.thinking:
         return
-    allowed = reasoning_counts(view.parts, view.part_ids)
+    allowed = view.reasoning_allowed if view.reasoning_allowed is not None else reasoning_counts(view.parts, view.part_ids)
     if got not in allowed:
+        summed = " summed over the choices" if view.reasoning_allowed is not None else ""
         yield "usage_reasoning_mismatch", (
-            f"usage reasoning_tokens {got}, ours {' or '.join(str(n) for n in sorted(allowed))} "
+            f"usage reasoning_tokens {got}, ours{summed} {' or '.join(str(n) for n in sorted(allowed))} "
             "(reasoning alone, or up to and including </think> as SGLang counts): the reasoning/content "
             "boundary or the reasoning text differs from what the model emitted"
         )

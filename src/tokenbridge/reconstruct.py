@@ -29,7 +29,8 @@ import orjson
 
 from .chat import Dialect, message_reasoning, resolve_dialect
 from .chat.template import TemplateError
-from .checks import Finding, Policy, SampleView, ends_turn, logprobs_fit, reasoning_counts, run_checks, status_of
+from .checks import (Finding, Policy, SampleView, ends_turn, logprobs_fit, reasoning_count_ways, reasoning_counts, run_checks,
+                     status_of)
 from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
 from .exchanges import Exchange, RecordError, loads_line, parse_exchange
 from .hypotheses import Candidate, candidates
@@ -93,6 +94,10 @@ class _Choice:
                 flat += part  # a list's own extend: a copy of pointers, no iterator
         return flat
 
+    def ways(self, k: int) -> tuple[int, int]:
+        """Candidate ``k``'s ``reasoning_tokens`` as each kind of engine counts it."""
+        return reasoning_count_ways(self.cands[k].parts, self.cand_ids[k])
+
     def counted(self, k: int) -> int:
         """How many of candidate ``k``'s ids the provider's usage counts."""
         uncounted = self.end_uncounted and ends_turn(self.cands[k].parts)
@@ -155,10 +160,11 @@ def _reconstruct(
             p.end_uncounted = True
     usage_prompt, usage_completion = _usage_pairs(usage, len(prompt_ids), trait)
     single = len(plans) == 1
-    reasoning = reasoning_tokens(usage) if single else None  # summed over choices otherwise: not checked
+    reasoning = reasoning_tokens(usage)  # with n > 1, summed over the choices
     if any(len(p.cands) > 1 for p in plans):
         _choose(plans, usage_completion, policy, reasoning)
     total_completion = sum(p.counted(p.chosen) for p in plans)
+    summed_reasoning = None if single else _reasoning_sums([p.ways(p.chosen) for p in plans])
     rows = []
     for p in plans:
         parts, part_ids = p.cands[p.chosen].parts, p.cand_ids[p.chosen]
@@ -185,6 +191,7 @@ def _reconstruct(
             logged=p.logged,
             matched_stop=p.stop,
             reasoning_tokens=reasoning,
+            reasoning_allowed=summed_reasoning,
             provider_edits=tuple(zip(trait.edits, trait.edit_sources)) if trait is not None else (),
             calibration=trait.describe() if trait is not None else None,
         )
@@ -338,23 +345,37 @@ def _usage_pairs(usage: Mapping[str, Any] | None, n_prompt: int,
 _MAX_COMBINATIONS = 512
 
 
+def _reasoning_sums(ways: Sequence[tuple[int, int]]) -> frozenset[int]:
+    """What an engine reports as ``reasoning_tokens`` for these choices together: each
+    counted its one way (:func:`~tokenbridge.checks.reasoning_count_ways`), then summed."""
+    return frozenset(sum(w[i] for w in ways) for i in range(2))
+
+
 def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, reasoning: int | None) -> None:
-    """Pick, per choice, the one candidate the evidence proves; record ambiguity."""
+    """Pick, per choice, the one candidate the evidence proves; record ambiguity. With n > 1
+    choices, usage's counts are sums: a combination of readings must fit them together."""
+    single = len(plans) == 1
     options: list[list[int]] = []
     for p in plans:
-        keep = [k for k in range(len(p.cands)) if _fits(p, k, reasoning)]
+        keep = [k for k in range(len(p.cands)) if _fits(p, k, reasoning if single else None)]
         options.append(keep)
-    if usage_completion is not None and policy.usage_tolerance == 0:
+    by_count = usage_completion is not None and policy.usage_tolerance == 0
+    by_reasoning = bool(reasoning) and not single
+    if by_count or by_reasoning:
         sizes = [[plans[c].counted(k) for k in opts] for c, opts in enumerate(options)]
+        ways = [[plans[c].ways(k) for k in opts] for c, opts in enumerate(options)]
         n_combos = 1
         for opts in options:
             n_combos *= max(len(opts), 1)
         if all(options) and n_combos <= _MAX_COMBINATIONS:
             seen: list[set[int]] = [set() for _ in plans]
             for combo in itertools.product(*(range(len(o)) for o in options)):
-                if sum(sizes[c][j] for c, j in enumerate(combo)) == usage_completion:
-                    for c, j in enumerate(combo):
-                        seen[c].add(options[c][j])
+                if by_count and sum(sizes[c][j] for c, j in enumerate(combo)) != usage_completion:
+                    continue
+                if by_reasoning and reasoning not in _reasoning_sums([ways[c][j] for c, j in enumerate(combo)]):
+                    continue
+                for c, j in enumerate(combo):
+                    seen[c].add(options[c][j])
             if not any(seen):  # usage contradicts every reading: the mismatch says so
                 for p, opts in zip(plans, options):
                     p.chosen = 0 if 0 in opts else opts[0]
