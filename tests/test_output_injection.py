@@ -25,8 +25,9 @@ from tokenbridge.rows import RowError, check_row
 HOSTILE = ("\x1b[2J\x1b[H\x1b]0;PWNED\x07\r\x1b[32mall good\x1b[0m"
            "\x1b]8;;http://evil.example/\x1b\\click\x1b]8;;\x1b\\\x1b[1A\x1b[2K\u202eevil\u200b")
 
-#: Bytes a terminal obeys: ESC, BEL, CR, BS, the C1 CSI, the bidi override.
-_OBEYED = re.compile("[\x1b\x07\r\x08\x9b\u202e\u200b]")
+#: What a terminal obeys or hides: ESC, BEL, CR, BS, VT, FF, NEL, the C1 CSI, bidi controls,
+#: zero-width characters, line separators, tag characters.
+_OBEYED = re.compile("[\x1b\x07\r\x08\x0b\x0c\x85\x9b\u202e\u2066\u200b\u2028\U000e0000-\U000e007f]")
 
 
 def _first_record() -> dict:
@@ -43,6 +44,8 @@ def test_printable_escapes_every_control_invisible_and_surrogate_character():
     assert printable("fp8\u200b \u200d\u2060\ufeff\u00ad") == "fp8\\u200b \\u200d\\u2060\\ufeff\\xad"
     assert printable("a\u2028b\u2029c\u202ed") == "a\\u2028b\\u2029c\\u202ed"
     assert printable("x\ud800y") == "x\\ud800y"
+    # what str.isprintable refuses, and invisible letters and marks it passes
+    assert printable("fp8\U000e0041\u00a0\u3164\ufe0f\u034f\u0600") == "fp8\\U000e0041\\xa0\\u3164\\ufe0f\\u034f\\u0600"
     assert printable("é 字 😀 ok [bold]") == "é 字 😀 ok [bold]"  # text is left as it is
 
 
@@ -103,6 +106,8 @@ def test_the_dataset_card_shows_hostile_names_as_table_cells(tmp_path, kimi):
             continue
         rec["dataset"] = "d\n| forged | 999 |"
         rec["response"]["provider"] = f"<img src=x onerror=alert(1)>|x`y`*z*[l](http://e)&amp;{HOSTILE}-{i}"
+        if i == 0:
+            rec["response"]["provider"] = "https://evil.example/login www.evil.example me@evil.example \u202e"
         recs.append(rec)
     src, rows = tmp_path / "ex.jsonl", tmp_path / "rec.jsonl"
     _write(src, *recs)
@@ -115,11 +120,16 @@ def test_the_dataset_card_shows_hostile_names_as_table_cells(tmp_path, kimi):
     assert datasets == [f"| d\\\\n\\| forged \\| 999 \\| | {summary.status['ok']} |"]  # one row, one cell of data
     providers = body.split("| provider | rows |\n| --- | ---: |\n")[1].split("\n\n")[0].splitlines()
     assert len(providers) == summary.status["ok"]
+    links = [row for row in providers if "login" in row]
+    assert links == ["| https\\://evil\\.example/login www\\.evil\\.example me\\@evil\\.example \\\\u202e | 1 |"]
+    providers.remove(links[0])
+    front = card.split("\n---\n", 1)[0]
+    assert not _OBEYED.search(front) and "\\u202e" in front  # the YAML front matter (GitHub renders it) too
     for row in providers:
         cells = re.split(r"(?<!\\)\|", row)
         assert len(cells) == 4, row  # "", name, count, "": no column added
         assert not re.search(r"(?<!\\)[<>`*\[\]&]", row), row  # no Markdown or HTML syntax left bare
-        assert "\\<img src=x onerror=alert(1)\\>\\|x\\`y\\`\\*z\\*\\[l\\](http://e)\\&amp;" in row
+        assert "\\<img src=x onerror=alert(1)\\>\\|x\\`y\\`\\*z\\*\\[l\\](http\\://e)\\&amp;" in row
         assert not _OBEYED.search(row)
 
 
@@ -180,3 +190,30 @@ def test_a_hostile_finding_code_from_disk_leaves_the_report_figures_valid(tmp_pa
         assert b"\x1b" not in svg and b"\x07" not in svg
         ElementTree.fromstring(svg)  # well-formed
     assert not any(_OBEYED.search(str(w.message)) for w in caught)  # matplotlib's glyph warnings echo the text
+
+
+def test_api_words_quoted_in_findings_and_errors_are_text(tmp_path, kimi):
+    """A lone surrogate an API or a request quotes (a template key, an error message) is
+    kept as its escape in the finding or error, so Parquet, the store and the report can
+    write it; a row on disk whose finding holds one is refused by field."""
+    from tokenbridge.generate.classify import _error_message
+
+    assert _error_message({"error": {"message": "upstream \ud800 failed"}}, "") == "upstream \\ud800 failed"
+    rec = _first_record()
+    rec["request"]["chat_template_kwargs"] = {"k\ud800": True}
+    broken = _first_record() | {"id": "no-choices"}
+    broken["response"] = dict(broken["response"], choices=[], error={"message": "upstream \ud800 failed", "code": 502})
+    src = tmp_path / "ex.jsonl"
+    src.write_text(json.dumps(rec) + "\n" + json.dumps(broken) + "\n", encoding="utf-8")
+    summary = reconstruct_file(src, tmp_path / "rec.parquet", kimi, workers=1)  # was UnicodeEncodeError
+    assert summary.rows == 2 and not summary.bad_lines
+    reconstruct_file(src, tmp_path / "rec.jsonl", kimi, workers=1)
+    rows = [json.loads(line) for line in (tmp_path / "rec.jsonl").read_text(encoding="utf-8").splitlines()]
+    messages = [f["message"] for r in rows for f in r["findings"]]
+    assert any("chat_template_kwargs.k\\ud800 is not rendered" in m for m in messages)
+    assert "response has no choices: upstream \\ud800 failed" in messages
+    for part in ("code", "message"):
+        row = dict(rows[0], findings=[{"code": "c", "severity": "warning", "message": "m", part: "x\udc80"}])
+        with pytest.raises(RowError) as err:
+            check_row(row, src, 1)
+        assert f"findings[0].{part}: holds a lone surrogate (U+DC80 at character 1)" in str(err.value)

@@ -9,28 +9,30 @@ control character as a visible escape (``\\x1b``); markup (rich ``[red]``, matpl
 
 from __future__ import annotations
 
-import re
-
 __all__ = ["printable"]
 
-#: C0 and C1 controls, DEL, the bidi marks and embedding/override/isolate controls, the
-#: invisible characters that make two names look alike (zero-width space, joiners, word
-#: joiner, invisible operators, byte-order mark, soft hyphen), the line and paragraph
-#: separators that break a line where none shows, and lone surrogates (not text: they
-#: cannot even be written as UTF-8).
-_UNSAFE = re.compile(
-    "[\x00-\x1f\x7f-\x9f\xad\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff\ud800-\udfff]"
+#: Characters ``str.isprintable`` passes that still show nothing: fillers, the combining
+#: grapheme joiner, variation selectors, Mongolian free variation selectors.
+_INVISIBLE = frozenset(
+    "\u034f\u115f\u1160\u17b4\u17b5\u180b\u180c\u180d\u180f\u3164\uffa0"
+    + "".join(map(chr, range(0xFE00, 0xFE10))) + "".join(map(chr, range(0xE0100, 0xE01F0)))
 )
 
 
-def _escape(m: re.Match[str]) -> str:
-    c = ord(m.group())
-    if c == 0x0A:
+def _escape(c: str) -> str:
+    n = ord(c)
+    if n == 0x0A:
         return "\\n"
-    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 def printable(text: str) -> str:
-    """``text`` with every control, invisible or lone-surrogate character shown as an
-    escape; other text unchanged."""
-    return _UNSAFE.sub(_escape, text)
+    """``text`` with every character that is not plain visible text shown as an escape:
+    controls (C0, C1, DEL), format characters (bidi controls, zero-width characters, tag
+    characters, the byte-order mark, the soft hyphen), line and paragraph separators,
+    spaces other than the ASCII space, lone surrogates, private-use and unassigned code
+    points (everything ``str.isprintable`` refuses), and the invisible letters and marks
+    in :data:`_INVISIBLE`. Other text is unchanged."""
+    if text.isprintable() and _INVISIBLE.isdisjoint(text):
+        return text
+    return "".join(c if c.isprintable() and c not in _INVISIBLE else _escape(c) for c in text)

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import orjson
 
 __all__ = ["MAX_DEPTH", "JsonLineError", "dumps_line", "is_count", "is_int", "iter_lines", "json_text", "loads_line",
-           "not_text", "value_key"]
+           "not_text", "text_of", "value_key"]
 
 
 class JsonLineError(ValueError):
@@ -140,6 +140,14 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 def not_text(value: object) -> str | None:
     """Why a string read from JSON is not text (a lone surrogate, which no UTF-8 output can
     write), or None: for the names every row carries (id, dataset, provider, model)."""
-    if isinstance(value, str) and (m := _LONE_SURROGATE.search(value)):
+    if isinstance(value, str) and not value.isascii() and (m := _LONE_SURROGATE.search(value)):
         return f"holds a lone surrogate (U+{ord(m.group()):04X} at character {m.start()}): not text, and no output can write it"
     return None
+
+
+def text_of(value: str) -> str:
+    """``value`` with each lone surrogate written as its escape (``\\ud800``): text every
+    output can write, for a message quoting an API's words."""
+    if value.isascii() or not _LONE_SURROGATE.search(value):
+        return value
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -302,6 +302,9 @@ def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:  # noq
         if (not isinstance(f, dict) or not isinstance(f.get("code"), str) or f.get("severity") not in SEVERITIES
                 or not isinstance(f.get("message"), str)):
             raise fail(f"findings[{k}]", "must be an object with string code and message, and severity error or warning")
+        for part in ("code", "message"):
+            if why := not_text(f[part]):
+                raise fail(f"findings[{k}].{part}", why)
     for col in _TEXT_COLUMNS:
         value = obj[col]
         if value is not None and not isinstance(value, str):

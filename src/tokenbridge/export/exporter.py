@@ -152,8 +152,9 @@ _LOADING = {
 
 
 #: Characters Markdown reads as syntax inside a table cell (a column, a code span, emphasis,
-#: a link or image, an HTML tag or entity, the escape itself): each gets a backslash.
-_MARKDOWN = re.compile(r"([\\`*_\[\]<>&|~])")
+#: a link or image, an HTML tag or entity, the escape itself), and those GFM's autolinks
+#: start from (``https:``, ``www.``, ``a@b``): each gets a backslash.
+_MARKDOWN = re.compile(r"([\\`*_\[\]<>&|~:.@])")
 
 
 def _cell(name: str) -> str:
@@ -171,6 +172,11 @@ def _card(summary: ExportSummary) -> str:
         meta["configs"] = [{"config_name": "default", "data_files": [{"split": "train", "path": "data/train-*.parquet"}]}]
     stats = summary.to_dict()
     stats.pop("out_dir")
+    for names in ("datasets", "providers"):  # data: shown escaped here too (GitHub renders the front matter)
+        shown: Counter[str] = Counter()
+        for k, v in stats[names].items():
+            shown[printable(k)] += v
+        stats[names] = dict(shown)
     meta["tokenbridge"] = stats
     front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
     lines = [

@@ -41,7 +41,7 @@ import aiohttp
 import orjson
 from aiohttp.http_exceptions import HttpProcessingError
 
-from ..jsonl import is_count, is_int
+from ..jsonl import is_count, is_int, text_of
 from .body import BodyError, check_body
 
 __all__ = ["Outcome", "classify_exception", "classify_response", "parse_retry_after", "RETRY_STATUSES"]
@@ -234,4 +234,6 @@ def _shown(value: Any, n: int = _MAX_MESSAGE, *, as_repr: bool = False) -> str:
 
 
 def _clip(text: str, n: int = _MAX_MESSAGE) -> str:
-    return text if len(text) <= n else text[:n] + "…"
+    """An API's words, kept as a message: clipped, and lone surrogates (JSON can spell one)
+    escaped, so the store, the summary and the report can write it."""
+    return text_of(text if len(text) <= n else text[:n] + "…")

@@ -678,7 +678,8 @@ class Engine:
         if len(self.stats.tracebacks) < _MAX_TRACEBACKS:
             text = scrub("".join(traceback.format_exception(exc)), self.key).rstrip("\n")
             self.stats.tracebacks.append(text)
-            self._log(text)
+            for line in text.split("\n"):  # a notice is one line (each shown escaped): a traceback is many
+                self._log(line)
 
     def _notice(self, message: str) -> None:
         message = scrub(message, self.key)
