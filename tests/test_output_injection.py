@@ -16,7 +16,11 @@ from tokenbridge.display import printable
 from tokenbridge.exit_codes import ExitCode
 from tokenbridge.exchanges import RecordError, parse_exchange
 from tokenbridge.export import export_file
+from tokenbridge.emulator import EmulatorConfig, running_emulator
+from tokenbridge.generate import GenerateSettings, RequestSettings, generate_run
 from tokenbridge.generate.progress import Reporter
+from tokenbridge.generate.secrets import ApiKey
+from tokenbridge.generate.settings import DatasetSpec
 from tokenbridge.reconstruct import reconstruct_file
 from tokenbridge.rows import RowError, check_row
 
@@ -217,3 +221,34 @@ def test_api_words_quoted_in_findings_and_errors_are_text(tmp_path, kimi):
         with pytest.raises(RowError) as err:
             check_row(row, src, 1)
         assert f"findings[0].{part}: holds a lone surrogate (U+DC80 at character 1)" in str(err.value)
+
+
+def test_file_names_that_are_not_utf8_are_shown_escaped(tmp_path, kimi):
+    """A path's bytes need not be UTF-8 (Python holds the others as lone surrogates): the
+    dataset card, report.json, report.html and generate's dry-run name such a file escaped
+    instead of crashing with an internal error."""
+    import os
+
+    from tokenbridge.report import build_report
+
+    odd = os.fsdecode(b"rec\xff")
+    run = tmp_path / (odd + "-run")
+    run.mkdir()
+    reconstruct_file(EXAMPLE_EXCHANGES, run / "reconstructed.jsonl", kimi, workers=1)
+    rows = tmp_path / (odd + ".jsonl")
+    rows.write_bytes((run / "reconstructed.jsonl").read_bytes())
+    export_file(rows, tmp_path / "sf", "specforge")
+    card = (tmp_path / "sf" / "README.md").read_text(encoding="utf-8")
+    assert f"source: {tmp_path}/rec\\udcff.jsonl" in card and f"- Source: `{tmp_path}/rec\\udcff.jsonl`" in card
+    html = build_report(run)
+    assert json.loads((html.parent / "report.json").read_text(encoding="utf-8"))["run_dir"] == str(run)
+    shown = str(run).replace(odd, "rec\\udcff")
+    assert f"<title>tokenbridge report: {shown}</title>" in html.read_text(encoding="utf-8")
+    prompts = tmp_path / (odd + "-prompts.jsonl")
+    prompts.write_text('{"id": "a", "prompt": "hello"}\n', encoding="utf-8")
+    with running_emulator(EmulatorConfig(min_tokens=5, max_tokens=20, slow_s=0.0), tokenizer=kimi) as url:
+        settings = GenerateSettings(datasets=(DatasetSpec("demo", prompts),),
+                                    request=RequestSettings(model="moonshotai/kimi-k2.5", max_tokens=50),
+                                    base_url=url, progress="none")
+        summary = generate_run(settings, tmp_path / "gen", key=ApiKey("X", "sk-test"))
+    assert summary.done == 1 and summary.exit_code == ExitCode.OK  # the store keeps the source's name escaped

@@ -433,9 +433,10 @@ def _write_summary(path: Path | None, data: Mapping[str, object]) -> None:
     if path is None:
         return
     from .fsio import OutputWriteError, write_text
+    from .jsonl import dumps_document
 
     try:
-        write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n", point="summary-json")
+        write_text(path, dumps_document(data), point="summary-json")
     except (OSError, OutputWriteError) as exc:
         _fail(f"--summary-json {path}: {getattr(exc, 'strerror', None) or exc}")
 
@@ -477,9 +478,10 @@ def probe(
     if json_out:
         data = {"model": model, "base_url": base_url, "providers": [r.to_dict() for r in reports]}
         from .fsio import OutputWriteError, write_text
+        from .jsonl import dumps_document
 
         try:
-            write_text(json_out, json.dumps(data, indent=2, ensure_ascii=False) + "\n", point="probe-json")
+            write_text(json_out, dumps_document(data), point="probe-json")
         except (OSError, OutputWriteError) as exc:
             _fail(f"--json {json_out}: {getattr(exc, 'strerror', None) or exc}")
 

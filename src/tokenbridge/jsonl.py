@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import orjson
 
 __all__ = ["MAX_DEPTH", "JsonLineError", "dumps_line", "is_count", "is_int", "iter_lines", "json_text", "loads_line",
-           "not_text", "text_of", "value_key"]
+           "dumps_document", "not_text", "text_of", "value_key"]
 
 
 class JsonLineError(ValueError):
@@ -151,3 +151,10 @@ def text_of(value: str) -> str:
     if value.isascii() or not _LONE_SURROGATE.search(value):
         return value
     return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def dumps_document(value: Any, indent: int = 2) -> str:  # Any: any JSON value
+    """``value`` as a JSON file a person reads (indented, non-ASCII as it is, a final
+    newline), any lone surrogate kept as its ``\\u`` escape: a path with bytes that are
+    not UTF-8, or an API's words, can always be written."""
+    return text_of(json.dumps(value, indent=indent, ensure_ascii=False)) + "\n"

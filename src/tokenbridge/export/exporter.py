@@ -172,6 +172,7 @@ def _card(summary: ExportSummary) -> str:
         meta["configs"] = [{"config_name": "default", "data_files": [{"split": "train", "path": "data/train-*.parquet"}]}]
     stats = summary.to_dict()
     stats.pop("out_dir")
+    stats["source"] = printable(stats["source"])  # a path: its bytes need not be UTF-8
     for names in ("datasets", "providers"):  # data: shown escaped here too (GitHub renders the front matter)
         shown: Counter[str] = Counter()
         for k, v in stats[names].items():
@@ -184,7 +185,7 @@ def _card(summary: ExportSummary) -> str:
         f"# tokenbridge export: {summary.format}", "",
         "Exact target-model token ids rebuilt from API text by tokenbridge. `loss_mask` is 0 over the prompt "
         "and 1 over the whole completion (reasoning, `</think>`, content, tool-call markers, end token).", "",
-        f"- Source: `{summary.source}`",
+        f"- Source: `{printable(summary.source)}`",
         f"- Statuses exported: {'ok + flagged' if summary.include_flagged else 'ok only'} (rejected never)",
         f"- Rows: {summary.rows_exported} exported of {summary.rows_read} read "
         f"(skipped {summary.skipped['flagged']} flagged, {summary.skipped['rejected']} rejected)",
@@ -193,7 +194,7 @@ def _card(summary: ExportSummary) -> str:
         *[f"| {_cell(k)} | {v} |" for k, v in sorted(summary.datasets.items())],
         "", "| provider | rows |", "| --- | ---: |",
         *[f"| {_cell(k)} | {v} |" for k, v in sorted(summary.providers.items())],
-        "", "## Loading", "", _LOADING[summary.format].format(dir=summary.out_dir), "",
+        "", "## Loading", "", _LOADING[summary.format].format(dir=printable(summary.out_dir)), "",
         "Every row carries `id`, `choice`, `dataset`, `provider`, `model`, `status` and `findings`.", "",
     ]
     return "\n".join(lines)

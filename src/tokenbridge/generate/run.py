@@ -33,6 +33,7 @@ from .. import __version__, digests
 from ..digests import Digest, file_identity, read_digest
 from ..exit_codes import ExitCode
 from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, output_file, write_bytes
+from ..jsonl import dumps_document, text_of
 from .budget import Budget
 from .body import BodyError, check_body, one_line
 from .engine import DRAIN_S, Engine, StopReason, WorkItem
@@ -185,7 +186,7 @@ def _load_rows(settings: GenerateSettings, reporter: Reporter) -> tuple[list[_Ro
     if len(loaded.errors) > 20:
         reporter.log(f"... {len(loaded.errors) - 20} more bad rows (all listed in {SUMMARY_FILE})")
     rows = [
-        (s.id, s.dataset, s.source, json.dumps(build_request(s, settings.request), ensure_ascii=False, separators=(",", ":")))
+        (s.id, s.dataset, text_of(s.source), json.dumps(build_request(s, settings.request), ensure_ascii=False, separators=(",", ":")))
         for s in loaded.samples
     ]
     return rows, [str(e) for e in loaded.errors]
@@ -308,7 +309,7 @@ def _write_outputs(out_dir: Path, ids: Sequence[str], summary: RunSummary, repor
         summary.notices.append(f"{out_dir / EXCHANGES_FILE} not rewritten: {exc}")
         summary.exit_code = summary.exit_code or ExitCode.STORE
     try:
-        text = json.dumps(summary.to_dict(), indent=2, ensure_ascii=False) + "\n"
+        text = dumps_document(summary.to_dict())
         write_bytes(out_dir / SUMMARY_FILE, text.encode(), point="generate:summary", mode=PRIVATE_MODE)
     except (OSError, OutputWriteError) as exc:
         summary.notices.append(f"{out_dir / SUMMARY_FILE} not written: {exc}")

@@ -19,9 +19,9 @@ cost and throughput over time. Figures: :mod:`.plots`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ..jsonl import dumps_document
 from .collect import ReportError, RowStats, collect_run
 from .terminal import print_summary
 
@@ -49,7 +49,7 @@ def build_report(run_dir: str | Path, force: bool = False, rows: RowStats | None
     except ImportError as exc:  # pragma: no cover - matplotlib is a dependency
         raise ReportError(f"the report needs matplotlib ({exc})") from None
     with publish_dir(out, point="report", marker=marker("report")) as tmp:
-        (tmp / "report.json").write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        (tmp / "report.json").write_text(dumps_document(data, indent=1), encoding="utf-8")
         kill_point("report:written")
         (tmp / "report.html").write_text(render_html(data, figures), encoding="utf-8")
     return out / "report.html"

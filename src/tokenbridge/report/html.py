@@ -63,8 +63,8 @@ def render_html(data: dict[str, Any], figures: dict[str, str | None]) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>tokenbridge report: {escape(data['run_dir'])}</title><style>{_CSS}</style></head><body>"
-        f"<header><h1>tokenbridge report</h1><p>{escape(data['run_dir'])} · generated {when}</p></header>"
+        f"<title>tokenbridge report: {_text(data['run_dir'])}</title><style>{_CSS}</style></head><body>"
+        f"<header><h1>tokenbridge report</h1><p>{_text(data['run_dir'])} · generated {when}</p></header>"
         f"<nav>{nav}</nav><main>{''.join(body)}</main></body></html>\n"
     )
 
@@ -126,8 +126,8 @@ def _overview(data: dict[str, Any]) -> str:
         f'<div class="card {escape(k) if k in ("ok", "flagged", "rejected") else ""}"><b>{_cell(v)}</b>{escape(k)}</div>'
         for k, v in cards) + "</div>"
     sources = data["sources"]
-    html += (f'<p class="note">reconstructed: {escape(sources["reconstructed"])}; exchanges: '
-             f'{escape(sources["exchanges"] or "not found")}</p>')
+    html += (f'<p class="note">reconstructed: {_text(sources["reconstructed"])}; exchanges: '
+             f'{_text(sources["exchanges"] or "not found")}</p>')
     return _section("overview", rows["total"] > 0, html)
 
 
@@ -165,7 +165,7 @@ def _samples(data: dict[str, Any]) -> str:
     if not data["rows"]["total"]:
         return _section("samples", False, _empty("the reconstructed file has no rows"))
     recon = data["sources"]["reconstructed"]
-    html = (f'<p class="note">Look at one: <code>tokenbridge inspect {escape(recon)} --tokenizer TOKENIZER '
+    html = (f'<p class="note">Look at one: <code>tokenbridge inspect {_text(recon)} --tokenizer TOKENIZER '
             "--id ID</code> (add <code>--choice N</code> where a choice is given). The first ids of each kind, "
             "in file order; report.json holds the same lists.</p>")
     if data["findings"]:
