@@ -28,8 +28,8 @@ from collections.abc import Iterator
 
 import orjson
 
-__all__ = ["MAX_DEPTH", "JsonLineError", "dumps_line", "is_count", "is_int", "iter_lines", "json_text", "loads_line",
-           "dumps_document", "not_text", "text_of", "value_key"]
+__all__ = ["MAX_DEPTH", "JsonLineError", "dumps_document", "dumps_line", "is_count", "is_int", "iter_lines", "json_text",
+           "loads_line", "not_text", "text_of", "value_key"]
 
 
 class JsonLineError(ValueError):
