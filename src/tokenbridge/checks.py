@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
 from .evidence import LogprobIds, logprobs_cover
-from .display import printable
+from .jsonl import text_of
 from .tokenizer import Tokenizer
 
 __all__ = ["CODES", "DEFAULT_SEVERITY", "Finding", "Policy", "SampleView", "ends_turn", "logprobs_fit", "reasoning_count_ways", "reasoning_counts",
@@ -376,7 +376,7 @@ def _template_kwargs(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     if isinstance(top, Mapping) and known is not None:
         for key in sorted(set(top) - known):
             yield "template_kwarg_unknown", (
-                f"chat_template_kwargs.{printable(str(key))} is not rendered by the built-in {view.dialect.name} dialect "
+                f"chat_template_kwargs.{text_of(str(key))} is not rendered by the built-in {view.dialect.name} dialect "
                 f"(it renders {', '.join(sorted(known))})"
             )
         if "preserve_thinking" in known and "preserve_thinking" in top and not isinstance(top["preserve_thinking"], bool):
@@ -386,7 +386,7 @@ def _template_kwargs(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     if isinstance(nested, Mapping):
         for key in sorted(set(nested) - _THINKING_KEYS):
             yield "template_kwarg_unknown", (
-                f"extra_body.chat_template_kwargs.{printable(str(key))} never reaches the prompt renderer "
+                f"extra_body.chat_template_kwargs.{text_of(str(key))} never reaches the prompt renderer "
                 "(only the thinking switch is read there)"
             )
 

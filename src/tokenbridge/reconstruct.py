@@ -33,10 +33,10 @@ from .checks import (Finding, Policy, SampleView, ends_turn, logprobs_fit, reaso
                      status_of)
 from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
 from .exchanges import Exchange, RecordError, loads_line, parse_exchange
+from .jsonl import text_of
 from .hypotheses import Candidate, candidates
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
 from . import fsio, lanes
-from .display import printable
 from .outdir import check_output_file
 from .rows import COLUMNS, JsonlRowSink, ParquetRowSink, encode_lean_row, to_arrow_record, with_derived
 from .tokenizer import EncodeError, Tokenizer, load_tokenizer
@@ -146,7 +146,7 @@ def _reconstruct(
     if not choices:  # an error body: one rejected row that says why
         err = response.get("error")
         detail = err.get("message", err) if isinstance(err, dict) else err
-        finding = Finding("finish_error", policy.severity("finish_error"), f"response has no choices: {printable(str(detail))}")
+        finding = Finding("finish_error", policy.severity("finish_error"), f"response has no choices: {text_of(str(detail))}")
         findings = [finding] if finding.severity != "off" else []
         row = _row(meta, choice=0, prompt_ids=prompt_ids, completion_ids=[], segments=[],
                    findings=[*findings, *prompt_findings], finish_reason=None, reasoning="", content="",
