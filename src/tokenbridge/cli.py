@@ -429,16 +429,19 @@ _GENERATE_FLAGS = {
 }
 
 
-def _write_summary(path: Path | None, data: Mapping[str, object]) -> None:
+def _write_summary(path: Path | None, data: Mapping[str, object], flag: str = "--summary-json",
+                   point: str = "summary-json") -> None:
+    """Write a command's JSON document where its ``flag`` says (atomic); a failure is the
+    command's one error line, naming the flag and the path."""
     if path is None:
         return
     from .fsio import OutputWriteError, write_text
     from .jsonl import dumps_document
 
     try:
-        write_text(path, dumps_document(data), point="summary-json")
+        write_text(path, dumps_document(data), point=point)
     except (OSError, OutputWriteError) as exc:
-        _fail(f"--summary-json {path}: {getattr(exc, 'strerror', None) or exc}")
+        _fail(f"{flag} {path}: {getattr(exc, 'strerror', None) or exc}")
 
 
 @app.command()
@@ -477,13 +480,7 @@ def probe(
     Console(highlight=False).print(render_profiles(reports))
     if json_out:
         data = {"model": model, "base_url": base_url, "providers": [r.to_dict() for r in reports]}
-        from .fsio import OutputWriteError, write_text
-        from .jsonl import dumps_document
-
-        try:
-            write_text(json_out, dumps_document(data), point="probe-json")
-        except (OSError, OutputWriteError) as exc:
-            _fail(f"--json {json_out}: {getattr(exc, 'strerror', None) or exc}")
+        _write_summary(json_out, data, "--json", "probe-json")
 
 
 # --- emulator --------------------------------------------------------------------------
