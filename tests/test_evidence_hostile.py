@@ -66,7 +66,7 @@ def test_logprobs_that_are_not_an_object_are_unreadable_not_taken_for_none(kimi)
         assert logprob_ids(kimi, {"logprobs": value}) == LogprobIds(None, problem)
     for value in (None, {}, {"content": None}, False, []):
         assert logprob_ids(kimi, {"logprobs": value}) is None  # nothing was logged
-    for tail in ("9" * 5000, "²", "１２"):
+    for tail in ("9" * 5000, "²", "１２", "-5", str(kimi.vocab_size), str(2**32)):
         found = logprob_ids(kimi, {"logprobs": {"content": [{"token": "token_id:" + tail}]}})
         assert found is not None and found.ids is None and "names no id of this tokenizer" in (found.problem or "")
     _, rec = _base(kimi)

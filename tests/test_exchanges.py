@@ -68,6 +68,16 @@ CASES = [
     (_bad("native_ids", {"a": 1}), "native_ids.a", "unknown key: native_ids holds prompt and choices"),
     (_bad("native_ids", {"choices": {"0": [1]}}), "native_ids.choices",
      "must be a list (one id list or null per choice)"),
+    # ids no tokenizer can have: tiktoken raised OverflowError on them (exit 8, nothing written)
+    (_bad("response.prompt_token_ids", [1, -5]), "response.prompt_token_ids",
+     "item 1 is -5: a token id is an integer from 0 to 4294967295"),
+    (_bad("response.choices.0.token_ids", [2**32]), "response.choices[0].token_ids",
+     "item 0 is 4294967296: a token id is an integer from 0 to 4294967295"),
+    (_bad("native_ids", [3, 10**30]), "native_ids", "item 1 is a 100-bit integer: a token id is an integer from 0 to 4294967295"),
+    (_bad("native_ids", {"prompt": [-2**70]}), "native_ids.prompt",
+     "item 0 is a negative 71-bit integer: a token id is an integer from 0 to 4294967295"),
+    (_bad("native_ids", {"choices": [[7, -1]]}), "native_ids.choices[0]",
+     "item 1 is -1: a token id is an integer from 0 to 4294967295"),
 ]
 
 
@@ -97,3 +107,11 @@ def test_native_ids_of_the_record_win_over_the_response():
     with pytest.raises(RecordError, match="must be an object or null, got str") as caught:
         parse_exchange({**rec, "meta": "not an object"})  # said, not taken for no meta
     assert caught.value.field == "meta"
+
+
+def test_every_id_a_tokenizer_could_hold_is_taken():
+    """The range is what an id can be (0 to 2**32 - 1); whether this tokenizer has it is the gate's question."""
+    rec = copy.deepcopy(GOOD)
+    rec["native_ids"] = {"prompt": [0, 2**32 - 1], "choices": [[200000]]}
+    ex = parse_exchange(rec)
+    assert (ex.native_prompt, ex.native_choices) == ([0, 2**32 - 1], [[200000]])

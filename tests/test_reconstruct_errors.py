@@ -160,3 +160,40 @@ def test_a_bugs_traceback_never_shows_a_key_read_under_a_name_of_the_users(tmp_p
     assert proc.returncode == ExitCode.INTERNAL
     assert "bug holding ***" in proc.stderr
     assert key not in proc.stderr + proc.stdout and key[9:] not in proc.stderr
+
+
+def test_ground_truth_ids_no_tokenizer_has_are_a_bad_line_and_one_this_tokenizer_lacks_rejects_the_row(tmp_path, kimi):
+    """A negative or >= 2**32 id (tiktoken's OverflowError: exit 8, nothing written) is a
+    malformed id list, a bad line naming the field. An id outside Kimi's vocabulary
+    (tiktoken's KeyError) is evidence against the tokenizer: the row is rejected, by
+    ``native_mismatch``. The file's other records are written either way."""
+    good = _record("a", [USER])
+    neg = _record("b", [USER], prompt_token_ids=[-5])
+    big = _record("c", [USER])
+    big["response"]["choices"][0]["token_ids"] = [2**40]
+    oov = _record("d", [USER])
+    oov["native_ids"] = {"choices": [[12, kimi.vocab_size]]}
+    src = _write(tmp_path / "in.jsonl", [good, neg, big, oov, _record("e", [USER])])
+    summary = reconstruct_file(src, tmp_path / "out.jsonl", KIMI_DIR, workers=1)
+    assert [(b.line, b.field, b.message) for b in summary.bad_lines] == [
+        (2, "response.prompt_token_ids", "item 0 is -5: a token id is an integer from 0 to 4294967295"),
+        (3, "response.choices[0].token_ids", "item 0 is 1099511627776: a token id is an integer from 0 to 4294967295"),
+    ]
+    rows = {r["id"]: r for r in _rows(tmp_path / "out.jsonl")}
+    assert list(rows) == ["a", "d", "e"]
+    assert rows["d"]["status"] == "rejected"
+    assert [(f["code"], f["message"]) for f in rows["d"]["findings"] if f["code"] != "usage_missing"] == [(
+        "native_mismatch", "completion: native id 163840 at 1 is no token of this tokenizer (kimi-k2.5, ids 0 to 163839): "
+        "the ground truth contradicts the tokenizer")]
+
+
+def test_cli_names_a_malformed_id_list_and_exits_1_not_8(tmp_path):
+    from typer.testing import CliRunner
+
+    from tokenbridge.cli import app
+
+    src = _write(tmp_path / "in.jsonl", [_record("a", [USER]), {**_record("b", [USER]), "native_ids": [1, -1]}])
+    result = CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(tmp_path / "out.jsonl"), "--tokenizer", str(KIMI_DIR)])
+    assert result.exit_code == ExitCode.INCOMPLETE == 1, result.output
+    assert f"bad record: {src}:2: native_ids: item 1 is -1: a token id is an integer from 0 to 4294967295" in result.output
+    assert [r["id"] for r in _rows(tmp_path / "out.jsonl")] == ["a"]

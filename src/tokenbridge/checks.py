@@ -503,6 +503,13 @@ def _native(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     ):
         if native is None or list(ours) == list(native):
             continue
+        unknown = tok.unknown_id(native)
+        if unknown is not None:  # the ground truth names an id this tokenizer lacks: not this model's tokenizer
+            yield "native_mismatch", (
+                f"{what}: native id {unknown[1]} at {unknown[0]} is no token of this tokenizer "
+                f"({tok.name}, ids 0 to {tok.vocab_size - 1}): the ground truth contradicts the tokenizer"
+            )
+            continue
         n = next((i for i, (a, b) in enumerate(zip(ours, native)) if a != b), min(len(ours), len(native)))
         same_text = tok.decode_bytes(native) == tok.decode_bytes(ours)
         a = ours[n] if n < len(ours) else None

@@ -94,7 +94,7 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
         token = entry.get("token")
         if isinstance(token, str) and token.startswith("token_id:"):
             tail = token[len("token_id:"):]
-            if tail.isascii() and tail.isdigit() and len(tail) <= 12 and int(tail) < tok.vocab_size:
+            if tail.isascii() and tail.isdigit() and len(tail) <= 12 and tok.has_id(int(tail)):
                 out.append(int(tail))
                 continue
             return LogprobIds(None, f"logprobs.content[{pos}].token {token[:40]!r} names no id of this tokenizer")

@@ -90,9 +90,20 @@ def _check_details(details: Any, field: str) -> None:
             raise RecordError(f"{field}[{k}].index", "must be an integer")
 
 
+#: One past the largest token id any tokenizer can have: engines and tokenizers hold ids
+#: as unsigned 32-bit integers, so a larger (or negative) one is no id at all.
+ID_LIMIT = 2**32
+
+
 def _int_list(value: Any, field: str) -> list[int]:
+    """A list of token ids from the API: integers in ``[0, 2**32)``. Whether each id is in
+    this tokenizer's vocabulary is the gate's question (``native_mismatch``), not a shape error."""
     if not isinstance(value, list) or not all(is_int(i) for i in value):
         raise RecordError(field, "must be a list of integers")
+    if value and (min(value) < 0 or max(value) >= ID_LIMIT):
+        pos, bad = next((k, i) for k, i in enumerate(value) if not 0 <= i < ID_LIMIT)
+        shown = str(bad) if bad.bit_length() <= 64 else f"a {'negative ' if bad < 0 else ''}{bad.bit_length()}-bit integer"
+        raise RecordError(field, f"item {pos} is {shown}: a token id is an integer from 0 to {ID_LIMIT - 1}")
     return value
 
 

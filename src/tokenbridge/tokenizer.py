@@ -173,6 +173,32 @@ class Tokenizer:
         that has none (a hole in the id space)."""
         return self._piece(token_id)
 
+    def has_id(self, token_id: int) -> bool:
+        """Whether ``token_id`` names a token of this tokenizer (in range, not a hole)."""
+        if not 0 <= token_id < self.vocab_size:
+            return False
+        try:
+            self._piece(token_id)
+        except KeyError:
+            return False
+        return True
+
+    def unknown_id(self, ids: Sequence[int]) -> tuple[int, int] | None:
+        """(position, id) of the first id that names no token of this tokenizer, or None.
+
+        Ids from an API (ground truth, logprobs) may be out of range or a hole; ``decode``
+        would raise on one. The whole list is decoded first, so a known list costs one decode."""
+        if not ids:
+            return None
+        if min(ids) >= 0 and max(ids) < self.vocab_size:
+            try:
+                self._decode_bytes(ids)
+            except KeyError:
+                pass
+            else:
+                return None
+        return next(((k, i) for k, i in enumerate(ids) if not self.has_id(i)), None)
+
     def token_id(self, marker: str) -> int:
         """The id of a marker token such as ``"</think>"``; KeyError if absent."""
         return self.markers[marker]
