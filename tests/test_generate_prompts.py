@@ -249,6 +249,38 @@ def test_a_lone_surrogate_is_a_bad_row_naming_its_field(tmp_path):
     assert loaded.errors[0].message == "lone surrogate '\\ud800' at character 5: not valid UTF-8"
 
 
+def test_what_a_json_text_field_decodes_to_is_checked_too(tmp_path):
+    """``messages`` / ``tools`` stored as JSON text (as Parquet datasets do): a ``\\ud800``
+    escape inside that text decodes to a lone surrogate, which the store could not encode
+    (exit 8, after the dry run had passed it). What is decoded is what is checked."""
+    f = tmp_path / "s.jsonl"
+    f.write_text(
+        json.dumps({"id": 1, "messages": json.dumps([{"role": "user", "content": "fine \ud83d\ude00"}])}) + "\n"
+        + json.dumps({"id": 2, "messages": '[{"role": "user", "content": "x\\ud800"}]'}) + "\n"
+        + json.dumps({"id": 3, "prompt": "p", "tools": '[{"type": "function", "function": {"name": "\\udc00"}}]'}) + "\n"
+        + json.dumps({"id": 4, "prompt": "p", "tools": "[" + "1" * 5000 + "]"}) + "\n",
+        encoding="utf-8",
+    )
+    loaded = load_prompts([_spec(f)])
+    assert [s.id for s in loaded.samples] == ["b3-1"]
+    assert loaded.samples[0].messages[0]["content"] == "fine \U0001F600"
+    assert [str(e) for e in loaded.errors] == [
+        f"{f}: line 2: field 'messages[0].content': lone surrogate '\\ud800' at character 1: not valid UTF-8",
+        f"{f}: line 3: field 'tools[0].function.name': lone surrogate '\\udc00' at character 0: not valid UTF-8",
+        f"{f}: line 4: field 'tools': not valid JSON: a number of more than 4300 digits",
+    ]
+
+
+def test_a_number_longer_than_python_reads_is_a_bad_line_not_a_crash(tmp_path):
+    """``json.loads`` raises a plain ValueError (not JSONDecodeError) past 4300 digits: it
+    went uncaught, exit 8 even for ``--dry-run``."""
+    f = tmp_path / "n.jsonl"
+    f.write_text('{"id": 1, "prompt": "a"}\n{"id": ' + "1" * 5000 + ', "prompt": "b"}\n', encoding="utf-8")
+    loaded = load_prompts([_spec(f)])
+    assert [s.id for s in loaded.samples] == ["b3-1"]
+    assert [str(e) for e in loaded.errors] == [f"{f}: line 2: field '<line>': not valid JSON: a number of more than 4300 digits"]
+
+
 def test_row_id_already_prefixed_by_the_dataset_is_kept(tmp_path):
     path = _write_jsonl(tmp_path / "chat.jsonl", [{"id": "chat-001", "prompt": "a"}, {"id": "sg-001", "prompt": "b"},
                                                   {"id": "chatty", "prompt": "c"}])

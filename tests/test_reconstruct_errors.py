@@ -197,3 +197,16 @@ def test_cli_names_a_malformed_id_list_and_exits_1_not_8(tmp_path):
     assert result.exit_code == ExitCode.INCOMPLETE == 1, result.output
     assert f"bad record: {src}:2: native_ids: item 1 is -1: a token id is an integer from 0 to 4294967295" in result.output
     assert [r["id"] for r in _rows(tmp_path / "out.jsonl")] == ["a"]
+
+
+def test_a_number_longer_than_python_reads_is_a_bad_line(tmp_path):
+    """Past 4300 digits ``json.loads`` raises a plain ValueError (orjson refuses it first):
+    it was an internal error (exit 8) with nothing written; it is the line's fault."""
+    src = tmp_path / "in.jsonl"
+    good = json.dumps(_record("a", [USER]))
+    src.write_text(good + "\n" + good.replace('"a"', '"b"').replace("{", '{"x": ' + "9" * 5000 + ", ", 1) + "\n",
+                   encoding="utf-8")
+    summary = reconstruct_file(src, tmp_path / "out.jsonl", KIMI_DIR, workers=1)
+    assert [(b.line, b.field, b.message) for b in summary.bad_lines] == [
+        (2, "<line>", "not valid JSON (a number of more than 4300 digits)")]
+    assert [r["id"] for r in _rows(tmp_path / "out.jsonl")] == ["a"]

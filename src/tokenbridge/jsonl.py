@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any, TypeGuard
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from collections.abc import Iterator
 import orjson
 
 __all__ = ["MAX_DEPTH", "JsonLineError", "dumps_document", "dumps_line", "is_count", "is_int", "iter_lines", "json_text",
-           "loads_line", "not_text", "text_of", "value_key"]
+           "loads_line", "not_text", "number_too_long", "text_of", "value_key"]
 
 
 class JsonLineError(ValueError):
@@ -61,6 +62,17 @@ def loads_line(line: str | bytes) -> Any:
         raise JsonLineError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     except RecursionError:  # orjson stops at 1024 levels, the stdlib at Python's stack
         raise JsonLineError(f"nested more than {MAX_DEPTH} levels deep") from None
+    except ValueError as exc:  # Python's int-string limit: a ValueError, not a JSONDecodeError
+        raise JsonLineError(f"not valid JSON ({number_too_long(exc)})") from None
+
+
+def number_too_long(exc: ValueError) -> str:
+    """What ``json.loads``'s other ValueError means: a number of more digits than Python
+    converts (``sys.get_int_max_str_digits``; orjson refuses it too). Said as a fault of
+    the line, which it is, not as the interpreter's advice to raise the limit."""
+    if "integer string conversion" in str(exc):
+        return f"a number of more than {sys.get_int_max_str_digits()} digits"
+    return str(exc)
 
 
 def dumps_line(obj: Any) -> bytes:  # Any: any JSON value

@@ -12,7 +12,9 @@ already starts ``<dataset>-``), or ``<dataset>-<content hash>`` when the row has
 (a repeated hash gets ``~2``, ``~3``... in row order).
 Ids are unique over all datasets of a load: a row whose id is already taken (``a`` row
 ``x-1`` and ``a-x`` row ``1`` are both ``a-x-1``) is a bad row naming both places, and the
-first one is kept. A string with a lone surrogate (``"\\ud800"`` in JSON) is a bad row.
+first one is kept. A string with a lone surrogate (``"\\ud800"`` in JSON) is a bad row,
+also inside ``messages`` or ``tools`` stored as JSON text (checked as decoded). A line
+with a number of more digits than Python reads (4300) is a bad line, not a crash.
 
 A bad row never stops the load: it becomes a :class:`RowError` naming file, line (or row
 index) and field, and the other rows go on. What is sent must be plain JSON: strings,
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Container, Iterable, Iterator
 
+from ..jsonl import number_too_long
 from .errors import GenerateError
 from .settings import DatasetSpec
 
@@ -159,10 +162,7 @@ def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:  # n
     tools = row.get("tools")
     if tools is not None:
         if isinstance(tools, str):  # parquet/arrow datasets often store tools as a JSON string
-            try:
-                tools = json.loads(tools)
-            except json.JSONDecodeError as exc:
-                raise _BadRow("tools", f"not valid JSON: {exc.msg}") from None
+            tools = _json_field(tools, "tools")
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise _BadRow("tools", "must be a list of tool objects")
         _check_plain_json(tools, "tools")
@@ -224,6 +224,24 @@ def _check_utf8(value: Any, path: str) -> None:
             _check_utf8(v, f"{path}.{k}")
 
 
+def _json_field(text: str, path: str) -> Any:
+    """A field a dataset stores as JSON text (``messages``, ``tools``), decoded. What is
+    decoded is what is sent, so a ``\\ud800`` escape inside that text is checked here: the
+    row's own surrogate check only sees the outer string, which is plain ASCII."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _BadRow(path, f"not valid JSON: {exc.msg}") from None
+    except ValueError as exc:  # Python's int-string limit: a number of thousands of digits
+        raise _BadRow(path, f"not valid JSON: {number_too_long(exc)}") from None
+    except RecursionError:
+        raise _BadRow(path, "not valid JSON: nested too deep") from None
+    if _SURROGATE_ESCAPE.search(text.encode("utf-8", "surrogatepass")):
+        _check_plain_json(value, path)  # bounded depth first: _check_utf8 recurses
+        _check_utf8(value, path)
+    return value
+
+
 def _check_plain_json(value: Any, path: str) -> None:
     """Plain JSON at most MAX_DEPTH deep (iterative: a 100k-deep row must not blow the stack)."""
     stack: list[tuple[Any, str, int]] = [(value, path, 0)]
@@ -256,10 +274,7 @@ def content_hash(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | N
 
 def _openai_messages(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise _BadRow("messages", f"not valid JSON: {exc.msg}") from None
+        value = _json_field(value, "messages")
     if not isinstance(value, list) or not value:
         raise _BadRow("messages", "must be a non-empty list of messages")
     out = []
@@ -374,6 +389,8 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, Any]]:
                 row = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 row = _Unparsable(getattr(exc, "msg", str(exc)))
+            except ValueError as exc:  # the int-string limit: ValueError, not JSONDecodeError
+                row = _Unparsable(number_too_long(exc))
             except RecursionError:
                 row = _Unparsable("nested too deep")
             else:
