@@ -247,3 +247,23 @@ def test_tokenizer_files_are_part_of_the_fingerprint(tmp_path, kimi_dir):
     before = _tokenizer_identity(str(folder))
     (folder / "chat_template.jinja").write_text("{{ messages }}")
     assert _tokenizer_identity(str(folder)) != before
+
+
+def test_a_config_in_a_subfolder_reads_its_own_dataset_not_a_double_joined_one(tmp_path, kimi_dir, monkeypatch):
+    """``run sub/run.toml`` from ``sub``'s parent with ``path = "data.jsonl"``: the path is
+    ``sub/data.jsonl``, joined once. Joined twice it was ``sub/sub/data.jsonl``: "does not
+    exist", or, as here, a decoy sitting there was sent instead, silently."""
+    sub = tmp_path / "sub"
+    (sub / "sub").mkdir(parents=True)
+    (sub / "data.jsonl").write_text('{"id": "real", "prompt": "q-real"}\n', encoding="utf-8")
+    (sub / "sub" / "data.jsonl").write_text('{"id": "decoy", "prompt": "q-decoy"}\n', encoding="utf-8")
+    (sub / "run.toml").write_text(
+        f'[run]\nout = "out"\ntokenizer = "{kimi_dir}"\n[emulator]\nlatency_ms = 0\n'
+        f'[generate]\nmodel = "{MODEL}"\nmax_tokens = 32\nprogress = "none"\n'
+        'datasets = [{ name = "p", path = "data.jsonl" }]\n[export]\nformats = ["parquet"]\n[report]\nenabled = false\n',
+        encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["run", "sub/run.toml"])
+    assert res.exit_code == 0, res.output
+    assert [e["id"] for e in read_jsonl(sub / "out" / "exchanges.jsonl")] == ["p-real"]
+    assert read_jsonl(sub / "out" / "exchanges.jsonl")[0]["request"]["messages"][-1]["content"] == "q-real"

@@ -233,7 +233,7 @@ def _generate_stage(cfg: RunConfig, tok: Tokenizer, echo: Callable[[str], None])
     from .generate.outcome import describe_run
 
     out = cfg.out
-    settings = settings_from_mapping(cfg.generate, source=str(cfg.source), base_dir=cfg.source.parent)
+    settings = settings_from_mapping(cfg.generate, source=str(cfg.source))  # paths joined by load_run_config
     context = running_emulator(_emulator_config(cfg), tokenizer=tok) if cfg.use_emulator else nullcontext(None)
     with context as url:
         if url is not None:

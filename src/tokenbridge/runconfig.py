@@ -55,7 +55,7 @@ class RunConfig:
     out: Path
     tokenizer: str
     dialect: str | None
-    generate: Mapping[str, Any]
+    generate: Mapping[str, Any]  # [generate], its paths (datasets, tokenizer) joined to the config's folder
     use_emulator: bool
     emulator: Path | None
     emulator_overrides: Mapping[str, Any]
@@ -200,7 +200,11 @@ def _check_generate(
     data: Mapping[str, Any], where: Where, base: Path, tokenizer: str, problems: list[str]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """[generate] by the generate schema (the run's tokenizer by default), plus what only
-    ``run`` needs: a model, at least one dataset, and dataset paths that exist."""
+    ``run`` needs: a model, at least one dataset, and dataset paths that exist.
+
+    The paths returned (datasets, tokenizer) are joined to the config's folder here, once:
+    ``run`` reads them as they are, since joining again found ``sub/sub/data.jsonl`` for
+    ``sub/run.toml`` (or silently another file that happened to sit there)."""
     from .generate.settings import settings_problems
 
     section = data.get("generate", {})
@@ -217,6 +221,8 @@ def _check_generate(
         for i, spec in enumerate(settings.datasets):
             if not spec.path.exists():
                 problems.append(where.problem(("generate", "datasets", i, "path"), f"no such file or folder: {spec.path}"))
+    if settings.tokenizer is not None:
+        gen["tokenizer"] = settings.tokenizer
     datasets = [
         {"name": d.name, "path": str(d.path), **({"limit": d.limit} if d.limit is not None else {}),
          **({"split": d.split} if d.split else {})}
