@@ -326,6 +326,77 @@ def test_generate_flags_override_the_file(tmp_path):
     assert s.concurrency == 7 and s.request.max_tokens == 10 and s.request.model == "m"
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    # nan was sent as "x":NaN and written into exchanges.jsonl, which is then not JSON
+    ("extra_body = {x = nan}", "1: extra_body: x: must be a finite number, got nan (a request holding it is not JSON)"),
+    ("[request]\nextra_body = {a = {b = [1, -inf]}}",
+     "3: request.extra_body: a.b[1]: must be a finite number, got -inf (a request holding it is not JSON)"),
+    ("[request]\nextra_body = {when = 2024-01-01}", "3: request.extra_body: when: a date is not a JSON value"),
+    # each replaced what tokenbridge builds, for every sample and silently
+    ("extra_body = {messages = 'hijack'}", "1: extra_body: messages: tokenbridge sets this itself (from each prompt row)"),
+    ("extra_body = {model = 5, n = 9}", "1: extra_body: model: tokenbridge sets this itself (from model); "
+     "n: tokenbridge sets this itself (from request.n, which is checked)"),
+    ("extra_body = {stream = true}",
+     "1: extra_body: stream: tokenbridge sets this itself (with stream = true (--stream), when sending)"),
+    ("extra_body = {reasoning = 'high'}", "1: extra_body: reasoning: must be a table (it is merged into the request's reasoning)"),
+    # refused by aiohttp only when sending: every sample failed its attempts one by one
+    ('[headers]\n"X-Title" = "a\\r\\nX-Injected: 1"',
+     "2: headers: header X-Title: value holds a control character (U+000D at character 1): it cannot be sent in an HTTP header"),
+    ('headers = {"X Title" = "ab"}', "1: headers: header name 'X Title' is not an HTTP field name "
+     "(letters, digits and !#$%&'*+-.^_`|~; no space, colon or control character)"),
+    # the top-level model lost to [request]'s without a word
+    ('[request]\nmodel = "other"', "1: model: also set as request.model; set it in one place"),
+], ids=["nan", "nested-inf", "date", "messages", "model-and-n", "stream", "reasoning-string", "header-crlf",
+        "header-name", "model-twice"])
+def test_generate_config_refuses_what_could_not_be_sent_as_meant(tmp_path, text, message):
+    path = _write(tmp_path, 'model = "m"\n' + text + "\n" if text.startswith("[") else text + '\nmodel = "m"\n', "gen.toml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}:{message}"
+
+
+def test_extra_body_keys_tokenbridge_does_not_own_still_pass_and_merge(tmp_path):
+    path = _write(tmp_path, 'model = "m"\nheaders = {"X-Title" = "caf\u00e9"}\n[request]\nextra_body = { '
+                  'return_token_ids = true, provider = { sort = "price" }, reasoning = { max_tokens = 50 }, x = 1.5 }\n',
+                  "gen.toml")
+    s = load_config(path)
+    assert dict(s.request.extra_body) == {"return_token_ids": True, "provider": {"sort": "price"},
+                                          "reasoning": {"max_tokens": 50}, "x": 1.5}
+    assert s.headers == {"X-Title": "caf\u00e9"}  # sent as UTF-8 (obs-text): not refused
+
+
+def test_a_header_built_in_python_is_checked_too():
+    with pytest.raises(ConfigError, match="header X-T: value holds a control character"):
+        GenerateSettings(headers={"X-T": "a\nb"})
+    with pytest.raises(ConfigError, match=r"extra_body: messages: tokenbridge sets this itself"):
+        GenerateSettings().with_overrides(request={"extra_body": {"messages": []}})
+
+
+def test_run_config_refuses_a_non_finite_extra_body_value(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), "max_tokens = 64", "max_tokens = 64\nextra_body = { x = nan }")
+    assert _run_errors(_write(tmp_path, text)) == [
+        f"{tmp_path / 'run.toml'}:{_line(text, 'extra_body')}: generate.extra_body: x: must be a finite number, got nan "
+        "(a request holding it is not JSON)"]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key", ["sk-or-v1-0123456789\r\nX-Injected: 1", "sk-or-v1-01234\x01" + "ab" * 10])
+def test_an_api_key_with_a_control_character_is_refused_before_anything_is_sent(tmp_path, key):
+    """aiohttp refused it per request (each sample failed its attempts); now one line,
+    exit 2, naming the variable and never the key."""
+    prompts = _write(tmp_path, json.dumps({"prompt": "hi"}) + "\n", "p.jsonl")
+    res = CliRunner().invoke(app, ["generate", str(prompts), "--out", str(tmp_path / "run"), "--model", "m",
+                                   "--base-url", "http://127.0.0.1:9/v1", "--api-key-env", "TB_TEST_KEY", "--max-attempts", "1"],
+                             env={"TB_TEST_KEY": key})
+    assert res.exit_code == ExitCode.CONFIG, res.output
+    code = ord(key.strip()[key.strip().index(next(c for c in key.strip() if ord(c) < 32))])
+    at = key.strip().index(chr(code))
+    assert res.output.strip().splitlines() == [f"error: the API key in $TB_TEST_KEY holds a control character "
+                                               f"(U+{code:04X} at character {at}): it cannot be sent in an HTTP header"]
+    assert key.strip()[:12] not in res.output
+    assert not (tmp_path / "run").exists()
+
+
 # --- emulator config and flags ---------------------------------------------------------------
 
 

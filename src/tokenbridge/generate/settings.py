@@ -18,12 +18,15 @@ whenever settings are built (file, flags, ``with_overrides`` or Python): ``base_
 must be ``http(s)://host[:port]/path`` without user info, query or fragment
 (``/chat/completions`` is appended to it), and ``headers`` may not carry a credential
 (any name containing auth, key, token, secret, cookie, passw, session or credential:
-the key comes only from ``api_key_env``).
+the key comes only from ``api_key_env``), a name that is no HTTP field name or a value
+with a control character. ``extra_body`` may not set a key tokenbridge sets itself and
+must be JSON; a request field both at the top level and under ``[request]`` is refused.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
@@ -50,7 +53,7 @@ from ..schema import (
     read_mapping,
     validate,
 )
-from ..jsonl import is_int
+from ..jsonl import MAX_DEPTH, is_int, not_text
 from .errors import GenerateError
 
 __all__ = [
@@ -59,6 +62,7 @@ __all__ = [
     "GenerateSettings",
     "Prices",
     "RequestSettings",
+    "api_key_problem",
     "check_base_url",
     "check_headers",
     "endpoint_identity",
@@ -106,7 +110,38 @@ def _headers_problem(headers: Any) -> str | None:
     bad = sorted(str(k) for k in headers if _CREDENTIAL_HEADER.search(str(k)))
     if bad:
         return f"header(s) {bad} look like credentials and are refused (the key comes only from api_key_env)"
+    for name, value in headers.items():
+        if not isinstance(name, str) or not _HTTP_TOKEN.match(name):
+            return (f"header name {name!r} is not an HTTP field name (letters, digits and !#$%&'*+-.^_`|~; "
+                    "no space, colon or control character)")
+        if isinstance(value, str) and (why := _header_text_problem(value)):
+            return f"header {name}: value {why}"
     return None
+
+
+#: An HTTP field name (RFC 9110 ``token``).
+_HTTP_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+#: What an HTTP field value may not hold (RFC 9110): C0 controls but tab, and DEL. A CR or
+#: LF would end the header and start another; aiohttp refuses it only when sending.
+_HEADER_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f\ud800-\udfff]")
+
+
+def _header_text_problem(value: str) -> str | None:
+    """Why ``value`` cannot be sent in an HTTP header, naming the place, never the text
+    (the API key is one such value)."""
+    m = _HEADER_CONTROL.search(value)
+    if m is None:
+        return None
+    char = m.group()
+    what = "a lone surrogate (bytes that are not UTF-8)" if "\ud800" <= char <= "\udfff" else "a control character"
+    return f"holds {what} (U+{ord(char):04X} at character {m.start()}): it cannot be sent in an HTTP header"
+
+
+def api_key_problem(value: str) -> str | None:
+    """Why a key read from the environment cannot be sent (``Authorization: Bearer KEY``),
+    checked before anything is sent: aiohttp refused a CR or LF in it only per request, so
+    every sample failed its attempts one by one. The message never shows the key."""
+    return _header_text_problem(value)
 
 
 def check_base_url(url: Any, where: str = "settings") -> str:
@@ -137,6 +172,61 @@ def _valid_headers(headers: Mapping[str, str]) -> Mapping[str, str]:
     if problem:
         raise ValueError(problem)
     return headers
+
+
+#: Body keys tokenbridge sets itself, which ``extra_body`` would replace for every
+#: sample, and where each is set instead. ``reasoning`` and ``provider`` tables merge.
+_BODY_OWN_KEYS = {
+    "messages": "from each prompt row",
+    "tools": "from each prompt row, with send_tools = true",
+    "model": "from model",
+    **{key: f"from request.{key}, which is checked" for key in ("max_tokens", "temperature", "top_p", "seed", "n")},
+    "stream": "with stream = true (--stream), when sending",
+    "usage": "as {include: true}, which costs and the budget need",
+}
+
+
+def _valid_extra_body(extra: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``extra_body`` is merged into every request body: its keys may not replace what
+    tokenbridge sets (``messages = "hijack"`` replaced every prompt, silently), and what it
+    holds must be JSON (a ``nan`` was sent as ``NaN`` and written into exchanges.jsonl)."""
+    own = [key for key in extra if key in _BODY_OWN_KEYS]
+    if own:
+        raise ValueError("; ".join(f"{key}: tokenbridge sets this itself ({_BODY_OWN_KEYS[key]})" for key in own))
+    for key in ("reasoning", "provider"):
+        if key in extra and not isinstance(extra[key], Mapping):
+            raise ValueError(f"{key}: must be a table (it is merged into the request's {key})")
+    if why := _json_problem(extra):
+        raise ValueError(why)
+    return extra
+
+
+def _json_problem(value: Any) -> str | None:
+    """Where ``value`` stops being plain JSON (a non-finite float, a date, a non-string
+    key, nesting past :data:`~tokenbridge.jsonl.MAX_DEPTH`), as ``path: why``; None when it is JSON."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        v, at, depth = stack.pop()
+        where = at.lstrip(".") or "value"
+        if depth > MAX_DEPTH:
+            return f"{where}: nested more than {MAX_DEPTH} levels deep"
+        if v is None or isinstance(v, (str, bool, int)):
+            if isinstance(v, str) and (why := not_text(v)):
+                return f"{where}: {why}"
+            continue
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return f"{where}: must be a finite number, got {v!r} (a request holding it is not JSON)"
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, f"{at}[{i}]", depth + 1) for i, x in enumerate(v))
+        elif isinstance(v, Mapping):
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    return f"{where}: key {k!r} is not a string"
+                stack.append((x, f"{at}.{k}", depth + 1))
+        else:
+            return f"{where}: a {type(v).__name__} is not a JSON value"
+    return None
 
 
 def _valid_name(name: str) -> str:
@@ -240,7 +330,7 @@ class RequestSettings:
     n: PosInt | None = None
     reasoning: Annotated[Reasoning | None, BeforeValidator(_reasoning_shorthand)] = None
     provider: ProviderRouting | None = None
-    extra_body: Mapping[Str, Any] = field(default_factory=dict)
+    extra_body: Annotated[Mapping[Str, Any], AfterValidator(_valid_extra_body)] = field(default_factory=dict)
     # Kimi emits tool calls as raw marker text when no `tools` parameter is sent, which
     # is what exact-token reconstruction wants; sending `tools` makes providers parse them.
     send_tools: Bool = False
@@ -393,17 +483,22 @@ def settings_problems(
     the problems of every section together)."""
     data = dict(data)
     moved: list[tuple[tuple[str | int, ...], tuple[str | int, ...]]] = []
+    twice: list[str] = []
     req = data.get("request")
     if req is None or isinstance(req, Mapping):
         req = dict(req or {})
         for key in list(data):  # request fields may also sit at the top level
             if key in _REQ_KEYS and key not in _TOP_KEYS:
-                req.setdefault(key, data.pop(key))
+                if key in req:  # one would silently lose: say so instead
+                    twice.append(key)
+                    data.pop(key)
+                    continue
+                req[key] = data.pop(key)
                 moved.append((("request", key), (key,)))
         if req:
             data["request"] = req
+    problems = [where.problem((key,), f"also set as request.{key}; set it in one place") for key in twice]
     where = where.renamed(tuple(moved)).knowing(_ALSO_KNOWN)
-    problems: list[str] = []
     datasets = data.get("datasets")
     if isinstance(datasets, list):  # named after the file unless they say otherwise; builtin: resolved
         data["datasets"] = [_dataset_entry(d, i, where, problems) for i, d in enumerate(datasets)]
