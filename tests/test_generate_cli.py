@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from tokenbridge.cli import app
 from tokenbridge.emulator import EmulatorConfig, running_emulator
+from tokenbridge.exit_codes import ExitCode
 
 
 def _invoke(args, env=None):
@@ -46,6 +47,25 @@ def test_a_dry_run_without_a_tokenizer_says_its_counts_are_approximate(tmp_path)
                    "--provider-only", "a,b", "--dry-run"])
     assert res.exit_code == 0 and "samples: 1 (0 already done, 1 to send)" in res.output
     assert "approx." in res.output  # no --tokenizer: character estimate, said so
+
+
+def test_a_dry_run_with_bad_rows_exits_1_as_the_run_would(tmp_path):
+    """Exit 1 means "some rows were bad" for every command; the dry run said 0, so a script
+    checking it went on to pay for a run that would refuse them. The rows that crashed it
+    (exit 8: a 5000-digit id, a lone surrogate inside messages stored as JSON text) are
+    among them, each one line naming file, line and field."""
+    prompts = tmp_path / "b3.jsonl"
+    prompts.write_text(json.dumps({"id": "ok", "prompt": "hi"}) + "\n" + '{"id": ' + "7" * 5000 + ', "prompt": "x"}\n'
+                       + json.dumps({"id": "s", "messages": '[{"role": "user", "content": "\\ud800"}]'}) + "\n",
+                       encoding="utf-8")
+    res = _invoke([str(prompts), "--out", str(tmp_path / "run"), "--model", "m", "--dry-run"])
+    assert res.exit_code == ExitCode.INCOMPLETE == 1, res.output
+    assert "samples: 1 (0 already done, 1 to send), bad rows: 2" in res.output
+    assert [line for line in res.output.splitlines() if line.startswith("bad row:")] == [
+        f"bad row: {prompts}: line 2: field '<line>': not valid JSON: a number of more than 4300 digits",
+        f"bad row: {prompts}: line 3: field 'messages[0].content': lone surrogate '\\ud800' at character 0: not valid UTF-8",
+    ]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_run_folder_whose_state_is_not_sqlite_is_refused(tmp_path):

@@ -383,6 +383,7 @@ def _generate_dry_run(settings: GenerateSettings, out: Path, summary_json: Path 
     for line in report.lines():
         _say(line)
     _write_summary(summary_json, report.to_dict())
+    raise typer.Exit(report.exit_code)
 
 
 def _echo_totals(summary: RunSummary) -> None:

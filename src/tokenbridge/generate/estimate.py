@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
+from ..exit_codes import ExitCode
 from .prompts import load_prompts
 from .request import build_request
 from .settings import ConfigError, GenerateSettings
@@ -41,6 +42,12 @@ class DryRunReport:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def exit_code(self) -> int:
+        """What ``generate --dry-run`` exits with: 1 when rows were refused, as the real run
+        would (every command's exit 1 means bad rows), so a script can stop before paying."""
+        return ExitCode.INCOMPLETE if self.bad_rows else ExitCode.OK
 
     def lines(self) -> list[str]:
         out = [
