@@ -23,7 +23,8 @@ and from a ``generate`` subprocess alike (it is a real socket). Modes:
   echo_ok:<form>      200 whose content quotes the key in the given form
   split_key_sse       an SSE stream whose content carries the key split across two events
   repeat_index        200 with two choices that both say ``index: 0``
-forms: raw, json_escaped (mixed ``\\uXXXX``), url, base64.
+forms: raw, json_escaped (mixed ``\\uXXXX``), json_short (``\\/``, ``\\"``, ``\\\\``), url, base64,
+mime_base64 (a line break every 76 characters, as ``base64.encodebytes`` writes it).
 """
 
 from __future__ import annotations
@@ -48,16 +49,21 @@ def encode_key(key: str, form: str) -> str:
         return key
     if form == "json_escaped":  # escaped in the JSON text itself: every other character as \\uXXXX
         return "".join(f"\\u{ord(c):04x}" if i % 2 == 0 else c for i, c in enumerate(key))
+    if form == "json_short":  # what PHP's json_encode writes: '/' as '\/' too
+        return json.dumps(key)[1:-1].replace("/", "\\/")
     if form == "url":
         return "".join(f"%{ord(c):02X}" if i % 3 == 0 else c for i, c in enumerate(key))
     if form == "base64":
         return base64.b64encode(b"Bearer " + key.encode()).decode()
+    if form == "mime_base64":  # its line breaks escaped, as in any JSON string
+        return base64.encodebytes(b"Bearer " + key.encode()).decode().replace("\n", "\\n")
     raise ValueError(form)
 
 
 def key_leaks(data: bytes, key: str) -> list[str]:
     """Every form of ``key`` (or of its first 12 characters) found in ``data`` (test oracle:
-    written independently of tokenbridge's scrubber)."""
+    written independently of tokenbridge's scrubber). Base64 is looked for with line breaks
+    (raw or JSON-escaped) taken out and ``\\/`` read as ``/``."""
     found = []
     text = data.decode("utf-8", "replace")
     probes = {"key": key, "key prefix": key[:12], "key less its last char": key[:-1]}
@@ -68,16 +74,18 @@ def key_leaks(data: bytes, key: str) -> list[str]:
             if probe in view:
                 found.append(f"{what} ({name})")
     raw = key.encode()
+    flat = re.sub(r"\r|\n|\\+r|\\+n", "", text).replace("\\/", "/")
     for shift in range(3):
         enc = base64.b64encode(b"\0" * shift + raw)
         start, end = (shift * 8 + 5) // 6, ((shift + len(raw)) * 8) // 6
-        if enc[start:end] in data or enc[start:end].decode() in text:
+        if enc[start:end] in data or enc[start:end].decode() in text or enc[start:end].decode() in flat:
             found.append(f"key (base64, shift {shift})")
     return found
 
 
 def _unescape_u(text: str) -> str:
-    return re.sub(r"\\+u([0-9a-fA-F]{4})", lambda m: chr(int(m.group(1), 16)), text)
+    text = re.sub(r"\\+u([0-9a-fA-F]{4})", lambda m: chr(int(m.group(1), 16)), text)
+    return re.sub(r'\\+([/"\\])', r"\1", text)
 
 
 def _ok(text: str = "fine", **usage: Any) -> dict[str, Any]:

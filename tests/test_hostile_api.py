@@ -22,6 +22,7 @@ from tokenbridge.generate.settings import DatasetSpec, Prices
 
 CANARY = "sk-or-v1-canary7f3e9a1b2c4d6e8f0a1b2c3d4e5f6a7b8c9d"
 KEY = ApiKey("TB_CANARY", CANARY)
+SLASH_KEY = "sk-test/abcdefghijklmnopqrstuvwxyz0123"  # a cold attack's: its '/' echoed as JSON's '\/'
 
 
 @pytest.fixture
@@ -164,8 +165,9 @@ def _everything_written(root: Path) -> dict[str, bytes]:
     return out
 
 
-def _generate_and_downstream(tmp_path: Path, server: HostileServer, kimi_dir: Path, monkeypatch, *extra: str):
-    monkeypatch.setenv("TB_CANARY", CANARY)
+def _generate_and_downstream(tmp_path: Path, server: HostileServer, kimi_dir: Path, monkeypatch, *extra: str,
+                             key: str = CANARY):
+    monkeypatch.setenv("TB_CANARY", key)
     run = tmp_path / "run"
     spec = _prompts(tmp_path, 2)
     runner = CliRunner()
@@ -195,6 +197,21 @@ def test_an_echoed_key_is_masked_in_every_form_everywhere(server, tmp_path, kimi
     assert {k: v for k, v in leaks.items() if v} == {}
     rows = [json.loads(x) for x in (tmp_path / "run" / "reconstructed.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == ["h-1"] and "***" in rows[0]["content"]
+
+
+@pytest.mark.parametrize(("key", "form"), [(CANARY, "mime_base64"), (SLASH_KEY, "json_short")])
+def test_a_key_echoed_line_wrapped_or_short_escaped_is_masked_everywhere(server, tmp_path, kimi_dir, monkeypatch,
+                                                                         key, form):
+    """A cold attack stored these: MIME base64 of the header (wrapped every 76 characters) and
+    a key's '/' as JSON's '\\/', in an error message and in a kept answer, which reconstruct
+    decodes (the raw key reached reconstructed.jsonl)."""
+    server.plan["q0"] = [f"echo_error:{form}"]
+    server.plan["q1"] = [f"echo_ok:{form}"]
+    written = _generate_and_downstream(tmp_path, server, kimi_dir, monkeypatch, key=key)
+    assert {name: found for name, data in written.items() if (found := key_leaks(data, key))} == {}
+    rows = [json.loads(x) for x in (tmp_path / "run" / "reconstructed.jsonl").read_text().splitlines()]
+    shown = "QmVhcmVyIH***A==\n" if form == "mime_base64" else "***"  # "Bearer " and the padding stay
+    assert [(r["id"], r["content"]) for r in rows] == [("h-1", f"your key is {shown} ok")]
 
 
 def test_a_key_split_across_sse_events_is_masked_and_its_raw_stream_not_kept(server, tmp_path, kimi_dir, monkeypatch):

@@ -5,14 +5,16 @@ that leaves the engine (attempt messages, log lines, error reports, stored bodie
 through :func:`scrub` / :func:`scrub_bytes`, because exception texts from HTTP libraries
 can quote headers and a hostile or buggy server can echo the key back.
 
-Forms masked (each replaced by ``***``):
+Spellings masked (each replaced by ``***``), in any mix, since text is searched as a
+decoder would read it (:func:`_decoded`):
   * raw: ``sk-or-v1-...``;
-  * JSON-escaped, any mix of literal characters and ``\\uXXXX`` escapes (any hex case,
-    any number of backslashes, so a JSON string nested in a JSON string is covered too),
-    which a JSON reader would decode back to the key;
-  * URL-encoded, any mix of literal characters and ``%XX`` (any hex case);
+  * JSON-escaped: ``\\uXXXX`` (any hex case) and the short ``\\/``, ``\\"``, ``\\\\``, each
+    behind any number of backslashes, so a JSON string nested in a JSON string is
+    covered too;
+  * URL-encoded: ``%XX`` (any hex case);
   * base64 (standard and URL-safe alphabet) at each of the three byte alignments, so the
-    key inside a longer encoded blob (``Basic ...``, ``Bearer ...``) is caught too.
+    key inside a longer encoded blob (``Basic ...``, ``Bearer ...``) is caught too, with
+    line breaks anywhere in it (MIME wraps every 76 characters), raw or JSON-escaped.
 
 Callers mask *before* clipping text (a clipped key is still a key) and scrub the
 assembled body of a stream, not its pieces (see the engine).
@@ -23,13 +25,14 @@ turned every stored response into ``So *** plan is`` and every body's ``"choices
 ``"choic***s"`` (all samples failed, each paid for). Real keys are far longer
 (OpenRouter's are 73 characters); :func:`placeholder_notice` says so once a run.
 """
-
 from __future__ import annotations
 
 import base64
+import bisect
 import os
 import re
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from functools import lru_cache
 
 from .errors import GenerateError
@@ -39,8 +42,10 @@ __all__ = ["MIN_MASKED", "ApiKey", "MissingApiKey", "keys_read", "placeholder_no
 
 _MASK = "***"
 MIN_MASKED = 16  # shorter keys are placeholders; masking them corrupts responses (see above)
-_MIN_B64 = 8  # shorter base64 fragments would mask innocent text (a key is 20+ characters)
-_PERCENT_HEX = re.compile(rb"%[0-9A-Fa-f]{2}")
+#: What is searched for first: a masked span (MIN_MASKED or more characters of a target)
+#: holds a whole piece this long of its target, one starting at a multiple of it, so text
+#: holding none of those pieces is let through after a few fast substring searches.
+_PIECE = MIN_MASKED // 2
 
 
 class MissingApiKey(GenerateError):
@@ -94,7 +99,7 @@ def keys_read() -> tuple[str, ...]:
 
 
 def scrub(text: str, key: ApiKey | str | None) -> str:
-    """``text`` with every known encoding of the key replaced by ``***``."""
+    """``text`` with every spelling of the key replaced by ``***``."""
     value = key.value if isinstance(key, ApiKey) else key
     if not value or not text or len(value) < MIN_MASKED:
         return text
@@ -107,61 +112,237 @@ def scrub_bytes(data: bytes, key: ApiKey | str | None) -> bytes:
     if not value or not data or len(value) < MIN_MASKED:
         return data
     forms = _forms(value)
-    mask = _MASK.encode()
-    raw = value.encode("utf-8")
-    if raw in data:
-        data = data.replace(raw, mask)
-    if forms.escape_mark in data:  # cheap gate: the regex costs ~70 ms/MB, the gate ~1 ms/MB
-        data = forms.json_escaped.sub(mask, data)
-    if b"%" in data and _PERCENT_HEX.search(data):
-        data = forms.url_encoded.sub(mask, data)
-    for piece in forms.base64:
-        if piece in data:
-            data = data.replace(piece, mask)
-    return data
+    stretches = [m.span() for m in _STRETCH.finditer(data.translate(forms.spelling))]
+    joined = b" ".join(data[start:end] for start, end in stretches)
+    spans = []
+    for reading in forms.readings:
+        if _runs(reading.read(joined), forms):  # the common case ends here: nothing to map back
+            where = _joins(stretches)
+            spans += [_original(span, where, data) for span in reading.spans(joined, forms)]
+    if not spans:
+        return data
+    out: list[bytes] = []
+    last = 0
+    for start, end in _merged(spans):
+        out += (data[last:start], _MASK.encode())
+        last = end
+    out.append(data[last:])
+    return b"".join(out)
+
+
+#: (view start, view end, data start, data end): that part of a view (text as a decoder
+#: reads it) was read from that part of the data; after it, the two advance together.
+_Unit = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """One way a decoder reads the data: line breaks skipped (raw ones, then ``breaks``),
+    then ``escapes`` decoded; None where this reading has none."""
+
+    breaks: re.Pattern[bytes] | None
+    escapes: re.Pattern[bytes] | None
+
+    def read(self, data: bytes) -> bytes:
+        """The view, fast: raw line breaks dropped in C, each escape read through a cache."""
+        if self.breaks is not None:
+            data = self.breaks.sub(b"", data.translate(None, b"\r\n"))
+        return data if self.escapes is None else self.escapes.sub(lambda m: _read_unit(m[0]), data)
+
+    def spans(self, data: bytes, forms: _Forms) -> list[tuple[int, int]]:
+        """The spans of ``data`` that read as runs: :meth:`read` again, keeping where each unit was."""
+        steps = (_RAW_BREAKS, self.breaks) if self.breaks is not None else ()
+        wheres = []
+        for units in (*steps, self.escapes):
+            data, where = _decoded(data, units)
+            wheres.append(where)
+        out = []
+        for span in _runs(data, forms):
+            for where in reversed(wheres):
+                span = _back(span, where)
+            out.append(span)
+        return out
 
 
 @dataclass(frozen=True)
 class _Forms:
-    escape_mark: bytes  # what any JSON escape of a key character starts with
-    json_escaped: re.Pattern[bytes]
-    url_encoded: re.Pattern[bytes]
-    base64: tuple[bytes, ...]
+    targets: tuple[bytes, ...]  # the key's UTF-8 and its base64 at each alignment and alphabet
+    pieces: dict[bytes, tuple[tuple[int, int], ...]]  # each target's sampled pieces: (target, offset)
+    readings: tuple[_Reading, ...]
+    spelling: bytes  # a translate table: b"a" for each byte a spelling of a target can hold, else b" "
+
+
+#: Bytes any spelling of any key may use: base64's (both alphabets, which hold hex and the
+#: letters of ``\\u``, ``\\n``, ``\\r``), escapes' and line breaks.
+_SPELLING = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=-_%\\\r\n"
+_STRETCH = re.compile(b"a" * MIN_MASKED + b"a*")  # a literal start: found by a fast prefix search
+_RAW_BREAKS = re.compile(rb"[\r\n]")
 
 
 @lru_cache(maxsize=4)
 def _forms(value: str) -> _Forms:
     raw = value.encode("utf-8")
-    json_parts = []
-    url_parts = []
-    for ch in value:
-        code = ord(ch)
-        lit = re.escape(ch.encode("utf-8"))
-        if code < 0x10000:
-            json_parts.append(b"(?:" + lit + b"|\\\\+u" + _hex_ci(f"{code:04x}") + b")")
-        else:  # a JSON escape of an astral character is a surrogate pair
-            hi, lo = 0xD800 + ((code - 0x10000) >> 10), 0xDC00 + ((code - 0x10000) & 0x3FF)
-            json_parts.append(b"(?:" + lit + b"|\\\\+u" + _hex_ci(f"{hi:04x}") + b"\\\\+u" + _hex_ci(f"{lo:04x}") + b")")
-        pct = b"".join(b"%" + _hex_ci(f"{b:02x}") for b in ch.encode("utf-8"))
-        url_parts.append(b"(?:" + lit + b"|" + pct + b")")
-    pieces: set[bytes] = set()
+    targets = {raw}
     for shift in range(3):
         enc = base64.b64encode(b"\0" * shift + raw)
         # characters that depend on the key's bytes alone: skip the shift's lead-in and the tail
-        start = (shift * 8 + 5) // 6
-        end = ((shift + len(raw)) * 8) // 6
-        piece = enc[start:end]
-        if len(piece) >= _MIN_B64:
-            pieces.add(piece)
-            pieces.add(piece.replace(b"+", b"-").replace(b"/", b"_"))
-    return _Forms(
-        escape_mark=b"\\u00" if value.isascii() else b"\\u",  # JSON escapes are a lower-case 'u'
-        json_escaped=re.compile(b"".join(json_parts)),
-        url_encoded=re.compile(b"".join(url_parts)),
-        base64=tuple(sorted(pieces, key=len, reverse=True)),
-    )
+        piece = enc[(shift * 8 + 5) // 6 : ((shift + len(raw)) * 8) // 6]
+        targets |= {piece, piece.replace(b"+", b"-").replace(b"/", b"_")}
+    kept = tuple(sorted(t for t in targets if len(t) >= MIN_MASKED))
+    pieces: dict[bytes, list[tuple[int, int]]] = {}
+    for i, target in enumerate(kept):
+        for at in range(0, len(target) - _PIECE + 1, _PIECE):
+            pieces.setdefault(target[at : at + _PIECE], []).append((i, at))
+    used = set(raw + _SPELLING)  # base64 whole: a blob in it is one stretch, not one per unused letter
+    spelling = bytes(ord("a") if b in used else ord(" ") for b in range(256))
+    return _Forms(kept, {p: tuple(places) for p, places in pieces.items()}, _readings(value), spelling)
+
+
+def _readings(value: str) -> tuple[_Reading, ...]:
+    """Every escape decoded, nested ones too, and line breaks skipped. A key that holds what
+    reads as an escape (``%41``, a backslash) is also looked for in JSON alone, in URL
+    encoding alone, as it is, and, where it holds a backslash, through one level of JSON
+    (where ``\\\\n`` is a backslash and an ``n``, not a line break)."""
+    every = _reading(value, json=True, percent=True)
+    assert every.escapes is not None
+    if "\\" not in value and not every.escapes.search(value.encode("utf-8")):
+        return (every,)
+    alone = (_reading(value, json=True, percent=False), _reading(value, json=False, percent=True), _Reading(None, None))
+    if "\\" not in value:
+        return (every, *alone)
+    u = b"|".join([rb"00[2-7][0-9a-fA-F]", *_wide(value)])
+    return every, *alone, _Reading(None, re.compile(rb"\\(?:u(?:" + u + rb")|[/\"'\\])"))
+
+
+def _reading(value: str, *, json: bool, percent: bool) -> _Reading:
+    """The line breaks a decoder skips (raw, or escaped in JSON or a URL), and the escapes
+    that decode to a character a target can hold (a key's or base64's). Each alternative
+    starts with a literal byte, so the regex engine skips straight to the next candidate."""
+    high = sorted({f"{b:02x}" for b in value.encode("utf-8") if b >= 0x80})
+    short = "/" + "".join(sorted(set(value) & set("\"'")))
+    u = b"|".join([rb"00[2-7][0-9a-fA-F]", *_wide(value)])
+    p = b"|".join([rb"[2-7][0-9a-fA-F]", *(_hex_ci(h) for h in high)])
+    breaks = []
+    escapes = []
+    if percent:
+        breaks.append(rb"%0[aAdD]")
+        escapes.append(rb"%(?:" + p + rb")")
+    if json:
+        breaks.append(rb"\\\\*(?:[rn]|u000[aAdD])")
+        escapes.append(rb"\\\\*(?:u(?:" + u + rb")|[" + re.escape(short.encode()) + rb"])")
+        if "\\" in value:  # "\\" in JSON, "\\\\" nested: one backslash
+            escapes.append(rb"\\\\+")
+    return _Reading(re.compile(b"|".join(breaks)) if breaks else None, re.compile(b"|".join(escapes)))
+
+
+def _wide(value: str) -> list[bytes]:
+    """The JSON escapes of ``value``'s characters beyond ASCII, without the first ``\\u``."""
+    return sorted({rb"\\+u".join(map(_hex_ci, _utf16(ch))) for ch in value if not ch.isascii()})
+
+
+def _utf16(ch: str) -> list[str]:
+    """The hex of ``ch``'s JSON ``\\u`` escape: two (a surrogate pair) beyond the BMP."""
+    code = ord(ch)
+    if code < 0x10000:
+        return [f"{code:04x}"]
+    code -= 0x10000
+    return [f"{0xD800 + (code >> 10):04x}", f"{0xDC00 + (code & 0x3FF):04x}"]
 
 
 def _hex_ci(digits: str) -> bytes:
     return b"".join(b"[" + d.lower().encode() + d.upper().encode() + b"]" if d.isalpha() else d.encode()
                     for d in digits)
+
+
+def _joins(stretches: list[tuple[int, int]]) -> list[_Unit]:
+    """Where each stretch starts in the data and in their join. The stretches are the runs of
+    data of MIN_MASKED or more bytes that a spelling can hold; text between them (prose,
+    numbers, JSON punctuation) can hold no run, so most of a body is never decoded."""
+    where: list[_Unit] = []
+    pos = 0
+    for start, end in stretches:
+        where.append((pos, pos, start, start))
+        pos += end - start + 1
+    return where
+
+
+def _decoded(data: bytes, units: re.Pattern[bytes] | None) -> tuple[bytes, list[_Unit]]:
+    """``data`` with each of ``units`` read as a decoder reads it, and where each unit lies in both."""
+    parts: list[bytes] = []
+    where: list[_Unit] = [(0, 0, 0, 0)]
+    last = shift = 0
+    for m in units.finditer(data) if units is not None else ():
+        text = _read_unit(m[0])
+        parts += (data[last : m.start()], text)
+        start = m.start() - shift
+        where.append((start, start + len(text), m.start(), m.end()))
+        shift += m.end() - m.start() - len(text)
+        last = m.end()
+    parts.append(data[last:])
+    return b"".join(parts), where
+
+
+@lru_cache(maxsize=1024)
+def _read_unit(text: bytes) -> bytes:
+    """What a decoder reads for one unit: a line break nothing, an escape its character."""
+    if text.startswith(b"%"):
+        return b"" if text[1:2] == b"0" else bytes([int(text[1:], 16)])
+    body = text.lstrip(b"\\")
+    if not body:
+        return b"\\"  # a run of backslashes: one, escaped once or more
+    if body[:1] == b"u":
+        codes = [int(h, 16) for h in re.findall(rb"[0-9a-fA-F]{4}", body)]
+        if codes[0] in (0x0A, 0x0D):
+            return b""
+        return "".join(map(chr, codes)).encode("utf-16-le", "surrogatepass").decode("utf-16-le").encode()
+    return b"" if body in (b"\r", b"\n", b"r", b"n") else body
+
+
+def _runs(view: bytes, forms: _Forms) -> list[tuple[int, int]]:
+    """Spans of ``view`` that spell a whole target."""
+    spans = []
+    for piece, places in forms.pieces.items():
+        at = view.find(piece)
+        while at != -1:
+            for i, offset in places:
+                target = forms.targets[i]
+                start = at - offset
+                if start >= 0 and view.startswith(target, start):
+                    spans.append((start, start + len(target)))
+            at = view.find(piece, at + 1)
+    return spans
+
+
+def _back(span: tuple[int, int], where: list[_Unit]) -> tuple[int, int]:
+    """Where the view's ``span`` was read from: every unit it covers whole."""
+    return _data_at(span[0], where, end=False), _data_at(span[1] - 1, where, end=True)
+
+
+def _original(span: tuple[int, int], where: list[_Unit], data: bytes) -> tuple[int, int]:
+    """Where ``span`` of the joined stretches lies in ``data``, widened to whole UTF-8
+    characters (a masked text stays decodable)."""
+    start, end = _back(span, where)
+    while start > 0 and 0x80 <= data[start] < 0xC0:
+        start -= 1
+    while end < len(data) and 0x80 <= data[end] < 0xC0:
+        end += 1
+    return start, end
+
+
+def _data_at(pos: int, where: list[_Unit], *, end: bool) -> int:
+    """The data offset of view byte ``pos``: where its unit starts (or, ``end``, where it ends)."""
+    v_start, v_end, d_start, d_end = where[bisect.bisect_right(where, pos, key=lambda u: u[0]) - 1]
+    if pos < v_end:  # inside the unit's text
+        return d_end if end else d_start
+    return d_end + pos - v_end + end
+
+
+def _merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` in order, overlapping ones as one (each becomes one ``***``)."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(end, out[-1][1]))
+        else:
+            out.append((start, end))
+    return out

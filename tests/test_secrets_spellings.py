@@ -1,0 +1,108 @@
+"""scrub over generated keys, each spelled the ways a server can echo it: JSON escapes
+(``\\uXXXX`` in either case, ``\\/``, ``\\"``, ``\\\\``, nested), URL-encoding, and base64
+in either alphabet at any alignment, wrapped with line breaks (raw or JSON-escaped) as
+MIME does. The oracles here decode with the standard library, apart from secrets.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenbridge.generate.secrets import MIN_MASKED, scrub, scrub_bytes
+
+#: What a key may hold: no space, '<' or '>', which frame it in the texts below.
+KEY_CHARS = st.sampled_from("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./+=~%\"\\'é中😀")
+KEYS = st.text(KEY_CHARS, min_size=MIN_MASKED, max_size=80)
+_SHORT = {"/": "\\/", '"': '\\"', "\\": "\\\\"}
+
+
+def _json_spelled(key: str, picks: list[int]) -> str:
+    """``key`` as it sits in a JSON string, each character in one of its spellings."""
+    out = []
+    for ch, pick in zip(key, picks * len(key)):
+        forms = [json.dumps(ch, ensure_ascii=False)[1:-1], _escaped(ch, "{:04x}"), _escaped(ch, "{:04X}")]
+        if ch in _SHORT:
+            forms.append(_SHORT[ch])
+        out.append(forms[pick % len(forms)])
+    return "".join(out)
+
+
+def _escaped(ch: str, digits: str) -> str:
+    units = ch.encode("utf-16-be")
+    return "".join("\\u" + digits.format(int.from_bytes(units[i : i + 2], "big")) for i in range(0, len(units), 2))
+
+
+@settings(max_examples=150, deadline=None)
+@given(KEYS, st.lists(st.integers(0, 3), min_size=1, max_size=8), st.integers(1, 3))
+def test_every_json_spelling_of_a_key_is_masked_whole(key, picks, levels):
+    if "\\" in key:
+        levels = 1  # a key holding a backslash is read through one level of JSON (see _readings)
+    text = _json_spelled(key, picks)
+    doc = '{"m": "<< ' + text + ' >>"}'
+    for _ in range(levels - 1):
+        doc = json.dumps(doc)
+    masked = scrub(doc, key)
+    for _ in range(levels - 1):
+        masked = json.loads(masked)
+    assert json.loads(masked) == {"m": "<< *** >>"}  # still JSON, the key gone and nothing else
+
+
+@settings(max_examples=100, deadline=None)
+@given(KEYS, st.lists(st.booleans(), min_size=1, max_size=8), st.booleans())
+def test_every_url_encoding_of_a_key_is_masked_whole(key, picks, upper):
+    hexes = "%{:02X}" if upper else "%{:02x}"
+    text = "".join("".join(hexes.format(b) for b in ch.encode()) if pick or ch == "%" else ch  # a '%' is always encoded
+                   for ch, pick in zip(key, picks * len(key)))
+    assert scrub(f"<< {text} >>", key) == "<< *** >>"
+
+
+def _base64_readings(text: str) -> list[bytes]:
+    """Every run of base64 in ``text`` decoded at each of its four offsets, line breaks
+    (raw or JSON-escaped) and ``\\/`` read as a decoder reads them."""
+    flat = re.sub(r"\r|\n|\\r|\\n", "", text).replace("\\/", "/").replace("-", "+").replace("_", "/")
+    out = []
+    for run in re.findall(r"[A-Za-z0-9+/]+", flat):
+        for off in range(4):
+            body = run[off:]
+            body = body[: len(body) - (len(body) % 4 == 1)]  # a lone sixth of a byte decodes to nothing
+            out.append(base64.b64decode(body + "=" * (-len(body) % 4)))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(KEYS, st.sampled_from(["", "x", "Bearer ", "Basic: "]), st.booleans(), st.integers(4, 80),
+       st.sampled_from(["\n", "\r\n", "\\n", "\\r\\n"]), st.booleans())
+def test_base64_of_a_key_wrapped_with_line_breaks_is_masked(key, lead, urlsafe, width, brk, slash_escaped):
+    blob = (base64.urlsafe_b64encode if urlsafe else base64.b64encode)((lead + key).encode()).decode()
+    text = brk.join(blob[i : i + width] for i in range(0, len(blob), width))
+    if slash_escaped:
+        text = text.replace("/", "\\/")
+    readings = _base64_readings(text)
+    assert any(key.encode() in r for r in readings)  # the oracle finds it unmasked
+    masked = scrub(f"<< {text} >>", key)
+    assert masked.startswith("<< ") and masked.endswith(" >>") and "***" in masked
+    assert not any(key.encode()[:12] in r or key.encode()[-12:] in r for r in _base64_readings(masked))
+
+
+def test_the_attackers_spellings_are_masked():
+    """Found by a cold attack: MIME base64 of the header (a line break every 76 characters,
+    JSON-escaped in an error body) and a key's '/' echoed as JSON's ``\\/``."""
+    key = "sk-test/abcdefghijklmnopqrstuvwxyz0123"
+    mime = base64.encodebytes(f"Bearer {key}".encode()).decode()
+    body = json.dumps({"error": {"message": "bad credentials, header was " + mime, "code": 401}}).encode()
+    assert json.loads(scrub_bytes(body, key))["error"]["message"] == "bad credentials, header was QmVhcmVyIH***\n"
+    body = ('{"error":{"message":"' + "x" * 480 + key.replace("/", "\\/") + '","code":401}}').encode()
+    assert scrub_bytes(body, key) == ('{"error":{"message":"' + "x" * 480 + '***","code":401}}').encode()
+    crlf = base64.encodebytes(f"Bearer {key}".encode()).replace(b"\n", b"\r\n")
+    assert scrub_bytes(crlf, key) == b"QmVhcmVyIH***\r\n"
+
+
+def test_a_json_body_stays_json_and_other_text_is_kept():
+    key = "sk-or-v1-" + "0123456789abcdef" * 4
+    doc = {"choices": [{"message": {"content": f"a\nb {key} \\ c/d \u00e9 %41 QmVhcmVy"}}], "n": [1, 2]}
+    masked = json.loads(scrub_bytes(json.dumps(doc).encode(), key))
+    assert masked == {"choices": [{"message": {"content": "a\nb *** \\ c/d \u00e9 %41 QmVhcmVy"}}], "n": [1, 2]}
