@@ -22,6 +22,8 @@ and from a ``generate`` subprocess alike (it is a real socket). Modes:
                       of a raw key but its last character
   echo_ok:<form>      200 whose content quotes the key in the given form
   split_key_sse       an SSE stream whose content carries the key split across two events
+  bad_chunk_sse:<how> an SSE stream whose one chunk quotes the key where a 200-character clip
+                      keeps all of it but its last character: ``not_json`` or ``array``
   repeat_index        200 with two choices that both say ``index: 0``
 forms: raw, json_escaped (mixed ``\\uXXXX``), json_short (``\\/``, ``\\"``, ``\\\\``), url, base64,
 mime_base64 (a line break every 76 characters, as ``base64.encodebytes`` writes it).
@@ -201,6 +203,10 @@ class HostileServer:
             while True:
                 await resp.write(b": OPENROUTER PROCESSING\n\n")
                 await asyncio.sleep(0.02)
+        if name == "bad_chunk_sse":
+            start = '{"echo": "' if arg == "not_json" else '["'
+            chunk = start + "A" * (201 - len(start) - len(key)) + key + ('" BROKEN' if arg == "not_json" else '"]')
+            return web.Response(body=_sse([chunk.encode()]), headers={"Content-Type": "text/event-stream"})
         if name == "split_key_sse":
             half = len(key) // 2
 

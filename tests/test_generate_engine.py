@@ -648,7 +648,7 @@ def test_a_bug_while_reading_a_response_is_internal_not_a_client_error(tmp_path,
     """Only transport failures are classified (and maybe retried); a bug in our reading code is an internal error."""
     from tokenbridge.generate import engine as eng
 
-    def broken(status, headers, body):
+    def broken(status, headers, body, *, key=None):
         raise KeyError("a bug in classify_response")
 
     monkeypatch.setattr(eng, "classify_response", broken)

@@ -214,6 +214,40 @@ def test_a_key_echoed_line_wrapped_or_short_escaped_is_masked_everywhere(server,
     assert [(r["id"], r["content"]) for r in rows] == [("h-1", f"your key is {shown} ok")]
 
 
+@pytest.mark.parametrize(("how", "why"), [("not_json", "is not JSON"), ("array", "is not an object")])
+def test_a_refused_stream_chunk_is_masked_before_it_is_clipped(server, tmp_path, kimi_dir, monkeypatch, how, why):
+    """A cold attack placed the key so the quote of a refused chunk (its first 200
+    characters) cut it one short: the mask that came after found no key, and 50 of its 51
+    characters were stored and printed."""
+    server.plan["q0"] = [f"bad_chunk_sse:{how}"]
+    written = _generate_and_downstream(tmp_path, server, kimi_dir, monkeypatch, "--stream")
+    assert {name: found for name, data in written.items() if (found := key_leaks(data, CANARY))} == {}
+    conn = sqlite3.connect(tmp_path / "run" / "state.sqlite")
+    try:
+        (message,) = conn.execute("SELECT error FROM samples WHERE id = 'h-0'").fetchone()
+    finally:
+        conn.close()
+    assert f"stream chunk {why}" in message and "AAAA***" in message
+
+
+def test_classify_masks_a_decoded_message_before_clipping_it():
+    """A key whose URL-encoding is JSON-escaped (each '%' as \\u0025) is no key in the raw
+    body; decoding the JSON makes one, which a clip at 500 characters then cut short."""
+    from tokenbridge.generate.classify import classify_response
+
+    spelled = "".join(f"\\u0025{ord(c):02X}" for c in CANARY)
+    body = '{"error": {"code": 401, "message": "' + "x" * (500 - 3 * len(CANARY) + 3) + spelled + '"}}'
+    out, _ = classify_response(401, {}, body.encode(), key=KEY)
+    assert out.message == "x" * (500 - 3 * len(CANARY) + 3) + "***"
+
+
+def test_a_usage_problem_masks_the_value_before_clipping_it():
+    from tokenbridge.generate.body import checked_usage
+
+    problems = checked_usage({"usage": {"prompt_tokens": "n=" + CANARY, "cost": [CANARY]}}, key=KEY).problems
+    assert problems == ['usage.prompt_tokens = "n=***"', 'usage.cost = ["***"]']
+
+
 def test_a_key_split_across_sse_events_is_masked_and_its_raw_stream_not_kept(server, tmp_path, kimi_dir, monkeypatch):
     server.plan["q0"] = ["echo_error:raw"]
     server.plan["q1"] = ["split_key_sse"]

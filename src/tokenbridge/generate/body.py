@@ -36,6 +36,8 @@ from typing import Any
 
 import orjson
 
+from .secrets import ApiKey, scrub
+
 __all__ = ["BodyError", "MAX_PLAUSIBLE_COST", "MAX_PLAUSIBLE_TOKENS", "CheckedUsage", "checked_usage", "check_body",
            "one_line"]
 
@@ -91,8 +93,9 @@ class CheckedUsage:
         return self.prompt_tokens is not None and self.completion_tokens is not None
 
 
-def checked_usage(parsed: Any) -> CheckedUsage:
-    """Validate ``parsed["usage"]`` field by field (see the module docstring)."""
+def checked_usage(parsed: Any, *, key: ApiKey | str | None = None) -> CheckedUsage:
+    """Validate ``parsed["usage"]`` field by field (see the module docstring); a problem
+    quotes the value masked of ``key`` (the key the request sent) before clipping it."""
     if not isinstance(parsed, dict) or "usage" not in parsed or parsed["usage"] is None:
         return CheckedUsage(None)
     usage = parsed["usage"]
@@ -105,7 +108,7 @@ def checked_usage(parsed: Any) -> CheckedUsage:
             continue
         n = _token_count(usage[name])
         if n is None:
-            out.problems.append(f"usage.{name} = {_show(usage[name])}")
+            out.problems.append(f"usage.{name} = {_show(usage[name], key)}")
             del kept[name]
         else:
             kept[name] = n
@@ -118,7 +121,7 @@ def checked_usage(parsed: Any) -> CheckedUsage:
         if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and 0 <= c <= MAX_PLAUSIBLE_COST:
             out.cost = float(c)
         else:
-            out.problems.append(f"usage.cost = {_show(c)}")
+            out.problems.append(f"usage.cost = {_show(c, key)}")
             del kept["cost"]
     return out
 
@@ -142,13 +145,14 @@ def _token_count(v: Any) -> int | None:
     return n if 0 <= n <= MAX_PLAUSIBLE_TOKENS else None
 
 
-def _show(v: Any) -> str:
+def _show(v: Any, key: ApiKey | str | None) -> str:
     """A short rendering for a report. orjson writes 255 levels at most and ``repr``
     raises RecursionError near 1000, while a kept body may nest 1024 deep."""
     try:
         text = orjson.dumps(v, option=orjson.OPT_NON_STR_KEYS).decode() if _dumpable(v) else repr(v)
     except RecursionError:
         text = f"<{type(v).__name__} nested too deep to show>"
+    text = scrub(text, key)
     return text if len(text) <= 40 else text[:37] + "..."
 
 

@@ -43,6 +43,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from ..jsonl import is_count, is_int, text_of
 from .body import BodyError, check_body
+from .secrets import ApiKey, scrub
 
 __all__ = ["Outcome", "classify_exception", "classify_response", "parse_retry_after", "RETRY_STATUSES"]
 
@@ -66,27 +67,28 @@ class Outcome:
 
 
 def classify_response(  # noqa: PLR0911 - one outcome per kind of answer, in the order they are told apart
-    status: int, headers: Mapping[str, str], body: bytes | str
+    status: int, headers: Mapping[str, str], body: bytes | str, *, key: ApiKey | str | None = None
 ) -> tuple[Outcome, dict[str, Any] | None]:
     """The outcome of one finished HTTP exchange, and the parsed body when it is JSON.
 
-    Messages are clipped here: callers pass a body whose key is already masked
-    (:func:`~.secrets.scrub_bytes`), so a clip can never leave part of a key behind."""
+    Messages quote the body's words clipped, each masked of ``key`` (the key the request
+    sent) *before* it is clipped: a clip of a key is still most of a key, and decoding
+    JSON can make a key out of a spelling no mask of the raw body took for one."""
     text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
     parsed = _parse_json(text)
     retry_after = parse_retry_after(headers.get("Retry-After") or headers.get("retry-after"))
     if status != 200:
-        message = _error_message(parsed, text) or f"HTTP {status}"
+        message = _error_message(parsed, text, key) or f"HTTP {status}"
         return _by_status(status, message, retry_after), parsed
     if parsed is None:
-        return Outcome("retry", "bad_json", f"response is not JSON: {_clip(text)!r}", status), None
+        return Outcome("retry", "bad_json", f"response is not JSON: {_clip(text, key)!r}", status), None
     try:  # a 200 is kept only if it can be re-emitted losslessly (see .body)
         parsed = check_body(body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass"))
     except BodyError as exc:
         return Outcome("retry", "bad_json", str(exc), status), None
     if parsed.get("error") is not None and not parsed.get("choices"):
         code = _error_code(parsed["error"])
-        message = _error_message(parsed, text) or "error body"
+        message = _error_message(parsed, text, key) or "error body"
         by_code = _by_status(code, message, retry_after) if code is not None else None
         if by_code is not None and (by_code.kind != "fail" or code in (400, 401, 403)) and by_code.kind != "retry":
             return Outcome(by_code.kind, by_code.error_class, message, status, by_code.retry_after), parsed
@@ -94,17 +96,17 @@ def classify_response(  # noqa: PLR0911 - one outcome per kind of answer, in the
     choices = parsed.get("choices")
     if not isinstance(choices, list) or not choices:
         return Outcome("retry", "no_choices", "response has no choices", status), parsed
-    bad = _bad_choices(choices)
+    bad = _bad_choices(choices, key)
     if bad:
         return Outcome("retry", "bad_choices", bad, status), None
     for choice in choices:
         if isinstance(choice, dict) and choice.get("finish_reason") == "error":
-            message = _error_message(choice, "") or _error_message(parsed, "") or "choice finished with error"
+            message = _error_message(choice, "", key) or _error_message(parsed, "", key) or "choice finished with error"
             return Outcome("retry", "choice_error", message, status), parsed
     return Outcome("ok", status=status), parsed
 
 
-def _bad_choices(choices: list[Any]) -> str:
+def _bad_choices(choices: list[Any], key: ApiKey | str | None) -> str:
     """Why the choices cannot be told apart ('' when they can): each must be an object whose
     ``index`` (when given) is a distinct non-negative integer."""
     seen: set[int] = set()
@@ -113,7 +115,7 @@ def _bad_choices(choices: list[Any]) -> str:
             return f"choices[{pos}] is a {type(choice).__name__}, not an object"
         idx = choice.get("index", pos)
         if not is_count(idx):
-            return f"choices[{pos}].index is {_shown(idx, as_repr=True)}, not a non-negative integer"
+            return f"choices[{pos}].index is {_shown(idx, key, as_repr=True)}, not a non-negative integer"
         if idx in seen:
             return f"choices[{pos}].index repeats {idx}"
         seen.add(idx)
@@ -206,34 +208,36 @@ def _error_code(err: Any) -> int | None:
     return code if is_int(code) and 100 <= code <= 599 else None
 
 
-def _error_message(parsed: Any, text: str) -> str:
+def _error_message(parsed: Any, text: str, key: ApiKey | str | None) -> str:
     if isinstance(parsed, dict):
         err = parsed.get("error")
         if isinstance(err, dict):
-            msg = _shown(err.get("message") or err.get("code") or "")
+            msg = _shown(err.get("message") or err.get("code") or "", key)
             raw = (err.get("metadata") or {}).get("raw") if isinstance(err.get("metadata"), dict) else None
             if raw:
-                msg = f"{msg} ({_shown(raw, 200)})"
+                msg = f"{msg} ({_shown(raw, key, 200)})"
             if msg:
-                return _clip(msg)
+                return _clip(msg, key)
         if isinstance(err, str) and err:
-            return _clip(err)
+            return _clip(err, key)
         if isinstance(parsed.get("message"), str):
-            return _clip(parsed["message"])
-    return _clip(text.strip())
+            return _clip(parsed["message"], key)
+    return _clip(text.strip(), key)
 
 
-def _shown(value: Any, n: int = _MAX_MESSAGE, *, as_repr: bool = False) -> str:
-    """``str(value)`` (or its repr) clipped. A parsed body may nest 1024 levels and ``str``
-    of a list or dict recurses, raising RecursionError near 1000: such a value is shown by
-    its type."""
+def _shown(value: Any, key: ApiKey | str | None, n: int = _MAX_MESSAGE, *, as_repr: bool = False) -> str:
+    """``str(value)`` (or its repr) masked and clipped. A parsed body may nest 1024 levels
+    and ``str`` of a list or dict recurses, raising RecursionError near 1000: such a value
+    is shown by its type."""
     try:
-        return _clip(repr(value) if as_repr else value if isinstance(value, str) else str(value), n)
+        return _clip(repr(value) if as_repr else value if isinstance(value, str) else str(value), key, n)
     except RecursionError:
         return f"<{type(value).__name__} nested too deep to show>"
 
 
-def _clip(text: str, n: int = _MAX_MESSAGE) -> str:
-    """An API's words, kept as a message: clipped, and lone surrogates (JSON can spell one)
-    escaped, so the store, the summary and the report can write it."""
+def _clip(text: str, key: ApiKey | str | None, n: int = _MAX_MESSAGE) -> str:
+    """An API's words, kept as a message: masked of the key, then clipped, and lone
+    surrogates (JSON can spell one) escaped, so the store, the summary and the report can
+    write it."""
+    text = scrub(text, key)
     return text_of(text if len(text) <= n else text[:n] + "…")

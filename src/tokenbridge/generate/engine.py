@@ -463,7 +463,7 @@ class Engine:
                     body, raw, outcome, parsed = await self._read_stream(resp)
                 else:
                     body = scrub_bytes(await self._read_capped(resp), self.key)  # before any message is cut
-                    outcome, parsed = classify_response(status, resp.headers, body)
+                    outcome, parsed = classify_response(status, resp.headers, body, key=self.key)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except ResponseTooLarge as exc:
@@ -482,7 +482,7 @@ class Engine:
             outcome = classify_exception(exc)
         latency = time.monotonic() - t0
         message = _clip(scrub(outcome.message, self.key))
-        usage = checked_usage(parsed)  # an error body may carry usage too: a billed retry counts
+        usage = checked_usage(parsed, key=self.key)  # an error body may carry usage too: a billed retry counts
         cost = cost_of(usage.usage, self.s.prices)
         attempt = AttemptRecord(item.sample_id, n, started_at, latency, status, outcome.error_class, message, cost, stream)
         if outcome.kind != "ok":
@@ -526,7 +526,7 @@ class Engine:
         cap = self.s.max_response_bytes
         raw = bytearray()
         decoder = SSEDecoder()
-        asm = StreamAssembler()
+        asm = StreamAssembler(key=self.key)
         try:
             async for chunk in resp.content.iter_any():
                 raw += chunk
@@ -553,7 +553,7 @@ class Engine:
             except RecursionError:  # parsed from a chunk (orjson: 1024 levels), too deep for json.dumps
                 text = json.dumps({"error": {"message": "an error object nested too deep to show"}})
             err = scrub_bytes(text.encode(), self.key)
-            out, _ = classify_response(200, {}, err)
+            out, _ = classify_response(200, {}, err, key=self.key)
             cls = "stream_error" if out.kind == "retry" else out.error_class
             message = f"mid-stream error: {out.message}"
             return b"", None, Outcome(out.kind, cls, message, 200, out.retry_after, maybe_billed=True), None
@@ -574,7 +574,7 @@ class Engine:
             kept_raw = None
             self._notice("a streamed answer carried the API key: masked, and its raw stream not kept "
                          "(the key may be split across events there)")
-        outcome, parsed = classify_response(200, resp.headers, body)
+        outcome, parsed = classify_response(200, resp.headers, body, key=self.key)
         return body, kept_raw, outcome, parsed
 
     # --- outcomes ---------------------------------------------------------------------

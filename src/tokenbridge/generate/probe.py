@@ -346,7 +346,7 @@ async def _send(session: aiohttp.ClientSession, url: str, headers: dict[str, str
             async with session.post(url, data=body, headers=headers) as resp:
                 status = resp.status
                 raw = scrub_bytes(await resp.read(), key)  # mask before classify clips any message
-                outcome, parsed = classify_response(status, resp.headers, raw)
+                outcome, parsed = classify_response(status, resp.headers, raw, key=key)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except TRANSPORT_FAILURES as exc:  # reported in the table; anything else is a bug

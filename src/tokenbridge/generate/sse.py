@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import orjson
 
 from ..jsonl import is_count, is_int
+from .secrets import ApiKey, scrub
 
 __all__ = ["SSEDecoder", "SSEEvent", "StreamAssembler", "StreamError"]
 
@@ -173,7 +174,10 @@ def _text(held: str | io.StringIO) -> str:
 
 @dataclass
 class StreamAssembler:
-    """Fold ``chat.completion.chunk`` objects into one ``chat.completion`` dict."""
+    """Fold ``chat.completion.chunk`` objects into one ``chat.completion`` dict.
+
+    A chunk that is refused is quoted in the error, masked of ``key`` (the key the request
+    sent) before it is clipped: a clip can cut a key short of what a later mask finds."""
 
     top: dict[str, Any] = field(default_factory=dict)
     choices: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -183,6 +187,7 @@ class StreamAssembler:
     errors: list[Any] = field(default_factory=list)
     done: bool = False
     chunks: int = 0
+    key: ApiKey | str | None = field(default=None, repr=False)
 
     def add_event(self, event: SSEEvent) -> None:
         data = event.data.strip()
@@ -194,10 +199,13 @@ class StreamAssembler:
         try:
             chunk = orjson.loads(data)  # strict, as every reader downstream: no NaN, 1e400, lone surrogate
         except ValueError as exc:
-            raise StreamError(f"stream chunk is not JSON ({exc}): {data[:200]!r}") from None
+            raise StreamError(f"stream chunk is not JSON ({exc}): {self._quoted(data)}") from None
         if not isinstance(chunk, dict):
-            raise StreamError(f"stream chunk is not an object: {data[:200]!r}")
+            raise StreamError(f"stream chunk is not an object: {self._quoted(data)}")
         self.add(chunk)
+
+    def _quoted(self, data: str) -> str:
+        return repr(scrub(data, self.key)[:200])
 
     def add(self, chunk: dict[str, Any]) -> None:
         self.chunks += 1
