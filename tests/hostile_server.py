@@ -26,7 +26,8 @@ and from a ``generate`` subprocess alike (it is a real socket). Modes:
                       keeps all of it but its last character: ``not_json`` or ``array``
   repeat_index        200 with two choices that both say ``index: 0``
 forms: raw, json_escaped (mixed ``\\uXXXX``), json_short (``\\/``, ``\\"``, ``\\\\``), url, base64,
-mime_base64 (a line break every 76 characters, as ``base64.encodebytes`` writes it).
+mime_base64 (a line break every 76 characters, as ``base64.encodebytes`` writes it), starred
+(its last four characters as ``****``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def encode_key(key: str, form: str) -> str:
         return base64.b64encode(b"Bearer " + key.encode()).decode()
     if form == "mime_base64":  # its line breaks escaped, as in any JSON string
         return base64.encodebytes(b"Bearer " + key.encode()).decode().replace("\n", "\\n")
+    if form == "starred":
+        return key[:-4] + "****"
     raise ValueError(form)
 
 

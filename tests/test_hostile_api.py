@@ -199,19 +199,24 @@ def test_an_echoed_key_is_masked_in_every_form_everywhere(server, tmp_path, kimi
     assert [r["id"] for r in rows] == ["h-1"] and "***" in rows[0]["content"]
 
 
-@pytest.mark.parametrize(("key", "form"), [(CANARY, "mime_base64"), (SLASH_KEY, "json_short")])
-def test_a_key_echoed_line_wrapped_or_short_escaped_is_masked_everywhere(server, tmp_path, kimi_dir, monkeypatch,
-                                                                         key, form):
-    """A cold attack stored these: MIME base64 of the header (wrapped every 76 characters) and
-    a key's '/' as JSON's '\\/', in an error message and in a kept answer, which reconstruct
-    decodes (the raw key reached reconstructed.jsonl)."""
+#: How a kept answer quoting the key in each form reads after reconstruct.
+_SHOWN = {"mime_base64": "QmVhcmVyIH***A==\n",  # "Bearer " and the padding stay
+          "json_short": "***", "starred": "*******"}  # starred: the mask, then the server's stars
+
+
+@pytest.mark.parametrize(("key", "form"), [(CANARY, "mime_base64"), (SLASH_KEY, "json_short"), (CANARY, "starred")])
+def test_a_key_echoed_wrapped_escaped_or_starred_is_masked_everywhere(server, tmp_path, kimi_dir, monkeypatch,
+                                                                      key, form):
+    """A cold attack stored these: MIME base64 of the header (wrapped every 76 characters),
+    a key's '/' as JSON's '\\/', and all of a key but its last four characters, in an error
+    message and in a kept answer, which reconstruct decodes (the raw key reached
+    reconstructed.jsonl)."""
     server.plan["q0"] = [f"echo_error:{form}"]
     server.plan["q1"] = [f"echo_ok:{form}"]
     written = _generate_and_downstream(tmp_path, server, kimi_dir, monkeypatch, key=key)
     assert {name: found for name, data in written.items() if (found := key_leaks(data, key))} == {}
     rows = [json.loads(x) for x in (tmp_path / "run" / "reconstructed.jsonl").read_text().splitlines()]
-    shown = "QmVhcmVyIH***A==\n" if form == "mime_base64" else "***"  # "Bearer " and the padding stay
-    assert [(r["id"], r["content"]) for r in rows] == [("h-1", f"your key is {shown} ok")]
+    assert [(r["id"], r["content"]) for r in rows] == [("h-1", f"your key is {_SHOWN[form]} ok")]
 
 
 @pytest.mark.parametrize(("how", "why"), [("not_json", "is not JSON"), ("array", "is not an object")])

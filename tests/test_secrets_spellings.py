@@ -106,3 +106,28 @@ def test_a_json_body_stays_json_and_other_text_is_kept():
     doc = {"choices": [{"message": {"content": f"a\nb {key} \\ c/d \u00e9 %41 QmVhcmVy"}}], "n": [1, 2]}
     masked = json.loads(scrub_bytes(json.dumps(doc).encode(), key))
     assert masked == {"choices": [{"message": {"content": "a\nb *** \\ c/d \u00e9 %41 QmVhcmVy"}}], "n": [1, 2]}
+
+
+@settings(max_examples=150, deadline=None)
+@given(KEYS, st.data(), st.sampled_from(["raw", "json", "url"]))
+def test_a_run_of_min_masked_characters_of_a_key_is_masked_and_a_shorter_one_kept(key, data, spelling):
+    """A server that starred the key's tail (``sk-...abcd****``) kept 33 of its 37 characters;
+    any MIN_MASKED in a row are masked, fewer are how keys are named in prose."""
+    start = data.draw(st.integers(0, len(key) - MIN_MASKED))
+    end = data.draw(st.integers(start + MIN_MASKED, len(key)))
+    run = key[start:end]
+    spelled = {"raw": run, "json": json.dumps(run)[1:-1].replace("/", "\\/"),
+               "url": "".join(f"%{b:02X}" for b in run.encode())}[spelling]
+    assert scrub(f"<< {spelled}<****> >>", key) == "<< ***<****> >>"
+    short = key[start : start + MIN_MASKED - 1]
+    while len(short.encode()) >= MIN_MASKED:  # runs are counted in UTF-8 bytes
+        short = short[:-1]
+    assert scrub(f"<< {short} >>", key) == f"<< {short} >>"
+
+
+def test_a_starred_key_is_masked_where_it_holds_min_masked_characters():
+    key = "sk-test/abcdefghijklmnopqrstuvwxyz0123"
+    assert scrub(f"invalid key {key[:-4]}****", key) == "invalid key *******"
+    assert scrub(f"{key[:8]}...{key[-4:]}", key) == f"{key[:8]}...{key[-4:]}"  # how providers show a key: kept
+    wrapped = base64.encodebytes(f"Bearer {key[:-4]}".encode()).decode()
+    assert not any(key.encode()[:12] in r for r in _base64_readings(scrub(wrapped, key)))

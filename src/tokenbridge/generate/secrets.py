@@ -5,8 +5,11 @@ that leaves the engine (attempt messages, log lines, error reports, stored bodie
 through :func:`scrub` / :func:`scrub_bytes`, because exception texts from HTTP libraries
 can quote headers and a hostile or buggy server can echo the key back.
 
-Spellings masked (each replaced by ``***``), in any mix, since text is searched as a
-decoder would read it (:func:`_decoded`):
+What is masked (replaced by ``***``): every run of :data:`MIN_MASKED` or more consecutive
+characters of the key or of its base64 (the whole key, or what a server kept of it when it
+starred the rest; counted in UTF-8 bytes, which for the ASCII keys providers issue are
+characters), in any of these spellings, in any mix, since text is searched as a decoder
+reads it (:class:`_Reading`):
   * raw: ``sk-or-v1-...``;
   * JSON-escaped: ``\\uXXXX`` (any hex case) and the short ``\\/``, ``\\"``, ``\\\\``, each
     behind any number of backslashes, so a JSON string nested in a JSON string is
@@ -16,8 +19,10 @@ decoder would read it (:func:`_decoded`):
     key inside a longer encoded blob (``Basic ...``, ``Bearer ...``) is caught too, with
     line breaks anywhere in it (MIME wraps every 76 characters), raw or JSON-escaped.
 
-Callers mask *before* clipping text (a clipped key is still a key) and scrub the
-assembled body of a stream, not its pieces (see the engine).
+A shorter run is left as it is: ``sk-or-v1-`` and a few characters more is how keys are
+named in prose, and as likely in a model's answer as in an echo. Callers mask *before*
+clipping text (a clip of a key is still most of one) and scrub the assembled body of a
+stream, not its pieces (see the engine).
 
 A key shorter than :data:`MIN_MASKED` characters is a placeholder (vLLM's ``EMPTY``, a
 local server's ``dummy``), not a secret, and is not masked: masking ``e`` or ``the``
@@ -116,9 +121,10 @@ def scrub_bytes(data: bytes, key: ApiKey | str | None) -> bytes:
     joined = b" ".join(data[start:end] for start, end in stretches)
     spans = []
     for reading in forms.readings:
-        if _runs(reading.read(joined), forms):  # the common case ends here: nothing to map back
-            where = _joins(stretches)
-            spans += [_original(span, where, data) for span in reading.spans(joined, forms)]
+        runs = _runs(reading.read(joined), forms)
+        if runs:  # rare: the common case ends without mapping anything back
+            wheres = [_joins(stretches), *reading.wheres(joined)]
+            spans += [_original(_back(span, wheres), data) for span in runs]
     if not spans:
         return data
     out: list[bytes] = []
@@ -149,18 +155,12 @@ class _Reading:
             data = self.breaks.sub(b"", data.translate(None, b"\r\n"))
         return data if self.escapes is None else self.escapes.sub(lambda m: _read_unit(m[0]), data)
 
-    def spans(self, data: bytes, forms: _Forms) -> list[tuple[int, int]]:
-        """The spans of ``data`` that read as runs: :meth:`read` again, keeping where each unit was."""
-        steps = (_RAW_BREAKS, self.breaks) if self.breaks is not None else ()
-        wheres = []
-        for units in (*steps, self.escapes):
-            data, where = _decoded(data, units)
-            wheres.append(where)
+    def wheres(self, data: bytes) -> list[list[_Unit]]:
+        """:meth:`read` again, one step at a time, keeping where each step's units were."""
         out = []
-        for span in _runs(data, forms):
-            for where in reversed(wheres):
-                span = _back(span, where)
-            out.append(span)
+        for units in ((_RAW_BREAKS, self.breaks) if self.breaks is not None else ()) + (self.escapes,):
+            data, where = _decoded(data, units)
+            out.append(where)
         return out
 
 
@@ -299,29 +299,56 @@ def _read_unit(text: bytes) -> bytes:
 
 
 def _runs(view: bytes, forms: _Forms) -> list[tuple[int, int]]:
-    """Spans of ``view`` that spell a whole target."""
-    spans = []
+    """Spans of ``view`` that spell MIN_MASKED or more consecutive characters of a target,
+    each as long as view and target agree, overlapping ones merged. Hits are taken in order
+    and one inside a span already found is passed over: what its run could add past that
+    span is shorter than MIN_MASKED, or holds a later hit of its own."""
+    hits = []
     for piece, places in forms.pieces.items():
         at = view.find(piece)
         while at != -1:
-            for i, offset in places:
-                target = forms.targets[i]
-                start = at - offset
-                if start >= 0 and view.startswith(target, start):
-                    spans.append((start, start + len(target)))
+            hits.append((at, places))
             at = view.find(piece, at + 1)
-    return spans
+    hits.sort(key=lambda hit: hit[0])
+    spans = []
+    reach = 0
+    for at, places in hits:
+        if at + _PIECE <= reach:
+            continue
+        for i, offset in places:
+            start, end = _grown(view, at, forms.targets[i], offset)
+            if end - start >= MIN_MASKED:
+                spans.append((start, end))
+                reach = max(reach, end)
+    return _merged(spans)
 
 
-def _back(span: tuple[int, int], where: list[_Unit]) -> tuple[int, int]:
-    """Where the view's ``span`` was read from: every unit it covers whole."""
-    return _data_at(span[0], where, end=False), _data_at(span[1] - 1, where, end=True)
+def _grown(view: bytes, at: int, target: bytes, offset: int) -> tuple[int, int]:
+    """The run around ``view[at:]`` holding ``target[offset:]``'s piece: as far each way as the two agree."""
+    low = at - offset
+    if low >= 0 and view.startswith(target, low):  # what an echo of the whole key is
+        return low, low + len(target)
+    start = at
+    while start > max(low, 0) and view[start - 1] == target[start - 1 - low]:
+        start -= 1
+    end, high = at + _PIECE, min(low + len(target), len(view))
+    while end < high and view[end] == target[end - low]:
+        end += 1
+    return start, end
 
 
-def _original(span: tuple[int, int], where: list[_Unit], data: bytes) -> tuple[int, int]:
-    """Where ``span`` of the joined stretches lies in ``data``, widened to whole UTF-8
-    characters (a masked text stays decodable)."""
-    start, end = _back(span, where)
+def _back(span: tuple[int, int], wheres: list[list[_Unit]]) -> tuple[int, int]:
+    """Where the view's ``span`` was read from, through each step of the reading (the last
+    first): every unit it covers whole."""
+    start, end = span
+    for where in reversed(wheres):
+        start, end = _data_at(start, where, end=False), _data_at(end - 1, where, end=True)
+    return start, end
+
+
+def _original(span: tuple[int, int], data: bytes) -> tuple[int, int]:
+    """``span`` of ``data`` widened to whole UTF-8 characters (a masked text stays decodable)."""
+    start, end = span
     while start > 0 and 0x80 <= data[start] < 0xC0:
         start -= 1
     while end < len(data) and 0x80 <= data[end] < 0xC0:
