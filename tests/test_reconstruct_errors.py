@@ -150,6 +150,20 @@ def test_a_bugs_traceback_never_shows_a_secret_from_the_environment(tmp_path):
     assert key not in proc.stderr + proc.stdout and key[9:] not in proc.stderr
 
 
+def test_a_bugs_traceback_masks_secrets_from_min_masked_characters_as_scrub_does(tmp_path):
+    """The traceback's scrubber and scrub() share one threshold: a secret is masked whole and
+    where a bug's message kept MIN_MASKED of its characters; a value shorter than that is a
+    placeholder to both (the scrubber once asked for 8 characters, which scrub ignored)."""
+    from tokenbridge.generate.secrets import MIN_MASKED
+
+    secret, short = "s3cr3t-" + "9" * (MIN_MASKED - 3), "p" * (MIN_MASKED - 1)
+    raise_stmt = ("s = os.environ['TB_SECRET']; "
+                  f"raise RuntimeError(' | '.join([s, 'cut ' + s[:{MIN_MASKED}], os.environ['TB_SHORT_TOKEN']]))")
+    proc = _reconstruct_cli_with_a_bug(tmp_path, raise_stmt, {"TB_SECRET": secret, "TB_SHORT_TOKEN": short})
+    assert proc.returncode == ExitCode.INTERNAL
+    assert f"RuntimeError: *** | cut *** | {short}" in proc.stderr
+
+
 def test_a_bugs_traceback_never_shows_a_key_read_under_a_name_of_the_users(tmp_path):
     """``--api-key-env`` names the variable: one that says neither KEY nor TOKEN is still
     scrubbed, because the key was read (``read_api_key``) in this process."""

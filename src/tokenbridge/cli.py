@@ -696,11 +696,12 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - the last line of defence: report a bug as a bug
         import traceback
 
-        from .generate.secrets import keys_read, scrub
+        from .generate.secrets import MIN_MASKED, keys_read, scrub
 
         text = traceback.format_exc()
         # every key the command read (under whatever variable name), and anything that looks like one
-        secrets = {*keys_read(), *(value for name, value in os.environ.items() if len(value) >= 8
+        # and is long enough for scrub to take for a secret (a shorter one it would leave as it is)
+        secrets = {*keys_read(), *(value for name, value in os.environ.items() if len(value) >= MIN_MASKED
                                    and any(w in name.upper() for w in ("KEY", "TOKEN", "SECRET", "PASSWORD")))}
         for value in sorted(secrets, key=len, reverse=True):  # a longer secret first: one inside it stays whole
             text = scrub(text, value)

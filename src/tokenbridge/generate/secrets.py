@@ -46,7 +46,8 @@ __all__ = ["MIN_MASKED", "ApiKey", "MissingApiKey", "keys_read", "placeholder_no
            "scrub_bytes"]
 
 _MASK = "***"
-MIN_MASKED = 16  # shorter keys are placeholders; masking them corrupts responses (see above)
+#: The one threshold for every secret and run: anything shorter is a placeholder or prose, and masking it corrupts text.
+MIN_MASKED = 16
 #: What is searched for first: a masked span (MIN_MASKED or more characters of a target)
 #: holds a whole piece this long of its target, one starting at a multiple of it, so text
 #: holding none of those pieces is let through after a few fast substring searches.
