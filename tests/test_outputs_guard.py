@@ -268,7 +268,7 @@ def test_run_starts_in_an_empty_folder_and_resumes_its_own(tmp_path, kimi_dir):
 
 
 @pytest.mark.parametrize(("files", "ours"), [
-    ({"state.sqlite": b"SQLite format 3\x00..."}, True),
+    ({"state.sqlite": b"SQLite format 3\x00..."}, False),  # the header alone: not a database, not ours
     ({".lock": b"4242 tokenbridge run\n"}, True),  # killed before its store existed
     (_USER_FILES, False),
     ({"state.sqlite": b"my notes"}, False),

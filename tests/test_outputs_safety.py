@@ -24,12 +24,15 @@ def rows(kimi):
 
 @pytest.fixture
 def run_dir(tmp_path, rows) -> Path:
-    """A run folder as generate + reconstruct leave it (state.sqlite stands in as bytes)."""
+    """A run folder as generate + reconstruct leave it (its store empty: a run folder is
+    recognised by the store's schema, never by a file's name or header)."""
+    from tokenbridge.generate.store import Store
+
     run = tmp_path / "run"
     exchanges, recs = rows
     write_jsonl(run / "exchanges.jsonl", exchanges)
     write_jsonl(run / "reconstructed.jsonl", recs)
-    (run / "state.sqlite").write_bytes(b"SQLite format 3\x00 paid responses")
+    Store.open(run).close()
     return run
 
 

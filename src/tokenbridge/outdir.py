@@ -55,6 +55,8 @@ __all__ = [
     "remove_own_output",
     "run_folder_of",
     "run_folder_problem",
+    "store_kind",
+    "store_problem",
 ]
 
 OutputKind = Literal["export", "vocab", "report"]
@@ -69,6 +71,9 @@ _SYSTEM_FOLDERS = frozenset(Path(p) for p in (
     "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
     "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var"))
 _SQLITE_HEADER = b"SQLite format 3\x00"
+#: generate's store is the SQLite database whose ``meta`` table holds ``schema_version``
+#: beside these tables (generate/store.py, not imported: slow to import).
+_STORE_TABLES = frozenset({"meta", "samples", "attempts", "responses", "runs"})
 #: What generate's lock file ``RUN/.lock`` holds (generate/lock.py, not imported: slow to import).
 _LOCK_TEXT = re.compile(rb"^\d+ tokenbridge \S")
 
@@ -83,10 +88,12 @@ def is_run_folder(path: Path) -> bool:
 
 
 def run_folder_of(path: str | Path) -> Path | None:
-    """The run folder (holding ``state.sqlite``) that ``path`` lies in, if any."""
+    """The run folder (:func:`is_own_run_folder`: holding generate's store) that ``path``
+    lies in, if any. A folder whose ``state.sqlite`` is the user's own database is not one:
+    its lock file would be written there."""
     p = Path(path).resolve()
     for folder in (p, *p.parents):
-        if (folder / "state.sqlite").is_file():
+        if os.path.lexists(folder / "state.sqlite") and is_own_run_folder(folder):
             return folder
     return None
 
@@ -195,12 +202,106 @@ def _same_file(a: str | Path, b: str | Path) -> bool:
 
 def is_own_run_folder(path: str | Path) -> bool:
     """Whether ``path`` is a folder an earlier ``run`` or ``generate`` made: it holds
-    generate's store ``state.sqlite`` (an SQLite database) or the run lock ``.lock`` as
-    tokenbridge writes it (``<pid> tokenbridge <command>``, made first, so a run killed
-    before its store existed counts too). ``exchanges.jsonl`` or ``pipeline.json`` prove
-    nothing: a user's folder may hold files of those names."""
+    generate's store ``state.sqlite`` (recognised by its schema, :func:`store_kind`, read
+    only), or no store yet (or an empty one) and the run lock ``.lock`` as tokenbridge
+    writes it (``<pid> tokenbridge <command>``, made first, so a run killed before its
+    store existed counts too). A ``state.sqlite`` that is anything else (the user's own
+    database, not SQLite, not a file) means the folder is not ours, whatever else is there;
+    ``exchanges.jsonl`` or ``pipeline.json`` prove nothing: a user's folder may hold files
+    of those names."""
     path = Path(path)
-    return _head(path / "state.sqlite").startswith(_SQLITE_HEADER) or bool(_LOCK_TEXT.match(_head(path / ".lock")))
+    kind = store_kind(path / "state.sqlite")
+    if kind == "tokenbridge":
+        return True
+    return kind in (None, "empty") and bool(_LOCK_TEXT.match(_head(path / ".lock")))
+
+
+StoreKind = Literal["tokenbridge", "empty", "foreign", "not sqlite", "not a file"]
+#: Why a ``state.sqlite`` of each other kind is not a store a run may write into.
+_NOT_A_STORE: dict[str, str] = {
+    "empty": "an empty database, not a tokenbridge run's store, beside files of the folder's own",
+    "foreign": "an SQLite database that is not a tokenbridge store (no tokenbridge schema: meta.schema_version, "
+               "samples, attempts, responses, runs); refusing to write into it",
+    "not sqlite": "not a usable tokenbridge state file (not an SQLite database)",
+    "not a file": "not a usable tokenbridge state file (not a regular file)",
+}
+
+
+def store_kind(path: str | Path) -> StoreKind | None:
+    """What the file at ``path`` is as generate's store, read only (nothing is created or
+    changed beside it): None when there is nothing there; ``"tokenbridge"`` for an SQLite
+    database with tokenbridge's schema (its ``meta`` table holding ``schema_version``, and
+    the ``samples``, ``attempts``, ``responses`` and ``runs`` tables); ``"empty"`` for an
+    empty file or a database with no table (a store killed before its schema was
+    committed); ``"foreign"`` for any other SQLite database (a user's own); ``"not
+    sqlite"`` for a file that is not one (or cannot be read as one); ``"not a file"`` for a
+    folder, a FIFO or a device (never opened)."""
+    path = Path(path)
+    kind = _file_kind(path)
+    return _schema_kind(path) if kind == "sqlite" else kind
+
+
+def _file_kind(path: Path) -> StoreKind | Literal["sqlite"] | None:
+    """:func:`store_kind` from the file's type and first bytes: ``"sqlite"`` when the schema must tell."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return "not a file"  # never opened: a FIFO would block, a device may act on open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # swapped for a FIFO since: opened without waiting
+    except OSError:
+        return "not a file" if os.path.lexists(path) else None  # a dangling symlink is not ours either
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "not a file"
+        head = os.pread(fd, len(_SQLITE_HEADER), 0)
+    except OSError:
+        return "not sqlite"
+    finally:
+        os.close(fd)
+    return "empty" if not head else "sqlite" if head == _SQLITE_HEADER else "not sqlite"
+
+
+def _schema_kind(path: Path) -> StoreKind:
+    """:func:`store_kind` of an SQLite file, from its tables (read only)."""
+    import sqlite3
+
+    try:
+        conn = _open_read_only(path)
+    except sqlite3.Error:
+        return "not sqlite"
+    try:
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            return "empty"
+        if not tables >= _STORE_TABLES:
+            return "foreign"
+        row = conn.execute("SELECT 1 FROM meta WHERE key = 'schema_version'").fetchone()
+        return "tokenbridge" if row is not None else "foreign"
+    except sqlite3.Error:
+        return "not sqlite"
+    finally:
+        conn.close()
+
+
+def store_problem(path: str | Path) -> str | None:
+    """Why generate may not open ``path`` as its store, or None: it is missing, empty, or a
+    tokenbridge store (:func:`store_kind`). The reason names the path."""
+    kind = store_kind(path)
+    return None if kind in (None, "empty", "tokenbridge") else f"{path}: {_NOT_A_STORE[kind]}"
+
+
+def _open_read_only(path: Path) -> Any:
+    """An SQLite connection that reads ``path`` and leaves nothing behind.
+
+    ``mode=ro`` on a WAL database still creates ``-wal`` / ``-shm`` beside it and, being
+    read-only, never removes them. Without a ``-wal`` file the database was closed cleanly
+    and holds everything, so it is opened ``immutable`` (nothing is created). With one (a
+    killed generate, or one still running), ``mode=ro`` reads what it holds and finds both
+    files already there."""
+    import sqlite3
+
+    wal = path.with_name(path.name + "-wal")
+    query = "mode=ro" if os.path.lexists(wal) else "mode=ro&immutable=1"
+    return sqlite3.connect(f"{path.resolve().as_uri()}?{query}", uri=True, timeout=5)
 
 
 def _head(path: Path) -> bytes:
@@ -231,9 +332,9 @@ def run_folder_problem(out: str | Path) -> str | None:
         return f"{out}: exists and is not a folder; give a new or empty folder"
     if not os.listdir(resolved) or is_own_run_folder(resolved):
         return None
-    if (resolved / "state.sqlite").exists():
-        return (f"{out / 'state.sqlite'}: not a usable tokenbridge state file (not an SQLite database); nothing was "
-                "written: give a new or empty folder")
+    kind = store_kind(resolved / "state.sqlite")
+    if kind is not None:
+        return f"{out / 'state.sqlite'}: {_NOT_A_STORE[kind]}; nothing was written: give a new or empty folder"
     return (f"{out}: folder is not empty and is not a tokenbridge run folder (no state.sqlite or .lock of an "
             "earlier run); nothing was written: give a new or empty folder")
 

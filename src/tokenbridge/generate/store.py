@@ -44,6 +44,7 @@ from typing import Any
 from collections.abc import Iterable, Iterator
 
 from ..jsonl import is_count
+from ..outdir import store_problem
 from .body import MAX_PLAUSIBLE_COST, MAX_PLAUSIBLE_TOKENS
 from .errors import GenerateError
 
@@ -53,6 +54,7 @@ STATE_FILE = "state.sqlite"
 SCHEMA_VERSION = 2
 
 _SCHEMA = """
+BEGIN IMMEDIATE;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (
     run INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -104,6 +106,7 @@ CREATE TABLE IF NOT EXISTS responses (
     base_url TEXT
 );
 INSERT OR IGNORE INTO meta(key, value) VALUES ('done_changes', '0'), ('attempt_changes', '0');
+INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', '""" + str(SCHEMA_VERSION) + """');
 """ + "".join(
     f"CREATE TRIGGER IF NOT EXISTS {name} AFTER {event} BEGIN UPDATE meta SET value = CAST(value AS INTEGER) + 1"
     f" WHERE key = '{counter}'; END;\n"
@@ -117,7 +120,7 @@ INSERT OR IGNORE INTO meta(key, value) VALUES ('done_changes', '0'), ('attempt_c
         ("attempts_updated", "UPDATE ON attempts", "attempt_changes"),
         ("attempts_deleted", "DELETE ON attempts", "attempt_changes"),
     )
-)
+) + "COMMIT;\n"
 _UPGRADE_1_TO_2 = (
     "ALTER TABLE attempts ADD COLUMN possible_cost REAL",
     "ALTER TABLE responses ADD COLUMN base_url TEXT",
@@ -212,9 +215,16 @@ class Store:
 
     @classmethod
     def open(cls, run_dir: str | Path) -> Store:
+        """Open (or make) ``RUN/state.sqlite``. A file there that is not a tokenbridge store
+        (the user's own database, not SQLite, not a regular file) is refused, read only,
+        before anything is written into it (:func:`tokenbridge.outdir.store_kind`); a new
+        store's schema is made in one transaction, so a store is never left half made."""
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / STATE_FILE
+        why = store_problem(path)
+        if why is not None:
+            raise StoreError(f"{why}; nothing was written: give a new or empty folder")
         try:
             conn = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
@@ -222,9 +232,7 @@ class Store:
             conn.execute("PRAGMA foreign_keys=ON")
             conn.executescript(_SCHEMA)
             row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
-                conn.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif row[0] == "1":
+            if row[0] == "1":
                 conn.execute("BEGIN IMMEDIATE")
                 for stmt in _UPGRADE_1_TO_2:
                     conn.execute(stmt)
@@ -233,7 +241,7 @@ class Store:
                 row = (str(SCHEMA_VERSION),)
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{path}: not a usable tokenbridge state file ({exc})") from None
-        if row is not None and int(row[0]) != SCHEMA_VERSION:
+        if int(row[0]) != SCHEMA_VERSION:
             conn.close()
             raise StoreError(f"{path}: schema version {row[0]}, this tokenbridge reads {SCHEMA_VERSION}")
         return cls(path, conn)
