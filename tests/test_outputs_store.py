@@ -6,13 +6,14 @@ took it for a run folder (the check read only the SQLite header), replaced the u
 exchanges.jsonl and added 6 tables and 8 triggers to the user's database. Now the store is
 recognised read only (:func:`tokenbridge.outdir.store_kind`: ``meta.schema_version`` and
 tokenbridge's tables) before anything is written, and anything else is refused with one
-line naming it (exit 2).
+line naming it (exit 2). A new store is made 0600, as the README says it is.
 """
 
 from __future__ import annotations
 
 import os
 import sqlite3
+import stat
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,17 @@ def test_a_store_with_its_schema_only_in_the_wal_is_recognised(tmp_path):
         assert store_kind(tmp_path / "state.sqlite") == "tokenbridge"
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_a_new_store_and_its_side_files_are_private(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        store = Store.open(tmp_path / "run")
+    finally:
+        os.umask(old)
+    try:
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "run").iterdir()}
+    finally:
+        store.close()
+    assert modes == {"state.sqlite": 0o600, "state.sqlite-wal": 0o600, "state.sqlite-shm": 0o600}

@@ -24,7 +24,8 @@ temps whose process is dead, and never anything that does not match that pattern
 
 File modes: outputs are ``0644`` (folders ``0755``), whatever the umask, so the same data
 never has two modes (``exchanges.jsonl`` too). ``generate.json``, which may hold error
-text, is :data:`PRIVATE_MODE` ``0600``; ``state.sqlite`` has the mode SQLite gives it.
+text, is :data:`PRIVATE_MODE` ``0600``, and so is generate's store ``state.sqlite`` (made
+``0600`` before SQLite opens it, which gives its ``-wal`` / ``-shm`` the same mode).
 
 JSON lines are :mod:`tokenbridge.jsonl`'s (``loads_line`` / ``dumps_line`` are
 re-exported here for older imports).

@@ -35,6 +35,7 @@ loop for the GIL on every row) and runs only the ``COMMIT`` (the fsync) in a thr
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 import zlib
@@ -43,8 +44,10 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterable, Iterator
 
+from ..exit_codes import ExitCode
+from ..fsio import PRIVATE_MODE
 from ..jsonl import is_count
-from ..outdir import store_problem
+from ..outdir import store_kind, store_problem
 from .body import MAX_PLAUSIBLE_COST, MAX_PLAUSIBLE_TOKENS
 from .errors import GenerateError
 
@@ -146,6 +149,16 @@ def _plausible_cost(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= MAX_PLAUSIBLE_COST
 
 
+def _create_private(path: Path) -> None:
+    """Make the empty store file ``0600`` whatever the umask, before SQLite opens it: SQLite
+    gives its ``-wal``, ``-shm`` and ``-journal`` files the database file's mode."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_MODE)
+    try:
+        os.fchmod(fd, PRIVATE_MODE)
+    finally:
+        os.close(fd)
+
+
 class StoreError(GenerateError):
     """The state file cannot be used (not SQLite, corrupt, from an incompatible version),
     or (``exit_code`` 6) cannot be written."""
@@ -218,7 +231,8 @@ class Store:
         """Open (or make) ``RUN/state.sqlite``. A file there that is not a tokenbridge store
         (the user's own database, not SQLite, not a regular file) is refused, read only,
         before anything is written into it (:func:`tokenbridge.outdir.store_kind`); a new
-        store's schema is made in one transaction, so a store is never left half made."""
+        store is made ``0600`` (it holds every prompt and response), its schema in one
+        transaction, so a store is never left half made."""
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / STATE_FILE
@@ -226,6 +240,8 @@ class Store:
         if why is not None:
             raise StoreError(f"{why}; nothing was written: give a new or empty folder")
         try:
+            if store_kind(path) is None:
+                _create_private(path)
             conn = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
@@ -241,6 +257,9 @@ class Store:
                 row = (str(SCHEMA_VERSION),)
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{path}: not a usable tokenbridge state file ({exc})") from None
+        except OSError as exc:
+            raise StoreError(f"{path}: cannot create the run state ({exc.strerror or exc})",
+                             exit_code=ExitCode.STORE) from None
         if int(row[0]) != SCHEMA_VERSION:
             conn.close()
             raise StoreError(f"{path}: schema version {row[0]}, this tokenbridge reads {SCHEMA_VERSION}")
