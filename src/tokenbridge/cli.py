@@ -107,6 +107,14 @@ def _tokenizer(flag_value: str | None, config_value: str | None = None, config: 
         _fail(str(exc))
 
 
+def _tokenizer_input(*values: str | None) -> str | None:
+    """The tokenizer a command will read (the first value given, else
+    ``$TOKENBRIDGE_TOKENIZER``): an input no output may replace when it is a local folder."""
+    from .tokenizer_source import TOKENIZER_ENV
+
+    return next((v for v in (*values, os.environ.get(TOKENIZER_ENV)) if v and v.strip()), None)
+
+
 _TOKENIZER_HELP = "Tokenizer folder or Hub repo id (default: $TOKENBRIDGE_TOKENIZER)."
 
 _SHOWN_BAD_LINES = 20  # reconstruct prints this many bad lines, then a count
@@ -175,12 +183,14 @@ def reconstruct(
         except ProfileError as exc:
             _fail(f"--provider-profile: {exc}")
     with _writing(output.parent, "reconstruct"):
-        from .outdir import check_output_file
+        from .outdir import check_output_file, existing_inputs
 
         # every output before any work: a refused --summary-json must not come after -o was written
-        check_output_file(output, input)
+        inputs = existing_inputs(provider_profile, _tokenizer_input(tokenizer))
+        check_output_file(output, input, inputs=inputs)
         if summary_json is not None:
-            check_output_file(summary_json, input, flag="--summary-json", name="summary.json", outputs={"-o": output})
+            check_output_file(summary_json, input, flag="--summary-json", name="summary.json", outputs={"-o": output},
+                              inputs=inputs)
         tok = _tokenizer(tokenizer)  # loading takes a while: Ctrl-C there is one line too
         try:
             resolve_dialect(tok, dialect)
@@ -320,18 +330,14 @@ def generate(
                "n": n, "reasoning": reasoning}
     provider = {"order": _csv(provider_order), "only": _csv(provider_only), "ignore": _csv(provider_ignore),
                 "quantizations": _csv(quantizations), "allow_fallbacks": fallbacks}
-    from .outdir import OutputRefused, check_output_file, run_folder_problem
+    from .outdir import run_folder_problem
 
     why = run_folder_problem(out)  # before any request: a run writes exchanges.jsonl and its store there
     if why is not None:
         _fail(f"--out {why}")
-    if summary_json is not None:  # checked now, not after the paid generation
-        try:
-            check_output_file(summary_json, out / "exchanges.jsonl", flag="--summary-json", name="summary.json")
-        except OutputRefused as exc:
-            _fail(str(exc))
     try:
         settings = _generate_settings(config, prompts, flags, request, provider)
+        _check_generate_outputs(out, summary_json, settings, config)  # now, not after the paid generation
         if dry_run:
             _generate_dry_run(settings, out, summary_json)
             return
@@ -366,6 +372,25 @@ def _generate_settings(config: Path | None, prompts: list[str] | None, flags: Ma
         "request": {**request, "provider": merged or None},
     }
     return override_settings(settings, overrides, Where("command line", flags=_GENERATE_FLAGS))
+
+
+def _check_generate_outputs(out: Path, summary_json: Path | None, settings: GenerateSettings,
+                            config: Path | None) -> None:
+    """Neither output may replace an input (the prompt files and folders, the config, a
+    local tokenizer): ``--out``'s run rewrites its store, exchanges.jsonl and generate.json,
+    and ``--summary-json`` may be none of those nor the run's lock (one line, exit 2)."""
+    from .outdir import OutputRefused, check_output_file, existing_inputs, run_folder_problem
+
+    inputs = existing_inputs(config, _tokenizer_input(settings.tokenizer), *(d.path for d in settings.datasets))
+    why = run_folder_problem(out, inputs=inputs)
+    if why is not None:
+        _fail(f"--out {why}")
+    if summary_json is not None:
+        try:
+            check_output_file(summary_json, flag="--summary-json", name="summary.json", inputs=inputs, runs=[out],
+                              outputs={"--out": out})
+        except OutputRefused as exc:
+            _fail(str(exc))
 
 
 def _generate_dry_run(settings: GenerateSettings, out: Path, summary_json: Path | None) -> None:
@@ -462,7 +487,14 @@ def probe(
     from .generate import GenerateError, probe as _probe, read_api_key, render_table
     from .generate.run import is_local_url
     from .generate.settings import check_base_url, normalize_reasoning
+    from .outdir import OutputRefused, check_output_file, existing_inputs
 
+    if json_out is not None:  # now, not after the (paid) probes
+        try:
+            check_output_file(json_out, flag="--json", name="probe.json",
+                              inputs=existing_inputs(_tokenizer_input(tokenizer)))
+        except OutputRefused as exc:
+            _fail(str(exc))
     try:
         check_base_url(base_url, "--base-url")
         tok = _tokenizer(tokenizer)
@@ -597,6 +629,11 @@ def vocab(
                                  param_hint="--target-vocab-size")
     try:
         with _writing(output, "vocab"):
+            from .outdir import check_output_dir, existing_inputs
+
+            # the tokenizer folder it reads is an input too: --force must never replace it (or a parent of it)
+            tok_input = existing_inputs(_tokenizer_input(tokenizer)) if target_vocab_size is None else []
+            check_output_dir(output, "vocab", inputs=[input, *tok_input], force=force)
             if target_vocab_size is None:
                 target_vocab_size = _tokenizer(tokenizer).vocab_size
             summary = build_vocab(input, draft_vocab_size, output, target_vocab_size, include_flagged=include_flagged,

@@ -14,15 +14,21 @@ anything else is refused (:class:`OutputRefused`, exit 2) unless ``force``. Even
 ``pipeline.json`` inside, at any depth up to :data:`_RUN_SCAN_DEPTH`), an input file, its
 folder or any parent of it, the current folder or any parent of it, ``$HOME`` and ``/``.
 
-A file output (``reconstruct -o`` / ``--summary-json``) naming its input (same path,
-symlink or hard link), another output of the same command, a folder, or anything but a
-regular file (a FIFO, a device node: :func:`tokenbridge.fsio.output_file`) is refused
-before any work (:func:`check_output_file`).
+A file output (``reconstruct -o`` / ``--summary-json``, ``generate --summary-json``,
+``probe --json``) is refused before any work (:func:`check_output_file`) when it names a
+folder, anything but a regular file (a FIFO, a device node:
+:func:`tokenbridge.fsio.output_file`), or what the command did not make: an input (same
+path, symlink or hard link; or anything inside an input folder), another output of the
+same command (or a folder holding one), an SQLite database, or one of a run folder's
+:data:`RUN_STATE_FILES` (its store and SQLite's side files, lock, ``exchanges.jsonl``,
+``generate.json``). A folder output never takes one of those names (:func:`run_file_problem`).
 
 ``tokenbridge run``'s ``[run] out`` is written file by file (exchanges.jsonl,
 reconstructed.jsonl, pipeline.json, ...), so it is accepted only when missing, empty, or a
-folder an earlier run made (:func:`is_own_run_folder`), and never when it is ``/``, a
-system folder (``/etc``, ``/usr``, ...) or ``$HOME`` (:func:`run_folder_problem`).
+folder an earlier run made (:func:`is_own_run_folder`: generate's store, known by its
+schema, :func:`store_kind`), never when it is ``/``, a system folder (``/etc``, ``/usr``,
+...) or ``$HOME``, and never when an input is one of the files the run writes there
+(:func:`run_folder_problem`).
 
 A folder of exports (the run layout's ``RUN/export``: every entry an earlier export's
 folder) is never replaced whole by one format: :func:`export_target` sends that format to
@@ -46,13 +52,17 @@ __all__ = [
     "MARKER",
     "OutputKind",
     "OutputRefused",
+    "RUN_OUTPUTS",
+    "RUN_STATE_FILES",
     "check_output_dir",
     "check_output_file",
+    "existing_inputs",
     "export_target",
     "is_own_run_folder",
     "is_run_folder",
     "marker",
     "remove_own_output",
+    "run_file_problem",
     "run_folder_of",
     "run_folder_problem",
     "store_kind",
@@ -158,6 +168,9 @@ def check_output_dir(
     for item in inputs:
         if Path(item).resolve().is_relative_to(resolved):
             raise OutputRefused(f"{flag} {target}: refusing to replace a folder that holds the input {item}")
+    taken = run_file_problem(target)
+    if taken:
+        raise OutputRefused(f"{flag} {target}: {taken}; give a new folder outside the run's own files")
     if not target.exists() and not target.is_symlink():
         return
     if not target.is_dir() or target.is_symlink():
@@ -173,20 +186,87 @@ def check_output_dir(
                         "give a new or empty folder, or --force to replace it")
 
 
-def check_output_file(target: str | Path, source: str | Path, *, flag: str = "-o", name: str = "reconstructed.jsonl",
-                      outputs: Mapping[str, str | Path] | None = None) -> None:
+def check_output_file(target: str | Path, source: str | Path | None = None, *, flag: str = "-o",
+                      name: str = "reconstructed.jsonl", outputs: Mapping[str, str | Path] | None = None,
+                      inputs: Iterable[str | Path | None] = (), runs: Iterable[str | Path] = ()) -> None:
     """Refuse, before any work, an output file that is a folder, not a regular file
-    (:func:`tokenbridge.fsio.output_file`), the input (path, symlink or hard link) or
-    another output of the same command (``outputs``: its flag -> its path)."""
+    (:func:`tokenbridge.fsio.output_file`), or would replace what the command did not make:
+    an input (``source`` and ``inputs``; path, symlink or hard link; anything inside an input
+    folder), a run folder's state (:data:`RUN_STATE_FILES` of the command's own run folders
+    ``runs``, made yet or not, or of any folder holding a ``state.sqlite`` or tokenbridge's
+    lock; hard links to them too), an SQLite database (no file output is one: it is a store,
+    or the user's own), or another output of the same command (``outputs``: its flag -> its
+    path; a folder output inside this path too)."""
     target = Path(target)
     if target.is_dir():
         raise OutputRefused(f"{flag} {target}: is a folder; give a file name such as {target / name}", target)
     output_file(target, flag=flag)
-    if _same_file(target, source):
-        raise OutputRefused(f"{flag} {target}: is the input file; give another output name", target)
-    for other_flag, other in (outputs or {}).items():
+    why = _file_problem(target, [i for i in (source, *inputs) if i is not None], runs, outputs or {})
+    if why is not None:
+        raise OutputRefused(f"{flag} {target}: {why}", target)
+
+
+#: What a run folder holds that no output may replace or take the name of, and what each is:
+#: generate's store and the files SQLite keeps beside it, the run's lock, the exchanges
+#: generate rewrites from the store, and generate's summary.
+RUN_STATE_FILES: dict[str, str] = {
+    "state.sqlite": "the store (every response, attempt and cost)",
+    "state.sqlite-wal": "the store's write-ahead log",
+    "state.sqlite-shm": "the store's shared-memory index",
+    "state.sqlite-journal": "the store's rollback journal",
+    ".lock": "the lock file",
+    "exchanges.jsonl": "the exchanges generate writes from its store",
+    "generate.json": "generate's summary",
+}
+#: What ``run`` writes into its folder besides :data:`RUN_STATE_FILES`.
+RUN_OUTPUTS: tuple[str, ...] = (*RUN_STATE_FILES, "reconstructed.jsonl", "pipeline.json", "export", "vocab", "report")
+
+
+def _file_problem(target: Path, inputs: list[str | Path], runs: Iterable[str | Path],
+                  outputs: Mapping[str, str | Path]) -> str | None:
+    """Why the file output ``target`` may not be written, or None (see :func:`check_output_file`)."""
+    real = Path(os.path.realpath(target))
+    for item in inputs:
+        if _same_file(target, item):
+            return "is the input file; give another output name"
+        if os.path.isdir(item) and real.is_relative_to(Path(item).resolve()):
+            return f"lies in the input folder {item}; give another output name"
+    refuse = "refusing to replace it: give another output name"
+    ours = {Path(r).resolve() for r in runs}
+    if real.name in RUN_STATE_FILES and (real.parent in ours or _looks_like_run(real.parent)):
+        return f"is {RUN_STATE_FILES[real.name]} of the run folder {real.parent}; {refuse}"
+    if os.path.lexists(target):
+        folders = ours | {real.parent} | {Path(i).resolve().parent for i in inputs}
+        for folder in sorted(f for f in folders if f in ours or _looks_like_run(f)):
+            for state, what in RUN_STATE_FILES.items():
+                if _same_file(real, folder / state):
+                    return f"is a hard link to {folder / state}, {what} of that run folder; {refuse}"
+        if _file_kind(real) == "sqlite":
+            kind = "a tokenbridge run's store" if _schema_kind(real) == "tokenbridge" else "an SQLite database"
+            return f"is {kind} (no output of tokenbridge is one); {refuse}"
+    for other_flag, other in outputs.items():
         if _same_file(target, other):
-            raise OutputRefused(f"{flag} {target}: is also the {other_flag} output; give another name", target)
+            return f"is also the {other_flag} output; give another name"
+        if Path(other).resolve().is_relative_to(real):
+            return f"holds the {other_flag} output {other}; give another name"
+    return None
+
+
+def _looks_like_run(folder: Path) -> bool:
+    """A folder whose run files no output may take: it holds a ``state.sqlite`` (generate's
+    store, or a database of the user's by that name: neither may be replaced) or
+    tokenbridge's lock file."""
+    return os.path.lexists(folder / "state.sqlite") or bool(_LOCK_TEXT.match(_head(folder / ".lock")))
+
+
+def run_file_problem(target: str | Path) -> str | None:
+    """Why a folder output at ``target`` may not be made, or None: it would take the name of
+    one of a run folder's :data:`RUN_STATE_FILES` (a folder named ``state.sqlite-wal``
+    there would leave the store unopenable)."""
+    real = Path(os.path.realpath(target))
+    if real.name in RUN_STATE_FILES and _looks_like_run(real.parent):
+        return f"is the name of {RUN_STATE_FILES[real.name]} of the run folder {real.parent}"
+    return None
 
 
 def _same_file(a: str | Path, b: str | Path) -> bool:
@@ -198,6 +278,12 @@ def _same_file(a: str | Path, b: str | Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:  # one is missing
         return False
+
+
+def existing_inputs(*paths: str | Path | None) -> list[Path]:
+    """The given paths that exist (an input that is not there cannot be replaced; a Hub
+    repo id or ``builtin:`` name is not a path here)."""
+    return [Path(p) for p in paths if p is not None and str(p).strip() and os.path.lexists(p)]
 
 
 def is_own_run_folder(path: str | Path) -> bool:
@@ -315,12 +401,24 @@ def _head(path: Path) -> bytes:
         return b""
 
 
-def run_folder_problem(out: str | Path) -> str | None:
+def run_folder_problem(out: str | Path, *, inputs: Iterable[str | Path] = (),
+                       writes: Iterable[str] = RUN_STATE_FILES) -> str | None:
     """Why ``out`` may not be a run's folder, or None: a run writes its files into it
     (replacing any of the same names), so it must be missing, empty or an earlier run's
-    folder (:func:`is_own_run_folder`), and never ``/``, a system folder or ``$HOME``."""
+    folder (:func:`is_own_run_folder`), and never ``/``, a system folder or ``$HOME``; and
+    none of the command's ``inputs`` may be the folder or one of the files (or folders)
+    the run ``writes`` there (path, symlink or hard link), nor lie inside one of them."""
     out = Path(out)
     resolved = out.resolve()
+    for item in inputs:
+        real = Path(item).resolve()
+        if real == resolved:
+            return (f"{out}: is the input {item}; a run writes its files into that folder: give a new or empty "
+                    "folder")
+        for name in writes:
+            if _same_file(item, resolved / name) or real.is_relative_to(resolved / name):
+                return (f"{out}: the input {item} is the run folder's {name}, which the run rewrites; nothing was "
+                        "written: move the input out of the run folder, or give another folder")
     home = os.environ.get("HOME")
     what = ("the root folder" if resolved == Path("/") else "a system folder" if resolved in _SYSTEM_FOLDERS
             else "your home folder" if home and resolved == Path(home).resolve() else None)

@@ -26,7 +26,7 @@ from pydantic import AfterValidator, Field, with_config
 from .checks import CODES, Policy
 from .exit_codes import ExitCode
 from .export.exporter import FORMATS
-from .outdir import run_folder_problem
+from .outdir import RUN_OUTPUTS, existing_inputs, run_folder_problem
 from .schema import FORBID, Bool, DialectName, NonNegInt, PosInt, Str, Where, did_you_mean, read_mapping, validate
 from .tokenizer import Tokenizer
 from .tokenizer_source import TOKENIZER_ENV
@@ -323,7 +323,9 @@ def check_out(cfg: RunConfig) -> None:
     system folder or ``$HOME``): a run writes its files into it, so a user's folder would
     lose files of the same names. Checked when the run starts (the folder may have changed
     since the config was loaded). Raises :class:`PipelineError` (code 2)."""
-    why = run_folder_problem(cfg.out)
+    datasets = (d["path"] for d in cfg.generate.get("datasets", ()))
+    inputs = existing_inputs(cfg.source, cfg.tokenizer, cfg.emulator, *datasets)  # none may be what the run writes
+    why = run_folder_problem(cfg.out, inputs=inputs, writes=RUN_OUTPUTS)
     if why is None:
         return
     try:
