@@ -26,9 +26,9 @@ from tokenbridge.generate.store import Store, StoreError
 from tokenbridge.outdir import is_own_run_folder, run_folder_of, store_kind
 from tokenbridge.pipeline import PipelineError, load_run_config, run_pipeline
 
-_FOREIGN = ("an SQLite database that is not a tokenbridge store (no tokenbridge schema: meta.schema_version, "
-            "samples, attempts, responses, runs); refusing to write into it; nothing was written: give a new or "
-            "empty folder")
+_FOREIGN = ("an SQLite database that is not a tokenbridge store (a store holds meta.schema_version and the tables "
+            "meta, samples, attempts, responses and runs, no other); refusing to write into it; nothing was written: "
+            "give a new or empty folder")
 _UNREACHABLE = ["--model", "m", "--base-url", "http://127.0.0.1:9/v1", "--max-attempts", "1", "--progress", "none"]
 
 
@@ -97,6 +97,29 @@ def test_the_store_refuses_a_user_database_before_writing_into_it(tmp_path):
     con.close()
 
 
+def test_a_user_database_an_older_tokenbridge_wrote_its_tables_into_stays_the_users(tmp_path):
+    """The attack's aftermath: the user's database with generate's schema added to it.
+    A store holds no table of its own version's schema but tokenbridge's, so it is the
+    user's still, and nothing more is written into it."""
+    from tokenbridge.generate import store
+
+    user = _user_folder(tmp_path / "userdir")
+    con = sqlite3.connect(user / "state.sqlite", isolation_level=None)
+    con.executescript(store._SCHEMA)  # what the old Store.open did to it: 6 tables, 8 triggers, schema_version
+    con.close()
+    before = snapshot(user)
+    res = CliRunner().invoke(app, ["generate", str(_prompts(tmp_path)), "-o", str(user), *_UNREACHABLE])
+    _one_error(res, f"--out {user / 'state.sqlite'}: {_FOREIGN}")
+    assert snapshot(user) == before and sorted(os.listdir(user)) == ["exchanges.jsonl", "notes.txt", "state.sqlite"]
+
+
+def test_the_versions_outdir_knows_include_the_stores():
+    from tokenbridge import outdir
+    from tokenbridge.generate.store import SCHEMA_VERSION
+
+    assert str(SCHEMA_VERSION) in outdir._STORE_VERSIONS
+
+
 def test_reconstruct_into_a_user_folder_takes_no_lock_there(tmp_path, kimi_dir):
     """A folder with a user's state.sqlite counted as a run folder for the lock too: writing
     an output there truncated the user's own ``.lock`` file to hold the pid."""
@@ -116,6 +139,14 @@ def _make(tmp_path: Path, what: str) -> Path:
     path = tmp_path / "state.sqlite"
     if what == "tokenbridge":
         Store.open(tmp_path).close()
+    elif what in ("a store with the user's tables", "a newer store"):
+        Store.open(tmp_path).close()
+        con = sqlite3.connect(path)
+        con.execute("CREATE TABLE accounts (id INTEGER)" if what != "a newer store" else "CREATE TABLE extra (x)")
+        if what == "a newer store":
+            con.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+        con.commit()
+        con.close()
     elif what == "zero bytes":
         path.write_bytes(b"")
     elif what == "no tables":
@@ -146,7 +177,9 @@ def _make(tmp_path: Path, what: str) -> Path:
 
 @pytest.mark.parametrize(("what", "kind"), [
     ("missing", None), ("tokenbridge", "tokenbridge"), ("zero bytes", "empty"), ("no tables", "empty"),
-    ("foreign", "foreign"), ("meta without schema_version", "foreign"), ("header then garbage", "not sqlite"),
+    ("foreign", "foreign"), ("meta without schema_version", "foreign"),
+    ("a store with the user's tables", "foreign"),  # what an older tokenbridge left in a user's database
+    ("a newer store", "tokenbridge"),  # then refused by Store.open for its version ("header then garbage", "not sqlite"),
     ("text", "not sqlite"), ("fifo", "not a file"), ("folder", "not a file"), ("dangling symlink", "not a file"),
 ])
 def test_store_kind_reads_only(tmp_path, what, kind):

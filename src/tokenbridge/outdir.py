@@ -84,6 +84,10 @@ _SQLITE_HEADER = b"SQLite format 3\x00"
 #: generate's store is the SQLite database whose ``meta`` table holds ``schema_version``
 #: beside these tables (generate/store.py, not imported: slow to import).
 _STORE_TABLES = frozenset({"meta", "samples", "attempts", "responses", "runs"})
+#: The store schemas this tokenbridge knows (generate/store.py's SCHEMA_VERSION and those it
+#: upgrades): theirs are exactly :data:`_STORE_TABLES` (and SQLite's own ``sqlite_*``), so a
+#: database holding other tables as well is the user's, whatever was once written into it.
+_STORE_VERSIONS = frozenset({"1", "2"})
 #: What generate's lock file ``RUN/.lock`` holds (generate/lock.py, not imported: slow to import).
 _LOCK_TEXT = re.compile(rb"^\d+ tokenbridge \S")
 
@@ -306,8 +310,8 @@ StoreKind = Literal["tokenbridge", "empty", "foreign", "not sqlite", "not a file
 #: Why a ``state.sqlite`` of each other kind is not a store a run may write into.
 _NOT_A_STORE: dict[str, str] = {
     "empty": "an empty database, not a tokenbridge run's store, beside files of the folder's own",
-    "foreign": "an SQLite database that is not a tokenbridge store (no tokenbridge schema: meta.schema_version, "
-               "samples, attempts, responses, runs); refusing to write into it",
+    "foreign": "an SQLite database that is not a tokenbridge store (a store holds meta.schema_version and the "
+               "tables meta, samples, attempts, responses and runs, no other); refusing to write into it",
     "not sqlite": "not a usable tokenbridge state file (not an SQLite database)",
     "not a file": "not a usable tokenbridge state file (not a regular file)",
 }
@@ -317,7 +321,9 @@ def store_kind(path: str | Path) -> StoreKind | None:
     """What the file at ``path`` is as generate's store, read only (nothing is created or
     changed beside it): None when there is nothing there; ``"tokenbridge"`` for an SQLite
     database with tokenbridge's schema (its ``meta`` table holding ``schema_version``, and
-    the ``samples``, ``attempts``, ``responses`` and ``runs`` tables); ``"empty"`` for an
+    the ``samples``, ``attempts``, ``responses`` and ``runs`` tables; no other table, for
+    the schema versions this tokenbridge knows: a user's database into which an older
+    tokenbridge once wrote its tables is still the user's); ``"empty"`` for an
     empty file or a database with no table (a store killed before its schema was
     committed); ``"foreign"`` for any other SQLite database (a user's own); ``"not
     sqlite"`` for a file that is not one (or cannot be read as one); ``"not a file"`` for a
@@ -360,8 +366,11 @@ def _schema_kind(path: Path) -> StoreKind:
             return "empty"
         if not tables >= _STORE_TABLES:
             return "foreign"
-        row = conn.execute("SELECT 1 FROM meta WHERE key = 'schema_version'").fetchone()
-        return "tokenbridge" if row is not None else "foreign"
+        row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is None:
+            return "foreign"
+        others = {t for t in tables - _STORE_TABLES if not t.startswith("sqlite_")}
+        return "foreign" if others and str(row[0]) in _STORE_VERSIONS else "tokenbridge"
     except sqlite3.Error:
         return "not sqlite"
     finally:
