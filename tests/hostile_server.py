@@ -2,7 +2,8 @@
 
 Each prompt's reply is picked by ``plan[prompt]``: a list of mode names, one per attempt
 (the last repeats); prompts not in the plan get ``"ok"``. Usable from the test process
-and from a ``generate`` subprocess alike (it is a real socket). Modes:
+and from a ``generate`` subprocess alike (it is a real socket). ``sent[prompt]`` holds
+the bytes of every whole body it answered with (what a test compares the store with). Modes:
 
   ok                  a valid chat.completion with usage
   slow:<s>            ``ok`` after <s> seconds
@@ -24,7 +25,9 @@ and from a ``generate`` subprocess alike (it is a real socket). Modes:
   split_key_sse       an SSE stream whose content carries the key split across two events
   bad_chunk_sse:<how> an SSE stream whose one chunk quotes the key where a 200-character clip
                       keeps all of it but its last character: ``not_json`` or ``array``
-  repeat_index        200 with two choices that both say ``index: 0``
+  repeat_index[:<usd>]  200 with two choices that both say ``index: 0`` (``usage.cost`` <usd>)
+  nan_field:<usd>     a valid body, ``usage.cost`` <usd>, plus ``"x": NaN`` (not re-emittable)
+  cut_json            200 ``application/json`` cut inside its choices (not JSON at all)
 forms: raw, json_escaped (mixed ``\\uXXXX``), json_short (``\\/``, ``\\"``, ``\\\\``), url, base64,
 mime_base64 (a line break every 76 characters, as ``base64.encodebytes`` writes it), starred
 (its last four characters as ``****``).
@@ -113,6 +116,7 @@ class HostileServer:
     def __init__(self) -> None:
         self.plan: dict[str, list[str]] = {}
         self.attempts: Counter[str] = Counter()
+        self.sent: dict[str, list[bytes]] = {}
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -147,10 +151,16 @@ class HostileServer:
         self._loop.run_forever()
         self._loop.close()
 
-    async def _handle(self, request: web.Request) -> web.StreamResponse:  # noqa: PLR0911, PLR0912 - one branch per hostile behaviour
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         prompt = body["messages"][-1]["content"]
         self.attempts[prompt] += 1
+        resp = await self._reply(request, prompt)
+        if isinstance(resp, web.Response) and isinstance(resp.body, bytes):
+            self.sent.setdefault(prompt, []).append(resp.body)
+        return resp
+
+    async def _reply(self, request: web.Request, prompt: str) -> web.StreamResponse:  # noqa: PLR0911, PLR0912 - one branch per hostile behaviour
         modes = self.plan.get(prompt, ["ok"])
         mode = modes[min(self.attempts[prompt], len(modes)) - 1]
         key = request.headers.get("Authorization", "").removeprefix("Bearer ")
@@ -184,9 +194,13 @@ class HostileServer:
             text = json.dumps(_ok("caf@"), indent=2).encode().replace(b"@", b"\xff")
             return _json_bytes(text)
         if name == "repeat_index":
-            doc = _ok()
+            doc = _ok(**({"cost": float(arg)} if arg else {}))
             doc["choices"].append(dict(doc["choices"][0]))
             return _json_bytes(json.dumps(doc).encode())
+        if name == "nan_field":
+            return _json_bytes(json.dumps(_ok(cost=float(arg)))[:-1].encode() + b', "x": NaN}')
+        if name == "cut_json":
+            return _json_bytes(json.dumps(_ok()).encode()[:60])
         if name == "echo_error":
             msg = "x" * (501 - len(key)) + encode_key(key, arg) + "y" * 80  # a 500-char clip keeps all but its last
             text = '{"error": {"code": 400, "message": "' + msg + '"}}'

@@ -343,18 +343,21 @@ def test_progress_plain_when_not_a_tty_and_rich_on_request():
     assert "1 failed" in rich_text and "http_429=3" in rich_text and "$0.2500" in rich_text
 
 
-def test_a_schema_1_state_file_is_upgraded_in_place(tmp_path):
+@pytest.mark.parametrize("version", ["1", "2"])
+def test_an_older_state_file_is_upgraded_in_place(tmp_path, version):
     import sqlite3
 
-    from tokenbridge.generate.store import Batch, ResponseRecord, Store
+    from tokenbridge.generate.store import AttemptRecord, Batch, ResponseRecord, Store
 
     with Store.open(tmp_path) as store:
         store.add_samples([("b-1", "b", "", "{}")])
         store.commit(Batch(responses=[ResponseRecord("b-1", b"{}", None, "p", "m", None, 0.5, 0.1, 1.0, 2.0, 1, False)]))
-    con = sqlite3.connect(tmp_path / "state.sqlite")  # what a schema 1 file looks like
-    con.execute("ALTER TABLE responses DROP COLUMN base_url")
-    con.execute("ALTER TABLE attempts DROP COLUMN possible_cost")
-    con.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
+    con = sqlite3.connect(tmp_path / "state.sqlite")  # what a schema 1 / 2 file looks like
+    if version == "1":
+        con.execute("ALTER TABLE responses DROP COLUMN base_url")
+        con.execute("ALTER TABLE attempts DROP COLUMN possible_cost")
+    con.execute("ALTER TABLE attempts DROP COLUMN body")  # schema 3's
+    con.execute("UPDATE meta SET value=? WHERE key='schema_version'", (version,))
     con.commit()
     con.close()
     with Store.open(tmp_path) as store:
@@ -363,8 +366,10 @@ def test_a_schema_1_state_file_is_upgraded_in_place(tmp_path):
             "finished_at": 2.0, "stream": False}]  # no base_url known: none written
         assert store.total_cost() == 0.5 and store.possible_cost() == 0.0
         assert store.done_base_urls(["b-1"]) == {None: (1, "b-1")}
+        store.commit(Batch(attempts=[AttemptRecord("b-1", 2, 3.0, 0.1, 200, "bad_json", "m", 0.25, body=b"{x")]))
+        assert [(a.cost, a.body) for a in store.attempts("b-1")] == [(0.25, b"{x")]
     con = sqlite3.connect(tmp_path / "state.sqlite")
-    assert con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("2",)
+    assert con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("3",)
 
 
 def test_config_tokenizer_path_is_relative_to_the_config_file(tmp_path, kimi_dir):

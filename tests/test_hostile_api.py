@@ -142,6 +142,54 @@ def test_repeated_choice_indexes_are_a_retried_attempt(server, tmp_path):
     assert len(_rows(tmp_path)[0]["response"]["choices"]) == 1
 
 
+# --- a 200 that is not kept was still paid for: billed, and its bytes stored ------------------
+
+_PRICES = Prices(prompt=1.0, completion=1.0)
+
+
+@pytest.mark.parametrize(("mode", "error_class"), [("repeat_index:0.25", "bad_choices"), ("nan_field:0.25", "bad_json")])
+def test_a_paid_200_that_is_not_kept_is_billed_and_its_bytes_stored(server, tmp_path, mode, error_class):
+    server.plan["q0"] = [mode]
+    summary = _run(server, tmp_path, 1, prices=_PRICES)
+    assert (summary.done, summary.failed, summary.errors) == (0, 1, {error_class: 3})
+    assert (summary.spent_total, summary.spent_possible) == (pytest.approx(0.75), 0.0)  # 3 x usage.cost
+    with Store.open(tmp_path / "run") as store:
+        rows = store.attempts("h-0")
+    assert [(a.http_status, a.error_class, a.cost, a.possible_cost) for a in rows] == [(200, error_class, 0.25, None)] * 3
+    assert [a.body for a in rows] == server.sent["q0"] and len(set(server.sent["q0"])) == 1
+
+
+def test_a_paid_200_that_is_not_kept_counts_against_max_cost(server, tmp_path):
+    server.plan["q0"] = ["repeat_index:0.25"]
+    summary = _run(server, tmp_path, 2, prices=_PRICES, max_cost=0.001)
+    assert (summary.stop_reason, summary.exit_code, summary.requests) == ("budget_reached", ExitCode.BUDGET, 1)
+    assert summary.spent_total == pytest.approx(0.25)
+    again = _run(server, tmp_path, 2, prices=_PRICES, max_cost=0.001)  # a resume starts from what was billed
+    assert (again.requests, again.spent_total, again.exit_code) == (0, pytest.approx(0.25), ExitCode.BUDGET)
+
+
+def test_a_200_that_is_not_json_is_booked_at_its_reservation_and_its_bytes_stored(server, tmp_path):
+    from tokenbridge.generate.budget import estimate_prompt_tokens
+
+    server.plan["q0"] = ["cut_json", "ok"]
+    summary = _run(server, tmp_path, 1, prices=_PRICES, max_cost=10.0)
+    with Store.open(tmp_path / "run") as store:
+        (sample,) = store.samples()
+        first, second = store.attempts("h-0")
+    reservation = _PRICES.cost(estimate_prompt_tokens(sample.request), 16)
+    assert (summary.done, summary.errors) == (1, {"bad_json": 1})
+    assert (summary.spent_total, summary.spent_possible) == (pytest.approx(0.0001), pytest.approx(reservation))
+    assert (first.error_class, first.cost, first.possible_cost) == ("bad_json", None, pytest.approx(reservation))
+    assert first.body == server.sent["q0"][0] == json.dumps(_ok_doc()).encode()[:60]
+    assert (second.error_class, second.body) == (None, None)  # a kept answer lives in responses only
+
+
+def _ok_doc() -> dict:
+    from hostile_server import _ok
+
+    return _ok()
+
+
 # --- item 3: the key never lands anywhere, in any encoding ----------------------------------
 
 

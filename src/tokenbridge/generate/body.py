@@ -10,7 +10,8 @@ A body is kept only if it can be stored and re-emitted, byte for byte, as one li
     (inside strings they must be escaped), so :func:`one_line` turns them into spaces
     and the line is the received bytes otherwise.
 Anything else is a ``bad_json`` attempt error (retried; after ``max_attempts`` the
-sample fails with the reason), never a stored row.
+sample fails with the reason), never a stored response. It was paid for all the same:
+its attempt row keeps the bytes, and its ``usage``, as far as it can be read, is booked.
 
 ``usage`` is the provider's account, not the answer: a bad field never costs the
 response. Per field (:func:`checked_usage`):

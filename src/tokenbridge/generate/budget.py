@@ -30,9 +30,11 @@ provider's prices do not change, cached-prompt discounts are small (a discounted
 understates ``a``), and no unseen, pricier provider serves the next request: set
 ``[prices]`` to the dearest provider's prices for a hard cap.
 
-Failures: an HTTP error reply is not billed (booked at $0). An attempt that may have been
-billed without saying so (a read timeout, a dropped connection, a cut stream, a 200 without
-usage) keeps its reservation as *possible* spend (``Budget.possible``, stored in the
+Failures: an HTTP error reply is not billed (booked at $0). A 200 that is not kept
+(malformed, no or repeated choices, a choice error) is: its ``usage`` as far as the body can
+be read. An attempt that may have been billed without saying so (a read timeout, a dropped
+connection, a cut stream, a 200 without usage, one that is not JSON at all) keeps its
+reservation as *possible* spend (``Budget.possible``, stored in the
 attempt row, counted against the cap in later runs too); nothing resolves it afterwards.
 """
 

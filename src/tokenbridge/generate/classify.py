@@ -8,9 +8,9 @@ what came back                             kind             error_class
 200 with choices, none ``finish_reason:    ok
 error``
 200 not JSON / no choices                  retry            bad_json / no_choices
-200 choices not objects / repeated index   retry            bad_choices
 (or JSON that cannot be re-emitted: see
 :mod:`.body`)
+200 choices not objects / repeated index   retry            bad_choices
 200 ``{"error": ...}`` (OpenRouter)        by its code      api_error (or http_<code>)
 200 a choice with ``finish_reason: error``  retry            choice_error
 408 409 425 5xx                            retry            http_<status>
@@ -24,12 +24,19 @@ malformed URL                              fail             bad_url
 
 ``Outcome.maybe_billed`` marks failures after which the provider may have generated (and
 billed) tokens without telling us: read/total timeouts, a connection dropped once the
-request was out, a cut or garbled stream. A refused or timed-out *connect* was never sent.
+request was out, a cut or garbled stream, and a 200 that is not kept (``bad_json``,
+``no_choices``, ``bad_choices``, ``choice_error``: the provider answered, so it billed).
+A refused or timed-out *connect* was never sent.
+
+A 200 that is not kept still hands back what can be read of its body (JSON read leniently:
+``NaN``, ``1e400``, lone surrogates, repeated indexes), so its ``usage`` is booked; only a
+body that is not JSON at all comes back with nothing, and is booked at its reservation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email.utils
 import json
 import time
@@ -49,6 +56,8 @@ __all__ = ["Outcome", "classify_exception", "classify_response", "parse_retry_af
 
 Kind = Literal["ok", "retry", "rate_limited", "fail", "unavailable", "payment"]
 RETRY_STATUSES = frozenset({408, 409, 425, 429})
+#: 200s that are answers, yet not kept: billed all the same (an ``{"error": ...}`` body is not an answer)
+_UNKEPT_ANSWERS = frozenset({"bad_json", "no_choices", "bad_choices", "choice_error"})
 _MAX_MESSAGE = 500
 
 
@@ -66,7 +75,7 @@ class Outcome:
         return self.kind in ("retry", "rate_limited")
 
 
-def classify_response(  # noqa: PLR0911 - one outcome per kind of answer, in the order they are told apart
+def classify_response(
     status: int, headers: Mapping[str, str], body: bytes | str, *, key: ApiKey | str | None = None
 ) -> tuple[Outcome, dict[str, Any] | None]:
     """The outcome of one finished HTTP exchange, and the parsed body when it is JSON.
@@ -74,6 +83,15 @@ def classify_response(  # noqa: PLR0911 - one outcome per kind of answer, in the
     Messages quote the body's words clipped, each masked of ``key`` (the key the request
     sent) *before* it is clipped: a clip of a key is still most of a key, and decoding
     JSON can make a key out of a spelling no mask of the raw body took for one."""
+    outcome, parsed = _classify(status, headers, body, key)
+    if status == 200 and outcome.error_class in _UNKEPT_ANSWERS:  # the provider answered, so it billed
+        outcome = dataclasses.replace(outcome, maybe_billed=True)
+    return outcome, parsed
+
+
+def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order they are told apart
+    status: int, headers: Mapping[str, str], body: bytes | str, key: ApiKey | str | None
+) -> tuple[Outcome, dict[str, Any] | None]:
     text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
     parsed = _parse_json(text)
     retry_after = parse_retry_after(headers.get("Retry-After") or headers.get("retry-after"))
@@ -84,8 +102,8 @@ def classify_response(  # noqa: PLR0911 - one outcome per kind of answer, in the
         return Outcome("retry", "bad_json", f"response is not JSON: {_clip(text, key)!r}", status), None
     try:  # a 200 is kept only if it can be re-emitted losslessly (see .body)
         parsed = check_body(body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass"))
-    except BodyError as exc:
-        return Outcome("retry", "bad_json", str(exc), status), None
+    except BodyError as exc:  # not kept, but billed: its leniently read usage still counts
+        return Outcome("retry", "bad_json", str(exc), status), parsed if isinstance(parsed, dict) else None
     if parsed.get("error") is not None and not parsed.get("choices"):
         code = _error_code(parsed["error"])
         message = _error_message(parsed, text, key) or "error body"
@@ -98,7 +116,7 @@ def classify_response(  # noqa: PLR0911 - one outcome per kind of answer, in the
         return Outcome("retry", "no_choices", "response has no choices", status), parsed
     bad = _bad_choices(choices, key)
     if bad:
-        return Outcome("retry", "bad_choices", bad, status), None
+        return Outcome("retry", "bad_choices", bad, status), parsed
     for choice in choices:
         if isinstance(choice, dict) and choice.get("finish_reason") == "error":
             message = _error_message(choice, "", key) or _error_message(parsed, "", key) or "choice finished with error"

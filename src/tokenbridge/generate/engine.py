@@ -26,7 +26,8 @@ after every choice finished is kept (without usage if the usage chunk never came
 
 The network boundary (see :mod:`.body`): the key is masked in a body before anything
 reads it (so no clipped message can keep part of it), a 200 is kept only if it can be
-re-emitted losslessly, and ``usage`` is validated field by field once, here; nothing
+re-emitted losslessly (one that cannot was paid for all the same: it is billed and its
+bytes stay in its attempt row), and ``usage`` is validated field by field once, here; nothing
 after this point trusts a value from the network. A background task that dies (the
 store writer) stops the run with ``StopReason.INTERNAL``.
 """
@@ -484,7 +485,8 @@ class Engine:
         message = _clip(scrub(outcome.message, self.key))
         usage = checked_usage(parsed, key=self.key)  # an error body may carry usage too: a billed retry counts
         cost = cost_of(usage.usage, self.s.prices)
-        attempt = AttemptRecord(item.sample_id, n, started_at, latency, status, outcome.error_class, message, cost, stream)
+        attempt = AttemptRecord(item.sample_id, n, started_at, latency, status, outcome.error_class, message, cost, stream,
+                                body=_unkept(status, outcome, raw if streamed else body))
         if outcome.kind != "ok":
             return dataclasses.replace(outcome, message=message), None, attempt, usage
         assert isinstance(parsed, dict)
@@ -699,6 +701,12 @@ class Engine:
         self._notice(f"stopping: store write failed: {exc}")
         self.request_stop(StopReason.STORE)
 
+
+
+def _unkept(status: int | None, outcome: Outcome, received: bytes | None) -> bytes | None:
+    """What a 200 that is not kept leaves in its attempt row: the bytes received (key masked),
+    since the provider billed them; nothing for other answers, or when nothing arrived."""
+    return received if status == 200 and outcome.kind != "ok" and received else None
 
 
 def _clip(text: str, n: int = _MAX_MESSAGE) -> str:

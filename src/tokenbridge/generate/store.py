@@ -7,7 +7,10 @@ Tables
   ``attempts``   every HTTP attempt, appended, never overwritten: run, number (unique per
                  sample), start, latency, HTTP status, error class and (scrubbed) message,
                  cost when the provider billed it, ``possible_cost`` when it may have been
-                 billed but no cost came back (a timeout, a cut stream: its reservation).
+                 billed but no cost came back (a timeout, a cut stream: its reservation),
+                 and ``body``: the bytes of an HTTP 200 that was not kept (malformed, no
+                 choices, a choice error), zlib, key masked, so an answer that was paid
+                 for is never dropped.
   ``responses``  the response of each done sample: ``body`` = the bytes the API returned
                  (for a streamed call: the assembled chat.completion JSON), ``raw_stream``
                  = every byte of the SSE stream (zlib), plus provider, model, usage, cost,
@@ -21,7 +24,8 @@ Tables
 
 Money spent is the sum of ``attempts.cost`` (every billed attempt has a row there, a
 retried one too); money possibly spent adds ``possible_cost`` of attempts without a cost.
-Schema 1 files (no ``base_url``, no ``possible_cost``) are upgraded in place on open.
+Older files are upgraded in place on open (schema 1: no ``base_url``, no ``possible_cost``;
+schema 2: no ``attempts.body``).
 
 A sample becomes ``done`` in the same transaction that stores its response, and the
 engine counts it only after that commit returns: a ``kill -9`` at any instant leaves
@@ -54,7 +58,7 @@ from .errors import GenerateError
 __all__ = ["AttemptRecord", "ResponseRecord", "Store", "StoreError", "StoredSample", "STATE_FILE"]
 
 STATE_FILE = "state.sqlite"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 BEGIN IMMEDIATE;
@@ -91,6 +95,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     cost REAL,
     stream INTEGER NOT NULL DEFAULT 0,
     possible_cost REAL,
+    body BLOB,
     PRIMARY KEY (sample_id, n)
 );
 CREATE TABLE IF NOT EXISTS responses (
@@ -124,13 +129,25 @@ INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', '""" + str(SCHE
         ("attempts_deleted", "DELETE ON attempts", "attempt_changes"),
     )
 ) + "COMMIT;\n"
-_UPGRADE_1_TO_2 = (
-    "ALTER TABLE attempts ADD COLUMN possible_cost REAL",
-    "ALTER TABLE responses ADD COLUMN base_url TEXT",
-)
+#: schema version -> the statements that take a file of that version to the next one
+_UPGRADES: dict[str, tuple[str, ...]] = {
+    "1": ("ALTER TABLE attempts ADD COLUMN possible_cost REAL", "ALTER TABLE responses ADD COLUMN base_url TEXT"),
+    "2": ("ALTER TABLE attempts ADD COLUMN body BLOB",),
+}
 
 
 _COST_OK = f"cost >= 0 AND cost <= {MAX_PLAUSIBLE_COST}"
+
+
+def _upgrade(conn: sqlite3.Connection, version: str) -> None:
+    """Take a file of an older schema ``version`` to :data:`SCHEMA_VERSION`, in one transaction."""
+    conn.execute("BEGIN IMMEDIATE")
+    while version in _UPGRADES:
+        for stmt in _UPGRADES[version]:
+            conn.execute(stmt)
+        version = str(int(version) + 1)
+    conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+    conn.execute("COMMIT")
 
 
 def _usage(usage_json: str | None) -> dict[str, Any]:
@@ -187,6 +204,7 @@ class AttemptRecord:
     cost: float | None = None
     stream: bool = False
     possible_cost: float | None = None
+    body: bytes | None = None  # an HTTP 200 not kept (malformed...): what the API sent, key masked
 
 
 @dataclass(frozen=True)
@@ -248,12 +266,10 @@ class Store:
             conn.execute("PRAGMA foreign_keys=ON")
             conn.executescript(_SCHEMA)
             row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row[0] == "1":
-                conn.execute("BEGIN IMMEDIATE")
-                for stmt in _UPGRADE_1_TO_2:
-                    conn.execute(stmt)
-                conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
-                conn.execute("COMMIT")
+            if row is None:
+                conn.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif row[0] in _UPGRADES:
+                _upgrade(conn, row[0])
                 row = (str(SCHEMA_VERSION),)
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{path}: not a usable tokenbridge state file ({exc})") from None
@@ -466,11 +482,12 @@ class Store:
             # append only: the number is the engine's unless taken (then the next free one)
             self._conn.executemany(
                 "INSERT INTO attempts(sample_id, n, run, started_at, latency_s, http_status, error_class,"
-                " message, cost, stream, possible_cost) VALUES"
-                " (?, MAX(?, (SELECT COALESCE(MAX(n), 0) + 1 FROM attempts WHERE sample_id = ?)),?,?,?,?,?,?,?,?,?)",
+                " message, cost, stream, possible_cost, body) VALUES"
+                " (?, MAX(?, (SELECT COALESCE(MAX(n), 0) + 1 FROM attempts WHERE sample_id = ?)),?,?,?,?,?,?,?,?,?,?)",
                 [
                     (a.sample_id, a.n, a.sample_id, self.run, a.started_at, a.latency_s, a.http_status, a.error_class,
-                     a.message, a.cost, int(a.stream), a.possible_cost)
+                     a.message, a.cost, int(a.stream), a.possible_cost,
+                     zlib.compress(a.body, 6) if a.body is not None else None)
                     for a in batch.attempts
                 ],
             )
@@ -578,12 +595,12 @@ class Store:
     def attempts(self, sample_id: str) -> list[AttemptRecord]:
         rows = self._conn.execute(
             "SELECT sample_id, n, started_at, latency_s, http_status, error_class, message, cost, stream,"
-            " possible_cost FROM attempts WHERE sample_id=? ORDER BY n",
+            " possible_cost, body FROM attempts WHERE sample_id=? ORDER BY n",
             (sample_id,),
         )
         return [AttemptRecord(sid, n, started, latency, status, error_class, message, cost, stream=bool(stream),
-                              possible_cost=possible)
-                for sid, n, started, latency, status, error_class, message, cost, stream, possible in rows]
+                              possible_cost=possible, body=zlib.decompress(body) if body is not None else None)
+                for sid, n, started, latency, status, error_class, message, cost, stream, possible, body in rows]
 
     def failures(self) -> list[tuple[str, str | None, str | None]]:
         return list(self._conn.execute("SELECT id, error_class, error FROM samples WHERE status='failed' ORDER BY seq"))
