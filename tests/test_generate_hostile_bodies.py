@@ -4,11 +4,13 @@ classified attempt, in time and memory proportional to its size."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
 import tracemalloc
 
+import orjson
 import pytest
 from aiohttp import web
 from hypothesis import given, settings
@@ -18,6 +20,7 @@ from test_generate_engine import Script, _chunk, _json, _ok_body, _run, _sse
 from tokenbridge.generate import Store
 from tokenbridge.generate.classify import classify_response
 from tokenbridge.generate.run import ExitCode
+from tokenbridge.generate.settings import Prices
 from tokenbridge.generate.sse import MAX_COMMENT_CHARS, MAX_COMMENTS, SSEDecoder
 
 
@@ -347,3 +350,92 @@ def test_a_placeholder_key_is_not_masked_in_stored_responses(tmp_path):
     real = "sk-or-v1-" + "0123456789abcdef" * 4
     assert len(real) >= MIN_MASKED and scrub(f"echo {real}!", real) == "echo ***!"
     assert scrub_bytes(b'"choices": [1]', "e") == b'"choices": [1]' and scrub("EMPTY", "EMPTY") == "EMPTY"
+
+
+# --- SSE: a chunk the assembler cannot fold is a billed bad_stream, never an internal error ---
+
+
+_USAGE_05 = {"prompt_tokens": 10, "completion_tokens": 5, "cost": 0.5}
+
+
+def _billed_stream(hostile: dict) -> bytes:
+    """A stream with one hostile chunk in it, then its finish, a usage chunk ($0.50) and [DONE]."""
+    return _sse([_chunk({"role": "assistant", "content": "hello"}), hostile, _chunk({}, "stop"),
+                 _chunk({}, None, usage=_USAGE_05) | {"choices": []}], comments=False)
+
+
+@pytest.mark.parametrize(("hostile", "why"), [
+    ({"choices": 5}, "stream chunk has choices of type int, not a list"),
+    (_chunk({"tool_calls": 7}), "stream chunk has tool_calls of type int, not a list"),
+    (_chunk({"reasoning_details": 3}), "stream chunk has reasoning_details of type int, not a list"),
+    ({"choices": ["x"]}, "stream chunk has a choice of type str, not an object"),
+    (_chunk({"tool_calls": [{"index": 0, "function": "f"}]}),
+     "stream chunk has a tool call function of type str, not an object"),
+])
+def test_a_hostile_stream_chunk_is_a_billed_bad_stream_with_its_raw_bytes_kept(tmp_path, hostile, why):
+    stream = _billed_stream(hostile)
+
+    async def reply(prompt, attempt, body, request):
+        good = _sse([_chunk({"content": "ok"}, "stop", usage=_USAGE_05 | {"cost": 0.001})])
+        return web.Response(body=stream if attempt == 1 else good, headers={"Content-Type": "text/event-stream"})
+
+    summary = _run(Script(reply), tmp_path, 1, stream=True, max_cost=10.0, prices=Prices(prompt=1.0, completion=1.0))
+    assert (summary.done, summary.errors, summary.internal_errors) == (1, {"bad_stream": 1}, 0)
+    assert (summary.spent_total, summary.spent_possible) == (pytest.approx(0.501), 0.0)  # its usage chunk, after it
+    with Store.open(tmp_path / "run") as store:
+        first, second = store.attempts("b3-0")
+    assert (first.http_status, first.error_class, first.message, first.cost) == (200, "bad_stream", why, 0.5)
+    assert first.body == stream and (second.error_class, second.body) == (None, None)
+
+
+def test_a_refused_stream_that_carried_the_key_keeps_no_raw_bytes(tmp_path):
+    from test_generate_engine import KEY
+
+    half = len(KEY.value) // 2
+    stream = _sse([_chunk({"role": "assistant", "content": "key: " + KEY.value[:half]}),
+                   _chunk({"content": KEY.value[half:]}), {"choices": 5}, _chunk({}, "stop", usage=_USAGE_05)])
+
+    async def reply(prompt, attempt, body, request):
+        return web.Response(body=stream, headers={"Content-Type": "text/event-stream"})
+
+    summary = _run(Script(reply), tmp_path, 1, stream=True, max_attempts=1)
+    assert (summary.failed, summary.errors, summary.spent_total) == (1, {"bad_stream": 1}, pytest.approx(0.5))
+    with Store.open(tmp_path / "run") as store:
+        (att,) = store.attempts("b3-0")
+    assert (att.cost, att.body) == (0.5, None)  # the key may be split across events in the raw bytes
+    assert any("its raw stream is not kept" in n for n in summary.notices)
+
+
+_ANY = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2, 2), st.text(max_size=3)),
+                    lambda c: st.one_of(st.lists(c, max_size=2), st.dictionaries(st.text(max_size=2), c, max_size=2)),
+                    max_leaves=6)
+
+
+def _shaped(**fields: st.SearchStrategy) -> st.SearchStrategy:
+    """An object with any of these fields, or any JSON value in its place."""
+    return st.one_of(_ANY, st.fixed_dictionaries({}, optional=fields))
+
+
+def _listed(item: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(_ANY, st.lists(item, max_size=3))
+
+
+_INDEX = st.one_of(st.integers(0, 2), _ANY)
+_CALL = _shaped(index=_INDEX, id=_ANY, type=_ANY, function=_shaped(name=_ANY, arguments=_ANY))
+_DETAIL = _shaped(index=_INDEX, type=_ANY, text=_ANY, signature=_ANY)
+_DELTA = _shaped(role=_ANY, content=_ANY, reasoning=_ANY, tool_calls=_listed(_CALL), reasoning_details=_listed(_DETAIL))
+_CHOICE = _shaped(index=_INDEX, delta=_DELTA, message=_DELTA, finish_reason=_ANY, logprobs=_ANY, error=_ANY, x=_ANY)
+_CHUNK = st.fixed_dictionaries({}, optional={"choices": _listed(_CHOICE), "usage": _ANY, "error": _ANY, "id": _ANY})
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_CHUNK, min_size=1, max_size=4))
+def test_the_stream_assembler_refuses_any_shape_with_a_stream_error_only(chunks):
+    from tokenbridge.generate.sse import SSEEvent, StreamAssembler, StreamError
+
+    asm = StreamAssembler()
+    for chunk in chunks:
+        with contextlib.suppress(StreamError):
+            asm.add_event(SSEEvent(json.dumps(chunk)))
+    with contextlib.suppress(StreamError):
+        json.loads(orjson.dumps(asm.result()))

@@ -46,7 +46,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import aiohttp
 import orjson
@@ -60,7 +60,7 @@ from .progress import RateMeter
 from .request import routing_key, wire_body
 from .secrets import ApiKey, scrub, scrub_bytes
 from .settings import GenerateSettings
-from .sse import SSEDecoder, StreamAssembler, StreamError
+from .sse import SSEDecoder, SSEEvent, StreamAssembler, StreamError
 from .store import AttemptRecord, Batch, ResponseRecord, Store, StoredSample
 
 __all__ = ["DRAIN_S", "Engine", "EngineStats", "StopReason", "WorkItem", "make_session"]
@@ -524,31 +524,35 @@ class Engine:
 
         The key is masked in the *assembled* body and in the whole raw stream, never in
         pieces; if the answer itself carried the key, it may be split across events in
-        the raw stream where no byte pattern finds it, so that raw stream is not kept."""
+        the raw stream where no byte pattern finds it, so that raw stream is not kept.
+        A stream that is not kept was billed all the same: it is read on past a refused
+        chunk for its usage (``parsed`` holds only that), and its raw bytes go with it."""
         cap = self.s.max_response_bytes
         raw = bytearray()
         decoder = SSEDecoder()
         asm = StreamAssembler(key=self.key)
+        failure: ValueError | None = None  # the first chunk refused, or bytes that do not decode
         try:
             async for chunk in resp.content.iter_any():
                 raw += chunk
                 if len(raw) > cap:
+                    if failure is not None:
+                        break  # already refused: keep what was read
                     raise ResponseTooLarge(f"stream passed max_response_bytes={cap} while being read")
-                for event in decoder.feed(chunk):
-                    asm.add_event(event)
+                failure = _fold(asm, decoder.feed(chunk), failure)
                 if asm.done:  # [DONE]: nothing more belongs to this response
                     break
             else:
-                for event in decoder.close():
-                    asm.add_event(event)
-        except (StreamError, UnicodeDecodeError) as exc:
-            message = scrub(str(exc), self.key)
-            return b"", None, Outcome("retry", "bad_stream", message, 200, maybe_billed=True), None
+                failure = _fold(asm, decoder.close(), failure)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            if not (asm.finished and not asm.errors):
+            if failure is None and not (asm.finished and not asm.errors):
                 raise
-            # cut after every choice finished: the answer is whole, only usage / [DONE] is missing
-            self._notice(f"a stream was cut after its finish_reason ({type(exc).__name__}); kept without its tail")
+            if failure is None:  # cut after every choice finished: the answer is whole, only usage / [DONE] is missing
+                self._notice(f"a stream was cut after its finish_reason ({type(exc).__name__}); kept without its tail")
+        if failure is not None:
+            message = scrub(str(failure), self.key)
+            return b"", self._unkept_stream(asm, raw), Outcome("retry", "bad_stream", message, 200,
+                                                                 maybe_billed=True), _usage_part(asm)
         if asm.errors:
             try:
                 text = json.dumps({"error": asm.errors[-1]}, default=str)
@@ -558,18 +562,19 @@ class Engine:
             out, _ = classify_response(200, {}, err, key=self.key)
             cls = "stream_error" if out.kind == "retry" else out.error_class
             message = f"mid-stream error: {out.message}"
-            return b"", None, Outcome(out.kind, cls, message, 200, out.retry_after, maybe_billed=True), None
+            return (b"", self._unkept_stream(asm, raw),
+                    Outcome(out.kind, cls, message, 200, out.retry_after, maybe_billed=True), _usage_part(asm))
         if not asm.chunks:
-            return b"", None, Outcome("retry", "bad_stream", "stream ended before any chunk", 200,
-                                      maybe_billed=True), None
+            return b"", self._unkept_stream(asm, raw), Outcome("retry", "bad_stream", "stream ended before any chunk",
+                                                                 200, maybe_billed=True), None
         if not asm.finished:
-            return b"", None, Outcome("retry", "truncated_stream", "stream ended without finish_reason", 200,
-                                      maybe_billed=True), None
+            return b"", self._unkept_stream(asm, raw), Outcome(
+                "retry", "truncated_stream", "stream ended without finish_reason", 200, maybe_billed=True), _usage_part(asm)
         try:
             assembled = orjson.dumps(asm.result())
         except (TypeError, orjson.JSONEncodeError) as exc:
-            return b"", None, Outcome("retry", "bad_stream", f"stream cannot be assembled: {exc}", 200,
-                                      maybe_billed=True), None
+            return b"", self._unkept_stream(asm, raw), Outcome(
+                "retry", "bad_stream", f"stream cannot be assembled: {exc}", 200, maybe_billed=True), _usage_part(asm)
         body = scrub_bytes(assembled, self.key)
         kept_raw: bytes | None = scrub_bytes(bytes(raw), self.key)
         if body != assembled:
@@ -578,6 +583,19 @@ class Engine:
                          "(the key may be split across events there)")
         outcome, parsed = classify_response(200, resp.headers, body, key=self.key)
         return body, kept_raw, outcome, parsed
+
+    def _unkept_stream(self, asm: StreamAssembler, raw: bytearray) -> bytes | None:
+        """The raw bytes of a stream that is not kept, key masked, for its attempt row; None when
+        what was assembled of it carried the key (then it may be split across events there)."""
+        try:
+            assembled = orjson.dumps(asm.result())
+        except (StreamError, TypeError, orjson.JSONEncodeError):  # nothing assembled: no text to split a key over
+            assembled = b""
+        if scrub_bytes(assembled, self.key) != assembled:
+            self._notice("a streamed answer that was not kept carried the API key: its raw stream is not kept "
+                         "(the key may be split across events there)")
+            return None
+        return scrub_bytes(bytes(raw), self.key) or None
 
     # --- outcomes ---------------------------------------------------------------------
 
@@ -701,6 +719,27 @@ class Engine:
         self._notice(f"stopping: store write failed: {exc}")
         self.request_stop(StopReason.STORE)
 
+
+
+def _fold(asm: StreamAssembler, events: Iterable[SSEEvent], failure: ValueError | None) -> ValueError | None:
+    """Add the events (a decoder's generator: it decodes as it is iterated) to the assembler,
+    going on past a chunk it refuses (a usage chunk after it still bills the stream); returns
+    the first failure (:class:`StreamError`, or :class:`UnicodeDecodeError` for bytes that do
+    not decode: those are skipped)."""
+    try:
+        for event in events:
+            try:
+                asm.add_event(event)
+            except StreamError as exc:
+                failure = failure or exc
+    except UnicodeDecodeError as exc:
+        failure = failure or exc
+    return failure
+
+
+def _usage_part(asm: StreamAssembler) -> dict[str, Any] | None:
+    """The stream's last usage as a body to read it from, when one came (what bills a stream not kept)."""
+    return {"usage": asm.top["usage"]} if asm.top.get("usage") is not None else None
 
 
 def _unkept(status: int | None, outcome: Outcome, received: bytes | None) -> bytes | None:

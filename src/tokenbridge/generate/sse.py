@@ -6,7 +6,10 @@ comment lines such as OpenRouter's ``: OPENROUTER PROCESSING`` keep-alives, mult
 ``chat.completion.chunk`` objects into the JSON a non-streamed call returns: text
 fields concatenate (content, reasoning, tool-call arguments), list fields extend
 (logprobs, per-choice ``token_ids``), and anything else keeps its last non-null value,
-so fields we do not know about survive.
+so fields we do not know about survive. Every shape it cannot fold (``choices`` that is not
+a list, a choice, tool call or ``reasoning_details`` entry that is not an object, ``tool_calls``
+or ``reasoning_details`` that is not a list, a ``function`` that is not an object) is a
+:class:`StreamError`, never another exception: the stream was billed, and the engine books it.
 """
 
 from __future__ import annotations
@@ -208,6 +211,8 @@ class StreamAssembler:
         return repr(scrub(data, self.key)[:200])
 
     def add(self, chunk: dict[str, Any]) -> None:
+        """Fold one chunk. Its top-level fields (``usage`` among them) are taken before its
+        choices are checked, so a chunk refused for its choices still says what it cost."""
         self.chunks += 1
         for key, value in chunk.items():
             if key == "choices":
@@ -218,9 +223,8 @@ class StreamAssembler:
                 continue
             if value is not None or key not in self.top:
                 self.top[key] = value
-        for choice in chunk.get("choices") or []:
-            if isinstance(choice, dict):
-                self._add_choice(choice)
+        for choice in _objects(chunk.get("choices"), "choices", "a choice"):
+            self._add_choice(choice)
 
     def _add_choice(self, choice: dict[str, Any]) -> None:
         idx = choice.get("index") or 0
@@ -233,9 +237,9 @@ class StreamAssembler:
             raise StreamError(f"stream chunk has a choice delta that is a {type(delta).__name__}, not an object")
         for key, value in delta.items():
             if key == "tool_calls":
-                self._add_tool_calls(idx, value or [])
+                self._add_tool_calls(idx, _objects(value, "tool_calls", "a tool call"))
             elif key == "reasoning_details":
-                self._add_reasoning_details(idx, value or [])
+                self._add_reasoning_details(idx, _objects(value, "reasoning_details", "a reasoning_details entry"))
             elif key == "role":
                 if value:
                     msg["role"] = value
@@ -253,11 +257,9 @@ class StreamAssembler:
                 self.errors.append(value)
             out[key] = _merge_value(out.get(key), value, concat=False)
 
-    def _add_tool_calls(self, idx: int, calls: list[Any]) -> None:
+    def _add_tool_calls(self, idx: int, calls: list[dict[str, Any]]) -> None:
         slots = self.tool_calls.setdefault(idx, {})
         for pos, call in enumerate(calls):
-            if not isinstance(call, dict):
-                continue
             k = call.get("index", len(slots) if call.get("id") else max(slots, default=pos))
             if not is_int(k):
                 raise StreamError(f"stream chunk has tool call index {k!r}, not an integer")
@@ -265,18 +267,19 @@ class StreamAssembler:
             for key, value in call.items():
                 if key == "index":
                     continue
-                if key == "function" and isinstance(value, dict):
+                if key == "function" and value is not None:
+                    if not isinstance(value, dict):
+                        raise StreamError(f"stream chunk has a tool call function of type {type(value).__name__}, "
+                                          "not an object")
                     fn = slot.setdefault("function", {})
                     for fk, fv in value.items():
                         fn[fk] = _merge_value(fn.get(fk), fv, concat=fk in ("name", "arguments"))
                 elif value is not None:
                     slot[key] = value
 
-    def _add_reasoning_details(self, idx: int, items: list[Any]) -> None:
+    def _add_reasoning_details(self, idx: int, items: list[dict[str, Any]]) -> None:
         acc = self.reasoning_details.setdefault(idx, [])
         for item in items:
-            if not isinstance(item, dict):
-                continue
             target = None
             if "index" in item:
                 target = next((d for d in acc if d.get("index") == item["index"]), None)
@@ -322,6 +325,19 @@ class StreamAssembler:
     def finished(self) -> bool:
         """Every choice got a finish_reason (a stream cut short has none)."""
         return bool(self.choices) and all(c.get("finish_reason") for c in self.choices.values())
+
+
+def _objects(value: Any, name: str, what: str) -> list[dict[str, Any]]:
+    """``value`` as a list of objects (null: none), else :class:`StreamError`: the one check of
+    a list-valued chunk field, so no shape reaches the folding code that it would trip on."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise StreamError(f"stream chunk has {name} of type {type(value).__name__}, not a list")
+    for item in value:
+        if not isinstance(item, dict):
+            raise StreamError(f"stream chunk has {what} of type {type(item).__name__}, not an object")
+    return value
 
 
 def _merge_value(old: Any, new: Any, *, concat: bool) -> Any:

@@ -9,8 +9,8 @@ Tables
                  cost when the provider billed it, ``possible_cost`` when it may have been
                  billed but no cost came back (a timeout, a cut stream: its reservation),
                  and ``body``: the bytes of an HTTP 200 that was not kept (malformed, no
-                 choices, a choice error), zlib, key masked, so an answer that was paid
-                 for is never dropped.
+                 choices, a choice error; a stream's raw bytes), zlib, key masked, so an
+                 answer that was paid for is never dropped.
   ``responses``  the response of each done sample: ``body`` = the bytes the API returned
                  (for a streamed call: the assembled chat.completion JSON), ``raw_stream``
                  = every byte of the SSE stream (zlib), plus provider, model, usage, cost,
