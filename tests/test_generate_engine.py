@@ -654,8 +654,12 @@ def test_a_bug_while_reading_a_response_is_internal_not_a_client_error(tmp_path,
     monkeypatch.setattr(eng, "classify_response", broken)
     summary = _run(Script(lambda p, a, b, r: asyncio.sleep(0, _json(_ok_body(p)))), tmp_path, 1)
     assert summary.failures == [{"id": "b3-0", "error_class": "internal", "error": "KeyError: 'a bug in classify_response'"}]
-    assert summary.errors == {} and summary.internal_errors == 1 and summary.requests == 1
+    assert summary.errors == {"internal": 1} and summary.internal_errors == 1 and summary.requests == 1
     assert summary.exit_code == ExitCode.INCOMPLETE
+    with Store.open(tmp_path / "run") as store:  # it went out, so it has its attempt row
+        assert [(a.n, a.error_class, a.message) for a in store.attempts("b3-0")] == [
+            (1, "internal", "KeyError: 'a bug in classify_response'")]
+        assert store._conn.execute("SELECT COUNT(*) FROM in_flight").fetchone() == (0,)
 
 
 def test_a_bug_in_the_store_writer_is_internal_not_a_store_failure(tmp_path, monkeypatch):

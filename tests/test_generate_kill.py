@@ -24,7 +24,8 @@ from tokenbridge.generate import (
     agenerate_run,
     generate_run,
 )
-from tokenbridge.generate.settings import DatasetSpec
+from tokenbridge.generate.budget import estimate_prompt_tokens
+from tokenbridge.generate.settings import DatasetSpec, Prices
 
 KEPT_FILES = {".lock", "state.sqlite", "generate.json", "exchanges.jsonl"}
 #: The CLI with the first signal's drain as long as a "hang" reply (an hour): a second
@@ -140,6 +141,11 @@ def test_a_second_signal_stops_at_once_with_130_and_no_traceback(tmp_path, sig):
     assert "interrupted again: stopping now" in err
     assert "stopped: interrupted: 0 of 4 samples kept, 4 pending (rerun the same command to continue)" in err
     assert summary["pending"] == 4 and summary["exit_code"] == 130
+    assert summary["errors"] == {"interrupted": 2}  # the two that went out are on the books
+    with Store.open(tmp_path / "run") as store:
+        assert [(a.sample_id, a.n, a.error_class) for s in ("k-0", "k-1") for a in store.attempts(s)] == [
+            ("k-0", 1, "interrupted"), ("k-1", 1, "interrupted")]
+        assert store._conn.execute("SELECT COUNT(*) FROM in_flight").fetchone() == (0,)
 
 
 def test_a_first_signal_drains_in_flight_requests_and_keeps_them(tmp_path):
@@ -177,3 +183,83 @@ def test_the_drain_after_a_first_interrupt_is_bounded(tmp_path):
         stats, counts = asyncio.run(main(srv.url))
     assert (stats.done, stats.stop_reason, counts) == (0, "interrupted", {"pending": 4})
     assert stats.requests == 2  # nothing sent after the interrupt
+
+
+# --- a request that went out stays on the books whatever ends the run --------------------------
+
+_PRICES = Prices(prompt=1.0, completion=1.0)
+
+
+def _reservation(store: Store, sample_id: str) -> float:
+    """What the budget reserves for a sample's request: its worst case at :data:`_PRICES`."""
+    (request,) = [s.request for s in store.samples([sample_id])]
+    return _PRICES.cost(estimate_prompt_tokens(request), 8)
+
+
+def test_requests_in_flight_at_an_abort_are_booked_as_possible_spend(tmp_path):
+    from tokenbridge.generate.budget import Budget
+    from tokenbridge.generate.engine import Engine, WorkItem
+
+    async def main(url: str):
+        settings = GenerateSettings(request=RequestSettings(model="m", max_tokens=8), base_url=url, concurrency=2,
+                                    progress="none", max_cost=1.0, prices=_PRICES)
+        with Store.open(tmp_path / "run") as store:
+            store.add_samples([(f"k-{i}", "k", "", json.dumps({"model": "m", "max_tokens": 8, "messages": [
+                {"role": "user", "content": f"q{i}"}]})) for i in range(4)])
+            engine = Engine(settings, None, store, Budget(1.0, _PRICES))
+            task = asyncio.create_task(engine.run([WorkItem.from_stored(s) for s in store.samples()]))
+            for _ in range(2000):  # both requests out (bounded wait)
+                if sum(srv.attempts.values()) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            engine.abort()  # what a second Ctrl-C, or SIGTERM after the drain, does
+            stats = await asyncio.wait_for(task, 20)
+            reserved = [_reservation(store, f"k-{i}") for i in range(2)]
+            rows = [(a.sample_id, a.n, a.error_class, a.cost, a.possible_cost) for i in range(4)
+                    for a in store.attempts(f"k-{i}")]
+            return stats, reserved, rows, store.possible_cost(), store.status_counts()
+
+    with HostileServer() as srv:
+        for i in range(4):
+            srv.plan[f"q{i}"] = ["hang"]
+        stats, reserved, rows, possible, counts = asyncio.run(main(srv.url))
+    assert (stats.requests, stats.errors, counts) == (2, {"interrupted": 2}, {"pending": 4})
+    assert rows == [("k-0", 1, "interrupted", None, pytest.approx(reserved[0])),
+                    ("k-1", 1, "interrupted", None, pytest.approx(reserved[1]))]
+    assert stats.possible == possible == pytest.approx(sum(reserved)) and possible > 0  # a resume's budget starts there
+
+
+def test_requests_in_flight_at_a_kill_9_are_booked_when_the_next_run_begins(tmp_path):
+    spec = DatasetSpec("k", write_prompts(tmp_path, 4))
+    run = tmp_path / "run"
+    with HostileServer() as srv:
+        srv.plan["q0"] = srv.plan["q1"] = ["hang", "ok"]  # the first two hang until the kill, then answer
+        settings = GenerateSettings(datasets=(spec,), request=RequestSettings(model="m", max_tokens=8),
+                                    base_url=srv.url, concurrency=2, progress="none", max_cost=1.0, prices=_PRICES)
+        pid = os.fork()
+        if pid == 0:  # child: never returns into pytest
+            try:
+                generate_run(settings, run)
+            finally:
+                os._exit(99)
+        try:
+            for _ in range(2000):  # both requests out (bounded wait), then kill -9
+                if sum(srv.attempts.values()) == 2:
+                    break
+                time.sleep(0.01)
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert dict(srv.attempts) == {"q0": 1, "q1": 1}
+        with Store.open(run) as store:  # what the killed run left: the two requests, recorded before they went out
+            reserved = [_reservation(store, f"k-{i}") for i in range(2)]
+            assert store.possible_cost() == pytest.approx(sum(reserved))
+        again = asyncio.run(agenerate_run(settings, run))
+    assert (again.exit_code, again.done, again.requests) == (0, 4, 4)
+    assert (again.spent_total, again.spent_possible) == (pytest.approx(4 * 0.0001), pytest.approx(sum(reserved)))
+    with Store.open(run) as store:
+        rows = [(a.sample_id, a.n, a.error_class, a.cost, a.possible_cost) for i in range(2)
+                for a in store.attempts(f"k-{i}")]
+        assert store._conn.execute("SELECT COUNT(*) FROM in_flight").fetchone() == (0,)
+    assert rows == [("k-0", 1, "unanswered", None, pytest.approx(reserved[0])), ("k-0", 2, None, 0.0001, None),
+                    ("k-1", 1, "unanswered", None, pytest.approx(reserved[1])), ("k-1", 2, None, 0.0001, None)]

@@ -34,8 +34,10 @@ Failures: an HTTP error reply is not billed (booked at $0). A 200 that is not ke
 (malformed, no or repeated choices, a choice error) is: its ``usage`` as far as the body can
 be read. An attempt that may have been billed without saying so (a read timeout, a dropped
 connection, a cut stream, a 200 without usage, one that is not JSON at all) keeps its
-reservation as *possible* spend (``Budget.possible``, stored in the
-attempt row, counted against the cap in later runs too); nothing resolves it afterwards.
+reservation as *possible* spend (``Budget.possible``, stored in the attempt row, counted
+against the cap in later runs too); nothing resolves it afterwards. So does a request cut off by the run's own end: aborted (an ``interrupted`` attempt) or killed (its
+``in_flight`` record, committed before it went out, becomes an ``unanswered`` attempt when the
+next run begins), so a resume's budget starts from it and ``--max-cost`` holds across resumes.
 """
 
 from __future__ import annotations

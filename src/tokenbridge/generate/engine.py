@@ -12,6 +12,13 @@ write, or :meth:`Engine.request_stop` (SIGINT). Each stops *new* sends; requests
 flight finish and are stored (after a store failure they are dropped: nothing more can
 be stored); what was never sent stays pending for the next run.
 
+Every request is recorded in the store (``in_flight``, with its reservation) and that
+commit returns *before* it goes out, so nothing that may have been billed leaves the
+books: one cut off by :meth:`Engine.abort` (or a bug) gets an ``interrupted`` (``internal``)
+attempt row with its reservation as possible spend; one cut off by ``kill -9`` becomes an
+``unanswered`` attempt when the next run begins (:meth:`~.store.Store.settle_in_flight`).
+The cost is one more row per request in a group commit.
+
 A 404 "No endpoints found" is remembered per :func:`~.request.routing_key` (every body
 field but the messages; tools by presence): later samples with the same key fail
 unsent (``no_endpoints_skipped``; the next run sends each of them once). A 404 that
@@ -61,7 +68,7 @@ from .request import routing_key, wire_body
 from .secrets import ApiKey, scrub, scrub_bytes
 from .settings import GenerateSettings
 from .sse import SSEDecoder, SSEEvent, StreamAssembler, StreamError
-from .store import AttemptRecord, Batch, ResponseRecord, Store, StoredSample
+from .store import AttemptRecord, Batch, ResponseRecord, SendRecord, Store, StoredSample
 
 __all__ = ["DRAIN_S", "Engine", "EngineStats", "StopReason", "WorkItem", "make_session"]
 
@@ -177,6 +184,24 @@ class StoreWriter:
         self.error: BaseException | None = None
         self.on_error: Callable[[BaseException], None] | None = None
 
+    def sending(self, rec: SendRecord) -> asyncio.Future[None]:
+        """Record a request about to go out; the future is done once that is committed."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def committed() -> None:
+            if not done.done():  # its waiter may have been cancelled
+                done.set_result(None)
+
+        self._batch.sends.append(rec)
+        self._callbacks.append(committed)
+        self._wake.set()
+        return done
+
+    def unsent(self, sample_id: str, n: int) -> None:
+        """A request recorded by :meth:`sending` that did not go out after all."""
+        self._batch.unsent.append((sample_id, n))
+        self._wake.set()
+
     def attempt(self, rec: AttemptRecord) -> None:
         self._batch.attempts.append(rec)
         self._wake.set()
@@ -278,8 +303,8 @@ class Engine:
                 self._settled.set()
 
     def abort(self) -> None:
-        """Stop now: requests in flight are cancelled (they stay pending); what was already
-        received is still committed."""
+        """Stop now: requests in flight are cancelled (their samples stay pending, each request
+        booked at its reservation as possible spend); what was already received is still committed."""
         self.request_stop(StopReason.INTERRUPTED)
         self.aborted = True
         if self._all_done is not None:
@@ -372,10 +397,16 @@ class Engine:
             self._abandon(item)
             return
         self.stats.in_flight += 1
+        item.tries += 1
+        n = item.prior_attempts + item.tries
+        send = SendRecord(item.sample_id, n, time.time(), reservation)
+        if not await self._recorded(send):  # stopped meanwhile: it never went out
+            self._abandon(item)
+            return
         try:
             outcome, record, attempt, usage = await self._attempt(session, item)
-        except BaseException:
-            self.budget.cancel(reservation)  # cancelled (abort): its cost is unknown, the sample stays pending
+        except BaseException as exc:  # aborted, or a bug: it went out, so it may have been billed
+            self._unanswered(send, exc)
             raise
         finally:
             self.stats.in_flight -= 1
@@ -408,6 +439,44 @@ class Engine:
         self._handle(item, outcome, record)
         self.stats.limit = self.limiter.limit
 
+    async def _recorded(self, send: SendRecord) -> bool:
+        """Commit the record of a request before it goes out (a ``kill -9`` then leaves it booked
+        as possible spend, not gone); False when the run stopped meanwhile (then it is not sent)."""
+        assert self._writer is not None
+        try:
+            await self._writer.sending(send)
+        except BaseException:
+            self._not_sent(send)
+            raise
+        if self._stopping:
+            self._not_sent(send)
+            return False
+        return True
+
+    def _not_sent(self, send: SendRecord) -> None:
+        """A recorded request that did not go out: its record, slot and reservation are let go."""
+        assert self._writer is not None
+        self._writer.unsent(send.sample_id, send.n)
+        self.stats.in_flight -= 1
+        self.limiter.release()
+        self.budget.cancel(send.reservation)
+
+    def _unanswered(self, send: SendRecord, exc: BaseException) -> None:
+        """A request that went out and got no answer we kept, for a reason of ours (the run was
+        aborted, or a bug): book its reservation as possible spend and write its attempt row
+        (which settles its in-flight record), as for a timeout."""
+        assert self._writer is not None and self._settled is not None
+        aborted = isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt))
+        cls = "interrupted" if aborted else "internal"
+        message = ("the run stopped before its answer came; booked at its reservation" if aborted
+                   else _clip(scrub(f"{type(exc).__name__}: {exc}", self.key)))
+        possible = self.budget.settle(send.reservation, None, possible=True)
+        self.stats.possible = self.budget.possible
+        self.stats.errors[cls] += 1
+        self._writer.attempt(AttemptRecord(send.sample_id, send.n, send.started_at, time.time() - send.started_at, None,
+                                           cls, message, None, self.s.stream, possible_cost=possible))
+        self._settled.set()
+
     async def _admit(self, item: WorkItem) -> float | None:
         assert self._settled is not None
         while True:
@@ -433,8 +502,7 @@ class Engine:
         self, session: aiohttp.ClientSession, item: WorkItem
     ) -> tuple[Outcome, ResponseRecord | None, AttemptRecord, CheckedUsage]:
         """One HTTP attempt: its outcome, the response to store (when ok), its log row, and
-        its usage as validated at the boundary."""
-        item.tries += 1
+        its usage as validated at the boundary (the caller counted the try)."""
         n = item.prior_attempts + item.tries
         stream = self.s.stream
         started_at = time.time()

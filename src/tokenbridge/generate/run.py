@@ -220,11 +220,15 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, force: bo
         kill_point("generate:run begun")
         store.reopen_failed(ids)
         kill_point("generate:failed reopened")
+        unanswered = store.settle_in_flight()  # before the attempt counts and the spend are read
         current = store.samples(ids)
         spent_before, possible_before = store.total_cost(), store.possible_cost()
         observations = list(store.price_observations()) if settings.max_cost and not settings.prices else []
     except sqlite3.Error as exc:
         raise StoreError(f"{store.path}: cannot write the run state: {exc}", exit_code=ExitCode.STORE) from None
+    if unanswered:
+        reporter.log(f"{unanswered} request(s) sent by an earlier run that ended without storing their answers "
+                     f"(killed?) are booked at their reservations as possibly billed (${possible_before:.4f} in all)")
     budget = Budget(settings.max_cost, settings.prices, spent=spent_before, possible=possible_before)
     for prov, p, c, k in observations:
         budget.observe(prov, p, c, k)

@@ -15,6 +15,11 @@ Tables
                  (for a streamed call: the assembled chat.completion JSON), ``raw_stream``
                  = every byte of the SSE stream (zlib), plus provider, model, usage, cost,
                  latency, timestamps, attempts, stream flag, and the ``base_url`` it came from.
+  ``in_flight``  one row per request whose send has begun and whose attempt row is not yet
+                 written: (sample, number, run, start, reservation), committed *before* the
+                 request goes out and deleted in the transaction that writes its attempt. A
+                 row left by a ``kill -9`` becomes an ``unanswered`` attempt (its reservation
+                 as ``possible_cost``) when the next run begins (:meth:`Store.settle_in_flight`).
   ``runs``       one row per invocation: settings (no secret), start/end, outcome.
   ``meta``       ``schema_version``; ``done_changes`` / ``attempt_changes``, counters that
                  triggers move on every change to a done sample or response / to an attempt
@@ -23,7 +28,8 @@ Tables
                  written from (see :mod:`.run`).
 
 Money spent is the sum of ``attempts.cost`` (every billed attempt has a row there, a
-retried one too); money possibly spent adds ``possible_cost`` of attempts without a cost.
+retried one too); money possibly spent adds ``possible_cost`` of attempts without a cost,
+and the reservations of requests still ``in_flight``.
 Older files are upgraded in place on open (schema 1: no ``base_url``, no ``possible_cost``;
 schema 2: no ``attempts.body``).
 
@@ -55,7 +61,7 @@ from ..outdir import store_kind, store_problem
 from .body import MAX_PLAUSIBLE_COST, MAX_PLAUSIBLE_TOKENS
 from .errors import GenerateError
 
-__all__ = ["AttemptRecord", "ResponseRecord", "Store", "StoreError", "StoredSample", "STATE_FILE"]
+__all__ = ["AttemptRecord", "ResponseRecord", "SendRecord", "Store", "StoreError", "StoredSample", "STATE_FILE"]
 
 STATE_FILE = "state.sqlite"
 SCHEMA_VERSION = 3
@@ -98,6 +104,14 @@ CREATE TABLE IF NOT EXISTS attempts (
     body BLOB,
     PRIMARY KEY (sample_id, n)
 );
+CREATE TABLE IF NOT EXISTS in_flight (
+    sample_id TEXT NOT NULL REFERENCES samples(id),
+    n INTEGER NOT NULL,
+    run INTEGER,
+    started_at REAL NOT NULL,
+    reservation REAL NOT NULL DEFAULT 0,
+    PRIMARY KEY (sample_id, n)
+);
 CREATE TABLE IF NOT EXISTS responses (
     sample_id TEXT PRIMARY KEY REFERENCES samples(id),
     body BLOB NOT NULL,
@@ -137,6 +151,7 @@ _UPGRADES: dict[str, tuple[str, ...]] = {
 
 
 _COST_OK = f"cost >= 0 AND cost <= {MAX_PLAUSIBLE_COST}"
+_UNANSWERED = "sent, but the run ended before its answer was stored: booked at its reservation as possible spend"
 
 
 def _upgrade(conn: sqlite3.Connection, version: str) -> None:
@@ -208,6 +223,17 @@ class AttemptRecord:
 
 
 @dataclass(frozen=True)
+class SendRecord:
+    """A request about to go out: recorded (and committed) first, so no end of the process can
+    make it vanish from the books."""
+
+    sample_id: str
+    n: int
+    started_at: float
+    reservation: float
+
+
+@dataclass(frozen=True)
 class ResponseRecord:
     sample_id: str
     body: bytes
@@ -226,14 +252,17 @@ class ResponseRecord:
 
 @dataclass
 class Batch:
-    """What one commit writes: attempts, finished responses, samples given up on."""
+    """What one commit writes: requests about to go out, attempts (each settles its request's
+    in-flight row), finished responses, samples given up on."""
 
+    sends: list[SendRecord] = field(default_factory=list)
+    unsent: list[tuple[str, int]] = field(default_factory=list)  # (sample_id, n) recorded, then never sent
     attempts: list[AttemptRecord] = field(default_factory=list)
     responses: list[ResponseRecord] = field(default_factory=list)
     failures: list[tuple[str, str, str]] = field(default_factory=list)  # (sample_id, error_class, message)
 
     def __bool__(self) -> bool:
-        return bool(self.attempts or self.responses or self.failures)
+        return bool(self.sends or self.unsent or self.attempts or self.responses or self.failures)
 
 
 class Store:
@@ -440,11 +469,31 @@ class Store:
         return float(att) + float(orphan)
 
     def possible_cost(self) -> float:
-        """What attempts without a reported cost may have been billed (their reservations)."""
+        """What attempts without a reported cost, and requests sent without an attempt row yet,
+        may have been billed (their reservations)."""
         (v,) = self._conn.execute(
             "SELECT COALESCE(SUM(possible_cost), 0) FROM attempts WHERE cost IS NULL"
         ).fetchone()
-        return float(v)
+        (sent,) = self._conn.execute("SELECT COALESCE(SUM(reservation), 0) FROM in_flight WHERE reservation > 0").fetchone()
+        return float(v) + float(sent)
+
+    def settle_in_flight(self) -> int:
+        """Requests a run sent and never settled (it was killed): each becomes an ``unanswered``
+        attempt, its reservation as possible spend, so the books keep it and the next attempt
+        of its sample takes the next number. Returns how many."""
+        with self._tx():
+            rows = self._conn.execute(
+                "SELECT sample_id, n, run, started_at, reservation FROM in_flight ORDER BY sample_id, n").fetchall()
+            for sid, n, run, started_at, reservation in rows:  # one at a time: each takes the next free number
+                self._conn.execute(
+                    "INSERT INTO attempts(sample_id, n, run, started_at, error_class, message, possible_cost) VALUES"
+                    " (?, MAX(?, (SELECT COALESCE(MAX(n), 0) + 1 FROM attempts WHERE sample_id = ?)), ?, ?,"
+                    " 'unanswered', ?, ?)",
+                    (sid, n, sid, run, started_at, _UNANSWERED,
+                     reservation if isinstance(reservation, (int, float)) and reservation > 0 else None),
+                )
+            self._conn.execute("DELETE FROM in_flight")
+        return len(rows)
 
     def price_observations(self) -> Iterator[tuple[str, int, int, float]]:
         """(provider, prompt tokens, completion tokens, cost) of stored responses with a cost."""
@@ -479,6 +528,10 @@ class Store:
         now = time.time()
         self._conn.execute("BEGIN IMMEDIATE")
         try:
+            self._conn.executemany(
+                "INSERT OR REPLACE INTO in_flight(sample_id, n, run, started_at, reservation) VALUES (?,?,?,?,?)",
+                [(s.sample_id, s.n, self.run, s.started_at, s.reservation) for s in batch.sends],
+            )
             # append only: the number is the engine's unless taken (then the next free one)
             self._conn.executemany(
                 "INSERT INTO attempts(sample_id, n, run, started_at, latency_s, http_status, error_class,"
@@ -490,6 +543,10 @@ class Store:
                      zlib.compress(a.body, 6) if a.body is not None else None)
                     for a in batch.attempts
                 ],
+            )
+            self._conn.executemany(  # an attempt settles its request (by the engine's number)
+                "DELETE FROM in_flight WHERE sample_id=? AND n=?",
+                [(a.sample_id, a.n) for a in batch.attempts] + batch.unsent,
             )
             self._conn.executemany(
                 "INSERT OR IGNORE INTO responses(sample_id, body, raw_stream, provider, model, usage, cost,"
