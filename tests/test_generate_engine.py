@@ -597,7 +597,8 @@ def test_a_stream_is_read_to_done_and_one_without_usage_is_kept_and_booked(tmp_p
     assert summary.spent_possible > 0  # q1 and q2 are booked at their reservations
 
 
-def test_a_timeout_is_booked_as_possible_spend(tmp_path):
+@pytest.mark.parametrize("max_cost", [1.0, None])  # with [prices], a run without a cap books it too
+def test_a_timeout_is_booked_as_possible_spend(tmp_path, max_cost):
     from tokenbridge.generate.settings import Prices
 
     async def reply(prompt, attempt, body, request):
@@ -605,7 +606,7 @@ def test_a_timeout_is_booked_as_possible_spend(tmp_path):
             await asyncio.sleep(1.5)
         return _json(_ok_body(prompt))
 
-    summary = _run(Script(reply), tmp_path, 1, timeout_s=0.5, max_cost=1.0,
+    summary = _run(Script(reply), tmp_path, 1, timeout_s=0.5, max_cost=max_cost,
                    prices=Prices(prompt=0.0, completion=1000.0))
     assert summary.done == 1 and summary.errors == {"timeout": 1}
     assert summary.spent_possible == pytest.approx(16 * 1000 / 1e6)  # its reservation: max_tokens 16

@@ -30,6 +30,10 @@ provider's prices do not change, cached-prompt discounts are small (a discounted
 understates ``a``), and no unseen, pricier provider serves the next request: set
 ``[prices]`` to the dearest provider's prices for a hard cap.
 
+Without a cap nothing waits, but a request whose worst case is known exactly (``[prices]``, or
+two learned responses that bracket it) still reserves it, so what it may cost silently is booked
+as possible spend as under a cap (a loose bound is not booked: it would overstate it wildly).
+
 Failures: an HTTP error reply is not billed (booked at $0). A 200 that is not kept
 (malformed, no or repeated choices, a choice error) is: its ``usage`` as far as the body can
 be read. An attempt that may have been billed without saying so (a read timeout, a dropped
@@ -164,9 +168,9 @@ class Budget:
         settle and ask again"; :attr:`exhausted` turns True once even an idle budget
         cannot send the request, and then stays True.
         """
-        if self.max_cost is None:
-            self.in_flight += 1
-            return 0.0
+        if self.max_cost is None:  # nothing waits; a request priced exactly still reserves, so a silent charge is booked
+            est = self.reservation(prompt_tokens, completion_tokens)
+            return self._reserve(est[0] if est is not None and est[1] else 0.0)
         if self.exhausted:
             return None
         if self.total >= self.max_cost:
