@@ -113,11 +113,15 @@ def test_a_user_database_an_older_tokenbridge_wrote_its_tables_into_stays_the_us
     assert snapshot(user) == before and sorted(os.listdir(user)) == ["exchanges.jsonl", "notes.txt", "state.sqlite"]
 
 
-def test_the_versions_outdir_knows_include_the_stores():
+def test_the_versions_outdir_knows_include_the_stores(tmp_path):
+    """The store generate makes today is tokenbridge's to outdir: its version is known and
+    every table it holds (in_flight included) is one of a store's own."""
     from tokenbridge import outdir
-    from tokenbridge.generate.store import SCHEMA_VERSION
+    from tokenbridge.generate.store import SCHEMA_VERSION, Store
 
     assert str(SCHEMA_VERSION) in outdir._STORE_VERSIONS
+    Store.open(tmp_path).close()
+    assert outdir.store_kind(tmp_path / "state.sqlite") == "tokenbridge"
 
 
 def test_reconstruct_into_a_user_folder_takes_no_lock_there(tmp_path, kimi_dir):

@@ -84,10 +84,13 @@ _SQLITE_HEADER = b"SQLite format 3\x00"
 #: generate's store is the SQLite database whose ``meta`` table holds ``schema_version``
 #: beside these tables (generate/store.py, not imported: slow to import).
 _STORE_TABLES = frozenset({"meta", "samples", "attempts", "responses", "runs"})
+#: Every table a store of a known version may hold: :data:`_STORE_TABLES` and ``in_flight``
+#: (schema 3; an older store gets it as it is opened, before its upgrade commits).
+_STORE_OWN_TABLES = _STORE_TABLES | {"in_flight"}
 #: The store schemas this tokenbridge knows (generate/store.py's SCHEMA_VERSION and those it
-#: upgrades): theirs are exactly :data:`_STORE_TABLES` (and SQLite's own ``sqlite_*``), so a
-#: database holding other tables as well is the user's, whatever was once written into it.
-_STORE_VERSIONS = frozenset({"1", "2"})
+#: upgrades): theirs hold only :data:`_STORE_OWN_TABLES` (and SQLite's own ``sqlite_*``), so
+#: a database holding other tables as well is the user's, whatever was once written into it.
+_STORE_VERSIONS = frozenset({"1", "2", "3"})
 #: What generate's lock file ``RUN/.lock`` holds (generate/lock.py, not imported: slow to import).
 _LOCK_TEXT = re.compile(rb"^\d+ tokenbridge \S")
 
@@ -369,7 +372,7 @@ def _schema_kind(path: Path) -> StoreKind:
         row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if row is None:
             return "foreign"
-        others = {t for t in tables - _STORE_TABLES if not t.startswith("sqlite_")}
+        others = {t for t in tables - _STORE_OWN_TABLES if not t.startswith("sqlite_")}
         return "foreign" if others and str(row[0]) in _STORE_VERSIONS else "tokenbridge"
     except sqlite3.Error:
         return "not sqlite"
