@@ -32,6 +32,7 @@ from typing import Any
 from collections.abc import Mapping, Sequence
 
 from .dialect import Dialect, Message, ToolMarkers
+from .shapes import call_arguments, call_function, checked, each_call, tool_function
 from .template import TemplateError
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -77,17 +78,15 @@ def _text(message: Message) -> str:
 
 
 def _tools(tools: Sequence[Mapping[str, Any]]) -> str:
-    schemas = "\n".join(_json(t["function"]) for t in tools)
+    schemas = "\n".join(_json(tool_function(t, f"tools[{i}]")) for i, t in enumerate(tools))
     return f"{_TOOLS_HEAD}{schemas}\n</functions>\n"
 
 
-def _calls(calls: Sequence[Mapping[str, Any]]) -> str:
+def _calls(calls: Sequence[Mapping[str, Any]], at: str) -> str:
     invokes = []
-    for call in calls:
-        fn = call["function"]
-        args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
-        if not isinstance(args, dict):
-            raise TemplateError("assistant tool call function.arguments must be a JSON object")
+    for j, call in enumerate(calls):
+        fn = call_function(call, f"{at}.tool_calls[{j}]")
+        args = call_arguments(fn, f"{at}.tool_calls[{j}]")
         params = "\n".join(
             f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
             f"{v if isinstance(v, str) else _json(v)}</{DSML}parameter>"
@@ -97,15 +96,19 @@ def _calls(calls: Sequence[Mapping[str, Any]]) -> str:
     return f"\n\n<{DSML}function_calls>\n" + "\n".join(invokes) + f"\n</{DSML}function_calls>"
 
 
+@checked
 def render(
     messages: Sequence[Message],
     tools: Sequence[Mapping[str, Any]] | None,
     thinking: bool,
     kwargs: Mapping[str, Any],
 ) -> str:
+    each_call(messages)
     msgs = list(messages)
-    if not msgs or msgs[0]["role"] != "system":
+    shift = 0  # messages[i] of the request is msgs[i + shift]
+    if msgs[0]["role"] != "system":
         msgs.insert(0, {"role": "system", "content": ""})
+        shift = 1
     last_user = max((i for i, m in enumerate(msgs) if m["role"] in ("user", "developer")), default=-1)
     out = [BOS]
     for i, m in enumerate(msgs):
@@ -124,7 +127,7 @@ def render(
             calls = msgs[j].get("tool_calls") if j >= 0 and msgs[j]["role"] == "assistant" else None
             order = i - j
             if not calls or len(calls) < order:
-                raise TemplateError(f"messages[{i}]: a tool result with no matching assistant tool call")
+                raise TemplateError(f"messages[{i - shift}]: a tool result with no matching assistant tool call")
             if order == 1:
                 out.append("\n\n<function_results>")
             out.append(f"\n<result>{_text(m)}</result>")
@@ -133,15 +136,15 @@ def render(
         elif role == "assistant":
             if thinking and i > last_user:
                 if not (m.get("reasoning_content") or m.get("tool_calls")):
-                    raise TemplateError(f"messages[{i}]: an assistant turn after the last user turn needs reasoning "
+                    raise TemplateError(f"messages[{i - shift}]: an assistant turn after the last user turn needs reasoning "
                                         "or tool calls in thinking mode")
                 out.append((m.get("reasoning_content") or "") + "</think>")
             out.append(_text(m))
             if m.get("tool_calls"):
-                out.append(_calls(m["tool_calls"]))
+                out.append(_calls(m["tool_calls"], f"messages[{i - shift}]"))
             out.append(EOS)
         else:
-            raise TemplateError(f"messages[{i}]: role {role!r} is not rendered by the built-in deepseek-v3.2 dialect")
+            raise TemplateError(f"messages[{i - shift}]: role {role!r} is not rendered by the built-in deepseek-v3.2 dialect")
     return "".join(out)
 
 

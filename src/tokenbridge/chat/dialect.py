@@ -160,10 +160,12 @@ class Dialect:
     def render_request(self, request: Mapping[str, Any]) -> str:
         """The prompt the serving side builds for an API request body: its messages and
         tools, thinking mode from its settings, and its ``chat_template_kwargs``."""
-        kwargs = dict(request.get("chat_template_kwargs") or {})
+        from .shapes import checked_messages, template_kwargs
+
+        kwargs = template_kwargs(request)
         kwargs.pop("thinking", None)
         kwargs.pop("enable_thinking", None)
-        return self._renderer()(request["messages"], request.get("tools"), self.thinking(request), kwargs)
+        return self._renderer()(checked_messages(request.get("messages")), request.get("tools"), self.thinking(request), kwargs)
 
     def prompt_readings(self, request: Mapping[str, Any], response: Mapping[str, Any] | None = None,
                         meta: Mapping[str, Any] | None = None) -> list[PromptReading]:

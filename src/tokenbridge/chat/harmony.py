@@ -34,6 +34,7 @@ from typing import Any
 
 from . import harmony_render
 from .dialect import Dialect, Message, PromptReading, ToolMarkers, message_reasoning
+from .shapes import checked_messages, template_kwargs
 
 __all__ = ["GPT_OSS", "GPT_OSS_HARMONY", "HarmonyDialect", "serving_days"]
 
@@ -141,9 +142,7 @@ class HarmonyDialect(Dialect):
             effort = reasoning.get("effort")
         if isinstance(effort, str):
             kwargs["reasoning_effort"] = effort
-        extra = request.get("chat_template_kwargs")
-        if isinstance(extra, Mapping):
-            kwargs.update(extra)
+        kwargs.update(template_kwargs(request))
         return kwargs
 
     def prompt_readings(self, request: Mapping[str, Any], response: Mapping[str, Any] | None = None,
@@ -152,7 +151,7 @@ class HarmonyDialect(Dialect):
         renderer prints the date; the first is today's when the exchange has no timing."""
         render = self._renderer()
         kwargs = self.template_kwargs_of(request)
-        messages, tools = request["messages"], request.get("tools")
+        messages, tools = checked_messages(request.get("messages")), request.get("tools")
         if not self.dated_prompt:
             return [PromptReading(render(messages, tools, True, kwargs))]
         days = serving_days(response or {}, meta or {}) if response is not None else None

@@ -33,6 +33,7 @@ from datetime import datetime, UTC
 from typing import Any
 
 from .dialect import Message
+from .shapes import checked, each_call, tool_function
 from .template import TemplateError
 
 IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
@@ -96,15 +97,22 @@ def unproven_tools(tools: Sequence[Any]) -> str | None:
     return None
 
 
-def _tool(tool: Mapping[str, Any]) -> str:
-    fn = tool.get("function") or tool
+def _tool(tool: Mapping[str, Any], at: str) -> str:
+    fn = tool_function(tool, at)
     head = f"// {fn['description']}\n" if fn.get("description") else ""
     params = fn.get("parameters") or {}
     if not params:
         return f"{head}type {fn['name']} = (_: any) => any;\n\n"
     required = params.get("required") or []
+    props = params.get("properties") or {}
+    if not isinstance(props, Mapping):
+        raise TemplateError(f"{at}.function.parameters.properties: must be an object, got {type(props).__name__}")
+    if not isinstance(required, list):
+        raise TemplateError(f"{at}.function.parameters.required: must be a list, got {type(required).__name__}")
     lines = []
-    for name, spec in (params.get("properties") or {}).items():
+    for name, spec in props.items():
+        if not isinstance(spec, Mapping):
+            raise TemplateError(f"{at}.function.parameters.properties.{name}: must be an object")
         note = f"// {spec['description']}\n" if spec.get("description") else ""
         default = f", // default: {json.dumps(spec['default'])}" if "default" in spec else ","
         lines.append(f"{note}{name}{'' if name in required else '?'}: {_type(spec) or 'any'}{default}\n")
@@ -116,7 +124,7 @@ def _developer(instructions: str | None, tools: Sequence[Mapping[str, Any]] | No
     if instructions:
         body.append(f"# Instructions\n\n{instructions}")
     if tools:
-        body.append("# Tools\n\n## functions\n\nnamespace functions {\n\n" + "".join(_tool(t) for t in tools)
+        body.append("# Tools\n\n## functions\n\nnamespace functions {\n\n" + "".join(_tool(t, f"tools[{i}]") for i, t in enumerate(tools))
                     + "} // namespace functions")
     return "<|start|>developer<|message|>" + "\n\n".join(body) + "<|end|>"
 
@@ -138,7 +146,7 @@ def _assistant(messages: Sequence[Message], i: int) -> str:
     if text:
         out.append(f"<|start|>assistant<|channel|>final<|message|>{text}<|end|>")
     for call in m.get("tool_calls") or ():
-        fn = call.get("function") or call
+        fn = call["function"]
         name = str(fn.get("name", ""))
         args = fn.get("arguments", {})
         args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
@@ -153,17 +161,19 @@ def _tool_name(messages: Sequence[Message], i: int) -> str:
         return str(m["name"])
     for prev in reversed(messages[:i]):
         for call in prev.get("tool_calls") or ():
-            if isinstance(call, Mapping) and call.get("id") == m.get("tool_call_id"):
-                return str((call.get("function") or call).get("name", ""))
+            if call.get("id") == m.get("tool_call_id"):
+                return str(call["function"].get("name", ""))
     raise TemplateError(f"messages[{i}]: a tool result with no name and no matching tool call")
 
 
+@checked
 def render(
     messages: Sequence[Message],
     tools: Sequence[Mapping[str, Any]] | None,
     thinking: bool,
     kwargs: Mapping[str, Any],
 ) -> str:
+    each_call(messages, need_name=False)
     effort = kwargs.get("reasoning_effort", "medium")
     if effort not in EFFORTS:
         raise TemplateError(f"reasoning_effort {effort!r}: openai_harmony knows {', '.join(EFFORTS)}")

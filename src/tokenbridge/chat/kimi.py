@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 
 from .dialect import Dialect, Message, ToolMarkers
 from .kimi_tools import declare_tools
+from .shapes import checked, each_call
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 
@@ -80,12 +81,14 @@ def _tool_calls(message: Message) -> str:
     return "".join(out)
 
 
+@checked
 def render(
     messages: Sequence[Message],
     tools: Sequence[Mapping[str, Any]] | None,
     thinking: bool,
     kwargs: Mapping[str, Any],
 ) -> str:
+    each_call(messages, need_name=False)
     last_plain = -1  # last assistant turn without tool calls: history ends there
     if kwargs.get("preserve_thinking") is not True:
         for idx in range(len(messages) - 1, -1, -1):

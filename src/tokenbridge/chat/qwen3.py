@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from ..content import content_text
 from .dialect import Dialect, Message, ToolMarkers
+from .shapes import call_function, checked
 from .template import serving_messages
 
 #: One call per section: ``<tool_call>`` JSON ``</tool_call>``, no markers inside.
@@ -52,7 +53,7 @@ def _last_query(messages: Sequence[Message]) -> int:
     return len(messages) - 1
 
 
-def _assistant(m: Message, keep_reasoning: bool, last: bool) -> str:
+def _assistant(m: Message, keep_reasoning: bool, last: bool, at: str) -> str:
     content = _text(m)
     reasoning = m.get("reasoning_content")
     if not isinstance(reasoning, str):
@@ -65,13 +66,14 @@ def _assistant(m: Message, keep_reasoning: bool, last: bool) -> str:
     else:
         out = content
     for n, call in enumerate(m.get("tool_calls") or ()):
-        fn = call.get("function") or call
+        fn = call_function(call, f"{at}.tool_calls[{n}]")
         args = fn["arguments"] if isinstance(fn["arguments"], str) else json.dumps(fn["arguments"], ensure_ascii=False)
         sep = "\n" if (n or content) else ""
         out += f'{sep}<tool_call>\n{{"name": "{fn["name"]}", "arguments": {args}}}\n</tool_call>'
     return out
 
 
+@checked
 def render(
     messages: Sequence[Message],
     tools: Sequence[Mapping[str, Any]] | None,
@@ -93,7 +95,8 @@ def render(
         if role == "user" or (role == "system" and i):
             out.append(f"<|im_start|>{role}\n{_text(m)}<|im_end|>\n")
         elif role == "assistant":
-            out.append(f"<|im_start|>assistant\n{_assistant(m, i > last_query, i == n - 1)}<|im_end|>\n")
+            turn = _assistant(m, i > last_query, i == n - 1, f"messages[{i}]")
+            out.append(f"<|im_start|>assistant\n{turn}<|im_end|>\n")
         elif role == "tool":
             if i == 0 or messages[i - 1]["role"] != "tool":
                 out.append("<|im_start|>user")
