@@ -40,6 +40,7 @@ TOOL_MARKERS = ToolMarkers(
 DEEPSEEK_V31 = Dialect(
     name="deepseek-v3.1",
     render=None,
+    thinking_keys=("thinking",),
     end_token=END,
     think_open="<think>",
     think_close="</think>",

@@ -154,6 +154,7 @@ TOOL_MARKERS = ToolMarkers(section_begin=f"<{DSML}function_calls>", section_end=
 DEEPSEEK_V32 = Dialect(
     name="deepseek-v3.2",
     render=render,
+    thinking_keys=("thinking",),
     end_token=EOS,
     think_open="<think>",
     think_close="</think>",

@@ -108,6 +108,10 @@ class Dialect:
     #: Thinking mode when the request does not say (DeepSeek V3.x: off unless asked,
     #: as its template and SGLang's ``explicit_thinking`` default have it).
     thinking_default: bool = True
+    #: The ``chat_template_kwargs`` switch(es) the family's template reads (DeepSeek:
+    #: ``thinking``; Qwen3, GLM: ``enable_thinking``); SGLang sets both from
+    #: ``reasoning_effort`` and each template ignores the other.
+    thinking_keys: tuple[str, ...] = ("thinking", "enable_thinking")
     #: False for a family recognised only by its chat template: the end token and
     #: think markers are a guess, and the gate says so (``completion_unproven``).
     completion_proven: bool = True
@@ -138,7 +142,7 @@ class Dialect:
 
     def thinking(self, request: Mapping[str, Any]) -> bool:
         """Whether ``request`` runs in thinking mode for this family."""
-        return thinking_enabled(request, default=self.thinking_default)
+        return thinking_enabled(request, default=self.thinking_default, keys=self.thinking_keys)
 
     def render_prompt(
         self,
@@ -304,27 +308,33 @@ def reasoning_details(message: Message) -> tuple[str | None, list[str]]:
     return "".join(t for _, _, t in sorted(texts)), other
 
 
-def thinking_enabled(request: Mapping[str, Any], default: bool = True) -> bool:
-    """Whether a request asked for thinking mode (``default`` when it does not say).
+def thinking_enabled(request: Mapping[str, Any], default: bool = True,
+                     keys: Sequence[str] = ("thinking", "enable_thinking")) -> bool:
+    """Whether a request runs in thinking mode (``default`` when it does not say), for a
+    template that reads the switch ``keys``.
 
-    Instant mode: ``reasoning: {"enabled": false}`` or ``reasoning.effort: "none"``, or
-    ``chat_template_kwargs.thinking`` / ``enable_thinking`` false (top level or in
-    ``extra_body``). Thinking mode: any other non-empty ``reasoning`` object, or either
-    switch true. An explicit off wins over an explicit on.
+    In order: OpenRouter's ``reasoning: {"enabled": false}`` or ``reasoning.effort:
+    "none"`` is instant mode (its documented meaning); then the template's own switch in
+    ``chat_template_kwargs`` (top level or in ``extra_body``; an explicit off wins over an
+    explicit on); then a top-level ``reasoning_effort``, which SGLang 0.5.23
+    (``normalize_reasoning_inputs``) turns into that switch, off only for ``"none"``; then
+    any other non-empty ``reasoning`` object is thinking mode. A switch the template does
+    not read (``enable_thinking`` for DeepSeek's ``thinking``) changes nothing.
     """
-    if "reasoning" not in request and "chat_template_kwargs" not in request and "extra_body" not in request:
+    if not any(k in request for k in ("reasoning", "chat_template_kwargs", "extra_body", "reasoning_effort")):
         return default  # the common request says nothing: no need to look further
-    asked = False
     reasoning = request.get("reasoning")
-    if isinstance(reasoning, Mapping):
-        if reasoning.get("enabled") is False or reasoning.get("effort") == "none":
-            return False
-        asked = bool(reasoning)
-    for holder in (request, request.get("extra_body") or {}):
-        kwargs = holder.get("chat_template_kwargs") if isinstance(holder, Mapping) else None
-        if isinstance(kwargs, Mapping):
-            for key in ("thinking", "enable_thinking"):
-                if kwargs.get(key) is False:
-                    return False
-                asked = asked or kwargs.get(key) is True
-    return asked or default
+    if isinstance(reasoning, Mapping) and (reasoning.get("enabled") is False or reasoning.get("effort") == "none"):
+        return False
+    holders = [request, request.get("extra_body") or {}]
+    switches = [kwargs.get(key) for holder in holders if isinstance(holder, Mapping)
+                for kwargs in [holder.get("chat_template_kwargs")] if isinstance(kwargs, Mapping) for key in keys]
+    if False in switches:
+        return False
+    if True in switches:
+        return True
+    for holder in holders:
+        effort = holder.get("reasoning_effort") if isinstance(holder, Mapping) else None
+        if isinstance(effort, str | int | float) and not isinstance(effort, bool):
+            return effort != "none"
+    return bool(reasoning) or default

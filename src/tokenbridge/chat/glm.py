@@ -33,6 +33,7 @@ TOOL_MARKERS = ToolMarkers(
 GLM45 = Dialect(
     name="glm-4.5",
     render=None,
+    thinking_keys=("enable_thinking",),
     end_token="<|user|>",
     tool_end_token="<|observation|>",
     think_open="<think>",

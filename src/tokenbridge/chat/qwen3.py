@@ -112,6 +112,7 @@ def render(
 QWEN3 = Dialect(
     name="qwen3",
     render=render,
+    thinking_keys=("enable_thinking",),
     end_token="<|im_end|>",
     think_open="<think>",
     think_close="</think>",
