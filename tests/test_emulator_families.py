@@ -208,8 +208,12 @@ def test_sglang_oracle_over_500_emulator_completions_passes_no_wrong_ids(family)
                 assert row["completion_ids"] == ids[:cut] and row["prompt_ids"] == prompt_ids, (cut, row["findings"])
                 seen["accepted_" + ("cut" if cut < len(ids) else "whole")] += 1
             else:
-                seen.update(f["code"] for f in row["findings"] if f["severity"] == "error")
+                errors = {f["code"] for f in row["findings"] if f["severity"] == "error"}
+                seen.update(errors)
+                # a request ending in an assistant turn: engines' prompts differ, the count cannot tell
+                seen["whole_prompt_unproven"] += cut == len(ids) and errors == {"prompt_reading_unproven"}
     assert seen["completions"] >= 500, seen
     # every whole completion is rebuilt exactly, but those whose ｜DSML｜ SGLang's skip drops
-    assert seen["accepted_whole"] == seen["whole"] - seen["whole_dropped"], seen
+    # and those whose prompt no evidence picks
+    assert seen["accepted_whole"] == seen["whole"] - seen["whole_dropped"] - seen["whole_prompt_unproven"], seen
     assert seen["accepted_cut"] >= seen["whole"] // 2, seen

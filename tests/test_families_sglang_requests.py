@@ -107,3 +107,82 @@ def test_reasoning_effort_turns_v31_thinking_on_and_the_record_is_exact() -> Non
         "prompt_tokens": len(prompt), "completion_tokens": len(native)}}}
     (row,) = reconstruct_record(record, tok, dialect)
     assert (row["status"], row["prompt_ids"], row["completion_ids"]) == ("ok", prompt, native)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}},
+         {"type": "function", "function": {"parameters": {"type": "object", "properties": {}}, "name": "now",
+                                           "x-extra": 1}}]
+TRAILING = [{"role": "user", "content": "Write a haiku."}, {"role": "assistant", "content": "Autumn moon"}]
+
+
+def _record(name: str, request: dict[str, Any], prompt_text: str, *, usage: bool = True) -> tuple[dict, list[int]]:
+    """A record served from ``prompt_text``: an instant/plain answer ``Hi!`` and its end token."""
+    tok, dialect, _ = _family(name)
+    prompt = tok.encode_prompt(prompt_text)
+    thinking = dialect.thinking(request) and not prompt_text.endswith(("</think>", "<think></think>",
+                                                                      "<think>\n\n</think>\n\n"))
+    end = [tok.token_id(dialect.end_token)]
+    lead = {"deepseek-v3.1": [], "qwen3": [tok.token_id("<think>")], "glm-4.5": tok.encode("\n") + [tok.token_id("<think>")]}
+    think = lead[name] + tok.encode("ok") + [tok.token_id("</think>")] if thinking else []
+    native = think + tok.encode("Hi!") + end
+    message = {"role": "assistant", "content": "Hi!", **({"reasoning_content": "ok"} if think else {})}
+    response: dict[str, Any] = {"choices": [{"index": 0, "finish_reason": "stop", "message": message}]}
+    if usage:
+        response["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": len(native)}
+    return {"id": "r", "request": request, "response": response}, prompt + native
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm-4.5"])
+def test_tools_as_sglang_dumps_them_are_a_reading_the_count_picks(name: str) -> None:
+    """SGLang's ``Tool.model_dump()`` adds ``"defer_loading": null`` (and a null
+    ``description``, dropping unknown keys): the served prompt is that, and the count
+    picks it; the as-sent prompt stays the reading for a count that fits it (vLLM)."""
+    tok, dialect, hf = _family(name)
+    request = {"messages": USER, "tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}}
+    served = sglang_prompt(name, request)
+    assert served != dialect.render_request(request)  # the two engines differ
+    record, ids = _record(name, request, served)
+    (row,) = reconstruct_record(record, tok, dialect)
+    assert (row["status"], row["reconstruction"], row["prompt_ids"] + row["completion_ids"]) == ("ok", "tools=sglang", ids)
+    as_sent = hf.apply_chat_template(USER, tools=TOOLS, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    record, ids = _record(name, request, as_sent)
+    (row,) = reconstruct_record(record, tok, dialect)
+    assert (row["status"], row["reconstruction"], row["prompt_ids"] + row["completion_ids"]) == ("ok", None, ids)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm-4.5"])
+def test_tools_without_prompt_evidence_are_not_ok(name: str) -> None:
+    tok, dialect, _ = _family(name)
+    request = {"messages": USER, "tools": TOOLS}
+    record, _ = _record(name, request, sglang_prompt(name, request), usage=False)
+    (row,) = reconstruct_record(record, tok, dialect)
+    assert row["status"] == "rejected" and "prompt_reading_unproven" in {f["code"] for f in row["findings"]}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("thinking", [False, True])
+def test_a_last_assistant_message_is_a_reading_as_sglang_renders_it(name: str, thinking: bool) -> None:
+    """SGLang turns a last assistant message into a user message and adds the generation
+    prompt; where the count tells it from the as-sent prompt the row is that reading,
+    where it cannot (V3.1: same count) the row is never ok."""
+    tok, dialect, _ = _family(name)
+    switch = {"thinking": thinking} if name == "deepseek-v3.1" else {"enable_thinking": thinking}
+    request = {"messages": TRAILING, "chat_template_kwargs": switch}
+    served = sglang_prompt(name, request)
+    readings = dialect.prompt_readings(request)
+    assert served in [r.text for r in readings]
+    assert [r.name for r in readings if r.text == served] == ["last_assistant=user"]
+    record, ids = _record(name, request, served)
+    (row,) = reconstruct_record(record, tok, dialect)
+    counts = {len(tok.encode_prompt(r.text)) for r in readings}
+    if len(counts) == len(readings):
+        assert (row["status"], row["reconstruction"], row["prompt_ids"] + row["completion_ids"]) == (
+            "ok", "last_assistant=user", ids)
+    else:
+        assert row["status"] == "rejected" and "prompt_reading_unproven" in {f["code"] for f in row["findings"]}
+    record["native_ids"] = {"prompt": tok.encode_prompt(served)}
+    (row,) = reconstruct_record(record, tok, dialect)
+    assert row["prompt_ids"] == tok.encode_prompt(served)
+    assert "prompt_reading_unproven" not in {f["code"] for f in row["findings"]}

@@ -63,6 +63,7 @@ CODES: dict[str, tuple[str, str]] = {
     "tool_markers_dropped": ("error", "tool-call markup whose special tokens the provider dropped: the section cannot be rebuilt"),
     "harmony_message_lost": ("error", "gpt-oss: a harmony message the serving parser dropped or merged (tool call at a trimmed <|call|>, preamble, joined analysis): cannot be rebuilt"),
     "prompt_date_unproven": ("error", "gpt-oss: the prompt prints the serving day and the exchange's timing admits several (or none) that no evidence tells apart"),
+    "prompt_reading_unproven": ("error", "engines render this request differently (SGLang's tool dump, its last-assistant handling) and no evidence tells which prompt was served"),
 }
 
 DEFAULT_SEVERITY: dict[str, str] = {code: sev for code, (sev, _) in CODES.items()}

@@ -140,8 +140,8 @@ def _reconstruct(
     prompt_text, prompt_ids, prompt_name, prompt_doubt = _prompt(dialect, tokenizer, ex, usage, trait)
     opens = bool(dialect.think_open and prompt_text.endswith(dialect.think_open))
     prompt_findings: list[Finding] = []
-    if prompt_doubt and policy.severity("prompt_date_unproven") != "off":
-        prompt_findings.append(Finding("prompt_date_unproven", policy.severity("prompt_date_unproven"), prompt_doubt))
+    if prompt_doubt and policy.severity(prompt_doubt[0]) != "off":
+        prompt_findings.append(Finding(prompt_doubt[0], policy.severity(prompt_doubt[0]), prompt_doubt[1]))
 
     if not choices:  # an error body: one rejected row that says why
         err = response.get("error")
@@ -217,12 +217,14 @@ def _reconstruct(
 
 
 def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, Any] | None,
-            trait: ProviderTrait | None) -> tuple[str, list[int], str | None, str | None]:
-    """(prompt text, its ids, the reading's name, why it is unproven or None).
+            trait: ProviderTrait | None) -> tuple[str, list[int], str | None, tuple[str, str] | None]:
+    """(prompt text, its ids, the reading's name, (finding code, why) when it is unproven).
 
-    One reading for every family whose prompt the request fixes. gpt-oss's prompt also
-    prints the serving day: each day the exchange's timing admits is a reading, kept
-    when the ground-truth prompt ids or ``usage.prompt_tokens`` agree with it."""
+    One reading when the request fixes the prompt. gpt-oss's prompt also prints the
+    serving day: each day the exchange's timing admits is a reading; a request that
+    engines render differently (SGLang's tool dump and last-assistant handling) has one
+    per engine. A reading is kept when the ground-truth prompt ids or
+    ``usage.prompt_tokens`` agree with it."""
     readings = dialect.prompt_readings(ex.request, ex.response, ex.meta)
     if len(readings) == 1 and readings[0].name is None:
         text = readings[0].text
@@ -239,13 +241,18 @@ def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, 
         keep = encoded[:1]
     reading, ids = keep[0]
     doubt = None
+    dated = any((r.name or "").startswith("date=") for r, _ in keep)
     if reading.name == "date=unknown":
-        doubt = ("the template prints the serving day and the exchange has no timing (no response.created, no "
-                 "meta.started_at): today's date was assumed")
+        doubt = ("prompt_date_unproven", "the template prints the serving day and the exchange has no timing (no "
+                 "response.created, no meta.started_at): today's date was assumed")
+    elif len({tuple(i) for _, i in keep}) > 1 and dated:
+        doubt = ("prompt_date_unproven", f"the template prints the serving day and the exchange's timing admits "
+                 f"{len(keep)} ({', '.join(str(r.name) for r, _ in keep)}) with different prompt ids; no "
+                 "ground-truth prompt ids or count tells them apart")
     elif len({tuple(i) for _, i in keep}) > 1:
-        doubt = (f"the template prints the serving day and the exchange's timing admits {len(keep)} "
-                 f"({', '.join(str(r.name) for r, _ in keep)}) with different prompt ids; no ground-truth prompt "
-                 "ids or count tells them apart")
+        doubt = ("prompt_reading_unproven", f"serving engines render this request {len(keep)} ways "
+                 f"({', '.join(r.name or 'as sent' for r, _ in keep)}) with different prompt ids; no ground-truth "
+                 "prompt ids or count tells them apart")
     return reading.text, ids, reading.name, doubt
 
 

@@ -41,6 +41,7 @@ DEEPSEEK_V31 = Dialect(
     name="deepseek-v3.1",
     render=None,
     thinking_keys=("thinking",),
+    serving_readings=True,
     end_token=END,
     think_open="<think>",
     think_close="</think>",

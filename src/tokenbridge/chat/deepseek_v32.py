@@ -155,6 +155,7 @@ DEEPSEEK_V32 = Dialect(
     name="deepseek-v3.2",
     render=render,
     thinking_keys=("thinking",),
+    serving_readings=True,
     end_token=EOS,
     think_open="<think>",
     think_close="</think>",

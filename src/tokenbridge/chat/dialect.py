@@ -130,6 +130,10 @@ class Dialect:
     #: as objects (SGLang parses them; DeepSeek V3.1's template concatenates strings, so
     #: it keeps them as given, which is what renders at all).
     parse_tool_arguments: bool = True
+    #: Whether SGLang's changes to a request (tool dump, last assistant message) are
+    #: prompt readings of their own (:mod:`.serving`): the families it serves with a
+    #: template or DeepSeek's encoder.
+    serving_readings: bool = False
     #: The serving stack renders prompts with its own code, not the folder's chat
     #: template (gpt-oss under vLLM: ``openai_harmony``); :func:`..resolve_dialect`
     #: then keeps the built-in renderer.
@@ -173,9 +177,28 @@ class Dialect:
 
     def prompt_readings(self, request: Mapping[str, Any], response: Mapping[str, Any] | None = None,
                         meta: Mapping[str, Any] | None = None) -> list[PromptReading]:
-        """Every prompt the serving side may have built for ``request``: one for every
-        family whose prompt the request alone fixes (gpt-oss's also depends on the day)."""
-        return [PromptReading(self.render_request(request))]
+        """Every prompt the serving side may have built for ``request``: the request as
+        sent, and, for a family served by SGLang too (``serving_readings``), as SGLang
+        0.5.23 changes it (:mod:`.serving`) where that changes the text. gpt-oss's also
+        depends on the day."""
+        first = PromptReading(self.render_request(request))
+        if not self.serving_readings:
+            return [first]
+        from .serving import serving_variants
+        from .template import TemplateError
+
+        out, seen = [first], {first.text}
+        for variant, name in serving_variants(request):
+            if name is None:
+                continue
+            try:
+                text = self.render_request(variant)
+            except TemplateError:
+                continue  # a stack that cannot render it did not serve it
+            if text not in seen:
+                seen.add(text)
+                out.append(PromptReading(text, name))
+        return out
 
     def with_render(self, render: RenderFn, name: str | None = None) -> Dialect:
         """The family with another prompt renderer (a real template: it takes every

@@ -34,6 +34,7 @@ GLM45 = Dialect(
     name="glm-4.5",
     render=None,
     thinking_keys=("enable_thinking",),
+    serving_readings=True,
     end_token="<|user|>",
     tool_end_token="<|observation|>",
     think_open="<think>",

@@ -113,6 +113,7 @@ QWEN3 = Dialect(
     name="qwen3",
     render=render,
     thinking_keys=("enable_thinking",),
+    serving_readings=True,
     end_token="<|im_end|>",
     think_open="<think>",
     think_close="</think>",

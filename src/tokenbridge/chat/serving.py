@@ -1,0 +1,95 @@
+"""What the serving engine may have done to a request before its template saw it.
+
+Engines differ, and the API text does not say which one served: SGLang 0.5.23 dumps the
+tools through its pydantic ``Tool`` model and turns a last assistant message into a user
+message (``_handle_last_assistant_message``, without ``continue_final_message``), while
+vLLM and earlier stacks render both as sent. :func:`serving_variants` lists the request
+as each of them renders it; ``usage.prompt_tokens`` or ground-truth prompt ids pick one
+(``reconstruct._prompt``), and when none can, the gate says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = ["sglang_last_assistant", "sglang_tools", "serving_variants"]
+
+#: SGLang 0.5.23's ``Function`` fields, in declaration order (what ``model_dump`` writes
+#: before it restores the order the client sent): name, then the optional ones.
+_FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")
+
+
+def _function_dump(fn: Mapping[str, Any], defer: Any) -> dict[str, Any] | None:
+    """``Function.model_dump()``: known fields only, ``description`` / ``parameters``
+    null when absent, ``strict`` / ``defer_loading`` dropped when null, in the order sent
+    with the absent ones after; None where SGLang's model would refuse the function."""
+    if not isinstance(fn.get("name"), str) or not isinstance(fn.get("description"), str | None):
+        return None
+    if not isinstance(fn.get("strict"), bool | None) or not isinstance(fn.get("defer_loading", defer), bool | None):
+        return None
+    data: dict[str, Any] = {k: fn.get(k) for k in _FUNCTION_FIELDS}
+    if data["defer_loading"] is None:
+        data["defer_loading"] = defer
+    for key in ("strict", "defer_loading"):
+        if data[key] is None:
+            del data[key]
+    order = [k for k in fn if k in data] + [k for k in data if k not in fn]
+    return {k: data[k] for k in order}
+
+
+def sglang_tools(request: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools SGLang 0.5.23 hands the template (``[tool.model_dump() ...]``): each
+    ``{"type", "function", "defer_loading"}``, null keys kept; none for ``tool_choice:
+    "none"``, only the named one for a named ``tool_choice``. None when its request
+    model would refuse a tool (the reading does not exist)."""
+    tools = request.get("tools")
+    if not isinstance(tools, list) or not tools or request.get("tool_choice") == "none":
+        return []
+    out = []
+    for tool in tools:
+        if not isinstance(tool, Mapping) or not isinstance(tool.get("function"), Mapping):
+            return None
+        defer = tool.get("defer_loading")
+        fn = _function_dump(tool["function"], defer)
+        if fn is None or not isinstance(tool.get("type", "function"), str) or not isinstance(defer, bool | None):
+            return None
+        out.append({"type": tool.get("type", "function"), "function": fn, "defer_loading": defer})
+    choice = request.get("tool_choice")
+    if isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping):
+        out = [t for t in out if t["function"]["name"] == choice["function"].get("name")]
+    return out
+
+
+def sglang_last_assistant(messages: list[Any]) -> list[Any] | None:
+    """The messages with a last assistant message of text (or null) content turned into
+    a user message holding that text, as SGLang 0.5.23 does; None when it does nothing."""
+    last = messages[-1] if messages else None
+    if not isinstance(last, Mapping) or last.get("role") != "assistant":
+        return None
+    content = last.get("content")
+    if not isinstance(content, str | None):
+        return None  # list content is left as it is
+    return [*messages[:-1], {"role": "user", "content": content or ""}]
+
+
+def serving_variants(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str | None]]:
+    """(request as a stack renders it, the reading's name): as sent first, then with
+    SGLang's tool dump and/or its last-assistant handling where they change anything."""
+    yield request, None
+    if request.get("continue_final_message") is True:
+        return  # SGLang then continues the message as a prefix: not reproduced, as sent only
+    tools = sglang_tools(request)
+    messages = request.get("messages")
+    last = sglang_last_assistant(messages) if isinstance(messages, list) else None
+    tool_forms: list[tuple[Any, str | None]] = [(request.get("tools"), None)]
+    if tools is not None and (tools or request.get("tools")):
+        tool_forms.append((tools or None, "tools=sglang"))
+    message_forms: list[tuple[Any, str | None]] = [(messages, None)]
+    if last is not None:
+        message_forms.append((last, "last_assistant=user"))
+    for msgs, m_name in message_forms:
+        for tls, t_name in tool_forms:
+            names = [n for n in (t_name, m_name) if n]
+            if names:
+                yield {**request, "messages": msgs, "tools": tls}, "+".join(names)
