@@ -202,7 +202,7 @@ def test_api_words_quoted_in_findings_and_errors_are_text(tmp_path, kimi):
     write it; a row on disk whose finding holds one is refused by field."""
     from tokenbridge.generate.classify import _error_message
 
-    assert _error_message({"error": {"message": "upstream \ud800 failed"}}, "") == "upstream \\ud800 failed"
+    assert _error_message({"error": {"message": "upstream \ud800 failed"}}, "", None) == "upstream \\ud800 failed"
     rec = _first_record()
     rec["request"]["chat_template_kwargs"] = {"k\ud800": True}
     broken = _first_record() | {"id": "no-choices"}
