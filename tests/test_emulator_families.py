@@ -26,6 +26,7 @@ from tokenbridge.emulator.engines import engine_text
 from tokenbridge.emulator.families import family_profile
 from tokenbridge.emulator.synthetic import SyntheticModel
 from tokenbridge.reconstruct import reconstruct_record
+from tokenbridge.traits import ProviderTrait
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["qwen3", "deepseek-v3.1", "deepseek-v3.2", "glm-4.5"]
@@ -185,6 +186,9 @@ def test_example_config_runs_end_to_end(tmp_path, name):
     assert sorted(run.train_input_ids()) == sorted(r["prompt_ids"] + r["completion_ids"] for r in ok)
 
 
+SGLANG_RUN = {"sglang": ProviderTrait("sglang", prefix_in_reasoning=True)}
+
+
 def test_sglang_oracle_over_500_emulator_completions_passes_no_wrong_ids(family):
     """The issue's oracle run: the emulator model's native completions (bundled prompts,
     both modes, whole and cut at a random token) served by SGLang's real parser, streamed
@@ -199,7 +203,10 @@ def test_sglang_oracle_over_500_emulator_completions_passes_no_wrong_ids(family)
         for cut in (len(ids), rnd.randint(1, len(ids))):
             stream = rnd.random() < 0.5
             response = engine.serve(ids[:cut], len(prompt_ids), thinking=thinking, stream=stream)
-            row, = reconstruct_record({"id": "o", "request": request, "response": response}, tok)
+            # what a run of SGLang rows shows (traits.py): GLM's newline before <think> in the
+            # reasoning; alone, a streamed GLM row also fits vLLM's streamed form
+            row, = reconstruct_record({"id": "o", "request": request, "response": {**response, "provider": "sglang"}},
+                                      tok, traits=SGLANG_RUN)
             seen["completions"] += 1
             if cut == len(ids):
                 seen["whole"] += 1

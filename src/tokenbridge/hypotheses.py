@@ -24,6 +24,17 @@ evidence proves (usage, logprobs, token ids, stop id), or reports them all.
   next message's header, which SGLang holds back). Its end token follows from the
   message (``<|return|>`` after the final channel, ``<|call|>`` after a tool call), so
   only ``<|endoftext|>`` is an ``end=`` reading.
+* GLM (``Dialect.think_open_prefix``: the model writes ``"\\n<think>"``) reaches the API
+  in four forms, and only SGLang's whole one (reasoning ``"\\n<think>R"``) says where
+  the newline went. SGLang streamed gives reasoning ``"\\nR"`` (the formula takes the
+  newline out); vLLM whole drops everything before ``<think>`` (``think_prefix_kept``:
+  the reasoning is the model's as served); vLLM streamed sends that newline as the first
+  content delta (``think_prefix_in_content``: content ``"\\n" + C``). A request or
+  ``meta`` that says whether it streamed, and a provider trait (which form its run
+  shows), rule readings out; the evidence picks among the rest.
+* ``cut_after_think_close``: a length cut with no content served may have fallen inside
+  the reasoning (the formula) or right after ``</think>``: one token apart, so the count
+  picks.
 
 The common case, a message none of these fit, has one candidate and costs nothing more.
 """
@@ -136,16 +147,23 @@ def candidates(
     end_markers: Sequence[str] = (),
     *,
     joins_markers: bool = False,
+    stream: bool | None = None,
+    prefix_in_reasoning: bool | None = None,
 ) -> list[Candidate]:
     """The plain formula first, then every other reading this message admits.
 
     ``joins_markers``: the provider is known (across its run, or by probe) to serve
     vLLM's joined text, so a joined reading replaces the plain ones wherever it fits.
+    ``stream``: whether the response was streamed (None: unknown). ``prefix_in_reasoning``:
+    the provider's run shows SGLang's GLM form (True) or vLLM's (False); None: unknown.
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
     if isinstance(dialect, HarmonyDialect):
         return _harmony(dialect, message, finish_reason, out, end_markers)
+    if thinking and not prompt_opens_think:
+        out = _prefix_readings(dialect, message, finish_reason, stream, prefix_in_reasoning) or out
+        base = out[0].parts
     tm = dialect.tool_markers
     reasoning, content = _text(message)
     closed_by_formula = any(kind == "think_end" for kind, _ in base)
@@ -180,12 +198,74 @@ def candidates(
 
     if joins_markers and any("marker_spaces" in c.names for c in out):
         out = [c for c in out if "marker_spaces" in c.names]
+    out += _cut_after_close(dialect, out, finish_reason, thinking, prompt_opens_think)
     for marker in end_markers:
         for cand in list(out):
             # a reading that already ends with the named token (GLM's <|observation|>
             # after a tool call) is that reading, not a second one
             if cand.parts and cand.parts[-1][0] == "end" and cand.parts[-1][1] != marker:
                 out.append(Candidate([*cand.parts[:-1], ("end", marker)], (*cand.names, f"end={marker}")))
+    return out
+
+
+def _cut_after_close(dialect: Dialect, out: list[Candidate], finish_reason: str | None, thinking: bool,
+                     prompt_opens_think: bool) -> list[Candidate]:
+    """Each length-cut thinking reading open at the cut, closed by ``</think>`` (see
+    :func:`_open_at_cut`)."""
+    close = dialect.think_close
+    if not (thinking and close and finish_reason == "length"):
+        return []
+    return [Candidate([*c.parts, ("think_end", close)], (*c.names, "cut_after_think_close"))
+            for c in out if _open_at_cut(c.parts, prompt_opens_think)]
+
+
+def _open_at_cut(parts: Parts, prompt_opens_think: bool) -> bool:
+    """Whether a cut reading ends inside an open think block with no content served: the
+    cut may as well have fallen right after ``</think>`` (every parser then serves the
+    same empty content), one token more, so the count tells them apart."""
+    kinds = {kind for kind, _ in parts}
+    if kinds & {"think_end", "content", "tool_calls", "end"}:
+        return False
+    return prompt_opens_think or "think_start" in kinds
+
+
+def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, stream: bool | None,
+                  prefix_in_reasoning: bool | None) -> list[tuple[str, str, str | None]]:
+    """(reasoning, content, name) the model wrote after ``prefix + think_open``, for each
+    engine form the served message fits, the formula's first.
+
+    SGLang keeps the prefix in the reasoning (whole: ``prefix + think_open + R``;
+    streamed: ``prefix + R``); vLLM drops it whole and streams it as content.
+    """
+    if reasoning.startswith(prefix + think_open):  # SGLang whole: no other engine writes <think> there
+        return [(reasoning[len(prefix + think_open):], content, None)]
+    forms: list[tuple[str, str, str | None]] = []
+    sglang, vllm = prefix_in_reasoning is not False, prefix_in_reasoning is not True
+    if sglang and stream is not False and reasoning.startswith(prefix):
+        forms.append((reasoning[len(prefix):], content, None))
+    if vllm and stream is not True:
+        forms.append((reasoning, content, "think_prefix_kept" if reasoning.startswith(prefix) else None))
+    if vllm and stream is not False and content.startswith(prefix):
+        forms.append((reasoning, content[len(prefix):], "think_prefix_in_content"))
+    return forms
+
+
+def _prefix_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason: str | None,
+                     stream: bool | None, prefix_in_reasoning: bool | None) -> list[Candidate]:
+    """GLM's readings of where the newline before ``<think>`` went (see the module
+    docstring) in thinking mode when the model opens the block; empty when the family
+    writes no prefix or no engine form fits (the formula then stands)."""
+    prefix, think_open = dialect.think_open_prefix, dialect.think_open or ""
+    if not (prefix and think_open and dialect.think_self_open):
+        return []
+    reasoning, content = _text(message)
+    out: list[Candidate] = []
+    for r, c, name in _prefix_forms(prefix, think_open, reasoning, content, stream, prefix_in_reasoning):
+        # the formula strips a leading prefix + think_open exactly, so hand it one
+        msg = {"reasoning": prefix + think_open + r, "content": c}
+        parts = dialect.completion_parts(msg, finish_reason, True, False)
+        if all(parts != cand.parts for cand in out):
+            out.append(Candidate(parts, (name,) if name else ()))
     return out
 
 

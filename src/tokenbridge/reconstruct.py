@@ -154,7 +154,9 @@ def _reconstruct(
         return [row], RecordFacts()
 
     joins = trait is not None and trait.joins_markers
-    plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking=thinking, opens=opens, joins=joins)
+    prefixed = trait.prefix_in_reasoning if trait is not None else None
+    plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking=thinking, opens=opens, joins=joins,
+                   stream=_streamed(ex), prefixed=prefixed)
              for idx, choice in enumerate(choices)]
     if trait is not None and trait.end_uncounted:
         for p in plans:
@@ -211,8 +213,11 @@ def _reconstruct(
     if len(rows) > 1 and usage_completion is not None:
         _mark_siblings(rows, policy)
     markered = [p for p in plans if _has_marker(p.cands[0].parts)]
+    reasoned = ([r for p in plans if (r := message_reasoning(p.choice["message"]))]
+                if thinking and not opens and dialect.think_open_prefix else [])
     facts = RecordFacts(_delta(plans, rows, usage, len(prompt_ids)), len(markered),
-                        sum(any("marker_spaces" in c.names for c in p.cands) for p in markered))
+                        sum(any("marker_spaces" in c.names for c in p.cands) for p in markered),
+                        len(reasoned), sum(r.startswith(dialect.think_open_prefix) for r in reasoned))
     return rows, facts
 
 
@@ -288,15 +293,27 @@ def _delta(plans: list[_Choice], rows: list[dict[str, Any]], usage: Mapping[str,
     )
 
 
+def _streamed(ex: Exchange) -> bool | None:
+    """Whether the response came as a stream (the request's flag, or generate's
+    ``meta.stream``); None when the record does not say. Engines split some text
+    differently streamed (GLM's newline before ``<think>``)."""
+    for flag in (ex.request.get("stream"), ex.meta.get("stream")):
+        if isinstance(flag, bool):
+            return flag
+    return None
+
+
 def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dialect: Dialect, *,
-          thinking: bool, opens: bool, joins: bool) -> _Choice:
+          thinking: bool, opens: bool, joins: bool, stream: bool | None = None,
+          prefixed: bool | None = None) -> _Choice:
     message = choice["message"]
     finish = choice.get("finish_reason")
     native = ex.native_choices[idx] if idx < len(ex.native_choices) else None
     logged = logprob_ids(tok, choice)
     stop = matched_stop(choice)
     ends = _named_ends(tok, dialect, finish, stop, logged, native)
-    cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins)
+    cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
+                       prefix_in_reasoning=prefixed)
     cand_ids: list[list[list[int]]] = []
     cand_free: list[list[bool]] = []
     for c in cands:
@@ -390,12 +407,26 @@ def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, 
                 return
             options = [sorted(s) for s in seen]
     for p, opts in zip(plans, options):
+        opts = _distinct(p, opts)
         if len(opts) == 1:
             p.chosen = opts[0]
         elif len(opts) > 1:
             p.chosen = 0 if 0 in opts else opts[0]
             if len(p.cands) > 1:
                 p.ambiguous = [p.cands[k].name or "formula" for k in opts]
+
+
+def _distinct(p: _Choice, opts: list[int]) -> list[int]:
+    """``opts`` less any reading whose ids an earlier one already has: readings that
+    differ only in where the text was served (GLM's newline) build the same sample."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for k in opts:
+        ids = tuple(p.ids(k))
+        if ids not in seen:
+            seen.add(ids)
+            out.append(k)
+    return out
 
 
 def _fits(p: _Choice, k: int, reasoning: int | None) -> bool:

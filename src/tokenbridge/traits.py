@@ -65,10 +65,13 @@ class ProviderTrait:
     edit_sources: tuple[str, ...] = ()
     #: serves vLLM's joined text (a space around every marker, one in front)
     joins_markers: bool = False
+    #: GLM: the newline before ``<think>`` comes inside the reasoning (SGLang, True) or
+    #: never does (vLLM, False); None: the run does not show
+    prefix_in_reasoning: bool | None = None
 
     @property
     def calibrated(self) -> bool:
-        return self.end_uncounted or self.cached_excluded or self.joins_markers
+        return self.end_uncounted or self.cached_excluded or self.joins_markers or self.prefix_in_reasoning is not None
 
     def describe(self) -> str | None:
         """One phrase for messages and the summary; None when nothing is calibrated."""
@@ -79,6 +82,9 @@ class ProviderTrait:
             said.append("prompt_tokens leaves out cached_tokens")
         if self.joins_markers:
             said.append("text joins markers with spaces (vLLM's detokenizer)")
+        if self.prefix_in_reasoning is not None:
+            said.append("GLM's newline before <think> " + ("comes in the reasoning (SGLang)" if self.prefix_in_reasoning
+                                                           else "never comes in the reasoning (vLLM)"))
         return "; ".join(said) or None
 
     def to_dict(self) -> dict[str, Any]:
@@ -89,6 +95,7 @@ class ProviderTrait:
             "edits": list(self.edits),
             "edit_sources": list(self.edit_sources),
             "joins_markers": self.joins_markers,
+            "prefix_in_reasoning": self.prefix_in_reasoning,
             "calibration": self.describe(),
         }
 
@@ -111,6 +118,10 @@ class RecordFacts:
     #: choices whose text holds a marker, and how many of those have vLLM's joined shape
     markered: int = 0
     joined: int = 0
+    #: GLM thinking choices with reasoning, and how many of those start it with the
+    #: newline the model writes before ``<think>``
+    reasoned: int = 0
+    prefixed: int = 0
 
 
 @dataclass
@@ -120,8 +131,13 @@ class TraitStats:
     completion: dict[str, Counter[tuple[bool, int]]] = field(default_factory=dict)  # provider -> (ended, delta) counts
     cached: dict[str, list[int]] = field(default_factory=dict)  # provider -> [rows with cached > 0, delta == cached]
     shapes: dict[str, list[int]] = field(default_factory=dict)  # provider -> [choices with a marker, joined shape]
+    prefixes: dict[str, list[int]] = field(default_factory=dict)  # provider -> [GLM reasonings, with the newline]
 
     def add(self, provider: str, facts: RecordFacts) -> None:
+        if facts.reasoned:
+            tally = self.prefixes.setdefault(provider, [0, 0])
+            tally[0] += facts.reasoned
+            tally[1] += facts.prefixed
         if facts.markered:
             tally = self.shapes.setdefault(provider, [0, 0])
             tally[0] += facts.markered
@@ -141,7 +157,8 @@ class TraitStats:
         """The traits this run shows, merged with ``stripping`` (providers suspected of
         stripping edge whitespace) and a probe ``profile`` (provider -> edits)."""
         out: dict[str, ProviderTrait] = {}
-        names = set(self.completion) | set(self.cached) | set(self.shapes) | set(stripping) | set(profile or {})
+        names = (set(self.completion) | set(self.cached) | set(self.shapes) | set(self.prefixes) | set(stripping)
+                 | set(profile or {}))
         strip = set(stripping)
         for name in sorted(names):
             end_uncounted = _end_uncounted(self.completion.get(name, Counter()))
@@ -157,7 +174,8 @@ class TraitStats:
             markered, joined = self.shapes.get(name, [0, 0])
             joins = "marker_spaces" in probed or (markered >= MIN_SAMPLES and joined >= MIN_SHARE * markered)
             trait = ProviderTrait(name, end_uncounted, cached_excluded,
-                                  tuple(sorted(edits)), tuple(edits[e] for e in sorted(edits)), joins)
+                                  tuple(sorted(edits)), tuple(edits[e] for e in sorted(edits)), joins,
+                                  _prefix_in_reasoning(self.prefixes.get(name, [0, 0])))
             if trait.calibrated or trait.edits:
                 out[name] = trait
         return out
@@ -190,6 +208,20 @@ def _end_uncounted(counts: Counter[tuple[bool, int]]) -> bool:
         value, n = cut.most_common(1)[0]
         return value == 0 and n >= MIN_SHARE * sum(cut.values())
     return True
+
+
+def _prefix_in_reasoning(tally: list[int]) -> bool | None:
+    """Which engine's GLM form a provider's run shows: SGLang puts the newline the model
+    writes before ``<think>`` at the start of every reasoning, vLLM in none (it drops it, or
+    streams it as content), barring a model that starts its reasoning with a newline."""
+    reasoned, prefixed = tally
+    if reasoned < MIN_SAMPLES:
+        return None
+    if prefixed >= MIN_SHARE * reasoned:
+        return True
+    if reasoned - prefixed >= MIN_SHARE * reasoned:
+        return False
+    return None
 
 
 def _cached_excluded(tally: list[int]) -> bool:

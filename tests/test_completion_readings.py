@@ -1,0 +1,158 @@
+"""Completion readings the served text alone cannot pick (hypotheses.py): GLM's newline
+before ``<think>`` under SGLang's and vLLM's parsers, and the B3 cases where the count
+proves an empty or just-closed think block.
+
+SGLang forms come from the real ``ReasoningParser`` (sglang 0.5.23, ``SGLangEngine``).
+vLLM is not installed: ``vllm_glm45`` below is a RE-IMPLEMENTATION of vLLM's GLM-4.5
+reasoning parser (``vllm/reasoning/glm4_moe_reasoning_parser.py``, GLM-4.5 template:
+the generation prompt ends ``<|assistant|>``), as restated from its source.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from test_families_support import SGLangEngine, family_tokenizer
+from tokenbridge.chat import resolve_dialect
+from tokenbridge.reconstruct import reconstruct_file, reconstruct_record
+from tokenbridge.traits import ProviderTrait
+
+GLM = family_tokenizer("glm-4.5")
+GLM_D = resolve_dialect(GLM)
+THINK, THINK_END, USER = 151350, 151351, 151336
+PROMPT = [{"role": "user", "content": "What is 2+2?"}]
+
+
+def vllm_glm45(ids: list[int], *, stream: bool) -> tuple[str | None, str | None]:
+    """RE-IMPLEMENTATION of vLLM's glm45 parser (not the oracle itself). Whole: no split
+    unless both markers are in the text; everything before ``<think>`` is dropped.
+    Streamed, one token per delta: a lone marker delta is skipped, a delta before
+    ``<think>`` is content, between the markers reasoning, after ``</think>`` content."""
+    if not stream:
+        text = GLM.decode(ids)
+        if "<think>" not in text or "</think>" not in text:
+            return None, text
+        reasoning, _, content = text.partition("<think>")[2].partition("</think>")
+        return reasoning, content or None
+    reasoning, content, seen = [], [], set()
+    for i in ids:
+        if i in (THINK, THINK_END):
+            seen.add(i)
+            continue
+        (reasoning if THINK in seen and THINK_END not in seen else content).append(GLM.decode([i]))
+    return "".join(reasoning) or None, "".join(content) or None
+
+
+def _glm(native: str, served: tuple[str | None, str | None], *, stream: bool | None = None,
+         provider: str = "p", traits: dict[str, ProviderTrait] | None = None) -> tuple[dict[str, Any], list[int]]:
+    ids = GLM.encode(native)
+    reasoning, content = served
+    request: dict[str, Any] = {"messages": PROMPT}
+    if stream is not None:
+        request["stream"] = stream
+    prompt = GLM.encode(GLM_D.render_request(request))
+    response = {"provider": provider, "choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning_content": reasoning, "content": content}}],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}}
+    row, = reconstruct_record({"id": "g", "request": request, "response": response}, GLM, traits=traits)
+    return row, ids
+
+
+def codes(row: dict[str, Any]) -> list[str]:
+    return [f["code"] for f in row["findings"]]
+
+
+NATIVE_A1 = "\n<think>Simple sum.</think>\nThe answer is 4.<|user|>"
+
+
+def test_vllm_streamed_newline_in_content_is_not_read_as_the_models():
+    """A1: vLLM streams the newline before <think> as content ("\\n" + "\\nC"). Alone, the
+    record also fits vLLM's whole form of "</think>\\n\\nC" (271 for 198, 198, same count)."""
+    ids = GLM.encode(NATIVE_A1)
+    served = vllm_glm45(ids[:-1], stream=True)
+    assert served == ("Simple sum.", "\n\nThe answer is 4.")
+    row, native = _glm(NATIVE_A1, served)
+    assert row["status"] == "rejected" and codes(row) == ["reconstruction_ambiguous"]
+    row, native = _glm(NATIVE_A1, served, stream=True)  # the request says it streamed
+    assert row["status"] == "ok" and row["completion_ids"] == native and codes(row) == []
+    assert row["reconstruction"] == "think_prefix_in_content"
+    assert native[native.index(THINK_END) + 1] == 198
+
+
+def test_vllm_whole_drops_the_newline_before_think():
+    """A2: "\\n<think>\\n\\nR" whole under vLLM is reasoning "\\n\\nR", SGLang's streamed
+    form of "\\n<think>\\nR" too: same count, other ids."""
+    native = "\n<think>\n\nSimple sum.</think>\nThe answer is 4.<|user|>"
+    served = vllm_glm45(GLM.encode(native)[:-1], stream=False)
+    assert served == ("\n\nSimple sum.", "\nThe answer is 4.")
+    row, ids = _glm(native, served)
+    assert row["status"] == "rejected" and codes(row) == ["reconstruction_ambiguous"]
+    row, ids = _glm(native, served, stream=False)  # SGLang whole would say "\n<think>"
+    assert row["status"] == "ok" and row["completion_ids"] == ids
+    assert row["reconstruction"] == "think_prefix_kept" and ids[:3] == [198, THINK, 271]
+
+
+def test_sglang_forms_stay_exact():
+    """SGLang's whole form names the newline itself; its streamed form is resolved by the
+    request's stream flag alone when the content cannot carry the prefix, else by the run."""
+    engine = SGLangEngine(GLM, "glm-4.5", "glm45", {USER})
+    ids = GLM.encode(NATIVE_A1)
+    whole = engine.serve(ids, 10, thinking=True, stream=False)["choices"][0]["message"]
+    assert whole["reasoning_content"] == "\n<think>Simple sum."
+    row, _ = _glm(NATIVE_A1, (whole["reasoning_content"], whole["content"]))
+    assert row["status"] == "ok" and row["completion_ids"] == ids and row["reconstruction"] is None
+    streamed = engine.serve(ids, 10, thinking=True, stream=True)["choices"][0]["message"]
+    assert streamed["reasoning_content"] == "\nSimple sum." and streamed["content"] == "\nThe answer is 4."
+    served = (streamed["reasoning_content"], streamed["content"])
+    row, _ = _glm(NATIVE_A1, served, stream=True)  # vLLM's "\n<think>\nR</think>C" fits too
+    assert codes(row) == ["reconstruction_ambiguous"]
+    sglang = {"p": ProviderTrait("p", prefix_in_reasoning=True)}
+    row, _ = _glm(NATIVE_A1, served, stream=True, traits=sglang)
+    assert row["status"] == "ok" and row["completion_ids"] == ids
+
+
+def test_run_trait_names_the_engine_form(tmp_path):
+    """20 SGLang-streamed GLM rows show the newline in every reasoning: the run decides."""
+    engine = SGLangEngine(GLM, "glm-4.5", "glm45", {USER})
+    prompt = GLM.encode(GLM_D.render_request({"messages": PROMPT}))
+    src = tmp_path / "x.jsonl"
+    natives = []
+    with src.open("w") as f:
+        for n in range(20):
+            ids = GLM.encode(f"\n<think>Sum {n}.</think>\nIt is {n}.<|user|>")
+            natives.append(ids)
+            response = {**engine.serve(ids, len(prompt), thinking=True, stream=True), "provider": "sgl"}
+            f.write(json.dumps({"id": f"r{n}", "request": {"messages": PROMPT}, "response": response}) + "\n")
+    out = tmp_path / "o.jsonl"
+    summary = reconstruct_file(src, out, GLM, workers=1)
+    rows = [json.loads(line) for line in out.open()]
+    assert [r["status"] for r in rows] == ["ok"] * 20
+    assert [r["completion_ids"] for r in rows] == natives
+    assert summary.traits["sgl"].prefix_in_reasoning is True
+
+
+# --- B3: empty and just-closed think blocks, proven by the count ---------------------------
+
+QWEN = family_tokenizer("qwen3")
+DS31 = family_tokenizer("deepseek-v3.1")
+SAY_HI = [{"role": "user", "content": "Say hi."}]
+
+
+def _sglang(tok: Any, folder: str, parser: str, stop: int, request: dict[str, Any], native: str, *,
+            usage: bool = True) -> tuple[dict[str, Any], list[int]]:
+    ids = tok.encode(native)
+    prompt = tok.encode(resolve_dialect(tok).render_request(request))
+    response = SGLangEngine(tok, folder, parser, {stop}).serve(ids, len(prompt), thinking=True, stream=False)
+    if not usage:
+        del response["usage"]
+    row, = reconstruct_record({"id": "b3", "request": request, "response": response}, tok)
+    return row, ids
+
+
+def test_cut_right_after_think_close_is_a_reading():
+    request = {"messages": SAY_HI, "max_tokens": 6}
+    row, ids = _sglang(QWEN, "qwen3", "qwen3", 151645, request, "<think>\nHmm.\n</think>")
+    assert row["status"] == "flagged" and codes(row) == ["truncated"]
+    assert row["completion_ids"] == ids and ids[-1] == 151668
+    assert row["reconstruction"] == "cut_after_think_close"
