@@ -150,6 +150,17 @@ def _sglang(tok: Any, folder: str, parser: str, stop: int, request: dict[str, An
     return row, ids
 
 
+def test_empty_think_block_proven_by_usage_is_not_reasoning_missing():
+    row, ids = _sglang(QWEN, "qwen3", "qwen3", 151645, {"messages": SAY_HI}, "<think></think>Hi!<|im_end|>")
+    assert row["status"] == "ok" and codes(row) == [] and row["completion_ids"] == ids == [151667, 151668, 13048, 0, 151645]
+    request = {"messages": SAY_HI, "chat_template_kwargs": {"thinking": True}}
+    row, ids = _sglang(DS31, "deepseek-v3.1", "deepseek-v3", 1, request, "</think>Hi!<｜end▁of▁sentence｜>")
+    assert row["status"] == "ok" and codes(row) == [] and row["completion_ids"] == ids
+    # nothing proves it without usage: the reasoning may have been withheld
+    row, _ = _sglang(QWEN, "qwen3", "qwen3", 151645, {"messages": SAY_HI}, "<think></think>Hi!<|im_end|>", usage=False)
+    assert row["status"] == "rejected" and codes(row) == ["reasoning_missing", "usage_missing"]
+
+
 def test_cut_right_after_think_close_is_a_reading():
     request = {"messages": SAY_HI, "max_tokens": 6}
     row, ids = _sglang(QWEN, "qwen3", "qwen3", 151645, request, "<think>\nHmm.\n</think>")

@@ -83,7 +83,8 @@ CASES = {
     "eos_in_text (reasoning)": (dict(reasoning="x [EOS] y", content="ok", finish="stop"), ["eos_in_text"]),
     "think_marker_in_content": (dict(content="a</think>b", finish="stop"), ["think_marker_in_content"]),
     "think_marker_in_reasoning": (dict(reasoning="<think>hmm", content="ok", finish="stop"), ["think_marker_in_reasoning"]),
-    "reasoning_missing": (dict(reasoning=None, content="ok", finish="stop"), ["reasoning_missing"]),
+    # without usage nothing proves the empty think block: the reasoning may have been withheld
+    "reasoning_missing": (dict(reasoning=None, content="ok", finish="stop", usage=False), ["reasoning_missing", "usage_missing"]),
     "tool_section_in_reasoning": (dict(reasoning=f"plan {CB}x", content="ok", finish="stop"), ["tool_section_in_reasoning"]),
     "tool_markers_malformed (unclosed)": (dict(content=f"x{TS}{CB}f:0{AB}{{}}{CE}"), ["tool_markers_malformed"]),
     "tool_markers_malformed (order)": (dict(content=f"{TS}{AB}f:0{CB}{{}}{CE}{TE}"), ["tool_markers_malformed"]),

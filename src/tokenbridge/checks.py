@@ -223,7 +223,7 @@ def _reasoning_presence(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     if not has_reasoning and not content and not msg.get("tool_calls"):
         yield "empty_completion", "no reasoning, no content and no tool calls"
         return
-    if view.thinking and view.dialect.think_close and not has_reasoning:
+    if view.thinking and view.dialect.think_close and not has_reasoning and not _empty_block_proven(view, policy):
         yield "reasoning_missing", "thinking mode but the response has no reasoning: its tokens would be lost"
     if not view.thinking and has_reasoning:
         yield "reasoning_unexpected", "instant mode (thinking disabled) but the response carries reasoning"
@@ -252,6 +252,18 @@ def _reasoning_presence(view: SampleView, policy: Policy) -> Iterator[_Hit]:
                 f"content is empty: {'assumed' if closed else 'assumed no'} </think> after the reasoning, "
                 "and no exact usage count proves it"
             )
+
+
+def _empty_block_proven(view: SampleView, policy: Policy) -> bool:
+    """The reasoning is empty, not lost: the ids close an empty think block and ground-truth
+    ids or an exact usage count agree with them (reasoning a provider withheld would be
+    counted, and a turn without the block counts fewer)."""
+    if not any(kind == "think_end" for kind, _ in view.parts):
+        return False
+    if view.proven_by_ids:
+        return True
+    pair = view.usage_completion
+    return pair is not None and policy.usage_tolerance == 0 and pair[0] == pair[1]
 
 
 def _structured_tools(view: SampleView, policy: Policy) -> Iterator[_Hit]:
