@@ -167,3 +167,25 @@ def test_cut_right_after_think_close_is_a_reading():
     assert row["status"] == "flagged" and codes(row) == ["truncated"]
     assert row["completion_ids"] == ids and ids[-1] == 151668
     assert row["reconstruction"] == "cut_after_think_close"
+
+
+# --- A5: gpt-oss cut inside a recipient-first header ----------------------------------------
+
+OSS = family_tokenizer("gpt-oss")
+
+
+def test_gptoss_cut_after_recipient_to_ties_with_the_channel_header():
+    """SGLang holds back an unfinished header: a cut right after `` to`` (316) of
+    ``<|start|>assistant to=functions.X`` serves what a cut after ``<|channel|>`` (200005)
+    serves, with the same count."""
+    dialect = resolve_dialect(OSS)
+    request, noon = {"messages": [{"role": "user", "content": "Weather in Paris?"}]}, 1750075200
+    prompt = OSS.encode_prompt(dialect.prompt_readings(request, {"created": noon}, {})[0].text)
+    ids = OSS.encode("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant to")
+    assert ids[-1] == 316
+    engine = SGLangEngine(OSS, "gpt-oss", "gpt-oss", {199999, 200002, 200012}, skip_special=False)
+    response = {**engine.serve(ids, len(prompt), thinking=True, stream=False), "created": noon}
+    assert response["choices"][0]["message"]["content"] in ("", None)
+    row, = reconstruct_record({"id": "o", "request": request, "response": response}, OSS)
+    assert row["status"] == "rejected" and codes(row) == ["truncated", "reconstruction_ambiguous"]
+    assert "cut_header=4, cut_header=recipient:to" in row["findings"][1]["message"]

@@ -48,6 +48,9 @@ END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
 HEADER_TOKENS = (END, "<|start|>", "assistant", "<|channel|>")
 #: The channel names a cut after ``<|channel|>`` may have reached.
 CHANNELS = ("final", "commentary", "analysis")
+#: What a recipient-first header writes after ``<|start|>assistant`` before the tool's
+#: own name (one token each on o200k): `` to``, ``=``, then the namespace.
+RECIPIENT_LEADS = (" to", " to=", *(f" to={ns}" for ns in ("functions", "browser", "python", "container")))
 
 #: The structural tokens of a raw tool call's header: ``<|channel|>`` opens it,
 #: ``<|message|>`` ends it, ``<|constrain|>`` may come between.
@@ -227,6 +230,11 @@ class HarmonyDialect(Dialect):
         for channel in CHANNELS:
             out.append(([*base, ("format", head + channel)], f"cut_header=5:{channel}"))
             out.append(([*base, ("format", head + channel + "<|message|>")], f"cut_header=6:{channel}"))
+        # a recipient-first header (<|start|>assistant to=functions.X<|channel|>...): its
+        # first tokens are fixed, and tie with the channel-first ones in count
+        start = "".join(HEADER_TOKENS[:3])
+        for lead in RECIPIENT_LEADS:
+            out.append(([*base, ("format", start + lead)], f"cut_header=recipient:{lead.strip()}"))
         return out
 
     def empty_analysis_reading(self, message: Message, finish_reason: str | None) -> list[tuple[str, str]] | None:
