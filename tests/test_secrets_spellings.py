@@ -131,3 +131,21 @@ def test_a_starred_key_is_masked_where_it_holds_min_masked_characters():
     assert scrub(f"{key[:8]}...{key[-4:]}", key) == f"{key[:8]}...{key[-4:]}"  # how providers show a key: kept
     wrapped = base64.encodebytes(f"Bearer {key[:-4]}".encode()).decode()
     assert not any(key.encode()[:12] in r for r in _base64_readings(scrub(wrapped, key)))
+
+
+def test_runs_of_backslashes_are_scrubbed_in_linear_time():
+    """A model stuck repeating ``\\\\`` (LaTeX, a regex) sends a body that is mostly
+    backslashes. Each escape pattern once tried every start of such a run and backtracked
+    through the rest of it: 32 kB took 8.6 s, an 80 kB body a minute, in the event loop
+    every request in flight waits on. A megabyte of each shape now takes well under a
+    second (the old cost would be hours), and what the run escapes is still read."""
+    import time
+
+    key = "sk-test/abcdefghijklmnopqrstuvwxyz0123"
+    for tail in (b"", b"n", b"u0041", b"/", b"x"):
+        body = b'{"content": "' + b"\\" * (1 << 20) + tail + b'"}'
+        started = time.perf_counter()
+        assert scrub_bytes(body, key) == body
+        assert time.perf_counter() - started < 5.0, tail
+    hidden = json.dumps({"content": "\\" * 5000 + key}).replace("/", "\\/").encode()
+    assert key.encode() not in scrub_bytes(hidden, key) and b"sk-test\\/abcdefghijk" not in scrub_bytes(hidden, key)

@@ -215,6 +215,13 @@ def _readings(value: str) -> tuple[_Reading, ...]:
     return every, *alone, _Reading(None, re.compile(rb"\\(?:u(?:" + u + rb")|[/\"'\\])"))
 
 
+#: A whole run of backslashes, tried only where the run starts and never given back: what
+#: follows it in an escape (``n``, ``u``, ``/``) is no backslash, so a shorter run cannot
+#: match where the whole one fails, and trying every start of the run backtracking through
+#: the rest cost O(n**2) on a body of backslashes (80 kB: a minute, in the event loop).
+_RUN = rb"(?<!\\)\\++"
+
+
 def _reading(value: str, *, json: bool, percent: bool) -> _Reading:
     """The line breaks a decoder skips (raw, or escaped in JSON or a URL), and the escapes
     that decode to a character a target can hold (a key's or base64's). Each alternative
@@ -229,8 +236,8 @@ def _reading(value: str, *, json: bool, percent: bool) -> _Reading:
         breaks.append(rb"%0[aAdD]")
         escapes.append(rb"%(?:" + p + rb")")
     if json:
-        breaks.append(rb"\\\\*(?:[rn]|u000[aAdD])")
-        escapes.append(rb"\\\\*(?:u(?:" + u + rb")|[" + re.escape(short.encode()) + rb"])")
+        breaks.append(_RUN + rb"(?:[rn]|u000[aAdD])")
+        escapes.append(_RUN + rb"(?:u(?:" + u + rb")|[" + re.escape(short.encode()) + rb"])")
         if "\\" in value:  # "\\" in JSON, "\\\\" nested: one backslash
             escapes.append(rb"\\\\+")
     return _Reading(re.compile(b"|".join(breaks)) if breaks else None, re.compile(b"|".join(escapes)))
