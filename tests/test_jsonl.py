@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -103,3 +104,38 @@ def test_value_key_is_none_for_what_is_not_json():
     cycle: list = []
     cycle.append(cycle)
     assert jsonl.value_key(cycle) is None
+
+
+@pytest.mark.parametrize(("line", "detail"), [
+    ('{"usage": {"cost": NaN}}', "not valid JSON (NaN at usage.cost: JSON has no NaN or infinity)"),
+    ('{"a": [1, {"b": -Infinity}]}', "not valid JSON (-Infinity at a[1].b: JSON has no NaN or infinity)"),
+    ('{"n": 1e400}', "not valid JSON (1e400 at n: JSON has no NaN or infinity)"),
+    ('{"s": "\\ud800", "n": Infinity}', "not valid JSON (Infinity at n: JSON has no NaN or infinity)"),
+    ("NaN", "not valid JSON (NaN: JSON has no NaN or infinity)"),
+])
+def test_a_number_json_cannot_spell_is_a_bad_line_naming_its_field(line, detail):
+    """The stdlib fallback reads NaN, Infinity and 1e400, which every writer then turns into
+    null or a literal no reader takes; orjson refuses them, and so does the fallback now."""
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(line)
+    with pytest.raises(jsonl.JsonLineError) as err:
+        jsonl.loads_line(line)
+    assert err.value.detail == detail
+
+
+def test_finite_numbers_and_lone_surrogates_still_read():
+    assert jsonl.loads_line('{"s": "\\ud800", "n": 1.5e308, "t": 1e-400}') == {"s": "\ud800", "n": 1.5e308, "t": 0.0}
+
+
+def test_a_row_file_with_nan_names_file_line_and_field(tmp_path):
+    src = tmp_path / "r.jsonl"
+    src.write_text('\n{"id": "b", "usage": {"cost": NaN}}\n')
+    with pytest.raises(rows.RowError) as err:
+        list(rows.iter_rows(src))
+    assert str(err.value) == f"{src}:2: <line>: not valid JSON (NaN at usage.cost: JSON has no NaN or infinity)"
+
+
+def test_an_exchange_line_with_infinity_is_a_bad_record_naming_its_field():
+    with pytest.raises(exchanges.RecordError) as err:
+        exchanges.loads_line('{"id": "a", "response": {"usage": {"cost": Infinity}}}')
+    assert err.value.field == "<line>" and "Infinity at response.usage.cost" in str(err.value)

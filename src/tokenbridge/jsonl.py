@@ -4,7 +4,9 @@ Every JSONL file (exchange records, reconstructed rows, exports) goes through th
 
 * :func:`loads_line` parses with orjson and falls back to the stdlib for what orjson
   refuses: a lone surrogate escape (``"\\ud800"``) is not valid UTF-8, but it is what the
-  API sent and the gate must still see it;
+  API sent and the gate must still see it. The fallback refuses what orjson refuses and
+  JSON does not have: ``NaN``, ``Infinity`` and a number that overflows a double
+  (``1e400``), which every writer would turn into ``null`` or a literal no reader takes;
 * :func:`dumps_line` writes compact JSON with orjson, and ASCII-escapes (stdlib) when the
   value holds lone surrogates, so the file stays valid UTF-8;
 * :func:`iter_lines` gives the non-blank lines of a file with their numbers (invalid
@@ -21,6 +23,7 @@ integer" of a value from outside.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -55,7 +58,9 @@ def loads_line(line: str | bytes) -> Any:
     except orjson.JSONDecodeError:
         pass
     try:
-        return json.loads(line)
+        return json.loads(line, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except _NotFinite:
+        raise JsonLineError(f"not valid JSON ({_not_finite_where(line)})") from None
     except json.JSONDecodeError as exc:
         raise JsonLineError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
     except UnicodeDecodeError as exc:
@@ -64,6 +69,52 @@ def loads_line(line: str | bytes) -> Any:
         raise JsonLineError(f"nested more than {MAX_DEPTH} levels deep") from None
     except ValueError as exc:  # Python's int-string limit: a ValueError, not a JSONDecodeError
         raise JsonLineError(f"not valid JSON ({number_too_long(exc)})") from None
+
+
+class _NotFinite(Exception):
+    """A number JSON has no spelling for (the stdlib's ``NaN`` / ``Infinity``, or a float
+    literal past a double's range); raised from inside ``json.loads``."""
+
+
+class _Bad:
+    """Stands for a non-finite number while :func:`_not_finite_where` finds its field."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotFinite(name)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: orjson refuses it, the stdlib reads inf
+        raise _NotFinite(text)
+    return value
+
+
+def _placeholder_float(text: str) -> float | _Bad:
+    value = float(text)
+    return value if math.isfinite(value) else _Bad(text)
+
+
+def _not_finite_where(line: str | bytes) -> str:
+    """What :func:`loads_line` says of a line holding a non-finite number: the number and
+    the field that holds it (``usage.cost``), found by parsing again with placeholders.
+    Only on the error path, so the happy path pays nothing."""
+    value = json.loads(line, parse_constant=_Bad, parse_float=_placeholder_float)
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, _Bad):
+            field = f" at {where}" if where else ""
+            return f"{item.text[:40]}{field}: JSON has no NaN or infinity"
+        if isinstance(item, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+    return "a number that is not finite"  # pragma: no cover - the first parse found one
 
 
 def number_too_long(exc: ValueError) -> str:
