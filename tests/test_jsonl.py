@@ -139,3 +139,11 @@ def test_an_exchange_line_with_infinity_is_a_bad_record_naming_its_field():
     with pytest.raises(exchanges.RecordError) as err:
         exchanges.loads_line('{"id": "a", "response": {"usage": {"cost": Infinity}}}')
     assert err.value.field == "<line>" and "Infinity at response.usage.cost" in str(err.value)
+
+
+def test_prompt_loading_and_the_row_check_share_one_role_set():
+    """content.ROLES is what check_row lets into an export; prompt loading must send the same."""
+    from tokenbridge.content import ROLES
+    from tokenbridge.generate import prompts
+
+    assert prompts._ROLES == ROLES

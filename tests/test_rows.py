@@ -154,8 +154,17 @@ BAD = {
     "content": (lambda r: r.update(content=None), "content", "must be a string"),
     # the conversations export wrote these as they were
     "messages": (lambda r: r.update(messages=[]), "messages", "must be a non-empty list, got list"),
-    "role": (lambda r: r.update(messages=[{**r["messages"][0], "role": 7}]), "messages[0]",
-             "must be an object with a string role"),
+    "role": (lambda r: r.update(messages=[{**r["messages"][0], "role": 7}]), "messages[0].role",
+             "unknown role 7 (expected one of ['assistant', 'developer', 'system', 'tool', 'user'])"),
+    # prompt loading's rules (tokenbridge.content): a role it would not send, content it would not read
+    "empty role": (lambda r: r.update(messages=[{**r["messages"][0], "role": ""}]), "messages[0].role",
+                   "unknown role ''"),
+    "dict content": (lambda r: r.update(messages=[{**r["messages"][0], "content": {"text": "x"}}]),
+                     "messages[0].content", "must be a string, null or a list of content parts, got dict"),
+    "part": (lambda r: r.update(messages=[{**r["messages"][0], "content": [{"text": "x"}]}]),
+             "messages[0].content[0]", "must be a content part object with a string 'type'"),
+    "part text": (lambda r: r.update(messages=[{**r["messages"][0], "content": [{"type": "text", "text": 5}]}]),
+                  "messages[0].content[0].text", "must be a string, got int"),
     "deep": (lambda r: r.update(messages=[[[]]]), "messages[0]", "must be an object with a string role"),
 }
 
@@ -275,3 +284,26 @@ def test_segment_kinds_are_the_prompt_and_every_dialects_part_kinds():
     from tokenbridge.chat.dialect import PART_KINDS
 
     assert ("prompt", *PART_KINDS) == rows.SEGMENT_KINDS
+
+
+@pytest.mark.parametrize(("message", "field", "detail"), [
+    ({"role": "", "content": "x"}, "messages[0].role",
+     "unknown role '' (expected one of ['assistant', 'developer', 'system', 'tool', 'user'])"),
+    ({"role": "user", "content": {"text": "x"}}, "messages[0].content",
+     "must be a string, null or a list of content parts, got dict"),
+])
+def test_export_refuses_a_message_prompt_loading_would_not_send(run, tmp_path, message, field, detail):
+    """The conversations export writes messages as they are, for a trainer: a row whose
+    message has no known role or content of another type stops it, naming file:line:field."""
+    from typer.testing import CliRunner
+
+    from tokenbridge.cli import app
+
+    _, _, _, made = run
+    rows_ = [dict(r) for r in made[:3]]
+    rows_[1]["messages"] = [message]
+    src = write_jsonl(tmp_path / "bad.jsonl", rows_)
+    res = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "o"), "-f", "conversations"])
+    assert res.exit_code == 1
+    assert f"error: {src}:2: {field}: {detail}\n" in res.output
+    assert not (tmp_path / "o" / "conversations.jsonl").exists()

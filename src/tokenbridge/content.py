@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["content_text", "is_text_parts"]
+__all__ = ["ROLES", "content_fault", "content_text", "is_text_parts", "role_fault"]
+
+#: The roles a message may have: what prompt loading sends (:mod:`tokenbridge.generate.prompts`)
+#: and what the row check lets into an export (:func:`tokenbridge.rows.check_row`).
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 def content_text(content: object) -> str:
@@ -25,3 +29,27 @@ def content_text(content: object) -> str:
 def is_text_parts(content: object) -> bool:
     """A list of parts that are all ``type: text`` (so the list says nothing its text does not)."""
     return isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text" for p in content)
+
+
+def role_fault(role: object) -> str | None:
+    """Why ``role`` is not a message role the project sends or exports, or None."""
+    if isinstance(role, str) and role in ROLES:
+        return None
+    return f"unknown role {role!r} (expected one of {sorted(ROLES)})"[:200]
+
+
+def content_fault(content: object) -> tuple[str, str] | None:
+    """Why ``content`` is not a message content the project reads, as (the sub-field after
+    ``content``, why), or None: a string, null, or a list of part objects each with a
+    string ``type``, a ``text`` part's ``text`` a string (:func:`content_text` reads those,
+    and the conversations export writes what it reads)."""
+    if content is None or isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return "", f"must be a string, null or a list of content parts, got {type(content).__name__}"
+    for k, part in enumerate(content):
+        if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+            return f"[{k}]", "must be a content part object with a string 'type'"
+        if "text" in part and not isinstance(part["text"], str):
+            return f"[{k}].text", f"must be a string, got {type(part['text']).__name__}"
+    return None

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import orjson
 
+from .content import content_fault, role_fault
 from .exit_codes import ExitCode
 from .fsio import WriteBehind
 from .jsonl import JsonLineError, dumps_line, json_text, loads_line, not_text
@@ -264,13 +265,18 @@ def _is_int(value: Any) -> bool:
 
 
 def _check_messages(messages: Any, fail: Callable[[str, str], RowError]) -> None:
-    """The request's messages as reconstruct validated them: a non-empty list of objects
-    with a string role (the conversations export and the report read them)."""
+    """The request's messages: a non-empty list of objects with a known role and content
+    in shape, by the rules prompt loading sends by (:mod:`tokenbridge.content`), since the
+    conversations export writes them for a trainer as they are."""
     if not isinstance(messages, list) or not messages:
         raise fail("messages", f"must be a non-empty list, got {type(messages).__name__}")
     for k, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        if not isinstance(m, dict):
             raise fail(f"messages[{k}]", "must be an object with a string role")
+        if why := role_fault(m.get("role")):
+            raise fail(f"messages[{k}].role", why)
+        if fault := content_fault(m.get("content")):
+            raise fail(f"messages[{k}].content{fault[0]}", fault[1])
 
 
 def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:  # noqa: PLR0912 - a check per column of an untrusted row
