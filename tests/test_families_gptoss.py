@@ -523,3 +523,23 @@ def test_sglang_served_completions_rebuild_exactly_or_are_flagged(tok, dialect, 
     assert seen["accepted_final"] >= 60 and seen["accepted_cut"] >= 15, seen
     # what SGLang's parser loses never passes
     assert all(seen[f"accepted_{k}"] == 0 for k in ("preamble", "two_analysis", "tool", "no_analysis")), seen
+
+
+def test_a_negative_or_non_finite_time_is_no_timing():
+    """A negative latency_s made the client's bracket end before it began: no day, and
+    reconstruct indexed the empty list (IndexError, exit 8, the whole file lost)."""
+    assert serving_days({}, {"started_at": NOON, "latency_s": -1000000}) is None
+    assert serving_days({"created": NOON}, {"started_at": NOON, "latency_s": -1}) == [DAY]  # created instead
+    assert serving_days({"created": NOON}, {"started_at": NOON, "latency_s": float("inf")}) == [DAY]
+    for junk in ({"created": -5}, {"created": float("-inf")}):
+        assert serving_days(junk, {}) is None, junk
+    assert serving_days({}, {"started_at": -NOON}) is None
+
+
+def test_a_negative_latency_reconstructs_with_the_no_timing_finding(tok, dialect):
+    rec = _record(tok, dialect, {"reasoning_content": "r", "content": "Hi."})
+    del rec["response"]["created"]
+    rec["meta"] = {"started_at": NOON, "latency_s": -1000000}
+    row, = reconstruct_record(rec, tok)
+    assert row["reconstruction"] == "date=unknown"
+    assert "prompt_date_unproven" in {f["code"] for f in row["findings"]}

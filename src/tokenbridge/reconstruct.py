@@ -231,6 +231,8 @@ def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, 
     per engine. A reading is kept when the ground-truth prompt ids or
     ``usage.prompt_tokens`` agree with it."""
     readings = dialect.prompt_readings(ex.request, ex.response, ex.meta)
+    if not readings:  # a dialect's contract is one reading at least; a bad line, not an IndexError, if one breaks it
+        raise TemplateError(f"{dialect.name}: no prompt reading for this exchange (its timing or request gave none)")
     if len(readings) == 1 and readings[0].name is None:
         text = readings[0].text
         return text, tok.encode_prompt(text), None, None
@@ -249,7 +251,7 @@ def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, 
     dated = any((r.name or "").startswith("date=") for r, _ in keep)
     if reading.name == "date=unknown":
         doubt = ("prompt_date_unproven", "the template prints the serving day and the exchange has no timing (no "
-                 "response.created, no meta.started_at): today's date was assumed")
+                 "usable response.created or meta.started_at + latency_s): today's date was assumed")
     elif len({tuple(i) for _, i in keep}) > 1 and dated:
         doubt = ("prompt_date_unproven", f"the template prints the serving day and the exchange's timing admits "
                  f"{len(keep)} ({', '.join(str(r.name) for r, _ in keep)}) with different prompt ids; no "

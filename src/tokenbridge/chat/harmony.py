@@ -73,11 +73,16 @@ def serving_days(response: Mapping[str, Any], meta: Mapping[str, Any]) -> list[s
     stamped after rendering) does, up to :data:`MAX_RENDER_TO_CREATED_S` earlier. The
     server clock is taken as UTC: a server in another time zone prints another day
     near midnight, which nothing in the response shows.
+
+    A time that is not a finite non-negative number of seconds (``true``, a string, NaN,
+    ``-5``, a millennium away) is no timing: a negative ``latency_s`` made the client's
+    bracket end before it began, an empty day list a caller indexed. A client timing with
+    a bad ``latency_s`` is no client timing, so ``created`` is read instead.
     """
     start = _number(meta.get("started_at"))
     latency = _number(meta.get("latency_s"))
     created = _number(response.get("created"))
-    if start is not None:
+    if start is not None and (latency is not None or meta.get("latency_s") is None):
         lo, hi = start - CLOCK_SKEW_S, start + (latency or 0.0) + CLOCK_SKEW_S
     elif created is not None:
         lo, hi = created - MAX_RENDER_TO_CREATED_S, created + CLOCK_SKEW_S
@@ -99,7 +104,7 @@ def serving_days(response: Mapping[str, Any], meta: Mapping[str, Any]) -> list[s
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value) if value == value and abs(value) < 1e11 else None  # NaN and absurd times are no timing
+    return float(value) if 0 <= value < 1e11 else None  # NaN (compares false), negative and absurd times are no timing
 
 
 def _day_clock(day: str) -> Callable[[str], str]:
