@@ -147,3 +147,8 @@ def test_prompt_loading_and_the_row_check_share_one_role_set():
     from tokenbridge.generate import prompts
 
     assert prompts._ROLES == ROLES
+
+
+def test_a_leading_byte_order_mark_is_dropped_for_text_and_bytes():
+    """The stdlib skipped it on bytes only: export read a line inspect and reconstruct refused."""
+    assert jsonl.loads_line('\ufeff{"a": 1}') == jsonl.loads_line(b'\xef\xbb\xbf{"a": 1}') == {"a": 1}

@@ -52,7 +52,11 @@ MAX_DEPTH = 1024
 # Any: a JSON line holds any JSON value; callers check its shape.
 def loads_line(line: str | bytes) -> Any:
     """Parse one JSON line: orjson for speed, the stdlib for what orjson refuses (lone
-    surrogate escapes, which the gate must still see). Raises :class:`JsonLineError`."""
+    surrogate escapes, which the gate must still see). A leading UTF-8 byte order mark
+    (what Windows tools write at a file's start) is dropped, for text and bytes alike: the
+    stdlib skipped it on bytes only, so export read a line that inspect and reconstruct
+    refused. Raises :class:`JsonLineError`."""
+    line = _without_bom(line)
     try:
         return orjson.loads(line)
     except orjson.JSONDecodeError:
@@ -69,6 +73,13 @@ def loads_line(line: str | bytes) -> Any:
         raise JsonLineError(f"nested more than {MAX_DEPTH} levels deep") from None
     except ValueError as exc:  # Python's int-string limit: a ValueError, not a JSONDecodeError
         raise JsonLineError(f"not valid JSON ({number_too_long(exc)})") from None
+
+
+def _without_bom(line: str | bytes) -> str | bytes:
+    """``line`` without a leading byte order mark (orjson refuses one)."""
+    if isinstance(line, str):
+        return line[1:] if line.startswith("\ufeff") else line
+    return line[3:] if line.startswith(b"\xef\xbb\xbf") else line
 
 
 class _NotFinite(Exception):
