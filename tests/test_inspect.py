@@ -116,3 +116,32 @@ def test_a_rejected_row_and_a_gpt_oss_row_are_shown(tmp_path):
             res = _inspect(out, TOKENIZERS / family, "--id", rid, "--tokens", ":")
             assert res.exit_code == 0, (family, rid, res.output)
             assert f"{rid} choice 0: " in res.output
+
+
+@pytest.mark.parametrize(("dialect", "message"), [
+    ("qwen3", "error: {tok}: the qwen3 dialect needs the token(s) <|im_start|>, which this tokenizer does not have "
+              "(it is kimi-k2.5's: drop the dialect or give kimi-k2.5)\n"),
+    ("nope", "error: --dialect: unknown value 'nope' (choose from: "),
+])
+def test_a_dialect_that_does_not_fit_is_a_bad_flag_as_in_reconstruct(kimi_dir, dialect, message):
+    """It was a DialectError traceback (exit 8) where reconstruct says so with exit 2."""
+    res = _inspect(EXAMPLE, kimi_dir, "--dialect", dialect)
+    assert res.exit_code == 2
+    assert res.output.startswith(message.format(tok=kimi_dir)), res.output
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_dialect_for_a_file_of_rows_is_refused_not_ignored(outputs, kimi_dir, which):
+    path = outputs[which]
+    res = _inspect(path, kimi_dir, "--dialect", "kimi-k2.5")
+    assert res.exit_code == 2
+    assert res.output == (f"error: --dialect kimi-k2.5 applies to exchange records; {path} holds reconstructed rows, "
+                          "already rendered (leave --dialect out)\n")
+
+
+def test_a_rows_file_starting_with_a_byte_order_mark_reads_as_export_reads_it(outputs, kimi_dir, tmp_path):
+    """inspect said 'no sample (first) with choice 0' where export read the line."""
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + outputs[0].read_bytes())
+    res, plain = _inspect(bom, kimi_dir), _inspect(outputs[0], kimi_dir)
+    assert res.exit_code == 0 and res.output == plain.output

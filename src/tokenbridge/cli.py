@@ -243,11 +243,16 @@ def inspect(
             parse_span(tokens)
         except ValueError as exc:
             raise typer.BadParameter(f"{tokens!r}: {exc}", param_hint="--tokens") from None
+    from .chat import DialectError, resolve_dialect
     from .rows import RowError
 
+    _dialect_flag(dialect)
     tok = _tokenizer(tokenizer)
-    try:
+    try:  # as reconstruct: a dialect the tokenizer does not fit is a bad flag, before any record
+        resolve_dialect(tok, dialect)
         row = find_row(input, tok, sample_id, choice, dialect)
+    except DialectError as exc:
+        _fail(str(exc))
     except LookupError as exc:
         _fail(str(exc.args[0]))
     except RowError as exc:  # a row edited by hand: bad data, as export says of it

@@ -58,11 +58,19 @@ def summary_table(summary: ReconstructSummary, title: str = "reconstruct") -> Gr
 def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dialect: str | None) -> Mapping[str, Any]:
     """The reconstructed row for ``sample_id`` (first record if None), from reconstruct's
     JSONL or Parquet output; exchange records are reconstructed on the fly. LookupError
-    when absent, :class:`~tokenbridge.rows.RowError` when the row breaks the contract."""
-    from .chat import resolve_dialect
+    when absent, :class:`~tokenbridge.rows.RowError` when the row breaks the contract.
+    ``dialect`` renders exchange records; given for a file of rows, already rendered, it
+    is :class:`~tokenbridge.chat.DialectError` rather than silently ignored."""
+    from .chat import DialectError, resolve_dialect
     from .reconstruct import RECORD_ERRORS, reconstruct_record
 
+    def rows_file() -> DialectError:
+        return DialectError(f"--dialect {dialect} applies to exchange records; {path} holds reconstructed rows, "
+                            "already rendered (leave --dialect out)")
+
     if path.suffix == ".parquet":
+        if dialect is not None:
+            raise rows_file()
         return _find_parquet_row(path, sample_id, choice, tok)
     for lineno, line in iter_lines(path):
         try:
@@ -72,6 +80,8 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
         if not isinstance(record, dict) or (sample_id is not None and str(record.get("id")) != sample_id):
             continue
         if "input_ids" in record:
+            if dialect is not None:
+                raise rows_file()
             if record.get("choice", 0) != choice:
                 continue
             return _checked_row(record, path, lineno, tok)
