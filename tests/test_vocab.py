@@ -112,3 +112,27 @@ def test_cli_vocab(src, rows, tmp_path, kimi_dir):
     assert res.output.startswith(f"draft vocab 32 of {V}: coverage ")
     res = CliRunner().invoke(app, ["vocab", str(src), "-n", "32", "-o", str(tmp_path)])
     assert res.exit_code == 2 and "--target-vocab-size" in res.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    # numpy's ArrayMemoryError (exit 8) before; 10**9 was OOM-killed
+    (["-n", "10", "--target-vocab-size", "10000000000000"],
+     "Invalid value for '--target-vocab-size': Input should be less than or equal to 16777216"),
+    # was "--draft-vocab-size must be in 1..-5": the wrong flag
+    (["-n", "10", "--target-vocab-size", "-5"],
+     "Invalid value for '--target-vocab-size': Input should be greater than or equal to 1"),
+    (["-n", "20000000", "--target-vocab-size", "100"],
+     "Invalid value for '--draft-vocab-size' / '-n': Input should be less than or equal to 16777216"),
+])
+def test_vocab_sizes_are_range_checked_naming_the_flag(src, tmp_path, args, message):
+    res = CliRunner().invoke(app, ["vocab", str(src), *args, "-o", str(tmp_path / "v")])
+    assert res.exit_code == 2
+    assert message in " ".join(res.output.replace("│", " ").split()), res.output
+    assert not (tmp_path / "v").exists()
+
+
+def test_export_target_vocab_size_is_bounded_too(src, tmp_path):
+    res = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "o"), "-f", "parquet",
+                                   "--target-vocab-size", str((1 << 24) + 1)])
+    assert res.exit_code == 2
+    assert "Input should be less than or equal to 16777216" in " ".join(res.output.replace("│", " ").split())

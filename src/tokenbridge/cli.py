@@ -571,6 +571,12 @@ def emulator(
 # --- export / vocab / report -----------------------------------------------------------
 
 
+#: The largest vocabulary size a flag takes: 2**24 (16,777,216). The largest real
+#: vocabularies are about 260k ids; vocab allocates a count and a t2d entry per id, so an
+#: unbounded size was a numpy MemoryError (10**13) or the OOM killer (10**9), not a message.
+MAX_VOCAB_SIZE = 1 << 24
+
+
 @app.command()
 def export(
     input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Reconstruct output (JSONL, or .parquet)."),
@@ -582,8 +588,8 @@ def export(
     force: bool = typer.Option(False, "--force", help="Replace a non-empty -o folder tokenbridge did not write "
                                "(never a run folder, the input's folder or the current folder)."),
     target_vocab_size: int | None = typer.Option(
-        None, "--target-vocab-size", min=1,
-        help="Refuse rows with an id outside this vocabulary (run passes the tokenizer's)."),
+        None, "--target-vocab-size", min=1, max=MAX_VOCAB_SIZE,
+        help="Refuse rows with an id outside this vocabulary (run passes the tokenizer's; at most 2**24)."),
 ) -> None:
     """Write validated training rows in a trainer's format."""
     from .export import ExportError, export_file
@@ -610,10 +616,12 @@ def export(
 @app.command()
 def vocab(
     input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Reconstruct output (JSONL, or .parquet)."),
-    draft_vocab_size: int = typer.Option(..., "--draft-vocab-size", "-n", min=1, help="Draft vocabulary size N."),
+    draft_vocab_size: int = typer.Option(..., "--draft-vocab-size", "-n", min=1, max=MAX_VOCAB_SIZE,
+                                         help="Draft vocabulary size N (at most --target-vocab-size)."),
     output: Path = typer.Option(..., "-o", "--output", help="Output folder for d2t/t2d files and vocab.json."),
     target_vocab_size: int | None = typer.Option(
-        None, "--target-vocab-size", help="Target model vocab size (the length of t2d)."
+        None, "--target-vocab-size", min=1, max=MAX_VOCAB_SIZE,
+        help="Target model vocab size (the length of t2d; at most 2**24, far above any real vocabulary)."
     ),
     tokenizer: str | None = typer.Option(
         None, "--tokenizer", "-t", help="Tokenizer folder to take the target vocab size from "
