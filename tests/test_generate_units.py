@@ -372,6 +372,23 @@ def test_an_older_state_file_is_upgraded_in_place(tmp_path, version):
     assert con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("3",)
 
 
+@pytest.mark.parametrize("version", ["abc", "99", ""])
+def test_a_store_of_an_unknown_or_damaged_version_is_refused_by_name(tmp_path, version):
+    """A store whose schema_version is newer, or not a number at all (a damaged file), is
+    a StoreError naming it; a non-number was int()'d into a ValueError (exit 8)."""
+    import sqlite3
+
+    from tokenbridge.generate.store import Store, StoreError
+
+    Store.open(tmp_path).close()
+    con = sqlite3.connect(tmp_path / "state.sqlite")
+    con.execute("UPDATE meta SET value=? WHERE key='schema_version'", (version,))
+    con.commit()
+    con.close()
+    with pytest.raises(StoreError, match=f"schema version '{version}', this tokenbridge reads 3"):
+        Store.open(tmp_path)
+
+
 def test_config_tokenizer_path_is_relative_to_the_config_file(tmp_path, kimi_dir):
     from tokenbridge.generate import settings_from_mapping
 

@@ -294,20 +294,19 @@ class Store:
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA foreign_keys=ON")
             conn.executescript(_SCHEMA)
-            row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
-                conn.execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif row[0] in _UPGRADES:
-                _upgrade(conn, row[0])
-                row = (str(SCHEMA_VERSION),)
+            # _SCHEMA inserts the version when there is none, so a row is always there
+            (version,) = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if version in _UPGRADES:
+                _upgrade(conn, version)
+                version = str(SCHEMA_VERSION)
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{path}: not a usable tokenbridge state file ({exc})") from None
         except OSError as exc:
             raise StoreError(f"{path}: cannot create the run state ({exc.strerror or exc})",
                              exit_code=ExitCode.STORE) from None
-        if int(row[0]) != SCHEMA_VERSION:
+        if str(version) != str(SCHEMA_VERSION):  # compared as text: a damaged file's version may be any value
             conn.close()
-            raise StoreError(f"{path}: schema version {row[0]}, this tokenbridge reads {SCHEMA_VERSION}")
+            raise StoreError(f"{path}: schema version {str(version)[:40]!r}, this tokenbridge reads {SCHEMA_VERSION}")
         return cls(path, conn)
 
     def close(self) -> None:
