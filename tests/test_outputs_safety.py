@@ -79,13 +79,14 @@ def test_export_into_a_user_folder_is_refused(run_dir, tmp_path):
     assert snapshot(mine) == {"notes.txt": b"my notes"} and not leftovers(tmp_path)
 
 
-def test_force_replaces_a_user_folder(run_dir, tmp_path):
+def test_force_writes_into_a_user_folder_and_keeps_its_entries(run_dir, tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("my notes", encoding="utf-8")
     res = _export(run_dir / "reconstructed.jsonl", mine, "--force")
     assert res.exit_code == 0, res.output
-    assert sorted(snapshot(mine)) == [".tokenbridge-output", "README.md", "train.jsonl"]
+    assert sorted(snapshot(mine)) == [".tokenbridge-output", "README.md", "notes.txt", "train.jsonl"]
+    assert (mine / "notes.txt").read_bytes() == b"my notes"
 
 
 def test_export_twice_into_the_same_folder_replaces_its_own_output(run_dir, tmp_path):
@@ -184,7 +185,8 @@ def test_report_over_a_user_report_folder_is_refused_unless_forced(run_dir):
     assert snapshot(run_dir) == before
     res = _invoke("report", str(run_dir), "--force")
     assert res.exit_code == 0, res.output
-    assert sorted(snapshot(run_dir / "report")) == [".tokenbridge-output", "report.html", "report.json"]
+    assert sorted(snapshot(run_dir / "report")) == [".tokenbridge-output", "report.html", "report.json", "slides.pdf"]
+    assert (run_dir / "report" / "slides.pdf").read_bytes() == b"%PDF mine"  # --force writes in, never destroys
 
 
 def test_reconstruct_onto_its_input_is_refused(run_dir, kimi_dir):

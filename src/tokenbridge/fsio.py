@@ -57,7 +57,7 @@ from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .jsonl import JsonLineError, dumps_line, loads_line
 
@@ -68,7 +68,10 @@ __all__ = [
     "PRIVATE_MODE",
     "OutputRefused",
     "OutputWriteError",
+    "CARRIED",
     "clean_stale_temps",
+    "foreign_entries",
+    "marker_files",
     "dumps_line",
     "is_temp_name",
     "kill_point",
@@ -187,10 +190,11 @@ def clean_stale_temps(folder: Path) -> list[Path]:
             os.rename(path, target)
             continue
         if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
+            _discard(path, target)  # a user's entry carried into it goes back first
         else:
             path.unlink(missing_ok=True)
-        removed.append(path)
+        if not os.path.lexists(path):
+            removed.append(path)
     return removed
 
 
@@ -335,33 +339,159 @@ def _prepare_parent(target: Path) -> None:
     clean_stale_temps(target.parent)
 
 
+#: Which names of an existing output folder tokenbridge wrote: given the folder, a test of
+#: one entry's name (:func:`tokenbridge.outdir.own_names`).
+Owned = Callable[[Path], Callable[[str], bool]]
+
+
 @contextmanager
-def publish_dir(target: str | Path, *, point: str = "dir", marker: dict[str, Any] | None = None) -> Iterator[Path]:
+def publish_dir(target: str | Path, *, point: str = "dir", marker: dict[str, Any] | None = None,
+                owned: Owned | None = None) -> Iterator[Path]:
     """Yield an empty temp folder beside ``target``; on a clean exit its files are
-    fsynced (mode 0644), ``marker`` is written as ``.tokenbridge-output`` and the folder
-    replaces ``target`` in one step. On any exception the temp folder is removed and
-    ``target`` is left as it was. The caller decides whether ``target`` may be replaced
-    (:mod:`tokenbridge.outdir`)."""
+    fsynced (mode 0644), ``marker`` is written as ``.tokenbridge-output`` (with ``files``,
+    the names written) and the folder replaces ``target`` in one step. On any exception the
+    temp folder is removed and ``target`` is left as it was. The caller decides whether
+    ``target`` may be replaced (:mod:`tokenbridge.outdir`).
+
+    Only what tokenbridge wrote in ``target`` is replaced: ``owned(target)`` tells its own
+    names (default: those its marker's ``files`` lists, or every name where it lists none).
+    Every other entry (a user's ``hidden_states/``, notes) is moved into the new folder
+    before the swap, so the swap is still one step and the entry is never copied or lost;
+    the names carried are recorded first (:data:`CARRIED`), so a kill at any point leaves
+    them in ``target`` or in the dead process's temp folder, from which
+    :func:`clean_stale_temps` moves them back. An entry whose name the new output also
+    writes is refused (:class:`OutputRefused`, ``target`` untouched)."""
     target = Path(target)
     _prepare_parent(target)
     tmp = temp_path(target)
+    swapped = False
     try:
         tmp.mkdir()
         yield tmp
+        written = set(os.listdir(tmp)) - {MARKER, CARRIED}
         if marker is not None:
-            (tmp / MARKER).write_text(json.dumps(marker, sort_keys=True) + "\n", encoding="utf-8")
+            record = {**marker, "files": sorted(written)}
+            (tmp / MARKER).write_text(json.dumps(record, sort_keys=True) + "\n", encoding="utf-8")
         _sync_tree(tmp)
         kill_point(f"{point}:staged")
+        ours = _owned_test(target, owned)
+        _carry(target, tmp, ours, written | {MARKER}, point)
         old = _swap_in(tmp, target, point)
+        swapped = True
         kill_point(f"{point}:swapped")
         fsync_dir(target.parent)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _discard(old, target, ours)
+        _unlink_record(target)
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not swapped:  # only what the record lists goes back: the rest is this output's
+            _discard(tmp, target, lambda name: True)
         if isinstance(exc, OSError):
             raise OutputWriteError(target, exc) from None
         raise
+
+
+#: The file a folder being published holds while entries that are not tokenbridge's are
+#: moved into it: their names, one JSON list, written (and fsynced) before the first move.
+CARRIED = ".tokenbridge-carried"
+
+
+def _owned_test(target: Path, owned: Owned | None) -> Callable[[str], bool]:
+    if not target.is_dir() or target.is_symlink():
+        return lambda name: True
+    if owned is not None:
+        return owned(target)
+    files = marker_files(target)
+    return (lambda name: True) if files is None else (lambda name: name in files or name in (MARKER, CARRIED))
+
+
+def marker_files(folder: Path) -> frozenset[str] | None:
+    """The names ``folder``'s marker says tokenbridge wrote there (``files``), or None."""
+    try:
+        data = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return None
+    return frozenset(files)
+
+
+def foreign_entries(target: Path, ours: Callable[[str], bool]) -> list[str]:
+    """The entries of ``target`` tokenbridge did not write (temps aside), sorted."""
+    try:
+        names = os.listdir(target)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(n for n in names if not is_temp_name(n) and n != CARRIED and not ours(n))
+
+
+def _carry(target: Path, tmp: Path, ours: Callable[[str], bool], written: set[str], point: str) -> None:
+    """Move every entry of ``target`` that is not tokenbridge's into ``tmp`` (see :func:`publish_dir`)."""
+    if not target.is_dir() or target.is_symlink():
+        return
+    keep = foreign_entries(target, ours)
+    clash = [name for name in keep if name in written]
+    if clash:
+        raise OutputRefused(f"{target}: {target / clash[0]} is not tokenbridge's and the new output writes that "
+                            "name; nothing was written: move it away or give another folder", target / clash[0])
+    if not keep:
+        return
+    with open(tmp / CARRIED, "x", encoding="utf-8") as fh:
+        fh.write(json.dumps(keep) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    fsync_dir(tmp)
+    for name in keep:
+        os.rename(target / name, tmp / name)
+        kill_point(f"{point}:carried")
+    fsync_dir(tmp)
+    fsync_dir(target)
+
+
+def _unlink_record(folder: Path) -> None:
+    try:
+        (folder / CARRIED).unlink()
+    except FileNotFoundError:
+        return
+    except OSError:
+        return  # harmless where it stays: the record is tokenbridge's own name
+    fsync_dir(folder)
+
+
+def _discard(folder: Path, target: Path, ours: Callable[[str], bool] | None = None) -> None:
+    """Remove a temp folder, first moving back into ``target`` every entry that is not
+    tokenbridge's: the names its :data:`CARRIED` record lists, and (``ours`` or, without
+    it, its marker's ``files``; neither: nothing else) every name it does not claim. An
+    entry that cannot go back (``target`` holds that name) keeps the folder where it is."""
+    try:
+        names = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    carried: set[str] = set()
+    try:
+        listed = json.loads((folder / CARRIED).read_text(encoding="utf-8"))
+        carried = {n for n in listed if isinstance(n, str)} if isinstance(listed, list) else set()
+    except (OSError, ValueError, UnicodeDecodeError):
+        pass
+    if ours is None:
+        files = marker_files(folder)
+        ours = (lambda name: True) if files is None else (lambda name: name in files or name in (MARKER, CARRIED))
+    back = sorted(n for n in names if n in carried or (n != CARRIED and not ours(n)))
+    stuck = False
+    for name in back:
+        if os.path.lexists(target / name):
+            stuck = True
+            continue
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            os.rename(folder / name, target / name)
+        except OSError:
+            stuck = True
+    if back:
+        fsync_dir(target) if target.is_dir() else None
+    if not stuck:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _sync_tree(root: Path) -> None:

@@ -44,9 +44,9 @@ import shutil
 import stat
 from pathlib import Path
 from typing import Any, Literal
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-from .fsio import MARKER, OutputRefused, is_temp_name, output_file
+from .fsio import CARRIED, MARKER, OutputRefused, foreign_entries, is_temp_name, marker_files, output_file, publish_dir
 
 __all__ = [
     "MARKER",
@@ -61,6 +61,7 @@ __all__ = [
     "is_own_run_folder",
     "is_run_folder",
     "marker",
+    "own_names",
     "remove_own_output",
     "run_file_problem",
     "run_folder_of",
@@ -76,6 +77,16 @@ _LEGACY_FILES: dict[str, frozenset[str]] = {
     "vocab": frozenset({"d2t.npy", "t2d.npy", "vocab_mapping.pt", "token_freq.pt", "vocab.json"}),
     "report": frozenset({"report.html", "report.json"}),
 }
+#: What each export format writes at the top of its folder (the marker aside): a folder
+#: marked before markers listed their ``files`` is read with the union of these.
+_EXPORT_FILES: dict[str, frozenset[str]] = {
+    "specforge": frozenset({"README.md", "train.jsonl"}),
+    "conversations": frozenset({"README.md", "conversations.jsonl"}),
+    "speculators": frozenset({"README.md", "dataset_info.json", "state.json"}),
+    "parquet": frozenset({"README.md", "data"}),
+}
+#: speculators' Arrow shards (``data-00000-of-00002.arrow``).
+_SHARD = re.compile(r"^data-\d{5,}-of-\d{5,}\.arrow$")
 #: Never a run folder, whatever they hold (a run's files once written into one may not make it ours).
 _SYSTEM_FOLDERS = frozenset(Path(p) for p in (
     "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
@@ -163,8 +174,35 @@ def _is_own(target: Path, kind: OutputKind) -> bool:
     return bool(names) and names <= _LEGACY_FILES[kind] and (kind != "vocab" or "vocab.json" in names)
 
 
+def _writes(kind: OutputKind, fmt: str | None = None) -> Callable[[str], bool]:
+    """Whether ``kind`` (an export of ``fmt``; any format when None) writes a top-level entry of that name."""
+    if kind == "export":
+        names = _EXPORT_FILES[fmt] if fmt in _EXPORT_FILES else frozenset().union(*_EXPORT_FILES.values())
+        shards = fmt in (None, "speculators")
+        return lambda name: name in names or name in (MARKER, CARRIED) or (shards and _SHARD.match(name) is not None)
+    names = _LEGACY_FILES[kind]
+    return lambda name: name in names or name in (MARKER, CARRIED)
+
+
+def own_names(kind: OutputKind) -> Callable[[Path], Callable[[str], bool]]:
+    """For :func:`tokenbridge.fsio.publish_dir`: which entries of an output folder of
+    ``kind`` tokenbridge wrote, and so may replace or remove. A folder marked as ``kind``:
+    the names its marker lists (``files``), or for a marker from before that list, the
+    names ``kind`` writes; an unmarked earlier export or vocabulary (:func:`_is_own`): the
+    names ``kind`` writes; any other folder: none. Everything else is the user's and is kept."""
+    def test(target: Path) -> Callable[[str], bool]:
+        if not _is_own(target, kind):
+            return lambda name: False
+        files = marker_files(target)
+        if files is not None:
+            return lambda name: name in files or name in (MARKER, CARRIED)
+        return _writes(kind)
+    return test
+
+
 def check_output_dir(
-    target: str | Path, kind: OutputKind, *, inputs: Iterable[str | Path] = (), force: bool = False, flag: str = "-o"
+    target: str | Path, kind: OutputKind, *, inputs: Iterable[str | Path] = (), force: bool = False, flag: str = "-o",
+    fmt: str | None = None,
 ) -> None:
     """Raise :class:`OutputRefused` unless ``target`` may be replaced by a new ``kind`` output."""
     target = Path(target)
@@ -187,10 +225,14 @@ def check_output_dir(
         where = "is a run folder" if run == resolved else f"holds the run folder {run}"
         raise OutputRefused(f"{flag} {target}: {where} (state.sqlite, exchanges.jsonl); give a sub-folder such as "
                             f"{target / kind}")
-    if force or not os.listdir(target) or _is_own(target, kind):
-        return
-    raise OutputRefused(f"{flag} {target}: folder is not empty and is not an earlier tokenbridge {kind}; "
-                        "give a new or empty folder, or --force to replace it")
+    if not (force or not os.listdir(target) or _is_own(target, kind)):
+        raise OutputRefused(f"{flag} {target}: folder is not empty and is not an earlier tokenbridge {kind}; "
+                            "give a new or empty folder, or --force to write into it (its own entries are kept)")
+    writes = _writes(kind, fmt)
+    for name in foreign_entries(target, own_names(kind)(target)):
+        if writes(name):
+            raise OutputRefused(f"{flag} {target}: {target / name} is not tokenbridge's and the new {kind} writes "
+                                "that name; nothing was written: move it away or give another folder", target / name)
 
 
 def check_output_file(target: str | Path, source: str | Path | None = None, *, flag: str = "-o",
@@ -463,13 +505,22 @@ def export_target(target: str | Path, fmt: str) -> Path:
     return target
 
 
-def remove_own_output(target: str | Path, kind: OutputKind) -> bool:
-    """Remove ``target`` if it is an earlier tokenbridge ``kind`` output; True if removed.
-    Anything else (missing, not ours, a run folder) is left alone."""
+def remove_own_output(target: str | Path, kind: OutputKind) -> list[str] | None:
+    """Remove what tokenbridge wrote in ``target``, an earlier ``kind`` output: the whole
+    folder when it holds nothing else (returns ``[]``), else only tokenbridge's entries,
+    in one swap that keeps the folder (marked, now listing no file of its own) and every
+    other entry, whose names are returned. Anything else (missing, not ours, a run folder)
+    is left alone: None."""
     target = Path(target)
     if not target.is_dir() or target.is_symlink() or not _is_own(target, kind):
-        return False
+        return None
     if _holds_run_folder(target.resolve()) is not None:
-        return False
+        return None
+    owned = own_names(kind)
+    kept = foreign_entries(target, owned(target))
+    if kept:
+        with publish_dir(target, point=kind, marker=marker(kind), owned=owned):
+            pass
+        return kept
     shutil.rmtree(target)
-    return True
+    return []

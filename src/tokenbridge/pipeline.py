@@ -420,8 +420,13 @@ def _drop_stale(state: _State, stage: str, target: Path, kind: OutputKind) -> st
     """Remove a stage's previous output (only if tokenbridge made it), so an old export is
     never taken for this run's; returns what to add to the stage's line."""
     state.forget(stage)
-    if remove_own_output(target, kind):
+    kept = remove_own_output(target, kind)
+    if kept == []:
         return f"; removed the previous {target} (it was made from older data)"
+    if kept:
+        shown = ", ".join(kept[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+        return (f"; removed tokenbridge's files from the previous {target} (made from older data), kept {shown} "
+                "(not tokenbridge's)")
     if target.exists():
         return f"; {target} is not a tokenbridge {kind}, left alone"
     return ""

@@ -25,7 +25,7 @@ from typing import Protocol
 from collections.abc import Iterator, Sequence
 
 from ..fsio import publish_dir
-from ..outdir import check_output_dir, marker
+from ..outdir import check_output_dir, marker, own_names
 from ..rows import ReconstructedRow, iter_rows
 from .exporter import ExportJob, ExportRun, ExportSummary
 from .validate import RowContract, check_training_row
@@ -62,7 +62,7 @@ def run_pass(
     its ids against ``vocab_size`` (default: the vocabulary job's target size) when known."""
     src = Path(src)
     for job in exports:
-        check_output_dir(job.out_dir, "export", inputs=[src], force=job.force)
+        check_output_dir(job.out_dir, "export", inputs=[src], force=job.force, fmt=job.fmt)
     if vocab is not None:
         check_output_dir(vocab.out_dir, "vocab", inputs=[src], force=vocab.force)
     result = PassResult()
@@ -96,7 +96,8 @@ def run_pass(
 
 @contextmanager
 def _staged_export(job: ExportJob, src: Path) -> Iterator[ExportRun]:
-    with publish_dir(job.out_dir, point="export", marker=marker("export", format=job.fmt)) as tmp:
+    with publish_dir(job.out_dir, point="export", marker=marker("export", format=job.fmt),
+                     owned=own_names("export")) as tmp:
         run = ExportRun(job, src, tmp)
         try:
             yield run

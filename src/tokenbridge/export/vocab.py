@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..fsio import kill_point, publish_dir
-from ..outdir import marker
+from ..outdir import marker, own_names
 from ..rows import ReconstructedRow
 from . import torchfile
 from .source import ExportError
@@ -174,7 +174,7 @@ class VocabCounter:
             str(n): float(cumulative[n - 1] / summary.masked_tokens)
             for n in _COVERAGE_SIZES if n <= summary.target_vocab_size
         }
-        with publish_dir(self.job.out_dir, point="vocab", marker=marker("vocab")) as tmp:
+        with publish_dir(self.job.out_dir, point="vocab", marker=marker("vocab"), owned=own_names("vocab")) as tmp:
             _write_files(tmp, d2t, t2d, counts, summary)
             kill_point("vocab:written")
             (tmp / "vocab.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n", encoding="utf-8")

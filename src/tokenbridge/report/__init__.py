@@ -36,7 +36,7 @@ def build_report(run_dir: str | Path, force: bool = False, rows: RowStats | None
     already gathered over ``RUN/reconstructed.jsonl`` (the pipeline's one pass,
     :func:`tokenbridge.export.run_pass`); without them the file is read here."""
     from ..fsio import kill_point, publish_dir
-    from ..outdir import check_output_dir, marker
+    from ..outdir import check_output_dir, marker, own_names
     from .html import render_html
     from .plots import render_figures
 
@@ -48,7 +48,7 @@ def build_report(run_dir: str | Path, force: bool = False, rows: RowStats | None
         figures = render_figures(data)
     except ImportError as exc:  # pragma: no cover - matplotlib is a dependency
         raise ReportError(f"the report needs matplotlib ({exc})") from None
-    with publish_dir(out, point="report", marker=marker("report")) as tmp:
+    with publish_dir(out, point="report", marker=marker("report"), owned=own_names("report")) as tmp:
         (tmp / "report.json").write_text(dumps_document(data, indent=1), encoding="utf-8")
         kill_point("report:written")
         (tmp / "report.html").write_text(render_html(data, figures), encoding="utf-8")
