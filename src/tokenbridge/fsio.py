@@ -8,7 +8,9 @@ one, never half of one:
 * :func:`publish_dir` — a folder whose files belong together (an export, ``vocab/``,
   ``report/``): the whole folder is staged, then swapped in with one atomic
   ``renameat2(RENAME_EXCHANGE)`` (two renames where the filesystem lacks it; a kill
-  between them is repaired by the next start);
+  between them is repaired by the next start); every entry of the old folder tokenbridge
+  did not write (the marker lists what it did) is moved into the new one first, so a
+  re-export keeps a user's ``hidden_states/``;
 * :func:`write_bytes` / :func:`write_text` — small files at once.
 
 A file output replaces only a regular file (:func:`output_file`): the rename would put a
@@ -36,8 +38,9 @@ timing-free crash tests; ``TOKENBRIDGE_TEST_KILL_SIGNAL=SIGSTOP`` sends that sig
 instead (a test then holds the process there, e.g. to run a second one beside it).
 Points: ``reconstruct:record``, ``export:row``, ``export:written``, ``vocab:written``,
 ``report:written``, and for each file or folder written ``<label>:staged`` (complete,
-not yet in place), ``<label>:renamed`` / ``<label>:swapped`` (in place, old not yet
-removed) with labels ``reconstruct``, ``export``, ``vocab``, ``report``, ``state``
+not yet in place), ``<label>:carried`` (a folder: after each entry that is not
+tokenbridge's is moved from the old folder into the new one), ``<label>:renamed`` /
+``<label>:swapped`` (in place, old not yet removed) with labels ``reconstruct``, ``export``, ``vocab``, ``report``, ``state``
 (``RUN/pipeline.json``) and ``file``.
 """
 
@@ -191,6 +194,8 @@ def clean_stale_temps(folder: Path) -> list[Path]:
             continue
         if path.is_dir() and not path.is_symlink():
             _discard(path, target)  # a user's entry carried into it goes back first
+            if target.is_dir() and not target.is_symlink():
+                _unlink_record(target)  # a record swapped in with the new folder: its work is done
         else:
             path.unlink(missing_ok=True)
         if not os.path.lexists(path):

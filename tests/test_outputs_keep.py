@@ -1,0 +1,180 @@
+"""Re-writing or removing an output folder loses only what tokenbridge wrote there.
+
+The speculators card tells users hidden states go to ``OUT/hidden_states``; a re-export
+(``run``'s export stage after a config change too) used to swap the whole folder and
+delete them with exit 0. Every entry tokenbridge did not write (its marker lists what it
+did) is moved into the new folder before the one-step swap, and a kill at any commit
+point leaves it in the folder, or in the dead writer's temp from which the next start
+moves it back.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from outputs_support import SRC, cli, kill_env, leftovers, snapshot
+
+from tokenbridge.export import build_vocab, export_file
+from tokenbridge.fsio import MARKER, clean_stale_temps
+from tokenbridge.outdir import remove_own_output
+
+HS = b"\x00gpu-hours\xff" * 100
+
+
+def _user_entries(folder: Path) -> None:
+    (folder / "hidden_states").mkdir()
+    (folder / "hidden_states" / "hs_0.pt").write_bytes(HS)
+    (folder / "hidden_states" / "hs_1.pt").write_bytes(HS[::-1])
+    (folder / "notes.txt").write_bytes(b"my notes\n")
+
+
+def _assert_user_entries(folder: Path) -> None:
+    assert (folder / "hidden_states" / "hs_0.pt").read_bytes() == HS
+    assert (folder / "hidden_states" / "hs_1.pt").read_bytes() == HS[::-1]
+    assert (folder / "notes.txt").read_bytes() == b"my notes\n"
+
+
+def _ours(folder: Path) -> dict[str, bytes]:
+    return {k: v for k, v in snapshot(folder).items() if not k.startswith("hidden_states/") and k != "notes.txt"}
+
+
+def _new(ref: Path, out: Path) -> dict[str, bytes]:
+    return {k: v.replace(str(ref).encode(), str(out).encode()) for k, v in snapshot(ref).items()}
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "specforge", "parquet", "conversations"])
+def test_reexport_keeps_the_users_entries_and_replaces_ours(stage_inputs, tmp_path, fmt):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    export_file(stage_inputs / "reconstructed.jsonl", ref, fmt)
+    export_file(stage_inputs / "first-half.jsonl", out, fmt)
+    if fmt == "speculators":
+        assert f"hidden states go to `{out}/hidden_states`" in (out / "README.md").read_text(encoding="utf-8")
+    _user_entries(out)
+    res = cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", fmt)
+    assert res.returncode == 0, res.stderr
+    _assert_user_entries(out)
+    assert _ours(out) == _new(ref, out)  # ours replaced: the full export, byte for byte
+    assert json.loads((out / MARKER).read_text())["files"] == sorted({n.split("/")[0] for n in snapshot(ref)} - {MARKER})
+    assert leftovers(tmp_path) == []
+
+
+def test_a_users_entry_named_as_a_new_output_file_is_refused_before_any_work(stage_inputs, tmp_path):
+    out = tmp_path / "out"
+    export_file(stage_inputs / "reconstructed.jsonl", out, "speculators")
+    (out / "train.jsonl").write_bytes(b"mine")  # not in the marker's files: the user's
+    before = snapshot(out)
+    res = cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", "specforge")
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(out / "train.jsonl") in lines[0]
+    assert snapshot(out) == before and leftovers(tmp_path) == []
+
+
+def test_legacy_marker_without_files_keeps_the_users_entries(stage_inputs, tmp_path):
+    out = tmp_path / "out"
+    export_file(stage_inputs / "first-half.jsonl", out, "speculators")
+    (out / MARKER).write_text(json.dumps({"format": "speculators", "tokenbridge_output": "export"}) + "\n")
+    _user_entries(out)
+    res = cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", "speculators")
+    assert res.returncode == 0, res.stderr
+    _assert_user_entries(out)
+    assert "data-00000-of-00001.arrow" in snapshot(out)
+
+
+def test_vocab_and_report_rewrites_keep_the_users_entries(stage_inputs, tmp_path):
+    vocab = tmp_path / "vocab"
+    build_vocab(stage_inputs / "reconstructed.jsonl", 64, vocab, 163840)
+    _user_entries(vocab)
+    res = cli("vocab", str(stage_inputs / "reconstructed.jsonl"), "-n", "256", "-o", str(vocab),
+              "--target-vocab-size", "163840", no_torch=True)
+    assert res.returncode == 0, res.stderr
+    _assert_user_entries(vocab)
+    assert json.loads((vocab / "vocab.json").read_text())["draft_vocab_size"] == 256
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "reconstructed.jsonl").write_bytes((stage_inputs / "reconstructed.jsonl").read_bytes())
+    assert cli("report", str(run)).returncode == 0
+    _user_entries(run / "report")
+    res = cli("report", str(run), "--force")
+    assert res.returncode == 0, res.stderr
+    _assert_user_entries(run / "report")
+    assert leftovers(tmp_path) == []
+
+
+def test_remove_own_output_removes_only_ours(stage_inputs, tmp_path):
+    out = tmp_path / "out"
+    export_file(stage_inputs / "reconstructed.jsonl", out, "speculators")
+    _user_entries(out)
+    assert remove_own_output(out, "export") == ["hidden_states", "notes.txt"]
+    _assert_user_entries(out)
+    assert sorted(snapshot(out)) == [MARKER, "hidden_states/hs_0.pt", "hidden_states/hs_1.pt", "notes.txt"]
+    assert json.loads((out / MARKER).read_text())["files"] == []
+    # still tokenbridge's folder: the next export writes into it, keeping them
+    export_file(stage_inputs / "reconstructed.jsonl", out, "speculators")
+    _assert_user_entries(out)
+    alone = tmp_path / "alone"
+    export_file(stage_inputs / "reconstructed.jsonl", alone, "specforge")
+    assert remove_own_output(alone, "export") == [] and not alone.exists()
+    assert leftovers(tmp_path) == []
+
+
+# --- kills: at every commit point the user's entries survive --------------------------
+
+_WRITER = """
+import sys
+from pathlib import Path
+from tokenbridge import fsio
+if sys.argv[3] == "no-exchange":
+    fsio._exchange = lambda a, b: False
+target, version = Path(sys.argv[1]), sys.argv[2]
+with fsio.publish_dir(target, marker={"tokenbridge_output": "export"}) as tmp:
+    (tmp / "a.txt").write_text(version)
+    (tmp / "b.txt").write_text(version * 2)
+"""
+
+
+def _write(target: Path, version: str, how: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _WRITER, str(target), version, how], capture_output=True, text=True,
+                          env={"PYTHONPATH": SRC, **(env or {})}, timeout=60)
+
+
+@pytest.mark.parametrize(("point", "how"), [
+    ("dir:staged", "exchange"), ("dir:carried:1", "exchange"), ("dir:carried:2", "exchange"),
+    ("dir:swapped", "exchange"), ("dir:carried:1", "no-exchange"), ("dir:half-swapped", "no-exchange"),
+    ("dir:swapped", "no-exchange")])
+def test_folder_killed_at_any_point_keeps_the_users_entries(tmp_path, point, how):
+    target = tmp_path / "out"
+    assert _write(target, "1", how).returncode == 0
+    _user_entries(target)
+    name, _, nth = point.partition(":carried:")
+    env = kill_env("dir:carried", int(nth)) if nth else kill_env(point)
+    res = _write(target, "2", how, env=env)
+    assert res.returncode == -9, res.stderr
+    clean_stale_temps(tmp_path)  # what the next start does first
+    _assert_user_entries(target)
+    assert {k: v for k, v in _ours(target).items() if k != MARKER} in ({"a.txt": b"1", "b.txt": b"11"},
+                                                                       {"a.txt": b"2", "b.txt": b"22"})
+    assert leftovers(tmp_path) == []
+    assert _write(target, "2", how).returncode == 0
+    _assert_user_entries(target)
+    assert snapshot(target)["a.txt"] == b"2" and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("point", ["export:staged:1", "export:carried:1", "export:carried:2", "export:swapped:1"])
+def test_export_killed_then_rerun_keeps_hidden_states(stage_inputs, tmp_path, point):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    export_file(stage_inputs / "reconstructed.jsonl", ref, "speculators")
+    export_file(stage_inputs / "first-half.jsonl", out, "speculators")
+    _user_entries(out)
+    name, nth = point.rsplit(":", 1)
+    args = ("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", "speculators")
+    res = cli(*args, env=kill_env(name, int(nth)))
+    assert res.returncode == -9, res.stderr
+    res = cli(*args)  # its first step moves back what the killed one had carried
+    assert res.returncode == 0, res.stderr
+    _assert_user_entries(out)
+    assert _ours(out) == _new(ref, out) and leftovers(tmp_path) == []
