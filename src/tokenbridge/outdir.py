@@ -9,8 +9,12 @@ writing, :func:`check_output_dir` allows the target only when it is
   of the same kind (or, for folders written before markers existed, exactly the files
   that kind writes);
 
-anything else is refused (:class:`OutputRefused`, exit 2) unless ``force``. Even with
-``force`` these are never replaced: a run folder (``state.sqlite``, ``exchanges.jsonl`` or
+anything else is refused (:class:`OutputRefused`, exit 2) unless ``force``. Replacing
+an output replaces only what tokenbridge wrote there (:func:`own_names`: the files its
+marker lists); every other entry (a user's ``hidden_states/``, notes) is moved into the
+new folder and kept, with or without ``force``, and one whose name the new output writes
+is refused before any work. :func:`remove_own_output` likewise removes only tokenbridge's
+entries. Even with ``force`` these are never written into: a run folder (``state.sqlite``, ``exchanges.jsonl`` or
 ``pipeline.json`` inside, at any depth up to :data:`_RUN_SCAN_DEPTH`), an input file, its
 folder or any parent of it, the current folder or any parent of it, ``$HOME`` and ``/``.
 

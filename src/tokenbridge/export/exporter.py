@@ -143,7 +143,8 @@ class ExportRun:
 _LOADING = {
     "specforge": "SpecForge (online, pre-tokenized): set `data.prompts_path: {dir}/train.jsonl`.",
     "speculators": "speculators: `--data-path {dir}` (a `datasets.load_from_disk` folder; "
-                   "hidden states go to `{dir}/hidden_states`).",
+                   "hidden states go to `{dir}/hidden_states`, which a re-export here keeps: it replaces only "
+                   "the files tokenbridge wrote).",
     "parquet": "`datasets.load_dataset(\"parquet\", data_files=\"{dir}/data/*.parquet\", split=\"train\")`, "
                "or `datasets.load_dataset(\"{dir}\")`.",
     "conversations": "Conversations re-tokenized by the trainer's own chat template (SpecForge raw data, "
