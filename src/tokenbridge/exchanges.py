@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from . import jsonl
 from .jsonl import is_int, iter_lines, not_text
 
-__all__ = ["Exchange", "ExchangeRecord", "RecordError", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
+__all__ = ["Exchange", "ExchangeRecord", "RecordError", "check_request", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
 
 
 class RecordError(ValueError):
@@ -118,7 +118,7 @@ def parse_exchange(record: Any) -> Exchange:
         raise RecordError("id", "must be a string or an integer")
     if rid == "":
         raise RecordError("id", "must not be empty (every row is named by it)")
-    request = _checked_request(record.get("request"))
+    request = check_request(record.get("request"))
     response = record.get("response")
     if not isinstance(response, dict):
         raise RecordError("response", "missing" if response is None else "must be an object")
@@ -153,9 +153,12 @@ def _check_names_text(field: str, value: Any) -> None:
         raise RecordError(field, why)
 
 
-def _checked_request(request: Any) -> dict[str, Any]:
+def check_request(request: Any) -> dict[str, Any]:
     """``request``: an object with non-empty ``messages`` (each with a string role, its
-    content and tool calls in shape), ``tools`` a list, ``chat_template_kwargs`` an object."""
+    content and tool calls in shape), ``tools`` a list, ``chat_template_kwargs`` an object,
+    the thinking switches reconstruction reads booleans. The one set of rules for a request:
+    a stored one here, and the one a config would send (generate checks it at load, before
+    a request is paid for, so no paid record is refused for its request)."""
     if not isinstance(request, dict):
         raise RecordError("request", "missing" if request is None else "must be an object")
     messages = request.get("messages")
@@ -170,10 +173,34 @@ def _checked_request(request: Any) -> dict[str, Any]:
         value = request.get(key)
         if value is not None and not isinstance(value, dict):
             raise RecordError(f"request.{key}", f"must be an object or null, got {type(value).__name__}")
+    _check_switches(request)
     n = request.get("n")
     if n is not None and not (is_int(n) and n >= 1):
         raise RecordError("request.n", f"must be a positive integer or null, got {n!r}"[:200])
     return request
+
+
+#: The ``chat_template_kwargs`` switches :func:`~tokenbridge.chat.dialect.thinking_enabled` reads.
+_SWITCH_KEYS = ("thinking", "enable_thinking")
+
+
+def _check_switches(request: dict[str, Any]) -> None:
+    """The thinking switches are booleans or null: a quoted ``"false"`` is neither on nor
+    off to the reader (it compares with ``False``), so the prompt would be rendered in a
+    mode the provider may not have run in."""
+    reasoning = request.get("reasoning") or {}
+    if reasoning.get("enabled") is not None and not isinstance(reasoning["enabled"], bool):
+        raise RecordError("request.reasoning.enabled", f"must be true, false or null, got {reasoning['enabled']!r}"[:200])
+    extra = request.get("extra_body") or {}
+    nested = extra.get("chat_template_kwargs")
+    if nested is not None and not isinstance(nested, dict):
+        raise RecordError("request.extra_body.chat_template_kwargs",
+                          f"must be an object or null, got {type(nested).__name__}")
+    for at, kwargs in (("request", request.get("chat_template_kwargs")), ("request.extra_body", nested)):
+        for key in _SWITCH_KEYS:
+            value = (kwargs or {}).get(key)
+            if value is not None and not isinstance(value, bool):
+                raise RecordError(f"{at}.chat_template_kwargs.{key}", f"must be true, false or null, got {value!r}"[:200])
 
 
 def _check_message(m: Any, at: str) -> None:

@@ -13,10 +13,14 @@ import json
 from typing import Any
 from collections.abc import Mapping
 
+from ..exchanges import RecordError, check_request
 from .prompts import Sample
 from .settings import RequestSettings
 
-__all__ = ["build_request", "deep_merge", "routing_key", "wire_body"]
+__all__ = ["build_request", "deep_merge", "request_problem", "routing_key", "wire_body"]
+
+#: A stand-in prompt: the request checks look at the settings' fields, not at a row's messages.
+_PROBE = Sample(id="config", dataset="config", messages=[{"role": "user", "content": "hi"}])
 
 
 def build_request(sample: Sample, rs: RequestSettings) -> dict[str, Any]:
@@ -39,6 +43,23 @@ def build_request(sample: Sample, rs: RequestSettings) -> dict[str, Any]:
     if rs.extra_body:
         body = deep_merge(body, rs.extra_body)
     return body
+
+
+def request_problem(rs: RequestSettings) -> tuple[tuple[str | int, ...], str] | None:
+    """Where (a place in the settings, like ``("request", "extra_body", "extra_body")``) and
+    why the request these settings send breaks the exchange reader's rules
+    (:func:`~tokenbridge.exchanges.check_request`), else None. Checked at load: otherwise
+    every paid record would be refused by reconstruct for the settings' own value."""
+    try:
+        check_request(build_request(_PROBE, rs))
+    except RecordError as exc:
+        parts: list[str | int] = list(exc.field.split(".")[1:])  # past "request"
+        key = parts[0] if parts else ""
+        inner = rs.extra_body.get(key) if isinstance(key, str) else None
+        from_extra = key in rs.extra_body and (len(parts) == 1 or not isinstance(inner, Mapping)
+                                                or parts[1] in inner)
+        return ("request", "extra_body", *parts) if from_extra else ("request", *parts), exc.detail
+    return None
 
 
 def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

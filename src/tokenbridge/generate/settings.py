@@ -506,6 +506,10 @@ def settings_problems(
     problems += more
     if settings is None:
         return GenerateSettings(), sorted(problems, key=lambda p: _line_number(p, where.source))
+    from .request import request_problem  # noqa: PLC0415 - request.py builds on this module
+
+    if bad := request_problem(settings.request):
+        problems.append(where.problem(*bad))
     names = [d.name for d in settings.datasets]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

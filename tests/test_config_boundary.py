@@ -1,0 +1,90 @@
+"""Every value from outside (configs, prompt folders) is checked once, before any request
+is paid for: a bad one is one ``error:`` line naming file, line and key (exit 2), never a
+traceback, a hang or a run whose every paid record reconstruct then refuses."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from conftest import write_run_config
+from typer.testing import CliRunner
+
+from tokenbridge.cli import app
+
+
+class _Counter(BaseHTTPRequestHandler):
+    """Counts every request; answers 500 (a test that gets this far has already failed)."""
+
+    hits = 0
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        type(self).hits += 1
+        self.send_response(500)
+        self.end_headers()
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@contextmanager
+def counting_server() -> Iterator[tuple[str, type[_Counter]]]:
+    """A loopback API on 127.0.0.1 that counts the requests it gets; stopped on exit."""
+    handler = type("Counter", (_Counter,), {"hits": 0})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def _prompts(tmp_path: Path) -> Path:
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "hi"}) + "\n", encoding="utf-8")
+    return path
+
+
+def _lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.strip()]
+
+
+# --- extra_body: the request a config sends passes the exchange reader's rules ------------
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ("extra_body = 7", "extra_body.extra_body: must be an object or null, got int"),
+    ("chat_template_kwargs = 5", "extra_body.chat_template_kwargs: must be an object or null, got int"),
+    ('reasoning = { enabled = "false" }', "extra_body.reasoning.enabled: must be true, false or null, got 'false'"),
+    ('chat_template_kwargs = { thinking = "false" }',
+     "extra_body.chat_template_kwargs.thinking: must be true, false or null, got 'false'"),
+], ids=["extra_body-int", "kwargs-int", "reasoning-enabled-quoted", "thinking-quoted"])
+def test_a_request_reconstruct_would_refuse_is_refused_at_load(tmp_path, extra, message):
+    cfg = tmp_path / "c.toml"
+    with counting_server() as (url, counter):
+        cfg.write_text(f'model = "m"\nbase_url = "{url}"\nextra_body = {{ return_token_ids = true, {extra} }}\n',
+                       encoding="utf-8")
+        res = CliRunner().invoke(app, ["generate", str(_prompts(tmp_path)), "--out", str(tmp_path / "run"),
+                                       "--config", str(cfg)], env={"OPENROUTER_API_KEY": "k"})
+        assert counter.hits == 0
+    assert res.exit_code == 2, res.output
+    assert _lines(res.output) == [f"error: {cfg}:3: {message}"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_refuses_the_request_before_the_emulator_starts(tmp_path, kimi_dir):
+    text = write_run_config(tmp_path, kimi_dir).read_text()
+    path = tmp_path / "eb.toml"
+    path.write_text(text.replace("return_token_ids = true", "return_token_ids = true, extra_body = 7"), encoding="utf-8")
+    res = CliRunner().invoke(app, ["run", str(path)])
+    assert res.exit_code == 2, res.output
+    assert _lines(res.output) == [f"error: {path}:15: generate.extra_body.extra_body: must be an object or null, got int"]
+    assert not (tmp_path / "out").exists()
