@@ -16,6 +16,7 @@ from conftest import write_run_config
 from typer.testing import CliRunner
 
 from tokenbridge.cli import app
+from tokenbridge.pipeline import load_run_config, run_pipeline
 
 
 class _Counter(BaseHTTPRequestHandler):
@@ -88,3 +89,22 @@ def test_run_refuses_the_request_before_the_emulator_starts(tmp_path, kimi_dir):
     assert res.exit_code == 2, res.output
     assert _lines(res.output) == [f"error: {path}:15: generate.extra_body.extra_body: must be an object or null, got int"]
     assert not (tmp_path / "out").exists()
+
+
+def test_run_names_the_records_reconstruct_refused(tmp_path, kimi_dir, monkeypatch):
+    """Were a request reconstruct refuses ever sent, run says which records and why, as
+    ``reconstruct`` does, not only "0 ok, 0 flagged, 0 rejected" and exit 1."""
+    import tokenbridge.generate.request as request
+
+    monkeypatch.setattr(request, "request_problem", lambda _rs: None)  # the load check as it was
+    text = write_run_config(tmp_path, kimi_dir).read_text()
+    path = tmp_path / "eb.toml"
+    path.write_text(text.replace("return_token_ids = true", "return_token_ids = true, extra_body = 7")
+                    .replace("limit = 12", "limit = 2").replace("limit = 4", "limit = 1"), encoding="utf-8")
+    lines: list[str] = []
+    run_pipeline(load_run_config(path), echo=lines.append)
+    bad = [line for line in lines if line.startswith("reconstruct: bad record: ")]
+    exchanges = tmp_path / "out" / "exchanges.jsonl"
+    assert bad == [f"reconstruct: bad record: {exchanges}:{n}: request.extra_body: must be an object or null, got int"
+                   for n in (1, 2, 3)]
+    assert "reconstruct: 3 bad record(s) skipped (listed in pipeline.json)" in lines

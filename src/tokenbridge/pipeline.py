@@ -279,12 +279,29 @@ def _reconstruct_stage(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
                               provider_profile=cfg.provider_profile)
         detail = rs.to_dict()
         state.record("reconstruct", fp, {"status": detail["status"], "bad_lines": len(rs.bad_lines),
+                                         "bad_shown": [str(b) for b in rs.bad_lines[:_SHOWN_BAD_LINES]],
                                          "provider_notes": detail["provider_notes"] + rs.calibration_notes()})
         result = StageResult("reconstruct", "ran", detail)
     echo(f"reconstruct: {result.status} → {reconstructed}: {status_text(state.data['reconstruct'].get('status') or {})}")
     for note in state.data["reconstruct"].get("provider_notes") or ():
         echo(f"reconstruct: warning: {printable(note)}")  # names providers
+    _echo_bad_records(state.data["reconstruct"], echo)
     return result
+
+
+#: Bad records ``run`` names, as generate's bad rows; the count says how many in all.
+_SHOWN_BAD_LINES = 5
+
+
+def _echo_bad_records(done: Mapping[str, Any], echo: Callable[[str], None]) -> None:
+    """The records reconstruct refused, as ``reconstruct`` itself prints them: a run whose
+    every paid record was refused showed "0 ok, 0 flagged, 0 rejected" and exit 1, the why
+    only in pipeline.json."""
+    count = done.get("bad_lines") or 0
+    for bad in done.get("bad_shown") or ():
+        echo(printable(f"reconstruct: bad record: {bad}"))
+    if count:
+        echo(f"reconstruct: {count} bad record(s) skipped (listed in pipeline.json)")
 
 
 #: stage -> (fingerprint, "ran" | "skipped" | "empty"), in stage order
