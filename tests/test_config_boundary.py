@@ -108,3 +108,30 @@ def test_run_names_the_records_reconstruct_refused(tmp_path, kimi_dir, monkeypat
     assert bad == [f"reconstruct: bad record: {exchanges}:{n}: request.extra_body: must be an object or null, got int"
                    for n in (1, 2, 3)]
     assert "reconstruct: 3 bad record(s) skipped (listed in pipeline.json)" in lines
+
+
+# --- nesting too deep for Python: one line naming the file -------------------------------
+
+_DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def _generate_dry_run(folder: Path, tmp_path: Path):
+    return CliRunner().invoke(app, ["generate", f"d={folder}", "-o", str(tmp_path / "g"), "--dry-run", "-m", "a/b"])
+
+
+def test_a_deep_run_config_is_one_line(tmp_path):
+    path = tmp_path / "deep.toml"
+    path.write_text(f"x = {_DEEP}\n", encoding="utf-8")
+    res = CliRunner().invoke(app, ["run", str(path)])
+    assert res.exit_code == 2, res.output
+    assert _lines(res.output) == [f"error: {path}: invalid TOML: nested too deeply to read"]
+
+
+def test_a_deep_emulator_config_is_one_line(tmp_path, kimi_dir):
+    emulator = tmp_path / "emu.toml"
+    emulator.write_text(f"x = {_DEEP}\n", encoding="utf-8")
+    res = CliRunner().invoke(app, ["run", str(write_run_config(tmp_path, kimi_dir, emulator=emulator))])
+    assert res.exit_code == 2, res.output
+    assert _lines(res.output) == [f"error: {emulator}: invalid TOML: nested too deeply to read"]
+    assert not (tmp_path / "out" / "exchanges.jsonl").exists()
+

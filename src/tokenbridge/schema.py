@@ -170,11 +170,15 @@ def read_mapping(path: Path, error: Callable[[str], Exception]) -> tuple[dict[st
             mark = getattr(exc, "problem_mark", None)
             at = f":{mark.line + 1}" if mark is not None else ""
             raise error(f"{path}{at}: invalid YAML: {getattr(exc, 'problem', None) or exc}") from None
+        except RecursionError:  # both parsers recurse per level: a 100,000-deep array was exit 8
+            raise error(f"{path}: invalid YAML: nested too deeply to read") from None
     else:
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise error(f"{path}: invalid TOML: {exc}") from None
+        except RecursionError:
+            raise error(f"{path}: invalid TOML: nested too deeply to read") from None
     if not isinstance(data, dict):
         raise error(f"{path}: the top level must be a table/mapping")
     return data, text
