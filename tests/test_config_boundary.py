@@ -5,6 +5,9 @@ traceback, a hang or a run whose every paid record reconstruct then refuses."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -119,6 +122,16 @@ def _generate_dry_run(folder: Path, tmp_path: Path):
     return CliRunner().invoke(app, ["generate", f"d={folder}", "-o", str(tmp_path / "g"), "--dry-run", "-m", "a/b"])
 
 
+@pytest.mark.parametrize("name", ["state.json", "dataset_dict.json"])
+def test_a_deep_save_to_disk_metadata_file_is_one_line(tmp_path, name):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / name).write_text(_DEEP, encoding="utf-8")
+    res = _generate_dry_run(folder, tmp_path)
+    assert res.exit_code == 2, res.output
+    assert _lines(res.output) == [f"error: {folder / name}: unreadable (nested more than 1024 levels deep)"]
+
+
 def test_a_deep_run_config_is_one_line(tmp_path):
     path = tmp_path / "deep.toml"
     path.write_text(f"x = {_DEEP}\n", encoding="utf-8")
@@ -134,4 +147,22 @@ def test_a_deep_emulator_config_is_one_line(tmp_path, kimi_dir):
     assert res.exit_code == 2, res.output
     assert _lines(res.output) == [f"error: {emulator}: invalid TOML: nested too deeply to read"]
     assert not (tmp_path / "out" / "exchanges.jsonl").exists()
+
+
+# --- a FIFO a save_to_disk folder names ---------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_named_by_state_json_is_refused_not_read(tmp_path):
+    """Opened, it blocked in pa.memory_map forever; run in a child so a hang fails, not sticks."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    os.mkfifo(folder / "f.arrow")
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": "f.arrow"}]}), encoding="utf-8")
+    code = "from tokenbridge.cli import app; app()"
+    proc = subprocess.run([sys.executable, "-c", code, "generate", f"d={folder}", "-o", str(tmp_path / "g"),
+                           "--dry-run", "-m", "a/b"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert _lines(proc.stdout + proc.stderr) == [
+        f"error: {folder / 'f.arrow'}: is not a regular file (a folder, FIFO or device)"]
 

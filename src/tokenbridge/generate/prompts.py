@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Container, Iterable, Iterator
 
-from ..jsonl import number_too_long
+from ..jsonl import JsonLineError, loads_line, number_too_long
 from .errors import GenerateError
 from .settings import DatasetSpec
 
@@ -356,10 +356,10 @@ def _iter_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
         return
     if not path.is_dir():  # a device or a FIFO: reading one would never end
         raise PromptSourceError(f"dataset {spec.name!r}: {path} is not a file or a folder")
-    if (path / "dataset_dict.json").is_file():
+    if (path / "dataset_dict.json").exists():
         yield from _iter_arrow_folder(_pick_split(path, spec))
         return
-    if (path / "state.json").is_file():
+    if (path / "state.json").exists():
         yield from _iter_arrow_folder(path)
         return
     files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".jsonl", ".parquet", ".arrow"))
@@ -367,6 +367,26 @@ def _iter_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
         raise PromptSourceError(f"dataset {spec.name!r}: {path} holds no .jsonl/.parquet files and no save_to_disk data")
     for f in files:
         yield from _iter_file(f)
+
+
+def _check_regular(path: Path) -> None:
+    """``path`` must be a regular file (stat, never opened): a FIFO a folder's metadata
+    names blocked ``pa.memory_map`` forever, deaf to Ctrl-C, holding the run's lock."""
+    if not path.is_file():
+        why = "does not exist" if not path.exists() else "is not a regular file (a folder, FIFO or device)"
+        raise PromptSourceError(f"{path}: {why}")
+
+
+def _read_meta(path: Path) -> Any:
+    """A save_to_disk metadata file (state.json, dataset_dict.json), parsed at most
+    :data:`~tokenbridge.jsonl.MAX_DEPTH` deep: 100,000 levels raised RecursionError."""
+    _check_regular(path)
+    try:
+        return loads_line(path.read_bytes())
+    except OSError as exc:
+        raise PromptSourceError(f"{path}: unreadable ({exc.strerror or exc})") from None
+    except JsonLineError as exc:
+        raise PromptSourceError(f"{path}: unreadable ({exc.detail})") from None
 
 
 def _iter_file(path: Path) -> Iterator[tuple[str, str, Any]]:
@@ -438,21 +458,20 @@ def _batch_rows(path: Path, batches: Iterable[Any]) -> Iterator[tuple[str, str, 
 
 
 def _iter_arrow_folder(folder: Path) -> Iterator[tuple[str, str, Any]]:
+    state = _read_meta(folder / "state.json")
     try:
-        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
         files = [folder / f["filename"] for f in state["_data_files"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise PromptSourceError(f"{folder / 'state.json'}: not a readable save_to_disk state ({exc})") from None
+    for f in files:
+        _check_regular(f)
     for f in files:
         yield from _iter_arrow(f)
 
 
 def _pick_split(folder: Path, spec: DatasetSpec) -> Path:
     where = folder / "dataset_dict.json"
-    try:
-        data = json.loads(where.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise PromptSourceError(f"{where}: unreadable ({exc})") from None
+    data = _read_meta(where)
     found = data.get("splits") if isinstance(data, dict) else None
     if not isinstance(found, list) or not all(isinstance(s, str) for s in found):
         raise PromptSourceError(f"{where}: splits: must be a list of split names, got {found!r}")
