@@ -19,7 +19,7 @@ from conftest import write_run_config
 from typer.testing import CliRunner
 
 from tokenbridge.cli import app
-from tokenbridge.pipeline import load_run_config, run_pipeline
+from tokenbridge.pipeline import PipelineError, load_run_config, run_pipeline
 
 
 class _Counter(BaseHTTPRequestHandler):
@@ -166,3 +166,16 @@ def test_a_fifo_named_by_state_json_is_refused_not_read(tmp_path):
     assert _lines(proc.stdout + proc.stderr) == [
         f"error: {folder / 'f.arrow'}: is not a regular file (a folder, FIFO or device)"]
 
+
+# --- builtin: names ----------------------------------------------------------------------
+
+
+def test_a_builtin_path_outside_the_shipped_data_is_refused(tmp_path, kimi_dir):
+    text = write_run_config(tmp_path, kimi_dir).read_text()
+    path = tmp_path / "trav.toml"
+    path.write_text(text.replace("builtin:prompts/chat.jsonl", "builtin:../../../../../etc/passwd"), encoding="utf-8")
+    with pytest.raises(PipelineError) as exc:
+        load_run_config(path)
+    assert str(exc.value) == (
+        f"{path}:17: generate.datasets[0].path: no such built-in data 'builtin:../../../../../etc/passwd' "
+        "(have: builtin:prompts/chat.jsonl, builtin:prompts/plain.jsonl, builtin:prompts/sharegpt.jsonl)")

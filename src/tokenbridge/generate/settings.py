@@ -540,9 +540,12 @@ def _dataset_entry(d: Any, i: int, where: Where, problems: list[str]) -> Any:
 
 
 def _builtin_path(value: str) -> Path | None:
-    """``builtin:prompts/chat.jsonl``: the file shipped inside the package, if there is one."""
-    path = Path(str(resources.files("tokenbridge") / "data" / value[len(_BUILTIN):].strip("/")))
-    return path if path.is_file() else None
+    """``builtin:prompts/chat.jsonl``: the file shipped inside the package, if it is one of
+    :func:`_builtin_names` (``builtin:../../../../../etc/passwd`` was joined and passed)."""
+    name = value[len(_BUILTIN):].strip("/")
+    if f"{_BUILTIN}{name}" not in _builtin_names():
+        return None
+    return Path(str(resources.files("tokenbridge") / "data" / name))
 
 
 def _builtin_names() -> list[str]:
