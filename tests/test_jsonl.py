@@ -141,12 +141,37 @@ def test_an_exchange_line_with_infinity_is_a_bad_record_naming_its_field():
     assert err.value.field == "<line>" and "Infinity at response.usage.cost" in str(err.value)
 
 
-def test_prompt_loading_and_the_row_check_share_one_role_set():
-    """content.ROLES is what check_row lets into an export; prompt loading must send the same."""
-    from tokenbridge.content import ROLES
-    from tokenbridge.generate import prompts
+def test_prompt_loading_and_the_row_check_share_one_set_of_message_rules(tmp_path):
+    """content.ROLES and content_fault are what check_row lets into an export; prompt
+    loading sends by the same rules (one copy), and refuses NaN / Infinity / 1e400 as the
+    row and exchange readers do, in a line and in a messages field stored as JSON text."""
+    import json
 
-    assert prompts._ROLES == ROLES
+    from tokenbridge.content import ROLES
+    from tokenbridge.generate.prompts import load_prompts
+    from tokenbridge.generate.settings import DatasetSpec
+
+    rows = [
+        {"id": "ok", "messages": [{"role": role, "content": "hi"} for role in sorted(ROLES - {"assistant", "tool"})]
+         + [{"role": "user", "content": "go"}]},
+        {"id": "role", "messages": [{"role": "function", "content": "hi"}]},
+        {"id": "part", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        {"id": "dict", "messages": [{"role": "user", "content": {"not": "text"}}]},
+        {"id": "field", "messages": '[{"role": "user", "content": "hi", "weight": NaN}]'},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join([*map(json.dumps, rows), '{"id": "line", "prompt": "hi", "x": 1e400}']) + "\n",
+                    encoding="utf-8")
+    loaded = load_prompts([DatasetSpec(name="d", path=path)])
+    assert [s.id for s in loaded.samples] == ["d-ok"]
+    f = str(path)
+    assert [str(e) for e in loaded.errors] == [
+        f"{f}: line 2: field 'messages[0].role': unknown role 'function' (expected one of {sorted(ROLES)})",
+        f"{f}: line 3: field 'messages[0].content[0].text': must be a string, got int",
+        f"{f}: line 4: field 'messages[0].content': must be a string, null or a list of content parts, got dict",
+        f"{f}: line 5: field 'messages': not valid JSON: NaN at [0].weight: JSON has no NaN or infinity",
+        f"{f}: line 6: field '<line>': not valid JSON: 1e400 at x: JSON has no NaN or infinity",
+    ]
 
 
 def test_a_leading_byte_order_mark_is_dropped_for_text_and_bytes():

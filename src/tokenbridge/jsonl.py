@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import orjson
 
 __all__ = ["MAX_DEPTH", "JsonLineError", "dumps_document", "dumps_line", "is_count", "is_int", "iter_lines", "json_text",
-           "loads_line", "not_text", "number_too_long", "text_of", "value_key"]
+           "loads_finite", "loads_line", "not_text", "number_too_long", "text_of", "value_key"]
 
 
 class JsonLineError(ValueError):
@@ -62,9 +62,9 @@ def loads_line(line: str | bytes) -> Any:
     except orjson.JSONDecodeError:
         pass
     try:
-        return json.loads(line, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except _NotFinite:
-        raise JsonLineError(f"not valid JSON ({_not_finite_where(line)})") from None
+        return loads_finite(line)
+    except JsonLineError as exc:
+        raise JsonLineError(f"not valid JSON ({exc.detail})") from None
     except json.JSONDecodeError as exc:
         raise JsonLineError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
     except UnicodeDecodeError as exc:
@@ -73,6 +73,18 @@ def loads_line(line: str | bytes) -> Any:
         raise JsonLineError(f"nested more than {MAX_DEPTH} levels deep") from None
     except ValueError as exc:  # Python's int-string limit: a ValueError, not a JSONDecodeError
         raise JsonLineError(f"not valid JSON ({number_too_long(exc)})") from None
+
+
+def loads_finite(text: str | bytes) -> Any:  # Any: any JSON value
+    """The stdlib's ``json.loads``, refusing what JSON has no spelling for (``NaN``,
+    ``Infinity``, a float past a double such as ``1e400``, which the stdlib reads and
+    every writer then turns into null or a literal ``NaN`` no reader takes): a
+    :class:`JsonLineError` naming the number and its field. The stdlib's own errors
+    (JSONDecodeError, RecursionError, the int-string limit's ValueError) propagate."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except _NotFinite:
+        raise JsonLineError(_not_finite_where(text)) from None
 
 
 def _without_bom(line: str | bytes) -> str | bytes:

@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Container, Iterable, Iterator
 
-from ..jsonl import JsonLineError, loads_line, number_too_long
+from ..content import content_fault, role_fault
+from ..jsonl import JsonLineError, loads_finite, loads_line, number_too_long
 from .errors import GenerateError
 from .settings import DatasetSpec
 
 __all__ = ["LoadedPrompts", "PromptSourceError", "RowError", "Sample", "load_prompts", "sample_from_row"]
 
 MAX_DEPTH = 64
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
 _SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",
@@ -229,7 +229,9 @@ def _json_field(text: str, path: str) -> Any:
     decoded is what is sent, so a ``\\ud800`` escape inside that text is checked here: the
     row's own surrogate check only sees the outer string, which is plain ASCII."""
     try:
-        value = json.loads(text)
+        value = loads_finite(text)
+    except JsonLineError as exc:  # NaN, Infinity, 1e400: sent as they are, no API reads them
+        raise _BadRow(path, f"not valid JSON: {exc.detail}") from None
     except json.JSONDecodeError as exc:
         raise _BadRow(path, f"not valid JSON: {exc.msg}") from None
     except ValueError as exc:  # Python's int-string limit: a number of thousands of digits
@@ -281,9 +283,9 @@ def _openai_messages(value: Any) -> list[dict[str, Any]]:
     for i, msg in enumerate(value):
         if not isinstance(msg, dict):
             raise _BadRow(f"messages[{i}]", "must be an object with role and content")
-        role = msg.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise _BadRow(f"messages[{i}].role", f"unknown role {role!r} (expected one of {sorted(_ROLES)})")
+        why = role_fault(msg.get("role"))
+        if why is not None:
+            raise _BadRow(f"messages[{i}].role", why)
         clean = {k: msg[k] for k in _MESSAGE_KEYS if k in msg and msg[k] is not None}
         for key in ("name", "tool_call_id", "reasoning"):
             if key in clean and not isinstance(clean[key], str):
@@ -332,15 +334,9 @@ def _check_content(msg: dict[str, Any], where: str) -> None:
         if msg["role"] == "assistant" and msg.get("tool_calls"):
             return
         raise _BadRow(f"{where}.content", "missing")
-    if isinstance(content, str):
-        return
-    if not isinstance(content, list):
-        raise _BadRow(f"{where}.content", "must be a string or a list of content parts")
-    for k, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise _BadRow(f"{where}.content[{k}]", "must be a content part object with a string 'type'")
-        if "text" in part and not isinstance(part["text"], str):
-            raise _BadRow(f"{where}.content[{k}].text", f"must be a string, got {type(part['text']).__name__}")
+    fault = content_fault(content)  # the rules the row check holds exports to (tokenbridge.content)
+    if fault is not None:
+        raise _BadRow(f"{where}.content{fault[0]}", fault[1])
 
 
 # --- reading sources -------------------------------------------------------------------
@@ -406,7 +402,9 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, Any]]:
             if not raw.strip():
                 continue
             try:
-                row = json.loads(raw)
+                row = loads_finite(raw)
+            except JsonLineError as exc:
+                row = _Unparsable(exc.detail)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 row = _Unparsable(getattr(exc, "msg", str(exc)))
             except ValueError as exc:  # the int-string limit: ValueError, not JSONDecodeError
