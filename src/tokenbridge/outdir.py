@@ -65,6 +65,7 @@ __all__ = [
     "is_own_run_folder",
     "is_run_folder",
     "marker",
+    "open_read_only",
     "own_names",
     "remove_own_output",
     "run_file_problem",
@@ -406,7 +407,7 @@ def _schema_kind(path: Path) -> StoreKind:
     import sqlite3
 
     try:
-        conn = _open_read_only(path)
+        conn = open_read_only(path)
     except sqlite3.Error:
         return "not sqlite"
     try:
@@ -433,14 +434,15 @@ def store_problem(path: str | Path) -> str | None:
     return None if kind in (None, "empty", "tokenbridge") else f"{path}: {_NOT_A_STORE[kind]}"
 
 
-def _open_read_only(path: Path) -> Any:
+def open_read_only(path: Path) -> Any:
     """An SQLite connection that reads ``path`` and leaves nothing behind.
 
     ``mode=ro`` on a WAL database still creates ``-wal`` / ``-shm`` beside it and, being
     read-only, never removes them. Without a ``-wal`` file the database was closed cleanly
     and holds everything, so it is opened ``immutable`` (nothing is created). With one (a
     killed generate, or one still running), ``mode=ro`` reads what it holds and finds both
-    files already there."""
+    files already there. The store check here and the report (under the run folder's lock,
+    so no writer is active) both read the store this way."""
     import sqlite3
 
     wal = path.with_name(path.name + "-wal")

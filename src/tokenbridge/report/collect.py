@@ -21,6 +21,7 @@ import numpy as np
 from ..checks import CODES
 from ..exchanges import RecordError, iter_objects
 from ..jsonl import is_int
+from ..outdir import open_read_only
 from ..rows import STATUSES, ReconstructedRow, RowError, iter_rows
 
 __all__ = ["ReportError", "RowStats", "collect_run", "RECONSTRUCTED_NAMES"]
@@ -325,7 +326,7 @@ def _generation_section(path: Path) -> dict[str, Any]:
     """What generate recorded over every invocation in this folder: the same numbers its
     summaries add up to (requests are attempts; errors are failed attempts by class)."""
     try:
-        con = _open_read_only(path)
+        con = open_read_only(path)
         try:
             samples = dict(con.execute("SELECT status, COUNT(*) FROM samples GROUP BY status").fetchall())
             requests, cost = con.execute("SELECT COUNT(*), SUM(cost) FROM attempts").fetchone()
@@ -345,17 +346,6 @@ def _generation_section(path: Path) -> dict[str, Any]:
     }
 
 
-def _open_read_only(path: Path) -> sqlite3.Connection:
-    """Open generate's store for reading without leaving a file behind.
-
-    ``mode=ro`` on a WAL database still creates ``-wal`` / ``-shm`` beside it and, being
-    read-only, never removes them. Without a ``-wal`` file the database was closed cleanly
-    and holds everything, so it is opened ``immutable`` (nothing is created; safe because
-    the report runs under the run folder's lock, so no writer is active). With one (a
-    killed generate), ``mode=ro`` reads what it holds and finds both files already there."""
-    wal = path.with_name(path.name + "-wal")
-    query = "mode=ro" if wal.exists() else "mode=ro&immutable=1"
-    return sqlite3.connect(f"{path.resolve().as_uri()}?{query}", uri=True, timeout=5)
 
 
 def _dict(value: Any) -> dict[str, Any]:
