@@ -224,20 +224,35 @@ def _check_utf8(value: Any, path: str) -> None:
             _check_utf8(v, f"{path}.{k}")
 
 
+class _NotJson(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _loads(text: str | bytes) -> Any:
+    """JSON a dataset holds (a JSONL line, a field stored as JSON text), read as the row and
+    exchange readers read it, NaN, Infinity and 1e400 refused: :class:`_NotJson` says why not."""
+    try:
+        return loads_finite(text)
+    except JsonLineError as exc:  # NaN, Infinity, 1e400: sent as they are, no API reads them
+        raise _NotJson(exc.detail) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise _NotJson(getattr(exc, "msg", str(exc))) from None
+    except ValueError as exc:  # Python's int-string limit: a number of thousands of digits
+        raise _NotJson(number_too_long(exc)) from None
+    except RecursionError:
+        raise _NotJson("nested too deep") from None
+
+
 def _json_field(text: str, path: str) -> Any:
     """A field a dataset stores as JSON text (``messages``, ``tools``), decoded. What is
     decoded is what is sent, so a ``\\ud800`` escape inside that text is checked here: the
     row's own surrogate check only sees the outer string, which is plain ASCII."""
     try:
-        value = loads_finite(text)
-    except JsonLineError as exc:  # NaN, Infinity, 1e400: sent as they are, no API reads them
-        raise _BadRow(path, f"not valid JSON: {exc.detail}") from None
-    except json.JSONDecodeError as exc:
-        raise _BadRow(path, f"not valid JSON: {exc.msg}") from None
-    except ValueError as exc:  # Python's int-string limit: a number of thousands of digits
-        raise _BadRow(path, f"not valid JSON: {number_too_long(exc)}") from None
-    except RecursionError:
-        raise _BadRow(path, "not valid JSON: nested too deep") from None
+        value = _loads(text)
+    except _NotJson as exc:
+        raise _BadRow(path, f"not valid JSON: {exc.reason}") from None
     if _SURROGATE_ESCAPE.search(text.encode("utf-8", "surrogatepass")):
         _check_plain_json(value, path)  # bounded depth first: _check_utf8 recurses
         _check_utf8(value, path)
@@ -402,15 +417,9 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, Any]]:
             if not raw.strip():
                 continue
             try:
-                row = loads_finite(raw)
-            except JsonLineError as exc:
-                row = _Unparsable(exc.detail)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                row = _Unparsable(getattr(exc, "msg", str(exc)))
-            except ValueError as exc:  # the int-string limit: ValueError, not JSONDecodeError
-                row = _Unparsable(number_too_long(exc))
-            except RecursionError:
-                row = _Unparsable("nested too deep")
+                row = _loads(raw)
+            except _NotJson as exc:
+                row = _Unparsable(exc.reason)
             else:
                 # only a \uD800-\uDFFF escape makes a lone surrogate (Arrow data is valid UTF-8)
                 if isinstance(row, dict) and _SURROGATE_ESCAPE.search(raw):
