@@ -643,12 +643,8 @@ class Engine:
         except (TypeError, orjson.JSONEncodeError) as exc:
             return b"", self._unkept_stream(asm, raw), Outcome(
                 "retry", "bad_stream", f"stream cannot be assembled: {exc}", 200, maybe_billed=True), _usage_part(asm)
-        body = scrub_bytes(assembled, self.key)
-        kept_raw: bytes | None = scrub_bytes(bytes(raw), self.key)
-        if body != assembled:
-            kept_raw = None
-            self._notice("a streamed answer carried the API key: masked, and its raw stream not kept "
-                         "(the key may be split across events there)")
+        body, kept_raw = self._masked_stream(assembled, raw, "a streamed answer carried the API key: masked, and its "
+                                             "raw stream not kept")
         outcome, parsed = classify_response(200, resp.headers, body, key=self.key)
         return body, kept_raw, outcome, parsed
 
@@ -659,11 +655,19 @@ class Engine:
             assembled = orjson.dumps(asm.result())
         except (StreamError, TypeError, orjson.JSONEncodeError):  # nothing assembled: no text to split a key over
             assembled = b""
-        if scrub_bytes(assembled, self.key) != assembled:
-            self._notice("a streamed answer that was not kept carried the API key: its raw stream is not kept "
-                         "(the key may be split across events there)")
-            return None
-        return scrub_bytes(bytes(raw), self.key) or None
+        _, kept = self._masked_stream(assembled, raw, "a streamed answer that was not kept carried the API key: "
+                                      "its raw stream is not kept")
+        return kept or None
+
+    def _masked_stream(self, assembled: bytes, raw: bytearray, notice: str) -> tuple[bytes, bytes | None]:
+        """``assembled`` with the key masked, and the raw stream to keep beside it (masked), or
+        None when the assembled text carried the key: there it may be split across events,
+        where no byte pattern finds it (the raw stream is then not scrubbed at all)."""
+        body = scrub_bytes(assembled, self.key)
+        if body != assembled:
+            self._notice(f"{notice} (the key may be split across events there)")
+            return body, None
+        return body, scrub_bytes(bytes(raw), self.key)
 
     # --- outcomes ---------------------------------------------------------------------
 
