@@ -7,7 +7,7 @@ import os
 import sys
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 from collections.abc import Iterator, Mapping
 
 import typer
@@ -384,18 +384,26 @@ def _check_generate_outputs(out: Path, summary_json: Path | None, settings: Gene
     """Neither output may replace an input (the prompt files and folders, the config, a
     local tokenizer): ``--out``'s run rewrites its store, exchanges.jsonl and generate.json,
     and ``--summary-json`` may be none of those nor the run's lock (one line, exit 2)."""
-    from .outdir import OutputRefused, check_output_file, existing_inputs, run_folder_problem
+    from .outdir import existing_inputs, run_folder_problem
 
     inputs = existing_inputs(config, _tokenizer_input(settings.tokenizer), *(d.path for d in settings.datasets))
     why = run_folder_problem(out, inputs=inputs)
     if why is not None:
         _fail(f"--out {why}")
     if summary_json is not None:
-        try:
-            check_output_file(summary_json, flag="--summary-json", name="summary.json", inputs=inputs, runs=[out],
-                              outputs={"--out": out})
-        except OutputRefused as exc:
-            _fail(str(exc))
+        _check_output(summary_json, flag="--summary-json", name="summary.json", inputs=inputs, runs=[out],
+                      outputs={"--out": out})
+
+
+def _check_output(path: Path, **how: Any) -> None:
+    """:func:`~tokenbridge.outdir.check_output_file` before a command's work, its refusal
+    the command's one ``error:`` line (exit 2)."""
+    from .outdir import OutputRefused, check_output_file
+
+    try:
+        check_output_file(path, **how)
+    except OutputRefused as exc:
+        _fail(str(exc), exc.exit_code)
 
 
 def _generate_dry_run(settings: GenerateSettings, out: Path, summary_json: Path | None) -> None:
@@ -492,14 +500,10 @@ def probe(
     from .generate import GenerateError, probe as _probe, read_api_key, render_table
     from .generate.run import is_local_url
     from .generate.settings import check_base_url, normalize_reasoning
-    from .outdir import OutputRefused, check_output_file, existing_inputs
+    from .outdir import existing_inputs
 
     if json_out is not None:  # now, not after the (paid) probes
-        try:
-            check_output_file(json_out, flag="--json", name="probe.json",
-                              inputs=existing_inputs(_tokenizer_input(tokenizer)))
-        except OutputRefused as exc:
-            _fail(str(exc))
+        _check_output(json_out, flag="--json", name="probe.json", inputs=existing_inputs(_tokenizer_input(tokenizer)))
     try:
         check_base_url(base_url, "--base-url")
         tok = _tokenizer(tokenizer)
