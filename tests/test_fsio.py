@@ -105,3 +105,81 @@ def test_write_behind_reports_a_failed_sync_once(tmp_path, monkeypatch):
     sink.write(b'{"a": 1}\n' * 3)
     sink.abort()  # thrown away: the sync's error is not the one to tell
     assert not (tmp_path / "other.jsonl").exists()
+
+
+def test_write_parts_writes_every_part_in_order_through_short_writes(tmp_path, monkeypatch):
+    """More parts than one writev takes, and a kernel that writes at most 7 bytes a call
+    (cutting parts anywhere): the file is the parts joined, byte for byte."""
+    parts = [bytes([65 + i % 26]) * (i % 5) for i in range(fsio._IOV_MAX * 2 + 37)]
+    writev = os.writev
+    calls = []
+
+    def short(fd, buffers):
+        calls.append(len(buffers))
+        assert len(buffers) <= fsio._IOV_MAX
+        take = b"".join(bytes(b) for b in buffers)[:7]
+        return os.write(fd, take) if take else writev(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", short)
+    path = tmp_path / "parts"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        assert fsio.write_parts(fd, [b"head", *parts, memoryview(b"tail")]) == 8 + sum(map(len, parts))
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"head" + b"".join(parts) + b"tail"
+    assert len(calls) > 100
+
+
+def test_write_parts_refuses_a_kernel_that_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "writev", lambda fd, buffers: 0)
+    fd = os.open(tmp_path / "x", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(OSError, match="wrote nothing"):
+            fsio.write_parts(fd, [b"abc"])
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("way", ["copy_file_range", "sendfile", "pread"])
+def test_copy_range_appends_the_range_whichever_way_the_kernel_allows(tmp_path, monkeypatch, way):
+    """A range from the middle of one file appended after what another already holds
+    (its buffered writes flushed first), by copy_file_range, by sendfile where that is
+    refused (EXDEV, as across filesystems), by pread/write where neither exists."""
+    def refused(*args):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    if way != "copy_file_range":
+        monkeypatch.setattr(os, "copy_file_range", refused, raising=False)
+    if way == "pread":
+        monkeypatch.delattr(os, "sendfile", raising=False)
+    data = bytes(range(256)) * 5000  # 1.28 MB: more than one pread block
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    sink = JsonlRowSink(tmp_path / "out")
+    sink.write(b"before|")
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        sink.copy_from(fd, 1000, len(data) - 2000)
+        sink.write(b"|after")
+        with pytest.raises(OSError, match="ended 10 bytes early"):
+            fsio.copy_range(fd, len(data) - 5, 15, os.open(tmp_path / "other", os.O_WRONLY | os.O_CREAT))
+    finally:
+        os.close(fd)
+    sink.close()
+    assert (tmp_path / "out").read_bytes() == b"before|" + data[1000:-1000] + b"|after"
+
+
+def test_copy_range_passes_on_an_error_that_is_not_the_kernel_refusing(tmp_path, monkeypatch):
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "copy_file_range", full, raising=False)
+    (tmp_path / "src").write_bytes(b"x" * 100)
+    fd, out = os.open(tmp_path / "src", os.O_RDONLY), os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            fsio.copy_range(fd, 0, 100, out)
+    finally:
+        os.close(fd)
+        os.close(out)

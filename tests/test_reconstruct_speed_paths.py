@@ -201,17 +201,38 @@ def test_pool_spool_folder_is_removed_after_success_and_failure(tmp_path, kimi, 
     assert sorted(p.name for p in out.iterdir()) == ["ok.jsonl"]
 
     calls = []
+    copy_from = reconstruct._JsonlSink.copy_from
 
-    def failing_write(self, data):
-        calls.append(len(data))
+    def failing_copy(self, fd, offset, length):  # pool workers' rows reach the output this way
+        calls.append(length)
         if len(calls) == 3:  # the disk fills while chunks are still spooled
             raise OSError(28, "No space left on device")
+        copy_from(self, fd, offset, length)
 
-    monkeypatch.setattr(reconstruct._JsonlSink, "write", failing_write)
+    monkeypatch.setattr(reconstruct._JsonlSink, "copy_from", failing_copy)
     with pytest.raises(OutputWriteError, match="No space left on device"):
         reconstruct_file(src, out / "full.jsonl", kimi, workers=2, chunk_lines=2)
+    assert len(calls) == 3
     assert sorted(p.name for p in out.iterdir()) == ["ok.jsonl"]
     assert not any(is_temp_name(p.name) for p in out.iterdir())
+
+
+def test_pool_output_around_repeated_ids_is_the_one_process_output(tmp_path, kimi, monkeypatch):
+    """Records that repeat an earlier id are cut out of spooled chunks by byte range (the
+    rest copied from the spool file): the bytes are the ones one process writes, and every
+    repeat is a bad line naming the first."""
+    lines = [line for line in _records(kimi) if line.startswith("{") and line != "{not json"]
+    repeated = [*lines[:5], lines[1], *lines[5:9], lines[0], lines[3], *lines[9:]]  # repeats inside and across chunks
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(repeated) + "\n", encoding="utf-8")
+    one = reconstruct_file(src, tmp_path / "one.jsonl", kimi, workers=1)
+    _small_ranges(monkeypatch)
+    pool = reconstruct_file(src, tmp_path / "pool.jsonl", kimi, workers=2, chunk_lines=2)
+    assert (tmp_path / "pool.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+    assert [(b.line, b.field) for b in pool.bad_lines] == [(b.line, b.field) for b in one.bad_lines] == [
+        (6, "id"), (11, "id"), (12, "id")]
+    ids = [json.loads(row)["id"] for row in (tmp_path / "pool.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(ids) == len(set(ids)) == len(lines)
 
 
 _NESTED_MARKERS = ("<a", "<ab", "<abc", "<b>", "b", "[EOS]", "[E", "<|x|>")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import hashlib
 import itertools
-import mmap
 import multiprocessing as mp
 import os
 import shutil
@@ -764,14 +763,16 @@ def _work(data: bytes) -> _ChunkResult:
             out.append(_Done(lineno, None, briefs, facts, ex.id, sum(map(len, encoded)) + len(encoded)))
         else:
             out.append(_Done(lineno, records, briefs, facts, ex.id, 0))
-    blob = b"".join(parts)
     spool = _WORKER["spool"]
-    if spool is None or not blob:
-        return blob, out
+    if spool is None or not parts:
+        return b"".join(parts), out
     _WORKER["spooled"] += 1
     path = os.path.join(spool, f"{os.getpid()}-{_WORKER['spooled']}")
-    with open(path, "xb") as fh:
-        fh.write(blob)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:  # the rows as they are, no joined copy of the chunk
+        fsio.write_parts(fd, parts)
+    finally:
+        os.close(fd)
     return path, out
 
 
@@ -790,19 +791,19 @@ def _note_bug(exc: BaseException, first: int) -> None:
 
 
 @contextmanager
-def _chunk_rows(result: bytes | str) -> Iterator[memoryview]:
-    """The rows of one :func:`_work` result, from memory or mapped from its spool file
-    (removed after): the main process never copies them through a pipe."""
+def _chunk_rows(result: bytes | str) -> Iterator[memoryview | int]:
+    """The rows of one :func:`_work` result: its bytes (from this process), or its spool
+    file open for reading (removed after), which the sink copies inside the kernel: the
+    main process never copies them through a pipe or its own memory."""
     if isinstance(result, bytes):
         yield memoryview(result)
         return
     try:
-        with open(result, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                yield view
-            finally:
-                view.release()
+        fd = os.open(result, os.O_RDONLY)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
     finally:
         os.unlink(result)
 
@@ -917,15 +918,14 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
     seen: dict[bytes, int] = {}  # a record id's digest -> its line: a few bytes a record, never the id
     try:
         for first, (result, entries) in results:
-            with _chunk_rows(result) as view:
+            with _chunk_rows(result) as rows:
                 skip = _repeated(entries, first, seen, str(src))
-                if len(view) and isinstance(sink, _JsonlSink):
-                    if not skip:  # the chunk's rows in input order, bad lines holding none: one write
-                        sink.write(view)
-                    else:  # around the records that repeat an id
-                        for piece in _kept(view, entries, skip):
-                            with piece:  # released now: a mapped spool file closes only with no view left on it
-                                sink.write(piece)
+                if isinstance(sink, _JsonlSink):  # the chunk's rows in input order, around any that repeat an id
+                    for start, stop in _kept(entries, skip):
+                        if isinstance(rows, int):
+                            sink.copy_from(rows, start, stop - start)
+                        else:
+                            sink.write(rows[start:stop])
                 for entry in entries:
                     if isinstance(entry, _Refused):
                         summary.bad_lines.append(BadLine(str(src), first + entry.line - 1, entry.field, entry.message))
@@ -965,16 +965,18 @@ def _repeated(entries: list[_Entry], first: int, seen: dict[bytes, int], src: st
     return skip
 
 
-def _kept(view: memoryview, entries: list[_Entry], skip: Mapping[int, BadLine]) -> Iterator[memoryview]:
-    """The chunk's row bytes without those of the records in ``skip``."""
+def _kept(entries: list[_Entry], skip: Mapping[int, BadLine]) -> Iterator[tuple[int, int]]:
+    """The byte ranges of a chunk's rows without those of the records in ``skip`` (none empty)."""
     start = pos = 0
     for entry in entries:
         if isinstance(entry, _Done):
             if entry.line in skip:
-                yield view[start:pos]
+                if pos > start:
+                    yield start, pos
                 start = pos + entry.size
             pos += entry.size
-    yield view[start:pos]
+    if pos > start:
+        yield start, pos
 
 
 def _run_chunks(src: str, chunk_lines: int, workers: int,

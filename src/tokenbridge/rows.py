@@ -35,7 +35,7 @@ import orjson
 
 from .content import content_fault, role_fault
 from .exit_codes import ExitCode
-from .fsio import WriteBehind
+from .fsio import WriteBehind, copy_range
 from .jsonl import JsonLineError, dumps_line, json_text, loads_line, not_text
 
 if TYPE_CHECKING:
@@ -346,6 +346,13 @@ class JsonlRowSink:
     def write(self, data: bytes | memoryview) -> None:
         self._fh.write(data)
         self._behind.wrote(len(data))
+
+    def copy_from(self, fd: int, offset: int, length: int) -> None:
+        """Append ``length`` bytes of the file open as ``fd`` from ``offset`` (a pool
+        worker's spooled rows), copied inside the kernel (:func:`~tokenbridge.fsio.copy_range`)."""
+        self._fh.flush()  # what was written through the buffer goes first
+        copy_range(fd, offset, length, self._fh.fileno())
+        self._behind.wrote(length)
 
     def close(self) -> None:
         """Flushed and on disk (the last part synced here, the rest already behind)."""
