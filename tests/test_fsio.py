@@ -141,18 +141,24 @@ def test_write_parts_refuses_a_kernel_that_writes_nothing(tmp_path, monkeypatch)
         os.close(fd)
 
 
-@pytest.mark.parametrize("way", ["copy_file_range", "sendfile", "pread"])
+@pytest.mark.parametrize("way", ["copy_file_range", "sendfile", "pread", "sendfile to sockets only"])
 def test_copy_range_appends_the_range_whichever_way_the_kernel_allows(tmp_path, monkeypatch, way):
     """A range from the middle of one file appended after what another already holds
     (its buffered writes flushed first), by copy_file_range, by sendfile where that is
-    refused (EXDEV, as across filesystems), by pread/write where neither exists."""
+    refused (EXDEV, as across filesystems), by pread/write where neither exists or
+    sendfile writes only to sockets (macOS: ENOTSOCK)."""
     def refused(*args):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    def sockets_only(*args):
+        raise OSError(errno.ENOTSOCK, "Socket operation on non-socket")
 
     if way != "copy_file_range":
         monkeypatch.setattr(os, "copy_file_range", refused, raising=False)
     if way == "pread":
         monkeypatch.delattr(os, "sendfile", raising=False)
+    if way == "sendfile to sockets only":
+        monkeypatch.setattr(os, "sendfile", sockets_only, raising=False)
     data = bytes(range(256)) * 5000  # 1.28 MB: more than one pread block
     src = tmp_path / "src"
     src.write_bytes(data)
@@ -162,8 +168,12 @@ def test_copy_range_appends_the_range_whichever_way_the_kernel_allows(tmp_path, 
     try:
         sink.copy_from(fd, 1000, len(data) - 2000)
         sink.write(b"|after")
-        with pytest.raises(OSError, match="ended 10 bytes early"):
-            fsio.copy_range(fd, len(data) - 5, 15, os.open(tmp_path / "other", os.O_WRONLY | os.O_CREAT))
+        other = os.open(tmp_path / "other", os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError, match="ended 10 bytes early"):
+                fsio.copy_range(fd, len(data) - 5, 15, other)
+        finally:
+            os.close(other)
     finally:
         os.close(fd)
     sink.close()

@@ -225,8 +225,9 @@ def _fsync_file(path: Path, mode: int) -> None:
 
 #: Most buffers one ``writev`` takes (POSIX's IOV_MAX; Linux and macOS say 1024).
 _IOV_MAX = 1024
-#: Errors that mean "this kernel or filesystem cannot copy that way": try the next way.
-_NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
+#: Errors that mean "this kernel or filesystem cannot copy that way": try the next way
+#: (ENOTSOCK: macOS's sendfile writes only to sockets).
+_NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOTSOCK})
 
 
 def write_parts(fd: int, parts: Sequence[bytes | memoryview]) -> int:
