@@ -73,3 +73,28 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
         tokenbridge.nope  # noqa: B018 - the access under test
     with pytest.raises(ImportError):
         exec("from tokenbridge import nope", {})  # noqa: S102
+
+
+def test_reconstruct_and_inspect_load_neither_the_writers_nor_numpy() -> None:
+    """Their flags are checked by the run config's schema, which names the export formats:
+    that must not load the writers (numpy, pyarrow and OpenBLAS's threads for a command
+    that writes no export)."""
+    code = ("import tokenbridge.runconfig, tokenbridge.view, tokenbridge.reconstruct\n"
+            "from tokenbridge.export.source import iter_records\nfrom tokenbridge.export.validate import RowContract")
+    loaded = _modules_after(code)
+    assert not {"numpy", "pyarrow", "tokenbridge.export.writers", "tokenbridge.export.vocab"} & loaded
+
+
+def test_export_package_names_resolve_lazily_and_formats_match_the_writers() -> None:
+    import tokenbridge.export as export
+    from tokenbridge.export.formats import FORMATS
+    from tokenbridge.export.writers import WRITERS
+
+    assert tuple(WRITERS) == FORMATS == export.FORMATS
+    for name in export.__all__:
+        value = getattr(export, name)
+        assert value is getattr(importlib.import_module(f"tokenbridge.export.{export._HOMES[name]}"), name)
+        assert name in dir(export)
+    assert set(export._HOMES) == set(export.__all__)
+    with pytest.raises(AttributeError, match="module 'tokenbridge.export' has no attribute 'nope'"):
+        export.nope  # noqa: B018 - the access under test

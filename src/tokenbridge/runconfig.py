@@ -25,7 +25,7 @@ from pydantic import AfterValidator, Field, with_config
 
 from .checks import CODES, Policy
 from .exit_codes import ExitCode
-from .export.exporter import FORMATS
+from .export.formats import FORMATS
 from .outdir import RUN_OUTPUTS, existing_inputs, run_folder_problem
 from .schema import FORBID, Bool, DialectName, NonNegInt, PosInt, Str, Where, did_you_mean, read_mapping, validate
 from .tokenizer import Tokenizer
@@ -70,7 +70,7 @@ class RunConfig:
 
 # --- the schema of the sections that are not another config's ------------------------------
 
-#: The names are the exporter's FORMATS, computed at import; a static checker sees a ``str``.
+#: The names are the exporter's FORMATS, read at import; a static checker sees a ``str``.
 if TYPE_CHECKING:
     ExportFormat = str
 else:

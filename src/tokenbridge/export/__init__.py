@@ -21,12 +21,41 @@ never. Every used row is validated first (:mod:`.validate`): a wrong row stops w
 :mod:`.vocab`.
 """
 
-from .exporter import FORMATS, ExportJob, ExportSummary, export_file
-from .onepass import PassResult, run_pass
-from .source import ExportError, iter_records
-from .validate import check_training_row
-from .vocab import VocabJob, VocabSummary, build_vocab, select_draft_vocab
-from .writers import Writer
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .exporter import FORMATS, ExportJob, ExportSummary, export_file
+    from .onepass import PassResult, run_pass
+    from .source import ExportError, iter_records
+    from .validate import check_training_row
+    from .vocab import VocabJob, VocabSummary, build_vocab, select_draft_vocab
+    from .writers import Writer
+
+#: Where each public name lives. Loaded on first use (PEP 562), so importing one light
+#: submodule (``formats``, ``source``, ``validate``) does not load the writers' numpy and
+#: pyarrow: ``reconstruct`` and ``inspect`` start without them.
+_HOMES: dict[str, str] = {
+    "FORMATS": "formats", "ExportJob": "exporter", "ExportSummary": "exporter", "export_file": "exporter",
+    "PassResult": "onepass", "run_pass": "onepass", "ExportError": "source", "iter_records": "source",
+    "check_training_row": "validate", "VocabJob": "vocab", "VocabSummary": "vocab", "build_vocab": "vocab",
+    "select_draft_vocab": "vocab", "Writer": "writers",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_HOMES[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "FORMATS",

@@ -22,12 +22,11 @@ from ..display import printable
 from ..fsio import kill_point
 from ..outdir import export_target
 from ..rows import ReconstructedRow
+from .formats import FORMATS
 from .source import ExportError
 from .writers import WRITERS, Writer
 
 __all__ = ["FORMATS", "ExportJob", "ExportRun", "ExportSummary", "export_file"]
-
-FORMATS = tuple(WRITERS)
 
 
 @dataclass
