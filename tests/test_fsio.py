@@ -180,11 +180,42 @@ def test_copy_range_appends_the_range_whichever_way_the_kernel_allows(tmp_path, 
     assert (tmp_path / "out").read_bytes() == b"before|" + data[1000:-1000] + b"|after"
 
 
-def test_copy_range_passes_on_an_error_that_is_not_the_kernel_refusing(tmp_path, monkeypatch):
-    def full(*args):
-        raise OSError(errno.ENOSPC, "No space left on device")
+@pytest.mark.parametrize("first", ["EPERM", "nothing copied"])
+def test_copy_range_goes_on_another_way_when_the_kernel_copy_cannot_start(tmp_path, monkeypatch, first):
+    """A copy_file_range a seccomp filter refuses (EPERM) or that copies nothing on a
+    filesystem that cannot: the copy goes on by sendfile, as shutil's does."""
+    def refuse(*args):
+        if first == "EPERM":
+            raise OSError(errno.EPERM, "Operation not permitted")
+        return 0
 
-    monkeypatch.setattr(os, "copy_file_range", full, raising=False)
+    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    data = os.urandom(100_000)
+    (tmp_path / "src").write_bytes(data)
+    fd, out = os.open(tmp_path / "src", os.O_RDONLY), os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT)
+    try:
+        fsio.copy_range(fd, 7, len(data) - 7, out)
+    finally:
+        os.close(fd)
+        os.close(out)
+    assert (tmp_path / "out").read_bytes() == data[7:]
+
+
+def test_copy_range_passes_on_an_error_after_the_copy_began(tmp_path, monkeypatch):
+    """The disk filling once bytes have gone out is the copy's error, not a reason to
+    start over another way (which would append them twice)."""
+    if not hasattr(os, "copy_file_range"):
+        pytest.skip("no copy_file_range here (Linux only)")
+    real = os.copy_file_range
+    calls = []
+
+    def fills(src, dst, count, offset_src=None, *rest):
+        calls.append(count)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src, dst, 10, offset_src)
+
+    monkeypatch.setattr(os, "copy_file_range", fills)
     (tmp_path / "src").write_bytes(b"x" * 100)
     fd, out = os.open(tmp_path / "src", os.O_RDONLY), os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT)
     try:
@@ -193,3 +224,4 @@ def test_copy_range_passes_on_an_error_that_is_not_the_kernel_refusing(tmp_path,
     finally:
         os.close(fd)
         os.close(out)
+    assert (tmp_path / "out").read_bytes() == b"x" * 10

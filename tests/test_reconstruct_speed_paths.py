@@ -226,8 +226,19 @@ def test_pool_output_around_repeated_ids_is_the_one_process_output(tmp_path, kim
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(repeated) + "\n", encoding="utf-8")
     one = reconstruct_file(src, tmp_path / "one.jsonl", kimi, workers=1)
-    _small_ranges(monkeypatch)
-    pool = reconstruct_file(src, tmp_path / "pool.jsonl", kimi, workers=2, chunk_lines=2)
+    _small_ranges(monkeypatch, 6000)  # a few records a chunk: repeats fall inside them
+    from tokenbridge import reconstruct
+
+    starts = []
+    copy_from = reconstruct._JsonlSink.copy_from
+
+    def noted(self, fd, offset, length):
+        starts.append(offset)
+        copy_from(self, fd, offset, length)
+
+    monkeypatch.setattr(reconstruct._JsonlSink, "copy_from", noted)
+    pool = reconstruct_file(src, tmp_path / "pool.jsonl", kimi, workers=2)
+    assert any(starts), "no copy began inside a spooled chunk"
     assert (tmp_path / "pool.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
     assert [(b.line, b.field) for b in pool.bad_lines] == [(b.line, b.field) for b in one.bad_lines] == [
         (6, "id"), (11, "id"), (12, "id")]

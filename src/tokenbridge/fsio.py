@@ -225,9 +225,6 @@ def _fsync_file(path: Path, mode: int) -> None:
 
 #: Most buffers one ``writev`` takes (POSIX's IOV_MAX; Linux and macOS say 1024).
 _IOV_MAX = 1024
-#: Errors that mean "this kernel or filesystem cannot copy that way": try the next way
-#: (ENOTSOCK: macOS's sendfile writes only to sockets).
-_NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOTSOCK})
 
 
 def write_parts(fd: int, parts: Sequence[bytes | memoryview]) -> int:
@@ -257,36 +254,53 @@ def copy_range(src_fd: int, offset: int, length: int, dst_fd: int) -> None:
     """Append ``length`` bytes of ``src_fd`` from ``offset`` at ``dst_fd``'s position,
     inside the kernel where it can (``copy_file_range``, then ``sendfile``), else by
     ``pread``/``write``. Why: a user-space copy maps or reads every page first, and the
-    parent that gathers the workers' rows shares their two cores."""
+    parent that gathers the workers' rows shares their two cores.
+
+    A kernel way that fails before it has copied a byte (not there, refused across
+    filesystems, by a seccomp filter, a filesystem that copies nothing) hands over to the
+    next, as :func:`shutil.copyfile` does; once it has copied some, its error is the
+    error (the disk filled, the file went)."""
     end = offset + length
-    kernel_copy = getattr(os, "copy_file_range", None)
-    while offset < end and kernel_copy is not None:
-        try:
-            n = kernel_copy(src_fd, dst_fd, end - offset, offset)
-        except OSError as exc:
-            if exc.errno not in _NO_KERNEL_COPY:
-                raise
-            kernel_copy = None
-            break
-        if n == 0:
-            raise OSError(errno.EIO, f"copy_range: the source ended {end - offset} bytes early")
-        offset += n
-    sendfile = getattr(os, "sendfile", None)
-    while offset < end and sendfile is not None:
-        try:
-            n = sendfile(dst_fd, src_fd, offset, min(end - offset, 1 << 30))
-        except OSError as exc:
-            if exc.errno not in _NO_KERNEL_COPY:
-                raise
-            break
-        if n == 0:
-            raise OSError(errno.EIO, f"copy_range: the source ended {end - offset} bytes early")
-        offset += n
+    for way in (_kernel_copy_file_range, _kernel_sendfile):
+        if offset >= end:
+            return
+        offset = way(src_fd, offset, end, dst_fd)
     while offset < end:
         block = os.pread(src_fd, min(end - offset, 1 << 20), offset)
         if not block:
             raise OSError(errno.EIO, f"copy_range: the source ended {end - offset} bytes early")
         offset += write_parts(dst_fd, [block])
+
+
+def _kernel_copy_file_range(src_fd: int, offset: int, end: int, dst_fd: int) -> int:
+    """Copy with ``copy_file_range`` from ``offset`` towards ``end``; where it stopped."""
+    copy = getattr(os, "copy_file_range", None)
+    return _kernel_copy(lambda at, n: copy(src_fd, dst_fd, n, at), offset, end) if copy else offset
+
+
+def _kernel_sendfile(src_fd: int, offset: int, end: int, dst_fd: int) -> int:
+    """Copy with ``sendfile`` (a file to a file: Linux; macOS's writes only to sockets)."""
+    send = getattr(os, "sendfile", None)
+    return _kernel_copy(lambda at, n: send(dst_fd, src_fd, at, n), offset, end) if send else offset
+
+
+def _kernel_copy(call: Callable[[int, int], int], offset: int, end: int) -> int:
+    """Run one kernel copy call until ``end``; where it stopped: ``offset`` itself when it
+    could not start (its error or a first call that copies nothing), so the next way goes on."""
+    start = offset
+    while offset < end:
+        try:
+            n = call(offset, min(end - offset, 1 << 30))
+        except OSError:
+            if offset == start:
+                return offset
+            raise
+        if n == 0:
+            if offset == start:
+                return offset
+            raise OSError(errno.EIO, f"copy_range: the source ended {end - offset} bytes early")
+        offset += n
+    return offset
 
 
 class WriteBehind:

@@ -726,9 +726,10 @@ def _load(line: bytes | Line) -> Any:
 
 def _work(data: bytes) -> _ChunkResult:
     """Reconstruct a chunk of whole lines, numbered from 1 (the caller knows where the
-    chunk starts). JSONL rows come back as one buffer (every row serialised here,
-    newline included, in input order) plus one entry a record; from a worker process the
-    buffer goes to a file in the spool folder and only its name comes back.
+    chunk starts). JSONL rows (every row serialised here, newline included, in input
+    order) come back as one buffer plus one entry a record; from a worker process they
+    go into a file in the spool folder, written as they are (no joined copy), and only
+    its name comes back.
 
     Bad input (:data:`RECORD_ERRORS`) becomes a :class:`_Refused` entry; any other
     exception is a bug: it propagates, carrying the line it happened on (:func:`_note_bug`).
@@ -793,8 +794,9 @@ def _note_bug(exc: BaseException, first: int) -> None:
 @contextmanager
 def _chunk_rows(result: bytes | str) -> Iterator[memoryview | int]:
     """The rows of one :func:`_work` result: its bytes (from this process), or its spool
-    file open for reading (removed after), which the sink copies inside the kernel: the
-    main process never copies them through a pipe or its own memory."""
+    file open for reading (removed after), which the sink copies into the output inside
+    the kernel where it can (:func:`~tokenbridge.fsio.copy_range`; macOS reads and writes
+    them): never through a pipe."""
     if isinstance(result, bytes):
         yield memoryview(result)
         return
