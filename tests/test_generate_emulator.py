@@ -349,3 +349,44 @@ def test_exchanges_have_the_output_mode_whatever_the_umask(tmp_path, kimi):
     finally:
         os.umask(old)
     assert (tmp_path / "run" / "exchanges.jsonl").stat().st_mode & 0o777 == FILE_MODE
+
+
+def test_sending_raises_the_collectors_thresholds_and_puts_them_back(tmp_path, kimi, monkeypatch):
+    """While requests are in flight the cyclic collector runs at raised thresholds (each at
+    least the engine's, a user's higher one kept); after the run, and after a run that
+    fails, they are what they were."""
+    import gc
+
+    from tokenbridge.generate import engine as engine_mod
+    from tokenbridge.generate import run as run_mod
+
+    seen = []
+    real_run = engine_mod.Engine.run
+
+    async def noting(self, items):
+        seen.append(gc.get_threshold())
+        return await real_run(self, items)
+
+    monkeypatch.setattr(engine_mod.Engine, "run", noting)
+    before = gc.get_threshold()
+    prompts = _write_prompts(tmp_path / "p.jsonl", 12)
+    try:
+        gc.set_threshold(700, 10, 500)  # a user's own gen-2 threshold, above the engine's
+        with running_emulator(_emu(), tokenizer=kimi) as url:
+            settings = GenerateSettings(datasets=(DatasetSpec("p", prompts),), request=RequestSettings(model=MODEL),
+                                        base_url=url, concurrency=4, progress="none")
+            summary = generate_run(settings, tmp_path / "run", key=ApiKey("X", FAKE_KEY))
+            assert summary.done == 12
+            assert seen == [(run_mod._SENDING_GC[0], run_mod._SENDING_GC[1], 500)]
+            assert gc.get_threshold() == (700, 10, 500)
+
+            async def broken(self, items):
+                seen.append(gc.get_threshold())
+                raise RuntimeError("engine bug")
+
+            monkeypatch.setattr(engine_mod.Engine, "run", broken)
+            with pytest.raises(RuntimeError, match="engine bug"):
+                generate_run(settings, tmp_path / "run2", key=ApiKey("X", FAKE_KEY))
+            assert seen[-1][0] == run_mod._SENDING_GC[0] and gc.get_threshold() == (700, 10, 500)
+    finally:
+        gc.set_threshold(*before)

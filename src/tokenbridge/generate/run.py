@@ -10,6 +10,7 @@ written from and which file it became (``meta.exchanges``). The whole run holds 
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import json
 import os
@@ -19,11 +20,11 @@ import tempfile
 import threading
 import time
 import warnings
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from urllib.parse import urlparse
 
 import aiohttp
@@ -243,13 +244,45 @@ async def _send(engine: Engine, pending: list[WorkItem], reporter: Reporter, sig
     restore = _install_signals(engine, reporter) if signals else None
     t_send = time.monotonic()
     try:
-        await engine.run(pending)
+        with _fewer_collections():
+            await engine.run(pending)
     finally:
         send_s = time.monotonic() - t_send
         if restore:
             restore()
         await reporter.close()
     return send_s
+
+
+#: The cyclic collector's thresholds while requests are in flight, each at least this
+#: (CPython's default is (700, 10, 10)).
+_SENDING_GC = (50_000, 20, 10)
+_gc_lock = threading.Lock()
+_gc_runs = 0
+_gc_before: tuple[int, int, int] = (0, 0, 0)
+
+
+@contextmanager
+def _fewer_collections() -> Iterator[None]:
+    """Raise the collector's thresholds while sending; the outermost run puts them back.
+
+    Why: hundreds of requests in flight keep thousands of young objects alive, which the
+    default thresholds scan and promote over and over (3,000 requests at 512 concurrent:
+    0.25 s of collections, a fifth of the client's CPU; 0.05 s with these). Cycles are
+    still collected, a few megabytes later."""
+    global _gc_runs, _gc_before
+    with _gc_lock:
+        if _gc_runs == 0:
+            _gc_before = gc.get_threshold()
+            gc.set_threshold(*(max(mine, theirs) for mine, theirs in zip(_SENDING_GC, _gc_before)))
+        _gc_runs += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_runs -= 1
+            if _gc_runs == 0:
+                gc.set_threshold(*_gc_before)
 
 
 def _summarize(store: Store, engine: Engine, begun: _Begun, bad_rows: list[str], key: ApiKey | None,
