@@ -93,17 +93,19 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
     status: int, headers: Mapping[str, str], body: bytes | str, key: ApiKey | str | None
 ) -> tuple[Outcome, dict[str, Any] | None]:
     text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
-    parsed = _parse_json(text)
     retry_after = parse_retry_after(headers.get("Retry-After") or headers.get("retry-after"))
     if status != 200:
+        parsed = _parse_json(text)
         message = _error_message(parsed, text, key) or f"HTTP {status}"
         return _by_status(status, message, retry_after), parsed
-    if parsed is None:
-        return Outcome("retry", "bad_json", f"response is not JSON: {_clip(text, key)!r}", status), None
-    try:  # a 200 is kept only if it can be re-emitted losslessly (see .body)
+    try:  # a 200 is kept only if it can be re-emitted losslessly (see .body): the strict read first,
+        # which nearly every 200 passes, so its body is parsed once
         parsed = check_body(body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass"))
     except BodyError as exc:  # not kept, but billed: its leniently read usage still counts
-        return Outcome("retry", "bad_json", str(exc), status), parsed if isinstance(parsed, dict) else None
+        lenient = _parse_json(text)
+        if lenient is None:
+            return Outcome("retry", "bad_json", f"response is not JSON: {_clip(text, key)!r}", status), None
+        return Outcome("retry", "bad_json", str(exc), status), lenient if isinstance(lenient, dict) else None
     if parsed.get("error") is not None and not parsed.get("choices"):
         code = _error_code(parsed["error"])
         message = _error_message(parsed, text, key) or "error body"
