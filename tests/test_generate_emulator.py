@@ -390,3 +390,25 @@ def test_sending_raises_the_collectors_thresholds_and_puts_them_back(tmp_path, k
             assert seen[-1][0] == run_mod._SENDING_GC[0] and gc.get_threshold() == (700, 10, 500)
     finally:
         gc.set_threshold(*before)
+
+
+def test_a_zero_threshold_keeps_automatic_collection_off_while_sending():
+    """gc.set_threshold(0) turns automatic collection off; raising the thresholds for the
+    send loop must not turn it back on."""
+    import gc
+
+    from tokenbridge.generate.run import _fewer_collections
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(0, 10, 10)
+        with _fewer_collections():
+            assert gc.get_threshold() == (0, 10, 10)
+        gc.set_threshold(700, 10, 10)
+        with _fewer_collections():
+            with _fewer_collections():  # a second run beside the first: the outermost puts them back
+                assert gc.get_threshold()[0] == 50_000
+            assert gc.get_threshold()[0] == 50_000
+        assert gc.get_threshold() == (700, 10, 10)
+    finally:
+        gc.set_threshold(*before)

@@ -274,7 +274,8 @@ def _fewer_collections() -> Iterator[None]:
     with _gc_lock:
         if _gc_runs == 0:
             _gc_before = gc.get_threshold()
-            gc.set_threshold(*(max(mine, theirs) for mine, theirs in zip(_SENDING_GC, _gc_before)))
+            if _gc_before[0] > 0:  # 0: the caller turned automatic collection off; it stays off
+                gc.set_threshold(*(max(mine, theirs) for mine, theirs in zip(_SENDING_GC, _gc_before)))
         _gc_runs += 1
     try:
         yield
