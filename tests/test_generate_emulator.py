@@ -410,5 +410,8 @@ def test_a_zero_threshold_keeps_automatic_collection_off_while_sending():
                 assert gc.get_threshold()[0] == 50_000
             assert gc.get_threshold()[0] == 50_000
         assert gc.get_threshold() == (700, 10, 10)
+        with _fewer_collections():
+            gc.set_threshold(1234, 5, 5)  # the caller's own setting, made while a run sends
+        assert gc.get_threshold() == (1234, 5, 5)
     finally:
         gc.set_threshold(*before)

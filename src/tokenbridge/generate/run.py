@@ -260,6 +260,7 @@ _SENDING_GC = (50_000, 20, 10)
 _gc_lock = threading.Lock()
 _gc_runs = 0
 _gc_before: tuple[int, int, int] = (0, 0, 0)
+_gc_raised: tuple[int, int, int] | None = None  # what the outermost run set (None: it left them)
 
 
 @contextmanager
@@ -269,20 +270,23 @@ def _fewer_collections() -> Iterator[None]:
     Why: hundreds of requests in flight keep thousands of young objects alive, which the
     default thresholds scan and promote over and over (3,000 requests at 512 concurrent:
     0.25 s of collections, a fifth of the client's CPU; 0.05 s with these). Cycles are
-    still collected, a few megabytes later."""
-    global _gc_runs, _gc_before
+    still collected, a few megabytes later. Thresholds the caller changes meanwhile are
+    theirs: they are left as the caller set them."""
+    global _gc_runs, _gc_before, _gc_raised
     with _gc_lock:
         if _gc_runs == 0:
-            _gc_before = gc.get_threshold()
+            _gc_before, _gc_raised = gc.get_threshold(), None
             if _gc_before[0] > 0:  # 0: the caller turned automatic collection off; it stays off
-                gc.set_threshold(*(max(mine, theirs) for mine, theirs in zip(_SENDING_GC, _gc_before)))
+                raised = tuple(max(mine, theirs) for mine, theirs in zip(_SENDING_GC, _gc_before))
+                gc.set_threshold(*raised)
+                _gc_raised = gc.get_threshold()
         _gc_runs += 1
     try:
         yield
     finally:
         with _gc_lock:
             _gc_runs -= 1
-            if _gc_runs == 0:
+            if _gc_runs == 0 and _gc_raised is not None and gc.get_threshold() == _gc_raised:
                 gc.set_threshold(*_gc_before)
 
 
