@@ -168,12 +168,13 @@ class Dialect:
     def render_request(self, request: Mapping[str, Any]) -> str:
         """The prompt the serving side builds for an API request body: its messages and
         tools, thinking mode from its settings, and its ``chat_template_kwargs``."""
-        from .shapes import checked_messages, template_kwargs
+        from .shapes import template_kwargs
 
         kwargs = template_kwargs(request)
         kwargs.pop("thinking", None)
         kwargs.pop("enable_thinking", None)
-        return self._renderer()(checked_messages(request.get("messages")), request.get("tools"), self.thinking(request), kwargs)
+        messages: Any = request.get("messages")  # in shape or not: the renderer checks (a TemplateError)
+        return self._renderer()(messages, request.get("tools"), self.thinking(request), kwargs)
 
     def prompt_readings(self, request: Mapping[str, Any], response: Mapping[str, Any] | None = None,
                         meta: Mapping[str, Any] | None = None) -> list[PromptReading]:
@@ -189,8 +190,6 @@ class Dialect:
 
         out, seen = [first], {first.text}
         for variant, name in serving_variants(request):
-            if name is None:
-                continue
             try:
                 text = self.render_request(variant)
             except TemplateError:
@@ -202,8 +201,15 @@ class Dialect:
 
     def with_render(self, render: RenderFn, name: str | None = None) -> Dialect:
         """The family with another prompt renderer (a real template: it takes every
-        template kwarg and declares tools itself)."""
-        return replace(self, render=render, name=name or self.name, template_kwargs=None,
+        template kwarg and declares tools itself), behind the messages check every
+        renderer a dialect holds runs (the built-in ones are :func:`~.shapes.checked`)."""
+        from .shapes import checked_messages
+
+        def render_checked(messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None, thinking: bool,
+                           kwargs: Mapping[str, Any]) -> str:
+            return render(checked_messages(messages), tools, thinking, kwargs)
+
+        return replace(self, render=render_checked, name=name or self.name, template_kwargs=None,
                        tools_unproven=lambda tools: None)
 
     def completion_parts(

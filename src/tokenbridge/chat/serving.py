@@ -4,7 +4,7 @@ Engines differ, and the API text does not say which one served: SGLang 0.5.23 du
 tools through its pydantic ``Tool`` model and turns a last assistant message into a user
 message (``_handle_last_assistant_message``, without ``continue_final_message``), while
 vLLM and earlier stacks render both as sent. :func:`serving_variants` lists the request
-as each of them renders it; ``usage.prompt_tokens`` or ground-truth prompt ids pick one
+as SGLang renders it where that differs from as sent; ``usage.prompt_tokens`` or ground-truth prompt ids pick one
 (``reconstruct._prompt``), and when none can, the gate says so.
 """
 
@@ -73,10 +73,9 @@ def sglang_last_assistant(messages: list[Any]) -> list[Any] | None:
     return [*messages[:-1], {"role": "user", "content": content or ""}]
 
 
-def serving_variants(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str | None]]:
-    """(request as a stack renders it, the reading's name): as sent first, then with
+def serving_variants(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str]]:
+    """(request as a stack renders it, the reading's name) other than as sent: with
     SGLang's tool dump and/or its last-assistant handling where they change anything."""
-    yield request, None
     if request.get("continue_final_message") is True:
         return  # SGLang then continues the message as a prefix: not reproduced, as sent only
     tools = sglang_tools(request)
