@@ -248,14 +248,15 @@ def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, 
     reading, ids = keep[0]
     doubt = None
     dated = any((r.name or "").startswith("date=") for r, _ in keep)
+    differ = len({tuple(i) for _, i in keep}) > 1  # the kept readings give different prompt ids
     if reading.name == "date=unknown":
         doubt = ("prompt_date_unproven", "the template prints the serving day and the exchange has no timing (no "
                  "usable response.created or meta.started_at + latency_s): today's date was assumed")
-    elif len({tuple(i) for _, i in keep}) > 1 and dated:
+    elif differ and dated:
         doubt = ("prompt_date_unproven", f"the template prints the serving day and the exchange's timing admits "
                  f"{len(keep)} ({', '.join(str(r.name) for r, _ in keep)}) with different prompt ids; no "
                  "ground-truth prompt ids or count tells them apart")
-    elif len({tuple(i) for _, i in keep}) > 1:
+    elif differ:
         doubt = ("prompt_reading_unproven", f"serving engines render this request {len(keep)} ways "
                  f"({', '.join(r.name or 'as sent' for r, _ in keep)}) with different prompt ids; no ground-truth "
                  "prompt ids or count tells them apart")
@@ -278,7 +279,7 @@ _COUNT_CODES = frozenset({"usage_prompt_mismatch", "usage_completion_mismatch", 
 
 def _delta(plans: list[_Choice], rows: list[dict[str, Any]], usage: Mapping[str, Any] | None,
            n_prompt: int) -> CountDelta | None:
-    if len(plans) != 1 or usage is None or _count_reading(plans[0]) is None:
+    if len(plans) != 1 or usage is None or not _count_reading(plans[0]):
         return None
     if any(f["severity"] == "error" and f["code"] not in _COUNT_CODES for f in rows[0]["findings"]):
         return None
@@ -294,18 +295,16 @@ def _delta(plans: list[_Choice], rows: list[dict[str, Any]], usage: Mapping[str,
     )
 
 
-def _count_reading(p: _Choice) -> int | None:
-    """The reading a run's count traits may learn this choice's offset from: its only one,
-    or the formula of a length cut whose other readings are all a cut right after
+def _count_reading(p: _Choice) -> bool:
+    """Whether a run's count traits may learn this choice's offset from its formula (reading
+    0): its only reading, or a length cut whose other readings are all a cut right after
     ``</think>`` that the evidence did not pick. Cut samples are what tells an uncounted
     end token from an offset with no known cause (the end token is in no cut), so leaving
     every thinking cut out once that reading existed let a +1 offset on every sample pass
     as the end token (a suite test caught it)."""
     if len(p.cands) == 1:
-        return 0
-    if p.chosen == 0 and not p.ambiguous and all(c.names == ("cut_after_think_close",) for c in p.cands[1:]):
-        return 0
-    return None
+        return True
+    return p.chosen == 0 and not p.ambiguous and all(c.names == ("cut_after_think_close",) for c in p.cands[1:])
 
 
 def _streamed(ex: Exchange) -> bool | None:
