@@ -75,6 +75,7 @@ __all__ = [
     "clean_stale_temps",
     "foreign_entries",
     "marker_files",
+    "marker_owned",
     "dumps_line",
     "is_temp_name",
     "kill_point",
@@ -486,8 +487,7 @@ def _owned_test(target: Path, owned: Owned | None) -> Callable[[str], bool]:
         return lambda name: True
     if owned is not None:
         return owned(target)
-    files = marker_files(target)
-    return (lambda name: True) if files is None else (lambda name: name in files or name in (MARKER, CARRIED))
+    return marker_owned(target) or (lambda name: True)
 
 
 def marker_files(folder: Path) -> frozenset[str] | None:
@@ -500,6 +500,15 @@ def marker_files(folder: Path) -> frozenset[str] | None:
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         return None
     return frozenset(files)
+
+
+def marker_owned(folder: Path) -> Callable[[str], bool] | None:
+    """Which entries of ``folder`` tokenbridge wrote, by its marker: the names the marker
+    lists, the marker itself and the carried-entries record; None when the marker lists none."""
+    files = marker_files(folder)
+    if files is None:
+        return None
+    return lambda name: name in files or name in (MARKER, CARRIED)
 
 
 def foreign_entries(target: Path, ours: Callable[[str], bool]) -> list[str]:
@@ -560,8 +569,7 @@ def _discard(folder: Path, target: Path, ours: Callable[[str], bool] | None = No
     except (OSError, ValueError, UnicodeDecodeError):
         pass
     if ours is None:
-        files = marker_files(folder)
-        ours = (lambda name: True) if files is None else (lambda name: name in files or name in (MARKER, CARRIED))
+        ours = marker_owned(folder) or (lambda name: True)
     back = sorted(n for n in names if n in carried or (n != CARRIED and not ours(n)))
     stuck = False
     for name in back:

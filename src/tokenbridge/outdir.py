@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Literal
 from collections.abc import Callable, Iterable, Mapping
 
-from .fsio import CARRIED, MARKER, OutputRefused, foreign_entries, is_temp_name, marker_files, output_file, publish_dir
+from .fsio import CARRIED, MARKER, OutputRefused, foreign_entries, is_temp_name, marker_owned, output_file, publish_dir
 
 __all__ = [
     "MARKER",
@@ -71,6 +71,7 @@ __all__ = [
     "run_file_problem",
     "run_folder_of",
     "run_folder_problem",
+    "run_inputs_problem",
     "store_kind",
     "store_problem",
 ]
@@ -198,10 +199,7 @@ def own_names(kind: OutputKind) -> Callable[[Path], Callable[[str], bool]]:
     def test(target: Path) -> Callable[[str], bool]:
         if not _is_own(target, kind):
             return lambda name: False
-        files = marker_files(target)
-        if files is not None:
-            return lambda name: name in files or name in (MARKER, CARRIED)
-        return _writes(kind)
+        return marker_owned(target) or _writes(kind)
     return test
 
 
@@ -467,18 +465,13 @@ def run_folder_problem(out: str | Path, *, inputs: Iterable[str | Path] = (),
     (replacing any of the same names), so it must be missing, empty or an earlier run's
     folder (:func:`is_own_run_folder`), and never ``/``, a system folder or ``$HOME``; and
     none of the command's ``inputs`` may be the folder or one of the files (or folders)
-    the run ``writes`` there (path, symlink or hard link), nor lie inside one of them."""
+    the run ``writes`` there (path, symlink or hard link), nor lie inside one of them
+    (:func:`run_inputs_problem`)."""
     out = Path(out)
+    why = run_inputs_problem(out, inputs, writes)
+    if why is not None:
+        return why
     resolved = out.resolve()
-    for item in inputs:
-        real = Path(item).resolve()
-        if real == resolved:
-            return (f"{out}: is the input {item}; a run writes its files into that folder: give a new or empty "
-                    "folder")
-        for name in writes:
-            if _same_file(item, resolved / name) or real.is_relative_to(resolved / name):
-                return (f"{out}: the input {item} is the run folder's {name}, which the run rewrites; nothing was "
-                        "written: move the input out of the run folder, or give another folder")
     home = os.environ.get("HOME")
     what = ("the root folder" if resolved == Path("/") else "a system folder" if resolved in _SYSTEM_FOLDERS
             else "your home folder" if home and resolved == Path(home).resolve() else None)
@@ -495,6 +488,25 @@ def run_folder_problem(out: str | Path, *, inputs: Iterable[str | Path] = (),
         return f"{out / 'state.sqlite'}: {_NOT_A_STORE[kind]}; nothing was written: give a new or empty folder"
     return (f"{out}: folder is not empty and is not a tokenbridge run folder (no state.sqlite or .lock of an "
             "earlier run); nothing was written: give a new or empty folder")
+
+
+def run_inputs_problem(out: str | Path, inputs: Iterable[str | Path],
+                       writes: Iterable[str] = RUN_STATE_FILES) -> str | None:
+    """Why a run in ``out`` would replace one of the command's ``inputs``, or None: an input
+    may be neither the folder nor one of the files (or folders) the run ``writes`` there
+    (path, symlink or hard link), nor lie inside one of them."""
+    out = Path(out)
+    resolved = out.resolve()
+    for item in inputs:
+        real = Path(item).resolve()
+        if real == resolved:
+            return (f"{out}: is the input {item}; a run writes its files into that folder: give a new or empty "
+                    "folder")
+        for name in writes:
+            if _same_file(item, resolved / name) or real.is_relative_to(resolved / name):
+                return (f"{out}: the input {item} is the run folder's {name}, which the run rewrites; nothing was "
+                        "written: move the input out of the run folder, or give another folder")
+    return None
 
 
 def export_target(target: str | Path, fmt: str) -> Path:
