@@ -107,12 +107,15 @@ def _tokenizer(flag_value: str | None, config_value: str | None = None, config: 
         _fail(str(exc))
 
 
-def _tokenizer_input(*values: str | None) -> str | None:
-    """The tokenizer a command will read (the first value given, else
-    ``$TOKENBRIDGE_TOKENIZER``): an input no output may replace when it is a local folder."""
-    from .tokenizer_source import TOKENIZER_ENV
+def _tokenizer_input(value: str | None) -> str | None:
+    """The tokenizer a command will read (:func:`~tokenbridge.tokenizer_source.choose_tokenizer`'s
+    choice, None when there is none): an input no output may replace when it is a local folder."""
+    from .tokenizer_source import NoTokenizerError, choose_tokenizer
 
-    return next((v for v in (*values, os.environ.get(TOKENIZER_ENV)) if v and v.strip()), None)
+    try:
+        return str(choose_tokenizer(value))
+    except NoTokenizerError:
+        return None
 
 
 _TOKENIZER_HELP = "Tokenizer folder or Hub repo id (default: $TOKENBRIDGE_TOKENIZER)."
@@ -383,11 +386,12 @@ def _check_generate_outputs(out: Path, summary_json: Path | None, settings: Gene
                             config: Path | None) -> None:
     """Neither output may replace an input (the prompt files and folders, the config, a
     local tokenizer): ``--out``'s run rewrites its store, exchanges.jsonl and generate.json,
-    and ``--summary-json`` may be none of those nor the run's lock (one line, exit 2)."""
-    from .outdir import existing_inputs, run_folder_problem
+    and ``--summary-json`` may be none of those nor the run's lock (one line, exit 2). The
+    folder itself was checked before the settings were read."""
+    from .outdir import existing_inputs, run_inputs_problem
 
     inputs = existing_inputs(config, _tokenizer_input(settings.tokenizer), *(d.path for d in settings.datasets))
-    why = run_folder_problem(out, inputs=inputs)
+    why = run_inputs_problem(out, inputs)
     if why is not None:
         _fail(f"--out {why}")
     if summary_json is not None:
