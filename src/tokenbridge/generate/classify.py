@@ -92,9 +92,9 @@ def classify_response(
 def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order they are told apart
     status: int, headers: Mapping[str, str], body: bytes | str, key: ApiKey | str | None
 ) -> tuple[Outcome, dict[str, Any] | None]:
-    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
     retry_after = parse_retry_after(headers.get("Retry-After") or headers.get("retry-after"))
     if status != 200:
+        text = _text(body)
         parsed = _parse_json(text)
         message = _error_message(parsed, text, key) or f"HTTP {status}"
         return _by_status(status, message, retry_after), parsed
@@ -102,13 +102,14 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
         # which nearly every 200 passes, so its body is parsed once
         parsed = check_body(body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass"))
     except BodyError as exc:  # not kept, but billed: its leniently read usage still counts
+        text = _text(body)
         lenient = _parse_json(text)
         if lenient is None:
             return Outcome("retry", "bad_json", f"response is not JSON: {_clip(text, key)!r}", status), None
         return Outcome("retry", "bad_json", str(exc), status), lenient if isinstance(lenient, dict) else None
     if parsed.get("error") is not None and not parsed.get("choices"):
         code = _error_code(parsed["error"])
-        message = _error_message(parsed, text, key) or "error body"
+        message = _error_message(parsed, _text(body), key) or "error body"
         by_code = _by_status(code, message, retry_after) if code is not None else None
         if by_code is not None and (by_code.kind != "fail" or code in (400, 401, 403)) and by_code.kind != "retry":
             return Outcome(by_code.kind, by_code.error_class, message, status, by_code.retry_after), parsed
@@ -124,6 +125,11 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
             message = _error_message(choice, "", key) or _error_message(parsed, "", key) or "choice finished with error"
             return Outcome("retry", "choice_error", message, status), parsed
     return Outcome("ok", status=status), parsed
+
+
+def _text(body: bytes | str) -> str:
+    """The body as text, for messages and the lenient read (a kept answer never needs it)."""
+    return body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
 
 
 def _bad_choices(choices: list[Any], key: ApiKey | str | None) -> str:

@@ -404,7 +404,7 @@ class Engine:
             self._abandon(item)
             return
         try:
-            outcome, record, attempt, usage = await self._attempt(session, item)
+            outcome, record, attempt, usage = await self._attempt(session, item, n)
         except BaseException as exc:  # aborted, or a bug: it went out, so it may have been billed
             self._unanswered(send, exc)
             raise
@@ -499,11 +499,10 @@ class Engine:
             await self._settled.wait()
 
     async def _attempt(
-        self, session: aiohttp.ClientSession, item: WorkItem
+        self, session: aiohttp.ClientSession, item: WorkItem, n: int
     ) -> tuple[Outcome, ResponseRecord | None, AttemptRecord, CheckedUsage]:
-        """One HTTP attempt: its outcome, the response to store (when ok), its log row, and
-        its usage as validated at the boundary (the caller counted the try)."""
-        n = item.prior_attempts + item.tries
+        """Attempt ``n`` of ``item`` over HTTP: its outcome, the response to store (when ok),
+        its log row, and its usage as validated at the boundary."""
         stream = self.s.stream
         started_at = time.time()
         t0 = item.sent_at = time.monotonic()

@@ -57,7 +57,7 @@ from collections.abc import Iterable, Iterator
 from ..exit_codes import ExitCode
 from ..fsio import PRIVATE_MODE
 from ..jsonl import is_count
-from ..outdir import store_kind, store_problem
+from ..outdir import store_problem
 from .body import MAX_PLAUSIBLE_COST, MAX_PLAUSIBLE_TOKENS
 from .errors import GenerateError
 
@@ -265,6 +265,11 @@ class Batch:
         return bool(self.sends or self.unsent or self.attempts or self.responses or self.failures)
 
 
+#: An attempt's number (parameters: the number asked for, the sample id): that one, or the
+#: next after the sample's highest when it is taken (attempt rows are append only).
+_NEXT_FREE_N = "MAX(?, (SELECT COALESCE(MAX(n), 0) + 1 FROM attempts WHERE sample_id = ?))"
+
+
 class Store:
     """One run folder's SQLite state. Open with :meth:`open`; close when done."""
 
@@ -287,7 +292,7 @@ class Store:
         if why is not None:
             raise StoreError(f"{why}; nothing was written: give a new or empty folder")
         try:
-            if store_kind(path) is None:
+            if not os.path.lexists(path):  # store_problem found nothing there, or an empty or own store
                 _create_private(path)
             conn = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
@@ -483,14 +488,13 @@ class Store:
         with self._tx():
             rows = self._conn.execute(
                 "SELECT sample_id, n, run, started_at, reservation FROM in_flight ORDER BY sample_id, n").fetchall()
-            for sid, n, run, started_at, reservation in rows:  # one at a time: each takes the next free number
-                self._conn.execute(
-                    "INSERT INTO attempts(sample_id, n, run, started_at, error_class, message, possible_cost) VALUES"
-                    " (?, MAX(?, (SELECT COALESCE(MAX(n), 0) + 1 FROM attempts WHERE sample_id = ?)), ?, ?,"
-                    " 'unanswered', ?, ?)",
-                    (sid, n, sid, run, started_at, _UNANSWERED,
-                     reservation if isinstance(reservation, (int, float)) and reservation > 0 else None),
-                )
+            self._conn.executemany(  # row after row, so each takes the next free number
+                "INSERT INTO attempts(sample_id, n, run, started_at, error_class, message, possible_cost) VALUES"
+                f" (?, {_NEXT_FREE_N}, ?, ?, 'unanswered', ?, ?)",
+                [(sid, n, sid, run, started_at, _UNANSWERED,
+                  reservation if isinstance(reservation, (int, float)) and reservation > 0 else None)
+                 for sid, n, run, started_at, reservation in rows],
+            )
             self._conn.execute("DELETE FROM in_flight")
         return len(rows)
 
@@ -535,7 +539,7 @@ class Store:
             self._conn.executemany(
                 "INSERT INTO attempts(sample_id, n, run, started_at, latency_s, http_status, error_class,"
                 " message, cost, stream, possible_cost, body) VALUES"
-                " (?, MAX(?, (SELECT COALESCE(MAX(n), 0) + 1 FROM attempts WHERE sample_id = ?)),?,?,?,?,?,?,?,?,?,?)",
+                f" (?, {_NEXT_FREE_N},?,?,?,?,?,?,?,?,?,?)",
                 [
                     (a.sample_id, a.n, a.sample_id, self.run, a.started_at, a.latency_s, a.http_status, a.error_class,
                      a.message, a.cost, int(a.stream), a.possible_cost,
