@@ -84,6 +84,19 @@ def test_probe_refuses_a_base_url_without_scheme(kimi_dir):
     assert res.exit_code == 2 and "needs http:// or https://" in res.output and "Traceback" not in res.output
 
 
+def test_probe_refuses_a_key_that_cannot_be_sent_before_any_probe(kimi_dir):
+    """As generate does: one line naming the variable, never the key, exit 2, and no
+    request (the base URL is a closed loopback port: a sent probe would fail differently)."""
+    key = "sk-or-v1-0123456789abcdef\r\nX-Injected: 1"
+    res = CliRunner().invoke(app, ["probe", "--model", MODEL, "--providers", "a", "--base-url", "http://127.0.0.1:9/v1",
+                                   "--tokenizer", str(kimi_dir), "--api-key-env", "TB_PROBE_KEY"],
+                             env={"TB_PROBE_KEY": key})
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines() == ["error: the API key in $TB_PROBE_KEY holds a control character "
+                                               "(U+000D at character 25): it cannot be sent in an HTTP header"]
+    assert "0123456789" not in res.output
+
+
 # --- echo tests: the provider profile ---------------------------------------------------
 
 

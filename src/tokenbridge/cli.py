@@ -518,8 +518,11 @@ def probe(
     names = _csv(providers) or []
     if not names:
         _fail("--providers: give at least one provider")
-    reports = _probe(model=model, providers=names, base_url=base_url, key=key, tokenizer=tok,
-                     max_tokens=max_tokens, reasoning=effort)
+    try:  # a key that cannot be sent is refused here, before any probe
+        reports = _probe(model=model, providers=names, base_url=base_url, key=key, tokenizer=tok,
+                         max_tokens=max_tokens, reasoning=effort)
+    except GenerateError as exc:
+        _fail(str(exc), exc.exit_code)
     from .generate.probe import render_profiles
 
     Console(highlight=False).print(render_table(reports))

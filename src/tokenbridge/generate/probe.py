@@ -39,7 +39,7 @@ from .budget import cost_of
 from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_response
 from .request import build_request
 from .prompts import Sample
-from .secrets import ApiKey, scrub, scrub_bytes
+from .secrets import ApiKey, check_api_key, scrub, scrub_bytes
 from .settings import Reasoning, RequestSettings, check_base_url
 
 if TYPE_CHECKING:
@@ -248,6 +248,7 @@ async def aprobe(
     from ..chat import resolve_dialect
 
     check_base_url(base_url, "probe")
+    check_api_key(key)
     dialect = dialect or resolve_dialect(tokenizer)
     url = base_url.rstrip("/") + "/chat/completions"
     headers = {"Content-Type": "application/json"}

@@ -43,8 +43,8 @@ from .lock import run_lock
 from .progress import Reporter
 from .prompts import keep_stored_ids, load_prompts
 from .request import build_request
-from .secrets import ApiKey, placeholder_notice, read_api_key, scrub
-from .settings import ConfigError, GenerateSettings, api_key_problem, endpoint_identity
+from .secrets import ApiKey, check_api_key, placeholder_notice, read_api_key, scrub
+from .settings import ConfigError, GenerateSettings, endpoint_identity
 from .store import STATE_FILE, Store, StoreError
 
 __all__ = [
@@ -150,8 +150,7 @@ async def agenerate_run(
         raise ConfigError("no prompt datasets given")
     if key is None:
         key = read_api_key(settings.api_key_env, required=not is_local_url(settings.base_url))
-    if key is not None and (why := api_key_problem(key.value)):  # before a request fails on it, sample by sample
-        raise ConfigError(f"the API key in ${key.env_name} {why}")
+    check_api_key(key)
     reporter = reporter or Reporter(settings.progress, interval_s=settings.log_interval_s)
     if (notice := placeholder_notice(key)) is not None:
         reporter.log(notice)

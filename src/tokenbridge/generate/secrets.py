@@ -41,8 +41,9 @@ from collections.abc import Iterable
 from functools import lru_cache
 
 from .errors import GenerateError
+from .settings import ConfigError, api_key_problem
 
-__all__ = ["MIN_MASKED", "ApiKey", "MissingApiKey", "keys_read", "placeholder_notice", "read_api_key", "scrub",
+__all__ = ["MIN_MASKED", "ApiKey", "MissingApiKey", "check_api_key", "keys_read", "placeholder_notice", "read_api_key", "scrub",
            "scrub_bytes"]
 
 _MASK = "***"
@@ -84,6 +85,14 @@ def read_api_key(env_name: str = "OPENROUTER_API_KEY", *, required: bool = True)
         return None
     _READ.add(value)
     return ApiKey(env_name, value)
+
+
+def check_api_key(key: ApiKey | None) -> None:
+    """:class:`~.settings.ConfigError` (naming the variable, never the text) for a key that
+    cannot go into an ``Authorization`` header, before anything is sent: aiohttp refuses a
+    CR or LF only per request, so every sample (or every probe) failed its attempts one by one."""
+    if key is not None and (why := api_key_problem(key.value)):
+        raise ConfigError(f"the API key in ${key.env_name} {why}")
 
 
 def placeholder_notice(key: ApiKey | None) -> str | None:
