@@ -35,6 +35,12 @@ evidence proves (usage, logprobs, token ids, stop id), or reports them all.
 * ``cut_after_think_close``: a length cut with no content served may have fallen inside
   the reasoning (the formula) or right after ``</think>``: one token apart, so the count
   picks.
+* ``end_in_think``: a turn that ended (stop) with no content served may have closed its
+  think block (the formula) or ended inside it, ``R<|im_end|>``: SGLang's ``kimi_k2`` parser
+  serves a block never closed as reasoning alone, as it serves a closed one with nothing after.
+  One token apart, the same gap as a provider that leaves its end token uncounted, so it is
+  offered only where the caller says the evidence can tell (``end_in_think``: token ids or
+  logprobs, or a run that proved the provider counts its end token).
 
 The common case, a message none of these fit, has one candidate and costs nothing more.
 """
@@ -48,7 +54,7 @@ from collections.abc import Mapping, Sequence
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .content import content_text
 
-__all__ = ["Candidate", "candidates", "unjoin_marker_spaces"]
+__all__ = ["Candidate", "candidates", "ends_in_think_fits", "unjoin_marker_spaces"]
 
 Parts = list[tuple[str, str]]
 
@@ -149,6 +155,7 @@ def candidates(
     joins_markers: bool = False,
     stream: bool | None = None,
     prefix_in_reasoning: bool | None = None,
+    end_in_think: bool = False,
 ) -> list[Candidate]:
     """The plain formula first, then every other reading this message admits.
 
@@ -156,6 +163,7 @@ def candidates(
     vLLM's joined text, so a joined reading replaces the plain ones wherever it fits.
     ``stream``: whether the response was streamed (None: unknown). ``prefix_in_reasoning``:
     the provider's run shows SGLang's GLM form (True) or vLLM's (False); None: unknown.
+    ``end_in_think``: offer the ``end_in_think`` reading where the message fits it.
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
@@ -199,6 +207,7 @@ def candidates(
     if joins_markers and any("marker_spaces" in c.names for c in out):
         out = [c for c in out if "marker_spaces" in c.names]
     out += _cut_after_close(dialect, out, finish_reason, thinking, prompt_opens_think)
+    out += _ended_in_think(out, finish_reason, thinking, prompt_opens_think, end_in_think)
     for marker in end_markers:
         for cand in list(out):
             # a reading that already ends with the named token (GLM's <|observation|>
@@ -227,6 +236,29 @@ def _open_at_cut(parts: Parts, prompt_opens_think: bool) -> bool:
     if kinds & {"think_end", "content", "tool_calls", "end"}:
         return False
     return prompt_opens_think or "think_start" in kinds
+
+
+def _ended_in_think(out: list[Candidate], finish_reason: str | None, thinking: bool,
+                    prompt_opens_think: bool, offered: bool) -> list[Candidate]:
+    """Each reading that closes an empty think block and ends, without the close (see
+    :func:`ends_in_think_fits`), where the reading is ``offered``."""
+    if not offered or not ends_in_think_fits(out[0].parts, finish_reason, thinking, prompt_opens_think):
+        return []
+    return [Candidate([p for p in c.parts if p[0] != "think_end"], (*c.names, "end_in_think"))
+            for c in out if _closes_empty(c.parts)]
+
+
+def ends_in_think_fits(parts: Parts, finish_reason: str | None, thinking: bool, prompt_opens_think: bool) -> bool:
+    """Whether a message read as ``parts`` (the formula) may as well have ended inside its
+    think block (the ``end_in_think`` reading): thinking, the prompt opened the block, the
+    turn ended (no length cut) and nothing but reasoning came before the close."""
+    return thinking and prompt_opens_think and finish_reason != "length" and _closes_empty(parts)
+
+
+def _closes_empty(parts: Parts) -> bool:
+    """``[reasoning,] think_end, end``: a think block closed with no content or call after it."""
+    kinds = [kind for kind, _ in parts]
+    return kinds[-2:] == ["think_end", "end"] and set(kinds[:-2]) <= {"reasoning"}
 
 
 def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, stream: bool | None,

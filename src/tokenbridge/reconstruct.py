@@ -33,7 +33,7 @@ from .checks import (Finding, Policy, SampleView, ends_turn, logprobs_fit, reaso
 from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
 from .exchanges import Exchange, RecordError, loads_line, parse_exchange
 from .jsonl import text_of
-from .hypotheses import Candidate, candidates
+from .hypotheses import Candidate, candidates, ends_in_think_fits
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
 from . import fsio, lanes
 from .outdir import check_output_file
@@ -154,8 +154,9 @@ def _reconstruct(
 
     joins = trait is not None and trait.joins_markers
     prefixed = trait.prefix_in_reasoning if trait is not None else None
+    counted = trait is not None and trait.end_counted
     plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking=thinking, opens=opens, joins=joins,
-                   stream=_streamed(ex), prefixed=prefixed)
+                   stream=_streamed(ex), prefixed=prefixed, end_counted=counted)
              for idx, choice in enumerate(choices)]
     if trait is not None and trait.end_uncounted:
         for p in plans:
@@ -214,9 +215,13 @@ def _reconstruct(
     markered = [p for p in plans if _has_marker(p.cands[0].parts)]
     reasoned = ([r for p in plans if (r := message_reasoning(p.choice["message"]))]
                 if thinking and not opens and dialect.think_open_prefix else [])
-    facts = RecordFacts(_delta(plans, rows, usage, len(prompt_ids)), len(markered),
+    # a choice that may have ended inside its think block: its count is what is in question,
+    # so it teaches the count traits nothing; it says the run needs to know whether the end is counted
+    unsure = [ends_in_think_fits(p.cands[0].parts, p.choice.get("finish_reason"), thinking, opens) for p in plans]
+    unclosed = sum(u and not any("end_in_think" in c.names for c in p.cands) for u, p in zip(unsure, plans))
+    facts = RecordFacts(None if any(unsure) else _delta(plans, rows, usage, len(prompt_ids)), len(markered),
                         sum(any("marker_spaces" in c.names for c in p.cands) for p in markered),
-                        len(reasoned), sum(r.startswith(dialect.think_open_prefix) for r in reasoned))
+                        len(reasoned), sum(r.startswith(dialect.think_open_prefix) for r in reasoned), unclosed)
     return rows, facts
 
 
@@ -319,15 +324,19 @@ def _streamed(ex: Exchange) -> bool | None:
 
 def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dialect: Dialect, *,
           thinking: bool, opens: bool, joins: bool, stream: bool | None = None,
-          prefixed: bool | None = None) -> _Choice:
+          prefixed: bool | None = None, end_counted: bool = False) -> _Choice:
+    """``end_counted``: the run proved the provider's usage counts the end token."""
     message = choice["message"]
     finish = choice.get("finish_reason")
     native = ex.native_choices[idx] if idx < len(ex.native_choices) else None
     logged = logprob_ids(tok, choice)
     stop = matched_stop(choice)
     ends = _named_ends(tok, dialect, finish, stop, logged, native)
+    # a turn ended inside its think block is one token short of the formula, as an uncounted
+    # end token is: offered where ids tell them apart, or the run proved the count includes the end
+    tells = native is not None or (logged is not None and logged.ids is not None) or end_counted
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
-                       prefix_in_reasoning=prefixed)
+                       prefix_in_reasoning=prefixed, end_in_think=tells)
     cand_ids: list[list[list[int]]] = []
     cand_free: list[list[bool]] = []
     for c in cands:

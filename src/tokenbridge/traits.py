@@ -9,7 +9,10 @@ Two kinds of trait:
   Across a run the offset is plain; its samples are then checked against the calibrated
   count, and the calibration is reported. A sample whose own count disagrees with the
   calibrated one is still rejected. Offsets without such a cause are never calibrated
-  (see :func:`_end_uncounted`).
+  (see :func:`_end_uncounted`). The opposite is a trait too where it matters: a run that
+  proves a provider counts its end token lets the count read a turn that ended inside
+  its think block (``end_in_think``, :mod:`tokenbridge.hypotheses`), which is one token
+  short of the formula exactly as an uncounted end token is.
 * **Text edits the gate cannot see per sample** (``strip``, ``nfc``, ``nfkc``,
   ``crlf_to_lf``): found across the run (a provider whose text never keeps edge
   whitespace) or by ``tokenbridge probe``'s echo tests (``--provider-profile``). Such a
@@ -68,16 +71,22 @@ class ProviderTrait:
     #: GLM: the newline before ``<think>`` comes inside the reasoning (SGLang, True) or
     #: never does (vLLM, False); None: the run does not show
     prefix_in_reasoning: bool | None = None
+    #: usage counts the end token, proven across the run (set only where a sample of the
+    #: run could have ended inside its think block: it is what lets the count read that)
+    end_counted: bool = False
 
     @property
     def calibrated(self) -> bool:
-        return self.end_uncounted or self.cached_excluded or self.joins_markers or self.prefix_in_reasoning is not None
+        return (self.end_uncounted or self.cached_excluded or self.joins_markers or self.prefix_in_reasoning is not None
+                or self.end_counted)
 
     def describe(self) -> str | None:
         """One phrase for messages and the summary; None when nothing is calibrated."""
         said = []
         if self.end_uncounted:
             said.append("completion_tokens leaves out the end token")
+        if self.end_counted:
+            said.append("completion_tokens counts the end token")
         if self.cached_excluded:
             said.append("prompt_tokens leaves out cached_tokens")
         if self.joins_markers:
@@ -96,6 +105,7 @@ class ProviderTrait:
             "edit_sources": list(self.edit_sources),
             "joins_markers": self.joins_markers,
             "prefix_in_reasoning": self.prefix_in_reasoning,
+            "end_counted": self.end_counted,
             "calibration": self.describe(),
         }
 
@@ -122,6 +132,9 @@ class RecordFacts:
     #: newline the model writes before ``<think>``
     reasoned: int = 0
     prefixed: int = 0
+    #: choices that may have ended inside their think block, read without that reading
+    #: (the run had not proven the provider counts its end token)
+    unclosed: int = 0
 
 
 @dataclass
@@ -132,8 +145,11 @@ class TraitStats:
     cached: dict[str, list[int]] = field(default_factory=dict)  # provider -> [rows with cached > 0, delta == cached]
     shapes: dict[str, list[int]] = field(default_factory=dict)  # provider -> [choices with a marker, joined shape]
     prefixes: dict[str, list[int]] = field(default_factory=dict)  # provider -> [GLM reasonings, with the newline]
+    unclosed: Counter[str] = field(default_factory=Counter)  # provider -> choices that may have ended in think
 
     def add(self, provider: str, facts: RecordFacts) -> None:
+        if facts.unclosed:
+            self.unclosed[provider] += facts.unclosed
         if facts.reasoned:
             tally = self.prefixes.setdefault(provider, [0, 0])
             tally[0] += facts.reasoned
@@ -173,9 +189,10 @@ class TraitStats:
                 edits.setdefault("strip", "run")
             markered, joined = self.shapes.get(name, [0, 0])
             joins = "marker_spaces" in probed or (markered >= MIN_SAMPLES and joined >= MIN_SHARE * markered)
+            counted = bool(self.unclosed[name]) and _end_counted(self.completion.get(name, Counter()))
             trait = ProviderTrait(name, end_uncounted, cached_excluded,
                                   tuple(sorted(edits)), tuple(edits[e] for e in sorted(edits)), joins,
-                                  _prefix_in_reasoning(self.prefixes.get(name, [0, 0])))
+                                  _prefix_in_reasoning(self.prefixes.get(name, [0, 0])), counted)
             if trait.calibrated or trait.edits:
                 out[name] = trait
         return out
@@ -208,6 +225,13 @@ def _end_uncounted(counts: Counter[tuple[bool, int]]) -> bool:
         value, n = cut.most_common(1)[0]
         return value == 0 and n >= MIN_SHARE * sum(cut.values())
     return True
+
+
+def _end_counted(counts: Counter[tuple[bool, int]]) -> bool:
+    """Whether (ended, delta) tallies show a provider that counts the end token: our count
+    equal to usage's on at least MIN_SHARE of MIN_SAMPLES or more samples that ended."""
+    ended = [n for (e, _), n in counts.items() if e]
+    return sum(ended) >= MIN_SAMPLES and counts[(True, 0)] >= MIN_SHARE * sum(ended)
 
 
 def _prefix_in_reasoning(tally: list[int]) -> bool | None:

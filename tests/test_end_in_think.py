@@ -1,0 +1,151 @@
+"""A Kimi K2.5 turn that ended inside its think block (``R<|im_end|>``, no ``</think>``).
+
+SGLang's ``kimi_k2`` reasoning parser (the real one, sglang 0.5.23, force_reasoning)
+serves that turn exactly as it serves ``R</think><|im_end|>``: reasoning ``R``, empty
+content. The two are one token apart, the same gap as a provider that leaves its end
+token uncounted, so the ``end_in_think`` reading is offered only where something tells
+them apart: ground-truth ids, logprobs, or a run that proved the provider counts its end
+token. Without that, the count rejects the sample, as before.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from test_families_support import import_sglang_reasoning
+from tokenbridge.chat import DIALECTS
+from tokenbridge.reconstruct import reconstruct_file, reconstruct_record
+
+REQUEST = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "Say something."}]}
+
+
+def _served(kimi, kimi_dir, native: list[int]) -> dict[str, Any]:
+    """What SGLang returns for ``native``: the matched stop trimmed, special tokens skipped
+    in the decode, the reasoning split by the real ``kimi_k2`` parser."""
+    parser_cls = import_sglang_reasoning()
+    config = json.loads((kimi_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    skipped = {int(k) for k, v in config["added_tokens_decoder"].items() if v.get("special")}
+    end = kimi.token_id("<|im_end|>")
+    body, finish = (native[:-1], "stop") if native[-1] == end else (native, "length")
+    text = kimi.decode_bytes([i for i in body if i not in skipped]).decode("utf-8")
+    reasoning, content = parser_cls("kimi_k2", stream_reasoning=False, force_reasoning=True).parse_non_stream(text)
+    return {"role": "assistant", "reasoning_content": reasoning or None, "content": content or ""}, finish
+
+
+def _record(kimi, kimi_dir, i: int, provider: str, native: list[int], *, counted: int | None = None,
+            with_native: bool = False, logprobs: bool = False) -> dict[str, Any]:
+    message, finish = _served(kimi, kimi_dir, native)
+    prompt = len(kimi.encode(DIALECTS["kimi-k2.5"].render_request(REQUEST)))
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
+    if logprobs:
+        choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": -0.1, "bytes": None,
+                                           "top_logprobs": []} for t in native]}
+    rec: dict[str, Any] = {"id": f"{provider}-{i}", "request": REQUEST, "response": {
+        "provider": provider, "choices": [choice],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": len(native) if counted is None else counted}}}
+    if with_native:
+        rec["native_ids"] = native
+    return rec
+
+
+def _closed(kimi, reasoning: str, content: str = "") -> list[int]:
+    """``reasoning</think>content<|im_end|>``: the formula."""
+    return [*kimi.encode(reasoning), kimi.token_id("</think>"), *kimi.encode(content), kimi.token_id("<|im_end|>")]
+
+
+def _in_think(kimi, reasoning: str) -> list[int]:
+    """``reasoning<|im_end|>``: the turn ended inside its think block."""
+    return [*kimi.encode(reasoning), kimi.token_id("<|im_end|>")]
+
+
+def _run(tmp_path, records: list[dict[str, Any]], kimi) -> tuple[dict[str, dict[str, Any]], Any]:
+    src, dst = tmp_path / "ex.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    summary = reconstruct_file(src, dst, kimi, workers=1)
+    return {r["id"]: r for r in map(json.loads, dst.read_text(encoding="utf-8").splitlines())}, summary
+
+
+def test_sglang_serves_both_turns_alike(kimi, kimi_dir):
+    """The premise, from the real parser: nothing in the text tells the two apart."""
+    a = _served(kimi, kimi_dir, _closed(kimi, "Let me think about it."))
+    b = _served(kimi, kimi_dir, _in_think(kimi, "Let me think about it."))
+    assert a == b == ({"role": "assistant", "reasoning_content": "Let me think about it.", "content": ""}, "stop")
+
+
+@pytest.mark.parametrize("evidence", ["native", "logprobs"])
+def test_ids_prove_a_turn_that_ended_inside_its_think_block(kimi, kimi_dir, evidence):
+    native = _in_think(kimi, "Hmm, nothing more to say.")
+    rec = _record(kimi, kimi_dir, 0, "p", native, with_native=evidence == "native", logprobs=evidence == "logprobs")
+    row, = reconstruct_record(rec, kimi)
+    assert row["completion_ids"] == native
+    assert (row["status"], row["findings"], row["reconstruction"]) == ("ok", [], "end_in_think")
+    assert [s["kind"] for s in row["segments"]] == ["prompt", "reasoning", "end"]
+
+
+@pytest.mark.parametrize("evidence", ["native", "logprobs"])
+def test_ids_prove_a_closed_empty_block_too(kimi, kimi_dir, evidence):
+    native = _closed(kimi, "Hmm, nothing more to say.")
+    rec = _record(kimi, kimi_dir, 0, "p", native, with_native=evidence == "native", logprobs=evidence == "logprobs")
+    row, = reconstruct_record(rec, kimi)
+    assert row["completion_ids"] == native
+    assert (row["status"], row["findings"], row["reconstruction"]) == ("ok", [], None)
+
+
+def test_the_count_alone_does_not_offer_the_reading(kimi, kimi_dir):
+    """One sample, usage only: one short of the formula is also what a provider that
+    leaves its end token uncounted shows. Rejected, never read as ended in think."""
+    native = _in_think(kimi, "Hmm, nothing more to say.")
+    row, = reconstruct_record(_record(kimi, kimi_dir, 0, "p", native), kimi)
+    assert row["status"] == "rejected" and row["reconstruction"] is None
+    assert [f["code"] for f in row["findings"]] == ["usage_completion_mismatch"]
+
+
+def _normal(kimi, kimi_dir, provider: str, n: int, *, delta: int = 0) -> list[dict[str, Any]]:
+    return [_record(kimi, kimi_dir, i, provider, native := _closed(kimi, f"Thinking about {i}.", f"Answer {i}."),
+                    counted=len(native) + delta) for i in range(n)]
+
+
+def test_a_run_that_proves_the_end_is_counted_lets_the_count_read_it(tmp_path, kimi, kimi_dir):
+    in_think, closed = _in_think(kimi, "I will stop here."), _closed(kimi, "I will stop there.")
+    records = [*_normal(kimi, kimi_dir, "p", 20), _record(kimi, kimi_dir, 100, "p", in_think),
+               _record(kimi, kimi_dir, 101, "p", closed)]
+    rows, summary = _run(tmp_path, records, kimi)
+    assert rows["p-100"]["completion_ids"] == in_think
+    assert (rows["p-100"]["status"], rows["p-100"]["reconstruction"]) == ("ok", "end_in_think")
+    assert rows["p-101"]["completion_ids"] == closed
+    assert (rows["p-101"]["status"], rows["p-101"]["reconstruction"]) == ("ok", None)
+    assert summary.status == {"ok": 22}
+    trait = summary.traits["p"]
+    assert trait.end_counted and not trait.end_uncounted
+    assert trait.describe() == "completion_tokens counts the end token"
+
+
+def test_too_few_samples_prove_nothing(tmp_path, kimi, kimi_dir):
+    in_think = _in_think(kimi, "I will stop here.")
+    rows, summary = _run(tmp_path, [*_normal(kimi, kimi_dir, "p", 19), _record(kimi, kimi_dir, 100, "p", in_think)], kimi)
+    assert rows["p-100"]["status"] == "rejected" and rows["p-100"]["reconstruction"] is None
+    assert summary.traits == {}
+
+
+def test_an_uncounted_end_is_never_read_as_ended_in_think(tmp_path, kimi, kimi_dir):
+    """A provider that never counts its end token: a closed empty block is one short of
+    the formula, as a turn ended inside its block would be under a counted end. The run
+    calibrates the count, and the closed block is read as what it is."""
+    closed = _closed(kimi, "I will stop there.")
+    records = [*_normal(kimi, kimi_dir, "lazy", 20, delta=-1),
+               _record(kimi, kimi_dir, 100, "lazy", closed, counted=len(closed) - 1)]
+    rows, summary = _run(tmp_path, records, kimi)
+    assert rows["lazy-100"]["completion_ids"] == closed
+    assert (rows["lazy-100"]["status"], rows["lazy-100"]["reconstruction"]) == ("ok", None)
+    trait = summary.traits["lazy"]
+    assert trait.end_uncounted and not trait.end_counted
+
+
+def test_no_trait_and_no_second_pass_without_a_sample_that_needs_it(tmp_path, kimi, kimi_dir):
+    """Proving the end is counted matters only where a sample could have ended in think:
+    a run without one gets no trait (so no second pass)."""
+    rows, summary = _run(tmp_path, _normal(kimi, kimi_dir, "p", 25), kimi)
+    assert summary.status == {"ok": 25} and summary.traits == {}
