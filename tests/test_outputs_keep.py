@@ -105,6 +105,53 @@ def test_vocab_and_report_rewrites_keep_the_users_entries(stage_inputs, tmp_path
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("kind, names", [("vocab", ["vocab.json"]), ("report", ["report.html"]),
+                                         ("report", ["report.html", "report.json"])])
+def test_a_users_file_named_as_ours_alone_in_a_folder_is_never_replaced_even_with_force(stage_inputs, tmp_path,
+                                                                                     kind, names):
+    """A folder holding only a user's ``vocab.json`` (or ``report.html``) is not an earlier
+    tokenbridge output: nothing in it says so. ``--force`` writes beside the user's
+    entries, so one the new output would write is refused, as everywhere else."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "reconstructed.jsonl").write_bytes((stage_inputs / "reconstructed.jsonl").read_bytes())
+    out = run / "report" if kind == "report" else tmp_path / "v"
+    out.mkdir()
+    for name in names:
+        (out / name).write_bytes(b'{"mine": true}\n' if name.endswith(".json") else b"<html>my page</html>\n")
+    before = snapshot(out)
+    args = ["report", str(run), "--force"] if kind == "report" else [
+        "vocab", str(run / "reconstructed.jsonl"), "-n", "64", "-o", str(out), "--target-vocab-size", "163840", "--force"]
+    res = cli(*args, no_torch=True)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "is not tokenbridge's" in lines[0], lines
+    assert snapshot(out) == before and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind", ["vocab", "report"])
+def test_an_unmarked_earlier_output_is_still_ours_by_its_content(stage_inputs, tmp_path, kind):
+    """Written before markers existed: its own summary (or page title) says it is ours, so
+    it is replaced without --force."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "reconstructed.jsonl").write_bytes((stage_inputs / "reconstructed.jsonl").read_bytes())
+    if kind == "vocab":
+        out = tmp_path / "v"
+        build_vocab(stage_inputs / "reconstructed.jsonl", 64, out, 163840)
+        args = ["vocab", str(run / "reconstructed.jsonl"), "-n", "256", "-o", str(out), "--target-vocab-size", "163840"]
+    else:
+        out = run / "report"
+        assert cli("report", str(run)).returncode == 0
+        args = ["report", str(run)]
+    (out / MARKER).unlink()
+    res = cli(*args, no_torch=True)
+    assert res.returncode == 0, res.stderr
+    if kind == "vocab":
+        assert json.loads((out / "vocab.json").read_text())["draft_vocab_size"] == 256
+    assert (out / MARKER).is_file() and leftovers(tmp_path) == []
+
+
 def test_remove_own_output_removes_only_ours(stage_inputs, tmp_path):
     out = tmp_path / "out"
     export_file(stage_inputs / "reconstructed.jsonl", out, "speculators")

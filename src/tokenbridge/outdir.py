@@ -177,7 +177,37 @@ def _is_own(target: Path, kind: OutputKind) -> bool:
                 return "\n# tokenbridge export: " in fh.read(65536)
         except (OSError, UnicodeDecodeError):
             return False
-    return bool(names) and names <= _LEGACY_FILES[kind] and (kind != "vocab" or "vocab.json" in names)
+    return bool(names) and names <= _LEGACY_FILES[kind] and _signed(target, kind)
+
+
+#: What a file tokenbridge wrote before markers existed holds: the keys its JSON summary
+#: starts with, or the report page's title. A user's own ``vocab.json`` or ``report.html``
+#: alone in a folder is not an earlier output (it would be replaced, ``--force`` or not).
+_LEGACY_SIGNS: dict[str, tuple[tuple[str, tuple[str, ...] | str], ...]] = {
+    "vocab": (("vocab.json", ("draft_vocab_size", "target_vocab_size")),),
+    "report": (("report.json", ("run_dir", "generated_at", "rows")), ("report.html", "<title>tokenbridge report:")),
+}
+
+
+def _signed(target: Path, kind: OutputKind) -> bool:
+    """Whether an unmarked folder holds a file whose content shows tokenbridge wrote it as ``kind``."""
+    for name, sign in _LEGACY_SIGNS[kind]:
+        try:
+            with open(target / name, encoding="utf-8") as fh:
+                head = fh.read(1 << 20)
+        except (OSError, UnicodeDecodeError):
+            continue
+        if isinstance(sign, str):
+            if sign in head[:65536]:
+                return True
+            continue
+        try:
+            data = json.loads(head)
+        except ValueError:
+            continue
+        if isinstance(data, dict) and all(k in data for k in sign):
+            return True
+    return False
 
 
 def _writes(kind: OutputKind, fmt: str | None = None) -> Callable[[str], bool]:
