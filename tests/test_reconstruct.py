@@ -365,6 +365,33 @@ def test_marker_text_inside_a_long_run_is_still_caught(kimi):
         assert code in codes(row), content[-20:]
 
 
+@pytest.mark.parametrize("where", ["content", "reasoning"])
+def test_a_completion_run_past_the_cut_is_encoded_whole_as_the_model_wrote_it(kimi_dir, kimi, where):
+    """Kimi's tokenizer cuts runs past 25,000 characters before encoding, and the prompt is
+    encoded that way (the server tokenizes it). A completion is sampled: the model never
+    cut it. Minified JSON past the cut: the cut moved a token boundary at the same count,
+    so the count could not catch it. Ids from tiktoken on the folder's own files, whole."""
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    from tokenbridge.tokenizer import KIMI_PAT_STR
+
+    raw = tiktoken.Encoding("raw", pat_str=KIMI_PAT_STR, special_tokens={},
+                            mergeable_ranks=load_tiktoken_bpe(str(kimi_dir / "tiktoken.model")))
+    rows = json.dumps([{"id": i, "ok": True, "v": "x" * (i % 7)} for i in range(1200)], separators=(",", ":"))
+    # shift the run until the cut at character 25,000 falls inside a token the model would write
+    blob = next(b for k in range(1, 12) if kimi.encode(b := '{"k":"' + "z" * k + '","rows":' + rows + "}")
+                != raw.encode_ordinary(b))
+    assert " " not in blob and len(blob) > 25_000
+    text = {"reasoning": "Fine.", "content": "Done."} | {where: blob}
+    rec = make(kimi, reasoning=text["reasoning"], content=text["content"], finish="stop")
+    truth = [*raw.encode_ordinary(text["reasoning"]), kimi.token_id("</think>"), *raw.encode_ordinary(text["content"]),
+             kimi.token_id("<|im_end|>")]
+    rec["response"]["usage"]["completion_tokens"] = len(truth)
+    row, = reconstruct_record(rec, kimi)
+    assert row["completion_ids"] == truth and row["status"] == "ok", row["findings"]
+
+
 def test_prompt_run_before_a_marker_is_encoded_as_the_serving_side_does(kimi):
     run = "Q" * 24990  # shorter than the 25,000 cut on its own, longer together with <|im_end|>
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": run}]

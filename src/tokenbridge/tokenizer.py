@@ -119,6 +119,9 @@ class Tokenizer:
     #: Whether text may hold marker text (False: its ids hold no marker id, exactly).
     #: None where only the ids can tell (``tokenizers`` folders).
     _may_hold_marker: Callable[[str], bool] | None = field(default=None, repr=False)
+    #: ``(ids, marker_free)`` of completion text, encoded whole: None where ``encode``
+    #: makes no cuts (see :meth:`encode_checked`).
+    _encode_completion: Callable[[str], tuple[list[int], bool]] | None = field(default=None, repr=False)
     _prompt_cache: _PieceCache = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -144,7 +147,14 @@ class Tokenizer:
         return out
 
     def encode_checked(self, text: str) -> tuple[list[int], bool]:
-        """``(encode(text), marker_free(text))``, the marker test run once for both."""
+        """``(ids, marker_free(text))`` of a completion's text, the marker test run once for
+        both. The ids are ``encode(text)``'s, except that a folder whose tokenizer cuts long
+        runs before encoding (Kimi's, :func:`split_long_runs`) encodes a completion whole:
+        those cuts are the serving side's, made when it tokenizes a prompt, and a model
+        sampling its completion token by token never made them (a cut inside a 25,000-
+        character run of minified JSON moved a token boundary at the same count)."""
+        if self._encode_completion is not None:
+            return self._encode_completion(text)
         may, plain = self._may_hold_marker, self._encode_plain
         if may is None or plain is None or may(text):
             return self._encode(text), False
@@ -631,6 +641,11 @@ def _tiktoken_tokenizer(folder: Path, source: str, enc: tiktoken.Encoding, names
                 out.extend(encode_plain(piece))
         return out
 
+    def encode_completion(text: str) -> tuple[list[int], bool]:
+        if first_marker(text) is None:
+            return ordinary(text), True
+        return enc.encode(text, allowed_special=allowed), False
+
     def split_markers(text: str) -> list[str | int]:
         # text, marker, text, ..., text (the pattern's one group keeps the markers)
         # the markers' places, odd ones, are given their ids in place (no copy of the list)
@@ -657,6 +672,7 @@ def _tiktoken_tokenizer(folder: Path, source: str, enc: tiktoken.Encoding, names
         _split_markers=split_markers,
         _encode_plain=encode_plain,
         _may_hold_marker=lambda text: first_marker(text) is not None,
+        _encode_completion=encode_completion if cut_long_runs else None,
     )
 
 
