@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tokenbridge.checks import CODES, Policy
 from tokenbridge.exchanges import RecordError
-from tokenbridge.reconstruct import reconstruct_record
+from tokenbridge.reconstruct import reconstruct_file, reconstruct_record
 from tokenbridge.traits import ProviderTrait
 
 TS, TE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -480,3 +480,38 @@ def test_roundtrip_is_decoded_for_a_normalising_tokenizer(tmp_path):
            "response": {"choices": [{"message": {"reasoning": "think", "content": "Hello"}, "finish_reason": "stop"}]}}
     row, = reconstruct_record(rec, loaded)
     assert "roundtrip_mismatch" in codes(row)  # the normaliser lowercased "Hello"
+
+
+@pytest.mark.parametrize("indexes, field, why", [
+    ([2**31], "response.choices[0].index", "must be an integer from 0 to 2**31-1, got 2147483648"),
+    ([-1], "response.choices[0].index", "must be an integer from 0 to 2**31-1, got -1"),
+    (["0"], "response.choices[0].index", "must be an integer from 0 to 2**31-1, got '0'"),
+    ([0, 0], "response.choices[1].index", "0 is also the index of choices[0]"),
+    ([None, 0], "response.choices[1].index", "0 is also the index of choices[0]"),
+])
+def test_a_choice_index_is_checked_at_the_boundary(kimi, tmp_path, indexes, field, why):
+    """A row is named by (id, choice) and Parquet holds the choice as int32: a repeated or
+    out-of-range index is a bad line naming the field, not a writer traceback (Parquet) or
+    a file the export refuses later (JSONL)."""
+    rec = make(kimi, content="ok", finish="stop")
+    choice = rec["response"]["choices"][0]
+    rec["response"]["choices"] = [{**copy.deepcopy(choice), "index": i} for i in indexes]
+    for name in ("out.jsonl", "out.parquet"):
+        src = tmp_path / "ex.jsonl"
+        src.write_text(json.dumps(rec) + "\n" + json.dumps({**make(kimi, content="ok", finish="stop"), "id": "s2"}) + "\n")
+        summary = reconstruct_file(src, tmp_path / name, kimi, workers=1)
+        assert [(b.line, b.field, b.message) for b in summary.bad_lines] == [(1, field, why)]
+        assert summary.rows == 1
+
+
+def test_list_content_is_read_as_its_text_by_the_gate_and_the_row(kimi, tmp_path):
+    """``content`` as a list of text parts: the row holds the text (a string, as every
+    reader and Parquet expect) and the gate reads that text (a U+FFFD in it is found)."""
+    rec = make(kimi, content="Sure \ufffd", finish="stop")
+    rec["response"]["choices"][0]["message"]["content"] = [{"type": "text", "text": "Sure \ufffd"}]
+    row, = reconstruct_record(rec, kimi)
+    assert row["content"] == "Sure \ufffd" and "replacement_char" in codes(row)
+    src = tmp_path / "ex.jsonl"
+    src.write_text(json.dumps(rec) + "\n")
+    summary = reconstruct_file(src, tmp_path / "out.parquet", kimi, workers=1)
+    assert summary.rows == 1 and summary.bad_lines == []

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
+from .content import content_text
 from .evidence import LogprobIds, logprobs_cover
 from .jsonl import text_of
 from .tokenizer import Tokenizer
@@ -78,7 +79,9 @@ class Finding:
     message: str
 
     def to_dict(self) -> dict[str, str]:
-        return {"code": self.code, "severity": self.severity, "message": self.message}
+        # a message may quote the record's text: a lone surrogate there (valid JSON, not
+        # text) is written as its escape, so every output (Parquet too) can hold the row
+        return {"code": self.code, "severity": self.severity, "message": text_of(self.message)}
 
 
 @dataclass(frozen=True)
@@ -183,8 +186,9 @@ def _text_fields(view: SampleView) -> list[tuple[str, str]]:
     reasoning = message_reasoning(msg)
     if reasoning:
         out.append(("reasoning", reasoning))
-    if isinstance(msg.get("content"), str) and msg["content"]:
-        out.append(("content", msg["content"]))
+    content = content_text(msg.get("content"))  # a list of text parts too: what was encoded
+    if content:
+        out.append(("content", content))
     return out
 
 
@@ -285,9 +289,8 @@ def _marker_text(view: SampleView, policy: Policy) -> Iterator[_Hit]:
             "markers are taken from the tokenizer, not from the engines' parsers"
         )
     tm = d.tool_markers
-    content = view.message.get("content")
-    content_text = content if isinstance(content, str) else ""
-    if tm is not None and tm.token is not None and tm.section_begin.replace(tm.token, "") in content_text:
+    text = content_text(view.message.get("content"))
+    if tm is not None and tm.token is not None and tm.section_begin.replace(tm.token, "") in text:
         yield "tool_markers_dropped", (
             f"content holds {tm.section_begin.replace(tm.token, '')!r}: the tool-call markup without its {tm.token!r} "
             "special tokens (skip_special_tokens dropped them); the section cannot be rebuilt"
@@ -296,8 +299,8 @@ def _marker_text(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     if not names:
         return
     markers = names.keys()
-    if content_text and content_text.endswith(d.end_tokens):
-        leaked = next(e for e in d.end_tokens if content_text.endswith(e))
+    if text and text.endswith(d.end_tokens):
+        leaked = next(e for e in d.end_tokens if text.endswith(e))
         yield "eos_in_text", f"content ends with {leaked!r} text (leaked); taken as the end token, not doubled"
     free = view.part_marker_free or [tok.marker_free(t) for _, t in view.parts]
     for (kind, part_text), ids, clear in zip(view.parts, view.part_ids, free):

@@ -232,9 +232,19 @@ def _checked_choices(response: dict[str, Any]) -> list[dict[str, Any]]:
         return []
     if not isinstance(choices, list):
         raise RecordError("response.choices", "must be a list")
+    indexes: dict[int, int] = {}
     for i, c in enumerate(choices):
         if not isinstance(c, dict):
             raise RecordError(f"response.choices[{i}]", "must be an object")
+        index = c.get("index")
+        # a row is named by (id, choice): one choice an index (its place where it has none),
+        # which Parquet's int32 holds
+        if index is not None and not (is_int(index) and 0 <= index < 2**31):
+            raise RecordError(f"response.choices[{i}].index", f"must be an integer from 0 to 2**31-1, got {index!r}"[:200])
+        index = i if index is None else index
+        if index in indexes:
+            raise RecordError(f"response.choices[{i}].index", f"{index} is also the index of choices[{indexes[index]}]")
+        indexes[index] = i
         finish = c.get("finish_reason")
         if finish is not None and not isinstance(finish, str):
             raise RecordError(f"response.choices[{i}].finish_reason", f"must be a string or null, got {type(finish).__name__}")

@@ -28,6 +28,7 @@ import orjson
 
 from .chat import Dialect, message_reasoning, resolve_dialect
 from .chat.template import TemplateError
+from .content import content_text
 from .checks import (Finding, Policy, SampleView, ends_turn, logprobs_fit, reasoning_count_ways, reasoning_counts, run_checks,
                      status_of)
 from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
@@ -208,7 +209,7 @@ def _reconstruct(
         index = p.choice["index"] if is_count(p.choice.get("index")) else p.index
         rows.append(_row(meta, choice=index, prompt_ids=prompt_ids, completion_ids=completion_ids, segments=segments,
                          findings=findings, finish_reason=p.choice.get("finish_reason"),
-                         reasoning=message_reasoning(message) or "", content=message.get("content") or "",
+                         reasoning=message_reasoning(message) or "", content=content_text(message.get("content")),
                          reconstruction=_joined(prompt_name, p.cands[p.chosen].name)))
     if len(rows) > 1 and usage_completion is not None:
         _mark_siblings(rows, policy)
