@@ -97,6 +97,37 @@ def test_the_store_refuses_a_user_database_before_writing_into_it(tmp_path):
     con.close()
 
 
+@pytest.mark.parametrize("store", ["missing", "empty file", "no tables"])
+def test_exchanges_whose_store_is_gone_are_never_paid_for_again(tmp_path, store):
+    """A run folder whose state.sqlite was deleted, emptied, or copied without the -wal
+    that held its data, beside the exchanges.jsonl it wrote: a run there sent every request
+    again and replaced the only copy of the paid responses. Refused, nothing written."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "exchanges.jsonl").write_bytes(b'{"id": "a", "paid": true}\n')
+    (run / ".lock").write_bytes(b"4242 tokenbridge generate\n")  # what a run leaves
+    if store == "empty file":
+        (run / "state.sqlite").write_bytes(b"")
+    elif store == "no tables":
+        sqlite3.connect(run / "state.sqlite").close()
+    before = snapshot(run)
+    why = (f"{run}: exchanges.jsonl holds responses but state.sqlite, the store they came from, is missing or empty: "
+           "a run here would pay for every one again and write exchanges.jsonl anew without them. Restore "
+           "state.sqlite (with its -wal and -shm files), or move exchanges.jsonl away to start over")
+    with pytest.raises(StoreError) as caught:
+        Store.open(run)
+    assert str(caught.value) == why and caught.value.exit_code == 2
+    res = CliRunner().invoke(app, ["generate", str(_prompts(tmp_path)), "-o", str(run), *_UNREACHABLE])
+    _one_error(res, why)
+    assert snapshot(run) == before and not (run / "state.sqlite-wal").exists()
+
+
+def test_a_new_store_beside_empty_exchanges_opens(tmp_path):
+    (tmp_path / "exchanges.jsonl").write_bytes(b"")
+    Store.open(tmp_path).close()
+    assert store_kind(tmp_path / "state.sqlite") == "tokenbridge"
+
+
 def test_a_user_database_an_older_tokenbridge_wrote_its_tables_into_stays_the_users(tmp_path):
     """The attack's aftermath: the user's database with generate's schema added to it.
     A store holds no table of its own version's schema but tokenbridge's, so it is the

@@ -293,8 +293,15 @@ class Store:
             raise StoreError(f"{why}; nothing was written: give a new or empty folder")
         try:
             if not os.path.lexists(path):  # store_problem found nothing there, or an empty or own store
+                _orphaned_exchanges(run_dir)
                 _create_private(path)
             conn = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
+            if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0:
+                try:
+                    _orphaned_exchanges(run_dir)
+                except StoreError:
+                    conn.close()
+                    raise
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA foreign_keys=ON")
@@ -677,3 +684,22 @@ class Store:
 
     def _tx(self) -> Store._Tx:
         return Store._Tx(self._conn)
+
+
+#: What generate writes from its store (run.EXCHANGES_FILE; named here, where the store is opened).
+_EXCHANGES = "exchanges.jsonl"
+
+
+def _orphaned_exchanges(run_dir: Path) -> None:
+    """:class:`StoreError` when ``run_dir`` holds a non-empty exchanges file although its
+    store is missing or empty: responses already paid for, which a run would send for again
+    and then replace (the exchanges are written from the store)."""
+    try:
+        if (run_dir / _EXCHANGES).stat().st_size == 0:
+            return
+    except OSError:
+        return
+    raise StoreError(
+        f"{run_dir}: {_EXCHANGES} holds responses but {STATE_FILE}, the store they came from, is missing or empty: "
+        f"a run here would pay for every one again and write {_EXCHANGES} anew without them. Restore {STATE_FILE} "
+        f"(with its -wal and -shm files), or move {_EXCHANGES} away to start over")
