@@ -211,6 +211,33 @@ def test_a_deleted_report_reruns_the_report_only(finished):
     assert (out / "report" / "report.html").is_file()
 
 
+@pytest.mark.parametrize("gone", ["export/specforge/train.jsonl", "vocab/d2t.npy", "report/report.json"])
+def test_a_file_deleted_from_an_output_folder_reruns_its_stage(finished, gone):
+    """README: a deleted output re-runs what depends on it; a file gone from a folder the
+    stage wrote counts (it was skipped, the file left missing)."""
+    cfg, out = finished
+    (out / gone).unlink()
+    stage = {"export": "export:specforge", "vocab": "vocab", "report": "report"}[gone.split("/")[0]]
+    res = _run(cfg)
+    assert res == {"generate": "ran", **{s: "ran" if s == stage else "skipped" for s in AFTER_GENERATE}}
+    assert (out / gone).is_file()
+    assert _run(cfg) == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE}}
+
+
+def test_an_output_folder_another_command_rewrote_is_written_again(finished):
+    """A standalone ``export -f parquet`` into the run's specforge folder (a wrong -f) was
+    reported as skipped, the folder left holding Parquet."""
+    from tokenbridge.export import export_file
+
+    cfg, out = finished
+    target = out / "export" / "specforge"
+    export_file(out / "reconstructed.jsonl", target, "parquet")
+    assert not (target / "train.jsonl").exists()
+    res = _run(cfg)
+    assert res == {"generate": "ran", **{s: "ran" if s == "export:specforge" else "skipped" for s in AFTER_GENERATE}}
+    assert (target / "train.jsonl").is_file() and not (target / "data").exists()
+
+
 def test_new_failed_attempts_rebuild_the_report_but_not_the_rest(finished):
     """The report also shows generate's counts from the store: a change there rebuilds it."""
     cfg, out = finished

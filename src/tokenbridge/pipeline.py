@@ -97,10 +97,23 @@ class _State:
         _RUN_STATE.set(self)
 
     def done(self, stage: str, fingerprint: str, output: Path) -> bool:
-        return self.data.get(stage, {}).get("fingerprint") == fingerprint and output.exists()
+        """Whether ``stage`` finished with these inputs and its output is still the one it
+        wrote: a file deleted from an output folder, or a folder another command rewrote (a
+        standalone ``export``/``vocab``/``report`` with other settings), runs it again."""
+        entry = self.data.get(stage, {})
+        if entry.get("fingerprint") != fingerprint or not output.exists():
+            return False
+        names, wrote = entry.get("files"), entry.get("output")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            return wrote is None  # recorded before outputs were (or a damaged entry: run it again)
+        return bool(wrote == _output_signature(output, names))
 
-    def record(self, stage: str, fingerprint: str, detail: Mapping[str, Any]) -> None:
+    def record(self, stage: str, fingerprint: str, detail: Mapping[str, Any], folder: Path | None = None) -> None:
+        """``stage`` done; ``folder``: the output folder it wrote, whose entries :meth:`done` checks."""
         self.data[stage] = {"fingerprint": fingerprint, **detail}
+        if folder is not None:
+            names = _output_names(folder)
+            self.data[stage].update(files=names, output=_output_signature(folder, names))
         self._save()
 
     def forget(self, stage: str) -> None:
@@ -117,6 +130,26 @@ class _State:
         doc = {**self.data, _DIGESTS_KEY: self.digests.to_json()}
         fsio.write_text(self.path, json.dumps(doc, indent=2, default=str) + "\n", point="state")
         self.digests.changed = False
+
+
+def _output_names(folder: Path) -> list[str]:
+    """The entries a stage's output folder holds as tokenbridge's (its marker's list), read
+    once when the stage is recorded."""
+    return sorted(fsio.marker_files(folder) or ())
+
+
+def _output_signature(folder: Path, names: list[str]) -> list[Any]:
+    """The identity (size, mtime, inode; nothing read) of an output folder's marker and of
+    each of its entries ``names``; a missing one is None. A user's entries beside them do
+    not count."""
+    def ident(p: Path) -> list[int] | None:
+        try:
+            st = p.lstat()
+        except OSError:
+            return None
+        return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+    return [ident(folder / fsio.MARKER), *(ident(folder / name) for name in names)]
 
 
 #: The run in progress (its _State), so _fingerprint finds the digest cache without being passed it.
@@ -322,7 +355,7 @@ def _after_reconstruct(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
     # then runs only for what is due
     report_html = out / "report" / "report.html"
     report_fp = _fingerprint([reconstructed, out / "exchanges.jsonl"], {"report": _store_counts(out)}) if cfg.report else ""
-    report_due = cfg.report and not state.done("report", report_fp, report_html)
+    report_due = cfg.report and not state.done("report", report_fp, report_html.parent)
     row_stats = RowStats() if report_due else None
     passed = None
     if exports or vocab_job is not None or row_stats is not None:
@@ -392,7 +425,7 @@ def _record_pass(cfg: RunConfig, state: _State, plan: _Plan, passed: PassResult 
                 detail = {"rows": es.rows_exported, "skipped": es.skipped}
             elif passed.vocab is not None:
                 detail = {"coverage": passed.vocab.coverage, "distinct_tokens": passed.vocab.distinct_tokens}
-            state.record(stage, fp, detail)
+            state.record(stage, fp, detail, target)
         results.append(StageResult(stage, what, detail))
         echo(f"export {fmt}: {what} → {target} {state.data[stage].get('rows')} rows" if fmt
              else f"vocab: {what} → {target} (coverage {state.data['vocab'].get('coverage'):.4f})")
@@ -408,7 +441,7 @@ def _report_stage(cfg: RunConfig, state: _State, fp: str, due: bool, row_stats: 
         result, html = StageResult("report", "skipped"), cfg.out / "report" / "report.html"
     else:
         html = build_report(cfg.out, rows=row_stats)
-        state.record("report", fp, {"html": str(html)})
+        state.record("report", fp, {"html": str(html)}, html.parent)
         result = StageResult("report", "ran", {"html": str(html)})
     echo(f"report: {result.status} → {html}")
     return result
