@@ -76,22 +76,15 @@ def test_sglang_serves_both_turns_alike(kimi, kimi_dir):
 
 
 @pytest.mark.parametrize("evidence", ["native", "logprobs"])
-def test_ids_prove_a_turn_that_ended_inside_its_think_block(kimi, kimi_dir, evidence):
-    native = _in_think(kimi, "Hmm, nothing more to say.")
+@pytest.mark.parametrize("ended_in_think", [True, False])
+def test_ids_prove_which_turn_it_was(kimi, kimi_dir, evidence, ended_in_think):
+    native = (_in_think if ended_in_think else _closed)(kimi, "Hmm, nothing more to say.")
     rec = _record(kimi, kimi_dir, 0, "p", native, with_native=evidence == "native", logprobs=evidence == "logprobs")
     row, = reconstruct_record(rec, kimi)
     assert row["completion_ids"] == native
-    assert (row["status"], row["findings"], row["reconstruction"]) == ("ok", [], "end_in_think")
-    assert [s["kind"] for s in row["segments"]] == ["prompt", "reasoning", "end"]
-
-
-@pytest.mark.parametrize("evidence", ["native", "logprobs"])
-def test_ids_prove_a_closed_empty_block_too(kimi, kimi_dir, evidence):
-    native = _closed(kimi, "Hmm, nothing more to say.")
-    rec = _record(kimi, kimi_dir, 0, "p", native, with_native=evidence == "native", logprobs=evidence == "logprobs")
-    row, = reconstruct_record(rec, kimi)
-    assert row["completion_ids"] == native
-    assert (row["status"], row["findings"], row["reconstruction"]) == ("ok", [], None)
+    reading, kinds = ("end_in_think", ["reasoning", "end"]) if ended_in_think else (None, ["reasoning", "think_end", "end"])
+    assert (row["status"], row["findings"], row["reconstruction"]) == ("ok", [], reading)
+    assert [s["kind"] for s in row["segments"]] == ["prompt", *kinds]
 
 
 def test_the_count_alone_does_not_offer_the_reading(kimi, kimi_dir):
