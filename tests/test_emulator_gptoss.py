@@ -188,18 +188,21 @@ def test_a_vllm_provider_for_gpt_oss_is_a_config_error_not_a_500(tok, dialect):
 
 
 def test_the_served_prompt_is_dated_by_the_created_it_serves(tok, dialect):
-    """The prompt prints the serving day: the server renders the first day its ``created``
-    admits (the gate's first reading), each day cached apart."""
+    """The prompt prints the serving day: the server renders its own clock's UTC day (its
+    ``created``), each day cached apart. Not the first day ``created`` admits: at 00:30
+    that was yesterday, which the client's own timing rules out (every gpt-oss sample of
+    a run made in the half hour after midnight was rejected, native ids differing)."""
     from tokenbridge.emulator.server import _Emulator
 
     em = _Emulator(EmulatorConfig(models=("openai/gpt-oss-120b",)), tok)
     req = em._parse(json.dumps({"model": "openai/gpt-oss-120b", "messages": [{"role": "user", "content": "Hi"}]}).encode())
     seen = {}
     # noon; 00:30 the next day (created - 1 h is still Jan 1); 02:00 the next day
-    for created, day in ((NOON, "2025-01-01"), (NOON + 45000, "2025-01-01"), (NOON + 50400, "2025-01-02")):
+    for created, day in ((NOON, "2025-01-01"), (NOON + 45000, "2025-01-02"), (NOON + 50400, "2025-01-02")):
         ids, opens = em._prompt_ids(req, "k", created)
         text = tok.decode(ids)
-        assert text == dialect.prompt_readings(req.body, {"created": created}, {})[0].text and not opens
+        readings = {r.name: r.text for r in dialect.prompt_readings(req.body, {"created": created}, {})}
+        assert text == readings[f"date={day}"] and not opens
         assert f"Current date: {day}\n" in text and text.endswith("<|start|>assistant")
         seen[day] = ids
     assert seen["2025-01-01"] != seen["2025-01-02"]

@@ -22,13 +22,14 @@ import json
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 from collections.abc import Mapping
 
 from aiohttp import web
 
 from ..chat import TemplateError, resolve_dialect
-from ..chat.harmony import HarmonyDialect, serving_days
+from ..chat.harmony import HarmonyDialect
 from ..tokenizer import Tokenizer
 from .choices import ChoiceView, LogprobsAsk, build_choice
 from .config import ConfigError, EmulatorConfig, ProviderConfig
@@ -246,12 +247,13 @@ class _Emulator:
 
     def _prompt_ids(self, req: _Request, skey: str, created: int) -> tuple[list[int], bool]:
         """The prompt ids, and whether the prompt text ends by opening the think block.
-        A dialect whose prompt prints the serving day (gpt-oss) renders the first day the
-        response's ``created`` admits, as the gate reads it back."""
+        A dialect whose prompt prints the serving day (gpt-oss) renders the UTC day of the
+        server's clock now (``created``), as a real server does. Not the first day
+        ``created`` admits: a few minutes after midnight that was yesterday, which the
+        client's own timing (what the gate reads first) rules out."""
         kwargs = req.body.get("chat_template_kwargs")
         dated = isinstance(self.dialect, HarmonyDialect) and self.dialect.dated_prompt
-        days = serving_days({"created": created}, {}) if dated else None
-        day = days[0] if days else ""
+        day = datetime.fromtimestamp(created, tz=UTC).date().isoformat() if dated else ""
         key = (skey, dumps(req.tools) if req.tools else "", req.thinking, dumps(kwargs) if kwargs else "", day)
         hit = self._prompts.get(key)
         if hit is not None:
@@ -259,7 +261,8 @@ class _Emulator:
             return hit
         try:
             if dated:
-                text = self.dialect.prompt_readings(req.body, {"created": created}, {})[0].text
+                readings = self.dialect.prompt_readings(req.body, {"created": created}, {})
+                text = next(r.text for r in readings if r.name == f"date={day}")
             else:
                 text = self.dialect.render_request(req.body)
         except (TemplateError, KeyError, TypeError, AttributeError, ValueError) as exc:
