@@ -140,12 +140,15 @@ SAY_HI = [{"role": "user", "content": "Say hi."}]
 
 
 def _sglang(tok: Any, folder: str, parser: str, stop: int, request: dict[str, Any], native: str, *,
-            usage: bool = True) -> tuple[dict[str, Any], list[int]]:
+            usage: bool = True, logprobs: bool = False) -> tuple[dict[str, Any], list[int]]:
     ids = tok.encode(native)
     prompt = tok.encode(resolve_dialect(tok).render_request(request))
     response = SGLangEngine(tok, folder, parser, {stop}).serve(ids, len(prompt), thinking=True, stream=False)
     if not usage:
         del response["usage"]
+    if logprobs:  # vLLM / SGLang with return_tokens_as_token_ids
+        response["choices"][0]["logprobs"] = {"content": [{"token": f"token_id:{i}", "logprob": -0.1, "bytes": None,
+                                                           "top_logprobs": []} for i in ids]}
     row, = reconstruct_record({"id": "b3", "request": request, "response": response}, tok)
     return row, ids
 
@@ -161,12 +164,33 @@ def test_empty_think_block_proven_by_usage_is_not_reasoning_missing():
     assert row["status"] == "rejected" and codes(row) == ["reasoning_missing", "usage_missing"]
 
 
-def test_cut_right_after_think_close_is_a_reading():
+def test_cut_right_after_think_close_is_a_reading_the_ids_prove():
     request = {"messages": SAY_HI, "max_tokens": 6}
-    row, ids = _sglang(QWEN, "qwen3", "qwen3", 151645, request, "<think>\nHmm.\n</think>")
+    row, ids = _sglang(QWEN, "qwen3", "qwen3", 151645, request, "<think>\nHmm.\n</think>", logprobs=True)
     assert row["status"] == "flagged" and codes(row) == ["truncated"]
     assert row["completion_ids"] == ids and ids[-1] == 151668
     assert row["reconstruction"] == "cut_after_think_close"
+
+
+def test_a_cut_right_after_think_close_is_not_read_from_the_count_alone():
+    """One token more than the formula is also a cut inside a character that vLLM held back
+    (a partial UTF-8 token is never served): the count cannot say which, so neither is read."""
+    request = {"messages": SAY_HI, "max_tokens": 6}
+    row, ids = _sglang(QWEN, "qwen3", "qwen3", 151645, request, "<think>\nHmm.\n</think>")
+    assert row["status"] == "rejected" and codes(row) == ["truncated", "usage_completion_mismatch"]
+    assert row["reconstruction"] is None and row["completion_ids"] == ids[:-1]
+    # vLLM's form of a cut inside 🦩 (its tokens: " \xf0\x9f", "\xa6", "\xa9"): the text holds back
+    # the partial character
+    cut = QWEN.encode("<think>\nSmile 🦩")[:-1]
+    assert QWEN.decode_bytes(cut).endswith(b" \xf0\x9f\xa6")  # the cut falls inside the character
+    shown = QWEN.decode_bytes(cut).decode("utf-8", "ignore")
+    prompt = QWEN.encode(resolve_dialect(QWEN).render_request(request))
+    response = {"choices": [{"index": 0, "finish_reason": "length", "message": {
+        "role": "assistant", "reasoning_content": shown.removeprefix("<think>\n"), "content": None}}],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(cut)}}
+    row, = reconstruct_record({"id": "v", "request": request, "response": response}, QWEN)
+    assert row["status"] == "rejected" and "usage_completion_mismatch" in codes(row)
+    assert 151668 not in row["completion_ids"]  # no </think> the model never wrote
 
 
 # --- A5: gpt-oss cut inside a recipient-first header ----------------------------------------

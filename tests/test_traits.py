@@ -82,14 +82,11 @@ def test_an_offset_without_a_known_cause_is_never_calibrated(tmp_path, kimi, del
     _write(src, recs)
     summary = reconstruct_file(src, dst, kimi)
     assert summary.traits == {}
-    if delta != 1:
-        assert summary.status["rejected"] == 25
-        return
-    # +1 on a reasoning-only cut is also what a cut right after </think> counts: the count
-    # picks that reading there, and a cut row stays flagged (truncated), never ok
-    assert summary.status == {"rejected": 22, "flagged": 3}
+    # +1 on a reasoning-only cut is also what a cut right after </think> counts, and what a
+    # cut inside a character vLLM held back counts: the count alone reads neither
+    assert summary.status == {"rejected": 25}
     cuts = [json.loads(line) for line in dst.read_text(encoding="utf-8").splitlines()[22:]]
-    assert [(r["status"], r["reconstruction"]) for r in cuts] == [("flagged", "cut_after_think_close")] * 3
+    assert [r["reconstruction"] for r in cuts] == [None] * 3
 
 
 def test_prompt_offsets_are_never_calibrated(tmp_path, kimi):

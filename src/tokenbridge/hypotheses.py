@@ -33,8 +33,10 @@ evidence proves (usage, logprobs, token ids, stop id), or reports them all.
   ``meta`` that says whether it streamed, and a provider trait (which form its run
   shows), rule readings out; the evidence picks among the rest.
 * ``cut_after_think_close``: a length cut with no content served may have fallen inside
-  the reasoning (the formula) or right after ``</think>``: one token apart, so the count
-  picks.
+  the reasoning (the formula) or right after ``</think>``: one token apart. The count alone
+  cannot pick: vLLM holds back the bytes of a cut that falls inside a character (a partial
+  UTF-8 token is never served), which is one token more than the formula too. So it is
+  offered only where token ids or logprobs say (``cut_after_close``).
 * ``end_in_think``: a turn that ended (stop) with no content served may have closed its
   think block (the formula) or ended inside it, ``R<|im_end|>``: SGLang's ``kimi_k2`` parser
   serves a block never closed as reasoning alone, as it serves a closed one with nothing after.
@@ -156,6 +158,7 @@ def candidates(
     stream: bool | None = None,
     prefix_in_reasoning: bool | None = None,
     end_in_think: bool = False,
+    cut_after_close: bool = False,
 ) -> list[Candidate]:
     """The plain formula first, then every other reading this message admits.
 
@@ -163,7 +166,8 @@ def candidates(
     vLLM's joined text, so a joined reading replaces the plain ones wherever it fits.
     ``stream``: whether the response was streamed (None: unknown). ``prefix_in_reasoning``:
     the provider's run shows SGLang's GLM form (True) or vLLM's (False); None: unknown.
-    ``end_in_think``: offer the ``end_in_think`` reading where the message fits it.
+    ``end_in_think`` / ``cut_after_close``: offer those readings where the message fits
+    them (the caller knows whether the evidence can tell them from the formula).
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
@@ -206,7 +210,7 @@ def candidates(
 
     if joins_markers and any("marker_spaces" in c.names for c in out):
         out = [c for c in out if "marker_spaces" in c.names]
-    out += _cut_after_close(dialect, out, finish_reason, thinking, prompt_opens_think)
+    out += _cut_after_close(dialect, out, finish_reason, thinking, prompt_opens_think, cut_after_close)
     out += _ended_in_think(out, finish_reason, thinking, prompt_opens_think, end_in_think)
     for marker in end_markers:
         for cand in list(out):
@@ -218,11 +222,11 @@ def candidates(
 
 
 def _cut_after_close(dialect: Dialect, out: list[Candidate], finish_reason: str | None, thinking: bool,
-                     prompt_opens_think: bool) -> list[Candidate]:
+                     prompt_opens_think: bool, offered: bool) -> list[Candidate]:
     """Each length-cut thinking reading open at the cut, closed by ``</think>`` (see
-    :func:`_open_at_cut`)."""
+    :func:`_open_at_cut`), where the reading is ``offered``."""
     close = dialect.think_close
-    if not (thinking and close and finish_reason == "length"):
+    if not (offered and thinking and close and finish_reason == "length"):
         return []
     return [Candidate([*c.parts, ("think_end", close)], (*c.names, "cut_after_think_close"))
             for c in out if _open_at_cut(c.parts, prompt_opens_think)]

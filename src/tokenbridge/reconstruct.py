@@ -333,11 +333,12 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     logged = logprob_ids(tok, choice)
     stop = matched_stop(choice)
     ends = _named_ends(tok, dialect, finish, stop, logged, native)
-    # a turn ended inside its think block is one token short of the formula, as an uncounted
-    # end token is: offered where ids tell them apart, or the run proved the count includes the end
-    tells = native is not None or (logged is not None and logged.ids is not None) or end_counted
+    # readings one token from the formula that a count alone cannot prove: a turn ended inside
+    # its think block (one short, as an uncounted end token is; or the run proved the end is
+    # counted) and a cut right after </think> (one more, as vLLM's held-back partial character is)
+    by_ids = native is not None or (logged is not None and logged.ids is not None)
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
-                       prefix_in_reasoning=prefixed, end_in_think=tells)
+                       prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids)
     cand_ids: list[list[list[int]]] = []
     cand_free: list[list[bool]] = []
     for c in cands:
