@@ -135,7 +135,8 @@ def test_logprobs_of_edited_text_are_a_mismatch_that_says_the_text_differs(kimi,
 
 @pytest.mark.parametrize("entries,why", [
     ([{"token": "token_id:99999999"}], "names no id"),
-    ([{"token": "\ufffd", "bytes": None}], "no usable bytes"),
+    ([{"token": "\ufffdx", "bytes": None}], "no usable bytes"),
+    ([{"token": 7, "bytes": None}], "no usable bytes"),
     ([{"token": "x", "bytes": [255, 254, 253, 252, 251]}], "no single token"),
     ("not a list", "not a list"),
 ])
@@ -145,6 +146,30 @@ def test_unreadable_logprobs_are_a_warning_and_not_evidence(kimi, ids, entries, 
     row, = reconstruct_record(record(kimi, msg, usage=len(truth), logprobs={"content": entries}), kimi)
     assert codes(row) == ["logprobs_unreadable"] and why in row["findings"][0]["message"]
     assert row["completion_ids"] == truth and row["status"] == "flagged"
+
+
+def _decoded_text_logprobs(kimi, seq):
+    """vLLM's and SGLang's entries: ``bytes`` built from the token's decoded text, so a
+    token holding part of a character reads U+FFFD and a skipped special token nothing."""
+    out = []
+    for i in seq:
+        text = "" if i in kimi.marker_ids else kimi.token_bytes(i).decode("utf-8", "replace")
+        out.append({"token": text, "bytes": list(text.encode("utf-8")), "logprob": -0.1})
+    return {"content": out}
+
+
+def test_engine_logprobs_of_partial_characters_and_skipped_markers_still_prove_the_sample(kimi, ids):
+    content = "Hello! \U0001F600 Nice \u982b."  # an emoji and a rare CJK character, each split over tokens
+    truth = native(kimi, REASONING, ids["close"], content, ids["end"])
+    partial = [i for i in truth if i not in kimi.marker_ids and "\ufffd" in kimi.token_bytes(i).decode("utf-8", "replace")]
+    assert len(partial) >= 2  # the text really holds tokens that are parts of characters
+    msg = {"reasoning": REASONING, "content": content}
+    row, = reconstruct_record(record(kimi, msg, logprobs=_decoded_text_logprobs(kimi, truth)), kimi)
+    assert row["completion_ids"] == truth and codes(row) == ["usage_missing"]  # proven by the logprobs, as before
+    # the known ids still decide: another text at a known place is a mismatch
+    other = native(kimi, REASONING, ids["close"], content.replace("Nice", "Fine"), ids["end"])
+    row, = reconstruct_record(record(kimi, msg, logprobs=_decoded_text_logprobs(kimi, other)), kimi)
+    assert "logprobs_mismatch" in codes(row)
 
 
 # --- matched_stop and the end token --------------------------------------------------------

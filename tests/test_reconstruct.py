@@ -299,7 +299,7 @@ def _trigger(kimi, code):  # noqa: PLR0911, PLR0912 - one record per finding cod
             ids = kimi.encode("Check the weather tool.</think>Plain answer!<|im_end|>")
             entries = [{"token": f"token_id:{i}", "logprob": -0.1} for i in ids]
         else:
-            entries = [{"token": "\ufffd", "bytes": None, "logprob": -0.1}]
+            entries = [{"token": 7, "bytes": None, "logprob": -0.1}]
         rec["response"]["choices"][0]["logprobs"] = {"content": entries}
         return rec
     if code == "end_token_mismatch":  # a stop id the user asked for, e.g. stop_token_ids=[13]

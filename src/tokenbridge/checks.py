@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
 from .content import content_text
-from .evidence import LogprobIds, logprobs_cover
+from .evidence import UNKNOWN_ID, LogprobIds, logprobs_cover
 from .jsonl import text_of
 from .tokenizer import Tokenizer
 
@@ -603,7 +603,9 @@ def _logprobs(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     ends = ends_turn(parts)
     if logprobs_fit(logged.ids, parts, view.part_ids, ids) is not None:
         return
-    got = list(logged.ids)
+    # an unknown logged id (a partial character, UNKNOWN_ID) is read as ours to compare the texts
+    got = [b if b != UNKNOWN_ID or i >= len(ids) else ids[i] for i, b in enumerate(logged.ids)]
+    got = [b for b in got if b != UNKNOWN_ID]
     n = next((i for i, (a, b) in enumerate(zip(ids, got)) if a != b), min(len(ids), len(got)))
     tok = view.tokenizer
     same_text = tok.decode_bytes(got) == tok.decode_bytes(ids) or (

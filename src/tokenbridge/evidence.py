@@ -26,6 +26,7 @@ from .jsonl import is_count, is_int
 from .tokenizer import Tokenizer
 
 __all__ = [
+    "UNKNOWN_ID",
     "LogprobIds",
     "cached_tokens",
     "is_count",
@@ -38,10 +39,20 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LogprobIds:
-    """The ids a choice's ``logprobs`` name, or why they cannot be read."""
+    """The ids a choice's ``logprobs`` name, or why they cannot be read. An id is
+    :data:`UNKNOWN_ID` where the entry names a token holding part of a character only as
+    U+FFFD (see :func:`logprob_ids`)."""
 
     ids: tuple[int, ...] | None
     problem: str | None = None
+
+
+#: A logged id that is not known: an engine that builds an entry's ``bytes`` from the
+#: token's decoded text (vLLM, SGLang) writes U+FFFD for the part of a character a token
+#: holds (a byte of an emoji or a rare CJK character: ``" \ufffd"`` is then also a token of
+#: its own), and nothing for a special token whose text it skips. It stands for any one id.
+UNKNOWN_ID = -1
+_FFFD = "\ufffd".encode()
 
 
 # One bytes -> id index per loaded tokenizer, built on first use (logprobs are rare).
@@ -103,10 +114,15 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
             key = bytes(raw)
         elif raw is None and isinstance(token, str) and "\ufffd" not in token:
             key = token.encode("utf-8", errors="surrogatepass")
+        elif raw is None and token == "\ufffd":
+            key = _FFFD
         else:
             return LogprobIds(None, f"logprobs.content[{pos}] has no usable bytes or token text")
         if not key and pos == len(entries) - 1:
             break  # the end token, logged with its text skipped: the ids before it still count
+        if _FFFD in key or not key:  # a partial character as decoded (or a token holding U+FFFD
+            out.append(UNKNOWN_ID)  # itself), or a special token whose text was skipped: any one id
+            continue
         if index is None:
             index = _bytes_index(tok)
         found = index.get(key)
@@ -125,18 +141,27 @@ def logprobs_cover(logged: Sequence[int], completion: Sequence[int], content_sta
     and not the reasoning. Anything else is a contradiction.
     """
     n = len(logged)
-    if n == len(completion) and list(logged) == list(completion):
+    same = _same_with_unknown if UNKNOWN_ID in logged else _same
+    if n == len(completion) and same(logged, completion):
         return "all"
     body = completion[:-1] if ends else completion
-    if ends and n == len(body) and list(logged) == list(body):
+    if ends and n == len(body) and same(logged, body):
         return "all_but_end"
     if 0 < content_start < len(completion):
         tail = completion[content_start:]
-        if (n == len(tail) and list(logged) == list(tail)) or (
-            ends and n == len(tail) - 1 and list(logged) == list(tail[:-1])
-        ):
+        if (n == len(tail) and same(logged, tail)) or (ends and n == len(tail) - 1 and same(logged, tail[:-1])):
             return "content"
     return None
+
+
+def _same(logged: Sequence[int], ids: Sequence[int]) -> bool:
+    return list(logged) == list(ids)
+
+
+def _same_with_unknown(logged: Sequence[int], ids: Sequence[int]) -> bool:
+    """Equal where the logged id is known (:data:`UNKNOWN_ID` stands for any one id: the
+    split of a character's bytes between tokens is then proven no better than a count does)."""
+    return len(logged) == len(ids) and all(a in (b, UNKNOWN_ID) for a, b in zip(logged, ids))
 
 
 def matched_stop(choice: Mapping[str, Any]) -> int | str | None:
