@@ -397,6 +397,22 @@ def test_an_api_key_with_a_control_character_is_refused_before_anything_is_sent(
     assert not (tmp_path / "run").exists()
 
 
+def test_generate_refuses_a_run_config_with_an_emulator_unless_the_base_url_is_given(tmp_path):
+    """``run`` starts the [emulator] and sends to it; ``generate`` starts none, so the demo
+    config sent (paid, with a key) to OpenRouter without a word. One line, exit 2, nothing
+    made; with --base-url the user says where to send."""
+    cfg = Path(__file__).resolve().parents[1] / "examples" / "demo.toml"
+    args = ["generate", "--config", str(cfg), "--out", str(tmp_path / "run"), "--max-attempts", "1", "--progress", "none"]
+    res = CliRunner().invoke(app, args, env={"OPENROUTER_API_KEY": "sk-or-v1-" + "0" * 64})
+    assert res.exit_code == ExitCode.CONFIG, res.output
+    line = res.output.strip().splitlines()
+    assert len(line) == 1 and line[0].startswith(f"error: {cfg}:") and ": emulator: generate starts no emulator, so " \
+        "this config's requests would go to https://openrouter.ai/api/v1: run it with `tokenbridge run" in line[0]
+    assert not (tmp_path / "run").exists()
+    res = CliRunner().invoke(app, [*args, "--base-url", "http://127.0.0.1:9/v1", "--dry-run"])
+    assert res.exit_code == 0, res.output
+
+
 # --- emulator config and flags ---------------------------------------------------------------
 
 

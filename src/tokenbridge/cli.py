@@ -372,7 +372,7 @@ def _generate_settings(config: Path | None, prompts: list[str] | None, flags: Ma
     from .generate.settings import override_settings
     from .schema import Where
 
-    settings = load_config(config) if config else GenerateSettings()
+    settings = load_config(config, base_url_given=flags.get("base_url") is not None) if config else GenerateSettings()
     merged = {**(settings.request.provider or {}), **{k: v for k, v in provider.items() if v is not None}}
     overrides = {
         **flags,

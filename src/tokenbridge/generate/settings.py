@@ -450,15 +450,26 @@ def _check_name(name: str, where: str) -> None:
         raise ConfigError(f"{where}: dataset name {name!r} must be letters, digits, '_', '.', '-'")
 
 
-def load_config(path: str | Path) -> GenerateSettings:
+def load_config(path: str | Path, *, base_url_given: bool = False) -> GenerateSettings:
     """Read a TOML (``.toml``) or YAML (``.yaml``/``.yml``) config file; every problem
-    in it is reported at once (one line each: ``file:line: key: what is wrong``)."""
+    in it is reported at once (one line each: ``file:line: key: what is wrong``).
+
+    A ``tokenbridge run`` config is read for its [generate]. One that also has [emulator]
+    is refused unless the caller gives the base URL (``base_url_given``): ``run`` starts
+    that emulator and sends to it, ``generate`` starts none, so its requests (paid ones,
+    with a key) would go to the [generate] base URL, OpenRouter by default, unannounced."""
     path = Path(path)
     data, text = read_mapping(path, ConfigError)
     where = Where(str(path), text)
     if isinstance(data.get("generate"), dict):
         stray = [where.problem((key,), "outside [generate], where it would be ignored; move it under [generate]")
                  for key in data if key not in _RUN_SECTIONS]
+        if data.get("emulator") is not None and not base_url_given:
+            stray.append(where.problem(("emulator",), (
+                f"generate starts no emulator, so this config's requests would go to "
+                f"{data['generate'].get('base_url') or GenerateSettings().base_url}: run it with "
+                f"`tokenbridge run {path}`, or give --base-url (a `tokenbridge emulator` you started, or the API "
+                "you mean to pay)")))
         if stray:
             raise ConfigError("\n".join(stray))
         data, where = data["generate"], where.at("generate")
