@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from . import jsonl
 from .jsonl import is_int, iter_lines, not_text
 
-__all__ = ["Exchange", "ExchangeRecord", "RecordError", "check_request", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
+__all__ = ["Exchange", "ExchangeRecord", "RecordError", "check_request", "choice_index", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
 
 
 class RecordError(ValueError):
@@ -222,6 +222,13 @@ def _check_message(m: Any, at: str) -> None:
             raise RecordError(f"{at}.tool_calls[{j}].function.arguments", "missing")
 
 
+def choice_index(choice: Mapping[str, Any], position: int) -> int:
+    """The index a choice's rows carry: its ``index`` where that is a count Parquet's int32
+    holds, else its place in ``choices`` (a negative, huge or non-integer index is no index)."""
+    index = choice.get("index")
+    return index if is_int(index) and 0 <= index < 2**31 else position
+
+
 def _checked_choices(response: dict[str, Any]) -> list[dict[str, Any]]:
     """``response.choices`` (empty for an error body), each an object whose message has its
     text fields in shape."""
@@ -236,12 +243,7 @@ def _checked_choices(response: dict[str, Any]) -> list[dict[str, Any]]:
     for i, c in enumerate(choices):
         if not isinstance(c, dict):
             raise RecordError(f"response.choices[{i}]", "must be an object")
-        index = c.get("index")
-        # a row is named by (id, choice): one choice an index (its place where it has none),
-        # which Parquet's int32 holds
-        if index is not None and not (is_int(index) and 0 <= index < 2**31):
-            raise RecordError(f"response.choices[{i}].index", f"must be an integer from 0 to 2**31-1, got {index!r}"[:200])
-        index = i if index is None else index
+        index = choice_index(c, i)  # a row is named by (id, choice): one choice an index
         if index in indexes:
             raise RecordError(f"response.choices[{i}].index", f"{index} is also the index of choices[{indexes[index]}]")
         indexes[index] = i

@@ -32,7 +32,7 @@ from .content import content_text
 from .checks import (Finding, Policy, SampleView, ends_turn, logprobs_fit, reasoning_count_ways, reasoning_counts, run_checks,
                      status_of)
 from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
-from .exchanges import Exchange, RecordError, loads_line, parse_exchange
+from .exchanges import Exchange, RecordError, choice_index, loads_line, parse_exchange
 from .jsonl import text_of
 from .hypotheses import Candidate, candidates, ends_in_think_fits
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
@@ -206,7 +206,7 @@ def _reconstruct(
                                     "and no evidence (usage, logprobs, token ids, stop id) tells them apart"))
         segments = _segments(len(prompt_ids), parts, part_ids)
         message = p.choice["message"]
-        index = p.choice["index"] if is_count(p.choice.get("index")) else p.index
+        index = choice_index(p.choice, p.index)
         rows.append(_row(meta, choice=index, prompt_ids=prompt_ids, completion_ids=completion_ids, segments=segments,
                          findings=findings, finish_reason=p.choice.get("finish_reason"),
                          reasoning=message_reasoning(message) or "", content=content_text(message.get("content")),
