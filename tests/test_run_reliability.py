@@ -53,9 +53,11 @@ _VARYING = ("state.sqlite", "generate.json", "report/report.html", "report/repor
 
 def _outputs(run: Path) -> dict[str, bytes]:
     out = {k: v.replace(str(run).encode(), b"RUN") for k, v in snapshot(run).items() if k not in _VARYING}
-    if "pipeline.json" in out:  # its digest cache holds inodes and times, which differ between two runs
-        doc = json.loads(out["pipeline.json"])
+    if "pipeline.json" in out:  # its digest cache and the stages' output identities hold inodes and times,
+        doc = json.loads(out["pipeline.json"])  # which differ between two runs
         doc.pop("digests", None)
+        for entry in doc.values():
+            entry.pop("output", None)
         out["pipeline.json"] = json.dumps(doc, sort_keys=True).encode()
     return out
 
