@@ -30,9 +30,9 @@ def run_dir(tmp_path, rows) -> Path:
 
     run = tmp_path / "run"
     exchanges, recs = rows
+    Store.open(run).close()  # first, as generate makes it: exchanges without their store are refused
     write_jsonl(run / "exchanges.jsonl", exchanges)
     write_jsonl(run / "reconstructed.jsonl", recs)
-    Store.open(run).close()
     return run
 
 
