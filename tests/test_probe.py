@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 from tokenbridge.cli import app
 from tokenbridge.emulator import EmulatorConfig, ProviderConfig, ProviderQuirks, running_emulator
 from tokenbridge.generate import probe
+from tokenbridge.traits import load_provider_profile
 
 MODEL = "moonshotai/kimi-k2.5"
 FAKE_KEY = "sk-or-v1-PROBE-FAKE-KEY-9d8c7b6a"
@@ -95,6 +96,24 @@ def test_probe_refuses_a_key_that_cannot_be_sent_before_any_probe(kimi_dir):
     assert res.output.strip().splitlines() == ["error: the API key in $TB_PROBE_KEY holds a control character "
                                                "(U+000D at character 25): it cannot be sent in an HTTP header"]
     assert "0123456789" not in res.output
+
+
+def test_a_probe_that_reaches_no_provider_says_so_and_knows_no_edits(tmp_path, kimi_dir):
+    """A closed port: every call a connection error. The table said "available yes" and
+    "text edits none", the JSON the same (a profile then read as "no edits"), exit 0."""
+    out = tmp_path / "probe.json"
+    res = CliRunner().invoke(app, ["probe", "--model", MODEL, "--providers", "a/fp8", "--base-url",
+                                   "http://127.0.0.1:9/v1", "--json", str(out), "--tokenizer", str(kimi_dir)],
+                             env={"OPENROUTER_API_KEY": FAKE_KEY, "COLUMNS": "200"})
+    assert res.exit_code == 1, res.output
+    assert re.search(r"│ a/fp8 +│ unknown \(not reached\) +│ 0/3 +│", res.output), res.output
+    assert "unknown (no echo answered)" in res.output
+    assert res.output.strip().splitlines()[-1] == ("probe: 1 of 1 provider(s) answered no probe prompt, so nothing "
+                                                   "is known of them: a/fp8 (their errors are in --json)")
+    data = json.loads(out.read_text(encoding="utf-8"))["providers"][0]
+    assert data["available"] is None and data["profile"]["text_edits"] is None
+    assert data["calls"][0]["error"]
+    assert load_provider_profile(out) == {"a/fp8": ()}  # read back: no edit known, as without a profile
 
 
 # --- echo tests: the provider profile ---------------------------------------------------

@@ -530,6 +530,12 @@ def probe(
     if json_out:
         data = {"model": model, "base_url": base_url, "providers": [r.to_dict() for r in reports]}
         _write_summary(json_out, data, "--json", "probe-json")
+    # answered nothing, and not because it serves no such endpoint (the table says "none" there)
+    silent = [r.provider for r in reports if not any(c.ok for c in r.calls) and r.available is not False]
+    if silent:  # a table of dashes is no finding: say so, and exit 1 as generate does for failed samples
+        _say(f"probe: {len(silent)} of {len(reports)} provider(s) answered no probe prompt, so nothing is known of "
+             f"them: {', '.join(silent)} (their errors are in --json)")
+        raise typer.Exit(ExitCode.INCOMPLETE)
 
 
 # --- emulator --------------------------------------------------------------------------

@@ -283,7 +283,9 @@ def load_provider_profile(path: str | Path) -> dict[str, tuple[str, ...]]:
         if not isinstance(prof, dict):
             raise ProfileError(f"{where}.profile: must be an object")
         edits = prof.get("text_edits", [])
+        if edits is None:  # the probe could not tell (no echo test was answered): no edit known
+            edits = []
         if not isinstance(edits, list) or not all(isinstance(e, str) for e in edits):
-            raise ProfileError(f"{where}.profile.text_edits: must be a list of strings")
+            raise ProfileError(f"{where}.profile.text_edits: must be a list of strings or null")
         out[name] = tuple(sorted(e for e in set(edits) if e in KNOWN_EDITS))
     return out

@@ -179,20 +179,29 @@ class ProviderReport:
     token_ids: bool | None = None
 
     def profile(self) -> dict[str, Any]:
-        """What the echo tests and the evidence call found: the provider profile."""
-        edits = sorted({e.edit for e in self.echoes if e.edit})
+        """What the echo tests and the evidence call found: the provider profile. Where no
+        echo test was answered, the edits are not known (``None``), never "none"."""
+        answered = any(e.verdict != "failed" for e in self.echoes)
+        edits = sorted({e.edit for e in self.echoes if e.edit}) if answered else None
         return {
             "provider": self.provider,
             "text_edits": edits,
-            "edits_invisibly": sorted(INVISIBLE_EDITS.intersection(edits)),
+            "edits_invisibly": sorted(INVISIBLE_EDITS.intersection(edits)) if edits is not None else None,
             "echo": {e.test: e.edit or e.verdict for e in self.echoes},
             "logprobs": self.logprobs,
             "token_ids": self.token_ids,
         }
 
     @property
-    def available(self) -> bool:
-        return any(c.available for c in self.calls)
+    def available(self) -> bool | None:
+        """True when the provider answered (a completion, or an HTTP error other than "no
+        endpoints"), False when it said it serves no such endpoint, None when no call
+        reached it (a connection error says nothing about the provider)."""
+        if any(c.ok or (c.available and c.http_status is not None) for c in self.calls):
+            return True
+        if any(not c.available for c in self.calls):
+            return False
+        return None
 
     def summary(self) -> dict[str, Any]:
         ok = [c for c in self.calls if c.ok]
@@ -425,7 +434,7 @@ def render_table(reports: list[ProviderReport], attempts: int = 3) -> Table:
         s = rep.summary()
         table.add_row(
             Text(printable(s["provider"])),  # a name the user or the API gave: never markup
-            "yes" if s["available"] else "none",
+            {True: "yes", False: "none", None: "unknown (not reached)"}[s["available"]],
             s["ok"],
             s["reasoning_present"] or "-",
             s["end_marker_leak"] or "-",
@@ -451,7 +460,10 @@ def render_profiles(reports: list[ProviderReport]) -> Table:
         table.add_column(col)
     for rep in reports:
         prof = rep.profile()
-        edits = ", ".join(f"[bold]{e}[/bold]" if e in INVISIBLE_EDITS else e for e in prof["text_edits"]) or "none"
+        if prof["text_edits"] is None:
+            edits = "unknown (no echo answered)"
+        else:
+            edits = ", ".join(f"[bold]{e}[/bold]" if e in INVISIBLE_EDITS else e for e in prof["text_edits"]) or "none"
         table.add_row(Text(printable(rep.provider)), edits, *(prof["echo"].get(name, "-") for name, _ in ECHO_TESTS),
                       _yes_no(prof["logprobs"]), _yes_no(prof["token_ids"]))
     return table
