@@ -1,11 +1,13 @@
 """scrub over generated keys, each spelled the ways a server can echo it: JSON escapes
-(``\\uXXXX`` in either case, ``\\/``, ``\\"``, ``\\\\``, nested), URL-encoding, and base64
+(``\\uXXXX`` in either case, ``\\/``, ``\\"``, ``\\\\``, nested), URL-encoding, base64
 in either alphabet at any alignment, wrapped with line breaks (raw or JSON-escaped) as
-MIME does. The oracles here decode with the standard library, apart from secrets.py."""
+MIME does, hex in either case, and HTML numeric character references. The oracles here
+decode with the standard library, apart from secrets.py."""
 
 from __future__ import annotations
 
 import base64
+import html
 import json
 import re
 
@@ -149,3 +151,28 @@ def test_runs_of_backslashes_are_scrubbed_in_linear_time():
         assert time.perf_counter() - started < 5.0, tail
     hidden = json.dumps({"content": "\\" * 5000 + key}).replace("/", "\\/").encode()
     assert key.encode() not in scrub_bytes(hidden, key) and b"sk-test\\/abcdefghijk" not in scrub_bytes(hidden, key)
+
+
+@settings(max_examples=100, deadline=None)
+@given(KEYS, st.booleans())
+def test_the_hex_of_a_key_is_masked_in_either_case(key, upper):
+    """A server that dumps the request's headers as bytes (an echoing error page did)."""
+    text = key.encode("utf-8").hex()
+    text = text.upper() if upper else text
+    assert bytes.fromhex(text).decode("utf-8") == key
+    assert scrub(f"<< {text} >>", key) == "<< *** >>"
+
+
+@settings(max_examples=100, deadline=None)
+@given(KEYS, st.lists(st.integers(0, 2), min_size=1, max_size=8))
+def test_html_character_references_of_a_key_are_masked(key, picks):
+    """An HTML error page quoting the header entity by entity (``&#115;&#107;...``),
+    decimal or hex, mixed with plain characters; other characters stay as they are."""
+    def spelled(ch: str, pick: int) -> str:
+        if not (" " <= ch <= "~") or pick == 0:
+            return ch
+        return f"&#{ord(ch)};" if pick == 1 else f"&#x{ord(ch):x};"
+
+    text = "".join(spelled(ch, pick) for ch, pick in zip(key, picks * len(key)))
+    assert html.unescape(text) == key or "&" in key
+    assert scrub(f"<< {text} >>", key) == "<< *** >>"

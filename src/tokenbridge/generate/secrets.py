@@ -15,6 +15,8 @@ reads it (:class:`_Reading`):
     behind any number of backslashes, so a JSON string nested in a JSON string is
     covered too;
   * URL-encoded: ``%XX`` (any hex case);
+  * HTML numeric character references: ``&#115;``, ``&#x73;`` (an error page quoting it);
+  * hex, either case (a server dumping the request's header bytes);
   * base64 (standard and URL-safe alphabet) at each of the three byte alignments, so the
     key inside a longer encoded blob (``Basic ...``, ``Bearer ...``) is caught too, with
     line breaks anywhere in it (MIME wraps every 76 characters), raw or JSON-escaped.
@@ -161,11 +163,11 @@ class _Reading:
 
     def read(self, data: bytes) -> bytes:
         """The view, fast: raw line breaks dropped in C, each escape read through a cache.
-        Every escaped break and every escape starts with ``\\`` or ``%``: data with neither
-        (most bodies, and every base64 blob) is read without running the patterns at all."""
+        Every escaped break and every escape starts with ``\\``, ``%`` or ``&#``: data with
+        none (most bodies, and every base64 blob) is read without running the patterns at all."""
         if self.breaks is not None:
             data = data.translate(None, b"\r\n")
-        if b"\\" not in data and b"%" not in data:
+        if b"\\" not in data and b"%" not in data and b"&#" not in data:
             return data
         if self.breaks is not None:
             data = self.breaks.sub(b"", data)
@@ -182,7 +184,7 @@ class _Reading:
 
 @dataclass(frozen=True)
 class _Forms:
-    targets: tuple[bytes, ...]  # the key's UTF-8 and its base64 at each alignment and alphabet
+    targets: tuple[bytes, ...]  # the key's UTF-8, its hex (either case), its base64 at each alignment and alphabet
     pieces: dict[bytes, tuple[tuple[int, int], ...]]  # each target's sampled pieces: (target, offset)
     readings: tuple[_Reading, ...]
     spelling: bytes  # a translate table: b"a" for each byte a spelling of a target can hold, else b" "
@@ -190,7 +192,7 @@ class _Forms:
 
 #: Bytes any spelling of any key may use: base64's (both alphabets, which hold hex and the
 #: letters of ``\\u``, ``\\n``, ``\\r``), escapes' and line breaks.
-_SPELLING = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=-_%\\\r\n"
+_SPELLING = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=-_%\\\r\n&#;"
 _STRETCH = re.compile(b"a" * MIN_MASKED + b"a*")  # a literal start: found by a fast prefix search
 _RAW_BREAKS = re.compile(rb"[\r\n]")
 
@@ -198,7 +200,7 @@ _RAW_BREAKS = re.compile(rb"[\r\n]")
 @lru_cache(maxsize=4)
 def _forms(value: str) -> _Forms:
     raw = value.encode("utf-8")
-    targets = {raw}
+    targets = {raw, raw.hex().encode(), raw.hex().upper().encode()}  # hex: a server that dumps headers as bytes
     for shift in range(3):
         enc = base64.b64encode(b"\0" * shift + raw)
         # characters that depend on the key's bytes alone: skip the shift's lead-in and the tail
@@ -253,12 +255,19 @@ def _reading(value: str, *, json: bool, percent: bool) -> _Reading:
     if percent:
         breaks.append(rb"%0[aAdD]")
         escapes.append(rb"%(?:" + p + rb")")
+    if json and percent:  # the reading of every escape: HTML's numeric character references too
+        escapes.append(_ENTITY)
     if json:
         breaks.append(_RUN + rb"(?:[rn]|u000[aAdD])")
         escapes.append(_RUN + rb"(?:u(?:" + u + rb")|[" + re.escape(short.encode()) + rb"])")
         if "\\" in value:  # "\\" in JSON, "\\\\" nested: one backslash
             escapes.append(rb"\\\\+")
     return _Reading(re.compile(b"|".join(breaks)) if breaks else None, re.compile(b"|".join(escapes)))
+
+
+#: An HTML numeric character reference to a printable ASCII character (``&#115;``, ``&#x73;``):
+#: an error page that quotes the request header entity by entity.
+_ENTITY = rb"&#(?:0*(?:3[2-9]|[4-9][0-9]|1[01][0-9]|12[0-6])|[xX]0*[2-7][0-9a-fA-F]);"
 
 
 def _wide(value: str) -> list[bytes]:
@@ -313,6 +322,9 @@ def _read_unit(text: bytes) -> bytes:
     """What a decoder reads for one unit: a line break nothing, an escape its character."""
     if text.startswith(b"%"):
         return b"" if text[1:2] == b"0" else bytes([int(text[1:], 16)])
+    if text.startswith(b"&#"):
+        digits = text[2:-1]
+        return bytes([int(digits[1:], 16) if digits[:1] in (b"x", b"X") else int(digits)])
     body = text.lstrip(b"\\")
     if not body:
         return b"\\"  # a run of backslashes: one, escaped once or more
