@@ -269,3 +269,32 @@ def test_a_lone_surrogate_reaches_parquet_as_its_json_text(tmp_path, kimi):
     (tmp_path / "big.jsonl").write_text(json.dumps(big) + "\n", encoding="utf-8")
     with pytest.raises(Exception, match=r"big.jsonl:1: choice: must be a non-negative integer up to 2147483647"):
         export_file(tmp_path / "big.jsonl", tmp_path / "y", "parquet")
+
+
+@pytest.mark.parametrize("kind", ["gzip", "parquet", "sqlite"])
+@pytest.mark.parametrize("command", ["reconstruct", "inspect", "export", "vocab"])
+def test_an_input_that_is_plainly_not_jsonl_is_one_line(tmp_path, kimi_dir, kind, command):
+    """A gzip, Parquet or SQLite file given as JSONL was read line by line: one "not valid
+    JSON" per binary line, an empty output, exit 1 (inspect: "no sample"). Now one line
+    naming what it is, exit 2, nothing written."""
+    import gzip
+    import sqlite3
+
+    import pyarrow as pa
+
+    path = tmp_path / "in.jsonl"
+    if kind == "gzip":
+        path.write_bytes(gzip.compress(EXAMPLE.read_bytes()))
+    elif kind == "parquet":
+        pq.write_table(pa.table({"id": ["a"]}), path)
+    else:
+        sqlite3.connect(path).execute("CREATE TABLE t (x)").connection.commit()
+    out = tmp_path / ("out.jsonl" if command == "reconstruct" else "out")
+    args = {"reconstruct": ["-o", str(out), "-t", str(kimi_dir)], "inspect": ["-t", str(kimi_dir)],
+            "export": ["-o", str(out), "-f", "specforge"], "vocab": ["-o", str(out), "-n", "64", "-t", str(kimi_dir)]}[command]
+    res = CliRunner().invoke(app, [command, str(path), *args])
+    name = {"gzip": "a gzip file", "parquet": "a Parquet file", "sqlite": "an SQLite database"}[kind]
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: {name}, not JSONL: "), lines
+    assert not out.exists()

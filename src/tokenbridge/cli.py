@@ -153,6 +153,17 @@ def _writing(output: Path | None, command: str) -> Iterator[None]:
         _fail(str(exc), ExitCode.INCOMPLETE)
 
 
+def _jsonl_input(path: Path, *, parquet_ok: bool = False) -> None:
+    """One line and exit 2 for an input that is plainly not JSONL (gzip, Parquet, SQLite, ...):
+    read as lines, each of its binary lines was a bad record and the output came out empty."""
+    from .jsonl import binary_kind
+
+    kind = binary_kind(path)
+    if kind is None or (parquet_ok and kind[0] == "a Parquet file" and path.suffix == ".parquet"):
+        return
+    _fail(f"{path}: {kind[0]}, not JSONL: {kind[1]}")
+
+
 @app.command()
 def reconstruct(
     input: Path = typer.Argument(..., exists=True, dir_okay=False, help="Exchange records (JSONL)."),
@@ -177,6 +188,7 @@ def reconstruct(
     from .view import summary_table
     from .traits import ProfileError, load_provider_profile
 
+    _jsonl_input(input)
     policy = _policy(usage_tolerance, warn, error, off)
     _dialect_flag(dialect)
     profile = None
@@ -240,6 +252,8 @@ def inspect(
     from rich.console import Console
 
     from .view import check_span, find_row, parse_span, render_row
+
+    _jsonl_input(input, parquet_ok=True)
 
     if tokens is not None:
         try:
@@ -609,6 +623,7 @@ def export(
         help="Refuse rows with an id outside this vocabulary (run passes the tokenizer's; at most 2**24)."),
 ) -> None:
     """Write validated training rows in a trainer's format."""
+    _jsonl_input(input, parquet_ok=True)
     from .export import ExportError, export_file
     from .runconfig import ExportSection
     from .schema import Where, validate
@@ -649,6 +664,7 @@ def vocab(
                                "(never a run folder, the input's folder or the current folder)."),
 ) -> None:
     """Build the draft vocabulary (d2t / t2d) from token frequencies under the loss mask."""
+    _jsonl_input(input, parquet_ok=True)
     import os
 
     from .export import ExportError, build_vocab

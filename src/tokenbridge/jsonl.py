@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import orjson
 
-__all__ = ["MAX_DEPTH", "JsonLineError", "dumps_document", "dumps_line", "is_count", "is_int", "iter_lines", "json_text",
+__all__ = ["MAX_DEPTH", "JsonLineError", "binary_kind", "dumps_document", "dumps_line", "is_count", "is_int", "iter_lines", "json_text",
            "loads_finite", "loads_line", "not_text", "number_too_long", "text_of", "value_key"]
 
 
@@ -244,3 +244,31 @@ def dumps_document(value: Any, indent: int = 2) -> str:  # Any: any JSON value
     newline), any lone surrogate kept as its ``\\u`` escape: a path with bytes that are
     not UTF-8, or an API's words, can always be written."""
     return text_of(json.dumps(value, indent=indent, ensure_ascii=False)) + "\n"
+
+
+#: File types a JSONL input is sometimes by mistake, by their first bytes: (magic, name, what to do).
+_MAGIC: tuple[tuple[bytes, str, str], ...] = (
+    (b"\x1f\x8b", "a gzip file", "decompress it first (gunzip)"),
+    (b"BZh", "a bzip2 file", "decompress it first (bunzip2)"),
+    (b"\xfd7zXZ\x00", "an xz file", "decompress it first (unxz)"),
+    (b"\x28\xb5\x2f\xfd", "a zstd file", "decompress it first (unzstd)"),
+    (b"PK\x03\x04", "a zip archive", "extract it first"),
+    (b"PAR1", "a Parquet file", "give it a .parquet name where the command reads Parquet"),
+    (b"ARROW1", "an Arrow file", "write it out as JSONL"),
+    (b"SQLite format 3\x00", "an SQLite database", "give the JSONL file (a run's exchanges.jsonl, not its state.sqlite)"),
+)
+
+
+def binary_kind(path: str | Path) -> tuple[str, str] | None:
+    """(what the file is, what to do) when its first bytes say it is a compressed, Parquet,
+    Arrow or SQLite file rather than text; None for anything else (JSONL, or unreadable:
+    the reader then says why). A JSON line never starts with these bytes."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(16)
+    except OSError:
+        return None
+    for magic, name, todo in _MAGIC:
+        if head.startswith(magic):
+            return name, todo
+    return None
