@@ -49,6 +49,29 @@ def test_a_dry_run_without_a_tokenizer_says_its_counts_are_approximate(tmp_path)
     assert "approx." in res.output  # no --tokenizer: character estimate, said so
 
 
+def test_a_dry_run_refuses_what_the_run_refuses(tmp_path):
+    """No datasets: the dry run said "samples: 0", exit 0, and the run then refused (exit 2)."""
+    res = _invoke(["--out", str(tmp_path / "run"), "--model", "m", "--dry-run"])
+    assert res.exit_code == 2 and res.output.strip().splitlines() == ["error: no prompt datasets given"], res.output
+
+
+def test_the_limit_flag_caps_every_dataset_its_own_limit_too(tmp_path):
+    """Flags override file values: --limit 2 sent all 176 of a dataset whose config says
+    ``limit = 5000`` (the flag only filled datasets with no limit of their own)."""
+    rows = "".join(json.dumps({"id": f"p{i}", "prompt": f"q {i}"}) + "\n" for i in range(9))
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.jsonl").write_text(rows, encoding="utf-8")
+    cfg = tmp_path / "g.toml"
+    cfg.write_text('model = "m"\n[[datasets]]\nname = "a"\npath = "a.jsonl"\nlimit = 5000\n'
+                   '[[datasets]]\nname = "b"\npath = "b.jsonl"\nlimit = 1\n'
+                   '[[datasets]]\nname = "c"\npath = "c.jsonl"\n', encoding="utf-8")
+    res = _invoke(["--config", str(cfg), "--out", str(tmp_path / "run"), "--limit", "2", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "samples: 5 (0 already done, 5 to send)" in res.output
+    assert [line.split(",")[0].strip() for line in res.output.splitlines() if line.startswith("  ")] == [
+        "a: 2 samples", "b: 1 samples", "c: 2 samples"]
+
+
 def test_a_dry_run_with_bad_rows_exits_1_as_the_run_would(tmp_path):
     """Exit 1 means "some rows were bad" for every command; the dry run said 0, so a script
     checking it went on to pay for a run that would refuse them. The rows that crashed it

@@ -308,7 +308,8 @@ def generate(
     tokenizer: str | None = typer.Option(
         None, "--tokenizer", "-t", help="Tokenizer folder (for --dry-run; default: the config's, else "
         "$TOKENBRIDGE_TOKENIZER, else prompt tokens are approximated)."),
-    limit: int | None = typer.Option(None, "--limit", min=0, help="At most N samples per dataset."),
+    limit: int | None = typer.Option(None, "--limit", min=0,
+                                     help="At most N samples per dataset (a dataset's own limit too)."),
     api_key_env: str | None = typer.Option(None, "--api-key-env", help="Env variable holding the key."),
     max_tokens: int | None = typer.Option(None, "--max-tokens", min=1),
     temperature: float | None = typer.Option(None, "--temperature"),
@@ -383,16 +384,19 @@ def _generate_settings(config: Path | None, prompts: list[str] | None, flags: Ma
     """The config file's settings (or the defaults) with the given flags over them; the flags
     map onto the config's schema and are checked by it, each problem naming its flag."""
     from .generate import GenerateSettings, load_config, parse_dataset_arg
+    from dataclasses import replace
+
     from .generate.settings import override_settings
     from .schema import Where
 
     settings = load_config(config, base_url_given=flags.get("base_url") is not None) if config else GenerateSettings()
     merged = {**(settings.request.provider or {}), **{k: v for k, v in provider.items() if v is not None}}
-    overrides = {
-        **flags,
-        "datasets": tuple(parse_dataset_arg(p) for p in prompts) if prompts else None,
-        "request": {**request, "provider": merged or None},
-    }
+    datasets = tuple(parse_dataset_arg(p) for p in prompts) if prompts else None
+    cap = flags.get("limit")
+    if isinstance(cap, int):  # --limit N: at most N from every dataset, its own limit in the file too
+        datasets = tuple(replace(d, limit=cap if d.limit is None else min(d.limit, cap))
+                         for d in (datasets or settings.datasets))
+    overrides = {**flags, "datasets": datasets, "request": {**request, "provider": merged or None}}
     return override_settings(settings, overrides, Where("command line", flags=_GENERATE_FLAGS))
 
 

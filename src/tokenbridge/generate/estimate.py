@@ -75,7 +75,9 @@ class DryRunReport:
 def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None) -> DryRunReport:
     """Load and render every prompt, count tokens, estimate cost. Sends nothing, writes nothing."""
     from ..chat import RENDER_FAILURES
+    from .run import check_sendable
 
+    check_sendable(settings)
     loaded = load_prompts(settings.datasets, default_limit=settings.limit)
     done_ids: set[str] = set()
     observed: float | None = None

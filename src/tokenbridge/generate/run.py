@@ -49,6 +49,7 @@ from .store import STATE_FILE, Store, StoreError
 
 __all__ = [
     "EXCHANGES_FILE",
+    "check_sendable",
     "ExitCode",
     "RunSummary",
     "agenerate_run",
@@ -57,6 +58,15 @@ __all__ = [
 ]
 
 EXCHANGES_FILE = "exchanges.jsonl"
+
+
+def check_sendable(settings: GenerateSettings) -> None:
+    """:class:`ConfigError` for settings no run can send from (no model, no datasets): the
+    run and its dry run refuse them alike (a dry run said "0 samples", exit 0)."""
+    if not settings.request.model:
+        raise ConfigError("no model given (set --model or model = ... in the config)")
+    if not settings.datasets:
+        raise ConfigError("no prompt datasets given")
 SUMMARY_FILE = "generate.json"
 
 
@@ -144,10 +154,7 @@ async def agenerate_run(
     (``SettingsChanged``, unless ``force_settings``).
     """
     out_dir = Path(out_dir)
-    if not settings.request.model:
-        raise ConfigError("no model given (set --model or model = ... in the config)")
-    if not settings.datasets:
-        raise ConfigError("no prompt datasets given")
+    check_sendable(settings)
     if key is None:
         key = read_api_key(settings.api_key_env, required=not is_local_url(settings.base_url))
     check_api_key(key)
