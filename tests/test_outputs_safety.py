@@ -169,6 +169,20 @@ def test_vocab_into_a_user_folder_is_refused(run_dir, tmp_path):
     assert snapshot(mine) == {"d2t.npy": b"not ours", "other.bin": b"user data"}
 
 
+@pytest.mark.parametrize("force", [False, True])
+def test_vocab_into_the_tokenizer_folder_it_reads_is_refused(run_dir, tmp_path, kimi_dir, force):
+    """``reconstruct -o`` inside the tokenizer folder was refused, ``vocab -o`` wrote there."""
+    import shutil
+
+    tok = tmp_path / "tok"
+    shutil.copytree(kimi_dir, tok)
+    before = snapshot(tok)
+    res = _invoke("vocab", str(run_dir / "reconstructed.jsonl"), "-n", "64", "-o", str(tok / "vocab"), "-t", str(tok),
+                  *(["--force"] if force else []))
+    _refused(res, f"lies in the input folder {tok}")
+    assert snapshot(tok) == before
+
+
 def test_vocab_into_the_run_folder_is_refused(run_dir):
     before = snapshot(run_dir)
     res = _invoke("vocab", str(run_dir / "reconstructed.jsonl"), "-n", "64", "-o", str(run_dir),

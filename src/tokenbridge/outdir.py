@@ -246,6 +246,8 @@ def check_output_dir(
     for item in inputs:
         if Path(item).resolve().is_relative_to(resolved):
             raise OutputRefused(f"{flag} {target}: refusing to replace a folder that holds the input {item}")
+        if os.path.isdir(item) and resolved.is_relative_to(Path(item).resolve()):  # a tokenizer folder, say
+            raise OutputRefused(f"{flag} {target}: lies in the input folder {item}; give a folder outside it")
     taken = run_file_problem(target)
     if taken:
         raise OutputRefused(f"{flag} {target}: {taken}; give a new folder outside the run's own files")
