@@ -33,3 +33,23 @@ def test_short_help_on_each_command(command):
     res = CliRunner().invoke(app, [command, "-h"])
     assert res.exit_code == 0, res.output
     assert f" {command} [OPTIONS]" in res.output
+
+
+def test_an_interrupt_after_the_outputs_are_published_is_said_in_one_line(stage_inputs, tmp_path, monkeypatch):
+    """Ctrl-C landing after a stage's own handling (while its summary prints) exited 130
+    without a word (typer's own handling): now the same line as everywhere else."""
+    import tokenbridge.cli as cli
+    from tokenbridge.interrupt import STOPPED
+
+    said = cli._say
+
+    def interrupted(text, **kw):
+        if "→" in text:  # the success line: the export is published by now
+            raise KeyboardInterrupt
+        return said(text, **kw)
+
+    monkeypatch.setattr(cli, "_say", interrupted)
+    out = tmp_path / "sf"
+    res = CliRunner().invoke(app, ["export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "-f", "specforge"])
+    assert res.exit_code == 130 and res.output.strip().splitlines() == [STOPPED], res.output
+    assert (out / "train.jsonl").is_file()  # published whole before the interrupt, and kept

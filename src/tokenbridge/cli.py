@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import typer
 
@@ -772,6 +773,28 @@ def run(
     _say(f"results in {cfg.out} ({', '.join(names) or 'none'})")
     if incomplete(results):  # failed samples, bad prompt rows or refused records: 1, as each stage alone
         raise typer.Exit(ExitCode.INCOMPLETE)
+
+
+def _stopped_with_a_line(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``command`` with a Ctrl-C/SIGTERM that lands outside its stage's own handling (after
+    the outputs were published, while the summary prints) said as everywhere else: typer
+    exits 130 without a word there. Every output is published in one step, so the line holds."""
+    from .interrupt import EXIT_INTERRUPTED, STOPPED
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt:
+            _say(STOPPED, err=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+
+    return run
+
+
+for _info in app.registered_commands:
+    if _info.callback is not None:
+        _info.callback = _stopped_with_a_line(_info.callback)
 
 
 def main() -> None:
