@@ -434,6 +434,8 @@ def test_report_refuses_rows_export_refuses(runs, tmp_path, edit, field, message
         collect_run(tmp_path)
     assert str(caught.value).startswith(f"{tmp_path / 'reconstructed.jsonl'}:{k + 1}: {field}: ")
     assert message in str(caught.value)
+    res = CliRunner().invoke(app, ["report", str(tmp_path)])  # bad data: 1, as export and inspect say it
+    assert res.exit_code == 1 and res.output.strip().splitlines() == [f"error: {caught.value}"], res.output
 
 
 def test_report_refuses_a_sample_listed_twice(runs, tmp_path):

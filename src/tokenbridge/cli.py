@@ -716,7 +716,7 @@ def report(
         with _writing(run_dir, "report"):
             html = build_report(run_dir, force=force)
     except ReportError as exc:
-        _fail(str(exc))
+        _fail(str(exc), exc.exit_code)
     data = json.loads((html.parent / "report.json").read_text(encoding="utf-8"))
     print_summary(data, Console(highlight=False))
     _say(f"report: {html}")
@@ -763,8 +763,8 @@ def run(
         _fail(str(exc), exc.code)
     except GenerateError as exc:
         _fail(str(exc), exc.exit_code)
-    except _anticipated_errors() as exc:
-        _fail(f"{type(exc).__name__}: {exc}", ExitCode.CONFIG)
+    except _anticipated_errors() as exc:  # bad data (a row an export or the report refused) is 1, as alone
+        _fail(f"{type(exc).__name__}: {exc}", getattr(exc, "exit_code", ExitCode.CONFIG))
     ran = ", ".join(f"{r.name} {r.status}" for r in results)
     _say(f"done: {ran}")
     made = {"reconstruct": "reconstructed.jsonl", "vocab": "vocab/", "report": "report/report.html"}

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..checks import CODES
 from ..exchanges import RecordError, iter_objects
+from ..exit_codes import ExitCode
 from ..jsonl import is_int
 from ..outdir import open_read_only
 from ..rows import STATUSES, ReconstructedRow, RowError, iter_rows
@@ -35,7 +36,13 @@ _STATE_FILE = "state.sqlite"  # generate's store (tokenbridge.generate.store.STA
 
 
 class ReportError(ValueError):
-    """The run folder cannot be reported on (the message says which file and why)."""
+    """The run folder cannot be reported on (the message says which file and why).
+    ``exit_code``: a bad row or record is bad data (1), as for every other command; a
+    missing file or extra is a usage error (2)."""
+
+    def __init__(self, message: str, exit_code: ExitCode = ExitCode.USAGE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def collect_run(run_dir: str | Path, rows: RowStats | None = None) -> dict[str, Any]:
@@ -134,7 +141,7 @@ def _rows_section(path: Path) -> dict[str, Any]:
             contract.check(row, line, stored_row_ids(row, path, line))
             stats.add(row)
     except RowError as exc:
-        raise ReportError(str(exc)) from None
+        raise ReportError(str(exc), ExitCode.INCOMPLETE) from None
     return stats.result()
 
 
@@ -301,7 +308,7 @@ def _exchanges_section(path: Path) -> dict[str, Any]:
                 completion.append(n_completion)
                 prompt.append(n_prompt)
     except RecordError as exc:
-        raise ReportError(f"{path}:{exc.line}: {exc.field}: {exc.detail}") from None
+        raise ReportError(f"{path}:{exc.line}: {exc.field}: {exc.detail}", ExitCode.INCOMPLETE) from None
     out: dict[str, Any] = {
         "count": count, "errors": errors, "attempts": attempts,
         "cost_total": cost_total if priced else None, "priced": priced,
