@@ -231,8 +231,8 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, force: bo
         current = store.samples(ids)
         spent_before, possible_before = store.total_cost(), store.possible_cost()
         observations = list(store.price_observations()) if settings.max_cost and not settings.prices else []
-    except sqlite3.Error as exc:
-        raise StoreError(f"{store.path}: cannot write the run state: {exc}", exit_code=ExitCode.STORE) from None
+    except sqlite3.Error as exc:  # a damaged page fails a read ("could not decode"), a full disk a write
+        raise StoreError(f"{store.path}: cannot read or write the run state: {exc}", exit_code=ExitCode.STORE) from None
     if unanswered:
         reporter.log(f"{unanswered} request(s) sent by an earlier run that ended without storing their answers "
                      f"(killed?) are booked at their reservations as possibly billed (${possible_before:.4f} in all)")
