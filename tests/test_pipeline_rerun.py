@@ -203,6 +203,21 @@ def test_a_new_prompt_reruns_every_stage(finished, tmp_path, kimi_dir):
     assert _identities(out)["exchanges.jsonl"][0] != before["exchanges.jsonl"][0]
 
 
+def test_fewer_prompts_say_how_many_paid_samples_are_left_out(finished, tmp_path, kimi_dir):
+    """A smaller prompt set keeps the paid answers in the store but out of the outputs:
+    generate said so, run said nothing."""
+    cfg, out = finished
+    path = write_run_config(tmp_path, kimi_dir)
+    path.write_text(path.read_text().replace("limit = 4", "limit = 3"), encoding="utf-8")
+    lines: list[str] = []
+    _run(load_run_config(path), lines)
+    kept = len((out / "exchanges.jsonl").read_bytes().splitlines())
+    assert 0 < kept < 16
+    left = [x for x in lines if "left out" in x]
+    assert left == [f"generate: {16 - kept} stored sample(s) of prompts no longer in this config are kept in the "
+                    "store and left out of exchanges.jsonl and every stage after it"], lines
+
+
 def test_a_deleted_report_reruns_the_report_only(finished):
     cfg, out = finished
     (out / "report" / "report.html").unlink()

@@ -284,6 +284,9 @@ def _generate_stage(cfg: RunConfig, tok: Tokenizer, echo: Callable[[str], None])
         echo(f"generate: {len(summary.bad_rows)} bad rows in all (listed in {out / 'generate.json'})")
     for f in summary.failures[:5]:
         echo(printable(f"generate: failed: {f['id']}: {f['error_class']}: {f['error']}"))  # API text
+    if summary.left_out:  # paid for, kept in the store, but no longer in this config's prompts
+        echo(f"generate: {summary.left_out} stored sample(s) of prompts no longer in this config are kept in the "
+             f"store and left out of {exchanges.name} and every stage after it")
     if summary.stop_reason:
         raise PipelineError(f"generate stopped ({summary.stop_reason}); fix it and run the same command again",
                             code=summary.exit_code or 1)
