@@ -72,6 +72,16 @@ def test_the_limit_flag_caps_every_dataset_its_own_limit_too(tmp_path):
         "a: 2 samples", "b: 1 samples", "c: 2 samples"]
 
 
+def test_an_empty_prompt_file_is_said_not_silently_sent_nothing(tmp_path):
+    """reconstruct warns of an input with no records; generate said nothing and exited 0."""
+    empty = tmp_path / "b3.jsonl"
+    empty.write_bytes(b"")
+    res = _invoke([str(empty), "--out", str(tmp_path / "run"), "--model", "m", "--base-url", "http://127.0.0.1:9/v1",
+                   "--progress", "plain"])
+    assert res.exit_code == 0, res.output
+    assert f"warning: dataset b3 ({empty}) gave no prompt: nothing of it is sent" in res.output
+
+
 def test_a_dry_run_with_bad_rows_exits_1_as_the_run_would(tmp_path):
     """Exit 1 means "some rows were bad" for every command; the dry run said 0, so a script
     checking it went on to pay for a run that would refuse them. The rows that crashed it

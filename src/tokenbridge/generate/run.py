@@ -194,6 +194,10 @@ def _load_rows(settings: GenerateSettings, reporter: Reporter) -> tuple[list[_Ro
         reporter.log(f"bad row: {err}")
     if len(loaded.errors) > 20:
         reporter.log(f"... {len(loaded.errors) - 20} more bad rows (all listed in {SUMMARY_FILE})")
+    given = {s.dataset for s in loaded.samples}
+    for spec in settings.datasets:  # as reconstruct says of an empty input: a typo'd or unfilled file sends nothing
+        if spec.name not in given and (spec.limit if spec.limit is not None else settings.limit) != 0:
+            reporter.log(f"warning: dataset {spec.name} ({spec.path}) gave no prompt: nothing of it is sent")
     rows = [
         (s.id, s.dataset, text_of(s.source), json.dumps(build_request(s, settings.request), ensure_ascii=False, separators=(",", ":")))
         for s in loaded.samples
