@@ -530,3 +530,51 @@ def test_declaration_cache_stays_bounded():
         declare_tools([_with_default(k)])
     assert len(kimi_tools._DECLARED) <= kimi_tools._DECLARED_MAX
     assert declare_tools([{1: "not JSON"}]).form == "json" and len(kimi_tools._DECLARED) <= kimi_tools._DECLARED_MAX
+
+
+# --- the history's tool-call arguments as SGLang re-writes them ------------------------------
+
+_HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "functions.get_weather:0", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city":"Paris","days":2}'}}]},
+    {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "Sunny, 21 C."},
+    {"role": "user", "content": "And tomorrow?"},
+]
+
+
+def test_parsed_tool_arguments_are_a_prompt_reading_the_count_picks(kimi, oracles):
+    """SGLang 0.5.23 parses an assistant call's JSON-string arguments into an object before
+    the template ``tojson``s it (``normalize_assistant_tool_call_arguments``): compact
+    ``{"city":"Paris"}`` reaches the model spaced, a token more. Both readings are built
+    (a stack may render them as sent); the oracle, given the object, renders the parsed one."""
+    from tokenbridge.reconstruct import reconstruct_record
+
+    request = {"model": "moonshotai/kimi-k2.5", "messages": _HISTORY, "tools": [WEATHER]}
+    readings = {r.name: r.text for r in KIMI.prompt_readings(request)}
+    assert set(readings) == {None, "tool_args=parsed"}
+    assert '<|tool_call_argument_begin|>{"city":"Paris","days":2}<|tool_call_end|>' in readings[None]
+    assert '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|>' in readings["tool_args=parsed"]
+    parsed = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                                   for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in _HISTORY]
+    assert kimi.encode(readings["tool_args=parsed"]) == _oracle_ids(oracles, parsed, [WEATHER], True)
+    answer = kimi.encode("Still sunny.") + [kimi.token_id("</think>")] + kimi.encode("Yes.") + [kimi.token_id("<|im_end|>")]
+    for name, text in readings.items():
+        response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+            "role": "assistant", "reasoning": "Still sunny.", "content": "Yes."}}],
+            "usage": {"prompt_tokens": len(kimi.encode(text)), "completion_tokens": len(answer)}}
+        row, = reconstruct_record({"id": "h", "request": request, "response": response}, kimi)
+        assert (row["status"], row["reconstruction"]) == ("ok", name), row["findings"]
+        assert row["prompt_ids"] == kimi.encode(text)
+    # no count: the two readings' ids differ and nothing tells them apart
+    del response["usage"]
+    row, = reconstruct_record({"id": "h", "request": request, "response": response}, kimi)
+    assert "prompt_reading_unproven" in [f["code"] for f in row["findings"]]
+
+
+def test_arguments_already_as_the_engine_writes_them_add_no_reading():
+    spaced = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": '{"city": "Paris", "days": 2}'}}
+                                   for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in _HISTORY]
+    assert [r.name for r in KIMI.prompt_readings({"messages": spaced})] == [None]
+    assert [r.name for r in KIMI.prompt_readings({"messages": _HISTORY[:1]})] == [None]

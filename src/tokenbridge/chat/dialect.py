@@ -134,6 +134,11 @@ class Dialect:
     #: prompt readings of their own (:mod:`.serving`): the families it serves with a
     #: template or DeepSeek's encoder.
     serving_readings: bool = False
+    #: Whether the history's tool-call arguments as a serving engine parses and re-writes
+    #: them (:func:`.serving.parsed_arguments`) are a prompt reading of their own: a
+    #: built-in renderer that writes string arguments as sent (Kimi's, as the official
+    #: template does), which SGLang parses first.
+    argument_readings: bool = False
     #: The serving stack renders prompts with its own code, not the folder's chat
     #: template (gpt-oss under vLLM: ``openai_harmony``); :func:`..resolve_dialect`
     #: then keeps the built-in renderer.
@@ -183,13 +188,15 @@ class Dialect:
         0.5.23 changes it (:mod:`.serving`) where that changes the text. gpt-oss's also
         depends on the day."""
         first = PromptReading(self.render_request(request))
-        if not self.serving_readings:
+        if not (self.serving_readings or self.argument_readings):
             return [first]
-        from .serving import serving_variants
+        from .serving import parsed_arguments, serving_variants
         from .template import TemplateError
 
         out, seen = [first], {first.text}
-        for variant, name in serving_variants(request):
+        variants = [*(serving_variants(request) if self.serving_readings else ()),
+                    *(parsed_arguments(request) if self.argument_readings else ())]
+        for variant, name in variants:
             try:
                 text = self.render_request(variant)
             except TemplateError:

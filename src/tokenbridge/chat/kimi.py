@@ -140,4 +140,5 @@ KIMI_K25 = Dialect(
     tool_markers=TOOL_MARKERS,
     template_kwargs=TEMPLATE_KWARGS,
     tools_unproven=tools_unproven,
+    argument_readings=True,
 )

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["sglang_last_assistant", "sglang_tools", "serving_variants"]
+from .template import parsed_call
+
+__all__ = ["parsed_arguments", "sglang_last_assistant", "sglang_tools", "serving_variants"]
 
 #: SGLang 0.5.23's ``Function`` fields, in declaration order (what ``model_dump`` writes
 #: before it restores the order the client sent): name, then the optional ones.
@@ -92,3 +94,23 @@ def serving_variants(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, 
             names = [n for n in (t_name, m_name) if n]
             if names:
                 yield {**request, "messages": msgs, "tools": tls}, "+".join(names)
+
+
+def parsed_arguments(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str]]:
+    """The request with its history's JSON-string tool-call ``arguments`` parsed into the
+    objects they encode, as SGLang 0.5.23 hands them to a template (which then writes
+    them as ``tojson`` does, spaced: ``{"city": "Paris"}`` for ``{"city":"Paris"}``, one
+    token more), where that changes any; named ``tool_args=parsed``."""
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        return
+    out, changed = [], False
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, Mapping) and m.get("role") == "assistant" else None
+        if isinstance(calls, list):
+            parsed = [parsed_call(c) for c in calls]
+            if any(p is not c for p, c in zip(parsed, calls)):
+                m, changed = {**m, "tool_calls": parsed}, True
+        out.append(m)
+    if changed:
+        yield {**request, "messages": out}, "tool_args=parsed"

@@ -68,12 +68,14 @@ def serving_messages(messages: Sequence[Message], parse_tool_arguments: bool) ->
             msg["content"] = ""
         calls = msg.get("tool_calls")
         if parse_tool_arguments and msg.get("role") == "assistant" and isinstance(calls, list):
-            msg["tool_calls"] = [_parsed_call(c) for c in calls]
+            msg["tool_calls"] = [parsed_call(c) for c in calls]
         out.append(msg)
     return out
 
 
-def _parsed_call(call: Any) -> Any:
+def parsed_call(call: Any) -> Any:
+    """A tool call whose JSON-string ``arguments`` encode an object, with that object in
+    their place (SGLang's ``normalize_assistant_tool_call_arguments``); else the call as given."""
     fn = call.get("function") if isinstance(call, Mapping) else None
     if not isinstance(fn, Mapping) or not isinstance(fn.get("arguments"), str):
         return call
