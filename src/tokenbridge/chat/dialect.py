@@ -188,7 +188,7 @@ class Dialect:
         0.5.23 changes it (:mod:`.serving`) where that changes the text. gpt-oss's also
         depends on the day."""
         first = PromptReading(self.render_request(request))
-        if not (self.serving_readings or self.argument_readings):
+        if not (self.serving_readings or (self.argument_readings and _has_calls(request))):
             return [first]
         from .serving import parsed_arguments, serving_variants
         from .template import TemplateError
@@ -297,6 +297,12 @@ class Dialect:
             parts.append(("tool_calls", content[start:stop]))
             pos = stop
         return parts
+
+
+def _has_calls(request: Mapping[str, Any]) -> bool:
+    """Whether any message of ``request`` carries tool calls (the one-turn case has none)."""
+    messages = request.get("messages")
+    return isinstance(messages, list) and any(isinstance(m, Mapping) and m.get("tool_calls") for m in messages)
 
 
 def message_reasoning(message: Message) -> str | None:
