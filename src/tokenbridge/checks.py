@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
 from .content import content_text
-from .evidence import UNKNOWN_ID, LogprobIds, logprobs_cover
+from .evidence import LogprobIds, logprobs_cover
 from .jsonl import text_of
 from .tokenizer import Tokenizer
 
@@ -152,9 +152,9 @@ class SampleView:
         """Ground-truth ids (native or logprobs) cover the whole completion and agree."""
         if self.native_completion is not None:
             return list(self.native_completion) == list(self.completion_ids)
-        if self.logged is not None and self.logged.ids is not None:
-            return logprobs_fit(self.logged.ids, self.parts, self.part_ids, self.completion_ids) in ("all", "all_but_end")
-        return False
+        if self.logged is not None and self.logged.ids is not None and not self.logged.unknown:
+            return logprobs_fit(self.logged, self.parts, self.part_ids, self.completion_ids) in ("all", "all_but_end")
+        return False  # an unknown logged id proves its place no better than a count
 
     @cached_property
     def message(self) -> Mapping[str, Any]:
@@ -541,17 +541,19 @@ def ends_turn(parts: Sequence[tuple[str, str]]) -> bool:
     return bool(parts) and parts[-1][0] == "end"
 
 
-def logprobs_fit(logged: Sequence[int], parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]],
+def logprobs_fit(logged: LogprobIds, parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]],
                  completion_ids: Sequence[int]) -> str | None:
-    """How ``logged`` ids account for this completion (:func:`.evidence.logprobs_cover`),
-    its content starting after the think block; None when they contradict it."""
+    """How ``logged`` ids (read: ``logged.ids`` is not None) account for this completion
+    (:func:`.evidence.logprobs_cover`), its content starting after the think block; None
+    when they contradict it."""
+    assert logged.ids is not None
     start = pos = 0
     for (kind, _), ids in zip(parts, part_ids):
         pos += len(ids)
         if kind == "think_end":
             start = pos
             break
-    return logprobs_cover(logged, completion_ids, start, ends_turn(parts))
+    return logprobs_cover(logged.ids, completion_ids, start, ends_turn(parts), logged.may_be)
 
 
 def reasoning_counts(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> set[int]:
@@ -601,11 +603,11 @@ def _logprobs(view: SampleView, policy: Policy) -> Iterator[_Hit]:
         return
     parts, ids = view.parts, view.completion_ids
     ends = ends_turn(parts)
-    if logprobs_fit(logged.ids, parts, view.part_ids, ids) is not None:
+    if logprobs_fit(logged, parts, view.part_ids, ids) is not None:
         return
-    # an unknown logged id (a partial character, UNKNOWN_ID) is read as ours to compare the texts
-    got = [b if b != UNKNOWN_ID or i >= len(ids) else ids[i] for i, b in enumerate(logged.ids)]
-    got = [b for b in got if b != UNKNOWN_ID]
+    # an unknown logged id (UNKNOWN_MARKER / UNKNOWN_PARTIAL) is read as ours to compare the texts
+    got = [b if b >= 0 or i >= len(ids) else ids[i] for i, b in enumerate(logged.ids)]
+    got = [b for b in got if b >= 0]
     n = next((i for i, (a, b) in enumerate(zip(ids, got)) if a != b), min(len(ids), len(got)))
     tok = view.tokenizer
     same_text = tok.decode_bytes(got) == tok.decode_bytes(ids) or (

@@ -18,7 +18,7 @@ finding at worst, never a lost sample.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Mapping, Sequence
 
@@ -26,7 +26,8 @@ from .jsonl import is_count, is_int
 from .tokenizer import Tokenizer
 
 __all__ = [
-    "UNKNOWN_ID",
+    "UNKNOWN_MARKER",
+    "UNKNOWN_PARTIAL",
     "LogprobIds",
     "cached_tokens",
     "is_count",
@@ -37,26 +38,60 @@ __all__ = [
 ]
 
 
+#: Logged ids that are not known, by what the entry shows. An engine that builds an
+#: entry's ``bytes`` from the token's decoded text (vLLM, SGLang) writes nothing for a
+#: special token whose text it skips (:data:`UNKNOWN_MARKER`: one of the marker ids) and
+#: U+FFFD for a token holding part of a character, a byte of an emoji or a rare CJK one
+#: (:data:`UNKNOWN_PARTIAL`: one of the ids whose bytes are no whole text, or hold U+FFFD).
+UNKNOWN_MARKER = -1
+UNKNOWN_PARTIAL = -2
+_FFFD = "\ufffd".encode()
+
+
 @dataclass(frozen=True)
 class LogprobIds:
-    """The ids a choice's ``logprobs`` name, or why they cannot be read. An id is
-    :data:`UNKNOWN_ID` where the entry names a token holding part of a character only as
-    U+FFFD (see :func:`logprob_ids`)."""
+    """The ids a choice's ``logprobs`` name, or why they cannot be read. Where an entry
+    names its token only by what the engine decoded, the id is :data:`UNKNOWN_MARKER` or
+    :data:`UNKNOWN_PARTIAL` and ``may_be`` holds, for each, the ids it may stand for: such
+    ids agree with those only, and prove no more than a count (``unknown``)."""
 
     ids: tuple[int, ...] | None
     problem: str | None = None
+    may_be: Mapping[int, frozenset[int]] = field(default_factory=dict, compare=False)
 
-
-#: A logged id that is not known: an engine that builds an entry's ``bytes`` from the
-#: token's decoded text (vLLM, SGLang) writes U+FFFD for the part of a character a token
-#: holds (a byte of an emoji or a rare CJK character: ``" \ufffd"`` is then also a token of
-#: its own), and nothing for a special token whose text it skips. It stands for any one id.
-UNKNOWN_ID = -1
-_FFFD = "\ufffd".encode()
+    @property
+    def unknown(self) -> bool:
+        """Whether some logged id is not known (the split of a character between tokens, or
+        which special token it was, is then proven no better than by a count)."""
+        return self.ids is not None and any(i < 0 for i in self.ids)
 
 
 # One bytes -> id index per loaded tokenizer, built on first use (logprobs are rare).
 _INDEX: dict[int, tuple[Tokenizer, dict[bytes, int]]] = {}
+# The ids an unknown logged id may stand for, per loaded tokenizer (first needed only then).
+_MAY_BE: dict[int, tuple[Tokenizer, dict[int, frozenset[int]]]] = {}
+
+
+def _may_be(tok: Tokenizer) -> dict[int, frozenset[int]]:
+    hit = _MAY_BE.get(id(tok))
+    if hit is not None and hit[0] is tok:
+        return hit[1]
+    partial = set()
+    for i in range(tok.vocab_size):
+        if i in tok.marker_ids:
+            continue
+        try:
+            piece = tok.token_bytes(i)
+        except KeyError:
+            continue
+        try:
+            if "\ufffd" in piece.decode("utf-8"):
+                partial.add(i)
+        except UnicodeDecodeError:
+            partial.add(i)
+    out = {UNKNOWN_MARKER: frozenset(tok.marker_ids), UNKNOWN_PARTIAL: frozenset(partial)}
+    _MAY_BE[id(tok)] = (tok, out)
+    return out
 
 
 def _bytes_index(tok: Tokenizer) -> dict[bytes, int]:
@@ -120,8 +155,11 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
             return LogprobIds(None, f"logprobs.content[{pos}] has no usable bytes or token text")
         if not key and pos == len(entries) - 1:
             break  # the end token, logged with its text skipped: the ids before it still count
-        if _FFFD in key or not key:  # a partial character as decoded (or a token holding U+FFFD
-            out.append(UNKNOWN_ID)  # itself), or a special token whose text was skipped: any one id
+        if not key:  # a special token whose text the engine skipped
+            out.append(UNKNOWN_MARKER)
+            continue
+        if _FFFD in key:  # part of a character as the engine decoded it (or a token holding U+FFFD)
+            out.append(UNKNOWN_PARTIAL)
             continue
         if index is None:
             index = _bytes_index(tok)
@@ -129,10 +167,12 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
         if found is None:
             return LogprobIds(None, f"logprobs.content[{pos}]: bytes {key[:24]!r} are no single token of this tokenizer")
         out.append(found)
-    return LogprobIds(tuple(out))
+    ids = tuple(out)
+    return LogprobIds(ids, may_be=_may_be(tok) if any(i < 0 for i in ids) else {})
 
 
-def logprobs_cover(logged: Sequence[int], completion: Sequence[int], content_start: int, ends: bool) -> str | None:
+def logprobs_cover(logged: Sequence[int], completion: Sequence[int], content_start: int, ends: bool,
+                   may_be: Mapping[int, frozenset[int]] | None = None) -> str | None:
     """How ``logged`` ids account for ``completion``, or None when they contradict it.
 
     Accepted, in this order: every id (``"all"``); every id but the end token, which some
@@ -141,7 +181,10 @@ def logprobs_cover(logged: Sequence[int], completion: Sequence[int], content_sta
     and not the reasoning. Anything else is a contradiction.
     """
     n = len(logged)
-    same = _same_with_unknown if UNKNOWN_ID in logged else _same
+    known = not may_be or all(i >= 0 for i in logged)
+
+    def same(a: Sequence[int], b: Sequence[int]) -> bool:
+        return list(a) == list(b) if known else _agree(a, b, may_be or {})
     if n == len(completion) and same(logged, completion):
         return "all"
     body = completion[:-1] if ends else completion
@@ -154,14 +197,9 @@ def logprobs_cover(logged: Sequence[int], completion: Sequence[int], content_sta
     return None
 
 
-def _same(logged: Sequence[int], ids: Sequence[int]) -> bool:
-    return list(logged) == list(ids)
-
-
-def _same_with_unknown(logged: Sequence[int], ids: Sequence[int]) -> bool:
-    """Equal where the logged id is known (:data:`UNKNOWN_ID` stands for any one id: the
-    split of a character's bytes between tokens is then proven no better than a count does)."""
-    return len(logged) == len(ids) and all(a in (b, UNKNOWN_ID) for a, b in zip(logged, ids))
+def _agree(logged: Sequence[int], ids: Sequence[int], may_be: Mapping[int, frozenset[int]]) -> bool:
+    """Equal where the logged id is known, and one of the ids it may stand for where not."""
+    return len(logged) == len(ids) and all(a == b or (a < 0 and b in may_be.get(a, ())) for a, b in zip(logged, ids))
 
 
 def matched_stop(choice: Mapping[str, Any]) -> int | str | None:
