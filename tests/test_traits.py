@@ -4,6 +4,7 @@ and probe profiles, through ``reconstruct_file`` on the real Kimi K2.5 tokenizer
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -215,3 +216,28 @@ def test_a_run_config_with_a_bad_profile_fails_before_anything_is_sent(tmp_path)
         load_run_config(cfg)
     assert err.value.code == 2
     assert f"{cfg}:4: reconstruct.provider_profile:" in str(err.value) and "missing.json" in str(err.value)
+
+
+def test_a_run_read_from_a_pipe_gets_its_second_pass(tmp_path, kimi):
+    """A trait found in the first pass needs a second one, which a pipe (``<(...)``) cannot
+    give: the output came out empty, exit 0. The pipe is read once into a temp copy; the
+    rows are those of the same file read from disk, and bad lines name the pipe."""
+    import threading
+
+    recs = [_record(kimi, i, "Lazy", *_texts(i), completion_delta=-1) for i in range(24)]
+    src = tmp_path / "ex.jsonl"
+    _write(src, recs)
+    data = src.read_bytes() + b"{not json\n"
+    src.write_bytes(data)
+    summary = reconstruct_file(src, tmp_path / "from-file.jsonl", kimi)
+    assert summary.traits["Lazy"].end_uncounted
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(data))
+    writer.start()
+    piped = reconstruct_file(fifo, tmp_path / "from-pipe.jsonl", kimi)
+    writer.join(timeout=30)
+    assert (tmp_path / "from-pipe.jsonl").read_bytes() == (tmp_path / "from-file.jsonl").read_bytes()
+    assert piped.status == summary.status == {"ok": 24} and piped.traits == summary.traits
+    assert [str(b) for b in piped.bad_lines] == [str(b).replace(str(src), str(fifo)) for b in summary.bad_lines]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ex.jsonl", "from-file.jsonl", "from-pipe.jsonl", "pipe"]

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 import sys
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -262,8 +264,11 @@ _MAGIC: tuple[tuple[bytes, str, str], ...] = (
 def binary_kind(path: str | Path) -> tuple[str, str] | None:
     """(what the file is, what to do) when its first bytes say it is a compressed, Parquet,
     Arrow or SQLite file rather than text; None for anything else (JSONL, or unreadable:
-    the reader then says why). A JSON line never starts with these bytes."""
+    the reader then says why). A JSON line never starts with these bytes. Only a regular
+    file is looked at: a pipe's bytes, once read, are gone for the reader after."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
         with open(path, "rb") as fh:
             head = fh.read(16)
     except OSError:

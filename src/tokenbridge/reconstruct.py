@@ -336,7 +336,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     # readings one token from the formula that a count alone cannot prove: a turn ended inside
     # its think block (one short, as an uncounted end token is; or the run proved the end is
     # counted) and a cut right after </think> (one more, as vLLM's held-back partial character is)
-    by_ids = native is not None or (logged is not None and logged.ids is not None)
+    by_ids = native is not None or (logged is not None and logged.ids is not None and not logged.unknown)
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids)
     cand_ids: list[list[list[int]]] = []
@@ -460,7 +460,7 @@ def _fits(p: _Choice, k: int, reasoning: int | None) -> bool:
     if p.native is not None and list(p.native) != ids:
         return False
     parts, part_ids = p.cands[k].parts, p.cand_ids[k]
-    if p.logged is not None and p.logged.ids is not None and logprobs_fit(p.logged.ids, parts, part_ids, ids) is None:
+    if p.logged is not None and p.logged.ids is not None and logprobs_fit(p.logged, parts, part_ids, ids) is None:
         return False
     if isinstance(p.stop, int) and ends_turn(parts) and ids[-1] != p.stop:
         return False
@@ -895,27 +895,46 @@ def reconstruct_file(
     tok_source = tokenizer.source if isinstance(tokenizer, Tokenizer) else str(tokenizer)
     dst = Path(dst)
     check_output_file(dst, src)
-    info = os.stat(src)
-    if workers is None:  # auto: all cores, unless the pool's start-up costs more than it saves
-        workers = 1 if info.st_size < 256_000 else (os.cpu_count() or 1)
-    if not stat.S_ISREG(info.st_mode):  # a pipe cannot be read in ranges
-        workers = 1
     known = {name: ProviderTrait(name, edits=edits, edit_sources=("probe",) * len(edits))
              for name, edits in (provider_profile or {}).items() if edits}
-    with fsio.staged_file(dst, point="reconstruct") as tmp:
-        summary = _reconstruct_pass(src, tmp, dst, workers, chunk_lines, (tok_source, dialect, policy, known))
+    shown = str(src)  # bad lines name the file the user gave, a pipe's copy too
+    with fsio.staged_file(dst, point="reconstruct") as tmp, _readable_twice(src, dst) as src:
+        if workers is None:  # auto: all cores, unless the pool's start-up costs more than it saves
+            workers = 1 if os.stat(src).st_size < 256_000 else (os.cpu_count() or 1)
+        setup = (tok_source, dialect, policy, known)
+        summary = _reconstruct_pass(src, tmp, dst, workers, chunk_lines, setup, shown=shown)
         traits = summary.stats.traits(summary.stripping_providers(), provider_profile)
         if traits != known:
-            again = _reconstruct_pass(src, tmp, dst, workers, chunk_lines, (tok_source, dialect, policy, traits))
+            setup = (tok_source, dialect, policy, traits)
+            again = _reconstruct_pass(src, tmp, dst, workers, chunk_lines, setup, shown=shown)
             again.stats = summary.stats
             summary = again
         summary.traits = traits
     return summary
 
 
+@contextmanager
+def _readable_twice(src: str | Path, dst: Path) -> Iterator[str | Path]:
+    """``src`` when it is a regular file; a pipe (``<(...)``, ``/dev/stdin``), which reads
+    once, is first copied into a hidden temp file beside the output (removed after): a
+    provider trait found in the first pass needs a second, and the pipe then gave none,
+    so the output came out empty with exit 0. The copy is read in ranges, by every core."""
+    if stat.S_ISREG(os.stat(src).st_mode):
+        yield src
+        return
+    copy = fsio.temp_path(dst)
+    try:
+        with open(src, "rb") as fin, open(copy, "xb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+        yield copy
+    finally:
+        copy.unlink(missing_ok=True)
+
+
 def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk_lines: int,
-                      setup: tuple[str, str | None, Policy | None, Mapping[str, ProviderTrait]]) -> ReconstructSummary:
-    """One pass of ``src`` into ``tmp`` with the given provider traits."""
+                      setup: tuple[str, str | None, Policy | None, Mapping[str, ProviderTrait]],
+                      *, shown: str) -> ReconstructSummary:
+    """One pass of ``src`` into ``tmp`` with the given provider traits; bad lines name ``shown``."""
     tok_source, dialect, policy, traits = setup
     as_parquet = dst.suffix == ".parquet"
     summary = ReconstructSummary()
@@ -931,7 +950,7 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
     try:
         for first, (result, entries) in results:
             with _chunk_rows(result) as rows:
-                skip = _repeated(entries, first, seen, str(src))
+                skip = _repeated(entries, first, seen, shown)
                 if isinstance(sink, _JsonlSink):  # the chunk's rows in input order, around any that repeat an id
                     for start, stop in _kept(entries, skip):
                         if isinstance(rows, int):
@@ -940,7 +959,7 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
                             sink.write(rows[start:stop])
                 for entry in entries:
                     if isinstance(entry, _Refused):
-                        summary.bad_lines.append(BadLine(str(src), first + entry.line - 1, entry.field, entry.message))
+                        summary.bad_lines.append(BadLine(shown, first + entry.line - 1, entry.field, entry.message))
                         continue
                     if entry.line in skip:
                         summary.bad_lines.append(skip[entry.line])
