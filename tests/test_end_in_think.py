@@ -142,3 +142,37 @@ def test_no_trait_and_no_second_pass_without_a_sample_that_needs_it(tmp_path, ki
     a run without one gets no trait (so no second pass)."""
     rows, summary = _run(tmp_path, _normal(kimi, kimi_dir, "p", 25), kimi)
     assert summary.status == {"ok": 25} and summary.traits == {}
+
+
+def test_a_provider_that_sometimes_leaves_its_end_uncounted_proves_nothing(tmp_path, kimi, kimi_dir):
+    """20 of 22 ended samples counted with the end token (91%) and two without it (a second
+    deployment): a closed empty block from the second kind is one short of the formula, as
+    a turn ended in think would be. The run must not read it so."""
+    closed = _closed(kimi, "I will stop there.")
+    records = [*_normal(kimi, kimi_dir, "p", 20), *_normal(kimi, kimi_dir, "p", 2, delta=-1)[:2],
+               _record(kimi, kimi_dir, 100, "p", closed, counted=len(closed) - 1)]
+    for k, rec in enumerate(records[20:22]):
+        rec["id"] = f"p-lazy-{k}"
+    rows, summary = _run(tmp_path, records, kimi)
+    assert rows["p-100"]["status"] == "rejected" and rows["p-100"]["reconstruction"] is None
+    assert "p" not in summary.traits or not summary.traits["p"].end_counted
+
+
+def _vllm_logprobs(kimi, native: list[int]) -> dict[str, Any]:
+    """vLLM's entries: bytes from each token's decoded text, a special token's skipped."""
+    out = []
+    for t in native:
+        text = "" if t in kimi.marker_ids else kimi.token_bytes(t).decode("utf-8", "replace")
+        out.append({"token": text, "bytes": list(text.encode("utf-8")), "logprob": -0.1, "top_logprobs": []})
+    return {"content": out}
+
+
+def test_logprobs_that_skip_the_markers_do_not_offer_the_reading(kimi, kimi_dir):
+    """With the markers' texts skipped, either turn's logprobs fit either reading (an
+    unknown logged id stands for a marker): they prove no more than the count, so the
+    reading waits for a run that proved the end counted, as with the count alone."""
+    closed = _closed(kimi, "Hmm, nothing more to say.")
+    rec = _record(kimi, kimi_dir, 0, "p", closed, counted=len(closed) - 1)  # a provider leaving its end uncounted
+    rec["response"]["choices"][0]["logprobs"] = _vllm_logprobs(kimi, closed)
+    row, = reconstruct_record(rec, kimi)
+    assert row["status"] == "rejected" and row["reconstruction"] is None

@@ -229,9 +229,11 @@ def _end_uncounted(counts: Counter[tuple[bool, int]]) -> bool:
 
 def _end_counted(counts: Counter[tuple[bool, int]]) -> bool:
     """Whether (ended, delta) tallies show a provider that counts the end token: our count
-    equal to usage's on at least MIN_SHARE of MIN_SAMPLES or more samples that ended."""
+    equal to usage's on at least MIN_SHARE of MIN_SAMPLES or more samples that ended, and
+    none that ended one over usage (an end token left uncounted there: a provider mixing
+    backends, whose closed think blocks would read as ended inside them)."""
     ended = [n for (e, _), n in counts.items() if e]
-    return sum(ended) >= MIN_SAMPLES and counts[(True, 0)] >= MIN_SHARE * sum(ended)
+    return sum(ended) >= MIN_SAMPLES and counts[(True, 0)] >= MIN_SHARE * sum(ended) and not counts[(True, 1)]
 
 
 def _prefix_in_reasoning(tally: list[int]) -> bool | None:
