@@ -93,9 +93,11 @@ def test_deep_values_in_messages_usage_and_indexes_are_shown_by_type():
     assert isinstance(parsed, dict)
     out, _ = classify_response(200, {}, '{"error": {"code": 503, "message": ' + deep + "}}")
     assert (out.kind, out.error_class, out.message) == ("retry", "api_error", "<list nested too deep to show>")
+    # an index that is no count is the choice's place, as reconstruct reads it: the paid answer is kept
     out, _ = classify_response(200, {}, '{"choices": [{"index": ' + deep + "}]}")
-    assert (out.error_class, out.message) == ("bad_choices", "choices[0].index is <list nested too deep to show>, "
-                                                             "not a non-negative integer")
+    assert (out.kind, out.error_class) == ("ok", None)
+    out, _ = classify_response(200, {}, '{"choices": [{"index": ' + deep + '}, {"index": 0}]}')
+    assert (out.error_class, out.message) == ("bad_choices", "choices[1].index repeats 0")
 
 
 def test_a_deep_bad_cost_keeps_the_response_and_is_reported(tmp_path):

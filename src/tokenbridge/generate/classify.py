@@ -48,7 +48,8 @@ import aiohttp
 import orjson
 from aiohttp.http_exceptions import HttpProcessingError
 
-from ..jsonl import is_count, is_int, text_of
+from ..exchanges import choice_index
+from ..jsonl import is_int, text_of
 from .body import BodyError, check_body
 from .secrets import ApiKey, scrub
 
@@ -133,15 +134,15 @@ def _text(body: bytes | str) -> str:
 
 
 def _bad_choices(choices: list[Any], key: ApiKey | str | None) -> str:
-    """Why the choices cannot be told apart ('' when they can): each must be an object whose
-    ``index`` (when given) is a distinct non-negative integer."""
+    """Why the choices cannot be told apart ('' when they can): each must be an object, and
+    no two may have the same index as reconstruct reads it (:func:`~tokenbridge.exchanges.choice_index`:
+    an index that is no count below 2**31 is the choice's place), so a response reconstruct
+    reads is never failed here, paid for."""
     seen: set[int] = set()
     for pos, choice in enumerate(choices):
         if not isinstance(choice, dict):
             return f"choices[{pos}] is a {type(choice).__name__}, not an object"
-        idx = choice.get("index", pos)
-        if not is_count(idx):
-            return f"choices[{pos}].index is {_shown(idx, key, as_repr=True)}, not a non-negative integer"
+        idx = choice_index(choice, pos)
         if idx in seen:
             return f"choices[{pos}].index repeats {idx}"
         seen.add(idx)
