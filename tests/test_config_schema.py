@@ -411,6 +411,8 @@ def test_generate_refuses_a_run_config_with_an_emulator_unless_the_base_url_is_g
     assert not (tmp_path / "run").exists()
     res = CliRunner().invoke(app, [*args, "--base-url", "http://127.0.0.1:9/v1", "--dry-run"])
     assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, [*args, "--dry-run"])  # sends nothing: not refused
+    assert res.exit_code == 0 and "samples: 216" in res.output, res.output
 
 
 # --- emulator config and flags ---------------------------------------------------------------

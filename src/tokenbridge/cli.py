@@ -360,7 +360,7 @@ def generate(
     if why is not None:
         _fail(f"--out {why}")
     try:
-        settings = _generate_settings(config, prompts, flags, request, provider)
+        settings = _generate_settings(config, prompts, flags, request, provider, dry_run=dry_run)
         _check_generate_outputs(out, summary_json, settings, config)  # now, not after the paid generation
         if dry_run:
             _generate_dry_run(settings, out, summary_json)
@@ -381,7 +381,8 @@ def generate(
 
 
 def _generate_settings(config: Path | None, prompts: list[str] | None, flags: Mapping[str, object],
-                       request: Mapping[str, object], provider: Mapping[str, object]) -> GenerateSettings:
+                       request: Mapping[str, object], provider: Mapping[str, object], *,
+                       dry_run: bool = False) -> GenerateSettings:
     """The config file's settings (or the defaults) with the given flags over them; the flags
     map onto the config's schema and are checked by it, each problem naming its flag."""
     from .generate import GenerateSettings, load_config, parse_dataset_arg
@@ -390,7 +391,9 @@ def _generate_settings(config: Path | None, prompts: list[str] | None, flags: Ma
     from .generate.settings import override_settings
     from .schema import Where
 
-    settings = load_config(config, base_url_given=flags.get("base_url") is not None) if config else GenerateSettings()
+    # a dry run sends nothing: a run config's [emulator] is no reason to refuse it
+    given = dry_run or flags.get("base_url") is not None
+    settings = load_config(config, base_url_given=given) if config else GenerateSettings()
     merged = {**(settings.request.provider or {}), **{k: v for k, v in provider.items() if v is not None}}
     datasets = tuple(parse_dataset_arg(p) for p in prompts) if prompts else None
     cap = flags.get("limit")
