@@ -135,7 +135,7 @@ def test_logprobs_of_edited_text_are_a_mismatch_that_says_the_text_differs(kimi,
 
 @pytest.mark.parametrize("entries,why", [
     ([{"token": "token_id:99999999"}], "names no id"),
-    ([{"token": "\ufffdx", "bytes": None}], "no usable bytes"),
+    ([{"token": None, "bytes": "abc"}], "no usable bytes"),
     ([{"token": 7, "bytes": None}], "no usable bytes"),
     ([{"token": "x", "bytes": [255, 254, 253, 252, 251]}], "no single token"),
     ("not a list", "not a list"),

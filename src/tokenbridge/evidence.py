@@ -147,10 +147,8 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
         raw = entry.get("bytes")
         if isinstance(raw, list) and all(is_int(b) and 0 <= b < 256 for b in raw):
             key = bytes(raw)
-        elif raw is None and isinstance(token, str) and "\ufffd" not in token:
+        elif raw is None and isinstance(token, str):  # text holding U+FFFD reads as unknown below
             key = token.encode("utf-8", errors="surrogatepass")
-        elif raw is None and token == "\ufffd":
-            key = _FFFD
         else:
             return LogprobIds(None, f"logprobs.content[{pos}] has no usable bytes or token text")
         if not key and pos == len(entries) - 1:

@@ -888,9 +888,11 @@ def reconstruct_file(
 
     ``provider_profile`` (provider -> invisible text edits, from
     :func:`tokenbridge.traits.load_provider_profile`) flags those providers' samples.
-    When the run itself shows a provider trait (the end token left uncounted, cached
-    tokens left out, whitespace stripping, vLLM's joined text), the file is reconstructed a second time with it, so every row is checked
-    against what the whole run showed; ``summary.traits`` says what was applied.
+    When the run itself shows a provider trait (the end token left uncounted, or counted
+    where a turn may have ended inside its think block; cached tokens left out; whitespace
+    stripping; vLLM's joined text; GLM's newline), the file is reconstructed a second time
+    with it, so every row is checked against what the whole run showed; ``summary.traits``
+    says what was applied. A pipe is read once, into a temp copy both passes read.
     """
     tok_source = tokenizer.source if isinstance(tokenizer, Tokenizer) else str(tokenizer)
     dst = Path(dst)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, UTC
 from typing import Any
 
+from ..content import content_text
 from . import harmony_render
 from .dialect import Dialect, Message, PromptReading, ToolMarkers, message_reasoning
 from .shapes import template_kwargs
@@ -118,11 +119,7 @@ def _day_clock(day: str) -> Callable[[str], str]:
 
 
 def _text(message: Message) -> tuple[str, str | None]:
-    content = message.get("content") or ""
-    if not isinstance(content, str):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
-    reasoning = message_reasoning(message)
-    return content, reasoning
+    return content_text(message.get("content")), message_reasoning(message)
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,7 @@ def _reasoning_ids(ids: list[int], gen: Generation, tok: Tokenizer, think_close:
     kinds = [kind for kind, _ in gen.spans]
     if "reasoning" not in kinds:
         return 0
-    start = sum(len(tok.encode(text)) for _, text in gen.spans[: kinds.index("reasoning")])
+    start = sum(len(tok.encode_checked(text)[0]) for _, text in gen.spans[: kinds.index("reasoning")])
     if "think_end" in kinds:
         stop = ids.index(think_close, start) if think_close in ids[start:] else len(ids)
     else:  # no think block (DeepSeek after a tool result): reasoning up to the end token

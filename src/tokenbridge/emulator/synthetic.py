@@ -222,7 +222,7 @@ class SyntheticModel:
             if harmony and kind in ("think_end", "end"):
                 ids.append(self.tok.token_id(text))  # <|end|>, <|return|>, <|call|>: one id each
             else:
-                ids += self.tok.encode(text)
+                ids += self.tok.encode_checked(text)[0]  # as the model writes it (no prompt-side run cuts)
         if not self.tok.lossless:
             # A normalising tokenizer (Qwen3's NFC) cannot emit every text: what the model
             # wrote is what its ids decode to, part by part.
@@ -251,10 +251,10 @@ class SyntheticModel:
     def _assemble(self, reasoning: str | None, content: str, *, think_closed: bool = True) -> Generation:
         ids: list[int] = []
         if reasoning is not None and self.think_close_id is not None:
-            ids += self.tok.encode(reasoning)
+            ids += self.tok.encode_checked(reasoning)[0]
             if think_closed:
                 ids.append(self.think_close_id)
-        ids += self.tok.encode(content)
+        ids += self.tok.encode_checked(content)[0]
         ids.append(self.end_id)
         return Generation(reasoning=reasoning, content=content, native_ids=tuple(ids), think_closed=think_closed)
 
