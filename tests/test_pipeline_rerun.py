@@ -153,11 +153,21 @@ def test_replaced_rows_rerun_exports_vocab_and_report_only(finished):
     recon = out / "reconstructed.jsonl"
     exchanges_id = _identities(out)["exchanges.jsonl"]
     write_bytes(recon, b"".join(recon.read_bytes().splitlines(keepends=True)[:8]))
-    res = _run(cfg)
+    lines: list[str] = []
+    res = _run(cfg, lines)
     assert res == {"generate": "ran", "reconstruct": "skipped", **{s: "ran" for s in AFTER_GENERATE[1:]}}
     assert _identities(out)["exchanges.jsonl"] == exchanges_id
     report = json.loads((out / "report" / "report.json").read_text())
     assert report["rows"]["total"] == 8
+    # the rows flow on as they are, and run says they are not the ones it wrote
+    assert [x for x in lines if "is not the file this stage wrote" in x] == [
+        f"reconstruct: warning: {recon} is not the file this stage wrote (replaced or edited since): the counts "
+        "above are the stage's, and the stages after it read the file as it is (rows the config's gate did not "
+        "judge included); delete it to have it written again"]
+    lines.clear()
+    (out / "reconstructed.jsonl").unlink()
+    _run(cfg, lines)
+    assert not [x for x in lines if "is not the file" in x] and len(recon.read_bytes().splitlines()) == 16
 
 
 def test_touched_files_are_read_once_and_rerun_nothing(finished, opens):

@@ -314,11 +314,19 @@ def _reconstruct_stage(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
         rs = reconstruct_file(exchanges, reconstructed, tok, dialect=cfg.dialect, policy=cfg.policy,
                               provider_profile=cfg.provider_profile)
         detail = rs.to_dict()
+        # its digest now (the exports' fingerprints read it next, from the same cache): a later
+        # run tells the file it wrote from one replaced or edited since
         state.record("reconstruct", fp, {"status": detail["status"], "bad_lines": len(rs.bad_lines),
                                          "bad_shown": [str(b) for b in rs.bad_lines[:_SHOWN_BAD_LINES]],
-                                         "provider_notes": detail["provider_notes"] + rs.calibration_notes()})
+                                         "provider_notes": detail["provider_notes"] + rs.calibration_notes(),
+                                         "rows_sha256": _digest(reconstructed)})
         result = StageResult("reconstruct", "ran", detail)
     echo(f"reconstruct: {result.status} → {reconstructed}: {status_text(state.data['reconstruct'].get('status') or {})}")
+    wrote = state.data["reconstruct"].get("rows_sha256")
+    if result.status == "skipped" and isinstance(wrote, str) and wrote != _digest(reconstructed):
+        echo(f"reconstruct: warning: {reconstructed} is not the file this stage wrote (replaced or edited since): "
+             "the counts above are the stage's, and the stages after it read the file as it is (rows the "
+             "config's gate did not judge included); delete it to have it written again")
     for note in state.data["reconstruct"].get("provider_notes") or ():
         echo(f"reconstruct: warning: {printable(note)}")  # names providers
     _echo_bad_records(state.data["reconstruct"], echo)
