@@ -298,3 +298,23 @@ def test_an_input_that_is_plainly_not_jsonl_is_one_line(tmp_path, kimi_dir, kind
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}: {name}, not JSONL: "), lines
     assert not out.exists()
+
+
+def test_a_compressed_pipe_is_one_line_too(tmp_path, kimi_dir):
+    """A pipe is looked at once read (its bytes cannot be peeked at and left for the reader):
+    gzip through /dev/stdin gave one "not valid JSON" per line and an empty output."""
+    import gzip
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "o.jsonl"
+    res = subprocess.run([sys.executable, "-m", "tokenbridge.cli", "reconstruct", "/dev/stdin", "-o", str(out),
+                          "-t", str(kimi_dir)], input=gzip.compress(EXAMPLE.read_bytes()), capture_output=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.decode().strip().splitlines() == [
+        "error: /dev/stdin: a gzip file, not JSONL: decompress it first (gunzip)"]
+    assert sorted(os.listdir(tmp_path)) == []

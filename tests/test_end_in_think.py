@@ -176,3 +176,23 @@ def test_logprobs_that_skip_the_markers_do_not_offer_the_reading(kimi, kimi_dir)
     rec["response"]["choices"][0]["logprobs"] = _vllm_logprobs(kimi, closed)
     row, = reconstruct_record(rec, kimi)
     assert row["status"] == "rejected" and row["reconstruction"] is None
+
+
+@pytest.mark.parametrize("ended_in_think", [True, False])
+def test_logprobs_with_partial_characters_but_known_markers_still_tell_the_turns_apart(kimi, kimi_dir,
+                                                                                     ended_in_think):
+    """A part of a character logged as U+FFFD is no marker: where every marker is logged by
+    its text (SGLang with special tokens kept), the logprobs still tell R<|im_end|> from
+    R</think><|im_end|> (a review found every sample with an emoji in its reasoning rejected)."""
+    reasoning = "Hmm \U00013000 nothing."
+    native = (_in_think if ended_in_think else _closed)(kimi, reasoning)
+    entries = []
+    for t in native:
+        text = kimi.token_bytes(t).decode("utf-8", "replace")
+        entries.append({"token": text, "bytes": list(text.encode("utf-8")), "logprob": -0.1, "top_logprobs": []})
+    assert any("\ufffd" in e["token"] for e in entries)  # the reasoning holds a partial-character token
+    rec = _record(kimi, kimi_dir, 0, "p", native)
+    rec["response"]["choices"][0]["logprobs"] = {"content": entries}
+    row, = reconstruct_record(rec, kimi)
+    assert row["completion_ids"] == native
+    assert (row["status"], row["reconstruction"]) == ("ok", "end_in_think" if ended_in_think else None), row["findings"]

@@ -185,6 +185,7 @@ def reconstruct(
     from rich.console import Console
 
     from .chat import DialectError, resolve_dialect
+    from .jsonl import NotJsonlError
     from .reconstruct import reconstruct_file
     from .view import summary_table
     from .traits import ProfileError, load_provider_profile
@@ -212,8 +213,11 @@ def reconstruct(
             resolve_dialect(tok, dialect)
         except DialectError as exc:
             _fail(str(exc))
-        summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None,
-                                   provider_profile=profile)
+        try:
+            summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None,
+                                       provider_profile=profile)
+        except NotJsonlError as exc:  # a pipe's bytes, looked at once read
+            _fail(str(exc))
         if summary_json:
             from .fsio import write_text
 

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 
 import orjson
 
-__all__ = ["MAX_DEPTH", "JsonLineError", "binary_kind", "dumps_document", "dumps_line", "is_count", "is_int", "iter_lines", "json_text",
+__all__ = ["MAX_DEPTH", "JsonLineError", "NotJsonlError", "binary_kind", "dumps_document", "dumps_line", "is_count", "is_int", "iter_lines", "json_text",
            "loads_finite", "loads_line", "not_text", "number_too_long", "text_of", "value_key"]
 
 
@@ -259,6 +259,10 @@ _MAGIC: tuple[tuple[bytes, str, str], ...] = (
     (b"ARROW1", "an Arrow file", "write it out as JSONL"),
     (b"SQLite format 3\x00", "an SQLite database", "give the JSONL file (a run's exchanges.jsonl, not its state.sqlite)"),
 )
+
+
+class NotJsonlError(ValueError):
+    """An input that is plainly not JSONL (:func:`binary_kind`): the message names it and what to do."""
 
 
 def binary_kind(path: str | Path) -> tuple[str, str] | None:

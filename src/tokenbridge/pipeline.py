@@ -314,8 +314,8 @@ def _reconstruct_stage(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
         rs = reconstruct_file(exchanges, reconstructed, tok, dialect=cfg.dialect, policy=cfg.policy,
                               provider_profile=cfg.provider_profile)
         detail = rs.to_dict()
-        # its digest now (the exports' fingerprints read it next, from the same cache): a later
-        # run tells the file it wrote from one replaced or edited since
+        # its digest, so a later run tells the file it wrote from one replaced or edited since
+        # (a fresh file's digest is not trusted yet: the exports' fingerprints read it once more)
         state.record("reconstruct", fp, {"status": detail["status"], "bad_lines": len(rs.bad_lines),
                                          "bad_shown": [str(b) for b in rs.bad_lines[:_SHOWN_BAD_LINES]],
                                          "provider_notes": detail["provider_notes"] + rs.calibration_notes(),

@@ -31,9 +31,9 @@ from .chat.template import TemplateError
 from .content import content_text
 from .checks import (Finding, Policy, SampleView, ends_turn, logprobs_fit, reasoning_count_ways, reasoning_counts, run_checks,
                      status_of)
-from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
+from .evidence import UNKNOWN_MARKER, LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
 from .exchanges import Exchange, RecordError, choice_index, loads_line, parse_exchange
-from .jsonl import text_of
+from .jsonl import NotJsonlError, binary_kind, text_of
 from .hypotheses import Candidate, candidates, ends_in_think_fits
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
 from . import fsio, lanes
@@ -336,7 +336,8 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     # readings one token from the formula that a count alone cannot prove: a turn ended inside
     # its think block (one short, as an uncounted end token is; or the run proved the end is
     # counted) and a cut right after </think> (one more, as vLLM's held-back partial character is)
-    by_ids = native is not None or (logged is not None and logged.ids is not None and not logged.unknown)
+    # (logprobs whose markers are all known tell these apart: the readings differ by a marker only)
+    by_ids = native is not None or (logged is not None and logged.ids is not None and UNKNOWN_MARKER not in logged.ids)
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids)
     cand_ids: list[list[list[int]]] = []
@@ -924,10 +925,13 @@ def _readable_twice(src: str | Path, dst: Path) -> Iterator[str | Path]:
     if stat.S_ISREG(os.stat(src).st_mode):
         yield src
         return
-    copy = fsio.temp_path(dst)
+    copy = fsio.temp_path(fsio.output_file(dst))  # beside the file written (a symlink's target): a kill's copy is cleaned there
     try:
         with open(src, "rb") as fin, open(copy, "xb") as fout:
             shutil.copyfileobj(fin, fout, 1 << 20)
+        kind = binary_kind(copy)  # what the command's own check could not look at without eating the pipe
+        if kind is not None:
+            raise NotJsonlError(f"{src}: {kind[0]}, not JSONL: {kind[1]}")
         yield copy
     finally:
         copy.unlink(missing_ok=True)
@@ -942,7 +946,7 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
     summary = ReconstructSummary()
     # Pool workers hand their JSONL rows over as files in a private folder beside the
     # output (a temp name: a killed run's folder is removed by the next run).
-    spool = fsio.temp_path(dst) if workers > 1 and not as_parquet else None
+    spool = fsio.temp_path(fsio.output_file(dst)) if workers > 1 and not as_parquet else None
     if spool is not None:
         spool.mkdir(mode=0o700)
     sink: JsonlRowSink | ParquetRowSink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
