@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from conftest import write_run_config
 from tokenbridge.cli import app
 from tokenbridge.emulator import ConfigError as EmulatorConfigError
 from tokenbridge.emulator import EmulatorConfig, ProviderConfig, load_emulator_config, running_emulator
@@ -511,3 +512,15 @@ def test_run_concurrency_past_the_bound_is_a_config_error(tmp_path, kimi_dir):
     text = _replace(_run_toml(kimi_dir), "concurrency = 2", "concurrency = 100000000")
     path = _write(tmp_path, text)
     assert _run_errors(path) == [f"{path}:{_line(text, 'concurrency')}: generate.concurrency: must be <= 10000, got 100000000"]
+
+
+def test_run_with_a_missing_emulator_config_names_its_line(tmp_path, kimi_dir):
+    """README: every problem of a run config is ``file:line: section.key: ...``; a missing
+    [emulator] config file was ``error: PATH: no such config file`` alone."""
+    missing = tmp_path / "nope.toml"
+    cfg = write_run_config(tmp_path, kimi_dir, emulator=missing)
+    res = CliRunner().invoke(app, ["run", str(cfg)])
+    assert res.exit_code == 2, res.output
+    line = next(n for n, text in enumerate(cfg.read_text().splitlines(), 1) if text.startswith("config = "))
+    assert res.output.strip().splitlines() == [f"error: {cfg}:{line}: emulator.config: {missing}: no such config file"]
+    assert not (tmp_path / "out").exists()

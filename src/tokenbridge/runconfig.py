@@ -249,10 +249,13 @@ def _check_emulator(
     elif file:
         emulator = _relative(file, base)
     base_cfg: EmulatorConfig | None = EmulatorConfig()
-    if emulator is not None:
+    if emulator is not None and not emulator.exists():  # named in this file: its line and key say where
+        problems.append(where.problem(("emulator", "config"), f"{emulator}: no such config file"))
+        base_cfg = None
+    elif emulator is not None:
         try:
             base_cfg = load_emulator_config(emulator)
-        except EmulatorConfigError as exc:
+        except EmulatorConfigError as exc:  # a problem inside that file: its own lines name it
             problems.extend(str(exc).splitlines())
             base_cfg = None
     if base_cfg is not None:
