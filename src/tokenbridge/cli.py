@@ -668,7 +668,7 @@ def vocab(
         help="Target model vocab size (the length of t2d; at most 2**24, far above any real vocabulary)."
     ),
     tokenizer: str | None = typer.Option(
-        None, "--tokenizer", "-t", help="Tokenizer folder to take the target vocab size from "
+        None, "--tokenizer", "-t", help="Tokenizer folder or Hub repo id to take the target vocab size from "
         "(default: $TOKENBRIDGE_TOKENIZER)."
     ),
     include_flagged: bool = typer.Option(False, "--include-flagged", help="Also count 'flagged' rows."),
