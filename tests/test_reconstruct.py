@@ -525,3 +525,21 @@ def test_list_content_is_read_as_its_text_by_the_gate_and_the_row(kimi, tmp_path
     src.write_text(json.dumps(rec) + "\n")
     summary = reconstruct_file(src, tmp_path / "out.parquet", kimi, workers=1)
     assert summary.rows == 1 and summary.bad_lines == []
+
+
+def test_a_finding_quoting_a_lone_surrogate_writes_its_escape_in_every_output(kimi, tmp_path):
+    """A request part whose ``type`` holds a lone surrogate (valid JSON, not text) is named
+    in the media finding: the Parquet writer died on it (exit 8)."""
+    import pyarrow.parquet as pq
+
+    rec = make(kimi, content="ok", finish="stop")
+    rec["request"]["messages"] = [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}, {"type": "\ud800", "image_url": {"url": "x"}}]}]
+    src = tmp_path / "ex.jsonl"
+    src.write_text(json.dumps(rec) + "\n", encoding="utf-8")  # ensure_ascii: "\ud800" as an escape
+    for name in ("out.jsonl", "out.parquet"):
+        summary = reconstruct_file(src, tmp_path / name, kimi, workers=1)
+        assert summary.bad_lines == [] and summary.rows == 1
+    row, = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    media = [f for f in row["findings"] if "\\ud800" in f["message"]]
+    assert media and media[0]["code"].startswith("media")
