@@ -157,12 +157,12 @@ def _writing(output: Path | None, command: str) -> Iterator[None]:
 def _jsonl_input(path: Path, *, parquet_ok: bool = False) -> None:
     """One line and exit 2 for an input that is plainly not JSONL (gzip, Parquet, SQLite, ...):
     read as lines, each of its binary lines was a bad record and the output came out empty."""
-    from .jsonl import binary_kind
+    from .jsonl import NotJsonlError, binary_kind
 
     kind = binary_kind(path)
     if kind is None or (parquet_ok and kind[0] == "a Parquet file" and path.suffix == ".parquet"):
         return
-    _fail(f"{path}: {kind[0]}, not JSONL: {kind[1]}")
+    _fail(str(NotJsonlError(path, kind)))
 
 
 @app.command()

@@ -262,7 +262,11 @@ _MAGIC: tuple[tuple[bytes, str, str], ...] = (
 
 
 class NotJsonlError(ValueError):
-    """An input that is plainly not JSONL (:func:`binary_kind`): the message names it and what to do."""
+    """An input that is plainly not JSONL (:func:`binary_kind`): the message names it
+    (``name``, the path the user gave) and what to do."""
+
+    def __init__(self, name: object, kind: tuple[str, str]) -> None:
+        super().__init__(f"{name}: {kind[0]}, not JSONL: {kind[1]}")
 
 
 def binary_kind(path: str | Path) -> tuple[str, str] | None:

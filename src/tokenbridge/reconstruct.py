@@ -931,7 +931,7 @@ def _readable_twice(src: str | Path, dst: Path) -> Iterator[str | Path]:
             shutil.copyfileobj(fin, fout, 1 << 20)
         kind = binary_kind(copy)  # what the command's own check could not look at without eating the pipe
         if kind is not None:
-            raise NotJsonlError(f"{src}: {kind[0]}, not JSONL: {kind[1]}")
+            raise NotJsonlError(src, kind)
         yield copy
     finally:
         copy.unlink(missing_ok=True)
