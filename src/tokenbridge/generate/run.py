@@ -45,7 +45,7 @@ from .prompts import keep_stored_ids, load_prompts
 from .request import build_request
 from .secrets import ApiKey, check_api_key, placeholder_notice, read_api_key, scrub
 from .settings import ConfigError, GenerateSettings, endpoint_identity
-from .store import STATE_FILE, Store, StoreError
+from .store import EXCHANGES_FILE, STATE_FILE, Store, StoreError
 
 __all__ = [
     "EXCHANGES_FILE",
@@ -56,8 +56,6 @@ __all__ = [
     "generate_run",
     "write_exchanges",
 ]
-
-EXCHANGES_FILE = "exchanges.jsonl"
 
 
 def check_sendable(settings: GenerateSettings) -> None:

@@ -61,9 +61,11 @@ from ..outdir import store_problem
 from .body import MAX_PLAUSIBLE_COST, MAX_PLAUSIBLE_TOKENS
 from .errors import GenerateError
 
-__all__ = ["AttemptRecord", "ResponseRecord", "SendRecord", "Store", "StoreError", "StoredSample", "STATE_FILE"]
+__all__ = ["EXCHANGES_FILE", "STATE_FILE", "AttemptRecord", "ResponseRecord", "SendRecord", "Store", "StoreError", "StoredSample"]
 
 STATE_FILE = "state.sqlite"
+#: What generate writes from the store: every stored response, one exchange record a line.
+EXCHANGES_FILE = "exchanges.jsonl"
 SCHEMA_VERSION = 3
 
 _SCHEMA = """
@@ -686,20 +688,17 @@ class Store:
         return Store._Tx(self._conn)
 
 
-#: What generate writes from its store (run.EXCHANGES_FILE; named here, where the store is opened).
-_EXCHANGES = "exchanges.jsonl"
-
 
 def _orphaned_exchanges(run_dir: Path) -> None:
     """:class:`StoreError` when ``run_dir`` holds a non-empty exchanges file although its
     store is missing or empty: responses already paid for, which a run would send for again
     and then replace (the exchanges are written from the store)."""
     try:
-        if (run_dir / _EXCHANGES).stat().st_size == 0:
+        if (run_dir / EXCHANGES_FILE).stat().st_size == 0:
             return
     except OSError:
         return
     raise StoreError(
-        f"{run_dir}: {_EXCHANGES} holds responses but {STATE_FILE}, the store they came from, is missing or empty: "
-        f"a run here would pay for every one again and write {_EXCHANGES} anew without them. Restore {STATE_FILE} "
-        f"(with its -wal and -shm files), or move {_EXCHANGES} away to start over")
+        f"{run_dir}: {EXCHANGES_FILE} holds responses but {STATE_FILE}, the store they came from, is missing or empty: "
+        f"a run here would pay for every one again and write {EXCHANGES_FILE} anew without them. Restore {STATE_FILE} "
+        f"(with its -wal and -shm files), or move {EXCHANGES_FILE} away to start over")
