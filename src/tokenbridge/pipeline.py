@@ -14,14 +14,14 @@ import hashlib
 import json
 from contextlib import nullcontext
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Mapping
 
 from . import fsio, interrupt
 from .display import printable
-from .digests import DigestCache, read_digest
+from .digests import DigestCache, FileIdentity, read_digest
 from .exit_codes import ExitCode
 from .outdir import OutputKind, remove_own_output
 from .runconfig import PipelineError, RunConfig, check_before_generate, check_out, load_run_config
@@ -139,15 +139,14 @@ def _output_names(folder: Path) -> list[str]:
 
 
 def _output_signature(folder: Path, names: list[str]) -> list[Any]:
-    """The identity (size, mtime, inode; nothing read) of an output folder's marker and of
-    each of its entries ``names``; a missing one is None. A user's entries beside them do
-    not count."""
+    """The identity (:class:`~tokenbridge.digests.FileIdentity`, nothing read) of an output
+    folder's marker and of each of its entries ``names``, a sub-folder too; a missing one
+    is None. A user's entries beside them do not count."""
     def ident(p: Path) -> list[int] | None:
         try:
-            st = p.lstat()
+            return list(astuple(FileIdentity.of(p.lstat())))
         except OSError:
             return None
-        return [st.st_size, st.st_mtime_ns, st.st_ino]
 
     return [ident(folder / fsio.MARKER), *(ident(folder / name) for name in names)]
 
