@@ -244,8 +244,8 @@ _RUN = rb"\\(?<!\\\\)\\*+"
 def _reading(value: str, *, json: bool, percent: bool) -> _Reading:
     """The line breaks a decoder skips (raw, or escaped in JSON or a URL), and the escapes
     that decode to a character a target can hold (a key's or base64's). Each alternative
-    starts with ``\\`` or ``%``: :meth:`_Reading.read` relies on that to skip data
-    holding neither, and the regex engine skips straight to the next candidate."""
+    starts with ``\\``, ``%`` or ``&#``: :meth:`_Reading.read` relies on that to skip data
+    holding none, and the regex engine skips straight to the next candidate."""
     high = sorted({f"{b:02x}" for b in value.encode("utf-8") if b >= 0x80})
     short = "/" + "".join(sorted(set(value) & set("\"'")))
     u = b"|".join([rb"00[2-7][0-9a-fA-F]", *_wide(value)])
