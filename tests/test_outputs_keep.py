@@ -58,7 +58,47 @@ def test_reexport_keeps_the_users_entries_and_replaces_ours(stage_inputs, tmp_pa
     assert res.returncode == 0, res.stderr
     _assert_user_entries(out)
     assert _ours(out) == _new(ref, out)  # ours replaced: the full export, byte for byte
-    assert json.loads((out / MARKER).read_text())["files"] == sorted({n.split("/")[0] for n in snapshot(ref)} - {MARKER})
+    names = set(snapshot(ref)) | {n.split("/")[0] for n in snapshot(ref)}  # a folder and each file in it
+    assert json.loads((out / MARKER).read_text())["files"] == sorted(names - {MARKER})
+    assert leftovers(tmp_path) == []
+
+
+SPLIT = b"PAR1 the user's own held-out split PAR1"
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_parquet_reexport_keeps_a_users_file_inside_data(stage_inputs, tmp_path, legacy):
+    """A validation split the user put beside the shards in ``data/`` (how Hugging Face
+    lays out splits) survives a re-export; the old shards go, even when the marker is from
+    before markers listed what is inside a folder (then the shard names decide)."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    export_file(stage_inputs / "reconstructed.jsonl", ref, "parquet")
+    export_file(stage_inputs / "first-half.jsonl", out, "parquet", shard_rows=1)
+    old_shards = sorted(p.name for p in (out / "data").iterdir())
+    assert len(old_shards) > 1
+    if legacy:
+        (out / MARKER).write_text(json.dumps({"files": ["README.md", "data"], "format": "parquet",
+                                              "tokenbridge_output": "export"}) + "\n")
+    (out / "data" / "validation-00000-of-00001.parquet").write_bytes(SPLIT)
+    res = cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", "parquet")
+    assert res.returncode == 0, res.stderr
+    assert (out / "data" / "validation-00000-of-00001.parquet").read_bytes() == SPLIT
+    ours = {k: v for k, v in snapshot(out).items() if k != "data/validation-00000-of-00001.parquet"}
+    assert ours == _new(ref, out) and leftovers(tmp_path) == []  # no old shard left beside the new one
+
+
+@pytest.mark.parametrize("point", ["export:carried:1", "export:swapped:1"])
+def test_parquet_export_killed_then_rerun_keeps_a_users_file_inside_data(stage_inputs, tmp_path, point):
+    out = tmp_path / "out"
+    export_file(stage_inputs / "first-half.jsonl", out, "parquet")
+    (out / "data" / "validation-00000-of-00001.parquet").write_bytes(SPLIT)
+    name, nth = point.rsplit(":", 1)
+    args = ("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", "parquet")
+    assert cli(*args, env=kill_env(name, int(nth))).returncode == -9
+    assert cli(*args).returncode == 0
+    assert (out / "data" / "validation-00000-of-00001.parquet").read_bytes() == SPLIT
+    assert remove_own_output(out, "export") == ["data/validation-00000-of-00001.parquet"]
+    assert sorted(snapshot(out)) == [MARKER, "data/validation-00000-of-00001.parquet"]
     assert leftovers(tmp_path) == []
 
 

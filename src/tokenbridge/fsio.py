@@ -454,7 +454,7 @@ def publish_dir(target: str | Path, *, point: str = "dir", marker: dict[str, Any
     try:
         tmp.mkdir()
         yield tmp
-        written = set(os.listdir(tmp)) - {MARKER, CARRIED}
+        written = _entries(tmp) - {MARKER, CARRIED}
         if marker is not None:
             record = {**marker, "files": sorted(written)}
             (tmp / MARKER).write_text(json.dumps(record, sort_keys=True) + "\n", encoding="utf-8")
@@ -504,20 +504,53 @@ def marker_files(folder: Path) -> frozenset[str] | None:
 
 def marker_owned(folder: Path) -> Callable[[str], bool] | None:
     """Which entries of ``folder`` tokenbridge wrote, by its marker: the names the marker
-    lists, the marker itself and the carried-entries record; None when the marker lists none."""
+    lists (``data/train-00000-of-00001.parquet`` inside a folder it wrote; a folder listed
+    with nothing inside it listed, as markers before those lists had it, is all its own),
+    the marker itself and the carried-entries record; None when the marker lists none."""
     files = marker_files(folder)
     if files is None:
         return None
-    return lambda name: name in files or name in (MARKER, CARRIED)
+    listed_in = {name.split("/", 1)[0] for name in files if "/" in name}
+
+    def ours(name: str) -> bool:
+        if name in files or name in (MARKER, CARRIED):
+            return True
+        top, nested, _ = name.partition("/")
+        return bool(nested) and top in files and top not in listed_in
+    return ours
+
+
+def _entries(root: Path) -> set[str]:
+    """Every entry of ``root``, those inside its folders as relative paths (``data/x``)."""
+    out: set[str] = set()
+    for folder, dirs, files in os.walk(root):
+        rel = os.path.relpath(folder, root)
+        prefix = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+        out.update(prefix + n for n in (*dirs, *files))
+    return out
 
 
 def foreign_entries(target: Path, ours: Callable[[str], bool]) -> list[str]:
-    """The entries of ``target`` tokenbridge did not write (temps aside), sorted."""
-    try:
-        names = os.listdir(target)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted(n for n in names if not is_temp_name(n) and n != CARRIED and not ours(n))
+    """The entries of ``target`` tokenbridge did not write (temps aside), sorted; inside a
+    folder of its own, each entry is asked about by its relative path (``data/x``): a user's
+    file beside the shards of a Parquet export's ``data/`` is the user's."""
+    out: list[str] = []
+
+    def walk(folder: Path, prefix: str) -> None:
+        try:
+            names = os.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for name in names:
+            rel = prefix + name
+            if is_temp_name(name) or rel == CARRIED:
+                continue
+            if not ours(rel):
+                out.append(rel)
+            elif (folder / name).is_dir() and not (folder / name).is_symlink():
+                walk(folder / name, rel + "/")
+    walk(target, "")
+    return sorted(out)
 
 
 def _carry(target: Path, tmp: Path, ours: Callable[[str], bool], written: set[str], point: str) -> None:
@@ -537,6 +570,7 @@ def _carry(target: Path, tmp: Path, ours: Callable[[str], bool], written: set[st
         os.fsync(fh.fileno())
     fsync_dir(tmp)
     for name in keep:
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)  # a user's file inside a folder of ours
         os.rename(target / name, tmp / name)
         kill_point(f"{point}:carried")
     fsync_dir(tmp)
@@ -570,14 +604,15 @@ def _discard(folder: Path, target: Path, ours: Callable[[str], bool] | None = No
         pass
     if ours is None:
         ours = marker_owned(folder) or (lambda name: True)
-    back = sorted(n for n in names if n in carried or (n != CARRIED and not ours(n)))
+    back = sorted({n for n in carried if os.path.lexists(folder / n)}
+                  | {n for n in names if n not in carried and n != CARRIED and not ours(n)})
     stuck = False
     for name in back:
         if os.path.lexists(target / name):
             stuck = True
             continue
         try:
-            target.mkdir(parents=True, exist_ok=True)
+            (target / name).parent.mkdir(parents=True, exist_ok=True)  # a nested one: its folder back too
             os.rename(folder / name, target / name)
         except OSError:
             stuck = True

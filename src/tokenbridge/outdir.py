@@ -93,6 +93,9 @@ _EXPORT_FILES: dict[str, frozenset[str]] = {
 }
 #: speculators' Arrow shards (``data-00000-of-00002.arrow``).
 _SHARD = re.compile(r"^data-\d{5,}-of-\d{5,}\.arrow$")
+#: What the Parquet export writes inside its ``data/`` folder; anything else there is the
+#: user's (another split, say), whatever a marker lists.
+_PARQUET_SHARD = re.compile(r"^data/train-\d{5,}-of-\d{5,}\.parquet$")
 #: Never a run folder, whatever they hold (a run's files once written into one may not make it ours).
 _SYSTEM_FOLDERS = frozenset(Path(p) for p in (
     "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/media", "/mnt", "/opt",
@@ -211,11 +214,13 @@ def _signed(target: Path, kind: OutputKind) -> bool:
 
 
 def _writes(kind: OutputKind, fmt: str | None = None) -> Callable[[str], bool]:
-    """Whether ``kind`` (an export of ``fmt``; any format when None) writes a top-level entry of that name."""
+    """Whether ``kind`` (an export of ``fmt``; any format when None) writes an entry of that
+    name (at the top, or inside its own folder: ``data/train-00000-of-00001.parquet``)."""
     if kind == "export":
         names = _EXPORT_FILES[fmt] if fmt in _EXPORT_FILES else frozenset().union(*_EXPORT_FILES.values())
-        shards = fmt in (None, "speculators")
-        return lambda name: name in names or name in (MARKER, CARRIED) or (shards and _SHARD.match(name) is not None)
+        shards, parquet = fmt in (None, "speculators"), fmt in (None, "parquet")
+        return lambda name: (name in names or name in (MARKER, CARRIED) or (shards and _SHARD.match(name) is not None)
+                             or (parquet and _PARQUET_SHARD.match(name) is not None))
     names = _LEGACY_FILES[kind]
     return lambda name: name in names or name in (MARKER, CARRIED)
 
@@ -229,7 +234,12 @@ def own_names(kind: OutputKind) -> Callable[[Path], Callable[[str], bool]]:
     def test(target: Path) -> Callable[[str], bool]:
         if not _is_own(target, kind):
             return lambda name: False
-        return marker_owned(target) or _writes(kind)
+        writes, listed = _writes(kind), marker_owned(target)
+        if listed is None:
+            return writes
+        # inside a folder an export writes, its own names decide (a marker from before nested
+        # lists claims the whole folder): a user's file there is kept
+        return lambda name: writes(name) if "/" in name and kind == "export" else listed(name)
     return test
 
 
