@@ -213,3 +213,59 @@ def test_gptoss_cut_after_recipient_to_ties_with_the_channel_header():
     row, = reconstruct_record({"id": "o", "request": request, "response": response}, OSS)
     assert row["status"] == "rejected" and codes(row) == ["truncated", "reconstruction_ambiguous"]
     assert "cut_header=4, cut_header=recipient:to" in row["findings"][1]["message"]
+
+
+# --- a GLM turn written without the newline before <think> -------------------------------
+
+NATIVE_BARE = "<think>Let me think.</think>\nHello there.<|user|>"
+
+
+def _bare(served: dict[str, Any], *, stream: bool | None, traits: dict[str, ProviderTrait] | None = None,
+          native: list[int] | None = None) -> dict[str, Any]:
+    request: dict[str, Any] = {"messages": PROMPT}
+    if stream is not None:
+        request["stream"] = stream
+    record: dict[str, Any] = {"id": "b", "request": request, "response": {**served, "provider": "p"}}
+    if native is not None:
+        record["native_ids"] = native
+    row, = reconstruct_record(record, GLM, traits=traits)
+    return row
+
+
+def test_a_turn_without_the_newline_before_think_is_never_read_as_one_with_it():
+    """SGLang serves ``<think>R</think>\\nC`` as reasoning ``R``, content ``"\\nC"``: vLLM's
+    stream of ``"\\n<think>R</think>C"`` looks the same and has as many tokens. Only
+    evidence that tells them apart may pick one; without it the gate says both fit
+    (before, the vLLM reading was taken alone and the wrong ids passed as ok)."""
+    engine = SGLangEngine(GLM, "glm-4.5", "glm45", {USER})
+    ids = GLM.encode(NATIVE_BARE)
+    prompt = len(GLM.encode(GLM_D.render_request({"messages": PROMPT})))
+    other = GLM.encode("\n<think>Let me think.</think>Hello there.<|user|>")
+    assert len(other) == len(ids) and other != ids
+    for stream in (True, False):
+        served = engine.serve(ids, prompt, thinking=True, stream=stream)
+        message = served["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("Let me think.", "\nHello there.")
+        for flag in (stream, None):
+            row = _bare(served, stream=flag)
+            if flag is False:  # vLLM's whole form with the newline is one token longer: the count picks
+                assert row["status"] == "ok" and row["completion_ids"] == ids
+                continue
+            assert row["status"] == "rejected" and codes(row) == ["reconstruction_ambiguous"], (stream, flag)
+        # the run shows SGLang's form (its reasoning keeps the newline): no newline here means none was written
+        row = _bare(served, stream=stream, traits={"p": ProviderTrait("p", prefix_in_reasoning=True)})
+        assert row["status"] == "ok" and row["completion_ids"] == ids and row["reconstruction"] == "think_prefix_absent"
+        row = _bare(served, stream=stream, native=ids)  # ground-truth ids pick it
+        assert row["status"] == "ok" and row["completion_ids"] == ids and row["reconstruction"] == "think_prefix_absent"
+
+
+def test_vllm_stream_with_no_newline_in_content_reads_the_turn_as_written_without_it():
+    """Under a run that shows vLLM's form, a streamed content that does not start with the
+    newline cannot hold vLLM's stream of it: the model wrote none (before, the formula put
+    one back and the sample was rejected, one token over usage)."""
+    native = "<think>Brief.</think>Hello.<|user|>"
+    ids = GLM.encode(native)
+    served = vllm_glm45(ids[:-1], stream=True)
+    assert served == ("Brief.", "Hello.")
+    row, _ = _glm(native, served, stream=True, traits={"p": ProviderTrait("p", prefix_in_reasoning=False)})
+    assert row["status"] == "ok" and row["completion_ids"] == ids and row["reconstruction"] == "think_prefix_absent"

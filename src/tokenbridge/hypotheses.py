@@ -31,7 +31,12 @@ evidence proves (usage, logprobs, token ids, stop id), or reports them all.
   the reasoning is the model's as served); vLLM streamed sends that newline as the first
   content delta (``think_prefix_in_content``: content ``"\\n" + C``). A request or
   ``meta`` that says whether it streamed, and a provider trait (which form its run
-  shows), rule readings out; the evidence picks among the rest.
+  shows), rule readings out; the evidence picks among the rest. A model may also skip the
+  newline (``think_prefix_absent``: every engine then serves the block as written). That
+  reading is offered where no form with the newline fits, where the engine may be SGLang
+  and the reasoning shows no newline (SGLang would have kept it there), and wherever token
+  ids or logprobs can tell (``prefix_absent``); a run that shows vLLM's form reads a
+  content newline as vLLM's stream of the prefix, the model's trained format.
 * ``cut_after_think_close``: a length cut with no content served may have fallen inside
   the reasoning (the formula) or right after ``</think>``: one token apart. The count alone
   cannot pick: vLLM holds back the bytes of a cut that falls inside a character (a partial
@@ -159,6 +164,7 @@ def candidates(
     prefix_in_reasoning: bool | None = None,
     end_in_think: bool = False,
     cut_after_close: bool = False,
+    prefix_absent: bool = False,
 ) -> list[Candidate]:
     """The plain formula first, then every other reading this message admits.
 
@@ -166,15 +172,15 @@ def candidates(
     vLLM's joined text, so a joined reading replaces the plain ones wherever it fits.
     ``stream``: whether the response was streamed (None: unknown). ``prefix_in_reasoning``:
     the provider's run shows SGLang's GLM form (True) or vLLM's (False); None: unknown.
-    ``end_in_think`` / ``cut_after_close``: offer those readings where the message fits
-    them (the caller knows whether the evidence can tell them from the formula).
+    ``end_in_think`` / ``cut_after_close`` / ``prefix_absent``: offer those readings where the
+    message fits them (the caller knows whether the evidence can tell them from the formula).
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
     if isinstance(dialect, HarmonyDialect):
         return _harmony(dialect, message, finish_reason, out, end_markers)
     if thinking and not prompt_opens_think:
-        out = _prefix_readings(dialect, message, finish_reason, stream, prefix_in_reasoning) or out
+        out = _prefix_readings(dialect, message, finish_reason, stream, prefix_in_reasoning, prefix_absent) or out
         base = out[0].parts
     tm = dialect.tool_markers
     reasoning, content = _text(message)
@@ -265,13 +271,21 @@ def _closes_empty(parts: Parts) -> bool:
     return kinds[-2:] == ["think_end", "end"] and set(kinds[:-2]) <= {"reasoning"}
 
 
+#: The reading of a GLM turn whose model wrote ``<think>`` without the newline before it.
+_PREFIX_ABSENT = "think_prefix_absent"
+
+
 def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, stream: bool | None,
-                  prefix_in_reasoning: bool | None) -> list[tuple[str, str, str | None]]:
-    """(reasoning, content, name) the model wrote after ``prefix + think_open``, for each
-    engine form the served message fits, the formula's first.
+                  prefix_in_reasoning: bool | None, absent: bool) -> list[tuple[str, str, str | None]]:
+    """(reasoning, content, name) the model wrote after ``prefix + think_open`` (after
+    ``think_open`` alone for :data:`_PREFIX_ABSENT`), for each engine form the served
+    message fits, the formula's first.
 
     SGLang keeps the prefix in the reasoning (whole: ``prefix + think_open + R``;
-    streamed: ``prefix + R``); vLLM drops it whole and streams it as content.
+    streamed: ``prefix + R``); vLLM drops it whole and streams it as content. A block
+    written without the prefix reaches the API as written under every engine: that
+    reading is offered where ``absent`` says the evidence can tell, where no form with
+    the prefix fits, and where the engine may be SGLang and the reasoning shows no prefix.
     """
     if reasoning.startswith(prefix + think_open):  # SGLang whole: no other engine writes <think> there
         return [(reasoning[len(prefix + think_open):], content, None)]
@@ -283,11 +297,13 @@ def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, st
         forms.append((reasoning, content, "think_prefix_kept" if reasoning.startswith(prefix) else None))
     if vllm and stream is not False and content.startswith(prefix):
         forms.append((reasoning, content[len(prefix):], "think_prefix_in_content"))
+    if absent or not forms or (sglang and not reasoning.startswith(prefix)):
+        forms.append((reasoning, content, _PREFIX_ABSENT))
     return forms
 
 
 def _prefix_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason: str | None,
-                     stream: bool | None, prefix_in_reasoning: bool | None) -> list[Candidate]:
+                     stream: bool | None, prefix_in_reasoning: bool | None, absent: bool) -> list[Candidate]:
     """GLM's readings of where the newline before ``<think>`` went (see the module
     docstring) in thinking mode when the model opens the block; empty when the family
     writes no prefix or no engine form fits (the formula then stands)."""
@@ -296,10 +312,12 @@ def _prefix_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason
         return []
     reasoning, content = _text(message)
     out: list[Candidate] = []
-    for r, c, name in _prefix_forms(prefix, think_open, reasoning, content, stream, prefix_in_reasoning):
+    for r, c, name in _prefix_forms(prefix, think_open, reasoning, content, stream, prefix_in_reasoning, absent):
         # the formula strips a leading prefix + think_open exactly, so hand it one
         msg = {"reasoning": prefix + think_open + r, "content": c}
         parts = dialect.completion_parts(msg, finish_reason, True, False)
+        if name == _PREFIX_ABSENT:
+            parts = [p for p in parts if p != ("format", prefix)]
         if all(parts != cand.parts for cand in out):
             out.append(Candidate(parts, (name,) if name else ()))
     return out

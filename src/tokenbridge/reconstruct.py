@@ -339,7 +339,8 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     # (logprobs whose markers are all known tell these apart: the readings differ by a marker only)
     by_ids = native is not None or (logged is not None and logged.ids is not None and UNKNOWN_MARKER not in logged.ids)
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
-                       prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids)
+                       prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
+                       prefix_absent=by_ids)
     cand_ids: list[list[list[int]]] = []
     cand_free: list[list[bool]] = []
     for c in cands:
