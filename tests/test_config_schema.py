@@ -117,10 +117,20 @@ def test_run_draft_vocab_larger_than_the_tokenizer_is_refused_before_generation(
     text = _replace(_run_toml(kimi_dir), "draft_vocab_size = 64", "draft_vocab_size = 10000000")
     path = _write(tmp_path, text)
     assert _run_errors(path) == [
-        f"{path}:{_line(text, 'draft_vocab_size')}: vocab.draft_vocab_size: must be <= the tokenizer's vocabulary size "
+        f"{path}:{_line(text, 'draft_vocab_size')}: vocab.draft_vocab_size: must be <= the target vocabulary size "
         f"{kimi.vocab_size}, got 10000000"
     ]
     assert not (tmp_path / "out" / "state.sqlite").exists()
+    # the model's size given in the config is the bound (and itself bounded, naming its key)
+    text = _replace(text, "draft_vocab_size = 10000000", "draft_vocab_size = 10000000\ntarget_vocab_size = 9000000")
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [f"{path}:{_line(text, 'draft_vocab_size')}: vocab.draft_vocab_size: must be <= the "
+                                 "target vocabulary size 9000000, got 10000000"]
+    text = _replace(text, "target_vocab_size = 9000000", "target_vocab_size = 99999999")
+    path = _write(tmp_path, text)
+    errors = _run_errors(path)
+    assert len(errors) == 1 and errors[0].startswith(f"{path}:{_line(text, 'target_vocab_size')}: "
+                                                     "vocab.target_vocab_size: "), errors
 
 
 def test_run_dialect_typo_gets_did_you_mean(tmp_path, kimi_dir):

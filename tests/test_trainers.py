@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import json
 import os
 import re
 from collections import Counter
@@ -17,7 +18,11 @@ import pytest
 
 from conftest import ROOT
 from test_export_support import make_run, read_jsonl, write_jsonl
+from typer.testing import CliRunner
+
+from tokenbridge.cli import app
 from tokenbridge.export import build_vocab, export_file
+from tokenbridge.tokenizer import TokenizerError, load_tokenizer
 
 V = 163840
 
@@ -180,3 +185,61 @@ def test_conversations_load_as_trainer_raw_data(run):
     ours = read_jsonl(root / "conv" / "conversations.jsonl")
     assert [c[-1]["content"] for c in raw["conversations"]] == [w["content"] for w in want]
     assert [[t["role"] for t in c] for c in raw["conversations"]] == [[t["role"] for t in o["conversations"]] for o in ours]
+
+
+# --- t2d as long as the model's output layer -------------------------------------------------
+
+
+def _with_model_config(src_dir, dst, config):
+    """The tokenizer folder ``src_dir`` as a user has it from the Hub: plus the model's config.json."""
+    dst.mkdir()
+    for f in src_dir.iterdir():
+        (dst / f.name).symlink_to(f)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_t2d_takes_the_models_vocab_size_from_config_json_and_both_trainers_load_it(run, torch, tmp_path, kimi_dir):
+    """A model's ``lm_head`` is often padded past its tokenizer's ids (Qwen3: 151,936 rows for
+    151,669 ids). Both trainers load a ``t2d`` only at that length; it was sized to the
+    tokenizer, so every family but Kimi failed at training time."""
+    base = _need("specforge.modeling.draft.base")
+    model = _need("speculators.model")
+    _, src, _ = run
+    padded = V + 160
+    folder = _with_model_config(kimi_dir, tmp_path / "k25", {"text_config": {"vocab_size": padded}})
+    res = CliRunner().invoke(app, ["vocab", str(src), "-n", "40", "-o", str(tmp_path / "v"), "--tokenizer", str(folder)])
+    assert res.exit_code == 0 and "warning" not in res.output, res.output
+    summary = json.loads((tmp_path / "v" / "vocab.json").read_text())
+    assert (summary["target_vocab_size"], summary["target_vocab_size_from"]) == (padded, "config.json")
+    assert np.load(tmp_path / "v" / "t2d.npy").shape == (padded,)
+    draft = torch.nn.Module()
+    draft.register_buffer("t2d", torch.zeros(padded, dtype=torch.bool))
+    draft.register_buffer("d2t", torch.zeros(40, dtype=torch.long))
+    base.Eagle3DraftModel.load_vocab_mapping(draft, str(tmp_path / "v" / "vocab_mapping.pt"))
+    draft.use_draft_vocab, draft.verifier_vocab_size, draft.draft_vocab_size = True, padded, 40
+    model.DraftVocabMixin.load_vocab_mappings(draft, draft.t2d.clone(), draft.d2t.clone())
+    assert int(draft.t2d.sum()) == 40
+
+
+def test_a_tokenizer_without_the_models_size_warns_and_says_how_to_give_it(run, tmp_path):
+    """Qwen3's folder as shipped here has no config.json: t2d gets the tokenizer's 151,669
+    ids, which the trainers refuse for a 151,936-row model, so the command says so."""
+    _, src, _ = run
+    qwen = ROOT.parent / "shared" / "tokenizers" / "qwen3"
+    assert load_tokenizer(qwen).model_vocab_size is None
+    assert load_tokenizer(_with_model_config(qwen, tmp_path / "q", {"vocab_size": 151936})).output_vocab_size == 151936
+    bad = _with_model_config(qwen, tmp_path / "bad", {"vocab_size": "151936"})
+    with pytest.raises(TokenizerError, match=r"config.json: vocab_size must be an integer in 1\.\.16777216, got '151936'"):
+        load_tokenizer(bad)
+    rows = read_jsonl(src)
+    for r in rows:  # ids inside Qwen3's range (what they spell does not matter to the count)
+        for key in ("prompt_ids", "completion_ids", "input_ids"):
+            r[key] = [i % 150000 for i in r[key]]
+    small = write_jsonl(tmp_path / "small.jsonl", rows)
+    res = CliRunner().invoke(app, ["vocab", str(small), "-n", "40", "-o", str(tmp_path / "v"),
+                                   "--tokenizer", str(qwen)])
+    assert res.exit_code == 0, res.output
+    assert "warning: t2d is sized to the tokenizer's 151669 ids" in res.stderr
+    assert "--target-vocab-size (run: [vocab] target_vocab_size)" in res.stderr
+    assert json.loads((tmp_path / "v" / "vocab.json").read_text())["target_vocab_size_from"] == "tokenizer"

@@ -15,6 +15,7 @@ import typer
 
 from .display import printable
 from .exit_codes import ExitCode
+from .tokenizer import MAX_VOCAB_SIZE
 
 if TYPE_CHECKING:
     from .checks import Policy
@@ -614,10 +615,6 @@ def emulator(
 # --- export / vocab / report -----------------------------------------------------------
 
 
-#: The largest vocabulary size a flag takes: 2**24 (16,777,216). The largest real
-#: vocabularies are about 260k ids; vocab allocates a count and a t2d entry per id, so an
-#: unbounded size was a numpy MemoryError (10**13) or the OOM killer (10**9), not a message.
-MAX_VOCAB_SIZE = 1 << 24
 
 
 @app.command()
@@ -680,6 +677,7 @@ def vocab(
     import os
 
     from .export import ExportError, build_vocab
+    from .export.vocab import target_vocab_size_of
     from .tokenizer_source import TOKENIZER_ENV
 
     if target_vocab_size is None and tokenizer is None and not os.environ.get(TOKENIZER_ENV, "").strip():
@@ -692,10 +690,12 @@ def vocab(
             # the tokenizer folder it reads is an input too: --force must never replace it (or a parent of it)
             tok_input = existing_inputs(_tokenizer_input(tokenizer)) if target_vocab_size is None else []
             check_output_dir(output, "vocab", inputs=[input, *tok_input], force=force)
-            if target_vocab_size is None:
-                target_vocab_size = _tokenizer(tokenizer).vocab_size
-            summary = build_vocab(input, draft_vocab_size, output, target_vocab_size, include_flagged=include_flagged,
-                                  force=force)
+            target, source, warning = (target_vocab_size, "given", None) if target_vocab_size is not None else \
+                target_vocab_size_of(_tokenizer(tokenizer), None)
+            if warning:
+                _say(f"warning: {warning}", err=True)
+            summary = build_vocab(input, draft_vocab_size, output, target, include_flagged=include_flagged,
+                                  force=force, target_vocab_size_from=source)
     except ExportError as exc:
         _fail(str(exc), exc.exit_code)
     except ValueError as exc:

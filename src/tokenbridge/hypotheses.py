@@ -276,7 +276,7 @@ _PREFIX_ABSENT = "think_prefix_absent"
 
 
 def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, stream: bool | None,
-                  prefix_in_reasoning: bool | None, absent: bool) -> list[tuple[str, str, str | None]]:
+                  prefix_in_reasoning: bool | None, *, absent: bool) -> list[tuple[str, str, str | None]]:
     """(reasoning, content, name) the model wrote after ``prefix + think_open`` (after
     ``think_open`` alone for :data:`_PREFIX_ABSENT`), for each engine form the served
     message fits, the formula's first.
@@ -312,7 +312,7 @@ def _prefix_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason
         return []
     reasoning, content = _text(message)
     out: list[Candidate] = []
-    for r, c, name in _prefix_forms(prefix, think_open, reasoning, content, stream, prefix_in_reasoning, absent):
+    for r, c, name in _prefix_forms(prefix, think_open, reasoning, content, stream, prefix_in_reasoning, absent=absent):
         # the formula strips a leading prefix + think_open exactly, so hand it one
         msg = {"reasoning": prefix + think_open + r, "content": c}
         parts = dialect.completion_parts(msg, finish_reason, True, False)

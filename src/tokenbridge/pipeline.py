@@ -382,6 +382,7 @@ def _after_reconstruct(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
 def _plan_exports(cfg: RunConfig, tok: Tokenizer, state: _State) -> tuple[_Plan, list[ExportJob], VocabJob | None]:
     """What each export and the vocabulary do in this run, and the jobs for the pass."""
     from .export import ExportJob, VocabJob
+    from .export.vocab import target_vocab_size_of
 
     out = cfg.out
     reconstructed = out / "reconstructed.jsonl"
@@ -402,21 +403,27 @@ def _plan_exports(cfg: RunConfig, tok: Tokenizer, state: _State) -> tuple[_Plan,
     vocab_job = None
     if cfg.draft_vocab_size:
         target = out / "vocab"
-        fp = _fingerprint([reconstructed], {"size": cfg.draft_vocab_size, "include_flagged": cfg.include_flagged})
+        size, size_from, _ = target_vocab_size_of(tok, cfg.target_vocab_size)
+        settings: dict[str, Any] = {"size": cfg.draft_vocab_size, "include_flagged": cfg.include_flagged}
+        if size != tok.vocab_size:  # (where it is the tokenizer's, as before, a recorded run still skips)
+            settings["target_vocab_size"] = size
+        fp = _fingerprint([reconstructed], settings)
         if not usable:
             plan["vocab"] = (fp, "empty")
         elif state.done("vocab", fp, target):
             plan["vocab"] = (fp, "skipped")
         else:
             plan["vocab"] = (fp, "ran")
-            vocab_job = VocabJob(cfg.draft_vocab_size, target, target_vocab_size=tok.vocab_size,
-                                 include_flagged=cfg.include_flagged)
+            vocab_job = VocabJob(cfg.draft_vocab_size, target, target_vocab_size=size,
+                                 include_flagged=cfg.include_flagged, target_vocab_size_from=size_from)
     return plan, exports, vocab_job
 
 
 def _record_pass(cfg: RunConfig, state: _State, plan: _Plan, passed: PassResult | None,
                  echo: Callable[[str], None]) -> list[StageResult]:
     """One result (and line) per planned export / vocab stage; an empty one drops its stale output."""
+    from .export.vocab import tokenizer_sized
+
     out = cfg.out
     results: list[StageResult] = []
     for stage, (fp, what) in plan.items():
@@ -435,6 +442,8 @@ def _record_pass(cfg: RunConfig, state: _State, plan: _Plan, passed: PassResult 
                 detail = {"rows": es.rows_exported, "skipped": es.skipped}
             elif passed.vocab is not None:
                 detail = {"coverage": passed.vocab.coverage, "distinct_tokens": passed.vocab.distinct_tokens}
+                if passed.vocab.target_vocab_size_from == "tokenizer":
+                    echo(f"warning: vocab: {tokenizer_sized(passed.vocab.target_vocab_size, cfg.tokenizer)}")
             state.record(stage, fp, detail, target)
         results.append(StageResult(stage, what, detail))
         echo(f"export {fmt}: {what} → {target} {state.data[stage].get('rows')} rows" if fmt

@@ -27,7 +27,7 @@ from .checks import CODES, Policy
 from .exit_codes import ExitCode
 from .export.formats import FORMATS
 from .outdir import RUN_OUTPUTS, existing_inputs, run_folder_problem
-from .schema import FORBID, Bool, DialectName, NonNegInt, PosInt, Str, Where, did_you_mean, read_mapping, validate
+from .schema import FORBID, Bool, DialectName, NonNegInt, Str, VocabSize, Where, did_you_mean, read_mapping, validate
 from .tokenizer import Tokenizer
 from .tokenizer_source import TOKENIZER_ENV
 from .traits import ProfileError, load_provider_profile
@@ -65,6 +65,7 @@ class RunConfig:
     export_formats: tuple[str, ...]
     include_flagged: bool
     draft_vocab_size: int | None
+    target_vocab_size: int | None
     report: bool
 
 
@@ -115,7 +116,10 @@ class ExportSection:
 @with_config(FORBID)
 @dataclass(frozen=True)
 class VocabSection:
-    draft_vocab_size: PosInt | None = None
+    draft_vocab_size: VocabSize | None = None
+    #: the model's output size (``lm_head`` rows), the length of ``t2d``: default, the tokenizer
+    #: folder's ``config.json`` ``vocab_size``, else the tokenizer's ids (with a warning)
+    target_vocab_size: VocabSize | None = None
 
 
 @with_config(FORBID)
@@ -186,7 +190,8 @@ def load_run_config(path: str | Path) -> RunConfig:
         use_emulator=data.get("emulator") is not None, emulator=emulator, emulator_overrides=overrides,
         policy=Policy(severities=dict(parsed.reconstruct.severity), usage_tolerance=parsed.reconstruct.usage_tolerance),
         provider_profile=profile, export_formats=parsed.export.formats, include_flagged=parsed.export.include_flagged,
-        draft_vocab_size=parsed.vocab.draft_vocab_size, report=parsed.report.enabled,
+        draft_vocab_size=parsed.vocab.draft_vocab_size, target_vocab_size=parsed.vocab.target_vocab_size,
+        report=parsed.report.enabled,
     )
 
 
@@ -314,9 +319,10 @@ def check_before_generate(cfg: RunConfig, tok: Tokenizer) -> None:
         resolve_dialect(tok, cfg.dialect)
     except (DialectError, TemplateError) as exc:
         problems.append(where.problem(("run", "dialect") if cfg.dialect else ("run", "tokenizer"), str(exc)))
-    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > tok.vocab_size:
-        problems.append(where.problem(("vocab", "draft_vocab_size"), f"must be <= the tokenizer's vocabulary size "
-                                      f"{tok.vocab_size}, got {cfg.draft_vocab_size}"))
+    target = cfg.target_vocab_size or tok.output_vocab_size
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > target:
+        problems.append(where.problem(("vocab", "draft_vocab_size"), f"must be <= the target vocabulary size "
+                                      f"{target}, got {cfg.draft_vocab_size}"))
     if problems:
         raise _config_error("\n".join(problems))
 

@@ -30,6 +30,7 @@ from typing_extensions import is_typeddict
 from pydantic import AfterValidator, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError
 
 from .chat import DIALECTS
+from .tokenizer import MAX_VOCAB_SIZE
 
 __all__ = [
     "FORBID",
@@ -43,6 +44,7 @@ __all__ = [
     "PosInt",
     "Rate",
     "Str",
+    "VocabSize",
     "Where",
     "did_you_mean",
     "read_mapping",
@@ -67,6 +69,8 @@ Str = Annotated[StrictStr, AfterValidator(_no_nul)]
 Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 PosInt = Annotated[StrictInt, Field(ge=1)]
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
+#: A vocabulary size: at most 2**24 (:data:`~tokenbridge.tokenizer.MAX_VOCAB_SIZE`), far above any real one.
+VocabSize = Annotated[StrictInt, Field(ge=1, le=MAX_VOCAB_SIZE)]
 PosFloat = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
 NonNegFloat = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
 #: A chat format name from :data:`tokenbridge.chat.DIALECTS` (a typo gets "did you mean").

@@ -42,7 +42,7 @@ from .pattern import KIMI_PAT_STR, grouped_pattern
 if TYPE_CHECKING:
     import tiktoken
 
-__all__ = ["KIMI_PAT_STR", "PROMPT_CACHE_BYTES", "EncodeError", "Tokenizer", "TokenizerError", "load_tokenizer",
+__all__ = ["KIMI_PAT_STR", "MAX_VOCAB_SIZE", "PROMPT_CACHE_BYTES", "EncodeError", "Tokenizer", "TokenizerError", "load_tokenizer",
            "marker_pattern", "marker_splitter"]
 
 #: Kimi reserves this many ids above the BPE ranks for special tokens.
@@ -60,6 +60,12 @@ _LONG_RUN = re.compile(r"(?<!\S)\S" + _RUN_PAST_MAX + r"|(?<!\s)\s" + _RUN_PAST_
 #: them: key string + 40 bytes per id (its tuple slot and int object, counted even where
 #: the int is shared) + 150 per entry. 32 MiB holds about 800k prompt tokens.
 PROMPT_CACHE_BYTES = 32 << 20
+
+#: The largest vocabulary size tokenbridge takes (a flag, a config, a model's ``config.json``):
+#: 2**24 (16,777,216). The largest real vocabularies are about 260k ids; vocab allocates a
+#: count and a t2d entry per id, so an unbounded size was a numpy MemoryError (10**13) or
+#: the OOM killer (10**9), not a message.
+MAX_VOCAB_SIZE = 1 << 24
 #: A piece costing more than this share of the bound is encoded but never cached, so one
 #: huge prompt cannot flush the shared system prompts.
 _CACHE_MAX_ENTRY_SHARE = 8
@@ -123,10 +129,20 @@ class Tokenizer:
     #: makes no cuts (see :meth:`encode_checked`).
     _encode_completion: Callable[[str], tuple[list[int], bool]] | None = field(default=None, repr=False)
     _prompt_cache: _PieceCache = field(init=False, repr=False)
+    #: How many ids the model's output layer has (``lm_head`` rows): the folder's
+    #: ``config.json`` ``vocab_size`` where it has one (often more than the tokenizer's
+    #: ids: padded), Kimi's reserved range where that pads to it; None where nothing says.
+    #: A draft vocabulary's ``t2d`` must be this long for the trainers to load it.
+    model_vocab_size: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "markers", {t: i for i, t in self.marker_ids.items()})
         object.__setattr__(self, "_prompt_cache", _PieceCache(PROMPT_CACHE_BYTES))
+
+    @property
+    def output_vocab_size(self) -> int:
+        """The target vocabulary a draft is mapped into: the model's when known, else the tokenizer's."""
+        return self.model_vocab_size if self.model_vocab_size is not None else self.vocab_size
 
     def encode(self, text: str) -> list[int]:
         """Encode like the model's tokenizer: marker text becomes its marker id."""
@@ -298,11 +314,29 @@ def _load_cached(source: str, revision: str | None) -> Tokenizer:
             raise TokenizerError(f"{source}: not a tokenizer folder or a Hub repo id (owner/name)")
         folder = _hub_folder(source, revision)
     if (folder / "tiktoken.model").is_file():
-        return _load_tiktoken(folder, source)
-    if (folder / "tokenizer.json").is_file():
-        fast = _load_tiktoken_beside_json(folder, source)
-        return fast if fast is not None else _load_tokenizers(folder, source)
-    raise TokenizerError(f"{folder}: has neither tiktoken.model nor tokenizer.json")
+        tok = _load_tiktoken(folder, source)
+    elif (folder / "tokenizer.json").is_file():
+        tok = _load_tiktoken_beside_json(folder, source) or _load_tokenizers(folder, source)
+    else:
+        raise TokenizerError(f"{folder}: has neither tiktoken.model nor tokenizer.json")
+    size = _model_vocab_size(folder)
+    if size is not None:
+        object.__setattr__(tok, "model_vocab_size", size)
+    return tok
+
+
+def _model_vocab_size(folder: Path) -> int | None:
+    """``vocab_size`` of the model's ``config.json`` in ``folder`` (a multimodal model's
+    ``text_config`` too), checked: a positive int no larger than ids may be."""
+    path = folder / "config.json"
+    config = _read_json(path)
+    text = config.get("text_config")
+    size = config.get("vocab_size", text.get("vocab_size") if isinstance(text, dict) else None)
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_VOCAB_SIZE:
+        raise TokenizerError(f"{path}: vocab_size must be an integer in 1..{MAX_VOCAB_SIZE}, got {size!r}")
+    return size
 
 
 def _hub_folder(repo_id: str, revision: str | None) -> Path:
@@ -583,8 +617,10 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
     pat_str = read_pat_str(folder)
     special = {t: i for i, t in names.items()}
     enc = _encoding(folder / "tiktoken.model", pat_str, ranks, special)
-    return _tiktoken_tokenizer(folder, source, enc, names, config, vocab_size=n_ranks + _KIMI_NUM_RESERVED,
-                               cut_long_runs=True)
+    tok = _tiktoken_tokenizer(folder, source, enc, names, config, vocab_size=n_ranks + _KIMI_NUM_RESERVED,
+                              cut_long_runs=True)
+    object.__setattr__(tok, "model_vocab_size", tok.vocab_size)  # the reserved range pads to the model's 163,840
+    return tok
 
 
 def _encoding(path: Path, pat_str: str, ranks: dict[bytes, int], special: dict[str, int]) -> tiktoken.Encoding:

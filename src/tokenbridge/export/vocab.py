@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,7 +37,11 @@ from . import torchfile
 from .source import ExportError
 from .writers import ids_array
 
-__all__ = ["VocabCounter", "VocabJob", "VocabSummary", "build_vocab", "select_draft_vocab"]
+if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
+
+__all__ = ["VocabCounter", "VocabJob", "VocabSummary", "build_vocab", "select_draft_vocab", "target_vocab_size_of",
+           "tokenizer_sized"]
 
 #: Masked ids are collected into a buffer this long before counting (bounded memory).
 _COUNT_BUFFER = 1 << 20
@@ -50,6 +54,9 @@ class VocabSummary:
     target_vocab_size: int
     source: str
     include_flagged: bool
+    #: where ``target_vocab_size`` came from: "given" (a flag, a config), "config.json" (the
+    #: model's, in the tokenizer folder; Kimi's reserved range), or "tokenizer" (its ids alone)
+    target_vocab_size_from: str = "given"
     rows: int = 0
     masked_tokens: int = 0
     distinct_tokens: int = 0
@@ -62,6 +69,26 @@ class VocabSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def target_vocab_size_of(tok: Tokenizer, given: int | None) -> tuple[int, str, str | None]:
+    """(the length of ``t2d``, where it came from, a warning or None): ``given`` (a flag or a
+    config), else the model's output size (:attr:`Tokenizer.model_vocab_size`), else the
+    tokenizer's ids, with a warning: SpecForge and speculators load a ``t2d`` only as long
+    as the model's ``lm_head`` (Qwen3's 151,936 rows for 151,669 tokenizer ids), so a
+    mapping sized to the tokenizer is refused at training time, after the hidden states."""
+    if given is not None:
+        return given, "given", None
+    if tok.model_vocab_size is not None:
+        return tok.model_vocab_size, "config.json", None
+    return tok.vocab_size, "tokenizer", tokenizer_sized(tok.vocab_size, tok.source)
+
+
+def tokenizer_sized(size: int, tokenizer: str) -> str:
+    """The warning for a ``t2d`` sized to the tokenizer's ``size`` ids (see :func:`target_vocab_size_of`)."""
+    return (f"t2d is sized to the tokenizer's {size} ids: {tokenizer} has no config.json with the model's "
+            "vocab_size, which is often larger (padded), and SpecForge and speculators load a t2d only at the "
+            "model's size; give the model's vocab_size as --target-vocab-size (run: [vocab] target_vocab_size)")
 
 
 def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -92,6 +119,7 @@ class VocabJob:
     target_vocab_size: int
     include_flagged: bool = False
     force: bool = False
+    target_vocab_size_from: str = "given"
 
     def __post_init__(self) -> None:
         if not 0 < self.draft_vocab_size <= self.target_vocab_size:
@@ -106,6 +134,8 @@ def build_vocab(
     target_vocab_size: int,
     include_flagged: bool = False,
     force: bool = False,
+    *,
+    target_vocab_size_from: str = "given",
 ) -> VocabSummary:
     """Count masked tokens of ``src`` and write the draft vocabulary files to ``out_dir``.
 
@@ -117,7 +147,7 @@ def build_vocab(
     """
     from .onepass import run_pass
 
-    job = VocabJob(draft_vocab_size, Path(out_dir), target_vocab_size, include_flagged, force)
+    job = VocabJob(draft_vocab_size, Path(out_dir), target_vocab_size, include_flagged, force, target_vocab_size_from)
     vocab = run_pass(src, vocab=job).vocab
     assert vocab is not None
     return vocab
@@ -129,7 +159,8 @@ class VocabCounter:
     def __init__(self, job: VocabJob, src: Path):
         self.job, self.src = job, src
         self.wanted = frozenset({"ok", "flagged"} if job.include_flagged else {"ok"})
-        self.summary = VocabSummary(job.draft_vocab_size, job.target_vocab_size, str(src), job.include_flagged)
+        self.summary = VocabSummary(job.draft_vocab_size, job.target_vocab_size, str(src), job.include_flagged,
+                                    job.target_vocab_size_from)
         self.counts = np.zeros(job.target_vocab_size, dtype=np.int64)
         self._buf: list[np.ndarray] = []
         self._buffered = 0
