@@ -124,6 +124,32 @@ def test_conversations_rebuild_the_same_ids(run, tmp_path, kimi):
         assert again["input_ids"] == w["input_ids"] and again["loss_mask"] == w["loss_mask"]
 
 
+def test_conversations_leave_out_turns_no_chat_template_writes(tmp_path, kimi):
+    """A cut turn re-rendered by the chat template gains the ``</think>`` and ``<|im_end|>``
+    the model never wrote, and a turn ended by ``[EOS]`` gets ``<|im_end|>``: trained from
+    text, both teach tokens it never emitted. The id formats keep them; conversations
+    leaves them out and counts them."""
+    from tokenbridge.reconstruct import reconstruct_record
+
+    def record(k, finish, content, **extra):
+        return {"id": f"r{k}", "request": {"messages": [{"role": "user", "content": f"q{k}"}]}, **extra,
+                "response": {"choices": [{"index": 0, "finish_reason": finish, "message": {
+                    "role": "assistant", "reasoning": f"thinking {k}", "content": content}}]}}
+
+    eos = kimi.token_id("[EOS]")
+    native = kimi.encode("thinking 2") + [kimi.token_id("</think>")] + kimi.encode("done") + [eos]
+    rows = [*reconstruct_record(record(0, "stop", "done"), kimi),
+            *reconstruct_record(record(1, "length", "half an ans"), kimi),
+            *reconstruct_record(record(2, "stop", "done", native_ids=native), kimi)]
+    assert [r["reconstruction"] for r in rows] == [None, None, "end=[EOS]"] and rows[2]["completion_ids"] == native
+    src = write_jsonl(tmp_path / "rows.jsonl", rows)
+    summary = export_file(src, tmp_path / "conv", "conversations", include_flagged=True)
+    assert summary.rows_exported == 1 and summary.skipped == {"flagged": 0, "rejected": 0, "not_a_chat_turn": 2}
+    assert [c["id"] for c in read_jsonl(tmp_path / "conv" / "conversations.jsonl")] == ["r0"]
+    assert "2 not a chat turn" in (tmp_path / "conv" / "README.md").read_text()
+    assert export_file(src, tmp_path / "sf", "specforge", include_flagged=True).rows_exported == 3
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_parquet_source_gives_the_same_export(run, tmp_path, kimi_dir, fmt):
     from tokenbridge.reconstruct import reconstruct_file

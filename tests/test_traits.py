@@ -9,6 +9,7 @@ import os
 import pytest
 
 from tokenbridge.chat import DIALECTS
+from tokenbridge.export import export_file
 from tokenbridge.reconstruct import reconstruct_file
 from tokenbridge.traits import ProfileError, load_provider_profile
 
@@ -154,6 +155,15 @@ def test_a_provider_serving_joined_text_is_found_across_the_run(tmp_path, kimi):
     rows = _rows(dst)
     assert all(r["status"] == "ok" and r["reconstruction"] == "marker_spaces" for r in rows)
     assert [r["completion_ids"] for r in rows] == [rec["native_ids"] for rec in recs]
+    # the row's text is what the model wrote (the joins taken out), as its ids spell it; the
+    # conversations export, which a trainer re-tokenizes, carries that text too
+    for i, r in enumerate(rows):
+        assert (r["reasoning"], r["content"]) == (f"Thinking about item {i}.", f"Answer number {i}.")
+        served = recs[i]["response"]["choices"][0]["message"]
+        assert served["reasoning"] != r["reasoning"] and served["content"] != r["content"]
+    export_file(dst, tmp_path / "conv", "conversations")
+    finals = [c["conversations"][-1] for c in _rows(tmp_path / "conv" / "conversations.jsonl")]
+    assert finals == [{"role": "assistant", "content": r["content"], "reasoning_content": r["reasoning"]} for r in rows]
 
 
 def test_a_probe_profile_flags_invisible_edits(tmp_path, kimi):

@@ -651,6 +651,7 @@ def export(
     _say(
         f"{summary.rows_exported} rows ({summary.tokens} tokens, {summary.completion_tokens} under the loss mask) "
         f"→ {output} [{fmt}]; skipped {skipped['flagged']} flagged, {skipped['rejected']} rejected"
+        + (f", {skipped['not_a_chat_turn']} not a chat turn" if "not_a_chat_turn" in skipped else "")
     )
 
 

@@ -205,11 +205,11 @@ def _reconstruct(
                                     f"the response fits {len(p.ambiguous)} native sequences ({', '.join(p.ambiguous)}) "
                                     "and no evidence (usage, logprobs, token ids, stop id) tells them apart"))
         segments = _segments(len(prompt_ids), parts, part_ids)
-        message = p.choice["message"]
         index = choice_index(p.choice, p.index)
+        reasoning_text, content_text_ = written_text(parts)
         rows.append(_row(meta, choice=index, prompt_ids=prompt_ids, completion_ids=completion_ids, segments=segments,
                          findings=findings, finish_reason=p.choice.get("finish_reason"),
-                         reasoning=message_reasoning(message) or "", content=content_text(message.get("content")),
+                         reasoning=reasoning_text, content=content_text_,
                          reconstruction=_joined(prompt_name, p.cands[p.chosen].name)))
     if len(rows) > 1 and usage_completion is not None:
         _mark_siblings(rows, policy)
@@ -222,8 +222,29 @@ def _reconstruct(
     unclosed = sum(u and not any("end_in_think" in c.names for c in p.cands) for u, p in zip(unsure, plans))
     facts = RecordFacts(None if any(unsure) else _delta(plans, rows, usage, len(prompt_ids)), len(markered),
                         sum(any("marker_spaces" in c.names for c in p.cands) for p in markered),
-                        len(reasoned), sum(r.startswith(dialect.think_open_prefix) for r in reasoned), unclosed)
+                        len(reasoned), sum(r.startswith(dialect.think_open_prefix) for r in reasoned), unclosed,
+                        tuple(_served_edge(p.choice["message"]) for p in plans))
     return rows, facts
+
+
+def written_text(parts: Sequence[tuple[str, str]]) -> tuple[str, str]:
+    """(reasoning, content) as the model wrote them, from a reading's parts: what a row
+    carries beside its ids, so that a conversation re-rendered from it spells those ids.
+    The served text may differ (vLLM's join spaces, a leaked end marker, GLM's
+    ``"\n<think>"`` in the reasoning): the exchange keeps that. A tool-call section keeps
+    the header written just before it (gpt-oss's ``<|start|>assistant...<|message|>``)."""
+    reasoning = "".join(text for kind, text in parts if kind == "reasoning")
+    content = []
+    for k, (kind, text) in enumerate(parts):
+        if kind in ("content", "tool_calls") or (kind == "format" and k + 1 < len(parts) and parts[k + 1][0] == "tool_calls"):
+            content.append(text)
+    return reasoning, "".join(content)
+
+
+def _served_edge(message: Mapping[str, Any]) -> bool:
+    """Whether the served text keeps leading or trailing whitespace (a provider that strips never does)."""
+    texts = (message_reasoning(message) or "", content_text(message.get("content")))
+    return any(t[:1].isspace() or t[-1:].isspace() for t in texts)
 
 
 def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, Any] | None,
@@ -557,10 +578,9 @@ class BadLine:
 Brief = tuple[str, list[str], str, bool]
 
 
-def _brief(row: Mapping[str, Any]) -> Brief:
-    """What the summary needs of a row: status, codes, provider, and whether its text
-    keeps any leading/trailing whitespace (a provider that strips never does)."""
-    edge = any(t[:1].isspace() or t[-1:].isspace() for t in (row["reasoning"], row["content"]) if isinstance(t, str))
+def _brief(row: Mapping[str, Any], edge: bool) -> Brief:
+    """What the summary needs of a row: status, codes, provider, and whether its served
+    text kept any leading/trailing whitespace (``edge``: a provider that strips never does)."""
     return row["status"], [f["code"] for f in row["findings"]], str(row["provider"]), edge
 
 
@@ -769,7 +789,7 @@ def _work(data: bytes) -> _ChunkResult:
         except Exception as exc:
             exc.__dict__[_BUG_LINE] = lineno
             raise
-        briefs = [_brief(r) for r in rows]
+        briefs = [_brief(r, e) for r, e in zip(rows, facts.edges or (False,) * len(rows))]
         if encoded is not None:
             for text in encoded:
                 parts += (text, b"\n")

@@ -135,6 +135,8 @@ class RecordFacts:
     #: choices that may have ended inside their think block, read without that reading
     #: (the run had not proven the provider counts its end token)
     unclosed: int = 0
+    #: per choice: whether its served text keeps leading/trailing whitespace
+    edges: tuple[bool, ...] = ()
 
 
 @dataclass

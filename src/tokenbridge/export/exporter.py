@@ -107,6 +107,10 @@ class ExportRun:
         self.summary = ExportSummary(job.fmt, str(src), str(job.out_dir), job.include_flagged)
         self.writer: Writer = WRITERS[job.fmt](**job.options)
         self.writer.open(tmp)
+        #: a format that leaves out rows it cannot write (conversations: cut turns), and the count's key
+        self._skip = getattr(self.writer, "skip", None)
+        if self._skip is not None:
+            self.summary.skipped[self.writer.skip_key] = 0  # type: ignore[attr-defined]
 
     def add(self, line: int, rec: ReconstructedRow) -> None:
         summary = self.summary
@@ -114,6 +118,9 @@ class ExportRun:
         status = rec["status"]
         if status not in self.wanted:
             summary.skipped[status] += 1
+            return
+        if self._skip is not None and self._skip(rec):
+            summary.skipped[self.writer.skip_key] += 1  # type: ignore[attr-defined]
             return
         self.writer.write(rec)
         n = len(rec["input_ids"])
@@ -129,7 +136,8 @@ class ExportRun:
         if summary.rows_exported == 0:
             hint = " (pass include_flagged / --include-flagged to export flagged rows)" if summary.skipped["flagged"] else ""
             raise ExportError(self.src, None, "status", f"no row to export: {summary.rows_read} read, skipped "
-                              f"{summary.skipped['flagged']} flagged and {summary.skipped['rejected']} rejected{hint}")
+                              f"{summary.skipped['flagged']} flagged and {summary.skipped['rejected']} rejected"
+                              f"{_not_a_turn(summary)}{hint}")
 
     def close(self) -> None:
         """Close the writer and write the dataset card; the folder is then ready to publish."""
@@ -137,6 +145,12 @@ class ExportRun:
         self.summary.files = [p.relative_to(self.tmp).as_posix() for p in files] + ["README.md"]
         (self.tmp / "README.md").write_text(_card(self.summary), encoding="utf-8")
         kill_point("export:written")
+
+
+def _not_a_turn(summary: ExportSummary) -> str:
+    """The conversations format's own skips, as words to add to a count of skipped rows."""
+    n = summary.skipped.get("not_a_chat_turn")
+    return "" if n is None else f", {n} not a chat turn (cut, or a reading no chat template writes)"
 
 
 _LOADING = {
@@ -188,7 +202,7 @@ def _card(summary: ExportSummary) -> str:
         f"- Source: `{printable(summary.source)}`",
         f"- Statuses exported: {'ok + flagged' if summary.include_flagged else 'ok only'} (rejected never)",
         f"- Rows: {summary.rows_exported} exported of {summary.rows_read} read "
-        f"(skipped {summary.skipped['flagged']} flagged, {summary.skipped['rejected']} rejected)",
+        f"(skipped {summary.skipped['flagged']} flagged, {summary.skipped['rejected']} rejected{_not_a_turn(summary)})",
         f"- Tokens: {summary.tokens} in total, {summary.completion_tokens} under the loss mask",
         "", "| dataset | rows |", "| --- | ---: |",
         *[f"| {_cell(k)} | {v} |" for k, v in sorted(summary.datasets.items())],

@@ -112,8 +112,26 @@ class SpecForgeWriter(_JsonlWriter):
         return {"input_ids": rec["input_ids"], "loss_mask": rec["loss_mask"], **metadata_of(rec)}
 
 
+#: Readings whose completion a chat template cannot write: it closes the think block, puts
+#: its newline before ``<think>`` and ends the turn with its own end token, always.
+_NOT_A_TURN = ("no_think_close", "end_in_think", "think_prefix_absent", "end=")
+
+
 class ConversationsWriter(_JsonlWriter):
     name = "conversations.jsonl"
+    #: what :meth:`skip` counts a row it leaves out under (the summary's ``skipped``)
+    skip_key = "not_a_chat_turn"
+
+    def skip(self, rec: ReconstructedRow) -> bool:
+        """Whether the row cannot be a conversation whose final turn, re-rendered by the
+        model's chat template, spells its ids: a cut turn (no end token: the template adds
+        one, and ``</think>`` when the cut fell in the reasoning), or a reading the template
+        cannot write (:data:`_NOT_A_TURN`). Trained from text, either teaches tokens the
+        model never emitted; the id formats keep these rows."""
+        if not any(seg["kind"] == "end" for seg in rec["segments"]):
+            return True
+        names = (rec["reconstruction"] or "").split("+")
+        return any(name.startswith(_NOT_A_TURN) for name in names)
 
     def row(self, rec: ReconstructedRow) -> dict[str, Any]:
         turns = [_turn(m) for m in rec["messages"]]
