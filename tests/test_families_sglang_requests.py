@@ -186,3 +186,42 @@ def test_a_last_assistant_message_is_a_reading_as_sglang_renders_it(name: str, t
     (row,) = reconstruct_record(record, tok, dialect)
     assert row["prompt_ids"] == tok.encode_prompt(served)
     assert "prompt_reading_unproven" not in {f["code"] for f in row["findings"]}
+
+
+# --- gpt-oss: the effort and the history keys SGLang hands the template -----------------------
+
+NOON = 1767268800  # 2026-01-01 12:00 UTC: the exchange's day, printed by the template
+
+
+def _gpt_oss_prompt(request: dict[str, Any]) -> tuple[str, str]:
+    """(SGLang's prompt, tokenbridge's) for a gpt-oss request answered at NOON."""
+    from datetime import date
+
+    theirs = sglang_prompt("gpt-oss", request).replace(date.today().isoformat(), "2026-01-01")
+    dialect = _family("gpt-oss")[1]
+    ours = dialect.prompt_readings(request, {"created": NOON}, {})
+    assert len(ours) == 1
+    return theirs, ours[0].text
+
+
+@pytest.mark.parametrize("reasoning", [{"effort": "high"}, {"reasoning_effort": "high"}, {"enabled": True}])
+def test_gpt_oss_reasoning_object_effort_wins_as_in_sglang(reasoning):
+    """``reasoning_effort: low`` beside OpenRouter's ``reasoning`` object: SGLang's
+    ``normalize_reasoning_inputs`` takes the object's effort where it gives one. The prompt
+    said ``Reasoning: low`` against SGLang's ``high``, the same count: ``ok`` with wrong ids."""
+    request = {"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "low", "reasoning": reasoning}
+    theirs, ours = _gpt_oss_prompt(request)
+    assert ours == theirs
+    assert ("Reasoning: high" in ours) is ("enabled" not in reasoning)
+
+
+def test_history_keys_sglang_drops_never_reach_the_template():
+    """gpt-oss's template prints an assistant turn's ``thinking``, but SGLang's message model
+    has no such key and drops it (and a user message's ``name``) before the template runs:
+    rendered as sent, the prompt was 11 tokens longer and the sample rejected."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    request = {"messages": [{"role": "user", "content": "Hi", "name": "bob"},
+                            {"role": "assistant", "content": "", "thinking": "I should call f.", "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": "c1", "content": "42"}]}
+    theirs, ours = _gpt_oss_prompt(request)
+    assert ours == theirs and "I should call f." not in ours

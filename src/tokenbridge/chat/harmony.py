@@ -138,13 +138,19 @@ class HarmonyDialect(Dialect):
         return self.prompt_readings(request)[0].text
 
     def template_kwargs_of(self, request: Mapping[str, Any]) -> dict[str, Any]:
-        """The kwargs SGLang passes the template: ``reasoning_effort`` (top level or
-        ``reasoning.effort``), then the request's ``chat_template_kwargs``."""
+        """The kwargs SGLang passes the template: ``reasoning_effort``, which OpenRouter's
+        ``reasoning.effort`` (else ``reasoning.reasoning_effort``) overrides where given, as
+        SGLang 0.5.23's ``normalize_reasoning_inputs`` does; then the request's
+        ``chat_template_kwargs``."""
         kwargs: dict[str, Any] = {}
         effort = request.get("reasoning_effort")
         reasoning = request.get("reasoning")
-        if effort is None and isinstance(reasoning, Mapping):
-            effort = reasoning.get("effort")
+        if isinstance(reasoning, Mapping):
+            inner = reasoning.get("effort")
+            if inner is None:
+                inner = reasoning.get("reasoning_effort")
+            if inner is not None:
+                effort = inner
         if isinstance(effort, str):
             kwargs["reasoning_effort"] = effort
         kwargs.update(template_kwargs(request))

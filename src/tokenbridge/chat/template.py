@@ -54,16 +54,26 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+#: The keys SGLang 0.5.23's message models carry (``ChatCompletionMessageUserParam``, and
+#: ``ChatCompletionMessageGenericParam`` for the other roles); pydantic drops any other key
+#: before the template runs (gpt-oss's documented ``thinking`` on an assistant turn, say).
+_SGLANG_USER_KEYS = frozenset({"role", "content"})
+_SGLANG_MESSAGE_KEYS = frozenset({"role", "content", "tool_call_id", "name", "phase", "reasoning_content",
+                                  "tool_calls", "tools", "prefix"})
+
+
 def serving_messages(messages: Sequence[Message], parse_tool_arguments: bool) -> list[dict[str, Any]]:
-    """The messages as SGLang 0.5.23 hands them to a chat template: ``content: null``
-    becomes ``""`` and keys whose value is null are dropped; with
+    """The messages as SGLang 0.5.23 hands them to a chat template: only the keys its
+    message models know (the rest never reach the template), ``content: null`` becomes
+    ``""`` and keys whose value is null are dropped; with
     ``parse_tool_arguments``, an assistant tool call's JSON-string ``arguments`` become
     the object they encode (SGLang's ``normalize_assistant_tool_call_arguments``), as
     templates that iterate arguments (GLM) or ``tojson`` them (Qwen3) expect. A string
     that is not a JSON object stays as it is (SGLang refuses the request)."""
     out = []
     for m in messages:
-        msg = {k: v for k, v in dict(m).items() if v is not None}
+        keys = _SGLANG_USER_KEYS if m.get("role") == "user" else _SGLANG_MESSAGE_KEYS
+        msg = {k: v for k, v in dict(m).items() if v is not None and k in keys}
         if m.get("content") is None:
             msg["content"] = ""
         calls = msg.get("tool_calls")
