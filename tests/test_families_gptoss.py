@@ -439,8 +439,11 @@ def test_cut_inside_the_next_header_is_read_from_the_count(tok, dialect):
                                           completion_tokens=len(native)), tok)
         assert row["completion_ids"] == native, k
         assert row["status"] == "flagged" and {f["code"] for f in row["findings"]} == {"truncated"}, row["findings"]
-    # 'final' or 'commentary': same count; <|channel|> or a recipient-first header's ' to' likewise
-    for tail in ("<|channel|>final", "<|channel|>", " to"):
+    # 'final' or 'commentary': same count; <|channel|> or a recipient-first header's ' to' likewise;
+    # so are a cut inside 'commentary' (comment+ary) and in a channel-first call's recipient
+    # ('commentary to' ties 'commentary<|message|>': it was read as that, ok-able with wrong ids)
+    for tail in ("<|channel|>final", "<|channel|>", " to", "<|channel|>comment", "<|channel|>commentary to",
+                 "<|channel|>commentary to=", "<|channel|>analysis to=python"):
         native = tok.encode(base + NEXT + tail)
         row, = reconstruct_record(_record(tok, dialect, {"reasoning_content": "Thinking", "content": ""},
                                           finish="length", completion_tokens=len(native)), tok)

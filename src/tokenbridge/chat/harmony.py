@@ -49,6 +49,8 @@ END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
 HEADER_TOKENS = (END, "<|start|>", "assistant", "<|channel|>")
 #: The channel names a cut after ``<|channel|>`` may have reached.
 CHANNELS = ("final", "commentary", "analysis")
+#: How far into a channel name of more than one o200k token a cut may fall (``comment``+``ary``).
+CHANNEL_STARTS = ("comment",)
 #: What a recipient-first header writes after ``<|start|>assistant`` before the tool's
 #: own name (one token each on o200k): `` to``, ``=``, then the namespace.
 RECIPIENT_LEADS = (" to", " to=", *(f" to={ns}" for ns in ("functions", "browser", "python", "container")))
@@ -227,7 +229,10 @@ class HarmonyDialect(Dialect):
         """A length cut with reasoning and no content: the served text is the same
         wherever in the next message's header the cut fell (SGLang holds back an
         unfinished header). One reading per place, named ``cut_header=K`` (K header
-        tokens written) or ``cut_header=K:CHANNEL``."""
+        tokens written), ``cut_header=K:CHANNEL`` (``comment``: a cut inside ``commentary``),
+        ``cut_header=CHANNEL:LEAD`` (in a channel-first call's recipient, up to its namespace)
+        or ``cut_header=recipient:LEAD``. A cut further into a tool's name is not read (the
+        count rejects it)."""
         content, reasoning = _text(message)
         if finish_reason != "length" or content or not reasoning:
             return []
@@ -236,9 +241,14 @@ class HarmonyDialect(Dialect):
         for k in range(1, len(HEADER_TOKENS) + 1):
             out.append(([*base, ("format", "".join(HEADER_TOKENS[:k]))], f"cut_header={k}"))
         head = "".join(HEADER_TOKENS)
+        for channel in CHANNEL_STARTS:
+            out.append(([*base, ("format", head + channel)], f"cut_header=5:{channel}"))
         for channel in CHANNELS:
             out.append(([*base, ("format", head + channel)], f"cut_header=5:{channel}"))
             out.append(([*base, ("format", head + channel + "<|message|>")], f"cut_header=6:{channel}"))
+            # a channel-first call's recipient (<|channel|>commentary to=functions.X ...), cut in its lead
+            for lead in RECIPIENT_LEADS:
+                out.append(([*base, ("format", head + channel + lead)], f"cut_header={channel}:{lead.strip()}"))
         # a recipient-first header (<|start|>assistant to=functions.X<|channel|>...): its
         # first tokens are fixed, and tie with the channel-first ones in count
         start = "".join(HEADER_TOKENS[:3])
