@@ -118,3 +118,57 @@ def test_cli_refuses_in_one_line_and_keeps_the_previous_export(rows, tmp_path):
         f"error: {bad}:{k + 1}: input_ids: id {V} at position {len(bad_rows[k]['input_ids']) - 2} is outside the "
         f"vocabulary (size {V})"]
     assert snapshot(out) == before
+
+
+def _drop_end(r):
+    """The end token deleted and its segment left empty (a hand edit): a shorter completion."""
+    for key in ("completion_ids", "input_ids", "loss_mask"):
+        r[key] = r[key][:-1]
+    r["segments"][-1]["start"] = r["segments"][-1]["end"] = len(r["input_ids"])
+
+
+@pytest.mark.parametrize(("change", "field", "message"), [
+    (_drop_end, "segments[-1]", "the end segment is one token (a marker), this one spans 0"),
+    (lambda r: r["segments"].insert(2, {"kind": "content", "start": r["segments"][2]["start"],
+                                        "end": r["segments"][2]["start"]}),
+     "segments[2]", "an empty content segment: reconstruct writes none"),
+])
+def test_an_emptied_or_empty_segment_is_refused(rows, tmp_path, change, field, message):
+    rows = copy.deepcopy(rows)
+    k = _ok_index(rows)
+    change(rows[k])
+    field = field.replace("-1", str(len(rows[k]["segments"]) - 1))
+    src = write_jsonl(tmp_path / "r.jsonl", rows)
+    with pytest.raises(ExportError) as err:
+        export_file(src, tmp_path / "sf", "specforge")
+    assert (err.value.line, err.value.field) == (k + 1, field) and message in str(err.value)
+
+
+def test_with_the_tokenizer_a_marker_segment_must_hold_a_marker(rows, tmp_path, kimi):
+    """``run`` knows the tokenizer: an end segment whose id a hand edit made an ordinary
+    token (13, '.') trains the draft to end on it; refused, naming the segment."""
+    from tokenbridge.export import ExportJob, run_pass
+
+    rows = copy.deepcopy(rows)
+    k = _ok_index(rows)
+    rows[k]["completion_ids"][-1] = rows[k]["input_ids"][-1] = 13
+    src = write_jsonl(tmp_path / "r.jsonl", rows)
+    assert export_file(src, tmp_path / "plain", "specforge").rows_exported > 0  # no tokenizer: not seen
+    with pytest.raises(ExportError) as err:
+        run_pass(src, exports=[ExportJob("specforge", tmp_path / "sf")], markers=frozenset(kimi.marker_ids))
+    last = len(rows[k]["segments"]) - 1
+    assert (err.value.line, err.value.field) == (k + 1, f"segments[{last}]")
+    assert "holds id 13, which is no marker of the tokenizer" in str(err.value)
+
+
+def test_a_status_its_findings_do_not_give_is_refused_on_rows_left_out_too(rows, tmp_path):
+    """``flagged`` with no finding, on a row export leaves out: export and vocab took it
+    silently while report refused it; every command now names it."""
+    rows = copy.deepcopy(rows)
+    k = _ok_index(rows)
+    rows[k]["status"] = "flagged"
+    src = write_jsonl(tmp_path / "r.jsonl", rows)
+    with pytest.raises(ExportError) as err:
+        export_file(src, tmp_path / "sf", "specforge")
+    assert (err.value.line, err.value.field) == (k + 1, "status")
+    assert "is 'flagged' but the row carries no finding, so it is 'ok'" in str(err.value)

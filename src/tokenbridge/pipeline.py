@@ -370,7 +370,8 @@ def _after_reconstruct(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
     passed = None
     if exports or vocab_job is not None or row_stats is not None:
         try:
-            passed = run_pass(reconstructed, exports=exports, vocab=vocab_job, stats=row_stats, vocab_size=tok.vocab_size)
+            passed = run_pass(reconstructed, exports=exports, vocab=vocab_job, stats=row_stats, vocab_size=tok.vocab_size,
+                              markers=frozenset(tok.marker_ids))
         except ExportError as exc:  # a bad row: bad data, as for reconstruct's bad records
             raise PipelineError(str(exc), code=exc.exit_code) from None
     results = _record_pass(cfg, state, plan, passed, echo)

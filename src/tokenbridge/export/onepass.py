@@ -53,13 +53,16 @@ def run_pass(
     vocab: VocabJob | None = None,
     stats: RowStatsSink | None = None,
     vocab_size: int | None = None,
+    markers: frozenset[int] | None = None,
 ) -> PassResult:
     """Read ``src`` once and write every export in ``exports``, the ``vocab`` folder, and
     feed ``stats``. Raises :class:`~tokenbridge.export.ExportError` (a bad row, or a job
     left with no row) with nothing published, and
     :class:`~tokenbridge.outdir.OutputRefused` before reading when an output may not be replaced.
     Every row an export or the vocabulary takes is held to :class:`~.validate.RowContract`,
-    its ids against ``vocab_size`` (default: the vocabulary job's target size) when known."""
+    its ids against ``vocab_size`` (default: the vocabulary job's target size) when known
+    and its marker segments against the tokenizer's ``markers`` when given; every other
+    row's status against its findings."""
     src = Path(src)
     for job in exports:
         check_output_dir(job.out_dir, "export", inputs=[src], force=job.force, fmt=job.fmt)
@@ -71,12 +74,15 @@ def run_pass(
         counter = VocabCounter(vocab, src) if vocab is not None else None
         consumers: list[ExportRun | VocabCounter] = [*runs, *([counter] if counter is not None else [])]
         trained = frozenset().union(*(c.wanted for c in consumers))
-        contract = RowContract(src, vocab_size if vocab_size is not None or vocab is None else vocab.target_vocab_size)
+        contract = RowContract(src, vocab_size if vocab_size is not None or vocab is None else vocab.target_vocab_size,
+                               markers)
         for line, row in iter_rows(src):
             result.rows_read += 1
             if row["status"] in trained:
                 ids, _ = check_training_row(row, src, line)
                 contract.check(row, line, ids)
+            elif consumers:  # left out, but a status its findings do not give is a hand edit to name
+                contract.check(row, line, None)
             for consumer in consumers:
                 consumer.add(line, row)
             if stats is not None:

@@ -134,13 +134,17 @@ def stored_row_ids(rec: Mapping[str, Any], path: str | Path, line: int) -> list[
 class RowContract:
     """The checks that span fields and rows: one instance per exported file."""
 
-    def __init__(self, path: str | Path, vocab_size: int | None = None) -> None:
+    def __init__(self, path: str | Path, vocab_size: int | None = None, markers: frozenset[int] | None = None) -> None:
         self.path, self.vocab_size = path, vocab_size
+        #: the tokenizer's marker ids, where known (``run``): a marker segment must hold one
+        self.markers = markers
         #: hash of (id, choice) -> line: one small entry per row, never the row itself
         self._seen: dict[int, int] = {}
 
-    def check(self, rec: Mapping[str, Any], line: int, ids: list[int]) -> None:
-        """Raise :class:`ExportError` (file:line:field) for the first breach."""
+    def check(self, rec: Mapping[str, Any], line: int, ids: list[int] | None) -> None:
+        """Raise :class:`ExportError` (file:line:field) for the first breach. ``ids``: the
+        row's ``input_ids`` as :func:`check_training_row` passed them; None for a row no
+        consumer takes (its fields and status are still held to the contract)."""
 
         def fail(field: str, message: str) -> ExportError:
             return ExportError(self.path, line, field, message)
@@ -167,11 +171,19 @@ class RowContract:
         earlier = self._seen.setdefault(hash((sid, choice)), line)
         if earlier != line:
             raise fail("id", f"({sid!r}, choice {choice}) is also on line {earlier}: each sample choice once")
+        if ids is None:
+            return
         vocab_size = self.vocab_size
         if vocab_size is not None and ids and max(ids) >= vocab_size:
             pos = _at(ids, lambda i: i >= vocab_size)
             raise fail("input_ids", f"id {ids[pos]} at position {pos} is outside the vocabulary "
                        f"(size {self.vocab_size})")
+        segments = rec.get("segments")
+        if self.markers is not None and isinstance(segments, list):  # shapes checked by check_training_row
+            for k, seg in enumerate(segments):
+                if seg["kind"] in _ONE_TOKEN and ids[seg["start"]] not in self.markers:
+                    raise fail(f"segments[{k}]", f"the {seg['kind']} segment holds id {ids[seg['start']]}, which is "
+                               "no marker of the tokenizer (reconstruct writes the marker's id there)")
 
 
 def _int_list(value: Any, field: str, fail: _Fail) -> list[int]:
@@ -204,6 +216,10 @@ def _prompt_length(rec: Mapping[str, Any], ids: list[int], fail: _Fail) -> int:
     raise fail("prompt_ids", "missing, and no prompt segment says where the prompt ends")
 
 
+#: The segments reconstruct writes as one marker id each (reconstruct's ``_MARKER_PARTS``).
+_ONE_TOKEN = frozenset({"think_start", "think_end", "end"})
+
+
 def _check_segments(segments: Sequence[Any], n: int, n_prompt: int, finish_reason: Any, fail: _Fail) -> None:
     pos = 0
     for k, seg in enumerate(segments):
@@ -217,6 +233,11 @@ def _check_segments(segments: Sequence[Any], n: int, n_prompt: int, finish_reaso
         is_prompt = seg.get("kind") == "prompt"
         if (k == 0) != is_prompt:
             raise fail(f"{field}.kind", "the first segment, and only it, must be the prompt")
+        size = seg["end"] - seg["start"]
+        if seg.get("kind") in _ONE_TOKEN and size != 1:  # an emptied end segment is a dropped end token
+            raise fail(field, f"the {seg['kind']} segment is one token (a marker), this one spans {size}")
+        if not is_prompt and size == 0:
+            raise fail(field, f"an empty {seg['kind']} segment: reconstruct writes none")
         pos = seg["end"]
     if segments and segments[0]["end"] != n_prompt:
         raise fail("segments[0].end", f"is {segments[0]['end']} but the prompt has {n_prompt} tokens")
