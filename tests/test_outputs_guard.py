@@ -323,3 +323,16 @@ def test_run_exits_1_and_names_what_generate_left_behind(tmp_path, kimi_dir):
     res = CliRunner().invoke(app, ["run", str(cfg2)])
     assert res.exit_code == 1, res.output
     assert "generate: failed: " in res.output
+
+
+def test_an_output_folder_given_as_a_symlink_is_refused_naming_the_folder(tmp_path):
+    """An export replaces its folder whole, so a symlink there would be swapped out, not
+    followed: refused, but saying so (it said "exists and is not a folder")."""
+    from tokenbridge.outdir import OutputRefused, check_output_dir
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(OutputRefused) as err:
+        check_output_dir(tmp_path / "link", "export")
+    assert str(err.value) == (f"-o {tmp_path / 'link'}: is a symbolic link (to {tmp_path / 'real'}); give the folder "
+                              f"itself ({(tmp_path / 'real').resolve()}) or a new one")

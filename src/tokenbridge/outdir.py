@@ -263,7 +263,10 @@ def check_output_dir(
         raise OutputRefused(f"{flag} {target}: {taken}; give a new folder outside the run's own files")
     if not target.exists() and not target.is_symlink():
         return
-    if not target.is_dir() or target.is_symlink():
+    if target.is_symlink():  # the output replaces the folder whole: the link would be replaced, not followed
+        raise OutputRefused(f"{flag} {target}: is a symbolic link (to {os.readlink(target)}); give the folder itself "
+                            f"({resolved}) or a new one")
+    if not target.is_dir():
         raise OutputRefused(f"{flag} {target}: exists and is not a folder; give a new or empty folder")
     run = _holds_run_folder(resolved)
     if run is not None:
