@@ -400,7 +400,7 @@ def _plan_exports(cfg: RunConfig, tok: Tokenizer, state: _State) -> tuple[_Plan,
             plan[f"export:{fmt}"] = (fp, "empty")
         else:
             plan[f"export:{fmt}"] = (fp, "ran")
-            exports.append(ExportJob(fmt, target, include_flagged=cfg.include_flagged))
+            exports.append(ExportJob(fmt, target, include_flagged=cfg.include_flagged, allow_empty=True))
     vocab_job = None
     if cfg.draft_vocab_size:
         target = out / "vocab"
@@ -447,7 +447,9 @@ def _record_pass(cfg: RunConfig, state: _State, plan: _Plan, passed: PassResult 
                     echo(f"warning: vocab: {tokenizer_sized(passed.vocab.target_vocab_size, cfg.tokenizer)}")
             state.record(stage, fp, detail, target)
         results.append(StageResult(stage, what, detail))
-        echo(f"export {fmt}: {what} → {target} {state.data[stage].get('rows')} rows" if fmt
+        turns = (state.data[stage].get("skipped") or {}).get("not_a_chat_turn") if fmt else None
+        echo(f"export {fmt}: {what} → {target} {state.data[stage].get('rows')} rows"
+             + (f" ({turns} not a chat turn, left out)" if turns else "") if fmt
              else f"vocab: {what} → {target} (coverage {state.data['vocab'].get('coverage'):.4f})")
     return results
 

@@ -63,6 +63,9 @@ class ExportJob:
     force: bool = False
     #: Parquet shard tuning (``shard_rows``, ``shard_bytes``, ``row_group_rows``), speculators ``shard_bytes``
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: publish a folder with no row rather than fail (``run``: conversations may leave out every
+    #: row it gets, cut turns, while the id formats export them)
+    allow_empty: bool = False
 
     def __post_init__(self) -> None:
         if self.fmt not in WRITERS:
@@ -133,7 +136,7 @@ class ExportRun:
 
     def check_not_empty(self) -> None:
         summary = self.summary
-        if summary.rows_exported == 0:
+        if summary.rows_exported == 0 and not self.job.allow_empty:
             hint = " (pass include_flagged / --include-flagged to export flagged rows)" if summary.skipped["flagged"] else ""
             raise ExportError(self.src, None, "status", f"no row to export: {summary.rows_read} read, skipped "
                               f"{summary.skipped['flagged']} flagged and {summary.skipped['rejected']} rejected"
