@@ -578,3 +578,33 @@ def test_arguments_already_as_the_engine_writes_them_add_no_reading():
                                    for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in _HISTORY]
     assert [r.name for r in KIMI.prompt_readings({"messages": spaced})] == [None]
     assert [r.name for r in KIMI.prompt_readings({"messages": _HISTORY[:1]})] == [None]
+
+
+def test_a_users_name_is_a_reading_sglang_drops(kimi):
+    """Kimi's header prints a message's ``name`` (``<|im_user|>Alexandra Smith<|im_middle|>``);
+    SGLang's user message model has no ``name`` and drops it before the template runs, so
+    SGLang serves ``<|im_user|>user<|im_middle|>``: a reading of its own, picked by the count."""
+    import pytest
+
+    from test_families_support import register_sglang_namespace
+    from tokenbridge.reconstruct import reconstruct_record
+
+    register_sglang_namespace(pytest.fail)
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    named = [{"role": "user", "content": "Hi there.", "name": "Alexandra Smith"}]
+    dumped = ChatCompletionRequest(model="m", messages=named).messages[0].model_dump()
+    assert {k: v for k, v in dumped.items() if v is not None} == {"role": "user", "content": "Hi there."}
+    readings = {r.name: r.text for r in KIMI.prompt_readings({"messages": named})}
+    assert set(readings) == {None, "user_name=dropped"}
+    assert "<|im_user|>Alexandra Smith<|im_middle|>" in readings[None]
+    assert readings["user_name=dropped"] == KIMI.render_request({"messages": [{"role": "user", "content": "Hi there."}]})
+    answer = kimi.encode("Hm.") + [kimi.token_id("</think>")] + kimi.encode("Hello.") + [kimi.token_id("<|im_end|>")]
+    for name, text in readings.items():
+        response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+            "role": "assistant", "reasoning": "Hm.", "content": "Hello."}}],
+            "usage": {"prompt_tokens": len(kimi.encode(text)), "completion_tokens": len(answer)}}
+        row, = reconstruct_record({"id": "n", "request": {"messages": named}, "response": response}, kimi)
+        assert (row["status"], row["reconstruction"], row["prompt_ids"]) == ("ok", name, kimi.encode(text))
+    both = [*_HISTORY[:3], {"role": "user", "content": "And tomorrow?", "name": "Alexandra Smith"}]
+    assert [r.name for r in KIMI.prompt_readings({"messages": both})] == [None, "tool_args=parsed+user_name=dropped"]

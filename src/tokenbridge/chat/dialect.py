@@ -135,7 +135,7 @@ class Dialect:
     #: template or DeepSeek's encoder.
     serving_readings: bool = False
     #: Whether the history's tool-call arguments as a serving engine parses and re-writes
-    #: them (:func:`.serving.parsed_arguments`) are a prompt reading of their own: a
+    #: them (:func:`.serving.sglang_history`, with a user's ``name`` dropped) are a prompt reading of their own: a
     #: built-in renderer that writes string arguments as sent (Kimi's, as the official
     #: template does), which SGLang parses first.
     argument_readings: bool = False
@@ -188,14 +188,14 @@ class Dialect:
         0.5.23 changes it (:mod:`.serving`) where that changes the text. gpt-oss's also
         depends on the day."""
         first = PromptReading(self.render_request(request))
-        if not (self.serving_readings or (self.argument_readings and _has_calls(request))):
+        if not (self.serving_readings or (self.argument_readings and _history_differs(request))):
             return [first]
-        from .serving import parsed_arguments, serving_variants
+        from .serving import serving_variants, sglang_history
         from .template import TemplateError
 
         out, seen = [first], {first.text}
         variants = [*(serving_variants(request) if self.serving_readings else ()),
-                    *(parsed_arguments(request) if self.argument_readings else ())]
+                    *(sglang_history(request) if self.argument_readings else ())]
         for variant, name in variants:
             try:
                 text = self.render_request(variant)
@@ -299,10 +299,14 @@ class Dialect:
         return parts
 
 
-def _has_calls(request: Mapping[str, Any]) -> bool:
-    """Whether any message of ``request`` carries tool calls (the one-turn case has none)."""
+def _history_differs(request: Mapping[str, Any]) -> bool:
+    """Whether any message of ``request`` carries tool calls or is a user's with a ``name``,
+    which SGLang hands the template otherwise (:func:`.serving.sglang_history`; the one-turn
+    case has neither)."""
     messages = request.get("messages")
-    return isinstance(messages, list) and any(isinstance(m, Mapping) and m.get("tool_calls") for m in messages)
+    return isinstance(messages, list) and any(
+        isinstance(m, Mapping) and (m.get("tool_calls") or (m.get("role") == "user" and m.get("name") is not None))
+        for m in messages)
 
 
 def message_reasoning(message: Message) -> str | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from .template import parsed_call
 
-__all__ = ["parsed_arguments", "sglang_last_assistant", "sglang_tools", "serving_variants"]
+__all__ = ["sglang_history", "sglang_last_assistant", "sglang_tools", "serving_variants"]
 
 #: SGLang 0.5.23's ``Function`` fields, in declaration order (what ``model_dump`` writes
 #: before it restores the order the client sent): name, then the optional ones.
@@ -96,21 +96,30 @@ def serving_variants(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, 
                 yield {**request, "messages": msgs, "tools": tls}, "+".join(names)
 
 
-def parsed_arguments(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str]]:
-    """The request with its history's JSON-string tool-call ``arguments`` parsed into the
-    objects they encode, as SGLang 0.5.23 hands them to a template (which then writes
-    them as ``tojson`` does, spaced: ``{"city": "Paris"}`` for ``{"city":"Paris"}``, one
-    token more), where that changes any; named ``tool_args=parsed``."""
+def sglang_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str]]:
+    """The request's messages as SGLang 0.5.23 hands them to a template that writes them
+    itself (Kimi's built-in renderer), where that changes any: an assistant call's
+    JSON-string ``arguments`` parsed into the object they encode (the template then writes
+    it as ``tojson`` does, spaced: ``{"city": "Paris"}`` for ``{"city":"Paris"}``, one token
+    more; ``tool_args=parsed``), and a user message's ``name`` dropped (its message model
+    has none, so the header says ``user``; ``user_name=dropped``). One reading, both applied,
+    named by what changed."""
     messages = request.get("messages")
     if not isinstance(messages, list):
         return
-    out, changed = [], False
+    out, changes = [], []
     for m in messages:
+        if isinstance(m, Mapping) and m.get("role") == "user" and m.get("name") is not None:
+            m = {k: v for k, v in m.items() if k != "name"}
+            if "user_name=dropped" not in changes:
+                changes.append("user_name=dropped")
         calls = m.get("tool_calls") if isinstance(m, Mapping) and m.get("role") == "assistant" else None
         if isinstance(calls, list):
             parsed = [parsed_call(c) for c in calls]
             if any(p is not c for p, c in zip(parsed, calls)):
-                m, changed = {**m, "tool_calls": parsed}, True
+                m = {**m, "tool_calls": parsed}
+                if "tool_args=parsed" not in changes:
+                    changes.append("tool_args=parsed")
         out.append(m)
-    if changed:
-        yield {**request, "messages": out}, "tool_args=parsed"
+    if changes:
+        yield {**request, "messages": out}, "+".join(sorted(changes))
