@@ -94,10 +94,11 @@ def test_deep_values_in_messages_usage_and_indexes_are_shown_by_type():
     out, _ = classify_response(200, {}, '{"error": {"code": 503, "message": ' + deep + "}}")
     assert (out.kind, out.error_class, out.message) == ("retry", "api_error", "<list nested too deep to show>")
     # an index that is no count is the choice's place, as reconstruct reads it: the paid answer is kept
-    out, _ = classify_response(200, {}, '{"choices": [{"index": ' + deep + "}]}")
+    msg = '"message": {"content": "x"}'
+    out, _ = classify_response(200, {}, '{"choices": [{' + msg + ', "index": ' + deep + "}]}")
     assert (out.kind, out.error_class) == ("ok", None)
-    out, _ = classify_response(200, {}, '{"choices": [{"index": ' + deep + '}, {"index": 0}]}')
-    assert (out.error_class, out.message) == ("bad_choices", "choices[1].index repeats 0")
+    out, _ = classify_response(200, {}, '{"choices": [{' + msg + ', "index": ' + deep + '}, {' + msg + ', "index": 0}]}')
+    assert (out.error_class, out.message) == ("bad_choices", "response.choices[1].index: 0 is also the index of choices[0]")
 
 
 def test_a_deep_bad_cost_keeps_the_response_and_is_reported(tmp_path):
@@ -441,3 +442,54 @@ def test_the_stream_assembler_refuses_any_shape_with_a_stream_error_only(chunks)
             asm.add_event(SSEEvent(json.dumps(chunk)))
     with contextlib.suppress(StreamError):
         json.loads(orjson.dumps(asm.result()))
+
+
+# --- a 200 is kept only in the shape reconstruct reads (exchanges.check_response) -----------
+
+#: Bodies a cold tester's server sent: each was stored as done, then refused by reconstruct as
+#: a bad line, so the paid sample was never retried.
+_UNREADABLE = {
+    "message_null": lambda b: b["choices"][0].__setitem__("message", None),
+    "finish_int": lambda b: b["choices"][0].__setitem__("finish_reason", 1),
+    "content_object": lambda b: b["choices"][0]["message"].__setitem__("content", {"text": "hi"}),
+    "details_object": lambda b: b["choices"][0]["message"].__setitem__("reasoning_details", {}),
+    "details_index_string": lambda b: b["choices"][0]["message"].__setitem__(
+        "reasoning_details", [{"type": "reasoning.text", "text": "x", "index": "0"}]),
+    "token_id_negative": lambda b: b["choices"][0].__setitem__("token_ids", [-1]),
+    "prompt_ids_strings": lambda b: b.__setitem__("prompt_token_ids", ["1"]),
+}
+
+
+def _unreadable(shape: str) -> dict:
+    body = _ok_body("hi")
+    _UNREADABLE[shape](body)
+    return body
+
+
+@pytest.mark.parametrize("shape", sorted(_UNREADABLE))
+def test_a_200_reconstruct_would_refuse_is_a_billed_bad_choices_attempt(shape):
+    from tokenbridge.exchanges import RecordError, parse_exchange
+
+    body = _unreadable(shape)
+    with pytest.raises(RecordError) as refused:  # what reconstruct says of the stored record
+        parse_exchange({"id": "x", "request": {"messages": [{"role": "user", "content": "q"}]}, "response": body})
+    out, parsed = classify_response(200, {}, json.dumps(body))
+    assert (out.kind, out.error_class, out.message, out.maybe_billed) == ("retry", "bad_choices", str(refused.value), True)
+    assert parsed == body  # read, so its usage is booked
+
+
+def test_a_200_reconstruct_would_refuse_is_retried_and_billed_not_stored_as_done(tmp_path):
+    async def reply(prompt, attempt, body, request):
+        return _json(_unreadable("message_null") if attempt == 1 else _ok_body("ok"))
+
+    script = Script(reply)
+    summary = _run(script, tmp_path, 1)
+    assert (summary.done, summary.exit_code, summary.errors) == (1, ExitCode.OK, {"bad_choices": 1})
+    assert script.attempts["q0"] == 2
+    assert summary.spent_total == pytest.approx(0.002)  # both answers were paid for
+    with Store.open(tmp_path / "run") as store:
+        first = store.attempts("b3-0")[0]
+        kept, _ = store.response("b3-0")
+    assert (first.error_class, first.message, first.cost) == (
+        "bad_choices", "response.choices[0].message: missing or not an object", 0.001)
+    assert json.loads(kept)["choices"][0]["message"]["content"] == "ok"

@@ -14,7 +14,8 @@ from collections.abc import Iterator, Mapping
 from . import jsonl
 from .jsonl import is_int, iter_lines, not_text
 
-__all__ = ["Exchange", "ExchangeRecord", "RecordError", "check_request", "choice_index", "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
+__all__ = ["CheckedResponse", "Exchange", "ExchangeRecord", "RecordError", "check_request", "check_response", "choice_index",
+           "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
 
 
 class RecordError(ValueError):
@@ -119,19 +120,16 @@ def parse_exchange(record: Any) -> Exchange:
     if rid == "":
         raise RecordError("id", "must not be empty (every row is named by it)")
     request = check_request(record.get("request"))
-    response = record.get("response")
-    if not isinstance(response, dict):
-        raise RecordError("response", "missing" if response is None else "must be an object")
-    choices = _checked_choices(response)
-    native_prompt, native_choices = _native_ids(record, response, choices)
+    checked = check_response(record.get("response"))
+    response = checked.response
+    native_prompt, native_choices = _native_ids(record, checked)
     meta = record.get("meta")
     if meta is not None and not isinstance(meta, dict):
         raise RecordError("meta", f"must be an object or null, got {type(meta).__name__}")
     dataset = record.get("dataset")
     if dataset is not None and not isinstance(dataset, str):
         raise RecordError("dataset", f"must be a string or null, got {type(dataset).__name__}")
-    for field, value in (("id", rid), ("dataset", dataset), ("response.provider", response.get("provider")),
-                         ("response.model", response.get("model")), ("request.model", request.get("model")),
+    for field, value in (("id", rid), ("dataset", dataset), ("request.model", request.get("model")),
                          ("meta.provider", (meta or {}).get("provider"))):
         _check_names_text(field, value)
     return Exchange(
@@ -264,18 +262,45 @@ def _checked_choices(response: dict[str, Any]) -> list[dict[str, Any]]:
     return choices
 
 
-def _native_ids(record: dict[str, Any], response: dict[str, Any],
-                choices: list[dict[str, Any]]) -> tuple[list[int] | None, list[list[int] | None]]:
-    """Ground-truth ids: vLLM's inside the response, then the record's ``native_ids`` (a
-    list: the first choice's; an object: ``prompt`` and ``choices``), which win."""
-    n = len(choices)
-    native_prompt: list[int] | None = None
-    native_choices: list[list[int] | None] = [None] * n
+@dataclass(frozen=True)
+class CheckedResponse:
+    """A response in the shape the reader takes (:func:`check_response`): its choices, and
+    the ground-truth ids it carries itself (vLLM's ``prompt_token_ids`` / ``choices[].token_ids``)."""
+
+    response: dict[str, Any]
+    choices: list[dict[str, Any]]
+    prompt_ids: list[int] | None
+    choice_ids: list[list[int] | None]
+
+
+def check_response(response: Any) -> CheckedResponse:
+    """``response``: an object whose choices (none only for an error body) are objects with
+    a message whose text fields are in shape, a string or null ``finish_reason``, one index
+    each, ids that are token ids, and a provider and model that are text. The one set of
+    rules for a response: a stored one here, and every 200 generate keeps (it refuses one
+    that breaks them as ``bad_choices``, retried and billed), so no paid answer is stored
+    as done that reconstruct would then refuse as a bad line."""
+    if not isinstance(response, dict):
+        raise RecordError("response", "missing" if response is None else "must be an object")
+    choices = _checked_choices(response)
+    prompt_ids = None
     if response.get("prompt_token_ids") is not None:
-        native_prompt = _int_list(response["prompt_token_ids"], "response.prompt_token_ids")
+        prompt_ids = _int_list(response["prompt_token_ids"], "response.prompt_token_ids")
+    choice_ids: list[list[int] | None] = [None] * len(choices)
     for i, c in enumerate(choices):
         if c.get("token_ids") is not None:
-            native_choices[i] = _int_list(c["token_ids"], f"response.choices[{i}].token_ids")
+            choice_ids[i] = _int_list(c["token_ids"], f"response.choices[{i}].token_ids")
+    for field in ("provider", "model"):
+        _check_names_text(f"response.{field}", response.get(field))
+    return CheckedResponse(response, choices, prompt_ids, choice_ids)
+
+
+def _native_ids(record: dict[str, Any], checked: CheckedResponse) -> tuple[list[int] | None, list[list[int] | None]]:
+    """Ground-truth ids: vLLM's inside the response, then the record's ``native_ids`` (a
+    list: the first choice's; an object: ``prompt`` and ``choices``), which win."""
+    n = len(checked.choices)
+    native_prompt = checked.prompt_ids
+    native_choices = list(checked.choice_ids)
     native = record.get("native_ids")
     if isinstance(native, list):
         if n:

@@ -10,7 +10,11 @@ error``
 200 not JSON / no choices                  retry            bad_json / no_choices
 (or JSON that cannot be re-emitted: see
 :mod:`.body`)
-200 choices not objects / repeated index   retry            bad_choices
+200 choices reconstruct would refuse       retry            bad_choices
+(:func:`~tokenbridge.exchanges.
+check_response`: no message, a text
+field, finish_reason or id out of shape,
+a repeated index)
 200 ``{"error": ...}`` (OpenRouter)        by its code      api_error (or http_<code>)
 200 a choice with ``finish_reason: error``  retry            choice_error
 408 409 425 5xx                            retry            http_<status>
@@ -48,7 +52,7 @@ import aiohttp
 import orjson
 from aiohttp.http_exceptions import HttpProcessingError
 
-from ..exchanges import choice_index
+from ..exchanges import RecordError, check_response
 from ..jsonl import is_int, text_of
 from .body import BodyError, check_body
 from .secrets import ApiKey, scrub
@@ -118,9 +122,10 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
     choices = parsed.get("choices")
     if not isinstance(choices, list) or not choices:
         return Outcome("retry", "no_choices", "response has no choices", status), parsed
-    bad = _bad_choices(choices, key)
-    if bad:
-        return Outcome("retry", "bad_choices", bad, status), parsed
+    try:  # the reader's own rules: a body kept here is one reconstruct reads
+        check_response(parsed)
+    except RecordError as exc:
+        return Outcome("retry", "bad_choices", _clip(str(exc), key), status), parsed
     for choice in choices:
         if isinstance(choice, dict) and choice.get("finish_reason") == "error":
             message = _error_message(choice, "", key) or _error_message(parsed, "", key) or "choice finished with error"
@@ -131,22 +136,6 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
 def _text(body: bytes | str) -> str:
     """The body as text, for messages and the lenient read (a kept answer never needs it)."""
     return body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
-
-
-def _bad_choices(choices: list[Any], key: ApiKey | str | None) -> str:
-    """Why the choices cannot be told apart ('' when they can): each must be an object, and
-    no two may have the same index as reconstruct reads it (:func:`~tokenbridge.exchanges.choice_index`:
-    an index that is no count below 2**31 is the choice's place), so a response reconstruct
-    reads is never failed here, paid for."""
-    seen: set[int] = set()
-    for pos, choice in enumerate(choices):
-        if not isinstance(choice, dict):
-            return f"choices[{pos}] is a {type(choice).__name__}, not an object"
-        idx = choice_index(choice, pos)
-        if idx in seen:
-            return f"choices[{pos}].index repeats {idx}"
-        seen.add(idx)
-    return ""
 
 
 #: What an HTTP attempt's transport can raise: aiohttp's errors, sockets and timeouts
