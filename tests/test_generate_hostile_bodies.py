@@ -493,3 +493,34 @@ def test_a_200_reconstruct_would_refuse_is_retried_and_billed_not_stored_as_done
     assert (first.error_class, first.message, first.cost) == (
         "bad_choices", "response.choices[0].message: missing or not an object", 0.001)
     assert json.loads(kept)["choices"][0]["message"]["content"] == "ok"
+
+
+# --- an error body is an error, choices beside it or not ------------------------------------
+
+
+@pytest.mark.parametrize(("code", "kind", "error_class"), [(502, "retry", "api_error"), (429, "rate_limited", "http_429"),
+                                                           (402, "payment", "http_402"), (None, "retry", "api_error")])
+def test_an_error_beside_choices_is_classified_by_its_code_and_billed(code, kind, error_class):
+    body = _ok_body("The capital of France is Par") | {"error": {"code": code, "message": "upstream reset"}}
+    out, parsed = classify_response(200, {}, json.dumps(body))
+    assert (out.kind, out.error_class, out.message, out.maybe_billed) == (kind, error_class, "upstream reset", True)
+    assert parsed == body  # its usage is booked
+    bare, _ = classify_response(200, {}, json.dumps({"error": body["error"]}))  # no answer came with it
+    assert (bare.kind, bare.error_class, bare.maybe_billed) == (kind, error_class, False)
+
+
+def test_an_error_beside_choices_is_retried_and_its_usage_booked(tmp_path):
+    cut = _ok_body("The capital of France is Par") | {"error": {"code": 502, "message": "upstream reset"}}
+
+    async def reply(prompt, attempt, body, request):
+        return _json(cut if attempt == 1 else _ok_body("Paris."))
+
+    summary = _run(Script(reply), tmp_path, 1)
+    assert (summary.done, summary.exit_code, summary.errors) == (1, ExitCode.OK, {"api_error": 1})
+    assert summary.spent_total == pytest.approx(0.002)
+    with Store.open(tmp_path / "run") as store:
+        first = store.attempts("b3-0")[0]
+        kept, _ = store.response("b3-0")
+    assert (first.error_class, first.message, first.cost) == ("api_error", "upstream reset", 0.001)
+    assert json.loads(first.body) == cut  # the paid bytes are kept
+    assert "error" not in json.loads(kept)

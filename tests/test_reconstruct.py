@@ -189,6 +189,29 @@ def test_error_body_without_choices(kimi):
     assert row["status"] == "rejected" and row["completion_ids"] == []
 
 
+def test_an_error_body_beside_its_choices_rejects_every_row(kimi):
+    """The upstream died mid-answer: the text is cut mid-word under finish_reason "stop", and
+    the usage counts what was sent, so only the error object says the body is no answer."""
+    rec = make(kimi, content="The capital of France is Par", finish="stop")
+    second = copy.deepcopy(rec["response"]["choices"][0])
+    second["index"] = 1
+    rec["response"]["choices"].append(second)
+    rec["response"]["usage"]["completion_tokens"] *= 2
+    clean = reconstruct_record(rec, kimi)
+    assert [r["status"] for r in clean] == ["ok", "ok"]
+    rec["response"]["error"] = {"code": 502, "message": "Upstream connection reset mid-generation"}
+    rows = reconstruct_record(rec, kimi)
+    assert [codes(r) for r in rows] == [["finish_error"], ["finish_error"]]
+    assert [r["status"] for r in rows] == ["rejected", "rejected"]
+    assert rows[0]["findings"][0]["message"] == ("the body is an error beside its choices: "
+                                                 "Upstream connection reset mid-generation")
+    assert [r["completion_ids"] for r in rows] == [r["completion_ids"] for r in clean]  # read as before, only judged
+    rec["response"]["error"] = "gone"  # an error in any shape
+    assert codes(reconstruct_record(rec, kimi)[0]) == ["finish_error"]
+    off = reconstruct_record(rec, kimi, policy=Policy({"finish_error": "off"}))
+    assert [r["status"] for r in off] == ["ok", "ok"]
+
+
 def test_two_choices_sum_usage(kimi):
     rec = make(kimi, content="A", finish="stop")
     second = copy.deepcopy(rec["response"]["choices"][0])

@@ -36,7 +36,7 @@ CODES: dict[str, tuple[str, str]] = {
     "replacement_char": ("error", "U+FFFD in text: bytes were lost before they reached us"),
     "truncated": ("warning", "finish_reason is length: no end token; the ids are exact up to the cut"),
     "empty_completion": ("error", "no reasoning, no content, no tool calls"),
-    "finish_error": ("error", "the choice ended in an error"),
+    "finish_error": ("error", "the choice ended in an error, or the body is an error (choices beside it or not)"),
     "finish_unknown": ("warning", "finish_reason not one of stop/length/tool_calls"),
     "stop_sequence": ("error", "request set `stop`: whether the end token was emitted is unknown"),
     "tool_calls_missing": ("error", "finish_reason is tool_calls but the text holds no tool-call section"),

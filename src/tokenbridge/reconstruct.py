@@ -139,19 +139,23 @@ def _reconstruct(
     meta = _RowMeta(ex, provider, model, thinking, usage)
     prompt_text, prompt_ids, prompt_name, prompt_doubt = _prompt(dialect, tokenizer, ex, usage, trait)
     opens = bool(dialect.think_open and prompt_text.endswith(dialect.think_open))
-    prompt_findings: list[Finding] = []
+    record_findings: list[Finding] = []  # every row of the record carries these
     if prompt_doubt and policy.severity(prompt_doubt[0]) != "off":
-        prompt_findings.append(Finding(prompt_doubt[0], policy.severity(prompt_doubt[0]), prompt_doubt[1]))
+        record_findings.append(Finding(prompt_doubt[0], policy.severity(prompt_doubt[0]), prompt_doubt[1]))
 
     if not choices:  # an error body: one rejected row that says why
-        err = response.get("error")
-        detail = err.get("message", err) if isinstance(err, dict) else err
-        finding = Finding("finish_error", policy.severity("finish_error"), f"response has no choices: {text_of(str(detail))}")
+        finding = Finding("finish_error", policy.severity("finish_error"),
+                          f"response has no choices: {_error_detail(response.get('error'))}")
         findings = [finding] if finding.severity != "off" else []
         row = _row(meta, choice=0, prompt_ids=prompt_ids, completion_ids=[], segments=[],
-                   findings=[*findings, *prompt_findings], finish_reason=None, reasoning="", content="",
+                   findings=[*findings, *record_findings], finish_reason=None, reasoning="", content="",
                    reconstruction=prompt_name)
         return [row], RecordFacts()
+    if response.get("error") is not None and policy.severity("finish_error") != "off":
+        # choices beside an error: what the upstream sent before it failed (cut mid-word under
+        # finish_reason "stop"), so every choice is as doubtful as the body says
+        record_findings.append(Finding("finish_error", policy.severity("finish_error"),
+                                       f"the body is an error beside its choices: {_error_detail(response['error'])}"))
 
     joins = trait is not None and trait.joins_markers
     prefixed = trait.prefix_in_reasoning if trait is not None else None
@@ -199,7 +203,7 @@ def _reconstruct(
             provider_edits=tuple(zip(trait.edits, trait.edit_sources)) if trait is not None else (),
             calibration=trait.describe() if trait is not None else None,
         )
-        findings = [*run_checks(view, policy), *prompt_findings]
+        findings = [*run_checks(view, policy), *record_findings]
         if p.ambiguous and policy.severity("reconstruction_ambiguous") != "off":
             findings.append(Finding("reconstruction_ambiguous", policy.severity("reconstruction_ambiguous"),
                                     f"the response fits {len(p.ambiguous)} native sequences ({', '.join(p.ambiguous)}) "
@@ -245,6 +249,20 @@ def _served_edge(message: Mapping[str, Any]) -> bool:
     """Whether the served text keeps leading or trailing whitespace (a provider that strips never does)."""
     texts = (message_reasoning(message) or "", content_text(message.get("content")))
     return any(t[:1].isspace() or t[-1:].isspace() for t in texts)
+
+
+def _error_detail(err: Any) -> str:
+    """An error body's words for a finding: its message, else the error as the API gave it."""
+    detail = err.get("message", err) if isinstance(err, dict) else err
+    return text_of(_shown(detail))
+
+
+def _shown(value: Any) -> str:
+    """``str(value)``, or its type where it nests too deep for ``str`` (which recurses)."""
+    try:
+        return str(value)
+    except RecursionError:
+        return f"<{type(value).__name__} nested too deep to show>"
 
 
 def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, Any] | None,

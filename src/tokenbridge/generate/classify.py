@@ -6,7 +6,7 @@ Pure functions of (status, headers, body) so the table is tested without a serve
 what came back                             kind             error_class
 =========================================  ===============  ================================
 200 with choices, none ``finish_reason:    ok
-error``
+error``, no ``error`` beside them
 200 not JSON / no choices                  retry            bad_json / no_choices
 (or JSON that cannot be re-emitted: see
 :mod:`.body`)
@@ -15,7 +15,8 @@ error``
 check_response`: no message, a text
 field, finish_reason or id out of shape,
 a repeated index)
-200 ``{"error": ...}`` (OpenRouter)        by its code      api_error (or http_<code>)
+200 ``{"error": ...}`` (OpenRouter), with  by its code      api_error (or http_<code>)
+choices beside it or not
 200 a choice with ``finish_reason: error``  retry            choice_error
 408 409 425 5xx                            retry            http_<status>
 429                                        rate_limited     http_429 (shrinks concurrency)
@@ -29,7 +30,8 @@ malformed URL                              fail             bad_url
 ``Outcome.maybe_billed`` marks failures after which the provider may have generated (and
 billed) tokens without telling us: read/total timeouts, a connection dropped once the
 request was out, a cut or garbled stream, and a 200 that is not kept (``bad_json``,
-``no_choices``, ``bad_choices``, ``choice_error``: the provider answered, so it billed).
+``no_choices``, ``bad_choices``, ``choice_error``: the provider answered, so it billed; an
+``error`` body with choices beside it too).
 A refused or timed-out *connect* was never sent.
 
 A 200 that is not kept still hands back what can be read of its body (JSON read leniently:
@@ -112,13 +114,8 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
         if lenient is None:
             return Outcome("retry", "bad_json", f"response is not JSON: {_clip(text, key)!r}", status), None
         return Outcome("retry", "bad_json", str(exc), status), lenient if isinstance(lenient, dict) else None
-    if parsed.get("error") is not None and not parsed.get("choices"):
-        code = _error_code(parsed["error"])
-        message = _error_message(parsed, _text(body), key) or "error body"
-        by_code = _by_status(code, message, retry_after) if code is not None else None
-        if by_code is not None and (by_code.kind != "fail" or code in (400, 401, 403)) and by_code.kind != "retry":
-            return Outcome(by_code.kind, by_code.error_class, message, status, by_code.retry_after), parsed
-        return Outcome("retry", "api_error", message, status, retry_after), parsed
+    if parsed.get("error") is not None:  # an error body, choices beside it or not
+        return _error_body(parsed, _text(body), key, retry_after), parsed
     choices = parsed.get("choices")
     if not isinstance(choices, list) or not choices:
         return Outcome("retry", "no_choices", "response has no choices", status), parsed
@@ -131,6 +128,21 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
             message = _error_message(choice, "", key) or _error_message(parsed, "", key) or "choice finished with error"
             return Outcome("retry", "choice_error", message, status), parsed
     return Outcome("ok", status=status), parsed
+
+
+def _error_body(parsed: dict[str, Any], text: str, key: ApiKey | str | None, retry_after: float | None) -> Outcome:
+    """A 200 that says it is an error (OpenRouter's ``{"error": ...}``): sorted by its code.
+    Choices beside the error are what the upstream sent before it failed (an answer cut
+    mid-word under ``finish_reason: stop``), so the body is still the error it says it is,
+    only one the provider may have billed."""
+    code = _error_code(parsed["error"])
+    message = _error_message(parsed, text, key) or "error body"
+    by_code = _by_status(code, message, retry_after) if code is not None else None
+    if by_code is not None and (by_code.kind != "fail" or code in (400, 401, 403)) and by_code.kind != "retry":
+        outcome = Outcome(by_code.kind, by_code.error_class, message, 200, by_code.retry_after)
+    else:
+        outcome = Outcome("retry", "api_error", message, 200, retry_after)
+    return dataclasses.replace(outcome, maybe_billed=True) if parsed.get("choices") else outcome
 
 
 def _text(body: bytes | str) -> str:
