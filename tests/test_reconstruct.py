@@ -112,6 +112,41 @@ def test_each_finding_code(kimi, name):
     assert row["status"] == ("rejected" if "error" in severity else "flagged")
 
 
+def _native(kimi, native, counted_as="length", content="The capital of France is"):
+    """finish_reason "stop" beside the provider's own word ``native``; usage counts the
+    completion as ``counted_as`` reads it."""
+    rec = make(kimi, content=content, finish=counted_as)
+    rec["response"]["choices"][0].update(finish_reason="stop", native_finish_reason=native)
+    return rec
+
+
+@pytest.mark.parametrize("native", ["length", "MAX_TOKENS", "max_tokens"])
+def test_a_cut_the_provider_admits_natively_is_read_as_a_cut(kimi, native):
+    """Read as ended, the ids would carry an end token the provider says never came; read
+    as cut they are a prefix of the native ids whichever is true, and the count tells."""
+    row, = reconstruct_record(_native(kimi, native), kimi)
+    cut, = reconstruct_record(make(kimi, content="The capital of France is", finish="length"), kimi)
+    assert (codes(row), row["status"], row["finish_reason"]) == (["truncated"], "flagged", "length")
+    assert row["completion_ids"] == cut["completion_ids"] and row["segments"] == cut["segments"]
+    assert row["findings"][0]["message"] == (f"finish_reason='stop' but native_finish_reason={native!r}: the provider "
+                                             "says it cut the answer, so no end token appended")
+    ended, = reconstruct_record(_native(kimi, native, counted_as="stop"), kimi)  # a count with the end token
+    assert codes(ended) == ["truncated", "usage_completion_mismatch"] and ended["status"] == "rejected"
+
+
+@pytest.mark.parametrize("native", ["abort", "error", "ERROR", "content_filter"])
+def test_a_failure_the_provider_admits_natively_is_a_finish_error(kimi, native):
+    row, = reconstruct_record(_native(kimi, native, counted_as="stop"), kimi)
+    assert (codes(row), row["status"], row["finish_reason"]) == (["finish_error"], "rejected", "stop")
+    assert f"native_finish_reason={native!r}" in row["findings"][0]["message"]
+
+
+@pytest.mark.parametrize("native", ["stop", "end_turn", "STOP", 5, None, ["length"]])
+def test_a_native_finish_reason_that_admits_nothing_changes_nothing(kimi, native):
+    row, = reconstruct_record(_native(kimi, native, counted_as="stop"), kimi)
+    assert (codes(row), row["finish_reason"]) == ([], "stop")
+
+
 def test_leaked_end_marker_is_never_doubled(kimi):
     row, = reconstruct_record(make(kimi, content="Hello!<|im_end|>", finish="stop"), kimi)
     assert row["completion_ids"].count(163586) == 1 and row["completion_ids"][-1] == 163586

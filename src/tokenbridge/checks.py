@@ -19,8 +19,8 @@ from .evidence import LogprobIds, logprobs_cover
 from .jsonl import text_of
 from .tokenizer import Tokenizer
 
-__all__ = ["CODES", "DEFAULT_SEVERITY", "Finding", "Policy", "SampleView", "ends_turn", "logprobs_fit", "reasoning_count_ways", "reasoning_counts",
-           "run_checks", "status_of"]
+__all__ = ["CODES", "DEFAULT_SEVERITY", "Finding", "Policy", "SampleView", "ends_turn", "finish_reading", "logprobs_fit",
+           "reasoning_count_ways", "reasoning_counts", "run_checks", "status_of"]
 
 #: Every finding code with its default severity and what it means.
 CODES: dict[str, tuple[str, str]] = {
@@ -34,9 +34,9 @@ CODES: dict[str, tuple[str, str]] = {
     "tool_markers_malformed": ("error", "unbalanced or out-of-order tool-call markers"),
     "special_token_text": ("error", "other special-token text inside model text"),
     "replacement_char": ("error", "U+FFFD in text: bytes were lost before they reached us"),
-    "truncated": ("warning", "finish_reason is length: no end token; the ids are exact up to the cut"),
+    "truncated": ("warning", "finish_reason is length (or native_finish_reason admits a cut): no end token; the ids are exact up to the cut"),
     "empty_completion": ("error", "no reasoning, no content, no tool calls"),
-    "finish_error": ("error", "the choice ended in an error, or the body is an error (choices beside it or not)"),
+    "finish_error": ("error", "the choice ended in an error (finish_reason or native_finish_reason), or the body is an error (choices beside it or not)"),
     "finish_unknown": ("warning", "finish_reason not one of stop/length/tool_calls"),
     "stop_sequence": ("error", "request set `stop`: whether the end token was emitted is unknown"),
     "tool_calls_missing": ("error", "finish_reason is tool_calls but the text holds no tool-call section"),
@@ -70,6 +70,29 @@ CODES: dict[str, tuple[str, str]] = {
 DEFAULT_SEVERITY: dict[str, str] = {code: sev for code, (sev, _) in CODES.items()}
 _SEVERITIES = ("error", "warning", "off")
 _KNOWN_FINISH = {"stop", "length", "tool_calls", "eos", "end_turn"}
+#: finish reasons that say the model ended its turn: the end token is appended
+_ENDED = frozenset({"stop", "tool_calls", "eos", "end_turn"})
+#: ``native_finish_reason`` (the upstream's own word, which OpenRouter passes on), lowercased:
+#: values that admit a cut (vLLM and OpenAI ``length``, Anthropic ``max_tokens``, Google
+#: ``MAX_TOKENS``), and values that admit a failure
+_NATIVE_CUT = frozenset({"length", "max_tokens"})
+_NATIVE_FAILED = frozenset({"abort", "error", "content_filter"})
+
+
+def _native_finish(choice: Mapping[str, Any]) -> str | None:
+    native = choice.get("native_finish_reason")
+    return native.lower() if isinstance(native, str) else None
+
+
+def finish_reading(choice: Mapping[str, Any]) -> Any:
+    """The finish reason a choice is read by: its ``finish_reason``, but ``"length"`` where
+    that says the turn ended while ``native_finish_reason`` admits a cut. Read as ended, the
+    ids would carry an end token the provider says never came; read as cut, they are a
+    prefix of the native ids whichever is true, and the count tells (``truncated``)."""
+    reason = choice.get("finish_reason")
+    if reason in _ENDED and _native_finish(choice) in _NATIVE_CUT:
+        return "length"
+    return reason
 
 
 @dataclass(frozen=True)
@@ -193,13 +216,19 @@ def _text_fields(view: SampleView) -> list[tuple[str, str]]:
 
 
 def _finish(view: SampleView, policy: Policy) -> Iterator[_Hit]:
-    reason = view.choice.get("finish_reason")
+    said = view.choice.get("finish_reason")
+    reason = finish_reading(view.choice)
+    native = view.choice.get("native_finish_reason")  # quoted only where it is one of the short names below
     if view.choice.get("error") or reason == "error":
         err = view.choice.get("error")
         detail = f": {err.get('message', err)}" if isinstance(err, Mapping) else ""
         yield "finish_error", f"finish_reason={reason!r}{detail}"
     elif reason in (None, "content_filter"):
         yield "finish_error", f"finish_reason={reason!r}: the choice did not finish normally"
+    elif reason in _ENDED and _native_finish(view.choice) in _NATIVE_FAILED:
+        yield "finish_error", f"finish_reason={reason!r} but native_finish_reason={native!r}: the provider says the choice failed"
+    elif reason == "length" and said != "length":
+        yield "truncated", f"finish_reason={said!r} but native_finish_reason={native!r}: the provider says it cut the answer, so no end token appended"
     elif reason == "length":
         yield "truncated", "finish_reason='length': no end token appended"
     elif reason not in _KNOWN_FINISH:
@@ -315,7 +344,7 @@ def _marker_text(view: SampleView, policy: Policy) -> Iterator[_Hit]:
             more = f" (+{len(hits) - 5} more)" if len(hits) > 5 else ""
             yield code, f"{len(hits)} marker(s) in {where}: {shown}{more}"
         if kind == "tool_calls":
-            cut = view.choice.get("finish_reason") == "length" and (kind, part_text) == tuple(view.parts[-1])
+            cut = finish_reading(view.choice) == "length" and (kind, part_text) == tuple(view.parts[-1])
             problem = _tool_grammar([t for _, t in found if t in tool], d, part_text, cut=cut)
             if problem:
                 yield "tool_markers_malformed", problem

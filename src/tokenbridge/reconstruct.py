@@ -29,8 +29,8 @@ import orjson
 from .chat import Dialect, message_reasoning, resolve_dialect
 from .chat.template import TemplateError
 from .content import content_text
-from .checks import (Finding, Policy, SampleView, ends_turn, logprobs_fit, reasoning_count_ways, reasoning_counts, run_checks,
-                     status_of)
+from .checks import (Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways, reasoning_counts,
+                     run_checks, status_of)
 from .evidence import UNKNOWN_MARKER, LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
 from .exchanges import Exchange, RecordError, choice_index, loads_line, parse_exchange
 from .jsonl import NotJsonlError, binary_kind, text_of
@@ -212,7 +212,7 @@ def _reconstruct(
         index = choice_index(p.choice, p.index)
         reasoning_text, content_text_ = written_text(parts)
         rows.append(_row(meta, choice=index, prompt_ids=prompt_ids, completion_ids=completion_ids, segments=segments,
-                         findings=findings, finish_reason=p.choice.get("finish_reason"),
+                         findings=findings, finish_reason=finish_reading(p.choice),
                          reasoning=reasoning_text, content=content_text_,
                          reconstruction=_joined(prompt_name, p.cands[p.chosen].name)))
     if len(rows) > 1 and usage_completion is not None:
@@ -222,7 +222,7 @@ def _reconstruct(
                 if thinking and not opens and dialect.think_open_prefix else [])
     # a choice that may have ended inside its think block: its count is what is in question,
     # so it teaches the count traits nothing; it says the run needs to know whether the end is counted
-    unsure = [ends_in_think_fits(p.cands[0].parts, p.choice.get("finish_reason"), thinking, opens) for p in plans]
+    unsure = [ends_in_think_fits(p.cands[0].parts, finish_reading(p.choice), thinking, opens) for p in plans]
     unclosed = sum(u and not any("end_in_think" in c.names for c in p.cands) for u, p in zip(unsure, plans))
     facts = RecordFacts(None if any(unsure) else _delta(plans, rows, usage, len(prompt_ids)), len(markered),
                         sum(any("marker_spaces" in c.names for c in p.cands) for p in markered),
@@ -367,7 +367,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
           prefixed: bool | None = None, end_counted: bool = False) -> _Choice:
     """``end_counted``: the run proved the provider's usage counts the end token."""
     message = choice["message"]
-    finish = choice.get("finish_reason")
+    finish = finish_reading(choice)
     native = ex.native_choices[idx] if idx < len(ex.native_choices) else None
     logged = logprob_ids(tok, choice)
     stop = matched_stop(choice)
