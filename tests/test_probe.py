@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
 from typer.testing import CliRunner
 
 from tokenbridge.cli import app
@@ -184,13 +188,13 @@ def test_probe_json_holds_the_profile(tmp_path, kimi, kimi_dir):
     assert prof["text_edits"] == ["crlf_to_lf"] and prof["echo"]["crlf"] == "crlf_to_lf"
 
 
-def _inspected(kimi, response: dict):
+def _inspected(kimi, response: dict, prompt: str = "plain"):
     import importlib
 
     from tokenbridge.chat import resolve_dialect
 
     module = importlib.import_module("tokenbridge.generate.probe")  # the package exports the function as `probe`
-    call = module.ProbeCall("P", "plain", available=True, ok=True)
+    call = module.ProbeCall("P", prompt, available=True, ok=True)
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     module._inspect(call, request, response, kimi, resolve_dialect(kimi))
     return call
@@ -204,8 +208,6 @@ def test_a_response_reconstruct_refuses_is_a_probe_finding(kimi):
 
 
 def test_a_bug_under_the_probe_is_not_reported_as_a_finding(kimi, monkeypatch):
-    import pytest
-
     from tokenbridge import reconstruct
 
     def broken(*args, **kwargs):
@@ -214,3 +216,89 @@ def test_a_bug_under_the_probe_is_not_reported_as_a_finding(kimi, monkeypatch):
     monkeypatch.setattr(reconstruct, "reconstruct_record", broken)
     with pytest.raises(AttributeError, match="a bug in reconstruct"):
         _inspected(kimi, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}}]})
+
+
+# --- every field of an answer is the API's: a bad one is that call's result, not a crash -------
+
+_ODD_MESSAGES = {  # what a cold tester's server sent: each crashed the probe (exit 8), losing every result
+    "reasoning_object": ({"role": "assistant", "content": "hi", "reasoning": {"text": "thinking"}},
+                         "response.choices[0].message.reasoning: must be a string or null"),
+    "content_number": ({"role": "assistant", "content": 5},
+                       "response.choices[0].message.content: must be a string, a list of parts or null"),
+    "message_string": ("hello", "response.choices[0].message: missing or not an object"),
+}
+
+
+def _answer(message, provider: str = "P") -> dict:
+    return {"id": "gen-1", "provider": provider, "model": MODEL,
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+
+
+@pytest.mark.parametrize("odd", sorted(_ODD_MESSAGES))
+@pytest.mark.parametrize("prompt", ["greeting", "tool_call"])
+def test_an_answer_out_of_shape_is_reported_as_reconstruct_would(kimi, odd, prompt):
+    message, why = _ODD_MESSAGES[odd]
+    call = _inspected(kimi, _answer(message), prompt)
+    assert call.findings == [f"reconstruct_failed: RecordError: {why}"]
+    assert (call.reasoning_present, call.tool_markers, call.prompt_tokens) == (None, None, None)
+
+
+def test_fields_of_another_type_are_read_as_absent_and_list_content_as_its_text(kimi):
+    body = _answer({"role": "assistant", "content": [{"type": "text", "text": "Sure. <|tool_calls_section_begin|>"}],
+                    "reasoning_details": [{"type": "reasoning.text", "text": "Use the tool.", "index": 0}]})
+    body.update(provider={"name": "X"}, usage={"prompt_tokens": "7", "completion_tokens": -1, "cost": "free"})
+    call = _inspected(kimi, body, "tool_call")
+    assert (call.served_by, call.cost, call.prompt_tokens[1], call.completion_tokens[1]) == (None, None, None, None)
+    assert (call.tool_markers, call.reasoning_present) == ("raw", True)  # what reconstruct reads, markers and all
+
+
+@contextlib.contextmanager
+def _server(reply):
+    """A chat-completions server on a loopback port: ``reply(provider)`` -> (headers, body bytes)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the stdlib's name
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            headers, body = reply(request["provider"]["only"][0])
+            self.send_response(200)
+            for name, value in {"Content-Type": "application/json", "Content-Length": str(len(body)), **headers}.items():
+                self.send_header(name, value)
+            self.end_headers()
+            with contextlib.suppress(OSError):  # a client that stopped reading
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _probe_cli(url: str, providers: str, out, kimi_dir, *extra: str):
+    return CliRunner().invoke(app, ["probe", "--model", MODEL, "--providers", providers, "--base-url", url,
+                                    "--json", str(out), "--tokenizer", str(kimi_dir), *extra],
+                              env={"OPENROUTER_API_KEY": FAKE_KEY, "COLUMNS": "200"})
+
+
+@pytest.mark.parametrize("odd", sorted(_ODD_MESSAGES))
+def test_one_providers_odd_answers_leave_the_others_results_printed_and_saved(tmp_path, kimi_dir, odd):
+    def reply(provider):
+        message = _ODD_MESSAGES[odd][0] if provider == "odd/fp8" else {"role": "assistant", "content": "Hello!",
+                                                                         "reasoning": "Greet back."}
+        return {}, json.dumps(_answer(message, provider)).encode()
+
+    out = tmp_path / "probe.json"
+    with _server(reply) as url:
+        res = _probe_cli(url, "good/fp8,odd/fp8", out, kimi_dir)
+    assert res.exit_code == 1, res.output  # the odd one answered nothing understood: said, as for a silent one
+    assert "Traceback" not in res.output and re.search(r"│ good/fp8 +│ yes +│ 3/3 +│", res.output)
+    assert re.search(r"│ odd/fp8 +│ yes +│ 0/3 +│", res.output)
+    good, bad = json.loads(out.read_text(encoding="utf-8"))["providers"]
+    assert good["ok"] == "3/3" and good["reasoning_present"] == "3/3"
+    assert bad["errors"] == [f"bad_choices: {_ODD_MESSAGES[odd][1]}"]

@@ -17,6 +17,11 @@ normalizes Unicode, rewrites line ends, strips edges or spaces the text around m
 it. One more call asks for ``logprobs`` and ``return_token_ids`` to see whether either
 comes back. :meth:`ProviderReport.profile` is the result (``--json`` writes it).
 
+Every field of an answer is the API's. One out of the shape reconstruct reads is refused
+as generate refuses it (``bad_choices``: that call's error, after its tries), and the
+fields read beside it (provider, usage counts) are taken only where they have their type,
+so one provider's odd answer never costs the results already paid for from the others.
+
 A probe is a quick look, not a run: each prompt gets ``attempts`` tries, and a wait
 between them (``Retry-After`` or backoff) is capped at :data:`RETRY_WAIT_CAP_S` seconds,
 so a provider that asks for longer shows as failed (the table's caption says so).
@@ -35,6 +40,8 @@ from collections.abc import Coroutine, Iterable, Sequence
 import aiohttp
 
 from .. import traits
+from ..content import content_text
+from ..jsonl import is_count
 from .budget import cost_of
 from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_response
 from .request import build_request
@@ -319,10 +326,19 @@ async def _echo(session: aiohttp.ClientSession, url: str, headers: dict[str, str
     outcome, parsed, _, _ = await _send(session, url, headers, key, request, attempts)
     if outcome.kind != "ok":
         return EchoCall(provider, name, False, "failed", error=scrub(f"{outcome.error_class}: {outcome.message}", key))
-    message = (parsed["choices"][0].get("message") or {}) if parsed.get("choices") else {}
-    content = message.get("content")
+    message = _first(_first(parsed, "choices"), "message")
+    content = message.get("content") if message is not None else None
     verdict, edit = classify_echo(text, content if isinstance(content, str) else None)
     return EchoCall(provider, name, True, verdict, edit)
+
+
+def _first(parent: Any, key: str) -> dict[str, Any] | None:
+    """``parent[key]`` where it is an object (``choices``: its first item), else None: the
+    body is the API's, and a probe reads nothing of it on trust."""
+    value = parent.get(key) if isinstance(parent, dict) else None
+    if key == "choices":
+        value = value[0] if isinstance(value, list) and value else None
+    return value if isinstance(value, dict) else None
 
 
 #: (provider, logprobs came back, token ids came back); None where the call failed.
@@ -333,9 +349,9 @@ async def _evidence(session: aiohttp.ClientSession, url: str, headers: dict[str,
                     provider: str, request: dict[str, Any], attempts: int) -> _Evidence:
     """(provider, logprobs came back, token ids came back) for a call that asks for both."""
     outcome, parsed, _, _ = await _send(session, url, headers, key, request, attempts)
-    if outcome.kind != "ok" or not parsed.get("choices"):
+    choice = _first(parsed, "choices")
+    if outcome.kind != "ok" or choice is None:
         return provider, None, None
-    choice = parsed["choices"][0]
     lp = choice.get("logprobs")
     has_lp = isinstance(lp, dict) and isinstance(lp.get("content"), list) and bool(lp["content"])
     ids = choice.get("token_ids")
@@ -372,20 +388,28 @@ async def _send(session: aiohttp.ClientSession, url: str, headers: dict[str, str
 _THINK_LEAKS = frozenset({"think_marker_in_content", "think_marker_in_reasoning"})
 
 
-def _inspect(call: ProbeCall, request: dict[str, Any], response: dict[str, Any], tok: Any, dialect: Any) -> None:
-    from ..chat import RENDER_FAILURES
-    from ..exchanges import RecordError
+def _inspect(call: ProbeCall, request: dict[str, Any], response: Any, tok: Any, dialect: Any) -> None:
+    """Fill ``call`` from one answer. Every field is the API's: a body out of the shape
+    reconstruct reads is reported as reconstruct would report it, never read on trust."""
+    from ..chat import RENDER_FAILURES, message_reasoning
+    from ..exchanges import RecordError, check_response
     from ..reconstruct import reconstruct_record
 
-    choice = response["choices"][0]
-    message = choice.get("message") or {}
-    content = message.get("content") or ""
-    reasoning = message.get("reasoning") or message.get("reasoning_content") or ""
+    try:
+        choices = check_response(response).choices
+    except RecordError as exc:
+        call.findings.append(f"reconstruct_failed: RecordError: {exc}")
+        return
+    if not choices:
+        call.findings.append("reconstruct_failed: the response has no choices")
+        return
+    choice, message = choices[0], choices[0]["message"]
+    content = content_text(message.get("content"))
     usage = response.get("usage") if isinstance(response.get("usage"), dict) else None
-    call.served_by = response.get("provider")
+    call.served_by = response.get("provider") if isinstance(response.get("provider"), str) else None
     call.cost = cost_of(usage, None)
     call.finish_reason = choice.get("finish_reason")
-    call.reasoning_present = bool(reasoning.strip())
+    call.reasoning_present = bool((message_reasoning(message) or "").strip())
     if call.prompt == "tool_call":
         markers = dialect.tool_markers.all if dialect.tool_markers is not None else ()
         if message.get("tool_calls"):
@@ -406,8 +430,14 @@ def _inspect(call: ProbeCall, request: dict[str, Any], response: dict[str, Any],
     call.end_marker_leak = "eos_in_text" in call.findings
     call.think_marker_leak = not _THINK_LEAKS.isdisjoint(call.findings)
     completion = sum(len(r["completion_ids"]) for r in rows)
-    call.prompt_tokens = (len(row["prompt_ids"]), (usage or {}).get("prompt_tokens"))
-    call.completion_tokens = (completion, (usage or {}).get("completion_tokens"))
+    call.prompt_tokens = (len(row["prompt_ids"]), _count(usage, "prompt_tokens"))
+    call.completion_tokens = (completion, _count(usage, "completion_tokens"))
+
+
+def _count(usage: dict[str, Any] | None, name: str) -> int | None:
+    """A token count of ``usage``, where it is one (a string or a negative is none)."""
+    value = (usage or {}).get(name)
+    return value if is_count(value) else None
 
 
 def probe_caption(attempts: int) -> str:
