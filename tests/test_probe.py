@@ -302,3 +302,45 @@ def test_one_providers_odd_answers_leave_the_others_results_printed_and_saved(tm
     good, bad = json.loads(out.read_text(encoding="utf-8"))["providers"]
     assert good["ok"] == "3/3" and good["reasoning_present"] == "3/3"
     assert bad["errors"] == [f"bad_choices: {_ODD_MESSAGES[odd][1]}"]
+
+
+# --- a body is read only up to max_response_bytes, as generate reads it ---------------------
+
+
+def _gzip_bomb(mib: int) -> bytes:
+    """A gzip body of a few KiB per MiB it inflates to: ``{"a": "000…``, never closed."""
+    import zlib
+
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)
+    return z.compress(b'{"a": "') + b"".join(z.compress(b"0" * (1 << 20)) for _ in range(mib)) + z.flush()
+
+
+def test_a_body_past_max_response_bytes_is_refused_while_read_in_bounded_memory(kimi):
+    import tracemalloc
+
+    from tokenbridge.generate.settings import MAX_RESPONSE_BYTES, GenerateSettings
+
+    bomb = _gzip_bomb(48)
+    with _server(lambda provider: ({"Content-Encoding": "gzip"}, bomb)) as url:
+        tracemalloc.start()
+        try:
+            reports = probe(model=MODEL, providers=["bomb/fp8"], base_url=url, key=None, tokenizer=kimi,
+                            max_response_bytes=1 << 20)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 40 << 20, f"peak {peak >> 20} MiB: the bodies were read whole"  # 8 calls at once, 48 MiB each
+    (rep,) = reports
+    assert rep.summary()["errors"] == ["response_too_large: response passed max_response_bytes=1048576 while being read"]
+    assert [c.http_status for c in rep.calls] == [200] * 3 and all(e.verdict == "failed" for e in rep.echoes)
+    assert GenerateSettings.__dataclass_fields__["max_response_bytes"].default == MAX_RESPONSE_BYTES  # one default
+
+
+def test_probe_cli_takes_max_response_bytes(tmp_path, kimi_dir):
+    body = json.dumps(_answer({"role": "assistant", "content": "x" * 4000, "reasoning": "Greet."})).encode()
+    out = tmp_path / "probe.json"
+    with _server(lambda provider: ({}, body)) as url:
+        res = _probe_cli(url, "big/fp8", out, kimi_dir, "--max-response-bytes", "2048")
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    (big,) = json.loads(out.read_text(encoding="utf-8"))["providers"]
+    assert big["errors"] == [f"response_too_large: response of {len(body)} bytes is over max_response_bytes=2048"]

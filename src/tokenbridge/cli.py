@@ -524,13 +524,15 @@ def probe(
     max_tokens: int = typer.Option(2048, "--max-tokens", min=1),
     reasoning: str | None = typer.Option(None, "--reasoning", help="Effort (low|medium|high), or on / off."),
     api_key_env: str = typer.Option("OPENROUTER_API_KEY", "--api-key-env", help="Env variable holding the key."),
+    max_response_bytes: int | None = typer.Option(
+        None, "--max-response-bytes", min=1024, help="Refuse a response larger than this, as generate does (default 64 MiB)."),
 ) -> None:
     """Pin each provider, send probe prompts, and report what survives reconstruction."""
     from rich.console import Console
 
     from .generate import GenerateError, probe as _probe, read_api_key, render_table
     from .generate.run import is_local_url
-    from .generate.settings import check_base_url, normalize_reasoning
+    from .generate.settings import MAX_RESPONSE_BYTES, check_base_url, normalize_reasoning
     from .outdir import existing_inputs
 
     if json_out is not None:  # now, not after the (paid) probes
@@ -547,7 +549,8 @@ def probe(
         _fail("--providers: give at least one provider")
     try:  # a key that cannot be sent is refused here, before any probe
         reports = _probe(model=model, providers=names, base_url=base_url, key=key, tokenizer=tok,
-                         max_tokens=max_tokens, reasoning=effort)
+                         max_tokens=max_tokens, reasoning=effort,
+                         max_response_bytes=max_response_bytes or MAX_RESPONSE_BYTES)
     except GenerateError as exc:
         _fail(str(exc), exc.exit_code)
     from .generate.probe import render_profiles

@@ -33,14 +33,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from .secrets import ApiKey, scrub
 
-__all__ = ["BodyError", "MAX_PLAUSIBLE_COST", "MAX_PLAUSIBLE_TOKENS", "CheckedUsage", "checked_usage", "check_body",
-           "one_line"]
+if TYPE_CHECKING:
+    import aiohttp
+
+__all__ = ["BodyError", "MAX_PLAUSIBLE_COST", "MAX_PLAUSIBLE_TOKENS", "CheckedUsage", "ResponseTooLarge", "checked_usage",
+           "check_body", "one_line", "read_capped"]
 
 MAX_PLAUSIBLE_TOKENS = 10**9
 MAX_PLAUSIBLE_COST = 1000.0  # USD for one response; more is a provider bug, not a price
@@ -51,6 +54,24 @@ _ACCOUNTING = ("prompt_tokens", "completion_tokens", "cost")
 
 class BodyError(ValueError):
     """The body cannot be kept (see the module docstring); the message says why."""
+
+
+class ResponseTooLarge(Exception):
+    """A body or stream passed ``max_response_bytes`` while being read."""
+
+
+async def read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The whole body, refused as soon as it passes ``cap`` bytes (never buffered past it).
+    The count is of the bytes as read, after any ``Content-Encoding`` is undone, so a small
+    gzip body that inflates to gigabytes stops at the cap too."""
+    if resp.content_length is not None and resp.content_length > cap:
+        raise ResponseTooLarge(f"response of {resp.content_length} bytes is over max_response_bytes={cap}")
+    buf = bytearray()
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        if len(buf) > cap:
+            raise ResponseTooLarge(f"response passed max_response_bytes={cap} while being read")
+    return bytes(buf)
 
 
 def check_body(body: bytes) -> dict[str, Any]:

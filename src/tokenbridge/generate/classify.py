@@ -59,7 +59,7 @@ from ..jsonl import is_int, text_of
 from .body import BodyError, check_body
 from .secrets import ApiKey, scrub
 
-__all__ = ["Outcome", "classify_exception", "classify_response", "parse_retry_after", "RETRY_STATUSES"]
+__all__ = ["Outcome", "classify_exception", "classify_response", "classify_too_large", "parse_retry_after", "RETRY_STATUSES"]
 
 Kind = Literal["ok", "retry", "rate_limited", "fail", "unavailable", "payment"]
 RETRY_STATUSES = frozenset({408, 409, 425, 429})
@@ -154,6 +154,16 @@ def _text(body: bytes | str) -> str:
 #: (OSError), a body or stream that does not decode (ValueError). classify_exception sorts
 #: these; anything else raised during an attempt is a bug.
 TRANSPORT_FAILURES: tuple[type[Exception], ...] = (aiohttp.ClientError, HttpProcessingError, OSError, ValueError)
+
+
+def classify_too_large(status: int | None, headers: Mapping[str, str], exc: Exception) -> Outcome:
+    """A body refused for its size (:class:`~.body.ResponseTooLarge`): an error page is
+    sorted by its status; a 200 was generated (and billed) in all likelihood, and fails,
+    since a retry would be as large."""
+    if status is not None and status != 200:
+        by_status, _ = classify_response(status, headers, b"")
+        return dataclasses.replace(by_status, message=f"HTTP {status}: {exc}")
+    return Outcome("fail", "response_too_large", str(exc), status, maybe_billed=True)
 
 
 def classify_exception(exc: BaseException) -> Outcome:

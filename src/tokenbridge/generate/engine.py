@@ -59,9 +59,9 @@ import aiohttp
 import orjson
 
 from ..fsio import kill_point
-from .body import CheckedUsage, checked_usage
+from .body import CheckedUsage, ResponseTooLarge, checked_usage, read_capped
 from .budget import DEFAULT_RESERVE_TOKENS, Budget, cost_of, estimate_prompt_tokens
-from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_response
+from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_response, classify_too_large
 from .limiter import AdaptiveLimiter
 from .progress import RateMeter
 from .request import routing_key, wire_body
@@ -77,9 +77,6 @@ DRAIN_S = 60.0
 _MAX_MESSAGE = 500
 _MAX_TRACEBACKS = 3
 
-
-class ResponseTooLarge(Exception):
-    """A body or stream passed ``max_response_bytes`` while being read."""
 
 _UNAUTHORIZED_STOP = 10
 # a 404 "No endpoints" about the prompt's size says nothing about other samples
@@ -530,16 +527,12 @@ class Engine:
                     streamed = True
                     body, raw, outcome, parsed = await self._read_stream(resp)
                 else:
-                    body = scrub_bytes(await self._read_capped(resp), self.key)  # before any message is cut
+                    body = scrub_bytes(await read_capped(resp, self.s.max_response_bytes), self.key)  # before any message is cut
                     outcome, parsed = classify_response(status, resp.headers, body, key=self.key)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except ResponseTooLarge as exc:
-            if status is not None and status != 200:  # an oversized error page: the status decides
-                by_status, _ = classify_response(status, headers, b"")
-                outcome = dataclasses.replace(by_status, message=f"HTTP {status}: {exc}")
-            else:  # generated (and billed) in all likelihood; a retry would be as large
-                outcome = Outcome("fail", "response_too_large", str(exc), status, maybe_billed=True)
+            outcome = classify_too_large(status, headers, exc)
         except TimeoutError as exc:
             if deadline.expired():
                 outcome = Outcome("retry", "timeout", f"attempt took longer than attempt_timeout_s={total:g} s in all",
@@ -573,18 +566,6 @@ class Engine:
             base_url=self.s.base_url,
         )
         return outcome, record, attempt, usage
-
-    async def _read_capped(self, resp: aiohttp.ClientResponse) -> bytes:
-        """The whole body, refused as soon as it passes ``max_response_bytes`` (never buffered past it)."""
-        cap = self.s.max_response_bytes
-        if resp.content_length is not None and resp.content_length > cap:
-            raise ResponseTooLarge(f"response of {resp.content_length} bytes is over max_response_bytes={cap}")
-        buf = bytearray()
-        async for chunk in resp.content.iter_any():
-            buf += chunk
-            if len(buf) > cap:
-                raise ResponseTooLarge(f"response passed max_response_bytes={cap} while being read")
-        return bytes(buf)
 
     async def _read_stream(self, resp: aiohttp.ClientResponse) -> tuple[bytes, bytes | None, Outcome, Any]:
         """Read an SSE body: (assembled JSON bytes, raw stream bytes, outcome, parsed).

@@ -42,12 +42,13 @@ import aiohttp
 from .. import traits
 from ..content import content_text
 from ..jsonl import is_count
+from .body import ResponseTooLarge, read_capped
 from .budget import cost_of
-from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_response
+from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_response, classify_too_large
 from .request import build_request
 from .prompts import Sample
 from .secrets import ApiKey, check_api_key, scrub, scrub_bytes
-from .settings import Reasoning, RequestSettings, check_base_url
+from .settings import MAX_RESPONSE_BYTES, Reasoning, RequestSettings, check_base_url
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -259,8 +260,10 @@ async def aprobe(
     timeout_s: float = 300.0,
     attempts: int = 3,
     extra_body: dict[str, Any] | None = None,
+    max_response_bytes: int = MAX_RESPONSE_BYTES,
 ) -> list[ProviderReport]:
-    """Probe every provider with every probe prompt (all concurrently)."""
+    """Probe every provider with every probe prompt (all concurrently). A body over
+    ``max_response_bytes`` (generate's setting, its default too) is refused while it is read."""
     from ..chat import resolve_dialect
 
     check_base_url(base_url, "probe")
@@ -271,6 +274,7 @@ async def aprobe(
     if key is not None:
         headers["Authorization"] = f"Bearer {key.value}"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        sender = _Sender(session, url, headers, key, attempts, max_response_bytes)
         jobs: list[Coroutine[Any, Any, ProbeCall | EchoCall | _Evidence]] = []
         for p in providers:
             rs = RequestSettings(
@@ -282,17 +286,15 @@ async def aprobe(
             )
             for name, messages in PROBE_PROMPTS:
                 request = build_request(Sample(f"probe-{name}", "probe", messages), rs)
-                jobs.append(_one(session, url, headers, key, provider=p, name=name, request=request, tok=tokenizer,
-                                 dialect=dialect, attempts=attempts))
+                jobs.append(_one(sender, provider=p, name=name, request=request, tok=tokenizer, dialect=dialect))
             for name, text in ECHO_TESTS:
                 messages = [{"role": "user", "content": "Repeat the text between the markers exactly, every "
                              f"character and space, and write nothing else.\n{ECHO_BEGIN}{text}{ECHO_END}"}]
                 request = build_request(Sample(f"echo-{name}", "probe", messages), rs)
-                jobs.append(_echo(session, url, headers, key, provider=p, name=name, text=text, request=request,
-                                  attempts=attempts))
+                jobs.append(_echo(sender, provider=p, name=name, text=text, request=request))
             request = build_request(Sample("probe-evidence", "probe", PROBE_PROMPTS[0][1]), rs)
             request.update(logprobs=True, top_logprobs=1, return_token_ids=True)
-            jobs.append(_evidence(session, url, headers, key, provider=p, request=request, attempts=attempts))
+            jobs.append(_evidence(sender, provider=p, request=request))
         results = await asyncio.gather(*jobs)
     reports = []
     for p in providers:
@@ -309,23 +311,23 @@ def probe(**kwargs: Any) -> list[ProviderReport]:
     return asyncio.run(aprobe(**kwargs))
 
 
-async def _one(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None, *, provider: str,
-               name: str, request: dict[str, Any], tok: Tokenizer, dialect: Dialect, attempts: int) -> ProbeCall:
-    outcome, parsed, status, latency = await _send(session, url, headers, key, request, attempts)
+async def _one(sender: _Sender, *, provider: str, name: str, request: dict[str, Any], tok: Tokenizer,
+               dialect: Dialect) -> ProbeCall:
+    outcome, parsed, status, latency = await sender.send(request)
     call = ProbeCall(provider, name, available=outcome.kind != "unavailable", ok=outcome.kind == "ok",
                      http_status=status, latency_s=latency)
     if outcome.kind != "ok":
-        call.error = scrub(f"{outcome.error_class}: {outcome.message}", key)
+        call.error = scrub(f"{outcome.error_class}: {outcome.message}", sender.key)
         return call
     _inspect(call, request, parsed, tok, dialect)
     return call
 
 
-async def _echo(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None, *, provider: str,
-                name: str, text: str, request: dict[str, Any], attempts: int) -> EchoCall:
-    outcome, parsed, _, _ = await _send(session, url, headers, key, request, attempts)
+async def _echo(sender: _Sender, *, provider: str, name: str, text: str, request: dict[str, Any]) -> EchoCall:
+    outcome, parsed, _, _ = await sender.send(request)
     if outcome.kind != "ok":
-        return EchoCall(provider, name, False, "failed", error=scrub(f"{outcome.error_class}: {outcome.message}", key))
+        error = scrub(f"{outcome.error_class}: {outcome.message}", sender.key)
+        return EchoCall(provider, name, False, "failed", error=error)
     message = _first(_first(parsed, "choices"), "message")
     content = message.get("content") if message is not None else None
     verdict, edit = classify_echo(text, content if isinstance(content, str) else None)
@@ -345,10 +347,9 @@ def _first(parent: Any, key: str) -> dict[str, Any] | None:
 _Evidence = tuple[str, bool | None, bool | None]
 
 
-async def _evidence(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None, *,
-                    provider: str, request: dict[str, Any], attempts: int) -> _Evidence:
+async def _evidence(sender: _Sender, *, provider: str, request: dict[str, Any]) -> _Evidence:
     """(provider, logprobs came back, token ids came back) for a call that asks for both."""
-    outcome, parsed, _, _ = await _send(session, url, headers, key, request, attempts)
+    outcome, parsed, _, _ = await sender.send(request)
     choice = _first(parsed, "choices")
     if outcome.kind != "ok" or choice is None:
         return provider, None, None
@@ -358,31 +359,52 @@ async def _evidence(session: aiohttp.ClientSession, url: str, headers: dict[str,
     return provider, has_lp, isinstance(ids, list) and bool(ids)
 
 
-async def _send(session: aiohttp.ClientSession, url: str, headers: dict[str, str], key: ApiKey | None,
-                request: dict[str, Any], attempts: int) -> tuple[Outcome, Any, int | None, float | None]:
-    """POST ``request`` with up to ``attempts`` tries; (outcome, parsed body, status, latency)."""
-    body = json.dumps(request, ensure_ascii=False).encode()
-    outcome: Outcome = Outcome("retry", "not_sent")
-    parsed = None
-    status = None
-    latency = None
-    for attempt in range(attempts):
-        t0 = time.monotonic()
+@dataclass(frozen=True)
+class _Sender:
+    """How every probe call goes out: one session, the endpoint and its headers, the key
+    (masked out of every body), the tries, and the size a body may reach while it is read."""
+
+    session: aiohttp.ClientSession
+    url: str
+    headers: dict[str, str]
+    key: ApiKey | None
+    attempts: int
+    max_response_bytes: int
+
+    async def send(self, request: dict[str, Any]) -> tuple[Outcome, Any, int | None, float | None]:
+        """POST ``request`` with up to ``attempts`` tries; (outcome, parsed body, status, latency)."""
+        body = json.dumps(request, ensure_ascii=False).encode()
+        outcome: Outcome = Outcome("retry", "not_sent")
+        parsed = None
+        status = None
+        latency = None
+        for attempt in range(self.attempts):
+            t0 = time.monotonic()
+            outcome, parsed, status = await self._try(body)
+            latency = time.monotonic() - t0
+            if not outcome.retryable:
+                break
+            if attempt + 1 < self.attempts:
+                await asyncio.sleep(min(RETRY_WAIT_CAP_S, outcome.retry_after or 0.5 * 2**attempt))
+        return outcome, parsed, status, latency
+
+    async def _try(self, body: bytes) -> tuple[Outcome, Any, int | None]:
+        """One try: (outcome, parsed body, status). A body is read only up to
+        ``max_response_bytes`` (:func:`~.body.read_capped`, as generate reads it)."""
+        status = None
+        headers: Any = {}
         try:
-            async with session.post(url, data=body, headers=headers) as resp:
-                status = resp.status
-                raw = scrub_bytes(await resp.read(), key)  # mask before classify clips any message
-                outcome, parsed = classify_response(status, resp.headers, raw, key=key)
+            async with self.session.post(self.url, data=body, headers=self.headers) as resp:
+                status, headers = resp.status, resp.headers
+                raw = scrub_bytes(await read_capped(resp, self.max_response_bytes), self.key)  # masked before any clip
+                outcome, parsed = classify_response(status, resp.headers, raw, key=self.key)
+                return outcome, parsed, status
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
+        except ResponseTooLarge as exc:
+            return classify_too_large(status, headers, exc), None, status
         except TRANSPORT_FAILURES as exc:  # reported in the table; anything else is a bug
-            outcome, parsed, status = classify_exception(exc), None, None
-        latency = time.monotonic() - t0
-        if not outcome.retryable:
-            break
-        if attempt + 1 < attempts:
-            await asyncio.sleep(min(RETRY_WAIT_CAP_S, outcome.retry_after or 0.5 * 2**attempt))
-    return outcome, parsed, status, latency
+            return classify_exception(exc), None, None
 
 
 _THINK_LEAKS = frozenset({"think_marker_in_content", "think_marker_in_reasoning"})

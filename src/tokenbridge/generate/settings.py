@@ -60,6 +60,7 @@ __all__ = [
     "ConfigError",
     "DatasetSpec",
     "GenerateSettings",
+    "MAX_RESPONSE_BYTES",
     "Prices",
     "RequestSettings",
     "api_key_problem",
@@ -74,6 +75,9 @@ __all__ = [
 ]
 
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
+#: ``max_response_bytes``' default, for generate and probe alike: a 32k reasoning answer is
+#: ~150 KB, ``top_logprobs`` can reach tens of MB
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _CREDENTIAL_HEADER = re.compile(r"auth|key|token|secret|cookie|passw|session|credential", re.IGNORECASE)
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -374,7 +378,7 @@ class GenerateSettings:
     # reset nothing): Kimi K2.5 reasoning runs to ~32k tokens, ~10 min at a slow 50 tok/s
     attempt_timeout_s: PosFloat = 900.0
     # a body (or SSE stream) larger than this is refused while it is read, never buffered
-    max_response_bytes: Annotated[Int, Field(ge=1024)] = 64 * 1024 * 1024
+    max_response_bytes: Annotated[Int, Field(ge=1024)] = MAX_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
         if not (isinstance(self.attempt_timeout_s, (int, float)) and not isinstance(self.attempt_timeout_s, bool)
