@@ -449,7 +449,7 @@ def _record_pass(cfg: RunConfig, state: _State, plan: _Plan, passed: PassResult 
         results.append(StageResult(stage, what, detail))
         turns = (state.data[stage].get("skipped") or {}).get("not_a_chat_turn") if fmt else None
         echo(f"export {fmt}: {what} → {target} {state.data[stage].get('rows')} rows"
-             + (f" ({turns} not a chat turn, left out)" if turns else "") if fmt
+             + (f" ({turns} more not a chat turn: skipped)" if turns else "") if fmt
              else f"vocab: {what} → {target} (coverage {state.data['vocab'].get('coverage'):.4f})")
     return results
 
