@@ -22,6 +22,11 @@ response. Per field (:func:`checked_usage`):
     cut before its usage chunk);
   * ``cost``: a finite number 0..:data:`MAX_PLAUSIBLE_COST` USD; anything else is
     dropped, so the cost comes from ``[prices]`` (or the no-prices reservation path);
+  * ``is_byok``: ``true`` makes the spend ``cost`` (OpenRouter's fee, often 0) plus
+    ``cost_details.upstream_inference_cost`` (what the user's own provider key was
+    charged), which must then be a plausible cost too; a non-boolean ``is_byok``, or a
+    BYOK answer whose upstream charge is missing or unusable, has no known spend: its
+    ``cost`` is dropped with the bad field (the fee alone would let ``--max-cost`` pass);
   * any other field nested more than :data:`MAX_USAGE_DEPTH` deep is dropped from the
     stored usage (which is written with ``json.dumps``, and that recurses);
   * ``usage`` that is not an object is absent.
@@ -139,13 +144,48 @@ def checked_usage(parsed: Any, *, key: ApiKey | str | None = None) -> CheckedUsa
         out.problems.append(f"usage.{name} is nested more than {MAX_USAGE_DEPTH} deep")
         del kept[name]
     if "cost" in usage and usage["cost"] is not None:
-        c = usage["cost"]
-        if isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and 0 <= c <= MAX_PLAUSIBLE_COST:
-            out.cost = float(c)
-        else:
-            out.problems.append(f"usage.cost = {_show(c, key)}")
+        out.cost = _usd(usage["cost"])
+        if out.cost is None:
+            out.problems.append(f"usage.cost = {_show(usage['cost'], key)}")
             del kept["cost"]
+    if usage.get("is_byok") is not None and usage["is_byok"] is not False:
+        _add_byok(out, usage["is_byok"], key)
     return out
+
+
+def _usd(v: Any) -> float | None:
+    """A plausible USD figure (a finite number 0..:data:`MAX_PLAUSIBLE_COST`), else None."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= MAX_PLAUSIBLE_COST:
+        return float(v)
+    return None
+
+
+def _add_byok(out: CheckedUsage, byok: Any, key: ApiKey | str | None) -> None:
+    """Make ``out.cost`` a BYOK response's whole spend: OpenRouter's ``cost`` is then only its
+    fee (often $0), and ``cost_details.upstream_inference_cost`` is what the user's own provider
+    account was charged. A BYOK answer whose upstream charge cannot be read has no known cost:
+    its ``cost`` is dropped too (booking the fee alone would let ``--max-cost`` pass unnoticed)."""
+    kept = out.usage
+    assert kept is not None
+    details = kept.get("cost_details")
+    upstream = details.get("upstream_inference_cost") if isinstance(details, dict) else None
+    if byok is not True:
+        out.problems.append(f"usage.is_byok = {_show(byok, key)}")
+        kept.pop("is_byok", None)
+    elif upstream is None:
+        out.problems.append("usage.is_byok is true without usage.cost_details.upstream_inference_cost")
+    elif _usd(upstream) is None:
+        out.problems.append(f"usage.cost_details.upstream_inference_cost = {_show(upstream, key)}")
+        assert isinstance(details, dict)
+        kept["cost_details"] = {k: v for k, v in details.items() if k != "upstream_inference_cost"}
+    elif out.cost is not None and out.cost + upstream <= MAX_PLAUSIBLE_COST:
+        out.cost += upstream
+        return
+    elif out.cost is not None:
+        out.problems.append(f"usage.cost + usage.cost_details.upstream_inference_cost = {out.cost + upstream:g}")
+    if out.cost is not None:
+        out.cost = None
+        del kept["cost"]
 
 
 def _too_deep(v: Any) -> bool:

@@ -1,7 +1,9 @@
 """Spend: what a response cost, and whether one more request still fits the budget.
 
 A response's cost is ``usage.cost`` (OpenRouter returns it with ``usage: {include:
-true}``), else usage tokens x the configured price table, else unknown.
+true}``; for a bring-your-own-key answer, ``is_byok: true``, plus
+``cost_details.upstream_inference_cost``, which the user's provider account paid: see
+:func:`~.body.checked_usage`), else usage tokens x the configured price table, else unknown.
 
 :class:`Budget` admits a request only if ``spent + possible + reserved + worst <= max_cost``.
 ``worst`` is the request's worst case: ``P`` prompt tokens (:func:`estimate_prompt_tokens`,
@@ -64,7 +66,8 @@ PROMPT_OVERHEAD_TOKENS = 256
 def cost_of(usage: Mapping[str, Any] | None, prices: Prices | None) -> float | None:
     """USD for one response: the provider's figure when it is plausible (a finite number in
     0..:data:`~.body.MAX_PLAUSIBLE_COST`; a negative, NaN or absurd one is ignored, so it can
-    never switch ``--max-cost`` off), else from the price table, else unknown."""
+    never switch ``--max-cost`` off; BYOK: the fee plus the upstream charge), else from the
+    price table, else unknown."""
     if not isinstance(usage, Mapping):
         return None
     checked = checked_usage({"usage": dict(usage)})

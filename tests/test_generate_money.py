@@ -1,0 +1,114 @@
+"""What a run books and when it stops: BYOK spend, learned prices, the limits it names."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from conftest import write_prompts
+from tokenbridge.generate import GenerateSettings, RequestSettings, Store, agenerate_run
+from tokenbridge.generate.body import checked_usage
+from tokenbridge.generate.budget import cost_of
+from tokenbridge.generate.run import ExitCode
+from tokenbridge.generate.secrets import ApiKey
+from tokenbridge.generate.settings import DatasetSpec, Prices
+
+KEY = ApiKey("TB_MONEY", "sk-or-v1-money-test-key-0123456789")
+Reply = Callable[[int], Awaitable[web.StreamResponse]]  # the 1-based arrival number -> the answer
+
+
+def _answer(usage: dict) -> web.Response:
+    body = {"id": "gen-m", "object": "chat.completion", "created": 1, "model": "m", "provider": "p",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+            "usage": usage}
+    return web.json_response(body)
+
+
+def _run(tmp_path: Path, n: int, reply: Reply, **kw) -> object:
+    """One generate run of ``n`` prompts against a server answering each request by ``reply``."""
+    arrivals = 0
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        nonlocal arrivals
+        await request.read()
+        arrivals += 1
+        return await reply(arrivals)
+
+    async def main() -> object:
+        app = web.Application()
+        app.router.add_post("/api/v1/chat/completions", handle)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/api/v1"
+        settings = dict(datasets=(DatasetSpec("m", write_prompts(tmp_path, n)),), base_url=url, progress="none",
+                        request=RequestSettings(model="m", max_tokens=1000), max_attempts=2, backoff_base_s=0.01,
+                        backoff_max_s=0.02, timeout_s=10.0)
+        settings.update(kw)
+        try:
+            return await agenerate_run(GenerateSettings(**settings), tmp_path / "run", key=KEY)
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(main())
+
+
+# --- BYOK: the upstream charge is the spend ------------------------------------------------
+
+BYOK = {"prompt_tokens": 500, "completion_tokens": 1000, "cost": 0.0, "is_byok": True,
+        "cost_details": {"upstream_inference_cost": 0.02}}
+
+
+def test_a_byok_answer_costs_its_fee_plus_its_upstream_charge():
+    assert checked_usage({"usage": BYOK}).cost == 0.02
+    assert cost_of(BYOK, None) == 0.02
+    fee = {**BYOK, "cost": 0.001}  # OpenRouter's BYOK fee, charged on top
+    assert cost_of(fee, None) == pytest.approx(0.021)
+    # without is_byok the upstream charge is already inside cost (OpenRouter's credits paid it)
+    assert cost_of({**BYOK, "cost": 0.03, "is_byok": False}, None) == 0.03
+    assert cost_of({k: v for k, v in BYOK.items() if k != "is_byok"} | {"cost": 0.03}, None) == 0.03
+
+
+@pytest.mark.parametrize(("usage", "problem", "kept"), [
+    ({"is_byok": "true", "cost_details": {"upstream_inference_cost": 0.02}}, 'usage.is_byok = "true"',
+     {"cost_details": {"upstream_inference_cost": 0.02}}),
+    ({"cost_details": {"upstream_inference_cost": -1, "x": 1}}, "usage.cost_details.upstream_inference_cost = -1",
+     {"is_byok": True, "cost_details": {"x": 1}}),
+    ({"cost_details": {"upstream_inference_cost": "0.02"}}, 'usage.cost_details.upstream_inference_cost = "0.02"',
+     {"is_byok": True, "cost_details": {}}),
+    ({"cost_details": None}, "usage.is_byok is true without usage.cost_details.upstream_inference_cost",
+     {"is_byok": True, "cost_details": None}),
+    ({"cost": 999.0, "cost_details": {"upstream_inference_cost": 2.0}},
+     "usage.cost + usage.cost_details.upstream_inference_cost = 1001", {"is_byok": True,
+                                                                       "cost_details": {"upstream_inference_cost": 2.0}}),
+])
+def test_a_byok_answer_without_a_usable_upstream_charge_has_no_known_cost(usage, problem, kept):
+    """Booking OpenRouter's fee alone would let --max-cost pass: the cost is dropped with the
+    bad field, so it comes from [prices] (or the reservation), as for a bad usage.cost."""
+    checked = checked_usage({"usage": {"prompt_tokens": 500, "completion_tokens": 1000, "cost": 0.0, "is_byok": True}
+                                       | usage})
+    assert checked.cost is None and checked.problems == [problem]
+    assert checked.usage == {"prompt_tokens": 500, "completion_tokens": 1000} | kept
+    assert cost_of(checked.usage, None) is None  # the stored usage says the same when read again
+    assert cost_of(checked.usage, Prices(prompt=1.0, completion=2.0)) == pytest.approx(0.0025)
+
+
+def test_max_cost_stops_a_run_whose_answers_are_paid_on_the_users_own_key(tmp_path):
+    async def reply(_: int) -> web.StreamResponse:
+        return _answer(BYOK)
+
+    # [prices] far below the upstream charge: each request reserves $0.0025 at most, costs $0.02
+    summary = _run(tmp_path, 10, reply, concurrency=1, max_cost=0.05, prices=Prices(prompt=1.0, completion=2.0))
+    assert (summary.exit_code, summary.done, summary.pending) == (ExitCode.BUDGET, 3, 7)
+    assert summary.spent_total == pytest.approx(0.06) and summary.bad_usage == 0
+    with Store.open(tmp_path / "run") as store:
+        assert [a.cost for a in store.attempts("m-0")] == [0.02]
+        assert store.total_cost() == pytest.approx(0.06)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "exchanges.jsonl").read_text().splitlines()]
+    assert [r["meta"]["cost"] for r in rows] == [0.02, 0.02, 0.02]
