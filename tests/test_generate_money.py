@@ -112,3 +112,73 @@ def test_max_cost_stops_a_run_whose_answers_are_paid_on_the_users_own_key(tmp_pa
         assert store.total_cost() == pytest.approx(0.06)
     rows = [json.loads(x) for x in (tmp_path / "run" / "exchanges.jsonl").read_text().splitlines()]
     assert [r["meta"]["cost"] for r in rows] == [0.02, 0.02, 0.02]
+
+
+# --- learned prices: a cheap answer does not shrink later reservations ---------------------
+
+
+def test_a_free_answer_teaches_no_price_and_the_pricier_of_equal_ratios_is_kept():
+    from tokenbridge.generate.budget import PriceBounds
+
+    free = PriceBounds()
+    free.add(500, 1000, 0.0)
+    assert free.bound(500, 1000) is None  # unknown, not $0
+    for order in ([0.002, 0.01], [0.01, 0.002]):
+        b = PriceBounds()
+        for cost in order:
+            b.add(500, 1000, cost)
+        assert b.bound(500, 1000) == (0.01, False)
+    # a discounted answer further out kept for its ratio cannot pull a bound under what a
+    # dearer one proved: (500, 1000) costs at least $0.01 whatever the prices
+    b = PriceBounds()
+    b.add(500, 1000, 0.01)
+    b.add(100, 1000, 0.001)
+    assert b.bound(500, 1000)[0] == pytest.approx(0.01) and b.floor(250, 500) == pytest.approx(0.005)
+
+
+@pytest.mark.parametrize("first", [0.0, 0.002, 0.01])
+def test_without_prices_a_cheap_first_answer_never_lets_side_by_side_sends_pass_the_cap(first):
+    """Budget alone: 16 requests may be in flight, answers settle in order; every answer but
+    the first costs $0.01. Before, the first answer's price let 15 requests go at once."""
+    from tokenbridge.generate.budget import Budget
+
+    b = Budget(max_cost=0.05, prices=None)
+    flight: list[float] = []
+    sent = 0
+    while True:
+        r = b.admit(400, 1000) if len(flight) < 16 else None
+        if r is not None:
+            flight.append(r)
+            continue
+        if not flight:
+            break
+        cost = first if sent == 0 else 0.01
+        sent += 1
+        b.settle(flight.pop(0), cost, prompt_tokens=500, completion_tokens=1000, provider="p")
+    assert b.exhausted and b.spent <= 0.05 + 0.01 + 1e-12
+
+
+def test_answers_that_all_cost_nothing_go_one_at_a_time_under_a_cap():
+    from tokenbridge.generate.budget import Budget
+
+    b = Budget(max_cost=1.0, prices=None)
+    for _ in range(3):
+        r = b.admit(400, 1000)
+        assert r == 0.0 and b.admit(400, 1000) is None and not b.exhausted  # the second waits
+        b.settle(r, 0.0, prompt_tokens=500, completion_tokens=1000, provider="free")
+    assert b.learning_sends == 3 and b.providers == {}
+    zero = Budget(max_cost=1.0, prices=Prices(prompt=0.0, completion=0.0))
+    assert [zero.admit(400, 1000) for _ in range(3)] == [0.0, 0.0, 0.0]  # [prices] of 0: side by side
+
+
+@pytest.mark.parametrize(("first", "requests", "spent"), [(0.0, 6, 0.05), (0.002, 6, 0.052)])
+def test_a_free_or_discounted_first_answer_stops_the_run_within_one_request_of_max_cost(tmp_path, first, requests,
+                                                                                         spent):
+    async def reply(arrival: int) -> web.StreamResponse:
+        await asyncio.sleep(0.05)  # answers overlap: up to 16 requests are in flight
+        return _answer({"prompt_tokens": 500, "completion_tokens": 1000, "cost": first if arrival == 1 else 0.01})
+
+    summary = _run(tmp_path, 60, reply, concurrency=16, max_cost=0.05)
+    # before: the first answer priced every request at its own cost and 15 went at once ($0.20, $0.152)
+    assert summary.exit_code == ExitCode.BUDGET and summary.done == requests
+    assert summary.spent_total == pytest.approx(spent) and summary.spent_total <= 0.05 + 0.01 + 1e-12

@@ -22,15 +22,26 @@ Pricing the worst case
     exact price (two equations, two unknowns). The worst case is the largest over the
     providers seen.
 
-Guarantee: with ``[prices]`` the spend never exceeds ``max_cost``. Without, a request
-whose loose bound does not fit may still go, alone, while ``spent`` is under the cap (a
-"learning" send: the very first request is one), so the spend can exceed ``max_cost`` by
-at most one request's real cost (``P x a + max_tokens x n x b``); once two responses with
-different ratios bracket the requests, the cap holds exactly. (A learning send that times
-out is booked at its reservation, which is $0 before any price is known.) Assumed: a
-provider's prices do not change, cached-prompt discounts are small (a discounted response
-understates ``a``), and no unseen, pricier provider serves the next request: set
-``[prices]`` to the dearest provider's prices for a hard cap.
+Responses are not all at list price (a free or cached answer costs $0, a discounted one
+less), so what they teach is kept on the safe side: a $0 response teaches nothing, of two
+with the same ratio the pricier is kept, and no bound is below what the dearest response
+seen proves for a request of its size (``k min(P/p, C/c)``: at least that at any prices,
+discounted or not).
+
+Guarantee: with ``[prices]`` the spend never exceeds ``max_cost``. Without, learned prices
+are trusted for requests sent side by side only while they are *borne out*: the latest
+response that cost anything cost no more than the reservation they gave it. Until one is
+(the run's first responses: the first is sent before any price is known) and again after a
+response cost more (it was priced by a cheap or discounted answer, a pricier provider came,
+a price changed), and whenever a request's loose bound does not fit, a request goes only
+alone, while ``spent`` is under the cap (a "learning" send), so the spend can exceed
+``max_cost`` by at most one request's real cost (``P x a + max_tokens x n x b``); once two
+responses with different ratios bracket the requests, the cap holds exactly. (A learning
+send that times out is booked at its reservation, which is $0 before any price is known.)
+Answers that all cost $0 (a free model) never bear a price out: under a cap they go one at
+a time, and ``[prices]`` of 0 sends them side by side. Assumed: a provider's prices do not
+change, and no unseen, pricier provider serves requests sent alongside ones the learned
+prices bore out: set ``[prices]`` to the dearest provider's prices for a hard cap.
 
 Without a cap nothing waits, but a request whose worst case is known exactly (``[prices]``, or
 two learned responses that bracket it) still reserves it, so what it may cost silently is booked
@@ -86,35 +97,72 @@ def estimate_prompt_tokens(request_json: str) -> int:
     return len(request_json.encode("utf-8", "surrogatepass")) + PROMPT_OVERHEAD_TOKENS
 
 
-def _ratio(obs: tuple[int, int, float]) -> float:
+_Obs = tuple[int, int, float]  # (prompt tokens, completion tokens, USD) of one priced response
+
+
+def _ratio(obs: _Obs) -> float:
     p, c, _ = obs
     return p / c if c else float("inf")
 
 
+def _per_token(obs: _Obs) -> float:
+    p, c, k = obs
+    return k / (p + c)
+
+
+def _replaces(obs: _Obs, kept: _Obs | None, more_extreme: bool) -> bool:
+    """Whether ``obs`` takes ``kept``'s place: its ratio is further out, or the same and it is
+    pricier (a cached or discounted answer must not stand for its ratio while a dearer one seen does)."""
+    if kept is None or more_extreme:
+        return True
+    return _ratio(obs) == _ratio(kept) and _per_token(obs) > _per_token(kept)
+
+
 @dataclass
 class PriceBounds:
-    """One provider's price knowledge: its most prompt-heavy and most completion-heavy response."""
+    """One provider's price knowledge: its most prompt-heavy and most completion-heavy
+    response, and its dearest per token."""
 
-    lo: tuple[int, int, float] | None = None  # smallest prompt/completion ratio
-    hi: tuple[int, int, float] | None = None  # largest
+    lo: _Obs | None = None  # smallest prompt/completion ratio (the pricier of equals)
+    hi: _Obs | None = None  # largest
+    dear: _Obs | None = None  # largest USD per token
 
     def add(self, prompt_tokens: int, completion_tokens: int, cost: float) -> None:
-        if prompt_tokens < 0 or completion_tokens < 0 or cost < 0 or not (prompt_tokens or completion_tokens):
+        """Learn from one response. One that cost $0 (a free or cached answer) teaches no
+        price: kept, it would price every later request of its ratio at $0."""
+        if prompt_tokens < 0 or completion_tokens < 0 or not cost > 0 or not (prompt_tokens or completion_tokens):
             return
         obs = (prompt_tokens, completion_tokens, cost)
-        if self.lo is None or _ratio(obs) < _ratio(self.lo):
+        if _replaces(obs, self.lo, self.lo is not None and _ratio(obs) < _ratio(self.lo)):
             self.lo = obs
-        if self.hi is None or _ratio(obs) > _ratio(self.hi):
+        if _replaces(obs, self.hi, self.hi is not None and _ratio(obs) > _ratio(self.hi)):
             self.hi = obs
+        if self.dear is None or _per_token(obs) > _per_token(self.dear):
+            self.dear = obs
 
     def bound(self, prompt: int, completion: int) -> tuple[float, bool] | None:
-        """(USD no request of this size can exceed, whether it is exact), or None if unbounded."""
-        best: float | None = None
-        for p, c, k in {obs for obs in (self.lo, self.hi) if obs is not None}:
-            if (prompt and not p) or (completion and not c):
-                continue  # this response says nothing about one of the prices
-            y = max(prompt / p if prompt else 0.0, completion / c if completion else 0.0)
-            best = y * k if best is None else min(best, y * k)
+        """(USD no request of this size can exceed, whether it is exact), or None if unbounded.
+        Never below :meth:`floor`: a discounted response kept for its ratio cannot pull it under
+        what a dearer one proved."""
+        upper = self._upper(prompt, completion)
+        if upper is None:
+            return None
+        return max(upper[0], self.floor(prompt, completion)), upper[1]
+
+    def floor(self, prompt: int, completion: int) -> float:
+        """What a request of this size costs at least, by the responses kept: one that is
+        ``y = min(P/p, C/c)`` times as large as response (p, c, k) in both token kinds costs at
+        least ``y k`` at any non-negative prices, even if that response was discounted."""
+        best = 0.0
+        for p, c, k in {obs for obs in (self.lo, self.hi, self.dear) if obs is not None}:
+            y = min(prompt / p if p else float("inf"), completion / c if c else float("inf"))
+            best = max(best, y * k)
+        return best
+
+    def _upper(self, prompt: int, completion: int) -> tuple[float, bool] | None:
+        """The LP bound of the module docstring: the two kept responses' exact combination when
+        they bracket the request (the least of all bounds when the prices are fixed; taken as it
+        is, not the least, when responses disagree), else the least single-response bound."""
         if self.lo is not None and self.hi is not None and self.lo != self.hi:
             (p1, c1, k1), (p2, c2, k2) = self.lo, self.hi
             det = p1 * c2 - p2 * c1
@@ -122,8 +170,13 @@ class PriceBounds:
                 y1 = (prompt * c2 - completion * p2) / det
                 y2 = (completion * p1 - prompt * c1) / det
                 if y1 >= 0 and y2 >= 0:
-                    exact = y1 * k1 + y2 * k2
-                    return (exact if best is None else min(best, exact)), True
+                    return y1 * k1 + y2 * k2, True
+        best: float | None = None
+        for p, c, k in {obs for obs in (self.lo, self.hi) if obs is not None}:
+            if (prompt and not p) or (completion and not c):
+                continue  # this response says nothing about one of the prices
+            y = max(prompt / p if prompt else 0.0, completion / c if completion else 0.0)
+            best = y * k if best is None else min(best, y * k)
         return (best, False) if best is not None else None
 
 
@@ -141,14 +194,17 @@ class Budget:
     unpriced: bool = False  # a cap is set but responses carry no cost and there is no price table
     learning_sends: int = 0  # requests sent alone because their price was not known well enough
     providers: dict[str, PriceBounds] = field(default_factory=dict)
+    borne_out: bool = False  # the latest answer that cost anything cost no more than its learned reservation
 
     @property
     def total(self) -> float:
         return self.spent + self.possible
 
     def observe(self, provider: str | None, prompt_tokens: int, completion_tokens: int, cost: float) -> None:
-        """Learn from one priced response (also fed from the store when a run resumes)."""
-        self.providers.setdefault(provider or "", PriceBounds()).add(prompt_tokens, completion_tokens, cost)
+        """Learn from one priced response (also fed from the store when a run resumes); one
+        that cost $0 teaches nothing (see :meth:`PriceBounds.add`), so it names no provider."""
+        if cost > 0:
+            self.providers.setdefault(provider or "", PriceBounds()).add(prompt_tokens, completion_tokens, cost)
 
     def reservation(self, prompt_tokens: int, completion_tokens: int) -> tuple[float, bool] | None:
         """(worst-case USD for one request, exact?), or None when nothing is known yet to price it."""
@@ -181,7 +237,8 @@ class Budget:
                 self.exhausted = True
             return None
         est = self.reservation(prompt_tokens, completion_tokens)
-        if est is not None and self.total + self.reserved + est[0] <= self.max_cost:
+        trusted = self.prices is not None or self.borne_out  # else only alone (see the module docstring)
+        if est is not None and trusted and self.total + self.reserved + est[0] <= self.max_cost:
             return self._reserve(est[0])
         if self.in_flight:
             return None  # wait: a settling request frees its reservation (or teaches a price)
@@ -220,6 +277,8 @@ class Budget:
             cost, possible = None, True  # never book a negative/NaN figure: it would lift the cap
         if cost is not None:
             self.spent += cost
+            if self.prices is None and cost > 0:  # did the learned prices foresee it? ($0 says nothing)
+                self.borne_out = reservation > 0 and cost <= reservation * (1 + 1e-9)
             if self.prices is None and isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
                 self.observe(provider, prompt_tokens, completion_tokens, cost)
             return None

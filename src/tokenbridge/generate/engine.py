@@ -385,8 +385,8 @@ class Engine:
             self._abandon(item)
             return
         if self.budget.learning_sends > 1:
-            self._notice("budget: no [prices] and the prices learned so far are loose: sending one request "
-                         "at a time until two responses pin them down (the cap may be passed by one request)")
+            self._notice("budget: no [prices], and the prices learned so far are loose or not yet borne out by a "
+                         "response: sending one request at a time meanwhile (the cap may be passed by one request)")
         item.granted_at = await self.limiter.acquire()
         if self._stopping:  # stopped while waiting for a slot: send nothing new
             self.limiter.release()
