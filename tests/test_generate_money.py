@@ -182,3 +182,20 @@ def test_a_free_or_discounted_first_answer_stops_the_run_within_one_request_of_m
     # before: the first answer priced every request at its own cost and 15 went at once ($0.20, $0.152)
     assert summary.exit_code == ExitCode.BUDGET and summary.done == requests
     assert summary.spent_total == pytest.approx(spent) and summary.spent_total <= 0.05 + 0.01 + 1e-12
+
+
+# --- limits: a timeout names the setting that set it --------------------------------------
+
+
+@pytest.mark.parametrize(("limits", "named"), [
+    ({"timeout_s": 0.3, "attempt_timeout_s": 900.0}, "timeout_s=0.3"),
+    ({"timeout_s": 900.0, "attempt_timeout_s": 0.3}, "attempt_timeout_s=0.3"),
+])
+def test_a_timeout_names_the_setting_whose_limit_fired(tmp_path, limits, named):
+    async def reply(_: int) -> web.StreamResponse:
+        await asyncio.sleep(5)
+        return _answer({"prompt_tokens": 5, "completion_tokens": 3, "cost": 0.001})
+
+    summary = _run(tmp_path, 1, reply, max_attempts=1, **limits)
+    assert summary.failures == [{"id": "m-0", "error_class": "timeout",
+                                 "error": f"gave up after 1 attempts: attempt took longer than {named} s in all"}]

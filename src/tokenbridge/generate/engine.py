@@ -510,7 +510,7 @@ class Engine:
         status: int | None = None
         headers: Any = {}
         parsed: Any = None
-        total = self.s.attempt_timeout_s if stream else min(self.s.timeout_s, self.s.attempt_timeout_s)
+        limit, total = _attempt_limit(self.s, stream)
         deadline = asyncio.timeout(total)
         try:
             wire = wire_body(item.request_json, stream=stream)
@@ -535,7 +535,7 @@ class Engine:
             outcome = classify_too_large(status, headers, exc)
         except TimeoutError as exc:
             if deadline.expired():
-                outcome = Outcome("retry", "timeout", f"attempt took longer than attempt_timeout_s={total:g} s in all",
+                outcome = Outcome("retry", "timeout", f"attempt took longer than {limit}={total:g} s in all",
                                   status, maybe_billed=True)
             else:
                 outcome = classify_exception(exc)
@@ -792,6 +792,14 @@ def _fold(asm: StreamAssembler, events: Iterable[SSEEvent], failure: ValueError 
 def _usage_part(asm: StreamAssembler) -> dict[str, Any] | None:
     """The stream's last usage as a body to read it from, when one came (what bills a stream not kept)."""
     return {"usage": asm.top["usage"]} if asm.top.get("usage") is not None else None
+
+
+def _attempt_limit(s: GenerateSettings, stream: bool) -> tuple[str, float]:
+    """(the setting that bounds one attempt in all, its seconds): ``attempt_timeout_s``, or for
+    a non-streamed attempt ``timeout_s`` when it is shorter, so a timeout names what to raise."""
+    if not stream and s.timeout_s < s.attempt_timeout_s:
+        return "timeout_s", s.timeout_s
+    return "attempt_timeout_s", s.attempt_timeout_s
 
 
 def _unkept(status: int | None, outcome: Outcome, received: bytes | None) -> bytes | None:
