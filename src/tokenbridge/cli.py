@@ -531,6 +531,7 @@ def probe(
     from rich.console import Console
 
     from .generate import GenerateError, probe as _probe, read_api_key, render_table
+    from .generate.secrets import scrub
     from .generate.run import is_local_url
     from .generate.settings import MAX_RESPONSE_BYTES, check_base_url, normalize_reasoning
     from .outdir import existing_inputs
@@ -558,7 +559,7 @@ def probe(
     Console(highlight=False).print(render_table(reports))
     Console(highlight=False).print(render_profiles(reports))
     if json_out:
-        data = {"model": model, "base_url": base_url, "providers": [r.to_dict() for r in reports]}
+        data = {"model": model, "base_url": scrub(base_url, key), "providers": [r.to_dict() for r in reports]}
         _write_summary(json_out, data, "--json", "probe-json")
     # answered nothing, and not because it serves no such endpoint (the table says "none" there)
     silent = [r.provider for r in reports if not any(c.ok for c in r.calls) and r.available is not False]

@@ -266,6 +266,7 @@ class Engine:
         self._session = session
         self._log = log
         self._url = settings.base_url.rstrip("/") + "/chat/completions"
+        self._stored_url = scrub(settings.base_url, key)  # a gateway may take the key in the path
         self._headers = {"Content-Type": "application/json", **dict(settings.headers)}
         if key is not None:
             self._headers["Authorization"] = f"Bearer {key.value}"
@@ -563,7 +564,7 @@ class Engine:
             finished_at=time.time(),
             attempts=n,
             stream=streamed,
-            base_url=self.s.base_url,
+            base_url=self._stored_url,
         )
         return outcome, record, attempt, usage
 

@@ -167,7 +167,7 @@ async def agenerate_run(
             stale.unlink(missing_ok=True)
         store = Store.open(out_dir)
         try:
-            ready = _begin(store, rows, settings, force_settings, reporter, out_dir)
+            ready = _begin(store, rows, settings, key, force=force_settings, reporter=reporter, out_dir=out_dir)
             del rows
             engine = Engine(settings, key, store, ready.budget, session=session, log=reporter.log)
             if ready.already_done:
@@ -203,6 +203,13 @@ def _load_rows(settings: GenerateSettings, reporter: Reporter) -> tuple[list[_Ro
     return rows, [str(e) for e in loaded.errors]
 
 
+def _described(settings: GenerateSettings, key: ApiKey | None) -> dict[str, Any]:
+    """The settings as the store's run log keeps them, with the key masked wherever it sits
+    (a gateway that takes it in ``base_url``'s path puts it there)."""
+    described: dict[str, Any] = json.loads(scrub(json.dumps(settings.describe()), key))
+    return described
+
+
 @dataclass
 class _Begun:
     """A run recorded in the store: its samples, what is left to send, the budget so far."""
@@ -217,15 +224,16 @@ class _Begun:
     kept_old: int
 
 
-def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, force: bool, reporter: Reporter,
-           out_dir: Path) -> _Begun:
+def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, key: ApiKey | None, *, force: bool,
+           reporter: Reporter, out_dir: Path) -> _Begun:
     """Add the samples, check the stored ones against these settings, record the run and
     reopen the failed ones (a store that cannot be written is a StoreError, exit 6)."""
     try:
         rows, ids = keep_stored_ids(rows, store.statuses())  # ids from before the prefix fix
-        changed, kept_old = _reconcile(store, rows, ids, settings, force=force, reporter=reporter, out_dir=out_dir)
+        changed, kept_old = _reconcile(store, rows, ids, settings, key, force=force, reporter=reporter,
+                                       out_dir=out_dir)
         kill_point("generate:samples added")
-        run = store.begin_run(settings.describe())
+        run = store.begin_run(_described(settings, key))
         kill_point("generate:run begun")
         store.reopen_failed(ids)
         kill_point("generate:failed reopened")
@@ -372,6 +380,7 @@ def _reconcile(
     rows: list[tuple[str, str, str, str]],
     ids: list[str],
     settings: GenerateSettings,
+    key: ApiKey | None,
     *,
     force: bool,
     reporter: Reporter,
@@ -383,13 +392,15 @@ def _reconcile(
     another API (``base_url``, see :func:`~.settings.endpoint_identity`) is refused with
     :class:`SettingsChanged` unless ``force``; then it keeps its stored answer. A sample
     not done yet takes the new request. Returns (samples whose request changed, done
-    samples kept from other settings).
+    samples kept from other settings). Base URLs are compared and shown with ``key``
+    masked, as they are stored.
     """
     diffs = store.diff_requests(rows)
     new_request = {r[0]: r[3] for r in rows} if diffs else {}
     done_diffs = [(sid, old) for sid, status, old in diffs if status == "done"]
-    here = endpoint_identity(settings.base_url)
-    other_urls = {u: v for u, v in store.done_base_urls(ids).items() if u is not None and endpoint_identity(u) != here}
+    here = endpoint_identity(scrub(settings.base_url, key))
+    other_urls = {u: v for u, v in store.done_base_urls(ids).items()
+                  if u is not None and endpoint_identity(scrub(u, key)) != here}
     kept_old = len(done_diffs) + sum(n for n, _ in other_urls.values())
     if (done_diffs or other_urls) and not force:
         what = []
@@ -397,7 +408,7 @@ def _reconcile(
             sid, old = done_diffs[0]
             what.append(f"{len(done_diffs)} with another request ({_request_delta(old, new_request[sid])}, e.g. {sid})")
         for url, (n, sid) in other_urls.items():
-            what.append(f"{n} answered by {url} (now {settings.base_url}, e.g. {sid})")
+            what.append(f"{n} answered by {scrub(url, key)} (now {scrub(settings.base_url, key)}, e.g. {sid})")
         raise SettingsChanged(
             f"{out_dir}: done samples were generated with other settings: {'; '.join(what)}. "
             "Use a new --out, or --force-settings to keep those answers and send only the rest with these settings"

@@ -395,7 +395,8 @@ class GenerateSettings:
         return override_settings(self, overrides)
 
     def describe(self) -> dict[str, Any]:
-        """JSON-able view for the store's run log (contains no secret: only the env name)."""
+        """JSON-able view for the store's run log (the key is not a setting, only its env name;
+        a ``base_url`` that holds it is masked by the run before this is stored)."""
         d = asdict(self)
         d["datasets"] = [{**asdict(s), "path": str(s.path)} for s in self.datasets]
         out: dict[str, Any] = json.loads(json.dumps(d, default=str))
