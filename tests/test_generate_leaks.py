@@ -1,4 +1,4 @@
-"""The key in places a run writes without reading them as answers: the base URL's path."""
+"""The key where a plain search misses it: in the base URL's path, in a UTF-16 error body."""
 
 from __future__ import annotations
 
@@ -77,6 +77,56 @@ def _every_stored_byte(run: Path) -> bytes:
     for table, col in (("attempts", "body"), ("responses", "raw_stream")):
         data += b"".join(zlib.decompress(b) for (b,) in con.execute(f"SELECT {col} FROM {table} WHERE {col} IS NOT NULL"))
     return data
+
+
+def _leaks(data: bytes) -> list[str]:
+    """Each byte spelling of a 16-character piece of the key found in ``data`` (test oracle)."""
+    piece = SECRET[9:25]
+    spellings = ["utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"]
+    return [codec for codec in spellings if piece.encode(codec) in data]
+
+
+# --- the key in a body sent in a wide charset ---------------------------------------------
+
+
+@pytest.mark.parametrize(("codec", "declared"), [("utf-16", "utf-16"), ("utf-16-be", "utf-16be"),
+                                                 ("utf-32", "utf-32"), ("utf-16", None), ("utf-16-le", None)])
+def test_a_utf16_error_body_quoting_the_key_is_masked_everywhere_it_goes(tmp_path, capsys, codec, declared):
+    """A 400 sent as UTF-16 that quotes the Authorization header: read as UTF-8 its text put a
+    NUL beside each of the key's characters, and the key reached the terminal, generate.json,
+    samples.error and attempts.message. Decoded by its charset (declared, or by its BOM or its
+    NULs), it reads as text and is masked as text."""
+    async def reply(request: web.Request) -> web.StreamResponse:
+        body = json.dumps({"error": {"code": 400, "message": "bad key " + request.headers["Authorization"]}})
+        ctype = "application/json" + (f"; charset={declared}" if declared else "")
+        return web.Response(status=400, body=body.encode(codec), headers={"Content-Type": ctype})
+
+    _, summary = _run(tmp_path, 1, reply)
+    assert summary.failures == [{"id": "l-0", "error_class": "http_400", "error": "bad key Bearer ***"}]
+    con = sqlite3.connect(tmp_path / "run" / "state.sqlite")
+    assert con.execute("SELECT error FROM samples").fetchall() == [("bad key Bearer ***",)]
+    assert con.execute("SELECT message FROM attempts").fetchall() == [("bad key Bearer ***",)]
+    assert _leaks(_every_stored_byte(tmp_path / "run")) == []
+    out = capsys.readouterr()
+    assert _leaks((out.out + out.err).encode("utf-8", "surrogatepass")) == []
+
+
+def test_a_paid_utf16_answer_is_read_for_its_usage_and_kept_masked_in_its_attempt_row(tmp_path):
+    """A 200 sent as UTF-16 is not kept (not UTF-8), but it was billed: its usage is read by
+    its charset, and its bytes stay in the attempt row with the key masked in UTF-16."""
+    async def reply(request: web.Request) -> web.StreamResponse:
+        doc = json.loads(_ok().text)
+        doc["choices"][0]["message"]["content"] = "echo " + request.headers["Authorization"]
+        return web.Response(body=json.dumps(doc).encode("utf-16"),
+                            headers={"Content-Type": "application/json; charset=utf-16"})
+
+    _, summary = _run(tmp_path, 1, reply)
+    assert summary.failed == 1 and summary.spent_total == pytest.approx(0.0001)
+    con = sqlite3.connect(tmp_path / "run" / "state.sqlite")
+    (body,) = con.execute("SELECT body FROM attempts").fetchone()
+    stored = json.loads(zlib.decompress(body).decode("utf-16"))
+    assert stored["choices"][0]["message"]["content"] == "echo Bearer ***"
+    assert _leaks(_every_stored_byte(tmp_path / "run")) == []
 
 
 # --- the key in base_url's path -----------------------------------------------------------

@@ -176,3 +176,31 @@ def test_html_character_references_of_a_key_are_masked(key, picks):
     text = "".join(spelled(ch, pick) for ch, pick in zip(key, picks * len(key)))
     assert html.unescape(text) == key or "&" in key
     assert scrub(f"<< {text} >>", key) == "<< *** >>"
+
+
+_WIDE_CODECS = ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(KEYS, st.sampled_from(_WIDE_CODECS), st.sampled_from(["raw", "json", "url", "hex"]), st.lists(
+    st.integers(0, 3), min_size=1, max_size=8), st.sampled_from([b"", b"x", b"xyz"]))
+def test_a_key_in_a_wide_charset_is_masked_in_it(key, codec, spelling, picks, lead):
+    """An error page sent ``charset=utf-16`` (or UTF-32) quoting the header: a NUL beside
+    every ASCII character hid the key from every spelling. Each spelling is found in the
+    wide text, at any byte offset, and the mask is written in that charset (the text decodes)."""
+    spelled = {"raw": key, "json": _json_spelled(key, picks), "url": "".join(f"%{b:02X}" for b in key.encode()),
+               "hex": key.encode().hex()}[spelling]
+    data = lead + f"<< {spelled} >>".encode(codec)
+    masked = scrub_bytes(data, key)
+    assert masked[: len(lead)] == lead and masked[len(lead) :].decode(codec) == "<< *** >>"
+
+
+def test_a_key_in_a_utf16_json_error_body_is_masked_and_the_body_stays_json():
+    key = "sk-or-v1-" + "0123456789abcdef" * 4
+    for codec in _WIDE_CODECS:
+        body = json.dumps({"error": {"code": 400, "message": f"bad key Bearer {key}"}}).encode(codec)
+        assert json.loads(scrub_bytes(body, key).decode(codec)) == {"error": {"code": 400, "message": "bad key Bearer ***"}}
+    nul_interleaved = "bad key " + "\x00".join(key) + "\x00 end"  # UTF-16 read as UTF-8: what a message held
+    assert scrub(nul_interleaved, key) == "bad key *\x00*\x00*\x00 end"
+    prose = "short ones stay: " + "\x00".join(key[:MIN_MASKED - 1]) + "\x00"
+    assert scrub(prose, key) == prose

@@ -42,7 +42,9 @@ body that is not JSON at all comes back with nothing, and is booked at its reser
 from __future__ import annotations
 
 import asyncio
+import codecs
 import dataclasses
+import email.message
 import email.utils
 import json
 import time
@@ -101,7 +103,7 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
 ) -> tuple[Outcome, dict[str, Any] | None]:
     retry_after = parse_retry_after(headers.get("Retry-After") or headers.get("retry-after"))
     if status != 200:
-        text = _text(body)
+        text = _text(body, headers)
         parsed = _parse_json(text)
         message = _error_message(parsed, text, key) or f"HTTP {status}"
         return _by_status(status, message, retry_after), parsed
@@ -109,13 +111,13 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
         # which nearly every 200 passes, so its body is parsed once
         parsed = check_body(body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass"))
     except BodyError as exc:  # not kept, but billed: its leniently read usage still counts
-        text = _text(body)
+        text = _text(body, headers)
         lenient = _parse_json(text)
         if lenient is None:
             return Outcome("retry", "bad_json", f"response is not JSON: {_clip(text, key)!r}", status), None
         return Outcome("retry", "bad_json", str(exc), status), lenient if isinstance(lenient, dict) else None
     if parsed.get("error") is not None:  # an error body, choices beside it or not
-        return _error_body(parsed, _text(body), key, retry_after), parsed
+        return _error_body(parsed, _text(body, headers), key, retry_after), parsed
     choices = parsed.get("choices")
     if not isinstance(choices, list) or not choices:
         return Outcome("retry", "no_choices", "response has no choices", status), parsed
@@ -145,9 +147,48 @@ def _error_body(parsed: dict[str, Any], text: str, key: ApiKey | str | None, ret
     return dataclasses.replace(outcome, maybe_billed=True) if parsed.get("choices") else outcome
 
 
-def _text(body: bytes | str) -> str:
-    """The body as text, for messages and the lenient read (a kept answer never needs it)."""
-    return body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+def _text(body: bytes | str, headers: Mapping[str, str]) -> str:
+    """The body as text, for messages and the lenient read (a kept answer never needs it):
+    decoded by the charset its ``Content-Type`` declares (an error page sent as UTF-16 read
+    as UTF-8 put a NUL beside every character, the key's too), else by its byte-order mark
+    or the NULs of JSON's first characters (RFC 4627), else as UTF-8."""
+    if isinstance(body, str):
+        return body
+    return body.decode(_charset(headers.get("Content-Type") or headers.get("content-type") or "", body),
+                       errors="replace")
+
+
+#: The charsets an error page is read in; any other declared one is read as UTF-8 (a text
+#: codec Python knows is not thereby a charset a server meant, e.g. ``unicode_escape``).
+_CHARSETS = frozenset({"utf-8", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be", "ascii",
+                       "iso8859-1", "cp1252"})
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def _charset(content_type: str, body: bytes) -> str:
+    """The codec to read ``body`` with (see :func:`_text`)."""
+    message = email.message.Message()
+    message["Content-Type"] = content_type
+    declared = message.get_param("charset")
+    if isinstance(declared, str):
+        try:
+            name = codecs.lookup(declared.strip()).name
+        except (LookupError, ValueError):
+            name = ""
+        if name in _CHARSETS:
+            return "utf-8-sig" if name == "utf-8" else name  # a BOM is no character of the text
+    for bom, name in _BOMS:
+        if body.startswith(bom):
+            return name
+    head = body[:4]
+    if len(head) == 4 and head.count(0) == 3:
+        return "utf-32-be" if head[3] else "utf-32-le"
+    if len(head) == 4 and head[0] == head[2] == 0:
+        return "utf-16-be"
+    if len(head) == 4 and head[1] == head[3] == 0:
+        return "utf-16-le"
+    return "utf-8"
 
 
 #: What an HTTP attempt's transport can raise: aiohttp's errors, sockets and timeouts

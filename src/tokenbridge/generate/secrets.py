@@ -19,7 +19,10 @@ reads it (:class:`_Reading`):
   * hex, either case (a server dumping the request's header bytes);
   * base64 (standard and URL-safe alphabet) at each of the three byte alignments, so the
     key inside a longer encoded blob (``Basic ...``, ``Bearer ...``) is caught too, with
-    line breaks anywhere in it (MIME wraps every 76 characters), raw or JSON-escaped.
+    line breaks anywhere in it (MIME wraps every 76 characters), raw or JSON-escaped;
+  * in bytes, each of these as UTF-16 or UTF-32 text, either byte order (an error page sent
+    ``charset=utf-16`` quoting the header): a NUL beside every ASCII character hid the key
+    from every other spelling. The mask is written in that charset too.
 
 A shorter run is left as it is: ``sk-or-v1-`` and a few characters more is how keys are
 named in prose, and as likely in a model's answer as in an echo. Callers mask *before*
@@ -128,6 +131,96 @@ def scrub_bytes(data: bytes, key: ApiKey | str | None) -> bytes:
     value = key.value if isinstance(key, ApiKey) else key
     if not value or not data or len(value) < MIN_MASKED:
         return data
+    if b"\0" in data:  # UTF-8 text holds no NUL; text in a wide charset holds one beside every ASCII character
+        data = _scrub_wide(data, value)
+    return _scrub_narrow(data, value)
+
+
+#: The wide charsets a server may send text in (``Content-Type: ...; charset=utf-16``), each
+#: byte order. :func:`_scrub_wide` reads a text in each; a misaligned read of UTF-16 is the
+#: other byte order's, so a key is found at either alignment.
+_WIDE = ("utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be")
+
+
+def _scrub_wide(data: bytes, value: str) -> bytes:
+    """``data`` with every spelling of the key masked in text encoded in a wide charset, the
+    mask in that charset too (so the text still decodes). Where two readings overlap (UTF-16
+    read one byte off is the other byte order), the one that masks more wins."""
+    found = sorted((start, end, codec) for codec in _WIDE for start, end in _wide_spans(data, value, codec))
+    if not found:
+        return data
+    taken: list[tuple[int, int, str]] = []
+    for start, end, codec in found:  # each reading's spans are apart: only another's overlap
+        if taken and start < taken[-1][1]:
+            if end - start > taken[-1][1] - taken[-1][0]:
+                taken[-1] = (start, end, codec)
+            continue
+        taken.append((start, end, codec))
+    out: list[bytes] = []
+    last = 0
+    for start, end, codec in taken:
+        out += (data[last:start], _MASK.encode(codec))
+        last = end
+    out.append(data[last:])
+    return b"".join(out)
+
+
+def _wide_spans(data: bytes, value: str, codec: str) -> list[tuple[int, int]]:
+    """Where ``data``, read as ``codec``, spells the key: the stretches of characters a
+    spelling can hold are decoded and searched together as UTF-8 text is, and each span
+    found is mapped back to the bytes it was read from."""
+    stretches = [m.span() for m in _wide_stretch(value, codec).finditer(data)]
+    # decoded in one go, a NUL between stretches (no spelling holds one: no run spans two)
+    joined = "\0".encode(codec).join(data[start:end] for start, end in stretches).decode(codec).encode("utf-8")
+    spans = _masked_spans(joined, value)
+    if not spans:
+        return []
+    starts = [0]
+    for text in joined.split(b"\0"):
+        starts.append(starts[-1] + len(text) + 1)
+    out = []
+    for start, end in spans:
+        i = bisect.bisect_right(starts, start) - 1
+        text = joined[starts[i] : starts[i + 1] - 1]
+        at = stretches[i][0] + len(text[: start - starts[i]].decode("utf-8").encode(codec))
+        out.append((at, at + len(text[start - starts[i] : end - starts[i]].decode("utf-8").encode(codec))))
+    return out
+
+
+@lru_cache(maxsize=16)
+def _wide_stretch(value: str, codec: str) -> re.Pattern[bytes]:
+    """A run of characters, encoded in ``codec``, that a spelling of the key may hold: enough
+    of them to hold MIN_MASKED UTF-8 bytes (a character is at most four)."""
+    spelling = _forms(value).spelling
+    ascii_class = re.escape(bytes(b for b in range(0x80) if spelling[b] == ord("a")))
+    unit = "A".encode(codec)
+    at = unit.index(b"A")
+    units = [re.escape(unit[:at]) + b"[" + ascii_class + b"]" + re.escape(unit[at + 1 :])]
+    units += [re.escape(ch.encode(codec)) for ch in sorted(set(value)) if not ch.isascii()]
+    least = MIN_MASKED if value.isascii() else -(-MIN_MASKED // 4)
+    return re.compile(b"(?:" + b"|".join(units) + b"){%d,}" % least)
+
+
+def _scrub_narrow(data: bytes, value: str) -> bytes:
+    """:func:`scrub_bytes` over text as UTF-8 (or any ASCII-compatible charset) spells it."""
+    spans = _masked_spans(data, value)
+    return _spliced(data, spans) if spans else data
+
+
+def _spliced(data: bytes, spans: list[tuple[int, int]]) -> bytes:
+    """``data`` with each of ``spans`` (in order, apart) replaced by the mask."""
+    out: list[bytes] = []
+    last = 0
+    for start, end in spans:
+        out += (data[last:start], _MASK.encode())
+        last = end
+    out.append(data[last:])
+    return b"".join(out)
+
+
+def _masked_spans(data: bytes, value: str) -> list[tuple[int, int]]:
+    """Where ``data`` spells MIN_MASKED or more characters of the key (see the module
+    docstring), in order, overlapping ones merged."""
     forms = _forms(value)
     stretches = [m.span() for m in _STRETCH.finditer(data.translate(forms.spelling))]
     joined = b" ".join(data[start:end] for start, end in stretches)
@@ -137,15 +230,7 @@ def scrub_bytes(data: bytes, key: ApiKey | str | None) -> bytes:
         if runs:  # rare: the common case ends without mapping anything back
             wheres = [_joins(stretches), *reading.wheres(joined)]
             spans += [_original(_back(span, wheres), data) for span in runs]
-    if not spans:
-        return data
-    out: list[bytes] = []
-    last = 0
-    for start, end in _merged(spans):
-        out += (data[last:start], _MASK.encode())
-        last = end
-    out.append(data[last:])
-    return b"".join(out)
+    return _merged(spans)
 
 
 #: (view start, view end, data start, data end): that part of a view (text as a decoder
