@@ -1,8 +1,9 @@
-"""The key where a plain search misses it: in the base URL's path, in a UTF-16 error body."""
+"""The key where a plain search misses it: in the base URL's path, a UTF-16 body, a gzip body."""
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import sqlite3
 import zlib
@@ -16,7 +17,7 @@ from typer.testing import CliRunner
 from conftest import write_prompts
 from tokenbridge.cli import app
 from tokenbridge.generate import GenerateSettings, RequestSettings, SettingsChanged, agenerate_run
-from tokenbridge.generate.secrets import ApiKey
+from tokenbridge.generate.secrets import ApiKey, compressed_key
 from tokenbridge.generate.settings import DatasetSpec
 
 SECRET = "sk-or-v1-" + "0123456789abcdef" * 4
@@ -127,6 +128,60 @@ def test_a_paid_utf16_answer_is_read_for_its_usage_and_kept_masked_in_its_attemp
     stored = json.loads(zlib.decompress(body).decode("utf-16"))
     assert stored["choices"][0]["message"]["content"] == "echo Bearer ***"
     assert _leaks(_every_stored_byte(tmp_path / "run")) == []
+
+
+# --- the key in a gzip body sent without Content-Encoding --------------------------------
+
+
+def _gzip_reply(echo_key: bool) -> Reply:
+    async def reply(request: web.Request) -> web.StreamResponse:
+        text = json.dumps({"error": "x", "echo": request.headers["Authorization"] if echo_key else "nothing"})
+        return web.Response(body=gzip.compress(text.encode(), mtime=0), headers={"Content-Type": "application/json"})
+    return reply
+
+
+def test_a_gzip_body_that_holds_the_key_is_not_kept_in_its_attempt_row(tmp_path):
+    """Stored as received, the bytes kept the key compressed, where no spelling shows it. A
+    body that holds it is not kept: the attempt row says why instead, as for a stream."""
+    size = len(gzip.compress(json.dumps({"error": "x", "echo": f"Bearer {SECRET}"}).encode(), mtime=0))
+    _, summary = _run(tmp_path, 1, _gzip_reply(echo_key=True))
+    note = "is gzip that holds the API key"
+    assert summary.failures[0]["error"] == (f"gave up after 1 attempts: response is gzip-compressed but says no "
+                                            f"Content-Encoding ({size} bytes) (its body {note}: not kept)")
+    assert f"a paid answer that was not kept {note}: its bytes are not kept in its attempt row" in summary.notices
+    con = sqlite3.connect(tmp_path / "run" / "state.sqlite")
+    assert con.execute("SELECT body FROM attempts").fetchall() == [(None,)]
+
+
+def test_a_gzip_body_without_the_key_is_kept_as_received(tmp_path):
+    sent = gzip.compress(json.dumps({"error": "x", "echo": "nothing"}).encode(), mtime=0)
+    _, summary = _run(tmp_path, 1, _gzip_reply(echo_key=False))
+    assert summary.failures[0]["error"] == ("gave up after 1 attempts: response is gzip-compressed but says no "
+                                            f"Content-Encoding ({len(sent)} bytes)")
+    con = sqlite3.connect(tmp_path / "run" / "state.sqlite")
+    assert [zlib.decompress(b) for (b,) in con.execute("SELECT body FROM attempts")] == [sent]
+
+
+def test_compressed_key_looks_inside_gzip_within_the_limit():
+    holds = "is gzip that holds the API key"
+    inner = f'{{"echo": "{SECRET}"}}'.encode()
+    assert compressed_key(gzip.compress(inner), SECRET, limit=1000) == holds
+    assert compressed_key(gzip.compress(gzip.compress(inner)), SECRET, limit=1000) == holds  # nested
+    assert compressed_key(gzip.compress(b"ok") + gzip.compress(inner), SECRET, limit=1000) == holds  # a second member
+    assert compressed_key(gzip.compress(inner.decode().encode("utf-16")), SECRET, limit=1000) == holds
+    assert compressed_key(gzip.compress(b"plain"), SECRET, limit=1000) is None
+    assert compressed_key(inner, SECRET, limit=1000) is None  # no gzip: scrub_bytes's business
+    assert compressed_key(gzip.compress(inner), None, limit=1000) is None
+    bomb = gzip.compress(b"0" * 10_000_000)
+    assert compressed_key(bomb, SECRET, limit=1 << 20) == ("is gzip that does not inflate within 1048576 bytes, "
+                                                           "so it cannot be checked for the API key")
+    assert compressed_key(gzip.compress(inner)[:-12], SECRET, limit=1000).startswith("is gzip that does not inflate")
+    deep = b"x"
+    for _ in range(4):
+        deep = gzip.compress(deep)
+    assert compressed_key(deep, SECRET, limit=1000) is None
+    assert compressed_key(gzip.compress(deep), SECRET, limit=1000) == ("is gzip nested more than 4 deep, so it cannot "
+                                                                       "be checked for the API key")
 
 
 # --- the key in base_url's path -----------------------------------------------------------

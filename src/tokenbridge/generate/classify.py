@@ -114,7 +114,7 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
         text = _text(body, headers)
         lenient = _parse_json(text)
         if lenient is None:
-            return Outcome("retry", "bad_json", f"response is not JSON: {_clip(text, key)!r}", status), None
+            return Outcome("retry", "bad_json", _not_json(body, text, key), status), None
         return Outcome("retry", "bad_json", str(exc), status), lenient if isinstance(lenient, dict) else None
     if parsed.get("error") is not None:  # an error body, choices beside it or not
         return _error_body(parsed, _text(body, headers), key, retry_after), parsed
@@ -189,6 +189,15 @@ def _charset(content_type: str, body: bytes) -> str:
     if len(head) == 4 and head[1] == head[3] == 0:
         return "utf-16-le"
     return "utf-8"
+
+
+def _not_json(body: bytes | str, text: str, key: ApiKey | str | None) -> str:
+    """Why a 200 is not JSON, quoting its start; a gzip body sent without ``Content-Encoding``
+    is named, not quoted (its bytes are no text, and a clip of them is a clip of whatever it
+    compressed, the key included)."""
+    if isinstance(body, bytes) and body.startswith(b"\x1f\x8b"):
+        return f"response is gzip-compressed but says no Content-Encoding ({len(body)} bytes)"
+    return f"response is not JSON: {_clip(text, key)!r}"
 
 
 #: What an HTTP attempt's transport can raise: aiohttp's errors, sockets and timeouts

@@ -65,7 +65,7 @@ from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_
 from .limiter import AdaptiveLimiter
 from .progress import RateMeter
 from .request import routing_key, wire_body
-from .secrets import ApiKey, scrub, scrub_bytes
+from .secrets import ApiKey, compressed_key, scrub, scrub_bytes
 from .settings import GenerateSettings
 from .sse import SSEDecoder, SSEEvent, StreamAssembler, StreamError
 from .store import AttemptRecord, Batch, ResponseRecord, SendRecord, Store, StoredSample
@@ -546,8 +546,12 @@ class Engine:
         message = _clip(scrub(outcome.message, self.key))
         usage = checked_usage(parsed, key=self.key)  # an error body may carry usage too: a billed retry counts
         cost = cost_of(usage.usage, self.s.prices)
+        kept = _unkept(status, outcome, raw if streamed else body)
+        if kept is not None and (why := compressed_key(kept, self.key, limit=self.s.max_response_bytes)):
+            self._notice(f"a paid answer that was not kept {why}: its bytes are not kept in its attempt row")
+            kept, message = None, f"{message} (its body {why}: not kept)"
         attempt = AttemptRecord(item.sample_id, n, started_at, latency, status, outcome.error_class, message, cost, stream,
-                                body=_unkept(status, outcome, raw if streamed else body))
+                                body=kept)
         if outcome.kind != "ok":
             return dataclasses.replace(outcome, message=message), None, attempt, usage
         assert isinstance(parsed, dict)

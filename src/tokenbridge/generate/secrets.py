@@ -41,6 +41,7 @@ import base64
 import bisect
 import os
 import re
+import zlib
 from dataclasses import dataclass, field
 from collections.abc import Iterable
 from functools import lru_cache
@@ -48,8 +49,8 @@ from functools import lru_cache
 from .errors import GenerateError
 from .settings import ConfigError, api_key_problem
 
-__all__ = ["MIN_MASKED", "ApiKey", "MissingApiKey", "check_api_key", "keys_read", "placeholder_notice", "read_api_key", "scrub",
-           "scrub_bytes"]
+__all__ = ["MIN_MASKED", "ApiKey", "MissingApiKey", "check_api_key", "compressed_key", "keys_read", "placeholder_notice",
+           "read_api_key", "scrub", "scrub_bytes"]
 
 _MASK = "***"
 #: The one threshold for every secret and run: anything shorter is a placeholder or prose, and masking it corrupts text.
@@ -134,6 +135,51 @@ def scrub_bytes(data: bytes, key: ApiKey | str | None) -> bytes:
     if b"\0" in data:  # UTF-8 text holds no NUL; text in a wide charset holds one beside every ASCII character
         data = _scrub_wide(data, value)
     return _scrub_narrow(data, value)
+
+
+_GZIP_MAGIC = b"\x1f\x8b"
+#: gzip inside gzip is looked into this deep; deeper is not kept (nothing legitimate nests so).
+_MAX_GZIP_DEPTH = 4
+
+
+def compressed_key(data: bytes, key: ApiKey | str | None, *, limit: int) -> str | None:
+    """Why ``data`` (bytes kept as received, key already masked in them) must not be kept
+    after all: it is gzip (a server sent a gzip body without ``Content-Encoding``, so nothing
+    inflated it) and what it inflates to holds the key, where no spelling of the raw bytes
+    shows it; or it cannot be inflated within ``limit`` bytes to tell. None when it can be
+    kept (it is no gzip, or holds no key)."""
+    value = key.value if isinstance(key, ApiKey) else key
+    if not value or len(value) < MIN_MASKED:
+        return None
+    for _ in range(_MAX_GZIP_DEPTH):
+        if not data.startswith(_GZIP_MAGIC):
+            return None
+        inflated = _inflated(data, limit)
+        if inflated is None:
+            return f"is gzip that does not inflate within {limit} bytes, so it cannot be checked for the API key"
+        if scrub_bytes(inflated, value) != inflated:
+            return "is gzip that holds the API key"
+        data = inflated
+    if not data.startswith(_GZIP_MAGIC):
+        return None
+    return f"is gzip nested more than {_MAX_GZIP_DEPTH} deep, so it cannot be checked for the API key"
+
+
+def _inflated(data: bytes, limit: int) -> bytes | None:
+    """Every gzip member at the start of ``data`` inflated, bytes after them as they are; None
+    when one is cut or corrupt, or the whole passes ``limit`` bytes (a bomb is never inflated past it)."""
+    out = bytearray()
+    rest = data
+    while rest.startswith(_GZIP_MAGIC):
+        member = zlib.decompressobj(wbits=31)
+        try:
+            out += member.decompress(rest, limit + 1 - len(out))
+        except zlib.error:
+            return None
+        if len(out) > limit or not member.eof:
+            return None
+        rest = member.unused_data
+    return bytes(out + rest) if len(out) + len(rest) <= limit else None
 
 
 #: The wide charsets a server may send text in (``Content-Type: ...; charset=utf-16``), each
