@@ -11,7 +11,7 @@ import html
 import json
 import re
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tokenbridge.generate.secrets import MIN_MASKED, scrub, scrub_bytes
@@ -165,9 +165,12 @@ def test_the_hex_of_a_key_is_masked_in_either_case(key, upper):
 
 @settings(max_examples=100, deadline=None)
 @given(KEYS, st.lists(st.integers(0, 2), min_size=1, max_size=8))
+@example("0" * 33 + "\\'", [1, 0, 0, 0])  # a key's backslash-quote left as it is: no JSON reading has it
+@example("0" * 14 + "%20", [0, 1, 0, 0])  # a key's %20 left as it is: no URL reading has it
 def test_html_character_references_of_a_key_are_masked(key, picks):
     """An HTML error page quoting the header entity by entity (``&#115;&#107;...``),
-    decimal or hex, mixed with plain characters; other characters stay as they are."""
+    decimal or hex, mixed with plain characters; other characters stay as they are (a key's
+    own ``\\'`` or ``%20`` too: once in a few thousand draws this test failed on them)."""
     def spelled(ch: str, pick: int) -> str:
         if not (" " <= ch <= "~") or pick == 0:
             return ch

@@ -350,13 +350,16 @@ def _forms(value: str) -> _Forms:
 def _readings(value: str) -> tuple[_Reading, ...]:
     """Every escape decoded, nested ones too, and line breaks skipped. A key that holds what
     reads as an escape (``%41``, a backslash) is also looked for in JSON alone, in URL
-    encoding alone, as it is, and, where it holds a backslash, through one level of JSON
-    (where ``\\\\n`` is a backslash and an ``n``, not a line break)."""
+    encoding alone, in HTML character references alone (an error page quoting the key's
+    ``%20`` or ``\\'`` as they are, the rest entity by entity), as it is, and, where it holds
+    a backslash, through one level of JSON (where ``\\\\n`` is a backslash and an ``n``,
+    not a line break)."""
     every = _reading(value, json=True, percent=True)
     assert every.escapes is not None
     if "\\" not in value and not every.escapes.search(value.encode("utf-8")):
         return (every,)
-    alone = (_reading(value, json=True, percent=False), _reading(value, json=False, percent=True), _Reading(None, None))
+    alone = (_reading(value, json=True, percent=False), _reading(value, json=False, percent=True),
+             _reading(value, json=False, percent=False, entity=True), _Reading(None, None))
     if "\\" not in value:
         return (every, *alone)
     u = b"|".join([rb"00[2-7][0-9a-fA-F]", *_wide(value)])
@@ -372,11 +375,13 @@ def _readings(value: str) -> tuple[_Reading, ...]:
 _RUN = rb"\\(?<!\\\\)\\*+"
 
 
-def _reading(value: str, *, json: bool, percent: bool) -> _Reading:
+def _reading(value: str, *, json: bool, percent: bool, entity: bool | None = None) -> _Reading:
     """The line breaks a decoder skips (raw, or escaped in JSON or a URL), and the escapes
     that decode to a character a target can hold (a key's or base64's). Each alternative
     starts with ``\\``, ``%`` or ``&#``: :meth:`_Reading.read` relies on that to skip data
     holding none, and the regex engine skips straight to the next candidate."""
+    if entity is None:  # the reading of every escape has them; a reading of one kind alone does not
+        entity = json and percent
     high = sorted({f"{b:02x}" for b in value.encode("utf-8") if b >= 0x80})
     short = "/" + "".join(sorted(set(value) & set("\"'")))
     u = b"|".join([rb"00[2-7][0-9a-fA-F]", *_wide(value)])
@@ -386,7 +391,7 @@ def _reading(value: str, *, json: bool, percent: bool) -> _Reading:
     if percent:
         breaks.append(rb"%0[aAdD]")
         escapes.append(rb"%(?:" + p + rb")")
-    if json and percent:  # the reading of every escape: HTML's numeric character references too
+    if entity:  # HTML's numeric character references
         escapes.append(_ENTITY)
     if json:
         breaks.append(_RUN + rb"(?:[rn]|u000[aAdD])")
