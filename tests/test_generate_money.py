@@ -199,3 +199,27 @@ def test_a_timeout_names_the_setting_whose_limit_fired(tmp_path, limits, named):
     summary = _run(tmp_path, 1, reply, max_attempts=1, **limits)
     assert summary.failures == [{"id": "m-0", "error_class": "timeout",
                                  "error": f"gave up after 1 attempts: attempt took longer than {named} s in all"}]
+
+
+def test_a_learned_bound_that_fits_but_is_not_yet_borne_out_sends_alone_never_ends_the_run():
+    """A resumed run learns prices from its stored answers (``observe``), which bracket the
+    next request exactly; until an answer bears them out they send one request at a time.
+    That case took the 'does not fit' path and ended a $5 run at $0.02 as 'budget reached'."""
+    from tokenbridge.generate.budget import Budget
+
+    b = Budget(max_cost=5.0, prices=None)
+    b.spent = 0.02
+    b.observe("P", 1000, 500, 0.008)
+    b.observe("P", 200, 800, 0.010)
+    est = b.reservation(600, 600)
+    assert est is not None and est[1] and not b.borne_out
+    assert b.admit(600, 600) == est[0] and not b.exhausted and b.learning_sends == 1
+    assert b.admit(600, 600) is None and not b.exhausted  # alone: the second waits for the first
+    b.settle(est[0], est[0] / 2, prompt_tokens=600, completion_tokens=300, provider="P", answered=True)
+    assert b.borne_out and b.admit(600, 600) == est[0]
+    assert b.admit(600, 600) == est[0]  # borne out: side by side
+    big = Budget(max_cost=0.021, prices=None)  # and an exact worst case over the cap still ends it
+    big.spent = 0.02
+    big.observe("P", 1000, 500, 0.008)
+    big.observe("P", 200, 800, 0.010)
+    assert big.admit(600, 600) is None and big.exhausted

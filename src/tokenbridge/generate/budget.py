@@ -238,11 +238,12 @@ class Budget:
             return None
         est = self.reservation(prompt_tokens, completion_tokens)
         trusted = self.prices is not None or self.borne_out  # else only alone (see the module docstring)
-        if est is not None and trusted and self.total + self.reserved + est[0] <= self.max_cost:
+        fits = est is not None and self.total + self.reserved + est[0] <= self.max_cost
+        if fits and trusted:
             return self._reserve(est[0])
         if self.in_flight:
             return None  # wait: a settling request frees its reservation (or teaches a price)
-        if est is not None and est[1]:
+        if est is not None and est[1] and not fits:
             self.exhausted = True  # the true worst case does not fit
             return None
         self.learning_sends += 1  # alone, under the cap, price not known well enough
