@@ -239,7 +239,7 @@ class Budget:
         est = self.reservation(prompt_tokens, completion_tokens)
         trusted = self.prices is not None or self.borne_out  # else only alone (see the module docstring)
         fits = est is not None and self.total + self.reserved + est[0] <= self.max_cost
-        if fits and trusted:
+        if fits and trusted and est is not None:
             return self._reserve(est[0])
         if self.in_flight:
             return None  # wait: a settling request frees its reservation (or teaches a price)
