@@ -246,12 +246,14 @@ def test_a_turn_without_the_newline_before_think_is_never_read_as_one_with_it():
         served = engine.serve(ids, prompt, thinking=True, stream=stream)
         message = served["choices"][0]["message"]
         assert (message["reasoning_content"], message["content"]) == ("Let me think.", "\nHello there.")
-        for flag in (stream, None):
-            row = _bare(served, stream=flag)
-            if flag is False:  # vLLM's whole form with the newline is one token longer: the count picks
-                assert row["status"] == "ok" and row["completion_ids"] == ids
-                continue
-            assert row["status"] == "rejected" and codes(row) == ["reconstruction_ambiguous"], (stream, flag)
+        # (a record that does not say whether it streamed is read as the trained format here:
+        # vLLM's whole form, one token longer, fits too, and a reading one token short of it
+        # is what an uncounted end token looks like, so it needs evidence: see below)
+        row = _bare(served, stream=stream)
+        if stream is False:  # vLLM's whole form with the newline, one token longer, is all that is offered
+            assert row["status"] == "rejected" and codes(row) == ["usage_completion_mismatch"]
+        else:
+            assert row["status"] == "rejected" and codes(row) == ["reconstruction_ambiguous"], stream
         # the run shows SGLang's form (its reasoning keeps the newline): no newline here means none was written
         row = _bare(served, stream=stream, traits={"p": ProviderTrait("p", prefix_in_reasoning=True)})
         assert row["status"] == "ok" and row["completion_ids"] == ids and row["reconstruction"] == "think_prefix_absent"
@@ -269,3 +271,50 @@ def test_vllm_stream_with_no_newline_in_content_reads_the_turn_as_written_withou
     assert served == ("Brief.", "Hello.")
     row, _ = _glm(native, served, stream=True, traits={"p": ProviderTrait("p", prefix_in_reasoning=False)})
     assert row["status"] == "ok" and row["completion_ids"] == ids and row["reconstruction"] == "think_prefix_absent"
+
+
+def test_a_turn_without_the_newline_needs_evidence_where_vllms_whole_form_fits_too():
+    """vLLM whole serves ``"\n<think>R</think>C"`` as reasoning R, content C, as a model that
+    wrote no newline is served: the two are one token apart, exactly what an end token that
+    usage leaves out looks like. Offered without evidence, that reading kept a vLLM run's
+    count traits from learning the uncounted end token, and every sample was rejected (a
+    cold reviewer). Ground-truth ids, or a run that proved its end token counted, offer it."""
+    native = "\n<think>Sure.</think>\nYes.<|user|>"
+    ids = GLM.encode(native)
+    served = vllm_glm45(ids[:-1], stream=False)
+    assert served == ("Sure.", "\nYes.")
+    row, _ = _glm(native, served, stream=False)
+    assert row["status"] == "ok" and row["completion_ids"] == ids and row["reconstruction"] is None
+    bare = GLM.encode("<think>Sure.</think>\nYes.<|user|>")
+    prompt = len(GLM.encode(GLM_D.render_request({"messages": PROMPT})))
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning_content": "Sure.", "content": "\nYes."}}],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": len(bare)}}
+    row = _bare(response, stream=False)  # the count alone: one short of vLLM's form, as an uncounted end is
+    assert row["status"] == "rejected" and codes(row) == ["usage_completion_mismatch"]
+    row = _bare(response, stream=False, native=bare)
+    assert row["status"] == "ok" and row["completion_ids"] == bare and row["reconstruction"] == "think_prefix_absent"
+    row = _bare(response, stream=False, traits={"p": ProviderTrait("p", end_counted=True)})
+    assert row["status"] == "ok" and row["completion_ids"] == bare and row["reconstruction"] == "think_prefix_absent"
+
+
+def test_a_vllm_run_whose_usage_leaves_out_the_end_token_is_still_calibrated(tmp_path):
+    """30 GLM answers served in vLLM's whole form by a provider that counts no end token:
+    the run learns that, and every row is ok with its exact ids (with the no-newline reading
+    offered, no sample taught the count and all 30 were rejected)."""
+    src, natives = tmp_path / "ex.jsonl", []
+    with src.open("w") as fh:
+        for k in range(30):
+            request = {"messages": [{"role": "user", "content": f"Question {k}: what is {k}+{k}?"}]}
+            reasoning, content = f"Adding {k} and {k} gives {2 * k}.", f"It is {2 * k}."
+            ids = GLM.encode(f"\n<think>{reasoning}</think>\n{content}<|user|>")
+            natives.append(ids)
+            fh.write(json.dumps({"id": f"s{k}", "request": request, "meta": {"stream": False}, "response": {
+                "provider": "P", "choices": [{"index": 0, "finish_reason": "stop", "message": {
+                    "role": "assistant", "reasoning_content": reasoning, "content": "\n" + content}}],
+                "usage": {"prompt_tokens": len(GLM.encode(GLM_D.render_request(request))),
+                          "completion_tokens": len(ids) - 1}}}) + "\n")
+    summary = reconstruct_file(src, tmp_path / "rows.jsonl", GLM, workers=1)
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").open()]
+    assert summary.traits["P"].end_uncounted
+    assert [r["status"] for r in rows] == ["ok"] * 30 and [r["completion_ids"] for r in rows] == natives

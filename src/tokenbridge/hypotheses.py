@@ -36,7 +36,10 @@ evidence proves (usage, logprobs, token ids, stop id), or reports them all.
   reading is offered where no form with the newline fits, where the engine may be SGLang
   and the reasoning shows no newline (SGLang would have kept it there), and wherever token
   ids or logprobs can tell (``prefix_absent``); a run that shows vLLM's form reads a
-  content newline as vLLM's stream of the prefix, the model's trained format.
+  content newline as vLLM's stream of the prefix, the model's trained format. Where
+  vLLM's whole form fits as well it is one token longer, the gap of an end token usage
+  leaves out, so there the reading also needs ids, logprobs or a run that proved the end
+  token counted.
 * ``cut_after_think_close``: a length cut with no content served may have fallen inside
   the reasoning (the formula) or right after ``</think>``: one token apart. The count alone
   cannot pick: vLLM holds back the bytes of a cut that falls inside a character (a partial
@@ -173,14 +176,17 @@ def candidates(
     ``stream``: whether the response was streamed (None: unknown). ``prefix_in_reasoning``:
     the provider's run shows SGLang's GLM form (True) or vLLM's (False); None: unknown.
     ``end_in_think`` / ``cut_after_close`` / ``prefix_absent``: offer those readings where the
-    message fits them (the caller knows whether the evidence can tell them from the formula).
+    message fits them (the caller knows whether the evidence can tell them from the formula);
+    ``end_in_think`` also says a one-token gap is not an uncounted end token, which GLM's
+    ``think_prefix_absent`` needs where vLLM's whole form fits too.
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
     if isinstance(dialect, HarmonyDialect):
         return _harmony(dialect, message, finish_reason, out, end_markers)
     if thinking and not prompt_opens_think:
-        out = _prefix_readings(dialect, message, finish_reason, stream, prefix_in_reasoning, prefix_absent) or out
+        out = _prefix_readings(dialect, message, finish_reason, stream, prefix_in_reasoning, absent=prefix_absent,
+                               gaps=end_in_think) or out
         base = out[0].parts
     tm = dialect.tool_markers
     reasoning, content = _text(message)
@@ -276,7 +282,7 @@ _PREFIX_ABSENT = "think_prefix_absent"
 
 
 def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, stream: bool | None,
-                  prefix_in_reasoning: bool | None, *, absent: bool) -> list[tuple[str, str, str | None]]:
+                  prefix_in_reasoning: bool | None, *, absent: bool, gaps: bool) -> list[tuple[str, str, str | None]]:
     """(reasoning, content, name) the model wrote after ``prefix + think_open`` (after
     ``think_open`` alone for :data:`_PREFIX_ABSENT`), for each engine form the served
     message fits, the formula's first.
@@ -285,7 +291,9 @@ def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, st
     streamed: ``prefix + R``); vLLM drops it whole and streams it as content. A block
     written without the prefix reaches the API as written under every engine: that
     reading is offered where ``absent`` says the evidence can tell, where no form with
-    the prefix fits, and where the engine may be SGLang and the reasoning shows no prefix.
+    the prefix fits, and where the engine may be SGLang and the reasoning shows no prefix,
+    unless vLLM's whole form fits too and the evidence cannot tell a one-token gap from an
+    uncounted end token (``gaps``: ids, or a run that proved its end token counted).
     """
     if reasoning.startswith(prefix + think_open):  # SGLang whole: no other engine writes <think> there
         return [(reasoning[len(prefix + think_open):], content, None)]
@@ -297,13 +305,17 @@ def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, st
         forms.append((reasoning, content, "think_prefix_kept" if reasoning.startswith(prefix) else None))
     if vllm and stream is not False and content.startswith(prefix):
         forms.append((reasoning, content[len(prefix):], "think_prefix_in_content"))
-    if absent or not forms or (sglang and not reasoning.startswith(prefix)):
+    # vLLM's whole form of the same text keeps the newline the absent reading lacks: one
+    # token apart, the gap of an end token usage leaves out, so it needs evidence of its own
+    one_apart = vllm and stream is not True
+    if absent or not forms or (sglang and not reasoning.startswith(prefix) and (gaps or not one_apart)):
         forms.append((reasoning, content, _PREFIX_ABSENT))
     return forms
 
 
 def _prefix_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason: str | None,
-                     stream: bool | None, prefix_in_reasoning: bool | None, absent: bool) -> list[Candidate]:
+                     stream: bool | None, prefix_in_reasoning: bool | None, *, absent: bool,
+                     gaps: bool) -> list[Candidate]:
     """GLM's readings of where the newline before ``<think>`` went (see the module
     docstring) in thinking mode when the model opens the block; empty when the family
     writes no prefix or no engine form fits (the formula then stands)."""
@@ -312,7 +324,8 @@ def _prefix_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason
         return []
     reasoning, content = _text(message)
     out: list[Candidate] = []
-    for r, c, name in _prefix_forms(prefix, think_open, reasoning, content, stream, prefix_in_reasoning, absent=absent):
+    for r, c, name in _prefix_forms(prefix, think_open, reasoning, content, stream, prefix_in_reasoning,
+                                    absent=absent, gaps=gaps):
         # the formula strips a leading prefix + think_open exactly, so hand it one
         msg = {"reasoning": prefix + think_open + r, "content": c}
         parts = dialect.completion_parts(msg, finish_reason, True, False)

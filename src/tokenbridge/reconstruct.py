@@ -342,13 +342,17 @@ def _delta(plans: list[_Choice], rows: list[dict[str, Any]], usage: Mapping[str,
 
 def _count_reading(p: _Choice) -> bool:
     """Whether a run's count traits may learn this choice's offset from its formula (reading
-    0): its only reading, or a length cut whose other readings are all a cut right after
+    0): its only reading, readings all as long as it (and ending alike), or a length cut
+    whose other readings are all a cut right after
     ``</think>`` that the evidence did not pick. Cut samples are what tells an uncounted
     end token from an offset with no known cause (the end token is in no cut), so leaving
     every thinking cut out once that reading existed let a +1 offset on every sample pass
     as the end token (a suite test caught it)."""
     if len(p.cands) == 1:
         return True
+    n, ended = len(p.ids(0)), ends_turn(p.cands[0].parts)
+    if all(len(p.ids(k)) == n and ends_turn(p.cands[k].parts) == ended for k in range(1, len(p.cands))):
+        return True  # readings of one length (GLM's newline streamed by either engine): the offset is theirs alike
     return p.chosen == 0 and not p.ambiguous and all(c.names == ("cut_after_think_close",) for c in p.cands[1:])
 
 
