@@ -100,6 +100,10 @@ def test_parquet_export_killed_then_rerun_keeps_a_users_file_inside_data(stage_i
     assert remove_own_output(out, "export") == ["data/validation-00000-of-00001.parquet"]
     assert sorted(snapshot(out)) == [MARKER, "data/validation-00000-of-00001.parquet"]
     assert leftovers(tmp_path) == []
+    # the folder that holds it stays tokenbridge's: the next export writes its shards beside it
+    assert cli(*args).returncode == 0
+    assert (out / "data" / "validation-00000-of-00001.parquet").read_bytes() == SPLIT
+    assert (out / "data" / "train-00000-of-00001.parquet").is_file() and leftovers(tmp_path) == []
 
 
 def test_a_users_entry_named_as_a_new_output_file_is_refused_before_any_work(stage_inputs, tmp_path):

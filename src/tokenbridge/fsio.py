@@ -461,7 +461,10 @@ def publish_dir(target: str | Path, *, point: str = "dir", marker: dict[str, Any
         _sync_tree(tmp)
         kill_point(f"{point}:staged")
         ours = _owned_test(target, owned)
-        _carry(target, tmp, ours, written | {MARKER}, point)
+        made = _carry(target, tmp, ours, written | {MARKER}, point)
+        if made and marker is not None:  # a folder made to hold a user's nested entry is ours, as before
+            record = {**marker, "files": sorted(written | made)}
+            _rewrite_marker(tmp / MARKER, json.dumps(record, sort_keys=True) + "\n")
         old = _swap_in(tmp, target, point)
         swapped = True
         kill_point(f"{point}:swapped")
@@ -553,17 +556,20 @@ def foreign_entries(target: Path, ours: Callable[[str], bool]) -> list[str]:
     return sorted(out)
 
 
-def _carry(target: Path, tmp: Path, ours: Callable[[str], bool], written: set[str], point: str) -> None:
-    """Move every entry of ``target`` that is not tokenbridge's into ``tmp`` (see :func:`publish_dir`)."""
+def _carry(target: Path, tmp: Path, ours: Callable[[str], bool], written: set[str], point: str) -> set[str]:
+    """Move every entry of ``target`` that is not tokenbridge's into ``tmp`` (see :func:`publish_dir`);
+    returns the folders made in ``tmp`` to hold nested ones (``data`` for ``data/x``)."""
     if not target.is_dir() or target.is_symlink():
-        return
+        return set()
     keep = foreign_entries(target, ours)
     clash = [name for name in keep if name in written]
     if clash:
         raise OutputRefused(f"{target}: {target / clash[0]} is not tokenbridge's and the new output writes that "
                             "name; nothing was written: move it away or give another folder", target / clash[0])
     if not keep:
-        return
+        return set()
+    made = {str(Path(name).parent.as_posix()) for name in keep if "/" in name}
+    made = {"/".join(m.split("/")[: k + 1]) for m in made for k in range(m.count("/") + 1)} - written
     with open(tmp / CARRIED, "x", encoding="utf-8") as fh:
         fh.write(json.dumps(keep) + "\n")
         fh.flush()
@@ -575,6 +581,15 @@ def _carry(target: Path, tmp: Path, ours: Callable[[str], bool], written: set[st
         kill_point(f"{point}:carried")
     fsync_dir(tmp)
     fsync_dir(target)
+    return made
+
+
+def _rewrite_marker(path: Path, text: str) -> None:
+    """Replace the staged marker's text (the folder is not yet published), durably."""
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _unlink_record(folder: Path) -> None:
