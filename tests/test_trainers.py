@@ -232,6 +232,13 @@ def test_a_tokenizer_without_the_models_size_warns_and_says_how_to_give_it(run, 
     bad = _with_model_config(qwen, tmp_path / "bad", {"vocab_size": "151936"})
     with pytest.raises(TokenizerError, match=r"config.json: vocab_size must be an integer in 1\.\.16777216, got '151936'"):
         load_tokenizer(bad)
+    # a config.json that is no model config (a list, broken JSON) is not the tokenizer's business: no size
+    assert load_tokenizer(_with_model_config(qwen, tmp_path / "list", [1, 2])).model_vocab_size is None
+    broken = _with_model_config(qwen, tmp_path / "broken", {})
+    (broken / "config.json").write_text("{vocab_size: 1")
+    assert load_tokenizer(broken).model_vocab_size is None
+    nested = _with_model_config(qwen, tmp_path / "nested", {"vocab_size": None, "text_config": {"vocab_size": 151936}})
+    assert load_tokenizer(nested).model_vocab_size == 151936
     rows = read_jsonl(src)
     for r in rows:  # ids inside Qwen3's range (what they spell does not matter to the count)
         for key in ("prompt_ids", "completion_ids", "input_ids"):

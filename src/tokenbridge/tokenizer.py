@@ -329,9 +329,16 @@ def _model_vocab_size(folder: Path) -> int | None:
     """``vocab_size`` of the model's ``config.json`` in ``folder`` (a multimodal model's
     ``text_config`` too), checked: a positive int no larger than ids may be."""
     path = folder / "config.json"
-    config = _read_json(path)
+    try:
+        config = _read_json(path)
+    except TokenizerError:  # the tokenizer needs none of it: vocab warns that the model's size is unknown
+        return None
+    if not isinstance(config, dict):
+        return None
+    size = config.get("vocab_size")
     text = config.get("text_config")
-    size = config.get("vocab_size", text.get("vocab_size") if isinstance(text, dict) else None)
+    if size is None and isinstance(text, dict):
+        size = text.get("vocab_size")
     if size is None:
         return None
     if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_VOCAB_SIZE:

@@ -86,9 +86,9 @@ def target_vocab_size_of(tok: Tokenizer, given: int | None) -> tuple[int, str, s
 
 def tokenizer_sized(size: int, tokenizer: str) -> str:
     """The warning for a ``t2d`` sized to the tokenizer's ``size`` ids (see :func:`target_vocab_size_of`)."""
-    return (f"t2d is sized to the tokenizer's {size} ids: {tokenizer} has no config.json with the model's "
-            "vocab_size, which is often larger (padded), and SpecForge and speculators load a t2d only at the "
-            "model's size; give the model's vocab_size as --target-vocab-size (run: [vocab] target_vocab_size)")
+    return (f"t2d is sized to the tokenizer's {size} ids: {tokenizer} has no config.json with a readable "
+            "vocab_size, the model's, which is often larger (padded), and SpecForge and speculators load a t2d only "
+            "at the model's size; give it as --target-vocab-size (run: [vocab] target_vocab_size)")
 
 
 def select_draft_vocab(counts: np.ndarray, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray, int]:
