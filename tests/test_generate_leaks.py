@@ -228,3 +228,15 @@ def test_probe_json_masks_a_key_in_the_base_url(tmp_path, kimi_dir):
 @pytest.fixture(autouse=True)
 def _no_env_key(monkeypatch):
     monkeypatch.delenv("OPENROUTER_API_KEY", raising=False)
+
+
+def test_a_stored_url_from_an_older_version_shows_no_key_like_segment():
+    """Versions before the mask stored the base URL as given; resumed with a rotated key, the
+    refusal quoted it masked with the new key only, so the old one showed."""
+    from tokenbridge.generate.run import _stored_url
+
+    old = "sk-or-v1-5f0c2e9a8b7d6c5f4e3a2b1c0d9e8f7a"
+    assert _stored_url(f"https://gw.example/k/{old}/v1", SECRET) == "https://gw.example/k/***/v1"
+    assert _stored_url(f"https://gw.example/{SECRET}/api/v1", SECRET) == "https://gw.example/***/api/v1"
+    assert _stored_url("https://openrouter.ai/openrouter-proxy/api/v1", None) == \
+        "https://openrouter.ai/openrouter-proxy/api/v1"  # a name, no digit: shown

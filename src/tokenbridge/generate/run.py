@@ -14,6 +14,7 @@ import gc
 import hashlib
 import json
 import os
+import re
 import signal
 import sqlite3
 import tempfile
@@ -375,6 +376,18 @@ def _write_outputs(out_dir: Path, ids: Sequence[str], summary: RunSummary, repor
         summary.notices.append(f"{out_dir / SUMMARY_FILE} not written: {exc}")
 
 
+#: A path segment that may be a key (an older tokenbridge stored base URLs unmasked, and the
+#: key it masked then may not be this run's): 16 or more characters of a key's alphabet, a
+#: digit among them (``openrouter-proxy`` is a name, ``sk-or-v1-5f0c...`` is not).
+_KEYLIKE_SEGMENT = re.compile(r"(?<=/)(?=[^/]*[0-9])[A-Za-z0-9_\-.~]{16,}(?=/|$)")
+
+
+def _stored_url(url: str, key: ApiKey | None) -> str:
+    """A base URL from the store, for a message: masked with this run's key, and any
+    key-like path segment masked too (an older version stored the URL as given)."""
+    return _KEYLIKE_SEGMENT.sub("***", scrub(url, key))
+
+
 def _reconcile(
     store: Store,
     rows: list[tuple[str, str, str, str]],
@@ -408,7 +421,7 @@ def _reconcile(
             sid, old = done_diffs[0]
             what.append(f"{len(done_diffs)} with another request ({_request_delta(old, new_request[sid])}, e.g. {sid})")
         for url, (n, sid) in other_urls.items():
-            what.append(f"{n} answered by {scrub(url, key)} (now {scrub(settings.base_url, key)}, e.g. {sid})")
+            what.append(f"{n} answered by {_stored_url(url, key)} (now {scrub(settings.base_url, key)}, e.g. {sid})")
         raise SettingsChanged(
             f"{out_dir}: done samples were generated with other settings: {'; '.join(what)}. "
             "Use a new --out, or --force-settings to keep those answers and send only the rest with these settings"
