@@ -113,7 +113,8 @@ class SpecForgeWriter(_JsonlWriter):
 
 
 #: Readings whose completion a chat template cannot write: it closes the think block, puts
-#: its newline before ``<think>`` and ends the turn with its own end token, always.
+#: its newline before ``<think>`` and, where it ends a turn with a token (Kimi, Qwen3,
+#: DeepSeek; GLM's writes none after the last one), writes its own end token.
 _NOT_A_TURN = ("no_think_close", "end_in_think", "think_prefix_absent", "end=")
 
 
@@ -124,10 +125,13 @@ class ConversationsWriter(_JsonlWriter):
 
     def skip(self, rec: ReconstructedRow) -> bool:
         """Whether the row cannot be a conversation whose final turn, re-rendered by the
-        model's chat template, spells its ids: a cut turn (no end token: the template adds
-        one, and ``</think>`` when the cut fell in the reasoning), or a reading the template
-        cannot write (:data:`_NOT_A_TURN`). Trained from text, either teaches tokens the
-        model never emitted; the id formats keep these rows."""
+        model's chat template, spells its ids: a cut turn (the template closes it: an end
+        token where it writes one, and ``</think>`` when the cut fell in the reasoning), or a
+        reading the template cannot write (:data:`_NOT_A_TURN`). Trained from text, either
+        teaches tokens the model never emitted; the id formats keep these rows. What a
+        template does to the rest (GLM's final turn with no end token, whitespace a template
+        strips, a prompt served in another reading) is the trainer's re-tokenizing, which
+        the format never promised to be exact."""
         if not any(seg["kind"] == "end" for seg in rec["segments"]):
             return True
         names = (rec["reconstruction"] or "").split("+")
