@@ -481,3 +481,19 @@ def test_progress_shows_no_0_of_0_bar_when_nothing_is_left_to_send(mode):
         return out.getvalue()
 
     assert asyncio.run(show()) == ""
+
+
+@pytest.mark.parametrize(("native", "kind"), [("abort", "retry"), ("ERROR", "retry"), ("content_filter", "ok"),
+                                               ("stop", "ok"), (None, "ok")])
+def test_a_choice_its_upstream_gave_up_on_is_sent_again(native, kind):
+    """``finish_reason: stop`` with ``native_finish_reason: abort``: the gate rejects it
+    (``finish_error``), so keeping it was money lost; it is retried as a choice error. A
+    content filter is kept (and rejected): it would refuse the same request again, billed."""
+    choice = {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Half an ans"}}
+    if native is not None:
+        choice["native_finish_reason"] = native
+    out, parsed = classify_response(200, {}, json.dumps({"choices": [choice], "usage": {"cost": 0.01}}).encode())
+    assert out.kind == kind and parsed["usage"] == {"cost": 0.01}
+    if kind == "retry":
+        assert out.error_class == "choice_error" and out.maybe_billed
+        assert out.message == f"choice finished with native_finish_reason {native.lower()!r}"

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
 from .content import content_text
-from .evidence import LogprobIds, logprobs_cover
+from .evidence import NATIVE_CUT, NATIVE_FAILED, LogprobIds, logprobs_cover, native_finish
 from .jsonl import text_of
 from .tokenizer import Tokenizer
 
@@ -72,25 +72,13 @@ _SEVERITIES = ("error", "warning", "off")
 _KNOWN_FINISH = {"stop", "length", "tool_calls", "eos", "end_turn"}
 #: finish reasons that say the model ended its turn: the end token is appended
 _ENDED = frozenset({"stop", "tool_calls", "eos", "end_turn"})
-#: ``native_finish_reason`` (the upstream's own word, which OpenRouter passes on), lowercased:
-#: values that admit a cut (vLLM and OpenAI ``length``, Anthropic ``max_tokens``, Google
-#: ``MAX_TOKENS``), and values that admit a failure
-_NATIVE_CUT = frozenset({"length", "max_tokens"})
-_NATIVE_FAILED = frozenset({"abort", "error", "content_filter"})
-
-
-def _native_finish(choice: Mapping[str, Any]) -> str | None:
-    native = choice.get("native_finish_reason")
-    return native.lower() if isinstance(native, str) else None
-
-
 def finish_reading(choice: Mapping[str, Any]) -> Any:
     """The finish reason a choice is read by: its ``finish_reason``, but ``"length"`` where
     that says the turn ended while ``native_finish_reason`` admits a cut. Read as ended, the
     ids would carry an end token the provider says never came; read as cut, they are a
     prefix of the native ids whichever is true, and the count tells (``truncated``)."""
     reason = choice.get("finish_reason")
-    if reason in _ENDED and _native_finish(choice) in _NATIVE_CUT:
+    if reason in _ENDED and native_finish(choice) in NATIVE_CUT:
         return "length"
     return reason
 
@@ -225,7 +213,7 @@ def _finish(view: SampleView, policy: Policy) -> Iterator[_Hit]:
         yield "finish_error", f"finish_reason={reason!r}{detail}"
     elif reason in (None, "content_filter"):
         yield "finish_error", f"finish_reason={reason!r}: the choice did not finish normally"
-    elif reason in _ENDED and _native_finish(view.choice) in _NATIVE_FAILED:
+    elif reason in _ENDED and native_finish(view.choice) in NATIVE_FAILED:
         yield "finish_error", f"finish_reason={reason!r} but native_finish_reason={native!r}: the provider says the choice failed"
     elif reason == "length" and said != "length":
         yield "truncated", f"finish_reason={said!r} but native_finish_reason={native!r}: the provider says it cut the answer, so no end token appended"

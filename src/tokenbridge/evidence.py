@@ -26,6 +26,8 @@ from .jsonl import is_count, is_int
 from .tokenizer import Tokenizer
 
 __all__ = [
+    "NATIVE_CUT",
+    "NATIVE_FAILED",
     "UNKNOWN_MARKER",
     "UNKNOWN_PARTIAL",
     "LogprobIds",
@@ -34,8 +36,21 @@ __all__ = [
     "logprob_ids",
     "logprobs_cover",
     "matched_stop",
+    "native_finish",
     "reasoning_tokens",
 ]
+
+#: ``native_finish_reason`` (the upstream's own word, which OpenRouter passes on), lowercased:
+#: values that admit a cut (vLLM and OpenAI ``length``, Anthropic ``max_tokens``, Google
+#: ``MAX_TOKENS``), and values that admit a failure
+NATIVE_CUT = frozenset({"length", "max_tokens"})
+NATIVE_FAILED = frozenset({"abort", "error", "content_filter"})
+
+
+def native_finish(choice: Mapping[str, Any]) -> str | None:
+    """A choice's ``native_finish_reason``, lowercased; None where it gives none."""
+    native = choice.get("native_finish_reason")
+    return native.lower() if isinstance(native, str) else None
 
 
 #: Logged ids that are not known, by what the entry shows. An engine that builds an

@@ -18,6 +18,8 @@ a repeated index)
 200 ``{"error": ...}`` (OpenRouter), with  by its code      api_error (or http_<code>)
 choices beside it or not
 200 a choice with ``finish_reason: error``  retry            choice_error
+(or a ``native_finish_reason`` of
+``abort`` / ``error``)
 408 409 425 5xx                            retry            http_<status>
 429                                        rate_limited     http_429 (shrinks concurrency)
 400 401 403 other 4xx                      fail             http_<status>
@@ -56,6 +58,7 @@ import aiohttp
 import orjson
 from aiohttp.http_exceptions import HttpProcessingError
 
+from ..evidence import NATIVE_FAILED, native_finish
 from ..exchanges import RecordError, check_response
 from ..jsonl import is_int, text_of
 from .body import BodyError, check_body
@@ -126,10 +129,22 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
     except RecordError as exc:
         return Outcome("retry", "bad_choices", _clip(str(exc), key), status), parsed
     for choice in choices:
-        if isinstance(choice, dict) and choice.get("finish_reason") == "error":
-            message = _error_message(choice, "", key) or _error_message(parsed, "", key) or "choice finished with error"
+        if isinstance(choice, dict) and (choice.get("finish_reason") == "error" or _aborted(choice)):
+            message = _error_message(choice, "", key) or _error_message(parsed, "", key) or (
+                f"choice finished with native_finish_reason {native_finish(choice)!r}" if _aborted(choice)
+                else "choice finished with error")
             return Outcome("retry", "choice_error", message, status), parsed
     return Outcome("ok", status=status), parsed
+
+
+#: What an upstream says of a choice it gave up on (``native_finish_reason``) under a
+#: ``finish_reason`` that does not: the gate rejects it (``finish_error``), so it is sent
+#: again. Not ``content_filter``: a filter refuses the same request again, billed each time.
+_ABORTED = NATIVE_FAILED - {"content_filter"}
+
+
+def _aborted(choice: Mapping[str, Any]) -> bool:
+    return choice.get("finish_reason") != "length" and native_finish(choice) in _ABORTED
 
 
 def _error_body(parsed: dict[str, Any], text: str, key: ApiKey | str | None, retry_after: float | None) -> Outcome:
