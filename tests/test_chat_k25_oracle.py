@@ -608,3 +608,29 @@ def test_a_users_name_is_a_reading_sglang_drops(kimi):
         assert (row["status"], row["reconstruction"], row["prompt_ids"]) == ("ok", name, kimi.encode(text))
     both = [*_HISTORY[:3], {"role": "user", "content": "And tomorrow?", "name": "Alexandra Smith"}]
     assert [r.name for r in KIMI.prompt_readings({"messages": both})] == [None, "tool_args=parsed+user_name=dropped"]
+
+
+def test_conversations_export_writes_the_history_as_the_proved_reading_served_it(kimi, tmp_path):
+    """A row proved by ``tool_args=parsed`` (SGLang parsed the history's arguments): the
+    conversations export hands a trainer those messages, whose re-rendered prompt is the
+    row's; as sent, they rendered the prompt a token shorter."""
+    import json
+
+    from test_export_support import read_jsonl, write_jsonl
+    from tokenbridge.export import export_file
+    from tokenbridge.reconstruct import reconstruct_record
+
+    request = {"model": "moonshotai/kimi-k2.5", "messages": _HISTORY, "tools": [WEATHER]}
+    parsed = {r.name: r.text for r in KIMI.prompt_readings(request)}["tool_args=parsed"]
+    answer = kimi.encode("Still sunny.") + [kimi.token_id("</think>")] + kimi.encode("Yes.") + [kimi.token_id("<|im_end|>")]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning": "Still sunny.", "content": "Yes."}}],
+        "usage": {"prompt_tokens": len(kimi.encode(parsed)), "completion_tokens": len(answer)}}
+    row, = reconstruct_record({"id": "h", "request": request, "response": response}, kimi)
+    assert (row["status"], row["reconstruction"]) == ("ok", "tool_args=parsed")
+    export_file(write_jsonl(tmp_path / "rows.jsonl", [row]), tmp_path / "conv", "conversations")
+    conv, = read_jsonl(tmp_path / "conv" / "conversations.jsonl")
+    history = conv["conversations"][:-1]
+    assert history[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 2}
+    again = KIMI.render_request({"messages": history, "tools": json.loads(conv["tools"])})
+    assert kimi.encode(again) == row["prompt_ids"]

@@ -138,7 +138,7 @@ class ConversationsWriter(_JsonlWriter):
         return any(name.startswith(_NOT_A_TURN) for name in names)
 
     def row(self, rec: ReconstructedRow) -> dict[str, Any]:
-        turns = [_turn(m) for m in rec["messages"]]
+        turns = [_turn(m) for m in _served_messages(rec)]
         final: dict[str, Any] = {"role": "assistant", "content": rec["content"]}
         if rec["reasoning"]:
             final["reasoning_content"] = rec["reasoning"]
@@ -148,6 +148,29 @@ class ConversationsWriter(_JsonlWriter):
             # SpecForge parses a JSON string; the stdlib's spacing keeps earlier exports' bytes
             out["tools"] = json.dumps(rec["tools"], ensure_ascii=False)
         return out
+
+
+def _served_messages(rec: ReconstructedRow) -> list[Any]:
+    """The request's messages as the prompt reading the row was proved by has them: a
+    trainer re-renders these, so a history SGLang handed its template otherwise (arguments
+    parsed, a user's name dropped, a last assistant message made a user's) is written as it
+    was served, not as sent. (SGLang's tool dump, ``tools=sglang``, is not redone here: the
+    row does not keep ``tool_choice``, which it depends on.)"""
+    messages = rec["messages"]
+    names = set((rec["reconstruction"] or "").split("+"))
+    if not isinstance(messages, list) or not names & _SERVED_HISTORY:
+        return messages if isinstance(messages, list) else []
+    from ..chat.serving import sglang_history, sglang_last_assistant
+
+    if names & {"tool_args=parsed", "user_name=dropped"}:
+        messages = next((list(v["messages"]) for v, _ in sglang_history({"messages": messages})), messages)
+    if "last_assistant=user" in names:
+        messages = sglang_last_assistant(messages) or messages
+    return messages
+
+
+#: Prompt readings whose messages differ from the request's (:mod:`tokenbridge.chat.serving`).
+_SERVED_HISTORY = frozenset({"tool_args=parsed", "user_name=dropped", "last_assistant=user"})
 
 
 def _turn(message: Mapping[str, Any]) -> dict[str, Any]:
