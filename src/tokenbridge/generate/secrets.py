@@ -202,13 +202,7 @@ def _scrub_wide(data: bytes, value: str) -> bytes:
                 taken[-1] = (start, end, codec)
             continue
         taken.append((start, end, codec))
-    out: list[bytes] = []
-    last = 0
-    for start, end, codec in taken:
-        out += (data[last:start], _MASK.encode(codec))
-        last = end
-    out.append(data[last:])
-    return b"".join(out)
+    return _spliced(data, [(start, end, _MASK.encode(codec)) for start, end, codec in taken])
 
 
 def _wide_spans(data: bytes, value: str, codec: str) -> list[tuple[int, int]]:
@@ -250,15 +244,19 @@ def _wide_stretch(value: str, codec: str) -> re.Pattern[bytes]:
 def _scrub_narrow(data: bytes, value: str) -> bytes:
     """:func:`scrub_bytes` over text as UTF-8 (or any ASCII-compatible charset) spells it."""
     spans = _masked_spans(data, value)
-    return _spliced(data, spans) if spans else data
+    return _spliced(data, [(start, end, _MASK_BYTES) for start, end in spans]) if spans else data
 
 
-def _spliced(data: bytes, spans: list[tuple[int, int]]) -> bytes:
-    """``data`` with each of ``spans`` (in order, apart) replaced by the mask."""
+_MASK_BYTES = _MASK.encode()
+
+
+def _spliced(data: bytes, spans: list[tuple[int, int, bytes]]) -> bytes:
+    """``data`` with each of ``spans`` (start, end, mask; in order, apart) replaced by its mask
+    (the mask in the charset of the text it replaces)."""
     out: list[bytes] = []
     last = 0
-    for start, end in spans:
-        out += (data[last:start], _MASK.encode())
+    for start, end, mask in spans:
+        out += (data[last:start], mask)
         last = end
     out.append(data[last:])
     return b"".join(out)
