@@ -38,7 +38,7 @@ from .hypotheses import Candidate, candidates, ends_in_think_fits
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
 from . import fsio, lanes
 from .outdir import check_output_file
-from .rows import COLUMNS, JsonlRowSink, ParquetRowSink, encode_lean_row, to_arrow_record, with_derived
+from .rows import COLUMNS, MARKER_SEGMENTS, JsonlRowSink, ParquetRowSink, encode_lean_row, to_arrow_record, with_derived
 from .tokenizer import EncodeError, Tokenizer, load_tokenizer
 
 __all__ = ["RECORD_ERRORS", "BadLine", "ReconstructSummary", "reconstruct_exchange", "reconstruct_file",
@@ -49,9 +49,6 @@ __all__ = ["RECORD_ERRORS", "BadLine", "ReconstructSummary", "reconstruct_exchan
 #: tokenizer cannot take (:class:`~tokenbridge.tokenizer.EncodeError`). ``reconstruct_file`` reports
 #: these as bad lines; anything else is a bug and surfaces with its traceback.
 RECORD_ERRORS: tuple[type[Exception], ...] = (RecordError, TemplateError, EncodeError)
-
-#: Parts that are a single marker token rather than text to encode.
-_MARKER_PARTS = {"think_start", "think_end", "end"}
 
 
 def reconstruct_record(
@@ -150,7 +147,7 @@ def _reconstruct(
         row = _row(meta, choice=0, prompt_ids=prompt_ids, completion_ids=[], segments=[],
                    findings=[*findings, *record_findings], finish_reason=None, reasoning="", content="",
                    reconstruction=prompt_name)
-        return [row], RecordFacts()
+        return [row], RecordFacts(edges=(False,))  # no text served
     if response.get("error") is not None and policy.severity("finish_error") != "off":
         # choices beside an error: what the upstream sent before it failed (cut mid-word under
         # finish_reason "stop"), so every choice is as doubtful as the body says
@@ -389,7 +386,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     for c in cands:
         ids_c, free_c = [], []
         for kind, text in c.parts:
-            if kind in _MARKER_PARTS:
+            if kind in MARKER_SEGMENTS:
                 ids, free = [tok.token_id(text)], False
             else:
                 ids, free = tok.encode_checked(text)
@@ -811,7 +808,7 @@ def _work(data: bytes) -> _ChunkResult:
         except Exception as exc:
             exc.__dict__[_BUG_LINE] = lineno
             raise
-        briefs = [_brief(r, e) for r, e in zip(rows, facts.edges or (False,) * len(rows))]
+        briefs = [_brief(r, e) for r, e in zip(rows, facts.edges)]
         if encoded is not None:
             for text in encoded:
                 parts += (text, b"\n")

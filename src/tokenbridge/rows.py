@@ -45,6 +45,7 @@ __all__ = [
     "COLUMNS",
     "DERIVED_COLUMNS",
     "JSON_TEXT_COLUMNS",
+    "MARKER_SEGMENTS",
     "SEGMENT_KINDS",
     "SEVERITIES",
     "STATUSES",
@@ -72,6 +73,8 @@ SEVERITIES: tuple[Severity, ...] = ("error", "warning")
 #: The prompt, then the dialects' completion part kinds (:data:`tokenbridge.chat.dialect.PART_KINDS`).
 SegmentKind = Literal["prompt", "format", "think_start", "reasoning", "think_end", "content", "tool_calls", "end"]
 SEGMENT_KINDS: tuple[SegmentKind, ...] = get_args(SegmentKind)
+#: The kinds reconstruct writes as one marker id each (a completion part that is a marker).
+MARKER_SEGMENTS: frozenset[SegmentKind] = frozenset({"think_start", "think_end", "end"})
 
 
 class Segment(TypedDict):

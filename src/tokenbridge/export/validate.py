@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import orjson
 
-from ..rows import SEGMENT_KINDS
+from ..rows import MARKER_SEGMENTS, SEGMENT_KINDS
 from .source import ExportError
 
 __all__ = ["MAX_ID", "RowContract", "check_training_row", "stored_row_ids"]
@@ -181,7 +181,7 @@ class RowContract:
         segments = rec.get("segments")
         if self.markers is not None and isinstance(segments, list):  # shapes checked by check_training_row
             for k, seg in enumerate(segments):
-                if seg["kind"] in _ONE_TOKEN and ids[seg["start"]] not in self.markers:
+                if seg["kind"] in MARKER_SEGMENTS and ids[seg["start"]] not in self.markers:
                     raise fail(f"segments[{k}]", f"the {seg['kind']} segment holds id {ids[seg['start']]}, which is "
                                "no marker of the tokenizer (reconstruct writes the marker's id there)")
 
@@ -216,10 +216,6 @@ def _prompt_length(rec: Mapping[str, Any], ids: list[int], fail: _Fail) -> int:
     raise fail("prompt_ids", "missing, and no prompt segment says where the prompt ends")
 
 
-#: The segments reconstruct writes as one marker id each (reconstruct's ``_MARKER_PARTS``).
-_ONE_TOKEN = frozenset({"think_start", "think_end", "end"})
-
-
 def _check_segments(segments: Sequence[Any], n: int, n_prompt: int, finish_reason: Any, fail: _Fail) -> None:
     pos = 0
     for k, seg in enumerate(segments):
@@ -234,7 +230,7 @@ def _check_segments(segments: Sequence[Any], n: int, n_prompt: int, finish_reaso
         if (k == 0) != is_prompt:
             raise fail(f"{field}.kind", "the first segment, and only it, must be the prompt")
         size = seg["end"] - seg["start"]
-        if seg.get("kind") in _ONE_TOKEN and size != 1:  # an emptied end segment is a dropped end token
+        if seg.get("kind") in MARKER_SEGMENTS and size != 1:  # an emptied end segment is a dropped end token
             raise fail(field, f"the {seg['kind']} segment is one token (a marker), this one spans {size}")
         if not is_prompt and size == 0:
             raise fail(field, f"an empty {seg['kind']} segment: reconstruct writes none")
