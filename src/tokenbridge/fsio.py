@@ -58,7 +58,7 @@ import stat
 import threading
 from collections import Counter
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 from collections.abc import Callable, Iterator, Sequence
 
@@ -456,15 +456,14 @@ def publish_dir(target: str | Path, *, point: str = "dir", marker: dict[str, Any
         yield tmp
         written = _entries(tmp) - {MARKER, CARRIED}
         if marker is not None:
-            record = {**marker, "files": sorted(written)}
-            (tmp / MARKER).write_text(json.dumps(record, sort_keys=True) + "\n", encoding="utf-8")
+            _write_marker(tmp, marker, written)
         _sync_tree(tmp)
         kill_point(f"{point}:staged")
         ours = _owned_test(target, owned)
         made = _carry(target, tmp, ours, written | {MARKER}, point)
         if made and marker is not None:  # a folder made to hold a user's nested entry is ours, as before
-            record = {**marker, "files": sorted(written | made)}
-            _rewrite_marker(tmp / MARKER, json.dumps(record, sort_keys=True) + "\n")
+            _write_marker(tmp, marker, written | made)
+            _fsync_file(tmp / MARKER, FILE_MODE)
         old = _swap_in(tmp, target, point)
         swapped = True
         kill_point(f"{point}:swapped")
@@ -568,8 +567,7 @@ def _carry(target: Path, tmp: Path, ours: Callable[[str], bool], written: set[st
                             "name; nothing was written: move it away or give another folder", target / clash[0])
     if not keep:
         return set()
-    made = {str(Path(name).parent.as_posix()) for name in keep if "/" in name}
-    made = {"/".join(m.split("/")[: k + 1]) for m in made for k in range(m.count("/") + 1)} - written
+    made = {str(p) for name in keep for p in PurePosixPath(name).parents if p.name} - written  # data for data/x
     with open(tmp / CARRIED, "x", encoding="utf-8") as fh:
         fh.write(json.dumps(keep) + "\n")
         fh.flush()
@@ -584,12 +582,10 @@ def _carry(target: Path, tmp: Path, ours: Callable[[str], bool], written: set[st
     return made
 
 
-def _rewrite_marker(path: Path, text: str) -> None:
-    """Replace the staged marker's text (the folder is not yet published), durably."""
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
+def _write_marker(folder: Path, marker: dict[str, Any], files: set[str]) -> None:
+    """The staged folder's marker: ``marker`` with ``files``, the entries tokenbridge wrote."""
+    record = {**marker, "files": sorted(files)}
+    (folder / MARKER).write_text(json.dumps(record, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _unlink_record(folder: Path) -> None:
