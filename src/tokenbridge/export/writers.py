@@ -134,8 +134,7 @@ class ConversationsWriter(_JsonlWriter):
         the format never promised to be exact."""
         if not any(seg["kind"] == "end" for seg in rec["segments"]):
             return True
-        names = (rec["reconstruction"] or "").split("+")
-        return any(name.startswith(_NOT_A_TURN) for name in names)
+        return any(name.startswith(_NOT_A_TURN) for name in _reading_names(rec))
 
     def row(self, rec: ReconstructedRow) -> dict[str, Any]:
         turns = [_turn(m) for m in _served_messages(rec)]
@@ -157,7 +156,7 @@ def _served_messages(rec: ReconstructedRow) -> list[Any]:
     was served, not as sent. (SGLang's tool dump, ``tools=sglang``, is not redone here: the
     row does not keep ``tool_choice``, which it depends on.)"""
     messages = rec["messages"]
-    names = set((rec["reconstruction"] or "").split("+"))
+    names = _reading_names(rec)
     if not isinstance(messages, list) or not names & _SERVED_HISTORY:
         return messages if isinstance(messages, list) else []
     from ..chat.serving import sglang_history, sglang_last_assistant
@@ -167,6 +166,11 @@ def _served_messages(rec: ReconstructedRow) -> list[Any]:
     if "last_assistant=user" in names:
         messages = sglang_last_assistant(messages) or messages
     return messages
+
+
+def _reading_names(rec: ReconstructedRow) -> frozenset[str]:
+    """The readings (prompt and completion) a row was proved by, from its ``reconstruction``."""
+    return frozenset((rec["reconstruction"] or "").split("+"))
 
 
 #: Prompt readings whose messages differ from the request's (:mod:`tokenbridge.chat.serving`).
