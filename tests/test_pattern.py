@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import KIMI_DIR, ROOT
-from tokenbridge.pattern import KIMI_PAT_STR, O200K_PAT_STR, PROVEN, grouped_pattern
+from tokenbridge.pattern import CUT_PROVEN, KIMI_PAT_STR, O200K_PAT_STR, PROVEN, grouped_pattern, last_stable_cut
 
 GPTOSS_DIR = ROOT.parent / "shared" / "tokenizers" / "gpt-oss"
 _TAIL = r"|\s+(?!\S)|\s+"
@@ -98,6 +98,42 @@ def test_grouped_pattern_gives_the_same_ids(text, family):
 def test_grouped_pattern_gives_the_same_ids_on_any_text(text, family):
     own, grouped = _encodings(family)
     assert grouped.encode_ordinary(text) == own.encode_ordinary(text)
+
+
+def _holds_at_cut(text: str, suffix: str, family: str) -> None:
+    """encode(text + suffix) is encode(text[:cut]) + encode(text[cut:] + suffix), under the
+    model's own pattern and its grouped form (both in CUT_PROVEN)."""
+    cut = last_stable_cut(text)
+    assert 0 <= cut < len(text) or cut == 0
+    if cut:
+        assert text[cut] == " " and not text[cut - 1].isspace()
+    for enc in _encodings(family):
+        assert enc._pat_str in CUT_PROVEN
+        whole = enc.encode_ordinary(text + suffix)
+        assert whole == enc.encode_ordinary(text[:cut]) + enc.encode_ordinary(text[cut:] + suffix)
+
+
+@settings(max_examples=800, deadline=None)
+@given(st.lists(st.sampled_from(_ATOMS), max_size=40).map("".join),
+       st.lists(st.sampled_from([*_ATOMS, "<|", "<|tool", "<", "|"]), max_size=6).map("".join),
+       st.sampled_from(["kimi", "gptoss"]))
+def test_text_splits_at_its_last_stable_cut_whatever_follows(text, suffix, family):
+    _holds_at_cut(text, suffix, family)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.characters(blacklist_categories=("Cs",)), max_size=120),
+       st.text(st.characters(blacklist_categories=("Cs",)), max_size=12), st.sampled_from(["kimi", "gptoss"]))
+def test_any_text_splits_at_its_last_stable_cut(text, suffix, family):
+    _holds_at_cut(text, suffix, family)
+
+
+@pytest.mark.parametrize(("text", "cut"), [
+    ("It starts like this: ", 20), ("a b", 1), ("a  b", 1), ("  ab", 0), ("ab", 0), ("", 0), ("x\n y", 0),
+    ("x\t y z", 4), ("字 字", 1), (". ", 1),
+])
+def test_last_stable_cut_is_a_space_after_non_whitespace(text, cut):
+    assert last_stable_cut(text) == cut
 
 
 @pytest.mark.parametrize("family", ["kimi", "gptoss"])

@@ -37,7 +37,7 @@ from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
-from .pattern import KIMI_PAT_STR, grouped_pattern
+from .pattern import CUT_PROVEN, KIMI_PAT_STR, grouped_pattern, last_stable_cut
 
 if TYPE_CHECKING:
     import tiktoken
@@ -128,6 +128,9 @@ class Tokenizer:
     #: ``(ids, marker_free)`` of completion text, encoded whole: None where ``encode``
     #: makes no cuts (see :meth:`encode_checked`).
     _encode_completion: Callable[[str], tuple[list[int], bool]] | None = field(default=None, repr=False)
+    #: Where marker-free text splits whatever is appended to it (:func:`.pattern.last_stable_cut`;
+    #: 0: nowhere); None where the pre-tokenizer's pattern is not one proven to.
+    _stable_cut: Callable[[str], int] | None = field(default=None, repr=False)
     _prompt_cache: _PieceCache = field(init=False, repr=False)
     #: How many ids the model's output layer has (``lm_head`` rows): the folder's
     #: ``config.json`` ``vocab_size`` where it has one (often more than the tokenizer's
@@ -175,6 +178,24 @@ class Tokenizer:
         if may is None or plain is None or may(text):
             return self._encode(text), False
         return plain(text), True
+
+    def encode_appended(self, text: str, ids: Sequence[int], suffixes: Sequence[str]) -> list[tuple[list[int], bool]]:
+        """:meth:`encode_checked` of ``text + s`` for each of ``suffixes``, where ``ids`` are
+        ``text``'s own: readings that differ only in what follows a long text (a tail a
+        streaming parser held back) re-encode it from its last stable cut on, not whole."""
+        cut = self._stable_cut(text) if self._stable_cut is not None and self.marker_free(text) else 0
+        if cut <= 0:
+            return [self.encode_checked(text + s) for s in suffixes]
+        tail = text[cut:]
+        tail_ids, _ = self.encode_checked(tail)
+        head = len(ids) - len(tail_ids)
+        if head < 0 or list(ids[head:]) != tail_ids:  # not text's ids: the caller's mistake, encode whole
+            return [self.encode_checked(text + s) for s in suffixes]
+        out = []
+        for s in suffixes:
+            more, _ = self.encode_checked(tail + s)
+            out.append(([*ids[:head], *more], self.marker_free(text + s)))
+        return out
 
     def marker_free(self, text: str) -> bool:
         """True when ``encode(text)`` certainly holds no marker id: the text holds no
@@ -624,7 +645,7 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
     pat_str = read_pat_str(folder)
     special = {t: i for i, t in names.items()}
     enc = _encoding(folder / "tiktoken.model", pat_str, ranks, special)
-    tok = _tiktoken_tokenizer(folder, source, enc, names, config, vocab_size=n_ranks + _KIMI_NUM_RESERVED,
+    tok = _tiktoken_tokenizer(folder, source, enc, names, config, pat_str=pat_str, vocab_size=n_ranks + _KIMI_NUM_RESERVED,
                               cut_long_runs=True)
     object.__setattr__(tok, "model_vocab_size", tok.vocab_size)  # the reserved range pads to the model's 163,840
     return tok
@@ -648,7 +669,7 @@ def _encoding(path: Path, pat_str: str, ranks: dict[bytes, int], special: dict[s
 
 
 def _tiktoken_tokenizer(folder: Path, source: str, enc: tiktoken.Encoding, names: dict[int, str], config: dict[str, Any], *,
-                        vocab_size: int, cut_long_runs: bool) -> Tokenizer:
+                        pat_str: str, vocab_size: int, cut_long_runs: bool) -> Tokenizer:
     """A :class:`Tokenizer` over a built ``tiktoken.Encoding`` whose special tokens are
     ``names``. ``cut_long_runs``: encode as transformers' ``tokenize()`` does for a folder
     whose own tokenizer cuts long runs (Kimi's); without it one tiktoken call is exact."""
@@ -716,6 +737,7 @@ def _tiktoken_tokenizer(folder: Path, source: str, enc: tiktoken.Encoding, names
         _encode_plain=encode_plain,
         _may_hold_marker=lambda text: first_marker(text) is not None,
         _encode_completion=encode_completion if cut_long_runs else None,
+        _stable_cut=last_stable_cut if pat_str in CUT_PROVEN else None,
     )
 
 
@@ -757,7 +779,8 @@ def _load_tiktoken_beside_json(folder: Path, source: str) -> Tokenizer | None:
     special = {t: i for i, t in names.items()}
     enc = _encoding(path, regex, ranks, special)
     config = _read_json(folder / "tokenizer_config.json")
-    return _tiktoken_tokenizer(folder, source, enc, names, config, vocab_size=max(names) + 1, cut_long_runs=False)
+    return _tiktoken_tokenizer(folder, source, enc, names, config, pat_str=regex, vocab_size=max(names) + 1,
+                               cut_long_runs=False)
 
 
 def _load_tokenizers(folder: Path, source: str) -> Tokenizer:
