@@ -40,6 +40,13 @@ evidence proves (usage, logprobs, token ids, stop id), or reports them all.
   vLLM's whole form fits as well it is one token longer, the gap of an end token usage
   leaves out, so there the reading also needs ids, logprobs or a run that proved the end
   token counted.
+* ``tool_start_held=<text>``: SGLang's ``kimi_k2`` tool parser, streaming with ``tools``
+  sent, holds back text at the end of the content that may begin a tool-call marker
+  (``<|`` up to ``<|tool_calls_section_begin|``) until it knows, and at the end of the
+  stream releases nothing (0.5.23: its ``finish`` is the base's). The model's content is
+  the served content plus that text: ``" <|"`` is one token where ``" "`` was served, the
+  same count. Each such text is a reading where the request sent tools and may have
+  streamed (``held_tails``); the caller keeps only those the evidence can tell.
 * ``cut_after_think_close``: a length cut with no content served may have fallen inside
   the reasoning (the formula) or right after ``</think>``: one token apart. The count alone
   cannot pick: vLLM holds back the bytes of a cut that falls inside a character (a partial
@@ -64,7 +71,7 @@ from collections.abc import Mapping, Sequence
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .content import content_text
 
-__all__ = ["Candidate", "candidates", "ends_in_think_fits", "unjoin_marker_spaces"]
+__all__ = ["Candidate", "candidates", "ends_in_think_fits", "held_tails", "unjoin_marker_spaces"]
 
 Parts = list[tuple[str, str]]
 
@@ -76,6 +83,9 @@ class Candidate:
 
     parts: Parts
     names: tuple[str, ...] = ()
+    #: Text appended to another reading's last content part (``tool_start_held``): this
+    #: reading's content ids follow from that part's (``Tokenizer.encode_appended``).
+    held: str = ""
 
     @property
     def name(self) -> str | None:
@@ -85,6 +95,32 @@ class Candidate:
 def _text(message: Mapping[str, Any]) -> tuple[str, str]:
     reasoning = message_reasoning(message) or ""
     return reasoning, content_text(message.get("content"))
+
+
+def held_tails(starts: Sequence[str]) -> tuple[str, ...]:
+    """Every text a streaming tool parser holds back at the end of the content, waiting
+    for one of ``starts``: each one's beginnings of two characters or more, short of the
+    whole marker (SGLang's ``kimi_k2`` detector holds those; a lone ``<`` it sends)."""
+    return tuple(dict.fromkeys(m[:n] for m in starts for n in range(2, len(m))))
+
+
+def _held_readings(c: Candidate, tails: Sequence[str], thinking: bool) -> list[Candidate]:
+    """``c`` with each of ``tails`` written at the end of its content (before its end token):
+    where the content is the model's last text and the tool parser saw it (after a closed
+    think block, or with thinking off), and no tool section was served."""
+    kinds = [kind for kind, _ in c.parts]
+    if not tails or "tool_calls" in kinds or "marker_spaces" in c.names:  # a call was made, or vLLM served it
+        return []
+    at = len(kinds) - (kinds[-1:] == ["end"])
+    before = kinds[at - 1] if at else None
+    if before == "content":
+        text = c.parts[at - 1][1]
+        return [Candidate([*c.parts[: at - 1], ("content", text + h), *c.parts[at:]], (*c.names, f"tool_start_held={h}"), h)
+                for h in tails]
+    if before == "think_end" or (before is None and not thinking):
+        return [Candidate([*c.parts[:at], ("content", h), *c.parts[at:]], (*c.names, f"tool_start_held={h}"))
+                for h in tails]
+    return []
 
 
 def _markers(dialect: Dialect) -> list[str]:
@@ -168,6 +204,7 @@ def candidates(
     end_in_think: bool = False,
     cut_after_close: bool = False,
     prefix_absent: bool = False,
+    held: Sequence[str] = (),
 ) -> list[Candidate]:
     """The plain formula first, then every other reading this message admits.
 
@@ -178,7 +215,9 @@ def candidates(
     ``end_in_think`` / ``cut_after_close`` / ``prefix_absent``: offer those readings where the
     message fits them (the caller knows whether the evidence can tell them from the formula);
     ``end_in_think`` also says a one-token gap is not an uncounted end token, which GLM's
-    ``think_prefix_absent`` needs where vLLM's whole form fits too.
+    ``think_prefix_absent`` needs where vLLM's whole form fits too. ``held``: the texts a
+    streaming tool parser may have held back (:func:`held_tails`), each a reading right
+    after the one it extends.
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
@@ -222,6 +261,7 @@ def candidates(
 
     if joins_markers and any("marker_spaces" in c.names for c in out):
         out = [c for c in out if "marker_spaces" in c.names]
+    out = [r for c in out for r in (c, *_held_readings(c, held, thinking))]
     out += _cut_after_close(dialect, out, finish_reason, thinking, prompt_opens_think, cut_after_close)
     out += _ended_in_think(out, finish_reason, thinking, prompt_opens_think, end_in_think)
     for marker in end_markers:

@@ -34,7 +34,7 @@ from .checks import (Finding, Policy, SampleView, ends_turn, finish_reading, log
 from .evidence import UNKNOWN_MARKER, LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
 from .exchanges import Exchange, RecordError, choice_index, loads_line, parse_exchange
 from .jsonl import NotJsonlError, binary_kind, text_of
-from .hypotheses import Candidate, candidates, ends_in_think_fits
+from .hypotheses import Candidate, candidates, ends_in_think_fits, held_tails
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
 from . import fsio, lanes
 from .outdir import check_output_file
@@ -378,23 +378,47 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     # counted) and a cut right after </think> (one more, as vLLM's held-back partial character is)
     # (logprobs whose markers are all known tell these apart: the readings differ by a marker only)
     by_ids = native is not None or (logged is not None and logged.ids is not None and UNKNOWN_MARKER not in logged.ids)
+    held = held_tails(dialect.stream_held_starts) if stream is not False and _sends_tools(ex.request) else ()
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
-                       prefix_absent=by_ids)
+                       prefix_absent=by_ids, held=held)
     cand_ids: list[list[list[int]]] = []
     cand_free: list[list[bool]] = []
+    done: dict[str, tuple[list[int], bool]] = {}  # each text encoded once across the readings
     for c in cands:
         ids_c, free_c = [], []
         for kind, text in c.parts:
             if kind in MARKER_SEGMENTS:
                 ids, free = [tok.token_id(text)], False
+            elif text in done:
+                ids, free = done[text]
+            elif c.held and kind == "content" and text.endswith(c.held) and text[: -len(c.held)] in done:
+                base = text[: -len(c.held)]
+                ids, free = done[text] = tok.encode_appended(base, done[base][0], [c.held])[0]
             else:
-                ids, free = tok.encode_checked(text)
+                ids, free = done[text] = tok.encode_checked(text)
             ids_c.append(ids)
             free_c.append(free)
         cand_ids.append(ids_c)
         cand_free.append(free_c)
+    if held and not by_ids:
+        # a held text the count alone would pick is as likely an unexplained offset: kept
+        # only where it ties a reading without one, so that the tie is reported
+        lengths = {sum(map(len, ids)) for c, ids in zip(cands, cand_ids) if not _held(c)}
+        keep = [k for k, c in enumerate(cands) if not _held(c) or sum(map(len, cand_ids[k])) in lengths]
+        cands, cand_ids, cand_free = [cands[k] for k in keep], [cand_ids[k] for k in keep], [cand_free[k] for k in keep]
     return _Choice(idx, choice, native, logged, stop, cands, cand_ids, cand_free)
+
+
+def _held(c: Candidate) -> bool:
+    """Whether reading ``c`` has the model's content go on past what was served (a held tail)."""
+    return any(name.startswith("tool_start_held=") for name in c.names)
+
+
+def _sends_tools(request: Mapping[str, Any]) -> bool:
+    """Whether the request gave the model tools to call (a tool parser then reads its content)."""
+    tools = request.get("tools")
+    return isinstance(tools, list) and bool(tools) and request.get("tool_choice") != "none"
 
 
 def _named_ends(tok: Tokenizer, dialect: Dialect, finish: Any, stop: int | str | None,

@@ -143,6 +143,10 @@ class Dialect:
     #: template (gpt-oss under vLLM: ``openai_harmony``); :func:`..resolve_dialect`
     #: then keeps the built-in renderer.
     own_renderer: bool = False
+    #: Tool-call markers whose beginnings SGLang's streaming tool parser for this family
+    #: holds back at the end of the content and never sends (kimi_k2: the section and
+    #: call markers), where the request sent tools: see :mod:`..hypotheses`.
+    stream_held_starts: tuple[str, ...] = ()
 
     @property
     def end_tokens(self) -> tuple[str, ...]:

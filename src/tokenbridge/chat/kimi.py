@@ -141,4 +141,5 @@ KIMI_K25 = Dialect(
     template_kwargs=TEMPLATE_KWARGS,
     tools_unproven=tools_unproven,
     argument_readings=True,
+    stream_held_starts=tuple(m for m in (TOOL_MARKERS.section_begin, TOOL_MARKERS.call_begin) if m),
 )

@@ -1,0 +1,163 @@
+"""Kimi K2.5 streamed with ``tools`` sent: text SGLang's tool parser holds back and never sends.
+
+SGLang 0.5.23's ``kimi_k2`` detector (the real one, below) holds back the end of the content
+while it may still become ``<|tool_calls_section_begin|>`` or ``<|tool_call_begin|>``, and its
+``finish`` (the base class's) releases nothing. A turn whose content ends ``" <|"`` (one token)
+is served ending ``" "`` (one token): the same count, other ids. Every such tail is a reading
+(``tool_start_held=...``) where the request sent tools and may have streamed; without ids or
+logprobs only a tail that ties the served reading's count is kept, so the tie is reported.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from test_families_support import family_tokenizer, import_sglang_reasoning, register_sglang_namespace
+from tokenbridge.chat import DIALECTS
+from tokenbridge.hypotheses import held_tails
+from tokenbridge.reconstruct import reconstruct_file
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city.",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+BASE = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "Show me how it starts."}]}
+
+
+def _detector():
+    register_sglang_namespace(pytest.skip)
+    try:
+        from sglang.srt.function_call.kimik2_detector import KimiK2Detector
+    except ImportError as e:  # pragma: no cover - CI installs it
+        pytest.skip(f"sglang's kimi_k2 detector does not import ({e})")
+    return KimiK2Detector()
+
+
+def _served(kimi, native: list[int], *, stream: bool) -> tuple[dict[str, Any], str]:
+    """What SGLang 0.5.23 returns for ``native`` with tools sent: the stop token trimmed, the
+    reasoning split by the real ``kimi_k2`` reasoning parser, and the content passed through
+    the real ``kimi_k2`` tool detector (token by token, then ``finish``, when streamed)."""
+    end, close = kimi.token_id("<|im_end|>"), kimi.token_id("</think>")
+    body, finish = (native[:-1], "stop") if native[-1] == end else (native, "length")
+    at = body.index(close)
+    reasoning = kimi.decode_bytes(body[:at]).decode("utf-8")
+    parser = import_sglang_reasoning()("kimi_k2", stream_reasoning=False, force_reasoning=True)
+    assert parser.parse_non_stream(reasoning + "</think>") == (reasoning, "")
+    detector = _detector()
+    if stream:
+        pieces = [detector.parse_streaming_increment(kimi.decode_bytes([t]).decode("utf-8"), []).normal_text
+                  for t in body[at + 1:]]
+        content = "".join(pieces) + detector.finish([]).normal_text
+    else:
+        content = detector.detect_and_parse(kimi.decode_bytes(body[at + 1:]).decode("utf-8"), []).normal_text
+    return {"role": "assistant", "reasoning_content": reasoning, "content": content}, finish
+
+
+def _record(kimi, i: int, native: list[int], *, stream: bool, tools: bool = True, logprobs: bool = False,
+            stream_known: bool = True) -> dict[str, Any]:
+    message, finish = _served(kimi, native, stream=stream)
+    request: dict[str, Any] = {**BASE, **({"tools": TOOLS} if tools else {}), **({"stream": stream} if stream_known else {})}
+    prompt = len(kimi.encode(DIALECTS["kimi-k2.5"].render_request(request)))
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
+    if logprobs:
+        choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": -0.1, "bytes": None,
+                                           "top_logprobs": []} for t in native]}
+    return {"id": f"r{i}", "request": request, "response": {
+        "provider": "p", "choices": [choice], "usage": {"prompt_tokens": prompt, "completion_tokens": len(native)}}}
+
+
+def _native(kimi, content: str, reasoning: str = "The user wants the prefix.") -> list[int]:
+    return [*kimi.encode(reasoning), kimi.token_id("</think>"), *kimi.encode(content), kimi.token_id("<|im_end|>")]
+
+
+def _rows(tmp_path, kimi, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    src, dst = tmp_path / "ex.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    reconstruct_file(src, dst, kimi, workers=1)
+    return [json.loads(line) for line in dst.read_text(encoding="utf-8").splitlines()]
+
+
+def _codes(row: dict[str, Any]) -> list[str]:
+    return [f["code"] for f in row["findings"]]
+
+
+def test_the_held_tails_are_every_beginning_of_the_two_start_markers():
+    tails = held_tails(DIALECTS["kimi-k2.5"].stream_held_starts)
+    assert tails[:3] == ("<|", "<|t", "<|to")
+    assert "<|tool_calls_section_begin|" in tails and "<|tool_call_begin|" in tails
+    assert "<|tool_calls_section_begin|>" not in tails and "<" not in tails
+    assert len(tails) == len(set(tails)) == 26 + 7  # the two share "<|tool_call"'s 11 first characters
+
+
+def test_sglang_drops_the_held_text_streamed_and_keeps_it_whole(kimi):
+    """The premise, from the real detector: streamed, ``" <|"`` comes back as ``" "``."""
+    native = _native(kimi, "It starts like this: <|")
+    assert kimi.encode("It starts like this: <|")[-1] == kimi.encode(" <|")[0]  # one token, " <|"
+    streamed, _ = _served(kimi, native, stream=True)
+    whole, _ = _served(kimi, native, stream=False)
+    assert streamed["content"] == "It starts like this: "
+    assert whole["content"] == "It starts like this: <|"
+    assert len(kimi.encode(streamed["content"])) == len(kimi.encode(whole["content"]))  # the count cannot tell
+
+
+@pytest.mark.parametrize("stream_known", [True, False])
+def test_a_tail_that_ties_the_count_is_reported_not_passed(tmp_path, kimi, stream_known):
+    """Before: ``ok`` with ``" "`` (220) where the model wrote ``" <|"``."""
+    native = _native(kimi, "It starts like this: <|")
+    [row] = _rows(tmp_path, kimi, [_record(kimi, 0, native, stream=True, stream_known=stream_known)])
+    assert row["status"] == "rejected"
+    assert _codes(row) == ["reconstruction_ambiguous"]
+    assert "tool_start_held=<|" in row["findings"][0]["message"]
+
+
+@pytest.mark.parametrize("content", ["It starts like this: <|", "Call <|tool", "Use <|tool_calls_section_begin|",
+                                     "x <|tool_call_begin|", "<|to", "Done."])
+def test_logprobs_pick_the_held_reading_exactly(tmp_path, kimi, content):
+    native = _native(kimi, content)
+    [row] = _rows(tmp_path, kimi, [_record(kimi, 0, native, stream=True, logprobs=True)])
+    assert row["status"] == "ok", row["findings"]
+    assert row["completion_ids"] == native
+    assert row["content"] == content  # the model's text, as a conversation re-renders it
+
+
+def test_a_tail_that_adds_tokens_is_not_read_from_the_count_alone(tmp_path, kimi):
+    """``"Call <|tool"`` served as ``"Call "``: usage is two tokens over the served reading. A
+    held reading fits that count, but so might any unexplained offset: it stays a mismatch."""
+    native = _native(kimi, "Call <|tool")
+    [row] = _rows(tmp_path, kimi, [_record(kimi, 0, native, stream=True)])
+    assert row["status"] == "rejected"
+    assert "usage_completion_mismatch" in _codes(row)
+    assert "reconstruction_ambiguous" not in _codes(row)
+
+
+@pytest.mark.parametrize(("stream", "tools"), [(False, True), (True, False)])
+def test_no_held_reading_where_no_tool_parser_streamed(tmp_path, kimi, stream, tools):
+    """Whole responses, and requests without tools, keep the served text: a content that ends
+    in a space is proven by its count as before."""
+    native = _native(kimi, "It starts like this: ")
+    rec = _record(kimi, 0, native, stream=stream, tools=tools)
+    assert rec["response"]["choices"][0]["message"]["content"] == "It starts like this: "
+    [row] = _rows(tmp_path, kimi, [rec])
+    assert row["status"] == "ok", row["findings"]
+    assert row["completion_ids"] == native
+
+
+def test_a_streamed_content_ending_in_a_space_without_a_held_text_is_the_tie_too(tmp_path, kimi):
+    """The model really wrote ``"...: "``: served the same as above, so it is the same tie,
+    and logprobs settle it the other way."""
+    native = _native(kimi, "It starts like this: ")
+    [row] = _rows(tmp_path, kimi, [_record(kimi, 0, native, stream=True)])
+    assert row["status"] == "rejected" and _codes(row) == ["reconstruction_ambiguous"]
+    [row] = _rows(tmp_path, kimi, [_record(kimi, 0, native, stream=True, logprobs=True)])
+    assert row["status"] == "ok" and row["completion_ids"] == native
+
+
+@pytest.mark.parametrize("text", ["", "a", "It starts like this: ", "two  spaces  ", "x y z", "字 字 ", "a\n b",
+                                  "end.\n\n", "long " * 400 + "tail"])
+def test_encode_appended_is_encode_of_the_whole(kimi, text):
+    tails = [*held_tails(DIALECTS["kimi-k2.5"].stream_held_starts), " ", "\n", "x", "字"]
+    for tok in (kimi, family_tokenizer("gpt-oss")):
+        ids, _ = tok.encode_checked(text)
+        assert tok.encode_appended(text, ids, tails) == [tok.encode_checked(text + s) for s in tails]
