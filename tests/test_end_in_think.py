@@ -196,3 +196,55 @@ def test_logprobs_with_partial_characters_but_known_markers_still_tell_the_turns
     row, = reconstruct_record(rec, kimi)
     assert row["completion_ids"] == native
     assert (row["status"], row["reconstruction"]) == ("ok", "end_in_think" if ended_in_think else None), row["findings"]
+
+
+def _two(kimi, kimi_dir, first: list[int], second: list[int], *, logprobs: bool = False) -> dict[str, Any]:
+    """One record, n = 2: each choice served by the real parser, usage summed over both."""
+    a = _record(kimi, kimi_dir, 0, "p", first, logprobs=logprobs)
+    b = _record(kimi, kimi_dir, 1, "p", second, logprobs=logprobs)
+    choice_b = {**b["response"]["choices"][0], "index": 1}
+    a["response"]["choices"].append(choice_b)
+    a["response"]["usage"]["completion_tokens"] = len(first) + len(second)
+    return a
+
+
+def _cut_after_close(kimi, reasoning: str) -> list[int]:
+    """``reasoning</think>``, cut by length right after the close: served as reasoning alone."""
+    return [*kimi.encode(reasoning), kimi.token_id("</think>")]
+
+
+def test_two_choices_whose_count_errors_cancel_prove_neither(kimi, kimi_dir):
+    """A cold tester's record: choice 0 ended inside its think block (the formula adds a
+    ``</think>``: one id too many), choice 1 was cut right after ``</think>`` (the formula
+    leaves it out: one too few). The summed usage fits; before, choice 0 was ``ok``."""
+    first, second = _in_think(kimi, "Nothing to add."), _cut_after_close(kimi, "Let me think more")
+    rows = reconstruct_record(_two(kimi, kimi_dir, first, second), kimi)
+    assert [r["completion_ids"] == n for r, n in zip(rows, (first, second))] == [False, False]  # the premise
+    assert [r["status"] for r in rows] == ["rejected", "rejected"]
+    assert [[f["code"] for f in r["findings"]] for r in rows] == [["choices_unattributable"],
+                                                                   ["truncated", "choices_unattributable"]]
+
+
+def test_the_same_shapes_are_unproven_even_when_the_formula_was_right(kimi, kimi_dir):
+    """The same served text from the formula's turns: the sum fits as well, and nothing
+    tells the two records apart, so this one is unproven too (the price of the first)."""
+    first, second = _closed(kimi, "Nothing to add."), kimi.encode("Let me think more")
+    rows = reconstruct_record(_two(kimi, kimi_dir, first, second), kimi)
+    assert [r["completion_ids"] == n for r, n in zip(rows, (first, second))] == [True, True]
+    assert [r["status"] for r in rows] == ["rejected", "rejected"]
+
+
+def test_logprobs_on_both_choices_read_each_exactly(kimi, kimi_dir):
+    first, second = _in_think(kimi, "Nothing to add."), _cut_after_close(kimi, "Let me think more")
+    rows = reconstruct_record(_two(kimi, kimi_dir, first, second, logprobs=True), kimi)
+    assert [r["completion_ids"] for r in rows] == [first, second]
+    assert [(r["status"], r["reconstruction"]) for r in rows] == [("ok", "end_in_think"),
+                                                                  ("flagged", "cut_after_think_close")]
+
+
+def test_a_cut_beside_a_choice_with_content_is_not_marked(kimi, kimi_dir):
+    """Only a turn that may have ended inside its think block can cancel a cut's missing id."""
+    first, second = _closed(kimi, "Thinking.", "The answer."), kimi.encode("Let me think more")
+    rows = reconstruct_record(_two(kimi, kimi_dir, first, second), kimi)
+    assert [r["completion_ids"] for r in rows] == [first, second]
+    assert [(r["status"], [f["code"] for f in r["findings"]]) for r in rows] == [("ok", []), ("flagged", ["truncated"])]

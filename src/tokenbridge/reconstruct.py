@@ -213,6 +213,7 @@ def _reconstruct(
                          reasoning=reasoning_text, content=content_text_,
                          reconstruction=_joined(prompt_name, p.cands[p.chosen].name)))
     if len(rows) > 1 and usage_completion is not None:
+        _mark_cancelling(plans, rows, policy, thinking=thinking, opens=opens)
         _mark_siblings(rows, policy)
     markered = [p for p in plans if _has_marker(p.cands[0].parts)]
     reasoned = ([r for p in plans if (r := message_reasoning(p.choice["message"]))]
@@ -533,10 +534,43 @@ def _fits(p: _Choice, k: int, reasoning: int | None) -> bool:
     return not reasoning or reasoning in reasoning_counts(parts, part_ids)
 
 
+def _mark_cancelling(plans: list[_Choice], rows: list[dict[str, Any]], policy: Policy, *,
+                     thinking: bool, opens: bool) -> None:
+    """With n > 1, two readings the count alone never picks can cancel in the sum: a turn
+    that ended with no content may have ended inside its think block (one id fewer than the
+    formula, ``end_in_think``), and a length cut may have held back one id the response
+    never served (a partial character, or a ``</think>`` right at the cut). Each alone
+    breaks the count; one of each keeps the sum. Where ids or logprobs pin neither, every
+    such choice is unproven (``choices_unattributable``)."""
+    sev = policy.severity("choices_unattributable")
+    if sev == "off":
+        return
+    fewer, more = [], []
+    for p, row in zip(plans, rows):
+        pinned = p.native is not None or (p.logged is not None and p.logged.ids is not None)
+        if pinned:
+            continue
+        finish = finish_reading(p.choice)
+        if finish == "length":
+            more.append((p, row))
+        elif (ends_in_think_fits(p.cands[p.chosen].parts, finish, thinking, opens)
+              and not any("end_in_think" in c.names for c in p.cands)):
+            fewer.append((p, row))
+    if not (fewer and more):
+        return
+    why = (f"usage is summed over {len(rows)} choices: choice(s) {[r['choice'] for _, r in fewer]} may have ended "
+           f"inside the think block (one id fewer than read) and choice(s) {[r['choice'] for _, r in more]} were cut "
+           "where one id may not have been served (one more): the sum fits either way, so it proves neither")
+    for _, row in (*fewer, *more):
+        row["findings"] = [*row["findings"], Finding("choices_unattributable", sev, why).to_dict()]
+        row["status"] = status_of([Finding(f["code"], f["severity"], f["message"]) for f in row["findings"]])
+
+
 def _mark_siblings(rows: list[dict[str, Any]], policy: Policy) -> None:
     """With n > 1, usage counts all choices together: a choice is proven only when no
     other choice has an error, since one choice's error can hide another's. A sibling
-    with warnings only (say ``truncated``) still has exact ids, so it hides nothing."""
+    with warnings only (say ``truncated``) has ids exact as far as they go; where its cut
+    may hide one more, :func:`_mark_cancelling` has already said so."""
     dirty = [r["choice"] for r in rows if any(f["severity"] == "error" for f in r["findings"])]
     sev = policy.severity("choices_unattributable")
     if not dirty or sev == "off":
