@@ -249,6 +249,30 @@ def test_tokenizer_files_are_part_of_the_fingerprint(tmp_path, kimi_dir):
     assert _tokenizer_identity(str(folder)) != before
 
 
+def test_every_file_the_loader_reads_is_part_of_the_fingerprint_and_no_other(tmp_path):
+    """gpt-oss's ranks are ``o200k_base.tiktoken``: a changed rank file kept a stale
+    reconstructed.jsonl (a tester swapped two ranks; the rerun skipped reconstruct). Files the
+    loader never reads (weights, a README) change nothing."""
+    from tokenbridge.pipeline import _tokenizer_identity
+    from tokenbridge.tokenizer import FOLDER_FILES
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    names = ["o200k_base.tiktoken", "tokenizer.json", "tokenizer_config.json", "tiktoken.model", "config.json",
+             "chat_template.jinja", "chat_template.json", "tokenization_kimi.py"]
+    assert len(FOLDER_FILES) == len(names)
+    for name in names:
+        (folder / name).write_text("a")
+    seen = {_tokenizer_identity(str(folder))}
+    for name in names:
+        (folder / name).write_text("b")
+        seen.add(_tokenizer_identity(str(folder)))
+    assert len(seen) == len(names) + 1
+    for other in ("model-00001-of-00002.safetensors", "README.md", "special_tokens_map.json"):
+        (folder / other).write_text("x")
+    assert _tokenizer_identity(str(folder)) in seen
+
+
 def test_a_config_in_a_subfolder_reads_its_own_dataset_not_a_double_joined_one(tmp_path, kimi_dir, monkeypatch):
     """``run sub/run.toml`` from ``sub``'s parent with ``path = "data.jsonl"``: the path is
     ``sub/data.jsonl``, joined once. Joined twice it was ``sub/sub/data.jsonl``: "does not

@@ -63,15 +63,16 @@ def _digest(path: Path) -> str:
 
 
 def _tokenizer_identity(source: str) -> str:
-    """A digest of the tokenizer's files (a folder), else its name: a changed vocab or
-    template must re-run reconstruction."""
+    """A digest of the files the tokenizer is read from (a folder), else its name: a changed
+    vocab (gpt-oss's ``*.tiktoken`` ranks too), pattern or template must re-run reconstruction."""
+    from .tokenizer import folder_files
+
     folder = Path(source)
     if not folder.is_dir():
         return source
     h = hashlib.sha256()
-    for p in sorted(folder.iterdir()):
-        if p.is_file() and (p.suffix in (".model", ".json", ".jinja", ".py") or p.name == "tiktoken.model"):
-            h.update(p.name.encode() + _digest(p).encode())
+    for p in folder_files(folder):
+        h.update(p.name.encode() + _digest(p).encode())
     return h.hexdigest()
 
 

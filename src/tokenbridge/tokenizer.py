@@ -42,7 +42,7 @@ from .pattern import CUT_PROVEN, KIMI_PAT_STR, grouped_pattern, last_stable_cut
 if TYPE_CHECKING:
     import tiktoken
 
-__all__ = ["KIMI_PAT_STR", "MAX_VOCAB_SIZE", "PROMPT_CACHE_BYTES", "EncodeError", "Tokenizer", "TokenizerError", "load_tokenizer",
+__all__ = ["FOLDER_FILES", "KIMI_PAT_STR", "MAX_VOCAB_SIZE", "PROMPT_CACHE_BYTES", "EncodeError", "Tokenizer", "TokenizerError", "folder_files", "load_tokenizer",
            "marker_pattern", "marker_splitter"]
 
 #: Kimi reserves this many ids above the BPE ranks for special tokens.
@@ -73,17 +73,25 @@ _CACHE_MAX_ENTRY_SHARE = 8
 #: searches (each group is one search of the text).
 _MAX_GROUPS = 4
 
-_HUB_FILES = [
+#: Every file of a tokenizer folder the loader may read (globs): what makes it that tokenizer.
+FOLDER_FILES = (
     "tokenizer_config.json",
     "tokenizer.json",
     "tiktoken.model",
+    "*.tiktoken",
     "tokenization_*.py",
     "chat_template.jinja",
     "chat_template.json",
-    "special_tokens_map.json",
     "config.json",
-    "generation_config.json",
-]
+)
+_HUB_FILES = [*FOLDER_FILES, "special_tokens_map.json", "generation_config.json"]
+
+
+def folder_files(folder: Path) -> list[Path]:
+    """The files of ``folder`` the loader may read (:data:`FOLDER_FILES`), sorted by name:
+    a change to any of them is another tokenizer, and no other file matters."""
+    found = {p for pattern in FOLDER_FILES for p in folder.glob(pattern) if p.is_file()}
+    return sorted(found, key=lambda p: p.name)
 
 
 class TokenizerError(Exception):
