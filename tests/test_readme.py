@@ -49,3 +49,17 @@ def test_emulator_example_generates_the_bundled_prompts(tmp_path, kimi_dir):
     ids = [json.loads(x)["id"] for x in (tmp_path / "dry" / "exchanges.jsonl").read_text().splitlines()]
     rows = (ROOT / "src/tokenbridge/data/prompts/chat.jsonl").read_text().splitlines()
     assert ids == [json.loads(r)["id"] for r in rows]
+
+
+def test_every_finding_code_is_in_the_readmes_table_with_its_severity():
+    """A code the gate raises but the README never explains leaves a user guessing (a cold
+    tester found ``end_token_mismatch`` missing)."""
+    from tokenbridge.checks import CODES
+
+    table = {}
+    for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.split(" | ")]
+        if line.startswith("| `") and len(cells) >= 3:
+            for code in re.findall(r"`([a-z_]+)`", cells[0]):
+                table[code] = cells[1]
+    assert {code: table.get(code) for code in CODES} == {code: sev for code, (sev, _) in CODES.items()}
