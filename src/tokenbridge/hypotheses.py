@@ -83,8 +83,9 @@ class Candidate:
 
     parts: Parts
     names: tuple[str, ...] = ()
-    #: Text appended to another reading's last content part (``tool_start_held``): this
-    #: reading's content ids follow from that part's (``Tokenizer.encode_appended``).
+    #: Text appended to the last content part of the reading it extends, or that part
+    #: itself where that reading has none (``tool_start_held``): its ids follow from the
+    #: extended part's (``Tokenizer.encode_appended``).
     held: str = ""
 
     @property
@@ -118,7 +119,7 @@ def _held_readings(c: Candidate, tails: Sequence[str], thinking: bool) -> list[C
         return [Candidate([*c.parts[: at - 1], ("content", text + h), *c.parts[at:]], (*c.names, f"tool_start_held={h}"), h)
                 for h in tails]
     if before == "think_end" or (before is None and not thinking):
-        return [Candidate([*c.parts[:at], ("content", h), *c.parts[at:]], (*c.names, f"tool_start_held={h}"))
+        return [Candidate([*c.parts[:at], ("content", h), *c.parts[at:]], (*c.names, f"tool_start_held={h}"), h)
                 for h in tails]
     return []
 

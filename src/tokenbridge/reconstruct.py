@@ -383,9 +383,13 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
                        prefix_absent=by_ids, held=held)
+    done: dict[str, tuple[list[int], bool]] = {}  # each text encoded once across the readings
+    plain = [c for c in cands if not c.held]
+    held_cands = _encode_held(tok, [c for c in cands if c.held], plain, done, same_count=not by_ids)
+    kept = {id(c) for c in held_cands}
+    cands = [c for c in cands if not c.held or id(c) in kept]  # in their order: the formula first
     cand_ids: list[list[list[int]]] = []
     cand_free: list[list[bool]] = []
-    done: dict[str, tuple[list[int], bool]] = {}  # each text encoded once across the readings
     for c in cands:
         ids_c, free_c = [], []
         for kind, text in c.parts:
@@ -393,27 +397,46 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
                 ids, free = [tok.token_id(text)], False
             elif text in done:
                 ids, free = done[text]
-            elif c.held and kind == "content" and text.endswith(c.held) and text[: -len(c.held)] in done:
-                base = text[: -len(c.held)]
-                ids, free = done[text] = tok.encode_appended(base, done[base][0], [c.held])[0]
             else:
                 ids, free = done[text] = tok.encode_checked(text)
             ids_c.append(ids)
             free_c.append(free)
         cand_ids.append(ids_c)
         cand_free.append(free_c)
-    if held and not by_ids:
-        # a held text the count alone would pick is as likely an unexplained offset: kept
-        # only where it ties a reading without one, so that the tie is reported
-        lengths = {sum(map(len, ids)) for c, ids in zip(cands, cand_ids) if not _held(c)}
-        keep = [k for k, c in enumerate(cands) if not _held(c) or sum(map(len, cand_ids[k])) in lengths]
-        cands, cand_ids, cand_free = [cands[k] for k in keep], [cand_ids[k] for k in keep], [cand_free[k] for k in keep]
     return _Choice(idx, choice, native, logged, stop, cands, cand_ids, cand_free)
 
 
-def _held(c: Candidate) -> bool:
-    """Whether reading ``c`` has the model's content go on past what was served (a held tail)."""
-    return any(name.startswith("tool_start_held=") for name in c.names)
+def _encode_held(tok: Tokenizer, held: list[Candidate], plain: list[Candidate],
+                 done: dict[str, tuple[list[int], bool]], *, same_count: bool) -> list[Candidate]:
+    """The held-tail readings worth keeping, their content encoded into ``done``: from each
+    served content once, re-encoded from its last stable cut (``Tokenizer.encode_appended``).
+    ``same_count`` (no ids or logprobs): only a tail that leaves the content's count as
+    served is kept, so that the tie is reported; one the count alone would pick is as
+    likely an unexplained offset."""
+    if not held:
+        return []
+    served = {text for c in plain for kind, text in c.parts if kind == "content"}
+    by_base: dict[str, list[tuple[Candidate, str]]] = {}
+    for c in held:
+        content = _held_content(c)
+        base = content[: -len(c.held)]
+        if not base or base in served:  # else a content no reading served: nothing it extends
+            by_base.setdefault(base, []).append((c, content))
+    kept = []
+    for base, group in by_base.items():
+        if base not in done:
+            done[base] = tok.encode_checked(base)
+        encoded = tok.encode_appended(base, done[base][0], [c.held for c, _ in group], same_count=same_count)
+        for (c, content), enc in zip(group, encoded):
+            if enc is not None:
+                done[content] = enc
+                kept.append(c)
+    return kept
+
+
+def _held_content(c: Candidate) -> str:
+    """A held-tail reading's last content part: the served content, then the held text."""
+    return next(text for kind, text in reversed(c.parts) if kind == "content")
 
 
 def _sends_tools(request: Mapping[str, Any]) -> bool:

@@ -32,7 +32,7 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -187,23 +187,35 @@ class Tokenizer:
             return self._encode(text), False
         return plain(text), True
 
-    def encode_appended(self, text: str, ids: Sequence[int], suffixes: Sequence[str]) -> list[tuple[list[int], bool]]:
+    def encode_appended(self, text: str, ids: Sequence[int], suffixes: Sequence[str], *,
+                        same_count: bool = False) -> list[tuple[list[int], bool] | None]:
         """:meth:`encode_checked` of ``text + s`` for each of ``suffixes``, where ``ids`` are
         ``text``'s own: readings that differ only in what follows a long text (a tail a
-        streaming parser held back) re-encode it from its last stable cut on, not whole."""
-        cut = self._stable_cut(text) if self._stable_cut is not None and self.marker_free(text) else 0
-        if cut <= 0:
-            return [self.encode_checked(text + s) for s in suffixes]
+        streaming parser held back) re-encode it from its last stable cut on, not whole.
+        ``same_count``: None, without building the ids, for a suffix that changes the count."""
+        free_text = self.marker_free(text)
+        cut = self._stable_cut(text) if self._stable_cut is not None and free_text else 0
         tail = text[cut:]
-        tail_ids, _ = self.encode_checked(tail)
+        tail_ids, _ = self.encode_checked(tail) if cut > 0 else (list(ids), True)
         head = len(ids) - len(tail_ids)
-        if head < 0 or list(ids[head:]) != tail_ids:  # not text's ids: the caller's mistake, encode whole
-            return [self.encode_checked(text + s) for s in suffixes]
-        out = []
+        if cut > 0 and (head < 0 or list(ids[head:]) != tail_ids):  # not text's ids: encode whole
+            cut, tail, tail_ids, head = 0, text, list(ids), 0
+        edge = text[len(text) - self._marker_reach:] if self._marker_reach else ""
+        out: list[tuple[list[int], bool] | None] = []
         for s in suffixes:
             more, _ = self.encode_checked(tail + s)
-            out.append(([*ids[:head], *more], self.marker_free(text + s)))
+            if same_count and len(more) != len(tail_ids):
+                out.append(None)
+                continue
+            # a marker in text + s that text lacks overlaps s: it starts in text's last characters
+            free = free_text and self.marker_free(edge + s)
+            out.append(([*ids[:head], *more] if head else more, free))
         return out
+
+    @cached_property
+    def _marker_reach(self) -> int:
+        """How far back from the end of a text a marker may start and still reach past it."""
+        return max(map(len, self.markers), default=1) - 1
 
     def marker_free(self, text: str) -> bool:
         """True when ``encode(text)`` certainly holds no marker id: the text holds no
