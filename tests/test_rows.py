@@ -218,6 +218,24 @@ def test_a_damaged_parquet_row_group_names_the_file_and_row(run, tmp_path, monke
     assert str(err.value).startswith(f"{path}:5: <row>: cannot be read (")
 
 
+def test_a_parquet_string_that_is_not_utf8_names_the_row_and_column(run, tmp_path):
+    """A hand edit that left invalid UTF-8 in a string column: export and inspect died with a
+    UnicodeDecodeError traceback, vocab said only the codec's words (a cold tester)."""
+    _, _, _, made = run
+    path = tmp_path / "r.parquet"
+    sink = rows.ParquetRowSink(path)
+    for r in made[:3]:
+        sink.write([{**r, "content": "zz-marker-zz"}])
+    sink.close()
+    data = path.read_bytes()
+    assert data.count(b"zz-marker-zz") >= 1  # plain encoding, uncompressed enough to patch
+    path.write_bytes(data.replace(b"zz-marker-zz", b"\xffz-marker-zz"))
+    with pytest.raises(rows.RowError) as err:
+        list(rows.iter_rows(path))
+    assert (err.value.line, err.value.field) == (1, "content")
+    assert str(err.value) == f"{path}:1: content: is not valid UTF-8"
+
+
 def test_a_file_that_is_not_parquet_is_a_row_error(tmp_path):
     path = tmp_path / "r.parquet"
     path.write_bytes(b"PAR1 not really")

@@ -251,7 +251,12 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
             raise RowError(path, row + 1, "<row>", f"cannot be read ({exc})") from None
         if batch is None:
             return
-        for record in batch.to_pylist():
+        try:
+            records = batch.to_pylist()
+        except UnicodeDecodeError:  # a string column (a hand edit, a broken writer) that is not UTF-8
+            at, column = _not_utf8(batch)
+            raise RowError(path, row + at + 1, column, "is not valid UTF-8") from None
+        for record in records:
             row += 1
             for key in JSON_TEXT_COLUMNS:
                 value = record.get(key)
@@ -261,6 +266,18 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
                     except JsonLineError:
                         raise RowError(path, row, key, "is not valid JSON text") from None
             yield row, record
+
+
+def _not_utf8(batch: Any) -> tuple[int, str]:
+    """(row in ``batch``, column) of the first value that is not valid UTF-8 (found value by
+    value: only after the whole batch failed to convert)."""
+    for name, column in zip(batch.schema.names, batch.columns):
+        for i in range(len(column)):
+            try:
+                column[i].as_py()
+            except UnicodeDecodeError:
+                return i, name
+    return 0, "<row>"
 
 
 def _is_int(value: Any) -> bool:
