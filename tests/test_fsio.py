@@ -225,3 +225,21 @@ def test_copy_range_passes_on_an_error_after_the_copy_began(tmp_path, monkeypatc
         os.close(fd)
         os.close(out)
     assert (tmp_path / "out").read_bytes() == b"x" * 10
+
+
+def test_a_staged_file_on_a_read_only_filesystem_says_so_once(tmp_path, monkeypatch):
+    """EROFS refuses the write and then the cleanup's unlink too: the unlink's error replaced
+    the first with a traceback (``reconstruct -o`` onto a read-only mount, a cold tester)."""
+    from pathlib import Path
+
+    from tokenbridge.fsio import staged_file
+
+    def refuse(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    target = tmp_path / "rec.jsonl"
+    with pytest.raises(OutputWriteError) as err, staged_file(target):
+        monkeypatch.setattr(Path, "unlink", refuse)
+        monkeypatch.setattr(Path, "mkdir", refuse)
+        (tmp_path / "spool").mkdir()
+    assert str(err.value) == f"{target}: cannot write (Read-only file system); nothing partial was kept"

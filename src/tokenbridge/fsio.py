@@ -57,7 +57,7 @@ import signal
 import stat
 import threading
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 from collections.abc import Callable, Iterator, Sequence
@@ -394,7 +394,8 @@ def staged_file(target: str | Path, *, point: str = "file", mode: int = FILE_MOD
         kill_point(f"{point}:renamed")
         fsync_dir(target.parent)
     except BaseException as exc:
-        tmp.unlink(missing_ok=True)
+        with suppress(OSError):  # a read-only filesystem refuses the unlink too: the first error is the one to tell
+            tmp.unlink(missing_ok=True)
         if isinstance(exc, OSError):
             raise OutputWriteError(target, exc) from None
         raise
