@@ -53,3 +53,23 @@ def test_an_interrupt_after_the_outputs_are_published_is_said_in_one_line(stage_
     res = CliRunner().invoke(app, ["export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "-f", "specforge"])
     assert res.exit_code == 130 and res.output.strip().splitlines() == [STOPPED], res.output
     assert (out / "train.jsonl").is_file()  # published whole before the interrupt, and kept
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo"])
+@pytest.mark.parametrize("command", [["export", "-f", "specforge"], ["vocab", "-n", "10", "--target-vocab-size", "1000"]])
+def test_a_rows_input_that_is_no_file_is_a_usage_error_saying_what_it_is(tmp_path, kind, command):
+    """``export /dev/null`` said "no such file", exit 1 (bad data): the file exists, and the
+    argument is what is wrong (a cold tester)."""
+    import os
+
+    if kind == "fifo":
+        src = tmp_path / "pipe"
+        os.mkfifo(src)
+        what = "a named pipe (FIFO)"
+    else:
+        src, what = "/dev/null", "a character device"
+    res = CliRunner().invoke(app, [command[0], str(src), "-o", str(tmp_path / "out"), *command[1:]])
+    assert res.exit_code == 2, res.output
+    assert res.output.splitlines()[-1] == (f"error: {src}: <file>: is {what}, not a regular file: give a reconstruct "
+                                           "output (JSONL or .parquet)")
+    assert not (tmp_path / "out").exists()

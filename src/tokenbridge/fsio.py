@@ -66,6 +66,7 @@ from .jsonl import JsonLineError, dumps_line, loads_line
 
 __all__ = [
     "FILE_MODE",
+    "kind_of",
     "JsonLineError",
     "MARKER",
     "PRIVATE_MODE",
@@ -346,6 +347,11 @@ _datasync = getattr(os, "fdatasync", os.fsync)
 
 _KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def kind_of(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``) is, in words: "a folder", "a named pipe (FIFO)", ..."""
+    return "a regular file" if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def output_file(target: str | Path, *, flag: str | None = None) -> Path:

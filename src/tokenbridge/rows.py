@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from functools import lru_cache
 from pathlib import Path
 from typing import (
@@ -35,7 +36,7 @@ import orjson
 
 from .content import content_fault, role_fault
 from .exit_codes import ExitCode
-from .fsio import WriteBehind, copy_range
+from .fsio import WriteBehind, copy_range, kind_of
 from .jsonl import JsonLineError, dumps_line, json_text, loads_line, not_text
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ __all__ = [
     "JsonlRowSink",
     "ParquetRowSink",
     "ReconstructedRow",
+    "NotARowFile",
     "RowError",
     "Segment",
     "Severity",
@@ -202,6 +204,12 @@ class RowError(ValueError):
         super().__init__(f"{where}: {field}: {message}")
 
 
+class NotARowFile(RowError):
+    """The path is no file at all (a device, a FIFO, a folder): the argument is wrong (exit 2)."""
+
+    exit_code = ExitCode.USAGE
+
+
 _PARQUET_BATCH_ROWS = 256
 
 
@@ -213,8 +221,13 @@ def iter_rows(path: str | Path) -> Iterator[tuple[int, ReconstructedRow]]:
     checks (ids, mask, segments) are :func:`tokenbridge.export.check_training_row`'s.
     """
     path = Path(path)
-    if not path.is_file():
-        raise RowError(path, None, "<file>", "no such file")
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        raise RowError(path, None, "<file>", "no such file") from None
+    if not stat.S_ISREG(mode):  # /dev/null, a FIFO: a wrong argument, not bad rows
+        raise NotARowFile(path, None, "<file>", f"is {kind_of(mode)}, not a regular file: give a reconstruct "
+                          "output (JSONL or .parquet)")
     rows = _iter_parquet(path) if path.suffix == ".parquet" else _iter_jsonl(path)
     for line, obj in rows:
         yield line, check_row(obj, path, line)
