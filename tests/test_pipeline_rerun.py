@@ -228,6 +228,43 @@ def test_fewer_prompts_say_how_many_paid_samples_are_left_out(finished, tmp_path
                     "store and left out of exchanges.jsonl and every stage after it"], lines
 
 
+def test_changed_request_settings_say_what_run_itself_can_do(finished, tmp_path, kimi_dir):
+    """Answers paid for under other settings: generate's advice (--out, --force-settings)
+    named flags run does not have (a cold tester); run names its own ways out."""
+    cfg, out = finished
+    path = write_run_config(tmp_path, kimi_dir)
+    path.write_text(path.read_text().replace("max_tokens = 1024", "max_tokens = 1000"), encoding="utf-8")
+    with pytest.raises(PipelineError) as err:
+        _run(load_run_config(path))
+    assert err.value.code == 2
+    message = str(err.value)
+    assert message.startswith(f"{out}: done samples were generated with other settings: 16 with another request "
+                              "(max_tokens 1024 -> 1000")
+    assert message.endswith(f". Put those settings back in {path}, or give [run] out another folder for the new ones "
+                            "(the store keeps every answer it paid for)")
+    assert "--force-settings" not in message and "--out" not in message
+
+
+@pytest.mark.parametrize(("reason", "advice"), [("interrupted", "run the same command again to continue"),
+                                                ("budget_reached", "fix it and run the same command again")])
+def test_a_stopped_generate_says_what_to_do(finished, monkeypatch, reason, advice):
+    """Ctrl-C is not a fault: 'fix it' left a user looking for one (a cold tester)."""
+    import tokenbridge.generate as generate
+    from tokenbridge.generate.run import RunSummary
+
+    cfg, out = finished
+
+    def stopped(settings, out_dir, **kwargs):
+        return RunSummary(out_dir=str(out_dir), run=2, samples=16, already_done=10, done=0, failed=0, pending=6,
+                          requests=0, spent_run=0.0, spent_total=0.0, prompt_tokens=0, completion_tokens=0,
+                          elapsed_s=0.1, errors={}, stop_reason=reason, exit_code=130 if reason == "interrupted" else 4)
+
+    monkeypatch.setattr(generate, "generate_run", stopped)
+    with pytest.raises(PipelineError) as err:
+        _run(cfg)
+    assert str(err.value) == f"generate stopped ({reason}); {advice}"
+
+
 def test_a_deleted_report_reruns_the_report_only(finished):
     cfg, out = finished
     (out / "report" / "report.html").unlink()

@@ -263,6 +263,8 @@ def _generate_stage(cfg: RunConfig, tok: Tokenizer, echo: Callable[[str], None])
     PipelineError when it stopped or failed: the later stages never run on stale exchanges."""
     from .emulator import running_emulator
     from .generate import generate_run, settings_from_mapping
+    from .generate.engine import StopReason
+    from .generate.errors import SettingsChanged
     from .generate.outcome import describe_run
 
     out = cfg.out
@@ -273,7 +275,12 @@ def _generate_stage(cfg: RunConfig, tok: Tokenizer, echo: Callable[[str], None])
             settings = settings.with_overrides(base_url=url)
             echo(f"generate: built-in emulator at {url}")
         with interrupt.kept_handlers():  # generate leaves the default ones behind
-            summary = generate_run(settings, out)
+            try:
+                summary = generate_run(settings, out)
+            except SettingsChanged as exc:  # run has no --out or --force-settings: its own ways out
+                raise PipelineError(f"{exc.what}. Put those settings back in {cfg.source}, or give [run] out another "
+                                    "folder for the new ones (the store keeps every answer it paid for)",
+                                    code=exc.exit_code) from None
     exchanges = out / "exchanges.jsonl"
     detail = {"done": summary.done, "failed": summary.failed, "spent_usd": summary.spent_total,
               "stop_reason": summary.stop_reason, "exit_code": summary.exit_code}
@@ -288,6 +295,9 @@ def _generate_stage(cfg: RunConfig, tok: Tokenizer, echo: Callable[[str], None])
         echo(f"generate: {summary.left_out} stored sample(s) of prompts no longer in this config are kept in the "
              f"store and left out of {exchanges.name} and every stage after it")
     if summary.stop_reason:
+        if summary.stop_reason == StopReason.INTERRUPTED:  # nothing to fix: the user stopped it
+            raise PipelineError("generate stopped (interrupted); run the same command again to continue",
+                                code=summary.exit_code or 1)
         raise PipelineError(f"generate stopped ({summary.stop_reason}); fix it and run the same command again",
                             code=summary.exit_code or 1)
     if summary.exit_code not in _GENERATE_GOES_ON or not summary.exchanges:  # not rewritten: stale

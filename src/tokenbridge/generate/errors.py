@@ -32,6 +32,13 @@ class RunFolderBusy(GenerateError):
 
 class SettingsChanged(GenerateError):
     """Done samples in the run folder were generated with other settings (model, request
-    fields, base_url) than this invocation's; ``force_settings`` accepts the mix."""
+    fields, base_url) than this invocation's; ``force_settings`` accepts the mix. The
+    message ends with what to do about it from ``generate``; ``what`` is the rest, for a
+    caller (``run``) whose ways out are others."""
 
     exit_code = ExitCode.USAGE
+
+    def __init__(self, what: str):
+        self.what = what
+        super().__init__(f"{what}. Use a new --out, or --force-settings to keep those answers and send only the rest "
+                         "with these settings")

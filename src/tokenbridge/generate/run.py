@@ -422,10 +422,7 @@ def _reconcile(
             what.append(f"{len(done_diffs)} with another request ({_request_delta(old, new_request[sid])}, e.g. {sid})")
         for url, (n, sid) in other_urls.items():
             what.append(f"{n} answered by {_stored_url(url, key)} (now {scrub(settings.base_url, key)}, e.g. {sid})")
-        raise SettingsChanged(
-            f"{out_dir}: done samples were generated with other settings: {'; '.join(what)}. "
-            "Use a new --out, or --force-settings to keep those answers and send only the rest with these settings"
-        )
+        raise SettingsChanged(f"{out_dir}: done samples were generated with other settings: {'; '.join(what)}")
     store.add_samples(rows)
     redo = [(sid, new_request[sid]) for sid, status, _ in diffs if status != "done"]
     if redo:
