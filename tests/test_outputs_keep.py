@@ -111,7 +111,8 @@ def test_a_users_entry_named_as_a_new_output_file_is_refused_before_any_work(sta
     export_file(stage_inputs / "reconstructed.jsonl", out, "speculators")
     (out / "train.jsonl").write_bytes(b"mine")  # not in the marker's files: the user's
     before = snapshot(out)
-    res = cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", "specforge")
+    # another format needs --force, and even then the user's train.jsonl is refused
+    res = cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", "specforge", "--force")
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and str(out / "train.jsonl") in lines[0]

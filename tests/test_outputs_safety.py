@@ -5,6 +5,7 @@ Each refusal: exit 2, one ``error:`` line that says why, and the user's files by
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -96,6 +97,21 @@ def test_export_twice_into_the_same_folder_replaces_its_own_output(run_dir, tmp_
     res = _export(run_dir / "reconstructed.jsonl", out)
     assert res.exit_code == 0, res.output
     assert snapshot(out) == first and not leftovers(tmp_path)
+
+
+def test_an_export_of_another_format_is_not_replaced_without_force(run_dir, tmp_path):
+    """``-o ex --format parquet`` over a SpecForge export replaced it silently (a cold
+    tester): a re-export replaces its own format; another one is most likely a mistake."""
+    src, out = run_dir / "reconstructed.jsonl", tmp_path / "ex"
+    assert _export(src, out).exit_code == 0
+    first = snapshot(out)
+    res = _invoke("export", str(src), "-o", str(out), "-f", "parquet")
+    _refused(res, f"-o {out}: holds a specforge export and this is a parquet export; give another folder "
+                  f"(such as {tmp_path / 'parquet'}), or --force to replace it")
+    assert snapshot(out) == first and not leftovers(tmp_path)
+    res = _invoke("export", str(src), "-o", str(out), "-f", "parquet", "--force")
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / ".tokenbridge-output").read_text())["format"] == "parquet"
 
 
 def test_an_export_written_before_markers_counts_as_ours(run_dir, tmp_path):

@@ -166,6 +166,16 @@ def _holds_run_folder(target: Path) -> Path | None:
     return None
 
 
+def _marker_field(target: Path, key: str) -> str | None:
+    """A string field of ``target``'s marker (an export's ``format``), None when it has none."""
+    try:
+        data = json.loads((target / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = data.get(key) if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def _is_own(target: Path, kind: OutputKind) -> bool:
     """Whether ``target`` is an earlier tokenbridge output of ``kind``."""
     try:
@@ -276,6 +286,10 @@ def check_output_dir(
     if not (force or not os.listdir(target) or _is_own(target, kind)):
         raise OutputRefused(f"{flag} {target}: folder is not empty and is not an earlier tokenbridge {kind}; "
                             "give a new or empty folder, or --force to write into it (its own entries are kept)")
+    held = _marker_field(target, "format") if kind == "export" and fmt is not None and not force else None
+    if held is not None and held != fmt:  # a re-export replaces its own format, not another one by mistake
+        raise OutputRefused(f"{flag} {target}: holds a {held} export and this is a {fmt} export; give another folder "
+                            f"(such as {target.parent / fmt}), or --force to replace it")
     writes = _writes(kind, fmt)
     for name in foreign_entries(target, own_names(kind)(target)):
         if writes(name):
