@@ -226,6 +226,22 @@ def test_run_into_a_user_folder_is_refused_before_anything_is_written(tmp_path, 
     assert caught.value.code == 2 and sorted(os.listdir(out)) == names
 
 
+def test_run_into_the_tokenizer_folder_is_refused_as_the_standalone_commands_refuse_it(tmp_path, kimi_dir):
+    """With ``out`` inside the tokenizer folder the run wrote vocab/, export/... into it,
+    where ``vocab`` and ``reconstruct`` alone refuse (a cold tester)."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        (tok / name).symlink_to(kimi_dir / name)
+    cfg = write_run_config(tmp_path, tok)
+    cfg.write_text(cfg.read_text().replace('out = "out"', 'out = "tok/run"'), encoding="utf-8")
+    before = sorted(os.listdir(tok))
+    res = CliRunner().invoke(app, ["run", str(cfg)])
+    _refused_with(res, f"{cfg}:3: run.out: {tmp_path / 'tok' / 'run'}: lies in the input folder {tok}; "
+                       "give a folder outside it")
+    assert sorted(os.listdir(tok)) == before
+
+
 @pytest.mark.parametrize(("out", "what"), [("/", "the root folder"), ("/etc", "a system folder"),
                                            ("HOME", "your home folder")])
 def test_run_into_the_root_a_system_folder_or_home_is_refused(tmp_path, kimi_dir, monkeypatch, out, what):

@@ -287,7 +287,7 @@ def check_output_dir(
         raise OutputRefused(f"{flag} {target}: folder is not empty and is not an earlier tokenbridge {kind}; "
                             "give a new or empty folder, or --force to write into it (its own entries are kept)")
     held = _marker_field(target, "format") if kind == "export" and fmt is not None and not force else None
-    if held is not None and held != fmt:  # a re-export replaces its own format, not another one by mistake
+    if held is not None and fmt is not None and held != fmt:  # a re-export replaces its own format, not another one by mistake
         raise OutputRefused(f"{flag} {target}: holds a {held} export and this is a {fmt} export; give another folder "
                             f"(such as {target.parent / fmt}), or --force to replace it")
     writes = _writes(kind, fmt)

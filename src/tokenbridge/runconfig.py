@@ -335,6 +335,9 @@ def check_out(cfg: RunConfig) -> None:
     datasets = (d["path"] for d in cfg.generate.get("datasets", ()))
     inputs = existing_inputs(cfg.source, cfg.tokenizer, cfg.emulator, *datasets)  # none may be what the run writes
     why = run_folder_problem(cfg.out, inputs=inputs, writes=RUN_OUTPUTS)
+    for item in inputs:  # a tokenizer or dataset folder: the run would write vocab/, export/... into it
+        if why is None and os.path.isdir(item) and Path(cfg.out).resolve().is_relative_to(Path(item).resolve()):
+            why = f"{cfg.out}: lies in the input folder {item}; give a folder outside it"
     if why is None:
         return
     try:
