@@ -149,18 +149,21 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
         return LogprobIds(None, entries)
     index: dict[bytes, int] | None = None
     out: list[int] = []
+    has_id = tok.has_id
+    # a token per entry: each test below is the cheap one for what parsed JSON holds (a
+    # dict, a str, a list of ints), the general one only where that fails
     for pos, entry in enumerate(entries):
-        if not isinstance(entry, Mapping):
+        if type(entry) is not dict and not isinstance(entry, Mapping):
             return LogprobIds(None, f"logprobs.content[{pos}] is not an object")
         token = entry.get("token")
-        if isinstance(token, str) and token.startswith("token_id:"):
-            tail = token[len("token_id:"):]
-            if tail.isascii() and tail.isdigit() and len(tail) <= 12 and tok.has_id(int(tail)):
-                out.append(int(tail))
+        if type(token) is str and token[:9] == "token_id:":
+            tail = token[9:]
+            if tail.isascii() and tail.isdigit() and len(tail) <= 12 and has_id(i := int(tail)):
+                out.append(i)
                 continue
             return LogprobIds(None, f"logprobs.content[{pos}].token {token[:40]!r} names no id of this tokenizer")
         raw = entry.get("bytes")
-        if isinstance(raw, list) and all(is_int(b) and 0 <= b < 256 for b in raw):
+        if type(raw) is list and _byte_values(raw):
             key = bytes(raw)
         elif raw is None and isinstance(token, str):  # text holding U+FFFD reads as unknown below
             key = token.encode("utf-8", errors="surrogatepass")
@@ -182,6 +185,11 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
         out.append(found)
     ids = tuple(out)
     return LogprobIds(ids, may_be=_may_be(tok) if any(i < 0 for i in ids) else {})
+
+
+def _byte_values(raw: list[Any]) -> bool:
+    """Whether ``raw`` holds only ints 0-255 (no bools, no floats): a token's bytes."""
+    return all(type(b) is int and 0 <= b < 256 for b in raw) or all(is_int(b) and 0 <= b < 256 for b in raw)
 
 
 def logprobs_cover(logged: Sequence[int], completion: Sequence[int], content_start: int, ends: bool,

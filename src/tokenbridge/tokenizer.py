@@ -140,6 +140,8 @@ class Tokenizer:
     #: 0: nowhere); None where the pre-tokenizer's pattern is not one proven to.
     _stable_cut: Callable[[str], int] | None = field(default=None, repr=False)
     _prompt_cache: _PieceCache = field(init=False, repr=False)
+    #: id -> whether it names a token (:meth:`has_id`), as the ids were asked about
+    _id_known: dict[int, bool] = field(init=False, repr=False, default_factory=dict)
     #: How many ids the model's output layer has (``lm_head`` rows): the folder's
     #: ``config.json`` ``vocab_size`` where it has one (often more than the tokenizer's
     #: ids: padded), Kimi's reserved range where that pads to it; None where nothing says.
@@ -244,11 +246,15 @@ class Tokenizer:
         """Whether ``token_id`` names a token of this tokenizer (in range, not a hole)."""
         if not 0 <= token_id < self.vocab_size:
             return False
-        try:
-            self._piece(token_id)
-        except KeyError:
-            return False
-        return True
+        known = self._id_known.get(token_id)
+        if known is None:  # asked of the decoder once per id: logprobs name an id per token
+            try:
+                self._piece(token_id)
+                known = True
+            except KeyError:
+                known = False
+            self._id_known[token_id] = known
+        return known
 
     def unknown_id(self, ids: Sequence[int]) -> tuple[int, int] | None:
         """(position, id) of the first id that names no token of this tokenizer, or None.
