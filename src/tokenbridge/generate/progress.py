@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 __all__ = ["RateMeter", "Reporter", "format_line"]
 
+#: Plain lines come every ``interval_s`` (``log_interval_s``), but never more often than this.
+PLAIN_MIN_INTERVAL_S = 0.1
+
 
 class RateMeter:
     """Completions and completion tokens per second over the last ``window_s`` seconds, or
@@ -148,25 +151,10 @@ class Reporter:
             print(message, file=sys.stderr, flush=True)
 
     def start(self, stats: EngineStats) -> None:
+        """Show ``stats`` until :meth:`close`. Its total may be set after this (the engine
+        sets it as it starts sending): nothing is drawn while it is 0, and every line or
+        refresh reads it anew. Call it only when there is something to send."""
         self._stats = stats
-        if not stats.total:  # nothing to send: "resuming: N already done" said it all, no "0/0" bar
-            return
-        if self.mode == "rich":
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._progress = Progress(
-                TextColumn("[bold]generate"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[detail]}"),
-                TimeElapsedColumn(),
-                console=Console(file=self.out),
-                refresh_per_second=4,
-                transient=False,
-            )
-            self._progress.start()
-            self._task_id = self._progress.add_task("generate", total=stats.total, detail="")
         if self.mode in ("rich", "plain"):
             self._runner = asyncio.create_task(self._loop())
 
@@ -174,18 +162,41 @@ class Reporter:
         stats = self._stats  # set by start(), which runs this loop
         if stats is None:
             return
-        last_plain = time.monotonic()
-        while True:
-            await asyncio.sleep(0.25 if self.mode == "rich" else 1.0)
-            if self.mode == "rich":
+        if self.mode == "rich":
+            while True:
+                await asyncio.sleep(0.25)
                 self._update_rich()
-            elif time.monotonic() - last_plain >= self.interval_s:
-                last_plain = time.monotonic()
-                print(format_line(stats), file=self.out, flush=True)
+        else:
+            period = max(self.interval_s, PLAIN_MIN_INTERVAL_S)
+            while True:  # a line every period from the start, none before the total is known
+                await asyncio.sleep(period)
+                if stats.total:
+                    print(format_line(stats), file=self.out, flush=True)
+
+    def _start_rich(self, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]generate"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[detail]}"),
+            TimeElapsedColumn(),
+            console=Console(file=self.out),
+            refresh_per_second=4,
+            transient=False,
+        )
+        self._progress.start()
+        self._task_id = self._progress.add_task("generate", total=total, detail="")
 
     def _update_rich(self) -> None:
         stats = self._stats
-        if self._progress is None or stats is None or self._task_id is None:
+        if stats is None or not stats.total:  # no "0/0" bar: nothing to send, or not known yet
+            return
+        if self._progress is None:
+            self._start_rich(stats.total)
+        if self._progress is None or self._task_id is None:
             return
         rps, tps = stats.rates()
         detail = (
@@ -200,8 +211,9 @@ class Reporter:
             self._runner.cancel()
             with suppress(asyncio.CancelledError):
                 await self._runner
+        if self.mode == "rich":
+            self._update_rich()  # the final state, drawn even where the run ended before a refresh
         if self._progress is not None:
-            self._update_rich()
             self._progress.stop()
             self._progress = None
         if self.mode == "plain" and self._stats is not None and self._stats.total:

@@ -257,7 +257,8 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, key: ApiK
 
 async def _send(engine: Engine, pending: list[WorkItem], reporter: Reporter, signals: bool) -> float:
     """Send every pending sample (SIGINT/SIGTERM stop cleanly when ``signals``); the seconds it took."""
-    reporter.start(engine.stats)
+    if pending:  # the display reads the total that engine.run() sets; nothing to send: no "0/0" bar, no display
+        reporter.start(engine.stats)
     restore = _install_signals(engine, reporter) if signals else None
     t_send = time.monotonic()
     try:
