@@ -35,11 +35,16 @@ class RateMeter:
 
     Counts go into ``bucket_s``-wide time buckets, so memory and cost stay the same at
     any rate (a bounded buffer of single completions saturates: 4,096 entries over 30 s
-    could never show more than 136.5/s). The rate is the count over the time it covers:
-    from the start of its first bucket (or of the meter, if later) to now. A window alone
-    is wrong at low rates: at one completion a minute (one slot, long reasoning) a 30 s
-    window shows 0 or 1/30 s by turns; the last ``min_count`` completions give 1/60 s.
-    At most ``max_buckets`` are kept (a rate that low is then over fewer completions).
+    could never show more than 136.5/s). A window alone is wrong at low rates: at one
+    completion a minute (one slot, long reasoning) a 30 s window shows 0 or 1/30 s by
+    turns; the last ``min_count`` completions give 1/60 s. At most ``max_buckets`` are
+    kept (a rate that low is then over fewer completions).
+
+    Either way the estimate is unbiased: a span that starts at a set time (the window's
+    first bucket, or the meter's start) is divided into the completions in it; a span
+    that starts at a completion (the oldest of the last ``min_count``) into the
+    completions after it, the intervals it holds. Counting that first one too read 20
+    completions over 19 intervals: 5% high.
     """
 
     def __init__(self, window_s: float = 30.0, bucket_s: float = 0.5,
@@ -48,7 +53,7 @@ class RateMeter:
         self.window_s = window_s
         self.bucket_s = bucket_s
         self.clock = clock
-        self.min_count = min_count
+        self.min_count = max(2, min_count)  # a span from a completion needs one after it
         self.max_buckets = max_buckets
         self.started = clock()
         self._buckets: deque[list[int]] = deque()  # [bucket index, completions, tokens], oldest first
@@ -73,19 +78,34 @@ class RateMeter:
         first = self._window_start(math.floor(now / self.bucket_s))
         self._trim(first)
         count = tokens = 0.0
-        since = first * self.bucket_s
-        for index, n, tok in reversed(self._buckets):
-            if index >= first:
-                count, tokens = count + n, tokens + tok
-                continue
+        older: list[list[int]] = []  # the buckets before the window, newest first
+        for bucket in reversed(self._buckets):
+            if bucket[0] < first:
+                older.append(bucket)
+            else:
+                count, tokens = count + bucket[1], tokens + bucket[2]
+        if count >= self.min_count:  # the window
+            span = max(now - max(first * self.bucket_s, self.started), 1e-6)
+            return count / span, tokens / span
+        if self._count < self.min_count:
+            # fewer in all than min_count: every one since the start is held (_trim drops
+            # none before that), so all of them over the whole time since the start
+            if not self._count:
+                return 0.0, 0.0
+            tokens += sum(bucket[2] for bucket in older)
+            span = max(now - self.started, 1e-6)
+            return self._count / span, tokens / span
+        since = now
+        for index, n, tok in older:  # until min_count completions
             take = min(n, self.min_count - count)
-            if take <= 0:
+            count, tokens = count + take, tokens + tok * take / n
+            # the oldest one taken, were the bucket's n spread evenly over it
+            since = (index + (n - take + 0.5) / n) * self.bucket_s
+            if count >= self.min_count:
                 break
-            count, tokens, since = count + take, tokens + tok * take / n, index * self.bucket_s
-        if not count:
-            return 0.0, 0.0
+        intervals = count - 1  # the completions after the one the span starts at
         span = max(now - max(since, self.started), 1e-6)
-        return count / span, tokens / span
+        return intervals / span, tokens * intervals / count / span
 
     def _window_start(self, index: int) -> int:
         """The first bucket of the window that ends in bucket ``index``."""
