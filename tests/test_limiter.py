@@ -432,8 +432,10 @@ def _line_at(rate: float, seconds: float, total: int, *, now: float | None = Non
 
 
 def _eta_s(line: str) -> int:
-    h, m, s = line.rsplit("ETA ", 1)[1].split(":")
-    return int(h) * 3600 + int(m) * 60 + int(s)
+    eta = line.rsplit("ETA ", 1)[1]  # str(timedelta): "H:MM:SS" or "N days, H:MM:SS"
+    days, _, hms = eta.rpartition(", ")
+    h, m, s = hms.split(":")
+    return int(days.split()[0] if days else 0) * 86_400 + int(h) * 3600 + int(m) * 60 + int(s)
 
 
 def test_rate_and_eta_in_the_progress_line():
@@ -442,7 +444,32 @@ def test_rate_and_eta_in_the_progress_line():
     line = _line_at(10, 60, 40_000)
     assert "10.0 req/s" in line and "ETA 1:05:40" in line, line  # 39,400 left at 10/s
     line = _line_at(1 / 60, 3600, 100, now=3540.1)  # one a minute, just after the 60th: 40 left
-    assert "0.0 req/s" in line and _eta_s(line) == pytest.approx(40 * 60, abs=2), line
+    assert ", 1.0 req/min, 1 out tok/min, " in line and _eta_s(line) == pytest.approx(40 * 60, abs=2), line
+
+
+@pytest.mark.parametrize(("every_s", "shown"), [
+    (0.1, "10.0 req/s, 50 out tok/s"),
+    (1.0, "1.0 req/s, 5 out tok/s"),
+    (2.0, "30.0 req/min, 150 out tok/min"),  # 0.5/s: was "0.5 req/s" (and 0.53 before the rate was fixed)
+    (60.0, "1.0 req/min, 5 out tok/min"),  # was "0.0 req/s, 0 out tok/s"
+    (600.0, "6.0 req/h, 30 out tok/h"),  # was "0.0 req/s"; "0.1 req/min" says little
+    (86_400.0, "0.042 req/h, 0.21 out tok/h"),  # a day apart: digits, never 0.0
+])
+def test_a_low_rate_is_shown_per_minute_or_hour_never_as_zero(every_s, shown):
+    """Completions ``every_s`` apart of 5 tokens each from the meter's start (mid-bucket,
+    where a bucket's one completion is taken to be), read just after the 40th."""
+    from tokenbridge.generate.engine import EngineStats
+    from tokenbridge.generate.progress import format_line
+
+    clock = Clock(0.25)
+    stats = EngineStats(total=100, meter=RateMeter(clock=clock))
+    for i in range(1, 41):
+        clock.t = 0.25 + i * every_s
+        stats.meter.add(5)
+    stats.done = 40
+    line = format_line(stats)
+    assert f" failed, {shown}, $" in line, line
+    assert _eta_s(line) == pytest.approx(60 * every_s, rel=0.001, abs=1), line  # 60 left, one every every_s
 
 
 # --- emulator: max_concurrency ----------------------------------------------------------

@@ -1,7 +1,8 @@
 """Live progress: a rich bar on a terminal, plain log lines otherwise.
 
-Both show done/total, failed, req/s, output tokens/s, spend, errors by class and ETA,
-read from :class:`~.engine.EngineStats` (the engine never waits on the display).
+Both show done/total, failed, requests and output tokens per second (per minute or hour
+when fewer than one a second came), spend, errors by class and ETA, read from
+:class:`~.engine.EngineStats` (the engine never waits on the display).
 """
 
 from __future__ import annotations
@@ -135,12 +136,28 @@ def _errors(stats: EngineStats) -> str:
     return " ".join(f"{k}={v}" for k, v in stats.errors.most_common(6))
 
 
+def _rates(rps: float, tps: float, tokens: str, sep: str) -> str:
+    """Completions and ``tokens`` per second, or per minute or hour where fewer than one
+    a second (or minute) came: one a minute read "0.0 req/s", 30 an hour "0.0 req/min"."""
+    scale, unit = 1.0, "s"
+    if 0 < rps < 1:
+        scale, unit = (60.0, "min") if rps * 60 >= 1 else (3600.0, "h")
+    return f"{_amount(rps * scale, '.1f')} req/{unit}{sep}{_amount(tps * scale, ',.0f')} {tokens}/{unit}"
+
+
+def _amount(x: float, spec: str) -> str:
+    """``x`` in ``spec``, or in two significant digits where that would round it to 0
+    (a stall of days, a few tokens an hour): never "0.0" for a rate that is not 0."""
+    shown = format(x, spec)
+    return format(x, ".2g") if x and not shown.strip("0.,") else shown
+
+
 def format_line(stats: EngineStats) -> str:
     """One plain progress line (also the final summary line)."""
     rps, tps = stats.rates()
     return (
         f"[generate] {stats.done}/{stats.total} done, {stats.failed} failed, "
-        f"{rps:.1f} req/s, {tps:,.0f} out tok/s, ${stats.spent:.4f} spent, "
+        f"{_rates(rps, tps, 'out tok', ', ')}, ${stats.spent:.4f} spent, "
         f"in flight {stats.in_flight}/{int(stats.limit)}, errors: {_errors(stats)}, ETA {_eta(stats, rps)}"
     )
 
@@ -220,7 +237,7 @@ class Reporter:
             return
         rps, tps = stats.rates()
         detail = (
-            f"[red]{stats.failed} failed[/] {rps:.1f} req/s {tps:,.0f} tok/s "
+            f"[red]{stats.failed} failed[/] {_rates(rps, tps, 'tok', ' ')} "
             f"[green]${stats.spent:.4f}[/] inflight {stats.in_flight}/{int(stats.limit)} "
             f"errors: {_errors(stats)} ETA {_eta(stats, rps)}"
         )
