@@ -95,7 +95,10 @@ class _Terminal(io.StringIO):
 
 
 def test_a_terminal_gets_a_bar_refreshed_with_rate_and_eta_while_generate_runs(tmp_path, url, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "240")  # the whole detail on one line, nothing cut
+    """At 80 columns: the detail on one line with the bar made the bar, the count and the
+    ETA give way; the bar now has its own line, the detail the next."""
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("LINES", "24")
     monkeypatch.delenv("NO_COLOR", raising=False)
     monkeypatch.delenv("TERM", raising=False)
     out = _Terminal()
@@ -104,7 +107,14 @@ def test_a_terminal_gets_a_bar_refreshed_with_rate_and_eta_while_generate_runs(t
     summary = generate_run(_settings(url, _prompts(tmp_path / "p.jsonl", 24), None), tmp_path / "run",
                            key=KEY, reporter=reporter)
     assert summary.exit_code == ExitCode.OK
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())  # the bar's redraws, without cursor moves
-    counts = [int(n) for n in re.findall(r"(\d+)/24 ", text)]
-    assert len(counts) >= 3 and any(0 < n < 24 for n in counts), text  # redrawn mid-run
-    assert counts[-1] == 24 and text.count("req/") >= 3 and text.count("ETA ") >= 3, text
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())  # the redraws, without cursor moves
+    rows = [row.rstrip() for row in re.split(r"[\r\n]+", text) if row.strip()]
+    bars = [re.fullmatch(r"generate [━╸╺ ]+ +(\d+)/24 \d:\d\d:\d\d", row) for row in rows if row.startswith("generate")]
+    assert bars and all(bars), rows
+    counts = [int(m[1]) for m in bars if m]
+    assert len(counts) >= 3 and any(0 < n < 24 for n in counts) and counts[-1] == 24, rows  # redrawn mid-run
+    details = [row for row in rows if not row.startswith("generate")]
+    assert len(details) >= 3 and all(
+        re.fullmatch(r"0 failed \d+\.\d req/(s|min|h) [\d,]+ tok/\1 \$\d+\.\d{4} inflight \d+/2 errors: none "
+                     r"ETA (\d+:\d\d:\d\d|--:--:--)", row) for row in details), rows
+    assert details[-1].endswith("inflight 0/2 errors: none ETA 0:00:00"), rows

@@ -15,7 +15,7 @@ from collections import deque
 from contextlib import suppress
 from datetime import timedelta
 from typing import TYPE_CHECKING, TextIO
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..display import printable
 
@@ -211,14 +211,24 @@ class Reporter:
                     print(format_line(stats), file=self.out, flush=True)
 
     def _start_rich(self, total: int) -> None:
-        from rich.console import Console
+        from rich.console import Console, RenderableType
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.text import Text
 
-        self._progress = Progress(
+        class TwoLines(Progress):
+            """The bar, count and time on one line, the detail below it, wrapped where the
+            terminal is narrow: on one line an 80-column terminal lost the bar, the count
+            and the ETA to it."""
+
+            def get_renderables(self) -> Iterable[RenderableType]:
+                yield self.make_tasks_table(self.tasks)
+                for task in self.tasks:
+                    yield Text.from_markup(str(task.fields.get("detail", "")))
+
+        self._progress = TwoLines(
             TextColumn("[bold]generate"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[detail]}"),
             TimeElapsedColumn(),
             console=Console(file=self.out),
             refresh_per_second=4,
