@@ -347,12 +347,15 @@ def test_progress_plain_when_not_a_tty_and_rich_on_request():
 def test_an_older_state_file_is_upgraded_in_place(tmp_path, version):
     import sqlite3
 
+    from tokenbridge.generate import store as store_mod
     from tokenbridge.generate.store import AttemptRecord, Batch, ResponseRecord, Store
 
     with Store.open(tmp_path) as store:
         store.add_samples([("b-1", "b", "", "{}")])
         store.commit(Batch(responses=[ResponseRecord("b-1", b"{}", None, "p", "m", None, 0.5, 0.1, 1.0, 2.0, 1, False)]))
     con = sqlite3.connect(tmp_path / "state.sqlite")  # what a schema 1 / 2 file looks like
+    for index in store_mod._INDEXES:  # made after those versions
+        con.execute(f"DROP INDEX {index}")
     if version == "1":
         con.execute("ALTER TABLE responses DROP COLUMN base_url")
         con.execute("ALTER TABLE attempts DROP COLUMN possible_cost")
@@ -370,6 +373,8 @@ def test_an_older_state_file_is_upgraded_in_place(tmp_path, version):
         assert [(a.cost, a.body) for a in store.attempts("b-1")] == [(0.25, b"{x")]
     con = sqlite3.connect(tmp_path / "state.sqlite")
     assert con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("3",)
+    indexes = {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    assert indexes >= set(store_mod._INDEXES)
 
 
 @pytest.mark.parametrize("version", ["abc", "99", ""])

@@ -27,6 +27,14 @@ Tables
                  without reading rows; ``exchanges``, what ``exchanges.jsonl`` was last
                  written from (see :mod:`.run`).
 
+Indexes beside the tables' own: ``responses_books`` (sample_id, base_url, cost) and
+``responses_usage`` (provider, cost, usage; rows with a usage) hold copies of the small
+columns that a resume reads from every response (where each came from, what those
+without an attempt row cost, the prices it learns), so SQLite answers from the index's
+few pages instead of reading each row, body and all (those columns come after ``body``).
+An index changes no table: the open that finds one missing makes it (:data:`_INDEXES`),
+the schema version stays, and an older tokenbridge reads and writes such a file unchanged.
+
 Money spent is the sum of ``attempts.cost`` (every billed attempt has a row there, a
 retried one too); money possibly spent adds ``possible_cost`` of attempts without a cost,
 and the reservations of requests still ``in_flight``.
@@ -145,6 +153,14 @@ INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', '""" + str(SCHE
         ("attempts_deleted", "DELETE ON attempts", "attempt_changes"),
     )
 ) + "COMMIT;\n"
+#: Indexes that keep a resume's reads off the response bodies (see the module's doc): name ->
+#: statement. Made by :func:`_add_indexes` after any upgrade (a schema 1 file has no
+#: ``base_url`` until then).
+_INDEXES: dict[str, str] = {
+    "responses_books": "CREATE INDEX IF NOT EXISTS responses_books ON responses(sample_id, base_url, cost)",
+    "responses_usage": "CREATE INDEX IF NOT EXISTS responses_usage ON responses(provider, cost, usage)"
+                       " WHERE usage IS NOT NULL",
+}
 #: schema version -> the statements that take a file of that version to the next one
 _UPGRADES: dict[str, tuple[str, ...]] = {
     "1": ("ALTER TABLE attempts ADD COLUMN possible_cost REAL", "ALTER TABLE responses ADD COLUMN base_url TEXT"),
@@ -165,6 +181,24 @@ def _upgrade(conn: sqlite3.Connection, version: str) -> None:
         version = str(int(version) + 1)
     conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
     conn.execute("COMMIT")
+
+
+def _add_indexes(conn: sqlite3.Connection) -> None:
+    """Make the :data:`_INDEXES` a file lacks (one written before them), in one transaction:
+    on such a file the first open reads every response once to build them. Nothing is
+    locked or written when all are there."""
+    have = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    if have >= _INDEXES.keys():
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for stmt in _INDEXES.values():
+            conn.execute(stmt)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
 
 def _usage(usage_json: str | None) -> dict[str, Any]:
@@ -313,6 +347,8 @@ class Store:
             if version in _UPGRADES:
                 _upgrade(conn, version)
                 version = str(SCHEMA_VERSION)
+            if str(version) == str(SCHEMA_VERSION):
+                _add_indexes(conn)
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{path}: not a usable tokenbridge state file ({exc})") from None
         except OSError as exc:
@@ -402,7 +438,10 @@ class Store:
         with self._tx():
             self._load_wanted(ids)
             rows = self._conn.execute(
-                "SELECT r.base_url, COUNT(*), MIN(w.pos) FROM wanted w JOIN responses r ON r.sample_id = w.id"
+                "SELECT r.base_url, COUNT(*), MIN(w.pos) FROM wanted w"
+                # the index, not the table: the autoindex on sample_id, which the planner
+                # takes for this lookup, would read each row (its body) for base_url
+                " JOIN responses r INDEXED BY responses_books ON r.sample_id = w.id"
                 " JOIN samples s ON s.id = w.id WHERE s.status='done' GROUP BY r.base_url"
             ).fetchall()
             out = {}
