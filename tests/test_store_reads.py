@@ -223,6 +223,21 @@ def test_every_statement_of_a_resume_reads_responses_from_an_index(tmp_path):
         assert {s: _reads_of_rows(store._conn, s, "responses") for s in touching} == {s: [] for s in touching}
 
 
+def test_statuses_come_from_an_index_not_the_rows_that_hold_the_requests(tmp_path):
+    """Every sample's status (read twice a run, and to tell done samples' base URLs) comes
+    from samples_status_id: the rows, each with its request, are not read for it."""
+    _fill(tmp_path)
+    with Store.open(tmp_path) as store:
+        statements: list[str] = []
+        store._conn.set_trace_callback(statements.append)
+        store.statuses()
+        store.done_base_urls([r[0] for r in _rows(DONE + 2)])
+        store._conn.set_trace_callback(None)
+        reading = [s for s in statements if re.search(r"\bsamples\b", s) and s.lstrip().upper().startswith("SELECT")]
+        assert len(reading) == 2
+        assert {s: _reads_of_rows(store._conn, s, "samples") for s in reading} == {s: [] for s in reading}
+
+
 def test_a_rerun_of_generate_reads_responses_from_indexes_only(tmp_path, kimi, monkeypatch):
     """The real thing: generate run again over a finished folder, with a budget (so it learns
     prices from the stored responses). Every statement it runs that names ``responses``
