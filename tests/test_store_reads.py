@@ -278,6 +278,12 @@ def test_a_rerun_of_generate_reads_responses_from_indexes_only(tmp_path, kimi, m
         if s.startswith("CREATE TEMP TABLE"):
             con.execute(s)
     assert {s: _reads_of_rows(con, s, "responses") for s in touching} == {s: [] for s in touching}
+    # the samples' rows (each holds its request) are read once: to compare the stored requests
+    # with these. A search by status reads the rows of that status only (pending, failed: none).
+    selects = [s for s in statements if re.search(r"\bsamples\b", s) and s.lstrip().upper().startswith("SELECT")]
+    row_reads = {s: [d for d in _reads_of_rows(con, s, "samples") if "(status=?)" not in d] for s in selects}
+    assert [s for s, lines in row_reads.items() if lines] == [
+        next(s for s in selects if "s.request != i.request" in s)]
     con.close()
 
 

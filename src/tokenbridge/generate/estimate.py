@@ -83,7 +83,7 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None) -> Dr
     observed: float | None = None
     if out_dir is not None and (Path(out_dir) / STATE_FILE).is_file():
         with Store.open(out_dir) as store:
-            done_ids = {s.id for s in store.samples(status="done")}
+            done_ids = {sid for sid, status in store.statuses().items() if status == "done"}  # no request read
             p, c, _ = store.token_totals()
             if done_ids and c:
                 observed = c / len(done_ids)

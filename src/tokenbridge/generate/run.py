@@ -25,7 +25,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from urllib.parse import urlparse
 
 import aiohttp
@@ -230,8 +230,9 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, key: ApiK
     """Add the samples, check the stored ones against these settings, record the run and
     reopen the failed ones (a store that cannot be written is a StoreError, exit 6)."""
     try:
-        rows, ids = keep_stored_ids(rows, store.statuses())  # ids from before the prefix fix
-        changed, kept_old = _reconcile(store, rows, ids, settings, key, force=force, reporter=reporter,
+        stored = store.statuses()
+        rows, ids = keep_stored_ids(rows, stored)  # ids from before the prefix fix
+        changed, kept_old = _reconcile(store, rows, ids, stored, settings, key, force=force, reporter=reporter,
                                        out_dir=out_dir)
         kill_point("generate:samples added")
         run = store.begin_run(_described(settings, key))
@@ -239,7 +240,9 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, key: ApiK
         store.reopen_failed(ids)
         kill_point("generate:failed reopened")
         unanswered = store.settle_in_flight()  # before the attempt counts and the spend are read
-        current = store.samples(ids)
+        # the requests of the samples to send only: a rerun of a finished run reads none
+        pending = store.samples(ids, status="pending")
+        statuses = store.statuses()
         spent_before, possible_before = store.total_cost(), store.possible_cost()
         observations = list(store.price_observations()) if settings.max_cost and not settings.prices else []
     except sqlite3.Error as exc:  # a damaged page fails a read ("could not decode"), a full disk a write
@@ -250,8 +253,8 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, key: ApiK
     budget = Budget(settings.max_cost, settings.prices, spent=spent_before, possible=possible_before)
     for prov, p, c, k in observations:
         budget.observe(prov, p, c, k)
-    return _Begun(run=run, ids=ids, already_done=sum(1 for s in current if s.status == "done"),
-                  pending=[WorkItem.from_stored(s) for s in current if s.status == "pending"],
+    return _Begun(run=run, ids=ids, already_done=sum(1 for i in set(ids) if statuses.get(i) == "done"),
+                  pending=[WorkItem.from_stored(s) for s in pending],
                   budget=budget, spent_before=spent_before, changed=changed, kept_old=kept_old)
 
 
@@ -393,6 +396,7 @@ def _reconcile(
     store: Store,
     rows: list[tuple[str, str, str, str]],
     ids: list[str],
+    stored: Container[str],
     settings: GenerateSettings,
     key: ApiKey | None,
     *,
@@ -407,7 +411,7 @@ def _reconcile(
     :class:`SettingsChanged` unless ``force``; then it keeps its stored answer. A sample
     not done yet takes the new request. Returns (samples whose request changed, done
     samples kept from other settings). Base URLs are compared and shown with ``key``
-    masked, as they are stored.
+    masked, as they are stored. ``stored``: the ids the store held before this run.
     """
     diffs = store.diff_requests(rows)
     new_request = {r[0]: r[3] for r in rows} if diffs else {}
@@ -424,7 +428,9 @@ def _reconcile(
         for url, (n, sid) in other_urls.items():
             what.append(f"{n} answered by {_stored_url(url, key)} (now {scrub(settings.base_url, key)}, e.g. {sid})")
         raise SettingsChanged(f"{out_dir}: done samples were generated with other settings: {'; '.join(what)}")
-    store.add_samples(rows)
+    # only the new rows: diff_requests compared the stored ones (add_samples would again,
+    # reading every stored request), and a stored sample is never added twice
+    store.add_samples([r for r in rows if r[0] not in stored])
     redo = [(sid, new_request[sid]) for sid, status, _ in diffs if status != "done"]
     if redo:
         store.replace_requests(redo)

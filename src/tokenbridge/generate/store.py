@@ -395,6 +395,8 @@ class Store:
         the stored request wins, so a resumed sample is never sent in a different form).
         """
         rows = list(rows)
+        if not rows:  # a rerun's: nothing to lock, load or compare
+            return 0, []
         with self._tx():
             self._load_incoming(rows)
             changed = [
