@@ -293,7 +293,7 @@ def test_an_output_folder_another_command_rewrote_is_written_again(finished):
 
     cfg, out = finished
     target = out / "export" / "specforge"
-    export_file(out / "reconstructed.jsonl", target, "parquet")
+    export_file(out / "reconstructed.jsonl", target, "parquet", force=True)  # refused without --force
     assert not (target / "train.jsonl").exists()
     res = _run(cfg)
     assert res == {"generate": "ran", **{s: "ran" if s == "export:specforge" else "skipped" for s in AFTER_GENERATE}}

@@ -255,9 +255,10 @@ def own_names(kind: OutputKind) -> Callable[[Path], Callable[[str], bool]]:
 
 def check_output_dir(
     target: str | Path, kind: OutputKind, *, inputs: Iterable[str | Path] = (), force: bool = False, flag: str = "-o",
-    fmt: str | None = None,
+    fmt: str | None = None, any_format: bool = False,
 ) -> None:
-    """Raise :class:`OutputRefused` unless ``target`` may be replaced by a new ``kind`` output."""
+    """Raise :class:`OutputRefused` unless ``target`` may be replaced by a new ``kind`` output
+    (an export of format ``fmt``: one of another format only with ``force`` or ``any_format``)."""
     target = Path(target)
     resolved = target.resolve()
     why = _protected(Path(i) for i in inputs).get(resolved)
@@ -286,7 +287,7 @@ def check_output_dir(
     if not (force or not os.listdir(target) or _is_own(target, kind)):
         raise OutputRefused(f"{flag} {target}: folder is not empty and is not an earlier tokenbridge {kind}; "
                             "give a new or empty folder, or --force to write into it (its own entries are kept)")
-    held = _marker_field(target, "format") if kind == "export" and fmt is not None and not force else None
+    held = _marker_field(target, "format") if kind == "export" and not (force or any_format) else None
     if held is not None and fmt is not None and held != fmt:  # a re-export replaces its own format, not another one by mistake
         raise OutputRefused(f"{flag} {target}: holds a {held} export and this is a {fmt} export; give another folder "
                             f"(such as {target.parent / fmt}), or --force to replace it")

@@ -411,7 +411,7 @@ def _plan_exports(cfg: RunConfig, tok: Tokenizer, state: _State) -> tuple[_Plan,
             plan[f"export:{fmt}"] = (fp, "empty")
         else:
             plan[f"export:{fmt}"] = (fp, "ran")
-            exports.append(ExportJob(fmt, target, include_flagged=cfg.include_flagged, allow_empty=True))
+            exports.append(ExportJob(fmt, target, include_flagged=cfg.include_flagged, allow_empty=True, own_folder=True))
     vocab_job = None
     if cfg.draft_vocab_size:
         target = out / "vocab"

@@ -66,6 +66,9 @@ class ExportJob:
     #: publish a folder with no row rather than fail (``run``: conversations may leave out every
     #: row it gets, cut turns, while the id formats export them)
     allow_empty: bool = False
+    #: the folder is this format's own (``run``'s ``RUN/export/<fmt>``): an export of another
+    #: format found there (a standalone export's wrong ``-f``) is replaced, not refused
+    own_folder: bool = False
 
     def __post_init__(self) -> None:
         if self.fmt not in WRITERS:

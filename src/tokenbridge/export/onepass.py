@@ -65,7 +65,7 @@ def run_pass(
     row's status against its findings."""
     src = Path(src)
     for job in exports:
-        check_output_dir(job.out_dir, "export", inputs=[src], force=job.force, fmt=job.fmt)
+        check_output_dir(job.out_dir, "export", inputs=[src], force=job.force, fmt=job.fmt, any_format=job.own_folder)
     if vocab is not None:
         check_output_dir(vocab.out_dir, "vocab", inputs=[src], force=vocab.force)
     result = PassResult()
