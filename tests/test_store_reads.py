@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tokenbridge.exit_codes import ExitCode
 from tokenbridge.generate import store as store_mod
 from tokenbridge.generate.store import AttemptRecord, Batch, ResponseRecord, Store, StoreError
 from tokenbridge.outdir import store_kind
@@ -367,3 +368,26 @@ def test_indexes_are_made_in_one_transaction_or_not_at_all(tmp_path, monkeypatch
     with Store.open(run) as store:
         assert len(list(store.iter_done())) == DONE
     assert _indexes(run / "state.sqlite") >= set(store_mod._INDEXES)
+
+
+def test_a_full_disk_while_building_the_indexes_is_the_disk_not_the_file(tmp_path, monkeypatch):
+    """SQLITE_FULL on the first open of an older store (the one that builds the indexes)
+    said 'not a usable tokenbridge state file': the file is fine, the disk is full."""
+    run = tmp_path / "run"
+    _old_store(run)
+    real = store_mod._add_indexes
+
+    def full(conn):
+        exc = sqlite3.OperationalError("database or disk is full")
+        exc.sqlite_errorcode = 13  # SQLITE_FULL
+        raise exc
+
+    monkeypatch.setattr(store_mod, "_add_indexes", full)
+    with pytest.raises(StoreError) as err:
+        Store.open(run)
+    assert err.value.exit_code == ExitCode.STORE
+    assert str(err.value) == (f"{run / 'state.sqlite'}: cannot write the run state (database or disk is full); "
+                              "nothing was lost: free space or fix the folder and run again")
+    monkeypatch.setattr(store_mod, "_add_indexes", real)
+    with Store.open(run) as store:
+        assert len(list(store.iter_done())) == DONE

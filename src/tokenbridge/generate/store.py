@@ -54,6 +54,7 @@ loop for the GIL on every row) and runs only the ``COMMIT`` (the fsync) in a thr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -185,6 +186,11 @@ def _upgrade(conn: sqlite3.Connection, version: str) -> None:
         version = str(int(version) + 1)
     conn.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
     conn.execute("COMMIT")
+
+
+#: SQLite's primary result codes that mean the storage failed, not the file's content:
+#: BUSY, LOCKED, READONLY, IOERR, FULL, CANTOPEN.
+_STORAGE_ERRORS = frozenset({5, 6, 8, 10, 13, 14})
 
 
 def _add_indexes(conn: sqlite3.Connection) -> None:
@@ -354,6 +360,11 @@ class Store:
             if str(version) == str(SCHEMA_VERSION):
                 _add_indexes(conn)
         except sqlite3.DatabaseError as exc:
+            with contextlib.suppress(NameError, sqlite3.Error):
+                conn.close()
+            if (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _STORAGE_ERRORS:  # the disk, not the file
+                raise StoreError(f"{path}: cannot write the run state ({exc}); nothing was lost: free space or "
+                                 "fix the folder and run again", exit_code=ExitCode.STORE) from None
             raise StoreError(f"{path}: not a usable tokenbridge state file ({exc})") from None
         except OSError as exc:
             raise StoreError(f"{path}: cannot create the run state ({exc.strerror or exc})",
