@@ -161,3 +161,55 @@ def test_encode_appended_is_encode_of_the_whole(kimi, text):
     for tok in (kimi, family_tokenizer("gpt-oss")):
         ids, _ = tok.encode_checked(text)
         assert tok.encode_appended(text, ids, tails) == [tok.encode_checked(text + s) for s in tails]
+
+
+def _logprobs(native: list[int]) -> dict[str, Any]:
+    return {"content": [{"token": f"token_id:{t}", "logprob": -0.1, "bytes": None, "top_logprobs": []} for t in native]}
+
+
+def test_held_readings_the_evidence_did_not_pick_still_teach_the_count_traits(tmp_path, kimi):
+    """A provider that leaves its end token uncounted, streamed with tools, logprobs on: the
+    33 held readings (kept, since logprobs can tell) stopped every choice from teaching the
+    trait, and all 30 rows were rejected (a cold review)."""
+    records = []
+    for i in range(30):
+        native = _native(kimi, f"Answer number {i}.")
+        rec = _record(kimi, i, native, stream=True, logprobs=True)
+        rec["response"]["usage"]["completion_tokens"] = len(native) - 1
+        records.append(rec)
+    src, dst = tmp_path / "ex.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    summary = reconstruct_file(src, dst, kimi, workers=1)
+    assert summary.status == {"ok": 30}
+    assert summary.traits["p"].end_uncounted
+
+
+def test_an_end_token_named_by_matched_stop_does_not_let_the_count_pick_a_held_tail(tmp_path, kimi):
+    """``matched_stop`` naming ``[EOS]`` made ``end=[EOS]`` copies of the held readings that
+    escaped the tie filter: a +1 offset passed as a held ``<|`` (a cold review)."""
+    native = _native(kimi, "Done.")
+    rec = _record(kimi, 0, native, stream=True)
+    choice = rec["response"]["choices"][0]
+    choice["matched_stop"] = kimi.token_id("[EOS]")
+    rec["response"]["usage"]["completion_tokens"] = len(native) + 1
+    [row] = _rows(tmp_path, kimi, [rec])
+    assert row["status"] == "rejected" and "usage_completion_mismatch" in _codes(row)
+    assert row["content"] == "Done."
+
+
+def test_n_choices_with_many_readings_are_still_proven_by_their_summed_count(tmp_path, kimi):
+    """Three choices ended by ``[EOS]``, streamed with tools: held tails and their ``end=[EOS]``
+    copies made 67 readings a choice, over the bound on combinations, and every choice was
+    ambiguous (a cold review). Only ties are kept without logprobs, and readings alike in
+    count are one option of the product: the sum proves all three."""
+    native = [*kimi.encode("R."), kimi.token_id("</think>"), *kimi.encode("Done."), kimi.token_id("[EOS]")]
+    rec = _record(kimi, 0, native, stream=True)
+    first = rec["response"]["choices"][0]
+    first["matched_stop"] = kimi.token_id("[EOS]")
+    first["message"] = {"role": "assistant", "reasoning_content": "R.", "content": "Done."}
+    first["finish_reason"] = "stop"
+    rec["response"]["choices"] = [{**first, "index": k} for k in range(3)]
+    rec["response"]["usage"]["completion_tokens"] = 3 * len(native)
+    rows = _rows(tmp_path, kimi, [rec])
+    assert [(r["status"], r["findings"], r["reconstruction"]) for r in rows] == [("ok", [], "end=[EOS]")] * 3
+    assert all(r["completion_ids"] == native for r in rows)

@@ -270,7 +270,7 @@ def candidates(
             # a reading that already ends with the named token (GLM's <|observation|>
             # after a tool call) is that reading, not a second one
             if cand.parts and cand.parts[-1][0] == "end" and cand.parts[-1][1] != marker:
-                out.append(Candidate([*cand.parts[:-1], ("end", marker)], (*cand.names, f"end={marker}")))
+                out.append(Candidate([*cand.parts[:-1], ("end", marker)], (*cand.names, f"end={marker}"), cand.held))
     return out
 
 
@@ -390,5 +390,5 @@ def _harmony(dialect: HarmonyDialect, message: Mapping[str, Any], finish_reason:
             continue
         for cand in list(out):
             if cand.parts and cand.parts[-1][0] == "end":
-                out.append(Candidate([*cand.parts[:-1], ("end", marker)], (*cand.names, f"end={marker}")))
+                out.append(Candidate([*cand.parts[:-1], ("end", marker)], (*cand.names, f"end={marker}"), cand.held))
     return out

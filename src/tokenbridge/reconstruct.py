@@ -340,9 +340,9 @@ def _delta(plans: list[_Choice], rows: list[dict[str, Any]], usage: Mapping[str,
 
 def _count_reading(p: _Choice) -> bool:
     """Whether a run's count traits may learn this choice's offset from its formula (reading
-    0): its only reading, readings all as long as it (and ending alike), or a length cut
-    whose other readings are all a cut right after
-    ``</think>`` that the evidence did not pick. Cut samples are what tells an uncounted
+    0): its only reading, readings all as long as it (and ending alike), or one the evidence
+    picked whose other readings are all a cut right after ``</think>`` or a held tail
+    (``tool_start_held``; ids or logprobs keep every one of them). Cut samples are what tells an uncounted
     end token from an offset with no known cause (the end token is in no cut), so leaving
     every thinking cut out once that reading existed let a +1 offset on every sample pass
     as the end token (a suite test caught it)."""
@@ -351,7 +351,8 @@ def _count_reading(p: _Choice) -> bool:
     n, ended = len(p.ids(0)), ends_turn(p.cands[0].parts)
     if all(len(p.ids(k)) == n and ends_turn(p.cands[k].parts) == ended for k in range(1, len(p.cands))):
         return True  # readings of one length (GLM's newline streamed by either engine): the offset is theirs alike
-    return p.chosen == 0 and not p.ambiguous and all(c.names == ("cut_after_think_close",) for c in p.cands[1:])
+    return p.chosen == 0 and not p.ambiguous and all(c.names == ("cut_after_think_close",) or _held(c)
+                                                      for c in p.cands[1:])
 
 
 def _streamed(ex: Exchange) -> bool | None:
@@ -439,6 +440,11 @@ def _held_content(c: Candidate) -> str:
     return next(text for kind, text in reversed(c.parts) if kind == "content")
 
 
+def _held(c: Candidate) -> bool:
+    """Whether reading ``c`` has the model's content go on past what was served (a held tail)."""
+    return bool(c.held) or any(name.startswith("tool_start_held=") for name in c.names)
+
+
 def _sends_tools(request: Mapping[str, Any]) -> bool:
     """Whether the request gave the model tools to call (a tool parser then reads its content)."""
     tools = request.get("tools")
@@ -502,20 +508,19 @@ def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, 
     by_count = usage_completion is not None and policy.usage_tolerance == 0
     by_reasoning = bool(reasoning) and not single
     if by_count or by_reasoning:
-        sizes = [[plans[c].counted(k) for k in opts] for c, opts in enumerate(options)]
-        ways = [[plans[c].ways(k) for k in opts] for c, opts in enumerate(options)]
+        groups = [_alike(p, opts) for p, opts in zip(plans, options)]
         n_combos = 1
-        for opts in options:
-            n_combos *= max(len(opts), 1)
+        for g in groups:
+            n_combos *= max(len(g), 1)
         if all(options) and n_combos <= _MAX_COMBINATIONS:
             seen: list[set[int]] = [set() for _ in plans]
-            for combo in itertools.product(*(range(len(o)) for o in options)):
-                if by_count and sum(sizes[c][j] for c, j in enumerate(combo)) != usage_completion:
+            for combo in itertools.product(*groups):
+                if by_count and sum(size for size, _, _ in combo) != usage_completion:
                     continue
-                if by_reasoning and reasoning not in _reasoning_sums([ways[c][j] for c, j in enumerate(combo)]):
+                if by_reasoning and reasoning not in _reasoning_sums([way for _, way, _ in combo]):
                     continue
-                for c, j in enumerate(combo):
-                    seen[c].add(options[c][j])
+                for c, (_, _, ks) in enumerate(combo):
+                    seen[c].update(ks)
             if not any(seen):  # usage contradicts every reading: the mismatch says so
                 for p, opts in zip(plans, options):
                     p.chosen = 0 if 0 in opts else opts[0]
@@ -529,6 +534,16 @@ def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, 
             p.chosen = 0 if 0 in opts else opts[0]
             if len(p.cands) > 1:
                 p.ambiguous = [p.cands[k].name or "formula" for k in opts]
+
+
+def _alike(p: _Choice, opts: list[int]) -> list[tuple[int, tuple[int, int], list[int]]]:
+    """``opts`` grouped by all a summed usage sees of them, (count, reasoning count ways): one
+    option each of the product over n > 1 choices, so many readings of few lengths (held
+    tails) stay within :data:`_MAX_COMBINATIONS`."""
+    alike: dict[tuple[int, tuple[int, int]], list[int]] = {}
+    for k in opts:
+        alike.setdefault((p.counted(k), p.ways(k)), []).append(k)
+    return [(size, way, ks) for (size, way), ks in alike.items()]
 
 
 def _distinct(p: _Choice, opts: list[int]) -> list[int]:
