@@ -53,8 +53,8 @@ def test_export_sigterm_keeps_the_previous_export(stage_inputs, tmp_path):
     out = tmp_path / "sf"
     export_file(stage_inputs / "reconstructed.jsonl", out, "specforge")
     before = snapshot(out)
-    proc = start_cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "-f", "parquet",
-                     env=kill_env("export:row", 1, "SIGSTOP"))
+    proc = start_cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "-f", "parquet", "--force",
+                     env=kill_env("export:row", 1, "SIGSTOP"))  # another format: replaced only with --force
     _stopped_cleanly(*_interrupt(proc, signal.SIGTERM))
     assert snapshot(out) == before and leftovers(tmp_path) == []
 
