@@ -129,7 +129,7 @@ def test_a_deep_save_to_disk_metadata_file_is_one_line(tmp_path, name):
     (folder / name).write_text(_DEEP, encoding="utf-8")
     res = _generate_dry_run(folder, tmp_path)
     assert res.exit_code == 2, res.output
-    assert _lines(res.output) == [f"error: {folder / name}: unreadable (nested more than 1024 levels deep)"]
+    assert _lines(res.output) == [f"error: dataset 'd': {folder / name}: unreadable (nested more than 1024 levels deep)"]
 
 
 def test_a_deep_run_config_is_one_line(tmp_path):
@@ -164,7 +164,7 @@ def test_a_fifo_named_by_state_json_is_refused_not_read(tmp_path):
                            "--dry-run", "-m", "a/b"], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2, proc.stderr
     assert _lines(proc.stdout + proc.stderr) == [
-        f"error: {folder / 'f.arrow'}: is not a regular file (a folder, FIFO or device)"]
+        f"error: dataset 'd': {folder / 'f.arrow'}: is not a regular file (a folder, FIFO or device)"]
 
 
 # --- builtin: names ----------------------------------------------------------------------

@@ -155,6 +155,20 @@ def test_folder_of_files_in_name_order(tmp_path):
         load_prompts([_spec(tmp_path / "pipe")])
 
 
+def test_a_source_that_cannot_be_read_names_its_dataset_then_its_file(tmp_path):
+    """With several datasets, "state.json: not a readable save_to_disk state" did not say
+    which dataset it was; every whole-source error now starts with the dataset's name."""
+    good = _write_jsonl(tmp_path / "a.jsonl", [{"prompt": "q"}])
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "state.json").write_text("{}", encoding="utf-8")
+    with pytest.raises(PromptSourceError) as exc:
+        load_prompts([_spec(good, "a"), _spec(tmp_path / "hf", "b")])
+    assert str(exc.value) == f"dataset 'b': {tmp_path / 'hf' / 'state.json'}: not a readable save_to_disk state ('_data_files')"
+    with pytest.raises(PromptSourceError) as exc:
+        load_prompts([_spec(tmp_path / "missing", "c")])
+    assert str(exc.value) == f"dataset 'c': {tmp_path / 'missing'} does not exist"
+
+
 def test_tools_and_extra_message_keys(tmp_path):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     row = {"messages": [{"role": "user", "content": "q", "weight": 0.0}], "tools": json.dumps(tools)}

@@ -108,7 +108,7 @@ def load_prompts(specs: list[DatasetSpec] | tuple[DatasetSpec, ...], *, default_
         seen: set[str] = set()  # this dataset's ids
         hash_counts: dict[str, int] = {}
         kept = 0
-        for file, location, row in _iter_rows(spec):
+        for file, location, row in _source_rows(spec):
             if limit is not None and kept >= limit:
                 break
             where = f"{file}: {location}"
@@ -357,16 +357,25 @@ def _check_content(msg: dict[str, Any], where: str) -> None:
 # --- reading sources -------------------------------------------------------------------
 
 
+def _source_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
+    """:func:`_iter_rows`, a source that cannot be read one :class:`PromptSourceError` that
+    names the dataset, then the file (a config with several datasets says which one)."""
+    try:
+        yield from _iter_rows(spec)
+    except PromptSourceError as exc:
+        raise PromptSourceError(f"dataset {spec.name!r}: {exc}") from None
+
+
 def _iter_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
     """(file, location, row) for every row of the source, in order."""
     path = spec.path
     if not path.exists():
-        raise PromptSourceError(f"dataset {spec.name!r}: {path} does not exist")
+        raise PromptSourceError(f"{path} does not exist")
     if path.is_file():
         yield from _iter_file(path)
         return
     if not path.is_dir():  # a device or a FIFO: reading one would never end
-        raise PromptSourceError(f"dataset {spec.name!r}: {path} is not a file or a folder")
+        raise PromptSourceError(f"{path} is not a file or a folder")
     if (path / "dataset_dict.json").exists():
         yield from _iter_arrow_folder(_pick_split(path, spec))
         return
@@ -375,7 +384,7 @@ def _iter_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
         return
     files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".jsonl", ".parquet", ".arrow"))
     if not files:
-        raise PromptSourceError(f"dataset {spec.name!r}: {path} holds no .jsonl/.parquet files and no save_to_disk data")
+        raise PromptSourceError(f"{path} holds no .jsonl/.parquet files and no save_to_disk data")
     for f in files:
         yield from _iter_file(f)
 
@@ -485,13 +494,13 @@ def _pick_split(folder: Path, spec: DatasetSpec) -> Path:
     splits: list[str] = found
     if spec.split:
         if spec.split not in splits:
-            raise PromptSourceError(f"dataset {spec.name!r}: split {spec.split!r} not in {folder} (has {splits})")
+            raise PromptSourceError(f"split {spec.split!r} not in {folder} (has {splits})")
         return folder / spec.split
     if len(splits) == 1:
         return folder / splits[0]
     if "train" in splits:
         return folder / "train"
-    raise PromptSourceError(f"dataset {spec.name!r}: {folder} has splits {splits}; name one with split=")
+    raise PromptSourceError(f"{folder} has splits {splits}; name one with split=")
 
 
 class _MaybeSurrogates(dict[str, Any]):
