@@ -101,6 +101,25 @@ def test_a_dry_run_with_bad_rows_exits_1_as_the_run_would(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_damaged_parquet_prompt_file_is_one_line_exit_2(tmp_path):
+    """iter_batches' OSError ("Invalid BYTE_ARRAY value") was a traceback and exit 8."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["hello"] * 20000, "id": [str(i) for i in range(20000)]}), f,
+                   compression="none", use_dictionary=False)
+    meta = pq.ParquetFile(f).metadata.row_group(0).column(0)
+    raw = bytearray(f.read_bytes())
+    raw[meta.data_page_offset + 64:meta.data_page_offset + meta.total_compressed_size:7] = b"\xaa" * len(
+        range(meta.data_page_offset + 64, meta.data_page_offset + meta.total_compressed_size, 7))
+    f.write_bytes(bytes(raw))
+    for args in (["--dry-run"], ["--base-url", "http://127.0.0.1:9/v1"]):
+        line = _one_line_error(_invoke([f"x={f}", "--out", str(tmp_path / "run"), "--model", "m", *args]), 2)
+        assert line.startswith(f"error: dataset 'x': {f}: cannot read parquet: damaged at row 0 or after ("), line
+        assert not (tmp_path / "run").exists()
+
+
 def test_a_run_folder_whose_state_is_not_sqlite_is_refused(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "state.sqlite").write_bytes(b"this is not sqlite" * 100)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -167,6 +168,42 @@ def test_a_source_that_cannot_be_read_names_its_dataset_then_its_file(tmp_path):
     with pytest.raises(PromptSourceError) as exc:
         load_prompts([_spec(tmp_path / "missing", "c")])
     assert str(exc.value) == f"dataset 'c': {tmp_path / 'missing'} does not exist"
+
+
+def _damaged_parquet(path: Path, column: str, row_groups: tuple[int, ...] = (0,)) -> Path:
+    """3000 rows (id, prompt, junk) in row groups of 1500, plain-encoded and uncompressed,
+    the data page of ``column`` overwritten past its header in each of ``row_groups``."""
+    n = 3000
+    table = pa.table({"id": [f"r{i}" for i in range(n)], "prompt": [f"hello {i}" for i in range(n)],
+                      "junk": [f"j{i}" for i in range(n)]})
+    pq.write_table(table, path, compression="none", use_dictionary=False, row_group_size=1500)
+    meta = pq.ParquetFile(path).metadata
+    raw = bytearray(path.read_bytes())
+    for group in row_groups:
+        chunk = meta.row_group(group).column(table.schema.names.index(column))
+        start, end = chunk.data_page_offset + 64, chunk.data_page_offset + chunk.total_compressed_size
+        raw[start:end] = b"\xaa" * (end - start)
+    path.write_bytes(bytes(raw))
+    return path
+
+
+def test_a_damaged_parquet_page_is_one_error_naming_the_file_and_where(tmp_path):
+    """A page that cannot be decoded was an OSError/ArrowInvalid out of iter_batches: exit 8,
+    "internal error". The reader cannot go past it, so the file is one source error."""
+    f = _damaged_parquet(tmp_path / "p.parquet", "prompt", row_groups=(1,))
+    with pytest.raises(PromptSourceError) as exc:
+        load_prompts([_spec(f, "d")])
+    assert re.fullmatch(rf"dataset 'd': {re.escape(str(f))}: cannot read parquet: damaged at row 1024 or after \(.+\)",
+                        str(exc.value)), str(exc.value)
+
+
+def test_a_damaged_column_no_row_reads_is_not_read(tmp_path):
+    f = _damaged_parquet(tmp_path / "p.parquet", "junk", row_groups=(0, 1))
+    with pytest.raises((OSError, pa.ArrowException)):  # the file is damaged indeed
+        pq.read_table(f)
+    loaded = load_prompts([_spec(f, "d")])
+    assert loaded.errors == [] and len(loaded.samples) == 3000
+    assert loaded.samples[-1].messages == [{"role": "user", "content": "hello 2999"}]
 
 
 def test_tools_and_extra_message_keys(tmp_path):

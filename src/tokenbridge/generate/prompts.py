@@ -52,6 +52,8 @@ _SHAREGPT_ROLES = {
     "function": "tool",
     "observation": "tool",
 }
+#: The row keys a sample is made of; a dataset's other columns are never read.
+_ROW_KEYS = ("id", "messages", "conversations", "prompt", "system", "tools")
 # Message keys forwarded to the API; others (training weights, ids...) stay behind.
 _MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning", "reasoning_details")
 
@@ -171,7 +173,7 @@ def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:  # n
     if rid is not None and (not isinstance(rid, (str, int)) or isinstance(rid, bool)):
         raise _BadRow("id", f"must be a string or integer, got {type(rid).__name__}")
     if isinstance(row, _MaybeSurrogates):  # a JSONL line with \ud800-style escapes: check what is sent
-        for key in ("id", "messages", "conversations", "prompt", "system", "tools"):
+        for key in _ROW_KEYS:
             if key in row:
                 _check_utf8(row[key], key)
     if rid is None or rid == "":
@@ -442,9 +444,29 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, str, Any]]:
 
     try:
         pf = pq.ParquetFile(path)
+        names = [n for n in dict.fromkeys(pf.schema_arrow.names) if n in _ROW_KEYS]
     except (pa.ArrowException, OSError) as exc:
         raise PromptSourceError(f"{path}: cannot read parquet: {exc}") from None
-    yield from _batch_rows(path, pf.iter_batches(batch_size=1024))
+    # only the columns a row is read from: a damaged or odd column no row uses is not read
+    yield from _batch_rows(path, _read_batches(path, pf.iter_batches(batch_size=1024, columns=names)))
+
+
+def _read_batches(path: Path, batches: Iterator[Any]) -> Iterator[Any]:
+    """``batches`` of a Parquet file, a page that cannot be decoded (damaged bytes: "Invalid
+    BYTE_ARRAY value", a bad compressed block) one :class:`PromptSourceError` naming the file
+    and where: the reader cannot go on past it, and a file cut short is no dataset to send."""
+    import pyarrow as pa
+
+    index = 0
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError, ValueError) as exc:  # ArrowInvalid is a ValueError too
+            raise PromptSourceError(f"{path}: cannot read parquet: damaged at row {index} or after ({exc})") from None
+        if batch is None:
+            return
+        yield batch
+        index += batch.num_rows
 
 
 def _iter_arrow(path: Path) -> Iterator[tuple[str, str, Any]]:
