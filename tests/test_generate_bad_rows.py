@@ -77,3 +77,152 @@ def test_generate_reports_hostile_rows_and_sends_the_good_one(tmp_path):
     assert (summary.done, summary.exit_code, len(summary.bad_rows)) == (1, ExitCode.INCOMPLETE, len(BAD_LINES))
     saved = json.loads((tmp_path / "run" / "generate.json").read_text())
     assert saved["bad_rows"] == summary.bad_rows
+
+
+# --- Arrow data whose strings are not UTF-8, or whose layout is damaged ------------------
+
+
+def _strings(values: list[bytes | None]):
+    """A string array holding ``values`` byte for byte (pyarrow checks no UTF-8 on write;
+    other writers store such bytes too)."""
+    import pyarrow as pa
+
+    offsets = [0]
+    for v in values:
+        offsets.append(offsets[-1] + len(v or b""))
+    valid = pa.array([v is not None for v in values]).buffers()[1]
+    return pa.Array.from_buffers(pa.string(), len(values), [valid, pa.array(offsets, pa.int32()).buffers()[1],
+                                                            pa.py_buffer(b"".join(v or b"" for v in values))])
+
+
+def _bad_utf8_table():
+    """Rows ok1, bad (its prompt), ok2, msgbad (its second message's content), msgok; and a
+    column of bytes that are not UTF-8 either, which no row is made of."""
+    import pyarrow as pa
+
+    contents = _strings([b"sys", b"q\xff\xfex", b"fine", b"q-msg-ok"])
+    messages = pa.ListArray.from_arrays(pa.array([0, 0, 0, 0, 2, 4], pa.int32()), pa.StructArray.from_arrays(
+        [pa.array(["system", "user", "system", "user"]), contents], ["role", "content"]),
+        mask=pa.array([True, True, True, False, False]))
+    return pa.table({"id": ["ok1", "bad", "ok2", "msgbad", "msgok"],
+                     "prompt": _strings([b"q-ok1", b"q-\xc3(", b"q-ok2", None, None]),
+                     "messages": messages,
+                     "note": _strings([b"\xff"] * 5)})
+
+
+_UTF8_ERRORS = [
+    ("row 1", "prompt", "not valid UTF-8 (byte 0xc3 at byte 2: invalid continuation byte)"),
+    ("row 3", "messages[1].content", "not valid UTF-8 (byte 0xff at byte 1: invalid start byte)"),
+]
+
+
+def test_a_parquet_string_that_is_not_utf8_is_one_bad_row_naming_the_field(tmp_path):
+    """to_pylist raised UnicodeDecodeError for the whole batch: exit 8 and no row sent."""
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "u.parquet"
+    pq.write_table(_bad_utf8_table(), f)
+    loaded = load_prompts([DatasetSpec("u", f)])
+    assert [s.id for s in loaded.samples] == ["u-ok1", "u-ok2", "u-msgok"]
+    assert [(e.location, e.field, e.message) for e in loaded.errors] == _UTF8_ERRORS
+    assert str(loaded.errors[0]) == f"{f}: row 1: field 'prompt': {_UTF8_ERRORS[0][2]}"
+    assert loaded.samples[2].messages == [{"role": "system", "content": "fine"}, {"role": "user", "content": "q-msg-ok"}]
+
+
+def _save_to_disk(folder: Path, table) -> Path:
+    import pyarrow as pa
+
+    folder.mkdir()
+    with pa.OSFile(str(folder / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    return folder
+
+
+def test_a_save_to_disk_string_that_is_not_utf8_is_one_bad_row_naming_the_field(tmp_path):
+    folder = _save_to_disk(tmp_path / "hf", _bad_utf8_table())
+    loaded = load_prompts([DatasetSpec("u", folder)])
+    assert [s.id for s in loaded.samples] == ["u-ok1", "u-ok2", "u-msgok"]
+    assert [(e.location, e.field, e.message) for e in loaded.errors] == _UTF8_ERRORS
+
+
+def test_rows_not_utf8_are_reported_and_the_others_sent(tmp_path):
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "u.parquet"
+    pq.write_table(_bad_utf8_table(), f)
+    with HostileServer() as srv:
+        settings = GenerateSettings(datasets=(DatasetSpec("u", f),), request=RequestSettings(model="m", max_tokens=8),
+                                    base_url=srv.url, concurrency=1, progress="none")
+        summary = asyncio.run(agenerate_run(settings, tmp_path / "run"))
+        assert dict(srv.attempts) == {"q-ok1": 1, "q-ok2": 1, "q-msg-ok": 1}
+    assert (summary.done, summary.exit_code) == (3, ExitCode.INCOMPLETE)
+    assert summary.bad_rows == [f"{f}: {where}: field '{field}': {why}" for where, field, why in _UTF8_ERRORS]
+
+
+def test_an_arrow_file_whose_offsets_point_outside_its_data_is_one_error_not_a_crash(tmp_path):
+    """An offset past the data buffer was read as it was: UnicodeDecodeError from whatever
+    memory lay there, or SIGSEGV. Run in a child: a regression crashes it, not pytest."""
+    import struct
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+
+    folder = _save_to_disk(tmp_path / "hf", pa.table({"id": [f"r{i}" for i in range(10)], "prompt": ["hello world"] * 10}))
+    arrow = folder / "data-00000-of-00001.arrow"
+    raw = bytearray(arrow.read_bytes())
+    at = raw.find(struct.pack("<3i", 0, 11, 22))  # the prompt column's offsets
+    raw[at + 8:at + 12] = struct.pack("<i", 10**6)
+    arrow.write_bytes(bytes(raw))
+    code = "from tokenbridge.cli import app; app()"
+    proc = subprocess.run([sys.executable, "-c", code, "generate", f"d={folder}", "-o", str(tmp_path / "g"),
+                           "--dry-run", "-m", "a/b"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (proc.stdout + proc.stderr).strip().splitlines() == [
+        f"error: dataset 'd': {arrow}: column 'prompt', rows 0 to 9: damaged "
+        "(Offset invariant failure: offset for slot 2 out of bounds: 1000000 > 110)"]
+
+
+@pytest.mark.parametrize("kind", ["large_string", "dictionary", "string_view", "map"])
+def test_other_arrow_string_types_not_utf8_are_bad_rows_too(tmp_path, kind):
+    import pyarrow as pa
+
+    prompts = _strings([b"q-ok", b"q-\xff", b"q-ok2"])
+    if kind == "large_string":
+        column = prompts.view(pa.binary()).cast(pa.large_binary()).view(pa.large_string())
+        field = "prompt"
+    elif kind == "dictionary":
+        column = pa.DictionaryArray.from_arrays(pa.array([0, 1, 2], pa.int32()), prompts)
+        field = "prompt"
+    elif kind == "string_view":
+        if not hasattr(pa, "string_view"):
+            pytest.skip("this pyarrow has no string_view")
+        column = prompts.view(pa.binary()).cast(pa.binary_view()).view(pa.string_view())
+        field = "prompt"
+    else:  # a map nobody reads as a prompt: the row is bad all the same, naming the entry
+        column = pa.MapArray.from_arrays(pa.array([0, 1, 2, 3], pa.int32()), _strings([b"k", b"\xfe", b"k"]),
+                                         pa.array(["v", "v", "v"]))
+        field = "tools.<key>"
+    table = pa.table({"id": ["a", "b", "c"], "prompt" if kind != "map" else "tools": column,
+                      **({"prompt": ["q-ok", "q-bad", "q-ok2"]} if kind == "map" else {})})
+    loaded = load_prompts([DatasetSpec("u", _save_to_disk(tmp_path / "hf", table))])
+    bad = [e for e in loaded.errors if e.location == "row 1"]
+    assert [e.field for e in bad] == [field] and bad[0].message.startswith("not valid UTF-8 (byte 0x"), loaded.errors
+    if kind != "map":  # a map is no tools list: its other rows are bad for that
+        assert loaded.errors == bad and [s.id for s in loaded.samples] == ["u-a", "u-c"]
+
+
+def test_a_dry_run_lists_rows_not_utf8_and_exits_1(tmp_path):
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from tokenbridge.cli import app
+
+    f = tmp_path / "u.parquet"
+    pq.write_table(_bad_utf8_table(), f)
+    res = CliRunner().invoke(app, ["generate", f"u={f}", "-o", str(tmp_path / "g"), "--dry-run", "-m", "a/b"])
+    assert res.exit_code == ExitCode.INCOMPLETE, res.output
+    assert "samples: 3 (0 already done, 3 to send), bad rows: 2" in res.output
+    assert [line for line in res.output.splitlines() if line.startswith("bad row:")] == [
+        f"bad row: {f}: {where}: field '{field}': {why}" for where, field, why in _UTF8_ERRORS]

@@ -14,7 +14,10 @@ Ids are unique over all datasets of a load: a row whose id is already taken (``a
 ``x-1`` and ``a-x`` row ``1`` are both ``a-x-1``) is a bad row naming both places, and the
 first one is kept. A string with a lone surrogate (``"\\ud800"`` in JSON) is a bad row,
 also inside ``messages`` or ``tools`` stored as JSON text (checked as decoded). A line
-with a number of more digits than Python reads (4300) is a bad line, not a crash.
+with a number of more digits than Python reads (4300) is a bad line, not a crash. A
+Parquet or Arrow string that is not UTF-8 (pyarrow checks none on write) is a bad row
+naming its field (``messages[1].content``); an Arrow file whose offsets point outside its
+data, or a Parquet page that cannot be decoded, is the whole file refused.
 
 A bad row never stops the load: it becomes a :class:`RowError` naming file, line (or row
 index) and field, and the other rows go on. What is sent must be plain JSON: strings,
@@ -30,6 +33,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 from collections.abc import Container, Iterable, Iterator
@@ -144,6 +148,9 @@ def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:  # n
     """One row -> :class:`Sample`; raises ``_BadRow`` (field + message) when malformed."""
     if isinstance(row, _Unparsable):
         raise _BadRow("<line>", f"not valid JSON: {row.reason}")
+    if isinstance(row, _WithBadCell):
+        bad = next(v for v in row.values() if isinstance(v, _BadCell))
+        raise _BadRow(bad.field, bad.message)
     if not isinstance(row, dict):
         raise _BadRow("<row>", f"expected a JSON object, got {type(row).__name__}")
     if row.get("messages") is not None:
@@ -483,16 +490,151 @@ def _iter_arrow(path: Path) -> Iterator[tuple[str, str, Any]]:
                 table = pa.ipc.open_file(source).read_all()
     except (pa.ArrowException, OSError) as exc:
         raise PromptSourceError(f"{path}: cannot read Arrow data: {exc}") from None
-    yield from _batch_rows(path, table.to_batches(max_chunksize=1024))
+    table = table.select([i for i, name in enumerate(table.schema.names) if name in _ROW_KEYS])
+    # an IPC file's offsets are the file's bytes, unchecked: one out of bounds crashed to_pylist (SIGSEGV)
+    yield from _batch_rows(path, table.to_batches(max_chunksize=1024), check_layout=True)
 
 
-def _batch_rows(path: Path, batches: Iterable[Any]) -> Iterator[tuple[str, str, Any]]:
-    """(file, "row N", row) over Arrow record batches, N counted from 0 across batches."""
+def _batch_rows(path: Path, batches: Iterable[Any], *, check_layout: bool = False) -> Iterator[tuple[str, str, Any]]:
+    """(file, "row N", row) over Arrow record batches, N counted from 0 across batches.
+    ``check_layout``: the batches come from the file's own buffers (Arrow IPC), so their
+    offsets are checked before any value is read (Parquet's reader builds its own)."""
     index = 0
     for batch in batches:
-        for row in batch.to_pylist():
+        if check_layout:
+            for name, column in zip(batch.schema.names, batch.columns):
+                _check_layout(path, name, column, index)
+        for row in _batch_values(path, batch, index):
             yield str(path), f"row {index}", row
             index += 1
+
+
+def _conversion_errors() -> tuple[type[BaseException], ...]:
+    """What converting Arrow values to Python raises for data it cannot take (invalid UTF-8
+    is a UnicodeDecodeError, a ValueError; a timestamp out of Python's range an OverflowError)."""
+    import pyarrow as pa
+
+    return pa.ArrowException, ValueError, OverflowError, TypeError
+
+
+def _batch_values(path: Path, batch: Any, first: int) -> list[Any]:
+    """The rows of ``batch`` (its first is row ``first``) as dicts: the whole batch at once,
+    or, when a value cannot be converted (a string column's bytes that are not UTF-8, which
+    other writers than pyarrow store), column by column and then value by value: the row
+    holding it becomes one bad row naming the field, the others go on."""
+    try:
+        rows: list[Any] = batch.to_pylist()
+        return rows
+    except _conversion_errors():
+        pass
+    rows = [{} for _ in range(batch.num_rows)]
+    for name, column in zip(batch.schema.names, batch.columns):
+        for row, value in zip(rows, _column_values(path, name, column, first)):
+            row[name] = value
+    return [_WithBadCell(row) if any(isinstance(v, _BadCell) for v in row.values()) else row for row in rows]
+
+
+def _check_layout(path: Path, name: str, column: Any, first: int) -> Any:
+    """``column`` viewed with its strings as bytes (same buffers), fully validated: offsets in
+    bounds, so reading any value is safe whatever its bytes are. Damage there is the file's."""
+    try:
+        raw = column.view(_bytes_type(column.type))
+        raw.validate(full=True)
+    except _conversion_errors() as exc:
+        raise PromptSourceError(f"{path}: column {name!r}, rows {first} to {first + len(column) - 1}: "
+                                f"damaged ({exc})") from None
+    return raw
+
+
+def _column_values(path: Path, name: str, column: Any, first: int) -> list[Any]:
+    """The values of one column: a :class:`_BadCell` (naming the field inside the value, as
+    ``messages[1].content``) for each that cannot be read."""
+    try:
+        values: list[Any] = column.to_pylist()
+        return values
+    except _conversion_errors():
+        pass
+    raw = _check_layout(path, name, column, first)
+    out: list[Any] = []
+    for k in range(len(raw)):
+        try:
+            out.append(_decoded(raw[k].as_py(), column.type, name))
+        except _BadRow as bad:
+            out.append(_BadCell(bad.field, bad.message))
+        except _conversion_errors() as exc:
+            out.append(_BadCell(name, f"cannot be read ({type(exc).__name__}: {exc})"))
+    return out
+
+
+@lru_cache(maxsize=1)
+def _text_types() -> dict[Any, Any]:
+    """Each Arrow string type -> the binary type of the same layout."""
+    import pyarrow as pa
+
+    texts = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}
+    if hasattr(pa, "string_view"):  # pyarrow 16+
+        texts[pa.string_view()] = pa.binary_view()
+    return texts
+
+
+def _bytes_type(t: Any) -> Any:
+    """``t`` with every string type the binary type of the same layout (a zero-copy view)."""
+    import pyarrow as pa
+
+    types, texts = pa.types, _text_types()
+    if t in texts:
+        return texts[t]
+    if types.is_list(t) or types.is_large_list(t) or types.is_fixed_size_list(t):
+        item = t.value_field.with_type(_bytes_type(t.value_type))
+        if types.is_fixed_size_list(t):
+            return pa.list_(item, t.list_size)
+        return pa.large_list(item) if types.is_large_list(t) else pa.list_(item)
+    if types.is_map(t):
+        return pa.map_(_bytes_type(t.key_type), _bytes_type(t.item_type), keys_sorted=t.keys_sorted)
+    if types.is_struct(t):
+        return pa.struct([t.field(i).with_type(_bytes_type(t.field(i).type)) for i in range(t.num_fields)])
+    if types.is_dictionary(t):
+        return pa.dictionary(t.index_type, _bytes_type(t.value_type), t.ordered)
+    return t
+
+
+def _decoded(value: Any, t: Any, where: str) -> Any:
+    """A value read through :func:`_bytes_type`'s view, its strings decoded as ``t`` says;
+    ``_BadRow`` names the first that is not UTF-8."""
+    import pyarrow as pa
+
+    types = pa.types
+    if value is None:
+        return None
+    if isinstance(value, bytes) and t in _text_types():
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _BadRow(where, f"not valid UTF-8 (byte 0x{value[exc.start]:02x} at byte {exc.start}: "
+                                  f"{exc.reason})") from None
+    if types.is_list(t) or types.is_large_list(t) or types.is_fixed_size_list(t):
+        return [_decoded(v, t.value_type, f"{where}[{i}]") for i, v in enumerate(value)]
+    if types.is_map(t):
+        return [(_decoded(k, t.key_type, f"{where}.<key>"), _decoded(v, t.item_type, f"{where}[{i}]"))
+                for i, (k, v) in enumerate(value)]
+    if types.is_struct(t):
+        fields = {t.field(i).name: t.field(i).type for i in range(t.num_fields)}
+        return {k: _decoded(v, fields[k], f"{where}.{k}") for k, v in value.items()}
+    if types.is_dictionary(t):
+        return _decoded(value, t.value_type, where)
+    return value
+
+
+@dataclass(frozen=True)
+class _BadCell:
+    """An Arrow value that could not be read, and the field inside it that failed."""
+
+    field: str
+    message: str
+
+
+class _WithBadCell(dict[str, Any]):
+    """An Arrow row holding a :class:`_BadCell`: a bad row naming its field."""
 
 
 def _iter_arrow_folder(folder: Path) -> Iterator[tuple[str, str, Any]]:
