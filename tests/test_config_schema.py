@@ -198,6 +198,24 @@ def test_run_missing_dataset_file(tmp_path, kimi_dir):
     ]
 
 
+def test_run_dataset_behind_a_folder_without_search_permission(tmp_path, kimi_dir, monkeypatch):
+    """``exists()`` raised the PermissionError of a mode-000 folder on the way: exit 8."""
+    text = _replace(_run_toml(kimi_dir), '"builtin:prompts/chat.jsonl"', '"locked/p.jsonl"')
+    path = _write(tmp_path, text)
+    target = tmp_path / "locked" / "p.jsonl"
+    real_stat = Path.stat
+
+    def stat(self, *args, **kwargs):  # what a user (not root) gets under a mode-000 folder
+        if self == target:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", stat)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'locked/p.jsonl')}: generate.datasets[0].path: cannot be read: {target} (Permission denied)"
+    ]
+
+
 def test_run_builtin_dataset_typo_gets_did_you_mean(tmp_path, kimi_dir):
     text = _replace(_run_toml(kimi_dir), '"builtin:prompts/chat.jsonl"', '"builtin:prompts/chat.jsnl"')
     path = _write(tmp_path, text)

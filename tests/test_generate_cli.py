@@ -216,3 +216,104 @@ def test_a_store_write_failure_is_exit_6_with_a_note(finished, tmp_path, monkeyp
     assert res.exit_code == 6 and "Traceback" not in res.output, res.output
     assert "note: stopping: store write failed: database or disk is full" in res.output
     assert "stopped: store_error" in res.output
+
+
+# --- prompt sources that cannot be read: one line naming dataset and file, exit 2 ---------
+
+_NO_OVERRIDE = ["--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
+
+
+def _as_unprivileged(argv: list[str]) -> list[str]:
+    """``argv`` as it runs for a user: root reads a mode-000 file anyway, so root drops the
+    capability that lets it (setpriv); skipped where that cannot be done."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0:
+        return argv
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or subprocess.run([setpriv, *_NO_OVERRIDE, "true"], check=False).returncode != 0:
+        pytest.skip("running as root without setpriv to drop CAP_DAC_OVERRIDE")
+    return [setpriv, *_NO_OVERRIDE, *argv]
+
+
+def _unreadable_source(tmp_path: Path, kind: str) -> tuple[Path, Path]:
+    """(the dataset path, the path the error names) for a source one part of which is mode 000."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": ["a"], "prompt": ["hi"]})
+    if kind == "jsonl":
+        path = _one_prompt(tmp_path)
+        return path, path
+    if kind == "parquet":
+        path = tmp_path / "p.parquet"
+        pq.write_table(table, path)
+        return path, path
+    folder = tmp_path / "d"
+    folder.mkdir()
+    if kind == "folder":
+        (folder / "a.jsonl").write_text('{"prompt": "hi"}\n', encoding="utf-8")
+        return folder, folder
+    if kind == "file-in-folder":
+        (folder / "a.jsonl").write_text('{"prompt": "hi"}\n', encoding="utf-8")
+        (folder / "b.jsonl").write_text('{"prompt": "hi 2"}\n', encoding="utf-8")
+        return folder, folder / "b.jsonl"
+    arrow = folder / "data-00000-of-00001.arrow"  # kind == "save_to_disk"
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": arrow.name}]}), encoding="utf-8")
+    return folder, arrow
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "folder", "file-in-folder", "save_to_disk"])
+def test_an_unreadable_prompt_source_is_one_line_exit_2(tmp_path, kind):
+    """A mode-000 prompt file or folder was a PermissionError traceback, exit 8."""
+    dataset, named = _unreadable_source(tmp_path, kind)
+    named.chmod(0)
+    try:
+        argv = _as_unprivileged([sys.executable, "-c", "from tokenbridge.cli import app; app()", "generate",
+                                 f"x={dataset}", "--out", str(tmp_path / "run"), "--model", "m", "--dry-run"])
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    finally:
+        named.chmod(0o755)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (proc.stdout + proc.stderr).strip().splitlines() == [
+        f"error: dataset 'x': {named}: unreadable (Permission denied)"]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("error", "after", "said"), [
+    (IsADirectoryError(21, "Is a directory"), None, "unreadable (Is a directory)"),  # replaced since it was seen
+    (FileNotFoundError(2, "No such file or directory"), None, "unreadable (No such file or directory)"),
+    (OSError(5, "Input/output error"), 1, "unreadable after line 1 (Input/output error)"),  # a bad disk block
+])
+def test_a_prompt_file_that_fails_to_open_or_read_is_one_line(tmp_path, monkeypatch, error, after, said):
+    import io
+
+    prompts = tmp_path / "b3.jsonl"
+    prompts.write_text('{"prompt": "one"}\n{"prompt": "two"}\n', encoding="utf-8")
+    real_open = Path.open
+
+    class Failing(io.BytesIO):
+        def readline(self, *a):  # what iterating a binary file calls, line by line
+            if self.tell() and after is not None:
+                raise error
+            return super().readline(*a)
+
+        def __next__(self):
+            line = self.readline()
+            if not line:
+                raise StopIteration
+            return line
+
+    def fake_open(self, mode="r", *a, **k):
+        if self == prompts:
+            if after is None:
+                raise type(error)(error.errno, error.strerror, str(self))
+            return Failing(real_open(self, "rb").read())
+        return real_open(self, mode, *a, **k)
+
+    monkeypatch.setattr(Path, "open", fake_open)
+    res = _invoke([f"x={prompts}", "--out", str(tmp_path / "run"), "--model", "m", "--dry-run"])
+    assert _one_line_error(res, 2) == f"error: dataset 'x': {prompts}: {said}"

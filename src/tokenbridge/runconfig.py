@@ -224,8 +224,13 @@ def _check_generate(
         if not settings.datasets:
             problems.append(where.problem(("generate", "datasets"), "missing (at least one prompt dataset)"))
         for i, spec in enumerate(settings.datasets):
-            if not spec.path.exists():
+            try:
+                spec.path.stat()
+            except (FileNotFoundError, NotADirectoryError):
                 problems.append(where.problem(("generate", "datasets", i, "path"), f"no such file or folder: {spec.path}"))
+            except OSError as exc:  # a folder on the way without search permission (exists() raised it)
+                problems.append(where.problem(("generate", "datasets", i, "path"),
+                                              f"cannot be read: {spec.path} ({exc.strerror or exc})"))
     if settings.tokenizer is not None:
         gen["tokenizer"] = settings.tokenizer
     datasets = [

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -373,6 +374,15 @@ def _source_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
         yield from _iter_rows(spec)
     except PromptSourceError as exc:
         raise PromptSourceError(f"dataset {spec.name!r}: {exc}") from None
+    except OSError as exc:  # any other open, stat or read the readers below leave unguarded
+        raise PromptSourceError(f"dataset {spec.name!r}: {_unreadable(exc.filename or spec.path, exc)}") from None
+
+
+def _unreadable(path: str | Path, exc: OSError) -> PromptSourceError:
+    """``PATH: unreadable (Permission denied)``: the system's words for the errno when there
+    is one (pyarrow's own text for it repeats the path), else what the error says."""
+    why = os.strerror(exc.errno) if exc.errno else str(exc)
+    return PromptSourceError(f"{path}: unreadable ({why})")
 
 
 def _iter_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
@@ -385,13 +395,17 @@ def _iter_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
         return
     if not path.is_dir():  # a device or a FIFO: reading one would never end
         raise PromptSourceError(f"{path} is not a file or a folder")
-    if (path / "dataset_dict.json").exists():
+    try:  # a folder without read or search permission: the folder is what cannot be read
+        saved = [name for name in ("dataset_dict.json", "state.json") if (path / name).exists()]
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".jsonl", ".parquet", ".arrow"))
+    except OSError as exc:
+        raise _unreadable(path, exc) from None
+    if "dataset_dict.json" in saved:
         yield from _iter_arrow_folder(_pick_split(path, spec))
         return
-    if (path / "state.json").exists():
+    if "state.json" in saved:
         yield from _iter_arrow_folder(path)
         return
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".jsonl", ".parquet", ".arrow"))
     if not files:
         raise PromptSourceError(f"{path} holds no .jsonl/.parquet files and no save_to_disk data")
     for f in files:
@@ -430,19 +444,28 @@ def _iter_file(path: Path) -> Iterator[tuple[str, str, Any]]:
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, Any]]:
-    with path.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            try:
-                row = _loads(raw)
-            except _NotJson as exc:
-                row = _Unparsable(exc.reason)
-            else:
-                # only a \uD800-\uDFFF escape makes a lone surrogate (Arrow data is valid UTF-8)
-                if isinstance(row, dict) and _SURROGATE_ESCAPE.search(raw):
-                    row = _MaybeSurrogates(row)
-            yield str(path), f"line {lineno}", row
+    try:
+        fh = path.open("rb")
+    except OSError as exc:  # no permission; replaced by a folder or removed since it was listed
+        raise _unreadable(path, exc) from None
+    lineno = 0
+    with fh:
+        try:
+            for lineno, raw in enumerate(fh, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    row = _loads(raw)
+                except _NotJson as exc:
+                    row = _Unparsable(exc.reason)
+                else:
+                    # only a \uD800-\uDFFF escape makes a lone surrogate (Arrow strings are decoded as UTF-8)
+                    if isinstance(row, dict) and _SURROGATE_ESCAPE.search(raw):
+                        row = _MaybeSurrogates(row)
+                yield str(path), f"line {lineno}", row
+        except OSError as exc:  # a read error (EIO) part way: the rows after it are not there
+            raise PromptSourceError(f"{path}: unreadable after line {lineno} "
+                                    f"({os.strerror(exc.errno) if exc.errno else exc})") from None
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, str, Any]]:
@@ -452,7 +475,11 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, str, Any]]:
     try:
         pf = pq.ParquetFile(path)
         names = [n for n in dict.fromkeys(pf.schema_arrow.names) if n in _ROW_KEYS]
-    except (pa.ArrowException, OSError) as exc:
+    except OSError as exc:
+        if exc.errno:  # the file cannot be opened or read (pyarrow's errors say "Parquet" otherwise)
+            raise _unreadable(path, exc) from None
+        raise PromptSourceError(f"{path}: cannot read parquet: {exc}") from None
+    except pa.ArrowException as exc:
         raise PromptSourceError(f"{path}: cannot read parquet: {exc}") from None
     # only the columns a row is read from: a damaged or odd column no row uses is not read
     yield from _batch_rows(path, _read_batches(path, pf.iter_batches(batch_size=1024, columns=names)))
@@ -488,7 +515,11 @@ def _iter_arrow(path: Path) -> Iterator[tuple[str, str, Any]]:
             except pa.ArrowInvalid:
                 source.seek(0)
                 table = pa.ipc.open_file(source).read_all()
-    except (pa.ArrowException, OSError) as exc:
+    except OSError as exc:
+        if exc.errno:
+            raise _unreadable(path, exc) from None
+        raise PromptSourceError(f"{path}: cannot read Arrow data: {exc}") from None
+    except pa.ArrowException as exc:
         raise PromptSourceError(f"{path}: cannot read Arrow data: {exc}") from None
     table = table.select([i for i, name in enumerate(table.schema.names) if name in _ROW_KEYS])
     # an IPC file's offsets are the file's bytes, unchecked: one out of bounds crashed to_pylist (SIGSEGV)
