@@ -167,6 +167,24 @@ def test_a_fifo_named_by_state_json_is_refused_not_read(tmp_path):
         f"error: dataset 'd': {folder / 'f.arrow'}: is not a regular file (a folder, FIFO or device)"]
 
 
+# --- a run that fails before writing anything leaves no folder behind ---------------------
+
+
+def test_a_run_whose_prompts_cannot_be_read_leaves_no_run_folder(tmp_path, kimi_dir):
+    """The run folder is made when its lock is taken, before generate reads the prompts: a
+    dataset that failed there left ``out/`` holding only ``.lock``."""
+    (tmp_path / "empty").mkdir()
+    text = write_run_config(tmp_path, kimi_dir).read_text()
+    path = tmp_path / "bad.toml"
+    path.write_text(text.replace('path = "builtin:prompts/chat.jsonl"', f'path = "{tmp_path / "empty"}"'),
+                    encoding="utf-8")
+    res = CliRunner().invoke(app, ["run", str(path)])
+    assert res.exit_code == 2, res.output
+    assert _lines(res.output)[-1] == (f"error: dataset 'chat': {tmp_path / 'empty'} holds no .jsonl/.parquet files "
+                                      "and no save_to_disk data")
+    assert not (tmp_path / "out").exists()
+
+
 # --- builtin: names ----------------------------------------------------------------------
 
 

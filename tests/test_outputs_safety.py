@@ -263,6 +263,74 @@ def test_the_run_lock_is_reentrant_within_one_process(tmp_path):
         pass
 
 
+def test_a_run_folder_the_lock_made_and_left_holding_only_the_lock_is_removed(tmp_path):
+    """A run that failed before writing anything (a prompt file it could not read) left the
+    folder it had made holding only ``.lock``; the parents it made go too, when empty."""
+    from tokenbridge.generate.lock import run_lock
+
+    run = tmp_path / "a" / "b" / "run"
+    with pytest.raises(RuntimeError), run_lock(run, command="run"):
+        assert os.listdir(run) == [".lock"]
+        raise RuntimeError("the command failed")
+    assert os.listdir(tmp_path) == []
+    with run_lock(run):  # and after a clean end alike
+        pass
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_run_folder_the_lock_made_is_kept_once_anything_is_in_it(tmp_path):
+    from tokenbridge.generate.lock import run_lock
+
+    run = tmp_path / "a" / "run"
+    with run_lock(run):
+        (tmp_path / "a" / "mine.txt").write_text("the user's")  # beside it: the parent stays too
+        (run / "state.sqlite").write_bytes(b"")
+    assert sorted(os.listdir(run)) == [".lock", "state.sqlite"] and (tmp_path / "a" / "mine.txt").exists()
+    shutil.rmtree(run)
+    with run_lock(run):
+        pass
+    assert os.listdir(tmp_path / "a") == ["mine.txt"]  # the run folder went, the user's parent stays
+
+
+def test_a_folder_the_user_made_is_never_removed(tmp_path):
+    from tokenbridge.generate.lock import run_lock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with run_lock(run):
+        pass
+    assert os.listdir(run) == [".lock"]  # as before: the lock of a run killed before its store is ours
+
+
+def test_a_lock_file_deleted_between_open_and_lock_is_not_held(tmp_path, monkeypatch):
+    """The holder that made the folder deletes the lock file as it leaves; a process that
+    opened that file just before locks an unlinked file: it must start over, or two
+    processes would each hold "the" lock of one folder."""
+    import fcntl
+
+    import tokenbridge.generate.lock as lock
+
+    real_flock, calls = fcntl.flock, []
+
+    def flock_after_unlink(fd, op):
+        calls.append(os.fstat(fd).st_ino)
+        if len(calls) == 1:  # the first holder leaves between this process's open and its lock
+            os.unlink(tmp_path / "run" / ".lock")
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(lock.fcntl, "flock", flock_after_unlink)
+    with lock.run_lock(tmp_path / "run"):
+        held = os.stat(tmp_path / "run" / ".lock").st_ino
+        assert len(calls) == 2 and calls[1] == held
+        other = os.open(tmp_path / "run" / ".lock", os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):  # the file at the path is the one locked
+                real_flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+    assert os.listdir(tmp_path) == []  # made on its first try, still this process's to remove
+
+
 def test_a_stage_writing_into_a_busy_run_folder_is_refused(run_dir):
     import subprocess
     import sys
