@@ -120,6 +120,29 @@ def test_a_damaged_parquet_prompt_file_is_one_line_exit_2(tmp_path):
         assert not (tmp_path / "run").exists()
 
 
+def test_a_dry_run_says_how_many_bad_rows_it_did_not_print_and_where_they_are(tmp_path):
+    """It printed 20 ``bad row:`` lines of 24 and no word of the other 4; the run says
+    "... 4 more bad rows (all listed in generate.json)"."""
+    prompts = tmp_path / "b3.jsonl"
+    prompts.write_text(json.dumps({"prompt": "ok"}) + "\n" + "".join(f'{{"prompt": {i}}}\n' for i in range(24)),
+                       encoding="utf-8")
+    bad = [f"bad row: {prompts}: line {n}: field 'prompt': must be a non-empty string" for n in range(2, 26)]
+    args = [str(prompts), "--out", str(tmp_path / "run"), "--model", "m"]
+    res = _invoke([*args, "--dry-run"])
+    assert res.exit_code == 1, res.output
+    assert [line for line in res.output.splitlines() if line.startswith(("bad row:", "..."))] == [
+        *bad[:20], "... 4 more bad rows (--summary-json FILE lists them all)"]
+    summary = tmp_path / "dry.json"
+    res = _invoke([*args, "--dry-run", "--summary-json", str(summary)])
+    assert res.exit_code == 1, res.output
+    assert [line for line in res.output.splitlines() if line.startswith(("bad row:", "..."))] == [
+        *bad[:20], f"... 4 more bad rows (all listed in {summary})"]
+    assert ["bad row: " + b for b in json.loads(summary.read_text())["bad_rows"]] == bad
+    res = _invoke([*args, "--base-url", "http://127.0.0.1:9/v1", "--max-attempts", "1", "--progress", "plain"])
+    assert [line for line in res.output.splitlines() if line.startswith(("bad row:", "..."))] == [
+        *bad[:20], "... 4 more bad rows (all listed in generate.json)"], res.output
+
+
 def test_a_run_folder_whose_state_is_not_sqlite_is_refused(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "state.sqlite").write_bytes(b"this is not sqlite" * 100)

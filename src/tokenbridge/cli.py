@@ -449,7 +449,7 @@ def _generate_dry_run(settings: GenerateSettings, out: Path, summary_json: Path 
     if settings.tokenizer is None and os.environ.get(TOKENIZER_ENV, "").strip():
         settings = dataclasses.replace(settings, tokenizer=os.environ[TOKENIZER_ENV])
     report = dry_run(settings, out)
-    for line in report.lines():
+    for line in report.lines(listed_in=summary_json):
         _say(line)
     _write_summary(summary_json, report.to_dict())
     raise typer.Exit(report.exit_code)

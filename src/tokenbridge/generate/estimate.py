@@ -14,7 +14,7 @@ from typing import Any
 from collections.abc import Callable
 
 from ..exit_codes import ExitCode
-from .prompts import load_prompts
+from .prompts import SHOWN_BAD_ROWS, load_prompts
 from .request import build_request
 from .settings import ConfigError, GenerateSettings
 from .store import STATE_FILE, Store
@@ -49,7 +49,9 @@ class DryRunReport:
         would (every command's exit 1 means bad rows), so a script can stop before paying."""
         return ExitCode.INCOMPLETE if self.bad_rows else ExitCode.OK
 
-    def lines(self) -> list[str]:
+    def lines(self, listed_in: str | Path | None = None) -> list[str]:
+        """What ``generate --dry-run`` prints: the first :data:`SHOWN_BAD_ROWS` bad rows, then
+        how many more, and where all are listed (``listed_in``: the ``--summary-json`` file)."""
         out = [
             f"samples: {self.samples} ({self.already_done} already done, {self.to_send} to send), "
             f"bad rows: {len(self.bad_rows)}",
@@ -68,7 +70,11 @@ class DryRunReport:
         if self.cost_max is not None:
             out.append(f"worst case (every sample hits max_tokens): ${self.cost_max:,.2f}")
         out += [f"note: {n}" for n in self.notes]
-        out += [f"bad row: {b}" for b in self.bad_rows[:20]]
+        out += [f"bad row: {b}" for b in self.bad_rows[:SHOWN_BAD_ROWS]]
+        if len(self.bad_rows) > SHOWN_BAD_ROWS:  # as the run says it, which lists them all in generate.json
+            more = len(self.bad_rows) - SHOWN_BAD_ROWS
+            out.append(f"... {more} more bad rows (all listed in {listed_in})" if listed_in is not None
+                       else f"... {more} more bad rows (--summary-json FILE lists them all)")
         return out
 
 

@@ -44,9 +44,11 @@ from ..jsonl import JsonLineError, loads_finite, loads_line, number_too_long
 from .errors import GenerateError
 from .settings import DatasetSpec
 
-__all__ = ["LoadedPrompts", "PromptSourceError", "RowError", "Sample", "load_prompts", "sample_from_row"]
+__all__ = ["SHOWN_BAD_ROWS", "LoadedPrompts", "PromptSourceError", "RowError", "Sample", "load_prompts", "sample_from_row"]
 
 MAX_DEPTH = 64
+#: Bad rows a run or a dry run prints; then how many more, and where they are all listed.
+SHOWN_BAD_ROWS = 20
 _SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",

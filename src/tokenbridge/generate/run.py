@@ -42,7 +42,7 @@ from .engine import DRAIN_S, Engine, StopReason, WorkItem
 from .errors import SettingsChanged
 from .lock import run_lock
 from .progress import Reporter
-from .prompts import keep_stored_ids, load_prompts
+from .prompts import SHOWN_BAD_ROWS, keep_stored_ids, load_prompts
 from .request import build_request
 from .secrets import ApiKey, check_api_key, placeholder_notice, read_api_key, scrub
 from .settings import ConfigError, GenerateSettings, endpoint_identity
@@ -187,12 +187,12 @@ _Row = tuple[str, str, str, str]  # (id, dataset, source, request JSON)
 
 
 def _load_rows(settings: GenerateSettings, reporter: Reporter) -> tuple[list[_Row], list[str]]:
-    """The samples of every dataset as store rows, and the bad source rows (the first 20 said)."""
+    """The samples of every dataset as store rows, and the bad source rows (the first few said)."""
     loaded = load_prompts(settings.datasets, default_limit=settings.limit)
-    for err in loaded.errors[:20]:
+    for err in loaded.errors[:SHOWN_BAD_ROWS]:
         reporter.log(f"bad row: {err}")
-    if len(loaded.errors) > 20:
-        reporter.log(f"... {len(loaded.errors) - 20} more bad rows (all listed in {SUMMARY_FILE})")
+    if len(loaded.errors) > SHOWN_BAD_ROWS:
+        reporter.log(f"... {len(loaded.errors) - SHOWN_BAD_ROWS} more bad rows (all listed in {SUMMARY_FILE})")
     given = {s.dataset for s in loaded.samples}
     for spec in settings.datasets:  # as reconstruct says of an empty input: a typo'd or unfilled file sends nothing
         if spec.name not in given and (spec.limit if spec.limit is not None else settings.limit) != 0:
