@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from conftest import ROOT
 from tokenbridge.cli import app
 from tokenbridge.emulator import EmulatorConfig, running_emulator
 from tokenbridge.exit_codes import ExitCode
@@ -340,3 +341,39 @@ def test_a_prompt_file_that_fails_to_open_or_read_is_one_line(tmp_path, monkeypa
     monkeypatch.setattr(Path, "open", fake_open)
     res = _invoke([f"x={prompts}", "--out", str(tmp_path / "run"), "--model", "m", "--dry-run"])
     assert _one_line_error(res, 2) == f"error: dataset 'x': {prompts}: {said}"
+
+
+@pytest.mark.parametrize("what", ["tokenizer-flag", "tokenizer-config", "emulator-config"])
+def test_a_tokenizer_or_emulator_config_behind_a_locked_folder_is_one_line_exit_2(tmp_path, kimi_dir, what):
+    """A tokenizer folder or an emulator config under a folder without search permission was
+    a PermissionError traceback from exists()/is_dir(), exit 8 (a cold tester)."""
+    locked = tmp_path / "locked"
+    (locked / "tok").mkdir(parents=True)
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        (locked / "tok" / name).symlink_to(kimi_dir / name)
+    (locked / "emu.toml").write_text('models = ["m"]\n', encoding="utf-8")
+    cfg = tmp_path / "run.toml"
+    tok = locked / "tok" if what == "tokenizer-config" else kimi_dir
+    emulator = f'[emulator]\nconfig = "{locked / "emu.toml"}"\n' if what == "emulator-config" else ""
+    cfg.write_text(f'[run]\nout = "out"\ntokenizer = "{tok}"\n{emulator}[generate]\nmodel = "m"\n'
+                   'datasets = [{ name = "c", path = "builtin:prompts/chat.jsonl", limit = 1 }]\n', encoding="utf-8")
+    if what == "tokenizer-flag":
+        command = ["reconstruct", str(ROOT / "examples" / "exchanges.jsonl"), "-o", str(tmp_path / "r.jsonl"),
+                   "--tokenizer", str(locked / "tok")]
+        expected = f"error: {locked / 'tok'}: cannot read (Permission denied)"
+    elif what == "tokenizer-config":
+        command = ["run", str(cfg)]
+        expected = f"error: {cfg}:3: run.tokenizer: cannot read the tokenizer folder {locked / 'tok'} (Permission denied)"
+    else:
+        command = ["run", str(cfg)]
+        expected = f"error: {cfg}:5: emulator.config: {locked / 'emu.toml'}: cannot read (Permission denied)"
+    locked.chmod(0)
+    try:
+        argv = _as_unprivileged([sys.executable, "-c", "from tokenbridge.cli import app; app()", *command])
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    finally:
+        locked.chmod(0o755)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == expected
+    assert not (tmp_path / "out").exists()

@@ -259,7 +259,11 @@ def _check_emulator(
     elif file:
         emulator = _relative(file, base)
     base_cfg: EmulatorConfig | None = EmulatorConfig()
-    if emulator is not None and not emulator.exists():  # named in this file: its line and key say where
+    unreadable = _unreadable(emulator) if emulator is not None else None
+    if unreadable:  # a parent without search permission: exists() itself raises
+        problems.append(where.problem(("emulator", "config"), f"{emulator}: cannot read ({unreadable})"))
+        base_cfg = None
+    elif emulator is not None and not emulator.exists():  # named in this file: its line and key say where
         problems.append(where.problem(("emulator", "config"), f"{emulator}: no such config file"))
         base_cfg = None
     elif emulator is not None:
@@ -281,12 +285,27 @@ def _file_order(problem: str, source: str) -> tuple[bool, int]:
     return False, int(line) if line.isdigit() else 1 << 30
 
 
+def _unreadable(path: Path) -> str | None:
+    """Why ``path`` cannot even be looked at (a folder above it without search permission),
+    or None (missing or there: the caller's own checks say which)."""
+    try:
+        os.stat(path)
+    except PermissionError as exc:
+        return exc.strerror or str(exc)
+    except OSError:
+        return None
+    return None
+
+
 def _tokenizer_source(value: str, base: Path) -> tuple[str, str | None]:
     """A tokenizer folder (relative to the config file) or a Hub repo id, and what is wrong."""
-    if value.startswith((".", "/", "~")) or (base / value).exists():
+    if value.startswith((".", "/", "~")) or os.path.lexists(base / value):
         folder = str(_relative(value, base))
-        if not Path(folder).is_dir():
-            return folder, f"no such tokenizer folder: {folder}"
+        try:
+            if not Path(folder).is_dir():
+                return folder, f"no such tokenizer folder: {folder}"
+        except PermissionError as exc:  # a parent without search permission
+            return folder, f"cannot read the tokenizer folder {folder} ({exc.strerror})"
         return folder, None
     if not _HUB_ID.match(value):
         return value, f"{value!r} is neither a tokenizer folder nor a Hub repo id (owner/name)"

@@ -355,6 +355,13 @@ def load_tokenizer(source: str | Path, *, revision: str | None = None) -> Tokeni
 
 @lru_cache(maxsize=8)
 def _load_cached(source: str, revision: str | None) -> Tokenizer:
+    try:
+        return _load_source(source, revision)
+    except PermissionError as exc:  # a folder without search or read permission (exists() itself raises)
+        raise TokenizerError(f"{exc.filename or source}: cannot read ({exc.strerror or exc})") from None
+
+
+def _load_source(source: str, revision: str | None) -> Tokenizer:
     folder = Path(source).expanduser()
     if not folder.is_dir():
         if folder.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
