@@ -384,27 +384,35 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
                        prefix_absent=by_ids, held=held)
+    if len(cands) == 1:  # the common case: one reading, each part encoded as it is
+        ids_1, free_1 = _encode_parts(tok, cands[0].parts, None)
+        return _Choice(idx, choice, native, logged, stop, cands, [ids_1], [free_1])
     done: dict[str, tuple[list[int], bool]] = {}  # each text encoded once across the readings
     plain = [c for c in cands if not c.held]
     held_cands = _encode_held(tok, [c for c in cands if c.held], plain, done, same_count=not by_ids)
     kept = {id(c) for c in held_cands}
     cands = [c for c in cands if not c.held or id(c) in kept]  # in their order: the formula first
-    cand_ids: list[list[list[int]]] = []
-    cand_free: list[list[bool]] = []
-    for c in cands:
-        ids_c, free_c = [], []
-        for kind, text in c.parts:
-            if kind in MARKER_SEGMENTS:
-                ids, free = [tok.token_id(text)], False
-            elif text in done:
-                ids, free = done[text]
-            else:
-                ids, free = done[text] = tok.encode_checked(text)
-            ids_c.append(ids)
-            free_c.append(free)
-        cand_ids.append(ids_c)
-        cand_free.append(free_c)
-    return _Choice(idx, choice, native, logged, stop, cands, cand_ids, cand_free)
+    encoded = [_encode_parts(tok, c.parts, done) for c in cands]
+    return _Choice(idx, choice, native, logged, stop, cands, [e[0] for e in encoded], [e[1] for e in encoded])
+
+
+def _encode_parts(tok: Tokenizer, parts: Sequence[tuple[str, str]], done: dict[str, tuple[list[int], bool]] | None,
+                  ) -> tuple[list[list[int]], list[bool]]:
+    """Each part's ids and whether its text is marker-free; ``done`` holds the texts other
+    readings encoded already (None: one reading, nothing to share)."""
+    ids_c, free_c = [], []
+    for kind, text in parts:
+        if kind in MARKER_SEGMENTS:
+            ids, free = [tok.token_id(text)], False
+        elif done is None:
+            ids, free = tok.encode_checked(text)
+        elif text in done:
+            ids, free = done[text]
+        else:
+            ids, free = done[text] = tok.encode_checked(text)
+        ids_c.append(ids)
+        free_c.append(free)
+    return ids_c, free_c
 
 
 def _encode_held(tok: Tokenizer, held: list[Candidate], plain: list[Candidate],
