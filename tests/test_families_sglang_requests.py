@@ -117,8 +117,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 TRAILING = [{"role": "user", "content": "Write a haiku."}, {"role": "assistant", "content": "Autumn moon"}]
 
 
-def _record(name: str, request: dict[str, Any], prompt_text: str, *, usage: bool = True) -> tuple[dict, list[int]]:
-    """A record served from ``prompt_text``: an instant/plain answer ``Hi!`` and its end token."""
+def _record(name: str, request: dict[str, Any], prompt_text: str, *, usage: bool = True,
+            sglang: bool = False) -> tuple[dict, list[int]]:
+    """A record served from ``prompt_text``: an instant/plain answer ``Hi!`` and its end token;
+    ``sglang``: the message as SGLang serves it (GLM's reasoning keeps ``"\n<think>"``)."""
     tok, dialect, _ = _family(name)
     prompt = tok.encode_prompt(prompt_text)
     thinking = dialect.thinking(request) and not prompt_text.endswith(("</think>", "<think></think>",
@@ -127,7 +129,8 @@ def _record(name: str, request: dict[str, Any], prompt_text: str, *, usage: bool
     lead = {"deepseek-v3.1": [], "qwen3": [tok.token_id("<think>")], "glm-4.5": tok.encode("\n") + [tok.token_id("<think>")]}
     think = lead[name] + tok.encode("ok") + [tok.token_id("</think>")] if thinking else []
     native = think + tok.encode("Hi!") + end
-    message = {"role": "assistant", "content": "Hi!", **({"reasoning_content": "ok"} if think else {})}
+    reasoning = "\n<think>ok" if sglang and name == "glm-4.5" else "ok"
+    message = {"role": "assistant", "content": "Hi!", **({"reasoning_content": reasoning} if think else {})}
     response: dict[str, Any] = {"choices": [{"index": 0, "finish_reason": "stop", "message": message}]}
     if usage:
         response["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": len(native)}
@@ -174,7 +177,7 @@ def test_a_last_assistant_message_is_a_reading_as_sglang_renders_it(name: str, t
     readings = dialect.prompt_readings(request)
     assert served in [r.text for r in readings]
     assert [r.name for r in readings if r.text == served] == ["last_assistant=user"]
-    record, ids = _record(name, request, served)
+    record, ids = _record(name, request, served, sglang=True)  # a prompt only SGLang renders: its completion too
     (row,) = reconstruct_record(record, tok, dialect)
     counts = {len(tok.encode_prompt(r.text)) for r in readings}
     if len(counts) == len(readings):

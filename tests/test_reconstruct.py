@@ -368,6 +368,10 @@ def _trigger(kimi, code):  # noqa: PLR0911, PLR0912 - one record per finding cod
         rec = make(kimi, content="Plain answer.", finish="stop")
         rec["response"]["usage"]["completion_tokens_details"] = {"reasoning_tokens": 2}
         return rec
+    if code == "held_tail_unproven":  # streamed with tools, an answer ending in a space: " <|" held back ties it
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+        return make(kimi, content="It starts like this: ", finish="stop",
+                    request={"messages": PROMPT, "tools": [tool], "stream": True})
     if code == "reconstruction_ambiguous":  # a tool section right after the reasoning, and no usage
         return make(kimi, content=TOOL_CALL, usage=False)
     if code in _TRAIT_TRIGGERS:

@@ -46,7 +46,10 @@ evidence proves (usage, logprobs, token ids, stop id), or reports them all.
   stream releases nothing (0.5.23: its ``finish`` is the base's). The model's content is
   the served content plus that text: ``" <|"`` is one token where ``" "`` was served, the
   same count. Each such text is a reading where the request sent tools and may have
-  streamed (``held_tails``); the caller keeps only those the evidence can tell.
+  streamed (``held_tails``); the caller keeps only those the evidence can tell. Qwen3's
+  ``qwen25`` detector holds what may begin ``</tool_call>`` the same way, and gpt-oss's
+  harmony parser what may begin any structural token, tools or not
+  (``Dialect.stream_held_starts``).
 * ``cut_after_think_close``: a length cut with no content served may have fallen inside
   the reasoning (the formula) or right after ``</think>``: one token apart. The count alone
   cannot pick: vLLM holds back the bytes of a cut that falls inside a character (a partial
@@ -98,11 +101,12 @@ def _text(message: Mapping[str, Any]) -> tuple[str, str]:
     return reasoning, content_text(message.get("content"))
 
 
-def held_tails(starts: Sequence[str]) -> tuple[str, ...]:
-    """Every text a streaming tool parser holds back at the end of the content, waiting
-    for one of ``starts``: each one's beginnings of two characters or more, short of the
-    whole marker (SGLang's ``kimi_k2`` detector holds those; a lone ``<`` it sends)."""
-    return tuple(dict.fromkeys(m[:n] for m in starts for n in range(2, len(m))))
+def held_tails(starts: Sequence[str], shortest: int = 2) -> tuple[str, ...]:
+    """Every text a streaming parser holds back at the end of the content, waiting for one
+    of ``starts``: each one's beginnings of ``shortest`` characters or more, short of the
+    whole marker (SGLang's ``kimi_k2`` detector holds from ``<|``, sending a lone ``<``;
+    ``qwen25`` and the harmony parser hold from ``<``)."""
+    return tuple(dict.fromkeys(m[:n] for m in starts for n in range(max(shortest, 1), len(m))))
 
 
 def _held_readings(c: Candidate, tails: Sequence[str], thinking: bool) -> list[Candidate]:
@@ -223,7 +227,7 @@ def candidates(
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
     if isinstance(dialect, HarmonyDialect):
-        return _harmony(dialect, message, finish_reason, out, end_markers)
+        return _harmony(dialect, message, finish_reason, out, end_markers, held)
     if thinking and not prompt_opens_think:
         out = _prefix_readings(dialect, message, finish_reason, stream, prefix_in_reasoning, absent=prefix_absent,
                                gaps=end_in_think) or out
@@ -378,13 +382,15 @@ def _prefix_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason
 
 
 def _harmony(dialect: HarmonyDialect, message: Mapping[str, Any], finish_reason: str | None,
-             out: list[Candidate], end_markers: Sequence[str]) -> list[Candidate]:
-    """gpt-oss's readings after the formula (``out``), and ``<|endoftext|>`` as the end
-    where the evidence names it (the other ends follow from the message)."""
+             out: list[Candidate], end_markers: Sequence[str], held: Sequence[str] = ()) -> list[Candidate]:
+    """gpt-oss's readings after the formula (``out``), the final message's held tails, and
+    ``<|endoftext|>`` as the end where the evidence names it (the other ends follow from
+    the message)."""
     empty = dialect.empty_analysis_reading(message, finish_reason)
     if empty is not None:
         out.append(Candidate(empty, ("empty_analysis",)))
     out.extend(Candidate(parts, (name,)) for parts, name in dialect.cut_readings(message, finish_reason))
+    out = [r for c in out for r in (c, *_held_readings(c, held, thinking=True))]
     for marker in end_markers:
         if marker in dialect.end_tokens:
             continue

@@ -26,7 +26,7 @@ from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
-from .chat import Dialect, message_reasoning, resolve_dialect
+from .chat import Dialect, PromptReading, message_reasoning, resolve_dialect
 from .chat.template import TemplateError
 from .content import content_text
 from .checks import (Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways, reasoning_counts,
@@ -80,6 +80,9 @@ class _Choice:
     ambiguous: list[str] = field(default_factory=list)
     #: usage leaves out the end token (a provider trait)
     end_uncounted: bool = False
+    #: held-tail readings of the same count as the served one, left out (no ids or logprobs
+    #: tell them apart): the row says they were possible (``held_tail_unproven``)
+    held_ties: list[str] = field(default_factory=list)
     #: candidate -> its completion ids, built once (a reasoning completion is thousands of ids)
     _flat: dict[int, list[int]] = field(default_factory=dict)
 
@@ -134,7 +137,7 @@ def _reconstruct(
     usage = response.get("usage") if isinstance(response.get("usage"), dict) else None
     trait = traits.get(str(provider)) if traits else None
     meta = _RowMeta(ex, provider, model, thinking, usage)
-    prompt_text, prompt_ids, prompt_name, prompt_doubt = _prompt(dialect, tokenizer, ex, usage, trait)
+    prompt_text, prompt_ids, prompt_name, prompt_doubt, sglang = _prompt(dialect, tokenizer, ex, usage, trait)
     opens = bool(dialect.think_open and prompt_text.endswith(dialect.think_open))
     record_findings: list[Finding] = []  # every row of the record carries these
     if prompt_doubt and policy.severity(prompt_doubt[0]) != "off":
@@ -156,6 +159,8 @@ def _reconstruct(
 
     joins = trait is not None and trait.joins_markers
     prefixed = trait.prefix_in_reasoning if trait is not None else None
+    if prefixed is None:  # a prompt only one engine renders: its completion is that engine's too
+        prefixed = sglang
     counted = trait is not None and trait.end_counted
     plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking=thinking, opens=opens, joins=joins,
                    stream=_streamed(ex), prefixed=prefixed, end_counted=counted)
@@ -200,11 +205,7 @@ def _reconstruct(
             provider_edits=tuple(zip(trait.edits, trait.edit_sources)) if trait is not None else (),
             calibration=trait.describe() if trait is not None else None,
         )
-        findings = [*run_checks(view, policy), *record_findings]
-        if p.ambiguous and policy.severity("reconstruction_ambiguous") != "off":
-            findings.append(Finding("reconstruction_ambiguous", policy.severity("reconstruction_ambiguous"),
-                                    f"the response fits {len(p.ambiguous)} native sequences ({', '.join(p.ambiguous)}) "
-                                    "and no evidence (usage, logprobs, token ids, stop id) tells them apart"))
+        findings = [*run_checks(view, policy), *record_findings, *_reading_findings(p, policy)]
         segments = _segments(len(prompt_ids), parts, part_ids)
         index = choice_index(p.choice, p.index)
         reasoning_text, content_text_ = written_text(parts)
@@ -227,6 +228,22 @@ def _reconstruct(
                         len(reasoned), sum(r.startswith(dialect.think_open_prefix) for r in reasoned), unclosed,
                         tuple(_served_edge(p.choice["message"]) for p in plans))
     return rows, facts
+
+
+def _reading_findings(p: _Choice, policy: Policy) -> list[Finding]:
+    """What the readings left open: held tails of the served count (a warning: possible,
+    never read from the count), and readings the evidence could not tell apart."""
+    out = []
+    if p.held_ties and policy.severity("held_tail_unproven") != "off":
+        out.append(Finding("held_tail_unproven", policy.severity("held_tail_unproven"),
+                           f"streamed: the parser may have held back text at the end of the content and never sent "
+                           f"it; {len(p.held_ties)} such reading(s) ({', '.join(p.held_ties[:4])}) have the served "
+                           "count, and no ids or logprobs tell them apart"))
+    if p.ambiguous and policy.severity("reconstruction_ambiguous") != "off":
+        out.append(Finding("reconstruction_ambiguous", policy.severity("reconstruction_ambiguous"),
+                           f"the response fits {len(p.ambiguous)} native sequences ({', '.join(p.ambiguous)}) "
+                           "and no evidence (usage, logprobs, token ids, stop id) tells them apart"))
+    return out
 
 
 def written_text(parts: Sequence[tuple[str, str]]) -> tuple[str, str]:
@@ -264,8 +281,9 @@ def _shown(value: Any) -> str:
 
 
 def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, Any] | None,
-            trait: ProviderTrait | None) -> tuple[str, list[int], str | None, tuple[str, str] | None]:
-    """(prompt text, its ids, the reading's name, (finding code, why) when it is unproven).
+            trait: ProviderTrait | None) -> tuple[str, list[int], str | None, tuple[str, str] | None, bool | None]:
+    """(prompt text, its ids, the reading's name, (finding code, why) when it is unproven,
+    whether the evidence proved the prompt SGLang's: True, not SGLang's: False, else None).
 
     One reading when the request fixes the prompt. gpt-oss's prompt also prints the
     serving day: each day the exchange's timing admits is a reading; a request that
@@ -277,7 +295,7 @@ def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, 
         raise TemplateError(f"{dialect.name}: no prompt reading for this exchange (its timing or request gave none)")
     if len(readings) == 1 and readings[0].name is None:
         text = readings[0].text
-        return text, tok.encode_prompt(text), None, None
+        return text, tok.encode_prompt(text), None, None, None
     encoded = [(r, tok.encode_prompt(r.text)) for r in readings]
     keep = encoded
     if ex.native_prompt is not None:
@@ -286,6 +304,7 @@ def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, 
         pair, _ = _usage_pairs(usage, 0, trait)
         if pair is not None:
             keep = [(r, ids) for r, ids in keep if len(ids) == pair[1]]
+    engine = _engine(encoded, keep) if keep else None
     if not keep:  # no reading fits: the first is kept and the mismatch findings say why
         keep = encoded[:1]
     reading, ids = keep[0]
@@ -303,7 +322,27 @@ def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, 
         doubt = ("prompt_reading_unproven", f"serving engines render this request {len(keep)} ways "
                  f"({', '.join(r.name or 'as sent' for r, _ in keep)}) with different prompt ids; no ground-truth "
                  "prompt ids or count tells them apart")
-    return reading.text, ids, reading.name, doubt
+    return reading.text, ids, reading.name, doubt, engine
+
+
+#: Prompt readings only SGLang renders (:mod:`.chat.serving`): one proven names the engine.
+_SGLANG_READINGS = frozenset({"tools=sglang", "last_assistant=user", "tool_args=parsed", "user_name=dropped"})
+
+
+def _engine(encoded: Sequence[tuple[PromptReading, list[int]]], keep: Sequence[tuple[PromptReading, list[int]]],
+            ) -> bool | None:
+    """Whether the evidence that kept ``keep`` proved the prompt SGLang's (True: only its
+    readings fit) or another engine's (False: only the request as sent fits, SGLang's
+    differing), else None. The completion then comes from the same engine (GLM's forms)."""
+    def sglang(r: PromptReading) -> bool:
+        return bool(set((r.name or "").split("+")) & _SGLANG_READINGS)
+
+    kept, dropped = {sglang(r) for r, _ in keep}, {sglang(r) for r, _ in encoded if all(r is not k for k, _ in keep)}
+    if kept == {True} and False in dropped:
+        return True
+    if kept == {False} and True in dropped:
+        return False
+    return None
 
 
 def _joined(*names: str | None) -> str | None:
@@ -380,7 +419,8 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     # counted) and a cut right after </think> (one more, as vLLM's held-back partial character is)
     # (logprobs whose markers are all known tell these apart: the readings differ by a marker only)
     by_ids = native is not None or (logged is not None and logged.ids is not None and UNKNOWN_MARKER not in logged.ids)
-    held = held_tails(dialect.stream_held_starts) if stream is not False and _sends_tools(ex.request) else ()
+    holds = stream is not False and (not dialect.stream_held_needs_tools or _sends_tools(ex.request))
+    held = held_tails(dialect.stream_held_starts, dialect.stream_held_min) if holds else ()
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
                        prefix_absent=by_ids, held=held)
@@ -390,10 +430,15 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     done: dict[str, tuple[list[int], bool]] = {}  # each text encoded once across the readings
     plain = [c for c in cands if not c.held]
     held_cands = _encode_held(tok, [c for c in cands if c.held], plain, done, same_count=not by_ids)
+    ties: list[str] = []
+    if not by_ids:  # the count alone never picks a held tail; one that ties it is said where the record streamed
+        ties = [c.name or "" for c in held_cands] if stream is True else []
+        held_cands = []
     kept = {id(c) for c in held_cands}
     cands = [c for c in cands if not c.held or id(c) in kept]  # in their order: the formula first
     encoded = [_encode_parts(tok, c.parts, done) for c in cands]
-    return _Choice(idx, choice, native, logged, stop, cands, [e[0] for e in encoded], [e[1] for e in encoded])
+    return _Choice(idx, choice, native, logged, stop, cands, [e[0] for e in encoded], [e[1] for e in encoded],
+                   held_ties=ties)
 
 
 def _encode_parts(tok: Tokenizer, parts: Sequence[tuple[str, str]], done: dict[str, tuple[list[int], bool]] | None,

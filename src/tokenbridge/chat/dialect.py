@@ -143,10 +143,16 @@ class Dialect:
     #: template (gpt-oss under vLLM: ``openai_harmony``); :func:`..resolve_dialect`
     #: then keeps the built-in renderer.
     own_renderer: bool = False
-    #: Tool-call markers whose beginnings SGLang's streaming tool parser for this family
-    #: holds back at the end of the content and never sends (kimi_k2: the section and
-    #: call markers), where the request sent tools: see :mod:`..hypotheses`.
+    #: Markers whose beginnings SGLang 0.5.23's streaming parser for this family holds back
+    #: at the end of the content and never sends, its ``finish`` being the base class's
+    #: (kimi_k2's tool detector: the section and call markers; qwen25's: ``</tool_call>``;
+    #: gpt-oss's harmony parser: every structural token): see :mod:`..hypotheses`.
     stream_held_starts: tuple[str, ...] = ()
+    #: The shortest beginning held (kimi_k2: ``<|``, two characters; qwen25, harmony: ``<``).
+    stream_held_min: int = 2
+    #: Whether the parser that holds is the tool detector, which runs only where the request
+    #: sent tools (kimi_k2, qwen25), or the reasoning parser, which always runs (harmony).
+    stream_held_needs_tools: bool = True
 
     @property
     def end_tokens(self) -> tuple[str, ...]:

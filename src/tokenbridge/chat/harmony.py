@@ -300,6 +300,10 @@ GPT_OSS = HarmonyDialect(
     eos_markers=frozenset({RETURN, CALL, "<|endoftext|>"}),
     tool_markers=TOOL_MARKERS,
     parse_tool_arguments=True,
+    # SGLang's harmony parser holds what may begin any structural token, tools sent or not
+    stream_held_starts=("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", END, CALL, RETURN),
+    stream_held_min=1,
+    stream_held_needs_tools=False,
 )
 
 
@@ -312,4 +316,5 @@ GPT_OSS_HARMONY = replace(
     own_renderer=True,
     template_kwargs=frozenset({"reasoning_effort"}),
     tools_unproven=harmony_render.unproven_tools,
+    stream_held_starts=(),  # vLLM's stack: SGLang's hold is not its
 )

@@ -120,4 +120,6 @@ QWEN3 = Dialect(
     eos_markers=frozenset({"<|im_end|>", "<|endoftext|>"}),
     tool_markers=TOOL_MARKERS,
     template_kwargs=frozenset({"thinking", "enable_thinking"}),
+    stream_held_starts=(TOOL_MARKERS.section_end,),  # qwen25's detector holds what may begin </tool_call>
+    stream_held_min=1,
 )
