@@ -347,14 +347,15 @@ def _forms(value: str) -> _Forms:
 
 def _readings(value: str) -> tuple[_Reading, ...]:
     """Every escape decoded, nested ones too, and line breaks skipped. A key that holds what
-    reads as an escape (``%41``, a backslash) is also looked for in JSON alone, in URL
+    reads as an escape or an escaped line break (``%41``, ``%0D``, a backslash) is also looked for in JSON alone, in URL
     encoding alone, in HTML character references alone (an error page quoting the key's
     ``%20`` or ``\\'`` as they are, the rest entity by entity), as it is, and, where it holds
     a backslash, through one level of JSON (where ``\\\\n`` is a backslash and an ``n``,
     not a line break)."""
     every = _reading(value, json=True, percent=True)
-    assert every.escapes is not None
-    if "\\" not in value and not every.escapes.search(value.encode("utf-8")):
+    assert every.escapes is not None and every.breaks is not None
+    raw = value.encode("utf-8")
+    if "\\" not in value and not every.escapes.search(raw) and not every.breaks.search(raw):  # (%0D reads as a break)
         return (every,)
     alone = (_reading(value, json=True, percent=False), _reading(value, json=False, percent=True),
              _reading(value, json=False, percent=False, entity=True), _Reading(None, None))
