@@ -161,12 +161,17 @@ def test_a_streamed_content_ending_in_a_space_without_a_held_text_is_the_tie_too
 
 
 @pytest.mark.parametrize("text", ["", "a", "It starts like this: ", "two  spaces  ", "x y z", "字 字 ", "a\n b",
-                                  "end.\n\n", "long " * 400 + "tail"])
+                                  "end.\n\n", "long " * 400 + "tail",
+                                  # marker text: cut after the last marker, never where a suffix completes one
+                                  "a <|im_end|> b c " * 30 + "tail <|", "x <|end|> and more words here ok " * 3,
+                                  "<|im_end|>", "y <|im_end|>", "words <|end|> w <|", "q <|im_end|>" + " z" * 40])
 def test_encode_appended_is_encode_of_the_whole(kimi, text):
-    tails = [*held_tails(DIALECTS["kimi-k2.5"].stream_held_starts), " ", "\n", "x", "字"]
+    tails = [*held_tails(DIALECTS["kimi-k2.5"].stream_held_starts), " ", "\n", "x", "字", "end|>", "im_end|>", "|>"]
     for tok in (kimi, family_tokenizer("gpt-oss")):
         ids, _ = tok.encode_checked(text)
-        assert tok.encode_appended(text, ids, tails) == [tok.encode_checked(text + s) for s in tails]
+        got, want = tok.encode_appended(text, ids, tails), [tok.encode_checked(text + s) for s in tails]
+        assert [g[0] for g in got] == [w[0] for w in want]
+        assert all(w[1] or not g[1] for g, w in zip(got, want))  # never marker-free where the text is not
 
 
 def _logprobs(native: list[int]) -> dict[str, Any]:

@@ -235,10 +235,11 @@ def _reading_findings(p: _Choice, policy: Policy) -> list[Finding]:
     never read from the count), and readings the evidence could not tell apart."""
     out = []
     if p.held_ties and policy.severity("held_tail_unproven") != "off":
+        held = list(dict.fromkeys(n for name in p.held_ties for n in name.split("+") if n.startswith("tool_start_held=")))
         out.append(Finding("held_tail_unproven", policy.severity("held_tail_unproven"),
                            f"streamed: the parser may have held back text at the end of the content and never sent "
-                           f"it; {len(p.held_ties)} such reading(s) ({', '.join(p.held_ties[:4])}) have the served "
-                           "count, and no ids or logprobs tell them apart"))
+                           f"it; {len(held)} such text(s) ({', '.join(held[:4])}) keep the served count, and no ids "
+                           "or logprobs tell them apart"))
     if p.ambiguous and policy.severity("reconstruction_ambiguous") != "off":
         out.append(Finding("reconstruction_ambiguous", policy.severity("reconstruction_ambiguous"),
                            f"the response fits {len(p.ambiguous)} native sequences ({', '.join(p.ambiguous)}) "
@@ -283,7 +284,7 @@ def _shown(value: Any) -> str:
 def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, Any] | None,
             trait: ProviderTrait | None) -> tuple[str, list[int], str | None, tuple[str, str] | None, bool | None]:
     """(prompt text, its ids, the reading's name, (finding code, why) when it is unproven,
-    whether the evidence proved the prompt SGLang's: True, not SGLang's: False, else None).
+    True where the evidence proved the prompt SGLang's, else None).
 
     One reading when the request fixes the prompt. gpt-oss's prompt also prints the
     serving day: each day the exchange's timing admits is a reading; a request that
@@ -331,18 +332,15 @@ _SGLANG_READINGS = frozenset({"tools=sglang", "last_assistant=user", "tool_args=
 
 def _engine(encoded: Sequence[tuple[PromptReading, list[int]]], keep: Sequence[tuple[PromptReading, list[int]]],
             ) -> bool | None:
-    """Whether the evidence that kept ``keep`` proved the prompt SGLang's (True: only its
-    readings fit) or another engine's (False: only the request as sent fits, SGLang's
-    differing), else None. The completion then comes from the same engine (GLM's forms)."""
+    """True where the evidence that kept ``keep`` proved the prompt SGLang's (only its
+    readings fit), else None: the completion then comes from SGLang too (GLM's forms)."""
     def sglang(r: PromptReading) -> bool:
         return bool(set((r.name or "").split("+")) & _SGLANG_READINGS)
 
     kept, dropped = {sglang(r) for r, _ in keep}, {sglang(r) for r, _ in encoded if all(r is not k for k, _ in keep)}
-    if kept == {True} and False in dropped:
-        return True
-    if kept == {False} and True in dropped:
-        return False
-    return None
+    # only SGLang is proven so: a prompt rendered as sent may be another SGLang version's, whose
+    # completion forms are still SGLang's (a cold review)
+    return True if kept == {True} and False in dropped else None
 
 
 def _joined(*names: str | None) -> str | None:
@@ -427,6 +425,11 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     if len(cands) == 1:  # the common case: one reading, each part encoded as it is
         ids_1, free_1 = _encode_parts(tok, cands[0].parts, None)
         return _Choice(idx, choice, native, logged, stop, cands, [ids_1], [free_1])
+    if not by_ids and stream is not True:  # nothing could keep or report a held tail: not built
+        cands = [c for c in cands if not c.held]
+        if len(cands) == 1:
+            ids_1, free_1 = _encode_parts(tok, cands[0].parts, None)
+            return _Choice(idx, choice, native, logged, stop, cands, [ids_1], [free_1])
     done: dict[str, tuple[list[int], bool]] = {}  # each text encoded once across the readings
     plain = [c for c in cands if not c.held]
     held_cands = _encode_held(tok, [c for c in cands if c.held], plain, done, same_count=not by_ids)

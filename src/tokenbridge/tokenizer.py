@@ -196,7 +196,7 @@ class Tokenizer:
         streaming parser held back) re-encode it from its last stable cut on, not whole.
         ``same_count``: None, without building the ids, for a suffix that changes the count."""
         free_text = self.marker_free(text)
-        cut = self._stable_cut(text) if self._stable_cut is not None and free_text else 0
+        cut = self._appended_cut(text, free_text)
         tail = text[cut:]
         tail_ids, _ = self.encode_checked(tail) if cut > 0 else (list(ids), True)
         head = len(ids) - len(tail_ids)
@@ -205,14 +205,30 @@ class Tokenizer:
         edge = text[len(text) - self._marker_reach:] if self._marker_reach else ""
         out: list[tuple[list[int], bool] | None] = []
         for s in suffixes:
-            more, _ = self.encode_checked(tail + s)
-            if same_count and len(more) != len(tail_ids):
+            # a marker in text + s that text lacks overlaps s: it starts in text's last characters
+            crossing = not self.marker_free(edge + s)
+            more, _ = self.encode_checked((text if crossing else tail) + s)
+            if same_count and len(more) != len(ids if crossing else tail_ids):
                 out.append(None)
                 continue
-            # a marker in text + s that text lacks overlaps s: it starts in text's last characters
-            free = free_text and self.marker_free(edge + s)
-            out.append(([*ids[:head], *more] if head else more, free))
+            out.append((more if crossing or not head else [*ids[:head], *more], free_text and not crossing))
         return out
+
+    def _appended_cut(self, text: str, free_text: bool) -> int:
+        """Where text that grows at its end may be re-encoded from (0: whole): its last stable
+        cut (:func:`.pattern.last_stable_cut`), after its last marker where it holds marker
+        text (markers split first), never within a marker's reach of the end of a text with
+        markers, so a marker that a suffix could complete is seen whole."""
+        if self._stable_cut is None:
+            return 0
+        if free_text:
+            return self._stable_cut(text)
+        if self._split_markers is None:
+            return 0
+        start = _after_last_marker(text, self._split_markers)
+        if start == 0 or len(text) - start < self._marker_reach:
+            return 0
+        return start + self._stable_cut(text[start:])
 
     @cached_property
     def _marker_reach(self) -> int:
@@ -537,6 +553,13 @@ def _load_ranks(path: Path) -> dict[bytes, int]:
             except ValueError:
                 raise TokenizerError(f"{path}:{lineno}: expected 'base64token rank'") from None
     return ranks
+
+
+def _after_last_marker(text: str, split: Callable[[str], list[str | int]]) -> int:
+    """Where the ordinary text after ``text``'s last marker starts (0: no marker)."""
+    pieces = split(text)
+    last = pieces[-1] if len(pieces) > 1 else None
+    return len(text) - len(last) if isinstance(last, str) else 0
 
 
 def split_long_runs(text: str) -> list[str]:
