@@ -167,7 +167,7 @@ def test_a_streamed_content_ending_in_a_space_without_a_held_text_is_the_tie_too
                                   "<|im_end|>", "y <|im_end|>", "words <|end|> w <|", "q <|im_end|>" + " z" * 40])
 def test_encode_appended_is_encode_of_the_whole(kimi, text):
     tails = [*held_tails(DIALECTS["kimi-k2.5"].stream_held_starts), " ", "\n", "x", "字", "end|>", "im_end|>", "|>"]
-    for tok in (kimi, family_tokenizer("gpt-oss")):
+    for tok in (kimi, family_tokenizer("gpt-oss"), family_tokenizer("qwen3")):
         ids, _ = tok.encode_checked(text)
         got, want = tok.encode_appended(text, ids, tails), [tok.encode_checked(text + s) for s in tails]
         assert [g[0] for g in got] == [w[0] for w in want]

@@ -191,3 +191,23 @@ def test_a_pattern_tiktoken_rejects_is_still_a_clear_error(tmp_path, kimi_dir):
     (folder / "tokenization_kimi.py").write_text('pat_str = "(unclosed|a|b"\n', encoding="utf-8")
     with pytest.raises(TokenizerError, match=r"tiktoken\.model: tiktoken rejected the data"):
         _load_tiktoken(folder, str(folder))
+
+
+@cache
+def _hf(family: str):
+    from test_families_support import family_tokenizer
+
+    return family_tokenizer(family)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from([*_ATOMS, "\u0301", "e\u0301 ", "'S", "1 2"]), max_size=40).map("".join),
+       st.lists(st.sampled_from([*_ATOMS, "<", "</", "</tool", "\u0301"]), max_size=6).map("".join),
+       st.sampled_from(["qwen3", "glm-4.5"]))
+def test_qwen2_and_glm4_folders_split_at_the_last_stable_cut_too(text, suffix, family):
+    """The tokenizers folders whose Split pattern is Qwen2's or GLM-4's (NFC before it, for
+    Qwen3: a space composes with nothing) hold the same property, through their own encode."""
+    tok = _hf(family)
+    assert tok._stable_cut is last_stable_cut
+    cut = last_stable_cut(text)
+    assert tok.encode(text + suffix) == tok.encode(text[:cut]) + tok.encode(text[cut:] + suffix)

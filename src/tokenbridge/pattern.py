@@ -60,8 +60,14 @@ _GROUPED = {
 }
 #: The patterns :func:`grouped_pattern` regroups.
 PROVEN = frozenset(_GROUPED)
-#: The patterns, as given or regrouped, whose pieces :func:`last_stable_cut` holds for.
-CUT_PROVEN = PROVEN | frozenset(_GROUPED.values())
+#: Qwen2's pre-tokenizer pattern (Qwen3's ``tokenizer.json``) and GLM-4's (digits in threes).
+QWEN2_PAT_STR = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
+                 r"""\s+(?!\S)|\s+""")
+GLM4_PAT_STR = QWEN2_PAT_STR.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+#: The patterns, as given or regrouped, whose pieces :func:`last_stable_cut` holds for (the
+#: argument in its docstring reads the same for Qwen2's and GLM-4's: a contraction, a letter
+#: run, a digit, punctuation all end before a space).
+CUT_PROVEN = PROVEN | frozenset(_GROUPED.values()) | {QWEN2_PAT_STR, GLM4_PAT_STR}
 
 
 def grouped_pattern(pattern: str) -> str:

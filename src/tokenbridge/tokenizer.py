@@ -139,6 +139,9 @@ class Tokenizer:
     #: Where marker-free text splits whatever is appended to it (:func:`.pattern.last_stable_cut`;
     #: 0: nowhere); None where the pre-tokenizer's pattern is not one proven to.
     _stable_cut: Callable[[str], int] | None = field(default=None, repr=False)
+    #: Whether text holds no marker's text, where :meth:`marker_free` cannot say (``tokenizers``
+    #: folders): what :meth:`encode_appended` needs to cut such text; None: ``marker_free``.
+    _no_marker_text: Callable[[str], bool] | None = field(default=None, repr=False)
     _prompt_cache: _PieceCache = field(init=False, repr=False)
     #: id -> whether it names a token (:meth:`has_id`), as the ids were asked about
     _id_known: dict[int, bool] = field(init=False, repr=False, default_factory=dict)
@@ -196,7 +199,8 @@ class Tokenizer:
         streaming parser held back) re-encode it from its last stable cut on, not whole.
         ``same_count``: None, without building the ids, for a suffix that changes the count."""
         free_text = self.marker_free(text)
-        cut = self._appended_cut(text, free_text)
+        plain = self._no_marker_text or self.marker_free
+        cut = self._appended_cut(text, free_text or plain(text))
         tail = text[cut:]
         tail_ids, _ = self.encode_checked(tail) if cut > 0 else (list(ids), True)
         head = len(ids) - len(tail_ids)
@@ -206,7 +210,7 @@ class Tokenizer:
         out: list[tuple[list[int], bool] | None] = []
         for s in suffixes:
             # a marker in text + s that text lacks overlaps s: it starts in text's last characters
-            crossing = not self.marker_free(edge + s)
+            crossing = not plain(edge + s)
             more, _ = self.encode_checked((text if crossing else tail) + s)
             if same_count and len(more) != len(ids if crossing else tail_ids):
                 out.append(None)
@@ -214,14 +218,14 @@ class Tokenizer:
             out.append((more if crossing or not head else [*ids[:head], *more], free_text and not crossing))
         return out
 
-    def _appended_cut(self, text: str, free_text: bool) -> int:
+    def _appended_cut(self, text: str, plain: bool) -> int:
         """Where text that grows at its end may be re-encoded from (0: whole): its last stable
         cut (:func:`.pattern.last_stable_cut`), after its last marker where it holds marker
         text (markers split first), never within a marker's reach of the end of a text with
         markers, so a marker that a suffix could complete is seen whole."""
         if self._stable_cut is None:
             return 0
-        if free_text:
+        if plain:
             return self._stable_cut(text)
         if self._split_markers is None:
             return 0
@@ -886,6 +890,7 @@ def _load_tokenizers(folder: Path, source: str) -> Tokenizer:
     def decode_bytes(ids: Sequence[int]) -> bytes:
         return decode_text(ids) if inverse is None else b"".join(piece(i) for i in ids)
 
+    first_marker = _marker_finder(markers.values()) if markers else None
     return Tokenizer(
         name=folder.name,
         source=source,
@@ -898,7 +903,27 @@ def _load_tokenizers(folder: Path, source: str) -> Tokenizer:
         _encode=encode,
         _decode_bytes=decode_bytes,
         _piece=piece,
+        _stable_cut=last_stable_cut if _cut_proven(path) else None,
+        _no_marker_text=(lambda text: first_marker(text) is None) if first_marker is not None else (lambda text: True),
     )
+
+
+def _cut_proven(path: Path) -> bool:
+    """Whether a ``tokenizer.json`` splits text the way :func:`.pattern.last_stable_cut` is
+    proven for: one ``Split`` by a proven pattern (Qwen2's, GLM-4's), then ``ByteLevel``
+    without its own regex, and no normaliser or NFC (which never composes across a space)."""
+    data = _read_json(path)
+    norm = data.get("normalizer")
+    if not (norm is None or norm == {"type": "NFC"} or norm == {"type": "Sequence", "normalizers": []}):
+        return False
+    pre = data.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    if not isinstance(steps, list) or len(steps) != 2:
+        return False
+    split, level = steps
+    regex = (split.get("pattern") or {}).get("Regex") if split.get("type") == "Split" else None
+    return (regex in CUT_PROVEN and split.get("behavior") == "Isolated" and not split.get("invert")
+            and level.get("type") == "ByteLevel" and level.get("use_regex") is False)
 
 
 def _byte_level(path: Path) -> bool:
