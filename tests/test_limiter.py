@@ -9,6 +9,7 @@ import json
 import random
 import sqlite3
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -32,10 +33,10 @@ class Clock:
 
 
 def _simulate(lim: AdaptiveLimiter, clock: Clock, *, seconds: float, cap=None, noise=0.0,  # noqa: PLR0915 - one event loop and its handlers
-              latency: float = 0.2, jitter: float = 0.2, rtt: float = 0.001, seed: int = 1,
+              latency: float = 0.2, jitter: float = 0.2, rtt=0.001, seed: int = 1,
               measure_from: float = 0.0, lag: float = 0.0) -> dict:
     """Discrete events: an endless backlog sent as slots allow, to a server that refuses
-    what is over ``cap(t)`` at once (in ``rtt``) and a share ``noise`` of the rest at random,
+    what is over ``cap(t)`` at once (in ``rtt``, or ``rtt(rng)`` each) and a share ``noise`` of the rest at random,
     and serves the rest in ``latency`` +- ``jitter`` of it. The limiter's paced growth runs
     as events too. ``lag``: each answer reaches the client up to that much after the server
     sent it (a loaded event loop), so the client counts in flight what the server has done
@@ -63,7 +64,7 @@ def _simulate(lim: AdaptiveLimiter, clock: Clock, *, seconds: float, cap=None, n
             c = cap(clock.t - start) if callable(cap) else cap
             p = noise(clock.t - start) if callable(noise) else noise
             if c is not None and active >= c:
-                status, took, holds = 429, rtt, False
+                status, took, holds = 429, rtt(rng) if callable(rtt) else rtt, False
             elif rng.random() < p:
                 status, took, holds = 429, latency, False
             else:
@@ -279,6 +280,42 @@ def test_a_cap_that_falls_is_followed():
     lim = AdaptiveLimiter(256, clock=clock)
     r = _simulate(lim, clock, seconds=40, cap=lambda t: 128 if t < 10 else 32, measure_from=20)
     assert 0.85 * 32 <= r["in_flight"] <= 33 and r["share_429"] <= 0.05, r
+
+
+def _loaded_loop(clock: Clock, period: float = 0.03) -> Callable[[random.Random], float]:
+    """429 turnarounds as a loaded event loop has them: 30 ms for half of every ``period``,
+    1 ms the other half (each +-20%), as a client that writes each answer to SQLite saw them."""
+    return lambda rng: (0.03 if clock.t % period < period / 2 else 0.001) * rng.uniform(0.8, 1.2)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+@pytest.mark.parametrize("cap", [50, 20])
+def test_a_cap_that_falls_is_met_from_above_when_turnarounds_vary(cap: int, seed: int) -> None:
+    """100, then ``cap`` from 6 s (300 ms latency): while the server drains what it took under
+    the old cap it refuses every slot freed, and cuts follow each other every 8 429s. Each
+    counted in flight less the 429s back within their own turnaround of now, which takes a
+    slot twice when turnarounds shrink: the chain stepped under the cap (here 0.73-0.9 of it;
+    35 of 50 and 12 of 20 against a mock server) and the hold kept it there ~37 latencies.
+    Counted at the one instant a turnaround ago (exact) it lands on the cap."""
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=12, cap=lambda t: 100 if t < 6 else cap, latency=0.3, jitter=0.0,
+                  rtt=_loaded_loop(clock), seed=seed, measure_from=6 + 3 * 0.3)
+    # from 3 latencies after the fall on: the server serves 0.95 of its cap, few 429s
+    assert r["ok_s"] >= 0.95 * cap / 0.3 and r["share_429"] <= 0.05, r
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_a_cap_that_rises_after_a_fall_is_followed_within_a_hold_and_a_few_rounds(seed: int) -> None:
+    """100, 20 from 6 s, 150 from 14 s (300 ms latency, turnarounds as above): at 20 a probe's
+    hold is ~300 successes (15 latencies) and 20 to 150 eight rounds of probe growth, so within
+    26 latencies of the rise it is there. Cut under 20, the hold (in successes) lasted longer
+    and one seed took ~30."""
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=14 + 26 * 0.3 + 3, cap=lambda t: 100 if t < 6 else (20 if t < 14 else 150),
+                  latency=0.3, jitter=0.0, rtt=_loaded_loop(clock), seed=seed, measure_from=14 + 26 * 0.3)
+    assert r["ok_s"] >= 0.9 * 150 / 0.3 and r["share_429"] <= 0.05, r
 
 
 def test_cut_needs_a_real_share_and_one_429_with_retry_after_changes_nothing():

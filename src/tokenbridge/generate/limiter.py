@@ -58,7 +58,15 @@ is not: the slots slow start or a probe added within the last turnaround have no
 answered yet, and those the cap will refuse look accepted (at a fifth-latency turnaround
 that put the cut a slot or two over the cap, the 429s that stayed were judged noise and
 the cut undone: 9% of a run). A steady cut that may be noise's stays within 0.95 of the
-old limit; a probe's is not below its base. Without that history (before any success, or
+old limit; a probe's is not below its base. A cut within a turnaround of the last one
+counts at the one instant a turnaround ago, as exact: a cap that fell, where the server
+refuses every slot freed until the requests it took under the old cap are done (half a
+latency from 100 to 50), the cuts come every ``min_rate_limited`` 429s, and each lands on
+what the server held a turnaround before, so the chain comes down onto the cap from above.
+The in-flight count it fell back on there (below) takes a slot twice where turnarounds
+shrink (a loaded event loop's 429s back in 13 ms, then in 4): the chain stepped under the
+cap (100 to 50 ended at 35-41, 100 to 20 at 12), and the hold after it, counted in
+successes, kept it there ~37 latencies. Without that history (before any success, or
 no 429 yet to time a turnaround by) the cut goes to the successes' summed time in the
 server over the last mean latency, over that span (Little's law), within [0.5, 0.95] of
 the old limit, or, where that figure lags a limit that just moved (in slow start, when the
@@ -317,16 +325,15 @@ class AdaptiveLimiter:
         up to one 429 turnaround ago: by then every refusal of a request in flight has come
         back, so in flight less the refused ones is exact. Now it is not: the requests sent
         within the last turnaround (a probe's or slow start's new slots) have not been
-        answered yet, and those a cap will refuse look accepted. None: too little history."""
+        answered yet, and those a cap will refuse look accepted. Not before the last cut; one
+        within the turnaround leaves the one instant a turnaround ago. None: too little history."""
         if self._latency is None or not self._refusals or not self._flight:
             return None
         now = self.clock()
         until = now - max(answered - sent for sent, answered in self._refusals)
         # not before the last cut: what was accepted above the level it left says nothing of now (a cap
         # that fell is cut again within a turnaround, and the history would still show the old level)
-        since = max(until - self._latency, self._last_cut)
-        if since >= until:
-            return None
+        since = min(max(until - self._latency, self._last_cut), until)
         if self._flight[0][0] > since:
             return None  # in flight before the history began is unknown
         if len(self._refusals) >= _FLIGHT_MAX * self.ceiling and self._refusals[0][1] > since:
