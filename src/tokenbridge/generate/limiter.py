@@ -10,7 +10,11 @@ paced: each success's slot comes at a point spread over the next half mean laten
 round's answers can come back together (a server with a steady latency), and unpaced the
 window would double in one burst before the first 429 could say where the cap is: 128 to
 256 into a cap of 130 is 126 refusals (4% of a 3,000-request run), paced it is the growth
-during one 429's turnaround and the cut.
+during one 429's turnaround and the cut. Before any success a 429 takes its slot away
+(:meth:`_refused_before_success`), so a cap under the start is found by the start's own
+refusals: the cut went to in flight less the 429s so far, which at the 8th is half of 16,
+and each half was sent again into the cap: 16 into a cap of 1 were 43-58 refusals, 15 of
+them the start's. A random 429 before any success costs its one slot; slow start goes on.
 
 A 429 means one of two things: noise (an upstream provider refusing a request now and
 then, whatever the load: OpenRouter does this all the time), or a cap (the server
@@ -70,23 +74,23 @@ successes, kept it there ~37 latencies. Without that history (before any success
 no 429 yet to time a turnaround by) the cut goes to the successes' summed time in the
 server over the last mean latency, over that span (Little's law), within [0.5, 0.95] of
 the old limit, or, where that figure lags a limit that just moved (in slow start, when the
-level the last cut chose failed at once, and before any success), to those in flight less
-the refused ones still in flight, counted as the 429s whose slot went to the next request
-and that came back within their own turnaround of now, not below half the old limit. A
-server that refuses above C is so cut to C wherever the window was. The limit then holds
-there for as many successes as it takes to keep 429s near ``target_share`` of answers (all
-the probe's 429s over its base's share, not the last window's, and one for each refused
-request still in flight); after a probe's cut also until the slot time its 429s held
-(their turnarounds) averages under ``_OVER_SLOTS`` of a slot, else a cap whose 429s come
-back in half a latency has a probe a slot or two over it a third of the time,
+level the last cut chose failed at once), to those in flight less the refused ones still in
+flight, counted as the 429s whose slot went to the next request and that came back within
+their own turnaround of now, not below half the old limit; before any success, to what was
+admitted (above). A server that refuses above C is so cut to C wherever the window was. The
+limit then holds there for as many successes as it takes to keep 429s near ``target_share``
+of answers (all the probe's 429s over its base's share, not the last window's, and one for
+each refused request still in flight); after a probe's cut also until the slot time its
+429s held (their turnarounds) averages under ``_OVER_SLOTS`` of a slot, else a cap whose
+429s come back in half a latency has a probe a slot or two over it a third of the time,
 then probes: +1 per round of requests at first, the excess over the cut level doubling
 each round after, so a cap that rose (or a cut made by chance) is left behind in a few
 rounds rather than one slot per round.
 
 ``Retry-After`` is the one request's business (the engine delays that request's retry
 by it); here a 429 is one answer in the window whatever its ``Retry-After``: one 429
-never pauses or shrinks the pool. Other failures (5xx, timeouts) say nothing about a
-cap and are not counted.
+never pauses or shrinks the pool (before any success, its slot is not sent again, above).
+Other failures (5xx, timeouts) say nothing about a cap and are not counted.
 """
 
 from __future__ import annotations
@@ -158,6 +162,8 @@ class AdaptiveLimiter:
     _latency: float | None = field(default=None, repr=False)  # moving mean latency of successes
     _first_sent: float = field(default=math.inf, repr=False)
     _last_cut: float = field(default=-math.inf, repr=False)
+    _released: tuple[float, int] | None = field(default=None, repr=False)  # the last release: (at, in flight before it)
+    _admitted: tuple[float, int] | None = field(default=None, repr=False)  # before any success: (the first 429's release, admitted)
     _hold: int = field(default=0, repr=False)  # successes to wait before probing again
     _block: list[int] = field(default_factory=lambda: [0, 0], repr=False)  # [answers, 429s] of the current window block
     _after_cut: bool = field(default=False, repr=False)  # the current block is the first since a cut
@@ -221,8 +227,10 @@ class AdaptiveLimiter:
             raise
 
     def release(self) -> None:
+        now = self.clock()
+        self._released = (now, self.in_flight)
         self.in_flight -= 1
-        self._record(self.clock())
+        self._record(now)
         self._hand_over()
 
     def _hand_over(self) -> None:
@@ -262,8 +270,9 @@ class AdaptiveLimiter:
         horizon = now - _HISTORY * (self._latency or math.inf)
         while self._refusals and (self._refusals[0][1] < horizon or len(self._refusals) > _FLIGHT_MAX * self.ceiling):
             self._refusals.popleft()
+        lowered = self._latency is None and self._refused_before_success(sent_at, now)
         if sent_at < self._last_cut:
-            return False
+            return lowered
         cuts = self.cuts
         self._note(True)
         if self.cuts != cuts:  # the window it closed stepped down
@@ -273,10 +282,28 @@ class AdaptiveLimiter:
         probe = self._probe_over_base()
         if not probe:
             if rl < self.min_rate_limited or rl < (self.noise + self.threshold) * n:
-                return False
+                return lowered
             if rl < self.decisive_share * n and n < self.window:
-                return False  # a moderate share: judged over a whole window only
+                return lowered  # a moderate share: judged over a whole window only
         self._cut(probe)
+        return True
+
+    def _refused_before_success(self, sent_at: float, now: float) -> bool:
+        """Before any success: the requests in flight when the first 429 came back, less those
+        of them refused since, are what the server admitted, and the limit goes no higher
+        (returns whether it fell). Only those: a request sent later went into a slot a
+        refusal freed, which was counted when it was refused."""
+        if self._admitted is None:  # the first: what was in flight just before its slot was let go
+            self._admitted = self._released if self._released is not None else (now, self.in_flight)
+        at, admitted = self._admitted
+        if sent_at >= at:
+            return False  # sent since (its slot freed by a refusal): not one the server was first sent
+        self._admitted = (at, admitted - 1)
+        if max(self.floor, admitted - 1) >= self.limit:
+            return False
+        self.limit = float(max(self.floor, admitted - 1))
+        if self.base is not None:  # cut already: this is its level
+            self.base = self.limit
         return True
 
     def _probe_over_base(self) -> bool:
@@ -468,7 +495,10 @@ class AdaptiveLimiter:
                 new = new if probe else min(new, 0.95 * old)
             else:
                 new = min(max(float(round(served)), good, accepted, 0.5 * old), 0.95 * old)
-        self.limit = max(float(self.floor), min(new, float(int(old) - 1)))  # at least one slot fewer
+        if self._latency is None and self._admitted is not None:  # nothing succeeded: the slots refused are gone already
+            self.limit = max(float(self.floor), min(old, float(self._admitted[1])))
+        else:
+            self.limit = max(float(self.floor), min(new, float(int(old) - 1)))  # at least one slot fewer
         self.base = self.limit
         self._base_held = False
         self.cuts += 1
