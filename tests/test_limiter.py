@@ -320,6 +320,19 @@ def test_a_cap_that_rises_after_a_fall_is_followed_within_a_hold_and_a_few_round
     assert r["ok_s"] >= 0.9 * 150 / 0.3 and r["share_429"] <= 0.05, r
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("turnaround", [0.06, 0.1])
+def test_a_cap_that_rises_after_a_fall_is_followed_when_429s_come_back_slowly(turnaround: float, seed: int) -> None:
+    """As above with 429s back in a fifth or a third of the 300 ms latency: the fall's refused
+    requests in flight at its last cut were held for, 800-1,400 successes at 20 (40-70
+    latencies), and 20 latencies after the rise to 150 the server was still at 20."""
+    clock = Clock()
+    lim = AdaptiveLimiter(256, clock=clock)
+    r = _simulate(lim, clock, seconds=14 + 20 * 0.3 + 3, cap=lambda t: 100 if t < 6 else (20 if t < 14 else 150),
+                  latency=0.3, rtt=turnaround, seed=seed, measure_from=14 + 20 * 0.3)
+    assert r["ok_s"] >= 0.9 * 150 / 0.3 and r["share_429"] <= 0.05, r
+
+
 def test_cut_needs_a_real_share_and_one_429_with_retry_after_changes_nothing():
     clock = Clock()
     lim = AdaptiveLimiter(64, start=64, clock=clock)

@@ -80,12 +80,15 @@ their own turnaround of now, not below half the old limit; before any success, t
 admitted (above). A server that refuses above C is so cut to C wherever the window was. The
 limit then holds there for as many successes as it takes to keep 429s near ``target_share``
 of answers (all the probe's 429s over its base's share, not the last window's, and one for
-each refused request still in flight); after a probe's cut also until the slot time its
-429s held (their turnarounds) averages under ``_OVER_SLOTS`` of a slot, else a cap whose
-429s come back in half a latency has a probe a slot or two over it a third of the time,
-then probes: +1 per round of requests at first, the excess over the cut level doubling
-each round after, so a cap that rose (or a cut made by chance) is left behind in a few
-rounds rather than one slot per round.
+each refused request still in flight, but not where the level the last cut chose failed at
+once: those are a fallen cap's, which holding does not take back; a fall from 150 to 40
+held 1,900 successes for them, 48 latencies in which a cap that rose again was not
+followed); after a probe's cut also until the slot time its 429s held (their turnarounds)
+averages under ``_OVER_SLOTS`` of a slot, else a cap whose 429s come back in half a
+latency has a probe a slot or two over it a third of the time, then probes: +1 per round
+of requests at first, the excess over the cut level doubling each round after, so a cap
+that rose (or a cut made by chance) is left behind in a few rounds rather than one slot
+per round.
 
 ``Retry-After`` is the one request's business (the engine delays that request's retry
 by it); here a 429 is one answer in the window whatever its ``Retry-After``: one 429
@@ -510,7 +513,8 @@ class AdaptiveLimiter:
         excess = max(0.0, r1 - max(self.noise, r0 / n0 if n0 else 0.0) * n1)
         if self._probe_from is None or not n0:  # no probe under test: the counts may span the whole run so far
             excess = min(excess, max(0.0, self._cut_share - self.noise) * len(self._answers))
-        pending = min(max(0.0, self.in_flight - self.limit), refused)
+        # (not where the level the last cut chose failed at once: a fallen cap's, see the module's doc)
+        pending = 0.0 if failed_again else min(max(0.0, self.in_flight - self.limit), refused)
         cost = excess + pending
         turnaround = self._refused_s / r1 if r1 else 0.0
         slot_s = 0.0 if not probe else cost * turnaround * self.limit / (_OVER_SLOTS * (self._latency or math.inf))
