@@ -388,7 +388,7 @@ def _count_reading(p: _Choice) -> bool:
     n, ended = len(p.ids(0)), ends_turn(p.cands[0].parts)
     if all(len(p.ids(k)) == n and ends_turn(p.cands[k].parts) == ended for k in range(1, len(p.cands))):
         return True  # readings of one length (GLM's newline streamed by either engine): the offset is theirs alike
-    return p.chosen == 0 and not p.ambiguous and all(c.names == ("cut_after_think_close",) or _held(c)
+    return p.chosen == 0 and not p.ambiguous and all(c.names == ("cut_after_think_close",) or c.held
                                                       for c in p.cands[1:])
 
 
@@ -422,14 +422,11 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
                        prefix_absent=by_ids, held=held)
+    if not by_ids and stream is not True:  # nothing could keep or report a held tail: not built
+        cands = [c for c in cands if not c.held]
     if len(cands) == 1:  # the common case: one reading, each part encoded as it is
         ids_1, free_1 = _encode_parts(tok, cands[0].parts, None)
         return _Choice(idx, choice, native, logged, stop, cands, [ids_1], [free_1])
-    if not by_ids and stream is not True:  # nothing could keep or report a held tail: not built
-        cands = [c for c in cands if not c.held]
-        if len(cands) == 1:
-            ids_1, free_1 = _encode_parts(tok, cands[0].parts, None)
-            return _Choice(idx, choice, native, logged, stop, cands, [ids_1], [free_1])
     done: dict[str, tuple[list[int], bool]] = {}  # each text encoded once across the readings
     plain = [c for c in cands if not c.held]
     held_cands = _encode_held(tok, [c for c in cands if c.held], plain, done, same_count=not by_ids)
@@ -494,11 +491,6 @@ def _encode_held(tok: Tokenizer, held: list[Candidate], plain: list[Candidate],
 def _held_content(c: Candidate) -> str:
     """A held-tail reading's last content part: the served content, then the held text."""
     return next(text for kind, text in reversed(c.parts) if kind == "content")
-
-
-def _held(c: Candidate) -> bool:
-    """Whether reading ``c`` has the model's content go on past what was served (a held tail)."""
-    return bool(c.held) or any(name.startswith("tool_start_held=") for name in c.names)
 
 
 def _sends_tools(request: Mapping[str, Any]) -> bool:
