@@ -810,16 +810,9 @@ def _tiktoken_layout(folder: Path) -> tuple[Path, str, dict[int, str]] | None:
     if len(files) != 1:
         return None
     data = _read_json(folder / "tokenizer.json")
-    pre = data.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
     model = data.get("model") or {}
-    if (not isinstance(steps, list) or len(steps) != 2 or data.get("normalizer") is not None
-            or model.get("type") != "BPE" or model.get("ignore_merges") is not True):
-        return None
-    split, level = steps
-    regex = (split.get("pattern") or {}).get("Regex") if split.get("type") == "Split" else None
-    if (not isinstance(regex, str) or split.get("behavior") != "Isolated" or split.get("invert")
-            or level.get("type") != "ByteLevel" or level.get("use_regex") is not False):
+    regex = _split_regex(data)
+    if regex is None or data.get("normalizer") is not None or model.get("type") != "BPE" or model.get("ignore_merges") is not True:
         return None
     added = {t["id"]: t["content"] for t in data.get("added_tokens") or ()
              if isinstance(t, dict) and isinstance(t.get("id"), int) and isinstance(t.get("content"), str)}
@@ -916,14 +909,23 @@ def _cut_proven(path: Path) -> bool:
     norm = data.get("normalizer")
     if not (norm is None or norm == {"type": "NFC"} or norm == {"type": "Sequence", "normalizers": []}):
         return False
+    return _split_regex(data) in CUT_PROVEN
+
+
+def _split_regex(data: Mapping[str, Any]) -> str | None:
+    """The regex of a ``tokenizer.json`` whose pre-tokenizer is exactly one ``Split`` by a
+    regex (isolated, not inverted) then ``ByteLevel`` without a regex of its own; else None."""
     pre = data.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
-    if not isinstance(steps, list) or len(steps) != 2:
-        return False
+    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else None
+    if not isinstance(steps, list) or len(steps) != 2 or not all(isinstance(step, dict) for step in steps):
+        return None
     split, level = steps
-    regex = (split.get("pattern") or {}).get("Regex") if split.get("type") == "Split" else None
-    return (regex in CUT_PROVEN and split.get("behavior") == "Isolated" and not split.get("invert")
-            and level.get("type") == "ByteLevel" and level.get("use_regex") is False)
+    pattern = split.get("pattern") or {}
+    regex = pattern.get("Regex") if split.get("type") == "Split" and isinstance(pattern, dict) else None
+    if (not isinstance(regex, str) or split.get("behavior") != "Isolated" or split.get("invert")
+            or level.get("type") != "ByteLevel" or level.get("use_regex") is not False):
+        return None
+    return regex
 
 
 def _byte_level(path: Path) -> bool:
