@@ -77,6 +77,7 @@ __all__ = [
     "foreign_entries",
     "marker_files",
     "marker_owned",
+    "read_marker",
     "dumps_line",
     "is_temp_name",
     "kill_point",
@@ -499,13 +500,19 @@ def _owned_test(target: Path, owned: Owned | None) -> Callable[[str], bool]:
     return marker_owned(target) or (lambda name: True)
 
 
-def marker_files(folder: Path) -> frozenset[str] | None:
-    """The names ``folder``'s marker says tokenbridge wrote there (``files``), or None."""
+def read_marker(folder: Path) -> dict[str, Any] | None:
+    """``folder``'s marker as written, or None (none there, unreadable, not a JSON object)."""
     try:
         data = json.loads((folder / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError):
         return None
-    files = data.get("files") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def marker_files(folder: Path) -> frozenset[str] | None:
+    """The names ``folder``'s marker says tokenbridge wrote there (``files``), or None."""
+    data = read_marker(folder)
+    files = data.get("files") if data is not None else None
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         return None
     return frozenset(files)

@@ -50,7 +50,8 @@ from pathlib import Path
 from typing import Any, Literal
 from collections.abc import Callable, Iterable, Mapping
 
-from .fsio import CARRIED, MARKER, OutputRefused, foreign_entries, is_temp_name, marker_owned, output_file, publish_dir
+from .fsio import (CARRIED, MARKER, OutputRefused, foreign_entries, is_temp_name, marker_owned, output_file, publish_dir,
+                   read_marker)
 
 __all__ = [
     "MARKER",
@@ -168,11 +169,8 @@ def _holds_run_folder(target: Path) -> Path | None:
 
 def _marker_field(target: Path, key: str) -> str | None:
     """A string field of ``target``'s marker (an export's ``format``), None when it has none."""
-    try:
-        data = json.loads((target / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    value = data.get(key) if isinstance(data, dict) else None
+    data = read_marker(target)
+    value = data.get(key) if data is not None else None
     return value if isinstance(value, str) else None
 
 
