@@ -50,6 +50,15 @@ evidence proves (usage, logprobs, token ids, stop id), or reports them all.
   ``qwen25`` detector holds what may begin ``</tool_call>`` the same way, and gpt-oss's
   harmony parser what may begin any structural token, tools or not
   (``Dialect.stream_held_starts``).
+* ``prefix_resent=J``: gpt-oss streamed with ``tools`` sent, SGLang's tool detector passes
+  the final text on delta by delta while its own harmony parser keeps it; the delta that
+  completes a channel word (``" Analysis"``) switches that parser to its text strategy, which
+  sends all it kept again: ``"# Analysis"`` is served ``"## Analysis"``, the same count. The
+  model's text is the served one less its first ``J`` characters
+  (:func:`~.chat.harmony.resent_prefixes`), each with what that parser then held back at the
+  end (``tool_start_held=...``, a beginning of a channel word). The detector changes such
+  text in more ways than these at the model's count, so the caller offers them only where
+  ids or logprobs pick (without them the row is ``harmony_message_lost``).
 * ``cut_after_think_close``: a length cut with no content served may have fallen inside
   the reasoning (the formula) or right after ``</think>``: one token apart. The count alone
   cannot pick: vLLM holds back the bytes of a cut that falls inside a character (a partial
@@ -72,6 +81,7 @@ from typing import Any
 from collections.abc import Mapping, Sequence
 
 from .chat import Dialect, HarmonyDialect, message_reasoning
+from .chat.harmony import TEXT_WORDS, resent_prefixes
 from .content import content_text
 
 __all__ = ["Candidate", "candidates", "ends_in_think_fits", "held_tails", "unjoin_marker_spaces"]
@@ -210,6 +220,7 @@ def candidates(
     cut_after_close: bool = False,
     prefix_absent: bool = False,
     held: Sequence[str] = (),
+    tools_streamed: bool = False,
 ) -> list[Candidate]:
     """The plain formula first, then every other reading this message admits.
 
@@ -222,12 +233,13 @@ def candidates(
     ``end_in_think`` also says a one-token gap is not an uncounted end token, which GLM's
     ``think_prefix_absent`` needs where vLLM's whole form fits too. ``held``: the texts a
     streaming tool parser may have held back (:func:`held_tails`), each a reading right
-    after the one it extends.
+    after the one it extends. ``tools_streamed``: the request sent tools and may have
+    streamed, and ids or logprobs can pick among gpt-oss's ``prefix_resent`` readings.
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
     if isinstance(dialect, HarmonyDialect):
-        return _harmony(dialect, message, finish_reason, out, end_markers, held)
+        return _harmony(dialect, message, finish_reason, out, end_markers, held, resends=tools_streamed)
     if thinking and not prompt_opens_think:
         out = _prefix_readings(dialect, message, finish_reason, stream, prefix_in_reasoning, absent=prefix_absent,
                                gaps=end_in_think) or out
@@ -382,19 +394,42 @@ def _prefix_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason
 
 
 def _harmony(dialect: HarmonyDialect, message: Mapping[str, Any], finish_reason: str | None,
-             out: list[Candidate], end_markers: Sequence[str], held: Sequence[str] = ()) -> list[Candidate]:
-    """gpt-oss's readings after the formula (``out``), the final message's held tails, and
+             out: list[Candidate], end_markers: Sequence[str], held: Sequence[str] = (), *,
+             resends: bool = False) -> list[Candidate]:
+    """gpt-oss's readings after the formula (``out``), the final text's resent start where
+    the tool detector may have streamed it (``resends``), the final message's held tails, and
     ``<|endoftext|>`` as the end where the evidence names it (the other ends follow from
     the message)."""
     empty = dialect.empty_analysis_reading(message, finish_reason)
     if empty is not None:
         out.append(Candidate(empty, ("empty_analysis",)))
     out.extend(Candidate(parts, (name,)) for parts, name in dialect.cut_readings(message, finish_reason))
-    out = [r for c in out for r in (c, *_held_readings(c, held, thinking=True))]
+    if resends and dialect.tool_stream_resends:
+        out += [r for c in list(out) for r in _resent_readings(c)]
+    out = [r for c in out for r in (c, *(() if c.held else _held_readings(c, held, thinking=True)))]
     for marker in end_markers:
         if marker in dialect.end_tokens:
             continue
         for cand in list(out):
             if cand.parts and cand.parts[-1][0] == "end":
                 out.append(Candidate([*cand.parts[:-1], ("end", marker)], (*cand.names, f"end={marker}"), cand.held))
+    return out
+
+
+#: What SGLang's harmony text strategy may hold back at the end of the stream and never send.
+_TEXT_TAILS = held_tails(TEXT_WORDS, 1)
+
+
+def _resent_readings(c: Candidate) -> list[Candidate]:
+    """``c`` with its final text read as SGLang's tool detector may have resent its start
+    (``prefix_resent=J``, :func:`~.chat.harmony.resent_prefixes`), each also with what the
+    detector's parser may then have held back at the end (``tool_start_held=...``)."""
+    at = next((i for i, (kind, _) in enumerate(c.parts) if kind == "content"), None)
+    if at is None:
+        return []
+    served = c.parts[at][1]
+    out = []
+    for j in resent_prefixes(served):
+        base = Candidate([*c.parts[:at], ("content", served[j:]), *c.parts[at + 1:]], (*c.names, f"prefix_resent={j}"))
+        out += [base, *_held_readings(base, _TEXT_TAILS, thinking=True)]
     return out

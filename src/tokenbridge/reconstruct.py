@@ -26,7 +26,8 @@ from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
-from .chat import Dialect, PromptReading, message_reasoning, resolve_dialect
+from .chat import Dialect, HarmonyDialect, PromptReading, message_reasoning, resolve_dialect
+from .chat.harmony import tool_stream_doubt
 from .chat.template import TemplateError
 from .content import content_text
 from .checks import (Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways, reasoning_counts,
@@ -83,6 +84,9 @@ class _Choice:
     #: held-tail readings of the same count as the served one, left out (no ids or logprobs
     #: tell them apart): the row says they were possible (``held_tail_unproven``)
     held_ties: list[str] = field(default_factory=list)
+    #: why a gpt-oss final text that may have streamed with tools, with no ids or logprobs,
+    #: cannot be read from the count (``harmony_message_lost``)
+    stream_doubt: str | None = None
     #: candidate -> its completion ids, built once (a reasoning completion is thousands of ids)
     _flat: dict[int, list[int]] = field(default_factory=dict)
 
@@ -240,6 +244,10 @@ def _reading_findings(p: _Choice, policy: Policy) -> list[Finding]:
                            f"streamed: the parser may have held back text at the end of the content and never sent "
                            f"it; {len(held)} such text(s) ({', '.join(held[:4])}) keep the served count, and no ids "
                            "or logprobs tell them apart"))
+    if p.stream_doubt and policy.severity("harmony_message_lost") != "off":
+        out.append(Finding("harmony_message_lost", policy.severity("harmony_message_lost"),
+                           f"tools sent, may have streamed: {p.stream_doubt}; no ids or logprobs show what the model "
+                           "wrote"))
     if p.ambiguous and policy.severity("reconstruction_ambiguous") != "off":
         out.append(Finding("reconstruction_ambiguous", policy.severity("reconstruction_ambiguous"),
                            f"the response fits {len(p.ambiguous)} native sequences ({', '.join(p.ambiguous)}) "
@@ -419,14 +427,19 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     by_ids = native is not None or (logged is not None and logged.ids is not None and UNKNOWN_MARKER not in logged.ids)
     holds = stream is not False and (not dialect.stream_held_needs_tools or _sends_tools(ex.request))
     held = held_tails(dialect.stream_held_starts, dialect.stream_held_min) if holds else ()
+    tools_streamed = stream is not False and _sends_tools(ex.request)
+    # gpt-oss: what SGLang's tool detector did to a final text only ids or logprobs can say
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
-                       prefix_absent=by_ids, held=held)
+                       prefix_absent=by_ids, held=held, tools_streamed=tools_streamed and by_ids)
     if not by_ids and stream is not True:  # nothing could keep or report a held tail: not built
         cands = [c for c in cands if not c.held]
+    doubt = None  # a final text SGLang's gpt-oss tool detector may have changed at the same count
+    if not by_ids and tools_streamed and isinstance(dialect, HarmonyDialect) and dialect.tool_stream_resends:
+        doubt = tool_stream_doubt(content_text(message.get("content")))
     if len(cands) == 1:  # the common case: one reading, each part encoded as it is
         ids_1, free_1 = _encode_parts(tok, cands[0].parts, None)
-        return _Choice(idx, choice, native, logged, stop, cands, [ids_1], [free_1])
+        return _Choice(idx, choice, native, logged, stop, cands, [ids_1], [free_1], stream_doubt=doubt)
     done: dict[str, tuple[list[int], bool]] = {}  # each text encoded once across the readings
     plain = [c for c in cands if not c.held]
     held_cands = _encode_held(tok, [c for c in cands if c.held], plain, done, same_count=not by_ids)
@@ -438,7 +451,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     cands = [c for c in cands if not c.held or id(c) in kept]  # in their order: the formula first
     encoded = [_encode_parts(tok, c.parts, done) for c in cands]
     return _Choice(idx, choice, native, logged, stop, cands, [e[0] for e in encoded], [e[1] for e in encoded],
-                   held_ties=ties)
+                   held_ties=ties, stream_doubt=doubt)
 
 
 def _encode_parts(tok: Tokenizer, parts: Sequence[tuple[str, str]], done: dict[str, tuple[list[int], bool]] | None,

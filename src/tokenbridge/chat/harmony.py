@@ -15,7 +15,10 @@ trimmed): the analysis text as reasoning, the final text as content; several ana
 messages joined; a commentary preamble (``commentary`` without a recipient) merged into
 content; and a tool call, whose ``<|call|>`` was trimmed, dropped whole (its harmony parser
 waits for an end token that never comes). A served raw tool call (the stop kept) stays
-in content from its ``<|start|>`` and is rebuilt as it is.
+in content from its ``<|start|>`` and is rebuilt as it is. Streamed with ``tools`` sent,
+its gpt-oss tool detector changes the final text once a channel word shows in it (the start
+sent twice, what may begin a channel word held back at the end, text after a header in
+text dropped or stripped): :func:`resent_prefixes`, :func:`tool_stream_doubt`.
 
 The prompt: the folder's HF template, which SGLang renders (default), prints the serving
 day (``strftime_now``) into the system turn; :meth:`HarmonyDialect.prompt_readings`
@@ -27,6 +30,7 @@ render with ``openai_harmony`` instead (different developer-turn spacing);
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, UTC
@@ -37,7 +41,8 @@ from . import harmony_render
 from .dialect import Dialect, Message, PromptReading, ToolMarkers, message_reasoning
 from .shapes import template_kwargs
 
-__all__ = ["GPT_OSS", "GPT_OSS_HARMONY", "HarmonyDialect", "serving_days"]
+__all__ = ["GPT_OSS", "GPT_OSS_HARMONY", "HarmonyDialect", "TEXT_WORDS", "resent_prefixes", "serving_days",
+           "tool_stream_doubt"]
 
 START = "<|start|>assistant"
 ANALYSIS = "<|channel|>analysis<|message|>"
@@ -120,6 +125,66 @@ def _day_clock(day: str) -> Callable[[str], str]:
     return strftime_now
 
 
+#: SGLang 0.5.23's gpt-oss tool detector (streamed, ``tools`` sent) runs the final text
+#: through a harmony parser of its own, which keeps all it is given until it can tell the
+#: format: a structural token, or one of these words at the start or after a space (its
+#: text strategy; case ignored). Until then the detector passes each delta on as it is.
+_CHANNEL_WORD = re.compile(r"(?:^|\s)(?:assistant)?\s*(?:analysis|commentary|assistantfinal)", re.IGNORECASE)
+#: The text strategy's own start-anchored shapes (a channel header in text): not read.
+_LEADING_WORD = re.compile(r"\s*(?:assistant)?\s*(?:analysis|commentary|assistantfinal)", re.IGNORECASE)
+_WORD = re.compile(r"analysis|commentary", re.IGNORECASE)
+#: A final text that starts with part of a channel word: its leading-header path may have cut it.
+_LEADING_PART = re.compile(r"\s*(?:assistant)?\s*(?:anal|comm|assi)", re.IGNORECASE)
+#: What the text strategy holds back the beginnings of at the end of its buffer (as written).
+TEXT_WORDS = ("analysis", "commentary", "assistantfinal")
+#: The most characters the token that completes the channel word may span before its end.
+_WORD_TOKEN_REACH = 64
+
+
+def resent_prefixes(content: str) -> list[int]:
+    """Each ``j`` for which a served ``content`` may be SGLang's stream of ``content[j:]``
+    (streamed, ``tools`` sent) with its first ``j`` characters sent twice.
+
+    The detector passed the text through delta by delta while its own parser kept the
+    same text. The delta that completed a channel word (``" Analysis"``) switched that
+    parser to its text strategy, which then sent its whole buffer: the ``j`` characters
+    before that delta come again (``"# Analysis"`` is served ``"## Analysis"``, the same
+    count). Found from the text alone (the served text starts with a copy of its next
+    ``j`` characters, the rest has the word after them): readings for ids or logprobs to
+    pick from, never the count (:func:`tool_stream_doubt`).
+    """
+    if "<|" in content or "assistantfin" in content.lower():
+        return []
+    # the first words only: the one that switched the parser is the model's first after a
+    # space, and the resent start before it holds at most a part of it or one unswitched copy
+    ends = [m.end() for m, _ in zip(_WORD.finditer(content), range(3))]
+    out: set[int] = set()
+    for e in ends:
+        # the word ends at e - j in the model's text, inside a token that starts at j
+        for j in range(max(1, (e - _WORD_TOKEN_REACH + 1) // 2), (e + 1) // 2):
+            if content.startswith(content[:j], j) and not _LEADING_WORD.match(content, j):
+                out.add(j)
+    return sorted(out)
+
+
+def tool_stream_doubt(content: str) -> str | None:
+    """Why a served final text SGLang's gpt-oss tool detector may have streamed (``tools``
+    sent) cannot be read from the count, or None where it was sent as written.
+
+    Its parser never switches where the model wrote no channel word, and then the detector
+    sends each delta as it is. Once one shows, the text may come back with its start sent
+    twice, an end held back, text dropped after a later header word or whitespace stripped
+    after a leading one, in combinations that keep the model's count (a cold tester found
+    six). So a served text that holds a channel word after a space, or starts with a part
+    of one (the leading-header path can cut the word itself), is proven only by ids or
+    logprobs."""
+    if _CHANNEL_WORD.search(content) is None and _LEADING_PART.match(content) is None:
+        return None
+    return ("the final text holds a channel word (or starts with part of one); after one, SGLang's gpt-oss tool "
+            "detector sends the text before it twice, holds back or drops text and strips whitespace, in ways that "
+            "can keep the model's count")
+
+
 def _text(message: Message) -> tuple[str, str | None]:
     return content_text(message.get("content")), message_reasoning(message)
 
@@ -130,6 +195,9 @@ class HarmonyDialect(Dialect):
 
     #: The template prints the serving day: prompts are rendered once per possible day.
     dated_prompt: bool = True
+    #: Streamed with ``tools`` sent, SGLang's tool detector may send the start of the final
+    #: text twice (:func:`resent_prefixes`): readings of their own.
+    tool_stream_resends: bool = False
 
     def thinking(self, request: Mapping[str, Any]) -> bool:
         """Always: gpt-oss writes its analysis channel whatever the request says (SGLang
@@ -304,6 +372,7 @@ GPT_OSS = HarmonyDialect(
     stream_held_starts=("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", END, CALL, RETURN),
     stream_held_min=1,
     stream_held_needs_tools=False,
+    tool_stream_resends=True,
 )
 
 
@@ -316,5 +385,6 @@ GPT_OSS_HARMONY = replace(
     own_renderer=True,
     template_kwargs=frozenset({"reasoning_effort"}),
     tools_unproven=harmony_render.unproven_tools,
-    stream_held_starts=(),  # vLLM's stack: SGLang's hold is not its
+    stream_held_starts=(),  # vLLM's stack: SGLang's hold and resend are not its
+    tool_stream_resends=False,
 )
