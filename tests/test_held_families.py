@@ -118,3 +118,45 @@ def test_a_glm_prompt_only_sglang_renders_keeps_the_completion_to_sglangs_forms(
     (row,) = reconstruct_record(record, tok, dialect)
     assert row["status"] != "ok" and "usage_completion_mismatch" in _codes(row)
     assert "think_prefix_in_content" not in (row["reconstruction"] or "")
+
+
+def test_a_qwen3_call_the_detector_did_not_parse_is_not_read_from_the_count():
+    """A cold tester's record: Qwen3 thinking, tools sent, streamed, cut inside a call written
+    in its reasoning. SGLang's qwen3 reasoning parser ends the reasoning at ``<tool_call>``
+    (no ``</think>``) and the ``qwen25`` detector, which cannot parse the call, deletes the
+    ``</tool_call>`` text it passes on: the formula's ``</think>`` made up for it, and the row
+    was flagged ``truncated`` (exact up to the cut, by that warning's word) with wrong ids."""
+    import codecs
+
+    from test_families_support import RawBytes, import_sglang_reasoning
+
+    parser = import_sglang_reasoning()("qwen3", stream_reasoning=True, force_reasoning=True)
+    detector = _qwen_detector()
+    tok = family_tokenizer("qwen3")
+    raw = RawBytes("qwen3")
+    native = tok.encode("<think>\nPlan: <tool_call> then </tool_call> done")
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    reasoning, content = [], []
+    for k, i in enumerate(native):
+        r, normal = parser.parse_stream_chunk(decoder.decode(raw(i)))
+        if k == len(native) - 1:
+            r2, n2 = parser.parse_stream_end()
+            r, normal = (r or "") + (r2 or ""), (normal or "") + (n2 or "")
+        reasoning.append(r or "")
+        content.append(detector.parse_streaming_increment(normal or "", []).normal_text or "")
+    content.append(detector.finish([]).normal_text or "")
+    served = {"reasoning_content": "".join(reasoning), "content": "".join(content)}
+    assert served == {"reasoning_content": "\nPlan: ", "content": "<tool_call> then  done"}  # the premise
+    request = {"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS, "stream": True,
+               "chat_template_kwargs": {"enable_thinking": True}}
+    prompt = len(tok.encode_prompt(sglang_prompt("qwen3", request)))
+    for logprobs in (False, True):
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "message": {"role": "assistant", **served}}
+        if logprobs:
+            choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": -0.1, "bytes": None,
+                                               "top_logprobs": []} for t in native]}
+        record = {"id": "q", "request": request, "response": {
+            "choices": [choice], "usage": {"prompt_tokens": prompt, "completion_tokens": len(native)}}}
+        (row,) = reconstruct_record(record, tok)
+        assert row["status"] == "rejected" and row["completion_ids"] != native
+        assert ("tool_markers_dropped" in _codes(row)) is not logprobs, row["findings"]  # logprobs say it themselves

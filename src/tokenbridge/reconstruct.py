@@ -84,9 +84,9 @@ class _Choice:
     #: held-tail readings of the same count as the served one, left out (no ids or logprobs
     #: tell them apart): the row says they were possible (``held_tail_unproven``)
     held_ties: list[str] = field(default_factory=list)
-    #: why a gpt-oss final text that may have streamed with tools, with no ids or logprobs,
-    #: cannot be read from the count (``harmony_message_lost``)
-    stream_doubt: str | None = None
+    #: (code, why) a content that may have streamed with tools, with no ids or logprobs,
+    #: cannot be read from the count: SGLang's tool detector changed it at the same count
+    stream_doubt: tuple[str, str] | None = None
     #: candidate -> its completion ids, built once (a reasoning completion is thousands of ids)
     _flat: dict[int, list[int]] = field(default_factory=dict)
 
@@ -244,10 +244,9 @@ def _reading_findings(p: _Choice, policy: Policy) -> list[Finding]:
                            f"streamed: the parser may have held back text at the end of the content and never sent "
                            f"it; {len(held)} such text(s) ({', '.join(held[:4])}) keep the served count, and no ids "
                            "or logprobs tell them apart"))
-    if p.stream_doubt and policy.severity("harmony_message_lost") != "off":
-        out.append(Finding("harmony_message_lost", policy.severity("harmony_message_lost"),
-                           f"tools sent, may have streamed: {p.stream_doubt}; no ids or logprobs show what the model "
-                           "wrote"))
+    if p.stream_doubt and policy.severity(code := p.stream_doubt[0]) != "off":
+        out.append(Finding(code, policy.severity(code), f"tools sent, may have streamed: {p.stream_doubt[1]}; no ids or "
+                           "logprobs show what the model wrote"))
     if p.ambiguous and policy.severity("reconstruction_ambiguous") != "off":
         out.append(Finding("reconstruction_ambiguous", policy.severity("reconstruction_ambiguous"),
                            f"the response fits {len(p.ambiguous)} native sequences ({', '.join(p.ambiguous)}) "
@@ -434,9 +433,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
                        prefix_absent=by_ids, held=held, tools_streamed=tools_streamed and by_ids)
     if not by_ids and stream is not True:  # nothing could keep or report a held tail: not built
         cands = [c for c in cands if not c.held]
-    doubt = None  # a final text SGLang's gpt-oss tool detector may have changed at the same count
-    if not by_ids and tools_streamed and isinstance(dialect, HarmonyDialect) and dialect.tool_stream_resends:
-        doubt = tool_stream_doubt(content_text(message.get("content")))
+    doubt = _stream_doubt(dialect, content_text(message.get("content"))) if tools_streamed and not by_ids else None
     if len(cands) == 1:  # the common case: one reading, each part encoded as it is
         ids_1, free_1 = _encode_parts(tok, cands[0].parts, None)
         return _Choice(idx, choice, native, logged, stop, cands, [ids_1], [free_1], stream_doubt=doubt)
@@ -452,6 +449,22 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     encoded = [_encode_parts(tok, c.parts, done) for c in cands]
     return _Choice(idx, choice, native, logged, stop, cands, [e[0] for e in encoded], [e[1] for e in encoded],
                    held_ties=ties, stream_doubt=doubt)
+
+
+def _stream_doubt(dialect: Dialect, content: str) -> tuple[str, str] | None:
+    """(code, why) where SGLang's streaming tool detector may have changed this content at
+    the model's count: gpt-oss's once a channel word shows (:func:`~.chat.harmony.tool_stream_doubt`);
+    the others' where a call's begin marker is left in the text, a call it could not parse,
+    whose end marker it then deleted (``Dialect.stream_deletes``)."""
+    if isinstance(dialect, HarmonyDialect):
+        why = tool_stream_doubt(content) if dialect.tool_stream_resends else None
+        return None if why is None else ("harmony_message_lost", why)
+    begin = dialect.tool_markers.section_begin if dialect.tool_markers is not None else None
+    if dialect.stream_deletes and begin and begin in content:
+        return ("tool_markers_dropped", f"the content holds {begin!r}, a call SGLang's tool detector did not parse; it "
+                f"deletes {' and '.join(map(repr, dialect.stream_deletes))} from the text it passes on, so where "
+                "those stood is unknown")
+    return None
 
 
 def _encode_parts(tok: Tokenizer, parts: Sequence[tuple[str, str]], done: dict[str, tuple[list[int], bool]] | None,

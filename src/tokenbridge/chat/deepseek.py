@@ -50,4 +50,5 @@ DEEPSEEK_V31 = Dialect(
     thinking_default=False,
     think_self_open=False,
     parse_tool_arguments=False,
+    stream_deletes=("<｜tool▁calls▁end｜>", "<｜tool▁call▁end｜>"),
 )

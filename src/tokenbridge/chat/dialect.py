@@ -153,6 +153,11 @@ class Dialect:
     #: Whether the parser that holds is the tool detector, which runs only where the request
     #: sent tools (kimi_k2, qwen25), or the reasoning parser, which always runs (harmony).
     stream_held_needs_tools: bool = True
+    #: Marker texts SGLang 0.5.23's streaming tool detector (``tools`` sent) deletes from the
+    #: content it passes on (qwen25, glm4_moe: ``</tool_call>``; deepseekv31: its two ends):
+    #: where the content still shows a call's begin marker, the call did not parse, and where
+    #: its end marker stood is unknown (``tool_markers_dropped``).
+    stream_deletes: tuple[str, ...] = ()
 
     @property
     def end_tokens(self) -> tuple[str, ...]:

@@ -42,4 +42,5 @@ GLM45 = Dialect(
     think_open_prefix="\n",
     eos_markers=frozenset({"<|user|>", "<|observation|>", "<|endoftext|>"}),
     tool_markers=TOOL_MARKERS,
+    stream_deletes=("</tool_call>",),
 )

@@ -122,4 +122,5 @@ QWEN3 = Dialect(
     template_kwargs=frozenset({"thinking", "enable_thinking"}),
     stream_held_starts=(TOOL_MARKERS.section_end,),  # qwen25's detector holds what may begin </tool_call>
     stream_held_min=1,
+    stream_deletes=(TOOL_MARKERS.section_end,),
 )
