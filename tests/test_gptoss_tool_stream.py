@@ -184,11 +184,23 @@ def test_what_the_detector_drops_is_shown_by_the_logprobs(tok, sglang, final, se
     assert "logprobs_mismatch" in _codes(row)
 
 
-def test_a_text_without_a_channel_word_is_served_as_written_and_read_from_the_count(tok, sglang):
-    ids = tok.encode(HEAD + "Growth is 5%, see the chart<|return|>")
+@pytest.mark.parametrize("final", ["Growth is 5%, see the chart", "Community centers are open",
+                                   "Analytics show growth", "Commit the change", "Assignment done"])
+def test_a_text_without_a_channel_word_is_served_as_written_and_read_from_the_count(tok, sglang, final):
+    ids = tok.encode(HEAD + final + "<|return|>")
     reasoning, content = _serve(tok, sglang, ids)
-    assert content == "Growth is 5%, see the chart"
+    assert content == final
     row = _row(tok, ids, reasoning, content, logprobs=False)
+    assert (row["status"], row["completion_ids"]) == ("ok", ids)
+
+
+def test_words_that_hold_a_channel_word_do_not_hide_the_one_that_switched(tok, sglang):
+    """A cold reviewer's case: three words before the channel word contain "analysis" without
+    a space before it; the parser switched on the fourth, and the logprobs read it."""
+    ids = tok.encode(HEAD + "Psychoanalysis, reanalysis, metaanalysis. Analysis: ok<|return|>")
+    reasoning, content = _serve(tok, sglang, ids)
+    assert content.startswith("Psychoanalysis, reanalysis, metaanalysis.Psychoanalysis")  # resent
+    row = _row(tok, ids, reasoning, content, logprobs=True)
     assert (row["status"], row["completion_ids"]) == ("ok", ids)
 
 

@@ -433,6 +433,8 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
                        prefix_absent=by_ids, held=held, tools_streamed=tools_streamed and by_ids)
     if not by_ids and stream is not True:  # nothing could keep or report a held tail: not built
         cands = [c for c in cands if not c.held]
+    if by_ids and tools_streamed and len(cands) > 1:
+        cands = _spelled_resent(tok, cands, native if native is not None else (logged.ids if logged else None))
     doubt = _stream_doubt(dialect, content_text(message.get("content"))) if tools_streamed and not by_ids else None
     if len(cands) == 1:  # the common case: one reading, each part encoded as it is
         ids_1, free_1 = _encode_parts(tok, cands[0].parts, None)
@@ -449,6 +451,17 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     encoded = [_encode_parts(tok, c.parts, done) for c in cands]
     return _Choice(idx, choice, native, logged, stop, cands, [e[0] for e in encoded], [e[1] for e in encoded],
                    held_ties=ties, stream_doubt=doubt)
+
+
+def _spelled_resent(tok: Tokenizer, cands: list[Candidate], ids: Sequence[int] | None) -> list[Candidate]:
+    """``cands`` less the ``prefix_resent`` readings whose content the ids do not spell: a
+    text that opens with a run (``"===="``) admits dozens, each a whole content to encode."""
+    resent = [c for c in cands if any(n.startswith("prefix_resent=") for n in c.names)]
+    if not resent or ids is None:
+        return cands
+    spelled = tok.decode_bytes([i for i in ids if i >= 0])
+    drop = {id(c) for c in resent if _held_content(c).encode("utf-8", "surrogatepass") not in spelled}
+    return [c for c in cands if id(c) not in drop]
 
 
 def _stream_doubt(dialect: Dialect, content: str) -> tuple[str, str] | None:
