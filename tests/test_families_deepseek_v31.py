@@ -280,3 +280,31 @@ def test_tool_markers_in_reasoning(tok):
            "response": {"choices": [{"message": {"reasoning": "r<｜tool▁calls▁begin｜>", "content": "ok"}, "finish_reason": "stop"}]}}
     row, = reconstruct_record(rec, tok)
     assert "tool_section_in_reasoning" in {f["code"] for f in row["findings"]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("reasoning", ["I could write <tool_call> here but no.", "Plan:\n<tool_call>\nnot yet",
+                                       "Maybe <tool_call> then </tool_call> more"])
+def test_reasoning_with_tool_call_text_is_read_as_sglang_splits_it(tok, dialect, stream, reasoning):
+    """SGLang's ``deepseek-v3`` reasoning parser (Qwen3's) ends a reasoning the model never
+    closed at ``<tool_call>`` text, plain text to DeepSeek's tokenizer, and serves the rest as
+    content. Read with the formula's ``</think>`` between them, a cut there was rejected (a
+    cold tester's lost sample); the ``no_think_close`` reading joins them. A turn that ended
+    there is one token from the formula, an uncounted end token's gap: read where ids say."""
+    engine = SGLangEngine(tok, "deepseek-v3.1", "deepseek-v3", {EOS})
+    request = {"messages": PROMPT, "chat_template_kwargs": {"thinking": True}}
+    prompt_ids = tok.encode(dialect.render_request(request))
+    for ended in (False, True):
+        ids = tok.encode(reasoning) + ([EOS] if ended else [])
+        response = engine.serve(ids, len(prompt_ids), thinking=True, stream=stream)
+        assert response["choices"][0]["message"]["content"].startswith("<tool_call>")  # the premise
+        (row,) = reconstruct_record({"id": "d", "request": request, "response": response}, tok)
+        if not ended:
+            assert (row["status"], row["completion_ids"]) == ("flagged", ids)  # truncated: exact up to the cut
+            assert row["reconstruction"] == "no_think_close"
+            continue
+        assert row["status"] == "rejected" or row["completion_ids"] == ids
+        response["choices"][0]["logprobs"] = {"content": [
+            {"token": f"token_id:{t}", "logprob": -0.1, "bytes": None, "top_logprobs": []} for t in ids]}
+        (row,) = reconstruct_record({"id": "d", "request": request, "response": response}, tok)
+        assert (row["status"], row["completion_ids"]) == ("ok", ids), row["findings"]

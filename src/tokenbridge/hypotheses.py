@@ -249,8 +249,10 @@ def candidates(
     closed_by_formula = any(kind == "think_end" for kind, _ in base)
 
     opens_section = tm is not None and content.startswith(tm.section_begin)
-    if thinking and closed_by_formula and opens_section:
-        out.append(Candidate([p for p in base if p[0] != "think_end"], ("no_think_close",)))
+    if thinking and closed_by_formula:
+        unclosed = _no_think_close(dialect, base, reasoning, content, finish_reason, prompt_opens_think,
+                                   section=opens_section, gaps=end_in_think)
+        out += [unclosed] if unclosed is not None else []
 
     if (reasoning.startswith(" ") or content.startswith(" ")) and (markers := _markers(dialect)):
         # vLLM's parser cut the joined text at </think> (the content then starts with a
@@ -288,6 +290,24 @@ def candidates(
             if cand.parts and cand.parts[-1][0] == "end" and cand.parts[-1][1] != marker:
                 out.append(Candidate([*cand.parts[:-1], ("end", marker)], (*cand.names, f"end={marker}"), cand.held))
     return out
+
+
+def _no_think_close(dialect: Dialect, base: Parts, reasoning: str, content: str, finish_reason: str | None,
+                    prompt_opens_think: bool, *, section: bool, gaps: bool) -> Candidate | None:
+    """The formula's reading without its ``</think>``: the model never closed its reasoning and
+    the parser ended it where the content starts, at the tool section (``section``), or at the
+    text it takes for a call's start (``Dialect.reasoning_tool_start``: plain text to DeepSeek,
+    so the two halves are one reasoning text). That one is a token short of the formula: where
+    the turn ended, the gap an uncounted end token leaves too, so only where ``gaps`` says the
+    evidence can tell."""
+    if section:
+        return Candidate([p for p in base if p[0] != "think_end"], ("no_think_close",))
+    start = dialect.reasoning_tool_start
+    if not start or not content.startswith(start) or not (finish_reason == "length" or gaps):
+        return None
+    parts = dialect.completion_parts({"reasoning": reasoning + content, "content": ""}, finish_reason, True,
+                                     prompt_opens_think)
+    return Candidate([p for p in parts if p[0] != "think_end"], ("no_think_close",))
 
 
 def _cut_after_close(dialect: Dialect, out: list[Candidate], finish_reason: str | None, thinking: bool,

@@ -51,4 +51,5 @@ DEEPSEEK_V31 = Dialect(
     think_self_open=False,
     parse_tool_arguments=False,
     stream_deletes=("<｜tool▁calls▁end｜>", "<｜tool▁call▁end｜>"),
+    reasoning_tool_start="<tool_call>",
 )

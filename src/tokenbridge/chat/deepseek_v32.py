@@ -165,4 +165,5 @@ DEEPSEEK_V32 = Dialect(
     tools_unproven=lambda tools: None,
     thinking_default=False,
     think_self_open=False,
+    reasoning_tool_start="<tool_call>",
 )

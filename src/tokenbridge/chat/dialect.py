@@ -158,6 +158,11 @@ class Dialect:
     #: where the content still shows a call's begin marker, the call did not parse, and where
     #: its end marker stood is unknown (``tool_markers_dropped``).
     stream_deletes: tuple[str, ...] = ()
+    #: Text SGLang 0.5.23's reasoning parser for this family takes for a tool call's start
+    #: where the tool markers do not begin with it (DeepSeek V3.x's ``deepseek-v3`` parser,
+    #: Qwen3's subclass: ``<tool_call>``, plain text to DeepSeek's tokenizer): it ends a
+    #: reasoning the model never closed there, and the rest is served as content.
+    reasoning_tool_start: str | None = None
 
     @property
     def end_tokens(self) -> tuple[str, ...]:
