@@ -431,6 +431,20 @@ def test_empty_analysis_and_no_analysis_are_told_apart_by_the_count(tok, dialect
     assert "reconstruction_ambiguous" in {f["code"] for f in row["findings"]}
 
 
+def test_no_analysis_proven_by_logprobs_and_the_count_is_not_lost(tok, dialect):
+    """Logprobs that spell every id, with an exact count, prove the model wrote no analysis
+    message (a cold tester saw such rows rejected as ``reasoning_missing``); logprobs alone do
+    not: a provider that withheld the analysis would log the final text only."""
+    native = tok.encode("<|channel|>final<|message|>Ans.<|return|>")
+    logprobs = {"content": [{"token": f"token_id:{t}", "logprob": -0.1, "bytes": None, "top_logprobs": []}
+                            for t in native]}
+    for count, codes in ((len(native), []), (None, ["reasoning_missing", "usage_missing"])):
+        record = _record(tok, dialect, {"content": "Ans."}, completion_tokens=count)
+        record["response"]["choices"][0]["logprobs"] = logprobs
+        row, = reconstruct_record(record, tok)
+        assert (row["completion_ids"], sorted(f["code"] for f in row["findings"])) == (native, codes)
+
+
 def test_cut_inside_the_next_header_is_read_from_the_count(tok, dialect):
     base = A + "Thinking"
     for k, tail in enumerate(["", "<|end|>", "<|end|><|start|>", NEXT]):

@@ -245,7 +245,8 @@ def _reasoning_presence(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     if not has_reasoning and not content and not msg.get("tool_calls"):
         yield "empty_completion", "no reasoning, no content and no tool calls"
         return
-    if view.thinking and view.dialect.think_close and not has_reasoning and not _empty_block_proven(view, policy):
+    if (view.thinking and view.dialect.think_close and not has_reasoning and not _empty_block_proven(view, policy)
+            and not _no_analysis_proven(view, policy)):
         yield "reasoning_missing", "thinking mode but the response has no reasoning: its tokens would be lost"
     if not view.thinking and has_reasoning:
         yield "reasoning_unexpected", "instant mode (thinking disabled) but the response carries reasoning"
@@ -286,6 +287,16 @@ def _empty_block_proven(view: SampleView, policy: Policy) -> bool:
         return True
     pair = view.usage_completion
     return pair is not None and policy.usage_tolerance == 0 and pair[0] == pair[1]
+
+
+def _no_analysis_proven(view: SampleView, policy: Policy) -> bool:
+    """gpt-oss wrote no analysis message at all (harmony makes it optional): the completion's
+    own ids say so, or logprobs spell every id and an exact usage count agrees (an analysis a
+    provider withheld would be counted; logprobs of the final text alone would fit too)."""
+    if not isinstance(view.dialect, HarmonyDialect) or not view.proven_by_ids:
+        return False
+    pair = view.usage_completion
+    return view.native_completion is not None or (pair is not None and policy.usage_tolerance == 0 and pair[0] == pair[1])
 
 
 def _structured_tools(view: SampleView, policy: Policy) -> Iterator[_Hit]:
