@@ -308,3 +308,24 @@ def test_reasoning_with_tool_call_text_is_read_as_sglang_splits_it(tok, dialect,
             {"token": f"token_id:{t}", "logprob": -0.1, "bytes": None, "top_logprobs": []} for t in ids]}
         (row,) = reconstruct_record({"id": "d", "request": request, "response": response}, tok)
         assert (row["status"], row["completion_ids"]) == ("ok", ids), row["findings"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_ended_reasoning_whose_joined_reading_ties_the_formula_is_ambiguous(tok, dialect, stream):
+    """A cold tester's case: after a tab, ``"\\t<tool_call>..."`` joined takes one token more
+    than its halves apart, so the formula (``</think>`` between them) has the model's count
+    exactly and passed ``ok`` with wrong ids. The joined reading, not offered from the count
+    for an ended turn, still vetoes: a tie is ``reconstruction_ambiguous``; logprobs read it."""
+    reasoning = "Plan \t<tool_call>x"
+    assert len(tok.encode(reasoning)) == len(tok.encode("Plan \t")) + len(tok.encode("<tool_call>x")) + 1
+    request = {"messages": PROMPT, "chat_template_kwargs": {"thinking": True}}
+    prompt_ids = tok.encode(dialect.render_request(request))
+    ids = tok.encode(reasoning) + [EOS]
+    response = SGLangEngine(tok, "deepseek-v3.1", "deepseek-v3", {EOS}).serve(ids, len(prompt_ids), thinking=True,
+                                                                             stream=stream)
+    (row,) = reconstruct_record({"id": "d", "request": request, "response": response}, tok)
+    assert (row["status"], [f["code"] for f in row["findings"]]) == ("rejected", ["reconstruction_ambiguous"])
+    response["choices"][0]["logprobs"] = {"content": [
+        {"token": f"token_id:{t}", "logprob": -0.1, "bytes": None, "top_logprobs": []} for t in ids]}
+    (row,) = reconstruct_record({"id": "d", "request": request, "response": response}, tok)
+    assert (row["status"], row["completion_ids"]) == ("ok", ids)

@@ -100,6 +100,9 @@ class Candidate:
     #: itself where that reading has none (``tool_start_held``): its ids follow from the
     #: extended part's (``Tokenizer.encode_appended``).
     held: str = ""
+    #: A reading the count alone never picks: without ids or logprobs it is kept only where
+    #: it ties the formula's count, which it then makes ambiguous (the caller checks).
+    veto: bool = False
 
     @property
     def name(self) -> str | None:
@@ -297,17 +300,19 @@ def _no_think_close(dialect: Dialect, base: Parts, reasoning: str, content: str,
     """The formula's reading without its ``</think>``: the model never closed its reasoning and
     the parser ended it where the content starts, at the tool section (``section``), or at the
     text it takes for a call's start (``Dialect.reasoning_tool_start``: plain text to DeepSeek,
-    so the two halves are one reasoning text). That one is a token short of the formula: where
-    the turn ended, the gap an uncounted end token leaves too, so only where ``gaps`` says the
-    evidence can tell."""
+    so the two halves are one reasoning text). That one is mostly a token short of the
+    formula: where the turn ended, the gap an uncounted end token leaves too, so unless
+    ``gaps`` says the evidence can tell, it only vetoes (``Candidate.veto``): joined text can
+    take a token more than its halves (after a tab), and then it ties the formula."""
     if section:
         return Candidate([p for p in base if p[0] != "think_end"], ("no_think_close",))
     start = dialect.reasoning_tool_start
-    if not start or not content.startswith(start) or not (finish_reason == "length" or gaps):
+    if not start or not content.startswith(start):
         return None
     parts = dialect.completion_parts({"reasoning": reasoning + content, "content": ""}, finish_reason, True,
                                      prompt_opens_think)
-    return Candidate([p for p in parts if p[0] != "think_end"], ("no_think_close",))
+    return Candidate([p for p in parts if p[0] != "think_end"], ("no_think_close",),
+                     veto=finish_reason != "length" and not gaps)
 
 
 def _cut_after_close(dialect: Dialect, out: list[Candidate], finish_reason: str | None, thinking: bool,

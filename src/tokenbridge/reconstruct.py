@@ -449,6 +449,10 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     kept = {id(c) for c in held_cands}
     cands = [c for c in cands if not c.held or id(c) in kept]  # in their order: the formula first
     encoded = [_encode_parts(tok, c.parts, done) for c in cands]
+    if any(c.veto for c in cands):  # kept only where it ties the formula's count: ambiguous then
+        size = [sum(map(len, e[0])) for e in encoded]
+        keep = [k for k, c in enumerate(cands) if not c.veto or size[k] == size[0]]
+        cands, encoded = [cands[k] for k in keep], [encoded[k] for k in keep]
     return _Choice(idx, choice, native, logged, stop, cands, [e[0] for e in encoded], [e[1] for e in encoded],
                    held_ties=ties, stream_doubt=doubt)
 
