@@ -415,3 +415,14 @@ def test_kill_during_a_rerun_leaves_a_consistent_state(finished, tmp_path, point
     assert not [x for x in lines if x.startswith("warning")]
     assert {k: v for k, v in _data(out).items() if k != "pipeline.json"} == want
     assert leftovers(tmp_path) == []
+
+
+def test_a_new_gate_revision_reruns_every_stage_after_generate(finished, monkeypatch):
+    """An upgrade that reads or judges the same samples differently must not leave a finished
+    run's rows as the old gate judged them: the package version moves only with releases."""
+    import tokenbridge.checks
+
+    cfg, _ = finished
+    monkeypatch.setattr(tokenbridge.checks, "GATE_REVISION", tokenbridge.checks.GATE_REVISION + "+next")
+    assert _run(cfg) == {"generate": "ran", **{s: "ran" for s in AFTER_GENERATE}}
+    assert _run(cfg) == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE}}

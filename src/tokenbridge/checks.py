@@ -19,8 +19,14 @@ from .evidence import NATIVE_CUT, NATIVE_FAILED, LogprobIds, logprobs_cover, nat
 from .jsonl import text_of
 from .tokenizer import Tokenizer
 
-__all__ = ["CODES", "DEFAULT_SEVERITY", "Finding", "Policy", "SampleView", "ends_turn", "finish_reading", "logprobs_fit",
+__all__ = ["CODES", "DEFAULT_SEVERITY", "GATE_REVISION", "Finding", "Policy", "SampleView", "ends_turn", "finish_reading",
+           "logprobs_fit",
            "reasoning_count_ways", "reasoning_counts", "run_checks", "status_of"]
+
+#: Changed whenever what reconstruct reads or the gate says of the same input changes. Every
+#: stage's fingerprint holds it, so a finished run reconstructs again after an upgrade that
+#: would judge its samples differently (the package version moves only with releases).
+GATE_REVISION = "2026-12-06"
 
 #: Every finding code with its default severity and what it means.
 CODES: dict[str, tuple[str, str]] = {

@@ -78,8 +78,10 @@ def _tokenizer_identity(source: str) -> str:
 
 def _fingerprint(inputs: list[Path], settings: Any) -> str:
     from . import __version__
+    from .checks import GATE_REVISION
 
-    h = hashlib.sha256(json.dumps({"tokenbridge": __version__, **settings}, sort_keys=True, default=str).encode())
+    h = hashlib.sha256(json.dumps({"tokenbridge": __version__, "gate": GATE_REVISION, **settings}, sort_keys=True,
+                                  default=str).encode())
     for p in inputs:
         h.update(_digest(p).encode() if p.exists() else b"-")
     return h.hexdigest()
