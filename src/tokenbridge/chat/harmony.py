@@ -175,13 +175,13 @@ def tool_stream_doubt(content: str) -> str | None:
     Its parser never switches where the model wrote no channel word, and then the detector
     sends each delta as it is. Once one shows, the text may come back with its start sent
     twice, an end held back, text dropped after a later header word or whitespace stripped
-    after a leading one, in combinations that keep the model's count (a cold tester found
-    six). So a served text that holds a channel word after a space, or starts with a part
-    of one (the leading-header path can cut the word itself), is proven only by ids or
+    after a leading one, in combinations that keep the model's count (cold testers found
+    seven). So a served text that holds a channel word after a space, or starts with the
+    stem of one (the leading-header path can cut the word itself), is proven only by ids or
     logprobs."""
     if _CHANNEL_WORD.search(content) is None and _LEADING_STEM.match(content) is None:
         return None
-    return ("the final text holds a channel word (or starts with part of one); after one, SGLang's gpt-oss tool "
+    return ("the final text holds a channel word (or starts with the stem of one); after one, SGLang's gpt-oss tool "
             "detector sends the text before it twice, holds back or drops text and strips whitespace, in ways that "
             "can keep the model's count")
 
