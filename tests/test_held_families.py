@@ -160,3 +160,23 @@ def test_a_qwen3_call_the_detector_did_not_parse_is_not_read_from_the_count():
         (row,) = reconstruct_record(record, tok)
         assert row["status"] == "rejected" and row["completion_ids"] != native
         assert ("tool_markers_dropped" in _codes(row)) is not logprobs, row["findings"]  # logprobs say it themselves
+
+
+def test_a_call_whose_end_marker_survived_was_not_through_the_detector():
+    """``</tool_call>`` still in the content: no streaming detector deleted it (none ran over
+    this text), so a call left in it is not ``tool_markers_dropped`` (a cold reviewer)."""
+    tok = family_tokenizer("qwen3")
+    native = tok.encode("<think>\nPlan.</think>\n\n<tool_call>\nnot json\n</tool_call><|im_end|>")
+    request = {"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS,
+               "chat_template_kwargs": {"enable_thinking": True}}
+    prompt = len(tok.encode_prompt(sglang_prompt("qwen3", request)))
+    record = {"id": "q", "request": request, "response": {"choices": [{
+        "index": 0, "finish_reason": "stop", "matched_stop": native[-1],
+        "message": {"role": "assistant", "reasoning_content": "\nPlan.",
+                    "content": "\n\n<tool_call>\nnot json\n</tool_call>"}}],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": len(native)}}}
+    (row,) = reconstruct_record(record, tok)
+    assert "tool_markers_dropped" not in _codes(row)
+    record["response"]["choices"][0]["message"]["content"] = "\n\n<tool_call>\nnot json\n"  # the end deleted
+    (row,) = reconstruct_record(record, tok)
+    assert "tool_markers_dropped" in _codes(row)

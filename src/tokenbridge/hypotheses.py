@@ -291,7 +291,8 @@ def candidates(
             # a reading that already ends with the named token (GLM's <|observation|>
             # after a tool call) is that reading, not a second one
             if cand.parts and cand.parts[-1][0] == "end" and cand.parts[-1][1] != marker:
-                out.append(Candidate([*cand.parts[:-1], ("end", marker)], (*cand.names, f"end={marker}"), cand.held))
+                out.append(Candidate([*cand.parts[:-1], ("end", marker)], (*cand.names, f"end={marker}"), cand.held,
+                                     veto=cand.veto))
     return out
 
 

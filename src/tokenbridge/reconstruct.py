@@ -87,6 +87,9 @@ class _Choice:
     #: (code, why) a content that may have streamed with tools, with no ids or logprobs,
     #: cannot be read from the count: SGLang's tool detector changed it at the same count
     stream_doubt: tuple[str, str] | None = None
+    #: a reading the count alone never picks was built (``Candidate.veto``): one that ended
+    #: inside its think block, so its count teaches the run traits nothing, as ``end_in_think``'s
+    vetoed: bool = False
     #: candidate -> its completion ids, built once (a reasoning completion is thousands of ids)
     _flat: dict[int, list[int]] = field(default_factory=dict)
 
@@ -225,7 +228,8 @@ def _reconstruct(
                 if thinking and not opens and dialect.think_open_prefix else [])
     # a choice that may have ended inside its think block: its count is what is in question,
     # so it teaches the count traits nothing; it says the run needs to know whether the end is counted
-    unsure = [ends_in_think_fits(p.cands[0].parts, finish_reading(p.choice), thinking, opens) for p in plans]
+    unsure = [ends_in_think_fits(p.cands[0].parts, finish_reading(p.choice), thinking, opens) or p.vetoed
+              for p in plans]
     unclosed = sum(u and not any("end_in_think" in c.names for c in p.cands) for u, p in zip(unsure, plans))
     facts = RecordFacts(None if any(unsure) else _delta(plans, rows, usage, len(prompt_ids)), len(markered),
                         sum(any("marker_spaces" in c.names for c in p.cands) for p in markered),
@@ -449,12 +453,13 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     kept = {id(c) for c in held_cands}
     cands = [c for c in cands if not c.held or id(c) in kept]  # in their order: the formula first
     encoded = [_encode_parts(tok, c.parts, done) for c in cands]
-    if any(c.veto for c in cands):  # kept only where it ties the formula's count: ambiguous then
+    vetoed = any(c.veto for c in cands)
+    if vetoed:  # kept only where it ties the formula's count: ambiguous then
         size = [sum(map(len, e[0])) for e in encoded]
         keep = [k for k, c in enumerate(cands) if not c.veto or size[k] == size[0]]
         cands, encoded = [cands[k] for k in keep], [encoded[k] for k in keep]
     return _Choice(idx, choice, native, logged, stop, cands, [e[0] for e in encoded], [e[1] for e in encoded],
-                   held_ties=ties, stream_doubt=doubt)
+                   held_ties=ties, stream_doubt=doubt, vetoed=vetoed)
 
 
 def _spelled_resent(tok: Tokenizer, cands: list[Candidate], ids: Sequence[int] | None) -> list[Candidate]:
@@ -477,7 +482,8 @@ def _stream_doubt(dialect: Dialect, content: str) -> tuple[str, str] | None:
         why = tool_stream_doubt(content) if dialect.tool_stream_resends else None
         return None if why is None else ("harmony_message_lost", why)
     begin = dialect.tool_markers.section_begin if dialect.tool_markers is not None else None
-    if dialect.stream_deletes and begin and begin in content:
+    # a deleted marker's text still there: no streaming detector ran over this content
+    if dialect.stream_deletes and begin and begin in content and not any(d in content for d in dialect.stream_deletes):
         return ("tool_markers_dropped", f"the content holds {begin!r}, a call SGLang's tool detector did not parse; it "
                 f"deletes {' and '.join(map(repr, dialect.stream_deletes))} from the text it passes on, so where "
                 "those stood is unknown")
