@@ -62,7 +62,7 @@ def test_qwen3s_detector_holds_a_close_tag_beginning_and_the_row_says_so():
     assert record["response"]["choices"][0]["message"]["content"] == "Hello "  # the premise, from the detector
     (row,) = reconstruct_record(record, tok)
     assert row["completion_ids"] != native  # the count cannot tell: it is said, not passed
-    assert (row["status"], _codes(row)) == ("flagged", ["held_tail_unproven"])
+    assert (row["status"], _codes(row)) == ("flagged", ["held_tail_unproven", "tool_text_unproven"])
     assert "tool_start_held=</" in row["findings"][0]["message"]
     record, native = _qwen_record(content, logprobs=True)
     (row,) = reconstruct_record(record, tok)
@@ -75,7 +75,8 @@ def test_a_qwen3_answer_ending_as_served_is_flagged_only_where_a_tail_ties_it():
         record, native = _qwen_record(tok.encode(text), logprobs=False)
         (row,) = reconstruct_record(record, tok)
         assert row["completion_ids"] == native
-        assert (row["status"], _codes(row)) == (("flagged", ["held_tail_unproven"]) if flagged else ("ok", []))
+        held = ["held_tail_unproven"] if flagged else []
+        assert (row["status"], _codes(row)) == ("flagged", [*held, "tool_text_unproven"])
 
 
 def test_the_held_texts_are_what_each_parser_holds():

@@ -114,7 +114,7 @@ def test_a_tail_that_ties_the_count_is_flagged_where_the_record_streamed(tmp_pat
         assert (row["status"], row["findings"]) == ("ok", [])
         return
     assert row["status"] == "flagged"
-    assert _codes(row) == ["held_tail_unproven"]
+    assert _codes(row) == ["held_tail_unproven", "tool_text_unproven"]  # the detector's deletions: said too
     assert "tool_start_held=<|" in row["findings"][0]["message"]
 
 
@@ -155,7 +155,7 @@ def test_a_streamed_content_ending_in_a_space_without_a_held_text_is_the_tie_too
     and logprobs settle it the other way."""
     native = _native(kimi, "It starts like this: ")
     [row] = _rows(tmp_path, kimi, [_record(kimi, 0, native, stream=True)])
-    assert row["status"] == "flagged" and _codes(row) == ["held_tail_unproven"]
+    assert row["status"] == "flagged" and _codes(row) == ["held_tail_unproven", "tool_text_unproven"]
     [row] = _rows(tmp_path, kimi, [_record(kimi, 0, native, stream=True, logprobs=True)])
     assert row["status"] == "ok" and row["completion_ids"] == native
 
@@ -212,7 +212,8 @@ def test_n_choices_with_many_readings_are_still_proven_by_their_summed_count(tmp
     """Three choices ended by ``[EOS]``, streamed with tools: held tails and their ``end=[EOS]``
     copies made 67 readings a choice, over the bound on combinations, and every choice was
     ambiguous (a cold review). Only ties are kept without logprobs, and readings alike in
-    count are one option of the product: the sum proves all three."""
+    count are one option of the product: the sum proves all three (as exact as the count
+    goes: the detector's unseen deletions are said, ``tool_text_unproven``)."""
     native = [*kimi.encode("R."), kimi.token_id("</think>"), *kimi.encode("Done."), kimi.token_id("[EOS]")]
     rec = _record(kimi, 0, native, stream=True)
     first = rec["response"]["choices"][0]
@@ -222,5 +223,24 @@ def test_n_choices_with_many_readings_are_still_proven_by_their_summed_count(tmp
     rec["response"]["choices"] = [{**first, "index": k} for k in range(3)]
     rec["response"]["usage"]["completion_tokens"] = 3 * len(native)
     rows = _rows(tmp_path, kimi, [rec])
-    assert [(r["status"], r["findings"], r["reconstruction"]) for r in rows] == [("ok", [], "end=[EOS]")] * 3
+    assert [(r["status"], _codes(r), r["reconstruction"]) for r in rows] == [
+        ("flagged", ["tool_text_unproven"], "end=[EOS]")] * 3
     assert all(r["completion_ids"] == native for r in rows)
+
+
+def test_a_stray_end_marker_the_detector_deletes_is_said_not_passed(tmp_path, kimi):
+    """A cold tester's row: the model wrote a stray ``<|tool_calls_section_end|>`` between two
+    words; streamed with tools, the real detector deletes it, and ``"Helloworld"`` takes one
+    token more than ``"Hello"`` and ``"world"``: the same count, ``ok`` with wrong ids. Nothing in
+    the text shows it, so every such row says it (``tool_text_unproven``); logprobs decide."""
+    native = [*kimi.encode("Need the weather."), kimi.token_id("</think>"), *kimi.encode("Sure. Hello"),
+              kimi.token_id("<|tool_calls_section_end|>"), *kimi.encode("world."), kimi.token_id("<|im_end|>")]
+    message, _ = _served(kimi, native, stream=True)
+    assert message["content"] == "Sure. Helloworld."  # the premise, from the real detector
+    [row] = _rows(tmp_path, kimi, [_record(kimi, 0, native, stream=True)])
+    assert len(row["completion_ids"]) == len(native) and row["completion_ids"] != native  # the count cannot tell
+    assert (row["status"], _codes(row)) == ("flagged", ["tool_text_unproven"])
+    [row] = _rows(tmp_path, kimi, [_record(kimi, 0, native, stream=True, logprobs=True)])
+    assert row["status"] == "rejected" and "logprobs_mismatch" in _codes(row)
+    [row] = _rows(tmp_path, kimi, [_record(kimi, 0, native, stream=False)])  # whole: the marker stays in the text
+    assert row["status"] == "rejected"

@@ -65,6 +65,7 @@ CODES: dict[str, tuple[str, str]] = {
     "usage_reasoning_mismatch": ("error", "usage's reasoning_tokens fits no way engines count our reasoning segment"),
     "reconstruction_ambiguous": ("error", "the response fits several native sequences and no evidence picks one"),
     "held_tail_unproven": ("warning", "streamed: text a parser holds back at the end may be missing, at the same count"),
+    "tool_text_unproven": ("warning", "tools sent, maybe streamed, no ids or logprobs: the tool parser deletes tool-marker text from the content it passes on, which the count can miss"),
     "provider_strips_whitespace": ("warning", "across the run this provider's text never keeps edge whitespace: it strips, which can keep the count"),
     "provider_edits_text": ("warning", "tokenbridge probe found this provider edits text in a way that can keep the token count"),
     "completion_unproven": ("error", "unknown family (chat template only): the completion's end and think markers are guessed"),

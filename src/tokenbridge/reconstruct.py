@@ -439,7 +439,8 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
         cands = [c for c in cands if not c.held]
     if by_ids and tools_streamed and len(cands) > 1:
         cands = _spelled_resent(tok, cands, native if native is not None else (logged.ids if logged else None))
-    doubt = _stream_doubt(dialect, content_text(message.get("content"))) if tools_streamed and not by_ids else None
+    doubt = (_stream_doubt(dialect, content_text(message.get("content")), stream is True)
+             if tools_streamed and not by_ids else None)
     if len(cands) == 1:  # the common case: one reading, each part encoded as it is
         ids_1, free_1 = _encode_parts(tok, cands[0].parts, None)
         return _Choice(idx, choice, native, logged, stop, cands, [ids_1], [free_1], stream_doubt=doubt)
@@ -473,21 +474,30 @@ def _spelled_resent(tok: Tokenizer, cands: list[Candidate], ids: Sequence[int] |
     return [c for c in cands if id(c) not in drop]
 
 
-def _stream_doubt(dialect: Dialect, content: str) -> tuple[str, str] | None:
+def _stream_doubt(dialect: Dialect, content: str, streamed: bool) -> tuple[str, str] | None:
     """(code, why) where SGLang's streaming tool detector may have changed this content at
     the model's count: gpt-oss's once a channel word shows (:func:`~.chat.harmony.tool_stream_doubt`);
-    the others' where a call's begin marker is left in the text, a call it could not parse,
-    whose end marker it then deleted (``Dialect.stream_deletes``)."""
+    the others' (``Dialect.stream_deletes``) where a call's begin marker is left in the text,
+    a call it could not parse whose end it then deleted (an error), and anywhere else as a
+    warning where the record says it ``streamed`` (one that does not say is read as served,
+    as for held tails): a stray or malformed call's markers vanish unseen, and the words they
+    parted can join into one token more (``"Hello<|tool_call_end|>world"`` served
+    ``"Helloworld"``, the same count: a cold tester's)."""
     if isinstance(dialect, HarmonyDialect):
         why = tool_stream_doubt(content) if dialect.tool_stream_resends else None
         return None if why is None else ("harmony_message_lost", why)
+    deleted = dialect.stream_deletes
+    if not deleted or any(d in content for d in deleted):  # a deleted marker's text there: no detector ran
+        return None
+    named = " and ".join(map(repr, deleted))
     begin = dialect.tool_markers.section_begin if dialect.tool_markers is not None else None
-    # a deleted marker's text still there: no streaming detector ran over this content
-    if dialect.stream_deletes and begin and begin in content and not any(d in content for d in dialect.stream_deletes):
+    if begin and begin in content:
         return ("tool_markers_dropped", f"the content holds {begin!r}, a call SGLang's tool detector did not parse; it "
-                f"deletes {' and '.join(map(repr, dialect.stream_deletes))} from the text it passes on, so where "
-                "those stood is unknown")
-    return None
+                f"deletes {named} from the text it passes on, so where those stood is unknown")
+    if not streamed:
+        return None
+    return ("tool_text_unproven", f"SGLang's streaming tool detector deletes {named} from the text it passes on: a "
+            "stray or malformed call's markers would leave no trace, and the words they parted can make up the count")
 
 
 def _encode_parts(tok: Tokenizer, parts: Sequence[tuple[str, str]], done: dict[str, tuple[list[int], bool]] | None,

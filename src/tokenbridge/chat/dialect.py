@@ -154,9 +154,11 @@ class Dialect:
     #: sent tools (kimi_k2, qwen25), or the reasoning parser, which always runs (harmony).
     stream_held_needs_tools: bool = True
     #: Marker texts SGLang 0.5.23's streaming tool detector (``tools`` sent) deletes from the
-    #: content it passes on (qwen25, glm4_moe: ``</tool_call>``; deepseekv31: its two ends):
-    #: where the content still shows a call's begin marker, the call did not parse, and where
-    #: its end marker stood is unknown (``tool_markers_dropped``).
+    #: content it passes on (qwen25, glm4_moe: ``</tool_call>``; deepseekv31, kimi_k2: their
+    #: two ends; kimi_k2 a section's begin too): where the content still shows a call's begin
+    #: marker, the call did not parse and where its end stood is unknown
+    #: (``tool_markers_dropped``); elsewhere a stray marker may have gone unseen, and joined
+    #: words can make up its token (``tool_text_unproven``).
     stream_deletes: tuple[str, ...] = ()
     #: Text SGLang 0.5.23's reasoning parser for this family takes for a tool call's start
     #: where the tool markers do not begin with it (DeepSeek V3.x's ``deepseek-v3`` parser,
