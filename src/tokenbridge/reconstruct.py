@@ -428,9 +428,9 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     # counted) and a cut right after </think> (one more, as vLLM's held-back partial character is)
     # (logprobs whose markers are all known tell these apart: the readings differ by a marker only)
     by_ids = native is not None or (logged is not None and logged.ids is not None and UNKNOWN_MARKER not in logged.ids)
-    holds = stream is not False and (not dialect.stream_held_needs_tools or _sends_tools(ex.request))
-    held = held_tails(dialect.stream_held_starts, dialect.stream_held_min) if holds else ()
     tools_streamed = stream is not False and _sends_tools(ex.request)
+    holds = tools_streamed or (stream is not False and not dialect.stream_held_needs_tools)
+    held = held_tails(dialect.stream_held_starts, dialect.stream_held_min) if holds else ()
     # gpt-oss: what SGLang's tool detector did to a final text only ids or logprobs can say
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
