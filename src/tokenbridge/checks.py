@@ -290,8 +290,11 @@ def _empty_block_proven(view: SampleView, policy: Policy) -> bool:
     counted, and a turn without the block counts fewer)."""
     if not any(kind == "think_end" for kind, _ in view.parts):
         return False
-    if view.proven_by_ids:
-        return True
+    return view.proven_by_ids or _count_exact(view, policy)
+
+
+def _count_exact(view: SampleView, policy: Policy) -> bool:
+    """Usage's completion count is ours exactly, with no tolerance."""
     pair = view.usage_completion
     return pair is not None and policy.usage_tolerance == 0 and pair[0] == pair[1]
 
@@ -302,8 +305,7 @@ def _no_analysis_proven(view: SampleView, policy: Policy) -> bool:
     provider withheld would be counted; logprobs of the final text alone would fit too)."""
     if not isinstance(view.dialect, HarmonyDialect) or not view.proven_by_ids:
         return False
-    pair = view.usage_completion
-    return view.native_completion is not None or (pair is not None and policy.usage_tolerance == 0 and pair[0] == pair[1])
+    return view.native_completion is not None or _count_exact(view, policy)
 
 
 def _structured_tools(view: SampleView, policy: Policy) -> Iterator[_Hit]:

@@ -286,7 +286,13 @@ def candidates(
     out = [r for c in out for r in (c, *_held_readings(c, held, thinking))]
     out += _cut_after_close(dialect, out, finish_reason, thinking, prompt_opens_think, cut_after_close)
     out += _ended_in_think(out, finish_reason, thinking, prompt_opens_think, end_in_think)
-    for marker in end_markers:
+    return _with_ends(out, end_markers)
+
+
+def _with_ends(out: list[Candidate], markers: Sequence[str]) -> list[Candidate]:
+    """``out``, then each reading that ends a turn with each of ``markers`` as its end token
+    instead (``end=<marker>``)."""
+    for marker in markers:
         for cand in list(out):
             # a reading that already ends with the named token (GLM's <|observation|>
             # after a tool call) is that reading, not a second one
@@ -433,13 +439,7 @@ def _harmony(dialect: HarmonyDialect, message: Mapping[str, Any], finish_reason:
     if resends and dialect.tool_stream_resends:
         out += [r for c in list(out) for r in _resent_readings(c)]
     out = [r for c in out for r in (c, *(() if c.held else _held_readings(c, held, thinking=True)))]
-    for marker in end_markers:
-        if marker in dialect.end_tokens:
-            continue
-        for cand in list(out):
-            if cand.parts and cand.parts[-1][0] == "end":
-                out.append(Candidate([*cand.parts[:-1], ("end", marker)], (*cand.names, f"end={marker}"), cand.held))
-    return out
+    return _with_ends(out, [m for m in end_markers if m not in dialect.end_tokens])
 
 
 #: What SGLang's harmony text strategy may hold back at the end of the stream and never send.
