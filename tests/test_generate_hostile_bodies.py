@@ -94,7 +94,7 @@ def test_deep_values_in_messages_usage_and_indexes_are_shown_by_type():
     out, _ = classify_response(200, {}, '{"error": {"code": 503, "message": ' + deep + "}}")
     assert (out.kind, out.error_class, out.message) == ("retry", "api_error", "<list nested too deep to show>")
     # an index that is no count is the choice's place, as reconstruct reads it: the paid answer is kept
-    msg = '"message": {"content": "x"}'
+    msg = '"message": {"content": "x"}, "finish_reason": "stop"'
     out, _ = classify_response(200, {}, '{"choices": [{' + msg + ', "index": ' + deep + "}]}")
     assert (out.kind, out.error_class) == ("ok", None)
     out, _ = classify_response(200, {}, '{"choices": [{' + msg + ', "index": ' + deep + '}, {' + msg + ', "index": 0}]}')

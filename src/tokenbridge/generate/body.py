@@ -65,13 +65,15 @@ class ResponseTooLarge(Exception):
     """A body or stream passed ``max_response_bytes`` while being read."""
 
 
-async def read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+async def read_capped(resp: aiohttp.ClientResponse, cap: int, into: bytearray | None = None) -> bytes:
     """The whole body, refused as soon as it passes ``cap`` bytes (never buffered past it).
     The count is of the bytes as read, after any ``Content-Encoding`` is undone, so a small
-    gzip body that inflates to gigabytes stops at the cap too."""
+    gzip body that inflates to gigabytes stops at the cap too. ``into``: the caller's buffer,
+    which keeps what came when the read fails (a reset or a deadline after the whole answer
+    arrived: a paid answer is then still there to keep)."""
     if resp.content_length is not None and resp.content_length > cap:
         raise ResponseTooLarge(f"response of {resp.content_length} bytes is over max_response_bytes={cap}")
-    buf = bytearray()
+    buf = bytearray() if into is None else into
     async for chunk in resp.content.iter_any():
         buf += chunk
         if len(buf) > cap:

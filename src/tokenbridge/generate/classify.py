@@ -19,9 +19,11 @@ a repeated index)
 choices beside it or not
 200 a choice with ``finish_reason: error``  retry            choice_error
 (or a ``native_finish_reason`` of
-``abort`` / ``error``)
+``abort`` / ``error``, or no
+``finish_reason`` at all)
 408 409 425 5xx                            retry            http_<status>
 429                                        rate_limited     http_429 (shrinks concurrency)
+3xx (a redirect: not followed)             fail             http_<status>
 400 401 403 other 4xx                      fail             http_<status>
 402                                        payment          http_402 (stops the run)
 404 "No endpoints found"                   unavailable      no_endpoints (fails that routing)
@@ -109,6 +111,8 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
         text = _text(body, headers)
         parsed = _parse_json(text)
         message = _error_message(parsed, text, key) or f"HTTP {status}"
+        if 300 <= status <= 399:
+            message = _redirected(status, headers, key)
         return _by_status(status, message, retry_after), parsed
     try:  # a 200 is kept only if it can be re-emitted losslessly (see .body): the strict read first,
         # which nearly every 200 passes, so its body is parsed once
@@ -117,7 +121,7 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
         text = _text(body, headers)
         lenient = _parse_json(text)
         if lenient is None:
-            return Outcome("retry", "bad_json", _not_json(body, text, key), status), None
+            return Outcome("retry", "bad_json", _not_json(body, headers, text, key), status), None
         return Outcome("retry", "bad_json", str(exc), status), lenient if isinstance(lenient, dict) else None
     if parsed.get("error") is not None:  # an error body, choices beside it or not
         return _error_body(parsed, _text(body, headers), key, retry_after), parsed
@@ -134,6 +138,8 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
                 f"choice finished with native_finish_reason {native_finish(choice)!r}" if _aborted(choice)
                 else "choice finished with error")
             return Outcome("retry", "choice_error", message, status), parsed
+        if isinstance(choice, dict) and choice.get("finish_reason") is None:  # the gate rejects it (finish_error)
+            return Outcome("retry", "choice_error", "a choice came without finish_reason: it did not finish", status), parsed
     return Outcome("ok", status=status), parsed
 
 
@@ -206,13 +212,24 @@ def _charset(content_type: str, body: bytes) -> str:
     return "utf-8"
 
 
-def _not_json(body: bytes | str, text: str, key: ApiKey | str | None) -> str:
-    """Why a 200 is not JSON, quoting its start; a gzip body sent without ``Content-Encoding``
-    is named, not quoted (its bytes are no text, and a clip of them is a clip of whatever it
-    compressed, the key included)."""
+def _not_json(body: bytes | str, headers: Mapping[str, str], text: str, key: ApiKey | str | None) -> str:
+    """Why a 200 is not JSON, quoting its start; a gzip body left compressed is named, not
+    quoted (its bytes are no text, and a clip of them is a clip of whatever it compressed,
+    the key included)."""
     if isinstance(body, bytes) and body.startswith(b"\x1f\x8b"):
-        return f"response is gzip-compressed but says no Content-Encoding ({len(body)} bytes)"
+        coding = headers.get("Content-Encoding") or headers.get("content-encoding")
+        said = f"says Content-Encoding {_clip(coding, key, 40)!r}, which was not undone" if coding else "says no Content-Encoding"
+        return f"response is gzip-compressed but {said} ({len(body)} bytes)"
     return f"response is not JSON: {_clip(text, key)!r}"
+
+
+def _redirected(status: int, headers: Mapping[str, str], key: ApiKey | str | None) -> str:
+    """A redirect, which is not followed: aiohttp would send a 301-303's POST again as a
+    body-less GET (and keep that GET's answer as this request's), and a changed host is
+    where the key would go next; the base URL is what to fix."""
+    where = headers.get("Location") or headers.get("location")
+    to = f" to {_clip(where, key, 200)!r}" if where else ""
+    return f"HTTP {status}: the API redirected{to}; redirects are not followed: set base_url to where it points"
 
 
 #: What an HTTP attempt's transport can raise: aiohttp's errors, sockets and timeouts

@@ -53,7 +53,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import aiohttp
 import orjson
@@ -505,12 +505,11 @@ class Engine:
         started_at = time.time()
         t0 = item.sent_at = time.monotonic()
         self.stats.requests += 1
-        body = b""
-        raw: bytes | None = None
-        streamed = False
+        got = bytearray()  # a body as read so far: kept when the read fails after it all came
+        sse: _StreamRead | None = None
         status: int | None = None
         headers: Any = {}
-        parsed: Any = None
+        failed: Outcome | None = None  # how the transfer failed, if it did
         limit, total = _attempt_limit(self.s, stream)
         deadline = asyncio.timeout(total)
         try:
@@ -520,29 +519,44 @@ class Engine:
                 sock_connect=self.s.connect_timeout_s,
                 sock_read=self.s.read_timeout_s if stream else None,
             )
+            # a redirect is not followed: aiohttp would turn the POST into a body-less GET and
+            # store that GET's answer as this request's (see classify's 3xx)
             async with deadline, session.post(self._url, data=wire, headers=self._request_headers,
-                                              timeout=timeout) as resp:
+                                              timeout=timeout, allow_redirects=False) as resp:
                 status, headers = resp.status, resp.headers
-                ctype = resp.headers.get("Content-Type", "")
-                if stream and status == 200 and "text/event-stream" in ctype:
-                    streamed = True
-                    body, raw, outcome, parsed = await self._read_stream(resp)
+                if stream and status == 200 and _media_type(headers) == "text/event-stream":
+                    sse = _StreamRead(StreamAssembler(key=self.key))
+                    await self._read_events(resp.content.iter_any(), sse)
                 else:
-                    body = scrub_bytes(await read_capped(resp, self.s.max_response_bytes), self.key)  # before any message is cut
-                    outcome, parsed = classify_response(status, resp.headers, body, key=self.key)
+                    await read_capped(resp, self.s.max_response_bytes, into=got)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except ResponseTooLarge as exc:
-            outcome = classify_too_large(status, headers, exc)
+            failed = classify_too_large(status, headers, exc)
         except TimeoutError as exc:
             if deadline.expired():
-                outcome = Outcome("retry", "timeout", f"attempt took longer than {limit}={total:g} s in all",
-                                  status, maybe_billed=True)
+                failed = Outcome("retry", "timeout", f"attempt took longer than {limit}={total:g} s in all",
+                                 status, maybe_billed=True)
             else:
-                outcome = classify_exception(exc)
+                failed = classify_exception(exc)
         except TRANSPORT_FAILURES as exc:  # classified; anything else is a bug (internal, with its traceback)
-            outcome = classify_exception(exc)
+            failed = classify_exception(exc)
         latency = time.monotonic() - t0
+        if sse is None and stream and status == 200 and _sse_shaped(got) and (
+                failed is None or failed.error_class != "response_too_large"):
+            # a stream under another Content-Type (none, text/plain, any case): read as the stream it is
+            sse = _StreamRead(StreamAssembler(key=self.key), got)
+            sse.fold(bytes(got), last=failed is None)
+        raw: bytes | None = None
+        parsed: Any = None
+        if sse is not None and (failed is None or failed.error_class != "response_too_large"):
+            body, raw, outcome, parsed = self._stream_result(sse, headers, failed)
+        elif failed is not None:
+            body, outcome, parsed = self._salvaged(status, headers, got, failed)
+        else:
+            body = scrub_bytes(bytes(got), self.key)  # before any message is cut
+            outcome, parsed = classify_response(status or 0, headers, body, key=self.key)
+        streamed = raw is not None or (sse is not None and sse.asm.chunks > 0)
         message = _clip(scrub(outcome.message, self.key))
         usage = checked_usage(parsed, key=self.key)  # an error body may carry usage too: a billed retry counts
         cost = cost_of(usage.usage, self.s.prices)
@@ -572,36 +586,54 @@ class Engine:
         )
         return outcome, record, attempt, usage
 
-    async def _read_stream(self, resp: aiohttp.ClientResponse) -> tuple[bytes, bytes | None, Outcome, Any]:
-        """Read an SSE body: (assembled JSON bytes, raw stream bytes, outcome, parsed).
+    def _salvaged(self, status: int | None, headers: Any, got: bytearray, failed: Outcome,
+                  ) -> tuple[bytes, Outcome, Any]:
+        """(body, outcome, parsed) of a non-streamed read that failed: a 200 whose bytes so far
+        are a whole answer is kept (its transfer did not end cleanly: a reset before the last
+        chunk, a short ``Content-Length``, a deadline while the server held the connection); of
+        any other 200 the bytes go to the attempt row and their usage is booked."""
+        if status != 200 or failed.error_class == "response_too_large" or not got:
+            return b"", failed, None
+        body = scrub_bytes(bytes(got), self.key)
+        outcome, parsed = classify_response(200, headers, body, key=self.key)
+        if outcome.kind == "ok":
+            self._notice(f"an answer whose transfer did not end cleanly ({failed.message}) came whole: kept")
+            return body, outcome, parsed
+        return body, dataclasses.replace(failed, maybe_billed=True), parsed
+
+    async def _read_events(self, chunks: AsyncIterator[bytes], sse: _StreamRead) -> None:
+        """Read an SSE body into ``sse``, up to ``[DONE]`` or the end. Raises what the transport
+        raises, and :class:`ResponseTooLarge` past ``max_response_bytes`` unless a chunk was
+        already refused (then what was read is kept, for its usage)."""
+        cap = self.s.max_response_bytes
+        async for chunk in chunks:
+            sse.raw += chunk
+            if len(sse.raw) > cap:
+                if sse.failure is not None:
+                    return
+                raise ResponseTooLarge(f"stream passed max_response_bytes={cap} while being read")
+            sse.fold(chunk)
+            if sse.asm.done:  # [DONE]: nothing more belongs to this response
+                return
+        sse.fold(b"", last=True)
+
+    def _stream_result(self, sse: _StreamRead, headers: Any, cut: Outcome | None,
+                       ) -> tuple[bytes, bytes | None, Outcome, Any]:
+        """(assembled JSON bytes, raw stream bytes, outcome, parsed) of a stream read into ``sse``;
+        ``cut``: how its transfer failed (a reset, a read timeout, the attempt's deadline), if it did.
 
         The key is masked in the *assembled* body and in the whole raw stream, never in
         pieces; if the answer itself carried the key, it may be split across events in
         the raw stream where no byte pattern finds it, so that raw stream is not kept.
-        A stream that is not kept was billed all the same: it is read on past a refused
-        chunk for its usage (``parsed`` holds only that), and its raw bytes go with it."""
-        cap = self.s.max_response_bytes
-        raw = bytearray()
-        decoder = SSEDecoder()
-        asm = StreamAssembler(key=self.key)
-        failure: ValueError | None = None  # the first chunk refused, or bytes that do not decode
-        try:
-            async for chunk in resp.content.iter_any():
-                raw += chunk
-                if len(raw) > cap:
-                    if failure is not None:
-                        break  # already refused: keep what was read
-                    raise ResponseTooLarge(f"stream passed max_response_bytes={cap} while being read")
-                failure = _fold(asm, decoder.feed(chunk), failure)
-                if asm.done:  # [DONE]: nothing more belongs to this response
-                    break
-            else:
-                failure = _fold(asm, decoder.close(), failure)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            if failure is None and not (asm.finished and not asm.errors):
-                raise
-            if failure is None:  # cut after every choice finished: the answer is whole, only usage / [DONE] is missing
-                self._notice(f"a stream was cut after its finish_reason ({type(exc).__name__}); kept without its tail")
+        A stream that is not kept was billed all the same: its usage is read past a refused
+        chunk (``parsed`` holds only that), its raw bytes go with it, and so do a cut
+        stream's. One cut after every choice finished is kept: only usage or ``[DONE]`` is
+        missing (also where keep-alive comments ran on until the deadline)."""
+        asm, raw, failure = sse.asm, sse.raw, sse.failure
+        if cut is not None and failure is None:
+            if not (asm.finished and not asm.errors):
+                return b"", self._unkept_stream(asm, raw), dataclasses.replace(cut, maybe_billed=True), _usage_part(asm)
+            self._notice(f"a stream was cut after its finish_reason ({cut.message}); kept without its tail")
         if failure is not None:
             message = scrub(str(failure), self.key)
             return b"", self._unkept_stream(asm, raw), Outcome("retry", "bad_stream", message, 200,
@@ -618,6 +650,10 @@ class Engine:
             return (b"", self._unkept_stream(asm, raw),
                     Outcome(out.kind, cls, message, 200, out.retry_after, maybe_billed=True), _usage_part(asm))
         if not asm.chunks:
+            if bytes(raw).lstrip(_SPACE).startswith(b"{"):  # a whole JSON answer under a stream's Content-Type
+                body = scrub_bytes(bytes(raw), self.key)
+                outcome, parsed = classify_response(200, headers, body, key=self.key)
+                return body, None, outcome, parsed
             return b"", self._unkept_stream(asm, raw), Outcome("retry", "bad_stream", "stream ended before any chunk",
                                                                  200, maybe_billed=True), None
         if not asm.finished:
@@ -630,7 +666,7 @@ class Engine:
                 "retry", "bad_stream", f"stream cannot be assembled: {exc}", 200, maybe_billed=True), _usage_part(asm)
         body, kept_raw = self._masked_stream(assembled, raw, "a streamed answer carried the API key: masked, and its "
                                              "raw stream not kept")
-        outcome, parsed = classify_response(200, resp.headers, body, key=self.key)
+        outcome, parsed = classify_response(200, headers, body, key=self.key)
         return body, kept_raw, outcome, parsed
 
     def _unkept_stream(self, asm: StreamAssembler, raw: bytearray) -> bytes | None:
@@ -778,6 +814,25 @@ class Engine:
 
 
 
+@dataclass
+class _StreamRead:
+    """A stream as read so far, held by the attempt rather than the read: a read that ends in
+    an exception (a reset; the attempt's deadline, which arrives inside the read as a
+    cancellation) leaves what came, so a paid answer that came whole is still kept."""
+
+    asm: StreamAssembler
+    raw: bytearray = field(default_factory=bytearray)
+    decoder: SSEDecoder = field(default_factory=SSEDecoder)
+    #: the first chunk refused, or bytes that did not decode
+    failure: ValueError | None = None
+
+    def fold(self, chunk: bytes, *, last: bool = False) -> None:
+        """Decode ``chunk`` (``last``: and whatever the decoder held) into the assembler."""
+        self.failure = _fold(self.asm, self.decoder.feed(chunk), self.failure)
+        if last and not self.asm.done:
+            self.failure = _fold(self.asm, self.decoder.close(), self.failure)
+
+
 def _fold(asm: StreamAssembler, events: Iterable[SSEEvent], failure: ValueError | None) -> ValueError | None:
     """Add the events (a decoder's generator: it decodes as it is iterated) to the assembler,
     going on past a chunk it refuses (a usage chunk after it still bills the stream); returns
@@ -785,6 +840,8 @@ def _fold(asm: StreamAssembler, events: Iterable[SSEEvent], failure: ValueError 
     not decode: those are skipped)."""
     try:
         for event in events:
+            if asm.done:  # [DONE]: nothing after it belongs to this response
+                break
             try:
                 asm.add_event(event)
             except StreamError as exc:
@@ -792,6 +849,22 @@ def _fold(asm: StreamAssembler, events: Iterable[SSEEvent], failure: ValueError 
     except UnicodeDecodeError as exc:
         failure = failure or exc
     return failure
+
+
+#: Bytes around an SSE body's first field or a JSON body's first brace.
+_SPACE = b" \t\r\n"
+#: How an SSE body's first line starts (a field, or a comment such as OpenRouter's keep-alive).
+_SSE_STARTS = (b"data:", b":", b"event:", b"id:", b"retry:")
+
+
+def _media_type(headers: Any) -> str:
+    """The ``Content-Type``'s media type, lower case (media types are case-insensitive, RFC 9110)."""
+    return str(headers.get("Content-Type", "")).split(";", 1)[0].strip().lower()
+
+
+def _sse_shaped(body: bytearray) -> bool:
+    """Whether a body asked for as a stream reads as one whatever its ``Content-Type`` said."""
+    return bytes(body[:64]).lstrip(_SPACE).startswith(_SSE_STARTS)
 
 
 def _usage_part(asm: StreamAssembler) -> dict[str, Any] | None:

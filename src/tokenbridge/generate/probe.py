@@ -394,7 +394,8 @@ class _Sender:
         status = None
         headers: Any = {}
         try:
-            async with self.session.post(self.url, data=body, headers=self.headers) as resp:
+            # a redirect is not followed, as generate does not (see classify's 3xx)
+            async with self.session.post(self.url, data=body, headers=self.headers, allow_redirects=False) as resp:
                 status, headers = resp.status, resp.headers
                 raw = scrub_bytes(await read_capped(resp, self.max_response_bytes), self.key)  # masked before any clip
                 outcome, parsed = classify_response(status, resp.headers, raw, key=self.key)
