@@ -66,7 +66,7 @@ def test_cli_reconstruct_summary_and_exit_code(tmp_path, kimi_dir):
     res = CliRunner().invoke(app, ["reconstruct", str(EXAMPLE), "-o", str(out), "--tokenizer", str(kimi_dir),
                                    "--summary-json", str(summary)])
     assert res.exit_code == 1
-    assert "exchanges.jsonl:8: request.messages[0].role: missing or not a string" in res.output
+    assert "exchanges.jsonl:8: request.messages[0].role: missing\n" in res.output
     assert "structured_tool_calls" in res.output and "eos_in_text" in res.output
     assert json.loads(summary.read_text())["status"] == {"ok": 4, "flagged": 1, "rejected": 2}
     assert len(read_jsonl(out)) == 7

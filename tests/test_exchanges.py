@@ -6,6 +6,7 @@ import copy
 
 import pytest
 
+from tokenbridge.content import ROLES
 from tokenbridge.exchanges import RecordError, parse_exchange
 
 GOOD = {
@@ -36,8 +37,17 @@ CASES = [
     (_bad("request", KeyError), "request", "missing"),
     (_bad("request.messages", []), "request.messages", "must be a non-empty list"),
     (_bad("request.messages.0", "hi"), "request.messages[0]", "must be an object"),
-    (_bad("request.messages.0.role", 3), "request.messages[0].role", "missing or not a string"),
-    (_bad("request.messages.0.content", 3), "request.messages[0].content", "must be a string, a list of parts or null"),
+    (_bad("request.messages.0.role", KeyError), "request.messages[0].role", "missing"),
+    (_bad("request.messages.0.role", 3), "request.messages[0].role", f"unknown role 3 (expected one of {sorted(ROLES)})"),
+    # the roles and content parts an export would refuse: a bad line here, not an ok row that stops every export
+    (_bad("request.messages.0.role", "human"), "request.messages[0].role",
+     f"unknown role 'human' (expected one of {sorted(ROLES)})"),
+    (_bad("request.messages.0.role", "function"), "request.messages[0].role",
+     f"unknown role 'function' (expected one of {sorted(ROLES)})"),
+    (_bad("request.messages.0.content", 3), "request.messages[0].content",
+     "must be a string, null or a list of content parts, got int"),
+    (_bad("request.messages.0.content", [{"text": "x"}]), "request.messages[0].content[0]",
+     "must be a content part object with a string 'type'"),
     (_bad("request.messages.0.tool_calls", {}), "request.messages[0].tool_calls", "must be a list"),
     (_bad("request.tools", {}), "request.tools", "must be a list"),
     (_bad("response", []), "response", "must be an object"),

@@ -12,6 +12,7 @@ from typing import Any, NotRequired, TypedDict
 from collections.abc import Iterator, Mapping
 
 from . import jsonl
+from .content import content_fault, role_fault
 from .jsonl import is_int, iter_lines, not_text
 
 __all__ = ["CheckedResponse", "Exchange", "ExchangeRecord", "RecordError", "check_request", "check_response", "choice_index",
@@ -202,11 +203,18 @@ def _check_switches(request: dict[str, Any]) -> None:
 
 
 def _check_message(m: Any, at: str) -> None:
+    """A request message by the rules prompt loading sends and the row check exports by
+    (:mod:`.content`): a record whose prompt an export would refuse (a ``human`` role, a
+    content part without ``type``) is a bad line here, not an ``ok`` row that stops every
+    export of the file."""
     if not isinstance(m, dict):
         raise RecordError(at, "must be an object")
-    if not isinstance(m.get("role"), str):
-        raise RecordError(f"{at}.role", "missing or not a string")
-    _check_content(m.get("content"), f"{at}.content")
+    if "role" not in m:
+        raise RecordError(f"{at}.role", "missing")
+    if why := role_fault(m["role"]):
+        raise RecordError(f"{at}.role", why)
+    if fault := content_fault(m.get("content")):
+        raise RecordError(f"{at}.content{fault[0]}", fault[1])
     calls = m.get("tool_calls")
     if calls is None:
         return
