@@ -242,6 +242,26 @@ def test_a_store_write_failure_is_exit_6_with_a_note(finished, tmp_path, monkeyp
     assert "stopped: store_error" in res.output
 
 
+def test_a_summary_json_that_cannot_be_written_after_the_run_is_exit_1_not_2(finished, tmp_path, monkeypatch):
+    """A full disk under --summary-json after a paid run exited 2, the usage-error status;
+    a failed write is 1 (docs/contracts.md), and the line says the run itself is kept."""
+    import errno
+
+    from tokenbridge import fsio
+
+    _, args = finished
+    target = tmp_path / "summary.json"
+
+    def full(path, text, **kw):
+        raise fsio.OutputWriteError(Path(path), OSError(errno.ENOSPC, "No space left on device"))
+
+    monkeypatch.setattr(fsio, "write_text", full)
+    res = _invoke([*args, "--summary-json", str(target)])
+    assert res.exit_code == ExitCode.INCOMPLETE and "Traceback" not in res.output, res.output
+    assert res.output.strip().splitlines()[-1] == (f"error: --summary-json: {target}: cannot write (No space left on device); nothing partial was "
+                    f"kept; the run itself is stored in {tmp_path / 'run'}")
+
+
 # --- prompt sources that cannot be read: one line naming dataset and file, exit 2 ---------
 
 _NO_OVERRIDE = ["--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]

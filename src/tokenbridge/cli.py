@@ -342,7 +342,8 @@ def generate(
 ) -> None:
     """Send every prompt to the API once and store each response verbatim (resumable).
 
-    Exit codes: 0 all done, 1 some samples failed or rows were bad, 2 usage/config error, 3 HTTP 402,
+    Exit codes: 0 all done, 1 some samples failed or rows were bad (or --summary-json could not be written),
+    2 usage/config error, 3 HTTP 402,
     4 --max-cost reached, 5 repeated 401, 6 store write failed, 7 run folder in use, 8 internal error,
     130 interrupted.
     """
@@ -381,7 +382,8 @@ def generate(
     _echo_run_problems(summary, out, quiet=settings.progress == "none")  # else the progress log showed them
     _say(f"exchanges: {summary.exchanges}"
          + (f" ({summary.left_out} other stored samples left out)" if summary.left_out else ""))
-    _write_summary(summary_json, summary.to_dict())
+    _write_summary(summary_json, summary.to_dict(), status=summary.exit_code,
+                   kept=f"; the run itself is stored in {out}")
     raise typer.Exit(summary.exit_code)
 
 
@@ -451,7 +453,7 @@ def _generate_dry_run(settings: GenerateSettings, out: Path, summary_json: Path 
     report = dry_run(settings, out)
     for line in report.lines(listed_in=summary_json):
         _say(line)
-    _write_summary(summary_json, report.to_dict())
+    _write_summary(summary_json, report.to_dict(), status=report.exit_code)
     raise typer.Exit(report.exit_code)
 
 
@@ -500,9 +502,12 @@ _GENERATE_FLAGS = {
 
 
 def _write_summary(path: Path | None, data: Mapping[str, object], flag: str = "--summary-json",
-                   point: str = "summary-json") -> None:
+                   point: str = "summary-json", *, status: int = ExitCode.OK, kept: str = "") -> None:
     """Write a command's JSON document where its ``flag`` says (atomic); a failure is the
-    command's one error line, naming the flag and the path."""
+    command's one error line, naming the flag and the path. A failed write (ENOSPC, EROFS)
+    exits 1, as every stage's failed output does (2 is a usage error: the run was fine), or
+    with ``status``, the command's own exit status, when that is already another failure;
+    ``kept`` says where what the command did is kept."""
     if path is None:
         return
     from .fsio import OutputWriteError, write_text
@@ -510,8 +515,10 @@ def _write_summary(path: Path | None, data: Mapping[str, object], flag: str = "-
 
     try:
         write_text(path, dumps_document(data), point=point)
-    except (OSError, OutputWriteError) as exc:
-        _fail(f"{flag} {path}: {getattr(exc, 'strerror', None) or exc}")
+    except OutputWriteError as exc:
+        _fail(f"{flag}: {exc}{kept}", getattr(exc, "exit_code", None) or status or ExitCode.INCOMPLETE)
+    except OSError as exc:
+        _fail(f"{flag} {path}: cannot write ({exc.strerror or exc}){kept}", status or ExitCode.INCOMPLETE)
 
 
 @app.command()
