@@ -375,8 +375,18 @@ def test_generate_flags_override_the_file(tmp_path):
      "(letters, digits and !#$%&'*+-.^_`|~; no space, colon or control character)"),
     # the top-level model lost to [request]'s without a word
     ('[request]\nmodel = "other"', "1: model: also set as request.model; set it in one place"),
+    # extra_body is merged last: it replaced these settings in every body (instant-mode answers, another provider)
+    ("[request]\nreasoning = {enabled = true}\nextra_body = {reasoning = {enabled = false}}",
+     "4: request.extra_body.reasoning.enabled: also set by request.reasoning.enabled; set it in one place "
+     "(extra_body is merged last and would silently replace it)"),
+    ('[request]\nextra_body = {provider = {order = ["b"], sort = "price"}}\n[request.provider]\norder = ["a"]',
+     "3: request.extra_body.provider.order: also set by request.provider.order; set it in one place "
+     "(extra_body is merged last and would silently replace it)"),
+    ("reasoning = 'low'\nextra_body = {reasoning = {effort = 'high'}}",
+     "2: extra_body.reasoning.effort: also set by reasoning.effort; set it in one place "
+     "(extra_body is merged last and would silently replace it)"),
 ], ids=["nan", "nested-inf", "date", "messages", "model-and-n", "stream", "reasoning-string", "header-crlf",
-        "header-name", "model-twice"])
+        "header-name", "model-twice", "extra-reasoning-leaf", "extra-provider-leaf", "extra-over-top-level"])
 def test_generate_config_refuses_what_could_not_be_sent_as_meant(tmp_path, text, message):
     path = _write(tmp_path, 'model = "m"\n' + text + "\n" if text.startswith("[") else text + '\nmodel = "m"\n', "gen.toml")
     with pytest.raises(ConfigError) as err:
@@ -394,6 +404,44 @@ def test_extra_body_keys_tokenbridge_does_not_own_still_pass_and_merge(tmp_path)
     assert s.headers == {"X-Title": "caf\u00e9"}  # sent as UTF-8 (obs-text): not refused
 
 
+def test_extra_body_may_not_replace_what_a_flag_sets(tmp_path):
+    """Flags override the file, but extra_body was merged over them: ``--reasoning on
+    --provider-only good`` sent ``reasoning.enabled: false`` and the file's provider,
+    paid for, without a word. One line per clash, naming the flag and the extra_body key."""
+    cfg = _write(tmp_path, 'model = "m"\n[request]\nextra_body = { provider = { only = ["cheap"] }, '
+                 'reasoning = { enabled = false }, return_token_ids = true }\n', "gen.toml")
+    prompts = _write(tmp_path, json.dumps({"prompt": "hi"}) + "\n", "p.jsonl")
+    res = CliRunner().invoke(app, ["generate", str(prompts), "--config", str(cfg), "--out", str(tmp_path / "run"),
+                                   "--base-url", "http://127.0.0.1:9/v1", "--reasoning", "on",
+                                   "--provider-only", "good"], env={})
+    assert res.exit_code == ExitCode.CONFIG, res.output
+    assert res.output.strip().splitlines() == [
+        "error: --provider-only: also set by extra_body.provider.only in the config; set it in one place "
+        "(extra_body is merged last and would silently replace this value)",
+        "error: --reasoning: enabled: also set by extra_body.reasoning.enabled in the config; set it in one place "
+        "(extra_body is merged last and would silently replace this value)"]
+    assert not (tmp_path / "run").exists()
+    # keys of its own (and other leaves of the tables it shares) still merge
+    s = GenerateSettings().with_overrides(request={"extra_body": {"reasoning": {"max_tokens": 9}}, "reasoning": "high"})
+    from tokenbridge.generate.prompts import Sample
+    from tokenbridge.generate.request import build_request
+
+    assert build_request(Sample("a", "d", [{"role": "user", "content": "x"}]), s.request)["reasoning"] == {
+        "effort": "high", "max_tokens": 9}
+
+
+def test_settings_built_in_python_whose_extra_body_replaces_one_are_refused_when_built_into_a_request():
+    from tokenbridge.generate.prompts import Sample
+    from tokenbridge.generate.request import build_request
+    from tokenbridge.generate.settings import RequestSettings
+
+    rs = RequestSettings(model="m", seed=1, provider={"only": ["a"]}, extra_body={"provider": {"only": ["b"]}})
+    with pytest.raises(ConfigError) as err:
+        build_request(Sample("a", "d", [{"role": "user", "content": "x"}]), rs)
+    assert str(err.value) == ("request.extra_body.provider.only: also set by request.provider.only; set it in one "
+                              "place (extra_body would silently replace it)")
+
+
 def test_a_header_built_in_python_is_checked_too():
     with pytest.raises(ConfigError, match="header X-T: value holds a control character"):
         GenerateSettings(headers={"X-T": "a\nb"})
@@ -406,6 +454,15 @@ def test_run_config_refuses_a_non_finite_extra_body_value(tmp_path, kimi_dir):
     assert _run_errors(_write(tmp_path, text)) == [
         f"{tmp_path / 'run.toml'}:{_line(text, 'extra_body')}: generate.extra_body: x: must be a finite number, got nan "
         "(a request holding it is not JSON)"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_config_refuses_extra_body_over_a_generate_setting(tmp_path, kimi_dir):
+    text = _replace(_run_toml(kimi_dir), "max_tokens = 64",
+                    "max_tokens = 64\nreasoning = { enabled = true }\nextra_body = { reasoning = { enabled = false } }")
+    assert _run_errors(_write(tmp_path, text)) == [
+        f"{tmp_path / 'run.toml'}:{_line(text, 'extra_body')}: generate.extra_body.reasoning.enabled: also set by "
+        "generate.reasoning.enabled; set it in one place (extra_body is merged last and would silently replace it)"]
     assert not (tmp_path / "out").exists()
 
 

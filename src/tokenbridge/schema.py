@@ -128,6 +128,11 @@ class Where:
         """The line of ``loc`` (a place in the schema) in the file, when it can be found."""
         return _line_of(self.text, self.prefix + self._in_file(tuple(loc))) if self.text else None
 
+    def place(self, loc: Sequence[str | int]) -> str:
+        """``loc`` (a place in the schema) as the file spells it: ``generate.reasoning.enabled``
+        for a run config's top-level ``reasoning`` table."""
+        return _dotted(self.prefix + self._in_file(tuple(loc)))
+
     def problem(self, loc: Sequence[str | int], message: str) -> str:
         """One line: ``file:LINE: section.key: message`` (or ``--flag: message``)."""
         place = self._in_file(tuple(loc))

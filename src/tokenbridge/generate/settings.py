@@ -19,8 +19,10 @@ must be ``http(s)://host[:port]/path`` without user info, query or fragment
 (``/chat/completions`` is appended to it), and ``headers`` may not carry a credential
 (any name containing auth, key, token, secret, cookie, passw, session or credential:
 the key comes only from ``api_key_env``), a name that is no HTTP field name or a value
-with a control character. ``extra_body`` may not set a key tokenbridge sets itself and
-must be JSON; a request field both at the top level and under ``[request]`` is refused.
+with a control character. ``extra_body`` may not set a key tokenbridge sets itself, nor
+a ``reasoning`` / ``provider`` key a setting or flag sets too (it is merged last and
+replaced that value in every body), and must be JSON; a request field both at the top
+level and under ``[request]`` is refused.
 """
 
 from __future__ import annotations
@@ -426,6 +428,13 @@ def override_settings(
     if problems:
         raise ConfigError("\n".join(problems))
     checked: GenerateSettings = out
+    from .request import extra_body_overlaps  # noqa: PLC0415 - request.py builds on this module
+
+    overlaps = extra_body_overlaps(checked.request)
+    if overlaps:  # the file alone was refused at load: a flag (or an override) set what extra_body sets
+        raise ConfigError("\n".join(where.problem(("request", *p), (
+            f"also set by extra_body.{'.'.join(p)} in the config; set it in one place (extra_body is merged last "
+            "and would silently replace this value)")) for p in overlaps))
     return checked
 
 
@@ -522,9 +531,13 @@ def settings_problems(
     problems += more
     if settings is None:
         return GenerateSettings(), sorted(problems, key=lambda p: _line_number(p, where.source))
-    from .request import request_problem  # noqa: PLC0415 - request.py builds on this module
+    from .request import extra_body_overlaps, request_problem  # noqa: PLC0415 - request.py builds on this module
 
-    if bad := request_problem(settings.request):
+    overlaps = extra_body_overlaps(settings.request)
+    problems += [where.problem(("request", "extra_body", *p), (
+        f"also set by {where.place(('request', *p))}; set it in one place (extra_body is merged last and would "
+        "silently replace it)")) for p in overlaps]
+    if not overlaps and (bad := request_problem(settings.request)):
         problems.append(where.problem(*bad))
     names = [d.name for d in settings.datasets]
     dup = sorted({n for n in names if names.count(n) > 1})
