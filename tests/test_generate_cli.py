@@ -199,6 +199,67 @@ def test_bad_settings_are_one_line_exit_2(tmp_path, how, message, hidden):
     assert not (tmp_path / "run").exists()
 
 
+PASTED_KEY = "sk-or-v1-" + "5f0c" * 16
+_LOOKS_LIKE_A_KEY = ("looks like an API key (not shown here): give the NAME of the environment variable that holds "
+                     "the key (letters, digits and '_', not starting with a digit, e.g. OPENROUTER_API_KEY), never the "
+                     "key itself, and put the key in that variable")
+
+
+@pytest.mark.parametrize("how", ["flag", "config", "run-config"])
+def test_a_key_pasted_as_api_key_env_is_refused_and_never_shown(tmp_path, kimi_dir, how):
+    """``api_key_env = "sk-or-v1-..."`` printed "environment variable sk-or-v1-<the whole key>
+    is not set", and against a loopback server (no key needed) the run went on and stored
+    it in runs.settings. Now one line, exit 2, nothing of the key shown or written."""
+    prompts = _one_prompt(tmp_path)
+    cfg = tmp_path / "g.toml"
+    base = ["--out", str(tmp_path / "run"), "--base-url", "http://127.0.0.1:9/v1", "--model", "m"]
+    if how == "flag":
+        res, where = _invoke([str(prompts), *base, "--api-key-env", PASTED_KEY]), "--api-key-env"
+    elif how == "config":
+        cfg.write_text(f'model = "m"\napi_key_env = "{PASTED_KEY}"\n', encoding="utf-8")
+        res, where = _invoke([str(prompts), "--config", str(cfg), *base]), f"{cfg}:2: api_key_env"
+    else:
+        cfg.write_text(f'[run]\nout = "run"\ntokenizer = "{kimi_dir}"\n[generate]\nbase_url = "http://127.0.0.1:9/v1"\n'
+                       f'model = "m"\napi_key_env = "{PASTED_KEY}"\ndatasets = [{{ path = "{prompts}" }}]\n',
+                       encoding="utf-8")
+        res, where = CliRunner().invoke(app, ["run", str(cfg)]), f"{cfg}:7: generate.api_key_env"
+    assert _one_line_error(res, 2) == f"error: {where}: {_LOOKS_LIKE_A_KEY}"
+    assert PASTED_KEY[9:21] not in res.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_api_key_env_that_is_no_variable_name_is_refused_without_quoting_it(tmp_path):
+    from tokenbridge.generate import ConfigError, GenerateSettings, read_api_key
+
+    res = _invoke([str(_one_prompt(tmp_path)), "--out", str(tmp_path / "run"), "--model", "m", "--base-url",
+                   "http://127.0.0.1:9/v1", "--api-key-env", "my-key"])
+    assert _one_line_error(res, 2) == (
+        "error: --api-key-env: is not an environment variable name (not shown here, as it may be a key): give the "
+        "NAME of the environment variable that holds the key (letters, digits and '_', not starting with a digit, "
+        "e.g. OPENROUTER_API_KEY), never the key itself")
+    assert "my-key" not in res.output
+    # built in Python, or read directly (probe), the same: no message quotes it
+    with pytest.raises(ConfigError) as err:
+        GenerateSettings(api_key_env=PASTED_KEY)
+    assert str(err.value) == f"api_key_env {_LOOKS_LIKE_A_KEY}"
+    with pytest.raises(ConfigError) as err:
+        read_api_key(PASTED_KEY)
+    assert str(err.value) == f"the API key's variable {_LOOKS_LIKE_A_KEY}"
+    assert GenerateSettings(api_key_env="TB_OTHER_KEY_2").api_key_env == "TB_OTHER_KEY_2"
+
+
+def test_the_key_written_into_a_config_is_not_answered_with_did_you_mean_api_key_env(tmp_path):
+    """``api_key = "sk-..."`` got "did you mean 'api_key_env'?", and users pasted the key there."""
+    cfg = tmp_path / "g.toml"
+    cfg.write_text(f'model = "m"\napi_key = "{PASTED_KEY}"\n', encoding="utf-8")
+    res = _invoke([str(_one_prompt(tmp_path)), "--config", str(cfg), "--out", str(tmp_path / "run")])
+    assert _one_line_error(res, 2) == (
+        f"error: {cfg}:2: api_key: unknown key: a config never holds the API key (its value is not shown). Put the key "
+        "in an environment variable (export OPENROUTER_API_KEY=...); to read another variable, set api_key_env to "
+        'that variable\'s NAME (api_key_env = "MY_KEY_VAR"), never the key itself')
+    assert PASTED_KEY[9:21] not in res.output
+
+
 def _six_prompts(tmp_path: Path) -> Path:
     prompts = tmp_path / "b3.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": f"hi {i}"}) + "\n" for i in range(6)), encoding="utf-8")

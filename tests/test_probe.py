@@ -102,6 +102,18 @@ def test_probe_refuses_a_key_that_cannot_be_sent_before_any_probe(kimi_dir):
     assert "0123456789" not in res.output
 
 
+def test_probe_refuses_a_key_given_as_api_key_env_without_showing_it(kimi_dir):
+    key = "sk-or-v1-" + "5f0c" * 16
+    res = CliRunner().invoke(app, ["probe", "--model", MODEL, "--providers", "a", "--base-url", "http://127.0.0.1:9/v1",
+                                   "--tokenizer", str(kimi_dir), "--api-key-env", key], env={})
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines() == [
+        "error: --api-key-env: looks like an API key (not shown here): give the NAME of the environment variable that "
+        "holds the key (letters, digits and '_', not starting with a digit, e.g. OPENROUTER_API_KEY), never the key "
+        "itself, and put the key in that variable"]
+    assert "5f0c5f0c" not in res.output
+
+
 def test_a_probe_that_reaches_no_provider_says_so_and_knows_no_edits(tmp_path, kimi_dir):
     """A closed port: every call a connection error. The table said "available yes" and
     "text edits none", the JSON the same (a profile then read as "no edits"), exit 0."""

@@ -545,6 +545,10 @@ def probe(
 
     if json_out is not None:  # now, not after the (paid) probes
         _check_output(json_out, flag="--json", name="probe.json", inputs=existing_inputs(_tokenizer_input(tokenizer)))
+    from .generate.settings import env_name_problem
+
+    if why := env_name_problem(api_key_env):  # never printed: a key pasted here was echoed in "... is not set"
+        _fail(f"--api-key-env: {why}")
     try:
         check_base_url(base_url, "--base-url")
         tok = _tokenizer(tokenizer)

@@ -94,7 +94,7 @@ T = TypeVar("T")
 Loc = tuple[str | int, ...]
 
 #: Keys whose values never appear in a message (they may hold a credential).
-_SECRET_KEYS = {"api_key", "headers"}
+_SECRET_KEYS = {"api_key", "api_key_env", "headers"}
 
 
 @dataclass(frozen=True)

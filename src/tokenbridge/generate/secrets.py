@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from functools import lru_cache
 
 from .errors import GenerateError
-from .settings import ConfigError, api_key_problem
+from .settings import ConfigError, api_key_problem, env_name_problem
 
 __all__ = ["MIN_MASKED", "ApiKey", "MissingApiKey", "check_api_key", "compressed_key", "keys_read", "placeholder_notice",
            "read_api_key", "scrub", "scrub_bytes"]
@@ -83,7 +83,11 @@ class ApiKey:
 
 
 def read_api_key(env_name: str = "OPENROUTER_API_KEY", *, required: bool = True) -> ApiKey | None:
-    """The key from ``$env_name``; :class:`MissingApiKey` (naming the variable) if absent."""
+    """The key from ``$env_name``; :class:`MissingApiKey` (naming the variable) if absent.
+    A ``env_name`` that is no variable name (a key pasted in its place) is a
+    :class:`~.settings.ConfigError` that does not quote it."""
+    if why := env_name_problem(env_name):
+        raise ConfigError(f"the API key's variable {why}")
     value = os.environ.get(env_name, "").strip()
     if not value:
         if required:

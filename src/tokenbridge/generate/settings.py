@@ -69,6 +69,7 @@ __all__ = [
     "check_base_url",
     "check_headers",
     "endpoint_identity",
+    "env_name_problem",
     "load_config",
     "override_settings",
     "parse_dataset_arg",
@@ -141,6 +142,35 @@ def _header_text_problem(value: str) -> str | None:
     char = m.group()
     what = "a lone surrogate (bytes that are not UTF-8)" if "\ud800" <= char <= "\udfff" else "a control character"
     return f"holds {what} (U+{ord(char):04X} at character {m.start()}): it cannot be sent in an HTTP header"
+
+
+#: An environment variable's name as a shell writes it (``export NAME=...``).
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: What a key looks like and a variable's name does not: a provider's key prefix, or 20 or
+#: more letters, digits and dashes in a row with a digit among them (``OPENROUTER_API_KEY``'s
+#: longest such run is 10).
+_KEY_LIKE = re.compile(r"^(?:sk|pk|rk)[-_]|(?=[A-Za-z0-9-]*[0-9])[A-Za-z0-9-]{20,}", re.IGNORECASE)
+
+
+def env_name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot be ``api_key_env``, the NAME of the variable holding the key,
+    else None. Never quotes it: a key pasted there was printed in "environment variable
+    sk-or-v1-... is not set" and stored in the run log."""
+    expected = ("give the NAME of the environment variable that holds the key (letters, digits and '_', not "
+                "starting with a digit, e.g. OPENROUTER_API_KEY), never the key itself")
+    if not isinstance(name, str) or not name:
+        return f"must be a variable name: {expected}"
+    if _KEY_LIKE.search(name):
+        return f"looks like an API key (not shown here): {expected}, and put the key in that variable"
+    if not _ENV_NAME.fullmatch(name):
+        return f"is not an environment variable name (not shown here, as it may be a key): {expected}"
+    return None
+
+
+def _valid_env_name(name: str) -> str:
+    if why := env_name_problem(name):
+        raise ValueError(why)
+    return name
 
 
 def api_key_problem(value: str) -> str | None:
@@ -355,7 +385,7 @@ class GenerateSettings:
     datasets: tuple[DatasetSpec, ...] = ()
     request: RequestSettings = field(default_factory=RequestSettings)
     base_url: Annotated[Str, AfterValidator(_valid_url)] = DEFAULT_BASE_URL
-    api_key_env: Annotated[Str, Field(min_length=1)] = "OPENROUTER_API_KEY"
+    api_key_env: Annotated[Str, AfterValidator(_valid_env_name)] = "OPENROUTER_API_KEY"
     # the limiter keeps a few entries a slot: 10**8 slots were 24 GB and an OOM kill
     concurrency: Annotated[PosInt, Field(le=MAX_CONCURRENCY)] = 64
     min_concurrency: Annotated[PosInt, Field(le=MAX_CONCURRENCY)] = 1
@@ -390,6 +420,8 @@ class GenerateSettings:
             raise ConfigError(f"max_response_bytes must be an integer >= 1024, got {self.max_response_bytes!r}")
         check_base_url(self.base_url)
         check_headers(self.headers)
+        if why := env_name_problem(self.api_key_env):
+            raise ConfigError(f"api_key_env {why}")
 
     def with_overrides(self, **overrides: Any) -> GenerateSettings:
         """A copy with the given non-None fields replaced (CLI flags over the config file),
@@ -501,12 +533,23 @@ def settings_from_mapping(
     return settings
 
 
+#: Keys a user writes the API key itself under (``api_key = "sk-or-..."``): "did you mean
+#: 'api_key_env'?" led users to paste the key there, where it was printed and stored.
+_KEY_IN_CONFIG = re.compile(r"(?:openrouter[_-]?)?(?:api[_-]?)?(?:key|token|secret)", re.IGNORECASE)
+_NO_KEY_IN_CONFIG = ("unknown key: a config never holds the API key (its value is not shown). Put the key in an "
+                     "environment variable (export OPENROUTER_API_KEY=...); to read another variable, set api_key_env "
+                     "to that variable's NAME (api_key_env = \"MY_KEY_VAR\"), never the key itself")
+
+
 def settings_problems(
     data: Mapping[str, Any], where: Where, base_dir: Path | None = None
 ) -> tuple[GenerateSettings, list[str]]:
     """:func:`settings_from_mapping` that returns its problems (for ``run``, which reports
     the problems of every section together)."""
     data = dict(data)
+    pasted = [key for key in data if key not in _TOP_KEYS and _KEY_IN_CONFIG.fullmatch(str(key))]
+    for key in pasted:
+        data.pop(key)
     moved: list[tuple[tuple[str | int, ...], tuple[str | int, ...]]] = []
     twice: list[str] = []
     req = data.get("request")
@@ -523,6 +566,7 @@ def settings_problems(
         if req:
             data["request"] = req
     problems = [where.problem((key,), f"also set as request.{key}; set it in one place") for key in twice]
+    problems += [where.problem((key,), _NO_KEY_IN_CONFIG) for key in pasted]
     where = where.renamed(tuple(moved)).knowing(_ALSO_KNOWN)
     datasets = data.get("datasets")
     if isinstance(datasets, list):  # named after the file unless they say otherwise; builtin: resolved
