@@ -11,7 +11,7 @@ import html
 import json
 import re
 
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from tokenbridge.generate.secrets import MIN_MASKED, scrub, scrub_bytes
@@ -208,3 +208,41 @@ def test_a_key_in_a_utf16_json_error_body_is_masked_and_the_body_stays_json():
     assert scrub(nul_interleaved, key) == "bad key *\x00*\x00*\x00 end"
     prose = "short ones stay: " + "\x00".join(key[:MIN_MASKED - 1]) + "\x00"
     assert scrub(prose, key) == prose
+
+
+def test_the_hex_or_base64_of_the_public_prefix_and_a_few_characters_is_not_a_key():
+    """``736b2d6f722d76312d`` is the hex of ``sk-or-v1-``, the prefix every OpenRouter key
+    shares: 18 hex digits, zero secret characters, and a stored answer quoting it was
+    altered. An encoded run counts the key characters it spells, as the raw one does."""
+    key = "sk-or-v1-" + "0123456789abcdef" * 4
+    for text in ("prefix 736b2d6f722d76312d ok", "prefix c2stb3ItdjEtMDEy ok",  # sk-or-v1-, base64 of sk-or-v1-012
+                 "x " + key[:15] + " y", "x " + key[:15].encode().hex() + " y",
+                 "x " + base64.b64encode(key[:15].encode()).decode() + " y"):
+        assert scrub(text, key) == text
+    for text in (key[:16], key[:16].encode().hex(), key[:16].encode().hex().upper()):
+        assert scrub(f"x {text} y", key) == "x *** y"
+    b64 = base64.b64encode(key[:16].encode()).decode()  # its 22nd character holds 2 bits of the key, 4 of padding
+    assert scrub(f"x {b64} y", key) == f"x ***{b64[21:]} y"
+
+
+@settings(max_examples=200, deadline=None)
+@given(KEYS, st.data(), st.sampled_from(["", " ", "  ", "<< Bearer "]), st.booleans(), st.booleans())
+@example(key="sk-or-v1-" + "0" * 16, data=None, lead="Bearer ", urlsafe=False, upper=False)
+def test_an_encoded_run_is_masked_at_min_masked_key_characters_and_kept_below(key, data, lead, urlsafe, upper):
+    """The boundary, at every byte and base64 alignment: MIN_MASKED bytes of the key in a
+    row, hex or base64 (behind any lead: their first and last bytes share characters with
+    it), are masked; one fewer (hex: and half of the next) is text like any other."""
+    raw = key.encode()
+    start = data.draw(st.integers(0, len(raw) - MIN_MASKED)) if data is not None else 0
+    whole, short = raw[start : start + MIN_MASKED], raw[start : start + MIN_MASKED - 1]
+    hexed = whole.hex().upper() if upper else whole.hex()
+    assert scrub_bytes(f"<< {hexed} >>".encode(), key) == b"<< *** >>"
+    less = f"<< {hexed[:-1]} >>".encode()  # 15 bytes and a nibble
+    assume(not any(raw[j : j + MIN_MASKED] in less for j in range(len(raw) - MIN_MASKED + 1)))
+    assert scrub_bytes(less, key) == less
+    encode = base64.urlsafe_b64encode if urlsafe else base64.b64encode
+    masked = scrub_bytes(b"<< " + encode(lead.encode() + whole) + b" >>", key)
+    assert b"***" in masked
+    assert not any(whole in r for r in _base64_readings(masked.decode("ascii")))
+    text = b"<< " + encode(lead.encode() + short) + b" >>"
+    assert scrub_bytes(text, key) == text

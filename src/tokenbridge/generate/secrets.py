@@ -5,11 +5,13 @@ that leaves the engine (attempt messages, log lines, error reports, stored bodie
 through :func:`scrub` / :func:`scrub_bytes`, because exception texts from HTTP libraries
 can quote headers and a hostile or buggy server can echo the key back.
 
-What is masked (replaced by ``***``): every run of :data:`MIN_MASKED` or more consecutive
-characters of the key or of its base64 (the whole key, or what a server kept of it when it
+What is masked (replaced by ``***``): every run that spells :data:`MIN_MASKED` or more
+consecutive characters of the key (the whole key, or what a server kept of it when it
 starred the rest; counted in UTF-8 bytes, which for the ASCII keys providers issue are
 characters), in any of these spellings, in any mix, since text is searched as a decoder
-reads it (:class:`_Reading`):
+reads it (:class:`_Reading`). An encoded run counts the key characters it encodes, not
+its own (32 hex digits, about 22 base64 characters: :meth:`_Forms.key_bytes`), as the raw
+rule counts them, the ``sk-or-v1-`` every OpenRouter key starts with included:
   * raw: ``sk-or-v1-...``;
   * JSON-escaped: ``\\uXXXX`` (any hex case) and the short ``\\/``, ``\\"``, ``\\\\``, each
     behind any number of backslashes, so a JSON string nested in a JSON string is
@@ -316,11 +318,63 @@ class _Reading:
 
 
 @dataclass(frozen=True)
+class _Target:
+    """One spelling of the key searched for, and how its characters map to the key's bytes."""
+
+    text: bytes
+    kind: str  # "raw" (the UTF-8 bytes), "hex", "base64"
+    #: base64: the key's bytes follow ``shift`` zero bytes in the encoded stream, and the
+    #: text starts at bit ``start_bit`` of it (its first character that depends on the key alone)
+    shift: int = 0
+    start_bit: int = 0
+
+
+@dataclass(frozen=True)
 class _Forms:
-    targets: tuple[bytes, ...]  # the key's UTF-8, its hex (either case), its base64 at each alignment and alphabet
+    raw: bytes  # the key's UTF-8
+    targets: tuple[_Target, ...]  # the key's UTF-8, its hex (either case), its base64 at each alignment and alphabet
     pieces: dict[bytes, tuple[tuple[int, int], ...]]  # each target's sampled pieces: (target, offset)
     readings: tuple[_Reading, ...]
     spelling: bytes  # a translate table: b"a" for each byte a spelling of a target can hold, else b" "
+
+    def key_bytes(self, view: bytes, start: int, end: int, i: int, low: int) -> int:
+        """How many whole bytes of the key ``view[start:end]`` spells, where it agrees with
+        target ``i`` placed at ``low``: each byte of the raw key, one per two hex digits,
+        and for base64 every byte whose bits the run's characters carry, and those of a
+        byte it shares with the character beside it when that character's bits of the byte
+        agree too (base64 of 16 key characters behind other bytes, ``Bearer KEY``, shares
+        its first and last with their neighbours). The one measure of every spelling: a
+        hex or base64 run is masked for as many key characters as a raw one, not for as
+        many characters of its own (16 hex digits of ``sk-or-v1-`` hold none but the
+        public prefix every OpenRouter key starts with)."""
+        target = self.targets[i]
+        first, last = start - low, end - low  # characters of the target
+        if target.kind == "raw":
+            return last - first
+        if target.kind == "hex":
+            return last // 2 - (first + 1) // 2
+        a, b = target.start_bit + 6 * first, target.start_bit + 6 * last  # bits of the encoded stream
+        lo, hi = -(-a // 8), b // 8  # whole stream bytes inside
+        if a % 8 and start > 0 and (v := _B64_VALUE[view[start - 1]]) >= 0:  # a byte begun in the character before
+            n = a % 8
+            if v & ((1 << n) - 1) == self._stream_byte(a // 8, target.shift) >> (8 - n):
+                lo = a // 8
+        if b % 8 and end < len(view) and (v := _B64_VALUE[view[end]]) >= 0:  # one ended in the character after
+            n = 8 - b % 8
+            if v >> (6 - n) == self._stream_byte(b // 8, target.shift) & ((1 << n) - 1):
+                hi = b // 8 + 1
+        shift = target.shift
+        return max(0, min(hi, shift + len(self.raw)) - max(lo, shift))
+
+    def _stream_byte(self, k: int, shift: int) -> int:
+        return self.raw[k - shift] if 0 <= k - shift < len(self.raw) else -1
+
+
+#: A base64 character's value, either alphabet (-1: none).
+_B64_VALUE = [-1] * 256
+for _i, _c in enumerate(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"):
+    _B64_VALUE[_c] = _i
+_B64_VALUE[ord("-")], _B64_VALUE[ord("_")] = 62, 63
 
 
 #: Bytes any spelling of any key may use: base64's (both alphabets, which hold hex and the
@@ -333,20 +387,23 @@ _RAW_BREAKS = re.compile(rb"[\r\n]")
 @lru_cache(maxsize=4)
 def _forms(value: str) -> _Forms:
     raw = value.encode("utf-8")
-    targets = {raw, raw.hex().encode(), raw.hex().upper().encode()}  # hex: a server that dumps headers as bytes
+    # hex: a server that dumps headers as bytes
+    found = {raw: _Target(raw, "raw"), **{h: _Target(h, "hex") for h in (raw.hex().encode(), raw.hex().upper().encode())}}
     for shift in range(3):
         enc = base64.b64encode(b"\0" * shift + raw)
         # characters that depend on the key's bytes alone: skip the shift's lead-in and the tail
-        piece = enc[(shift * 8 + 5) // 6 : ((shift + len(raw)) * 8) // 6]
-        targets |= {piece, piece.replace(b"+", b"-").replace(b"/", b"_")}
-    kept = tuple(sorted(t for t in targets if len(t) >= MIN_MASKED))
+        first = (shift * 8 + 5) // 6
+        piece = enc[first : ((shift + len(raw)) * 8) // 6]
+        for text in (piece, piece.replace(b"+", b"-").replace(b"/", b"_")):
+            found.setdefault(text, _Target(text, "base64", shift, 6 * first))
+    kept = tuple(found[t] for t in sorted(found) if len(t) >= MIN_MASKED)
     pieces: dict[bytes, list[tuple[int, int]]] = {}
     for i, target in enumerate(kept):
-        for at in range(0, len(target) - _PIECE + 1, _PIECE):
-            pieces.setdefault(target[at : at + _PIECE], []).append((i, at))
+        for at in range(0, len(target.text) - _PIECE + 1, _PIECE):
+            pieces.setdefault(target.text[at : at + _PIECE], []).append((i, at))
     used = set(raw + _SPELLING)  # base64 whole: a blob in it is one stretch, not one per unused letter
     spelling = bytes(ord("a") if b in used else ord(" ") for b in range(256))
-    return _Forms(kept, {p: tuple(places) for p, places in pieces.items()}, _readings(value), spelling)
+    return _Forms(raw, kept, {p: tuple(places) for p, places in pieces.items()}, _readings(value), spelling)
 
 
 def _readings(value: str) -> tuple[_Reading, ...]:
@@ -476,10 +533,11 @@ def _read_unit(text: bytes) -> bytes:
 
 
 def _runs(view: bytes, forms: _Forms) -> list[tuple[int, int]]:
-    """Spans of ``view`` that spell MIN_MASKED or more consecutive characters of a target,
-    each as long as view and target agree, overlapping ones merged. Hits are taken in order
-    and one inside a span already found is passed over: what its run could add past that
-    span is shorter than MIN_MASKED, or holds a later hit of its own."""
+    """Spans of ``view`` that spell MIN_MASKED or more consecutive characters of the key in
+    one of its spellings (:meth:`_Forms.key_bytes`), each as long as view and target agree,
+    overlapping ones merged. Hits are taken in order and one inside a span already found is
+    passed over: what its run could add past that span is shorter than MIN_MASKED
+    characters of its target (so fewer key characters), or holds a later hit of its own."""
     hits = []
     for piece, places in forms.pieces.items():
         at = view.find(piece)
@@ -493,8 +551,8 @@ def _runs(view: bytes, forms: _Forms) -> list[tuple[int, int]]:
         if at + _PIECE <= reach:
             continue
         for i, offset in places:
-            start, end = _grown(view, at, forms.targets[i], offset)
-            if end - start >= MIN_MASKED:
+            start, end = _grown(view, at, forms.targets[i].text, offset)
+            if end - start >= MIN_MASKED and forms.key_bytes(view, start, end, i, at - offset) >= MIN_MASKED:
                 spans.append((start, end))
                 reach = max(reach, end)
     return _merged(spans)
