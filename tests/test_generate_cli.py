@@ -323,6 +323,68 @@ def test_a_summary_json_that_cannot_be_written_after_the_run_is_exit_1_not_2(fin
                     f"kept; the run itself is stored in {tmp_path / 'run'}")
 
 
+# --- a renamed dataset: its answers are in the store under other ids -----------------------
+
+
+def _stored(run: Path) -> tuple[list[tuple[str, str]], int]:
+    with sqlite3.connect(run / "state.sqlite") as con:
+        samples = con.execute("SELECT id, status FROM samples ORDER BY seq").fetchall()
+        (runs,) = con.execute("SELECT COUNT(*) FROM runs").fetchone()
+    return samples, runs
+
+
+@pytest.mark.parametrize("how", ["renamed", "config-then-path"])
+def test_a_renamed_dataset_is_refused_before_its_answers_are_bought_again(tmp_path, how):
+    """``generate d=p.jsonl`` then ``generate dd=p.jsonl`` (or a config's ``name = "d"``,
+    then the file alone, named ``p``) changed every sample id, and the run sent every
+    request again, byte for byte (6 requests for 3 prompts), saying only "(3 other stored
+    samples left out)" after paying. Now refused before anything is sent or stored."""
+    from hostile_server import HostileServer
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k, "prompt": f"q {k}"}) + "\n" for k in "abc"), encoding="utf-8")
+    cfg = tmp_path / "g.toml"
+    cfg.write_text(f'model = "m"\n[[datasets]]\nname = "d"\npath = "{prompts}"\n', encoding="utf-8")
+    run = tmp_path / "run"
+    with HostileServer() as srv:
+        common = ["--out", str(run), "--base-url", srv.url, "--model", "m", "--progress", "none"]
+        first, again = ((["--config", str(cfg)], [str(prompts)]) if how == "config-then-path"
+                        else ([f"d={prompts}"], [f"dd={prompts}"]))
+        assert _invoke([*first, *common]).exit_code == 0
+        before = _stored(run)
+        line = _one_line_error(_invoke([*again, *common]), 2)
+        new = "p" if how == "config-then-path" else "dd"
+        assert line == (
+            f"error: {run}: 3 new sample(s) send requests this folder already holds answers to under other sample "
+            f"ids: 3 of dataset '{new}' as answered under dataset 'd' (e.g. {new}-a = d-a); sending them would pay "
+            "for those answers again, and nothing was sent. To use those answers, give the dataset its old name "
+            'again (d=PATH on the command line, or name = "d" in a config; a PATH alone is named after its file); '
+            "for fresh answers to the same prompts, use another run folder or another seed (--seed, request.seed)")
+        assert sum(srv.attempts.values()) == 3 and _stored(run) == before  # nothing sent, added or begun
+        res = _invoke([f"d={prompts}", *common])  # the old name: resumed, nothing to send
+        assert res.exit_code == 0 and sum(srv.attempts.values()) == 3, res.output
+        res = _invoke([*again, *common, "--seed", "7"])  # another request: fresh answers, asked for
+        assert res.exit_code == 0 and sum(srv.attempts.values()) == 6, res.output
+
+
+def test_repeats_a_run_asks_for_are_still_sent(tmp_path):
+    """A prompt twice in a dataset (no id: its hash, then ``~2``) and more rows appended
+    later: each is its own sample, sent once, whoever holds the same request already."""
+    from hostile_server import HostileServer
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "same"}) + "\n" + json.dumps({"prompt": "same"}) + "\n", encoding="utf-8")
+    run = tmp_path / "run"
+    with HostileServer() as srv:
+        args = [f"d={prompts}", "--out", str(run), "--base-url", srv.url, "--model", "m", "--progress", "none"]
+        assert _invoke(args).exit_code == 0 and srv.attempts["same"] == 2
+        with prompts.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"prompt": "same"}) + "\n")
+        res = _invoke(args)
+        assert res.exit_code == 0 and srv.attempts["same"] == 3, res.output
+    assert [status for _, status in _stored(run)[0]] == ["done"] * 3
+
+
 # --- prompt sources that cannot be read: one line naming dataset and file, exit 2 ---------
 
 _NO_OVERRIDE = ["--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]

@@ -26,12 +26,15 @@ Rerunning on a folder: done samples are kept and not sent again; failed ones are
 again; samples not done yet take this invocation's request. If *done* samples were made
 with another request (model, max_tokens, messages...) or from another API (base_url;
 loopback URLs match whatever their port), the run refuses (``SettingsChanged``, exit 2)
-unless ``force_settings=True`` / ``--force-settings``, which keeps those answers.
+unless ``force_settings=True`` / ``--force-settings``, which keeps those answers. New
+samples whose requests the folder already holds answers to under other sample ids (a
+dataset renamed: ids are ``<dataset>-<row id>``) are refused too (``AlreadyAnswered``,
+exit 2), before anything is sent.
 
 Errors raised before anything is sent are all :class:`GenerateError` (``str(exc)`` is one
 line without secrets, ``exc.exit_code`` the code to exit with): ``ConfigError``,
 ``MissingApiKey``, ``PromptSourceError``, ``StoreError`` (2; 6 when the state cannot be
-written), ``SettingsChanged`` (2), ``RunFolderBusy`` (7). Loading a tokenizer for
+written), ``SettingsChanged`` (2), ``AlreadyAnswered`` (2), ``RunFolderBusy`` (7). Loading a tokenizer for
 ``dry_run`` may also raise ``tokenbridge.tokenizer.TokenizerError`` or
 ``tokenbridge.chat.DialectError``. Bad rows do not raise: they are ``RunSummary.bad_rows``.
 
@@ -55,7 +58,7 @@ fragment; headers that look like credentials are refused (:mod:`.settings`).
 
 from __future__ import annotations
 
-from .errors import GenerateError, RunFolderBusy, SettingsChanged
+from .errors import AlreadyAnswered, GenerateError, RunFolderBusy, SettingsChanged
 from .estimate import DryRunReport, dry_run
 from .probe import PROBE_PROMPTS, ProbeCall, ProviderReport, aprobe, probe, render_table
 from .prompts import LoadedPrompts, PromptSourceError, RowError, Sample, load_prompts
@@ -75,6 +78,7 @@ from .settings import (
 from .store import Store, StoreError
 
 __all__ = [
+    "AlreadyAnswered",
     "EXCHANGES_FILE",
     "PROBE_PROMPTS",
     "ApiKey",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..exit_codes import ExitCode
 
-__all__ = ["GenerateError", "RunFolderBusy", "SettingsChanged"]
+__all__ = ["AlreadyAnswered", "GenerateError", "RunFolderBusy", "SettingsChanged"]
 
 
 class GenerateError(Exception):
@@ -42,3 +42,11 @@ class SettingsChanged(GenerateError):
         self.what = what
         super().__init__(f"{what}. Use a new --out, or --force-settings to keep those answers and send only the rest "
                          "with these settings")
+
+
+class AlreadyAnswered(GenerateError):
+    """New samples send requests, byte for byte, that the run folder already holds answers
+    to under other sample ids (a dataset renamed: ids are ``<dataset>-<row id>``): sending
+    them would pay for the same answers again. Nothing was sent or stored."""
+
+    exit_code = ExitCode.USAGE

@@ -25,7 +25,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from urllib.parse import urlparse
 
 import aiohttp
@@ -39,7 +39,7 @@ from ..jsonl import dumps_document, text_of
 from .budget import Budget
 from .body import BodyError, check_body, one_line
 from .engine import DRAIN_S, Engine, StopReason, WorkItem
-from .errors import SettingsChanged
+from .errors import AlreadyAnswered, SettingsChanged
 from .lock import run_lock
 from .progress import Reporter
 from .prompts import SHOWN_BAD_ROWS, keep_stored_ids, load_prompts
@@ -396,7 +396,7 @@ def _reconcile(
     store: Store,
     rows: list[tuple[str, str, str, str]],
     ids: list[str],
-    stored: Container[str],
+    stored: dict[str, str],
     settings: GenerateSettings,
     key: ApiKey | None,
     *,
@@ -411,7 +411,9 @@ def _reconcile(
     :class:`SettingsChanged` unless ``force``; then it keeps its stored answer. A sample
     not done yet takes the new request. Returns (samples whose request changed, done
     samples kept from other settings). Base URLs are compared and shown with ``key``
-    masked, as they are stored. ``stored``: the ids the store held before this run.
+    masked, as they are stored. ``stored``: the status of each sample the store held
+    before this run. New samples whose requests it holds answers to under other ids are
+    refused (:func:`_refuse_answered_elsewhere`).
     """
     diffs = store.diff_requests(rows)
     new_request = {r[0]: r[3] for r in rows} if diffs else {}
@@ -430,7 +432,9 @@ def _reconcile(
         raise SettingsChanged(f"{out_dir}: done samples were generated with other settings: {'; '.join(what)}")
     # only the new rows: diff_requests compared the stored ones (add_samples would again,
     # reading every stored request), and a stored sample is never added twice
-    store.add_samples([r for r in rows if r[0] not in stored])
+    new = [r for r in rows if r[0] not in stored]
+    _refuse_answered_elsewhere(store, new, ids, stored, out_dir)
+    store.add_samples(new)
     redo = [(sid, new_request[sid]) for sid, status, _ in diffs if status != "done"]
     if redo:
         store.replace_requests(redo)
@@ -438,6 +442,33 @@ def _reconcile(
     if kept_old:
         reporter.log(f"--force-settings: {kept_old} done sample(s) keep answers made with other settings")
     return len(diffs), kept_old
+
+
+def _refuse_answered_elsewhere(store: Store, new: list[_Row], ids: list[str], stored: dict[str, str],
+                               out_dir: Path) -> None:
+    """:class:`AlreadyAnswered` when new samples send requests the store holds answers to
+    under other ids: renaming a dataset (``d=p.jsonl`` then ``dd=p.jsonl``, or a config's
+    ``name = "train"`` then the file alone, named after its stem) changed every id, and the
+    run paid for every answer again, saying only "(3 other stored samples left out)".
+    Repeats within this run (a prompt twice in a dataset) are its own samples: not refused."""
+    wanted = set(ids)
+    if not new or not any(status == "done" and sid not in wanted for sid, status in stored.items()):
+        return  # the common runs (a first run, a resume, a dataset added) compare nothing
+    found = store.answered_elsewhere(new, ids)
+    if not found:
+        return
+    pairs: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for sid, dataset, old_id, old_dataset in found:
+        pairs.setdefault((dataset, old_dataset), []).append((sid, old_id))
+    what = "; ".join(f"{len(same)} of dataset {dataset!r} as answered under dataset {old!r} (e.g. {same[0][0]} = "
+                     f"{same[0][1]})" for (dataset, old), same in pairs.items())
+    old = next(iter(pairs))[1]
+    raise AlreadyAnswered(
+        f"{out_dir}: {len(found)} new sample(s) send requests this folder already holds answers to under other "
+        f"sample ids: {what}; sending them would pay for those answers again, and nothing was sent. To use those "
+        f"answers, give the dataset its old name again ({old}=PATH on the command line, or name = \"{old}\" in a "
+        "config; a PATH alone is named after its file); for fresh answers to the same prompts, use another run "
+        "folder or another seed (--seed, request.seed)")
 
 
 def _request_delta(old: str, new: str) -> str:

@@ -441,6 +441,29 @@ class Store:
             self._conn.execute("DELETE FROM incoming")
         return out
 
+    def answered_elsewhere(self, rows: Iterable[tuple[str, str, str, str]],
+                           ids: Iterable[str]) -> list[tuple[str, str, str, str]]:
+        """(id, dataset, stored id, stored dataset) for each of ``rows`` (new samples) whose
+        request a done sample not among ``ids`` already holds byte for byte: the same prompt
+        under another sample id (its dataset renamed), answered and paid for. The first
+        stored match per row, in the rows' order. Reads every done request once (one pass,
+        matched in a dict: a join on the unindexed text took minutes for 150,000), so callers
+        ask only when the store holds done samples outside ``ids``."""
+        wanted = set(ids)
+        asked: dict[str, list[int]] = {}
+        rows = list(rows)
+        for pos, row in enumerate(rows):
+            asked.setdefault(row[3], []).append(pos)
+        found: dict[int, tuple[str, str, str, str]] = {}
+        cur = self._conn.execute("SELECT id, dataset, request FROM samples WHERE status = 'done' ORDER BY seq")
+        while batch := cur.fetchmany(1024):
+            for sid, dataset, request in batch:
+                if sid in wanted or request not in asked:
+                    continue
+                for pos in asked.pop(request):
+                    found[pos] = (rows[pos][0], rows[pos][1], sid, dataset)
+        return [found[pos] for pos in sorted(found)]
+
     def replace_requests(self, pairs: Iterable[tuple[str, str]]) -> int:
         """New (id, request) for samples not done yet (a done sample keeps what it was sent with)."""
         with self._tx():
