@@ -263,3 +263,72 @@ def test_requests_in_flight_at_a_kill_9_are_booked_when_the_next_run_begins(tmp_
         assert store._conn.execute("SELECT COUNT(*) FROM in_flight").fetchone() == (0,)
     assert rows == [("k-0", 1, "unanswered", None, pytest.approx(reserved[0])), ("k-0", 2, None, 0.0001, None),
                     ("k-1", 1, "unanswered", None, pytest.approx(reserved[1])), ("k-1", 2, None, 0.0001, None)]
+
+
+# --- Ctrl-C / SIGTERM before the first request: loading the prompts, starting the run ------
+
+
+def test_ctrl_c_while_the_prompts_load_stops_at_once(tmp_path, monkeypatch):
+    """Inside ``asyncio.run`` a SIGINT only cancelled the task at its next ``await``: a
+    150,000-row load ran to its end, stored every sample and exited 6.5 s later, its run
+    row left open. The load (made to take 30 s here, the signal at its start) now stops
+    at the signal: KeyboardInterrupt, nothing stored, no run folder made."""
+    import tokenbridge.generate.run as run_mod
+
+    loaded = run_mod._load_rows
+
+    def slow_load(settings, reporter):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the load starts
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # Python work the signal can interrupt
+            pass
+        return loaded(settings, reporter)
+
+    monkeypatch.setattr(run_mod, "_load_rows", slow_load)
+    settings = GenerateSettings(datasets=(DatasetSpec("k", write_prompts(tmp_path, 3)),), base_url="http://127.0.0.1:9/v1",
+                                request=RequestSettings(model="m"), progress="none")
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        generate_run(settings, tmp_path / "run")
+    assert time.monotonic() - started < 20
+    assert not (tmp_path / "run").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers of before
+
+
+@pytest.mark.parametrize(("point", "sig"), [("generate:samples added", signal.SIGINT),
+                                            ("generate:run begun", signal.SIGINT),
+                                            ("generate:run begun", signal.SIGTERM)])
+def test_a_signal_while_the_run_starts_stops_it_in_one_line_with_its_run_closed(tmp_path, point, sig):
+    """The CLI stopped at ``point`` (SIGSTOP, timing-free), signalled, resumed: exit 130 and
+    one line, no request sent, the samples stored whole and pending, and the run's row (when
+    one was opened) closed as interrupted, not NULL. SIGTERM killed the process outright.
+    The same command then sends every sample once."""
+    from outputs_support import wait_stopped
+
+    prompts = write_prompts(tmp_path, 3)
+    run = tmp_path / "run"
+    with HostileServer() as srv:
+        proc = subprocess.Popen(_cmd(prompts, run, srv.url, "--progress", "none"), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env=_env(**{KILL_ENV: f"{point}:1", "TOKENBRIDGE_TEST_KILL_SIGNAL": "SIGSTOP"}))
+        try:
+            wait_stopped(proc)
+            proc.send_signal(sig)
+            proc.send_signal(signal.SIGCONT)
+            _, err = proc.communicate(timeout=_CHILD_LIMIT_S)
+        finally:
+            if proc.poll() is None:  # only when the bound above failed
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 130, err
+        assert err.strip().splitlines() == [
+            f"error: interrupted; what was stored in {run} is kept: rerun the same command to continue"]
+        assert sum(srv.attempts.values()) == 0
+        with Store.open(run) as store:
+            assert store.status_counts() == {"pending": 3}
+            runs = store._conn.execute("SELECT outcome, finished_at IS NOT NULL FROM runs").fetchall()
+        assert runs == ([] if point == "generate:samples added" else [("interrupted", 1)])
+        again = subprocess.run(_cmd(prompts, run, srv.url, "--progress", "none"), env=_env(), capture_output=True,
+                               text=True, timeout=_CHILD_LIMIT_S)
+        assert again.returncode == 0, again.stderr
+        assert dict(srv.attempts) == {"q0": 1, "q1": 1, "q2": 1}

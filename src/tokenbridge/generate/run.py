@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import warnings
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ import orjson
 from .. import __version__, digests
 from ..digests import Digest, file_identity, read_digest
 from ..exit_codes import ExitCode
+from ..interrupt import stop_on_signals
 from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, output_file, write_bytes
 from ..jsonl import dumps_document, text_of
 from .budget import Budget
@@ -127,11 +128,19 @@ def generate_run(
     session: aiohttp.ClientSession | None = None,
     force_settings: bool = False,
 ) -> RunSummary:
-    """Blocking entry point: run to completion (or a clean stop); SIGINT/SIGTERM stop cleanly."""
-    return asyncio.run(
-        agenerate_run(settings, out_dir, key=key, reporter=reporter, session=session, signals=True,
-                      force_settings=force_settings)
-    )  # a second SIGINT/SIGTERM aborts the engine; the summary then says interrupted (130)
+    """Blocking entry point: run to completion (or a clean stop); SIGINT/SIGTERM stop cleanly.
+
+    Loading the prompts and recording the run happen before the event loop starts, where
+    the first SIGINT or SIGTERM raises ``KeyboardInterrupt`` at once (the run row, if one
+    was opened, closed as interrupted; every sample added before it is whole): inside
+    ``asyncio.run`` a Ctrl-C only cancelled the task at its next ``await``, so a 150,000-row
+    load ran to its end and stored every sample first. While sending, the first stops
+    sending and lets requests in flight be stored, a second aborts the engine; the summary
+    then says interrupted (130)."""
+    with ExitStack() as stack:
+        with stop_on_signals():
+            prepared = stack.enter_context(_prepared(settings, out_dir, key, reporter, force=force_settings))
+        return asyncio.run(_execute(prepared, session, signals=True))
 
 
 async def agenerate_run(
@@ -144,14 +153,41 @@ async def agenerate_run(
     signals: bool = False,
     force_settings: bool = False,
 ) -> RunSummary:
-    """The async form of :func:`generate_run` (for callers that own an event loop).
+    """The async form of :func:`generate_run` (for callers that own an event loop; the
+    loading and the run's start block that loop, as they did).
 
     Raises a :class:`~.errors.GenerateError` (nothing sent) for: bad settings
     (``ConfigError``), no key (``MissingApiKey``), an unreadable source
     (``PromptSourceError``), an unusable state file (``StoreError``), a run folder held by
     another process (``RunFolderBusy``), done samples made with other settings
-    (``SettingsChanged``, unless ``force_settings``).
+    (``SettingsChanged``, unless ``force_settings``), new samples the folder holds
+    answers to under other ids (``AlreadyAnswered``).
     """
+    with _prepared(settings, out_dir, key, reporter, force=force_settings) as prepared:
+        return await _execute(prepared, session, signals=signals)
+
+
+@dataclass
+class _Prepared:
+    """A run ready to send: the folder locked, its store open and the run recorded."""
+
+    settings: GenerateSettings
+    out_dir: Path
+    key: ApiKey | None
+    reporter: Reporter
+    store: Store
+    ready: _Begun
+    bad_rows: list[str]
+    t0: float
+    summary: RunSummary | None = None  # set once the run's end is recorded
+
+
+@contextmanager
+def _prepared(settings: GenerateSettings, out_dir: str | Path, key: ApiKey | None, reporter: Reporter | None, *,
+              force: bool) -> Iterator[_Prepared]:
+    """Everything before the first request, synchronously: the key, the prompts, the lock,
+    the store and the run's row. On a clean exit the outputs are written (under the lock);
+    on any other the run's row is closed (:func:`_close_run`) and nothing is written."""
     out_dir = Path(out_dir)
     check_sendable(settings)
     if key is None:
@@ -168,19 +204,45 @@ async def agenerate_run(
             stale.unlink(missing_ok=True)
         store = Store.open(out_dir)
         try:
-            ready = _begin(store, rows, settings, key, force=force_settings, reporter=reporter, out_dir=out_dir)
+            ready = _begin(store, rows, settings, key, force=force, reporter=reporter, out_dir=out_dir)
             del rows
-            engine = Engine(settings, key, store, ready.budget, session=session, log=reporter.log)
-            if ready.already_done:
-                reporter.log(f"resuming: {ready.already_done} of {len(ready.ids)} samples already done, "
-                             f"{len(ready.pending)} to send")
-            send_s = await _send(engine, ready.pending, reporter, signals)
-            summary = _summarize(store, engine, ready, bad_rows, key, out_dir)
-            summary.elapsed_s, summary.send_s = time.monotonic() - t0, send_s
+            prepared = _Prepared(settings, out_dir, key, reporter, store, ready, bad_rows, t0)
+            try:
+                yield prepared
+            except BaseException as exc:
+                if prepared.summary is None:
+                    _close_run(store, ready.run, exc)
+                raise
         finally:
             store.close()
-        _write_outputs(out_dir, ready.ids, summary, reporter)
+        assert prepared.summary is not None  # a clean exit is _execute's return
+        _write_outputs(out_dir, ready.ids, prepared.summary, reporter)
+
+
+async def _execute(prepared: _Prepared, session: aiohttp.ClientSession | None, *, signals: bool) -> RunSummary:
+    """Send what is pending and record how the run ended (the summary)."""
+    p, ready = prepared, prepared.ready
+    engine = Engine(p.settings, p.key, p.store, ready.budget, session=session, log=p.reporter.log)
+    if ready.already_done:
+        p.reporter.log(f"resuming: {ready.already_done} of {len(ready.ids)} samples already done, "
+                       f"{len(ready.pending)} to send")
+    send_s = await _send(engine, ready.pending, p.reporter, signals)
+    summary = _summarize(p.store, engine, ready, p.bad_rows, p.key, p.out_dir)
+    summary.elapsed_s, summary.send_s = time.monotonic() - p.t0, send_s
+    p.summary = summary
     return summary
+
+
+def _close_run(store: Store, run: int, exc: BaseException) -> None:
+    """Record why a run that never reached its summary ended: ``interrupted`` (Ctrl-C,
+    SIGTERM, a cancelled task), ``store_error``, else ``internal_error``; a store that
+    cannot take even that keeps the row open, as a kill does."""
+    if isinstance(exc, (KeyboardInterrupt, asyncio.CancelledError)):
+        outcome = StopReason.INTERRUPTED
+    else:
+        outcome = StopReason.STORE if isinstance(exc, (sqlite3.Error, StoreError)) else StopReason.INTERNAL
+    with suppress(sqlite3.Error):
+        store.end_run(run, outcome)
 
 
 _Row = tuple[str, str, str, str]  # (id, dataset, source, request JSON)
@@ -236,6 +298,9 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, key: ApiK
                                        out_dir=out_dir)
         kill_point("generate:samples added")
         run = store.begin_run(_described(settings, key))
+    except sqlite3.Error as exc:  # a damaged page fails a read ("could not decode"), a full disk a write
+        raise StoreError(f"{store.path}: cannot read or write the run state: {exc}", exit_code=ExitCode.STORE) from None
+    try:
         kill_point("generate:run begun")
         store.reopen_failed(ids)
         kill_point("generate:failed reopened")
@@ -245,8 +310,12 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, key: ApiK
         statuses = store.statuses()
         spent_before, possible_before = store.total_cost(), store.possible_cost()
         observations = list(store.price_observations()) if settings.max_cost and not settings.prices else []
-    except sqlite3.Error as exc:  # a damaged page fails a read ("could not decode"), a full disk a write
-        raise StoreError(f"{store.path}: cannot read or write the run state: {exc}", exit_code=ExitCode.STORE) from None
+    except BaseException as exc:  # Ctrl-C too: the run's row says how it ended, not NULL
+        _close_run(store, run, exc)
+        if isinstance(exc, sqlite3.Error):
+            raise StoreError(f"{store.path}: cannot read or write the run state: {exc}",
+                             exit_code=ExitCode.STORE) from None
+        raise
     if unanswered:
         reporter.log(f"{unanswered} request(s) sent by an earlier run that ended without storing their answers "
                      f"(killed?) are booked at their reservations as possibly billed (${possible_before:.4f} in all)")
