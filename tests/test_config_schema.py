@@ -442,6 +442,28 @@ def test_settings_built_in_python_whose_extra_body_replaces_one_are_refused_when
                               "place (extra_body would silently replace it)")
 
 
+_INT64 = "must be a 64-bit integer, -9223372036854775808 to 9223372036854775807 (what the API takes and a stored " \
+    "request reads back as an integer), got "
+
+
+def test_request_integers_are_64_bit(tmp_path):
+    """``--seed 99999999999999999999999`` was sent, stored, and read back by orjson as the
+    float ``1e+23``: every integer a request carries is checked against 64 bits."""
+    prompts = _write(tmp_path, json.dumps({"prompt": "hi"}) + "\n", "p.jsonl")
+    args = ["generate", str(prompts), "--out", str(tmp_path / "run"), "--model", "m", "--base-url", "http://127.0.0.1:9/v1"]
+    res = CliRunner().invoke(app, [*args, "--seed", "99999999999999999999999", "--max-tokens", str(2**63)], env={})
+    assert res.exit_code == ExitCode.CONFIG, res.output
+    assert res.output.strip().splitlines() == [f"error: --max-tokens: {_INT64}{2**63}",
+                                               f"error: --seed: {_INT64}99999999999999999999999"]
+    assert not (tmp_path / "run").exists()
+    path = _write(tmp_path, 'model = "m"\n[request]\nseed = -9223372036854775808\nreasoning = { max_tokens = '
+                  '9223372036854775808 }\n', "gen.toml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}:4: request.reasoning.max_tokens: {_INT64}9223372036854775808"
+    assert GenerateSettings().with_overrides(request={"seed": -(2**63), "n": 2**63 - 1}).request.seed == -(2**63)
+
+
 def test_a_header_built_in_python_is_checked_too():
     with pytest.raises(ConfigError, match="header X-T: value holds a control character"):
         GenerateSettings(headers={"X-T": "a\nb"})

@@ -288,6 +288,24 @@ def endpoint_identity(url: str) -> str:
 
 # --- the schema --------------------------------------------------------------------------
 
+#: The integers a request may carry: 64-bit signed, what OpenAI-compatible servers take
+#: (vLLM checks ``seed`` against it) and what a stored request reads back as an integer
+#: (orjson read ``seed = 99999999999999999999999`` back as the float ``1e+23``).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int64(value: int) -> int:
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"must be a 64-bit integer, {INT64_MIN} to {INT64_MAX} (what the API takes and a stored "
+                         f"request reads back as an integer), got {value}")
+    return value
+
+
+#: An integer request field (``seed``): any sign, within 64 bits.
+ApiInt = Annotated[Int, AfterValidator(_int64)]
+#: A positive integer request field (``max_tokens``, ``n``), within 64 bits.
+ApiPosInt = Annotated[Int, Field(ge=1), AfterValidator(_int64)]
+
 
 @with_config(FORBID)
 class Reasoning(TypedDict, total=False):
@@ -295,7 +313,7 @@ class Reasoning(TypedDict, total=False):
 
     enabled: Bool
     effort: Annotated[Str, Field(min_length=1)]
-    max_tokens: PosInt
+    max_tokens: ApiPosInt
     exclude: Bool
 
 
@@ -359,11 +377,11 @@ class RequestSettings:
     """The body fields every sample's request shares (besides its messages)."""
 
     model: Str = ""
-    max_tokens: PosInt | None = None
+    max_tokens: ApiPosInt | None = None
     temperature: NonNegFloat | None = None
     top_p: Annotated[NonNegFloat, Field(le=1)] | None = None
-    seed: Int | None = None
-    n: PosInt | None = None
+    seed: ApiInt | None = None
+    n: ApiPosInt | None = None
     reasoning: Annotated[Reasoning | None, BeforeValidator(_reasoning_shorthand)] = None
     provider: ProviderRouting | None = None
     extra_body: Annotated[Mapping[Str, Any], AfterValidator(_valid_extra_body)] = field(default_factory=dict)
