@@ -240,3 +240,66 @@ def test_a_stored_url_from_an_older_version_shows_no_key_like_segment():
     assert _stored_url(f"https://gw.example/{SECRET}/api/v1", SECRET) == "https://gw.example/***/api/v1"
     assert _stored_url("https://openrouter.ai/openrouter-proxy/api/v1", None) == \
         "https://openrouter.ai/openrouter-proxy/api/v1"  # a name, no digit: shown
+
+
+def test_plain_http_to_another_machine_is_refused_unless_allowed(tmp_path):
+    """``http://openrouter.ai/...`` (a typo of https) sent the key in clear to the
+    network, silently. Refused before anything is sent, naming the host and the way out;
+    ``allow_plain_http`` (a LAN server) sends it. A resolver makes the test's "other
+    machine" this one: nothing leaves 127.0.0.1."""
+    import aiohttp
+
+    from tokenbridge.generate import ConfigError
+
+    class _Resolver(aiohttp.abc.AbstractResolver):
+        async def resolve(self, host, port=0, family=0):
+            return [{"hostname": host, "host": "127.0.0.1", "port": port, "family": 2, "proto": 0, "flags": 0}]
+
+        async def close(self):
+            pass
+
+    seen: list[str] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        seen.append(request.headers.get("Authorization", ""))
+        return _ok()
+
+    async def main(allow: bool) -> object:
+        app_ = web.Application()
+        app_.router.add_route("POST", "/{tail:.*}", handle)
+        runner = web.AppRunner(app_, access_log=None, shutdown_timeout=0.1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://lan.test:{runner.addresses[0][1]}/api/v1"
+        settings = GenerateSettings(datasets=(DatasetSpec("l", write_prompts(tmp_path, 1)),), base_url=url,
+                                    request=RequestSettings(model="m"), max_attempts=1, progress="none",
+                                    allow_plain_http=allow)
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=_Resolver())) as session:
+                return await agenerate_run(settings, tmp_path / "run", key=KEY, session=session)
+        except ConfigError as exc:
+            return exc
+        finally:
+            await runner.cleanup()
+
+    refused = asyncio.run(main(allow=False))
+    assert isinstance(refused, ConfigError) and str(refused) == (
+        "base_url is plain http:// to lan.test, which is not this machine: the API key would cross the network "
+        "unencrypted; use https://, or set allow_plain_http = true (--allow-plain-http) for a server on a network "
+        "you trust")
+    assert seen == [] and not (tmp_path / "run").exists()
+    assert asyncio.run(main(allow=True)).exit_code == 0 and seen == [f"Bearer {SECRET}"]
+
+
+def test_the_cli_refuses_plain_http_to_another_host_before_anything_is_sent(tmp_path):
+    prompts = write_prompts(tmp_path, 1)
+    res = CliRunner().invoke(app, ["generate", str(prompts), "--out", str(tmp_path / "run"), "--model", "m",
+                                   "--base-url", "http://openrouter.ai/api/v1", "--max-attempts", "1"],
+                             env={"OPENROUTER_API_KEY": SECRET})
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines() == [
+        "error: base_url is plain http:// to openrouter.ai, which is not this machine: the API key would cross the "
+        "network unencrypted; use https://, or set allow_plain_http = true (--allow-plain-http) for a server on a "
+        "network you trust"]
+    assert not (tmp_path / "run").exists()

@@ -114,6 +114,17 @@ def test_probe_refuses_a_key_given_as_api_key_env_without_showing_it(kimi_dir):
     assert "5f0c5f0c" not in res.output
 
 
+def test_probe_refuses_plain_http_to_another_host_before_any_probe(kimi_dir):
+    res = CliRunner().invoke(app, ["probe", "--model", MODEL, "--providers", "a", "--base-url",
+                                   "http://openrouter.ai/api/v1", "--tokenizer", str(kimi_dir)],
+                             env={"OPENROUTER_API_KEY": FAKE_KEY})
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines() == [
+        "error: --base-url is plain http:// to openrouter.ai, which is not this machine: the API key would cross the "
+        "network unencrypted; use https://, or set allow_plain_http = true (--allow-plain-http) for a server on a "
+        "network you trust"]
+
+
 def test_a_probe_that_reaches_no_provider_says_so_and_knows_no_edits(tmp_path, kimi_dir):
     """A closed port: every call a connection error. The table said "available yes" and
     "text edits none", the JSON the same (a profile then read as "no edits"), exit 0."""

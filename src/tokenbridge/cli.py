@@ -334,6 +334,9 @@ def generate(
         None, "--max-response-bytes", min=1024, help="Refuse a response (or stream) larger than this (default 64 MiB)."),
     attempt_timeout: float | None = typer.Option(
         None, "--attempt-timeout", min=0.001, help="Seconds one attempt may take in all, streams too (default 900)."),
+    allow_plain_http: bool | None = typer.Option(
+        None, "--allow-plain-http", help="Send the key over plain http:// to a host that is not this machine "
+        "(a server on a network you trust); refused otherwise."),
     force_settings: bool = typer.Option(
         False, "--force-settings",
         help="Rerun on a folder whose done samples were made with other settings (model, request, base_url): "
@@ -355,6 +358,7 @@ def generate(
         "base_url": base_url, "concurrency": concurrency, "max_attempts": max_attempts, "stream": stream,
         "max_cost": max_cost, "tokenizer": tokenizer, "limit": limit, "api_key_env": api_key_env,
         "progress": progress, "max_response_bytes": max_response_bytes, "attempt_timeout_s": attempt_timeout,
+        "allow_plain_http": allow_plain_http,
     }
     request = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
                "n": n, "reasoning": reasoning}
@@ -492,7 +496,7 @@ _GENERATE_FLAGS = {
     "datasets": "PROMPTS", "base_url": "--base-url", "concurrency": "--concurrency", "max_attempts": "--max-attempts",
     "stream": "--stream", "max_cost": "--max-cost", "tokenizer": "--tokenizer", "limit": "--limit",
     "api_key_env": "--api-key-env", "progress": "--progress", "max_response_bytes": "--max-response-bytes",
-    "attempt_timeout_s": "--attempt-timeout", "request.model": "--model",
+    "attempt_timeout_s": "--attempt-timeout", "allow_plain_http": "--allow-plain-http", "request.model": "--model",
     "request.max_tokens": "--max-tokens", "request.temperature": "--temperature", "request.top_p": "--top-p",
     "request.seed": "--seed", "request.n": "--n", "request.reasoning": "--reasoning",
     "request.provider": "provider flags", "request.provider.order": "--provider-order",
@@ -533,6 +537,8 @@ def probe(
     api_key_env: str = typer.Option("OPENROUTER_API_KEY", "--api-key-env", help="Env variable holding the key."),
     max_response_bytes: int | None = typer.Option(
         None, "--max-response-bytes", min=1024, help="Refuse a response larger than this, as generate does (default 64 MiB)."),
+    allow_plain_http: bool = typer.Option(
+        False, "--allow-plain-http", help="Send the key over plain http:// to a host that is not this machine."),
 ) -> None:
     """Pin each provider, send probe prompts, and report what survives reconstruction."""
     from rich.console import Console
@@ -540,7 +546,7 @@ def probe(
     from .generate import GenerateError, probe as _probe, read_api_key, render_table
     from .generate.secrets import scrub
     from .generate.run import is_local_url
-    from .generate.settings import MAX_RESPONSE_BYTES, check_base_url, normalize_reasoning
+    from .generate.settings import MAX_RESPONSE_BYTES, check_base_url, normalize_reasoning, plain_http_problem
     from .outdir import existing_inputs
 
     if json_out is not None:  # now, not after the (paid) probes
@@ -553,6 +559,8 @@ def probe(
         check_base_url(base_url, "--base-url")
         tok = _tokenizer(tokenizer)
         key = read_api_key(api_key_env, required=not is_local_url(base_url))
+        if key is not None and (why := plain_http_problem(base_url, allow_plain_http)):
+            _fail(f"--base-url {why}")
         effort = normalize_reasoning(reasoning, "--reasoning") if reasoning else None
     except GenerateError as exc:
         _fail(str(exc), exc.exit_code)

@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Iterator, Sequence
-from urllib.parse import urlparse
 
 import aiohttp
 import orjson
@@ -46,7 +45,7 @@ from .progress import Reporter
 from .prompts import SHOWN_BAD_ROWS, keep_stored_ids, load_prompts
 from .request import build_request
 from .secrets import ApiKey, check_api_key, placeholder_notice, read_api_key, scrub
-from .settings import ConfigError, GenerateSettings, endpoint_identity
+from .settings import ConfigError, GenerateSettings, endpoint_identity, is_loopback_url, plain_http_problem
 from .store import EXCHANGES_FILE, STATE_FILE, Store, StoreError
 
 __all__ = [
@@ -193,6 +192,8 @@ def _prepared(settings: GenerateSettings, out_dir: str | Path, key: ApiKey | Non
     if key is None:
         key = read_api_key(settings.api_key_env, required=not is_local_url(settings.base_url))
     check_api_key(key)
+    if key is not None and (why := plain_http_problem(settings.base_url, settings.allow_plain_http)):
+        raise ConfigError(f"base_url {why}")
     reporter = reporter or Reporter(settings.progress, interval_s=settings.log_interval_s)
     if (notice := placeholder_notice(key)) is not None:
         reporter.log(notice)
@@ -701,8 +702,7 @@ def _exchange_line(sid: str, dataset: str, request: str, body: bytes, meta: dict
 
 def is_local_url(base_url: str) -> bool:
     """A loopback API (the emulator, a local vLLM) may run without a key."""
-    host = urlparse(base_url).hostname or ""
-    return host in ("127.0.0.1", "localhost", "::1")
+    return is_loopback_url(base_url)
 
 
 def _install_signals(engine: Engine, reporter: Reporter) -> Callable[[], None] | None:

@@ -16,7 +16,9 @@ CLI flags are both checked against them, every value for type and range, no stri
 taken for a number or a boolean, unknown keys refused with "did you mean". Besides,
 whenever settings are built (file, flags, ``with_overrides`` or Python): ``base_url``
 must be ``http(s)://host[:port]/path`` without user info, query or fragment
-(``/chat/completions`` is appended to it), and ``headers`` may not carry a credential
+(``/chat/completions`` is appended to it; a run refuses to send the key over plain
+``http://`` to a host that is not this machine unless ``allow_plain_http``), and
+``headers`` may not carry a credential
 (any name containing auth, key, token, secret, cookie, passw, session or credential:
 the key comes only from ``api_key_env``), a name that is no HTTP field name or a value
 with a control character. ``extra_body`` may not set a key tokenbridge sets itself, nor
@@ -27,6 +29,7 @@ level and under ``[request]`` is refused.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import re
@@ -70,9 +73,11 @@ __all__ = [
     "check_headers",
     "endpoint_identity",
     "env_name_problem",
+    "is_loopback_url",
     "load_config",
     "override_settings",
     "parse_dataset_arg",
+    "plain_http_problem",
     "settings_from_mapping",
     "settings_problems",
 ]
@@ -178,6 +183,33 @@ def api_key_problem(value: str) -> str | None:
     checked before anything is sent: aiohttp refused a CR or LF in it only per request, so
     every sample failed its attempts one by one. The message never shows the key."""
     return _header_text_problem(value)
+
+
+def is_loopback_url(url: str) -> bool:
+    """The API is this machine (the emulator, a local vLLM): it may run without a key, and
+    plain ``http://`` to it never crosses a network."""
+    try:
+        host = (urlsplit(url).hostname or "").lower()
+    except ValueError:
+        return False
+    if host in _LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback  # 127.0.0.0/8
+    except ValueError:
+        return False
+
+
+def plain_http_problem(url: str, allowed: bool = False) -> str | None:
+    """Why the key must not be sent to ``url``: plain ``http://`` to another machine sends
+    it unencrypted (``http://openrouter.ai`` for ``https://`` did), unless ``allowed``
+    (``allow_plain_http``: a server on a network the user trusts). Names the host only:
+    a gateway may take the key in the path."""
+    if allowed or urlsplit(url).scheme != "http" or is_loopback_url(url):
+        return None
+    return (f"is plain http:// to {urlsplit(url).hostname}, which is not this machine: the API key would "
+            "cross the network unencrypted; use https://, or set allow_plain_http = true (--allow-plain-http) for a "
+            "server on a network you trust")
 
 
 def check_base_url(url: Any, where: str = "settings") -> str:
@@ -424,6 +456,8 @@ class GenerateSettings:
     log_interval_s: NonNegFloat = 15.0
     headers: Annotated[Mapping[Str, Str], AfterValidator(_valid_headers)] = field(default_factory=dict)  # e.g. X-Title
     proxy_from_env: Bool = False  # honour HTTPS_PROXY / netrc (aiohttp trust_env)
+    # send the key over plain http:// to a host that is not this machine (a LAN server)
+    allow_plain_http: Bool = False
     # every attempt, streamed or not, ends after this long in all (keep-alive comments
     # reset nothing): Kimi K2.5 reasoning runs to ~32k tokens, ~10 min at a slow 50 tok/s
     attempt_timeout_s: PosFloat = 900.0
