@@ -262,6 +262,25 @@ def test_budget_books_possible_charges_against_the_cap():
     assert [b.admit(0, 300_000) is not None for _ in range(3)] == [True, True, False]  # 0.3 + 0.6 booked/reserved
 
 
+def test_the_budget_stop_message_shows_small_caps_and_says_when_one_request_alone_exceeds_it():
+    """A $0.0005 cap was printed "$0.00", and nothing said that one request's worst case
+    (no max_tokens: 32,768 tokens reserved) was above it, so no run under it could send."""
+    from tokenbridge.generate.budget import usd
+
+    assert [usd(x) for x in (400.0, 123.456, 0.9999, 0.5, 0.0005, 0.000123, 0.0, 1e-12)] == [
+        "$400.00", "$123.46", "$0.9999", "$0.50", "$0.0005", "$0.000123", "$0.00", "$1.00e-12"]
+    b = Budget(0.0005, Prices(prompt=1.0, completion=2.0))
+    assert b.admit(100, 32_768) is None and b.exhausted
+    assert b.stop_message(100, 32_768, default_reserve=True) == (
+        "budget $0.0005 reached (spent $0.00; the next request's worst case, $0.06564, does not fit); one request's "
+        "worst case alone is above the cap (no max_tokens, so 32,768 completion tokens are reserved for each: set "
+        "max_tokens (--max-tokens) or raise --max-cost)")
+    b = Budget(1.0, Prices(prompt=1.0, completion=2.0), spent=0.9999, possible=0.00005)
+    assert b.stop_message(10, 40, default_reserve=False) == (
+        "budget $1.00 reached (spent $0.9999 + $0.00005 possibly billed; the next request's worst case, $0.00009, "
+        "does not fit)")
+
+
 def test_settings_refuse_bad_base_urls_and_credential_headers(tmp_path):
     from tokenbridge.generate.settings import ConfigError, GenerateSettings, endpoint_identity, load_config
 

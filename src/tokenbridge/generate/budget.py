@@ -59,6 +59,7 @@ next run begins), so a resume's budget starts from it and ``--max-cost`` holds a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Mapping
@@ -66,12 +67,24 @@ from collections.abc import Mapping
 from .body import checked_usage
 from .settings import Prices
 
-__all__ = ["Budget", "PriceBounds", "cost_of", "estimate_prompt_tokens"]
+__all__ = ["Budget", "PriceBounds", "cost_of", "estimate_prompt_tokens", "usd"]
 
 #: Completion tokens reserved per request when the request sets no max_tokens.
 DEFAULT_RESERVE_TOKENS = 32_768
 #: Prompt tokens a provider may add around the messages (chat template, system preamble).
 PROMPT_OVERHEAD_TOKENS = 256
+
+
+def usd(amount: float) -> str:
+    """Dollars to four significant digits, at least cents: ``$400.00``, ``$0.9999``,
+    ``$0.0005`` (``:.2f`` printed a $0.0005 cap as ``$0.00``)."""
+    if amount == 0 or not math.isfinite(amount):
+        return f"${amount:.2f}"
+    decimals = max(2, 3 - math.floor(math.log10(abs(amount))))
+    if decimals > 10:
+        return f"${amount:.2e}"
+    whole, _, cents = f"{amount:.{decimals}f}".partition(".")
+    return f"${whole}.{cents[:2]}{cents[2:].rstrip('0')}"
 
 
 def cost_of(usage: Mapping[str, Any] | None, prices: Prices | None) -> float | None:
@@ -219,6 +232,26 @@ class Budget:
                 return None
             worst, exact = max(worst, b[0]), exact and b[1]
         return worst, exact
+
+    def stop_message(self, prompt_tokens: int, completion_tokens: int, *, default_reserve: bool) -> str:
+        """Why the cap stopped the run (once :attr:`exhausted`), for the request that did not
+        fit: amounts with the digits that tell them (:func:`usd`), that request's worst case,
+        and when it alone is above the cap, so so is every request like it, why
+        (``default_reserve``: the request sets no ``max_tokens``, so
+        :data:`DEFAULT_RESERVE_TOKENS` completion tokens were reserved for it)."""
+        if self.unpriced:
+            return "--max-cost is set but responses carry no usage.cost and no prices are configured"
+        cap = self.max_cost or 0.0
+        possible = f" + {usd(self.possible)} possibly billed" if self.possible else ""
+        est = self.reservation(prompt_tokens, completion_tokens)
+        worst = f", {usd(est[0])}," if est is not None else ""
+        text = f"budget {usd(cap)} reached (spent {usd(self.spent)}{possible}; the next request's worst case{worst} does not fit)"
+        if est is not None and est[0] > cap:
+            how = (f"no max_tokens, so {DEFAULT_RESERVE_TOKENS:,} completion tokens are reserved for each: set "
+                   "max_tokens (--max-tokens) or raise --max-cost" if default_reserve else "raise --max-cost or lower "
+                   "max_tokens")
+            text += f"; one request's worst case alone is above the cap ({how})"
+        return text
 
     def admit(self, prompt_tokens: int, completion_tokens: int) -> float | None:
         """Reserve for one request; returns the reservation, or None if it cannot go now.
