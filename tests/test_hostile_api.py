@@ -429,3 +429,13 @@ def test_a_billed_error_reply_still_counts_against_the_budget(server, tmp_path):
     summary = _run(server, tmp_path, 1)
     assert (summary.done, summary.errors) == (1, {"choice_error": 1})
     assert summary.spent_total == pytest.approx(0.25 + 0.0001)
+
+
+def test_the_budget_stop_notice_prints_small_amounts_with_their_digits(server, tmp_path):
+    """The cap's stop line, as the engine prints it (``Budget.stop_message``, whose other cases
+    tests/test_generate_units.py holds): ``$0.00`` hid a $0.001 cap and a $0.00037 request."""
+    server.plan["q0"] = ["repeat_index:0.25"]
+    summary = _run(server, tmp_path, 2, prices=_PRICES, max_cost=0.001)
+    assert summary.stop_reason == "budget_reached"
+    assert [n for n in summary.notices if n.startswith("stopping:")] == [
+        "stopping: budget $0.001 reached (spent $0.25; the next request's worst case, $0.00037, does not fit)"]

@@ -484,13 +484,10 @@ class Engine:
             if reservation is not None:
                 return reservation
             if self.budget.exhausted:
-                b = self.budget
-                if b.unpriced:
-                    self._notice("stopping: --max-cost is set but responses carry no usage.cost and no prices are configured")
-                else:
-                    extra = f" + ${b.possible:.4f} possibly billed" if b.possible else ""
-                    self._notice(f"stopping: budget ${b.max_cost:.2f} reached (spent ${b.spent:.4f}{extra}; "
-                                 "the next request's worst case does not fit)")
+                request = json.loads(item.request_json)
+                default_reserve = not (request.get("max_tokens") or request.get("max_completion_tokens"))
+                self._notice("stopping: " + self.budget.stop_message(item.prompt_tokens_est, item.completion_reserve,
+                                                                     default_reserve=default_reserve))
                 self.request_stop(StopReason.BUDGET)
                 return None
             self._settled.clear()
