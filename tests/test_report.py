@@ -467,3 +467,124 @@ def test_report_counts_a_rejected_row_with_no_completion(tmp_path):
     assert cut["completion_ids"] == [] and cut["status"] != "ok"
     data = collect_run(run)
     assert data["rows"]["total"] == 2 and sum(data["rows"]["status"].values()) == 2
+
+
+# --- numbers from outside that no statistic can take ----------------------------------------
+
+
+def _edited_run(kimi, folder: Path, edits: list[tuple[dict, dict]]) -> Path:
+    """A run folder of one exchange per ``(meta, usage)`` edit (exchange k: ``make_exchange(k)``
+    with its usage matching, then ``meta`` and ``response.usage`` updated) and its rows."""
+    from test_export_support import make_exchange, reconstruct
+    from tokenbridge.reconstruct import reconstruct_record
+
+    exchanges, rows = [], []
+    for k, (meta, usage) in enumerate(edits):
+        ex = make_exchange(k)
+        reconstruct(ex, kimi)
+        ex["meta"].update(meta)
+        ex["response"]["usage"].update(usage)
+        exchanges.append(ex)
+        rows.extend(reconstruct_record(ex, kimi))
+    write_jsonl(folder / "exchanges.jsonl", exchanges)
+    write_jsonl(folder / "reconstructed.jsonl", rows)
+    return folder
+
+
+def _strict_json(path: Path):
+    """``path`` read as JSON that has no NaN or Infinity (Python's json writes them unless told not to)."""
+    def refuse(name):
+        raise AssertionError(f"{path} holds {name}: not JSON")
+    return json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
+
+
+_TOKENS = "not a token count (an integer from 0 to 1,000,000,000)"
+
+
+@pytest.mark.parametrize(("edits", "left_out", "notes"), [
+    ([({}, {"prompt_tokens": 18446744073709551615})],
+     {"rows": {"usage.prompt_tokens": 1}, "exchanges": {"response.usage.prompt_tokens": 1}},
+     [f"usage.prompt_tokens of 1 sample in the rows: {_TOKENS}",
+      f"response.usage.prompt_tokens of 1 exchange: {_TOKENS}"]),
+    ([({}, {"completion_tokens": 1e20})],
+     {"rows": {"usage.completion_tokens": 1}, "exchanges": {"response.usage.completion_tokens": 1}},
+     [f"usage.completion_tokens of 1 sample in the rows: {_TOKENS}",
+      f"response.usage.completion_tokens of 1 exchange: {_TOKENS}"]),
+    ([({"started_at": -1e308, "finished_at": 1e308}, {})],
+     {"exchanges": {"meta.finished_at": 1, "meta.started_at": 1}},
+     ["meta.finished_at of 1 exchange: not a unix time from 0 to the year 9999",
+      "meta.started_at of 1 exchange: not a unix time from 0 to the year 9999"]),
+    ([({"cost": 1.5e308}, {"cost": 1.5e308})] * 2,
+     {"exchanges": {"meta.cost": 2, "response.usage.cost": 2}},
+     ["meta.cost of 2 exchanges: not a cost from 0 to 1000 USD",
+      "response.usage.cost of 2 exchanges: not a cost from 0 to 1000 USD"]),
+    ([({"latency_s": 1.5e308}, {})] * 2,
+     {"exchanges": {"meta.latency_s": 2}},
+     ["meta.latency_s of 2 exchanges: not a duration from 0 s to 8,000 years"]),
+    ([({"attempts": 10**30}, {})],
+     {"exchanges": {"meta.attempts": 1}},
+     ["meta.attempts of 1 exchange: not an attempt count (an integer from 1 to 1,000,000,000)"]),
+], ids=["prompt_tokens_2**64", "completion_tokens_1e20", "times_1e308", "cost_1.5e308", "latency_1.5e308",
+        "attempts_1e30"])
+def test_unusable_numbers_are_left_out_and_said(kimi, tmp_path, edits, left_out, notes):
+    """A number from the API or ``meta`` that no statistic can take (an int past 64 bits, a
+    float that sums to infinity) is left out and said, never a crash (exit 8) or an
+    ``Infinity`` in report.json (a cold tester's five cases)."""
+    run = _edited_run(kimi, tmp_path, edits)
+    res = CliRunner().invoke(app, ["report", str(run)])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())  # rich wraps at the terminal width
+    tail = text[text.index("left out of the statistics: "):text.index(" report: ")]
+    assert tail == " ".join(f"left out of the statistics: {n}" for n in notes)
+    data = _strict_json(run / "report" / "report.json")
+    assert data["left_out"] == left_out
+    html = (run / "report" / "report.html").read_text(encoding="utf-8")
+    assert (f'<p class="note" id="left-out">Left out of these statistics (unusable numbers): '
+            f'{escape("; ".join(notes))}.</p>') in html
+    assert data["exchanges"]["count"] == len(edits)
+
+
+def test_a_row_statistic_takes_a_usage_count_past_64_bits(kimi, tmp_path):
+    """``run``'s one pass feeds :class:`RowStats` row by row: a usage count no C long holds
+    crashed it there (``_Parity.close``), and every export of the pass with it."""
+    from tokenbridge.export import ExportJob, run_pass
+    from tokenbridge.report import RowStats
+
+    run = _edited_run(kimi, tmp_path, [({}, {"prompt_tokens": 2**64 - 1}), ({}, {})])
+    stats = RowStats()
+    result = run_pass(run / "reconstructed.jsonl", exports=[ExportJob("specforge", tmp_path / "sf", allow_empty=True)],
+                      stats=stats)
+    assert result.rows_read == 2 and (tmp_path / "sf" / "train.jsonl").is_file()
+    data = collect_run(run, stats)
+    assert data["left_out"] == {"rows": {"usage.prompt_tokens": 1},
+                                "exchanges": {"response.usage.prompt_tokens": 1}}
+    assert data["usage_parity"]["prompt"]["count"] == 1 and data["usage_parity"]["completion"]["count"] == 2
+
+
+def test_report_limits_are_generates():
+    """The report takes from ``usage`` what generate books (its limits, not imported there:
+    the report must not load the generate package)."""
+    from tokenbridge.generate.body import MAX_PLAUSIBLE_COST, MAX_PLAUSIBLE_TOKENS
+    from tokenbridge.report import collect
+
+    assert (collect.MAX_TOKENS, collect.MAX_COST) == (MAX_PLAUSIBLE_TOKENS, MAX_PLAUSIBLE_COST)
+
+
+def test_a_summed_store_cost_that_is_not_finite_is_left_out(runs, tmp_path):
+    """The store is a file on disk too: two attempts whose costs (edited by hand) sum past a
+    double gave ``"cost_total": Infinity``, which is not JSON."""
+    import sqlite3
+
+    run = _store_run(runs, tmp_path)
+    con = sqlite3.connect(run / "state.sqlite")
+    con.executemany("INSERT INTO attempts (sample_id, n, started_at, cost) VALUES (?, ?, 0, 1.5e308)",
+                    [("s", 1), ("s", 2)])
+    con.commit()
+    con.close()
+    res = CliRunner().invoke(app, ["report", str(run)])
+    assert res.exit_code == 0, res.output
+    assert "left out of the statistics: attempts.cost (summed) of the store: not a finite number" in " ".join(
+        res.output.split())
+    data = _strict_json(run / "report" / "report.json")
+    assert data["generation"]["cost_total"] is None and data["generation"]["requests"] == 2
+    assert data["left_out"] == {"store": {"attempts.cost (summed)": 1}}

@@ -3,6 +3,16 @@
 Rows are never held: per row we keep counters and a few integers (lengths, usage
 deltas, timestamps) in compact arrays, so a run of millions of rows costs tens of MB.
 Everything returned is plain JSON data; ``report.json`` is exactly this dict.
+
+Every number read from the run files (a row's ``usage``, an exchange's ``response.usage``
+and ``meta``, the store's summed cost) came from outside: each is checked once, where it
+is read, by :func:`_tokens`, :func:`_usd`, :func:`_time`, :func:`_seconds` and
+:func:`_attempts`. One that is not a usable value of its kind (a string, a negative or
+fractional count, ``18446744073709551615`` tokens, a cost of ``1e308``, a time past the
+year 9999) is left out of the statistics and counted under ``left_out``
+(``{"rows" | "exchanges" | "store": {field: values left out}}``), which the page, the
+terminal summary and ``report.json`` show; nothing then overflows an array, an ``int``
+or a float sum, and ``report.json`` stays JSON (no ``Infinity``).
 """
 
 from __future__ import annotations
@@ -21,11 +31,11 @@ import numpy as np
 from ..checks import CODES
 from ..exchanges import RecordError, iter_objects
 from ..exit_codes import ExitCode
-from ..jsonl import is_int
+from ..jsonl import is_count, is_int
 from ..outdir import open_read_only
 from ..rows import STATUSES, ReconstructedRow, RowError, iter_rows
 
-__all__ = ["ReportError", "RowStats", "collect_run", "RECONSTRUCTED_NAMES"]
+__all__ = ["ReportError", "RowStats", "collect_run", "left_out_notes", "RECONSTRUCTED_NAMES"]
 
 #: Where reconstruct output may sit in a run folder, in order of preference.
 RECONSTRUCTED_NAMES = ("reconstructed.jsonl", "reconstructed.parquet")
@@ -33,6 +43,25 @@ _MAX_BINS = 60
 #: Sample ids kept per finding code and per status (the report lists them for `inspect --id`).
 IDS_KEPT = 50
 _STATE_FILE = "state.sqlite"  # generate's store (tokenbridge.generate.store.STATE_FILE)
+#: The largest token count taken from outside: generate's ``MAX_PLAUSIBLE_TOKENS``
+#: (tokenbridge.generate.body, not imported: it loads the generate package).
+MAX_TOKENS = 10**9
+#: The most one exchange may cost, USD: generate's ``MAX_PLAUSIBLE_COST``.
+MAX_COST = 1000.0
+#: The latest unix time (seconds) taken from outside: the end of the year 9999, the last
+#: one a date can show. A latency is at most as long.
+MAX_TIME = 253402300799.0
+#: What a field left out should have been, by the end of its name, in the words the report prints.
+_RULES = (
+    ("_tokens", f"a token count (an integer from 0 to {MAX_TOKENS:,})"),
+    ("cost", f"a cost from 0 to {MAX_COST:g} USD"),
+    ("_at", "a unix time from 0 to the year 9999"),
+    ("latency_s", "a duration from 0 s to 8,000 years"),
+    ("attempts", f"an attempt count (an integer from 1 to {MAX_TOKENS:,})"),
+    ("(summed)", "a finite number"),
+)
+#: The words for each source of ``left_out``.
+_SOURCES = {"rows": ("sample in the rows", "samples in the rows"), "exchanges": ("exchange", "exchanges"), "store": ("store", "stores")}
 
 
 class ReportError(ValueError):
@@ -60,18 +89,34 @@ def collect_run(run_dir: str | Path, rows: RowStats | None = None) -> dict[str, 
         "generated_at": time.time(),
         "sources": {"reconstructed": str(recon), "exchanges": str(exchanges) if exchanges.is_file() else None},
     }
+    left_out: dict[str, Counter[str]] = {"rows": Counter(), "exchanges": Counter(), "store": Counter()}
     data.update(rows.result() if rows is not None else _rows_section(recon))
+    left_out["rows"] = data.pop("rows_left_out")
     data["glossary"] = {code: {"default": sev, "meaning": meaning} for code, (sev, meaning) in CODES.items()}
-    data["exchanges"] = _exchanges_section(exchanges) if exchanges.is_file() else None
+    data["exchanges"] = _exchanges_section(exchanges, left_out["exchanges"]) if exchanges.is_file() else None
     state = run_dir / _STATE_FILE
     data["sources"]["state"] = str(state) if state.is_file() else None
     data["generation"], data["generation_error"] = None, None
     if state.is_file():
         try:
-            data["generation"] = _generation_section(state)
+            data["generation"] = _generation_section(state, left_out["store"])
         except ReportError as exc:  # the rows are the report's subject: a broken store only loses this section
             data["generation_error"] = str(exc)
+    data["left_out"] = {source: dict(sorted(fields.items())) for source, fields in left_out.items() if fields}
     return data
+
+
+def left_out_notes(left_out: dict[str, dict[str, int]]) -> list[str]:
+    """One line per field whose values were left out (``data["left_out"]``), for the page
+    and the terminal: ``"meta.cost of 2 exchanges: not a cost from 0 to 1000 USD"``."""
+    notes = []
+    for source, fields in left_out.items():
+        one, many = _SOURCES.get(source, (source, source))
+        for field, n in fields.items():
+            rule = next((why for end, why in _RULES if field.endswith(end)), "a usable number")
+            where = f"the {one}" if source == "store" else f"{n:,} {one if n == 1 else many}"
+            notes.append(f"{field} of {where}: not {rule}")
+    return notes
 
 
 # --- reconstructed rows -------------------------------------------------------------------
@@ -86,7 +131,7 @@ class RowStats:
         self.findings: Counter[str] = Counter()
         self.by: dict[str, defaultdict[str, dict[str, Counter[str]]]] = {
             key: defaultdict(lambda: {"status": Counter(), "findings": Counter()}) for key in ("provider", "dataset")}
-        self.prompt_len, self.completion_len = array("l"), array("l")
+        self.prompt_len, self.completion_len = array("q"), array("q")
         self.parity = _Parity()
         self.ids = _SampleIds()
 
@@ -122,6 +167,7 @@ class RowStats:
                 "completion_hist": _histogram(self.completion_len),
             },
             "usage_parity": self.parity.result(),
+            "rows_left_out": self.parity.left_out,
             "samples_by_status": self.ids.result(self.ids.by_status, STATUSES),
             "samples_by_finding": self.ids.result(self.ids.by_code, [c for c, _ in findings.most_common()]),
         }
@@ -180,8 +226,10 @@ class _Parity:
 
     def __init__(self) -> None:
         self.key: Any = None
-        self.deltas = {"prompt": array("l"), "completion": array("l")}
-        self.provider: dict[str, dict[str, array[int]]] = defaultdict(lambda: {"prompt": array("l"), "completion": array("l")})
+        self.deltas = {"prompt": array("q"), "completion": array("q")}
+        self.provider: dict[str, dict[str, array[int]]] = defaultdict(lambda: {"prompt": array("q"), "completion": array("q")})
+        #: usage fields left out: not a usable token count (:func:`_tokens`)
+        self.left_out: Counter[str] = Counter()
         self._pending: tuple[str, dict[str, Any], int, int] | None = None
 
     def add(self, rec: ReconstructedRow, n_prompt: int, n_completion: int) -> None:
@@ -202,8 +250,8 @@ class _Parity:
         prov, usage, p, c = self._pending
         self._pending = None
         for side, ours in (("prompt", p), ("completion", c)):
-            theirs = usage.get(f"{side}_tokens")
-            if is_int(theirs):
+            theirs = _tokens(usage.get(f"{side}_tokens"), f"usage.{side}_tokens", self.left_out, integral=False)
+            if theirs is not None:
                 self.deltas[side].append(theirs - ours)
                 self.provider[prov][side].append(theirs - ours)
 
@@ -263,8 +311,10 @@ def _histogram(values: Iterable[int], signed: bool = False) -> dict[str, Any]:
 # --- exchanges ------------------------------------------------------------------------------
 
 
-def _exchanges_section(path: Path) -> dict[str, Any]:
-    finished, cost, completion, prompt = array("d"), array("d"), array("l"), array("l")
+def _exchanges_section(path: Path, left_out: Counter[str]) -> dict[str, Any]:
+    """Cost, latency, attempts and the timeline over the exchanges; every number checked
+    where it is read (an unusable one counted in ``left_out`` and not used)."""
+    finished, cost, completion, prompt = array("d"), array("d"), array("q"), array("q")
     latency = array("d")
     started_min = math.inf
     count = errors = attempts = 0
@@ -279,13 +329,13 @@ def _exchanges_section(path: Path) -> dict[str, Any]:
             usage = _dict(response.get("usage"))
             if not response.get("choices"):
                 errors += 1
-            c = _num(meta.get("cost"))
+            c = _usd(meta.get("cost"), "meta.cost", left_out)
             if c is None:
-                c = _num(usage.get("cost"))
-            n_completion = int(_num(usage.get("completion_tokens")) or 0)
-            n_prompt = int(_num(usage.get("prompt_tokens")) or 0)
-            lat = _num(meta.get("latency_s"))
-            attempts += int(_num(meta.get("attempts")) or 1)
+                c = _usd(usage.get("cost"), "response.usage.cost", left_out)
+            n_completion = _tokens(usage.get("completion_tokens"), "response.usage.completion_tokens", left_out) or 0
+            n_prompt = _tokens(usage.get("prompt_tokens"), "response.usage.prompt_tokens", left_out) or 0
+            lat = _seconds(meta.get("latency_s"), "meta.latency_s", left_out)
+            attempts += _attempts(meta.get("attempts"), "meta.attempts", left_out) or 1
             prov = str(meta.get("provider") or response.get("provider"))
             g = per_provider[prov]
             g["exchanges"] += 1
@@ -298,10 +348,10 @@ def _exchanges_section(path: Path) -> dict[str, Any]:
                 latency.append(lat)
                 g["latency_s"] += lat
                 g["latency_n"] += 1
-            start = _num(meta.get("started_at"))
+            start = _time(meta.get("started_at"), "meta.started_at", left_out)
             if start is not None:
                 started_min = min(started_min, start)
-            end = _num(meta.get("finished_at"))
+            end = _time(meta.get("finished_at"), "meta.finished_at", left_out)
             if end is not None:
                 finished.append(end)
                 cost.append(c or 0.0)
@@ -323,15 +373,15 @@ def _exchanges_section(path: Path) -> dict[str, Any]:
     if len(finished):
         out["timeline"] = _timeline(finished, cost, prompt, completion, started_min)
         out["duration_s"] = out["timeline"]["duration_s"]
-        out["completion_tokens_per_s"] = (
-            sum(completion) / out["duration_s"] if out["duration_s"] > 0 else None
-        )
+        rate = sum(completion) / out["duration_s"] if out["duration_s"] > 0 else None
+        out["completion_tokens_per_s"] = rate if rate is not None and math.isfinite(rate) else None
     return out
 
 
-def _generation_section(path: Path) -> dict[str, Any]:
+def _generation_section(path: Path, left_out: Counter[str]) -> dict[str, Any]:
     """What generate recorded over every invocation in this folder: the same numbers its
-    summaries add up to (requests are attempts; errors are failed attempts by class)."""
+    summaries add up to (requests are attempts; errors are failed attempts by class). A
+    summed cost that is not a finite number (a store edited by hand) is left out."""
     try:
         con = open_read_only(path)
         try:
@@ -349,7 +399,7 @@ def _generation_section(path: Path) -> dict[str, Any]:
         "samples": {s: int(samples.get(s, 0)) for s in ("done", "failed", "pending")},
         "requests": int(requests),
         "errors": {str(k): int(n) for k, n in errors},
-        "cost_total": cost,
+        "cost_total": _finite(cost, "attempts.cost (summed)", left_out),
     }
 
 
@@ -360,10 +410,64 @@ def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
+def _number(value: Any) -> bool:
+    """A JSON number (not a bool); an int of any size is one."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _left(value: Any, field: str, left_out: Counter[str]) -> None:
+    """Count ``value`` of ``field`` as left out, unless it is absent (None)."""
+    if value is not None:
+        left_out[field] += 1
+
+
+def _tokens(value: Any, field: str, left_out: Counter[str], *, integral: bool = True) -> int | None:
+    """A token count from outside: an integer from 0 to :data:`MAX_TOKENS`, as generate
+    books one (``integral``: a float with no fraction too, as generate takes it; a row's
+    usage is read as the gate reads it, integers only), else None (and left out)."""
+    if isinstance(value, float) and integral and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if is_count(value) and value <= MAX_TOKENS:
+        return value
+    _left(value, field, left_out)
+    return None
+
+
+def _attempts(value: Any, field: str, left_out: Counter[str]) -> int | None:
+    """An attempt count from outside: an integer from 1 to :data:`MAX_TOKENS`, else None."""
+    if is_int(value) and 1 <= value <= MAX_TOKENS:
+        return value
+    _left(value, field, left_out)
+    return None
+
+
+def _bounded(value: Any, field: str, left_out: Counter[str], most: float) -> float | None:
+    """A finite number from 0 to ``most`` from outside, else None (and left out). An int
+    too large for a float is compared before it is converted."""
+    if _number(value) and 0 <= value <= most:
+        return float(value)
+    _left(value, field, left_out)
+    return None
+
+
+def _usd(value: Any, field: str, left_out: Counter[str]) -> float | None:
+    return _bounded(value, field, left_out, MAX_COST)
+
+
+def _time(value: Any, field: str, left_out: Counter[str]) -> float | None:
+    return _bounded(value, field, left_out, MAX_TIME)
+
+
+def _seconds(value: Any, field: str, left_out: Counter[str]) -> float | None:
+    return _bounded(value, field, left_out, MAX_TIME)
+
+
+def _finite(value: Any, field: str, left_out: Counter[str]) -> float | None:
+    """A finite number (the store's summed cost), else None (and left out)."""
+    if _number(value) and math.isfinite(value):
+        return float(value)
+    _left(value, field, left_out)
+    return None
 
 
 def _describe_float(values: array[float]) -> dict[str, Any]:

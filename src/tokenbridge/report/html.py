@@ -12,6 +12,7 @@ from typing import Any
 from collections.abc import Iterable, Iterator, Sequence
 
 from ..display import printable
+from .collect import left_out_notes
 
 __all__ = ["SECTIONS", "render_html"]
 
@@ -128,6 +129,10 @@ def _overview(data: dict[str, Any]) -> str:
     sources = data["sources"]
     html += (f'<p class="note">reconstructed: {_text(sources["reconstructed"])}; exchanges: '
              f'{_text(sources["exchanges"] or "not found")}</p>')
+    notes = left_out_notes(data["left_out"])
+    if notes:
+        html += ('<p class="note" id="left-out">Left out of these statistics (unusable numbers): '
+                 + "; ".join(_text(n) for n in notes) + ".</p>")
     return _section("overview", rows["total"] > 0, html)
 
 

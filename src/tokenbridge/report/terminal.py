@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..display import printable
+from .collect import left_out_notes
 
 __all__ = ["print_summary"]
 
@@ -114,3 +115,5 @@ def print_summary(data: dict[str, Any], console: Console | None = None) -> None:
                                ex.get("completion_tokens_per_s"), lat.get("p50")]]))
     else:
         console.print("Cost and throughput: no data (exchanges.jsonl not found)")
+    for note in left_out_notes(data["left_out"]):
+        console.print(_plain(f"left out of the statistics: {note}"))
