@@ -87,6 +87,32 @@ def test_parquet_reexport_keeps_a_users_file_inside_data(stage_inputs, tmp_path,
     assert ours == _new(ref, out) and leftovers(tmp_path) == []  # no old shard left beside the new one
 
 
+def test_a_users_shard_named_file_in_data_is_not_taken_for_ours(stage_inputs, tmp_path):
+    """Own is what the marker lists, nothing else: a file the user put in ``data/`` under a
+    shard's name (a copy of a shard, say) was taken for an old shard and deleted by the next
+    re-export, and by ``run``'s stale-output removal, with exit 0 (a cold tester's)."""
+    out = tmp_path / "out"
+    export_file(stage_inputs / "first-half.jsonl", out, "parquet")
+    mine = out / "data" / "train-00001-of-00002.parquet"
+    mine.write_bytes(SPLIT)
+    before = snapshot(out)
+    res = cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", "parquet")
+    assert res.returncode == 2, res.stderr  # a shard name a new export may write: refused before any work
+    assert res.stderr.splitlines() == [
+        f"error: -o {out}: {mine} is not tokenbridge's and the new export writes that name; nothing was written: "
+        "move it away or give another folder"]
+    assert snapshot(out) == before and leftovers(tmp_path) == []
+    assert remove_own_output(out, "export") == ["data/train-00001-of-00002.parquet"]
+    assert snapshot(out) == {MARKER: (out / MARKER).read_bytes(), "data/train-00001-of-00002.parquet": SPLIT}
+    # data/ stays tokenbridge's (the next export writes its shards there), nothing inside it
+    assert json.loads((out / MARKER).read_text()) == {"files": ["data"], "files_nested": True,
+                                                      "tokenbridge_output": "export"}
+    assert remove_own_output(out, "export") == ["data/train-00001-of-00002.parquet"]
+    assert snapshot(out)["data/train-00001-of-00002.parquet"] == SPLIT
+    mine.unlink()
+    assert cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", "parquet").returncode == 0
+
+
 @pytest.mark.parametrize("point", ["export:carried:1", "export:swapped:1"])
 def test_parquet_export_killed_then_rerun_keeps_a_users_file_inside_data(stage_inputs, tmp_path, point):
     out = tmp_path / "out"

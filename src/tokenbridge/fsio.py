@@ -73,10 +73,12 @@ __all__ = [
     "OutputRefused",
     "OutputWriteError",
     "CARRIED",
+    "FILES_NESTED",
     "clean_stale_temps",
     "foreign_entries",
     "marker_files",
     "marker_owned",
+    "unlisted_folders",
     "read_marker",
     "dumps_line",
     "is_temp_name",
@@ -518,21 +520,42 @@ def marker_files(folder: Path) -> frozenset[str] | None:
     return frozenset(files)
 
 
+#: A marker key: ``files`` lists every entry tokenbridge wrote, inside its folders too, so
+#: a folder listed with nothing inside it listed (one made to hold a user's entries) holds
+#: nothing of tokenbridge's. Markers written before it listed a folder's entries only where
+#: they listed any: :func:`unlisted_folders`.
+FILES_NESTED = "files_nested"
+
+
+def unlisted_folders(folder: Path) -> frozenset[str]:
+    """The folders ``folder``'s marker lists without the entries inside them, where that
+    means they are tokenbridge's whole (a marker from before nested lists, which listed
+    ``data`` alone); none for a marker that says it lists nested entries
+    (:data:`FILES_NESTED`), or that lists none."""
+    data = read_marker(folder)
+    files = marker_files(folder)
+    if data is None or files is None or data.get(FILES_NESTED) is True:
+        return frozenset()
+    listed_in = {name.split("/", 1)[0] for name in files if "/" in name}
+    return frozenset(name for name in files if "/" not in name and name not in listed_in)
+
+
 def marker_owned(folder: Path) -> Callable[[str], bool] | None:
     """Which entries of ``folder`` tokenbridge wrote, by its marker: the names the marker
     lists (``data/train-00000-of-00001.parquet`` inside a folder it wrote; a folder listed
-    with nothing inside it listed, as markers before those lists had it, is all its own),
-    the marker itself and the carried-entries record; None when the marker lists none."""
+    with nothing inside it listed, as markers before those lists had it, is all its own:
+    :func:`unlisted_folders`), the marker itself and the carried-entries record; None when
+    the marker lists none."""
     files = marker_files(folder)
     if files is None:
         return None
-    listed_in = {name.split("/", 1)[0] for name in files if "/" in name}
+    whole = unlisted_folders(folder)
 
     def ours(name: str) -> bool:
         if name in files or name in (MARKER, CARRIED):
             return True
         top, nested, _ = name.partition("/")
-        return bool(nested) and top in files and top not in listed_in
+        return bool(nested) and top in whole
     return ours
 
 
@@ -598,7 +621,7 @@ def _carry(target: Path, tmp: Path, ours: Callable[[str], bool], written: set[st
 
 def _write_marker(folder: Path, marker: dict[str, Any], files: set[str]) -> None:
     """The staged folder's marker: ``marker`` with ``files``, the entries tokenbridge wrote."""
-    record = {**marker, "files": sorted(files)}
+    record = {**marker, "files": sorted(files), FILES_NESTED: True}
     (folder / MARKER).write_text(json.dumps(record, sort_keys=True) + "\n", encoding="utf-8")
 
 

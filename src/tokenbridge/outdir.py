@@ -51,7 +51,7 @@ from typing import Any, Literal
 from collections.abc import Callable, Iterable, Mapping
 
 from .fsio import (CARRIED, MARKER, OutputRefused, foreign_entries, is_temp_name, marker_owned, output_file, publish_dir,
-                   read_marker)
+                   read_marker, unlisted_folders)
 
 __all__ = [
     "MARKER",
@@ -245,9 +245,15 @@ def own_names(kind: OutputKind) -> Callable[[Path], Callable[[str], bool]]:
         writes, listed = _writes(kind), marker_owned(target)
         if listed is None:
             return writes
-        # inside a folder an export writes, its own names decide (a marker from before nested
-        # lists claims the whole folder): a user's file there is kept
-        return lambda name: writes(name) if "/" in name and kind == "export" else listed(name)
+        # exactly what the marker lists is ours (a user's shard-named file in data/ is kept);
+        # only inside a folder a marker from before nested lists claims whole, the names the
+        # export writes decide (a user's other split there is kept too)
+        whole = unlisted_folders(target) if kind == "export" else frozenset()
+
+        def ours(name: str) -> bool:
+            top, inside, _ = name.partition("/")
+            return writes(name) if inside and top in whole else listed(name)
+        return ours
     return test
 
 
