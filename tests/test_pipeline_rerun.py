@@ -393,9 +393,10 @@ def test_damaged_pipeline_json_is_a_clear_message_and_only_costs_a_rerun(finishe
     assert f"warning: {state}: damaged (not a JSON object); every stage after generate runs again" in lines
     state.unlink()
     state.mkdir()
-    with pytest.raises(PipelineError, match=rf"^{state}: cannot read the run's stage record \(Is a directory\); "
-                                            "move it away to re-run every stage$"):
+    with pytest.raises(PipelineError) as caught:
         run_pipeline(cfg, echo=lambda _: None)
+    assert str(caught.value) == (f"{state}: is a folder, not the run's stage record; run reads and rewrites that file "
+                                 "itself: move it away and run again") and caught.value.code == 2
 
 
 @pytest.mark.parametrize("point", ["state:staged", "state:renamed", "generate:exchanges replaced"])
@@ -426,3 +427,78 @@ def test_a_new_gate_revision_reruns_every_stage_after_generate(finished, monkeyp
     monkeypatch.setattr(tokenbridge.checks, "GATE_REVISION", tokenbridge.checks.GATE_REVISION + "+next")
     assert _run(cfg) == {"generate": "ran", **{s: "ran" for s in AFTER_GENERATE}}
     assert _run(cfg) == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE}}
+
+
+# --- the files run names itself -----------------------------------------------------------
+
+
+def test_symlinked_rows_are_used_as_they_are_but_never_written_through(finished, tmp_path, kimi_dir):
+    """A ``reconstructed.jsonl`` replaced by a link to the user's own rows is used as it is;
+    when the config then changes, reconstruct must write the file again: run wrote through
+    the link and replaced the user's file outside the run folder with every row (a cold
+    tester's 50 curated rows became 216). It refuses, and both the link and the file stay."""
+    cfg, out = finished
+    recon = out / "reconstructed.jsonl"
+    curated = tmp_path / "curated.jsonl"
+    curated.write_bytes(b"".join(recon.read_bytes().splitlines(keepends=True)[:8]))
+    mine = curated.read_bytes()
+    recon.unlink()
+    recon.symlink_to(curated)
+    lines: list[str] = []
+    assert _run(cfg, lines)["reconstruct"] == "skipped"
+    assert json.loads((out / "report" / "report.json").read_text())["rows"]["total"] == 8
+    assert any("is not the file this stage wrote" in x for x in lines)
+    changed = load_run_config(write_run_config(tmp_path, kimi_dir, '[reconstruct]\nseverity = { truncated = "off" }\n'))
+    with pytest.raises(PipelineError) as caught:
+        run_pipeline(changed, echo=lambda _: None)
+    assert str(caught.value) == (
+        f"{recon}: is a symbolic link to {curated}, a regular file, not the file reconstruct wrote; run writes that "
+        "file itself and never through a link or over anything but a file: remove it (the file a link names is "
+        "kept) to have it written again")
+    assert caught.value.code == 2
+    assert curated.read_bytes() == mine and os.readlink(recon) == str(curated)
+    res = cli("run", str(changed.source))  # the command: one error line, exit 2
+    assert res.returncode == 2 and res.stderr.splitlines() == [f"error: {caught.value}"]
+    assert curated.read_bytes() == mine
+    recon.unlink()
+    assert _run(changed)["reconstruct"] == "ran" and len(recon.read_bytes().splitlines()) == 16
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+@pytest.mark.parametrize(("name", "make", "what"), [
+    ("reconstructed.jsonl", Path.mkdir, "is a folder"),
+    ("reconstructed.jsonl", _fifo, "is a named pipe (FIFO)"),
+    ("reconstructed.jsonl", lambda p: p.symlink_to(p.parent / "gone"), "is a symbolic link to {out}/gone, which is "
+                                                                        "missing (or a loop)"),
+    ("reconstructed.jsonl", lambda p: p.symlink_to(p.parent / "export"), "is a symbolic link to {out}/export, a folder"),
+    ("pipeline.json", _fifo, "is a named pipe (FIFO)"),
+    ("pipeline.json", lambda p: p.symlink_to(p.parent / "mine.json"), "is a symbolic link to {out}/mine.json, a "
+                                                                       "regular file"),
+], ids=["rows-folder", "rows-fifo", "rows-dangling-link", "rows-link-to-folder", "record-fifo", "record-link"])
+def test_a_run_file_that_is_not_a_file_is_refused_before_anything_is_sent(finished, name, make, what):
+    """``mkdir RUN/reconstructed.jsonl`` crashed run (IsADirectoryError, exit 8) and a FIFO
+    hung it forever; a link at ``pipeline.json`` was written through by every stage. Each is
+    one error line, exit 2, before generate, and is left as it was."""
+    cfg, out = finished
+    path = out / name
+    (out / "mine.json").write_bytes(path.read_bytes())
+    mine = (out / "mine.json").read_bytes()
+    path.unlink()
+    make(path)
+    left = os.lstat(path)
+    with Store.open(out) as store:
+        sent = store.change_counts()
+    res = cli("run", str(cfg.source))  # a child process: a FIFO opened by mistake would block it, not this test
+    assert res.returncode == 2, res.stderr
+    role = "the rows reconstruct writes" if name == "reconstructed.jsonl" else "the run's stage record"
+    assert res.stderr.splitlines() == [
+        f"error: {path}: {what.format(out=out)}, not {role}; run reads and rewrites that file itself: move it away and "
+        "run again"]
+    with Store.open(out) as store:
+        assert "generate:" not in res.stdout and store.change_counts() == sent
+    now = os.lstat(path)
+    assert (now.st_ino, now.st_mode, now.st_mtime_ns) == (left.st_ino, left.st_mode, left.st_mtime_ns)
+    assert (out / "mine.json").read_bytes() == mine

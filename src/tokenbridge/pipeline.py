@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from contextlib import nullcontext
 from contextvars import ContextVar
 from dataclasses import astuple, dataclass, field
@@ -248,9 +250,63 @@ def _settle(out: Path) -> None:
         pass  # only a saving: the next generate reads the file to tell
 
 
+#: The files ``run`` itself reads and rewrites in its folder (generate's aside), and what each is.
+_RUN_FILES = {"pipeline.json": "the run's stage record", "reconstructed.jsonl": "the rows reconstruct writes"}
+
+
+def _check_run_files(out: Path) -> None:
+    """Refuse (exit 2), before anything is sent, a file of :data:`_RUN_FILES` that is not
+    missing or a regular file: a folder there crashed the run, a FIFO hung it, and a rewrite
+    would have to remove what ``run`` did not make. A symlink to a regular file is allowed
+    only at ``reconstructed.jsonl`` (its rows are used as they are; run never writes through
+    it: :func:`_own_output`); ``pipeline.json`` is rewritten by every stage."""
+    for name, what in _RUN_FILES.items():
+        path = out / name
+        why = _not_a_file(path, links=name == "reconstructed.jsonl")
+        if why is not None:
+            raise PipelineError(f"{path}: {why}, not {what}; run reads and rewrites that file itself: move it "
+                                "away and run again", code=ExitCode.USAGE)
+
+
+def _not_a_file(path: Path, *, links: bool) -> str | None:
+    """What ``path`` is, in words, when it is neither missing nor a regular file (``links``:
+    nor a symlink to one), else None. Nothing is opened: a FIFO would block."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot be looked at ({exc.strerror or exc})"
+    if stat.S_ISREG(info.st_mode):
+        return None
+    if not stat.S_ISLNK(info.st_mode):
+        return f"is {fsio.kind_of(info.st_mode)}"
+    target = os.readlink(path)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return f"is a symbolic link to {target}, which is missing (or a loop)"
+    if not links or not stat.S_ISREG(mode):
+        return f"is a symbolic link to {target}, {fsio.kind_of(mode)}"
+    return None
+
+
+def _own_output(path: Path, what: str) -> None:
+    """Before a stage writes ``path``, a file ``run`` names itself: refuse (exit 2) a
+    symlink there. Written through, it would replace the file it names, outside the run
+    folder (a user's curated rows); replaced, the link would be removed, and run removes
+    nothing it did not make."""
+    why = _not_a_file(path, links=False)
+    if why is not None:
+        raise PipelineError(f"{path}: {why}, not {what}; run writes that file itself and never through a link or "
+                            "over anything but a file: remove it (the file a link names is kept) to have it written "
+                            "again", code=ExitCode.USAGE)
+
+
 def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult]:
     from .tokenizer import load_tokenizer
 
+    _check_run_files(cfg.out)
     state = _State(cfg.out, echo)
     tok = load_tokenizer(cfg.tokenizer)
     check_before_generate(cfg, tok)  # the config checks that need the tokenizer, before any request
@@ -323,6 +379,7 @@ def _reconstruct_stage(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
     if state.done("reconstruct", fp, reconstructed):
         result = StageResult("reconstruct", "skipped", {"bad_lines": state.data["reconstruct"].get("bad_lines") or 0})
     else:
+        _own_output(reconstructed, "the file reconstruct wrote")
         rs = reconstruct_file(exchanges, reconstructed, tok, dialect=cfg.dialect, policy=cfg.policy,
                               provider_profile=cfg.provider_profile)
         detail = rs.to_dict()
