@@ -283,6 +283,70 @@ def test_run_starts_in_an_empty_folder_and_resumes_its_own(tmp_path, kimi_dir):
     assert (os.lstat(out / "exchanges.jsonl").st_ino, os.lstat(out / "exchanges.jsonl").st_mode) == made
 
 
+def _store_folder(folder: Path, lock: bool) -> Path:
+    """A run folder holding one store of one run (and tokenbridge's lock file, or not)."""
+    from tokenbridge.generate.store import Store
+
+    with Store.open(folder) as store:
+        store.begin_run({"seed": 1})
+    if lock:
+        (folder / ".lock").write_bytes(b"4242 tokenbridge run\n")
+    return folder
+
+
+def _full_disk(monkeypatch) -> None:
+    """What SQLite says when a read-only open must grow ``-shm`` on a full disk (a cold
+    tester's 12 MB tmpfs): SQLITE_IOERR_SHMSIZE, "disk I/O error"."""
+    import sqlite3
+
+    from tokenbridge import outdir
+
+    def full(path):
+        exc = sqlite3.OperationalError("disk I/O error")
+        exc.sqlite_errorcode, exc.sqlite_errorname = 4874, "SQLITE_IOERR_SHMSIZE"
+        raise exc
+
+    monkeypatch.setattr(outdir, "open_read_only", full)
+
+
+def test_a_store_that_cannot_be_read_now_is_never_called_not_a_store(tmp_path, kimi_dir, monkeypatch):
+    """A full disk made ``run`` call a healthy store "not an SQLite database" and advise a new
+    folder, away from every answer paid for. Read-only, the store cannot be told now: in a
+    folder tokenbridge's lock marks as a run's it is let through (writing to it then fails as
+    the disk error it is, exit 6); without the lock the refusal says to keep it."""
+    from tokenbridge.outdir import store_kind, store_problem
+
+    cfg = write_run_config(tmp_path, kimi_dir)
+    out = _store_folder(load_run_config(cfg).out, lock=False)
+    before = snapshot(out)
+    _full_disk(monkeypatch)
+    assert store_kind(out / "state.sqlite") == "unreadable" and store_problem(out / "state.sqlite") is None
+    res = CliRunner().invoke(app, ["run", str(cfg)])
+    _refused_with(res, f"{cfg}:3: run.out: {out / 'state.sqlite'}: cannot be read now (disk I/O error); nothing was "
+                       "written: the file may be a run's store holding answers already paid for, so keep this "
+                       "folder: free disk space, or wait for the program that holds the file, and run the same "
+                       "command again")
+    assert snapshot(out) == before
+    (out / ".lock").write_bytes(b"4242 tokenbridge run\n")
+    assert is_own_run_folder(out) and run_folder_problem(out) is None
+    monkeypatch.undo()
+    assert store_kind(out / "state.sqlite") == "tokenbridge"  # the disk freed: the same file, a store
+
+
+def test_a_damaged_store_is_not_called_not_a_database(tmp_path):
+    """SQLite's own "malformed": a damaged store may still hold paid answers; the refusal
+    says to keep it (and how to read it), not that it is no database."""
+    out = _store_folder(tmp_path / "run", lock=True)
+    data = bytearray((out / "state.sqlite").read_bytes())
+    data[100:4096] = b"\xff" * 3996  # the first page's b-tree (sqlite_master), the header kept
+    (out / "state.sqlite").write_bytes(bytes(data))
+    assert not is_own_run_folder(out)
+    assert run_folder_problem(out) == (
+        f"{out / 'state.sqlite'}: an SQLite database that SQLite reads as damaged (database disk image is malformed); "
+        "nothing was written: if it is a run's store it holds answers already paid for: keep it (sqlite3's .recover "
+        "can read what is left of it) and give this run a new or empty folder")
+
+
 @pytest.mark.parametrize(("files", "ours"), [
     ({"state.sqlite": b"SQLite format 3\x00..."}, False),  # the header alone: not a database, not ours
     ({".lock": b"4242 tokenbridge run\n"}, True),  # killed before its store existed

@@ -357,8 +357,8 @@ def _file_problem(target: Path, inputs: list[str | Path], runs: Iterable[str | P
             for state, what in RUN_STATE_FILES.items():
                 if _same_file(real, folder / state):
                     return f"is a hard link to {folder / state}, {what} of that run folder; {refuse}"
-        if _file_kind(real) == "sqlite":
-            kind = "a tokenbridge run's store" if _schema_kind(real) == "tokenbridge" else "an SQLite database"
+        if _file_kind(real)[0] == "sqlite":
+            kind = "a tokenbridge run's store" if _schema_kind(real)[0] == "tokenbridge" else "an SQLite database"
             return f"is {kind} (no output of tokenbridge is one); {refuse}"
     for other_flag, other in outputs.items():
         if _same_file(target, other):
@@ -405,28 +405,44 @@ def existing_inputs(*paths: str | Path | None) -> list[Path]:
 def is_own_run_folder(path: str | Path) -> bool:
     """Whether ``path`` is a folder an earlier ``run`` or ``generate`` made: it holds
     generate's store ``state.sqlite`` (recognised by its schema, :func:`store_kind`, read
-    only), or no store yet (or an empty one) and the run lock ``.lock`` as tokenbridge
-    writes it (``<pid> tokenbridge <command>``, made first, so a run killed before its
-    store existed counts too). A ``state.sqlite`` that is anything else (the user's own
-    database, not SQLite, not a file) means the folder is not ours, whatever else is there;
-    ``exchanges.jsonl`` or ``pipeline.json`` prove nothing: a user's folder may hold files
-    of those names."""
+    only), or no store yet (or an empty one, or one that cannot be read now: a full disk)
+    and the run lock ``.lock`` as tokenbridge writes it (``<pid> tokenbridge <command>``,
+    made first and kept, so a run killed before its store existed counts too). A
+    ``state.sqlite`` that is anything else (the user's own database, not SQLite, not a
+    file) means the folder is not ours, whatever else is there; ``exchanges.jsonl`` or
+    ``pipeline.json`` prove nothing: a user's folder may hold files of those names."""
     path = Path(path)
     kind = store_kind(path / "state.sqlite")
     if kind == "tokenbridge":
         return True
-    return kind in (None, "empty") and bool(_LOCK_TEXT.match(_head(path / ".lock")))
+    return kind in (None, "empty", "unreadable") and bool(_LOCK_TEXT.match(_head(path / ".lock")))
 
 
-StoreKind = Literal["tokenbridge", "empty", "foreign", "not sqlite", "not a file"]
-#: Why a ``state.sqlite`` of each other kind is not a store a run may write into.
+StoreKind = Literal["tokenbridge", "empty", "foreign", "not sqlite", "not a file", "damaged", "unreadable"]
+#: Why a ``state.sqlite`` of each other kind is not a store a run may write into, and what to do.
 _NOT_A_STORE: dict[str, str] = {
     "empty": "an empty database, not a tokenbridge run's store, beside files of the folder's own",
     "foreign": "an SQLite database that is not a tokenbridge store (a store holds meta.schema_version and the "
                "tables meta, samples, attempts, responses and runs, no other); refusing to write into it",
     "not sqlite": "not a usable tokenbridge state file (not an SQLite database)",
     "not a file": "not a usable tokenbridge state file (not a regular file)",
+    "damaged": "an SQLite database that SQLite reads as damaged ({why})",
+    "unreadable": "cannot be read now ({why})",
 }
+#: What to do about each kind, after "nothing was written: " (run's and generate's refusal).
+_ADVICE: dict[str, str] = {
+    "damaged": "if it is a run's store it holds answers already paid for: keep it (sqlite3's .recover can read "
+               "what is left of it) and give this run a new or empty folder",
+    "unreadable": "the file may be a run's store holding answers already paid for, so keep this folder: free disk "
+                  "space, or wait for the program that holds the file, and run the same command again",
+}
+#: SQLite's primary result codes that say the storage failed, not the file's content: BUSY,
+#: LOCKED, NOMEM, READONLY, IOERR, FULL, CANTOPEN, PROTOCOL (generate/store.py's
+#: _STORAGE_ERRORS, and out of memory). A read-only open that must grow ``-shm`` on a full
+#: disk fails with IOERR: the store is fine.
+_STORAGE_CODES = frozenset({5, 6, 7, 8, 10, 13, 14, 15})
+#: SQLITE_CORRUPT: the file is SQLite, but damaged.
+_CORRUPT = 11
 
 
 def store_kind(path: str | Path) -> StoreKind | None:
@@ -438,62 +454,85 @@ def store_kind(path: str | Path) -> StoreKind | None:
     tokenbridge once wrote its tables is still the user's); ``"empty"`` for an
     empty file or a database with no table (a store killed before its schema was
     committed); ``"foreign"`` for any other SQLite database (a user's own); ``"not
-    sqlite"`` for a file that is not one (or cannot be read as one); ``"not a file"`` for a
-    folder, a FIFO or a device (never opened)."""
-    path = Path(path)
-    kind = _file_kind(path)
-    return _schema_kind(path) if kind == "sqlite" else kind
+    sqlite"`` for a file that is not one; ``"damaged"`` for one SQLite reads as corrupt;
+    ``"unreadable"`` for one that cannot be read now (an I/O error, a full disk on which
+    SQLite cannot grow its ``-shm``, a lock held too long): what it is is unknown;
+    ``"not a file"`` for a folder, a FIFO or a device (never opened)."""
+    return _store_reading(Path(path))[0]
 
 
-def _file_kind(path: Path) -> StoreKind | Literal["sqlite"] | None:
+def _store_reading(path: Path) -> tuple[StoreKind | None, str]:
+    """:func:`store_kind`, and for ``"damaged"`` / ``"unreadable"`` why (SQLite's or the OS's words)."""
+    kind, why = _file_kind(path)
+    return _schema_kind(path) if kind == "sqlite" else (kind, why)
+
+
+def _file_kind(path: Path) -> tuple[StoreKind | Literal["sqlite"] | None, str]:
     """:func:`store_kind` from the file's type and first bytes: ``"sqlite"`` when the schema must tell."""
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
-            return "not a file"  # never opened: a FIFO would block, a device may act on open
+            return "not a file", ""  # never opened: a FIFO would block, a device may act on open
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # swapped for a FIFO since: opened without waiting
     except OSError:
-        return "not a file" if os.path.lexists(path) else None  # a dangling symlink is not ours either
+        return ("not a file" if os.path.lexists(path) else None), ""  # a dangling symlink is not ours either
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return "not a file"
+            return "not a file", ""
         head = os.pread(fd, len(_SQLITE_HEADER), 0)
-    except OSError:
-        return "not sqlite"
+    except OSError as exc:  # EIO: the disk, not the file
+        return "unreadable", exc.strerror or str(exc)
     finally:
         os.close(fd)
-    return "empty" if not head else "sqlite" if head == _SQLITE_HEADER else "not sqlite"
+    return ("empty" if not head else "sqlite" if head == _SQLITE_HEADER else "not sqlite"), ""
 
 
-def _schema_kind(path: Path) -> StoreKind:
-    """:func:`store_kind` of an SQLite file, from its tables (read only)."""
+def _schema_kind(path: Path) -> tuple[StoreKind, str]:
+    """:func:`store_kind` of an SQLite file, from its tables (read only); a failed read is
+    told apart by SQLite's result code: the storage (``"unreadable"``), a damaged file, or
+    not a database at all."""
     import sqlite3
 
     try:
         conn = open_read_only(path)
-    except sqlite3.Error:
-        return "not sqlite"
+    except sqlite3.Error as exc:
+        return _failed_read(exc)
     try:
         tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if not tables:
-            return "empty"
+            return "empty", ""
         if not tables >= _STORE_TABLES:
-            return "foreign"
+            return "foreign", ""
         row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if row is None:
-            return "foreign"
+            return "foreign", ""
         others = {t for t in tables - _STORE_OWN_TABLES if not t.startswith("sqlite_")}
-        return "foreign" if others and str(row[0]) in _STORE_VERSIONS else "tokenbridge"
-    except sqlite3.Error:
-        return "not sqlite"
+        return ("foreign" if others and str(row[0]) in _STORE_VERSIONS else "tokenbridge"), ""
+    except sqlite3.Error as exc:
+        return _failed_read(exc)
     finally:
         conn.close()
 
 
+def _failed_read(exc: Exception) -> tuple[StoreKind, str]:
+    code = getattr(exc, "sqlite_errorcode", None)
+    primary = code & 0xFF if isinstance(code, int) else None
+    if primary in _STORAGE_CODES:
+        return "unreadable", str(exc)
+    return ("damaged", str(exc)) if primary == _CORRUPT else ("not sqlite", "")
+
+
+def _not_a_store(path: Path, kind: str, why: str) -> str:
+    return f"{path}: {_NOT_A_STORE[kind].format(why=why)}"
+
+
 def store_problem(path: str | Path) -> str | None:
     """Why generate may not open ``path`` as its store, or None: it is missing, empty, or a
-    tokenbridge store (:func:`store_kind`). The reason names the path."""
-    kind = store_kind(path)
-    return None if kind in (None, "empty", "tokenbridge") else f"{path}: {_NOT_A_STORE[kind]}"
+    tokenbridge store (:func:`store_kind`); or it cannot be read now (``"unreadable"``), which
+    :func:`run_folder_problem` has already let through only in a run folder: opening it to
+    write then fails with the storage error generate reports as one (exit 6, "nothing was
+    lost"), never as a file to give up. The reason names the path."""
+    kind, why = _store_reading(Path(path))
+    return None if kind in (None, "empty", "tokenbridge", "unreadable") else _not_a_store(Path(path), kind, why)
 
 
 def open_read_only(path: Path) -> Any:
@@ -547,9 +586,10 @@ def run_folder_problem(out: str | Path, *, inputs: Iterable[str | Path] = (),
         return f"{out}: exists and is not a folder; give a new or empty folder"
     if not os.listdir(resolved) or is_own_run_folder(resolved):
         return None
-    kind = store_kind(resolved / "state.sqlite")
+    kind, why = _store_reading(resolved / "state.sqlite")
     if kind is not None:
-        return f"{out / 'state.sqlite'}: {_NOT_A_STORE[kind]}; nothing was written: give a new or empty folder"
+        advice = _ADVICE.get(kind, "give a new or empty folder")
+        return f"{_not_a_store(out / 'state.sqlite', kind, why)}; nothing was written: {advice}"
     return (f"{out}: folder is not empty and is not a tokenbridge run folder (no state.sqlite or .lock of an "
             "earlier run); nothing was written: give a new or empty folder")
 
