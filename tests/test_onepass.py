@@ -22,7 +22,7 @@ from tokenbridge.export import (
     validate,
 )
 from tokenbridge.outdir import OutputRefused
-from tokenbridge.report import RowStats, collect_run
+from tokenbridge.report import ReportError, RowStats, collect_run
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "onepass"
 V = 163840
@@ -232,3 +232,28 @@ def test_pipeline_reads_reconstructed_once(tmp_path, kimi_dir, monkeypatch):
     reads.clear()
     third = {r.name: r.status for r in run_pipeline(load_run_config(write_run_config(tmp_path, kimi_dir)), echo=lambda _: None)}
     assert third["export:parquet"] == "ran" and third["export:specforge"] == "skipped" and reads == ["reconstructed.jsonl"]
+
+
+@pytest.mark.parametrize("exports", [False, True], ids=["stats-alone", "with-an-export"])
+def test_the_reports_statistics_hold_rows_as_the_standalone_report_does(run_dir, tmp_path, exports):
+    """With no export or vocabulary in the pass (``[export] formats = []``, or every format
+    empty), ``run``'s report counted a sample listed twice that ``tokenbridge report`` refuses
+    (a cold tester's 219 rows of 216): the statistics are a consumer whose rows are checked."""
+    rows = read_jsonl(run_dir / "reconstructed.jsonl")
+    src = write_jsonl(tmp_path / "r.jsonl", [*rows, *rows[:3]])
+    jobs = [ExportJob("specforge", tmp_path / "sf", include_flagged=True)] if exports else []
+    with pytest.raises(ExportError) as err:
+        run_pass(src, exports=jobs, stats=RowStats())
+    want = f"{src}:{len(rows) + 1}: id: ({rows[0]['id']!r}, choice 0) is also on line 1: each sample choice once"
+    assert str(err.value) == want
+    shutil.copy(src, tmp_path / "reconstructed.jsonl")
+    with pytest.raises(ReportError) as alone:  # the standalone report says the same of the same file
+        collect_run(tmp_path)
+    assert str(alone.value) == want.replace(str(src), str(tmp_path / "reconstructed.jsonl"))
+    k = next(i for i, r in enumerate(rows) if r["status"] == "ok")
+    bad = [dict(r) for r in rows]
+    bad[k]["loss_mask"] = [1] * len(bad[k]["loss_mask"])  # an ok row that is not trainable
+    src = write_jsonl(tmp_path / "r.jsonl", bad)
+    with pytest.raises(ExportError) as err:
+        run_pass(src, stats=RowStats())
+    assert (err.value.line, err.value.field) == (k + 1, "loss_mask")

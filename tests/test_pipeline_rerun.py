@@ -502,3 +502,26 @@ def test_a_run_file_that_is_not_a_file_is_refused_before_anything_is_sent(finish
     now = os.lstat(path)
     assert (now.st_ino, now.st_mode, now.st_mtime_ns) == (left.st_ino, left.st_mode, left.st_mtime_ns)
     assert (out / "mine.json").read_bytes() == mine
+
+
+def test_with_no_export_and_no_vocab_the_report_still_refuses_a_sample_listed_twice(tmp_path, kimi_dir):
+    """``[export] formats = []`` and no ``[vocab]``: the one pass fed only the report, whose
+    rows nothing checked, so a sample listed twice was counted (the standalone report
+    refuses that file, exit 1)."""
+    path = write_run_config(tmp_path, kimi_dir, "[export]\nformats = []\n")
+    path.write_text(path.read_text(encoding="utf-8").replace("[vocab]\ndraft_vocab_size = 512\n", ""), encoding="utf-8")
+    cfg = load_run_config(path)
+    assert not cfg.export_formats and not cfg.draft_vocab_size
+    assert _run(cfg) == {"generate": "ran", "reconstruct": "ran", "report": "ran"}
+    recon = cfg.out / "reconstructed.jsonl"
+    lines = recon.read_bytes().splitlines(keepends=True)
+    recon.write_bytes(b"".join(lines + lines[:3]))
+    report = (cfg.out / "report" / "report.json").read_bytes()
+    first = json.loads(lines[0])
+    with pytest.raises(PipelineError) as caught:
+        run_pipeline(cfg, echo=lambda _: None)
+    assert str(caught.value) == (f"{recon}:{len(lines) + 1}: id: ({first['id']!r}, choice 0) is also on line 1: each "
+                                 "sample choice once") and caught.value.code == 1
+    assert (cfg.out / "report" / "report.json").read_bytes() == report
+    res = cli("report", str(cfg.out))
+    assert res.returncode == 1 and res.stderr.splitlines() == [f"error: {caught.value}"]

@@ -9,7 +9,9 @@ wants its status (:func:`check_training_row`), and then handed to each consumer:
   (:func:`tokenbridge.fsio.publish_dir`), published only when the whole pass succeeded;
 * the vocabulary (:class:`VocabJob`) counts masked tokens, then writes its folder;
 * ``stats`` (the report's :class:`tokenbridge.report.collect.RowStats`, or anything with
-  ``add(row)``) sees every row, rejected ones included.
+  ``add(row)``) sees every row, rejected ones included, each held to the contract the
+  standalone ``report`` holds it to, whether or not an export or the vocabulary is in the
+  pass (an ``ok`` row trainable; every row's status its findings', each sample choice once).
 
 A bad row stops the pass before anything is published; the output folders are checked
 (:func:`tokenbridge.outdir.check_output_dir`) before anything is read. ``export_file``
@@ -73,7 +75,10 @@ def run_pass(
         runs = [stack.enter_context(_staged_export(job, src)) for job in exports]
         counter = VocabCounter(vocab, src) if vocab is not None else None
         consumers: list[ExportRun | VocabCounter] = [*runs, *([counter] if counter is not None else [])]
-        trained = frozenset().union(*(c.wanted for c in consumers))
+        # the report vouches for every row as the standalone ``report`` does (an ``ok`` row
+        # trainable, each row's status and (id, choice) once), with no export or vocabulary too
+        trained = frozenset().union(*(c.wanted for c in consumers), {"ok"} if stats is not None else ())
+        checked = bool(consumers) or stats is not None
         contract = RowContract(src, vocab_size if vocab_size is not None or vocab is None else vocab.target_vocab_size,
                                markers)
         for line, row in iter_rows(src):
@@ -81,7 +86,7 @@ def run_pass(
             if row["status"] in trained:
                 ids, _ = check_training_row(row, src, line)
                 contract.check(row, line, ids)
-            elif consumers:  # left out, but a status its findings do not give is a hand edit to name
+            elif checked:  # left out, but a status its findings do not give is a hand edit to name
                 contract.check(row, line, None)
             for consumer in consumers:
                 consumer.add(line, row)
