@@ -133,6 +133,23 @@ def test_run_draft_vocab_larger_than_the_tokenizer_is_refused_before_generation(
                                                      "vocab.target_vocab_size: "), errors
 
 
+def test_run_target_vocab_smaller_than_the_tokenizer_is_refused_before_generation(tmp_path, kimi, kimi_dir):
+    """``target_vocab_size = 100000`` under Kimi's 163,840 ids was found only after the paid
+    generation, as a row's fault (``reconstructed.jsonl:1: input_ids: holds id 163599``),
+    and blocked every export: the tokenizer's own ids already exceed it."""
+    text = _replace(_run_toml(kimi_dir), "draft_vocab_size = 64", "draft_vocab_size = 64\ntarget_vocab_size = 100000")
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'target_vocab_size')}: vocab.target_vocab_size: must be >= the tokenizer's "
+        f"{kimi.vocab_size} ids (0 to {kimi.vocab_size - 1}; every row's ids must fit the target vocabulary), got 100000"
+    ]
+    assert not (tmp_path / "out").exists()
+    text = _replace(text, "target_vocab_size = 100000", f"target_vocab_size = {kimi.vocab_size}")  # the bound itself
+    from tokenbridge.runconfig import check_before_generate
+
+    check_before_generate(load_run_config(_write(tmp_path, text)), kimi)
+
+
 def test_run_dialect_typo_gets_did_you_mean(tmp_path, kimi_dir):
     text = _replace(_run_toml(kimi_dir), 'out = "out"', 'out = "out"\ndialect = "kimi-k25"')
     path = _write(tmp_path, text)

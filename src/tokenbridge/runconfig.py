@@ -329,8 +329,10 @@ def emulator_config(cfg: RunConfig) -> EmulatorConfig:
 
 
 def check_before_generate(cfg: RunConfig, tok: Tokenizer) -> None:
-    """The checks that need the tokenizer: the dialect fits it and the draft vocabulary
-    is smaller than its vocabulary. Raises :class:`PipelineError` (code 2)."""
+    """The checks that need the tokenizer: the dialect fits it, a given target vocabulary
+    holds every id of the tokenizer (reconstruct writes any of them: a smaller one refused
+    every row, after the paid generation), and the draft vocabulary is no larger than the
+    target. Raises :class:`PipelineError` (code 2)."""
     from .chat import DialectError, TemplateError, resolve_dialect
 
     try:
@@ -343,6 +345,10 @@ def check_before_generate(cfg: RunConfig, tok: Tokenizer) -> None:
         resolve_dialect(tok, cfg.dialect)
     except (DialectError, TemplateError) as exc:
         problems.append(where.problem(("run", "dialect") if cfg.dialect else ("run", "tokenizer"), str(exc)))
+    if cfg.target_vocab_size is not None and cfg.target_vocab_size < tok.vocab_size:
+        problems.append(where.problem(("vocab", "target_vocab_size"), f"must be >= the tokenizer's {tok.vocab_size} "
+                                      f"ids (0 to {tok.vocab_size - 1}; every row's ids must fit the target "
+                                      f"vocabulary), got {cfg.target_vocab_size}"))
     target = cfg.target_vocab_size or tok.output_vocab_size
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > target:
         problems.append(where.problem(("vocab", "draft_vocab_size"), f"must be <= the target vocabulary size "
