@@ -145,3 +145,28 @@ def test_a_rows_file_starting_with_a_byte_order_mark_reads_as_export_reads_it(ou
     bom.write_bytes(b"\xef\xbb\xbf" + outputs[0].read_bytes())
     res, plain = _inspect(bom, kimi_dir), _inspect(outputs[0], kimi_dir)
     assert res.exit_code == 0 and res.output == plain.output
+
+
+@pytest.mark.parametrize(("segments", "message"), [
+    ([{"kind": "prompt"}], "segments[0]: must be an object with a string kind and integer start and end"),
+    (["x"], "segments[0]: must be an object with a string kind and integer start and end"),
+    ("end9", "segments[0]: must be an object with a string kind and integer start and end"),
+    ([{"kind": "prompt", "start": 0, "end": 10**12}], "segments[0]: spans 0..1000000000000, outside input_ids (0..{n})"),
+    ([{"kind": 5, "start": 0, "end": 1}], "segments[0]: must be an object with a string kind and integer start and end"),
+], ids=["no-start-end", "a-string", "end-as-text", "end-far-out", "kind-a-number"])
+def test_a_flagged_or_rejected_rows_segments_are_checked_before_they_are_shown(outputs, kimi_dir, tmp_path,
+                                                                              segments, message):
+    """Segments were checked only for ``ok`` rows, and shown for every row: a hand-edited
+    flagged or rejected row's were a KeyError or TypeError traceback (exit 8)."""
+    rows = [json.loads(x) for x in outputs[0].read_text(encoding="utf-8").splitlines()]
+    for status in ("flagged", "rejected"):
+        row = next(r for r in rows if r["status"] == status)
+        if segments == "end9":
+            row["segments"][0]["end"] = "9"
+        else:
+            row["segments"] = segments
+        path = tmp_path / f"{status}.jsonl"
+        path.write_text(json.dumps(row) + "\n", encoding="utf-8")
+        res = _inspect(path, kimi_dir, "--tokens", ":")
+        assert res.exit_code == 1, res.output
+        assert res.output.splitlines() == [f"error: {path}:1: {message.format(n=len(row['input_ids']))}"]

@@ -126,7 +126,24 @@ def _checked_row(record: Mapping[str, Any], path: Path, line: int, tok: Tokenize
     if bad is not None:
         raise RowError(path, line, "input_ids", f"holds {ids[bad]!r} at position {bad}, not a token id"[:200])
     RowContract(path, tok.vocab_size).check(row, line, ids)
+    _check_segment_shapes(row["segments"], len(ids), path, line)  # an ok row's are proven by stored_row_ids
     return row
+
+
+def _check_segment_shapes(segments: list[Any], n: int, path: Path, line: int) -> None:
+    """What :func:`render_row` reads of any row's ``segments`` (a flagged or rejected row's
+    are not held to tiling, only an ``ok`` row's are): objects with a string ``kind`` and
+    integer ``start`` <= ``end`` inside ``input_ids``; else :class:`~tokenbridge.rows.RowError`."""
+    from .rows import RowError
+
+    for k, seg in enumerate(segments):
+        if (not isinstance(seg, Mapping) or not isinstance(seg.get("kind"), str)
+                or not all(type(seg.get(key)) is int for key in ("start", "end"))):
+            raise RowError(path, line, f"segments[{k}]", "must be an object with a string kind and integer start "
+                           "and end")
+        if not 0 <= seg["start"] <= seg["end"] <= n:
+            raise RowError(path, line, f"segments[{k}]", f"spans {seg['start']}..{seg['end']}, outside input_ids "
+                           f"(0..{n})")
 
 
 def _kind_at(segments: list[Mapping[str, Any]]) -> list[str]:
