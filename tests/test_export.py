@@ -328,3 +328,47 @@ def test_speculators_shards_load_in_order(run, tmp_path):
     assert summary.files == shards + ["dataset_info.json", "state.json", "README.md"]
     plain = load_from_disk(str(out)).with_format(None)
     assert plain["input_ids"] == [w["input_ids"] for w in want]
+
+
+# --- a file name need not be UTF-8 ----------------------------------------------------------
+
+#: A folder name that is not UTF-8 (a byte Linux allows in any name), as Python spells it.
+NOT_UTF8 = os.fsdecode(b"d\xfe")
+
+
+def test_parquet_is_written_and_read_under_a_name_that_is_not_utf8(run, tmp_path, kimi, kimi_dir):
+    """pyarrow takes a path as UTF-8: a Parquet export or reconstruct output under such a name
+    was a UnicodeEncodeError traceback (exit 8), and reading a good Parquet file there was
+    "not a readable Parquet file" in export, vocab, inspect and report, where every other
+    format works. The files are opened by tokenbridge and handed over: the same bytes."""
+    from conftest import EXAMPLE_EXCHANGES
+    from outputs_support import snapshot
+
+    _, src, rows = run
+    export_file(src, tmp_path / "plain", "parquet")
+    odd = tmp_path / NOT_UTF8
+    res = CliRunner().invoke(app, ["export", str(src), "-o", str(odd / "pq"), "-f", "parquet"])
+    assert res.exit_code == 0, res.output
+    made, plain = snapshot(odd / "pq"), snapshot(tmp_path / "plain")
+    assert sorted(made) == sorted(plain) and all(made[k] == plain[k] for k in made if k != "README.md")  # it names the folder
+    res = CliRunner().invoke(app, ["reconstruct", str(EXAMPLE_EXCHANGES), "-o", str(odd / "r.parquet"),
+                                   "-t", str(kimi_dir)])
+    assert res.exit_code == 1 and "Traceback" not in res.output  # its one broken line
+    res = CliRunner().invoke(app, ["reconstruct", str(EXAMPLE_EXCHANGES), "-o", str(tmp_path / "r.parquet"),
+                                   "-t", str(kimi_dir)])
+    assert (odd / "r.parquet").read_bytes() == (tmp_path / "r.parquet").read_bytes()
+    # and read back there: export, vocab, inspect, report
+    shard = odd / "pq" / "data" / "train-00000-of-00001.parquet"
+    assert pq.read_table(shard.open("rb")).num_rows == len(_expected(rows))
+    run_dir = odd / "run"
+    run_dir.mkdir()
+    (run_dir / "reconstructed.parquet").write_bytes((tmp_path / "r.parquet").read_bytes())
+    recon = run_dir / "reconstructed.parquet"
+    for args in (["export", str(recon), "-o", str(tmp_path / "sf"), "-f", "specforge"],
+                 ["vocab", str(recon), "-n", "64", "-o", str(tmp_path / "vocab"), "--target-vocab-size", "163840"],
+                 ["inspect", str(recon), "-t", str(kimi_dir), "--id", "ex-clean"],
+                 ["report", str(run_dir)]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, (args[0], res.output)
+    assert len(read_jsonl(tmp_path / "sf" / "train.jsonl")) == 4
+    assert json.loads((run_dir / "report" / "report.json").read_text())["rows"]["total"] == 7  # one row a record

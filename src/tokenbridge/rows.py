@@ -246,13 +246,23 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     # a broken file is an ArrowException (ArrowInvalid is also a ValueError) or an OSError,
     # when opened and again in any later row group
     broken = (pa.ArrowException, OSError, ValueError)
+    try:  # opened here, not by pyarrow: it takes a path as UTF-8, and a file name need not be
+        fh = open(path, "rb")  # noqa: SIM115 - closed by the with below, when the rows are read
+    except OSError as exc:
+        raise RowError(path, None, "<file>", f"cannot be read ({exc.strerror or exc})") from None
+    with fh:
+        yield from _parquet_rows(fh, path, broken)
+
+
+def _parquet_rows(fh: Any, path: Path, broken: tuple[type[BaseException], ...]) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq
+
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(fh)
     except broken as exc:
         raise RowError(path, None, "<file>", f"not a readable Parquet file ({exc})") from None
     row = 0
@@ -513,7 +523,13 @@ class ParquetRowSink:
         self._pa = pa
         self.schema = arrow_schema()
         self.path = path
-        self._writer = pq.ParquetWriter(path, self.schema)
+        # a file object, not the path: pyarrow takes a path as UTF-8, and a file name need not be
+        self._fh = open(path, "wb")  # noqa: SIM115 - the sink owns it until close() or abort()
+        try:
+            self._writer = pq.ParquetWriter(self._fh, self.schema)
+        except BaseException:
+            self._fh.close()
+            raise
         self._buf: list[dict[str, Any]] = []
         self._batch_rows = batch_rows
 
@@ -535,8 +551,12 @@ class ParquetRowSink:
     def close(self) -> None:
         self._flush()
         self._writer.close()
+        self._fh.close()
 
     def abort(self) -> None:
         self._buf = []
-        self._writer.close()
+        try:
+            self._writer.close()
+        finally:
+            self._fh.close()
         self.path.unlink(missing_ok=True)

@@ -421,6 +421,7 @@ class ParquetWriter:
         self._batch = _ArrowBatches(self.schema, self._ROW_COLUMNS)
         self._shards: list[Path] = []
         self._writer: Any = None
+        self._file: Any = None
         self._shard_rows = self._shard_bytes = 0
 
     def open(self, out_dir: Path) -> None:
@@ -444,7 +445,10 @@ class ParquetWriter:
         if self._writer is None:
             path = self.data_dir / f"shard-{len(self._shards):05d}.parquet"
             self._shards.append(path)
-            self._writer = self._pq.ParquetWriter(path, self.schema, compression="zstd", use_dictionary=self._DICTIONARY)
+            # a file object, not the path: pyarrow takes a path as UTF-8, and a folder's name need not be
+            self._file = open(path, "xb")  # noqa: SIM115 - closed with the shard (_end_shard, abort)
+            self._writer = self._pq.ParquetWriter(self._file, self.schema, compression="zstd",
+                                                  use_dictionary=self._DICTIONARY)
         self._writer.write_table(self._batch.table(), row_group_size=self.row_group_rows)
 
     def _end_shard(self) -> None:
@@ -452,6 +456,9 @@ class ParquetWriter:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
         self._shard_rows = self._shard_bytes = 0
 
     def close(self) -> list[Path]:
@@ -465,8 +472,12 @@ class ParquetWriter:
         return final
 
     def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            if self._file is not None:
+                self._file.close()
 
 
 WRITERS: dict[str, type[Writer]] = {
