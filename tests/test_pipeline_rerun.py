@@ -525,3 +525,78 @@ def test_with_no_export_and_no_vocab_the_report_still_refuses_a_sample_listed_tw
     assert (cfg.out / "report" / "report.json").read_bytes() == report
     res = cli("report", str(cfg.out))
     assert res.returncode == 1 and res.stderr.splitlines() == [f"error: {caught.value}"]
+
+
+# --- bookkeeping files are untrusted too ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("stage", "field", "value", "why"), [
+    ("reconstruct", "status", {"ok": "148"}, "status is not an object of counts"),
+    ("export:specforge", "skipped", [1], "skipped is not an object of counts"),
+    ("reconstruct", "provider_notes", [1], "provider_notes is not a list of strings"),
+    ("reconstruct", "bad_shown", "x", "bad_shown is not a list of strings"),
+    ("export:parquet", "rows", -3, "rows is not a count"),
+    ("vocab", "output", [[[[1]]]], "output is not a list of file identities"),
+    ("report", "html", None, "html is not a string"),
+], ids=["status-text", "skipped-list", "notes-ints", "shown-text", "rows-negative", "output-nested", "html-null"])
+def test_a_stage_entry_of_the_right_shape_but_wrong_types_only_runs_again(finished, stage, field, value, why):
+    """Only the top-level types were checked: ``status.ok = "148"`` was a TypeError in
+    _plan_exports, ``skipped = [1]`` and ``provider_notes = [1]`` AttributeErrors (exit 8).
+    Every field read is checked once, as the file is loaded; a damaged one reruns its stage."""
+    cfg, out = finished
+    state = out / "pipeline.json"
+    doc = json.loads(state.read_text())
+    doc[stage][field] = value
+    state.write_text(json.dumps(doc), encoding="utf-8")
+    lines: list[str] = []
+    res = _run(cfg, lines)
+    assert res[stage] == "ran"
+    assert [x for x in lines if x.startswith("warning:")] == [
+        f"warning: {state}: stage {stage!r} damaged ({why}); it runs again"]
+    assert json.loads(state.read_text())[stage][field] != value  # recorded again
+
+
+def test_bookkeeping_nested_too_deeply_is_damaged_not_a_crash(finished):
+    """``'[' * 100000`` in ``pipeline.json`` or in an export folder's marker was a
+    RecursionError traceback (exit 8): each is a damaged file, which costs a rerun."""
+    cfg, out = finished
+    state = out / "pipeline.json"
+    state.write_text("[" * 100_000, encoding="utf-8")
+    lines: list[str] = []
+    assert _run(cfg, lines) == {s: "ran" for s in STAGES}
+    assert f"warning: {state}: damaged (nested too deeply to read); every stage after generate runs again" in lines
+    marker = out / "export" / "specforge" / ".tokenbridge-output"
+    marker.write_text("[" * 100_000, encoding="utf-8")
+    res = cli("run", str(cfg.source))
+    assert res.returncode == 0, res.stderr
+    assert "export specforge: ran" in res.stdout and "export parquet: skipped" in res.stdout
+    assert json.loads(marker.read_text())["format"] == "specforge"  # written again
+    (out / "export" / "parquet" / ".tokenbridge-output").write_text("{" * 100_000, encoding="utf-8")
+    res = cli("export", str(out / "reconstructed.jsonl"), "-o", str(out / "export" / "parquet"), "-f", "parquet")
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_lock_file_that_is_not_a_file_is_refused_not_a_traceback(finished, tmp_path, kind):
+    """``RUN/.lock`` as a FIFO was ``OSError: [Errno 22]`` from the lock (exit 8); a symlink
+    there would have had the file it names cut and overwritten with the lock's pid."""
+    cfg, out = finished
+    lock = out / ".lock"
+    lock.unlink()
+    mine = tmp_path / "mine.txt"
+    mine.write_bytes(b"my file\n")
+    if kind == "fifo":
+        os.mkfifo(lock)
+        what = "a named pipe (FIFO)"
+    else:
+        lock.symlink_to(mine)
+        what = f"a symbolic link (to {mine})"
+    why = f"{lock}: is {what}, not tokenbridge's lock file; nothing was written: move it away and run again"
+    res = cli("run", str(cfg.source))
+    assert res.returncode == 2 and res.stderr.splitlines() == [f"error: {cfg.source}:3: run.out: {why}"]
+    res = cli("report", str(out))
+    assert res.returncode == 2 and res.stderr.splitlines() == [f"error: {why}"]
+    res = cli("generate", "--out", str(out), "--base-url", "http://127.0.0.1:9/api/v1", "--model", "m",
+              "builtin:prompts/chat.jsonl")
+    assert res.returncode == 2 and res.stderr.splitlines() == [f"error: --out {why}"]
+    assert mine.read_bytes() == b"my file\n" and os.path.lexists(lock)

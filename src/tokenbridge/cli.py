@@ -132,11 +132,14 @@ def _writing(output: Path | None, command: str) -> Iterator[None]:
     folder is written under that folder's lock."""
     from .fsio import OutputWriteError
     from .interrupt import EXIT_INTERRUPTED, STOPPED, stop_on_signals
-    from .outdir import OutputRefused, run_folder_of
+    from .outdir import OutputRefused, lock_problem, run_folder_of
 
     try:
         with stop_on_signals(), ExitStack() as stack:
             folder = run_folder_of(output) if output is not None else None
+            why = lock_problem(folder) if folder is not None else None
+            if why is not None:
+                _fail(why)
             if folder is not None:  # imported only here: generate's package is slow to import
                 from .generate.errors import GenerateError
                 from .generate.lock import run_lock

@@ -506,7 +506,7 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
     """``folder``'s marker as written, or None (none there, unreadable, not a JSON object)."""
     try:
         data = json.loads((folder / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
         return None
     return data if isinstance(data, dict) else None
 
@@ -648,7 +648,7 @@ def _discard(folder: Path, target: Path, ours: Callable[[str], bool] | None = No
     try:
         listed = json.loads((folder / CARRIED).read_text(encoding="utf-8"))
         carried = {n for n in listed if isinstance(n, str)} if isinstance(listed, list) else set()
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, RecursionError):
         pass
     if ours is None:
         ours = marker_owned(folder) or (lambda name: True)

@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import Any, Literal
 from collections.abc import Callable, Iterable, Mapping
 
-from .fsio import (CARRIED, MARKER, OutputRefused, foreign_entries, is_temp_name, marker_owned, output_file, publish_dir,
-                   read_marker, unlisted_folders)
+from .fsio import (CARRIED, MARKER, OutputRefused, foreign_entries, is_temp_name, kind_of, marker_owned, output_file,
+                   publish_dir, read_marker, unlisted_folders)
 
 __all__ = [
     "MARKER",
@@ -65,6 +65,7 @@ __all__ = [
     "export_target",
     "is_own_run_folder",
     "is_run_folder",
+    "lock_problem",
     "marker",
     "open_read_only",
     "own_names",
@@ -179,7 +180,7 @@ def _is_own(target: Path, kind: OutputKind) -> bool:
     try:
         data = json.loads((target / MARKER).read_text(encoding="utf-8"))
         return isinstance(data, dict) and data.get("tokenbridge_output") == kind
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
         pass
     names = {n for n in os.listdir(target) if not is_temp_name(n)}
     if kind == "export":  # pre-marker exports: the dataset card says so
@@ -214,7 +215,7 @@ def _signed(target: Path, kind: OutputKind) -> bool:
             continue
         try:
             data = json.loads(head)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(data, dict) and all(k in data for k in sign):
             return True
@@ -584,6 +585,9 @@ def run_folder_problem(out: str | Path, *, inputs: Iterable[str | Path] = (),
         return None
     if not resolved.is_dir():
         return f"{out}: exists and is not a folder; give a new or empty folder"
+    why = lock_problem(out)
+    if why is not None:
+        return why
     if not os.listdir(resolved) or is_own_run_folder(resolved):
         return None
     kind, why = _store_reading(resolved / "state.sqlite")
@@ -592,6 +596,24 @@ def run_folder_problem(out: str | Path, *, inputs: Iterable[str | Path] = (),
         return f"{_not_a_store(out / 'state.sqlite', kind, why)}; nothing was written: {advice}"
     return (f"{out}: folder is not empty and is not a tokenbridge run folder (no state.sqlite or .lock of an "
             "earlier run); nothing was written: give a new or empty folder")
+
+
+def lock_problem(folder: str | Path) -> str | None:
+    """Why ``folder/.lock`` cannot be taken as the run folder's lock file, or None (missing,
+    or a regular file): the lock opens it read-write, cuts it and writes its pid there, so
+    a FIFO failed with a traceback (or would block), and a symlink would have that done to
+    the file it names, outside the folder. Nothing is opened here."""
+    path = Path(folder) / ".lock"
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{path}: cannot be looked at ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    what = f"a symbolic link (to {os.readlink(path)})" if stat.S_ISLNK(mode) else kind_of(mode)
+    return f"{path}: is {what}, not tokenbridge's lock file; nothing was written: move it away and run again"
 
 
 def run_inputs_problem(out: str | Path, inputs: Iterable[str | Path],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import stat
 from contextlib import nullcontext
@@ -160,11 +161,40 @@ def _output_signature(folder: Path, names: list[str]) -> list[Any]:
 _RUN_STATE: ContextVar[_State | None] = ContextVar("tokenbridge_run_state", default=None)
 #: pipeline.json's key for the digest cache; every other top-level key is a stage.
 _DIGESTS_KEY = "digests"
-#: What each stage's entry must hold, beyond its fingerprint, for the lines the pipeline prints.
-_ENTRY_FIELDS: dict[str, tuple[str, type | tuple[type, ...]]] = {
-    "status": ("an object", dict), "provider_notes": ("a list", list), "rows": ("an integer", int),
-    "coverage": ("a number", (int, float)),
+def _count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _counts(value: Any) -> bool:
+    return isinstance(value, dict) and all(_count(n) for n in value.values())
+
+
+def _texts(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(x, str) for x in value)
+
+
+def _number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _signature(value: Any) -> bool:
+    """What :func:`_output_signature` writes: a list of identities (lists of counts) or nulls."""
+    return isinstance(value, list) and all(v is None or (isinstance(v, list) and all(map(_count, v))) for v in value)
+
+
+#: Every field a stage's entry may hold beyond its fingerprint, and what it must be: each is
+#: read (printed, summed, compared) by the pipeline, so an entry is checked whole, once, as
+#: it is loaded, and one off in any field only runs its stage again.
+_ENTRY_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "status": ("an object of counts", _counts), "bad_lines": ("a count", _count),
+    "bad_shown": ("a list of strings", _texts), "provider_notes": ("a list of strings", _texts),
+    "rows_sha256": ("a string", lambda v: isinstance(v, str)), "rows": ("a count", _count),
+    "skipped": ("an object of counts", _counts), "coverage": ("a number", _number),
+    "distinct_tokens": ("a count", _count), "html": ("a string", lambda v: isinstance(v, str)),
+    "files": ("a list of strings", _texts), "output": ("a list of file identities", _signature),
 }
+#: The fields a stage's line needs when it is skipped (a vocabulary's coverage is printed as a number).
+_REQUIRED = {"vocab": ("coverage",)}
 
 
 def _load_state(path: Path) -> tuple[dict[str, Any], DigestCache, list[str]]:
@@ -181,6 +211,8 @@ def _load_state(path: Path) -> tuple[dict[str, Any], DigestCache, list[str]]:
         doc = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         return {}, DigestCache(), [f"damaged (not valid JSON: {exc}); every stage after generate runs again"]
+    except RecursionError:  # parsed by the stdlib: nested deeper than Python's stack
+        return {}, DigestCache(), ["damaged (nested too deeply to read); every stage after generate runs again"]
     if not isinstance(doc, dict):
         return {}, DigestCache(), ["damaged (not a JSON object); every stage after generate runs again"]
     digests, bad_digests = DigestCache.from_json(doc.pop(_DIGESTS_KEY, None))
@@ -189,7 +221,7 @@ def _load_state(path: Path) -> tuple[dict[str, Any], DigestCache, list[str]]:
         problems.append(f"{len(bad_digests)} cached digest(s) damaged ({bad_digests[0]}); those files are read again")
     stages = {}
     for stage, entry in doc.items():
-        why = _entry_problem(entry)
+        why = _entry_problem(stage, entry)
         if why:
             problems.append(f"stage {stage!r} damaged ({why}); it runs again")
         else:
@@ -197,14 +229,19 @@ def _load_state(path: Path) -> tuple[dict[str, Any], DigestCache, list[str]]:
     return stages, digests, problems
 
 
-def _entry_problem(entry: Any) -> str | None:
+def _entry_problem(stage: str, entry: Any) -> str | None:
+    """Why a stage's entry cannot be used, or None: every field the pipeline reads, checked
+    whole (``reconstruct.status.ok = "148"`` was a TypeError once summed, ``skipped = [1]``
+    an AttributeError)."""
     if not isinstance(entry, dict):
         return "not an object"
     if not isinstance(entry.get("fingerprint"), str):
         return "no fingerprint"
-    for name, (what, kind) in _ENTRY_FIELDS.items():
-        value = entry.get(name)
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+    for name in _REQUIRED.get(stage, ()):
+        if name not in entry:
+            return f"{name} is missing"
+    for name, (what, valid) in _ENTRY_FIELDS.items():
+        if name in entry and not valid(entry[name]):
             return f"{name} is not {what}"
     return None
 
