@@ -372,3 +372,32 @@ def test_parquet_is_written_and_read_under_a_name_that_is_not_utf8(run, tmp_path
         assert res.exit_code == 0, (args[0], res.output)
     assert len(read_jsonl(tmp_path / "sf" / "train.jsonl")) == 4
     assert json.loads((run_dir / "report" / "report.json").read_text())["rows"]["total"] == 7  # one row a record
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--row-group-rows", "0"], "Invalid value for '--row-group-rows': Input should be greater than or equal to 1"),
+    (["--row-group-rows", "-3"], "Invalid value for '--row-group-rows': Input should be greater than or equal to 1"),
+    (["--row-group-rows", str(10**20)],
+     "Invalid value for '--row-group-rows': Input should be less than or equal to 2147483647"),
+    (["--shard-rows", "0"], "Invalid value for '--shard-rows': Input should be greater than or equal to 1"),
+    (["--shard-rows", "-5"], "Invalid value for '--shard-rows': Input should be greater than or equal to 1"),
+])
+def test_export_row_counts_are_range_checked_naming_the_flag(run, tmp_path, args, message):
+    """``--row-group-rows 0`` (or past int64) was pyarrow's ValueError / OverflowError, exit 8;
+    ``--shard-rows 0`` or below silently wrote a shard per row."""
+    res = CliRunner().invoke(app, ["export", str(run[1]), "-o", str(tmp_path / "o"), "-f", "parquet", *args])
+    assert res.exit_code == 2
+    assert message in " ".join(res.output.replace("│", " ").split()), res.output
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("-1", "Invalid value for '--workers' / '-j': Input should be greater than or equal to 0"),
+    (str(10**20), "Invalid value for '--workers' / '-j': Input should be less than or equal to 1024"),
+])
+def test_reconstruct_workers_are_range_checked(run, tmp_path, value, message):
+    """``--workers 10**20`` was an OverflowError in the lanes (exit 8)."""
+    res = CliRunner().invoke(app, ["reconstruct", str(run[0]), "-o", str(tmp_path / "r.jsonl"), "--workers", value])
+    assert res.exit_code == 2
+    assert message in " ".join(res.output.replace("│", " ").split()), res.output
+    assert not (tmp_path / "r.jsonl").exists()

@@ -17,6 +17,13 @@ from .display import printable
 from .exit_codes import ExitCode
 from .tokenizer import MAX_VOCAB_SIZE
 
+#: The most ``reconstruct --workers``: more processes than any machine's cores is a typo (a
+#: number past a Python index was an OverflowError, exit 8).
+MAX_WORKERS = 1024
+#: The most rows a Parquet shard or row group may be asked to hold (row counts are int64 in
+#: Parquet; pyarrow overflowed past that, exit 8): more than any export holds.
+MAX_ROWS = 2**31 - 1
+
 if TYPE_CHECKING:
     from .checks import Policy
     from .generate import GenerateSettings
@@ -175,7 +182,7 @@ def reconstruct(
     output: Path = typer.Option(..., "-o", "--output", help="Output JSONL, or Parquet when it ends .parquet."),
     tokenizer: str | None = typer.Option(None, "--tokenizer", "-t", help=_TOKENIZER_HELP),
     dialect: str | None = typer.Option(None, "--dialect", help="Chat format (default: from the tokenizer)."),
-    workers: int = typer.Option(0, "--workers", "-j", help="Worker processes (0 = all cores)."),
+    workers: int = typer.Option(0, "--workers", "-j", min=0, max=MAX_WORKERS, help="Worker processes (0 = all cores)."),
     usage_tolerance: int = typer.Option(0, "--usage-tolerance", help="Allowed |ours - usage| token delta."),
     warn: list[str] = typer.Option([], "--warn", help="Treat this finding code as a warning (repeatable)."),
     error: list[str] = typer.Option([], "--error", help="Treat this finding code as an error (repeatable)."),
@@ -649,8 +656,9 @@ def export(
     output: Path = typer.Option(..., "-o", "--output", help="Output folder (replaced only when the export succeeds)."),
     fmt: str = typer.Option(..., "--format", "-f", help="specforge | speculators | parquet | conversations."),
     include_flagged: bool = typer.Option(False, "--include-flagged", help="Also export 'flagged' rows (never 'rejected')."),
-    shard_rows: int = typer.Option(200_000, "--shard-rows", help="Parquet: rows per shard at most."),
-    row_group_rows: int = typer.Option(1000, "--row-group-rows", help="Parquet: rows per row group."),
+    shard_rows: int = typer.Option(200_000, "--shard-rows", min=1, max=MAX_ROWS, help="Parquet: rows per shard at most."),
+    row_group_rows: int = typer.Option(1000, "--row-group-rows", min=1, max=MAX_ROWS,
+                                       help="Parquet: rows per row group."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty -o folder tokenbridge did not write "
                                "(never a run folder, the input's folder or the current folder)."),
     target_vocab_size: int | None = typer.Option(
