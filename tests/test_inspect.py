@@ -170,3 +170,48 @@ def test_a_flagged_or_rejected_rows_segments_are_checked_before_they_are_shown(o
         res = _inspect(path, kimi_dir, "--tokens", ":")
         assert res.exit_code == 1, res.output
         assert res.output.splitlines() == [f"error: {path}:1: {message.format(n=len(row['input_ids']))}"]
+
+
+def _rows_file(rows, path, edit_first):
+    """``rows`` written to ``path`` (JSONL, or Parquet as reconstruct writes it) with the
+    first row edited by ``edit_first`` (on the JSON row, or on its Arrow record)."""
+    from tokenbridge.rows import COLUMNS, arrow_schema, to_arrow_record
+
+    rows = [json.loads(json.dumps(r)) for r in rows]
+    if path.suffix == ".jsonl":
+        edit_first(rows[0])
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        return path
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [to_arrow_record(r, COLUMNS) for r in rows]
+    edit_first(records[0])
+    pq.write_table(pa.Table.from_pylist(records, schema=arrow_schema()), path)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_bad_row_is_the_same_fault_in_jsonl_and_parquet(outputs, kimi_dir, tmp_path, suffix):
+    """The same hand-edited row (``findings: null``) was exit 1 from JSONL and exit 2 from
+    Parquet (its error turned into "not found"), and ``--id`` of a good row found it in JSONL
+    but stopped at the bad first row in Parquet. A row is held to the contract when it is
+    the one asked for, and a bad one is bad data (exit 1), in both."""
+    rows = [json.loads(x) for x in outputs[0].read_text(encoding="utf-8").splitlines()]
+    path = _rows_file(rows, tmp_path / f"bad{suffix}", lambda r: r.update(findings=None))
+    res = _inspect(path, kimi_dir)
+    assert res.exit_code == 1
+    assert res.output.splitlines() == [f"error: {path}:1: findings: must be a list, got NoneType"]
+    res = _inspect(path, kimi_dir, "--id", rows[1]["id"], "--tokens", "0:5")
+    assert res.exit_code == 0, res.output
+    assert res.output == _inspect(outputs[0], kimi_dir, "--id", rows[1]["id"], "--tokens", "0:5").output
+    res = _inspect(path, kimi_dir, "--id", "nope")
+    assert res.exit_code == 2 and res.output.splitlines() == [f"error: {path}: no sample nope with choice 0"]
+
+
+def test_a_parquet_rows_json_text_is_checked_when_that_row_is_asked_for(outputs, kimi_dir, tmp_path):
+    rows = [json.loads(x) for x in outputs[0].read_text(encoding="utf-8").splitlines()]
+    path = _rows_file(rows, tmp_path / "bad.parquet", lambda r: r.update(messages="[{not json"))
+    res = _inspect(path, kimi_dir)
+    assert res.exit_code == 1 and res.output.splitlines() == [f"error: {path}:1: messages: is not valid JSON text"]
+    assert _inspect(path, kimi_dir, "--id", rows[2]["id"]).exit_code == 0

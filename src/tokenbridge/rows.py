@@ -55,6 +55,7 @@ __all__ = [
     "ParquetRowSink",
     "ReconstructedRow",
     "NotARowFile",
+    "iter_parquet_records",
     "RowError",
     "Segment",
     "Severity",
@@ -255,10 +256,32 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     except OSError as exc:
         raise RowError(path, None, "<file>", f"cannot be read ({exc.strerror or exc})") from None
     with fh:
+        for row, record, problem in _parquet_rows(fh, path, broken):
+            if problem is not None:
+                raise problem
+            yield row, record
+
+
+def iter_parquet_records(path: str | Path) -> Iterator[tuple[int, Any, RowError | None]]:
+    """(row number from 1, record, its problem or None) for every row of a Parquet file of
+    rows, unchecked (:func:`check_row` is the caller's): a row whose JSON text columns do not
+    parse comes with that :class:`RowError`, so a reader looking for one sample (``inspect``)
+    passes over another's fault, as it passes over a bad line of a JSONL file. A file or
+    record batch that cannot be read still raises (a file-level one with ``line`` None)."""
+    import pyarrow as pa
+
+    path = Path(path)
+    broken = (pa.ArrowException, OSError, ValueError)
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 - closed by the with below, when the rows are read
+    except OSError as exc:
+        raise RowError(path, None, "<file>", f"cannot be read ({exc.strerror or exc})") from None
+    with fh:
         yield from _parquet_rows(fh, path, broken)
 
 
-def _parquet_rows(fh: Any, path: Path, broken: tuple[type[BaseException], ...]) -> Iterator[tuple[int, Any]]:
+def _parquet_rows(fh: Any, path: Path, broken: tuple[type[BaseException], ...],
+                  ) -> Iterator[tuple[int, Any, RowError | None]]:
     import pyarrow.parquet as pq
 
     try:
@@ -281,14 +304,16 @@ def _parquet_rows(fh: Any, path: Path, broken: tuple[type[BaseException], ...]) 
             raise RowError(path, row + at + 1, column, "is not valid UTF-8") from None
         for record in records:
             row += 1
+            problem = None
             for key in JSON_TEXT_COLUMNS:
                 value = record.get(key)
                 if isinstance(value, str):
                     try:
                         record[key] = loads_line(value)
                     except JsonLineError:
-                        raise RowError(path, row, key, "is not valid JSON text") from None
-            yield row, record
+                        problem = RowError(path, row, key, "is not valid JSON text")
+                        break
+            yield row, record, problem
 
 
 def _not_utf8(batch: Any) -> tuple[int, str]:

@@ -97,19 +97,24 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
 
 
 def _find_parquet_row(path: Path, sample_id: str | None, choice: int, tok: Tokenizer) -> Mapping[str, Any]:
-    from .export.source import ExportError, iter_records
+    """As the JSONL path finds a row: the first whose id and choice match, held to the
+    contract only then (another row's fault is not this sample's: it is passed over, as a
+    bad line of a JSONL file is); a matched row that breaks the contract is a
+    :class:`~tokenbridge.rows.RowError` (exit 1), as from JSONL. A file that is not
+    readable Parquet is a LookupError (exit 2), as before."""
+    from .rows import RowError, iter_parquet_records
 
-    found = None
     try:
-        for number, record in iter_records(path):
-            if (sample_id is None or record.get("id") == sample_id) and record.get("choice", 0) == choice:
-                found = number, record
-                break
-    except ExportError as exc:
-        raise LookupError(str(exc)) from None
-    if found is None:
-        raise LookupError(f"{path}: no sample {sample_id or '(first)'} with choice {choice}")
-    return _checked_row(found[1], path, found[0], tok)
+        for number, record, problem in iter_parquet_records(path):
+            if (sample_id is None or str(record.get("id")) == sample_id) and record.get("choice", 0) == choice:
+                if problem is not None:
+                    raise problem
+                return _checked_row(record, path, number, tok)
+    except RowError as exc:
+        if exc.line is None:  # the file itself
+            raise LookupError(str(exc)) from None
+        raise
+    raise LookupError(f"{path}: no sample {sample_id or '(first)'} with choice {choice}")
 
 
 def _checked_row(record: Mapping[str, Any], path: Path, line: int, tok: Tokenizer) -> Mapping[str, Any]:
