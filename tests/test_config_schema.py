@@ -6,6 +6,7 @@ section.key, did you mean), exit code 2, and, for ``run``, that nothing was sent
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import urllib.request
 from pathlib import Path
@@ -648,3 +649,21 @@ def test_run_with_a_missing_emulator_config_names_its_line(tmp_path, kimi_dir):
     line = next(n for n, text in enumerate(cfg.read_text().splitlines(), 1) if text.startswith("config = "))
     assert res.output.strip().splitlines() == [f"error: {cfg}:{line}: emulator.config: {missing}: no such config file"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_config_starting_with_a_byte_order_mark_reads_as_without_one(tmp_path, kimi, kimi_dir):
+    """What Windows editors write first: TOML's parser took it for "Invalid statement (at
+    line 1, column 1)". It is not part of the text: the file reads as it does without it,
+    and a problem further down names its own line (the check that needs the tokenizer too)."""
+    text = _replace(_run_toml(kimi_dir), "draft_vocab_size = 64", "draft_vocab_size = 10000000")
+    path = tmp_path / "run.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    assert _run_errors(path) == [
+        f"{path}:{_line(text, 'draft_vocab_size')}: vocab.draft_vocab_size: must be <= the target vocabulary size "
+        f"{kimi.vocab_size}, got 10000000"]
+    path.write_bytes(b"\xef\xbb\xbf" + _run_toml(kimi_dir).encode("utf-8"))
+    plain = load_run_config(_write(tmp_path, _run_toml(kimi_dir), "plain.toml"))
+    assert load_run_config(path) == dataclasses.replace(plain, source=path)
+    emulator = tmp_path / "emulator.toml"
+    emulator.write_bytes(b'\xef\xbb\xbfmodels = ["m"]\nseed = 7\n')
+    assert load_emulator_config(emulator).seed == 7

@@ -416,3 +416,28 @@ def test_an_output_folder_given_as_a_symlink_is_refused_naming_the_folder(tmp_pa
         check_output_dir(tmp_path / "link", "export")
     assert str(err.value) == (f"-o {tmp_path / 'link'}: is a symbolic link (to {tmp_path / 'real'}); give the folder "
                               f"itself ({(tmp_path / 'real').resolve()}) or a new one")
+
+
+def test_an_output_under_a_file_says_a_parent_is_a_file(src, tmp_path, kimi_dir):
+    """A parent that is a file read "cannot write (File exists)" (or "Not a directory"), after
+    the work: mkdir's words for what it met. It is refused before any work, naming the file."""
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"mine\n")
+    why = f"its parent {afile} is a regular file, not a folder"
+    _refused_with(_reconstruct(src, afile / "r.jsonl", kimi_dir), f"-o {afile / 'r.jsonl'}: {why}; give a path inside a "
+                                                                    "folder")
+    _refused_with(_reconstruct(src, afile / "sub" / "r.jsonl", kimi_dir),
+                  f"-o {afile / 'sub' / 'r.jsonl'}: {why}; give a path inside a folder")
+    rows = tmp_path / "rows.jsonl"
+    assert _reconstruct(src, rows, kimi_dir).exit_code == 0
+    _refused_with(CliRunner().invoke(app, ["export", str(rows), "-o", str(afile / "x"), "-f", "specforge"]),
+                  f"-o {afile / 'x'}: {why}; give a path inside a folder")
+    _refused_with(CliRunner().invoke(app, ["generate", "--out", str(afile / "run"), "--base-url",
+                                           "http://127.0.0.1:9/api/v1", "--model", "m", str(src)]),
+                  f"--out {afile / 'run'}: {why}; give a new or empty folder")
+    assert afile.read_bytes() == b"mine\n"
+    from tokenbridge.fsio import OutputWriteError, write_text
+
+    with pytest.raises(OutputWriteError) as caught:  # the writer itself, where nothing checked first
+        write_text(afile / "f.txt", "x")
+    assert str(caught.value) == f"{afile / 'f.txt'}: cannot write ({why}); nothing partial was kept"

@@ -600,3 +600,32 @@ def test_a_lock_file_that_is_not_a_file_is_refused_not_a_traceback(finished, tmp
               "builtin:prompts/chat.jsonl")
     assert res.returncode == 2 and res.stderr.splitlines() == [f"error: --out {why}"]
     assert mine.read_bytes() == b"my file\n" and os.path.lexists(lock)
+
+
+@pytest.mark.parametrize(("folder", "key", "what"), [
+    ("vocab", "vocab.draft_vocab_size", "its vocab"),  # on its line in the config
+    ("export/specforge", "export.formats", "its specforge export"),  # the default: no line to name
+    ("report", "report.enabled", "its report"),
+])
+def test_a_user_folder_where_a_stage_writes_names_the_config_key_before_anything_is_sent(finished, folder, key, what):
+    """run's refusal quoted ``-o`` and ``--force`` (flags run has not got), and came after
+    generate; it names the config key that asks for the output, before anything is sent."""
+    import shutil
+
+    cfg, out = finished
+    target = out / folder
+    shutil.rmtree(target)
+    target.mkdir()
+    (target / "notes.txt").write_bytes(b"mine\n")
+    with Store.open(out) as store:
+        sent = store.change_counts()
+    with pytest.raises(PipelineError) as caught:
+        run_pipeline(cfg, echo=lambda _: None)
+    lines = cfg.source.read_text(encoding="utf-8").splitlines()
+    at = (f"{cfg.source}:{lines.index('draft_vocab_size = 512') + 1}" if folder == "vocab" else str(cfg.source))
+    assert str(caught.value) == (
+        f"{at}: {key}: {target}: folder is not empty and is not an earlier tokenbridge {folder.partition('/')[0]}; "
+        f"nothing was written: move it away (run writes {what} there) or give [run] out another folder")
+    assert caught.value.code == 2 and (target / "notes.txt").read_bytes() == b"mine\n"
+    with Store.open(out) as store:
+        assert store.change_counts() == sent

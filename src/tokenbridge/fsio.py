@@ -86,6 +86,7 @@ __all__ = [
     "loads_line",
     "open_staged",
     "output_file",
+    "parent_problem",
     "publish_dir",
     "staged_file",
     "temp_path",
@@ -431,8 +432,30 @@ def _prepare_parent(target: Path) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputWriteError(target, exc) from None
+        why = parent_problem(target)  # "File exists" / "Not a directory" said what mkdir met, not what is wrong
+        raise OutputWriteError(target, OSError(exc.errno, why) if why else exc) from None
     clean_stale_temps(target.parent)
+
+
+def parent_problem(target: str | Path) -> str | None:
+    """Why no folder can be made to hold ``target``, or None: the nearest of its parents that
+    exists is not a folder (a file, a FIFO, a symlink to one), said as such ("afile is a
+    file, not a folder"; mkdir says "File exists" or "Not a directory"). Nothing is opened."""
+    for parent in Path(target).parents:
+        try:
+            mode = os.stat(parent).st_mode
+        except FileNotFoundError:
+            if os.path.islink(parent):
+                return f"its parent {parent} is a symbolic link to nothing, not a folder"
+            continue
+        except NotADirectoryError:  # a file further up: the loop reaches it
+            continue
+        except OSError:
+            return None  # unreachable (a permission): the write itself says why
+        if stat.S_ISDIR(mode):
+            return None
+        return f"its parent {parent} is {kind_of(mode)}, not a folder"
+    return None
 
 
 #: Which names of an existing output folder tokenbridge wrote: given the folder, a test of

@@ -51,7 +51,7 @@ from typing import Any, Literal
 from collections.abc import Callable, Iterable, Mapping
 
 from .fsio import (CARRIED, MARKER, OutputRefused, foreign_entries, is_temp_name, kind_of, marker_owned, output_file,
-                   publish_dir, read_marker, unlisted_folders)
+                   parent_problem, publish_dir, read_marker, unlisted_folders)
 
 __all__ = [
     "MARKER",
@@ -260,10 +260,12 @@ def own_names(kind: OutputKind) -> Callable[[Path], Callable[[str], bool]]:
 
 def check_output_dir(
     target: str | Path, kind: OutputKind, *, inputs: Iterable[str | Path] = (), force: bool = False, flag: str = "-o",
-    fmt: str | None = None, any_format: bool = False,
+    fmt: str | None = None, any_format: bool = False, advice: str | None = None,
 ) -> None:
     """Raise :class:`OutputRefused` unless ``target`` may be replaced by a new ``kind`` output
-    (an export of format ``fmt``: one of another format only with ``force`` or ``any_format``)."""
+    (an export of format ``fmt``: one of another format only with ``force`` or ``any_format``).
+    ``flag`` leads each message (the option, or for ``run`` the config key); ``advice`` is
+    what to do about a folder of someone else's entries (default: another folder, or ``--force``)."""
     target = Path(target)
     resolved = target.resolve()
     why = _protected(Path(i) for i in inputs).get(resolved)
@@ -277,6 +279,9 @@ def check_output_dir(
     taken = run_file_problem(target)
     if taken:
         raise OutputRefused(f"{flag} {target}: {taken}; give a new folder outside the run's own files")
+    parent = parent_problem(target)
+    if parent is not None:
+        raise OutputRefused(f"{flag} {target}: {parent}; give a path inside a folder")
     if not target.exists() and not target.is_symlink():
         return
     if target.is_symlink():  # the output replaces the folder whole: the link would be replaced, not followed
@@ -291,7 +296,8 @@ def check_output_dir(
                             f"{target / kind}")
     if not (force or not os.listdir(target) or _is_own(target, kind)):
         raise OutputRefused(f"{flag} {target}: folder is not empty and is not an earlier tokenbridge {kind}; "
-                            "give a new or empty folder, or --force to write into it (its own entries are kept)")
+                            + (advice or "give a new or empty folder, or --force to write into it (its own entries "
+                                         "are kept)"))
     held = _marker_field(target, "format") if kind == "export" and not (force or any_format) else None
     if held is not None and fmt is not None and held != fmt:  # a re-export replaces its own format, not another one by mistake
         raise OutputRefused(f"{flag} {target}: holds a {held} export and this is a {fmt} export; give another folder "
@@ -317,6 +323,9 @@ def check_output_file(target: str | Path, source: str | Path | None = None, *, f
     target = Path(target)
     if target.is_dir():
         raise OutputRefused(f"{flag} {target}: is a folder; give a file name such as {target / name}", target)
+    parent = parent_problem(target)
+    if parent is not None:
+        raise OutputRefused(f"{flag} {target}: {parent}; give a path inside a folder", target)
     output_file(target, flag=flag)
     why = _file_problem(target, [i for i in (source, *inputs) if i is not None], runs, outputs or {})
     if why is not None:
@@ -582,7 +591,8 @@ def run_folder_problem(out: str | Path, *, inputs: Iterable[str | Path] = (),
     if what:
         return f"{out}: refusing to write a run into {what}; give a new or empty folder"
     if not resolved.exists():
-        return None
+        parent = parent_problem(out)
+        return None if parent is None else f"{out}: {parent}; give a new or empty folder"
     if not resolved.is_dir():
         return f"{out}: exists and is not a folder; give a new or empty folder"
     why = lock_problem(out)

@@ -27,7 +27,8 @@ from .display import printable
 from .digests import DigestCache, FileIdentity, read_digest
 from .exit_codes import ExitCode
 from .outdir import OutputKind, remove_own_output
-from .runconfig import PipelineError, RunConfig, check_before_generate, check_out, load_run_config
+from .runconfig import (PipelineError, RunConfig, check_before_generate, check_out, check_stage_folders,
+                        load_run_config)
 from .runconfig import emulator_config as _emulator_config
 
 if TYPE_CHECKING:
@@ -347,6 +348,7 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
     state = _State(cfg.out, echo)
     tok = load_tokenizer(cfg.tokenizer)
     check_before_generate(cfg, tok)  # the config checks that need the tokenizer, before any request
+    check_stage_folders(cfg)  # every output folder a stage writes, before any request
     results = [_generate_stage(cfg, tok, echo)]
     results.append(_reconstruct_stage(cfg, tok, state, echo))
     results.extend(_after_reconstruct(cfg, tok, state, echo))

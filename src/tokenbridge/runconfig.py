@@ -26,8 +26,9 @@ from pydantic import AfterValidator, Field, with_config
 from .checks import CODES, Policy
 from .exit_codes import ExitCode
 from .export.formats import FORMATS
-from .outdir import RUN_OUTPUTS, existing_inputs, run_folder_problem
-from .schema import FORBID, Bool, DialectName, NonNegInt, Str, VocabSize, Where, did_you_mean, read_mapping, validate
+from .outdir import RUN_OUTPUTS, OutputKind, existing_inputs, run_folder_problem
+from .schema import (FORBID, Bool, DialectName, NonNegInt, Str, VocabSize, Where, did_you_mean, read_config_text,
+                     read_mapping, validate)
 from .tokenizer import Tokenizer
 from .tokenizer_source import TOKENIZER_ENV
 from .traits import ProfileError, load_provider_profile
@@ -336,8 +337,8 @@ def check_before_generate(cfg: RunConfig, tok: Tokenizer) -> None:
     from .chat import DialectError, TemplateError, resolve_dialect
 
     try:
-        text = cfg.source.read_text(encoding="utf-8")
-    except OSError:
+        text = read_config_text(cfg.source)
+    except (OSError, UnicodeDecodeError):
         text = None
     where = Where(str(cfg.source), text)
     problems: list[str] = []
@@ -357,6 +358,40 @@ def check_before_generate(cfg: RunConfig, tok: Tokenizer) -> None:
         raise _config_error("\n".join(problems))
 
 
+def check_stage_folders(cfg: RunConfig) -> None:
+    """The folders ``run`` writes its stages' outputs into (``export/<format>``, ``vocab``,
+    ``report``) must be missing, empty or tokenbridge's earlier output of that stage
+    (:func:`~tokenbridge.outdir.check_output_dir`), checked before anything is sent. A
+    refusal names the config key that asks for the output, not a flag ``run`` has not got
+    (it quoted ``-o`` and ``--force``). Raises :class:`PipelineError` (code 2)."""
+    from .outdir import OutputRefused, check_output_dir
+
+    try:
+        text = read_config_text(cfg.source)
+    except (OSError, UnicodeDecodeError):
+        text = None
+    where = Where(str(cfg.source), text)
+    inputs = [cfg.out / "reconstructed.jsonl"]
+    wanted: list[tuple[Path, OutputKind, str | None, tuple[str, str]]] = [
+        (cfg.out / "export" / fmt, "export", fmt, ("export", "formats")) for fmt in cfg.export_formats]
+    if cfg.draft_vocab_size:
+        wanted.append((cfg.out / "vocab", "vocab", None, ("vocab", "draft_vocab_size")))
+    if cfg.report:
+        wanted.append((cfg.out / "report", "report", None, ("report", "enabled")))
+    problems = []
+    for target, kind, fmt, key in wanted:
+        flag = where.problem(key, "").rstrip()
+        what = f"its {fmt} export" if fmt else f"its {kind}"
+        try:
+            check_output_dir(target, kind, inputs=inputs, flag=flag, fmt=fmt, any_format=True,
+                             advice=f"nothing was written: move it away (run writes {what} there) or give [run] out "
+                                    "another folder")
+        except OutputRefused as exc:
+            problems.append(str(exc))
+    if problems:
+        raise _config_error("\n".join(problems))
+
+
 def check_out(cfg: RunConfig) -> None:
     """``[run] out`` must be missing, empty or an earlier run's folder (never ``/``, a
     system folder or ``$HOME``): a run writes its files into it, so a user's folder would
@@ -371,7 +406,7 @@ def check_out(cfg: RunConfig) -> None:
     if why is None:
         return
     try:
-        text = cfg.source.read_text(encoding="utf-8")
-    except OSError:
+        text = read_config_text(cfg.source)
+    except (OSError, UnicodeDecodeError):
         text = None
     raise _config_error(Where(str(cfg.source), text).problem(("run", "out"), why))

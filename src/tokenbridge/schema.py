@@ -47,6 +47,7 @@ __all__ = [
     "VocabSize",
     "Where",
     "did_you_mean",
+    "read_config_text",
     "read_mapping",
     "validate",
 ]
@@ -160,10 +161,17 @@ class Where:
         return f"{self.source}: {_dotted(loc)}: {message}" if loc else f"{self.source}: {message}"
 
 
+def read_config_text(path: Path) -> str:
+    """A config file's text, UTF-8, without a leading byte order mark (``utf-8-sig``)."""
+    return path.read_text(encoding="utf-8-sig")
+
+
 def read_mapping(path: Path, error: Callable[[str], Exception]) -> tuple[dict[str, Any], str]:
-    """A TOML (``.toml``) or YAML (``.yaml``/``.yml``) file as a mapping, plus its text."""
+    """A TOML (``.toml``) or YAML (``.yaml``/``.yml``) file as a mapping, plus its text. A
+    leading UTF-8 byte order mark (what Windows editors write) is not part of the text:
+    TOML's parser read it as an "Invalid statement (at line 1, column 1)"."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_config_text(path)
     except FileNotFoundError:
         raise error(f"{path}: no such config file") from None
     except (OSError, UnicodeDecodeError) as exc:
