@@ -11,7 +11,9 @@ finding at worst, never a lost sample.
   output ids; its text is empty); some providers drop that last entry or log the
   content only. :func:`logprob_ids` maps the entries to ids; how the gate compares them
   with a candidate is :func:`logprobs_cover`.
-* ``matched_stop`` (SGLang): the stop id (or stop string) that ended the choice.
+* ``matched_stop`` (SGLang): the stop id (or stop string) that ended the choice; vLLM's
+  integer ``stop_reason`` says the same (the ``stop_token_ids`` hit, which takes the
+  generation config's other end ids: Kimi K2.5's ``<|im_end|>`` beside its ``[EOS]``).
 * ``usage.completion_tokens_details.reasoning_tokens`` and
   ``usage.prompt_tokens_details.cached_tokens``: integer counts, or None.
 """
@@ -224,11 +226,14 @@ def _agree(logged: Sequence[int], ids: Sequence[int], may_be: Mapping[int, froze
 
 
 def matched_stop(choice: Mapping[str, Any]) -> int | str | None:
-    """SGLang's ``matched_stop``: the stop id (int) or stop string that ended the choice."""
+    """SGLang's ``matched_stop``: the stop id (int) or stop string that ended the choice;
+    else vLLM's ``stop_reason`` where it is an id (a stop string there is left to the
+    request's ``stop``: other APIs use that key for words such as ``end_turn``)."""
     value = choice.get("matched_stop")
     if is_count(value) or (isinstance(value, str) and value):
         return value
-    return None
+    value = choice.get("stop_reason")
+    return value if is_count(value) else None
 
 
 def _detail(usage: Mapping[str, Any] | None, holder: str, key: str) -> int | None:

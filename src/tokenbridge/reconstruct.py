@@ -28,7 +28,7 @@ import orjson
 
 from .chat import Dialect, HarmonyDialect, PromptReading, message_reasoning, resolve_dialect
 from .chat.harmony import tool_stream_doubt
-from .chat.template import TemplateError
+from .chat.template import TemplateError, special_token_strings
 from .content import content_text
 from .checks import (Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways, reasoning_counts,
                      run_checks, status_of)
@@ -423,6 +423,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     logged = logprob_ids(tok, choice)
     stop = matched_stop(choice)
     ends = _named_ends(tok, dialect, finish, stop, logged, native)
+    ends += [m for m in _unnamed_eos(tok, dialect, choice, finish, stop) if m not in ends]
     # readings one token from the formula that a count alone cannot prove: a turn ended inside
     # its think block (one short, as an uncounted end token is; or the run proved the end is
     # counted) and a cut right after </think> (one more, as vLLM's held-back partial character is)
@@ -575,6 +576,22 @@ def _named_ends(tok: Tokenizer, dialect: Dialect, finish: Any, stop: int | str |
         if text is not None and text in dialect.eos_markers and text != dialect.end_token and text not in out:
             out.append(text)
     return out
+
+
+def _unnamed_eos(tok: Tokenizer, dialect: Dialect, choice: Mapping[str, Any], finish: Any,
+                 stop: int | str | None) -> list[str]:
+    """The tokenizer's ``eos_token`` where vLLM's ``stop_reason: null`` may mean it ended the
+    turn: vLLM names a ``stop_token_ids`` hit (the generation config's end ids) by its id and
+    leaves the tokenizer's own end unnamed, so a dialect end that is not that token is then
+    unproven (Kimi K2.5: ``[EOS]``, the same count as ``<|im_end|>``). A reading beside the
+    formula's, which only ids or logprobs pick. A folder whose config names no eos (GLM's
+    here) leaves every end token of the dialect possible."""
+    if finish == "length" or stop is not None or "stop_reason" not in choice or choice["stop_reason"] is not None:
+        return []
+    eos = special_token_strings(tok.config).get("eos_token")
+    if eos is None:
+        return sorted(dialect.eos_markers - {dialect.end_token})
+    return [eos] if eos in dialect.eos_markers and eos != dialect.end_token else []
 
 
 def _usage_pairs(usage: Mapping[str, Any] | None, n_prompt: int,
