@@ -81,16 +81,16 @@ def test_vllm_streamed_newline_in_content_is_not_read_as_the_models():
 
 
 def test_vllm_whole_drops_the_newline_before_think():
-    """A2: "\\n<think>\\n\\nR" whole under vLLM is reasoning "\\n\\nR", SGLang's streamed
-    form of "\\n<think>\\nR" too: same count, other ids."""
+    """A2: "\\n<think>\\n\\nR" whole under vLLM before 0.34 is reasoning "\\n\\nR", SGLang's
+    streamed form of "\\n<think>\\nR" too: same count, other ids. vLLM 0.34 serves that
+    form whole as well (tests/test_vllm_oracle.py), so a whole response no longer picks."""
     native = "\n<think>\n\nSimple sum.</think>\nThe answer is 4.<|user|>"
     served = vllm_glm45(GLM.encode(native)[:-1], stream=False)
     assert served == ("\n\nSimple sum.", "\nThe answer is 4.")
-    row, ids = _glm(native, served)
-    assert row["status"] == "rejected" and codes(row) == ["reconstruction_ambiguous"]
-    row, ids = _glm(native, served, stream=False)  # SGLang whole would say "\n<think>"
-    assert row["status"] == "ok" and row["completion_ids"] == ids
-    assert row["reconstruction"] == "think_prefix_kept" and ids[:3] == [198, THINK, 271]
+    for stream in (None, False):
+        row, ids = _glm(native, served, stream=stream)
+        assert row["status"] == "rejected" and codes(row) == ["reconstruction_ambiguous"]
+        assert "think_prefix_kept" in row["findings"][0]["message"] and ids[:3] == [198, THINK, 271]
 
 
 def test_sglang_forms_stay_exact():

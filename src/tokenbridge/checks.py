@@ -26,7 +26,7 @@ __all__ = ["CODES", "DEFAULT_SEVERITY", "GATE_REVISION", "Finding", "Policy", "S
 #: Changed whenever what reconstruct reads or the gate says of the same input changes. Every
 #: stage's fingerprint holds it, so a finished run reconstructs again after an upgrade that
 #: would judge its samples differently (the package version moves only with releases).
-GATE_REVISION = "2026-12-06"
+GATE_REVISION = "2026-12-06.2"
 
 #: Every finding code with its default severity and what it means.
 CODES: dict[str, tuple[str, str]] = {
@@ -600,22 +600,29 @@ def reasoning_counts(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequen
     return set(reasoning_count_ways(parts, part_ids))
 
 
-def reasoning_count_ways(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> tuple[int, int]:
+def reasoning_count_ways(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> tuple[int, int, int]:
     """``reasoning_tokens`` as each kind of engine counts this completion: (the reasoning
-    text alone, as OpenRouter-normalised providers count it; SGLang's count).
+    text alone, as OpenRouter-normalised providers count it; SGLang's count; vLLM's).
 
     SGLang (0.5.23, ``Req.update_reasoning_tokens``) counts every output token up to and
     including ``</think>``, and every token (the end token too) when ``</think>`` never
-    came. vLLM's Kimi parser counts nothing (0), which is no evidence and is not checked.
+    came. vLLM's parser engine (0.34) counts the tokens it reads as reasoning: the text
+    the model wrote before ``<think>`` too (GLM's newline), the markers not; older vLLM
+    counted nothing (0), which is no evidence and is not checked.
     With n > 1 choices an engine reports the sum over them, each counted its one way.
     """
     reasoning = sum(len(ids) for (kind, _), ids in zip(parts, part_ids) if kind == "reasoning")
+    lead = 0
+    for (kind, _), ids in zip(parts, part_ids):
+        if kind != "format":
+            break
+        lead += len(ids)
     before = 0
     for (kind, _), ids in zip(parts, part_ids):
         before += len(ids)
         if kind == "think_end":
-            return reasoning, before
-    return reasoning, sum(len(ids) for ids in part_ids)
+            return reasoning, before, lead + reasoning
+    return reasoning, sum(len(ids) for ids in part_ids), lead + reasoning
 
 
 def _reasoning_count(view: SampleView, policy: Policy) -> Iterator[_Hit]:
@@ -627,7 +634,8 @@ def _reasoning_count(view: SampleView, policy: Policy) -> Iterator[_Hit]:
         summed = " summed over the choices" if view.reasoning_allowed is not None else ""
         yield "usage_reasoning_mismatch", (
             f"usage reasoning_tokens {got}, ours{summed} {' or '.join(str(n) for n in sorted(allowed))} "
-            "(reasoning alone, or up to and including </think> as SGLang counts): the reasoning/content "
+            "(reasoning alone, up to and including </think> as SGLang counts, or with the text before <think> "
+            "as vLLM counts): the reasoning/content "
             "boundary or the reasoning text differs from what the model emitted"
         )
 

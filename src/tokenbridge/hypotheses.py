@@ -101,8 +101,13 @@ class Candidate:
     #: extended part's (``Tokenizer.encode_appended``).
     held: str = ""
     #: A reading the count alone never picks: without ids or logprobs it is kept only where
-    #: it ties the formula's count, which it then makes ambiguous (the caller checks).
+    #: it ties the count of a reading kept on its own, which it then makes ambiguous (the caller checks).
     veto: bool = False
+    #: The model may have written more ids than this reading spells, text the engine never
+    #: served: vLLM's parser stripped the reasoning's end (whitespace of any length) or its
+    #: detokenizer held back a character the cut split. Without ids or logprobs, a count
+    #: above this reading's is then no proof of another reading (the caller checks).
+    open_end: bool = False
 
     @property
     def name(self) -> str | None:
@@ -127,7 +132,7 @@ def _held_readings(c: Candidate, tails: Sequence[str], thinking: bool) -> list[C
     where the content is the model's last text and the tool parser saw it (after a closed
     think block, or with thinking off), and no tool section was served."""
     kinds = [kind for kind, _ in c.parts]
-    if not tails or "tool_calls" in kinds or "marker_spaces" in c.names:  # a call was made, or vLLM served it
+    if not tails or c.veto or "tool_calls" in kinds or "marker_spaces" in c.names:  # a call was made, or vLLM served it
         return []
     at = len(kinds) - (kinds[-1:] == ["end"])
     before = kinds[at - 1] if at else None
@@ -156,7 +161,9 @@ def unjoin_marker_spaces(text: str, markers: Sequence[str], *, plain: bool = Fal
     of ordinary text. So a run between two markers reads ``" "`` (empty run) or
     ``" " + run + " "``, the run before the first marker likewise, and the run after the
     last marker ``""`` or ``" " + run``. Text with no marker at all has only the leading
-    space to show; it is unjoined only with ``plain`` (the provider is known to join).
+    space to show; it is unjoined only with ``plain``: the provider is known to join, or the
+    message may be vLLM 0.34's (:func:`_vllm_034`) for a family whose text it joins
+    (``Dialect.vllm_joins``), where the first text always carries it.
     """
     if not text.startswith(" "):
         return None
@@ -170,7 +177,7 @@ def unjoin_marker_spaces(text: str, markers: Sequence[str], *, plain: bool = Fal
         at, m = min(hits, key=lambda h: (h[0], -len(h[1])))
         spans.append((at, at + len(m)))
         pos = at + len(m)
-    if not spans:  # no marker: only the leading space shows, so only a known joiner says so
+    if not spans:  # no marker: only the leading space shows
         return text[1:] if plain else None
     out: list[str] = []
     prev = 0
@@ -190,6 +197,138 @@ def unjoin_marker_spaces(text: str, markers: Sequence[str], *, plain: bool = Fal
             return None
         out.append(tail[1:])
     return "".join(out)
+
+
+#: Whitespace vLLM's parser engine may have taken off the end of the reasoning (0.34's
+#: ``strip_trailing_reasoning_whitespace``: Kimi's and GLM's parsers; Kimi's join space before
+#: ``</think>`` goes with it). Each is a reading (``reasoning_tail=``) that, without ids or
+#: logprobs, only vetoes: where one ties the count of a reading kept (a newline after a full stop
+#: often joins its token), the row is ambiguous.
+STRIPPED_TAILS = ("\n", "\n\n", "\n\n\n", "\r\n", " ", "  ", "\t")
+
+
+def _joined_texts(dialect: Dialect, reasoning: str, content: str, thinking: bool, *, closed: bool,
+                  section: bool, held: bool) -> list[tuple[str, bool]]:
+    """The texts vLLM's detokenizer may have joined before its reasoning parser cut them, each
+    with whether the parser stripped the end of the reasoning. The parser cut at ``</think>``
+    (the content then starts with a join space, or is empty) or, with no ``</think>``, at the
+    tool section or nowhere. Before 0.34 the reasoning kept the join space in front of
+    ``</think>``; 0.34 strips it with any whitespace the model wrote there, so that space is
+    put back and the model's own tail is unknown (``STRIPPED_TAILS``). A reasoning ``held``
+    alone (:func:`_held_alone`) lost its join space in front too."""
+    stripped = thinking and not reasoning[-1:].isspace()
+    lead = " " if held else ""
+    if not closed:
+        return [(lead + reasoning + content, stripped)]
+    close = dialect.think_close or ""
+    if not content or content.startswith(" "):
+        out = [(reasoning + close + content, False)]
+        if stripped:
+            out.append(((lead + reasoning or " ") + (" " if reasoning else "") + close + content, True))
+        return out
+    return [(reasoning + content, False)] if section else []
+
+
+def _joined_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason: str | None, thinking: bool,
+                     prompt_opens_think: bool, markers: Sequence[str], *, closed: bool, section: bool,
+                     stream: bool | None, by_ids: bool, plain: bool) -> list[Candidate]:
+    """The readings of a message vLLM's detokenizer joined (``marker_spaces``): each joined
+    text unjoined and split as its parser split it; where the parser stripped the reasoning's
+    end, that reading open-ended and one more per :data:`STRIPPED_TAILS` spot (vetoes,
+    without ``by_ids``); and, for a length cut whose content ends in a join space, the tool
+    section's start the parser swallowed after it (a veto: its tool parser drops the markup
+    with no ``tools`` sent too, and the space it leaves is one token, as that marker is).
+    The 0.34 readings are built only for a family whose text vLLM joins (``vllm_joins``)
+    and a message that may be 0.34's (:func:`_vllm_034`)."""
+    reasoning, content = _text(message)
+    out: list[Candidate] = []
+    new = dialect.vllm_joins and _vllm_034(message)
+    held = new and _held_alone(reasoning, markers, stream)
+    for text, stripped in _joined_texts(dialect, reasoning, content, thinking and new, closed=closed,
+                                        section=section, held=held):
+        native = unjoin_marker_spaces(text, markers, plain=plain or new)
+        if native is None:
+            continue
+        r, c, was_closed = _split(dialect, native, thinking)
+        tails = [(r[:at] + tail + r[at:], tail) for at in _tail_spots(dialect, r, stream)
+                 for tail in STRIPPED_TAILS] if stripped else []
+        for r2, tail in [(r, ""), *tails]:
+            parts = dialect.completion_parts({"reasoning": r2, "content": c}, finish_reason, thinking,
+                                             prompt_opens_think)
+            names: tuple[str, ...] = ("marker_spaces",)
+            if not was_closed and thinking and any(kind == "think_end" for kind, _ in parts) and c:
+                parts = [p for p in parts if p[0] != "think_end"]
+                names = ("marker_spaces", "no_think_close")
+            if tail:
+                names = (*names, f"reasoning_tail={_escaped(tail)}")
+            out.append(Candidate(parts, names, veto=bool(tail) and not by_ids,
+                                 open_end=not tail and (stripped or finish_reason == "length")))
+        tm = dialect.tool_markers
+        if finish_reason == "length" and was_closed and c.endswith(" ") and tm is not None:
+            parts = dialect.completion_parts({"reasoning": r, "content": c[:-1] + tm.section_begin}, finish_reason,
+                                             thinking, prompt_opens_think)
+            out.append(Candidate(parts, ("marker_spaces", "section_swallowed"), veto=not by_ids))
+    return out
+
+
+def _vllm_034(message: Mapping[str, Any]) -> bool:
+    """Whether a message may be vLLM 0.34's, whose parsers strip and hold text as no other
+    engine does: it names its reasoning ``reasoning``; SGLang and earlier vLLM always
+    send ``reasoning_content``."""
+    return "reasoning_content" not in message
+
+
+def _held_alone(reasoning: str, markers: Sequence[str], stream: bool | None) -> bool:
+    """Whether a streamed reasoning is only the start of a marker (``"<"``): vLLM 0.34's lexer
+    held it to the end of the stream and then sent it without the whitespace before it, its
+    join space too (``" <"`` is served ``"<"``)."""
+    return stream is not False and bool(reasoning) and any(m.startswith(reasoning) and m != reasoning for m in markers)
+
+
+def _tail_spots(dialect: Dialect, reasoning: str, stream: bool | None) -> list[int]:
+    """Where in ``reasoning`` whitespace vLLM 0.34's parser dropped may have stood: its end,
+    and, where the response may have streamed, before an end that could begin a marker
+    (``"<"``, ``"</thi"``): its lexer holds that back and, at the end of the stream, sends it
+    without the whitespace it deferred before it (``" a <"`` is served ``" a<"``)."""
+    spots = [len(reasoning)]
+    if stream is not False:
+        for marker in _markers(dialect):
+            spots += [len(reasoning) - n for n in range(1, len(marker)) if reasoning.endswith(marker[:n])]
+    return sorted(set(spots), reverse=True)
+
+
+def _with_stripped_tails(dialect: Dialect, message: Mapping[str, Any], out: list[Candidate],
+                         finish_reason: str | None, *, stream: bool | None, by_ids: bool) -> list[Candidate]:
+    """``out``, where vLLM 0.34's parser for this family strips the reasoning's end
+    (``Dialect.reasoning_end_stripped``) and the message may be its (``reasoning``, not
+    SGLang's ``reasoning_content``, the model's text before ``<think>`` in front), with each
+    reading's reasoning followed by each of
+    :data:`STRIPPED_TAILS` at each of its :func:`_tail_spots` (vetoes, without ``by_ids``),
+    the reading itself open-ended."""
+    reasoning = message.get("reasoning")
+    if not dialect.reasoning_end_stripped or not isinstance(reasoning, str) or not _vllm_034(message) \
+            or reasoning[-1:].isspace() or not reasoning.startswith(dialect.think_open_prefix):
+        return out  # 0.34 serves GLM's newline before <think> in the reasoning
+    cut = finish_reason == "length"
+    done: list[Candidate] = []
+    for c in out:
+        at = max((k for k, (kind, _) in enumerate(c.parts) if kind == "reasoning"), default=-1)
+        if c.veto or at < 0:
+            done.append(c)
+            continue
+        done.append(Candidate(c.parts, c.names, c.held, veto=c.veto, open_end=True))
+        text = c.parts[at][1]
+        for spot in _tail_spots(dialect, text, stream):
+            for tail in STRIPPED_TAILS:
+                parts = [*c.parts[:at], ("reasoning", text[:spot] + tail + text[spot:]), *c.parts[at + 1:]]
+                done.append(Candidate(parts, (*c.names, f"reasoning_tail={_escaped(tail)}"), veto=not by_ids,
+                                      open_end=cut))
+    return done
+
+
+def _escaped(text: str) -> str:
+    """Whitespace as a reading's name spells it (``\\n``, ``\\t``, ``\\r``)."""
+    return text.replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
 
 
 def _split(dialect: Dialect, text: str, thinking: bool) -> tuple[str, str, bool]:
@@ -224,6 +363,7 @@ def candidates(
     prefix_absent: bool = False,
     held: Sequence[str] = (),
     tools_streamed: bool = False,
+    stripped_by_ids: bool = False,
 ) -> list[Candidate]:
     """The plain formula first, then every other reading this message admits.
 
@@ -238,6 +378,8 @@ def candidates(
     streaming tool parser may have held back (:func:`held_tails`), each a reading right
     after the one it extends. ``tools_streamed``: the request sent tools and may have
     streamed, and ids or logprobs can pick among gpt-oss's ``prefix_resent`` readings.
+    ``stripped_by_ids``: ids or logprobs can pick the whitespace vLLM's parser stripped from
+    the end of a joined reasoning (``reasoning_tail=``); without them those readings only veto.
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
@@ -257,32 +399,19 @@ def candidates(
                                    section=opens_section, gaps=end_in_think)
         out += [unclosed] if unclosed is not None else []
 
-    if (reasoning.startswith(" ") or content.startswith(" ")) and (markers := _markers(dialect)):
-        # vLLM's parser cut the joined text at </think> (the content then starts with a
-        # join space, or is empty) or, with no </think>, at the tool section.
-        joined = []
-        if not closed_by_formula:
-            joined.append(reasoning + content)
-        elif not content or content.startswith(" "):
-            joined.append(reasoning + (dialect.think_close or "") + content)
-        elif opens_section:
-            joined.append(reasoning + content)
-        for text in joined:
-            native = unjoin_marker_spaces(text, markers, plain=joins_markers)
-            if native is None:
-                continue
-            r, c, closed = _split(dialect, native, thinking)
-            msg = {"reasoning": r, "content": c}
-            parts = dialect.completion_parts(msg, finish_reason, thinking, prompt_opens_think)
-            names: tuple[str, ...] = ("marker_spaces",)
-            if not closed and thinking and any(kind == "think_end" for kind, _ in parts) and c:
-                parts = [p for p in parts if p[0] != "think_end"]
-                names = ("marker_spaces", "no_think_close")
-            if all(parts != cand.parts for cand in out):
-                out.append(Candidate(parts, names))
+    markers = _markers(dialect)
+    if markers and (reasoning.startswith(" ") or content.startswith(" ")
+                    or (dialect.vllm_joins and _held_alone(reasoning, markers, stream))):
+        for cand in _joined_readings(dialect, message, finish_reason, thinking, prompt_opens_think, markers,
+                                     closed=closed_by_formula, section=opens_section, stream=stream,
+                                     by_ids=stripped_by_ids, plain=joins_markers):
+            if all(cand.parts != c.parts for c in out):
+                out.append(cand)
 
-    if joins_markers and any("marker_spaces" in c.names for c in out):
+    if joins_markers and any("marker_spaces" in c.names and not c.veto for c in out):
         out = [c for c in out if "marker_spaces" in c.names]
+    if thinking:
+        out = _with_stripped_tails(dialect, message, out, finish_reason, stream=stream, by_ids=stripped_by_ids)
     out = [r for c in out for r in (c, *_held_readings(c, held, thinking))]
     out += _cut_after_close(dialect, out, finish_reason, thinking, prompt_opens_think, cut_after_close)
     out += _ended_in_think(out, finish_reason, thinking, prompt_opens_think, end_in_think)
@@ -298,7 +427,7 @@ def _with_ends(out: list[Candidate], markers: Sequence[str]) -> list[Candidate]:
             # after a tool call) is that reading, not a second one
             if cand.parts and cand.parts[-1][0] == "end" and cand.parts[-1][1] != marker:
                 out.append(Candidate([*cand.parts[:-1], ("end", marker)], (*cand.names, f"end={marker}"), cand.held,
-                                     veto=cand.veto))
+                                     veto=cand.veto, open_end=cand.open_end))
     return out
 
 
@@ -329,7 +458,7 @@ def _cut_after_close(dialect: Dialect, out: list[Candidate], finish_reason: str 
     close = dialect.think_close
     if not (offered and thinking and close and finish_reason == "length"):
         return []
-    return [Candidate([*c.parts, ("think_end", close)], (*c.names, "cut_after_think_close"))
+    return [Candidate([*c.parts, ("think_end", close)], (*c.names, "cut_after_think_close"), veto=c.veto)
             for c in out if _open_at_cut(c.parts, prompt_opens_think)]
 
 
@@ -346,24 +475,29 @@ def _open_at_cut(parts: Parts, prompt_opens_think: bool) -> bool:
 def _ended_in_think(out: list[Candidate], finish_reason: str | None, thinking: bool,
                     prompt_opens_think: bool, offered: bool) -> list[Candidate]:
     """Each reading that closes an empty think block and ends, without the close (see
-    :func:`ends_in_think_fits`), where the reading is ``offered``."""
-    if not offered or not ends_in_think_fits(out[0].parts, finish_reason, thinking, prompt_opens_think):
+    :func:`ends_in_think_fits`), where the reading is ``offered``. Elsewhere each still
+    vetoes: one token short of the reading it comes from, it can tie another (vLLM's join
+    space before the first word can take a token off a count)."""
+    if not ends_in_think_fits(out[0].parts, finish_reason, thinking, prompt_opens_think):
         return []
-    return [Candidate([p for p in c.parts if p[0] != "think_end"], (*c.names, "end_in_think"))
+    return [Candidate([p for p in c.parts if p[0] != "think_end"], (*c.names, "end_in_think"), veto=c.veto or not offered)
             for c in out if _closes_empty(c.parts)]
 
 
 def ends_in_think_fits(parts: Parts, finish_reason: str | None, thinking: bool, prompt_opens_think: bool) -> bool:
     """Whether a message read as ``parts`` (the formula) may as well have ended inside its
-    think block (the ``end_in_think`` reading): thinking, the prompt opened the block, the
-    turn ended (no length cut) and nothing but reasoning came before the close."""
-    return thinking and prompt_opens_think and finish_reason != "length" and _closes_empty(parts)
+    think block (the ``end_in_think`` reading): thinking, the prompt or the model (GLM's
+    ``"\n<think>"``) opened the block, the turn ended (no length cut) and nothing but
+    reasoning came before the close."""
+    opened = prompt_opens_think or any(kind == "think_start" for kind, _ in parts)
+    return thinking and opened and finish_reason != "length" and _closes_empty(parts)
 
 
 def _closes_empty(parts: Parts) -> bool:
-    """``[reasoning,] think_end, end``: a think block closed with no content or call after it."""
+    """``[[format,] think_start,] [reasoning,] think_end, end``: a think block closed with no
+    content or call after it."""
     kinds = [kind for kind, _ in parts]
-    return kinds[-2:] == ["think_end", "end"] and set(kinds[:-2]) <= {"reasoning"}
+    return kinds[-2:] == ["think_end", "end"] and set(kinds[:-2]) <= {"format", "think_start", "reasoning"}
 
 
 #: The reading of a GLM turn whose model wrote ``<think>`` without the newline before it.
@@ -377,7 +511,8 @@ def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, st
     message fits, the formula's first.
 
     SGLang keeps the prefix in the reasoning (whole: ``prefix + think_open + R``;
-    streamed: ``prefix + R``); vLLM drops it whole and streams it as content. A block
+    streamed: ``prefix + R``); vLLM before its parser engine dropped it whole and streamed
+    it as content, and 0.34 serves ``prefix + R`` whole and streamed, as SGLang streams. A block
     written without the prefix reaches the API as written under every engine: that
     reading is offered where ``absent`` says the evidence can tell, where no form with
     the prefix fits, and where the engine may be SGLang and the reasoning shows no prefix,
@@ -388,7 +523,7 @@ def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, st
         return [(reasoning[len(prefix + think_open):], content, None)]
     forms: list[tuple[str, str, str | None]] = []
     sglang, vllm = prefix_in_reasoning is not False, prefix_in_reasoning is not True
-    if sglang and stream is not False and reasoning.startswith(prefix):
+    if reasoning.startswith(prefix):  # SGLang streamed, vLLM 0.34 whole or streamed
         forms.append((reasoning[len(prefix):], content, None))
     if vllm and stream is not True:
         forms.append((reasoning, content, "think_prefix_kept" if reasoning.startswith(prefix) else None))

@@ -102,7 +102,7 @@ class _Choice:
                 flat += part  # a list's own extend: a copy of pointers, no iterator
         return flat
 
-    def ways(self, k: int) -> tuple[int, int]:
+    def ways(self, k: int) -> tuple[int, int, int]:
         """Candidate ``k``'s ``reasoning_tokens`` as each kind of engine counts it."""
         return reasoning_count_ways(self.cands[k].parts, self.cand_ids[k])
 
@@ -435,7 +435,8 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     # gpt-oss: what SGLang's tool detector did to a final text only ids or logprobs can say
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
-                       prefix_absent=by_ids, held=held, tools_streamed=tools_streamed and by_ids)
+                       prefix_absent=by_ids, held=held, tools_streamed=tools_streamed and by_ids,
+                       stripped_by_ids=by_ids)
     if not by_ids and stream is not True:  # nothing could keep or report a held tail: not built
         cands = [c for c in cands if not c.held]
     if by_ids and tools_streamed and len(cands) > 1:
@@ -456,9 +457,10 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     cands = [c for c in cands if not c.held or id(c) in kept]  # in their order: the formula first
     encoded = [_encode_parts(tok, c.parts, done) for c in cands]
     vetoed = any(c.veto for c in cands)
-    if vetoed:  # kept only where it ties the formula's count: ambiguous then
+    if vetoed:  # kept only where it ties the count of a reading kept on its own: ambiguous then
         size = [sum(map(len, e[0])) for e in encoded]
-        keep = [k for k, c in enumerate(cands) if not c.veto or size[k] == size[0]]
+        counts = {size[k] for k, c in enumerate(cands) if not c.veto}
+        keep = [k for k, c in enumerate(cands) if not c.veto or size[k] in counts]
         cands, encoded = [cands[k] for k in keep], [encoded[k] for k in keep]
     return _Choice(idx, choice, native, logged, stop, cands, [e[0] for e in encoded], [e[1] for e in encoded],
                    held_ties=ties, stream_doubt=doubt, vetoed=vetoed)
@@ -615,10 +617,10 @@ def _usage_pairs(usage: Mapping[str, Any] | None, n_prompt: int,
 _MAX_COMBINATIONS = 512
 
 
-def _reasoning_sums(ways: Sequence[tuple[int, int]]) -> frozenset[int]:
+def _reasoning_sums(ways: Sequence[tuple[int, int, int]]) -> frozenset[int]:
     """What an engine reports as ``reasoning_tokens`` for these choices together: each
     counted its one way (:func:`~tokenbridge.checks.reasoning_count_ways`), then summed."""
-    return frozenset(sum(w[i] for w in ways) for i in range(2))
+    return frozenset(sum(w[i] for w in ways) for i in range(3))
 
 
 def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, reasoning: int | None) -> None:
@@ -649,6 +651,8 @@ def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, 
                 for p, opts in zip(plans, options):
                     p.chosen = 0 if 0 in opts else opts[0]
                 return
+            if single and by_count:
+                seen[0].update(_open_short(plans[0], options[0], seen[0], usage_completion))
             options = [sorted(s) for s in seen]
     for p, opts in zip(plans, options):
         opts = _distinct(p, opts)
@@ -660,11 +664,21 @@ def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, 
                 p.ambiguous = [p.cands[k].name or "formula" for k in opts]
 
 
-def _alike(p: _Choice, opts: list[int]) -> list[tuple[int, tuple[int, int], list[int]]]:
+def _open_short(p: _Choice, opts: list[int], fitting: set[int], usage: int | None) -> list[int]:
+    """The open-ended readings (``Candidate.open_end``) of ``opts`` the count left out for
+    being short of it, where another reading fits: text the engine never served (whitespace
+    vLLM's parser stripped, a character held back at a cut) may make up the rest, so the
+    reading that fits is not proven by the count. None where nothing else fits."""
+    if not fitting or usage is None:
+        return []
+    return [k for k in opts if k not in fitting and p.cands[k].open_end and p.counted(k) < usage]
+
+
+def _alike(p: _Choice, opts: list[int]) -> list[tuple[int, tuple[int, int, int], list[int]]]:
     """``opts`` grouped by all a summed usage sees of them, (count, reasoning count ways): one
     option each of the product over n > 1 choices, so many readings of few lengths (held
     tails) stay within :data:`_MAX_COMBINATIONS`."""
-    alike: dict[tuple[int, tuple[int, int]], list[int]] = {}
+    alike: dict[tuple[int, tuple[int, int, int]], list[int]] = {}
     for k in opts:
         alike.setdefault((p.counted(k), p.ways(k)), []).append(k)
     return [(size, way, ks) for (size, way), ks in alike.items()]
@@ -693,7 +707,16 @@ def _fits(p: _Choice, k: int, reasoning: int | None) -> bool:
         return False
     if isinstance(p.stop, int) and ends_turn(parts) and ids[-1] != p.stop:
         return False
-    return not reasoning or reasoning in reasoning_counts(parts, part_ids)
+    return not reasoning or _stripped(p.cands[k]) or reasoning in reasoning_counts(parts, part_ids)
+
+
+def _stripped(c: Candidate) -> bool:
+    """Whether ``c`` reads the message as vLLM 0.34's with text its parser stripped from the
+    reasoning (put back, or open-ended: ``Candidate.open_end``): vLLM is then the engine, and
+    its ``reasoning_tokens`` is no proof against it (0.34 leaves out, streamed, each id that
+    completes no character, and more), so that count never rules it out; the total count
+    still does, or leaves the row ambiguous."""
+    return c.open_end or any(n.startswith("reasoning_tail=") for n in c.names)
 
 
 def _mark_cancelling(plans: list[_Choice], rows: list[dict[str, Any]], policy: Policy, *,

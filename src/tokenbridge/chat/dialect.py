@@ -165,6 +165,15 @@ class Dialect:
     #: Qwen3's subclass: ``<tool_call>``, plain text to DeepSeek's tokenizer): it ends a
     #: reasoning the model never closed there, and the rest is served as content.
     reasoning_tool_start: str | None = None
+    #: Whether vLLM 0.34's reasoning parser for this family strips the whitespace at the end
+    #: of the reasoning it serves in ``reasoning`` (its parser engine's
+    #: ``strip_trailing_reasoning_whitespace``: GLM's ``glm45``; Qwen3's turns it off, and
+    #: Kimi's joined text has readings of its own): what the model wrote there is unknown.
+    reasoning_end_stripped: bool = False
+    #: Whether vLLM's detokenizer joins this family's added tokens to their neighbours with a
+    #: space (``spaces_between_special_tokens``: only a slow tokenizer's path does, Kimi's
+    #: tiktoken class), the first text after the prompt included (``marker_spaces``).
+    vllm_joins: bool = False
 
     @property
     def end_tokens(self) -> tuple[str, ...]:

@@ -43,4 +43,5 @@ GLM45 = Dialect(
     eos_markers=frozenset({"<|user|>", "<|observation|>", "<|endoftext|>"}),
     tool_markers=TOOL_MARKERS,
     stream_deletes=("</tool_call>",),
+    reasoning_end_stripped=True,
 )

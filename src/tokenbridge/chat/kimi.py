@@ -143,4 +143,5 @@ KIMI_K25 = Dialect(
     argument_readings=True,
     stream_held_starts=tuple(m for m in (TOOL_MARKERS.section_begin, TOOL_MARKERS.call_begin) if m),
     stream_deletes=tuple(m for m in (TOOL_MARKERS.section_end, TOOL_MARKERS.call_end) if m),
+    vllm_joins=True,
 )

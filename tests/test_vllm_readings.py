@@ -1,0 +1,178 @@
+"""What vLLM 0.34 serves, read back: the records its own code served for these model texts
+(tests/test_vllm_oracle.py runs each case through vLLM and checks the served fields are
+these), pinned here so that they run without vLLM installed.
+
+vLLM 0.34's parser engine strips the whitespace at the end of the reasoning (Kimi, GLM), its
+slow-tokenizer detokenizer joins Kimi's added tokens to their neighbours with a space (the
+first text after the prompt's ``<think>`` too), its streaming lexer holds back a text that
+may begin a marker and then drops the whitespace before it, its ``kimi_k2`` tool parser
+swallows a tool section with no ``tools`` sent, GLM's newline before ``<think>`` stays in
+the reasoning whole and streamed, it names a ``stop_token_ids`` hit in ``stop_reason`` and
+leaves the tokenizer's own eos unnamed, and its ``reasoning_tokens`` counts what it reads as
+reasoning (streamed, less). Each case passed ``ok`` (or flagged ``truncated`` alone) with
+wrong ids before the gate knew this, or was rejected with the ids provable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from conftest import KIMI_DIR
+from test_families_support import SHARED
+from tokenbridge.chat import resolve_dialect
+from tokenbridge.reconstruct import reconstruct_record
+from tokenbridge.tokenizer import load_tokenizer
+from tokenbridge.traits import ProviderTrait
+
+SECTION = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{}"
+           "<|tool_call_end|><|tool_calls_section_end|>")
+
+
+@dataclass(frozen=True)
+class Served:
+    """A model text and what vLLM 0.34 served for it (the oracle checks the served part)."""
+
+    name: str
+    family: str
+    text: str
+    end: str
+    message: dict[str, Any]
+    finish: str
+    stop_reason: int | None
+    reasoning_tokens: int
+    stream: bool = False
+    thinking: bool = True
+    cut: int | None = None
+    #: the gate's verdict alone, and with the run trait a vLLM Kimi run shows (``joins_markers``):
+    #: "ok" (exact ids) or the error codes of a rejection
+    alone: tuple[str, ...] = ("reconstruction_ambiguous",)
+    joined: tuple[str, ...] | None = None
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+
+CASES = [
+    # the parser strips the join space before </think> (and any whitespace the model wrote
+    # there), so the joined reading no longer fitted and the formula's join spaces passed
+    Served("kimi_stripped_join", "kimi-k2.5", "The user asks.</think>Sure.", "<|im_end|>",
+           {"reasoning": " The user asks.", "content": " Sure."}, "stop", 163586, 4,
+           joined=("reconstruction_ambiguous",)),  # "asks.\n" is as many tokens as "asks."
+    Served("kimi_stripped_join_word", "kimi-k2.5", "Think</think>Answer", "<|im_end|>",
+           {"reasoning": " Think", "content": " Answer"}, "stop", 163586, 1, joined=("ok",)),
+    # instant mode: the first text carries the join space to the prompt's </think>, no marker shows
+    Served("kimi_instant_leading_join", "kimi-k2.5", "Hi there", "<|im_end|>",
+           {"reasoning": None, "content": " Hi there"}, "stop", 163586, 0, thinking=False, joined=("ok",)),
+    # [EOS] is the tokenizer's eos: stop_reason null; <|im_end|> is named 163586
+    Served("kimi_eos_unnamed", "kimi-k2.5", "Think</think>Answer", "[EOS]",
+           {"reasoning": " Think", "content": " Answer"}, "stop", None, 1, joined=("reconstruction_ambiguous",)),
+    # streamed, reasoning_tokens leaves out an id that completes no character: it ruled out the
+    # true reading (a space the parser stripped) and kept a wrong one
+    Served("kimi_streamed_count_undercounts", "kimi-k2.5", "😀 ", "<|im_end|>",
+           {"reasoning": " 😀", "content": ""}, "stop", 163586, 2, stream=True,
+           joined=("reconstruction_ambiguous",)),
+    # streamed, the lexer held " <" to the end and sent "<" without its spaces
+    Served("kimi_streamed_held_start", "kimi-k2.5", " <</think>", "<|im_end|>",
+           {"reasoning": "<", "content": ""}, "length", None, 1, stream=True, cut=1,
+           alone=("reconstruction_ambiguous",), joined=("reconstruction_ambiguous",)),
+    # no tools sent, yet the tool parser swallowed the section's start; its join space stayed
+    Served("kimi_cut_section_swallowed", "kimi-k2.5", "Done</think>Ok" + SECTION, "<|im_end|>",
+           {"reasoning": " Done", "content": " Ok "}, "length", None, 1, cut=4,
+           joined=("reconstruction_ambiguous",)),
+    # GLM: the newline before <think> stays in the reasoning (whole and streamed), the
+    # reasoning's end is stripped, reasoning_tokens counts that newline
+    Served("glm_stripped_tail", "glm-4.5", "\n<think>The user asks.\n</think>\nSure.", "<|user|>",
+           {"reasoning": "\nThe user asks.", "content": "\nSure."}, "stop", 151336, 5),
+    Served("glm_prefix_in_reasoning", "glm-4.5", "\n<think>The user asks</think>\nSure.", "<|user|>",
+           {"reasoning": "\nThe user asks", "content": "\nSure."}, "stop", 151336, 4, alone=("ok",)),
+    Served("glm_streamed_prefix", "glm-4.5", "\n<think>R.</think>\nC", "<|user|>",
+           {"reasoning": "\nR.", "content": "\nC"}, "stop", 151336, 3, stream=True),
+    Served("glm_endoftext_unnamed", "glm-4.5", "\n<think></think>\n", "<|endoftext|>",
+           {"reasoning": None, "content": "\n"}, "stop", None, 1),
+    Served("glm_ended_in_think_stripped", "glm-4.5", "\n<think></ ", "<|user|>",
+           {"reasoning": "\n</", "content": None}, "stop", 151336, 4),
+]
+
+_TOKS: dict[str, Any] = {}
+
+
+def _tok(family: str) -> Any:
+    if family not in _TOKS:
+        _TOKS[family] = load_tokenizer(KIMI_DIR if family == "kimi-k2.5" else SHARED / family)
+    return _TOKS[family]
+
+
+def native_ids(case: Served) -> list[int]:
+    """The true completion ids: the model text and its end token, cut where the case says."""
+    tok = _tok(case.family)
+    ids = tok.encode(case.text) + [tok.token_id(case.end)]
+    return ids[: case.cut] if case.cut else ids
+
+
+def request_of(case: Served) -> dict[str, Any]:
+    switch = "thinking" if case.family == "kimi-k2.5" else "enable_thinking"
+    request: dict[str, Any] = {"model": case.family, "messages": [{"role": "user", "content": "Hi there"}],
+                               "chat_template_kwargs": {switch: case.thinking}}
+    if case.stream:
+        request |= {"stream": True, "stream_options": {"include_usage": True}}
+    return request
+
+
+def _row(case: Served, traits: dict[str, ProviderTrait] | None = None) -> dict[str, Any]:
+    tok = _tok(case.family)
+    request = request_of(case)
+    prompt = tok.encode(resolve_dialect(tok).render_request(request))
+    n = len(native_ids(case))
+    response = {"provider": "vllm", "model": case.family, "choices": [{
+        "index": 0, "message": {"role": "assistant", **case.message}, "finish_reason": case.finish,
+        "stop_reason": case.stop_reason}],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n,
+                  "completion_tokens_details": {"reasoning_tokens": case.reasoning_tokens}}}
+    record = {"id": case.name, "request": request, "response": response, "meta": {"stream": case.stream}}
+    (row,) = reconstruct_record(record, tok, traits=traits)
+    return row
+
+
+def _verdict(row: dict[str, Any], truth: list[int]) -> tuple[str, ...]:
+    codes = [f["code"] for f in row["findings"]]
+    if row["status"] == "rejected":
+        return tuple(c for c in codes if c != "truncated")
+    assert row["completion_ids"] == truth, (row["completion_ids"], truth)
+    return ("ok",)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_vllm_034_records_are_never_passed_with_wrong_ids(case: Served) -> None:
+    truth = native_ids(case)
+    assert _verdict(_row(case), truth) == case.alone
+    if case.joined is not None:
+        trait = {"vllm": ProviderTrait("vllm", joins_markers=True)}
+        assert _verdict(_row(case, trait), truth) == case.joined
+
+
+def test_vllm_stop_reason_names_the_end_token(kimi) -> None:
+    """vLLM's integer ``stop_reason`` is the stop id, as SGLang's ``matched_stop``: a run known
+    to join proves ``<|im_end|>`` where it is named, and the ``[EOS]`` reading where that is."""
+    case = CASES[1]
+    trait = {"vllm": ProviderTrait("vllm", joins_markers=True)}
+    row = _row(case, trait)
+    assert row["status"] == "ok" and row["completion_ids"][-1] == kimi.token_id("<|im_end|>")
+    named = Served("eos_named", "kimi-k2.5", case.text, "[EOS]", case.message, "stop", kimi.token_id("[EOS]"),
+                   case.reasoning_tokens)
+    row = _row(named, trait)
+    assert row["status"] == "ok" and row["completion_ids"] == native_ids(named)
+    assert row["reconstruction"] == "marker_spaces+end=[EOS]"
+
+
+def test_sglang_records_keep_their_readings(kimi) -> None:
+    """SGLang (and vLLM before 0.34) send ``reasoning_content`` and strip nothing: a text that
+    starts with a space is read as written there, not as 0.34's joined text."""
+    truth = kimi.encode("  \nwe start.") + [kimi.token_id("</think>")] + kimi.encode(" Sure.") + [kimi.token_id("<|im_end|>")]
+    request = {"model": "k", "messages": [{"role": "user", "content": "Hi there"}]}
+    prompt = kimi.encode(resolve_dialect(kimi).render_request(request))
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "matched_stop": kimi.token_id("<|im_end|>"),
+                             "message": {"role": "assistant", "reasoning_content": "  \nwe start.", "content": " Sure."}}],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(truth)}}
+    (row,) = reconstruct_record({"id": "s", "request": request, "response": response}, kimi)
+    assert row["status"] == "ok" and row["completion_ids"] == truth
