@@ -80,6 +80,12 @@ CASES = [
     Served("kimi_cut_section_swallowed", "kimi-k2.5", "Done</think>Ok" + SECTION, "<|im_end|>",
            {"reasoning": " Done", "content": " Ok "}, "length", None, 1, cut=4,
            joined=("reconstruction_ambiguous",)),
+    Served("kimi_cut_section_swallowed_alone", "kimi-k2.5", "</think>" + SECTION, "<|im_end|>",
+           {"reasoning": None, "content": " "}, "length", None, 0, stream=True, cut=2,
+           joined=("reconstruction_ambiguous",)),
+    Served("kimi_instant_cut_section_swallowed", "kimi-k2.5", "用户在问天气" + SECTION, "<|im_end|>",
+           {"reasoning": None, "content": " 用户在问天气 "}, "length", None, 0, stream=True, thinking=False, cut=4,
+           joined=("reconstruction_ambiguous",)),
     # GLM: the newline before <think> stays in the reasoning (whole and streamed), the
     # reasoning's end is stripped, reasoning_tokens counts that newline
     Served("glm_stripped_tail", "glm-4.5", "\n<think>The user asks.\n</think>\nSure.", "<|user|>",

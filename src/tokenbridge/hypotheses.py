@@ -263,12 +263,31 @@ def _joined_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason
                 names = (*names, f"reasoning_tail={_escaped(tail)}")
             out.append(Candidate(parts, names, veto=bool(tail) and not by_ids,
                                  open_end=not tail and (stripped or finish_reason == "length")))
-        tm = dialect.tool_markers
-        if finish_reason == "length" and was_closed and c.endswith(" ") and tm is not None:
-            parts = dialect.completion_parts({"reasoning": r, "content": c[:-1] + tm.section_begin}, finish_reason,
-                                             thinking, prompt_opens_think)
-            out.append(Candidate(parts, ("marker_spaces", "section_swallowed"), veto=not by_ids))
+    out += _swallowed(dialect, message, finish_reason, thinking, prompt_opens_think, markers, closed=closed,
+                      by_ids=by_ids, new=new)
     return out
+
+
+def _swallowed(dialect: Dialect, message: Mapping[str, Any], finish_reason: str | None, thinking: bool,
+               prompt_opens_think: bool, markers: Sequence[str], *, closed: bool, by_ids: bool,
+               new: bool) -> list[Candidate]:
+    """A length cut right after a tool section's start that vLLM 0.34's ``kimi_k2`` tool
+    parser swallowed (it drops the markup with no ``tools`` sent too): the content ends in the
+    join space that stood before it, one token, as the marker is. A veto reading, without
+    ``by_ids``."""
+    reasoning, content = _text(message)
+    tm = dialect.tool_markers
+    if not (new and finish_reason == "length" and (closed or not thinking) and content.endswith(" ") and tm is not None):
+        return []
+    text = content + tm.section_begin
+    if thinking:  # after the reasoning and its close, the join space before </think> put back
+        text = (reasoning or " ") + (" " if reasoning else "") + (dialect.think_close or "") + text
+    native = unjoin_marker_spaces(text, markers)
+    if native is None:
+        return []
+    r, c, _ = _split(dialect, native, thinking)
+    parts = dialect.completion_parts({"reasoning": r, "content": c}, finish_reason, thinking, prompt_opens_think)
+    return [Candidate(parts, ("marker_spaces", "section_swallowed"), veto=not by_ids)]
 
 
 def _vllm_034(message: Mapping[str, Any]) -> bool:
