@@ -102,10 +102,10 @@ def completions(draw: Any, family: str, tok: Any) -> dict[str, Any]:
         text = frame["open"] + reasoning
     else:
         text = frame["open"] + reasoning + frame["close"] + content + section
-    end = frame.get("tool_end", "") if section and frame.get("tool_end") else \
-        draw(st.sampled_from([*([fam.stop[0]] * 3 if fam.stop else []), fam.eos]))
-    if family == "glm-4.5" and not section:
-        end = draw(st.sampled_from(["<|user|>", "<|user|>", "<|endoftext|>"]))
+    # the template's end token mostly, the tokenizer's or the generation config's other one sometimes
+    usual = resolve_dialect(tok).end_token
+    others = [e for e in (fam.eos, *fam.stop) if e != usual][:1]
+    end = frame["tool_end"] if section and frame.get("tool_end") else draw(st.sampled_from([usual] * 3 + others))
     ids = tok.encode(text) + [tok.token_id(end)]
     cut = draw(st.integers(0, 3)) == 0 and len(ids) > 1
     if cut:
