@@ -115,6 +115,13 @@ class _State:
             return wrote is None  # recorded before outputs were (or a damaged entry: run it again)
         return bool(wrote == _output_signature(output, names))
 
+    def wrote(self, stage: str, folder: Path) -> bool:
+        """Whether ``folder`` is, by its entries' identities (nothing read), the output
+        ``stage`` recorded writing, whatever its inputs now."""
+        entry = self.data.get(stage, {})
+        names = entry.get("files")
+        return isinstance(names, list) and entry.get("output") == _output_signature(folder, names)
+
     def record(self, stage: str, fingerprint: str, detail: Mapping[str, Any], folder: Path | None = None) -> None:
         """``stage`` done; ``folder``: the output folder it wrote, whose entries :meth:`done` checks."""
         self.data[stage] = {"fingerprint": fingerprint, **detail}
@@ -348,7 +355,7 @@ def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult
     state = _State(cfg.out, echo)
     tok = load_tokenizer(cfg.tokenizer)
     check_before_generate(cfg, tok)  # the config checks that need the tokenizer, before any request
-    check_stage_folders(cfg)  # every output folder a stage writes, before any request
+    check_stage_folders(cfg, state.wrote)  # every output folder a stage writes, before any request
     results = [_generate_stage(cfg, tok, echo)]
     results.append(_reconstruct_stage(cfg, tok, state, echo))
     results.extend(_after_reconstruct(cfg, tok, state, echo))

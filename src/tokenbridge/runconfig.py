@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from pydantic import AfterValidator, Field, with_config
 
@@ -358,12 +358,14 @@ def check_before_generate(cfg: RunConfig, tok: Tokenizer) -> None:
         raise _config_error("\n".join(problems))
 
 
-def check_stage_folders(cfg: RunConfig) -> None:
+def check_stage_folders(cfg: RunConfig, recorded: Callable[[str, Path], bool] = lambda stage, folder: False) -> None:
     """The folders ``run`` writes its stages' outputs into (``export/<format>``, ``vocab``,
     ``report``) must be missing, empty or tokenbridge's earlier output of that stage
     (:func:`~tokenbridge.outdir.check_output_dir`), checked before anything is sent. A
     refusal names the config key that asks for the output, not a flag ``run`` has not got
-    (it quoted ``-o`` and ``--force``). Raises :class:`PipelineError` (code 2)."""
+    (it quoted ``-o`` and ``--force``). ``recorded(stage, folder)``: the folder is, by its
+    entries' identities, the one the stage recorded writing (nothing to read: a rerun of a
+    finished run opens no output). Raises :class:`PipelineError` (code 2)."""
     from .outdir import OutputRefused, check_output_dir
 
     try:
@@ -372,14 +374,16 @@ def check_stage_folders(cfg: RunConfig) -> None:
         text = None
     where = Where(str(cfg.source), text)
     inputs = [cfg.out / "reconstructed.jsonl"]
-    wanted: list[tuple[Path, OutputKind, str | None, tuple[str, str]]] = [
-        (cfg.out / "export" / fmt, "export", fmt, ("export", "formats")) for fmt in cfg.export_formats]
+    wanted: list[tuple[str, Path, OutputKind, str | None, tuple[str, str]]] = [
+        (f"export:{fmt}", cfg.out / "export" / fmt, "export", fmt, ("export", "formats")) for fmt in cfg.export_formats]
     if cfg.draft_vocab_size:
-        wanted.append((cfg.out / "vocab", "vocab", None, ("vocab", "draft_vocab_size")))
+        wanted.append(("vocab", cfg.out / "vocab", "vocab", None, ("vocab", "draft_vocab_size")))
     if cfg.report:
-        wanted.append((cfg.out / "report", "report", None, ("report", "enabled")))
+        wanted.append(("report", cfg.out / "report", "report", None, ("report", "enabled")))
     problems = []
-    for target, kind, fmt, key in wanted:
+    for stage, target, kind, fmt, key in wanted:
+        if recorded(stage, target):
+            continue
         flag = where.problem(key, "").rstrip()
         what = f"its {fmt} export" if fmt else f"its {kind}"
         try:
