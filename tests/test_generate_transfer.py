@@ -248,3 +248,31 @@ def test_a_gzip_body_under_a_content_encoding_not_undone_is_named_as_such():
     assert out.message == f"response is gzip-compressed but says Content-Encoding 'x-gzip', which was not undone ({len(packed)} bytes)"
     out, _ = classify_response(200, {}, packed)
     assert out.message == f"response is gzip-compressed but says no Content-Encoding ({len(packed)} bytes)"
+
+
+async def _json_labelled_as_stream_then_reset(w: Writer) -> None:
+    w.write(_head(Content_Type="text/event-stream", Transfer_Encoding="chunked") + _chunk(BODY))
+    await w.drain()
+    await asyncio.sleep(0.1)
+    w.transport.abort()
+
+
+def test_a_whole_json_answer_labelled_as_a_stream_is_kept_when_its_transfer_breaks(tmp_path):
+    summary, seen = _run(tmp_path, _json_labelled_as_stream_then_reset, stream=True)
+    assert len(seen) == 1 and summary.done == 1 and summary.spent_total == pytest.approx(0.001)
+    assert _stored(tmp_path) == (BODY, None)
+
+
+def _junk_after_done(content_type: str) -> Mode:
+    async def first(w: Writer) -> None:
+        data = _sse() + b"\xff\xfe junk\n\n"
+        w.write(_head(Content_Type=content_type, Content_Length=str(len(data))) + data)
+    return first
+
+
+@pytest.mark.parametrize("content_type", ["text/event-stream", "text/plain"])
+def test_bytes_that_do_not_decode_after_done_do_not_lose_the_stream(tmp_path, content_type):
+    summary, seen = _run(tmp_path, _junk_after_done(content_type), stream=True)
+    assert len(seen) == 1 and summary.done == 1 and summary.spent_total == pytest.approx(0.001)
+    body, _ = _stored(tmp_path)
+    assert json.loads(body)["choices"][0]["message"]["content"] == "Hi."

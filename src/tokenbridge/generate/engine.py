@@ -627,6 +627,15 @@ class Engine:
         stream's. One cut after every choice finished is kept: only usage or ``[DONE]`` is
         missing (also where keep-alive comments ran on until the deadline)."""
         asm, raw, failure = sse.asm, sse.raw, sse.failure
+        if not asm.chunks and failure is None and bytes(raw[:64]).lstrip(_SPACE).startswith(b"{"):
+            # a whole JSON answer under a stream's Content-Type: read as the answer it is, as a
+            # non-streamed body is (kept if it came whole, however its transfer ended)
+            if cut is not None:
+                body, outcome, parsed = self._salvaged(200, headers, raw, cut)
+            else:
+                body = scrub_bytes(bytes(raw), self.key)
+                outcome, parsed = classify_response(200, headers, body, key=self.key)
+            return body, None, outcome, parsed
         if cut is not None and failure is None:
             if not (asm.finished and not asm.errors):
                 return b"", self._unkept_stream(asm, raw), dataclasses.replace(cut, maybe_billed=True), _usage_part(asm)
@@ -647,10 +656,6 @@ class Engine:
             return (b"", self._unkept_stream(asm, raw),
                     Outcome(out.kind, cls, message, 200, out.retry_after, maybe_billed=True), _usage_part(asm))
         if not asm.chunks:
-            if bytes(raw).lstrip(_SPACE).startswith(b"{"):  # a whole JSON answer under a stream's Content-Type
-                body = scrub_bytes(bytes(raw), self.key)
-                outcome, parsed = classify_response(200, headers, body, key=self.key)
-                return body, None, outcome, parsed
             return b"", self._unkept_stream(asm, raw), Outcome("retry", "bad_stream", "stream ended before any chunk",
                                                                  200, maybe_billed=True), None
         if not asm.finished:
@@ -837,12 +842,12 @@ def _fold(asm: StreamAssembler, events: Iterable[SSEEvent], failure: ValueError 
     not decode: those are skipped)."""
     try:
         for event in events:
-            if asm.done:  # [DONE]: nothing after it belongs to this response
-                break
             try:
                 asm.add_event(event)
             except StreamError as exc:
                 failure = failure or exc
+            if asm.done:  # [DONE]: nothing after it belongs to this response (junk bytes included)
+                break
     except UnicodeDecodeError as exc:
         failure = failure or exc
     return failure

@@ -69,7 +69,17 @@ class SSEDecoder:
     _pending_cr: bool = False
 
     def feed(self, chunk: bytes) -> Iterator[SSEEvent]:
-        yield from self._scan(self._decoder.decode(chunk))
+        """The events ``chunk`` completes. Bytes that do not decode raise
+        :class:`UnicodeDecodeError`, but only after the events before them: a ``[DONE]`` and
+        the usage ahead of junk are still delivered (the decoder keeps its state, so the
+        bad bytes are skipped)."""
+        held, _ = self._decoder.getstate()
+        try:
+            text = self._decoder.decode(chunk)
+        except UnicodeDecodeError as exc:
+            yield from self._scan((held + chunk)[: exc.start].decode("utf-8"))
+            raise
+        yield from self._scan(text)
 
     def close(self) -> Iterator[SSEEvent]:
         """End of stream: a last event without its blank line is still delivered."""
