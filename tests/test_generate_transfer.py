@@ -108,11 +108,17 @@ def _stored(tmp_path: Path) -> tuple[bytes, bytes | None]:
     return got
 
 
-async def _cut_before_last_chunk(w: Writer) -> None:
-    w.write(_head(Content_Type="application/json", Transfer_Encoding="chunked") + _chunk(BODY))
-    await w.drain()
-    await asyncio.sleep(0.1)
-    w.transport.abort()
+def _chunked_then_reset(content_type: str, data: bytes) -> Mode:
+    """``data`` as one chunk of a chunked body, then the connection reset before its last chunk."""
+    async def first(w: Writer) -> None:
+        w.write(_head(Content_Type=content_type, Transfer_Encoding="chunked") + _chunk(data))
+        await w.drain()
+        await asyncio.sleep(0.1)
+        w.transport.abort()
+    return first
+
+
+_cut_before_last_chunk = _chunked_then_reset("application/json", BODY)
 
 
 async def _short_content_length(w: Writer) -> None:
@@ -132,11 +138,7 @@ def test_a_whole_answer_whose_transfer_breaks_is_kept_not_bought_again(tmp_path,
     assert [(n, status, cls) for n, status, cls, *_ in _attempts(tmp_path)] == [(1, 200, None)]
 
 
-async def _half_body_then_reset(w: Writer) -> None:
-    w.write(_head(Content_Type="application/json", Transfer_Encoding="chunked") + _chunk(BODY[:60]))
-    await w.drain()
-    await asyncio.sleep(0.1)
-    w.transport.abort()
+_half_body_then_reset = _chunked_then_reset("application/json", BODY[:60])
 
 
 def test_a_partial_answer_is_sent_again_and_its_bytes_stay_in_the_attempt_row(tmp_path):
@@ -165,12 +167,8 @@ def test_a_finished_stream_held_open_by_keepalives_until_the_deadline_is_kept(tm
     assert raw is not None and raw.startswith(_sse(done=False))
 
 
-async def _stream_cut_before_finish(w: Writer) -> None:
-    head = b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "Hi"}}]}).encode() + b"\n\n"
-    w.write(_head(Content_Type="text/event-stream", Transfer_Encoding="chunked") + _chunk(head))
-    await w.drain()
-    await asyncio.sleep(0.1)
-    w.transport.abort()
+_stream_cut_before_finish = _chunked_then_reset(
+    "text/event-stream", b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "Hi"}}]}).encode() + b"\n\n")
 
 
 def test_an_unfinished_stream_cut_by_a_reset_leaves_its_raw_bytes_in_the_attempt_row(tmp_path):
@@ -250,11 +248,7 @@ def test_a_gzip_body_under_a_content_encoding_not_undone_is_named_as_such():
     assert out.message == f"response is gzip-compressed but says no Content-Encoding ({len(packed)} bytes)"
 
 
-async def _json_labelled_as_stream_then_reset(w: Writer) -> None:
-    w.write(_head(Content_Type="text/event-stream", Transfer_Encoding="chunked") + _chunk(BODY))
-    await w.drain()
-    await asyncio.sleep(0.1)
-    w.transport.abort()
+_json_labelled_as_stream_then_reset = _chunked_then_reset("text/event-stream", BODY)
 
 
 def test_a_whole_json_answer_labelled_as_a_stream_is_kept_when_its_transfer_breaks(tmp_path):
