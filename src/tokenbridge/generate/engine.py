@@ -539,14 +539,14 @@ class Engine:
         except TRANSPORT_FAILURES as exc:  # classified; anything else is a bug (internal, with its traceback)
             failed = classify_exception(exc)
         latency = time.monotonic() - t0
-        if sse is None and stream and status == 200 and _sse_shaped(got) and (
-                failed is None or failed.error_class != "response_too_large"):
+        too_large = failed is not None and failed.error_class == "response_too_large"
+        if sse is None and stream and status == 200 and not too_large and _starts(got, _SSE_STARTS):
             # a stream under another Content-Type (none, text/plain, any case): read as the stream it is
             sse = _StreamRead(StreamAssembler(key=self.key), got)
             sse.fold(bytes(got), last=failed is None)
         raw: bytes | None = None
         parsed: Any = None
-        if sse is not None and (failed is None or failed.error_class != "response_too_large"):
+        if sse is not None and not too_large:
             body, raw, outcome, parsed = self._stream_result(sse, headers, failed)
         elif failed is not None:
             body, outcome, parsed = self._salvaged(status, headers, got, failed)
@@ -627,7 +627,7 @@ class Engine:
         stream's. One cut after every choice finished is kept: only usage or ``[DONE]`` is
         missing (also where keep-alive comments ran on until the deadline)."""
         asm, raw, failure = sse.asm, sse.raw, sse.failure
-        if not asm.chunks and failure is None and bytes(raw[:64]).lstrip(_SPACE).startswith(b"{"):
+        if not asm.chunks and failure is None and _starts(raw, (b"{",)):
             # a whole JSON answer under a stream's Content-Type: read as the answer it is, as a
             # non-streamed body is (kept if it came whole, however its transfer ended)
             if cut is not None:
@@ -864,9 +864,10 @@ def _media_type(headers: Any) -> str:
     return str(headers.get("Content-Type", "")).split(";", 1)[0].strip().lower()
 
 
-def _sse_shaped(body: bytearray) -> bool:
-    """Whether a body asked for as a stream reads as one whatever its ``Content-Type`` said."""
-    return bytes(body[:64]).lstrip(_SPACE).startswith(_SSE_STARTS)
+def _starts(body: bytearray, starts: tuple[bytes, ...]) -> bool:
+    """Whether ``body``, leading whitespace aside, starts with one of ``starts``: how a body
+    is told to be a stream (or a JSON answer) whatever its ``Content-Type`` said."""
+    return bytes(body[:64]).lstrip(_SPACE).startswith(starts)
 
 
 def _usage_part(asm: StreamAssembler) -> dict[str, Any] | None:
