@@ -72,6 +72,17 @@ CASES = [
     Served("kimi_streamed_count_undercounts", "kimi-k2.5", "😀 ", "<|im_end|>",
            {"reasoning": " 😀", "content": ""}, "stop", 163586, 2, stream=True,
            joined=("reconstruction_ambiguous",)),
+    # streamed, each id that completes no character of its own (a split emoji, a rare Han
+    # character) goes uncounted: the provable sample was rejected on reasoning_tokens
+    Served("qwen3_streamed_split_chars", "qwen3", "<think>\nThe user likes 龘 and 😀\n</think>\n\nOk.", "<|im_end|>",
+           {"reasoning": "\nThe user likes 龘 and 😀\n", "content": "\n\nOk."}, "stop", None, 8, stream=True,
+           alone=("ok",)),
+    Served("kimi_streamed_split_char", "kimi-k2.5", "用户喜欢😀和龘</think>好的😀", "<|im_end|>",
+           {"reasoning": " 用户喜欢😀和龘", "content": " 好的😀"}, "stop", 163586, 5, stream=True,
+           alone=("ok",), joined=("ok",)),
+    Served("kimi_streamed_split_char_cut", "kimi-k2.5", "用户喜欢😀和龘。好</think>好的😀", "<|im_end|>",
+           {"reasoning": " 用户喜欢😀和龘", "content": ""}, "length", None, 5, stream=True, cut=7,
+           alone=("ok",), joined=("ok",)),
     # streamed, the lexer held " <" to the end and sent "<" without its spaces
     Served("kimi_streamed_held_start", "kimi-k2.5", " <</think>", "<|im_end|>",
            {"reasoning": "<", "content": ""}, "length", None, 1, stream=True, cut=1,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
-from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
@@ -21,12 +21,12 @@ from .tokenizer import Tokenizer
 
 __all__ = ["CODES", "DEFAULT_SEVERITY", "GATE_REVISION", "Finding", "Policy", "SampleView", "ends_turn", "finish_reading",
            "logprobs_fit",
-           "reasoning_count_ways", "reasoning_counts", "run_checks", "status_of"]
+           "reasoning_count_ways", "reasoning_counts", "reasoning_fits", "run_checks", "status_of"]
 
 #: Changed whenever what reconstruct reads or the gate says of the same input changes. Every
 #: stage's fingerprint holds it, so a finished run reconstructs again after an upgrade that
 #: would judge its samples differently (the package version moves only with releases).
-GATE_REVISION = "2026-12-06.2"
+GATE_REVISION = "2026-12-06.3"
 
 #: Every finding code with its default severity and what it means.
 CODES: dict[str, tuple[str, str]] = {
@@ -165,6 +165,8 @@ class SampleView:
     #: per part, whether :meth:`Tokenizer.encode_checked` found its text free of marker
     #: text (its ids then hold no marker id); empty: unknown, the gate tests each text
     part_marker_free: Sequence[bool] = ()
+    #: whether the response came as a stream (None: the record does not say)
+    streamed: bool | None = None
 
     @property
     def proven_by_ids(self) -> bool:
@@ -600,6 +602,44 @@ def reasoning_counts(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequen
     return set(reasoning_count_ways(parts, part_ids))
 
 
+def reasoning_fits(got: int, parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]], tok: Tokenizer,
+                   streamed: bool | None) -> bool:
+    """Whether one choice's ``reasoning_tokens`` is what an engine reports for this reading:
+    one of :func:`reasoning_count_ways`, or, for a response that may have streamed, vLLM's
+    streamed count, which leaves out each id that completed no character
+    (:func:`vllm_silent_ids`): the count of a reasoning with a split CJK character or emoji
+    is otherwise one short per split, and the provable sample was rejected."""
+    ways = reasoning_count_ways(parts, part_ids)
+    if got in ways:
+        return True
+    return streamed is not False and got < ways[2] and got == ways[2] - vllm_silent_ids(parts, part_ids, tok.token_bytes)
+
+
+def vllm_silent_ids(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]],
+                    token_bytes: Callable[[int], bytes]) -> int:
+    """How many of the ids vLLM (0.34) counts as reasoning complete no character of their
+    own when served one id a step: its detokenizer holds back text that ends in an
+    unfinished UTF-8 sequence, that step's delta is empty, and its streaming parser counts
+    the tokens of the text it reads, so such an id is never counted. The ids before
+    ``</think>`` are walked in order (the lead a template's frame puts before ``<think>``
+    and the reasoning are what vLLM counts); text of ASCII alone is skipped whole."""
+    silent, pending, lead = 0, b"", True
+    for (kind, text), ids in zip(parts, part_ids):
+        if kind == "think_end":
+            break
+        counted = kind == "reasoning" or (lead and kind == "format")
+        lead = lead and kind == "format"
+        if not pending and text.isascii():  # each id of ASCII text completes its characters
+            continue
+        for token in ids:
+            pending += token_bytes(token)
+            if pending.decode("utf-8", "replace").endswith("\ufffd"):
+                silent += counted
+            else:
+                pending = b""
+    return silent
+
+
 def reasoning_count_ways(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> tuple[int, int, int]:
     """``reasoning_tokens`` as each kind of engine counts this completion: (the reasoning
     text alone, as OpenRouter-normalised providers count it; SGLang's count; vLLM's).
@@ -628,6 +668,8 @@ def reasoning_count_ways(parts: Sequence[tuple[str, str]], part_ids: Sequence[Se
 def _reasoning_count(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     got = view.reasoning_tokens
     if not got or not view.thinking:
+        return
+    if view.reasoning_allowed is None and reasoning_fits(got, view.parts, view.part_ids, view.tokenizer, view.streamed):
         return
     allowed = view.reasoning_allowed if view.reasoning_allowed is not None else reasoning_counts(view.parts, view.part_ids)
     if got not in allowed:

@@ -30,7 +30,7 @@ from .chat import Dialect, HarmonyDialect, PromptReading, message_reasoning, res
 from .chat.harmony import tool_stream_doubt
 from .chat.template import TemplateError, special_token_strings
 from .content import content_text
-from .checks import (Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways, reasoning_counts,
+from .checks import (Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways, reasoning_fits,
                      run_checks, status_of)
 from .evidence import UNKNOWN_MARKER, LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
 from .exchanges import Exchange, RecordError, choice_index, loads_line, parse_exchange
@@ -179,7 +179,7 @@ def _reconstruct(
     single = len(plans) == 1
     reasoning = reasoning_tokens(usage)  # with n > 1, summed over the choices
     if any(len(p.cands) > 1 for p in plans):
-        _choose(plans, usage_completion, policy, reasoning)
+        _choose(plans, usage_completion, policy, reasoning, tokenizer, _streamed(ex))
     total_completion = sum(p.counted(p.chosen) for p in plans)
     summed_reasoning = None if single else _reasoning_sums([p.ways(p.chosen) for p in plans])
     rows = []
@@ -211,6 +211,7 @@ def _reconstruct(
             reasoning_allowed=summed_reasoning,
             provider_edits=tuple(zip(trait.edits, trait.edit_sources)) if trait is not None else (),
             calibration=trait.describe() if trait is not None else None,
+            streamed=_streamed(ex),
         )
         findings = [*run_checks(view, policy), *record_findings, *_reading_findings(p, policy)]
         segments = _segments(len(prompt_ids), parts, part_ids)
@@ -623,13 +624,14 @@ def _reasoning_sums(ways: Sequence[tuple[int, int, int]]) -> frozenset[int]:
     return frozenset(sum(w[i] for w in ways) for i in range(3))
 
 
-def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, reasoning: int | None) -> None:
+def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, reasoning: int | None, tok: Tokenizer,
+            streamed: bool | None) -> None:
     """Pick, per choice, the one candidate the evidence proves; record ambiguity. With n > 1
     choices, usage's counts are sums: a combination of readings must fit them together."""
     single = len(plans) == 1
     options: list[list[int]] = []
     for p in plans:
-        keep = [k for k in range(len(p.cands)) if _fits(p, k, reasoning if single else None)]
+        keep = [k for k in range(len(p.cands)) if _fits(p, k, reasoning if single else None, tok, streamed)]
         options.append(keep)
     by_count = usage_completion is not None and policy.usage_tolerance == 0
     by_reasoning = bool(reasoning) and not single
@@ -697,7 +699,7 @@ def _distinct(p: _Choice, opts: list[int]) -> list[int]:
     return out
 
 
-def _fits(p: _Choice, k: int, reasoning: int | None) -> bool:
+def _fits(p: _Choice, k: int, reasoning: int | None, tok: Tokenizer, streamed: bool | None) -> bool:
     """Whether candidate ``k`` agrees with this choice's own evidence."""
     ids = p.ids(k)
     if p.native is not None and list(p.native) != ids:
@@ -707,7 +709,7 @@ def _fits(p: _Choice, k: int, reasoning: int | None) -> bool:
         return False
     if isinstance(p.stop, int) and ends_turn(parts) and ids[-1] != p.stop:
         return False
-    return not reasoning or _stripped(p.cands[k]) or reasoning in reasoning_counts(parts, part_ids)
+    return not reasoning or _stripped(p.cands[k]) or reasoning_fits(reasoning, parts, part_ids, tok, streamed)
 
 
 def _stripped(c: Candidate) -> bool:
