@@ -19,7 +19,7 @@ from .evidence import NATIVE_CUT, NATIVE_FAILED, LogprobIds, logprobs_cover, nat
 from .jsonl import text_of
 from .tokenizer import Tokenizer
 
-__all__ = ["CODES", "DEFAULT_SEVERITY", "GATE_REVISION", "Finding", "Policy", "SampleView", "ends_turn", "finish_reading",
+__all__ = ["CODES", "DEFAULT_POLICY", "DEFAULT_SEVERITY", "GATE_REVISION", "Finding", "Policy", "SampleView", "ends_turn", "finish_reading",
            "logprobs_fit",
            "reasoning_count_ways", "reasoning_counts", "reasoning_fits", "run_checks", "status_of"]
 
@@ -123,6 +123,10 @@ class Policy:
         return self.severities.get(code, DEFAULT_SEVERITY[code])
 
 
+#: The policy of a run that sets none (one instance: a record's checks need not build one).
+DEFAULT_POLICY = Policy()
+
+
 def status_of(findings: Iterable[Finding]) -> str:
     findings = list(findings)
     if any(f.severity == "error" for f in findings):
@@ -183,7 +187,7 @@ class SampleView:
 
 
 def run_checks(view: SampleView, policy: Policy | None = None) -> list[Finding]:
-    policy = policy or Policy()
+    policy = policy or DEFAULT_POLICY
     raw: list[tuple[str, str]] = []
     for check in _CHECKS:
         raw.extend(check(view, policy))

@@ -30,7 +30,8 @@ from .chat import Dialect, HarmonyDialect, PromptReading, message_reasoning, res
 from .chat.harmony import tool_stream_doubt
 from .chat.template import TemplateError, special_token_strings
 from .content import content_text
-from .checks import (Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways, reasoning_fits,
+from .checks import (DEFAULT_POLICY, Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways,
+                     reasoning_fits,
                      run_checks, status_of)
 from .evidence import UNKNOWN_MARKER, LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
 from .exchanges import Exchange, RecordError, choice_index, loads_line, parse_exchange
@@ -134,7 +135,7 @@ def _reconstruct(
     """The rows (without their derived columns, :func:`~tokenbridge.rows.with_derived`), and
     what the record tells run-level detection (:mod:`.traits`)."""
     dialect = dialect or resolve_dialect(tokenizer)
-    policy = policy or Policy()
+    policy = policy or DEFAULT_POLICY
     request = ex.request
     thinking = dialect.thinking(request)
     response = ex.response
