@@ -172,6 +172,58 @@ def test_engine_logprobs_of_partial_characters_and_skipped_markers_still_prove_t
     assert "logprobs_mismatch" in codes(row)
 
 
+def _vllm_034_logprobs(kimi, seq: list[int]) -> dict:
+    """Logprobs as vLLM 0.34 logs them (``LogprobsProcessor._verify_tokens``): each id that
+    leaves a character unfinished with no text, the id that finishes it with the bytes of
+    all of them (tests/test_vllm_oracle.py holds this form against vLLM's own code)."""
+    out, pending = [], b""
+    for i in seq:
+        pending += kimi.token_bytes(i)
+        if pending.decode("utf-8", "replace").endswith("\ufffd"):
+            out.append({"token": "", "bytes": [], "logprob": -0.1})
+            continue
+        text = pending.decode("utf-8")
+        pending = b""
+        out.append({"token": text, "bytes": list(text.encode("utf-8")), "logprob": -0.1})
+    return {"content": out}
+
+
+def test_vllm_034_logprobs_of_split_characters_prove_the_sample(kimi, ids):
+    content = "Hello! \U0001F600 Nice \u982b."  # an emoji and a rare CJK character, each split over tokens
+    truth = native(kimi, REASONING, ids["close"], content, ids["end"])
+    logged = _vllm_034_logprobs(kimi, truth)
+    assert sum(not e["bytes"] for e in logged["content"]) >= 2  # pieces logged with no text
+    msg = {"reasoning": REASONING, "content": content}
+    row, = reconstruct_record(record(kimi, msg, logprobs=logged), kimi)
+    # was: logprobs_unreadable ("bytes ... are no single token"), the evidence lost
+    assert row["completion_ids"] == truth and codes(row) == ["usage_missing"]
+    other = native(kimi, REASONING, ids["close"], content.replace("Nice", "Fine"), ids["end"])
+    row, = reconstruct_record(record(kimi, msg, logprobs=_vllm_034_logprobs(kimi, other)), kimi)
+    assert "logprobs_mismatch" in codes(row)
+
+
+def test_a_character_logged_whole_after_empty_entries_may_be_pieces_or_a_marker_and_a_token(kimi):
+    from tokenbridge.evidence import UNKNOWN_EMPTY, logprob_ids
+
+    whole = kimi.encode("中")
+    assert len(whole) == 1
+    entry = {"token": "中", "bytes": list("中".encode()), "logprob": -0.1}
+    logged = logprob_ids(kimi, {"logprobs": {"content": [{"token": "", "bytes": []}, entry]}})
+    assert logged is not None and logged.ids is not None and logged.ids[0] == UNKNOWN_EMPTY and not logged.markers_known
+    code = logged.ids[1]
+    # a skipped marker then the whole token, or the character's bytes in two pieces: both agree
+    marker = kimi.token_id("<|im_end|>")
+    pieces = [i for i in range(kimi.max_ordinary_id + 1) if kimi.token_bytes(i) == "中".encode()[:1]]
+    tail = [i for i in range(kimi.max_ordinary_id + 1) if kimi.token_bytes(i) == "中".encode()[1:]]
+    assert marker in logged.may_be[UNKNOWN_EMPTY] and whole[0] in logged.may_be[code]
+    if pieces and tail:
+        assert pieces[0] in logged.may_be[UNKNOWN_EMPTY] and tail[0] in logged.may_be[code]
+    # ASCII after an empty entry is no character's end: the empty one is a skipped marker
+    logged = logprob_ids(kimi, {"logprobs": {"content": [{"token": "", "bytes": []},
+                                                         {"token": "Hi", "bytes": list(b"Hi")}]}})
+    assert logged is not None and logged.ids == (-1, *kimi.encode("Hi"))
+
+
 # --- matched_stop and the end token --------------------------------------------------------
 
 

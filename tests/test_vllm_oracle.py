@@ -117,6 +117,8 @@ def completions(draw: Any, family: str, tok: Any) -> dict[str, Any]:
     stream = draw(st.booleans())
     if stream:
         request = {**request, "stream": True, "stream_options": {"include_usage": True}}
+    if draw(st.integers(0, 3)) == 0:  # logprobs as vLLM logs them (split characters too)
+        request = {**request, "logprobs": True, "top_logprobs": draw(st.integers(0, 2))}
     return {"request": request, "ids": ids, "text": text, "shape": f"{shape}/cut" if cut else shape,
             "stream": stream, "end": end, "thinking": thinking}
 
@@ -134,7 +136,8 @@ class Tally:
 
     @staticmethod
     def mode(s: dict[str, Any]) -> str:
-        return f"{'stream' if s['stream'] else 'whole'}{'+tools' if s['request'].get('tools') else ''}"
+        return (f"{'stream' if s['stream'] else 'whole'}{'+tools' if s['request'].get('tools') else ''}"
+                f"{'+logprobs' if s['request'].get('logprobs') else ''}")
 
     def add(self, s: dict[str, Any], row: dict[str, Any], served: dict[str, Any], prompt: list[int]) -> bool:
         """Tally one row; False where the gate accepted wrong ids."""
@@ -145,7 +148,12 @@ class Tally:
         if row["status"] == "rejected":
             for code in sorted({f["code"] for f in row["findings"] if f["severity"] == "error"}):
                 self.rejected[(mode, code)] += 1
-        if accepted and (row["completion_ids"] != s["ids"] or row["prompt_ids"] != prompt):
+        right = row["completion_ids"] == s["ids"] and row["prompt_ids"] == prompt
+        misread = {"logprobs_unreadable"} | (set() if not right else {"logprobs_mismatch"})
+        if s["request"].get("logprobs") and misread & set(codes):  # what vLLM logs is read, and agrees with the truth
+            self.wrong.append({"sample": s, "served": served["choices"][0], "misread": codes})
+            return False
+        if accepted and not right:
             self.wrong.append({"sample": s, "served": served["choices"][0], "usage": served.get("usage"),
                                "ours": row["completion_ids"], "reconstruction": row["reconstruction"],
                                "findings": codes})

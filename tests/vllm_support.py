@@ -44,6 +44,7 @@ transformers' own constructor. Only decoding is used.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import sys
 import types
@@ -67,6 +68,43 @@ def register_vllm_namespace(missing: Any) -> None:
     pkg = types.ModuleType("vllm")
     pkg.__path__ = list(spec.submodule_search_locations)
     sys.modules["vllm"] = pkg
+
+
+#: vLLM's logprobs builders, by where they are defined: (module, enclosing class or "").
+_LOGPROB_FUNCTIONS = {
+    "vllm.entrypoints.openai.chat_completion.serving": (("OpenAIServingChat", "_create_chat_logprobs"),
+                                                         ("OpenAIServingChat", "_get_top_logprobs")),
+    "vllm.entrypoints.generate.base.serving": (("GenerateBaseServing", "_get_decoded_token"),
+                                               ("", "format_token_id_placeholder"), ("", "chat_top_logprobs_limit")),
+}
+
+
+def vllm_source_functions(names: dict[str, tuple[tuple[str, str], ...]], namespace: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's own functions, compiled from its installed source files: the modules that
+    hold the serving class import ``vllm/__init__`` (``from vllm import RequestOutput``)
+    and the whole server stack, so the named definitions are taken from the file as they
+    are and run in ``namespace`` (the names they use); annotations are never evaluated."""
+    import __future__
+    import ast
+
+    out: dict[str, Any] = {}
+    for module, wanted in names.items():
+        spec = importlib.util.find_spec(module)
+        assert spec is not None and spec.origin is not None, module
+        with open(spec.origin, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), spec.origin)
+        found: list[ast.stmt] = []
+        for owner, name in wanted:
+            scope = tree.body if not owner else next(
+                n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner)
+            node = next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == name)
+            node.decorator_list = []  # staticmethod: called plainly here
+            found.append(node)
+        code = compile(ast.Module(body=found, type_ignores=[]), spec.origin, "exec",
+                       flags=__future__.annotations.compiler_flag, dont_inherit=True)
+        exec(code, namespace)  # noqa: S102 - vLLM's own code, from its installed files
+        out |= {name: namespace[name] for _, name in wanted}
+    return out
 
 
 @dataclass(frozen=True)
@@ -209,6 +247,8 @@ class VllmEngine:
     parser_cls: Any = None
     eos_id: int = 0
     stop_ids: list[int] = field(default_factory=list)
+    #: vLLM's ``_create_chat_logprobs`` and what it calls (:func:`vllm_source_functions`)
+    chat_logprobs: Any = None
 
     def __post_init__(self) -> None:
         base = kimi_slow_tokenizer(self.tb) if self.family.folder == "kimi-k2.5" else \
@@ -219,6 +259,44 @@ class VllmEngine:
             enable_auto_tools=True, model_name=self.family.folder, tokenizer=self.hf)
         self.eos_id = self.tb.token_id(self.family.eos)
         self.stop_ids = [self.tb.token_id(s) for s in self.family.stop]
+        from vllm.entrypoints.openai.chat_completion import protocol as chat
+
+        names = {n: getattr(chat, n) for n in ("ChatCompletionLogProb", "ChatCompletionLogProbs",
+                                                "ChatCompletionLogProbsContent")}
+        self.chat_logprobs = vllm_source_functions(_LOGPROB_FUNCTIONS, {"itertools": itertools, **names})
+
+    def _logprobs_processor(self) -> Any:
+        """vLLM's per-request ``LogprobsProcessor`` (``v1/engine/logprobs.py``): each sampled
+        id's ``decoded_token``, the text before it taken into account where the id alone is
+        part of a character (``_verify_tokens``)."""
+        from vllm.logprobs import create_sample_logprobs
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+
+        return LogprobsProcessor(tokenizer=self.hf, logprobs=create_sample_logprobs(False), prompt_logprobs=None,
+                                 cumulative_logprob=0.0, num_logprobs=0, num_prompt_logprobs=None)
+
+    def _logprobs(self, req: Any, proc: Any, ids: list[int]) -> Any:
+        """``choices[].logprobs`` for ``ids`` (one engine step each, ``proc`` holding the
+        earlier ones), as the server's ``_create_chat_logprobs`` builds it; None without
+        ``logprobs`` in the request."""
+        import numpy as np
+
+        if not req.logprobs:
+            return None
+        start = len(proc.logprobs)
+        for i in ids:  # the sampled id with its logprob and rank, as the engine core sends it
+            proc._update_sample_logprobs(([np.array([i])], [np.array([-0.25])], [np.array([1])], None))
+        f = self.chat_logprobs
+
+        class Serving:  # the serving instance's attributes the method reads
+            return_tokens_as_token_ids = False
+            _get_decoded_token = staticmethod(f["_get_decoded_token"])
+            _get_top_logprobs = f["_get_top_logprobs"]
+
+        return f["_create_chat_logprobs"](Serving(), ids, proc.logprobs[start:], self.hf,
+                                          num_output_top_logprobs=req.top_logprobs,
+                                          logprob_token_ids=req.logprob_token_ids,
+                                          return_as_token_id=req.return_tokens_as_token_ids)
 
     def _parser(self, req: Any, prompt: list[int]) -> Any:
         parser = self.parser_cls(self.hf, req.tools, chat_template_kwargs=req.chat_template_kwargs or {},
@@ -257,7 +335,7 @@ class VllmEngine:
                                 tool_calls=fields.tool_calls)
         choice = v.ChatCompletionResponseChoice(
             index=0, message=message, finish_reason=v.resolve_finish_reason(finish, req, bool(message.tool_calls)),
-            stop_reason=stop_reason)
+            stop_reason=stop_reason, logprobs=self._logprobs(req, self._logprobs_processor(), ids))
         usage = v.UsageInfo(prompt_tokens=len(prompt), completion_tokens=len(ids),
                             total_tokens=len(prompt) + len(ids),
                             completion_tokens_details=v.CompletionTokenUsageInfo(
@@ -281,20 +359,24 @@ class VllmEngine:
                                                    logprobs=None, finish_reason=None))
         proc = v.ChatStreamProcessor(req, self._parser(req, prompt), enable_auto_tools=True,
                                      parser_cls=self.parser_cls)
+        logged = self._logprobs_processor()
         for k, i in enumerate(ids):
             done = finish if k == len(ids) - 1 else None
+            logprobs = self._logprobs(req, logged, [i])
             detok.update([i], done == "stop")
             delta_text = detok.get_next_output_text(done is not None, True)
+            if proc.hide_metadata:
+                logprobs = None
             delta, reason = proc.step(delta_text, [i], done, prompt)
             if delta is None:
-                if done is None:
+                if done is None and logprobs is None:  # a chunk still goes out for its logprobs
                     continue
                 delta = v.DeltaMessage()
             if done is None:
-                chunk(v.ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=None, finish_reason=None))
+                chunk(v.ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=None))
             else:
-                chunk(v.ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=None, finish_reason=reason,
-                                                           stop_reason=stop_reason))
+                chunk(v.ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=logprobs,
+                                                           finish_reason=reason, stop_reason=stop_reason))
         reasoning_tokens = proc.parser.count_reasoning_tokens(tuple(ids))
         usage = v.UsageInfo(prompt_tokens=len(prompt), completion_tokens=proc.num_output_tokens,
                             total_tokens=len(prompt) + proc.num_output_tokens,

@@ -9,8 +9,11 @@ finding at worst, never a lost sample.
   neither, by its text (exact only when the text is the token's whole UTF-8). Engines
   log every generated token, the end token included (vLLM keeps the stop id in the
   output ids; its text is empty); some providers drop that last entry or log the
-  content only. :func:`logprob_ids` maps the entries to ids; how the gate compares them
-  with a candidate is :func:`logprobs_cover`.
+  content only. A character split between ids is logged by what the engine decoded: U+FFFD
+  per piece (older engines), or, vLLM 0.34, no text for each piece and the whole character
+  on the id that completes it. :func:`logprob_ids` maps the entries to ids (such pieces to
+  placeholders that prove a count); how the gate compares them with a candidate is
+  :func:`logprobs_cover`.
 * ``matched_stop`` (SGLang): the stop id (or stop string) that ended the choice; vLLM's
   integer ``stop_reason`` says the same (the ``stop_token_ids`` hit, which takes the
   generation config's other end ids: Kimi K2.5's ``<|im_end|>`` beside its ``[EOS]``).
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from .jsonl import is_count, is_int
 from .tokenizer import Tokenizer
@@ -30,6 +33,7 @@ from .tokenizer import Tokenizer
 __all__ = [
     "NATIVE_CUT",
     "NATIVE_FAILED",
+    "UNKNOWN_EMPTY",
     "UNKNOWN_MARKER",
     "UNKNOWN_PARTIAL",
     "LogprobIds",
@@ -62,6 +66,13 @@ def native_finish(choice: Mapping[str, Any]) -> str | None:
 #: (:data:`UNKNOWN_PARTIAL`: one of the ids whose bytes are no whole text, or hold U+FFFD).
 UNKNOWN_MARKER = -1
 UNKNOWN_PARTIAL = -2
+#: An entry with no bytes before one whose bytes are a single token's and not ASCII: a
+#: skipped special token (:data:`UNKNOWN_MARKER`) or part of a character vLLM logged on the
+#: id that completes it (see :func:`logprob_ids`); either may be.
+UNKNOWN_EMPTY = -3
+#: Where the entry after :data:`UNKNOWN_EMPTY` ids is known by its bytes only: its own code
+#: from here down (one per position), standing for that single token or a partial one.
+_FIRST_JOINED = -16
 _FFFD = "\ufffd".encode()
 
 
@@ -75,6 +86,12 @@ class LogprobIds:
     ids: tuple[int, ...] | None
     problem: str | None = None
     may_be: Mapping[int, frozenset[int]] = field(default_factory=dict, compare=False)
+
+    @property
+    def markers_known(self) -> bool:
+        """Whether every logged marker id is known: readings that differ by a marker alone
+        are then told apart by the ids."""
+        return self.ids is not None and UNKNOWN_MARKER not in self.ids and UNKNOWN_EMPTY not in self.ids
 
     @property
     def unknown(self) -> bool:
@@ -106,7 +123,8 @@ def _may_be(tok: Tokenizer) -> dict[int, frozenset[int]]:
                 partial.add(i)
         except UnicodeDecodeError:
             partial.add(i)
-    out = {UNKNOWN_MARKER: frozenset(tok.marker_ids), UNKNOWN_PARTIAL: frozenset(partial)}
+    out = {UNKNOWN_MARKER: frozenset(tok.marker_ids), UNKNOWN_PARTIAL: frozenset(partial),
+           UNKNOWN_EMPTY: frozenset(tok.marker_ids) | frozenset(partial)}
     _MAY_BE[id(tok)] = (tok, out)
     return out
 
@@ -151,42 +169,77 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
         return LogprobIds(None, entries)
     index: dict[bytes, int] | None = None
     out: list[int] = []
+    joined: dict[int, int] = {}  # per-position code -> the single token its bytes spell
+    empty = 0  # entries with no bytes just before this one (their ids are settled by the next)
     has_id = tok.has_id
-    # a token per entry: each test below is the cheap one for what parsed JSON holds (a
-    # dict, a str, a list of ints), the general one only where that fails
     for pos, entry in enumerate(entries):
-        if type(entry) is not dict and not isinstance(entry, Mapping):
-            return LogprobIds(None, f"logprobs.content[{pos}] is not an object")
-        token = entry.get("token")
-        if type(token) is str and token[:9] == "token_id:":
-            tail = token[9:]
-            if tail.isascii() and tail.isdigit() and len(tail) <= 12 and has_id(i := int(tail)):
-                out.append(i)
-                continue
-            return LogprobIds(None, f"logprobs.content[{pos}].token {token[:40]!r} names no id of this tokenizer")
-        raw = entry.get("bytes")
-        if type(raw) is list and _byte_values(raw):
-            key = bytes(raw)
-        elif raw is None and isinstance(token, str):  # text holding U+FFFD reads as unknown below
-            key = token.encode("utf-8", errors="surrogatepass")
-        else:
-            return LogprobIds(None, f"logprobs.content[{pos}] has no usable bytes or token text")
+        key = _entry_key(pos, entry, has_id)
+        if type(key) is str:
+            return LogprobIds(None, key)
+        if type(key) is int:
+            out += [UNKNOWN_MARKER] * empty
+            empty = 0
+            out.append(key)
+            continue
+        assert isinstance(key, bytes)
         if not key and pos == len(entries) - 1:
             break  # the end token, logged with its text skipped: the ids before it still count
-        if not key:  # a special token whose text the engine skipped
-            out.append(UNKNOWN_MARKER)
+        if not key:  # a special token whose text the engine skipped, or part of a character (below)
+            empty += 1
             continue
         if _FFFD in key:  # part of a character as the engine decoded it (or a token holding U+FFFD)
+            out += [UNKNOWN_MARKER] * empty
+            empty = 0
             out.append(UNKNOWN_PARTIAL)
             continue
         if index is None:
             index = _bytes_index(tok)
         found = index.get(key)
+        if empty and not key.isascii():
+            # vLLM (0.34, ``_verify_tokens``) logs each id of a character split between ids
+            # with no text and the id that completes it with all their bytes: the bytes of
+            # no single token, or of one (an emoji the vocabulary also holds whole)
+            if found is None:
+                out += [UNKNOWN_PARTIAL] * (empty + 1)
+            else:
+                code = _FIRST_JOINED - len(joined)
+                joined[code] = found
+                out += [UNKNOWN_EMPTY] * empty + [code]
+            empty = 0
+            continue
+        out += [UNKNOWN_MARKER] * empty
+        empty = 0
         if found is None:
             return LogprobIds(None, f"logprobs.content[{pos}]: bytes {key[:24]!r} are no single token of this tokenizer")
         out.append(found)
+    out += [UNKNOWN_MARKER] * empty
     ids = tuple(out)
-    return LogprobIds(ids, may_be=_may_be(tok) if any(i < 0 for i in ids) else {})
+    if not any(i < 0 for i in ids):
+        return LogprobIds(ids)
+    may_be = _may_be(tok)
+    if joined:
+        may_be = {**may_be, **{code: may_be[UNKNOWN_PARTIAL] | {one} for code, one in joined.items()}}
+    return LogprobIds(ids, may_be=may_be)
+
+
+def _entry_key(pos: int, entry: Any, has_id: Callable[[int], bool]) -> int | bytes | str:
+    """A ``logprobs.content`` entry's id where it names one (vLLM's ``token_id:N``), else
+    its bytes (the text's, where it gives none); a str says why it gives neither. Each test
+    is the cheap one for what parsed JSON holds (a dict, a str, a list of ints) first."""
+    if type(entry) is not dict and not isinstance(entry, Mapping):
+        return f"logprobs.content[{pos}] is not an object"
+    token = entry.get("token")
+    if type(token) is str and token[:9] == "token_id:":
+        tail = token[9:]
+        if tail.isascii() and tail.isdigit() and len(tail) <= 12 and has_id(i := int(tail)):
+            return i
+        return f"logprobs.content[{pos}].token {token[:40]!r} names no id of this tokenizer"
+    raw = entry.get("bytes")
+    if type(raw) is list and _byte_values(raw):
+        return bytes(raw)
+    if raw is None and isinstance(token, str):  # text holding U+FFFD reads as unknown
+        return token.encode("utf-8", errors="surrogatepass")
+    return f"logprobs.content[{pos}] has no usable bytes or token text"
 
 
 def _byte_values(raw: list[Any]) -> bool:

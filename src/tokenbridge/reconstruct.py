@@ -33,7 +33,7 @@ from .content import content_text
 from .checks import (DEFAULT_POLICY, Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways,
                      reasoning_fits,
                      run_checks, status_of)
-from .evidence import UNKNOWN_MARKER, LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
+from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
 from .exchanges import Exchange, RecordError, choice_index, loads_line, parse_exchange
 from .jsonl import NotJsonlError, binary_kind, text_of
 from .hypotheses import Candidate, candidates, ends_in_think_fits, held_tails
@@ -430,7 +430,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     # its think block (one short, as an uncounted end token is; or the run proved the end is
     # counted) and a cut right after </think> (one more, as vLLM's held-back partial character is)
     # (logprobs whose markers are all known tell these apart: the readings differ by a marker only)
-    by_ids = native is not None or (logged is not None and logged.ids is not None and UNKNOWN_MARKER not in logged.ids)
+    by_ids = native is not None or (logged is not None and logged.markers_known)
     tools_streamed = stream is not False and _sends_tools(ex.request)
     holds = tools_streamed or (stream is not False and not dialect.stream_held_needs_tools)
     held = held_tails(dialect.stream_held_starts, dialect.stream_held_min) if holds else ()
