@@ -464,31 +464,69 @@ def _hub_reason(exc: BaseException) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a tokenizer folder ({} where the file is absent): anything else,
+    a list, a number, nesting too deep to read, is the folder's error, said as such."""
     try:
-        data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-        return data
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise TokenizerError(f"{path}: cannot read JSON ({exc})") from None
+    except RecursionError:
+        raise TokenizerError(f"{path}: cannot read JSON (nested too deep)") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: must hold a JSON object, not {_json_type(data)}")
+    return data
+
+
+def _json_type(value: object) -> str:
+    """What a JSON value is, in JSON's words."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _read_text(path: Path) -> str:
+    """A text file of a tokenizer folder, as UTF-8; its errors name it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise TokenizerError(f"{path}: cannot read ({exc})") from None
 
 
 def _chat_template(folder: Path, config: Mapping[str, object]) -> str | None:
+    """The folder's chat template, as transformers finds it: ``chat_template.jinja``, else
+    ``chat_template.json``'s, else ``tokenizer_config.json``'s (a string, or a list of
+    named templates: "default"). One of another shape is refused: dropped silently, the
+    built-in renderer would stand in for the template the user gave."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        return _read_text(jinja)
     js = folder / "chat_template.json"
     if js.is_file():
-        value = _read_json(js).get("chat_template")
-        if isinstance(value, str):
-            return value
-    value = config.get("chat_template")
-    if isinstance(value, str):
+        data = _read_json(js)
+        if "chat_template" in data:
+            return _template_value(data["chat_template"], f"{js}: chat_template")
+    if "chat_template" in config:
+        return _template_value(config["chat_template"], f"{folder / 'tokenizer_config.json'}: chat_template")
+    return None
+
+
+def _template_value(value: object, where: str) -> str | None:
+    """A ``chat_template`` value: a string, null, or a list of ``{"name", "template"}``
+    entries whose "default" one is taken (None when it has none)."""
+    if value is None or isinstance(value, str):
         return value
-    if isinstance(value, list):  # named templates: take "default"
-        for entry in value:
-            if isinstance(entry, dict) and entry.get("name") == "default":
-                return entry.get("template")
+    if not isinstance(value, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in value):
+        raise TokenizerError(f"{where} must be a string or a list of {{\"name\", \"template\"}} objects, "
+                             f"not {_json_type(value)}")
+    for entry in value:
+        if entry["name"] == "default":
+            template = entry.get("template")
+            if not isinstance(template, str):
+                raise TokenizerError(f"{where}: the \"default\" entry's template must be a string, "
+                                     f"not {_json_type(template)}")
+            return template
     return None
 
 
@@ -501,9 +539,11 @@ def read_pat_str(folder: Path) -> str:
     """
     for path in sorted(folder.glob("tokenization_*.py")):
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        except (OSError, SyntaxError) as exc:
+            tree = ast.parse(_read_text(path), filename=str(path))
+        except (SyntaxError, ValueError) as exc:  # ValueError: NUL bytes in the source
             raise TokenizerError(f"{path}: cannot parse ({exc})") from None
+        except (RecursionError, MemoryError):
+            raise TokenizerError(f"{path}: cannot parse (nested too deep)") from None
         for node in ast.walk(tree):
             targets: list[ast.expr] = []
             if not isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -513,11 +553,16 @@ def read_pat_str(folder: Path) -> str:
             elif isinstance(node, ast.AnnAssign) and node.value is not None:
                 targets, value = [node.target], node.value
             if any(isinstance(t, ast.Name) and t.id == "pat_str" for t in targets):
-                pattern = _literal_str(value)
+                try:
+                    pattern = _literal_str(value)
+                except RecursionError:
+                    pattern = None
                 if pattern is None:
                     raise TokenizerError(
                         f"{path}:{node.lineno}: pat_str is not a string literal; cannot read it statically"
                     )
+                if not pattern:
+                    raise TokenizerError(f"{path}:{node.lineno}: pat_str is empty")
                 return pattern
     return KIMI_PAT_STR
 
@@ -546,16 +591,39 @@ def _literal_str(node: ast.AST) -> str | None:
 
 
 def _load_ranks(path: Path) -> dict[bytes, int]:
+    """A ``*.tiktoken`` / ``tiktoken.model`` file: ``base64token rank`` lines, checked as
+    tiktoken needs them. A damaged file loaded silently before: a token twice shifted every
+    marker id, a rank out of range came out as an id past the vocabulary in ``ok`` rows, a
+    byte without a rank panicked in the middle of a run."""
     ranks: dict[bytes, int] = {}
+    seen: dict[int, int] = {}  # rank -> its line
     with path.open("rb") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
-            except ValueError:
+                token, rank_text = line.split()
+                piece = base64.b64decode(token, validate=True)
+                rank = int(rank_text)
+            except ValueError:  # binascii.Error is one too
                 raise TokenizerError(f"{path}:{lineno}: expected 'base64token rank'") from None
+            if not piece:
+                raise TokenizerError(f"{path}:{lineno}: the token is empty")
+            if piece in ranks:
+                raise TokenizerError(f"{path}:{lineno}: token {piece[:24]!r} is listed twice (rank {ranks[piece]} too)")
+            if not 0 <= rank < MAX_VOCAB_SIZE:
+                raise TokenizerError(f"{path}:{lineno}: rank {rank} is out of range 0..{MAX_VOCAB_SIZE - 1}")
+            if rank in seen:
+                raise TokenizerError(f"{path}:{lineno}: rank {rank} is also the rank of line {seen[rank]}")
+            ranks[piece] = rank
+            seen[rank] = lineno
+    if len(seen) and max(seen) != len(seen) - 1:
+        missing = next(r for r in range(len(seen)) if r not in seen)
+        raise TokenizerError(f"{path}: ranks must run 0..{len(seen) - 1} with none missing; {missing} is missing")
+    lost = [b for b in range(256) if bytes([b]) not in ranks]
+    if lost:
+        raise TokenizerError(f"{path}: {len(lost)} single byte(s) have no rank (first {bytes([lost[0]])!r}): "
+                             "text holding them could not be encoded")
     return ranks
 
 
@@ -697,11 +765,7 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
     config = _read_json(folder / "tokenizer_config.json")
     ranks = _load_ranks(folder / "tiktoken.model")
     n_ranks = len(ranks)
-    decoder = config.get("added_tokens_decoder") or {}
-    names: dict[int, str] = {}
-    for i in range(n_ranks, n_ranks + _KIMI_NUM_RESERVED):
-        entry = decoder.get(str(i))
-        names[i] = entry["content"] if isinstance(entry, dict) and "content" in entry else f"<|reserved_token_{i}|>"
+    names = _added_names(folder / "tokenizer_config.json", config, range(n_ranks, n_ranks + _KIMI_NUM_RESERVED))
     pat_str = read_pat_str(folder)
     special = {t: i for i, t in names.items()}
     enc = _encoding(folder / "tiktoken.model", pat_str, ranks, special)
@@ -709,6 +773,38 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
                               cut_long_runs=True)
     object.__setattr__(tok, "model_vocab_size", tok.vocab_size)  # the reserved range pads to the model's 163,840
     return tok
+
+
+def _added_names(path: Path, config: Mapping[str, Any], ids: range) -> dict[int, str]:
+    """The marker text of each id in ``ids`` from ``added_tokens_decoder`` (a reserved name
+    where it has none). Each must be a distinct, non-empty string: an empty one made every
+    encode loop without end, ignoring Ctrl-C, and a repeated one leaves an id no text."""
+    decoder = config.get("added_tokens_decoder")
+    if decoder is None:
+        decoder = {}
+    if not isinstance(decoder, dict):
+        raise TokenizerError(f"{path}: added_tokens_decoder must be an object, not {_json_type(decoder)}")
+    names: dict[int, str] = {}
+    owner: dict[str, int] = {}
+    for i in ids:
+        entry = decoder.get(str(i))
+        if entry is None:
+            text = f"<|reserved_token_{i}|>"
+        elif isinstance(entry, dict) and isinstance(entry.get("content"), str) and entry["content"]:
+            text = entry["content"]
+        else:
+            raise TokenizerError(f"{path}: added_tokens_decoder[\"{i}\"].content must be a non-empty string")
+        if text in owner:
+            raise TokenizerError(f"{path}: added_tokens_decoder[\"{i}\"].content {text!r} is also id {owner[text]}'s")
+        names[i] = text
+        owner[text] = i
+    return names
+
+
+#: Text of every kind a pre-tokenizer pattern splits (letters, digits, spaces, newlines,
+#: punctuation, CJK, an emoji), encoded once when a folder loads: a pattern that matches
+#: empty text makes tiktoken panic (a Rust panic, no Python error) on the first encode.
+_PROBE = "Hello, world! 123 4567\n\n  x\t= [a] {b}; 中文字符 😀 é's don't\r\n"
 
 
 def _encoding(path: Path, pat_str: str, ranks: dict[bytes, int], special: dict[str, int]) -> tiktoken.Encoding:
@@ -719,11 +815,18 @@ def _encoding(path: Path, pat_str: str, ranks: dict[bytes, int], special: dict[s
     import tiktoken
 
     grouped = grouped_pattern(pat_str)
+    error: BaseException | None = None
     for pattern in dict.fromkeys((grouped, pat_str)):
         try:
-            return tiktoken.Encoding(name=f"tokenbridge:{path.parent.name}", pat_str=pattern, mergeable_ranks=ranks,
-                                     special_tokens=special)
+            enc = tiktoken.Encoding(name=f"tokenbridge:{path.parent.name}", pat_str=pattern, mergeable_ranks=ranks,
+                                    special_tokens=special)
+            enc.encode_ordinary(_PROBE)
+            return enc
         except (ValueError, OverflowError) as exc:  # a pattern that does not compile, a rank out of range
+            error = exc
+        except BaseException as exc:  # pyo3's PanicException derives from BaseException
+            if type(exc).__name__ != "PanicException":
+                raise
             error = exc
     raise TokenizerError(f"{path}: tiktoken rejected the data ({error})") from None
 
@@ -810,13 +913,17 @@ def _tiktoken_layout(folder: Path) -> tuple[Path, str, dict[int, str]] | None:
     if len(files) != 1:
         return None
     data = _read_json(folder / "tokenizer.json")
-    model = data.get("model") or {}
+    model = data.get("model")
     regex = _split_regex(data)
-    if regex is None or data.get("normalizer") is not None or model.get("type") != "BPE" or model.get("ignore_merges") is not True:
+    if (regex is None or data.get("normalizer") is not None or not isinstance(model, dict)
+            or model.get("type") != "BPE" or model.get("ignore_merges") is not True):
         return None
-    added = {t["id"]: t["content"] for t in data.get("added_tokens") or ()
-             if isinstance(t, dict) and isinstance(t.get("id"), int) and isinstance(t.get("content"), str)}
-    if len(model.get("vocab") or {}) + len(added) != max(added, default=-1) + 1 or not added:
+    tokens, vocab = data.get("added_tokens"), model.get("vocab")
+    if not isinstance(tokens, list) or not isinstance(vocab, dict):
+        return None  # not this layout: tokenizers reads the file, and says what is wrong with it
+    added = {t["id"]: t["content"] for t in tokens
+             if isinstance(t, dict) and type(t.get("id")) is int and isinstance(t.get("content"), str) and t["content"]}
+    if len(vocab) + len(added) != max(added, default=-1) + 1 or not added or len(set(added.values())) != len(added):
         return None
     return files[0], regex, added
 
@@ -931,8 +1038,8 @@ def _split_regex(data: Mapping[str, Any]) -> str | None:
 def _byte_level(path: Path) -> bool:
     """Whether a tokenizer.json decodes with the ByteLevel decoder (alone or in a sequence)."""
     try:
-        decoder = json.loads(path.read_text(encoding="utf-8")).get("decoder") or {}
-    except (OSError, ValueError):
+        decoder = _read_json(path).get("decoder") or {}
+    except TokenizerError:
         return False
     parts = decoder.get("decoders", [decoder]) if isinstance(decoder, dict) else []
     return any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts)

@@ -34,7 +34,7 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
 #: Python errors of its expressions: ``message['content'] + 1``, ``x[5]``, ``1 / 0``, a
 #: recursive macro); anything else is a bug of ours and keeps its traceback.
 _TEMPLATE_FAILURES = (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError,
-                      RecursionError)
+                      RecursionError, MemoryError)
 
 
 def _raise_exception(message: str) -> None:
@@ -107,7 +107,10 @@ def template_renderer(source: str, special_tokens: Mapping[str, str] | None = No
     serving engine does (:func:`serving_messages`); without it they reach the template
     as given, as in transformers' ``apply_chat_template``.
     """
-    template = compile_template(source)
+    try:
+        template = compile_template(source)
+    except _TEMPLATE_FAILURES as exc:  # the folder's template: its syntax error is the user's to fix
+        raise TemplateError(f"chat template does not compile: {type(exc).__name__}: {exc}") from None
     specials = dict(special_tokens or {})
 
     def render(messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None,
