@@ -267,3 +267,13 @@ def test_a_dialect_whose_tokens_the_tokenizer_lacks_is_refused(kimi):
         resolve_dialect(qwen, "kimi-k2.5")
     assert resolve_dialect(qwen, "qwen3").name.startswith("qwen3")
     assert resolve_dialect(kimi, "kimi-k2.5").name == "kimi-k2.5"
+
+
+def test_tool_arguments_nested_too_deeply_to_read_stay_the_string_they_are():
+    """SGLang's argument normalisation keeps a string that is not a JSON object as it is;
+    one nested deeper than the stdlib reads was a RecursionError instead."""
+    from tokenbridge.chat.template import serving_messages
+
+    call = {"id": "c0", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    assert serving_messages(msgs, parse_tool_arguments=True)[1] == {"role": "assistant", "content": "", "tool_calls": [call]}

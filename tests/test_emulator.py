@@ -410,6 +410,11 @@ def test_routing_nothing_left_is_404(base):
 def test_bad_requests_are_400(base):
     url = f"{base}/chat/completions"
     assert _call(url, raw=b"{not json")[0] == 400
+    # nested deeper than the stdlib reads: a RecursionError, answered as the emulator's own 500
+    status, _, text = _call(url, raw=b"[" * 100_000)
+    assert (status, json.loads(text)["error"]["message"]) == (400, "request body is not valid JSON: nested too deeply to read")
+    status, _, text = _call(f"{_root(base)}/admin/settings", raw=b"[" * 100_000)
+    assert (status, json.loads(text)["error"]["message"]) == (400, "body is not JSON")
     assert _call(url, {"model": MODEL})[0] == 400
     status, _, text = _call(url, {"model": "someone/else", "messages": _msgs()})
     assert status == 400 and "not a valid model ID" in json.loads(text)["error"]["message"]

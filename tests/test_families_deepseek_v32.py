@@ -208,6 +208,18 @@ def test_gate_codes_for_dsml_sections(tok, content, code):
     assert row["status"] == "rejected"
 
 
+def test_tool_arguments_nested_too_deeply_to_read_are_refused_as_not_json(dialect):
+    """The stdlib reads arguments per level: ``[`` * 100,000 was a RecursionError, not the
+    TemplateError every other unreadable argument string is."""
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": "[" * 100_000}}]},
+            {"role": "tool", "tool_call_id": "c0", "content": "sunny"}]
+    with pytest.raises(TemplateError) as err:
+        dialect.render_prompt(msgs, [TOOLS[0]], True)
+    assert str(err.value) == "messages[1].tool_calls[0].function.arguments: not JSON (nested too deeply to read)"
+
+
 def test_unrendered_roles_are_refused_not_guessed(dialect):
     with pytest.raises(TemplateError, match="developer"):
         dialect.render_prompt([{"role": "developer", "content": "x"}, {"role": "user", "content": "y"}])

@@ -69,6 +69,19 @@ def test_unusable_completion_tokens_keep_the_response_and_every_later_one(server
         assert store.token_totals()[:2] == (20, 9)
 
 
+def test_a_stored_value_nested_too_deeply_to_read_is_an_unreadable_one(server, tmp_path):
+    """Stores of older versions kept usage unchecked: one nested deeper than the stdlib
+    reads was a RecursionError out of the totals, where an unreadable one counts as absent."""
+    _run(server, tmp_path, 4)
+    with Store.open(tmp_path / "run") as store:
+        assert store.token_totals()[:2] == (20, 12)
+        with store._conn:
+            store._conn.execute("UPDATE responses SET usage=? WHERE sample_id='h-0'", ("[" * 100_000,))
+            store._conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('exchanges', ?)", ("[" * 100_000,))
+        assert store.token_totals()[:2] == (15, 9)
+        assert store.exchanges_record() is None
+
+
 def test_usage_that_is_not_an_object_is_treated_as_absent(server, tmp_path):
     server.plan["q1"] = ["usage_not_object"]
     summary = _run(server, tmp_path, 3)

@@ -177,3 +177,35 @@ def test_prompt_loading_and_the_row_check_share_one_set_of_message_rules(tmp_pat
 def test_a_leading_byte_order_mark_is_dropped_for_text_and_bytes():
     """The stdlib skipped it on bytes only: export read a line inspect and reconstruct refused."""
     assert jsonl.loads_line('\ufeff{"a": 1}') == jsonl.loads_line(b'\xef\xbb\xbf{"a": 1}') == {"a": 1}
+
+
+@pytest.mark.parametrize("text,detail", [
+    # the stdlib recurses per level: a RecursionError, which no caller caught (exit 8)
+    ("[" * 100_000, "nested too deeply to read"),
+    ('{"a": [' * 50_000, "nested too deeply to read"),
+    ('{"a":\n  x}', "not valid JSON (Expecting value at line 2 column 3)"),
+    (b'{"a": "\xff"}', "not valid UTF-8 (invalid start byte at byte 7)"),
+    ('{"a": ' + "7" * 5000 + "}", "not valid JSON (a number of more than 4300 digits)"),
+])
+def test_a_document_that_cannot_be_read_is_one_json_line_error(text, detail):
+    with pytest.raises(jsonl.JsonLineError) as err:
+        jsonl.loads_document(text)
+    assert str(err.value) == err.value.detail == detail
+
+
+def test_a_document_reads_as_the_stdlib_reads_it():
+    assert jsonl.loads_document('{"a": [1, 2.5, NaN]}')["a"][:2] == [1, 2.5]
+    assert jsonl.loads_document(b'["\\ud800"]') == ["\ud800"]
+
+
+def test_no_module_parses_a_file_with_the_bare_stdlib():
+    """A file read straight into ``json.loads`` raises RecursionError for ``[`` * 100,000,
+    which its caller never caught: every file goes through :func:`jsonl.loads_document`."""
+    import re
+    from pathlib import Path
+
+    src = Path(jsonl.__file__).parent
+    bare = re.compile(r"json\.loads\(.*\.read_(text|bytes)\(")
+    found = [f"{p.relative_to(src)}:{n}" for p in sorted(src.rglob("*.py"))
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if bare.search(line)]
+    assert found == []

@@ -165,6 +165,22 @@ def test_cli_report_prints_the_summary(runs):
     assert (runs["full"] / "report" / "report.json").is_file()
 
 
+def test_cli_report_that_cannot_read_its_report_json_back_says_so(tmp_path, monkeypatch):
+    """The summary is printed from report.json read back: a file nested deeper than the
+    stdlib reads was a RecursionError and exit 8 (internal error)."""
+    import tokenbridge.report as report
+
+    html = tmp_path / "run" / "report" / "report.html"
+    html.parent.mkdir(parents=True)
+    html.write_text("<html></html>")
+    (html.parent / "report.json").write_text("[" * 100_000)
+    monkeypatch.setattr(report, "build_report", lambda run_dir, force=False: html)
+    res = CliRunner().invoke(app, ["report", str(tmp_path / "run")])
+    assert res.exit_code == 2, res.output
+    assert res.output == (f"error: {html.parent / 'report.json'}: cannot read the report just written "
+                          f"(nested too deeply to read); {html} was written\n")
+
+
 # --- Chromium -----------------------------------------------------------------------------
 
 _PAGE_JS = """(async () => {

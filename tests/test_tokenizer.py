@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from functools import lru_cache
@@ -159,6 +160,31 @@ def test_missing_folder_and_bad_files(tmp_path):
     (bad / "tiktoken.model").write_text("aGVsbG8= 0\nnot-a-line\n")
     with pytest.raises(TokenizerError, match=r"tiktoken.model:2: expected 'base64token rank'"):
         load_tokenizer(bad)
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "chat_template.json"])
+@pytest.mark.parametrize("body,why", [
+    # the stdlib recurses per level: a RecursionError, and the command's exit 8
+    ("[" * 100_000, "nested too deeply to read"),
+    ('{"a":\n x}', "not valid JSON (Expecting value at line 2 column 2)"),
+    ('["chat_template"]', "the top level is list, not an object"),
+])
+def test_a_tokenizer_folders_unreadable_json_names_the_file(tmp_path, kimi_dir, name, body, why):
+    folder = _linked_folder(tmp_path, kimi_dir, "tiktoken.model",
+                            *(["tokenizer_config.json"] if name != "tokenizer_config.json" else []))
+    (folder / name).write_text(body)
+    with pytest.raises(TokenizerError) as err:
+        load_tokenizer(folder)
+    assert str(err.value) == f"{folder / name}: cannot read JSON ({why})"
+
+
+def test_a_models_config_too_deep_to_read_is_as_if_it_were_not_there(tmp_path, kimi_dir):
+    """The tokenizer needs none of config.json: one it cannot read is skipped, deep or not."""
+    folder = _linked_folder(tmp_path, kimi_dir, "tiktoken.model", "tokenizer_config.json")
+    deep = tmp_path / "deep"
+    shutil.copytree(folder, deep, symlinks=True)
+    (deep / "config.json").write_text("[" * 100_000)
+    assert load_tokenizer(deep).model_vocab_size == load_tokenizer(folder).model_vocab_size
 
 
 def test_hub_id_offline_and_not_cached_is_clear(tmp_path):

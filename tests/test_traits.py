@@ -186,6 +186,9 @@ def test_a_probe_profile_flags_invisible_edits(tmp_path, kimi):
     ('{"providers": 3}', "providers: must be a list"),
     ('{"providers": [{"profile": {}}]}', "providers[0].provider"),
     ('{"providers": [{"provider": "x", "profile": {"text_edits": "nfkc"}}]}', "text_edits: must be a list"),
+    # the stdlib recurses per level: this was a RecursionError, and the command's exit 8
+    ("[" * 100_000, "cannot read the provider profile (nested too deeply to read)"),
+    ('{"providers": ' + "1" * 5000 + "}", "cannot read the provider profile (not valid JSON (a number of more than"),
 ])
 def test_a_bad_profile_names_the_field(tmp_path, body, where):
     path = tmp_path / "p.json"

@@ -759,7 +759,15 @@ def report(
             html = build_report(run_dir, force=force)
     except ReportError as exc:
         _fail(str(exc), exc.exit_code)
-    data = json.loads((html.parent / "report.json").read_text(encoding="utf-8"))
+    from .jsonl import loads_document
+
+    written = html.parent / "report.json"
+    try:  # read back, not trusted: it may have been replaced since
+        data = loads_document(written.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON, nested too deeply (JsonLineError)
+        _fail(f"{written}: cannot read the report just written ({exc}); {html} was written")
+    if not isinstance(data, dict):
+        _fail(f"{written}: cannot read the report just written (not a JSON object); {html} was written")
     print_summary(data, Console(highlight=False))
     _say(f"report: {html}")
 

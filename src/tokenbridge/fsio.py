@@ -62,7 +62,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 from collections.abc import Callable, Iterator, Sequence
 
-from .jsonl import JsonLineError, dumps_line, loads_line
+from .jsonl import JsonLineError, dumps_line, loads_document, loads_line
 
 __all__ = [
     "FILE_MODE",
@@ -528,8 +528,8 @@ def _owned_test(target: Path, owned: Owned | None) -> Callable[[str], bool]:
 def read_marker(folder: Path) -> dict[str, Any] | None:
     """``folder``'s marker as written, or None (none there, unreadable, not a JSON object)."""
     try:
-        data = json.loads((folder / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
+        data = loads_document((folder / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # ValueError: not UTF-8, not JSON, nested too deeply (JsonLineError)
         return None
     return data if isinstance(data, dict) else None
 
@@ -669,9 +669,9 @@ def _discard(folder: Path, target: Path, ours: Callable[[str], bool] | None = No
         return
     carried: set[str] = set()
     try:
-        listed = json.loads((folder / CARRIED).read_text(encoding="utf-8"))
+        listed = loads_document((folder / CARRIED).read_text(encoding="utf-8"))
         carried = {n for n in listed if isinstance(n, str)} if isinstance(listed, list) else set()
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError):
         pass
     if ours is None:
         ours = marker_owned(folder) or (lambda name: True)

@@ -7,6 +7,9 @@ Every JSONL file (exchange records, reconstructed rows, exports) goes through th
   API sent and the gate must still see it. The fallback refuses what orjson refuses and
   JSON does not have: ``NaN``, ``Infinity`` and a number that overflows a double
   (``1e400``), which every writer would turn into ``null`` or a literal no reader takes;
+* :func:`loads_document` reads a whole JSON file (a tokenizer's config, a provider
+  profile, a marker) as the stdlib does, every way it can fail one :class:`JsonLineError`:
+  a document nested deeper than Python's stack raised RecursionError, which was exit 8;
 * :func:`dumps_line` writes compact JSON with orjson, and ASCII-escapes (stdlib) when the
   value holds lone surrogates, so the file stays valid UTF-8;
 * :func:`iter_lines` gives the non-blank lines of a file with their numbers (invalid
@@ -35,11 +38,12 @@ from collections.abc import Iterator
 import orjson
 
 __all__ = ["MAX_DEPTH", "JsonLineError", "NotJsonlError", "binary_kind", "dumps_document", "dumps_line", "is_count", "is_int", "iter_lines", "json_text",
-           "loads_finite", "loads_line", "not_text", "number_too_long", "text_of", "value_key"]
+           "loads_document", "loads_finite", "loads_line", "not_text", "number_too_long", "text_of", "value_key"]
 
 
 class JsonLineError(ValueError):
-    """A line that is not valid JSON; ``detail`` says where in the line."""
+    """A line (or a document, :func:`loads_document`) that is not valid JSON; ``detail``
+    says where in it."""
 
     def __init__(self, detail: str) -> None:
         super().__init__(detail)
@@ -87,6 +91,26 @@ def loads_finite(text: str | bytes) -> Any:  # Any: any JSON value
         return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except _NotFinite:
         raise JsonLineError(_not_finite_where(text)) from None
+
+
+def loads_document(text: str | bytes) -> Any:  # Any: any JSON value; callers check its shape
+    """A whole JSON document from outside (a tokenizer folder's config, a provider profile,
+    a report, a marker), read by the stdlib as it is (``NaN`` too, which Python's own
+    writers put in configs). Every way it can fail is one :class:`JsonLineError` (a
+    ValueError) saying why, for the caller to name the file: not JSON (with its line and
+    column), not UTF-8, a number of more digits than Python reads, or nested deeper than
+    Python's stack (the stdlib recurses per level: ``[`` * 100,000 raised RecursionError,
+    which no caller expected, and the command ended as an internal error)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise JsonLineError(f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except UnicodeDecodeError as exc:
+        raise JsonLineError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise JsonLineError("nested too deeply to read") from None
+    except ValueError as exc:  # Python's int-string limit: a ValueError, not a JSONDecodeError
+        raise JsonLineError(f"not valid JSON ({number_too_long(exc)})") from None
 
 
 def _without_bom(line: str | bytes) -> str | bytes:

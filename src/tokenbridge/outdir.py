@@ -41,7 +41,6 @@ its own sub-folder, so ``--force`` can only replace that format's output.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any, Literal
 from collections.abc import Callable, Iterable, Mapping
 
+from .jsonl import loads_document
 from .fsio import (CARRIED, MARKER, OutputRefused, foreign_entries, is_temp_name, kind_of, marker_owned, output_file,
                    parent_problem, publish_dir, read_marker, unlisted_folders)
 
@@ -178,9 +178,9 @@ def _marker_field(target: Path, key: str) -> str | None:
 def _is_own(target: Path, kind: OutputKind) -> bool:
     """Whether ``target`` is an earlier tokenbridge output of ``kind``."""
     try:
-        data = json.loads((target / MARKER).read_text(encoding="utf-8"))
+        data = loads_document((target / MARKER).read_text(encoding="utf-8"))
         return isinstance(data, dict) and data.get("tokenbridge_output") == kind
-    except (OSError, ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
+    except (OSError, ValueError):  # ValueError: not UTF-8, not JSON, nested too deeply (JsonLineError)
         pass
     names = {n for n in os.listdir(target) if not is_temp_name(n)}
     if kind == "export":  # pre-marker exports: the dataset card says so
@@ -214,8 +214,8 @@ def _signed(target: Path, kind: OutputKind) -> bool:
                 return True
             continue
         try:
-            data = json.loads(head)
-        except (ValueError, RecursionError):
+            data = loads_document(head)
+        except ValueError:
             continue
         if isinstance(data, dict) and all(k in data for k in sign):
             return True

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ast
 import base64
-import json
 import re
 import sys
 import threading
@@ -466,14 +465,14 @@ def _hub_reason(exc: BaseException) -> str:
 def _read_json(path: Path) -> dict[str, Any]:
     """A JSON object from a tokenizer folder ({} where the file is absent): anything else,
     a list, a number, nesting too deep to read, is the folder's error, said as such."""
+    from .jsonl import loads_document
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_document(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise TokenizerError(f"{path}: cannot read JSON ({exc})") from None
-    except RecursionError:
-        raise TokenizerError(f"{path}: cannot read JSON (nested too deep)") from None
     if not isinstance(data, dict):
         raise TokenizerError(f"{path}: must hold a JSON object, not {_json_type(data)}")
     return data

@@ -24,7 +24,6 @@ Detection reads only samples with one reading and exact-looking evidence
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -267,10 +266,12 @@ def load_provider_profile(path: str | Path) -> dict[str, tuple[str, ...]]:
     Accepts the probe's own output (``{"providers": [{"provider", "profile": {...}}]}``)
     or a bare list of profiles (``[{"provider", "text_edits", ...}]``).
     """
+    from .jsonl import loads_document
+
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = loads_document(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON, nested too deeply (JsonLineError)
         raise ProfileError(f"{path}: cannot read the provider profile ({exc})") from None
     entries = data.get("providers") if isinstance(data, dict) else data
     if not isinstance(entries, list):

@@ -9,10 +9,10 @@ rendered (SGLang's request model refuses it with a 400); each check here raises
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..jsonl import loads_document
 from .dialect import Message, RenderFn
 from .template import TemplateError
 
@@ -115,8 +115,8 @@ def call_arguments(fn: Mapping[str, Any], at: str) -> dict[str, Any]:
     args = fn["arguments"]
     if isinstance(args, str):
         try:
-            args = json.loads(args)
-        except ValueError as exc:
+            args = loads_document(args)
+        except ValueError as exc:  # JsonLineError: nested too deeply to read too
             raise TemplateError(f"{at}.function.arguments: not JSON ({exc})") from None
     if not isinstance(args, Mapping):
         raise TemplateError(f"{at}.function.arguments: must be a JSON object, got {_kind(args)}")

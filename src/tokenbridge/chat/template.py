@@ -18,6 +18,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..jsonl import loads_document
 from .dialect import Message, RenderFn
 
 
@@ -90,8 +91,8 @@ def parsed_call(call: Any) -> Any:
     if not isinstance(fn, Mapping) or not isinstance(fn.get("arguments"), str):
         return call
     try:
-        args = json.loads(fn["arguments"])
-    except ValueError:
+        args = loads_document(fn["arguments"])
+    except ValueError:  # JsonLineError: nested too deeply to read too
         return call
     if not isinstance(args, dict):
         return call

@@ -26,7 +26,6 @@ trained to emit it (:func:`tool_section_text`). Adding a family is one entry in
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..chat import Dialect
+from ..jsonl import loads_document
 from ..tokenizer import Tokenizer
 
 __all__ = ["FAMILIES", "FamilyProfile", "VllmReasoning", "Writer", "family_profile", "skipped_ids", "tool_section_text"]
@@ -148,7 +148,7 @@ def _special_flags(source: str) -> dict[int, bool] | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_document(path.read_text(encoding="utf-8"))
         return {int(t["id"]): bool(t.get("special", True)) for t in data.get("added_tokens") or ()}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # ValueError: JsonLineError too
         return None

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from aiohttp import web
 
 from ..chat import TemplateError, resolve_dialect
 from ..chat.harmony import HarmonyDialect
+from ..jsonl import loads_document
 from ..tokenizer import Tokenizer
 from .choices import ChoiceView, LogprobsAsk, build_choice
 from .config import ConfigError, EmulatorConfig, ProviderConfig
@@ -282,8 +282,8 @@ class _Emulator:
 
     def _parse(self, raw: bytes) -> _Request:
         try:
-            body = json.loads(raw)
-        except ValueError as exc:
+            body = loads_document(raw)
+        except ValueError as exc:  # JsonLineError too: nested too deeply to read
             raise _HTTPError(400, f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise _HTTPError(400, "request body must be a JSON object")
@@ -483,8 +483,8 @@ async def _wait_with_comments(resp: web.StreamResponse, seconds: float) -> None:
 
 async def _admin_body(request: web.Request) -> dict[str, Any]:
     try:
-        body = json.loads(await request.read() or b"{}")
-    except ValueError:
+        body = loads_document(await request.read() or b"{}")
+    except ValueError:  # JsonLineError too: nested too deeply to read
         raise web.HTTPBadRequest(text=dumps(error_body(400, "body is not JSON")), content_type="application/json") from None
     if not isinstance(body, dict):
         raise web.HTTPBadRequest(text=dumps(error_body(400, "body must be an object")), content_type="application/json")

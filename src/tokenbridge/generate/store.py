@@ -67,7 +67,7 @@ from collections.abc import Iterable, Iterator
 
 from ..exit_codes import ExitCode
 from ..fsio import PRIVATE_MODE
-from ..jsonl import is_count
+from ..jsonl import is_count, loads_document
 from ..outdir import store_problem
 from .body import MAX_PLAUSIBLE_COST, MAX_PLAUSIBLE_TOKENS
 from .errors import GenerateError
@@ -213,8 +213,8 @@ def _add_indexes(conn: sqlite3.Connection) -> None:
 
 def _usage(usage_json: str | None) -> dict[str, Any]:
     try:
-        usage = json.loads(usage_json) if usage_json else None
-    except ValueError:
+        usage = loads_document(usage_json) if usage_json else None
+    except ValueError:  # JsonLineError too: nested too deeply to read
         return {}
     return usage if isinstance(usage, dict) else {}
 
@@ -540,8 +540,8 @@ class Store:
         """What ``exchanges.jsonl`` was last written from (:func:`.run._write_exchanges`), or None."""
         row = self._conn.execute("SELECT value FROM meta WHERE key='exchanges'").fetchone()
         try:
-            value = json.loads(row[0]) if row else None
-        except ValueError:
+            value = loads_document(row[0]) if row else None
+        except ValueError:  # JsonLineError too: nested too deeply to read
             return None
         return value if isinstance(value, dict) else None
 
