@@ -219,7 +219,7 @@ def _finish(value: str | None, *, missing: bool = False) -> Mode:
     return first
 
 
-@pytest.mark.parametrize("first", [_finish(None), _finish(None, missing=True)], ids=["null", "missing"])
+@pytest.mark.parametrize("first", [_finish(None), _finish(None, missing=True), _finish("")], ids=["null", "missing", "empty"])
 def test_an_answer_without_finish_reason_is_sent_again_as_a_choice_error(tmp_path, first):
     summary, seen = _run(tmp_path, first)
     assert len(seen) == 2 and summary.done == 1

@@ -59,6 +59,16 @@ def test_build_request_fields_routing_and_extra_body():
         (200, '{"error":{"code":429,"message":"slow down"}}', "rate_limited", "http_429"),
         (200, '{"error":{"code":402,"message":"no credits"}}', "payment", "http_402"),
         (200, '{"choices":[{"message":{"content":"x"},"finish_reason":"error"}]}', "retry", "choice_error"),
+        (200, '{"choices":[{"message":{"content":"x"},"finish_reason":null}]}', "retry", "choice_error"),
+        (200, '{"choices":[{"message":{"content":"x"}}]}', "retry", "choice_error"),
+        # "" is no finish, as null: it was kept (and the gate flagged it finish_unknown)
+        (200, '{"choices":[{"message":{"content":"x"},"finish_reason":""}]}', "retry", "choice_error"),
+        (200, '{"choices":[{"message":{"content":"x"},"finish_reason":" "}]}', "retry", "choice_error"),
+        # not a string: the reader refuses the record, so it is a billed bad_choices, never a crash
+        (200, '{"choices":[{"message":{"content":"x"},"finish_reason":5}]}', "retry", "bad_choices"),
+        (200, '{"choices":[{"message":{"content":"x"},"finish_reason":["stop"]}]}', "retry", "bad_choices"),
+        (200, '{"choices":[{"message":{"content":"x"},"finish_reason":{"a":1}}]}', "retry", "bad_choices"),
+        (200, '{"choices":[{"message":{"content":"x"},"finish_reason":true}]}', "retry", "bad_choices"),
         (200, '{"choices":[]}', "retry", "no_choices"),
         (408, "", "retry", "http_408"),
         (409, "", "retry", "http_409"),
@@ -158,6 +168,23 @@ def test_stream_assembler_builds_the_non_streamed_shape():
         ],
         "usage": {"prompt_tokens": 2, "completion_tokens": 4, "cost": 0.5},
     }
+
+
+@pytest.mark.parametrize("before", [None, ""])
+def test_an_empty_finish_reason_in_a_stream_is_no_finish_and_undoes_none(before):
+    """Servers that send ``finish_reason: ""`` in every chunk but the finishing one: a ""
+    after the finish (a usage chunk) no longer replaces it, and a stream whose last word is
+    "" is not finished (the gate rejects it as it rejects null)."""
+    asm = StreamAssembler()
+    asm.add(_chunk({"role": "assistant", "content": "Hi"}, before, choice_extra={"native_finish_reason": before}))
+    asm.add(_chunk({"content": "."}, "stop", choice_extra={"native_finish_reason": "stop"}))
+    asm.add(_chunk({}, "", choice_extra={"native_finish_reason": ""}, usage={"prompt_tokens": 2, "completion_tokens": 2}))
+    assert asm.finished
+    choice = asm.result()["choices"][0]
+    assert (choice["finish_reason"], choice["native_finish_reason"]) == ("stop", "stop")
+    cut = StreamAssembler()
+    cut.add(_chunk({"role": "assistant", "content": "Hi"}, ""))
+    assert not cut.finished and cut.result()["choices"][0]["finish_reason"] == ""
 
 
 def test_stream_assembler_sees_errors_and_truncation():

@@ -98,6 +98,10 @@ CASES = {
     "empty_completion": (dict(reasoning="", content="", finish="stop"), ["empty_completion"]),
     "finish_error": (dict(content="ok", finish="error"), ["finish_error"]),
     "finish_error (content_filter)": (dict(content="ok", finish="content_filter"), ["finish_error"]),
+    "finish_error (null)": (dict(content="ok", finish=None), ["finish_error"]),
+    # an empty finish_reason is no finish, as null: it was a finish_unknown warning, the row kept
+    "finish_error (empty)": (dict(content="ok", finish=""), ["finish_error"]),
+    "finish_error (blank)": (dict(content="ok", finish=" \n"), ["finish_error"]),
     "finish_unknown": (dict(content="ok", finish="weird"), ["finish_unknown"]),
     "usage_missing": (dict(content="ok", finish="stop", usage=False), ["usage_missing"]),
 }
@@ -110,6 +114,25 @@ def test_each_finding_code(kimi, name):
     assert codes(row) == expected
     severity = {CODES[c][0] for c in expected}
     assert row["status"] == ("rejected" if "error" in severity else "flagged")
+
+
+@pytest.mark.parametrize("finish", [5, 1.5, True, ["stop"], {"a": 1}])
+def test_a_finish_reason_that_is_no_string_is_a_bad_record_not_a_crash(kimi, finish):
+    with pytest.raises(RecordError) as err:
+        reconstruct_record(make(kimi, content="ok", finish=finish), kimi)
+    assert (err.value.field, err.value.detail) == (
+        "response.choices[0].finish_reason", f"must be a string or null, got {type(finish).__name__}")
+
+
+def test_an_empty_finish_reason_is_rejected_as_null_is(kimi):
+    """The same finding, the same words but the value: "" is no finish, as null is."""
+    empty, = reconstruct_record(make(kimi, content="ok", finish=""), kimi)
+    null, = reconstruct_record(make(kimi, content="ok", finish=None), kimi)
+    assert [(f["code"], f["message"]) for f in empty["findings"]] == [
+        ("finish_error", "finish_reason='': the choice did not finish normally")]
+    assert [(f["code"], f["message"]) for f in null["findings"]] == [
+        ("finish_error", "finish_reason=None: the choice did not finish normally")]
+    assert (empty["status"], empty["finish_reason"], empty["completion_ids"]) == ("rejected", "", null["completion_ids"])
 
 
 def _native(kimi, native, counted_as="length", content="The capital of France is"):

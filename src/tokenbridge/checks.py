@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
 from .content import content_text
-from .evidence import NATIVE_CUT, NATIVE_FAILED, LogprobIds, logprobs_cover, native_finish
+from .evidence import NATIVE_CUT, NATIVE_FAILED, LogprobIds, logprobs_cover, native_finish, no_finish
 from .jsonl import text_of
 from .tokenizer import Tokenizer
 
@@ -225,7 +225,7 @@ def _finish(view: SampleView, policy: Policy) -> Iterator[_Hit]:
         err = view.choice.get("error")
         detail = f": {err.get('message', err)}" if isinstance(err, Mapping) else ""
         yield "finish_error", f"finish_reason={reason!r}{detail}"
-    elif reason in (None, "content_filter"):
+    elif no_finish(reason) or reason == "content_filter":  # "" too: no finish, as null
         yield "finish_error", f"finish_reason={reason!r}: the choice did not finish normally"
     elif reason in _ENDED and native_finish(view.choice) in NATIVE_FAILED:
         yield "finish_error", f"finish_reason={reason!r} but native_finish_reason={native!r}: the provider says the choice failed"

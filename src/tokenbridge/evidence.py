@@ -43,6 +43,7 @@ __all__ = [
     "logprobs_cover",
     "matched_stop",
     "native_finish",
+    "no_finish",
     "reasoning_tokens",
 ]
 
@@ -57,6 +58,16 @@ def native_finish(choice: Mapping[str, Any]) -> str | None:
     """A choice's ``native_finish_reason``, lowercased; None where it gives none."""
     native = choice.get("native_finish_reason")
     return native.lower() if isinstance(native, str) else None
+
+
+def no_finish(reason: object) -> bool:
+    """Whether a ``finish_reason`` says the choice did not finish: absent or null, or a
+    string with nothing in it (``""``, which some servers send for null). The gate
+    rejects such a choice (``finish_error``) and generate sends it again (``choice_error``),
+    the one rule on both sides; a stream's later chunk saying ``""`` does not undo an
+    earlier ``"stop"``. Any value is taken: a finish_reason of another type is refused
+    by :func:`~tokenbridge.exchanges.check_response`, not here."""
+    return reason is None or (isinstance(reason, str) and not reason.strip())
 
 
 #: Logged ids that are not known, by what the entry shows. An engine that builds an

@@ -60,7 +60,7 @@ import aiohttp
 import orjson
 from aiohttp.http_exceptions import HttpProcessingError
 
-from ..evidence import NATIVE_FAILED, native_finish
+from ..evidence import NATIVE_FAILED, native_finish, no_finish
 from ..exchanges import RecordError, check_response
 from ..jsonl import is_int, text_of
 from .body import BodyError, check_body
@@ -138,8 +138,9 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
                 f"choice finished with native_finish_reason {native_finish(choice)!r}" if _aborted(choice)
                 else "choice finished with error")
             return Outcome("retry", "choice_error", message, status), parsed
-        if isinstance(choice, dict) and choice.get("finish_reason") is None:  # the gate rejects it (finish_error)
-            return Outcome("retry", "choice_error", "a choice came without finish_reason: it did not finish", status), parsed
+        if isinstance(choice, dict) and no_finish(reason := choice.get("finish_reason")):  # the gate rejects it (finish_error)
+            said = "without finish_reason" if reason is None else f"with an empty finish_reason ({reason!r})"
+            return Outcome("retry", "choice_error", f"a choice came {said}: it did not finish", status), parsed
     return Outcome("ok", status=status), parsed
 
 

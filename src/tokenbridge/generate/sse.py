@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import orjson
 
+from ..evidence import no_finish
 from ..jsonl import is_count, is_int
 from .secrets import ApiKey, scrub
 
@@ -255,8 +256,8 @@ class StreamAssembler:
                     msg["role"] = value
             else:
                 msg[key] = _merge_value(msg.get(key), value, concat=True)
-        for key in ("finish_reason", "native_finish_reason"):
-            if key in choice and (choice[key] is not None or key not in out):
+        for key in ("finish_reason", "native_finish_reason"):  # a later null or "" does not undo a finish
+            if key in choice and (not no_finish(choice[key]) or key not in out):
                 out[key] = choice[key]
         if "logprobs" in choice:
             out["logprobs"] = _merge_logprobs(out.get("logprobs"), choice["logprobs"])
