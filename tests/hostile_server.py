@@ -13,6 +13,7 @@ the bytes of every whole body it answered with (what a test compares the store w
                       ``1e400``, ``1e300``, ``null``...), the rest valid
   usage_not_object    ``"usage": "lots"``
   choice_error_billed:<usd>  200 with ``finish_reason: "error"`` and ``usage.cost`` <usd>
+  finish:<how>        ``ok`` whose finish_reason is ``missing``, ``null`` or ``empty`` (``""``)
   bad_utf8_pretty     a pretty-printed (multi-line) body with an invalid UTF-8 byte in a string
   pretty              a pretty-printed (multi-line) valid body
   endless[:<status>]  ``application/json`` whose body never ends (64 KiB writes), status 200
@@ -187,6 +188,13 @@ class HostileServer:
         if name == "choice_error_billed":  # a choice that ended in error, billed all the same
             doc = _ok(cost=float(arg))
             doc["choices"][0]["finish_reason"] = "error"
+            return _json_bytes(json.dumps(doc).encode())
+        if name == "finish":  # finish_reason missing, null or empty, the rest valid
+            doc = _ok()
+            if arg == "missing":
+                del doc["choices"][0]["finish_reason"]
+            else:
+                doc["choices"][0]["finish_reason"] = {"null": None, "empty": ""}[arg]
             return _json_bytes(json.dumps(doc).encode())
         if name == "usage_not_object":
             return _json_bytes(json.dumps({**_ok(), "usage": "lots"}).encode())

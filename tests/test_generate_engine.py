@@ -357,6 +357,7 @@ def test_streaming_assembles_and_stores_the_raw_stream(tmp_path):
     summary = _run(script, tmp_path, 2, stream=True)
     assert summary.done == 2
     assert summary.errors == {"stream_error": 1, "truncated_stream": 1}
+    assert summary.no_finish == 0  # no [DONE]: a cut stream, not an answer that gave no finish_reason
     rows = _rows(tmp_path)
     msg = rows[0]["response"]["choices"][0]
     assert msg["message"] == {"role": "assistant", "content": "Hello", "reasoning": "hm"}
@@ -368,6 +369,29 @@ def test_streaming_assembles_and_stores_the_raw_stream(tmp_path):
     with Store.open(tmp_path / "run") as store:
         att = store.attempts("b3-0")
     assert att[0].error_class == "stream_error" and "upstream died" in att[0].message
+
+
+def test_a_whole_stream_whose_finish_reason_says_nothing_is_an_answer_without_one(tmp_path):
+    """[DONE] came, every chunk said ``finish_reason: ""``: the provider sent no finish (sent
+    again, counted with the answers that came without one, its raw stream kept)."""
+    empty = _sse([_chunk({"role": "assistant", "content": "Hel"}, ""), _chunk({"content": "lo"}, ""),
+                  _chunk({}, "", usage={"prompt_tokens": 3, "completion_tokens": 2, "cost": 0.01})])
+    good = _sse([_chunk({"role": "assistant", "content": "Hello"}, "stop")])
+
+    async def reply(prompt, attempt, body, request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(empty if attempt == 1 else good)
+        await resp.write_eof()
+        return resp
+
+    summary = _run(Script(reply), tmp_path, 1, stream=True)
+    assert (summary.done, summary.errors) == (1, {"truncated_stream": 1})
+    assert (summary.no_finish, summary.no_finish_attempts, summary.no_finish_failed) == (1, 1, 0)
+    assert summary.no_finish_cost == pytest.approx(0.01)
+    with Store.open(tmp_path / "run") as store:
+        first = store.attempts("b3-0")[0]
+    assert (first.error_class, first.body) == ("truncated_stream", empty)
 
 
 def test_budget_cap_stops_before_crossing(tmp_path):

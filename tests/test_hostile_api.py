@@ -444,6 +444,48 @@ def test_a_billed_error_reply_still_counts_against_the_budget(server, tmp_path):
     assert summary.spent_total == pytest.approx(0.25 + 0.0001)
 
 
+def test_answers_without_finish_reason_are_bounded_kept_and_said(server, tmp_path):
+    """A provider that never sends finish_reason is paid max_attempts (3) times a prompt: the
+    retries stop there, every paid body stays in its attempt row, and the summary says how
+    many prompts it happened to, in words, not only inside choice_error's count."""
+    server.plan["q0"] = ["finish:missing"]
+    server.plan["q1"] = ["finish:empty", "finish:null", "ok"]
+    summary = _run(server, tmp_path, 3)
+    assert (summary.done, summary.failed, summary.exit_code) == (2, 1, ExitCode.INCOMPLETE)
+    assert (server.attempts["q0"], server.attempts["q1"], server.attempts["q2"]) == (3, 3, 1)
+    assert summary.errors == {"choice_error": 5}
+    assert (summary.no_finish, summary.no_finish_attempts, summary.no_finish_failed) == (2, 5, 1)
+    assert summary.no_finish_examples == ["h-0", "h-1"]
+    assert summary.no_finish_cost == pytest.approx(5 * 0.0001)
+    assert summary.spent_total == pytest.approx(7 * 0.0001)  # every attempt booked
+    assert summary.failures == [{"id": "h-0", "error_class": "choice_error",
+                                 "error": "gave up after 3 attempts: a choice came without finish_reason: it did not finish"}]
+    with Store.open(tmp_path / "run") as store:
+        for sid, prompt, n in (("h-0", "q0", 3), ("h-1", "q1", 2)):
+            kept = [(a.error_class, a.cost, a.body) for a in store.attempts(sid)][:n]
+            assert kept == [("choice_error", 0.0001, body) for body in server.sent[prompt][:n]]
+    assert [r["id"] for r in _rows(tmp_path)] == ["h-1", "h-2"]
+    assert any(n.startswith("some answers come without finish_reason (e.g. h-0): each is sent again, up to "
+                            "max_attempts=3 per prompt") for n in summary.notices)
+    from tokenbridge.generate.outcome import describe_run, no_finish_line
+    assert no_finish_line(summary) == (
+        "2 prompts got answers without finish_reason: 5 attempts, paid for ($0.0005 reported) and sent again up to "
+        "max_attempts; 1 of those prompts failed, never answered with one (e.g. h-0, h-1); the answers are kept in "
+        "the attempt rows of state.sqlite, not in exchanges.jsonl")
+    assert describe_run(summary).endswith("; 2 prompts got answers without finish_reason (5 billed attempts).")
+
+
+def test_generate_prints_how_many_prompts_got_answers_without_finish_reason(server, tmp_path):
+    server.plan["q0"] = ["finish:missing"]
+    spec = _prompts(tmp_path, 2)
+    res = CliRunner().invoke(app, ["generate", f"h={spec.path}", "--out", str(tmp_path / "run"), "--base-url", server.url,
+                                   "--model", "m", "--progress", "none", "--max-attempts", "2"])
+    assert res.exit_code == ExitCode.INCOMPLETE, res.output + res.stderr
+    assert ("note: 1 prompt got answers without finish_reason: 2 attempts, paid for ($0.0002 reported) and sent again "
+            "up to max_attempts; 1 of those prompts failed, never answered with one (e.g. h-0); the answers are kept "
+            "in the attempt rows of state.sqlite, not in exchanges.jsonl\n") in res.stderr
+
+
 def test_the_budget_stop_notice_prints_small_amounts_with_their_digits(server, tmp_path):
     """The cap's stop line, as the engine prints it (``Budget.stop_message``, whose other cases
     tests/test_generate_units.py holds): ``$0.00`` hid a $0.001 cap and a $0.00037 request."""

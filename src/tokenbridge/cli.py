@@ -497,6 +497,10 @@ def _echo_run_problems(summary: RunSummary, out: Path, *, quiet: bool) -> None:
     if summary.bad_usage:
         _say(f"note: {summary.bad_usage} response(s) kept with unusable usage fields, ignored "
              f"(e.g. {summary.bad_usage_examples[0]}; all in {out / 'generate.json'})", err=True)
+    if summary.no_finish:
+        from .generate.outcome import no_finish_line
+
+        _say(f"note: {no_finish_line(summary)}", err=True)
     if summary.stop_reason:
         _say(f"stopped: {summary.stop_reason}: {summary.already_done + summary.done} of {summary.samples} "
              f"samples kept, {summary.pending} pending (rerun the same command to continue)", err=True)

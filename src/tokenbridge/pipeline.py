@@ -369,7 +369,7 @@ def _generate_stage(cfg: RunConfig, tok: Tokenizer, echo: Callable[[str], None])
     from .generate import generate_run, settings_from_mapping
     from .generate.engine import StopReason
     from .generate.errors import SettingsChanged
-    from .generate.outcome import describe_run
+    from .generate.outcome import describe_run, no_finish_line
 
     out = cfg.out
     settings = settings_from_mapping(cfg.generate, source=str(cfg.source))  # paths joined by load_run_config
@@ -395,6 +395,8 @@ def _generate_stage(cfg: RunConfig, tok: Tokenizer, echo: Callable[[str], None])
         echo(f"generate: {len(summary.bad_rows)} bad rows in all (listed in {out / 'generate.json'})")
     for f in summary.failures[:5]:
         echo(printable(f"generate: failed: {f['id']}: {f['error_class']}: {f['error']}"))  # API text
+    if summary.no_finish:
+        echo(printable(f"generate: {no_finish_line(summary)}"))
     if summary.left_out:  # paid for, kept in the store, but no longer in this config's prompts
         echo(f"generate: {summary.left_out} stored sample(s) of prompts no longer in this config are kept in the "
              f"store and left out of {exchanges.name} and every stage after it")

@@ -83,6 +83,10 @@ class Outcome:
     status: int | None = None
     retry_after: float | None = None
     maybe_billed: bool = False
+    #: an answer (a 200, or a stream that ended) whose choice gave no finish_reason: sent
+    #: again like any choice_error, and counted apart (``RunSummary.no_finish``), since a
+    #: provider that never sends one is paid ``max_attempts`` times for every prompt
+    no_finish: bool = False
 
     @property
     def retryable(self) -> bool:
@@ -140,7 +144,8 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
             return Outcome("retry", "choice_error", message, status), parsed
         if isinstance(choice, dict) and no_finish(reason := choice.get("finish_reason")):  # the gate rejects it (finish_error)
             said = "without finish_reason" if reason is None else f"with an empty finish_reason ({reason!r})"
-            return Outcome("retry", "choice_error", f"a choice came {said}: it did not finish", status), parsed
+            return Outcome("retry", "choice_error", f"a choice came {said}: it did not finish", status,
+                           no_finish=True), parsed
     return Outcome("ok", status=status), parsed
 
 

@@ -138,6 +138,9 @@ class EngineStats:
     no_usage: int = 0  # responses kept without usage
     bad_usage: int = 0  # responses whose usage had fields dropped at the boundary (see .body)
     bad_usage_examples: list[str] = field(default_factory=list)  # "id: usage.cost = -5", first 10
+    no_finish: set[str] = field(default_factory=set)  # samples answered without finish_reason (Outcome.no_finish)
+    no_finish_attempts: int = 0  # those answers: each one sent again, and billed
+    no_finish_cost: float = 0.0  # their reported cost (one with none reported counts as possibly billed)
     stop_reason: str | None = None
     notices: list[str] = field(default_factory=list)
     internal_errors: int = 0  # bugs caught so the run goes on (samples failed as "internal")
@@ -415,6 +418,8 @@ class Engine:
             cost = 0.0  # an error reply with no usage was not billed
         if usage.problems:
             self._bad_usage(item.sample_id, usage)
+        if outcome.no_finish:
+            self._no_finish(item.sample_id, cost)
         possible = self.budget.settle(
             reservation,
             cost,
@@ -660,7 +665,8 @@ class Engine:
                                                                  200, maybe_billed=True), None
         if not asm.finished:
             return b"", self._unkept_stream(asm, raw), Outcome(
-                "retry", "truncated_stream", "stream ended without finish_reason", 200, maybe_billed=True), _usage_part(asm)
+                "retry", "truncated_stream", "stream ended without finish_reason", 200, maybe_billed=True,
+                no_finish=asm.done), _usage_part(asm)  # [DONE] came: the provider sent no finish, not a cut
         try:
             assembled = orjson.dumps(asm.result())
         except (TypeError, orjson.JSONEncodeError) as exc:
@@ -809,6 +815,15 @@ class Engine:
         fallback = "cost from [prices]" if self.s.prices is not None else "cost booked at the reservation"
         self._notice(f"some responses carry unusable usage fields (e.g. {self.stats.bad_usage_examples[0]}): "
                      f"those fields are ignored ({fallback}); the responses are kept")
+
+    def _no_finish(self, sample_id: str, cost: float | None) -> None:
+        """Count an answer that came without finish_reason; the first one says so in the log."""
+        self.stats.no_finish.add(sample_id)
+        self.stats.no_finish_attempts += 1
+        self.stats.no_finish_cost += cost or 0.0
+        self._notice(f"some answers come without finish_reason (e.g. {sample_id}): each is sent again, up to "
+                     f"max_attempts={self.s.max_attempts} per prompt, every attempt billed; the answers are kept in "
+                     "the attempt rows of state.sqlite, not in exchanges.jsonl (the gate rejects them: finish_error)")
 
     def _store_failed(self, exc: BaseException) -> None:
         self._notice(f"stopping: store write failed: {exc}")

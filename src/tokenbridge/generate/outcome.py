@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .run import RunSummary
 
-__all__ = ["describe_run"]
+__all__ = ["describe_run", "no_finish_line"]
 
 
 def _n(count: int, word: str) -> str:
@@ -33,6 +33,18 @@ def describe_run(s: RunSummary) -> str:
     text = f"{_n(s.samples, 'sample')}: {', '.join(parts)}; {money}"
     if s.bad_rows:
         text += f"; {_n(len(s.bad_rows), 'bad prompt row')} skipped"
+    if s.no_finish:
+        text += f"; {_n(s.no_finish, 'prompt')} got answers without finish_reason ({_n(s.no_finish_attempts, 'billed attempt')})"
     if s.stop_reason:
         text += f"; stopped ({s.stop_reason})"
     return text + "."
+
+
+def no_finish_line(s: RunSummary) -> str:
+    """What became of the answers that came without finish_reason (``s.no_finish`` > 0): a
+    provider that never sends one is paid ``max_attempts`` times a prompt, so the count,
+    the money and where the bodies are, plainly."""
+    failed = f"; {s.no_finish_failed} of those prompts failed, never answered with one" if s.no_finish_failed else ""
+    return (f"{_n(s.no_finish, 'prompt')} got answers without finish_reason: {_n(s.no_finish_attempts, 'attempt')}, "
+            f"paid for (${s.no_finish_cost:.4f} reported) and sent again up to max_attempts{failed} (e.g. {', '.join(s.no_finish_examples[:3])}); "
+            "the answers are kept in the attempt rows of state.sqlite, not in exchanges.jsonl")

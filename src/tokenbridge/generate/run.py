@@ -113,6 +113,11 @@ class RunSummary:
     bad_stored: int = 0  # stored responses that cannot be re-emitted (older versions): left out of exchanges
     internal_errors: int = 0  # bugs caught so the run went on (their samples failed as "internal")
     tracebacks: list[str] = field(default_factory=list)  # the first 3 of them, the key masked
+    no_finish: int = 0  # samples that got answers without finish_reason this run (each sent again, billed)
+    no_finish_attempts: int = 0  # those answers (kept in state.sqlite's attempt rows, not in exchanges.jsonl)
+    no_finish_cost: float = 0.0  # their reported cost
+    no_finish_failed: int = 0  # of the no_finish samples, those that ended failed (never answered with one)
+    no_finish_examples: list[str] = field(default_factory=list)  # first 10 sample ids
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -426,6 +431,11 @@ def _summarize(store: Store, engine: Engine, begun: _Begun, bad_rows: list[str],
         bad_usage_examples=list(stats.bad_usage_examples),
         internal_errors=stats.internal_errors,
         tracebacks=list(stats.tracebacks),
+        no_finish=len(stats.no_finish),
+        no_finish_attempts=stats.no_finish_attempts,
+        no_finish_cost=stats.no_finish_cost,
+        no_finish_failed=sum(1 for sid in stats.no_finish if statuses.get(sid) == "failed"),
+        no_finish_examples=[sid for sid in ids if sid in stats.no_finish][:10] if stats.no_finish else [],
     )
 
 
