@@ -361,10 +361,35 @@ def test_a_renamed_dataset_is_refused_before_its_answers_are_bought_again(tmp_pa
             'again (d=PATH on the command line, or name = "d" in a config; a PATH alone is named after its file); '
             "for fresh answers to the same prompts, use another run folder or another seed (--seed, request.seed)")
         assert sum(srv.attempts.values()) == 3 and _stored(run) == before  # nothing sent, added or begun
+        # --dry-run refuses it alike (it said "3 to send", exit 0, and the run then refused)
+        assert _one_line_error(_invoke([*again, *common, "--dry-run"]), 2) == line
+        assert _stored(run) == before
+        dry = _invoke([f"d={prompts}", *common, "--dry-run"])  # the old name: nothing to send, no refusal
+        assert dry.exit_code == 0 and "samples: 3 (3 already done, 0 to send)" in dry.output, dry.output
         res = _invoke([f"d={prompts}", *common])  # the old name: resumed, nothing to send
         assert res.exit_code == 0 and sum(srv.attempts.values()) == 3, res.output
         res = _invoke([*again, *common, "--seed", "7"])  # another request: fresh answers, asked for
         assert res.exit_code == 0 and sum(srv.attempts.values()) == 6, res.output
+
+
+def test_a_dry_run_of_a_folder_with_older_ids_counts_them_done_as_the_run_does(tmp_path):
+    """A folder made before ids stopped doubling their prefix holds ``d-d-a``: the run keeps
+    that id and sends nothing, and so must the dry run count it (it said "1 to send"), and
+    not take its own old answer for a renamed dataset's."""
+    from hostile_server import HostileServer
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "d-a", "prompt": "q a"}) + "\n", encoding="utf-8")
+    run = tmp_path / "run"
+    with HostileServer() as srv:
+        common = [f"d={prompts}", "--out", str(run), "--base-url", srv.url, "--model", "m", "--progress", "none"]
+        assert _invoke(common).exit_code == 0
+        with sqlite3.connect(run / "state.sqlite") as con:  # the id an older version gave it
+            for table, column in (("samples", "id"), ("responses", "sample_id"), ("attempts", "sample_id")):
+                con.execute(f"UPDATE {table} SET {column} = 'd-' || {column}")
+        dry = _invoke([*common, "--dry-run"])
+        assert dry.exit_code == 0 and "samples: 1 (1 already done, 0 to send)" in dry.output, dry.output
+        assert _invoke(common).exit_code == 0 and srv.attempts["q a"] == 1
 
 
 def test_repeats_a_run_asks_for_are_still_sent(tmp_path):

@@ -81,14 +81,17 @@ class DryRunReport:
 def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None) -> DryRunReport:
     """Load and render every prompt, count tokens, estimate cost. Sends nothing, writes nothing."""
     from ..chat import RENDER_FAILURES
-    from .run import check_sendable
+    from .run import check_sendable, refuse_answered_elsewhere, store_row
 
     check_sendable(settings)
     loaded = load_prompts(settings.datasets, default_limit=settings.limit)
     done_ids: set[str] = set()
+    run_ids = [s.id for s in loaded.samples]
     observed: float | None = None
     if out_dir is not None and (Path(out_dir) / STATE_FILE).is_file():
         with Store.open(out_dir) as store:
+            # what the run refuses before it sends (a renamed dataset: AlreadyAnswered), refused here alike
+            run_ids = refuse_answered_elsewhere(store, [store_row(s, settings) for s in loaded.samples], Path(out_dir))
             done_ids = {sid for sid, status in store.statuses().items() if status == "done"}  # no request read
             p, c, _ = store.token_totals()
             if done_ids and c:
@@ -99,10 +102,10 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None) -> Dr
     to_send = 0
     n_per = settings.request.n or 1
     render_errors: list[str] = []
-    for s in loaded.samples:
+    for s, sid in zip(loaded.samples, run_ids, strict=True):
         d = per.setdefault(s.dataset, {"samples": 0, "prompt_tokens": 0})
         d["samples"] += 1
-        if s.id in done_ids:
+        if sid in done_ids:  # the id the run uses: a folder's older one where it holds that
             continue
         request = build_request(s, settings.request)
         try:

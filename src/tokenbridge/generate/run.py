@@ -42,7 +42,7 @@ from .engine import DRAIN_S, Engine, StopReason, WorkItem
 from .errors import AlreadyAnswered, SettingsChanged
 from .lock import run_lock
 from .progress import Reporter
-from .prompts import SHOWN_BAD_ROWS, keep_stored_ids, load_prompts
+from .prompts import SHOWN_BAD_ROWS, Sample, keep_stored_ids, load_prompts
 from .request import build_request
 from .secrets import ApiKey, check_api_key, placeholder_notice, read_api_key, scrub
 from .settings import ConfigError, GenerateSettings, endpoint_identity, is_loopback_url, plain_http_problem
@@ -265,11 +265,26 @@ def _load_rows(settings: GenerateSettings, reporter: Reporter) -> tuple[list[_Ro
     for spec in settings.datasets:  # as reconstruct says of an empty input: a typo'd or unfilled file sends nothing
         if spec.name not in given and (spec.limit if spec.limit is not None else settings.limit) != 0:
             reporter.log(f"warning: dataset {spec.name} ({spec.path}) gave no prompt: nothing of it is sent")
-    rows = [
-        (s.id, s.dataset, text_of(s.source), json.dumps(build_request(s, settings.request), ensure_ascii=False, separators=(",", ":")))
-        for s in loaded.samples
-    ]
+    rows = [store_row(s, settings) for s in loaded.samples]
     return rows, [str(e) for e in loaded.errors]
+
+
+def store_row(sample: Sample, settings: GenerateSettings) -> _Row:
+    """A sample as the store keeps it: (id, dataset, source, the request's JSON, byte for
+    byte what is sent and what a renamed dataset is matched by)."""
+    request = json.dumps(build_request(sample, settings.request), ensure_ascii=False, separators=(",", ":"))
+    return sample.id, sample.dataset, text_of(sample.source), request
+
+
+def refuse_answered_elsewhere(store: Store, rows: list[_Row], out_dir: Path) -> list[str]:
+    """What a run checks before it adds ``rows`` (:func:`store_row`, every sample of the
+    run) to ``store``, for ``--dry-run`` to refuse what the run refuses: new samples the
+    folder holds answers to under other ids raise :class:`AlreadyAnswered`, the same
+    message. Returns the run's sample ids (a folder's older ids kept, as the run keeps them)."""
+    stored = store.statuses()
+    rows, ids = keep_stored_ids(rows, stored)
+    _refuse_answered_elsewhere(store, [r for r in rows if r[0] not in stored], ids, stored, out_dir)
+    return ids
 
 
 def _described(settings: GenerateSettings, key: ApiKey | None) -> dict[str, Any]:
