@@ -165,9 +165,9 @@ def test_missing_folder_and_bad_files(tmp_path):
 @pytest.mark.parametrize("name", ["tokenizer_config.json", "chat_template.json"])
 @pytest.mark.parametrize("body,why", [
     # the stdlib recurses per level: a RecursionError, and the command's exit 8
-    ("[" * 100_000, "nested too deeply to read"),
-    ('{"a":\n x}', "not valid JSON (Expecting value at line 2 column 2)"),
-    ('["chat_template"]', "the top level is list, not an object"),
+    ("[" * 100_000, "cannot read JSON (nested too deeply to read)"),
+    ('{"a":\n x}', "cannot read JSON (not valid JSON (Expecting value at line 2 column 2))"),
+    ('["chat_template"]', "must hold a JSON object, not an array"),
 ])
 def test_a_tokenizer_folders_unreadable_json_names_the_file(tmp_path, kimi_dir, name, body, why):
     folder = _linked_folder(tmp_path, kimi_dir, "tiktoken.model",
@@ -175,7 +175,7 @@ def test_a_tokenizer_folders_unreadable_json_names_the_file(tmp_path, kimi_dir, 
     (folder / name).write_text(body)
     with pytest.raises(TokenizerError) as err:
         load_tokenizer(folder)
-    assert str(err.value) == f"{folder / name}: cannot read JSON ({why})"
+    assert str(err.value) == f"{folder / name}: {why}"
 
 
 def test_a_models_config_too_deep_to_read_is_as_if_it_were_not_there(tmp_path, kimi_dir):
