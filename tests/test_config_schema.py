@@ -108,6 +108,13 @@ def test_run_formats_as_a_string_is_an_error(tmp_path, kimi_dir):
     ]
 
 
+def test_run_format_named_twice_is_an_error(tmp_path, kimi_dir):
+    """Exported twice into one folder, the second over the first: refused before any work."""
+    text = _replace(_run_toml(kimi_dir), 'formats = ["conversations"]', 'formats = ["conversations", "parquet", "conversations"]')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [f"{path}:{_line(text, 'formats')}: export.formats: conversations named more than once"]
+
+
 def test_run_negative_draft_vocab_size(tmp_path, kimi_dir):
     text = _replace(_run_toml(kimi_dir), "draft_vocab_size = 64", "draft_vocab_size = -5")
     path = _write(tmp_path, text)

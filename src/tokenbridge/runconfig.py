@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 from collections.abc import Callable, Mapping
 
-from pydantic import AfterValidator, Field, with_config
+from pydantic import AfterValidator, Field, field_validator, with_config
 
 from .checks import CODES, Policy
 from .exit_codes import ExitCode
@@ -112,6 +112,15 @@ class ReconstructSection:
 class ExportSection:
     formats: tuple[ExportFormat, ...] = tuple(FORMATS)
     include_flagged: Bool = False
+
+    @field_validator("formats")
+    @classmethod
+    def _each_once(cls, formats: tuple[str, ...]) -> tuple[str, ...]:
+        """A format named twice would be exported twice into one folder, the second run over the first."""
+        twice = sorted({f for f in formats if formats.count(f) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} named more than once")
+        return formats
 
 
 @with_config(FORBID)
