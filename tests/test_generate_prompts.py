@@ -80,6 +80,7 @@ def test_bad_rows_name_file_line_and_field_and_the_rest_goes_on(tmp_path):
             {"text": "no known field"},
             {"id": "dup", "prompt": "a"},
             {"id": "dup", "prompt": "b"},
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},  # a text part with no text
             {"prompt": "ok 2"},
         ],
     )
@@ -95,10 +96,12 @@ def test_bad_rows_name_file_line_and_field_and_the_rest_goes_on(tmp_path):
         ("line 7", "messages"),
         ("line 8", "messages"),
         ("line 10", "id"),
+        ("line 11", "messages[0].content[0].text"),
     ]
     assert str(loaded.errors[1]) == f"{f}: line 3: field 'messages[0].role': unknown role 'bot' " \
         "(expected one of ['assistant', 'developer', 'system', 'tool', 'user'])"
-    assert "duplicate id 'dup' (first at" in loaded.errors[-1].message
+    assert "duplicate id 'dup' (first at" in loaded.errors[-2].message
+    assert str(loaded.errors[-1]) == f"{f}: line 11: field 'messages[0].content[0].text': missing (a text part holds its text)"
 
 
 def test_parquet_file_and_limits_and_several_datasets(tmp_path):

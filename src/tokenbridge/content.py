@@ -41,7 +41,7 @@ def role_fault(role: object) -> str | None:
 def content_fault(content: object) -> tuple[str, str] | None:
     """Why ``content`` is not a message content the project reads, as (the sub-field after
     ``content``, why), or None: a string, null, or a list of part objects each with a
-    string ``type``, a ``text`` part's ``text`` a string (:func:`content_text` reads those,
+    string ``type``, a ``text`` part's ``text`` present and a string (:func:`content_text` reads those,
     and the conversations export writes what it reads)."""
     if content is None or isinstance(content, str):
         return None
@@ -50,6 +50,8 @@ def content_fault(content: object) -> tuple[str, str] | None:
     for k, part in enumerate(content):
         if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
             return f"[{k}]", "must be a content part object with a string 'type'"
+        if part["type"] == "text" and "text" not in part:  # OpenAI's text part holds its text: a prompt with none is lost
+            return f"[{k}].text", "missing (a text part holds its text)"
         if "text" in part and not isinstance(part["text"], str):
             return f"[{k}].text", f"must be a string, got {type(part['text']).__name__}"
     return None
