@@ -372,6 +372,29 @@ def test_a_renamed_dataset_is_refused_before_its_answers_are_bought_again(tmp_pa
         assert res.exit_code == 0 and sum(srv.attempts.values()) == 6, res.output
 
 
+def test_a_dry_run_reads_the_store_without_writing_or_waiting_on_a_run(tmp_path):
+    """--dry-run opened the store as a run does: it made and upgraded the schema and took
+    the write lock, so beside a running generate it waited on that lock (60 s), then failed."""
+    from hostile_server import HostileServer
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k, "prompt": f"q {k}"}) + "\n" for k in "ab"), encoding="utf-8")
+    run = tmp_path / "run"
+    with HostileServer() as srv:
+        common = [f"d={prompts}", "--out", str(run), "--base-url", srv.url, "--model", "m", "--progress", "none"]
+        assert _invoke(common).exit_code == 0
+    before = (run / "state.sqlite").read_bytes()
+    writer = sqlite3.connect(run / "state.sqlite", isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")  # a run in the middle of a write
+    try:
+        dry = _invoke([*common, "--dry-run"])
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    assert dry.exit_code == 0 and "samples: 2 (2 already done, 0 to send)" in dry.output, dry.output
+    assert (run / "state.sqlite").read_bytes() == before
+
+
 def test_a_dry_run_of_a_folder_with_older_ids_counts_them_done_as_the_run_does(tmp_path):
     """A folder made before ids stopped doubling their prefix holds ``d-d-a``: the run keeps
     that id and sends nothing, and so must the dry run count it (it said "1 to send"), and

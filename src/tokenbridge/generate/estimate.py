@@ -88,10 +88,11 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None) -> Dr
     done_ids: set[str] = set()
     run_ids = [s.id for s in loaded.samples]
     observed: float | None = None
-    if out_dir is not None and (Path(out_dir) / STATE_FILE).is_file():
-        with Store.open(out_dir) as store:
+    state = Path(out_dir) / STATE_FILE if out_dir is not None else None
+    if state is not None and state.is_file() and state.stat().st_size > 0:  # an empty one holds nothing done
+        with Store.open_readonly(state.parent) as store:
             # what the run refuses before it sends (a renamed dataset: AlreadyAnswered), refused here alike
-            run_ids = refuse_answered_elsewhere(store, [store_row(s, settings) for s in loaded.samples], Path(out_dir))
+            run_ids = refuse_answered_elsewhere(store, [store_row(s, settings) for s in loaded.samples], state.parent)
             done_ids = {sid for sid, status in store.statuses().items() if status == "done"}  # no request read
             p, c, _ = store.token_totals()
             if done_ids and c:

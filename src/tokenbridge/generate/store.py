@@ -323,6 +323,7 @@ class Store:
         self.path = path
         self._conn = conn
         self.run: int | None = None
+        self._readonly = False
 
     @classmethod
     def open(cls, run_dir: str | Path) -> Store:
@@ -373,6 +374,34 @@ class Store:
             conn.close()
             raise StoreError(f"{path}: schema version {str(version)[:40]!r}, this tokenbridge reads {SCHEMA_VERSION}")
         return cls(path, conn)
+
+    @classmethod
+    def open_readonly(cls, run_dir: str | Path) -> Store:
+        """``RUN/state.sqlite`` opened to read only (``--dry-run``): no schema made or upgraded,
+        no pragma set, no lock that keeps a run out. An older schema is refused (a run
+        upgrades it), as is anything that is no tokenbridge store."""
+        path = Path(run_dir) / STATE_FILE
+        why = store_problem(path)
+        if why is not None:
+            raise StoreError(f"{why}; nothing was read")
+        try:
+            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=60.0, isolation_level=None,
+                                   check_same_thread=False)
+            try:
+                row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            except sqlite3.DatabaseError:
+                conn.close()
+                raise
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{path}: not a usable tokenbridge state file ({exc})") from None
+        version = row[0] if row else None
+        if str(version) != str(SCHEMA_VERSION):
+            conn.close()
+            older = " (the next run upgrades it; a dry run writes nothing)" if version in _UPGRADES else ""
+            raise StoreError(f"{path}: schema version {str(version)[:40]!r}, this tokenbridge reads {SCHEMA_VERSION}{older}")
+        store = cls(path, conn)
+        store._readonly = True
+        return store
 
     def close(self) -> None:
         self._conn.close()
@@ -755,17 +784,18 @@ class Store:
         return list(self._conn.execute("SELECT id, error_class, error FROM samples WHERE status='failed' ORDER BY seq"))
 
     class _Tx:
-        def __init__(self, conn: sqlite3.Connection) -> None:
+        def __init__(self, conn: sqlite3.Connection, readonly: bool = False) -> None:
             self.conn = conn
+            self.begin = "BEGIN" if readonly else "BEGIN IMMEDIATE"  # a read-only one takes no write lock
 
         def __enter__(self) -> None:
-            self.conn.execute("BEGIN IMMEDIATE")
+            self.conn.execute(self.begin)
 
         def __exit__(self, exc_type: object, *rest: object) -> None:
             self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
 
     def _tx(self) -> Store._Tx:
-        return Store._Tx(self._conn)
+        return Store._Tx(self._conn, self._readonly)
 
 
 
