@@ -510,21 +510,9 @@ def _reconcile(
     before this run. New samples whose requests it holds answers to under other ids are
     refused (:func:`_refuse_answered_elsewhere`).
     """
-    diffs = store.diff_requests(rows)
-    new_request = {r[0]: r[3] for r in rows} if diffs else {}
-    done_diffs = [(sid, old) for sid, status, old in diffs if status == "done"]
-    here = endpoint_identity(scrub(settings.base_url, key))
-    other_urls = {u: v for u, v in store.done_base_urls(ids).items()
-                  if u is not None and endpoint_identity(scrub(u, key)) != here}
-    kept_old = len(done_diffs) + sum(n for n, _ in other_urls.values())
-    if (done_diffs or other_urls) and not force:
-        what = []
-        if done_diffs:
-            sid, old = done_diffs[0]
-            what.append(f"{len(done_diffs)} with another request ({_request_delta(old, new_request[sid])}, e.g. {sid})")
-        for url, (n, sid) in other_urls.items():
-            what.append(f"{n} answered by {_stored_url(url, key)} (now {scrub(settings.base_url, key)}, e.g. {sid})")
-        raise SettingsChanged(f"{out_dir}: done samples were generated with other settings: {'; '.join(what)}")
+    diffs, new_request, kept_old, refusal = _settings_check(store, rows, ids, settings, key, out_dir)
+    if refusal is not None and not force:
+        raise refusal
     # only the new rows: diff_requests compared the stored ones (add_samples would again,
     # reading every stored request), and a stored sample is never added twice
     new = [r for r in rows if r[0] not in stored]
@@ -537,6 +525,38 @@ def _reconcile(
     if kept_old:
         reporter.log(f"--force-settings: {kept_old} done sample(s) keep answers made with other settings")
     return len(diffs), kept_old
+
+
+def refuse_changed_settings(store: Store, rows: list[_Row], ids: list[str], settings: GenerateSettings,
+                            key: ApiKey | None, out_dir: Path) -> None:
+    """:class:`SettingsChanged` where the run would raise it (``--force-settings`` aside),
+    for ``--dry-run`` to refuse what the run refuses; reads only."""
+    refusal = _settings_check(store, rows, ids, settings, key, out_dir)[3]
+    if refusal is not None:
+        raise refusal
+
+
+def _settings_check(store: Store, rows: list[_Row], ids: list[str], settings: GenerateSettings, key: ApiKey | None,
+                    out_dir: Path) -> tuple[list[tuple[str, str, str]], dict[str, str], int, SettingsChanged | None]:
+    """(stored rows whose request differs, the new request of each, done samples made with
+    other settings, the :class:`SettingsChanged` that says so, None where there are none)."""
+    diffs = store.diff_requests(rows)
+    new_request = {r[0]: r[3] for r in rows} if diffs else {}
+    done_diffs = [(sid, old) for sid, status, old in diffs if status == "done"]
+    here = endpoint_identity(scrub(settings.base_url, key))
+    other_urls = {u: v for u, v in store.done_base_urls(ids).items()
+                  if u is not None and endpoint_identity(scrub(u, key)) != here}
+    kept_old = len(done_diffs) + sum(n for n, _ in other_urls.values())
+    if not (done_diffs or other_urls):
+        return diffs, new_request, kept_old, None
+    what = []
+    if done_diffs:
+        sid, old = done_diffs[0]
+        what.append(f"{len(done_diffs)} with another request ({_request_delta(old, new_request[sid])}, e.g. {sid})")
+    for url, (n, sid) in other_urls.items():
+        what.append(f"{n} answered by {_stored_url(url, key)} (now {scrub(settings.base_url, key)}, e.g. {sid})")
+    refusal = SettingsChanged(f"{out_dir}: done samples were generated with other settings: {'; '.join(what)}")
+    return diffs, new_request, kept_old, refusal
 
 
 def _refuse_answered_elsewhere(store: Store, new: list[_Row], ids: list[str], stored: dict[str, str],
