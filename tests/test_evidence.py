@@ -202,26 +202,86 @@ def test_vllm_034_logprobs_of_split_characters_prove_the_sample(kimi, ids):
     assert "logprobs_mismatch" in codes(row)
 
 
+def test_a_split_character_logged_whole_is_checked_by_its_bytes(kimi, ids):
+    """A run of pieces is known by what it spells: another character served in its place
+    (the wrong ids) is a mismatch, not an agreement (a cold reviewer's case)."""
+    for truth_c, served_c in (("I like \U0001F600.", "I like \U0001F601."), ("Ok \u9f98 yes", "Ok \u982b yes")):
+        truth = native(kimi, REASONING, ids["close"], truth_c, ids["end"])
+        msg = {"reasoning": REASONING, "content": served_c}
+        row, = reconstruct_record(record(kimi, msg, usage=len(truth), logprobs=_vllm_034_logprobs(kimi, truth)), kimi)
+        assert row["status"] == "rejected" and "logprobs_mismatch" in codes(row)
+
+
 def test_a_character_logged_whole_after_empty_entries_may_be_pieces_or_a_marker_and_a_token(kimi):
-    from tokenbridge.evidence import UNKNOWN_EMPTY, logprob_ids
+    from tokenbridge.evidence import UNKNOWN_EMPTY, UNKNOWN_RUN, logprob_ids, logprobs_cover
 
     whole = kimi.encode("中")
     assert len(whole) == 1
     entry = {"token": "中", "bytes": list("中".encode()), "logprob": -0.1}
     logged = logprob_ids(kimi, {"logprobs": {"content": [{"token": "", "bytes": []}, entry]}})
-    assert logged is not None and logged.ids is not None and logged.ids[0] == UNKNOWN_EMPTY and not logged.markers_known
-    code = logged.ids[1]
+    assert logged is not None and logged.ids == (UNKNOWN_EMPTY, UNKNOWN_RUN) and not logged.markers_known
+
+    def cover(seq: list[int]) -> str | None:
+        return logprobs_cover(logged.ids, seq, 0, False, logged.may_be, runs=logged.runs, spell=logged.spell)
     # a skipped marker then the whole token, or the character's bytes in two pieces: both agree
     marker = kimi.token_id("<|im_end|>")
-    pieces = [i for i in range(kimi.max_ordinary_id + 1) if kimi.token_bytes(i) == "中".encode()[:1]]
-    tail = [i for i in range(kimi.max_ordinary_id + 1) if kimi.token_bytes(i) == "中".encode()[1:]]
-    assert marker in logged.may_be[UNKNOWN_EMPTY] and whole[0] in logged.may_be[code]
-    if pieces and tail:
-        assert pieces[0] in logged.may_be[UNKNOWN_EMPTY] and tail[0] in logged.may_be[code]
+    assert cover([marker, whole[0]]) == "all"
+    lead = next(i for i in range(kimi.max_ordinary_id + 1) if kimi.token_bytes(i) == "中".encode()[:1])
+    rest = [i for i in range(kimi.max_ordinary_id + 1) if kimi.token_bytes(i) == "中".encode()[1:]]
+    if rest:
+        assert cover([lead, rest[0]]) == "all"
+    # anything else does not: another character, or a marker before another token
+    other = kimi.encode("文")
+    assert cover([marker, other[0]]) is None and cover([lead, other[0]]) is None
     # ASCII after an empty entry is no character's end: the empty one is a skipped marker
     logged = logprob_ids(kimi, {"logprobs": {"content": [{"token": "", "bytes": []},
                                                          {"token": "Hi", "bytes": list(b"Hi")}]}})
     assert logged is not None and logged.ids == (-1, *kimi.encode("Hi"))
+
+
+#: What vLLM 0.34 logs for Kimi's ids of this Burmese text (tests/test_vllm_oracle.py checks
+#: it against vLLM's own LogprobsProcessor): ids that span two characters come out as empty
+#: entries, then U+FFFD and the rest, as its _correct_decoded_token decodes them.
+BURMESE = "\u101e\u1004\u103a\u1000 \u1019\u1004\u103a\u1039\u1002\u101c\u102c\u1015\u102b"
+BURMESE_LOGGED = ["", "", "\ufffd\u103a\u1000", "", "", "\ufffd\u103a\u1039", "\u1002", "\u101c", "",
+                  "\ufffd\u102b"]
+
+
+def test_vllm_034_logprobs_of_ids_spanning_two_characters_still_prove_the_sample(kimi, ids):
+    """Empty entries before one holding U+FFFD were read as skipped markers: the provable
+    Burmese sample was rejected (logprobs_mismatch)."""
+    truth = native(kimi, BURMESE, ids["close"], "ok", ids["end"])
+    logged = [*({"token": t, "bytes": list(t.encode())} for t in BURMESE_LOGGED),
+              {"token": "</think>", "bytes": list(b"</think>")}, {"token": "ok", "bytes": list(b"ok")},
+              {"token": "<|im_end|>", "bytes": list(b"<|im_end|>")}]
+    assert len(logged) == len(truth)
+    row, = reconstruct_record(record(kimi, {"reasoning": BURMESE, "content": "ok"}, usage=len(truth),
+                                     logprobs={"content": logged}), kimi)
+    assert row["status"] == "ok" and row["completion_ids"] == truth, codes(row)
+
+
+def test_vllm_streamed_reasoning_count_needs_vllm_to_have_served_the_choice(kimi, ids):
+    """vLLM's streamed reasoning_tokens leaves out each id that finishes no character; for a
+    choice with no sign of vLLM (its ``stop_reason`` key), that count is not read: one short
+    per split, it fits a reading whose boundary is off by as many ids (a reviewer's case)."""
+    reasoning = "Hi \U0001F600"
+    truth = native(kimi, reasoning, ids["close"], "Ok.", ids["end"])
+    n_reasoning = len(kimi.encode(reasoning))
+    request = {**REQUEST, "stream": True}
+
+    def row_of(message: dict, reasoning_tokens: int, **choice) -> dict:
+        rec = record(kimi, message, usage=len(truth), request=request, **choice)
+        rec["response"]["usage"]["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return reconstruct_record(rec, kimi)[0]
+
+    # the '.' served on the reasoning's side: wrong ids whose count, less the split, fits
+    wrong = row_of({"reasoning": reasoning + ".", "content": "Ok"}, n_reasoning)
+    assert wrong["status"] == "rejected" and "usage_reasoning_mismatch" in codes(wrong)
+    # the right text with vLLM's streamed count (one id of the emoji uncounted): read so where
+    # vLLM served it (its other readings may still leave the row ambiguous), else not
+    right = {"reasoning": reasoning, "content": "Ok."}
+    assert "usage_reasoning_mismatch" not in codes(row_of(right, n_reasoning - 1, stop_reason=None))
+    assert "usage_reasoning_mismatch" in codes(row_of(right, n_reasoning - 1))
 
 
 # --- matched_stop and the end token --------------------------------------------------------

@@ -54,7 +54,9 @@ _PIECES = [" ", "  ", "   ", "\n", "\n\n", " \n", "\n ", "\t", "\r\n", "<", "<|"
            "好的，", "The user", " asks", "Let me", "answer"]
 _PROSE = ["The user asks about the weather in Paris.", "Let me think step by step", "First, list the constraints",
           "用户在问天气", "So the answer is 42", "Check the edge case where n = 0", "Sure! Here it is:",
-          "```python\nprint(1)\n```", "Paris is sunny today", "東京タワーは333メートルです"]
+          "```python\nprint(1)\n```", "Paris is sunny today", "東京タワーは333メートルです",
+          "\u101e\u1004\u103a\u1000 \u1019\u1004\u103a\u1039\u1002\u101c\u102c\u1015\u102b",  # Burmese: ids span characters
+          "I like \U0001F600 and \u9f98"]
 _words = st.text(st.sampled_from(_CHARS), min_size=1, max_size=8)
 _noisy = st.lists(st.one_of(st.sampled_from(_PIECES), _words), max_size=8).map("".join)
 _prose = st.lists(st.sampled_from(_PROSE), min_size=1, max_size=3).map(" ".join)
@@ -239,6 +241,16 @@ def test_pinned_records_are_what_vllm_serves(vllm) -> None:
         got = ({k: choice["message"].get(k) for k in case.message}, choice["finish_reason"], choice.get("stop_reason"),
                served["usage"]["completion_tokens"], served["usage"]["completion_tokens_details"]["reasoning_tokens"])
         assert got == (case.message, case.finish, case.stop_reason, len(ids), case.reasoning_tokens), case.name
+
+
+def test_pinned_logprobs_are_what_vllm_logs(vllm) -> None:
+    """tests/test_evidence.py's Burmese entries are what vLLM 0.34 logs for Kimi's ids."""
+    from test_evidence import BURMESE, BURMESE_LOGGED
+
+    tok, engine = _family("kimi-k2.5", vllm)
+    req = engine.v.ChatCompletionRequest(model="kimi-k2.5", messages=[{"role": "user", "content": "Hi"}], logprobs=True)
+    logged = engine._logprobs(req, engine._logprobs_processor(), tok.encode(BURMESE))
+    assert [e.token for e in logged.content] == BURMESE_LOGGED
 
 
 def test_zz_report() -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
 from .content import content_text
-from .evidence import NATIVE_CUT, NATIVE_FAILED, LogprobIds, logprobs_cover, native_finish, no_finish
+from .evidence import NATIVE_CUT, NATIVE_FAILED, LogprobIds, logprobs_cover, native_finish, served_by_vllm, no_finish
 from .jsonl import text_of
 from .tokenizer import Tokenizer
 
@@ -26,7 +26,7 @@ __all__ = ["CODES", "DEFAULT_POLICY", "DEFAULT_SEVERITY", "GATE_REVISION", "Find
 #: Changed whenever what reconstruct reads or the gate says of the same input changes. Every
 #: stage's fingerprint holds it, so a finished run reconstructs again after an upgrade that
 #: would judge its samples differently (the package version moves only with releases).
-GATE_REVISION = "2026-12-06.6"
+GATE_REVISION = "2026-12-06.7"
 
 #: Every finding code with its default severity and what it means.
 CODES: dict[str, tuple[str, str]] = {
@@ -597,7 +597,8 @@ def logprobs_fit(logged: LogprobIds, parts: Sequence[tuple[str, str]], part_ids:
         if kind == "think_end":
             start = pos
             break
-    return logprobs_cover(logged.ids, completion_ids, start, ends_turn(parts), logged.may_be)
+    return logprobs_cover(logged.ids, completion_ids, start, ends_turn(parts), logged.may_be,
+                          runs=logged.runs, spell=logged.spell)
 
 
 def reasoning_counts(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> set[int]:
@@ -607,16 +608,19 @@ def reasoning_counts(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequen
 
 
 def reasoning_fits(got: int, parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]], tok: Tokenizer,
-                   streamed: bool | None) -> bool:
+                   streamed: bool | None, choice: Mapping[str, Any]) -> bool:
     """Whether one choice's ``reasoning_tokens`` is what an engine reports for this reading:
-    one of :func:`reasoning_count_ways`, or, for a response that may have streamed, vLLM's
-    streamed count, which leaves out each id that completed no character
-    (:func:`vllm_silent_ids`): the count of a reasoning with a split CJK character or emoji
-    is otherwise one short per split, and the provable sample was rejected."""
+    one of :func:`reasoning_count_ways`, or, for a choice vLLM served (:func:`.evidence.
+    served_by_vllm`) that may have streamed, vLLM's streamed count, which leaves out each id
+    that completed no character (:func:`vllm_silent_ids`): the count of a reasoning with a
+    split CJK character or emoji is otherwise one short per split, and the provable sample
+    was rejected. Only there: for any engine, a count one short per split fits a reading
+    whose boundary is off by as many ids."""
     ways = reasoning_count_ways(parts, part_ids)
     if got in ways:
         return True
-    return streamed is not False and got < ways[2] and got == ways[2] - vllm_silent_ids(parts, part_ids, tok.token_bytes)
+    return (streamed is not False and served_by_vllm(choice) and got < ways[2]
+            and got == ways[2] - vllm_silent_ids(parts, part_ids, tok.token_bytes))
 
 
 def vllm_silent_ids(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]],
@@ -636,7 +640,8 @@ def vllm_silent_ids(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequenc
         if not pending and text.isascii():  # each id of ASCII text completes its characters
             continue
         for token in ids:
-            pending += token_bytes(token)
+            # the last character is all the test reads, and it lies in the last 4 bytes
+            pending = (pending + token_bytes(token))[-8:]
             if pending.decode("utf-8", "replace").endswith("\ufffd"):
                 silent += counted
             else:
@@ -673,7 +678,8 @@ def _reasoning_count(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     got = view.reasoning_tokens
     if not got or not view.thinking:
         return
-    if view.reasoning_allowed is None and reasoning_fits(got, view.parts, view.part_ids, view.tokenizer, view.streamed):
+    if view.reasoning_allowed is None and reasoning_fits(got, view.parts, view.part_ids, view.tokenizer, view.streamed,
+                                                         view.choice):
         return
     allowed = view.reasoning_allowed if view.reasoning_allowed is not None else reasoning_counts(view.parts, view.part_ids)
     if got not in allowed:

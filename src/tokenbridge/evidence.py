@@ -36,6 +36,7 @@ __all__ = [
     "UNKNOWN_EMPTY",
     "UNKNOWN_MARKER",
     "UNKNOWN_PARTIAL",
+    "UNKNOWN_RUN",
     "LogprobIds",
     "cached_tokens",
     "is_count",
@@ -45,6 +46,7 @@ __all__ = [
     "native_finish",
     "no_finish",
     "reasoning_tokens",
+    "served_by_vllm",
 ]
 
 #: ``native_finish_reason`` (the upstream's own word, which OpenRouter passes on), lowercased:
@@ -77,14 +79,25 @@ def no_finish(reason: object) -> bool:
 #: (:data:`UNKNOWN_PARTIAL`: one of the ids whose bytes are no whole text, or hold U+FFFD).
 UNKNOWN_MARKER = -1
 UNKNOWN_PARTIAL = -2
-#: An entry with no bytes before one whose bytes are a single token's and not ASCII: a
-#: skipped special token (:data:`UNKNOWN_MARKER`) or part of a character vLLM logged on the
-#: id that completes it (see :func:`logprob_ids`); either may be.
+#: An entry with no bytes that may be either: a skipped special token, or a piece of a
+#: character vLLM logged whole on a later id (see :func:`logprob_ids`).
 UNKNOWN_EMPTY = -3
-#: Where the entry after :data:`UNKNOWN_EMPTY` ids is known by its bytes only: its own code
-#: from here down (one per position), standing for that single token or a partial one.
-_FIRST_JOINED = -16
+#: An id of a :class:`Run`: which one is not known, the bytes of the run's ids together are.
+UNKNOWN_RUN = -4
 _FFFD = "\ufffd".encode()
+
+
+@dataclass(frozen=True)
+class Run:
+    """Logged ids ``start:end`` whose bytes together are ``spelled``: vLLM 0.34 logs the
+    pieces of a character split between ids with no text and the id that finishes it with
+    the bytes of them all. ``or_token``: where ``spelled`` is also one token's bytes (an
+    emoji the vocabulary holds whole), that token after markers whose text was skipped."""
+
+    start: int
+    end: int
+    spelled: bytes
+    or_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,10 @@ class LogprobIds:
     ids: tuple[int, ...] | None
     problem: str | None = None
     may_be: Mapping[int, frozenset[int]] = field(default_factory=dict, compare=False)
+    #: logged ids known only by the bytes they spell together (:data:`UNKNOWN_RUN`)
+    runs: tuple[Run, ...] = ()
+    #: the tokenizer's ids -> bytes, for ``runs`` to be checked
+    spell: Callable[[Sequence[int]], bytes] | None = field(default=None, compare=False)
 
     @property
     def markers_known(self) -> bool:
@@ -135,7 +152,7 @@ def _may_be(tok: Tokenizer) -> dict[int, frozenset[int]]:
         except UnicodeDecodeError:
             partial.add(i)
     out = {UNKNOWN_MARKER: frozenset(tok.marker_ids), UNKNOWN_PARTIAL: frozenset(partial),
-           UNKNOWN_EMPTY: frozenset(tok.marker_ids) | frozenset(partial)}
+           UNKNOWN_EMPTY: frozenset(tok.marker_ids) | frozenset(partial), UNKNOWN_RUN: frozenset()}
     _MAY_BE[id(tok)] = (tok, out)
     return out
 
@@ -180,8 +197,8 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
         return LogprobIds(None, entries)
     index: dict[bytes, int] | None = None
     out: list[int] = []
-    joined: dict[int, int] = {}  # per-position code -> the single token its bytes spell
-    empty = 0  # entries with no bytes just before this one (their ids are settled by the next)
+    runs: list[Run] = []
+    empty = 0  # entries with no bytes just before this one (what they are, the next one says)
     has_id = tok.has_id
     for pos, entry in enumerate(entries):
         key = _entry_key(pos, entry, has_id)
@@ -199,23 +216,20 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
             empty += 1
             continue
         if _FFFD in key:  # part of a character as the engine decoded it (or a token holding U+FFFD)
-            out += [UNKNOWN_MARKER] * empty
+            out += [UNKNOWN_EMPTY] * empty + [UNKNOWN_PARTIAL]  # vLLM: pieces of what it decoded here
             empty = 0
-            out.append(UNKNOWN_PARTIAL)
             continue
         if index is None:
             index = _bytes_index(tok)
         found = index.get(key)
         if empty and not key.isascii():
             # vLLM (0.34, ``_verify_tokens``) logs each id of a character split between ids
-            # with no text and the id that completes it with all their bytes: the bytes of
-            # no single token, or of one (an emoji the vocabulary also holds whole)
-            if found is None:
-                out += [UNKNOWN_PARTIAL] * (empty + 1)
-            else:
-                code = _FIRST_JOINED - len(joined)
-                joined[code] = found
-                out += [UNKNOWN_EMPTY] * empty + [code]
+            # with no text and the id that finishes it with all their bytes: the ids are not
+            # known, what they spell is. Bytes that are also one token's may be that token
+            # after skipped markers.
+            run = Run(len(out), len(out) + empty + 1, key, found)
+            out += [UNKNOWN_EMPTY if found is not None else UNKNOWN_RUN] * empty + [UNKNOWN_RUN]
+            runs.append(run)
             empty = 0
             continue
         out += [UNKNOWN_MARKER] * empty
@@ -227,10 +241,7 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
     ids = tuple(out)
     if not any(i < 0 for i in ids):
         return LogprobIds(ids)
-    may_be = _may_be(tok)
-    if joined:
-        may_be = {**may_be, **{code: may_be[UNKNOWN_PARTIAL] | {one} for code, one in joined.items()}}
-    return LogprobIds(ids, may_be=may_be)
+    return LogprobIds(ids, may_be=_may_be(tok), runs=tuple(runs), spell=tok.decode_bytes)
 
 
 def _entry_key(pos: int, entry: Any, has_id: Callable[[int], bool]) -> int | bytes | str:
@@ -259,19 +270,21 @@ def _byte_values(raw: list[Any]) -> bool:
 
 
 def logprobs_cover(logged: Sequence[int], completion: Sequence[int], content_start: int, ends: bool,
-                   may_be: Mapping[int, frozenset[int]] | None = None) -> str | None:
+                   may_be: Mapping[int, frozenset[int]] | None = None, *, runs: Sequence[Run] = (),
+                   spell: Callable[[Sequence[int]], bytes] | None = None) -> str | None:
     """How ``logged`` ids account for ``completion``, or None when they contradict it.
 
     Accepted, in this order: every id (``"all"``); every id but the end token, which some
     providers leave out (``"all_but_end"``); the content only, from ``content_start``,
     with or without the end token (``"content"``), for providers that log the answer
-    and not the reasoning. Anything else is a contradiction.
+    and not the reasoning. Anything else is a contradiction. An unknown logged id agrees
+    with the ids ``may_be`` allows it; the ids of a :class:`Run` with what they spell.
     """
     n = len(logged)
     known = not may_be or all(i >= 0 for i in logged)
 
     def same(a: Sequence[int], b: Sequence[int]) -> bool:
-        return list(a) == list(b) if known else _agree(a, b, may_be or {})
+        return list(a) == list(b) if known else _agree(a, b, may_be or {}, runs, spell)
     if n == len(completion) and same(logged, completion):
         return "all"
     body = completion[:-1] if ends else completion
@@ -284,9 +297,28 @@ def logprobs_cover(logged: Sequence[int], completion: Sequence[int], content_sta
     return None
 
 
-def _agree(logged: Sequence[int], ids: Sequence[int], may_be: Mapping[int, frozenset[int]]) -> bool:
-    """Equal where the logged id is known, and one of the ids it may stand for where not."""
-    return len(logged) == len(ids) and all(a == b or (a < 0 and b in may_be.get(a, ())) for a, b in zip(logged, ids))
+def _agree(logged: Sequence[int], ids: Sequence[int], may_be: Mapping[int, frozenset[int]], runs: Sequence[Run] = (),
+           spell: Callable[[Sequence[int]], bytes] | None = None) -> bool:
+    """Equal where the logged id is known, one of the ids it may stand for where not, and
+    each run's ids spelling its bytes (or its one token after markers)."""
+    if len(logged) != len(ids):
+        return False
+    if not all(a == b or (a < 0 and (a == UNKNOWN_RUN or b in may_be.get(a, ()))) for a, b in zip(logged, ids)):
+        return False
+    markers = may_be.get(UNKNOWN_MARKER, frozenset())
+    for run in runs:
+        got = ids[run.start:run.end]
+        if spell is not None and spell(got) == run.spelled:
+            continue
+        if run.or_token is None or got[-1] != run.or_token or not all(i in markers for i in got[:-1]):
+            return False
+    return True
+
+
+def served_by_vllm(choice: Mapping[str, Any]) -> bool:
+    """Whether a choice shows vLLM's OpenAI server served it: it writes ``stop_reason`` on
+    every choice (null, or the stop id or string), which no other engine's chat API does."""
+    return "stop_reason" in choice
 
 
 def matched_stop(choice: Mapping[str, Any]) -> int | str | None:

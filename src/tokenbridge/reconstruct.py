@@ -710,7 +710,7 @@ def _fits(p: _Choice, k: int, reasoning: int | None, tok: Tokenizer, streamed: b
         return False
     if isinstance(p.stop, int) and ends_turn(parts) and ids[-1] != p.stop:
         return False
-    return not reasoning or _stripped(p.cands[k]) or reasoning_fits(reasoning, parts, part_ids, tok, streamed)
+    return not reasoning or _stripped(p.cands[k]) or reasoning_fits(reasoning, parts, part_ids, tok, streamed, p.choice)
 
 
 def _stripped(c: Candidate) -> bool:
