@@ -281,6 +281,10 @@ def test_changed_settings_are_refused_then_kept_with_force_settings(finished):
     _, args = finished
     line = _one_line_error(_invoke([*args[:-1], "60"]), 2)
     assert "6 with another request (max_tokens 50 -> 60, e.g. b3-0)" in line and "--force-settings" in line
+    # --dry-run says the same (it said "6 already done", exit 0, and the run then refused)
+    assert _one_line_error(_invoke([*args[:-1], "60", "--dry-run"]), 2) == line
+    dry = _invoke([*args[:-1], "60", "--dry-run", "--force-settings"])
+    assert dry.exit_code == 0 and "(6 already done, 0 to send)" in dry.output, dry.output
     res = _invoke([*args[:-1], "60", "--force-settings", "--limit", "2"])
     assert res.exit_code == 0 and "(4 other stored samples left out)" in res.output, res.output
 

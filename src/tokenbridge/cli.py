@@ -383,7 +383,7 @@ def generate(
         settings = _generate_settings(config, prompts, flags, request, provider, dry_run=dry_run)
         _check_generate_outputs(out, summary_json, settings, config)  # now, not after the paid generation
         if dry_run:
-            _generate_dry_run(settings, out, summary_json)
+            _generate_dry_run(settings, out, summary_json, force_settings=force_settings)
             return
         summary = generate_run(settings, out, force_settings=force_settings)
     except KeyboardInterrupt:  # outside the send loop (loading, writing): nothing half-written is kept
@@ -453,7 +453,7 @@ def _check_output(path: Path, **how: Any) -> None:
         _fail(str(exc), exc.exit_code)
 
 
-def _generate_dry_run(settings: GenerateSettings, out: Path, summary_json: Path | None) -> None:
+def _generate_dry_run(settings: GenerateSettings, out: Path, summary_json: Path | None, *, force_settings: bool = False) -> None:
     """Count and price what a run would send; exact with a tokenizer (the flag's, the config's
     or ``$TOKENBRIDGE_TOKENIZER``), approximate without one."""
     import dataclasses
@@ -464,7 +464,7 @@ def _generate_dry_run(settings: GenerateSettings, out: Path, summary_json: Path 
 
     if settings.tokenizer is None and os.environ.get(TOKENIZER_ENV, "").strip():
         settings = dataclasses.replace(settings, tokenizer=os.environ[TOKENIZER_ENV])
-    report = dry_run(settings, out)
+    report = dry_run(settings, out, force_settings=force_settings)
     for line in report.lines(listed_in=summary_json):
         _say(line)
     _write_summary(summary_json, report.to_dict(), status=report.exit_code)

@@ -78,10 +78,13 @@ class DryRunReport:
         return out
 
 
-def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None) -> DryRunReport:
-    """Load and render every prompt, count tokens, estimate cost. Sends nothing, writes nothing."""
+def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, force_settings: bool = False) -> DryRunReport:
+    """Load and render every prompt, count tokens, estimate cost. Sends nothing, writes
+    nothing. Refuses what the run would refuse before sending (a renamed dataset; done
+    samples made with other settings, unless ``force_settings``)."""
     from ..chat import RENDER_FAILURES
-    from .run import check_sendable, refuse_answered_elsewhere, store_row
+    from .run import check_sendable, refuse_as_the_run, store_row
+    from .secrets import read_api_key
 
     check_sendable(settings)
     loaded = load_prompts(settings.datasets, default_limit=settings.limit)
@@ -92,7 +95,10 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None) -> Dr
     if state is not None and state.is_file() and state.stat().st_size > 0:  # an empty one holds nothing done
         with Store.open_readonly(state.parent) as store:
             # what the run refuses before it sends (a renamed dataset: AlreadyAnswered), refused here alike
-            run_ids = refuse_answered_elsewhere(store, [store_row(s, settings) for s in loaded.samples], state.parent)
+            # base URLs compare with the key masked, as they are stored (it is only read here)
+            key = read_api_key(settings.api_key_env, required=False)
+            run_ids = refuse_as_the_run(store, [store_row(s, settings) for s in loaded.samples], settings, key,
+                                        state.parent, force_settings=force_settings)
             done_ids = {sid for sid, status in store.statuses().items() if status == "done"}  # no request read
             p, c, _ = store.token_totals()
             if done_ids and c:

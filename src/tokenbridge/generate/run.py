@@ -276,13 +276,19 @@ def store_row(sample: Sample, settings: GenerateSettings) -> _Row:
     return sample.id, sample.dataset, text_of(sample.source), request
 
 
-def refuse_answered_elsewhere(store: Store, rows: list[_Row], out_dir: Path) -> list[str]:
+def refuse_as_the_run(store: Store, rows: list[_Row], settings: GenerateSettings, key: ApiKey | None, out_dir: Path,
+                      *, force_settings: bool = False) -> list[str]:
     """What a run checks before it adds ``rows`` (:func:`store_row`, every sample of the
-    run) to ``store``, for ``--dry-run`` to refuse what the run refuses: new samples the
-    folder holds answers to under other ids raise :class:`AlreadyAnswered`, the same
-    message. Returns the run's sample ids (a folder's older ids kept, as the run keeps them)."""
+    run) to ``store``, for ``--dry-run`` to refuse what the run refuses, with the same
+    messages: done samples made with other settings (:class:`SettingsChanged`, unless
+    ``force_settings``), new samples the folder holds answers to under other ids
+    (:class:`AlreadyAnswered`). Reads only. Returns the run's sample ids (a folder's older
+    ids kept, as the run keeps them)."""
     stored = store.statuses()
     rows, ids = keep_stored_ids(rows, stored)
+    refusal = _settings_check(store, rows, ids, settings, key, out_dir)[3]
+    if refusal is not None and not force_settings:
+        raise refusal
     _refuse_answered_elsewhere(store, [r for r in rows if r[0] not in stored], ids, stored, out_dir)
     return ids
 
@@ -525,15 +531,6 @@ def _reconcile(
     if kept_old:
         reporter.log(f"--force-settings: {kept_old} done sample(s) keep answers made with other settings")
     return len(diffs), kept_old
-
-
-def refuse_changed_settings(store: Store, rows: list[_Row], ids: list[str], settings: GenerateSettings,
-                            key: ApiKey | None, out_dir: Path) -> None:
-    """:class:`SettingsChanged` where the run would raise it (``--force-settings`` aside),
-    for ``--dry-run`` to refuse what the run refuses; reads only."""
-    refusal = _settings_check(store, rows, ids, settings, key, out_dir)[3]
-    if refusal is not None:
-        raise refusal
 
 
 def _settings_check(store: Store, rows: list[_Row], ids: list[str], settings: GenerateSettings, key: ApiKey | None,
