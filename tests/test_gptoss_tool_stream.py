@@ -77,7 +77,8 @@ def _serve(tok, sglang, ids: list[int], *, cut: bool = False) -> tuple[str, str]
 
 
 def _row(tok, ids: list[int], reasoning: str, content: str, *, logprobs: bool, stream: bool | None = True,
-         tools: bool = True, dialect: str | None = None, cut: bool = False) -> dict[str, Any]:
+         tools: bool = True, dialect: str | None = None, cut: bool = False,
+         logged: dict[str, Any] | None = None) -> dict[str, Any]:
     request: dict[str, Any] = {"model": "gpt-oss", "messages": PROMPT}
     if stream is not None:
         request["stream"] = stream
@@ -90,8 +91,8 @@ def _row(tok, ids: list[int], reasoning: str, content: str, *, logprobs: bool, s
     if not cut:
         choice["matched_stop"] = ids[-1]
     if logprobs:
-        choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": -0.1, "bytes": None,
-                                           "top_logprobs": []} for t in ids]}
+        choice["logprobs"] = logged or {"content": [{"token": f"token_id:{t}", "logprob": -0.1, "bytes": None,
+                                                     "top_logprobs": []} for t in ids]}
     record = {"id": "g", "request": request, "response": {
         "created": NOON, "choices": [choice], "usage": {"prompt_tokens": prompt, "completion_tokens": len(ids)}}}
     (row,) = reconstruct_record(record, tok, dialect)
@@ -144,6 +145,21 @@ def test_logprobs_pick_among_the_resent_starts(tok, sglang):
     row = _row(tok, ids, reasoning, content, logprobs=True)
     assert (row["status"], row["completion_ids"]) == ("ok", ids)
     assert row["reconstruction"].endswith("+prefix_resent=2")
+
+
+def test_logprobs_with_a_split_character_still_pick_the_resent_start(tok, sglang):
+    """vLLM 0.34 logs the pieces of a split character with no text and the whole character on
+    the last: readings were pruned by the bytes of the known ids alone, which lack it, and the
+    true one went with them."""
+    from test_evidence import _vllm_034_logprobs
+
+    ids = tok.encode(HEAD + "# Analysis \u9f98.<|return|>")
+    reasoning, content = _serve(tok, sglang, ids)
+    assert content == "## Analysis \u9f98."
+    logged = _vllm_034_logprobs(tok, ids)
+    assert sum(not e["bytes"] for e in logged["content"]) >= 2  # the character's pieces
+    row = _row(tok, ids, reasoning, content, logprobs=True, logged=logged)
+    assert (row["status"], row["completion_ids"]) == ("ok", ids), _codes(row)
 
 
 @pytest.mark.parametrize("final, stream, cut", [

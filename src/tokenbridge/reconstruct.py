@@ -472,9 +472,9 @@ def _spelled_resent(tok: Tokenizer, cands: list[Candidate], ids: Sequence[int] |
     """``cands`` less the ``prefix_resent`` readings whose content the ids do not spell: a
     text that opens with a run (``"===="``) admits dozens, each a whole content to encode."""
     resent = [c for c in cands if any(n.startswith("prefix_resent=") for n in c.names)]
-    if not resent or ids is None:
+    if not resent or ids is None or any(i < 0 for i in ids):  # an id logged by what it decoded: bytes unknown
         return cands
-    spelled = tok.decode_bytes([i for i in ids if i >= 0])
+    spelled = tok.decode_bytes(ids)
     drop = {id(c) for c in resent if _held_content(c).encode("utf-8", "surrogatepass") not in spelled}
     return [c for c in cands if id(c) not in drop]
 
