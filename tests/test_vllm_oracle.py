@@ -69,7 +69,8 @@ def _clean(tok: Any) -> Callable[[str], bool]:
 
 
 #: How each family writes a completion: (thinking frame around R and before C, instant lead,
-#: its tool section, its end token after a tool call, the thinking switch its template reads).
+#: its tool section, its end token after a tool call, the thinking switch its template reads,
+#: what opens a second message after the reasoning where the format has messages).
 FRAMES: dict[str, dict[str, Any]] = {
     "kimi-k2.5": {"open": "", "close": "</think>", "lead": "", "instant": "", "switch": "thinking",
                   "section": ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
@@ -82,6 +83,23 @@ FRAMES: dict[str, dict[str, Any]] = {
     "deepseek-v3.1": {"open": "", "close": "</think>", "lead": "", "instant": "", "switch": "thinking",
                       "section": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
                                   '{"city": "%s"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')},
+    # harmony: the analysis channel, then the final one (or a tool call, as the commentary
+    # channel addressed to the function); no switch, the request's reasoning_effort instead.
+    # "second" opens another message after the first analysis: a second analysis or a
+    # commentary preamble, which vLLM joins to the first with a newline. A tool call is
+    # written channel first (with or without its json content type) or recipient first.
+    "gpt-oss": {"open": "<|channel|>analysis<|message|>", "close": "<|end|><|start|>assistant<|channel|>final<|message|>",
+                "lead": "", "instant": "<|channel|>final<|message|>", "switch": None,
+                "section": ['<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+                            '<|message|>{"city": "%s"}',
+                            '<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json'
+                            '<|message|>{"city": "%s"}',
+                            '<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>{"city": "%s"}'],
+                "tool_end": "<|call|>",
+                # the answer in the commentary channel (no recipient): vLLM serves it as content too
+                "close_other": "<|end|><|start|>assistant<|channel|>commentary<|message|>",
+                "second": ["<|end|><|start|>assistant<|channel|>analysis<|message|>",
+                           "<|end|><|start|>assistant<|channel|>commentary<|message|>"]},
 }
 
 
@@ -92,18 +110,26 @@ def completions(draw: Any, family: str, tok: Any) -> dict[str, Any]:
     thinking = draw(st.booleans()) if draw(st.integers(0, 3)) == 0 else True
     reasoning = draw(texts.filter(_clean(tok)))
     content = draw(texts.filter(_clean(tok)))
-    shape = draw(st.sampled_from(["plain", "plain", "plain", "tool", "tool_no_close", "end_in_think"]))
+    shapes = ["plain", "plain", "plain", "tool", "tool_no_close", "end_in_think"] + ["second"] * bool(frame.get("second"))
+    shape = draw(st.sampled_from(shapes))
     section = ""
     if shape in ("tool", "tool_no_close"):
-        section = frame["section"] % draw(st.sampled_from(["Paris", "東京", "a b"]))
+        form = frame["section"] if isinstance(frame["section"], str) else draw(st.sampled_from(frame["section"]))
+        section = form % draw(st.sampled_from(["Paris", "東京", "a b"]))
     if not thinking:
         text = frame["instant"] + content + section
     elif shape == "tool_no_close":
         text = frame["open"] + reasoning + section
     elif shape == "end_in_think":
         text = frame["open"] + reasoning
+    elif shape == "second":
+        text = frame["open"] + reasoning + draw(st.sampled_from(frame["second"])) + draw(texts.filter(_clean(tok))) + \
+            frame["close"] + content
     else:
-        text = frame["open"] + reasoning + frame["close"] + content + section
+        close = frame["close"]
+        if frame.get("close_other") and draw(st.integers(0, 7)) == 0:
+            close = frame["close_other"]
+        text = frame["open"] + reasoning + close + content + section
     # the template's end token mostly, the tokenizer's or the generation config's other one sometimes
     usual = resolve_dialect(tok).end_token
     others = [e for e in (fam.eos, *fam.stop) if e != usual][:1]
@@ -112,8 +138,12 @@ def completions(draw: Any, family: str, tok: Any) -> dict[str, Any]:
     cut = draw(st.integers(0, 3)) == 0 and len(ids) > 1
     if cut:
         ids = ids[: draw(st.integers(1, len(ids) - 1))]
-    request: dict[str, Any] = {"model": family, "messages": [{"role": "user", "content": "Hi there"}],
-                               "chat_template_kwargs": {frame["switch"]: thinking}}
+    request: dict[str, Any] = {"model": family, "messages": [{"role": "user", "content": "Hi there"}]}
+    if frame["switch"]:
+        request["chat_template_kwargs"] = {frame["switch"]: thinking}
+    else:  # gpt-oss: the effort its prompt states
+        effort = draw(st.sampled_from([None, "low", "medium", "high"]))
+        request |= {"reasoning_effort": effort} if effort else {}
     if draw(st.booleans()):
         request["tools"] = TOOLS
     stream = draw(st.booleans())
@@ -135,6 +165,9 @@ class Tally:
         self.counts: Counter[tuple[str, str]] = Counter()
         self.rejected: Counter[tuple[str, str]] = Counter()
         self.wrong: list[dict[str, Any]] = []
+        #: rejected rows whose ids are the true ids, per error code (with one example each)
+        self.provable: Counter[str] = Counter()
+        self.provable_example: dict[str, dict[str, Any]] = {}
 
     @staticmethod
     def mode(s: dict[str, Any]) -> str:
@@ -151,6 +184,11 @@ class Tally:
             for code in sorted({f["code"] for f in row["findings"] if f["severity"] == "error"}):
                 self.rejected[(mode, code)] += 1
         right = row["completion_ids"] == s["ids"] and row["prompt_ids"] == prompt
+        if row["status"] == "rejected" and right:
+            for code in sorted({f["code"] for f in row["findings"] if f["severity"] == "error"}):
+                self.provable[code] += 1
+                self.provable_example.setdefault(code, {"text": s["text"], "shape": s["shape"], "mode": mode,
+                                                        "served": served["choices"][0], "usage": served.get("usage")})
         misread = {"logprobs_unreadable"} | (set() if not right else {"logprobs_mismatch"})
         if s["request"].get("logprobs") and misread & set(codes):  # what vLLM logs is read, and agrees with the truth
             self.wrong.append({"sample": s, "served": served["choices"][0], "misread": codes})
@@ -166,6 +204,10 @@ class Tally:
         lines = [f"== {name}: {sum(self.counts.values())} samples"]
         lines += [f"  {m:<13} {what:<9} {n}" for (m, what), n in sorted(self.counts.items())]
         lines += [f"  rejected {m:<13} {code:<28} {n}" for (m, code), n in sorted(self.rejected.items())]
+        lines += [f"  rejected with the true ids {code:<28} {n}" for code, n in sorted(self.provable.items())]
+        if os.environ.get("VLLM_ORACLE_REPORT") == "2":
+            lines += [f"    e.g. {code}: {json.dumps(ex, ensure_ascii=False)}" for code, ex in
+                      sorted(self.provable_example.items())]
         lines.append(f"  accepted with wrong ids: {len(self.wrong)}")
         return "\n".join(lines)
 
@@ -175,11 +217,12 @@ TALLIES: dict[str, Tally] = {}
 
 def _serve_and_check(engine: VllmEngine, tok: Any, s: dict[str, Any], tally: str,
                      traits: dict[str, ProviderTrait] | None = None) -> None:
-    prompt = tok.encode(resolve_dialect(tok).render_request(s["request"]))
+    dialect = resolve_dialect(tok, engine.family.dialect)
+    prompt = tok.encode(dialect.render_request(s["request"]))
     served = engine.serve(s["request"], prompt, s["ids"], stream=s["stream"])
     served["provider"] = "vllm"
     record = {"id": "v", "request": s["request"], "response": served, "meta": {"stream": s["stream"]}}
-    row = reconstruct_record(record, tok, traits=traits)[0]
+    row = reconstruct_record(record, tok, dialect, traits=traits)[0]
     t = TALLIES.setdefault(tally, Tally())
     assert t.add(s, row, served, prompt), json.dumps(t.wrong[-1], ensure_ascii=False, default=str)
 
@@ -234,7 +277,7 @@ def test_pinned_records_are_what_vllm_serves(vllm) -> None:
     for case in CASES:
         tok, engine = _family(case.family, vllm)
         request = request_of(case)
-        prompt = tok.encode(resolve_dialect(tok).render_request(request))
+        prompt = tok.encode(resolve_dialect(tok, engine.family.dialect).render_request(request))
         ids = native_ids(case)
         served = engine.serve(request, prompt, ids, stream=case.stream)
         choice = served["choices"][0]

@@ -21,7 +21,13 @@ server runs them (vllm 0.34.0, ``entrypoints/openai/chat_completion/serving.py``
   the stop id included;
 * streamed: ``ChatStreamProcessor.step`` per delta, the chunks built and dumped as the
   server dumps them (``exclude_unset``), then the ``include_usage`` chunk; tokenbridge's
-  own ``StreamAssembler`` folds them as generate does.
+  own ``StreamAssembler`` folds them as generate does;
+* gpt-oss (``model_type == "gpt_oss"``): the same steps, but ``get_parser(is_harmony=True)``
+  composes ``HarmonyParser`` (``openai_gptoss`` + ``openai``), which reads the output ids
+  with ``openai_harmony``'s ``StreamableParser`` (the detokenized text goes unread) and
+  joins several messages of a channel with a newline; the prompt is rendered by
+  ``openai_harmony`` (tokenbridge's ``gpt-oss-harmony`` dialect), and ``created`` is the
+  serving time, as vLLM stamps it (the harmony prompt prints the serving day).
 
 vllm is imported without running ``vllm/__init__.py``: that file runs ``env_override``,
 which patches torch (inductor settings, CUDA paths) for every test in the process. The
@@ -46,7 +52,9 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import os
 import sys
+import time
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,6 +217,11 @@ class Family:
     eos: str
     #: the generation config's other end ids (``stop_token_ids``: ``stop_reason`` is the id)
     stop: tuple[str, ...] = ()
+    #: a ``gpt_oss`` model: the server composes ``HarmonyParser``, which parses the ids
+    #: with ``openai_harmony`` (the text the detokenizer makes is not read)
+    harmony: bool = False
+    #: the tokenbridge dialect that renders the prompt as this server does (None: the folder's)
+    dialect: str | None = None
 
 
 #: The parsers each family's model card launches vLLM with. End ids: Kimi K2.5's tokenizer
@@ -217,12 +230,16 @@ class Family:
 #: eos is ``<|im_end|>``, its generation config adds ``<|endoftext|>``; GLM-4.5's tokenizer
 #: eos is ``<|endoftext|>`` (the folder here has no tokenizer_config; the model's does), its
 #: generation config adds ``<|user|>`` and ``<|observation|>``; DeepSeek V3.1 ends with
-#: its tokenizer eos alone.
+#: its tokenizer eos alone. gpt-oss's tokenizer eos is ``<|return|>``, its generation config
+#: adds ``<|endoftext|>`` and ``<|call|>``; vLLM renders its prompt with ``openai_harmony``
+#: (tokenbridge's ``gpt-oss-harmony`` dialect).
 FAMILIES = {
     "kimi-k2.5": Family("kimi-k2.5", "kimi_k2", "kimi_k2", "[EOS]", ("<|im_end|>",)),
     "qwen3": Family("qwen3", "qwen3", "hermes", "<|im_end|>", ("<|endoftext|>",)),
     "glm-4.5": Family("glm-4.5", "glm45", "glm45", "<|endoftext|>", ("<|user|>", "<|observation|>")),
     "deepseek-v3.1": Family("deepseek-v3.1", "deepseek_v3", "deepseek_v31", "<｜end▁of▁sentence｜>"),
+    "gpt-oss": Family("gpt-oss", "openai_gptoss", "openai", "<|return|>", ("<|endoftext|>", "<|call|>"),
+                      harmony=True, dialect="gpt-oss-harmony"),
 }
 
 
@@ -251,12 +268,14 @@ class VllmEngine:
     chat_logprobs: Any = None
 
     def __post_init__(self) -> None:
+        if self.family.harmony:  # openai_harmony's o200k_base, offline (the folder's file is OpenAI's)
+            os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(SHARED / self.family.folder)
         base = kimi_slow_tokenizer(self.tb) if self.family.folder == "kimi-k2.5" else \
             self.v.CachedHfTokenizer.from_pretrained(str(SHARED / self.family.folder))
         self.hf = self.v.get_cached_tokenizer(base)
         self.parser_cls = self.v.ParserManager.get_parser(
             tool_parser_name=self.family.tool_parser, reasoning_parser_name=self.family.reasoning_parser,
-            enable_auto_tools=True, model_name=self.family.folder, tokenizer=self.hf)
+            enable_auto_tools=True, model_name=self.family.folder, is_harmony=self.family.harmony, tokenizer=self.hf)
         self.eos_id = self.tb.token_id(self.family.eos)
         self.stop_ids = [self.tb.token_id(s) for s in self.family.stop]
         from vllm.entrypoints.openai.chat_completion import protocol as chat
@@ -340,7 +359,8 @@ class VllmEngine:
                             total_tokens=len(prompt) + len(ids),
                             completion_tokens_details=v.CompletionTokenUsageInfo(
                                 reasoning_tokens=parser.count_reasoning_tokens(ids)))
-        response = v.ChatCompletionResponse(id="chatcmpl-oracle", created=0, model=req.model, choices=[choice],
+        response = v.ChatCompletionResponse(id="chatcmpl-oracle", created=int(time.time()), model=req.model,
+                                            choices=[choice],
                                             usage=usage)
         return json.loads(json.dumps(response.model_dump()))
 
@@ -350,9 +370,10 @@ class VllmEngine:
 
         v = self.v
         chunks: list[Any] = []
+        created = int(time.time())
 
         def chunk(choice: Any) -> None:
-            chunks.append(v.ChatCompletionStreamResponse(id="chatcmpl-oracle", created=0, model=req.model,
+            chunks.append(v.ChatCompletionStreamResponse(id="chatcmpl-oracle", created=created, model=req.model,
                                                          choices=[choice]))
 
         chunk(v.ChatCompletionResponseStreamChoice(index=0, delta=v.DeltaMessage(role="assistant", content=""),
@@ -381,7 +402,7 @@ class VllmEngine:
         usage = v.UsageInfo(prompt_tokens=len(prompt), completion_tokens=proc.num_output_tokens,
                             total_tokens=len(prompt) + proc.num_output_tokens,
                             completion_tokens_details=v.CompletionTokenUsageInfo(reasoning_tokens=reasoning_tokens))
-        chunks.append(v.ChatCompletionStreamResponse(id="chatcmpl-oracle", created=0, model=req.model, choices=[],
+        chunks.append(v.ChatCompletionStreamResponse(id="chatcmpl-oracle", created=created, model=req.model, choices=[],
                                                      usage=usage))
         assembler = StreamAssembler()
         for c in chunks:
