@@ -27,6 +27,12 @@ from tokenbridge.reconstruct import reconstruct_record
 from tokenbridge.tokenizer import load_tokenizer
 from tokenbridge.traits import ProviderTrait
 
+ANALYSIS, FINAL = "<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>"
+CALL_HEADER = "<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+#: The dialect that renders a family's prompt as vLLM does (the folder's template where absent).
+VLLM_DIALECTS = {"gpt-oss": "gpt-oss-harmony"}
+#: When the pinned records were served (2025-01-01 12:00 UTC): gpt-oss's prompt prints the day.
+CREATED = 1735732800
 SECTION = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{}"
            "<|tool_call_end|><|tool_calls_section_end|>")
 
@@ -109,6 +115,27 @@ CASES = [
            {"reasoning": None, "content": "\n"}, "stop", None, 1),
     Served("glm_ended_in_think_stripped", "glm-4.5", "\n<think></ ", "<|user|>",
            {"reasoning": "\n</", "content": None}, "stop", 151336, 4),
+    # gpt-oss (HarmonyParser over the ids): an analysis ended by <|return|> itself is served as
+    # the formula's empty final message would be; the count tells them apart (was rejected)
+    Served("gptoss_ended_in_analysis", "gpt-oss", ANALYSIS + "The user asks.", "<|return|>",
+           {"reasoning": "The user asks.", "content": None}, "stop", None, 4, alone=("ok",)),
+    Served("gptoss_ended_in_analysis_streamed", "gpt-oss", ANALYSIS + "The user asks.", "<|return|>",
+           {"reasoning": "The user asks.", "content": ""}, "stop", None, 4, stream=True, alone=("ok",)),
+    # cut inside the next message's header, the parser serves the unfinished header's ids
+    # decoded as content, special tokens and all (was rejected as marker text)
+    Served("gptoss_cut_in_header", "gpt-oss", ANALYSIS + "The user asks." + FINAL + "Sure.", "<|return|>",
+           {"reasoning": "The user asks.", "content": "<|start|>assistant<|channel|>"}, "length", None, 4,
+           cut=11, alone=("ok",)),
+    Served("gptoss_cut_in_call_header", "gpt-oss", ANALYSIS + "Call it." + CALL_HEADER + '{"city": "Paris"}',
+           "<|call|>", {"reasoning": "Call it.",
+                        "content": "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"},
+           "length", None, 3, stream=True, cut=20, alone=("ok",)),
+    # <|endoftext|> (a generation-config stop) is no harmony stop: the parser keeps it as the
+    # message's text. With the answer in the commentary channel (a token more than "final")
+    # the leak's reading has the model's count exactly: only eos_in_text rejects it
+    Served("gptoss_endoftext_kept_commentary", "gpt-oss",
+           ANALYSIS + "The user asks.<|end|><|start|>assistant<|channel|>commentary<|message|>Sure.", "<|endoftext|>",
+           {"reasoning": "The user asks.", "content": "Sure.<|endoftext|>"}, "stop", 199999, 4, alone=("eos_in_text",)),
 ]
 
 _TOKS: dict[str, Any] = {}
@@ -128,9 +155,10 @@ def native_ids(case: Served) -> list[int]:
 
 
 def request_of(case: Served) -> dict[str, Any]:
-    switch = "thinking" if case.family == "kimi-k2.5" else "enable_thinking"
-    request: dict[str, Any] = {"model": case.family, "messages": [{"role": "user", "content": "Hi there"}],
-                               "chat_template_kwargs": {switch: case.thinking}}
+    request: dict[str, Any] = {"model": case.family, "messages": [{"role": "user", "content": "Hi there"}]}
+    if case.family != "gpt-oss":  # gpt-oss has no thinking switch
+        switch = "thinking" if case.family == "kimi-k2.5" else "enable_thinking"
+        request["chat_template_kwargs"] = {switch: case.thinking}
     if case.stream:
         request |= {"stream": True, "stream_options": {"include_usage": True}}
     return request
@@ -139,15 +167,16 @@ def request_of(case: Served) -> dict[str, Any]:
 def _row(case: Served, traits: dict[str, ProviderTrait] | None = None) -> dict[str, Any]:
     tok = _tok(case.family)
     request = request_of(case)
-    prompt = tok.encode(resolve_dialect(tok).render_request(request))
+    dialect = resolve_dialect(tok, VLLM_DIALECTS.get(case.family))
+    prompt = tok.encode(dialect.prompt_readings(request, {"created": CREATED})[0].text)
     n = len(native_ids(case))
-    response = {"provider": "vllm", "model": case.family, "choices": [{
+    response = {"provider": "vllm", "model": case.family, "created": CREATED, "choices": [{
         "index": 0, "message": {"role": "assistant", **case.message}, "finish_reason": case.finish,
         "stop_reason": case.stop_reason}],
         "usage": {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n,
                   "completion_tokens_details": {"reasoning_tokens": case.reasoning_tokens}}}
     record = {"id": case.name, "request": request, "response": response, "meta": {"stream": case.stream}}
-    (row,) = reconstruct_record(record, tok, traits=traits)
+    (row,) = reconstruct_record(record, tok, dialect, traits=traits)
     return row
 
 

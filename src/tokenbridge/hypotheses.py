@@ -589,6 +589,9 @@ def _harmony(dialect: HarmonyDialect, message: Mapping[str, Any], finish_reason:
     empty = dialect.empty_analysis_reading(message, finish_reason)
     if empty is not None:
         out.append(Candidate(empty, ("empty_analysis",)))
+    ended = dialect.end_in_analysis_reading(message, finish_reason)
+    if ended is not None:
+        out.append(Candidate(ended, ("end_in_analysis",)))
     out.extend(Candidate(parts, (name,)) for parts, name in dialect.cut_readings(message, finish_reason))
     if resends and dialect.tool_stream_resends:
         out += [r for c in list(out) for r in _resent_readings(c)]

@@ -263,7 +263,9 @@ class HarmonyDialect(Dialect):
         ``<|channel|>`` with no analysis before it), that call ended by ``<|call|>``. A
         length cut appends no end token, and a cut inside the analysis (no content) no
         ``<|end|>``: the other places a cut may fall are readings (:mod:`..hypotheses`).
-        A leaked ``<|return|>`` / ``<|call|>`` at the end of content is the end token.
+        A leaked ``<|return|>`` / ``<|call|>`` at the end of content is the end token. A cut
+        content that is a message header (:func:`_cut_header`: vLLM's harmony parser, cut
+        inside one, serves its raw text) is that header's tokens.
         """
         content, reasoning = _text(message)
         cut = finish_reason == "length"
@@ -275,6 +277,8 @@ class HarmonyDialect(Dialect):
                 return parts
             parts.append(("think_end", END))
             first = False
+        if cut and _cut_header(content, first):
+            return [*parts, ("format", content)]
         ended = next((e for e in self.end_tokens if content.endswith(e)), None)
         if ended:
             content = content[: -len(ended)]
@@ -325,6 +329,16 @@ class HarmonyDialect(Dialect):
             out.append(([*base, ("format", start + lead)], f"cut_header=recipient:{lead.strip()}"))
         return out
 
+    def end_in_analysis_reading(self, message: Message, finish_reason: str | None) -> list[tuple[str, str]] | None:
+        """Reasoning and no content, the turn ended: the model may have ended its analysis
+        message with the end token itself (``<|channel|>analysis<|message|>R<|return|>``),
+        which the parser serves as the formula's empty final message; five ids fewer, so
+        the count tells them apart. None where the message does not fit."""
+        content, reasoning = _text(message)
+        if finish_reason == "length" or content or not reasoning or message.get("tool_calls"):
+            return None
+        return [("format", ANALYSIS), ("reasoning", reasoning), ("end", RETURN)]
+
     def empty_analysis_reading(self, message: Message, finish_reason: str | None) -> list[tuple[str, str]] | None:
         """No reasoning served: the model may have written no analysis message, or an
         empty one (``<|channel|>analysis<|message|><|end|>``), which the parser shows the
@@ -340,6 +354,23 @@ class HarmonyDialect(Dialect):
         else:
             return None
         return [("format", ANALYSIS), ("think_end", END), *rest]
+
+
+#: The special tokens a message header may hold after its first one.
+_HEADER_INNER = frozenset({"<|channel|>", "<|constrain|>"})
+_SPECIAL = re.compile(r"<\|[a-z0-9_]+\|>")
+
+
+def _cut_header(content: str, first: bool) -> bool:
+    """Whether a length-cut ``content`` is the raw text of a message header the cut fell
+    in (vLLM 0.34's harmony parser, left in a header at the end, serves the ids of the
+    unfinished message decoded as they are, special tokens included): ``<|start|>``
+    (after another message) or ``<|channel|>`` (the first one) and then only header text,
+    no ``<|message|>``."""
+    lead = "<|channel|>" if first else "<|start|>"
+    if not content.startswith(lead):
+        return False
+    return all(m.group() in _HEADER_INNER for m in _SPECIAL.finditer(content, len(lead)))
 
 
 def _raw_call(content: str, first: bool) -> tuple[str, str] | None:
