@@ -115,6 +115,18 @@ def test_run_format_named_twice_is_an_error(tmp_path, kimi_dir):
     assert _run_errors(path) == [f"{path}:{_line(text, 'formats')}: export.formats: conversations named more than once"]
 
 
+def test_run_provider_profile_that_is_no_file_is_an_error_not_a_wait(tmp_path, kimi_dir):
+    """A FIFO blocked the config check until something wrote to it."""
+    import os
+
+    fifo = tmp_path / "profile.json"
+    os.mkfifo(fifo)
+    text = _replace(_run_toml(kimi_dir), "usage_tolerance = 0", f'usage_tolerance = 0\nprovider_profile = "{fifo}"')
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [f"{path}:{_line(text, 'provider_profile')}: reconstruct.provider_profile: {fifo}: "
+                                 "not a regular file"]
+
+
 def test_run_negative_draft_vocab_size(tmp_path, kimi_dir):
     text = _replace(_run_toml(kimi_dir), "draft_vocab_size = 64", "draft_vocab_size = -5")
     path = _write(tmp_path, text)

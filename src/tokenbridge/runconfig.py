@@ -187,10 +187,14 @@ def load_run_config(path: str | Path) -> RunConfig:
     emulator, overrides = _check_emulator(data, where, base, problems)
     profile = None
     if parsed is not None and parsed.reconstruct.provider_profile:
-        try:
-            profile = load_provider_profile(_relative(parsed.reconstruct.provider_profile, base))
-        except ProfileError as exc:
-            problems.append(where.problem(("reconstruct", "provider_profile"), str(exc)))
+        profile_path = _relative(parsed.reconstruct.provider_profile, base)
+        if profile_path.exists() and not profile_path.is_file():  # a FIFO blocked the check until written to
+            problems.append(where.problem(("reconstruct", "provider_profile"), f"{profile_path}: not a regular file"))
+        else:
+            try:
+                profile = load_provider_profile(profile_path)
+            except ProfileError as exc:
+                problems.append(where.problem(("reconstruct", "provider_profile"), str(exc)))
 
     if problems or parsed is None:
         raise _config_error("\n".join(sorted(problems, key=lambda line: _file_order(line, str(path)))))
