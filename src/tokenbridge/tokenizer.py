@@ -25,7 +25,7 @@ only); offline and not cached is a clear :class:`TokenizerError`.
 from __future__ import annotations
 
 import ast
-import base64
+import binascii
 import re
 import sys
 import threading
@@ -596,13 +596,14 @@ def _load_ranks(path: Path) -> dict[bytes, int]:
     byte without a rank panicked in the middle of a run."""
     ranks: dict[bytes, int] = {}
     seen: dict[int, int] = {}  # rank -> its line
+    decode = binascii.a2b_base64
     with path.open("rb") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
                 token, rank_text = line.split()
-                piece = base64.b64decode(token, validate=True)
+                piece = decode(token, strict_mode=True)  # strict: no stray characters, no bad padding
                 rank = int(rank_text)
             except ValueError:  # binascii.Error is one too
                 raise TokenizerError(f"{path}:{lineno}: expected 'base64token rank'") from None
