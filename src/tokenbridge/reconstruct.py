@@ -33,7 +33,7 @@ from .content import content_text
 from .checks import (DEFAULT_POLICY, Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways,
                      reasoning_fits,
                      run_checks, status_of)
-from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens
+from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens, served_by_vllm
 from .exchanges import Exchange, RecordError, choice_index, loads_line, parse_exchange
 from .jsonl import NotJsonlError, binary_kind, text_of
 from .hypotheses import Candidate, candidates, ends_in_think_fits, held_tails
@@ -170,8 +170,9 @@ def _reconstruct(
     if prefixed is None:  # a prompt only one engine renders: its completion is that engine's too
         prefixed = sglang
     counted = trait is not None and trait.end_counted
+    streamed = _streamed(ex)
     plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking=thinking, opens=opens, joins=joins,
-                   stream=_streamed(ex), prefixed=prefixed, end_counted=counted)
+                   stream=streamed, prefixed=prefixed, end_counted=counted)
              for idx, choice in enumerate(choices)]
     if trait is not None and trait.end_uncounted:
         for p in plans:
@@ -180,7 +181,7 @@ def _reconstruct(
     single = len(plans) == 1
     reasoning = reasoning_tokens(usage)  # with n > 1, summed over the choices
     if any(len(p.cands) > 1 for p in plans):
-        _choose(plans, usage_completion, policy, reasoning, tokenizer, _streamed(ex))
+        _choose(plans, usage_completion, policy, reasoning, tokenizer, streamed)
     total_completion = sum(p.counted(p.chosen) for p in plans)
     summed_reasoning = None if single else _reasoning_sums([p.ways(p.chosen) for p in plans])
     rows = []
@@ -212,7 +213,7 @@ def _reconstruct(
             reasoning_allowed=summed_reasoning,
             provider_edits=tuple(zip(trait.edits, trait.edit_sources)) if trait is not None else (),
             calibration=trait.describe() if trait is not None else None,
-            streamed=_streamed(ex),
+            streamed=streamed,
         )
         findings = [*run_checks(view, policy), *record_findings, *_reading_findings(p, policy)]
         segments = _segments(len(prompt_ids), parts, part_ids)
@@ -590,7 +591,7 @@ def _unnamed_eos(tok: Tokenizer, dialect: Dialect, choice: Mapping[str, Any], fi
     unproven (Kimi K2.5: ``[EOS]``, the same count as ``<|im_end|>``). A reading beside the
     formula's, which only ids or logprobs pick. A folder whose config names no eos (GLM's
     here) leaves every end token of the dialect possible."""
-    if finish == "length" or stop is not None or "stop_reason" not in choice or choice["stop_reason"] is not None:
+    if finish == "length" or stop is not None or not served_by_vllm(choice) or choice["stop_reason"] is not None:
         return []
     eos = special_token_strings(tok.config).get("eos_token")
     if eos is None:
