@@ -346,3 +346,45 @@ def test_prefixed_and_bare_row_ids_that_meet_are_a_bad_row(tmp_path):
     loaded = load_prompts([_spec(path, "chat")])
     assert [s.id for s in loaded.samples] == ["chat-001"]
     assert [(e.location, e.field) for e in loaded.errors] == [("line 2", "id")]
+
+
+def test_a_prompt_held_twice_is_read_once_where_the_copies_agree_and_refused_where_they_differ(tmp_path):
+    """UltraChat ships ``prompt`` beside ``messages``; LLaMA-Factory's ShareGPT rows carry a
+    ``system`` column beside ``conversations``. Agreeing copies are one prompt; a copy that
+    differs is a bad row naming it, never one of the two dropped in silence."""
+    chat = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+            {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]
+    turns = [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"}]
+    f = _write_jsonl(tmp_path / "twice.jsonl", [
+        {"id": "ultra", "prompt": "Q1", "messages": chat},                       # the first user turn
+        {"id": "last", "prompt": "Q2", "messages": chat},                        # the last user turn
+        {"id": "blank", "prompt": "", "conversations": turns},                   # an empty column beside a full one
+        {"id": "sys", "system": "Be terse.", "conversations": turns},            # LLaMA-Factory's system column
+        {"id": "own", "system": "S", "messages": [{"role": "system", "content": "S"}, *chat[:1]]},
+        {"id": "both", "messages": chat[:1], "conversations": turns[:1]},
+        {"id": "other", "prompt": "Q3", "messages": chat},
+        {"id": "clash", "messages": chat[:1], "conversations": [{"from": "human", "value": "Q9"}]},
+        {"id": "sysclash", "system": "T", "messages": [{"role": "system", "content": "S"}, *chat[:1]]},
+        {"id": "systype", "system": 5, "conversations": turns},
+        {"id": "onlyblank", "prompt": ""},
+    ])
+    loaded = load_prompts([_spec(f)])
+    got = {s.id: s.messages for s in loaded.samples}
+    assert got == {
+        "b3-ultra": chat[:3],
+        "b3-last": chat[:3],
+        "b3-blank": [{"role": "user", "content": "Q1"}],
+        "b3-sys": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Q1"}],
+        "b3-own": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}],
+        "b3-both": [{"role": "user", "content": "Q1"}],
+    }
+    assert [(e.location, e.field) for e in loaded.errors] == [
+        ("line 7", "prompt"), ("line 8", "conversations[0]"), ("line 9", "system"), ("line 10", "system"),
+        ("line 11", "prompt")]
+    assert [e.message for e in loaded.errors] == [
+        "differs from the first and the last user turn of 'messages': which to send is unclear",
+        "differs from 'messages' (turn 0): which to send is unclear",
+        "differs from the conversation's own system turn: which to send is unclear",
+        "must be a string",
+        "must be a non-empty string",
+    ]

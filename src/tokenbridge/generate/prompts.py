@@ -5,8 +5,11 @@ Sources: a ``.jsonl`` file, a ``.parquet`` file, a Hugging Face ``save_to_disk``
 ``.jsonl`` / ``.parquet`` files (read in name order).
 
 Row shapes: OpenAI ``messages``; ShareGPT ``conversations`` (``from``/``value``, roles
-human/gpt/system/tool); or ``prompt`` with an optional ``system``. An optional row-level
-``tools`` list is kept. A trailing assistant turn is dropped, so the model answers the
+human/gpt/system/tool); or ``prompt``; each with an optional ``system`` (the system turn
+put in front, or the conversation's own when it equals that). A row holding its prompt
+twice (UltraChat's ``prompt`` beside ``messages``) is read once where the copies agree
+(the prompt is the first or the last user turn) and is a bad row where they differ. An
+optional row-level ``tools`` list is kept. A trailing assistant turn is dropped, so the model answers the
 last user/tool turn. The sample id is ``<dataset>-<row id>`` (the row id alone when it
 already starts ``<dataset>-``), or ``<dataset>-<content hash>`` when the row has no ``id``
 (a repeated hash gets ``~2``, ``~3``... in row order).
@@ -156,14 +159,7 @@ def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:  # n
         raise _BadRow(bad.field, bad.message)
     if not isinstance(row, dict):
         raise _BadRow("<row>", f"expected a JSON object, got {type(row).__name__}")
-    if row.get("messages") is not None:
-        messages = _openai_messages(row["messages"])
-    elif row.get("conversations") is not None:
-        messages = _sharegpt_messages(row["conversations"])
-    elif row.get("prompt") is not None:
-        messages = _plain_prompt(row)
-    else:
-        raise _BadRow("messages", "row has none of 'messages', 'conversations' or 'prompt'")
+    messages = _conversation(row)
     while messages and messages[-1]["role"] == "assistant":
         messages.pop()
     if not messages:
@@ -343,15 +339,61 @@ def _sharegpt_messages(value: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _plain_prompt(row: dict[str, Any]) -> list[dict[str, Any]]:
+#: The row keys that each hold a whole prompt, in the order one is read when several agree.
+_SOURCES = ("messages", "conversations", "prompt")
+
+
+def _conversation(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages a row asks to send. A row may carry its prompt twice (UltraChat ships
+    ``prompt`` beside ``messages``; LLaMA-Factory's ShareGPT rows a ``system`` column beside
+    ``conversations``): where the copies agree, one is read; where they differ, which one
+    the user meant is unknown, so the row is refused rather than one dropped in silence."""
+    given = [k for k in _SOURCES if row.get(k) is not None]
+    if not given:
+        raise _BadRow("messages", "row has none of 'messages', 'conversations' or 'prompt'")
+    filled = [k for k in given if row[k] not in ("", [])] or given[:1]  # an empty column beside a full one
+    first = filled[0]
+    if first == "prompt":
+        messages = [{"role": "user", "content": _prompt_text(row)}]
+    else:
+        messages = _openai_messages(row[first]) if first == "messages" else _sharegpt_messages(row[first])
+    for other in filled[1:]:
+        if other == "conversations":
+            _same_turns(messages, _sharegpt_messages(row[other]), first, other)
+        else:
+            prompt = _prompt_text(row)
+            users = [m.get("content") for m in messages if m["role"] == "user"]
+            if prompt not in users[:1] + users[-1:]:
+                raise _BadRow("prompt", f"differs from the first and the last user turn of '{first}': which to send is unclear")
+    return _with_system(messages, row.get("system"))
+
+
+def _prompt_text(row: dict[str, Any]) -> str:
     prompt = row["prompt"]
     if not isinstance(prompt, str) or not prompt:
         raise _BadRow("prompt", "must be a non-empty string")
-    system = row.get("system")
-    if system is not None and not isinstance(system, str):
+    return prompt
+
+
+def _same_turns(messages: list[dict[str, Any]], turns: list[dict[str, Any]], first: str, other: str) -> None:
+    mine = [(m["role"], m.get("content")) for m in messages]
+    theirs = [(t["role"], t["content"]) for t in turns]
+    if mine != theirs:
+        i = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        raise _BadRow(f"{other}[{i}]", f"differs from '{first}' (turn {i}): which to send is unclear")
+
+
+def _with_system(messages: list[dict[str, Any]], system: Any) -> list[dict[str, Any]]:
+    """A row's ``system`` column: the system turn in front, or the one the conversation has."""
+    if system is None or system == "":
+        return messages
+    if not isinstance(system, str):
         raise _BadRow("system", "must be a string")
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": prompt})
+    own = [m for m in messages if m["role"] in ("system", "developer")]
+    if not own:
+        return [{"role": "system", "content": system}, *messages]
+    if own[0].get("content") != system or messages[0] is not own[0]:
+        raise _BadRow("system", "differs from the conversation's own system turn: which to send is unclear")
     return messages
 
 
