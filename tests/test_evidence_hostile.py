@@ -73,3 +73,36 @@ def test_logprobs_that_are_not_an_object_are_unreadable_not_taken_for_none(kimi)
     rec["response"]["choices"][0]["logprobs"] = 5
     (row,) = reconstruct_record(rec, kimi)
     assert [f["code"] for f in row["findings"]] == ["logprobs_unreadable"] and row["status"] == "flagged"
+
+
+def test_an_optional_evidence_field_no_engine_writes_is_named_not_read_as_absent_in_silence(kimi):
+    """``reasoning_tokens: -1`` or ``native_finish_reason: 5`` were read as absent with no
+    word: the ids still stand on the rest (exact here), and the row says what was set aside."""
+    truth, base = _base(kimi)
+    cases = [
+        (("usage", "completion_tokens_details"), {"reasoning_tokens": -1},
+         "usage.completion_tokens_details.reasoning_tokens is -1, not a count: read as absent"),
+        (("usage", "completion_tokens_details"), "3", "usage.completion_tokens_details is '3', not an object: read as absent"),
+        (("usage", "prompt_tokens_details"), {"cached_tokens": 2.5},
+         "usage.prompt_tokens_details.cached_tokens is 2.5, not a count: read as absent"),
+        (("choice", "matched_stop"), True, "matched_stop is True, not a stop id or string: read as absent"),
+        (("choice", "stop_reason"), [163586], "stop_reason is [163586], not a stop id or string: read as absent"),
+        (("choice", "native_finish_reason"), 5, "native_finish_reason is 5, not a string: read as absent"),
+        (("choice", "native_finish_reason"), {"x": "y" * 80},
+         "native_finish_reason is {'x': '" + "y" * 30 + "..., not a string: read as absent"),  # 40 characters shown
+    ]
+    for (where, key), value, message in cases:
+        rec = copy.deepcopy(base)
+        holder = rec["response"]["usage"] if where == "usage" else rec["response"]["choices"][0]
+        holder[key] = value
+        (row,) = reconstruct_record(rec, kimi)
+        assert (row["status"], row["completion_ids"]) == ("flagged", truth)
+        assert [(f["code"], f["message"]) for f in row["findings"]] == [("evidence_malformed", message)]
+    for (where, key), value in [(("usage", "completion_tokens_details"), {"reasoning_tokens": None}),
+                                (("usage", "prompt_tokens_details"), None), (("choice", "matched_stop"), None),
+                                (("choice", "native_finish_reason"), "stop"),
+                                (("choice", "matched_stop"), kimi.token_id("<|im_end|>"))]:
+        rec = copy.deepcopy(base)
+        (rec["response"]["usage"] if where == "usage" else rec["response"]["choices"][0])[key] = value
+        (row,) = reconstruct_record(rec, kimi)
+        assert (row["status"], row["findings"]) == ("ok", []), (key, value)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
 from .content import content_text
-from .evidence import NATIVE_CUT, NATIVE_FAILED, LogprobIds, logprobs_cover, native_finish, served_by_vllm, no_finish
+from .evidence import NATIVE_CUT, NATIVE_FAILED, LogprobIds, logprobs_cover, malformed, native_finish, served_by_vllm, no_finish
 from .jsonl import text_of
 from .tokenizer import Tokenizer
 
@@ -26,7 +26,7 @@ __all__ = ["CODES", "DEFAULT_POLICY", "DEFAULT_SEVERITY", "GATE_REVISION", "Find
 #: Changed whenever what reconstruct reads or the gate says of the same input changes. Every
 #: stage's fingerprint holds it, so a finished run reconstructs again after an upgrade that
 #: would judge its samples differently (the package version moves only with releases).
-GATE_REVISION = "2026-12-06.9"
+GATE_REVISION = "2026-12-06.10"
 
 #: Every finding code with its default severity and what it means.
 CODES: dict[str, tuple[str, str]] = {
@@ -62,6 +62,7 @@ CODES: dict[str, tuple[str, str]] = {
     "reasoning_redacted": ("error", "reasoning_details holds a summary or encrypted reasoning: not the model's own text"),
     "logprobs_mismatch": ("error", "ids differ from the ids the response's logprobs name"),
     "logprobs_unreadable": ("warning", "logprobs present but not mappable to token ids; not used as evidence"),
+    "evidence_malformed": ("warning", "an optional evidence field (reasoning_tokens, cached_tokens, matched_stop, stop_reason, native_finish_reason) holds a value no engine writes; not used as evidence"),
     "usage_reasoning_mismatch": ("error", "usage's reasoning_tokens fits no way engines count our reasoning segment"),
     "reconstruction_ambiguous": ("error", "the response fits several native sequences and no evidence picks one"),
     "held_tail_unproven": ("warning", "streamed: text a parser holds back at the end may be missing, at the same count"),
@@ -171,6 +172,8 @@ class SampleView:
     part_marker_free: Sequence[bool] = ()
     #: whether the response came as a stream (None: the record does not say)
     streamed: bool | None = None
+    #: the response's ``usage`` object (None: it has none), for its optional fields
+    usage: Mapping[str, Any] | None = None
 
     @property
     def proven_by_ids(self) -> bool:
@@ -555,6 +558,11 @@ def _usage(view: SampleView, policy: Policy) -> Iterator[_Hit]:
             yield code, f"{what}: ours {ours}, usage {theirs} (delta {ours - theirs:+d}, tolerance {tol}{cal})"
 
 
+def _evidence_fields(view: SampleView, policy: Policy) -> Iterator[_Hit]:
+    for fault in malformed(view.choice, view.usage):
+        yield "evidence_malformed", f"{fault}: read as absent"
+
+
 def _native(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     tok = view.tokenizer
     for what, ours, native in (
@@ -774,6 +782,7 @@ _CHECKS = (
     _replacement,
     _roundtrip,
     _usage,
+    _evidence_fields,
     _native,
     _logprobs,
     _reasoning_count,

@@ -42,6 +42,7 @@ __all__ = [
     "is_count",
     "logprob_ids",
     "logprobs_cover",
+    "malformed",
     "matched_stop",
     "native_finish",
     "no_finish",
@@ -330,6 +331,44 @@ def matched_stop(choice: Mapping[str, Any]) -> int | str | None:
         return value
     value = choice.get("stop_reason")
     return value if is_count(value) else None
+
+
+#: Optional counts in ``usage``: (the object holding one, its key).
+_DETAILS = (("completion_tokens_details", "reasoning_tokens"), ("prompt_tokens_details", "cached_tokens"))
+
+
+def malformed(choice: Mapping[str, Any], usage: Mapping[str, Any] | None) -> list[str]:
+    """The optional evidence fields of a choice and its usage that hold a value no engine
+    writes (``reasoning_tokens: -1``, ``native_finish_reason: 5``), each in words. Such a
+    value is read as absent, so the sample stands on its other evidence; this names it, so
+    the reading is not silent. Absent and null are no fault."""
+    out = []
+    for holder, key in _DETAILS if isinstance(usage, Mapping) else ():
+        details = usage.get(holder)  # type: ignore[union-attr]
+        if details is not None and not isinstance(details, Mapping):
+            out.append(f"usage.{holder} is {_shown(details)}, not an object")
+        elif details is not None and details.get(key) is not None and not is_count(details[key]):
+            out.append(f"usage.{holder}.{key} is {_shown(details[key])}, not a count")
+    for key, fits, want in (("matched_stop", _stop_value, "a stop id or string"),
+                            ("stop_reason", _stop_value, "a stop id or string"),
+                            ("native_finish_reason", _is_str, "a string")):
+        value = choice.get(key)
+        if value is not None and not fits(value):
+            out.append(f"{key} is {_shown(value)}, not {want}")
+    return out
+
+
+def _stop_value(value: object) -> bool:
+    return is_count(value) or isinstance(value, str)
+
+
+def _is_str(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _detail(usage: Mapping[str, Any] | None, holder: str, key: str) -> int | None:

@@ -214,6 +214,7 @@ def _reconstruct(
             provider_edits=tuple(zip(trait.edits, trait.edit_sources)) if trait is not None else (),
             calibration=trait.describe() if trait is not None else None,
             streamed=streamed,
+            usage=usage,
         )
         findings = [*run_checks(view, policy), *record_findings, *_reading_findings(p, policy)]
         segments = _segments(len(prompt_ids), parts, part_ids)
