@@ -222,3 +222,35 @@ def test_sglang_records_keep_their_readings(kimi) -> None:
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(truth)}}
     (row,) = reconstruct_record({"id": "s", "request": request, "response": response}, kimi)
     assert row["status"] == "ok" and row["completion_ids"] == truth
+
+
+def test_vllm_streamed_count_summed_over_n_choices() -> None:
+    """n > 1 streamed from vLLM: usage sums each choice's streamed count, which leaves out
+    each id that completes no character. The sum was held to the three whole-text ways only,
+    and the provable samples rejected; a sum one short more still is."""
+    case = next(c for c in CASES if c.name == "kimi_streamed_split_char")
+    tok = _tok(case.family)
+    request = request_of(case)
+    dialect = resolve_dialect(tok)
+    prompt = tok.encode(dialect.prompt_readings(request, {"created": CREATED})[0].text)
+    truth = native_ids(case)
+    choice = {"message": {"role": "assistant", **case.message}, "finish_reason": "stop", "stop_reason": 163586}
+
+    def rows(reasoning: int, *, vllm: bool = True, stream: bool = True) -> list[dict[str, Any]]:
+        choices = [{"index": i, **choice} for i in range(2)]
+        if not vllm:
+            for c in choices:
+                c.pop("stop_reason")
+        response = {"provider": "vllm", "model": case.family, "created": CREATED, "choices": choices,
+                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": 2 * len(truth),
+                              "completion_tokens_details": {"reasoning_tokens": reasoning}}}
+        sent = {k: v for k, v in request.items() if stream or k not in ("stream", "stream_options")} | {"n": 2}
+        record = {"id": "n2", "request": sent, "response": response, "meta": {"stream": stream}}
+        return reconstruct_record(record, tok, dialect)
+
+    summed = 2 * case.reasoning_tokens  # each choice's streamed count
+    assert [(r["status"], r["completion_ids"]) for r in rows(summed)] == [("ok", truth)] * 2
+    for got, vllm, stream in [(summed - 1, True, True), (summed, False, True), (summed, True, False)]:
+        rejected = rows(got, vllm=vllm, stream=stream)
+        assert [r["status"] for r in rejected] == ["rejected"] * 2, (got, vllm, stream)
+        assert all("usage_reasoning_mismatch" in {f["code"] for f in r["findings"]} for r in rejected)

@@ -21,7 +21,8 @@ from .tokenizer import Tokenizer
 
 __all__ = ["CODES", "DEFAULT_POLICY", "DEFAULT_SEVERITY", "GATE_REVISION", "Finding", "Policy", "SampleView", "ends_turn", "finish_reading",
            "logprobs_fit",
-           "reasoning_count_ways", "reasoning_counts", "reasoning_fits", "run_checks", "status_of"]
+           "reasoning_count_ways", "reasoning_counts", "reasoning_fits", "run_checks", "status_of",
+           "vllm_silent_ids"]
 
 #: Changed whenever what reconstruct reads or the gate says of the same input changes. Every
 #: stage's fingerprint holds it, so a finished run reconstructs again after an upgrade that

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
@@ -31,8 +31,7 @@ from .chat.harmony import tool_stream_doubt
 from .chat.template import TemplateError, special_token_strings
 from .content import content_text
 from .checks import (DEFAULT_POLICY, Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways,
-                     reasoning_fits,
-                     run_checks, status_of)
+                     reasoning_fits, run_checks, status_of, vllm_silent_ids)
 from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens, served_by_vllm
 from .exchanges import Exchange, RecordError, choice_index, loads_line, parse_exchange
 from .jsonl import NotJsonlError, binary_kind, text_of
@@ -93,6 +92,9 @@ class _Choice:
     vetoed: bool = False
     #: candidate -> its completion ids, built once (a reasoning completion is thousands of ids)
     _flat: dict[int, list[int]] = field(default_factory=dict)
+    #: the tokenizer's id -> bytes where every choice of the record may have streamed from
+    #: vLLM: its summed ``reasoning_tokens`` may then be vLLM's streamed count, a fourth way
+    vllm_stream: Callable[[int], bytes] | None = None
 
     def ids(self, k: int) -> list[int]:
         """Candidate ``k``'s completion ids (one list per candidate: never mutate it)."""
@@ -103,9 +105,14 @@ class _Choice:
                 flat += part  # a list's own extend: a copy of pointers, no iterator
         return flat
 
-    def ways(self, k: int) -> tuple[int, int, int]:
-        """Candidate ``k``'s ``reasoning_tokens`` as each kind of engine counts it."""
-        return reasoning_count_ways(self.cands[k].parts, self.cand_ids[k])
+    def ways(self, k: int) -> tuple[int, ...]:
+        """Candidate ``k``'s ``reasoning_tokens`` as each kind of engine counts it; with
+        ``vllm_stream``, vLLM's streamed count too (:func:`~tokenbridge.checks.vllm_silent_ids`)."""
+        parts, ids = self.cands[k].parts, self.cand_ids[k]
+        ways = reasoning_count_ways(parts, ids)
+        if self.vllm_stream is None:
+            return ways
+        return (*ways, ways[2] - vllm_silent_ids(parts, ids, self.vllm_stream))
 
     def counted(self, k: int) -> int:
         """How many of candidate ``k``'s ids the provider's usage counts."""
@@ -174,9 +181,7 @@ def _reconstruct(
     plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking=thinking, opens=opens, joins=joins,
                    stream=streamed, prefixed=prefixed, end_counted=counted)
              for idx, choice in enumerate(choices)]
-    if trait is not None and trait.end_uncounted:
-        for p in plans:
-            p.end_uncounted = True
+    _count_ways(plans, trait, streamed, tokenizer)
     usage_prompt, usage_completion = _usage_pairs(usage, len(prompt_ids), trait)
     single = len(plans) == 1
     reasoning = reasoning_tokens(usage)  # with n > 1, summed over the choices
@@ -621,10 +626,21 @@ def _usage_pairs(usage: Mapping[str, Any] | None, n_prompt: int,
 _MAX_COMBINATIONS = 512
 
 
-def _reasoning_sums(ways: Sequence[tuple[int, int, int]]) -> frozenset[int]:
+def _count_ways(plans: list[_Choice], trait: ProviderTrait | None, streamed: bool | None, tok: Tokenizer) -> None:
+    """How usage may count the choices: without the end token (a run's trait), and, every
+    choice vLLM's and maybe streamed with n > 1, their reasoning the way vLLM streams it."""
+    for p in plans:
+        p.end_uncounted = trait is not None and trait.end_uncounted
+    if len(plans) > 1 and streamed is not False and all(served_by_vllm(p.choice) for p in plans):
+        for p in plans:
+            p.vllm_stream = tok.token_bytes
+
+
+def _reasoning_sums(ways: Sequence[tuple[int, ...]]) -> frozenset[int]:
     """What an engine reports as ``reasoning_tokens`` for these choices together: each
-    counted its one way (:func:`~tokenbridge.checks.reasoning_count_ways`), then summed."""
-    return frozenset(sum(w[i] for w in ways) for i in range(3))
+    counted its one way (:func:`~tokenbridge.checks.reasoning_count_ways`, and vLLM's
+    streamed way where :attr:`_Choice.vllm_stream`), then summed."""
+    return frozenset(sum(w[i] for w in ways) for i in range(len(ways[0])))
 
 
 def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, reasoning: int | None, tok: Tokenizer,
@@ -679,11 +695,11 @@ def _open_short(p: _Choice, opts: list[int], fitting: set[int], usage: int | Non
     return [k for k in opts if k not in fitting and p.cands[k].open_end and p.counted(k) < usage]
 
 
-def _alike(p: _Choice, opts: list[int]) -> list[tuple[int, tuple[int, int, int], list[int]]]:
+def _alike(p: _Choice, opts: list[int]) -> list[tuple[int, tuple[int, ...], list[int]]]:
     """``opts`` grouped by all a summed usage sees of them, (count, reasoning count ways): one
     option each of the product over n > 1 choices, so many readings of few lengths (held
     tails) stay within :data:`_MAX_COMBINATIONS`."""
-    alike: dict[tuple[int, tuple[int, int, int]], list[int]] = {}
+    alike: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     for k in opts:
         alike.setdefault((p.counted(k), p.ways(k)), []).append(k)
     return [(size, way, ks) for (size, way), ks in alike.items()]
