@@ -223,3 +223,53 @@ def test_a_learned_bound_that_fits_but_is_not_yet_borne_out_sends_alone_never_en
     big.observe("P", 1000, 500, 0.008)
     big.observe("P", 200, 800, 0.010)
     assert big.admit(600, 600) is None and big.exhausted
+
+
+# --- [prices] that prove too low ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("usage", "request_kw", "sent"), [
+    # the provider's cost is 50x what [prices] reserved: 16 in flight (concurrency) before the first answer
+    ({"prompt_tokens": 5, "completion_tokens": 3, "cost": 0.01}, {"max_tokens": 10}, 16),
+    # honest prices, but no max_tokens: the answer ran past the 32,768 completion tokens
+    # reserved ($0.033 each: 15 fit under the cap)
+    ({"prompt_tokens": 5, "completion_tokens": 200_000}, {}, 15),
+])
+def test_prices_an_answer_costs_more_than_are_dropped_and_a_run_past_its_cap_says_so(tmp_path, usage, request_kw,
+                                                                                     sent):
+    """Before, every answer costing more than [prices] reserved went on side by side (16 in
+    flight: $0.20 and $3.00 spent under a $0.05 / $0.50 cap, the first with exit 0 and no
+    word). Now the first such answer turns [prices] off for the run: requests go one at a
+    time, priced by what the answers cost, and a run that ended over its cap exits as
+    stopped by it, saying by how much."""
+    async def reply(_: int) -> web.StreamResponse:
+        await asyncio.sleep(0.3)  # every request that fits goes out before the first answer
+        return _answer(usage)
+
+    prices = Prices(prompt=0.5, completion=1.0) if "cost" in usage else Prices(prompt=1.0, completion=1.0)
+    cap = 0.05 if "cost" in usage else 0.5
+    per_answer = 0.01 if "cost" in usage else 0.200005
+    summary = _run(tmp_path, 20, reply, concurrency=16, max_cost=cap, prices=prices,
+                   request=RequestSettings(model="m", **request_kw))
+    # the requests in flight when the first answer came back cost what they cost; after it
+    # nothing more fits (before: all 20 went, side by side)
+    assert (summary.exit_code, summary.done, summary.pending) == (ExitCode.BUDGET, sent, 20 - sent)
+    assert summary.spent_total == pytest.approx(per_answer * sent)
+    notices = "\n".join(summary.notices)
+    assert "more than the" in notices and "[prices] no longer prices requests in this run" in notices
+    assert f"over --max-cost ${cap:.2f}" in notices
+
+
+def test_a_budget_whose_prices_hold_is_unchanged_and_one_overrun_turns_them_off():
+    from tokenbridge.generate.budget import Budget
+
+    b = Budget(max_cost=1.0, prices=Prices(prompt=1.0, completion=1.0))
+    r1, r2 = b.admit(1000, 1000), b.admit(1000, 1000)
+    assert r1 == r2 == pytest.approx(0.002) and b.priced
+    b.settle(r1, 0.002, prompt_tokens=1000, completion_tokens=1000, provider="p")  # exactly as reserved
+    assert b.priced and b.overrun is None
+    b.settle(r2, 0.004, prompt_tokens=1000, completion_tokens=1000, provider="p")  # twice the table's price
+    assert not b.priced and b.overrun == (0.004, pytest.approx(0.002))
+    assert b.reservation(1000, 1000) == (pytest.approx(0.004), False)  # learned from the answers, the dearest
+    r3 = b.admit(1000, 1000)
+    assert r3 == pytest.approx(0.004) and b.admit(1000, 1000) is None  # alone until an answer bears it out

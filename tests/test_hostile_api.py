@@ -492,5 +492,11 @@ def test_the_budget_stop_notice_prints_small_amounts_with_their_digits(server, t
     server.plan["q0"] = ["repeat_index:0.25"]
     summary = _run(server, tmp_path, 2, prices=_PRICES, max_cost=0.001)
     assert summary.stop_reason == "budget_reached"
-    assert [n for n in summary.notices if n.startswith("stopping:")] == [
-        "stopping: budget $0.001 reached (spent $0.25; the next request's worst case, $0.00037, does not fit)"]
+    # the $0.25 answer cost more than the $0.00037 [prices] reserved: the table is dropped, and
+    # the next request is priced by that answer (a loose bound, $17.70)
+    assert [n for n in summary.notices if n.startswith(("stopping:", "budget:"))] == [
+        "budget: an answer cost $0.25, more than the $0.00037 [prices] reserved for it (prices below the provider's, "
+        "or more completion tokens than max_tokens reserved): [prices] no longer prices requests in this run; they go "
+        "one at a time until answers bear a price out",
+        "stopping: budget $0.001 reached (spent $0.25; the next request's worst case, $17.70, does not fit); one "
+        "request's worst case alone is above the cap (raise --max-cost or lower max_tokens)"]

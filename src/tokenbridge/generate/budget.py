@@ -28,7 +28,11 @@ with the same ratio the pricier is kept, and no bound is below what the dearest 
 seen proves for a request of its size (``k min(P/p, C/c)``: at least that at any prices,
 discounted or not).
 
-Guarantee: with ``[prices]`` the spend never exceeds ``max_cost``. Without, learned prices
+Guarantee: with ``[prices]`` the spend never exceeds ``max_cost`` while every answer costs
+no more than its reservation. One that costs more (prices below the provider's, an answer
+past the completion tokens reserved for it) proves the table wrong: from then on the run
+prices requests as without it (learned, below), and the requests already in flight may pass
+the cap, which the engine then reports and stops on. Without, learned prices
 are trusted for requests sent side by side only while they are *borne out*: the latest
 response that cost anything cost no more than the reservation they gave it. Until one is
 (the run's first responses: the first is sent before any price is known) and again after a
@@ -208,6 +212,14 @@ class Budget:
     learning_sends: int = 0  # requests sent alone because their price was not known well enough
     providers: dict[str, PriceBounds] = field(default_factory=dict)
     borne_out: bool = False  # the latest answer that cost anything cost no more than its learned reservation
+    #: (cost, reservation) of the first answer that cost more than ``[prices]`` reserved for it:
+    #: the table is then not used to price requests (:attr:`priced`)
+    overrun: tuple[float, float] | None = None
+
+    @property
+    def priced(self) -> bool:
+        """Whether requests are priced by ``[prices]``: given, and no answer cost more than it said."""
+        return self.prices is not None and self.overrun is None
 
     @property
     def total(self) -> float:
@@ -221,7 +233,7 @@ class Budget:
 
     def reservation(self, prompt_tokens: int, completion_tokens: int) -> tuple[float, bool] | None:
         """(worst-case USD for one request, exact?), or None when nothing is known yet to price it."""
-        if self.prices is not None:
+        if self.prices is not None and self.priced:
             return self.prices.cost(prompt_tokens, completion_tokens), True
         if not self.providers:
             return None
@@ -270,7 +282,7 @@ class Budget:
                 self.exhausted = True
             return None
         est = self.reservation(prompt_tokens, completion_tokens)
-        trusted = self.prices is not None or self.borne_out  # else only alone (see the module docstring)
+        trusted = self.priced or self.borne_out  # else only alone (see the module docstring)
         fits = est is not None and self.total + self.reserved + est[0] <= self.max_cost
         if fits and trusted and est is not None:
             return self._reserve(est[0])
@@ -311,10 +323,13 @@ class Budget:
             cost, possible = None, True  # never book a negative/NaN figure: it would lift the cap
         if cost is not None:
             self.spent += cost
-            if self.prices is None and cost > 0:  # did the learned prices foresee it? ($0 says nothing)
-                self.borne_out = reservation > 0 and cost <= reservation * (1 + 1e-9)
-            if self.prices is None and isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
-                self.observe(provider, prompt_tokens, completion_tokens, cost)
+            within = cost <= reservation * (1 + 1e-9)
+            if self.priced and not within and reservation > 0:
+                self.overrun = (cost, reservation)  # [prices] under-reserved: priced as without it from now
+            elif not self.priced and cost > 0:  # did the learned prices foresee it? ($0 says nothing)
+                self.borne_out = reservation > 0 and within
+            if isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
+                self.observe(provider, prompt_tokens, completion_tokens, cost)  # for when [prices] proves wrong
             return None
         if not possible:
             return None

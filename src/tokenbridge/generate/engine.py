@@ -60,7 +60,7 @@ import orjson
 
 from ..fsio import kill_point
 from .body import CheckedUsage, ResponseTooLarge, checked_usage, read_capped
-from .budget import DEFAULT_RESERVE_TOKENS, Budget, cost_of, estimate_prompt_tokens
+from .budget import DEFAULT_RESERVE_TOKENS, Budget, cost_of, estimate_prompt_tokens, usd
 from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_response, classify_too_large
 from .limiter import AdaptiveLimiter
 from .progress import RateMeter
@@ -357,6 +357,7 @@ class Engine:
                 await self._writer.close(writer_task)
             if own_session:
                 await session.close()
+        self._over_cap()
         return self.stats  # a store failure is stop_reason STORE, with its notice
 
     # --- workers ----------------------------------------------------------------------
@@ -433,6 +434,7 @@ class Engine:
         self._writer.attempt(dataclasses.replace(attempt, possible_cost=possible) if possible else attempt)
         self.stats.spent = self.budget.spent
         self.stats.possible = self.budget.possible
+        self._prices_overrun()
         if answered and not usage.tokens_ok:
             self.stats.no_usage += 1
             self._notice("some responses came without usage (e.g. a stream that ended before its usage chunk); "
@@ -801,6 +803,26 @@ class Engine:
             self.stats.tracebacks.append(text)
             for line in text.split("\n"):  # a notice is one line (each shown escaped): a traceback is many
                 self._log(line)
+
+    def _prices_overrun(self) -> None:
+        """Say once that ``[prices]`` proved too low: requests are no longer priced by it."""
+        if self.budget.overrun is not None:
+            cost, reserved = self.budget.overrun
+            self._notice(f"budget: an answer cost {usd(cost)}, more than the {usd(reserved)} [prices] reserved for it "
+                         "(prices below the provider's, or more completion tokens than max_tokens reserved): [prices] "
+                         "no longer prices requests in this run; they go one at a time until answers bear a price out")
+
+    def _over_cap(self) -> None:
+        """A run that ended over its ``--max-cost`` (requests in flight when ``[prices]`` proved
+        too low, or a learning send) says so and ends as stopped by the budget, never as if
+        all were well."""
+        budget, cap = self.budget, self.budget.max_cost
+        if cap is None or budget.total <= cap * (1 + 1e-9):
+            return
+        possible = f" + {usd(budget.possible)} possibly billed" if budget.possible else ""
+        self._notice(f"spent {usd(budget.spent)}{possible}, over --max-cost {usd(cap)}")
+        if self.stats.stop_reason is None:
+            self.stats.stop_reason = StopReason.BUDGET
 
     def _notice(self, message: str) -> None:
         message = scrub(message, self.key)
