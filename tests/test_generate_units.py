@@ -122,6 +122,17 @@ def test_sse_decoder_any_split_crlf_comments_multiline():
         assert comments == ["OPENROUTER PROCESSING", "OPENROUTER PROCESSING"]
 
 
+def test_sse_decoder_drops_one_leading_byte_order_mark_however_the_bytes_are_split():
+    """A stream that began with a BOM lost its first event (its field read "\ufeffdata"), and
+    the answer was stored without its first text, as done. Only the stream's first character
+    is dropped so: a BOM further on is text."""
+    raw = "\ufeffdata: first\n\ndata: \ufeffsecond\n\n\ufeffdata: third\n\n".encode()
+    for step in range(1, 8):
+        data, _ = _events(raw, step)
+        assert data == ["first", "\ufeffsecond"], step  # "\ufeffdata" is no field: that line is ignored
+    assert _events("\ufeff\ufeffdata: x\n\n".encode(), 1)[0] == []  # one BOM dropped, not two
+
+
 def _chunk(delta=None, finish=None, **extra):
     choice = {"index": 0, "delta": delta or {}, "finish_reason": finish}
     choice.update(extra.pop("choice_extra", {}))

@@ -1,6 +1,6 @@
 """Server-sent events: decode the byte stream, and fold chunks into one chat.completion.
 
-:class:`SSEDecoder` follows the WHATWG event-stream rules (CR/LF/CRLF line ends, ``:``
+:class:`SSEDecoder` follows the WHATWG event-stream rules (a leading BOM dropped, CR/LF/CRLF line ends, ``:``
 comment lines such as OpenRouter's ``: OPENROUTER PROCESSING`` keep-alives, multi-line
 ``data``) and is fed arbitrary byte slices. :class:`StreamAssembler` merges
 ``chat.completion.chunk`` objects into the JSON a non-streamed call returns: text
@@ -68,6 +68,7 @@ class SSEDecoder:
     _data: str | io.StringIO | None = None  # the current event's data lines, joined by LF
     _event: str = ""
     _pending_cr: bool = False
+    _begun: bool = False  # text has come: a byte-order mark is looked for before the first only
 
     def feed(self, chunk: bytes) -> Iterator[SSEEvent]:
         """The events ``chunk`` completes. Bytes that do not decode raise
@@ -95,6 +96,10 @@ class SSEDecoder:
             yield self._dispatch()
 
     def _scan(self, text: str) -> Iterator[SSEEvent]:
+        if not self._begun and text:
+            self._begun = True
+            if text[0] == "\ufeff":  # one leading BOM is no part of the stream (WHATWG): else the
+                text = text[1:]  # first line's field is "\ufeffdata" and its event is lost
         pos = 0
         if text and self._pending_cr:
             self._pending_cr = False
