@@ -12,7 +12,7 @@ from tokenbridge.generate.prompts import Sample
 from tokenbridge.generate.request import build_request, wire_body
 from tokenbridge.generate.secrets import ApiKey, MissingApiKey, read_api_key, scrub, scrub_bytes
 from tokenbridge.generate.settings import Prices, RequestSettings
-from tokenbridge.generate.sse import SSEDecoder, StreamAssembler
+from tokenbridge.generate.sse import SSEDecoder, SSEEvent, StreamAssembler, StreamError
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 SAMPLE = Sample("b3-1", "b3", [{"role": "user", "content": "hi"}], tools=TOOLS)
@@ -204,6 +204,28 @@ def test_stream_assembler_sees_errors_and_truncation():
     assert not asm.finished  # cut short: no finish_reason
     asm.add(_chunk({"content": ""}, "error", error={"code": 502, "message": "mid-stream"}))
     assert asm.errors == [{"code": 502, "message": "mid-stream"}]
+
+
+def test_stream_events_of_another_type_are_no_chunks():
+    """An ``event: error`` is the server's error (it was folded into the answer's top level,
+    the answer stored as done); a ping of another type is passed over; one of another type
+    that carries choices refuses the stream rather than lose its text."""
+    def folded(*events: SSEEvent) -> StreamAssembler:
+        asm = StreamAssembler(key="sk-secret-key-0123456789")
+        for e in events:
+            asm.add_event(e)
+        return asm
+
+    hello = SSEEvent(json.dumps(_chunk({"role": "assistant", "content": "Hello"})))
+    asm = folded(hello, SSEEvent('{"message": "overloaded", "code": 529}', "error"), SSEEvent("[DONE]"))
+    assert asm.errors == [{"message": "overloaded", "code": 529}] and "message" not in asm.top
+    assert folded(hello, SSEEvent('{"error": {"code": 502}}', "error")).errors == [{"code": 502}]
+    assert folded(SSEEvent("upstream sk-secret-key-0123456789 died", "error")).errors == [
+        {"message": "upstream *** died"}]
+    asm = folded(SSEEvent('{"type": "ping"}', "ping"), hello, SSEEvent("not json", "ping"))
+    assert asm.errors == [] and asm.result()["choices"][0]["message"]["content"] == "Hello"
+    with pytest.raises(StreamError, match="an event of type 'delta' carries choices"):
+        folded(SSEEvent(hello.data, "delta"))
 
 
 def test_cost_and_budget_reservations():

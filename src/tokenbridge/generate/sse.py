@@ -209,16 +209,34 @@ class StreamAssembler:
     key: ApiKey | str | None = field(default=None, repr=False)
 
     def add_event(self, event: SSEEvent) -> None:
+        """Fold one event. Chunks come as ``message`` events (no ``event:`` line); an
+        ``event: error`` is the server's error, as an ``error`` object in a chunk is; an event
+        of another type (a ping) is no chunk and is passed over, unless it carries
+        ``choices``, text that would be lost: then the stream is refused."""
         data = event.data.strip()
         if not data:
             return
         if data == "[DONE]":
             self.done = True
             return
+        if event.event == "error":
+            try:
+                value: Any = orjson.loads(data)
+            except ValueError:
+                value = {"message": scrub(data, self.key)[:200]}
+            self.errors.append(value.get("error", value) if isinstance(value, dict) else {"message": value})
+            return
         try:
             chunk = orjson.loads(data)  # strict, as every reader downstream: no NaN, 1e400, lone surrogate
         except ValueError as exc:
+            if event.event != "message":
+                return
             raise StreamError(f"stream chunk is not JSON ({exc}): {self._quoted(data)}") from None
+        if event.event != "message":
+            if isinstance(chunk, dict) and chunk.get("choices"):
+                raise StreamError(f"an event of type {scrub(event.event, self.key)[:40]!r} carries choices: "
+                                  f"{self._quoted(data)}")
+            return
         if not isinstance(chunk, dict):
             raise StreamError(f"stream chunk is not an object: {self._quoted(data)}")
         self.add(chunk)
