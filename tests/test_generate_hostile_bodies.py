@@ -524,3 +524,32 @@ def test_an_error_beside_choices_is_retried_and_its_usage_booked(tmp_path):
     assert (first.error_class, first.message, first.cost) == ("api_error", "upstream reset", 0.001)
     assert json.loads(first.body) == cut  # the paid bytes are kept
     assert "error" not in json.loads(kept)
+
+
+@pytest.mark.parametrize("where", ["comments", "ids"])
+def test_a_stream_that_spreads_the_key_in_short_pieces_keeps_its_answer_not_its_raw_bytes(tmp_path, where):
+    """Pieces of 10 characters (under the 16 the mask needs) in comment lines or in the ids
+    of the chunks (last one wins in the answer) were kept in the raw stream, whose reader
+    joins them back into the key. The answer is kept (it holds no piece); its raw bytes are not."""
+    from test_generate_engine import KEY
+
+    pieces = [KEY.value[i:i + 10] for i in range(0, len(KEY.value), 10)]
+    chunks = [_chunk({"role": "assistant", "content": "Hello"}), _chunk({"content": " world"}, "stop", usage=_USAGE_05)]
+    if where == "comments":
+        stream = "".join(f": debug {p}\n\n" for p in pieces).encode() + _sse(chunks)
+    else:
+        chunks = [{**_chunk({"content": ""}), "id": p} for p in pieces] + chunks
+        stream = _sse(chunks)
+    clean = _sse([_chunk({"role": "assistant", "content": "Hello"}), _chunk({"content": " world"}, "stop",
+                                                                             usage=_USAGE_05)])
+
+    async def reply(prompt, attempt, body, request):
+        return web.Response(body=stream if prompt.endswith("0") else clean, headers={"Content-Type": "text/event-stream"})
+
+    summary = _run(Script(reply), tmp_path, 2, stream=True)
+    assert summary.done == 2
+    with Store.open(tmp_path / "run") as store:
+        body, raw = store.response("b3-0")
+        assert raw is None and json.loads(body)["choices"][0]["message"]["content"] == "Hello world"
+        assert store.response("b3-1")[1] == clean  # a stream with no piece of the key keeps its raw bytes
+    assert any("held pieces of the API key" in n for n in summary.notices)

@@ -65,7 +65,7 @@ from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_
 from .limiter import AdaptiveLimiter
 from .progress import RateMeter
 from .request import routing_key, wire_body
-from .secrets import ApiKey, compressed_key, scrub, scrub_bytes
+from .secrets import ApiKey, compressed_key, scattered_key, scrub, scrub_bytes
 from .settings import GenerateSettings
 from .sse import SSEDecoder, SSEEvent, StreamAssembler, StreamError
 from .store import AttemptRecord, Batch, ResponseRecord, SendRecord, Store, StoredSample
@@ -693,12 +693,19 @@ class Engine:
     def _masked_stream(self, assembled: bytes, raw: bytearray, notice: str) -> tuple[bytes, bytes | None]:
         """``assembled`` with the key masked, and the raw stream to keep beside it (masked), or
         None when the assembled text carried the key: there it may be split across events,
-        where no byte pattern finds it (the raw stream is then not scrubbed at all)."""
+        where no byte pattern finds it (the raw stream is then not scrubbed at all); None
+        too when the raw bytes hold the key in pieces too short to mask (comment lines,
+        chunk ids: :func:`~.secrets.scattered_key`)."""
         body = scrub_bytes(assembled, self.key)
         if body != assembled:
             self._notice(f"{notice} (the key may be split across events there)")
             return body, None
-        return body, scrub_bytes(bytes(raw), self.key)
+        kept = scrub_bytes(bytes(raw), self.key)
+        if scattered_key(kept, self.key):
+            self._notice("a stream's raw bytes held pieces of the API key (comment lines, chunk ids): its raw stream "
+                         "is not kept")
+            return body, None
+        return body, kept
 
     # --- outcomes ---------------------------------------------------------------------
 

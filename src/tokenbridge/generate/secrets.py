@@ -27,7 +27,9 @@ rule counts them, the ``sk-or-v1-`` every OpenRouter key starts with included:
     from every other spelling. The mask is written in that charset too.
 
 A shorter run is left as it is: ``sk-or-v1-`` and a few characters more is how keys are
-named in prose, and as likely in a model's answer as in an echo. Callers mask *before*
+named in prose, and as likely in a model's answer as in an echo. A stream's raw bytes that
+hold half the key or more in such pieces (8 characters or more each: comment lines, the ids
+of its chunks) are not kept at all (:func:`scattered_key`). Callers mask *before*
 clipping text (a clip of a key is still most of one) and scrub the assembled body of a
 stream, not its pieces (see the engine).
 
@@ -52,7 +54,7 @@ from .errors import GenerateError
 from .settings import ConfigError, api_key_problem, env_name_problem
 
 __all__ = ["MIN_MASKED", "ApiKey", "MissingApiKey", "check_api_key", "compressed_key", "keys_read", "placeholder_notice",
-           "read_api_key", "scrub", "scrub_bytes"]
+           "read_api_key", "scattered_key", "scrub", "scrub_bytes"]
 
 _MASK = "***"
 #: The one threshold for every secret and run: anything shorter is a placeholder or prose, and masking it corrupts text.
@@ -141,6 +143,39 @@ def scrub_bytes(data: bytes, key: ApiKey | str | None) -> bytes:
     if b"\0" in data:  # UTF-8 text holds no NUL; text in a wide charset holds one beside every ASCII character
         data = _scrub_wide(data, value)
     return _scrub_narrow(data, value)
+
+
+#: A piece of the key this long, found anywhere, counts toward :func:`scattered_key`.
+SCATTER_PIECE = 8
+
+
+def scattered_key(data: bytes, key: ApiKey | str | None) -> bool:
+    """Whether ``data`` holds half the key or more in pieces shorter than :func:`scrub_bytes`
+    masks (:data:`MIN_MASKED`), each :data:`SCATTER_PIECE` characters or more, anywhere: a
+    stream can spread the key over comment lines or the ids of its chunks, which no byte
+    pattern masks, and whoever reads the bytes joins them. Such bytes are not kept. Pieces
+    found by chance only cost the keeping of raw bytes beside what was assembled from them.
+    One regex pass over ``data`` (about 15 ms a MB)."""
+    value = key.value if isinstance(key, ApiKey) else key
+    if not value or not data or len(value) < MIN_MASKED:
+        return False
+    raw, pieces = _pieces(value)
+    found = {m.group() for m in pieces.finditer(data)}
+    if not found:
+        return False
+    covered = bytearray(len(raw))
+    for i in range(len(raw) - SCATTER_PIECE + 1):
+        if raw[i:i + SCATTER_PIECE] in found:
+            covered[i:i + SCATTER_PIECE] = b"\1" * SCATTER_PIECE
+    return 2 * sum(covered) >= len(raw)
+
+
+@lru_cache(maxsize=8)
+def _pieces(value: str) -> tuple[bytes, re.Pattern[bytes]]:
+    """The key's bytes, and a pattern matching each of its :data:`SCATTER_PIECE`-long pieces."""
+    raw = value.encode("utf-8", "surrogatepass")
+    grams = sorted({raw[i:i + SCATTER_PIECE] for i in range(len(raw) - SCATTER_PIECE + 1)})
+    return raw, re.compile(b"|".join(re.escape(g) for g in grams))
 
 
 _GZIP_MAGIC = b"\x1f\x8b"
