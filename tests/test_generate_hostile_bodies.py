@@ -553,3 +553,23 @@ def test_a_stream_that_spreads_the_key_in_short_pieces_keeps_its_answer_not_its_
         assert raw is None and json.loads(body)["choices"][0]["message"]["content"] == "Hello world"
         assert store.response("b3-1")[1] == clean  # a stream with no piece of the key keeps its raw bytes
     assert any("held pieces of the API key" in n for n in summary.notices)
+
+
+def test_a_usage_chunk_after_done_in_the_same_read_still_bills_the_answer(tmp_path):
+    """It was thrown away with the rest after ``[DONE]``: the answer was booked at $0 and a
+    run under --max-cost stopped as if responses carried no cost. What else follows
+    ``[DONE]`` (another chunk's text, junk bytes) is still no part of the answer."""
+    late = (b'data: {"id": "gen-s", "choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5, '
+            b'"cost": 0.5}}\n\n' + b'data: ' + json.dumps(_chunk({"content": " more"})).encode() + b"\n\n\xff\xfe")
+    stream = _sse([_chunk({"role": "assistant", "content": "Hello"}), _chunk({}, "stop")], comments=False) + late
+
+    async def reply(prompt, attempt, body, request):
+        return web.Response(body=stream, headers={"Content-Type": "text/event-stream"})
+
+    summary = _run(Script(reply), tmp_path, 3, stream=True, max_cost=10.0)
+    assert (summary.done, summary.errors, summary.spent_total) == (3, {}, pytest.approx(1.5))
+    with Store.open(tmp_path / "run") as store:
+        body, raw = store.response("b3-0")
+    answer = json.loads(body)
+    assert answer["choices"][0]["message"]["content"] == "Hello" and answer["usage"]["cost"] == 0.5
+    assert raw == stream

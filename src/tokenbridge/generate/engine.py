@@ -886,14 +886,16 @@ def _fold(asm: StreamAssembler, events: Iterable[SSEEvent], failure: ValueError 
     not decode: those are skipped)."""
     try:
         for event in events:
+            if asm.done:  # [DONE]: nothing after it belongs to this response but a late usage chunk
+                asm.add_late(event)
+                continue
             try:
                 asm.add_event(event)
             except StreamError as exc:
                 failure = failure or exc
-            if asm.done:  # [DONE]: nothing after it belongs to this response (junk bytes included)
-                break
     except UnicodeDecodeError as exc:
-        failure = failure or exc
+        if not asm.done:  # junk bytes after [DONE] are no fault of the response
+            failure = failure or exc
     return failure
 
 

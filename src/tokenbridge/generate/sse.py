@@ -241,6 +241,18 @@ class StreamAssembler:
             raise StreamError(f"stream chunk is not an object: {self._quoted(data)}")
         self.add(chunk)
 
+    def add_late(self, event: SSEEvent) -> None:
+        """An event after ``[DONE]`` in the same read: no part of the response, but a usage
+        chunk a server sends that late still says what the answer cost (it went unbooked,
+        and a run under ``--max-cost`` stopped as if answers carried no cost)."""
+        try:
+            chunk = orjson.loads(event.data)
+        except ValueError:
+            return
+        if (isinstance(chunk, dict) and not chunk.get("choices") and isinstance(chunk.get("usage"), dict)
+                and self.top.get("usage") is None):
+            self.top["usage"] = chunk["usage"]
+
     def _quoted(self, data: str) -> str:
         return repr(scrub(data, self.key)[:200])
 
