@@ -441,3 +441,41 @@ def test_an_output_under_a_file_says_a_parent_is_a_file(src, tmp_path, kimi_dir)
     with pytest.raises(OutputWriteError) as caught:  # the writer itself, where nothing checked first
         write_text(afile / "f.txt", "x")
     assert str(caught.value) == f"{afile / 'f.txt'}: cannot write ({why}); nothing partial was kept"
+
+
+@pytest.mark.parametrize(("stage", "name"), [("export", "README.md"), ("export", ".tokenbridge-output"),
+                                             ("vocab", "vocab.json"), ("vocab", ".tokenbridge-output"),
+                                             ("report", "report.json")])
+def test_a_fifo_where_an_output_folder_keeps_its_sign_never_hangs_a_command(src, tmp_path, kimi_dir, stage, name):
+    """A marker, a pre-marker export's dataset card or a legacy summary replaced by a FIFO was
+    read with ``read_text``, which waits for a writer: the command hung for good. The folder
+    is now read as not tokenbridge's, without opening the FIFO for long, and the FIFO is kept."""
+    import subprocess
+    import sys
+
+    rows = tmp_path / "run" / "reconstructed.jsonl"
+    rows.parent.mkdir()
+    assert _reconstruct(src, rows, kimi_dir).exit_code == 0
+    folder = tmp_path / "run" / "report" if stage == "report" else tmp_path / "out"
+    folder.mkdir()
+    before = _fifo(folder / name)
+    args = {"export": ["export", str(rows), "-o", str(folder), "-f", "specforge"],
+            "vocab": ["vocab", str(rows), "-n", "10", "-o", str(folder), "-t", str(kimi_dir)],
+            "report": ["report", str(tmp_path / "run")]}[stage]
+    done = subprocess.run([sys.executable, "-c", "from tokenbridge.cli import app; app()", *args], capture_output=True,
+                          text=True, timeout=120)  # a hang fails here, not the whole suite
+    assert done.returncode == 2, done.stderr
+    assert "folder is not empty and is not an earlier tokenbridge" in done.stderr
+    assert (os.lstat(folder / name).st_ino, os.lstat(folder / name).st_mode) == before
+
+
+def test_reading_a_small_file_refuses_what_is_no_regular_file_at_once(tmp_path):
+    from tokenbridge.fsio import read_small_text
+
+    _fifo(tmp_path / "pipe")
+    with pytest.raises(OSError, match=r"is a named pipe \(FIFO\), not a regular file"):
+        read_small_text(tmp_path / "pipe")
+    with pytest.raises(OSError, match="is a folder"):
+        read_small_text(tmp_path)
+    (tmp_path / "f").write_bytes("ab€".encode())
+    assert (read_small_text(tmp_path / "f"), read_small_text(tmp_path / "f", 3)) == ("ab€", "ab")  # a cut character left out

@@ -46,6 +46,7 @@ tokenbridge's is moved from the old folder into the new one), ``<label>:renamed`
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import errno
 import json
@@ -88,6 +89,7 @@ __all__ = [
     "output_file",
     "parent_problem",
     "publish_dir",
+    "read_small_text",
     "staged_file",
     "temp_path",
     "write_bytes",
@@ -358,6 +360,24 @@ def kind_of(mode: int) -> str:
     return "a regular file" if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
+def read_small_text(path: str | Path, limit: int = 1 << 20) -> str:
+    """The first ``limit`` bytes of the regular file ``path`` as UTF-8 text. Something else
+    there (a FIFO, a device, a folder) raises :class:`OSError` without waiting on it: a plain
+    ``read_text`` of a FIFO blocks until something writes to it, and a marker or sign file
+    that a user (or anything) replaced with one hung every command that looked at its folder.
+    Text that is not UTF-8 raises :class:`UnicodeDecodeError` (a ``ValueError``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, f"is {kind_of(info.st_mode)}, not a regular file", str(path))
+        data = os.read(fd, limit) if limit else b""
+    finally:
+        os.close(fd)
+    # a read cut at ``limit`` may end inside a character: that piece is left out, not an error
+    return codecs.getincrementaldecoder("utf-8")().decode(data, final=len(data) < limit)
+
+
 def output_file(target: str | Path, *, flag: str | None = None) -> Path:
     """The path a file output is renamed onto: ``target``, or the regular file a symlink
     there names (the link is kept). Raises :class:`OutputRefused` (``flag`` leads its
@@ -528,7 +548,7 @@ def _owned_test(target: Path, owned: Owned | None) -> Callable[[str], bool]:
 def read_marker(folder: Path) -> dict[str, Any] | None:
     """``folder``'s marker as written, or None (none there, unreadable, not a JSON object)."""
     try:
-        data = loads_document((folder / MARKER).read_text(encoding="utf-8"))
+        data = loads_document(read_small_text(folder / MARKER))
     except (OSError, ValueError):  # ValueError: not UTF-8, not JSON, nested too deeply (JsonLineError)
         return None
     return data if isinstance(data, dict) else None
@@ -669,7 +689,7 @@ def _discard(folder: Path, target: Path, ours: Callable[[str], bool] | None = No
         return
     carried: set[str] = set()
     try:
-        listed = loads_document((folder / CARRIED).read_text(encoding="utf-8"))
+        listed = loads_document(read_small_text(folder / CARRIED, 64 << 20))
         carried = {n for n in listed if isinstance(n, str)} if isinstance(listed, list) else set()
     except (OSError, ValueError):
         pass

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from .jsonl import loads_document
 from .fsio import (CARRIED, MARKER, OutputRefused, foreign_entries, is_temp_name, kind_of, marker_owned, output_file,
-                   parent_problem, publish_dir, read_marker, unlisted_folders)
+                   parent_problem, publish_dir, read_marker, read_small_text, unlisted_folders)
 
 __all__ = [
     "MARKER",
@@ -178,15 +178,14 @@ def _marker_field(target: Path, key: str) -> str | None:
 def _is_own(target: Path, kind: OutputKind) -> bool:
     """Whether ``target`` is an earlier tokenbridge output of ``kind``."""
     try:
-        data = loads_document((target / MARKER).read_text(encoding="utf-8"))
+        data = loads_document(read_small_text(target / MARKER))
         return isinstance(data, dict) and data.get("tokenbridge_output") == kind
     except (OSError, ValueError):  # ValueError: not UTF-8, not JSON, nested too deeply (JsonLineError)
         pass
     names = {n for n in os.listdir(target) if not is_temp_name(n)}
     if kind == "export":  # pre-marker exports: the dataset card says so
         try:
-            with open(target / "README.md", encoding="utf-8") as fh:
-                return "\n# tokenbridge export: " in fh.read(65536)
+            return "\n# tokenbridge export: " in read_small_text(target / "README.md", 65536)
         except (OSError, UnicodeDecodeError):
             return False
     return bool(names) and names <= _LEGACY_FILES[kind] and _signed(target, kind)
@@ -205,8 +204,7 @@ def _signed(target: Path, kind: OutputKind) -> bool:
     """Whether an unmarked folder holds a file whose content shows tokenbridge wrote it as ``kind``."""
     for name, sign in _LEGACY_SIGNS[kind]:
         try:
-            with open(target / name, encoding="utf-8") as fh:
-                head = fh.read(1 << 20)
+            head = read_small_text(target / name)
         except (OSError, UnicodeDecodeError):
             continue
         if isinstance(sign, str):
