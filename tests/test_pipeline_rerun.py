@@ -170,6 +170,33 @@ def test_replaced_rows_rerun_exports_vocab_and_report_only(finished):
     assert not [x for x in lines if "is not the file" in x] and len(recon.read_bytes().splitlines()) == 16
 
 
+def test_replaced_rows_decide_whether_exports_have_rows_not_the_stages_counts(finished):
+    """Whether exports and the vocabulary had rows was read from reconstruct's stored counts:
+    rows replaced by rejected ones published four empty exports (exit 0), and curated ok rows
+    put where the stage had none exported nothing. A replaced file is read for its statuses."""
+    cfg, out = finished
+    recon = out / "reconstructed.jsonl"
+    rows = [json.loads(x) for x in recon.read_bytes().splitlines()]
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert ok and len(ok) < len(rows)
+    write_bytes(recon, b"".join(json.dumps(r).encode() + b"\n" for r in rows if r["status"] == "rejected"))
+    lines: list[str] = []
+    res = _run(cfg, lines)
+    exports = [s for s in AFTER_GENERATE if s.startswith("export:")]
+    assert {s: res[s] for s in [*exports, "vocab"]} == {s: "empty" for s in [*exports, "vocab"]}
+    assert not (out / "export").exists() or not any((out / "export").iterdir())
+    assert f"export specforge: nothing to export (no ok rows); removed the previous {out / 'export' / 'specforge'} " \
+           "(it was made from older data)" in lines
+    # the stage's counts say no row is ok; the rows file put there has some
+    state = json.loads((out / "pipeline.json").read_text())
+    state["reconstruct"]["status"] = {"rejected": len(rows)}
+    write_bytes(out / "pipeline.json", json.dumps(state).encode())
+    write_bytes(recon, b"".join(json.dumps(r).encode() + b"\n" for r in ok))
+    res = _run(cfg)
+    assert {s: res[s] for s in [*exports, "vocab"]} == {s: "ran" for s in [*exports, "vocab"]}
+    assert len((out / "export" / "specforge" / "train.jsonl").read_bytes().splitlines()) == len(ok)
+
+
 def test_touched_files_are_read_once_and_rerun_nothing(finished, opens):
     cfg, out = finished
     exchanges, recon = out / "exchanges.jsonl", out / "reconstructed.jsonl"

@@ -506,7 +506,10 @@ def _plan_exports(cfg: RunConfig, tok: Tokenizer, state: _State) -> tuple[_Plan,
     out = cfg.out
     reconstructed = out / "reconstructed.jsonl"
     wanted = {"ok", "flagged"} if cfg.include_flagged else {"ok"}
-    usable = sum(n for k, n in (state.data.get("reconstruct", {}).get("status") or {}).items() if k in wanted)
+    done = state.data.get("reconstruct", {})
+    usable = sum(n for k, n in (done.get("status") or {}).items() if k in wanted)
+    if done.get("rows_sha256") != _digest(reconstructed):  # replaced or edited since: its counts are not the stage's
+        usable = _any_usable(reconstructed, wanted)
     exports: list[ExportJob] = []
     plan: _Plan = {}
     for fmt in cfg.export_formats:
@@ -536,6 +539,23 @@ def _plan_exports(cfg: RunConfig, tok: Tokenizer, state: _State) -> tuple[_Plan,
             vocab_job = VocabJob(cfg.draft_vocab_size, target, target_vocab_size=size,
                                  include_flagged=cfg.include_flagged, target_vocab_size_from=size_from)
     return plan, exports, vocab_job
+
+
+def _any_usable(rows: Path, wanted: set[str]) -> int:
+    """1 when a line of ``rows`` has a ``status`` in ``wanted``, else 0: read up to the first
+    such line. A line that does not parse is passed over here; the pass that reads the rows
+    names it."""
+    import orjson
+
+    with open(rows, "rb") as fh:
+        for line in fh:
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and row.get("status") in wanted:
+                return 1
+    return 0
 
 
 def _record_pass(cfg: RunConfig, state: _State, plan: _Plan, passed: PassResult | None,
