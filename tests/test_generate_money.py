@@ -273,3 +273,31 @@ def test_a_budget_whose_prices_hold_is_unchanged_and_one_overrun_turns_them_off(
     assert b.reservation(1000, 1000) == (pytest.approx(0.004), False)  # learned from the answers, the dearest
     r3 = b.admit(1000, 1000)
     assert r3 == pytest.approx(0.004) and b.admit(1000, 1000) is None  # alone until an answer bears it out
+
+
+def test_a_zero_price_table_a_billed_answer_contradicts_is_dropped_too():
+    from tokenbridge.generate.budget import Budget
+
+    b = Budget(max_cost=0.05, prices=Prices(prompt=0.0, completion=0.0))  # a free model, as the table says
+    flight = [b.admit(1000, 1000) for _ in range(4)]
+    assert flight == [0.0] * 4
+    b.settle(flight.pop(), 0.01, prompt_tokens=1000, completion_tokens=1000, provider="p")  # billed after all
+    assert not b.priced and b.overrun == (0.01, 0.0)
+    assert b.admit(1000, 1000) is None  # three still in flight: nothing goes beside them now
+
+
+def test_answers_the_dropped_table_reserved_bear_out_no_learned_price():
+    """After [prices] proved too low, the requests it had reserved settle first; one that
+    came in under the table's reservation made the learned prices trusted side by side."""
+    from tokenbridge.generate.budget import Budget
+
+    b = Budget(max_cost=10.0, prices=Prices(prompt=1.0, completion=1.0))
+    r1, r2, r3 = (b.admit(1000, 1000) for _ in range(3))
+    b.settle(r1, 0.004, prompt_tokens=1000, completion_tokens=1000, provider="p")  # twice the table
+    b.settle(r2, 0.001, prompt_tokens=1000, completion_tokens=1000, provider="p")  # under the table's reservation
+    assert not b.borne_out
+    b.settle(r3, 0.004, prompt_tokens=1000, completion_tokens=1000, provider="p")
+    r4 = b.admit(1000, 1000)  # learned ($0.004), alone: nothing has borne it out yet
+    assert r4 == pytest.approx(0.004) and b.admit(1000, 1000) is None
+    b.settle(r4, 0.004, prompt_tokens=1000, completion_tokens=1000, provider="p")
+    assert b.borne_out and b.admit(1000, 1000) is not None and b.admit(1000, 1000) is not None

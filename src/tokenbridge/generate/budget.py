@@ -215,6 +215,9 @@ class Budget:
     #: (cost, reservation) of the first answer that cost more than ``[prices]`` reserved for it:
     #: the table is then not used to price requests (:attr:`priced`)
     overrun: tuple[float, float] | None = None
+    #: requests still in flight that ``[prices]`` reserved when it proved too low: their
+    #: answers settle first and bear out no learned price (each was not priced by one)
+    _table_flight: int = 0
 
     @property
     def priced(self) -> bool:
@@ -319,14 +322,16 @@ class Budget:
         """
         self.in_flight = max(0, self.in_flight - 1)
         self.reserved = max(0.0, self.reserved - reservation)
+        by_table = self._table_flight > 0
+        self._table_flight -= by_table
         if cost is not None and not (0.0 <= cost < float("inf")):
             cost, possible = None, True  # never book a negative/NaN figure: it would lift the cap
         if cost is not None:
             self.spent += cost
             within = cost <= reservation * (1 + 1e-9)
-            if self.priced and not within and reservation > 0:
-                self.overrun = (cost, reservation)  # [prices] under-reserved: priced as without it from now
-            elif not self.priced and cost > 0:  # did the learned prices foresee it? ($0 says nothing)
+            if self.priced and not within:  # [prices] under-reserved ($0 prices too): priced as without it from now
+                self.overrun, self._table_flight = (cost, reservation), self.in_flight
+            elif not self.priced and cost > 0 and not by_table:  # did the learned prices foresee it? ($0 says nothing)
                 self.borne_out = reservation > 0 and within
             if isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
                 self.observe(provider, prompt_tokens, completion_tokens, cost)  # for when [prices] proves wrong
@@ -342,5 +347,6 @@ class Budget:
 
     def cancel(self, reservation: float) -> None:
         """A reserved request was never sent."""
+        self._table_flight -= self._table_flight > 0
         self.in_flight = max(0, self.in_flight - 1)
         self.reserved = max(0.0, self.reserved - reservation)
