@@ -226,6 +226,23 @@ def test_stream_events_of_another_type_are_no_chunks():
     assert asm.errors == [] and asm.result()["choices"][0]["message"]["content"] == "Hello"
     with pytest.raises(StreamError, match="an event of type 'delta' carries choices"):
         folded(SSEEvent(hello.data, "delta"))
+    asm = folded(hello, SSEEvent('{"choices": [], "usage": {"prompt_tokens": 2, "cost": 0.5}}', "usage"))
+    assert asm.top["usage"] == {"prompt_tokens": 2, "cost": 0.5}  # what the answer cost, whatever the event's name
+    assert folded(SSEEvent('{"error": {"code": 500}}', "status")).errors == [{"code": 500}]
+
+
+def test_a_key_held_in_overlapping_pieces_is_counted_whole():
+    """Pieces of 9-15 characters counted only their first 8 (matches did not overlap): 48 of
+    73 characters in 12-character pieces passed as under half."""
+    from tokenbridge.generate.secrets import scattered_key
+
+    import hashlib
+
+    key = "sk-or-v1-" + hashlib.sha256(b"scattered").hexdigest()  # 73 characters, as OpenRouter's
+    def held(size: int, upto: int) -> bytes:
+        return b"".join(b": " + key[i:min(i + size, upto)].encode() + b"\n\n" for i in range(0, upto, size))
+    assert scattered_key(held(12, 48), key) and scattered_key(held(15, 45), key)
+    assert not scattered_key(held(12, 36), key)  # under half the key
 
 
 def test_cost_and_budget_reservations():

@@ -160,7 +160,7 @@ def scattered_key(data: bytes, key: ApiKey | str | None) -> bool:
     if not value or not data or len(value) < MIN_MASKED:
         return False
     raw, pieces = _pieces(value)
-    found = {m.group() for m in pieces.finditer(data)}
+    found = {m.group(1) for m in pieces.finditer(data)}  # overlapping: a 12-character piece holds five
     if not found:
         return False
     covered = bytearray(len(raw))
@@ -175,7 +175,7 @@ def _pieces(value: str) -> tuple[bytes, re.Pattern[bytes]]:
     """The key's bytes, and a pattern matching each of its :data:`SCATTER_PIECE`-long pieces."""
     raw = value.encode("utf-8", "surrogatepass")
     grams = sorted({raw[i:i + SCATTER_PIECE] for i in range(len(raw) - SCATTER_PIECE + 1)})
-    return raw, re.compile(b"|".join(re.escape(g) for g in grams))
+    return raw, re.compile(b"(?=(" + b"|".join(re.escape(g) for g in grams) + b"))")
 
 
 _GZIP_MAGIC = b"\x1f\x8b"

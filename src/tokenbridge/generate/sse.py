@@ -211,8 +211,9 @@ class StreamAssembler:
     def add_event(self, event: SSEEvent) -> None:
         """Fold one event. Chunks come as ``message`` events (no ``event:`` line); an
         ``event: error`` is the server's error, as an ``error`` object in a chunk is; an event
-        of another type (a ping) is no chunk and is passed over, unless it carries
-        ``choices``, text that would be lost: then the stream is refused."""
+        of another type (a ping) is passed over, unless it carries ``choices``, text that
+        would be lost (then the stream is refused), or ``usage`` or ``error`` (folded, as a
+        chunk's: the answer's cost, or its failure)."""
         data = event.data.strip()
         if not data:
             return
@@ -236,7 +237,8 @@ class StreamAssembler:
             if isinstance(chunk, dict) and chunk.get("choices"):
                 raise StreamError(f"an event of type {scrub(event.event, self.key)[:40]!r} carries choices: "
                                   f"{self._quoted(data)}")
-            return
+            if not (isinstance(chunk, dict) and ("usage" in chunk or "error" in chunk)):
+                return  # a ping; one with usage or an error still says what the answer cost, or that it failed
         if not isinstance(chunk, dict):
             raise StreamError(f"stream chunk is not an object: {self._quoted(data)}")
         self.add(chunk)
