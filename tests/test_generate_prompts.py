@@ -356,7 +356,7 @@ def test_a_prompt_held_twice_is_read_once_where_the_copies_agree_and_refused_whe
             {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]
     turns = [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"}]
     f = _write_jsonl(tmp_path / "twice.jsonl", [
-        {"id": "ultra", "prompt": "Q1", "messages": chat},                       # the first user turn
+        {"id": "ultra", "prompt": "Q1\n", "messages": chat},                     # the first user turn (edge space aside)
         {"id": "last", "prompt": "Q2", "messages": chat},                        # the last user turn
         {"id": "blank", "prompt": "", "conversations": turns},                   # an empty column beside a full one
         {"id": "sys", "system": "Be terse.", "conversations": turns},            # LLaMA-Factory's system column

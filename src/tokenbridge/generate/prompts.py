@@ -361,8 +361,8 @@ def _conversation(row: dict[str, Any]) -> list[dict[str, Any]]:
         if other == "conversations":
             _same_turns(messages, _sharegpt_messages(row[other]), first, other)
         else:
-            prompt = _prompt_text(row)
-            users = [m.get("content") for m in messages if m["role"] == "user"]
+            prompt = _prompt_text(row).strip()  # edge whitespace is no disagreement: the conversation is sent
+            users = [c.strip() for m in messages if m["role"] == "user" and isinstance(c := m.get("content"), str)]
             if prompt not in users[:1] + users[-1:]:
                 raise _BadRow("prompt", f"differs from the first and the last user turn of '{first}': which to send is unclear")
     return _with_system(messages, row.get("system"))
