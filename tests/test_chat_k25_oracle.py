@@ -634,3 +634,31 @@ def test_conversations_export_writes_the_history_as_the_proved_reading_served_it
     assert history[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 2}
     again = KIMI.render_request({"messages": history, "tools": json.loads(conv["tools"])})
     assert kimi.encode(again) == row["prompt_ids"]
+
+
+def test_conversations_export_leaves_out_a_history_whose_parsed_arguments_json_cannot_hold(kimi, tmp_path):
+    """Arguments ``{"days":NaN}``: SGLang's json reads NaN and writes it back into the
+    prompt, so the row is proved by ``tool_args=parsed``; the export wrote ``null`` there,
+    a history that re-renders another prompt. It is left out; the id formats keep it."""
+    import copy
+
+    from test_export_support import write_jsonl
+    from tokenbridge.export import export_file
+    from tokenbridge.reconstruct import reconstruct_record
+    from tokenbridge.rows import RowError
+
+    history = copy.deepcopy(_HISTORY)
+    history[1]["tool_calls"][0]["function"]["arguments"] = '{"city":"Paris","days":NaN}'
+    request = {"model": "moonshotai/kimi-k2.5", "messages": history, "tools": [WEATHER]}
+    parsed = {r.name: r.text for r in KIMI.prompt_readings(request)}["tool_args=parsed"]
+    assert '{"city": "Paris", "days": NaN}' in parsed
+    answer = kimi.encode("Still sunny.") + [kimi.token_id("</think>")] + kimi.encode("Yes.") + [kimi.token_id("<|im_end|>")]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning": "Still sunny.", "content": "Yes."}}],
+        "usage": {"prompt_tokens": len(kimi.encode(parsed)), "completion_tokens": len(answer)}}
+    row, = reconstruct_record({"id": "h", "request": request, "response": response}, kimi)
+    assert (row["status"], row["reconstruction"]) == ("ok", "tool_args=parsed")
+    rows = write_jsonl(tmp_path / "rows.jsonl", [row])
+    with pytest.raises(RowError, match="no row to export: 1 read, .* 1 not a chat turn"):
+        export_file(rows, tmp_path / "conv", "conversations")
+    assert export_file(rows, tmp_path / "sf", "specforge").rows_exported == 1

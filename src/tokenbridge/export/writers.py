@@ -29,6 +29,7 @@ from __future__ import annotations
 import array
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 from collections.abc import Mapping
@@ -134,7 +135,12 @@ class ConversationsWriter(_JsonlWriter):
         the format never promised to be exact."""
         if not any(seg["kind"] == "end" for seg in rec["segments"]):
             return True
-        return any(name.startswith(_NOT_A_TURN) for name in _reading_names(rec))
+        names = _reading_names(rec)
+        if any(name.startswith(_NOT_A_TURN) for name in names):
+            return True
+        # arguments SGLang parsed to NaN or Infinity (Python's json reads them, and its dump
+        # writes them back into the prompt): JSON Lines cannot hold them, a null is another prompt
+        return "tool_args=parsed" in names and _holds_non_finite(_served_messages(rec))
 
     def row(self, rec: ReconstructedRow) -> dict[str, Any]:
         turns = [_turn(m) for m in _served_messages(rec)]
@@ -166,6 +172,20 @@ def _served_messages(rec: ReconstructedRow) -> list[Any]:
     if "last_assistant=user" in names:
         messages = sglang_last_assistant(messages) or messages
     return messages
+
+
+def _holds_non_finite(value: Any) -> bool:
+    """Whether a float that is NaN or infinite is anywhere in ``value`` (plain JSON values)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return True
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def _reading_names(rec: ReconstructedRow) -> frozenset[str]:
