@@ -465,7 +465,8 @@ def test_a_fifo_where_an_output_folder_keeps_its_sign_never_hangs_a_command(src,
     done = subprocess.run([sys.executable, "-c", "from tokenbridge.cli import app; app()", *args], capture_output=True,
                           text=True, timeout=120)  # a hang fails here, not the whole suite
     assert done.returncode == 2, done.stderr
-    assert "folder is not empty and is not an earlier tokenbridge" in done.stderr
+    assert ("is a named pipe (FIFO), where tokenbridge keeps the file that marks its output" if name.startswith(".")
+            else "folder is not empty and is not an earlier tokenbridge") in done.stderr
     assert (os.lstat(folder / name).st_ino, os.lstat(folder / name).st_mode) == before
 
 
@@ -479,3 +480,20 @@ def test_reading_a_small_file_refuses_what_is_no_regular_file_at_once(tmp_path):
         read_small_text(tmp_path)
     (tmp_path / "f").write_bytes("ab€".encode())
     assert (read_small_text(tmp_path / "f"), read_small_text(tmp_path / "f", 3)) == ("ab€", "ab")  # a cut character left out
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_folder_where_the_marker_goes_is_refused_before_any_work(src, tmp_path, kimi_dir, force):
+    """A user's folder named ``.tokenbridge-output`` in an export's folder failed the write at
+    the end (exit 1, "File exists", naming nothing); an empty one was replaced by the marker."""
+    rows = tmp_path / "rows.jsonl"
+    assert _reconstruct(src, rows, kimi_dir).exit_code == 0
+    out = tmp_path / "out"
+    assert _invoke("export", str(rows), "-o", str(out), "-f", "specforge").exit_code == 0
+    (out / ".tokenbridge-output").unlink()
+    (out / ".tokenbridge-output").mkdir()
+    before = snapshot(out)
+    res = _invoke("export", str(rows), "-o", str(out), "-f", "specforge", *(["--force"] if force else []))
+    _refused_with(res, f"-o {out}: {out / '.tokenbridge-output'} is a folder, where tokenbridge keeps the file that "
+                       "marks its output; nothing was written: move it away or give another folder")
+    assert snapshot(out) == before

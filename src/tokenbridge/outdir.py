@@ -292,6 +292,10 @@ def check_output_dir(
         where = "is a run folder" if run == resolved else f"holds the run folder {run}"
         raise OutputRefused(f"{flag} {target}: {where} (state.sqlite, exchanges.jsonl); give a sub-folder such as "
                             f"{target / kind}")
+    taken = _marker_taken(target)
+    if taken:
+        raise OutputRefused(f"{flag} {target}: {taken}; nothing was written: move it away or give another folder",
+                            target / MARKER)
     if not (force or not os.listdir(target) or _is_own(target, kind)):
         raise OutputRefused(f"{flag} {target}: folder is not empty and is not an earlier tokenbridge {kind}; "
                             + (advice or "give a new or empty folder, or --force to write into it (its own entries "
@@ -305,6 +309,18 @@ def check_output_dir(
         if writes(name):
             raise OutputRefused(f"{flag} {target}: {target / name} is not tokenbridge's and the new {kind} writes "
                                 "that name; nothing was written: move it away or give another folder", target / name)
+
+
+def _marker_taken(target: Path) -> str | None:
+    """Why the marker cannot be written in ``target``: something not a file holds its name
+    (a user's folder there failed the write at the end, exit 1, naming nothing)."""
+    try:
+        mode = os.stat(target / MARKER).st_mode
+    except OSError:  # none there (or a dangling link: replaced by the new marker)
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return f"{target / MARKER} is {kind_of(mode)}, where tokenbridge keeps the file that marks its output"
 
 
 def check_output_file(target: str | Path, source: str | Path | None = None, *, flag: str = "-o",
