@@ -327,3 +327,20 @@ def test_export_refuses_a_message_prompt_loading_would_not_send(run, tmp_path, m
     assert res.exit_code == 1
     assert f"error: {src}:2: {field}: {detail}\n" in res.output
     assert not (tmp_path / "o" / "conversations.jsonl").exists()
+
+
+def test_pyarrows_words_on_a_damaged_parquet_file_stay_on_one_line(tmp_path, monkeypatch):
+    """thrift's message holds a line break: the error printed as two ``error:`` lines, the
+    second a lone ``)``."""
+    path = tmp_path / "rows.parquet"
+    path.write_bytes(b"PAR1" + b"\0" * 64 + b"PAR1")
+
+    def broken(*args, **kwargs):
+        raise OSError("Couldn't deserialize thrift: TProtocolException: Invalid data\n")
+
+    monkeypatch.setattr(pq, "ParquetFile", broken)
+    with pytest.raises(rows.RowError) as err:
+        list(rows.iter_rows(path))
+    assert "\n" not in str(err.value)
+    assert str(err.value).endswith("not a readable Parquet file (Couldn't deserialize thrift: TProtocolException: "
+                                   "Invalid data)")

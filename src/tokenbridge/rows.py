@@ -287,14 +287,14 @@ def _parquet_rows(fh: Any, path: Path, broken: tuple[type[BaseException], ...],
     try:
         pf = pq.ParquetFile(fh)
     except broken as exc:
-        raise RowError(path, None, "<file>", f"not a readable Parquet file ({exc})") from None
+        raise RowError(path, None, "<file>", f"not a readable Parquet file ({_one_line(exc)})") from None
     row = 0
     batches = pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS)
     while True:
         try:
             batch = next(batches, None)
         except broken as exc:
-            raise RowError(path, row + 1, "<row>", f"cannot be read ({exc})") from None
+            raise RowError(path, row + 1, "<row>", f"cannot be read ({_one_line(exc)})") from None
         if batch is None:
             return
         try:
@@ -314,6 +314,12 @@ def _parquet_rows(fh: Any, path: Path, broken: tuple[type[BaseException], ...],
                         problem = RowError(path, row, key, "is not valid JSON text")
                         break
             yield row, record, problem
+
+
+def _one_line(exc: BaseException) -> str:
+    """pyarrow's words on a damaged file, on one line (thrift's run over two: an ``error:``
+    line then a stray ``)``)."""
+    return " ".join(str(exc).split())
 
 
 def _not_utf8(batch: Any) -> tuple[int, str]:
