@@ -365,6 +365,7 @@ def test_force_into_a_folder_of_exports_replaces_only_that_format(run_dir):
     parquet = snapshot(exports / "parquet")
     res = _export(src, exports, "--force")
     assert res.exit_code == 0, res.output
+    assert f"→ {exports / 'specforge'} [specforge]" in res.output  # the folder written, not the one asked for
     assert sorted(p.name for p in exports.iterdir()) == ["parquet", "specforge"]
     assert snapshot(exports / "parquet") == parquet
     assert sorted(snapshot(exports / "specforge")) == [".tokenbridge-output", "README.md", "train.jsonl"]

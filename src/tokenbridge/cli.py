@@ -688,7 +688,7 @@ def export(
     skipped = summary.skipped
     _say(
         f"{summary.rows_exported} rows ({summary.tokens} tokens, {summary.completion_tokens} under the loss mask) "
-        f"→ {output} [{fmt}]; skipped {skipped['flagged']} flagged, {skipped['rejected']} rejected"
+        f"→ {summary.out_dir} [{fmt}]; skipped {skipped['flagged']} flagged, {skipped['rejected']} rejected"
         + (f", {skipped['not_a_chat_turn']} not a chat turn" if "not_a_chat_turn" in skipped else "")
     )
 
