@@ -610,6 +610,21 @@ def test_a_users_name_is_a_reading_sglang_drops(kimi):
     assert [r.name for r in KIMI.prompt_readings({"messages": both})] == [None, "tool_args=parsed+user_name=dropped"]
 
 
+def _parsed_history_row(kimi, history: list) -> dict:
+    """The row of an answer to ``history`` whose count proves SGLang's parsed-arguments prompt."""
+    from tokenbridge.reconstruct import reconstruct_record
+
+    request = {"model": "moonshotai/kimi-k2.5", "messages": history, "tools": [WEATHER]}
+    parsed = {r.name: r.text for r in KIMI.prompt_readings(request)}["tool_args=parsed"]
+    answer = kimi.encode("Still sunny.") + [kimi.token_id("</think>")] + kimi.encode("Yes.") + [kimi.token_id("<|im_end|>")]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning": "Still sunny.", "content": "Yes."}}],
+        "usage": {"prompt_tokens": len(kimi.encode(parsed)), "completion_tokens": len(answer)}}
+    row, = reconstruct_record({"id": "h", "request": request, "response": response}, kimi)
+    assert (row["status"], row["reconstruction"]) == ("ok", "tool_args=parsed")
+    return row
+
+
 def test_conversations_export_writes_the_history_as_the_proved_reading_served_it(kimi, tmp_path):
     """A row proved by ``tool_args=parsed`` (SGLang parsed the history's arguments): the
     conversations export hands a trainer those messages, whose re-rendered prompt is the
@@ -618,16 +633,8 @@ def test_conversations_export_writes_the_history_as_the_proved_reading_served_it
 
     from test_export_support import read_jsonl, write_jsonl
     from tokenbridge.export import export_file
-    from tokenbridge.reconstruct import reconstruct_record
 
-    request = {"model": "moonshotai/kimi-k2.5", "messages": _HISTORY, "tools": [WEATHER]}
-    parsed = {r.name: r.text for r in KIMI.prompt_readings(request)}["tool_args=parsed"]
-    answer = kimi.encode("Still sunny.") + [kimi.token_id("</think>")] + kimi.encode("Yes.") + [kimi.token_id("<|im_end|>")]
-    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
-        "role": "assistant", "reasoning": "Still sunny.", "content": "Yes."}}],
-        "usage": {"prompt_tokens": len(kimi.encode(parsed)), "completion_tokens": len(answer)}}
-    row, = reconstruct_record({"id": "h", "request": request, "response": response}, kimi)
-    assert (row["status"], row["reconstruction"]) == ("ok", "tool_args=parsed")
+    row = _parsed_history_row(kimi, _HISTORY)
     export_file(write_jsonl(tmp_path / "rows.jsonl", [row]), tmp_path / "conv", "conversations")
     conv, = read_jsonl(tmp_path / "conv" / "conversations.jsonl")
     history = conv["conversations"][:-1]
@@ -644,20 +651,12 @@ def test_conversations_export_leaves_out_a_history_whose_parsed_arguments_json_c
 
     from test_export_support import write_jsonl
     from tokenbridge.export import export_file
-    from tokenbridge.reconstruct import reconstruct_record
     from tokenbridge.rows import RowError
 
     history = copy.deepcopy(_HISTORY)
     history[1]["tool_calls"][0]["function"]["arguments"] = '{"city":"Paris","days":NaN}'
-    request = {"model": "moonshotai/kimi-k2.5", "messages": history, "tools": [WEATHER]}
-    parsed = {r.name: r.text for r in KIMI.prompt_readings(request)}["tool_args=parsed"]
-    assert '{"city": "Paris", "days": NaN}' in parsed
-    answer = kimi.encode("Still sunny.") + [kimi.token_id("</think>")] + kimi.encode("Yes.") + [kimi.token_id("<|im_end|>")]
-    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
-        "role": "assistant", "reasoning": "Still sunny.", "content": "Yes."}}],
-        "usage": {"prompt_tokens": len(kimi.encode(parsed)), "completion_tokens": len(answer)}}
-    row, = reconstruct_record({"id": "h", "request": request, "response": response}, kimi)
-    assert (row["status"], row["reconstruction"]) == ("ok", "tool_args=parsed")
+    row = _parsed_history_row(kimi, history)
+    assert '{"city": "Paris", "days": NaN}' in kimi.decode(row["prompt_ids"])
     rows = write_jsonl(tmp_path / "rows.jsonl", [row])
     with pytest.raises(RowError, match="no row to export: 1 read, .* 1 not a chat turn"):
         export_file(rows, tmp_path / "conv", "conversations")
