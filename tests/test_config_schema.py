@@ -686,3 +686,15 @@ def test_a_config_starting_with_a_byte_order_mark_reads_as_without_one(tmp_path,
     emulator = tmp_path / "emulator.toml"
     emulator.write_bytes(b'\xef\xbb\xbfmodels = ["m"]\nseed = 7\n')
     assert load_emulator_config(emulator).seed == 7
+
+
+def test_an_empty_run_out_says_it_must_not_be_empty(tmp_path):
+    """``out = ""`` read "Value should have at least 1 item after validation, not 0": pydantic's
+    length words for a string whose bound comes after its validator."""
+    from tokenbridge.pipeline import PipelineError, load_run_config
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[run]\nout = ""\n', encoding="utf-8")
+    with pytest.raises(PipelineError) as err:
+        load_run_config(cfg)
+    assert f"{cfg}:2: run.out: must not be empty" in str(err.value)

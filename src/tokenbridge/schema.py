@@ -268,7 +268,7 @@ def _message(schema: Any, err: Any, where: Where) -> str:  # noqa: PLR0911 - one
     if kind in bounds:
         limit = next(iter(ctx.values()), "?")
         return f"must be {bounds[kind]} {limit}{got}"
-    if kind == "string_too_short":
+    if kind in ("string_too_short", "too_short"):  # too_short: a length bound after a validator (``out = ""``)
         return "must not be empty"
     if kind in ("value_error", "assertion_error"):
         return str(ctx.get("error") or err["msg"])
