@@ -301,3 +301,16 @@ def test_answers_the_dropped_table_reserved_bear_out_no_learned_price():
     assert r4 == pytest.approx(0.004) and b.admit(1000, 1000) is None
     b.settle(r4, 0.004, prompt_tokens=1000, completion_tokens=1000, provider="p")
     assert b.borne_out and b.admit(1000, 1000) is not None and b.admit(1000, 1000) is not None
+
+
+def test_without_a_cap_a_dropped_price_table_says_so_and_stops_nothing(tmp_path):
+    async def reply(_: int) -> web.StreamResponse:
+        return _answer({"prompt_tokens": 5, "completion_tokens": 3, "cost": 0.01})
+
+    summary = _run(tmp_path, 4, reply, concurrency=1, prices=Prices(prompt=0.5, completion=1.0),
+                   request=RequestSettings(model="m", max_tokens=10))
+    assert (summary.exit_code, summary.done, summary.spent_total) == (ExitCode.OK, 4, pytest.approx(0.04))
+    assert [n for n in summary.notices if n.startswith("budget:")] == [
+        "budget: an answer cost $0.01, more than the $0.000187 [prices] reserved for it (prices below the provider's, "
+        "or more completion tokens than max_tokens reserved): [prices] no longer prices requests in this run; what "
+        "answers cost prices them"]

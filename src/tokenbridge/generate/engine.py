@@ -815,9 +815,11 @@ class Engine:
         """Say once that ``[prices]`` proved too low: requests are no longer priced by it."""
         if self.budget.overrun is not None:
             cost, reserved = self.budget.overrun
+            then = ("they go one at a time until answers bear a price out" if self.budget.max_cost is not None
+                    else "what answers cost prices them")
             self._notice(f"budget: an answer cost {usd(cost)}, more than the {usd(reserved)} [prices] reserved for it "
                          "(prices below the provider's, or more completion tokens than max_tokens reserved): [prices] "
-                         "no longer prices requests in this run; they go one at a time until answers bear a price out")
+                         f"no longer prices requests in this run; {then}")
 
     def _over_cap(self) -> None:
         """A run that ended over its ``--max-cost`` (requests in flight when ``[prices]`` proved
