@@ -43,6 +43,23 @@ def test_usage_errors_name_the_problem(tmp_path, args, env, message):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("dry", [False, True])
+def test_datasets_of_one_name_on_the_command_line_are_refused_as_in_a_config(tmp_path, dry):
+    """Two ``train.jsonl`` (both named ``train``) were merged into one dataset: the first's
+    rows sent and paid for, the second's each a bad row (a colliding id), exit 1."""
+    for part in ("a", "b"):
+        (tmp_path / part).mkdir()
+        (tmp_path / part / "train.jsonl").write_text(json.dumps({"id": 1, "prompt": part}) + "\n", encoding="utf-8")
+    res = _invoke([str(tmp_path / "a" / "train.jsonl"), f"train={tmp_path / 'b' / 'train.jsonl'}", "--out",
+                   str(tmp_path / "run"), "--model", "m", "--base-url", "http://127.0.0.1:9/v1",
+                   *(["--dry-run"] if dry else [])])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip().splitlines() == [
+        f"error: datasets: names must be unique, repeated: train: {tmp_path / 'a' / 'train.jsonl'}, "
+        f"{tmp_path / 'b' / 'train.jsonl'} (a path alone is named after its file: give each a name, NAME=PATH)"]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_dry_run_without_a_tokenizer_says_its_counts_are_approximate(tmp_path):
     res = _invoke([str(_one_prompt(tmp_path)), "--out", str(tmp_path / "run"), "--model", "m", "--reasoning", "high",
                    "--provider-only", "a,b", "--dry-run"])

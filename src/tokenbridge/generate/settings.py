@@ -512,6 +512,11 @@ def override_settings(
     if problems:
         raise ConfigError("\n".join(problems))
     checked: GenerateSettings = out
+    names = [d.name for d in checked.datasets]
+    if dup := sorted({n for n in names if names.count(n) > 1}):  # a config's are refused at load: the same here
+        given = "; ".join(f"{n}: {', '.join(str(d.path) for d in checked.datasets if d.name == n)}" for n in dup)
+        raise ConfigError(f"datasets: names must be unique, repeated: {given} (a path alone is named after its file: "
+                          "give each a name, NAME=PATH)")
     from .request import extra_body_overlaps  # noqa: PLC0415 - request.py builds on this module
 
     overlaps = extra_body_overlaps(checked.request)
