@@ -388,3 +388,15 @@ def test_a_prompt_held_twice_is_read_once_where_the_copies_agree_and_refused_whe
         "must be a string",
         "must be a non-empty string",
     ]
+
+
+def test_a_stored_legacy_id_is_not_taken_by_a_row_while_another_row_has_it():
+    """Folders from before the prefix fix hold ``chat-chat-001``: row ``chat-001`` keeps that
+    stored id. But where this run's own rows hold ``d-d-5`` too, row ``d-5`` took that id:
+    two rows one sample, one never sent, and exchanges.jsonl held the id twice."""
+    from tokenbridge.generate.prompts import keep_stored_ids
+
+    rows = [("d-5", "d", "r1", "h1"), ("d-d-5", "d", "r2", "h2")]
+    assert keep_stored_ids(rows, {"d-d-5"}) == (rows, ["d-5", "d-d-5"])
+    old = [("chat-001", "chat", "r", "h")]
+    assert keep_stored_ids(old, {"chat-chat-001"}) == ([("chat-chat-001", "chat", "r", "h")], ["chat-chat-001"])

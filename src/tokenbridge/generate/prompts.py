@@ -206,11 +206,12 @@ def keep_stored_ids(
     ``chat-chat-001``: such a sample keeps its stored id, so resuming that folder sends
     (and bills) nothing again. New folders get the plain ids.
     """
+    own = {row[0] for row in rows}  # a legacy id that is one of this run's own ids is that row's, not an old form
     out = []
     for row in rows:
         sid, dataset = row[0], row[1]
         legacy = f"{dataset}-{sid}"
-        if sid.startswith(f"{dataset}-") and sid not in stored and legacy in stored:
+        if sid.startswith(f"{dataset}-") and sid not in stored and legacy in stored and legacy not in own:
             row = (legacy, *row[1:])
         out.append(row)
     return out, [r[0] for r in out]
