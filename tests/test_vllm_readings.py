@@ -254,3 +254,27 @@ def test_vllm_streamed_count_summed_over_n_choices() -> None:
         rejected = rows(got, vllm=vllm, stream=stream)
         assert [r["status"] for r in rejected] == ["rejected"] * 2, (got, vllm, stream)
         assert all("usage_reasoning_mismatch" in {f["code"] for f in r["findings"]} for r in rejected)
+
+
+def test_a_cut_and_a_turn_ended_in_its_think_block_cancel_in_the_sum_with_the_join_trait() -> None:
+    """n = 2 from vLLM 0.34 (a cold tester's, served by its own code): ``Ok</think>`` cut right
+    after ``</think>`` and ``Hmm<|im_end|>`` ended inside its think block sum to the count of
+    the formula's readings (the cut's ``</think>`` lost, an extra one in the other). With the
+    join trait the only ended-inside readings built were vetoes, which the cancellation test
+    took for readings the count had weighed: both rows passed with wrong ids."""
+    tok = _tok("kimi-k2.5")
+    choices = [{"index": 0, "message": {"role": "assistant", "content": None, "reasoning": " Ok"},
+                "finish_reason": "length", "stop_reason": None},
+               {"index": 1, "message": {"role": "assistant", "content": None, "reasoning": " Hmm"},
+                "finish_reason": "stop", "stop_reason": 163586}]
+    request = {"model": "kimi-k2.5", "messages": [{"role": "user", "content": "Hi there"}],
+               "chat_template_kwargs": {"thinking": True}, "n": 2}
+    prompt = tok.encode(resolve_dialect(tok).render_request(request))
+    record = {"id": "n2", "meta": {"stream": False}, "request": request, "response": {
+        "provider": "vllm", "model": "kimi-k2.5", "choices": choices,
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": 4, "completion_tokens_details": {"reasoning_tokens": 2}}}}
+    truth = [tok.encode("Ok") + [tok.token_id("</think>")], tok.encode("Hmm") + [tok.token_id("<|im_end|>")]]
+    for traits in (None, {"vllm": ProviderTrait("vllm", joins_markers=True)}):
+        rows = reconstruct_record(record, tok, traits=traits)
+        assert all(r["status"] == "rejected" or r["completion_ids"] == t for r, t in zip(rows, truth)), traits
+        assert all("choices_unattributable" in {f["code"] for f in r["findings"]} for r in rows), traits

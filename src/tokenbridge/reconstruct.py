@@ -760,7 +760,7 @@ def _mark_cancelling(plans: list[_Choice], rows: list[dict[str, Any]], policy: P
         if finish == "length":
             more.append((p, row))
         elif (ends_in_think_fits(p.cands[p.chosen].parts, finish, thinking, opens)
-              and not any("end_in_think" in c.names for c in p.cands)):
+              and not any("end_in_think" in c.names and not c.veto for c in p.cands)):  # a veto the count never picks
             fewer.append((p, row))
     if not (fewer and more):
         return
