@@ -111,6 +111,10 @@ CASES = [
            {"reasoning": "\nThe user asks", "content": "\nSure."}, "stop", 151336, 4, alone=("ok",)),
     Served("glm_streamed_prefix", "glm-4.5", "\n<think>R.</think>\nC", "<|user|>",
            {"reasoning": "\nR.", "content": "\nC"}, "stop", 151336, 3, stream=True),
+    # streamed, an empty block: the prefix is the whole reasoning and the strip takes it, so
+    # nothing says where the newline went; "\n\n" (one id) read as the prefix then "\n" passed
+    Served("glm_streamed_empty_block_stripped", "glm-4.5", "\n<think></think>\n\nHello!", "<|user|>",
+           {"reasoning": None, "content": "\n\nHello!"}, "stop", 151336, 1, stream=True),
     Served("glm_endoftext_unnamed", "glm-4.5", "\n<think></think>\n", "<|endoftext|>",
            {"reasoning": None, "content": "\n"}, "stop", None, 1),
     Served("glm_ended_in_think_stripped", "glm-4.5", "\n<think></ ", "<|user|>",

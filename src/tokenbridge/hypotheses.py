@@ -531,7 +531,8 @@ def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, st
 
     SGLang keeps the prefix in the reasoning (whole: ``prefix + think_open + R``;
     streamed: ``prefix + R``); vLLM before its parser engine dropped it whole and streamed
-    it as content, and 0.34 serves ``prefix + R`` whole and streamed, as SGLang streams. A block
+    it as content, and 0.34 serves ``prefix + R`` whole and streamed, as SGLang streams,
+    less its trailing whitespace: of an empty block nothing, no reasoning served at all. A block
     written without the prefix reaches the API as written under every engine: that
     reading is offered where ``absent`` says the evidence can tell, where no form with
     the prefix fits, and where the engine may be SGLang and the reasoning shows no prefix,
@@ -544,6 +545,10 @@ def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, st
     sglang, vllm = prefix_in_reasoning is not False, prefix_in_reasoning is not True
     if reasoning.startswith(prefix):  # SGLang streamed, vLLM 0.34 whole or streamed
         forms.append((reasoning[len(prefix):], content, None))
+    elif sglang and not reasoning:
+        # vLLM 0.34 strips the reasoning's trailing whitespace: prefix + an empty block is served
+        # with no reasoning at all, the prefix gone (a content newline is then the model's own)
+        forms.append(("", content, None))
     if vllm and stream is not True:
         forms.append((reasoning, content, "think_prefix_kept" if reasoning.startswith(prefix) else None))
     if vllm and stream is not False and content.startswith(prefix):
