@@ -282,3 +282,30 @@ def test_a_cut_and_a_turn_ended_in_its_think_block_cancel_in_the_sum_with_the_jo
         rows = reconstruct_record(record, tok, traits=traits)
         assert all(r["status"] == "rejected" or r["completion_ids"] == t for r, t in zip(rows, truth)), traits
         assert all("choices_unattributable" in {f["code"] for f in r["findings"]} for r in rows), traits
+
+
+def test_a_glm_turn_ended_in_its_think_block_served_whole_counts_its_end_token() -> None:
+    """vLLM 0.34 served whole reads every output id, the end token too, while still in the
+    reasoning: ``\\n<think>R<|user|>`` counts lead + R + end (7 here; streamed, 6). The logprobs
+    proved the ended-in-think reading and the count threw it out; with n = 2 both rows went."""
+    tok = _tok("glm-4.5")
+    text = "\n<think>The user asks about Paris"
+    truth = tok.encode(text) + [tok.token_id("<|user|>")]
+    entries = [{"token": tok.decode([i]), "logprob": -0.25, "bytes": list(tok.token_bytes(i))} for i in truth]
+    choice = {"message": {"role": "assistant", "content": None, "reasoning": "\nThe user asks about Paris"},
+              "logprobs": {"content": entries}, "finish_reason": "stop", "stop_reason": 151336}
+    request = {"model": "glm-4.5", "messages": [{"role": "user", "content": "Hi there"}],
+               "chat_template_kwargs": {"enable_thinking": True}, "logprobs": True}
+    prompt = len(tok.encode(resolve_dialect(tok).render_request(request)))
+
+    def rows(n: int, reasoning: int) -> list[dict[str, Any]]:
+        response = {"provider": "vllm", "model": "glm-4.5", "choices": [{"index": i, **choice} for i in range(n)],
+                    "usage": {"prompt_tokens": prompt, "completion_tokens": n * len(truth),
+                              "completion_tokens_details": {"reasoning_tokens": reasoning}}}
+        return reconstruct_record({"id": "g", "meta": {"stream": False}, "request": request | {"n": n},
+                                   "response": response}, tok)
+
+    assert len(truth) - 1 == 7
+    for n in (1, 2):
+        assert [(r["status"], r["completion_ids"]) for r in rows(n, 7 * n)] == [("ok", truth)] * n
+        assert {r["status"] for r in rows(n, 7 * n - 3)} == {"rejected"}  # no way counts that

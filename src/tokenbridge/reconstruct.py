@@ -31,7 +31,7 @@ from .chat.harmony import tool_stream_doubt
 from .chat.template import TemplateError, special_token_strings
 from .content import content_text
 from .checks import (DEFAULT_POLICY, Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways,
-                     reasoning_fits, run_checks, status_of, vllm_silent_ids)
+                     reasoning_fits, run_checks, status_of, vllm_silent_ids, vllm_whole_count)
 from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens, served_by_vllm
 from .exchanges import Exchange, RecordError, choice_index, loads_line, parse_exchange
 from .jsonl import NotJsonlError, binary_kind, text_of
@@ -95,6 +95,8 @@ class _Choice:
     #: the tokenizer's id -> bytes where every choice of the record may have streamed from
     #: vLLM: its summed ``reasoning_tokens`` may then be vLLM's streamed count, a fourth way
     vllm_stream: Callable[[int], bytes] | None = None
+    #: every choice of the record may have come whole from vLLM: its count served whole too
+    vllm_whole: bool = False
 
     def ids(self, k: int) -> list[int]:
         """Candidate ``k``'s completion ids (one list per candidate: never mutate it)."""
@@ -109,10 +111,12 @@ class _Choice:
         """Candidate ``k``'s ``reasoning_tokens`` as each kind of engine counts it; with
         ``vllm_stream``, vLLM's streamed count too (:func:`~tokenbridge.checks.vllm_silent_ids`)."""
         parts, ids = self.cands[k].parts, self.cand_ids[k]
-        ways = reasoning_count_ways(parts, ids)
-        if self.vllm_stream is None:
-            return ways
-        return (*ways, ways[2] - vllm_silent_ids(parts, ids, self.vllm_stream))
+        ways: tuple[int, ...] = reasoning_count_ways(parts, ids)
+        if self.vllm_whole:
+            ways = (*ways, vllm_whole_count(parts, ids))
+        if self.vllm_stream is not None:
+            ways = (*ways, ways[2] - vllm_silent_ids(parts, ids, self.vllm_stream))
+        return ways
 
     def counted(self, k: int) -> int:
         """How many of candidate ``k``'s ids the provider's usage counts."""
@@ -628,12 +632,13 @@ _MAX_COMBINATIONS = 512
 
 def _count_ways(plans: list[_Choice], trait: ProviderTrait | None, streamed: bool | None, tok: Tokenizer) -> None:
     """How usage may count the choices: without the end token (a run's trait), and, every
-    choice vLLM's and maybe streamed with n > 1, their reasoning the way vLLM streams it."""
+    choice vLLM's with n > 1, their reasoning the ways vLLM counts it whole and streamed."""
     for p in plans:
         p.end_uncounted = trait is not None and trait.end_uncounted
-    if len(plans) > 1 and streamed is not False and all(served_by_vllm(p.choice) for p in plans):
+    if len(plans) > 1 and all(served_by_vllm(p.choice) for p in plans):
         for p in plans:
-            p.vllm_stream = tok.token_bytes
+            p.vllm_whole = streamed is not True
+            p.vllm_stream = tok.token_bytes if streamed is not False else None
 
 
 def _reasoning_sums(ways: Sequence[tuple[int, ...]]) -> frozenset[int]:
