@@ -589,3 +589,20 @@ def test_a_tokenizer_or_emulator_config_behind_a_locked_folder_is_one_line_exit_
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == expected
     assert not (tmp_path / "out").exists()
+
+
+def test_progress_none_keeps_the_warnings(tmp_path, capsys):
+    """``--progress none`` turns the progress display off; it hid that a dataset gave no
+    prompt (exit 0, the other datasets sent), which ``plain`` printed; the dry run said it
+    in no mode."""
+    from tokenbridge.generate.progress import Reporter
+
+    (tmp_path / "empty.jsonl").write_text("", encoding="utf-8")
+    res = _invoke([f"a={_one_prompt(tmp_path)}", f"e={tmp_path / 'empty.jsonl'}", "--out", str(tmp_path / "run"),
+                   "--model", "m", "--progress", "none", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert f"note: dataset e ({tmp_path / 'empty.jsonl'}) gave no prompt: nothing of it is sent" in res.output
+    quiet = Reporter("none")
+    quiet.log("resuming: 3 of 5 samples already done")
+    quiet.log("warning: dataset e gave no prompt", warn=True)
+    assert capsys.readouterr().err == "warning: dataset e gave no prompt\n"

@@ -334,7 +334,7 @@ def test_a_placeholder_key_is_not_masked_in_stored_responses(tmp_path):
     logged: list[str] = []
 
     class _Log(Reporter):
-        def log(self, message: str) -> None:
+        def log(self, message: str, *, warn: bool = False) -> None:
             logged.append(message)
 
     async def main():

@@ -104,6 +104,8 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
             if done_ids and c:
                 observed = c / len(done_ids)
     count, approximate, notes = _counter(settings)
+    notes += [f"dataset {spec.name} ({spec.path}) gave no prompt: nothing of it is sent"  # as the run warns
+              for spec in settings.datasets if not loaded.counts.get(spec.name)]
     per: dict[str, dict[str, int]] = {}
     total = longest = 0
     to_send = 0

@@ -176,10 +176,13 @@ class Reporter:
         self._stats: EngineStats | None = None
         self._runner: asyncio.Task[None] | None = None
 
-    def log(self, message: str) -> None:
+    def log(self, message: str, *, warn: bool = False) -> None:
         """A one-off notice, printed without breaking the live bar. Notices quote API error
-        messages and prompt rows' own keys: every control character is shown escaped."""
-        if self.mode == "none":
+        messages and prompt rows' own keys: every control character is shown escaped.
+        ``none`` turns the progress display off, not the warnings (``warn``: what the user
+        must know, a dataset that gave nothing, spend booked from an earlier run): those
+        still go to stderr."""
+        if self.mode == "none" and not warn:
             return
         message = printable(message)
         if self._progress is not None:

@@ -201,7 +201,7 @@ def _prepared(settings: GenerateSettings, out_dir: str | Path, key: ApiKey | Non
         raise ConfigError(f"base_url {why}")
     reporter = reporter or Reporter(settings.progress, interval_s=settings.log_interval_s)
     if (notice := placeholder_notice(key)) is not None:
-        reporter.log(notice)
+        reporter.log(notice, warn=True)
     t0 = time.monotonic()
     rows, bad_rows = _load_rows(settings, reporter)
 
@@ -264,7 +264,7 @@ def _load_rows(settings: GenerateSettings, reporter: Reporter) -> tuple[list[_Ro
     given = {s.dataset for s in loaded.samples}
     for spec in settings.datasets:  # as reconstruct says of an empty input: a typo'd or unfilled file sends nothing
         if spec.name not in given and (spec.limit if spec.limit is not None else settings.limit) != 0:
-            reporter.log(f"warning: dataset {spec.name} ({spec.path}) gave no prompt: nothing of it is sent")
+            reporter.log(f"warning: dataset {spec.name} ({spec.path}) gave no prompt: nothing of it is sent", warn=True)
     rows = [store_row(s, settings) for s in loaded.samples]
     return rows, [str(e) for e in loaded.errors]
 
@@ -345,7 +345,8 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, key: ApiK
         raise
     if unanswered:
         reporter.log(f"{unanswered} request(s) sent by an earlier run that ended without storing their answers "
-                     f"(killed?) are booked at their reservations as possibly billed (${possible_before:.4f} in all)")
+                     f"(killed?) are booked at their reservations as possibly billed (${possible_before:.4f} in all)",
+                     warn=True)
     budget = Budget(settings.max_cost, settings.prices, spent=spent_before, possible=possible_before)
     for prov, p, c, k in observations:
         budget.observe(prov, p, c, k)
@@ -470,7 +471,7 @@ def _write_outputs(out_dir: Path, ids: Sequence[str], summary: RunSummary, repor
             summary.notices.append(
                 f"{len(bad)} stored response(s) cannot be re-emitted and were left out of {EXCHANGES_FILE} "
                 f"(stored by an older version; e.g. {bad[0]}); send them again in a new run folder")
-            reporter.log(summary.notices[-1])
+            reporter.log(summary.notices[-1], warn=True)
     except (OSError, sqlite3.Error, OutputWriteError) as exc:
         summary.notices.append(f"{out_dir / EXCHANGES_FILE} not rewritten: {exc}")
         summary.exit_code = summary.exit_code or ExitCode.STORE
@@ -527,9 +528,9 @@ def _reconcile(
     redo = [(sid, new_request[sid]) for sid, status, _ in diffs if status != "done"]
     if redo:
         store.replace_requests(redo)
-        reporter.log(f"{len(redo)} sample(s) not done yet take the new settings (e.g. {redo[0][0]})")
+        reporter.log(f"{len(redo)} sample(s) not done yet take the new settings (e.g. {redo[0][0]})", warn=True)
     if kept_old:
-        reporter.log(f"--force-settings: {kept_old} done sample(s) keep answers made with other settings")
+        reporter.log(f"--force-settings: {kept_old} done sample(s) keep answers made with other settings", warn=True)
     return len(diffs), kept_old
 
 
