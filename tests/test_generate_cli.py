@@ -393,6 +393,24 @@ def test_a_renamed_dataset_is_refused_before_its_answers_are_bought_again(tmp_pa
         assert res.exit_code == 0 and sum(srv.attempts.values()) == 6, res.output
 
 
+def test_rows_whose_ids_changed_under_the_same_name_are_told_to_take_their_ids_back(tmp_path):
+    """The refusal told to give the dataset its old name again: the very name given."""
+    from hostile_server import HostileServer
+
+    prompts, renamed = tmp_path / "p.jsonl", tmp_path / "q.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k, "prompt": f"q {k}"}) + "\n" for k in "ab"), encoding="utf-8")
+    renamed.write_text("".join(json.dumps({"id": "X" + k, "prompt": f"q {k}"}) + "\n" for k in "ab"), encoding="utf-8")
+    run = tmp_path / "run"
+    with HostileServer() as srv:
+        common = ["--out", str(run), "--base-url", srv.url, "--model", "m", "--progress", "none"]
+        assert _invoke([f"d={prompts}", *common]).exit_code == 0
+        line = _one_line_error(_invoke([f"d={renamed}", *common]), 2)
+        assert "2 of dataset 'd' as answered under dataset 'd' (e.g. d-Xa = d-a)" in line
+        assert "To use those answers, give the rows their old ids again (the row's id field; a row without one is " \
+               "named by its content)" in line and "old name" not in line
+        assert sum(srv.attempts.values()) == 2
+
+
 def test_a_dry_run_reads_the_store_without_writing_or_waiting_on_a_run(tmp_path):
     """--dry-run opened the store as a run does: it made and upgraded the schema and took
     the write lock, so beside a running generate it waited on that lock (60 s), then failed."""

@@ -575,13 +575,18 @@ def _refuse_answered_elsewhere(store: Store, new: list[_Row], ids: list[str], st
         pairs.setdefault((dataset, old_dataset), []).append((sid, old_id))
     what = "; ".join(f"{len(same)} of dataset {dataset!r} as answered under dataset {old!r} (e.g. {same[0][0]} = "
                      f"{same[0][1]})" for (dataset, old), same in pairs.items())
-    old = next(iter(pairs))[1]
+    renamed = [(d, o) for d, o in pairs if d != o]
+    if renamed:
+        old = renamed[0][1]
+        fix = (f"give the dataset its old name again ({old}=PATH on the command line, or name = \"{old}\" in a "
+               "config; a PATH alone is named after its file)")
+    else:  # the name is the same: the rows' own ids changed (edited, or removed and content-hashed)
+        fix = "give the rows their old ids again (the row's id field; a row without one is named by its content)"
     raise AlreadyAnswered(
         f"{out_dir}: {len(found)} new sample(s) send requests this folder already holds answers to under other "
         f"sample ids: {what}; sending them would pay for those answers again, and nothing was sent. To use those "
-        f"answers, give the dataset its old name again ({old}=PATH on the command line, or name = \"{old}\" in a "
-        "config; a PATH alone is named after its file); for fresh answers to the same prompts, use another run "
-        "folder or another seed (--seed, request.seed)")
+        f"answers, {fix}; for fresh answers to the same prompts, use another run folder or another seed "
+        "(--seed, request.seed)")
 
 
 def _request_delta(old: str, new: str) -> str:
