@@ -309,3 +309,27 @@ def test_a_glm_turn_ended_in_its_think_block_served_whole_counts_its_end_token()
     for n in (1, 2):
         assert [(r["status"], r["completion_ids"]) for r in rows(n, 7 * n)] == [("ok", truth)] * n
         assert {r["status"] for r in rows(n, 7 * n - 3)} == {"rejected"}  # no way counts that
+
+
+def test_the_cancelling_pair_stays_unproven_where_the_run_proved_the_end_token_counted() -> None:
+    """GLM streamed from vLLM 0.34, n = 2 (a cold reviewer's, served by its own code): a cut
+    right after ``</think>`` and a turn ended in its think block. The run's ``end_counted``
+    trait makes the ended-in-think reading one the count weighs, which exempted the choice:
+    but it was weighed against the cut sibling as served, never against the id the cut may
+    hide, so the formula pair passed (an extra ``</think>`` in one row, one lost in the other)."""
+    tok = _tok("glm-4.5")
+    request = {"model": "glm-4.5", "messages": [{"role": "user", "content": "Hi there"}],
+               "chat_template_kwargs": {"enable_thinking": True}, "stream": True,
+               "stream_options": {"include_usage": True}, "n": 2}
+    choices = [{"index": 0, "message": {"role": "assistant", "content": "", "reasoning": "\nOk"},
+                "finish_reason": "length", "stop_reason": None},
+               {"index": 1, "message": {"role": "assistant", "content": "", "reasoning": "\nHmm"},
+                "finish_reason": "stop", "stop_reason": 151336}]
+    prompt = len(tok.encode(resolve_dialect(tok).render_request(request)))
+    record = {"id": "n2", "meta": {"stream": True}, "request": request, "response": {
+        "provider": "vllm", "model": "glm-4.5", "choices": choices,
+        "usage": {"prompt_tokens": prompt, "completion_tokens": 8, "completion_tokens_details": {"reasoning_tokens": 4}}}}
+    for traits in (None, {"vllm": ProviderTrait("vllm", end_counted=True)}):
+        rows = reconstruct_record(record, tok, traits=traits)
+        assert [r["status"] for r in rows] == ["rejected"] * 2, traits
+        assert all("choices_unattributable" in {f["code"] for f in r["findings"]} for r in rows), traits

@@ -764,8 +764,9 @@ def _mark_cancelling(plans: list[_Choice], rows: list[dict[str, Any]], policy: P
         finish = finish_reading(p.choice)
         if finish == "length":
             more.append((p, row))
-        elif (ends_in_think_fits(p.cands[p.chosen].parts, finish, thinking, opens)
-              and not any("end_in_think" in c.names and not c.veto for c in p.cands)):  # a veto the count never picks
+        elif ends_in_think_fits(p.cands[p.chosen].parts, finish, thinking, opens):
+            # its ended-in-think reading, where one was built, was weighed against the sibling's
+            # reading as served, never against the id the cut may hide: the two still cancel
             fewer.append((p, row))
     if not (fewer and more):
         return
