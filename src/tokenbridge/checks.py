@@ -22,7 +22,7 @@ from .tokenizer import Tokenizer
 __all__ = ["CODES", "DEFAULT_POLICY", "DEFAULT_SEVERITY", "GATE_REVISION", "Finding", "Policy", "SampleView", "ends_turn", "finish_reading",
            "logprobs_fit",
            "reasoning_count_ways", "reasoning_counts", "reasoning_fits", "run_checks", "status_of",
-           "vllm_silent_ids", "vllm_whole_count"]
+           "vllm_silent_ids", "vllm_whole_extra"]
 
 #: Changed whenever what reconstruct reads or the gate says of the same input changes. Every
 #: stage's fingerprint holds it, so a finished run reconstructs again after an upgrade that
@@ -620,7 +620,7 @@ def reasoning_fits(got: int, parts: Sequence[tuple[str, str]], part_ids: Sequenc
                    streamed: bool | None, choice: Mapping[str, Any]) -> bool:
     """Whether one choice's ``reasoning_tokens`` is what an engine reports for this reading:
     one of :func:`reasoning_count_ways`, or, for a choice vLLM served (:func:`.evidence.
-    served_by_vllm`), its count served whole (:func:`vllm_whole_count`: a turn ended in its
+    served_by_vllm`), its count served whole (:func:`vllm_whole_extra`: a turn ended in its
     think block counts its end token) and, where it may have streamed, its streamed count,
     which leaves out each id that completed no character (:func:`vllm_silent_ids`): the
     count of a reasoning with a split CJK character or emoji is otherwise one short per
@@ -631,20 +631,19 @@ def reasoning_fits(got: int, parts: Sequence[tuple[str, str]], part_ids: Sequenc
         return True
     if not served_by_vllm(choice):
         return False
-    if streamed is not True and got == vllm_whole_count(parts, part_ids):
+    if streamed is not True and got == ways[2] + vllm_whole_extra(parts, part_ids):
         return True
     return streamed is not False and got < ways[2] and got == ways[2] - vllm_silent_ids(parts, part_ids, tok.token_bytes)
 
 
-def vllm_whole_count(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> int:
-    """``reasoning_tokens`` as vLLM (0.34) counts a completion it served whole: its parser
-    engine reads every output id, the end token too, and counts what it reads while the
-    state is still reasoning, so a turn that ended inside its think block counts its end
-    token as well (GLM's ``\n<think>R<|user|>``: lead, R and the end, where the streamed
-    count stops before the end). Elsewhere it is :func:`reasoning_count_ways`' vLLM count."""
-    way = reasoning_count_ways(parts, part_ids)[2]
+def vllm_whole_extra(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]]) -> int:
+    """What vLLM (0.34) counts in ``reasoning_tokens`` of a completion it served whole beyond
+    :func:`reasoning_count_ways`' vLLM count: its parser engine reads every output id, the
+    end token too, and counts what it reads while the state is still reasoning, so a turn
+    that ended inside its think block counts its end token as well (GLM's
+    ``\n<think>R<|user|>``: lead, R and the end; streamed, the count stops before the end)."""
     opened = ends_turn(parts) and not any(kind == "think_end" for kind, _ in parts)
-    return way + len(part_ids[-1]) if opened else way
+    return len(part_ids[-1]) if opened else 0
 
 
 def vllm_silent_ids(parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]],

@@ -343,8 +343,8 @@ def malformed(choice: Mapping[str, Any], usage: Mapping[str, Any] | None) -> lis
     value is read as absent, so the sample stands on its other evidence; this names it, so
     the reading is not silent. Absent and null are no fault."""
     out = []
-    for holder, key in _DETAILS if isinstance(usage, Mapping) else ():
-        details = usage.get(holder)  # type: ignore[union-attr]
+    for holder, key in _DETAILS:
+        details = usage.get(holder) if isinstance(usage, Mapping) else None
         if details is not None and not isinstance(details, Mapping):
             out.append(f"usage.{holder} is {_shown(details)}, not an object")
         elif details is not None and details.get(key) is not None and not is_count(details[key]):

@@ -31,7 +31,7 @@ from .chat.harmony import tool_stream_doubt
 from .chat.template import TemplateError, special_token_strings
 from .content import content_text
 from .checks import (DEFAULT_POLICY, Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways,
-                     reasoning_fits, run_checks, status_of, vllm_silent_ids, vllm_whole_count)
+                     reasoning_fits, run_checks, status_of, vllm_silent_ids, vllm_whole_extra)
 from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens, served_by_vllm
 from .exchanges import Exchange, RecordError, choice_index, loads_line, parse_exchange
 from .jsonl import NotJsonlError, binary_kind, text_of
@@ -92,11 +92,11 @@ class _Choice:
     vetoed: bool = False
     #: candidate -> its completion ids, built once (a reasoning completion is thousands of ids)
     _flat: dict[int, list[int]] = field(default_factory=dict)
-    #: the tokenizer's id -> bytes where every choice of the record may have streamed from
-    #: vLLM: its summed ``reasoning_tokens`` may then be vLLM's streamed count, a fourth way
-    vllm_stream: Callable[[int], bytes] | None = None
-    #: every choice of the record may have come whole from vLLM: its count served whole too
+    #: with n > 1, every choice of the record vLLM's: its summed ``reasoning_tokens`` may be
+    #: vLLM's count served whole (``vllm_whole``), or streamed (``vllm_stream``: the
+    #: tokenizer's id -> bytes, to find the ids that complete no character), ways of their own
     vllm_whole: bool = False
+    vllm_stream: Callable[[int], bytes] | None = None
 
     def ids(self, k: int) -> list[int]:
         """Candidate ``k``'s completion ids (one list per candidate: never mutate it)."""
@@ -109,11 +109,12 @@ class _Choice:
 
     def ways(self, k: int) -> tuple[int, ...]:
         """Candidate ``k``'s ``reasoning_tokens`` as each kind of engine counts it; with
-        ``vllm_stream``, vLLM's streamed count too (:func:`~tokenbridge.checks.vllm_silent_ids`)."""
+        ``vllm_whole`` / ``vllm_stream``, vLLM's counts served whole and streamed too
+        (:func:`~tokenbridge.checks.vllm_whole_extra`, :func:`~tokenbridge.checks.vllm_silent_ids`)."""
         parts, ids = self.cands[k].parts, self.cand_ids[k]
         ways: tuple[int, ...] = reasoning_count_ways(parts, ids)
         if self.vllm_whole:
-            ways = (*ways, vllm_whole_count(parts, ids))
+            ways = (*ways, ways[2] + vllm_whole_extra(parts, ids))
         if self.vllm_stream is not None:
             ways = (*ways, ways[2] - vllm_silent_ids(parts, ids, self.vllm_stream))
         return ways
@@ -643,8 +644,7 @@ def _count_ways(plans: list[_Choice], trait: ProviderTrait | None, streamed: boo
 
 def _reasoning_sums(ways: Sequence[tuple[int, ...]]) -> frozenset[int]:
     """What an engine reports as ``reasoning_tokens`` for these choices together: each
-    counted its one way (:func:`~tokenbridge.checks.reasoning_count_ways`, and vLLM's
-    streamed way where :attr:`_Choice.vllm_stream`), then summed."""
+    counted its one way (:meth:`_Choice.ways`, the same ways for every choice), then summed."""
     return frozenset(sum(w[i] for w in ways) for i in range(len(ways[0])))
 
 
