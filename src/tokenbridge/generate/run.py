@@ -42,7 +42,7 @@ from .engine import DRAIN_S, Engine, StopReason, WorkItem
 from .errors import AlreadyAnswered, SettingsChanged
 from .lock import run_lock
 from .progress import Reporter
-from .prompts import SHOWN_BAD_ROWS, Sample, keep_stored_ids, load_prompts
+from .prompts import SHOWN_BAD_ROWS, LoadedPrompts, Sample, keep_stored_ids, load_prompts
 from .request import build_request
 from .secrets import ApiKey, check_api_key, placeholder_notice, read_api_key, scrub
 from .settings import ConfigError, GenerateSettings, endpoint_identity, is_loopback_url, plain_http_problem
@@ -261,12 +261,19 @@ def _load_rows(settings: GenerateSettings, reporter: Reporter) -> tuple[list[_Ro
         reporter.log(f"bad row: {err}")
     if len(loaded.errors) > SHOWN_BAD_ROWS:
         reporter.log(f"... {len(loaded.errors) - SHOWN_BAD_ROWS} more bad rows (all listed in {SUMMARY_FILE})")
-    given = {s.dataset for s in loaded.samples}
-    for spec in settings.datasets:  # as reconstruct says of an empty input: a typo'd or unfilled file sends nothing
-        if spec.name not in given and (spec.limit if spec.limit is not None else settings.limit) != 0:
-            reporter.log(f"warning: dataset {spec.name} ({spec.path}) gave no prompt: nothing of it is sent", warn=True)
+    for line in gave_nothing(settings, loaded):
+        reporter.log(f"warning: {line}", warn=True)
     rows = [store_row(s, settings) for s in loaded.samples]
     return rows, [str(e) for e in loaded.errors]
+
+
+def gave_nothing(settings: GenerateSettings, loaded: LoadedPrompts) -> list[str]:
+    """A line for each dataset that gave no prompt although its limit allows some (as
+    reconstruct says of an empty input: a typo'd or unfilled file sends nothing); the run
+    warns of them, the dry run notes them."""
+    given = {s.dataset for s in loaded.samples}
+    return [f"dataset {spec.name} ({spec.path}) gave no prompt: nothing of it is sent" for spec in settings.datasets
+            if spec.name not in given and (spec.limit if spec.limit is not None else settings.limit) != 0]
 
 
 def store_row(sample: Sample, settings: GenerateSettings) -> _Row:

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BeforeValidator, Field, with_config
@@ -512,8 +512,7 @@ def override_settings(
     if problems:
         raise ConfigError("\n".join(problems))
     checked: GenerateSettings = out
-    names = [d.name for d in checked.datasets]
-    if dup := sorted({n for n in names if names.count(n) > 1}):  # a config's are refused at load: the same here
+    if dup := repeated_names(checked.datasets):  # a config's are refused at load: the same here
         given = "; ".join(f"{n}: {', '.join(str(d.path) for d in checked.datasets if d.name == n)}" for n in dup)
         raise ConfigError(f"datasets: names must be unique, repeated: {given} (a path alone is named after its file: "
                           "give each a name, NAME=PATH)")
@@ -528,6 +527,12 @@ def override_settings(
 
 
 # --- loading -----------------------------------------------------------------------------
+
+
+def repeated_names(datasets: Sequence[DatasetSpec]) -> list[str]:
+    """The dataset names given more than once, sorted: each must name one dataset."""
+    names = [d.name for d in datasets]
+    return sorted({n for n in names if names.count(n) > 1})
 
 
 def parse_dataset_arg(arg: str, *, limit: int | None = None) -> DatasetSpec:
@@ -640,8 +645,7 @@ def settings_problems(
         "silently replace it)")) for p in overlaps]
     if not overlaps and (bad := request_problem(settings.request)):
         problems.append(where.problem(*bad))
-    names = [d.name for d in settings.datasets]
-    dup = sorted({n for n in names if names.count(n) > 1})
+    dup = repeated_names(settings.datasets)
     if dup:
         problems.append(where.problem(("datasets",), f"dataset names must be unique, repeated: {dup}"))
     if base_dir is not None:
