@@ -604,3 +604,35 @@ def test_a_summed_store_cost_that_is_not_finite_is_left_out(runs, tmp_path):
     data = _strict_json(run / "report" / "report.json")
     assert data["generation"]["cost_total"] is None and data["generation"]["requests"] == 2
     assert data["left_out"] == {"store": {"attempts.cost (summed)": 1}}
+
+
+def test_a_folder_with_both_rows_files_reports_on_the_newer_and_says_so(runs, tmp_path, kimi_dir):
+    """``reconstruct -o RUN/reconstructed.parquet`` after a run left the run's JSONL beside
+    it: the report read the old JSONL without a word."""
+    from tokenbridge.reconstruct import reconstruct_file
+
+    run = tmp_path / "run"
+    run.mkdir()
+    write_jsonl(run / "exchanges.jsonl", runs["exchanges"][:5])
+    reconstruct_file(run / "exchanges.jsonl", run / "reconstructed.parquet", kimi_dir, workers=1)
+    write_jsonl(run / "reconstructed.jsonl", runs["rows"])  # all N rows, and older than the parquet
+    jsonl, parquet = run / "reconstructed.jsonl", run / "reconstructed.parquet"
+    os.utime(jsonl, ns=(parquet.stat().st_mtime_ns - 10**9,) * 2)
+    res = CliRunner().invoke(app, ["report", str(run)], env={"COLUMNS": "1000"})  # long paths unwrapped
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert f"{run.name}: 5 rows (" in text
+    assert f"note: rows read from {parquet}; {jsonl} is also there and was not read" in text
+    page = (run / "report" / "report.html").read_text()
+    assert escape(f"rows read from {parquet}; {jsonl} is also there and was not read") in page
+    assert json.loads((run / "report" / "report.json").read_text())["sources"]["not_read"] == str(jsonl)
+
+    os.utime(jsonl)  # now the JSONL is the newer one
+    data = collect_run(run)
+    assert (data["rows"]["total"], data["sources"]["not_read"]) == (len(runs["rows"]), str(parquet))
+
+
+def test_a_folder_with_one_rows_file_has_no_source_note(runs):
+    res = CliRunner().invoke(app, ["report", str(runs["full"])])
+    assert res.exit_code == 0 and "also there" not in res.output
+    assert collect_run(runs["full"])["sources"]["not_read"] is None

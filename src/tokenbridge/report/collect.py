@@ -35,7 +35,7 @@ from ..jsonl import is_count, is_int
 from ..outdir import open_read_only
 from ..rows import STATUSES, ReconstructedRow, RowError, iter_rows
 
-__all__ = ["ReportError", "RowStats", "collect_run", "left_out_notes", "RECONSTRUCTED_NAMES"]
+__all__ = ["ReportError", "RowStats", "collect_run", "left_out_notes", "source_note", "RECONSTRUCTED_NAMES"]
 
 #: Where reconstruct output may sit in a run folder, in order of preference.
 RECONSTRUCTED_NAMES = ("reconstructed.jsonl", "reconstructed.parquet")
@@ -80,14 +80,13 @@ def collect_run(run_dir: str | Path, rows: RowStats | None = None) -> dict[str, 
     ``rows``: the row statistics already gathered over that reconstructed file (the
     pipeline's one pass); without it the file is read here."""
     run_dir = Path(run_dir)
-    recon = next((run_dir / n for n in RECONSTRUCTED_NAMES if (run_dir / n).is_file()), None)
-    if recon is None:
-        raise ReportError(f"{run_dir}: no {' or '.join(RECONSTRUCTED_NAMES)} to report on")
+    recon, other = _rows_file(run_dir, given=rows is not None)
     exchanges = run_dir / "exchanges.jsonl"
     data: dict[str, Any] = {
         "run_dir": str(run_dir),
         "generated_at": time.time(),
-        "sources": {"reconstructed": str(recon), "exchanges": str(exchanges) if exchanges.is_file() else None},
+        "sources": {"reconstructed": str(recon), "exchanges": str(exchanges) if exchanges.is_file() else None,
+                    "not_read": None if other is None else str(other)},
     }
     left_out: dict[str, Counter[str]] = {"rows": Counter(), "exchanges": Counter(), "store": Counter()}
     data.update(rows.result() if rows is not None else _rows_section(recon))
@@ -104,6 +103,29 @@ def collect_run(run_dir: str | Path, rows: RowStats | None = None) -> dict[str, 
             data["generation_error"] = str(exc)
     data["left_out"] = {source: dict(sorted(fields.items())) for source, fields in left_out.items() if fields}
     return data
+
+
+def _rows_file(run_dir: Path, *, given: bool) -> tuple[Path, Path | None]:
+    """The rows file to report on, and the other one when the folder holds both. The
+    pipeline's statistics (``given``) are always over ``reconstructed.jsonl``; on its own
+    the report reads the file written last: a ``reconstruct -o RUN/reconstructed.parquet``
+    after a run left the run's JSONL beside it, and reading that without a word reported
+    on rows the user had replaced."""
+    found = [(run_dir / n, (run_dir / n).stat().st_mtime_ns) for n in RECONSTRUCTED_NAMES if (run_dir / n).is_file()]
+    if not found:
+        raise ReportError(f"{run_dir}: no {' or '.join(RECONSTRUCTED_NAMES)} to report on")
+    if len(found) == 1:
+        return found[0][0], None
+    (jsonl, jsonl_time), (parquet, parquet_time) = found
+    return (parquet, jsonl) if not given and parquet_time > jsonl_time else (jsonl, parquet)
+
+
+def source_note(sources: dict[str, Any]) -> str | None:
+    """Which rows file the report read when the folder holds both."""
+    other = sources.get("not_read")
+    if not other:
+        return None
+    return f"rows read from {sources['reconstructed']}; {other} is also there and was not read"
 
 
 def left_out_notes(left_out: dict[str, dict[str, int]]) -> list[str]:

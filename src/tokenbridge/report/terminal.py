@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..display import printable
-from .collect import left_out_notes
+from .collect import left_out_notes, source_note
 
 __all__ = ["print_summary"]
 
@@ -92,6 +92,8 @@ def print_summary(data: dict[str, Any], console: Console | None = None) -> None:
     console.print(_ids_table("Samples per status", "status", data["samples_by_status"], rows["status"]))
     console.print(_plain(f"look at one: tokenbridge inspect {data['sources']['reconstructed']} --tokenizer TOKENIZER "
                          "--id ID"))
+    if note := source_note(data["sources"]):
+        console.print(_plain(f"note: {note}"))
     lengths = data["lengths"]
     if lengths["prompt"].get("count"):
         keys = ["count", "mean", "p50", "p90", "p99", "max"]
