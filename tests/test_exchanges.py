@@ -60,6 +60,9 @@ CASES = [
      "must be a list or null"),
     (_bad("response.prompt_token_ids", [1, True]), "response.prompt_token_ids", "must be a list of integers"),
     (_bad("response.choices.0.token_ids", "1 2"), "response.choices[0].token_ids", "must be a list of integers"),
+    (_bad("response.choices.0.response_token_ids", [True]), "response.choices[0].response_token_ids",
+     "must be a list of integers"),
+    (_bad("response.choices.0.prompt_token_ids", {}), "response.choices[0].prompt_token_ids", "must be a list of integers"),
     (_bad("native_ids", "x"), "native_ids", "must be a list of ids or {prompt, choices}"),
     (_bad("native_ids", {"choices": [[1.5]]}), "native_ids.choices[0]", "must be a list of integers"),
     # read by the renderers and the gate: a wrong type was a traceback or taken silently
@@ -125,3 +128,41 @@ def test_every_id_a_tokenizer_could_hold_is_taken():
     rec["native_ids"] = {"prompt": [0, 2**32 - 1], "choices": [[200000]]}
     ex = parse_exchange(rec)
     assert (ex.native_prompt, ex.native_choices) == ([0, 2**32 - 1], [[200000]])
+
+
+def test_sglang_ids_are_read_where_sglang_puts_them():
+    """SGLang (0.5.23, ``return_token_ids``) writes each choice's ``prompt_token_ids`` and
+    ``response_token_ids`` (its ``output_ids``, through the stop id); only vLLM's names were
+    read, so SGLang's ground truth was thrown away and a provable sample rejected."""
+    rec = copy.deepcopy(GOOD)
+    rec["response"]["choices"] = [
+        {"index": i, "message": {"role": "assistant", "content": "yo"}, "finish_reason": "stop",
+         "prompt_token_ids": [1, 2], "response_token_ids": [3 + i, 9]} for i in range(2)]
+    ex = parse_exchange(rec)
+    assert (ex.native_prompt, ex.native_choices) == ([1, 2], [[3, 9], [4, 9]])
+    rec["response"]["prompt_token_ids"] = [1, 2]  # both engines' names, the same ids: one evidence
+    rec["response"]["choices"][0]["token_ids"] = [3, 9]
+    assert parse_exchange(rec).native_choices == [[3, 9], [4, 9]]
+
+
+@pytest.mark.parametrize(("where", "value", "field", "detail"), [
+    ("choices.0.response_token_ids", [3, 8], "response.choices[0].response_token_ids",
+     "differs from response.choices[0].token_ids: the engine gave two different id lists for the same text"),
+    ("choices.1.prompt_token_ids", [1, 5], "response.choices[1].prompt_token_ids",
+     "differs from the prompt ids before it: the engine gave two different id lists for the same text"),
+    ("prompt_token_ids", [1], "response.choices[0].prompt_token_ids",
+     "differs from the prompt ids before it: the engine gave two different id lists for the same text"),
+])
+def test_two_id_lists_for_the_same_text_are_a_bad_record(where, value, field, detail):
+    rec = copy.deepcopy(GOOD)
+    rec["response"]["choices"] = [
+        {"index": i, "message": {"role": "assistant", "content": "yo"}, "finish_reason": "stop",
+         "prompt_token_ids": [1, 2], "response_token_ids": [3, 9], "token_ids": [3, 9]} for i in range(2)]
+    node = rec["response"]
+    *head, last = where.split(".")
+    for key in head:
+        node = node[int(key)] if key.isdigit() else node[key]
+    node[last] = value
+    with pytest.raises(RecordError) as err:
+        parse_exchange(rec)
+    assert (err.value.field, err.value.detail) == (field, detail)

@@ -367,3 +367,24 @@ def test_probe_cli_takes_max_response_bytes(tmp_path, kimi_dir):
     assert res.exit_code == 1 and "Traceback" not in res.output, res.output
     (big,) = json.loads(out.read_text(encoding="utf-8"))["providers"]
     assert big["errors"] == [f"response_too_large: response of {len(body)} bytes is over max_response_bytes=2048"]
+
+
+@pytest.mark.parametrize(("choice", "has_ids"), [
+    ({"token_ids": [1, 2]}, True),  # vLLM's name
+    ({"response_token_ids": [1, 2], "prompt_token_ids": [5]}, True),  # SGLang's (return_token_ids, served whole)
+    ({"prompt_token_ids": [5]}, False),
+    ({}, False),
+])
+def test_probe_sees_token_ids_under_either_engines_name(choice, has_ids):
+    import asyncio
+    import importlib
+    from types import SimpleNamespace
+
+    probe_module = importlib.import_module("tokenbridge.generate.probe")  # the package exports the function `probe`
+
+    class _Sends:
+        async def send(self, request):
+            return SimpleNamespace(kind="ok"), {"choices": [{"index": 0, "logprobs": None, **choice}]}, None, None
+
+    got = asyncio.run(probe_module._evidence(_Sends(), provider="p", request={}))
+    assert got == ("p", False, has_ids)

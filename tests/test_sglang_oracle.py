@@ -95,7 +95,10 @@ class SGLangServer:
             return ids.index(self.think_close_id) + 1
         return len(ids)
 
-    def serve(self, native: Native, prompt_tokens: int, *, stream: bool) -> dict[str, Any]:
+    def serve(self, native: Native, prompt_tokens: int, *, stream: bool,
+              prompt_ids: list[int] | None = None) -> dict[str, Any]:
+        """The chat.completion; ``prompt_ids`` given: ``return_token_ids`` was asked (served whole
+        only: SGLang refuses it streamed), and each choice carries them and its ``output_ids``."""
         body, finish, matched = self._finish(native.ids)
         with_tools = bool(native.request.get("tools"))
         if stream:
@@ -108,6 +111,8 @@ class SGLangServer:
             message["tool_calls"] = calls
             finish = "tool_calls" if finish == "stop" else finish
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "matched_stop": matched}
+        if prompt_ids is not None:  # serving_chat: ret_item["output_ids"], through the stop id
+            choice.update(prompt_token_ids=list(prompt_ids), response_token_ids=list(native.ids))
         n = len(native.ids)
         return {
             "id": "sgl", "object": "chat.completion", "created": 0, "model": "kimi-k2.5", "choices": [choice],
@@ -396,3 +401,22 @@ def test_n_choices_are_never_ok_with_wrong_ids(corpus, kimi_dir):
             ok_plain += k >= len(shapes) and all(r["status"] == "ok" for r in rows)
     assert wrong == []
     assert ok_plain >= 70  # pairs of plain answers are still proven (2 x 40 served)
+
+
+def test_sglang_returned_ids_prove_what_the_text_cannot(kimi, kimi_dir):
+    """A turn that ended inside its think block (``R<|im_end|>``, no ``</think>``) is served
+    as the formula's ``R</think><|im_end|>`` would be, one id apart: without ids the count
+    rejects it; with ``return_token_ids`` SGLang hands over each choice's
+    ``response_token_ids``, which prove it (only vLLM's ``token_ids`` were read)."""
+    server = SGLangServer(kimi, kimi_dir)
+    request = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "Hi"}]}
+    ids = [*kimi.encode("The user says hi. I reply hello"), kimi.token_id("<|im_end|>")]
+    native = Native(request, ids, "end_in_think")
+    prompt_ids = kimi.encode(resolve_dialect(kimi).render_request(request))
+    plain = reconstruct_record({"id": "a", "request": request,
+                                "response": server.serve(native, len(prompt_ids), stream=False)}, kimi)[0]
+    assert plain["status"] == "rejected" and plain["completion_ids"] != ids
+    with_ids = {"id": "b", "request": {**request, "return_token_ids": True},
+                "response": server.serve(native, len(prompt_ids), stream=False, prompt_ids=prompt_ids)}
+    row = reconstruct_record(with_ids, kimi)[0]
+    assert (row["status"], row["findings"], row["completion_ids"], row["prompt_ids"]) == ("ok", [], ids, prompt_ids)

@@ -273,7 +273,8 @@ def _checked_choices(response: dict[str, Any]) -> list[dict[str, Any]]:
 @dataclass(frozen=True)
 class CheckedResponse:
     """A response in the shape the reader takes (:func:`check_response`): its choices, and
-    the ground-truth ids it carries itself (vLLM's ``prompt_token_ids`` / ``choices[].token_ids``)."""
+    the ground-truth ids it carries itself (vLLM's ``prompt_token_ids`` / ``choices[].token_ids``,
+    SGLang's ``choices[].prompt_token_ids`` / ``choices[].response_token_ids``)."""
 
     response: dict[str, Any]
     choices: list[dict[str, Any]]
@@ -291,16 +292,27 @@ def check_response(response: Any) -> CheckedResponse:
     if not isinstance(response, dict):
         raise RecordError("response", "missing" if response is None else "must be an object")
     choices = _checked_choices(response)
-    prompt_ids = None
-    if response.get("prompt_token_ids") is not None:
-        prompt_ids = _int_list(response["prompt_token_ids"], "response.prompt_token_ids")
+    prompt_ids = _agreed_ids(None, response.get("prompt_token_ids"), "response.prompt_token_ids", "")
     choice_ids: list[list[int] | None] = [None] * len(choices)
     for i, c in enumerate(choices):
-        if c.get("token_ids") is not None:
-            choice_ids[i] = _int_list(c["token_ids"], f"response.choices[{i}].token_ids")
+        at = f"response.choices[{i}]"
+        prompt_ids = _agreed_ids(prompt_ids, c.get("prompt_token_ids"), f"{at}.prompt_token_ids", "the prompt ids before it")
+        ids = _agreed_ids(None, c.get("token_ids"), f"{at}.token_ids", "")
+        choice_ids[i] = _agreed_ids(ids, c.get("response_token_ids"), f"{at}.response_token_ids", f"{at}.token_ids")
     for field in ("provider", "model"):
         _check_names_text(f"response.{field}", response.get(field))
     return CheckedResponse(response, choices, prompt_ids, choice_ids)
+
+
+def _agreed_ids(known: list[int] | None, value: Any, field: str, known_from: str) -> list[int] | None:
+    """``value`` (ids as one engine names them) read as token ids, where ``known`` (the same
+    ids as another field gave them) is None or the same list; ids that differ are no evidence."""
+    if value is None:
+        return known
+    ids = _int_list(value, field)
+    if known is not None and ids != known:
+        raise RecordError(field, f"differs from {known_from}: the engine gave two different id lists for the same text")
+    return ids
 
 
 def _native_ids(record: dict[str, Any], checked: CheckedResponse) -> tuple[list[int] | None, list[list[int] | None]]:

@@ -355,7 +355,7 @@ async def _evidence(sender: _Sender, *, provider: str, request: dict[str, Any]) 
         return provider, None, None
     lp = choice.get("logprobs")
     has_lp = isinstance(lp, dict) and isinstance(lp.get("content"), list) and bool(lp["content"])
-    ids = choice.get("token_ids")
+    ids = choice.get("token_ids") or choice.get("response_token_ids")  # vLLM's name, SGLang's
     return provider, has_lp, isinstance(ids, list) and bool(ids)
 
 
