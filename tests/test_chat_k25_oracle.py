@@ -607,7 +607,9 @@ def test_a_users_name_is_a_reading_sglang_drops(kimi):
         row, = reconstruct_record({"id": "n", "request": {"messages": named}, "response": response}, kimi)
         assert (row["status"], row["reconstruction"], row["prompt_ids"]) == ("ok", name, kimi.encode(text))
     both = [*_HISTORY[:3], {"role": "user", "content": "And tomorrow?", "name": "Alexandra Smith"}]
-    assert [r.name for r in KIMI.prompt_readings({"messages": both})] == [None, "tool_args=parsed+user_name=dropped"]
+    # vLLM 0.34 parses the arguments too but keeps the name: a reading of its own
+    assert [r.name for r in KIMI.prompt_readings({"messages": both})] == [
+        None, "tool_args=parsed+user_name=dropped", "history=vllm+tool_args=parsed"]
 
 
 def _parsed_history_row(kimi, history: list) -> dict:
@@ -661,3 +663,74 @@ def test_conversations_export_leaves_out_a_history_whose_parsed_arguments_json_c
     with pytest.raises(RowError, match="no row to export: 1 read, .* 1 not a chat turn"):
         export_file(rows, tmp_path / "conv", "conversations")
     assert export_file(rows, tmp_path / "sf", "specforge").rows_exported == 1
+
+
+_LIST_HISTORY = [
+    {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Paris?"}]},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "20C"}, {"type": "text", "text": "sunny"}]},
+]
+
+
+def test_content_parts_are_joined_as_each_engine_joins_them(kimi, kimi_dir):
+    """Kimi's template joins a list of text parts with nothing (``20Csunny``). SGLang 0.5.23
+    joins a tool result's parts with a space (``serving_chat.normalize_tool_content``; the
+    template's content format detects as ``openai``, so a user's list stays a list), the
+    same count here: ids no count could tell from the as-sent reading's. vLLM 0.34 detects
+    the format as ``string`` and joins every list with a newline, and parses the arguments
+    (``parse_chat_messages``, run here as the oracle). Each is a reading; with no count that
+    tells them apart the gate says so."""
+    import types
+
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.chat_utils.chat_message import parse_chat_messages
+    from vllm.renderers.hf import _detect_content_format
+
+    from tokenbridge.reconstruct import reconstruct_record
+
+    template = (kimi_dir / "chat_template.kimi-k2-thinking.jinja").read_text()
+    assert _detect_content_format(template, default="string") == "string"
+    request = {"model": "moonshotai/kimi-k2.5", "messages": _LIST_HISTORY}
+    readings = {r.name: r.text for r in KIMI.prompt_readings(request)}
+    assert set(readings) == {None, "tool_args=parsed+tool_parts=space", "history=vllm+parts=newline+tool_args=parsed"}
+    assert "<|im_user|>user<|im_middle|>Weatherin Paris?<|im_end|>" in readings[None]
+    assert "## Return of c1\n20Csunny<|im_end|>" in readings[None]
+    sglang = readings["tool_args=parsed+tool_parts=space"]
+    assert "Weatherin Paris?" in sglang and "## Return of c1\n20C sunny<|im_end|>" in sglang
+    assert len(kimi.encode(sglang)) == len(kimi.encode(readings[None]))  # the count cannot tell these two apart
+    conv, _, _ = parse_chat_messages(ChatCompletionRequest(model="m", messages=_LIST_HISTORY).messages,
+                                     types.SimpleNamespace(multimodal_config=None, enable_prompt_embeds=False), "string")
+    assert readings["history=vllm+parts=newline+tool_args=parsed"] == KIMI.render_request({"messages": conv})
+    answer = kimi.encode("Mild.") + [kimi.token_id("</think>")] + kimi.encode("20C.") + [kimi.token_id("<|im_end|>")]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning": "Mild.", "content": "20C."}}],
+        "usage": {"prompt_tokens": len(kimi.encode(sglang)), "completion_tokens": len(answer)}}
+    row, = reconstruct_record({"id": "l", "request": request, "response": response}, kimi)
+    assert row["status"] == "rejected" and "prompt_reading_unproven" in [f["code"] for f in row["findings"]]
+    vllm = readings["history=vllm+parts=newline+tool_args=parsed"]
+    response["usage"]["prompt_tokens"] = len(kimi.encode(vllm))
+    row, = reconstruct_record({"id": "l", "request": request, "response": response}, kimi)
+    assert (row["status"], row["reconstruction"], row["prompt_ids"]) == (
+        "ok", "history=vllm+parts=newline+tool_args=parsed", kimi.encode(vllm))
+
+
+def test_conversations_export_writes_each_engines_joined_parts(kimi, tmp_path):
+    """A row proved by a reading that joined list parts: the conversations export hands a
+    trainer the history as that engine served it, so re-rendering spells the proved prompt ids."""
+    from tokenbridge.export import export_file
+    from tokenbridge.reconstruct import reconstruct_file
+
+    request = {"model": "moonshotai/kimi-k2.5", "messages": _LIST_HISTORY}
+    vllm = {r.name: r.text for r in KIMI.prompt_readings(request)}["history=vllm+parts=newline+tool_args=parsed"]
+    answer = kimi.encode("Mild.") + [kimi.token_id("</think>")] + kimi.encode("20C.") + [kimi.token_id("<|im_end|>")]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning": "Mild.", "content": "20C."}}],
+        "usage": {"prompt_tokens": len(kimi.encode(vllm)), "completion_tokens": len(answer)}}
+    src = tmp_path / "ex.jsonl"
+    src.write_text(json.dumps({"id": "l", "request": request, "response": response}) + "\n")
+    reconstruct_file(src, tmp_path / "rows.jsonl", kimi, workers=1)
+    export_file(tmp_path / "rows.jsonl", tmp_path / "conv", "conversations")
+    row = json.loads(next((tmp_path / "conv").glob("*.jsonl")).read_text())
+    history = [{k: v for k, v in t.items()} for t in row["conversations"][:-1]]
+    assert KIMI.render_request({"messages": history}) == vllm

@@ -221,12 +221,13 @@ class Dialect:
         first = PromptReading(self.render_request(request))
         if not (self.serving_readings or (self.argument_readings and _history_differs(request))):
             return [first]
-        from .serving import serving_variants, sglang_history
+        from .serving import serving_variants, sglang_history, vllm_history
         from .template import TemplateError
 
         out, seen = [first], {first.text}
         variants = [*(serving_variants(request) if self.serving_readings else ()),
-                    *(sglang_history(request) if self.argument_readings else ())]
+                    *(sglang_history(request) if self.argument_readings else ()),
+                    *(vllm_history(request) if self.argument_readings else ())]
         for variant, name in variants:
             try:
                 text = self.render_request(variant)
@@ -331,12 +332,14 @@ class Dialect:
 
 
 def _history_differs(request: Mapping[str, Any]) -> bool:
-    """Whether any message of ``request`` carries tool calls or is a user's with a ``name``,
-    which SGLang hands the template otherwise (:func:`.serving.sglang_history`; the one-turn
-    case has neither)."""
+    """Whether any message of ``request`` carries tool calls, is a user's with a ``name``, or
+    holds a list of two or more content parts, which SGLang or vLLM hands the template
+    otherwise (:func:`.serving.sglang_history`, :func:`.serving.vllm_history`; the one-turn
+    case of plain text has none)."""
     messages = request.get("messages")
     return isinstance(messages, list) and any(
-        isinstance(m, Mapping) and (m.get("tool_calls") or (m.get("role") == "user" and m.get("name") is not None))
+        isinstance(m, Mapping) and (m.get("tool_calls") or (m.get("role") == "user" and m.get("name") is not None)
+                                    or (isinstance(m.get("content"), list) and len(m["content"]) > 1))
         for m in messages)
 
 

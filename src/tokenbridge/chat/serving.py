@@ -15,7 +15,7 @@ from typing import Any
 
 from .template import parsed_call
 
-__all__ = ["sglang_history", "sglang_last_assistant", "sglang_tools", "serving_variants"]
+__all__ = ["sglang_history", "sglang_last_assistant", "sglang_tools", "serving_variants", "vllm_history"]
 
 #: SGLang 0.5.23's ``Function`` fields, in declaration order (what ``model_dump`` writes
 #: before it restores the order the client sent): name, then the optional ones.
@@ -101,15 +101,36 @@ def sglang_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, An
     itself (Kimi's built-in renderer), where that changes any: an assistant call's
     JSON-string ``arguments`` parsed into the object they encode (the template then writes
     it as ``tojson`` does, spaced: ``{"city": "Paris"}`` for ``{"city":"Paris"}``, one token
-    more; ``tool_args=parsed``), and a user message's ``name`` dropped (its message model
-    has none, so the header says ``user``; ``user_name=dropped``). One reading, both applied,
-    named by what changed."""
+    more; ``tool_args=parsed``), a user message's ``name`` dropped (its message model
+    has none, so the header says ``user``; ``user_name=dropped``), and a tool result sent as
+    a list of text parts joined with a space (``normalize_tool_content``; the template
+    joins them with nothing, the same count for ``20C`` + ``sunny``: ``tool_parts=space``).
+    One reading, all applied, named by what changed."""
+    yield from _history(request, drop_user_name=True, joins={"tool": " "}, name="tool_parts=space")
+
+
+def vllm_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str]]:
+    """The request's messages as vLLM 0.34 hands them to Kimi's template, where that
+    changes any: ``arguments`` parsed as SGLang parses them (``_postprocess_messages``),
+    names kept, and every content sent as a list of text parts joined with a newline (the
+    template's content format detects as ``string``, and a tool result is joined so in
+    any case; ``parts=newline``). Its name says ``history=vllm`` too: the arguments alone
+    are parsed by both engines, and a user's ``name`` kept is what sets it apart."""
+    for variant, name in _history(request, drop_user_name=False, joins=None, name="parts=newline"):
+        yield variant, f"history=vllm+{name}"
+
+
+def _history(request: Mapping[str, Any], *, drop_user_name: bool, joins: Mapping[str, str] | None,
+             name: str) -> Iterator[tuple[Mapping[str, Any], str]]:
+    """The messages with the changes one engine makes before a template that writes them
+    itself; ``joins``: role -> the text a list of text parts is joined with (None: every
+    role, with a newline)."""
     messages = request.get("messages")
     if not isinstance(messages, list):
         return
     out, changes = [], []
     for m in messages:
-        if isinstance(m, Mapping) and m.get("role") == "user" and m.get("name") is not None:
+        if drop_user_name and isinstance(m, Mapping) and m.get("role") == "user" and m.get("name") is not None:
             m = {k: v for k, v in m.items() if k != "name"}
             if "user_name=dropped" not in changes:
                 changes.append("user_name=dropped")
@@ -120,6 +141,25 @@ def sglang_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, An
                 m = {**m, "tool_calls": parsed}
                 if "tool_args=parsed" not in changes:
                     changes.append("tool_args=parsed")
+        joined = _joined_parts(m, joins)
+        if joined is not None:
+            m = {**m, "content": joined}
+            if name not in changes:
+                changes.append(name)
         out.append(m)
     if changes:
         yield {**request, "messages": out}, "+".join(sorted(changes))
+
+
+def _joined_parts(message: Any, joins: Mapping[str, str] | None) -> str | None:
+    """``message``'s content of two or more parts, all text, joined as the engine joins
+    them (``joins``: by role; None: a newline for every role); None where it keeps the list."""
+    if not isinstance(message, Mapping):
+        return None
+    content = message.get("content")
+    sep = "\n" if joins is None else joins.get(str(message.get("role")))
+    if sep is None or not isinstance(content, list) or len(content) < 2:
+        return None
+    if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return None
+    return sep.join(p["text"] for p in content)

@@ -158,16 +158,19 @@ class ConversationsWriter(_JsonlWriter):
 def _served_messages(rec: ReconstructedRow) -> list[Any]:
     """The request's messages as the prompt reading the row was proved by has them: a
     trainer re-renders these, so a history SGLang handed its template otherwise (arguments
-    parsed, a user's name dropped, a last assistant message made a user's) is written as it
-    was served, not as sent. (SGLang's tool dump, ``tools=sglang``, is not redone here: the
-    row does not keep ``tool_choice``, which it depends on.)"""
+    parsed, a user's name dropped, a tool result's parts joined, a last assistant message made
+    a user's; vLLM's parts joined with newlines) is written as it was served, not as sent.
+    (SGLang's tool dump, ``tools=sglang``, is not redone here: the row does not keep
+    ``tool_choice``, which it depends on.)"""
     messages = rec["messages"]
     names = _reading_names(rec)
     if not isinstance(messages, list) or not names & _SERVED_HISTORY:
         return messages if isinstance(messages, list) else []
-    from ..chat.serving import sglang_history, sglang_last_assistant
+    from ..chat.serving import sglang_history, sglang_last_assistant, vllm_history
 
-    if names & {"tool_args=parsed", "user_name=dropped"}:
+    if "history=vllm" in names:
+        messages = next((list(v["messages"]) for v, _ in vllm_history({"messages": messages})), messages)
+    elif names & {"tool_args=parsed", "user_name=dropped", "tool_parts=space"}:
         messages = next((list(v["messages"]) for v, _ in sglang_history({"messages": messages})), messages)
     if "last_assistant=user" in names:
         messages = sglang_last_assistant(messages) or messages
@@ -194,7 +197,8 @@ def _reading_names(rec: ReconstructedRow) -> frozenset[str]:
 
 
 #: Prompt readings whose messages differ from the request's (:mod:`tokenbridge.chat.serving`).
-_SERVED_HISTORY = frozenset({"tool_args=parsed", "user_name=dropped", "last_assistant=user"})
+_SERVED_HISTORY = frozenset({"tool_args=parsed", "user_name=dropped", "tool_parts=space", "history=vllm",
+                             "last_assistant=user"})
 
 
 def _turn(message: Mapping[str, Any]) -> dict[str, Any]:
