@@ -195,6 +195,18 @@ CORRUPTIONS = {
     "segment_gap": (lambda r: {"segments": r["segments"][:1] + [dict(r["segments"][1], start=r["segments"][1]["start"] + 1)]
                                           + r["segments"][2:]}, "segments[1]", "but the previous segment ended at"),
     "bad_status": (lambda r: {"status": "great"}, "status", "got 'great'"),
+    # the conversations export writes these to a trainer as they are: a wrong type is named, not written
+    "tool_not_object": (lambda r: {"tools": [1, 2]}, "tools[0]", "must be a tool object, got int"),
+    "tool_calls_text": (lambda r: {"messages": [dict(r["messages"][0], tool_calls="x"), *r["messages"][1:]]},
+                        "messages[0].tool_calls", "must be a list or null, got str"),
+    "tool_call_not_object": (lambda r: {"messages": [dict(r["messages"][0], tool_calls=[{"id": "c"}, 3]),
+                                                     *r["messages"][1:]]},
+                             "messages[0].tool_calls[1]", "must be a tool call object, got int"),
+    "reasoning_content_number": (lambda r: {"messages": [dict(r["messages"][0], reasoning_content=7),
+                                                         *r["messages"][1:]]},
+                                 "messages[0].reasoning_content", "must be a string or null, got int"),
+    "reasoning_list": (lambda r: {"messages": [dict(r["messages"][0], reasoning=["x"]), *r["messages"][1:]]},
+                       "messages[0].reasoning", "must be a string or null, got list"),
     "end_dropped": (  # ids, mask and segments all consistent, but the end token is gone
         lambda r: {"input_ids": r["input_ids"][:-1], "completion_ids": r["completion_ids"][:-1],
                    "loss_mask": r["loss_mask"][:-1], "segments": r["segments"][:-1]},
@@ -216,6 +228,20 @@ def test_bad_row_names_line_and_field(run, tmp_path, name):
     assert (err.value.line, err.value.field) == (k + 1, field)
     assert message in err.value.detail
     assert str(err.value).startswith(f"{src}:{k + 1}: {field}: ")
+
+
+@pytest.mark.parametrize("name", ["tool_not_object", "tool_calls_text", "reasoning_content_number"])
+def test_conversations_export_names_a_wrongly_typed_tool_or_history_field(run, tmp_path, name):
+    """``tools: [1, 2]``, a history message's ``tool_calls: "x"`` or ``reasoning_content: 7``
+    were written to conversations.jsonl as they were (exit 0) for a trainer to choke on."""
+    rows = run[2]
+    k = _first_ok(rows[3:]) + 3
+    change, field, message = CORRUPTIONS[name]
+    src = write_jsonl(tmp_path / "bad.jsonl", _corrupt(rows, k, **change(rows[k])))
+    res = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "out"), "--format", "conversations"])
+    assert res.exit_code == 1
+    assert res.output.splitlines() == [f"error: {src}:{k + 1}: {field}: {message}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
 
 
 def test_failed_export_keeps_the_previous_one(run, tmp_path):
@@ -258,6 +284,40 @@ def test_nothing_to_export_is_an_error(run, tmp_path):
     with pytest.raises(ExportError, match="no row to export.*--include-flagged"):
         export_file(src, tmp_path / "out", "specforge")
     assert not (tmp_path / "out").exists()
+
+
+SPLIT_NOTE = (
+    "Rows are in the order of the source file (reconstruct's, often one dataset after another), not shuffled. "
+    "speculators' trainer splits by row index: the last (1 - `--train-data-ratio`) of the rows (default 0.9: the "
+    "last 10%) are validation and never trained on, so whole datasets may land there. Set `--train-data-ratio` "
+    "(`data.train_data_ratio` in its YAML), or shuffle into a new folder before generating hidden states: "
+    "`datasets.load_from_disk(\"{dir}\").shuffle(seed=0).save_to_disk(\"NEW\")`.")
+TURNS_NOTE = (
+    "Only the final assistant turn is the target model's; earlier assistant turns in a history are the prompt "
+    "dataset's. SpecForge trains every assistant turn unless `data.train_only_last_turn: true`; speculators' "
+    "`prepare-data` makes a supervised row of every assistant turn (no option), so histories with earlier "
+    "assistant turns train text the target never produced. The id formats (specforge, speculators, parquet) "
+    "train only the proven completion.")
+
+
+def test_cards_say_what_the_trainers_do_with_the_rows(run, tmp_path):
+    """The speculators folder keeps file order (its trainer holds out the last rows by index)
+    and the conversations card says which assistant turns a re-tokenizing trainer trains."""
+    spec, conv = tmp_path / "spec", tmp_path / "conv"
+    export_file(run[1], spec, "speculators")
+    export_file(run[1], conv, "conversations")
+    spec_card = (spec / "README.md").read_text(encoding="utf-8").split("\n")
+    assert SPLIT_NOTE.format(dir=spec) in spec_card
+    assert (f"speculators: `--data-path {spec}` (a `datasets.load_from_disk` folder; hidden states go to "
+            f"`{spec}/hidden_states`, and speculators caches its draft vocabulary there as `d2t-N.npy` / `t2d-N.npy` "
+            "and reads a `token_freq.pt` there: a re-export of the same rows keeps them, as everything else it "
+            "did not write; one that changes the rows is refused while they are there, since they belong to the "
+            "old rows: move them away, or export into a new folder).") in spec_card
+    assert TURNS_NOTE in (conv / "README.md").read_text(encoding="utf-8").split("\n")
+    for fmt in ("specforge", "parquet"):
+        export_file(run[1], tmp_path / fmt, fmt)
+        card = (tmp_path / fmt / "README.md").read_text(encoding="utf-8")
+        assert "train_data_ratio" not in card and "train_only_last_turn" not in card
 
 
 # --- memory -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ moves it back.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,22 +20,24 @@ import pytest
 from outputs_support import SRC, cli, kill_env, leftovers, snapshot
 
 from tokenbridge.export import build_vocab, export_file
-from tokenbridge.fsio import MARKER, clean_stale_temps
+from tokenbridge.fsio import MARKER, OutputRefused, clean_stale_temps
 from tokenbridge.outdir import remove_own_output
 
 HS = b"\x00gpu-hours\xff" * 100
 
 
-def _user_entries(folder: Path) -> None:
-    (folder / "hidden_states").mkdir()
-    (folder / "hidden_states" / "hs_0.pt").write_bytes(HS)
-    (folder / "hidden_states" / "hs_1.pt").write_bytes(HS[::-1])
+def _user_entries(folder: Path, hidden_states: bool = True) -> None:
+    if hidden_states:
+        (folder / "hidden_states").mkdir()
+        (folder / "hidden_states" / "hs_0.pt").write_bytes(HS)
+        (folder / "hidden_states" / "hs_1.pt").write_bytes(HS[::-1])
     (folder / "notes.txt").write_bytes(b"my notes\n")
 
 
-def _assert_user_entries(folder: Path) -> None:
-    assert (folder / "hidden_states" / "hs_0.pt").read_bytes() == HS
-    assert (folder / "hidden_states" / "hs_1.pt").read_bytes() == HS[::-1]
+def _assert_user_entries(folder: Path, hidden_states: bool = True) -> None:
+    if hidden_states:
+        assert (folder / "hidden_states" / "hs_0.pt").read_bytes() == HS
+        assert (folder / "hidden_states" / "hs_1.pt").read_bytes() == HS[::-1]
     assert (folder / "notes.txt").read_bytes() == b"my notes\n"
 
 
@@ -48,19 +51,82 @@ def _new(ref: Path, out: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("fmt", ["speculators", "specforge", "parquet", "conversations"])
 def test_reexport_keeps_the_users_entries_and_replaces_ours(stage_inputs, tmp_path, fmt):
+    """(New rows in a speculators folder whose hidden_states/ holds anything are refused:
+    :func:`test_a_reexport_that_changes_the_rows_refuses_speculators_caches_of_the_old_ones`.)"""
     ref, out = tmp_path / "ref", tmp_path / "out"
     export_file(stage_inputs / "reconstructed.jsonl", ref, fmt)
     export_file(stage_inputs / "first-half.jsonl", out, fmt)
     if fmt == "speculators":
         assert f"hidden states go to `{out}/hidden_states`" in (out / "README.md").read_text(encoding="utf-8")
-    _user_entries(out)
+    hs = fmt != "speculators"
+    _user_entries(out, hidden_states=hs)
+    if not hs:
+        (out / "hidden_states").mkdir()  # empty: no cache of the old rows
+        (out / "d2t.npy").write_bytes(b"a vocab's d2t.npy: not a name speculators caches or reads")
     res = cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", fmt)
     assert res.returncode == 0, res.stderr
-    _assert_user_entries(out)
+    _assert_user_entries(out, hidden_states=hs)
+    if not hs:
+        assert (out / "d2t.npy").is_file() and list((out / "hidden_states").iterdir()) == []
+        (out / "d2t.npy").unlink()
+        (out / "hidden_states").rmdir()
     assert _ours(out) == _new(ref, out)  # ours replaced: the full export, byte for byte
     names = set(snapshot(ref)) | {n.split("/")[0] for n in snapshot(ref)}  # a folder and each file in it
     assert json.loads((out / MARKER).read_text())["files"] == sorted(names - {MARKER})
     assert leftovers(tmp_path) == []
+
+
+#: What speculators leaves in its --data-path for the rows it read there (hidden states by
+#: row index, its cached draft vocabulary) and a token_freq.pt it reads from there.
+_CACHES = {
+    "hidden_states": ({"hidden_states/hs_0.safetensors": HS, "hidden_states/hs_1.safetensors": HS[::-1]},
+                      "hidden_states/"),
+    "vocab": ({"d2t-64.npy": b"\x93NUMPY d2t", "t2d-64.npy": b"\x93NUMPY t2d"}, "d2t-64.npy, t2d-64.npy"),
+    "token_freq": ({"token_freq.pt": b"PK freq"}, "token_freq.pt"),
+    "all": ({"hidden_states/hs_0.safetensors": HS, "t2d-32000.npy": b"t", "d2t-32000.npy": b"d",
+             "token_freq.pt": b"PK"}, "hidden_states/, d2t-32000.npy, t2d-32000.npy, token_freq.pt"),
+}
+
+
+@pytest.mark.parametrize("cache", sorted(_CACHES))
+def test_a_reexport_that_changes_the_rows_refuses_speculators_caches_of_the_old_ones(stage_inputs, tmp_path, cache):
+    """speculators reads ``hidden_states/hs_<row index>.safetensors`` and its cached
+    ``d2t-N.npy`` / ``t2d-N.npy`` from the data folder whenever they are there: kept across a
+    re-export of other rows, it trained on a stale vocabulary and dropped every row whose
+    index shifted (147 of 159, a warning each; a cold tester's). New rows are refused while
+    they are there, ``--force`` or not, naming them; the same rows (a rerun) keep them."""
+    out, first, full = tmp_path / "out", stage_inputs / "first-half.jsonl", stage_inputs / "reconstructed.jsonl"
+    export_file(first, out, "speculators")
+    files, named = _CACHES[cache]
+    for name, data in files.items():
+        (out / name).parent.mkdir(exist_ok=True)
+        (out / name).write_bytes(data)
+    (out / "notes.txt").write_bytes(b"my notes\n")
+    before = snapshot(out)
+    for force in ((), ("--force",)):
+        res = cli("export", str(full), "-o", str(out), "--format", "speculators", *force)
+        assert res.returncode == 2, res.stderr
+        assert res.stderr.splitlines() == [
+            f"error: {out}: holds speculators' caches of the rows exported there before ({named}), and this export "
+            "changes those rows: speculators would use them as they are (a stale draft vocabulary, hidden states of "
+            f"other rows); nothing was written: move them out of {out}, or export into a new folder"]
+        assert snapshot(out) == before and leftovers(tmp_path) == []
+    res = cli("export", str(first), "-o", str(out), "--format", "speculators")  # a rerun: the same rows
+    assert res.returncode == 0, res.stderr
+    assert snapshot(out) == before and leftovers(tmp_path) == []
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for name in {n.split("/")[0] for n in files}:
+        shutil.move(out / name, moved / name)
+    res = cli("export", str(full), "-o", str(out), "--format", "speculators")
+    assert res.returncode == 0, res.stderr
+    assert snapshot(moved) == files and (out / "notes.txt").read_bytes() == b"my notes\n"
+    assert _ours(out) == _new(_full_export(stage_inputs, tmp_path / "ref"), out)
+
+
+def _full_export(stage_inputs: Path, ref: Path) -> Path:
+    export_file(stage_inputs / "reconstructed.jsonl", ref, "speculators")
+    return ref
 
 
 SPLIT = b"PAR1 the user's own held-out split PAR1"
@@ -150,7 +216,8 @@ def test_legacy_marker_without_files_keeps_the_users_entries(stage_inputs, tmp_p
     export_file(stage_inputs / "first-half.jsonl", out, "speculators")
     (out / MARKER).write_text(json.dumps({"format": "speculators", "tokenbridge_output": "export"}) + "\n")
     _user_entries(out)
-    res = cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", "speculators")
+    # the same rows: hidden states of these rows are kept (other rows: refused, as below)
+    res = cli("export", str(stage_inputs / "first-half.jsonl"), "-o", str(out), "--format", "speculators")
     assert res.returncode == 0, res.stderr
     _assert_user_entries(out)
     assert "data-00000-of-00001.arrow" in snapshot(out)
@@ -231,9 +298,17 @@ def test_remove_own_output_removes_only_ours(stage_inputs, tmp_path):
     _assert_user_entries(out)
     assert sorted(snapshot(out)) == [MARKER, "hidden_states/hs_0.pt", "hidden_states/hs_1.pt", "notes.txt"]
     assert json.loads((out / MARKER).read_text())["files"] == []
-    # still tokenbridge's folder: the next export writes into it, keeping them
+    # still tokenbridge's folder, but the rows its hidden states were made of are gone (``run``
+    # drops an output made from older data this way): the next export is refused while they
+    # are there, then writes into it, keeping the rest
+    before = snapshot(out)
+    with pytest.raises(OutputRefused, match=r"holds speculators' caches of the rows exported there before "
+                                            r"\(hidden_states/\)"):
+        export_file(stage_inputs / "reconstructed.jsonl", out, "speculators")
+    assert snapshot(out) == before and leftovers(tmp_path) == []
+    shutil.move(out / "hidden_states", tmp_path / "moved")
     export_file(stage_inputs / "reconstructed.jsonl", out, "speculators")
-    _assert_user_entries(out)
+    assert (out / "notes.txt").read_bytes() == b"my notes\n" and (out / "state.json").is_file()
     alone = tmp_path / "alone"
     export_file(stage_inputs / "reconstructed.jsonl", alone, "specforge")
     assert remove_own_output(alone, "export") == [] and not alone.exists()
@@ -284,9 +359,11 @@ def test_folder_killed_at_any_point_keeps_the_users_entries(tmp_path, point, how
 
 @pytest.mark.parametrize("point", ["export:staged:1", "export:carried:1", "export:carried:2", "export:swapped:1"])
 def test_export_killed_then_rerun_keeps_hidden_states(stage_inputs, tmp_path, point):
+    """A rerun of the same rows (hidden states of other rows are refused before any of this)."""
     ref, out = tmp_path / "ref", tmp_path / "out"
     export_file(stage_inputs / "reconstructed.jsonl", ref, "speculators")
-    export_file(stage_inputs / "first-half.jsonl", out, "speculators")
+    export_file(stage_inputs / "reconstructed.jsonl", out, "speculators")
+    (out / "README.md").write_text("an older card\n")  # ours, replaced: the rerun did write
     _user_entries(out)
     name, nth = point.rsplit(":", 1)
     args = ("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", "speculators")

@@ -131,6 +131,30 @@ def test_speculators_arrow_dataset_yields_our_ids_and_masks(run, torch, tmp_path
     assert batch["loss_mask"][0, :n].tolist() == sum((w["loss_mask"] for w in want[:3]), [])
 
 
+def test_the_options_the_cards_name_are_the_pinned_trainers_own(run, torch):
+    """The speculators card's `--train-data-ratio` and its split by row index (validation is
+    the file's last rows), and the conversations card's SpecForge `data.train_only_last_turn`."""
+    resolution = _need("speculators.train.config.resolution")
+    schema = _need("speculators.train.config.schema")
+    data = _need("speculators.train.data")
+    specforge_schema = _need("specforge.config.schema")
+    from test_export import SPLIT_NOTE, TURNS_NOTE
+
+    root, src, want = run
+    out = root / "split"
+    export_file(src, out, "speculators")
+    assert SPLIT_NOTE.format(dir=out) in (out / "README.md").read_text(encoding="utf-8")
+    assert resolution.build_parser().parse_args(["--train-data-ratio", "0.5"]).train_data_ratio == 0.5
+    assert schema.DataArgs.model_fields["train_data_ratio"].default == 0.9
+    assert resolution._partition_yaml_keys({"data": {"train_data_ratio": 0.5}}) == ({"train_data_ratio"}, set())
+    k = int(len(want) * 0.9)
+    val = data.ArrowDataset(max_len=1 << 16, datapath=str(out), on_missing="skip", train_ratio=0.9, split="val")
+    assert val.start_file_idx == k and val.data.with_format(None)["id"] == [w["id"] for w in want[k:]]
+    assert "`data.train_only_last_turn: true`" in TURNS_NOTE
+    assert specforge_schema.DataConfig.model_fields["train_only_last_turn"].default is False
+    assert specforge_schema.DataConfig(prompts_path="x", train_only_last_turn=True).train_only_last_turn is True
+
+
 @pytest.mark.parametrize("fmt", ["specforge", "parquet"])
 def test_speculators_prepare_data_passes_our_rows_through(run, fmt):
     preprocessing = _need("speculators.data_generation.preprocessing")

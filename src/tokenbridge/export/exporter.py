@@ -9,6 +9,8 @@ previous export of that folder untouched.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -19,7 +21,7 @@ from collections.abc import Mapping
 import yaml
 
 from ..display import printable
-from ..fsio import kill_point
+from ..fsio import OutputRefused, kill_point, read_small_text
 from ..outdir import export_target
 from ..rows import ReconstructedRow
 from .formats import FORMATS
@@ -148,9 +150,61 @@ class ExportRun:
     def close(self) -> None:
         """Close the writer and write the dataset card; the folder is then ready to publish."""
         files = self.writer.close()
+        if self.job.fmt == "speculators":
+            _refuse_stale_caches(self.job.out_dir, self.tmp)
         self.summary.files = [p.relative_to(self.tmp).as_posix() for p in files] + ["README.md"]
         (self.tmp / "README.md").write_text(_card(self.summary), encoding="utf-8")
         kill_point("export:written")
+
+
+#: What speculators (0.9.0) keeps in its ``--data-path`` (the export folder) for the rows it
+#: was given there: the vocabulary it caches as ``d2t-<N>.npy`` / ``t2d-<N>.npy`` and loads
+#: whenever both exist (``train/cli.py::parse_vocab_mappings``), and ``token_freq.pt``, read
+#: when no ``--token-freq-path`` is given. Its hidden states are ``hidden_states/hs_<row index>.safetensors``
+#: (``FileTransfer``), any entry there counted.
+_SPECULATORS_CACHES = re.compile(r"^(?:(?:d2t|t2d)-\d+\.npy|token_freq\.pt)$")
+
+
+def _fingerprint(folder: Path) -> str | None:
+    """The ``_fingerprint`` of a speculators export's ``state.json`` (a hash over its shards), or None."""
+    try:
+        state = json.loads(read_small_text(folder / "state.json"))
+    except (OSError, ValueError):
+        return None
+    value = state.get("_fingerprint") if isinstance(state, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _stale_caches(target: Path) -> list[str]:
+    """The entries of ``target`` in which speculators keeps what it made of the rows there
+    (:data:`_SPECULATORS_CACHES`, and ``hidden_states/`` when it holds anything), sorted."""
+    try:
+        names = sorted(n for n in os.listdir(target) if _SPECULATORS_CACHES.match(n))
+    except OSError:
+        return []
+    try:
+        with os.scandir(target / "hidden_states") as entries:
+            if next(entries, None) is not None:
+                names.insert(0, "hidden_states/")
+    except OSError:  # none there, or not a folder
+        pass
+    return names
+
+
+def _refuse_stale_caches(target: Path, staged: Path) -> None:
+    """Raise :class:`~tokenbridge.fsio.OutputRefused` when the speculators export staged in
+    ``staged`` changes the rows of ``target`` (its ``state.json`` fingerprint differs, or it
+    has none) and ``target`` holds speculators' caches of the old rows (:func:`_stale_caches`).
+    A re-export keeps every entry it did not write, and speculators reads these as they are:
+    a stale vocabulary, and each row's hidden states by row index (rows whose ids differ
+    dropped with a warning). Same rows (a rerun): kept, as every other entry of the user's."""
+    names = _stale_caches(target)
+    if not names or _fingerprint(target) == _fingerprint(staged):
+        return
+    raise OutputRefused(
+        f"{target}: holds speculators' caches of the rows exported there before ({', '.join(names)}), and this "
+        "export changes those rows: speculators would use them as they are (a stale draft vocabulary, hidden states "
+        f"of other rows); nothing was written: move them out of {target}, or export into a new folder", target)
 
 
 def _not_a_turn(summary: ExportSummary) -> str:
@@ -162,12 +216,27 @@ def _not_a_turn(summary: ExportSummary) -> str:
 _LOADING = {
     "specforge": "SpecForge (online, pre-tokenized): set `data.prompts_path: {dir}/train.jsonl`.",
     "speculators": "speculators: `--data-path {dir}` (a `datasets.load_from_disk` folder; "
-                   "hidden states go to `{dir}/hidden_states`, which a re-export here keeps: it replaces only "
-                   "the files tokenbridge wrote).",
+                   "hidden states go to `{dir}/hidden_states`, and speculators caches its draft vocabulary there "
+                   "as `d2t-N.npy` / `t2d-N.npy` and reads a `token_freq.pt` there: a re-export of the same rows "
+                   "keeps them, as everything else it did not write; one that changes the rows is refused while "
+                   "they are there, since they belong to the old rows: move them away, or export into a new "
+                   "folder).\n\n"
+                   "Rows are in the order of the source file (reconstruct's, often one dataset after another), "
+                   "not shuffled. speculators' trainer splits by row index: the last (1 - `--train-data-ratio`) "
+                   "of the rows (default 0.9: the last 10%) are validation and never trained on, so whole "
+                   "datasets may land there. Set `--train-data-ratio` (`data.train_data_ratio` in its YAML), or "
+                   "shuffle into a new folder before generating hidden states: "
+                   "`datasets.load_from_disk(\"{dir}\").shuffle(seed=0).save_to_disk(\"NEW\")`.",
     "parquet": "`datasets.load_dataset(\"parquet\", data_files=\"{dir}/data/*.parquet\", split=\"train\")`, "
                "or `datasets.load_dataset(\"{dir}\")`.",
     "conversations": "Conversations re-tokenized by the trainer's own chat template (SpecForge raw data, "
-                     "speculators `prepare-data`); re-tokenizing may not reproduce tokenbridge's exact ids.",
+                     "speculators `prepare-data`); re-tokenizing may not reproduce tokenbridge's exact ids.\n\n"
+                     "Only the final assistant turn is the target model's; earlier assistant turns in a history "
+                     "are the prompt dataset's. SpecForge trains every assistant turn unless "
+                     "`data.train_only_last_turn: true`; speculators' `prepare-data` makes a supervised row of "
+                     "every assistant turn (no option), so histories with earlier assistant turns train text the "
+                     "target never produced. The id formats (specforge, speculators, parquet) train only the "
+                     "proven completion.",
 }
 
 
