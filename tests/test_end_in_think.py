@@ -108,9 +108,13 @@ def test_a_run_that_proves_the_end_is_counted_lets_the_count_read_it(tmp_path, k
     rows, summary = _run(tmp_path, records, kimi)
     assert rows["p-100"]["completion_ids"] == in_think
     assert (rows["p-100"]["status"], rows["p-100"]["reconstruction"]) == ("ok", "end_in_think")
+    # the closed block: a token the engine hid in place of </think> (a <think> its parser deletes,
+    # a special skipped) is served the same at the same count; no ids, logprobs or reasoning_tokens
     assert rows["p-101"]["completion_ids"] == closed
-    assert (rows["p-101"]["status"], rows["p-101"]["reconstruction"]) == ("ok", None)
-    assert summary.status == {"ok": 22}
+    assert (rows["p-101"]["status"], rows["p-101"]["reconstruction"]) == ("rejected", None)
+    assert [f["code"] for f in rows["p-101"]["findings"]] == ["reconstruction_ambiguous"]
+    assert "token_hidden" in rows["p-101"]["findings"][0]["message"]
+    assert summary.status == {"ok": 21, "rejected": 1}
     trait = summary.traits["p"]
     assert trait.end_counted and not trait.end_uncounted
     assert trait.describe() == "completion_tokens counts the end token"
@@ -131,8 +135,9 @@ def test_an_uncounted_end_is_never_read_as_ended_in_think(tmp_path, kimi, kimi_d
     records = [*_normal(kimi, kimi_dir, "lazy", 20, delta=-1),
                _record(kimi, kimi_dir, 100, "lazy", closed, counted=len(closed) - 1)]
     rows, summary = _run(tmp_path, records, kimi)
-    assert rows["lazy-100"]["completion_ids"] == closed
-    assert (rows["lazy-100"]["status"], rows["lazy-100"]["reconstruction"]) == ("ok", None)
+    assert rows["lazy-100"]["completion_ids"] == closed  # read as closed, not as ended in think
+    assert [f["code"] for f in rows["lazy-100"]["findings"]] == ["reconstruction_ambiguous"]  # a hidden token ties it
+    assert "end_in_think" not in rows["lazy-100"]["findings"][0]["message"]
     trait = summary.traits["lazy"]
     assert trait.end_uncounted and not trait.end_counted
 
@@ -221,7 +226,7 @@ def test_two_choices_whose_count_errors_cancel_prove_neither(kimi, kimi_dir):
     rows = reconstruct_record(_two(kimi, kimi_dir, first, second), kimi)
     assert [r["completion_ids"] == n for r, n in zip(rows, (first, second))] == [False, False]  # the premise
     assert [r["status"] for r in rows] == ["rejected", "rejected"]
-    assert [[f["code"] for f in r["findings"]] for r in rows] == [["choices_unattributable"],
+    assert [[f["code"] for f in r["findings"]] for r in rows] == [["reconstruction_ambiguous", "choices_unattributable"],
                                                                    ["truncated", "choices_unattributable"]]
 
 

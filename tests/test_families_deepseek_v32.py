@@ -169,6 +169,11 @@ def test_sglang_served_completions_rebuild_exactly_or_are_flagged(tok, dialect, 
             assert row["completion_ids"] == ids, (kind, text)
             seen["accepted"] += 1
             seen[f"accepted_{kind}"] += 1
+        elif [f["code"] for f in row["findings"]] == ["reconstruction_ambiguous"]:
+            # a turn ended with nothing after </think>: a token SGLang hid in its place ties the
+            # count, and this engine's usage carries no reasoning_tokens to tell them apart
+            assert "token_hidden" in row["findings"][0]["message"]
+            seen["hidden_tie"] += 1
         if kind == "tool":
             if skip_special:
                 assert "tool_markers_dropped" in {f["code"] for f in row["findings"]} and row["status"] == "rejected"
@@ -177,7 +182,7 @@ def test_sglang_served_completions_rebuild_exactly_or_are_flagged(tok, dialect, 
 
     check()
     print(dict(seen))
-    assert seen["accepted"] >= 120 and min(seen["accepted_plain"], seen["accepted_cut"]) >= 20, seen
+    assert seen["accepted"] + seen["hidden_tie"] >= 120 and min(seen["accepted_plain"], seen["accepted_cut"]) >= 20, seen
     assert seen["accepted_tool"] >= (0 if skip_special else 40), seen
 
 

@@ -22,6 +22,7 @@ nothing inside sglang is replaced.
 from __future__ import annotations
 
 import codecs
+import copy
 import json
 import random
 from dataclasses import dataclass, field
@@ -420,3 +421,43 @@ def test_sglang_returned_ids_prove_what_the_text_cannot(kimi, kimi_dir):
                 "response": server.serve(native, len(prompt_ids), stream=False, prompt_ids=prompt_ids)}
     row = reconstruct_record(with_ids, kimi)[0]
     assert (row["status"], row["findings"], row["completion_ids"], row["prompt_ids"]) == ("ok", [], ids, prompt_ids)
+
+
+def test_a_token_the_engine_hid_in_an_unclosed_block_is_never_read_as_the_close(kimi, kimi_dir):
+    """A turn that ended inside its think block after a token the engine hid: a ``<think>``
+    SGLang's parsers delete (streamed, the first anywhere; whole, a leading one) or any
+    special token skipped in detokenizing. Served as ``R`` with no content, exactly as the
+    formula's ``R</think><|im_end|>``, at the formula's count: without ``reasoning_tokens``,
+    ids or logprobs these were ``ok`` with a ``</think>`` in the hidden token's place (a cold
+    tester's). The closed turn itself is proved by SGLang's ``reasoning_tokens``."""
+    server = SGLangServer(kimi, kimi_dir)
+    request = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "What does the <think> tag do?"}]}
+    prompt_ids = kimi.encode(resolve_dialect(kimi).render_request(request))
+    think, close, end = kimi.token_id("<think>"), kimi.token_id("</think>"), kimi.token_id("<|im_end|>")
+    e = kimi.encode
+    hidden = [
+        [think, *e("The user says hi. I reply hello"), end],  # a leading <think>: both ways
+        [*e("The user typed the tag"), think, *e(" literally, so I answer"), end],  # streamed: the first one anywhere
+        [*e("#é"), kimi.token_id("<|im_user|>"), end],  # a special token skipped
+    ]
+    closed = [*e("Nothing to add."), close, end]
+    for k, ids in enumerate([*hidden, closed]):
+        for stream in (False, True):
+            response = server.serve(Native(request, ids, "end_in_think"), len(prompt_ids), stream=stream)
+            message = response["choices"][0]["message"]
+            if ids is not closed and (message["content"] or think in ids[1:-2] and not stream):
+                continue  # not served as an empty-content turn this way (a <think> left in the text)
+            row = reconstruct_record({"id": f"h{k}", "request": request, "response": response}, kimi)[0]
+            if ids is closed:  # SGLang counts up to and including </think>: only the closed reading fits
+                assert (row["status"], row["completion_ids"]) == ("ok", ids), row["findings"]
+            without = copy.deepcopy(response)
+            del without["usage"]["completion_tokens_details"]
+            row = reconstruct_record({"id": f"h{k}", "request": request, "response": without}, kimi)[0]
+            assert row["status"] != "ok" or row["completion_ids"] == ids, (k, stream, row["completion_ids"])
+            assert row["status"] == "rejected" and "reconstruction_ambiguous" in [f["code"] for f in row["findings"]]
+        if ids is not closed:
+            with_ids = server.serve(Native(request, ids, "end_in_think"), len(prompt_ids), stream=False,
+                                    prompt_ids=prompt_ids)
+            row = reconstruct_record({"id": f"i{k}", "request": request, "response": with_ids}, kimi)[0]
+            assert row["completion_ids"] == ids or row["status"] != "ok"
+

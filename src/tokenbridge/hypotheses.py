@@ -433,7 +433,8 @@ def candidates(
         out = _with_stripped_tails(dialect, message, out, finish_reason, stream=stream, by_ids=stripped_by_ids)
     out = [r for c in out for r in (c, *_held_readings(c, held, thinking))]
     out += _cut_after_close(dialect, out, finish_reason, thinking, prompt_opens_think, cut_after_close)
-    out += _ended_in_think(out, finish_reason, thinking, prompt_opens_think, end_in_think)
+    out += _ended_in_think(out, finish_reason, thinking, prompt_opens_think, end_in_think,
+                           hidden=dialect.think_open or "", hidden_by_ids=stripped_by_ids)
     return _with_ends(out, end_markers)
 
 
@@ -492,15 +493,28 @@ def _open_at_cut(parts: Parts, prompt_opens_think: bool) -> bool:
 
 
 def _ended_in_think(out: list[Candidate], finish_reason: str | None, thinking: bool,
-                    prompt_opens_think: bool, offered: bool) -> list[Candidate]:
+                    prompt_opens_think: bool, offered: bool, *, hidden: str = "",
+                    hidden_by_ids: bool = False) -> list[Candidate]:
     """Each reading that closes an empty think block and ends, without the close (see
     :func:`ends_in_think_fits`), where the reading is ``offered``. Elsewhere each still
     vetoes: one token short of the reading it comes from, it can tie another (vLLM's join
-    space before the first word can take a token off a count)."""
+    space before the first word can take a token off a count).
+
+    And each with a token the engine hid in place of the close (``token_hidden``, the
+    marker ``hidden`` standing for it): a turn that ended in its block after writing a
+    ``<think>`` (SGLang's reasoning parsers delete one: streamed, the first anywhere; whole,
+    any leading one) or any special token (skipped in detokenizing) is served exactly as
+    the formula's ``R</think><end>``, at the formula's count. Only ids, logprobs or a
+    ``reasoning_tokens`` that fits one of them pick (``hidden_by_ids``); else the tie is said."""
     if not ends_in_think_fits(out[0].parts, finish_reason, thinking, prompt_opens_think):
         return []
-    return [Candidate([p for p in c.parts if p[0] != "think_end"], (*c.names, "end_in_think"), veto=c.veto or not offered)
-            for c in out if _closes_empty(c.parts)]
+    closed = [c for c in out if _closes_empty(c.parts)]
+    ended = [Candidate([p for p in c.parts if p[0] != "think_end"], (*c.names, "end_in_think"), veto=c.veto or not offered)
+             for c in closed]
+    if not hidden:
+        return ended
+    return ended + [Candidate([*[p for p in c.parts[:-1] if p[0] != "think_end"], ("think_start", hidden), c.parts[-1]],
+                              (*c.names, "token_hidden"), veto=c.veto or not hidden_by_ids) for c in closed]
 
 
 def ends_in_think_fits(parts: Parts, finish_reason: str | None, thinking: bool, prompt_opens_think: bool) -> bool:

@@ -689,6 +689,19 @@ def _choose(plans: list[_Choice], usage_completion: int | None, policy: Policy, 
             p.chosen = 0 if 0 in opts else opts[0]
             if len(p.cands) > 1:
                 p.ambiguous = [p.cands[k].name or "formula" for k in opts]
+        _unplaced(p)
+
+
+def _unplaced(p: _Choice) -> None:
+    """A chosen ``token_hidden`` reading stands for a token the engine hid anywhere in the
+    think block (:func:`~tokenbridge.hypotheses.candidates`); only ids or logprobs place it.
+    Picked by a count (``reasoning_tokens``), the row's ids are one guess among the places:
+    ambiguous, never ``ok``."""
+    name = p.cands[p.chosen].name or ""
+    if "token_hidden" not in name.split("+") or p.native is not None or (p.logged is not None and p.logged.ids is not None):
+        return
+    if not p.ambiguous:
+        p.ambiguous = [name, "the hidden token at another place in the think block"]
 
 
 def _open_short(p: _Choice, opts: list[int], fitting: set[int], usage: int | None) -> list[int]:
