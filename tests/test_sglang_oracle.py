@@ -461,3 +461,23 @@ def test_a_token_the_engine_hid_in_an_unclosed_block_is_never_read_as_the_close(
             row = reconstruct_record({"id": f"i{k}", "request": request, "response": with_ids}, kimi)[0]
             assert row["completion_ids"] == ids or row["status"] != "ok"
 
+
+def test_a_tool_section_opened_before_any_reasoning_is_proven_by_the_count(kimi, kimi_dir):
+    """The model went straight into a tool section, never closing its think block: SGLang's
+    kimi_k2 parser ends the (empty) reasoning at the section and serves none. The count
+    proves there was none (the formula's ``</think>`` would count one more), so it is not
+    ``reasoning_missing`` (was: rejected with the right ids); reasoning a provider withheld
+    would be counted, and is still said."""
+    server = SGLangServer(kimi, kimi_dir)
+    request = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
+    prompt_ids = kimi.encode(resolve_dialect(kimi).render_request(request))
+    ids = [*kimi.encode(_tool_section([("get_weather", {"city": "Paris"})])), kimi.token_id("<|im_end|>")]
+    for stream in (False, True):
+        response = server.serve(Native(request, ids, "tool_no_think_close"), len(prompt_ids), stream=stream)
+        assert not response["choices"][0]["message"]["reasoning_content"]
+        row = reconstruct_record({"id": "t", "request": request, "response": response}, kimi)[0]
+        assert (row["status"], row["completion_ids"], row["reconstruction"]) == ("ok", ids, "no_think_close"), row
+        response["usage"]["completion_tokens"] += 40  # reasoning the provider withheld: counted, not served
+        del response["usage"]["completion_tokens_details"]
+        row = reconstruct_record({"id": "t", "request": request, "response": response}, kimi)[0]
+        assert row["status"] == "rejected" and "reasoning_missing" in [f["code"] for f in row["findings"]]

@@ -297,8 +297,11 @@ def _reasoning_presence(view: SampleView, policy: Policy) -> Iterator[_Hit]:
 def _empty_block_proven(view: SampleView, policy: Policy) -> bool:
     """The reasoning is empty, not lost: the ids close an empty think block and ground-truth
     ids or an exact usage count agree with them (reasoning a provider withheld would be
-    counted, and a turn without the block counts fewer)."""
-    if not any(kind == "think_end" for kind, _ in view.parts):
+    counted, and a turn without the block counts fewer). A tool section the model opened
+    right away, never closing the block (``no_think_close``: SGLang's and vLLM's Kimi parsers
+    end the reasoning at the section, and serve none), is proven the same way: the formula's
+    ``</think>`` would count one more."""
+    if not any(kind in ("think_end", "tool_calls") for kind, _ in view.parts):
         return False
     return view.proven_by_ids or _count_exact(view, policy)
 
