@@ -318,3 +318,19 @@ def test_a_vllm_run_whose_usage_leaves_out_the_end_token_is_still_calibrated(tmp
     rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").open()]
     assert summary.traits["P"].end_uncounted
     assert [r["status"] for r in rows] == ["ok"] * 30 and [r["completion_ids"] for r in rows] == natives
+
+
+def test_a_second_think_open_streamed_is_not_read_as_sglangs_whole_form():
+    """GLM wrote ``<think>`` twice, then a tool call without ``</think>``: SGLang's streaming
+    parser strips only the first, so the reasoning it streams starts ``"\\n<think>"``, which
+    was read as its whole-response form, and the ``</think>`` the formula adds made up the
+    count for the ``<think>`` lost: ``ok`` with wrong ids (a cold tester's). A record that
+    says it streamed is read as streamed."""
+    engine = SGLangEngine(GLM, "glm-4.5", "glm45", {USER, GLM.token_id("<|observation|>")})
+    native = ("\n<think><think>\n\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+              "</tool_call><|observation|>")
+    ids = GLM.encode(native)
+    message = engine.serve(ids, 10, thinking=True, stream=True)["choices"][0]["message"]
+    assert message["reasoning_content"].startswith("\n<think>")  # the premise: the second <think> is served
+    row, truth = _glm(native, (message["reasoning_content"], message["content"]), stream=True)
+    assert truth == ids and (row["status"] != "ok" or row["completion_ids"] == ids), row["completion_ids"]

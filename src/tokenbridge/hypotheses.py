@@ -554,7 +554,12 @@ def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, st
     uncounted end token (``gaps``: ids, or a run that proved its end token counted).
     """
     if reasoning.startswith(prefix + think_open):  # SGLang whole: no other engine writes <think> there
-        return [(reasoning[len(prefix + think_open):], content, None)]
+        whole = (reasoning[len(prefix + think_open):], content, None)
+        # ... unless the record says it streamed: the streaming parser strips the first <think>
+        # only, so this is a second one the model wrote (a cold tester's: read whole, the count
+        # made up the </think> added for the <think> lost). A record that does not say is read
+        # as served whole, SGLang's usual form (as held tails are)
+        return [(reasoning[len(prefix):], content, "think_open_twice")] if stream is True else [whole]
     forms: list[tuple[str, str, str | None]] = []
     sglang, vllm = prefix_in_reasoning is not False, prefix_in_reasoning is not True
     if reasoning.startswith(prefix):  # SGLang streamed, vLLM 0.34 whole or streamed
