@@ -228,3 +228,48 @@ def test_history_keys_sglang_drops_never_reach_the_template():
                             {"role": "tool", "tool_call_id": "c1", "content": "42"}]}
     theirs, ours = _gpt_oss_prompt(request)
     assert ours == theirs and "I should call f." not in ours
+
+
+def vllm_prompt(name: str, request: dict[str, Any]) -> str:
+    """The prompt text vLLM 0.34 renders for ``request`` with the folder's template: its own
+    request model and message parsing (``parse_chat_messages``, the content format its
+    ``_detect_content_format`` finds), then transformers' ``apply_chat_template``."""
+    import types
+
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmRequest
+    from vllm.renderers.chat_utils.chat_message import parse_chat_messages
+    from vllm.renderers.hf import _detect_content_format
+
+    hf = _family(name)[2]
+    req = VllmRequest(model="m", **request)
+    fmt = _detect_content_format(hf.chat_template, default="string")
+    conv, _, _ = parse_chat_messages(req.messages, types.SimpleNamespace(multimodal_config=None,
+                                                                          enable_prompt_embeds=False), fmt)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    return hf.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True,
+                                  **(req.chat_template_kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm-4.5"])
+def test_history_reasoning_sent_as_reasoning_is_vllms_reading(name: str) -> None:
+    """An assistant turn whose reasoning is sent as ``reasoning`` (OpenRouter's response field,
+    fed back as history): vLLM 0.34 hands it to the template as ``reasoning_content``, which
+    Qwen3's and GLM's templates print for a tool-call chain; SGLang's message model drops the
+    key. Only SGLang's prompt was a reading, so vLLM's was rejected as a count mismatch."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    request = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                            {"role": "assistant", "content": "", "reasoning": "Need the tool.", "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": "c1", "content": "20C"}],
+               "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                                            "parameters": {"type": "object", "properties": {
+                                                                "city": {"type": "string"}}, "required": ["city"]}}}]}
+    tok, dialect, _ = _family(name)
+    readings = {r.name: r.text for r in dialect.prompt_readings(request)}
+    theirs = vllm_prompt(name, request)
+    assert "Need the tool." in theirs and readings.get("reasoning=vllm") == theirs
+    assert sglang_prompt(name, request) in readings.values() and "Need the tool." not in readings[None]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning_content": "It is mild.", "content": "20C in Paris."}}],
+        "usage": {"prompt_tokens": len(tok.encode(theirs)), "completion_tokens": 0}}
+    row, = reconstruct_record({"id": "v", "request": request, "response": response}, tok)
+    assert (row["reconstruction"] or "").startswith("reasoning=vllm") and row["prompt_ids"] == tok.encode(theirs)

@@ -221,11 +221,12 @@ class Dialect:
         first = PromptReading(self.render_request(request))
         if not (self.serving_readings or (self.argument_readings and _history_differs(request))):
             return [first]
-        from .serving import serving_variants, sglang_history, vllm_history
+        from .serving import serving_variants, sglang_history, vllm_history, vllm_reasoning
         from .template import TemplateError
 
         out, seen = [first], {first.text}
         variants = [*(serving_variants(request) if self.serving_readings else ()),
+                    *(vllm_reasoning(request) if self.serving_readings else ()),
                     *(sglang_history(request) if self.argument_readings else ()),
                     *(vllm_history(request) if self.argument_readings else ())]
         for variant, name in variants:

@@ -15,7 +15,8 @@ from typing import Any
 
 from .template import parsed_call
 
-__all__ = ["sglang_history", "sglang_last_assistant", "sglang_tools", "serving_variants", "vllm_history"]
+__all__ = ["sglang_history", "sglang_last_assistant", "sglang_tools", "serving_variants", "vllm_history",
+           "vllm_reasoning"]
 
 #: SGLang 0.5.23's ``Function`` fields, in declaration order (what ``model_dump`` writes
 #: before it restores the order the client sent): name, then the optional ones.
@@ -94,6 +95,25 @@ def serving_variants(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, 
             names = [n for n in (t_name, m_name) if n]
             if names:
                 yield {**request, "messages": msgs, "tools": tls}, "+".join(names)
+
+
+def vllm_reasoning(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str]]:
+    """The request as vLLM 0.34 hands a template its assistant history: a message's
+    ``reasoning`` (OpenRouter's name for it, and vLLM's own) reaches the template as
+    ``reasoning_content`` too (``parse_chat_message_content``), where SGLang's message model
+    drops the key; a template that writes the history's reasoning (Qwen3's and GLM's after
+    the last user turn) then renders it (``reasoning=vllm``)."""
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        return
+    out, changed = [], False
+    for m in messages:
+        if (isinstance(m, Mapping) and m.get("role") == "assistant" and isinstance(m.get("reasoning"), str)
+                and m["reasoning"] and m.get("reasoning_content") is None):
+            m, changed = {**m, "reasoning_content": m["reasoning"]}, True
+        out.append(m)
+    if changed:
+        yield {**request, "messages": out}, "reasoning=vllm"
 
 
 def sglang_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str]]:
