@@ -734,3 +734,30 @@ def test_conversations_export_writes_each_engines_joined_parts(kimi, tmp_path):
     row = json.loads(next((tmp_path / "conv").glob("*.jsonl")).read_text())
     history = [{k: v for k, v in t.items()} for t in row["conversations"][:-1]]
     assert KIMI.render_request({"messages": history}) == vllm
+
+
+def test_conversations_export_leaves_out_history_reasoning_no_template_read(kimi, tmp_path):
+    """A history turn carrying its reasoning as ``reasoning`` (OpenRouter's field): Kimi's
+    template reads ``reasoning_content`` only, so the proved prompt has ``<think></think>``
+    there; the export wrote the text as ``reasoning_content``, and a trainer re-rendering
+    the history got a prompt the model never saw."""
+    from tokenbridge.export import export_file
+    from tokenbridge.reconstruct import reconstruct_file
+
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "reasoning": "Need the tool.", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "20C"}]
+    request = {"model": "moonshotai/kimi-k2.5", "messages": history}
+    prompt = KIMI.render_request(request)
+    assert "<think></think><|tool_calls_section_begin|>" in prompt and "Need the tool." not in prompt
+    answer = kimi.encode("Mild.") + [kimi.token_id("</think>")] + kimi.encode("20C.") + [kimi.token_id("<|im_end|>")]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning": "Mild.", "content": "20C."}}],
+        "usage": {"prompt_tokens": len(kimi.encode(prompt)), "completion_tokens": len(answer)}}
+    src = tmp_path / "ex.jsonl"
+    src.write_text(json.dumps({"id": "r", "request": request, "response": response}) + "\n")
+    reconstruct_file(src, tmp_path / "rows.jsonl", kimi, workers=1)
+    export_file(tmp_path / "rows.jsonl", tmp_path / "conv", "conversations")
+    row = json.loads(next((tmp_path / "conv").glob("*.jsonl")).read_text())
+    assert KIMI.render_request({"messages": row["conversations"][:-1]}) == prompt

@@ -166,8 +166,10 @@ def _served_messages(rec: ReconstructedRow) -> list[Any]:
     names = _reading_names(rec)
     if not isinstance(messages, list) or not names & _SERVED_HISTORY:
         return messages if isinstance(messages, list) else []
-    from ..chat.serving import sglang_history, sglang_last_assistant, vllm_history
+    from ..chat.serving import sglang_history, sglang_last_assistant, vllm_history, vllm_reasoning
 
+    if "reasoning=vllm" in names:
+        messages = next((list(v["messages"]) for v, _ in vllm_reasoning({"messages": messages})), messages)
     if "history=vllm" in names:
         messages = next((list(v["messages"]) for v, _ in vllm_history({"messages": messages})), messages)
     elif names & {"tool_args=parsed", "user_name=dropped", "tool_parts=space"}:
@@ -198,7 +200,7 @@ def _reading_names(rec: ReconstructedRow) -> frozenset[str]:
 
 #: Prompt readings whose messages differ from the request's (:mod:`tokenbridge.chat.serving`).
 _SERVED_HISTORY = frozenset({"tool_args=parsed", "user_name=dropped", "tool_parts=space", "history=vllm",
-                             "last_assistant=user"})
+                             "reasoning=vllm", "last_assistant=user"})
 
 
 def _turn(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -208,7 +210,9 @@ def _turn(message: Mapping[str, Any]) -> dict[str, Any]:
     if is_text_parts(content):
         content = content_text(content)
     turn["content"] = "" if content is None else content
-    reasoning = message.get("reasoning_content", message.get("reasoning"))
+    # only the key the templates read: a ``reasoning`` (OpenRouter's name) reached no template
+    # unless vLLM's reading proved it did (``reasoning=vllm``, which copied it above)
+    reasoning = message.get("reasoning_content")
     if reasoning:
         turn["reasoning_content"] = reasoning
     for key in ("tool_calls", "tool_call_id", "name"):
