@@ -1,7 +1,8 @@
 """SGLang's own Kimi K2 parsers as the oracle for the gate.
 
 Native completions (ids the model wrote) go through what an SGLang 0.5.23 server does
-with them: detokenize with ``skip_special_tokens=True`` (the matched stop id trimmed),
+with them: detokenize with ``skip_special_tokens=True`` unless the request sends ``tools``
+(``serving_chat`` then keeps them for the tool parser; the matched stop id trimmed),
 split reasoning with the real ``ReasoningParser("kimi_k2", force_reasoning=True)`` and,
 when the request sends ``tools``, parse calls with the real ``KimiK2Detector`` -- both
 non-streaming (``parse_non_stream`` / ``detect_and_parse``) and streaming (one text delta
@@ -83,8 +84,10 @@ class SGLangServer:
         self.think_close_id = tok.token_id("</think>")
         self.tools = [SglTool(**t) for t in TOOLS]
 
-    def _visible(self, ids: list[int]) -> list[int]:
-        return [i for i in ids if i not in self.skipped]
+    def _skipped(self, with_tools: bool) -> set[int]:
+        """The ids detokenizing leaves out: special tokens, unless the request sends tools
+        (``serving_chat`` then sets ``skip_special_tokens = False`` for the tool parser)."""
+        return set() if with_tools else self.skipped
 
     def _finish(self, ids: list[int]) -> tuple[list[int], str, int | None]:
         if ids and ids[-1] == self.end_id:  # trim_matched_stop: the stop id is never detokenized
@@ -122,7 +125,8 @@ class SGLangServer:
         }
 
     def _whole(self, body: list[int], with_tools: bool) -> tuple[str | None, str, list[dict[str, Any]]]:
-        text = self.tok.decode_bytes(self._visible(body)).decode("utf-8", errors="replace")
+        skipped = self._skipped(with_tools)
+        text = self.tok.decode_bytes([i for i in body if i not in skipped]).decode("utf-8", errors="replace")
         parser = ReasoningParser("kimi_k2", stream_reasoning=False, force_reasoning=True)
         reasoning, content = parser.parse_non_stream(text)
         calls: list[dict[str, Any]] = []
@@ -161,8 +165,9 @@ class SGLangServer:
                 if item.parameters:
                     args.setdefault(item.tool_index, []).append(item.parameters)
 
+        skipped = self._skipped(with_tools)
         for i in body:
-            delta = decoder.decode(b"" if i in self.skipped else self.tok.token_bytes(i))
+            delta = decoder.decode(b"" if i in skipped else self.tok.token_bytes(i))
             if delta:
                 take(*parser.parse_stream_chunk(delta))
         tail = decoder.decode(b"", final=True)
