@@ -761,3 +761,27 @@ def test_conversations_export_leaves_out_history_reasoning_no_template_read(kimi
     export_file(tmp_path / "rows.jsonl", tmp_path / "conv", "conversations")
     row = json.loads(next((tmp_path / "conv").glob("*.jsonl")).read_text())
     assert KIMI.render_request({"messages": row["conversations"][:-1]}) == prompt
+
+
+def test_a_last_assistant_message_is_sglangs_user_message(kimi, oracles):
+    """SGLang 0.5.23 (``_handle_last_assistant_message``, without ``continue_final_message``)
+    turns a last assistant message of text into a user message before any template runs,
+    Kimi's too: only the family templates had that reading, so a Kimi prefill SGLang served
+    was rejected. ``renderers``' K2.5 renderer on the converted messages is the oracle text."""
+    from tokenbridge.reconstruct import reconstruct_record
+
+    request = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "hi"},
+                                                              {"role": "assistant", "content": "Sure, "}]}
+    readings = {r.name: r.text for r in KIMI.prompt_readings(request)}
+    assert set(readings) == {None, "last_assistant=user"}
+    converted = [{"role": "user", "content": "hi"}, {"role": "user", "content": "Sure, "}]
+    assert kimi.encode(readings["last_assistant=user"]) == _oracle_ids(oracles, converted, None, True)
+    assert "<|im_user|>user<|im_middle|>Sure, <|im_end|><|im_assistant|>assistant<|im_middle|><think>" in readings[
+        "last_assistant=user"]
+    assert [r.name for r in KIMI.prompt_readings({**request, "continue_final_message": True})] == [None]
+    answer = kimi.encode("Ok.") + [kimi.token_id("</think>")] + kimi.encode("Sure, here.") + [kimi.token_id("<|im_end|>")]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning": "Ok.", "content": "Sure, here."}}],
+        "usage": {"prompt_tokens": len(kimi.encode(readings["last_assistant=user"])), "completion_tokens": len(answer)}}
+    row, = reconstruct_record({"id": "p", "request": request, "response": response}, kimi)
+    assert (row["status"], row["reconstruction"]) == ("ok", "last_assistant=user")

@@ -124,9 +124,18 @@ def sglang_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, An
     more; ``tool_args=parsed``), a user message's ``name`` dropped (its message model
     has none, so the header says ``user``; ``user_name=dropped``), and a tool result sent as
     a list of text parts joined with a space (``normalize_tool_content``; the template
-    joins them with nothing, the same count for ``20C`` + ``sunny``: ``tool_parts=space``).
-    One reading, all applied, named by what changed."""
-    yield from _history(request, drop_user_name=True, joins={"tool": " "}, name="tool_parts=space")
+    joins them with nothing, the same count for ``20C`` + ``sunny``: ``tool_parts=space``), and
+    a last assistant message made a user's (``_handle_last_assistant_message``, without
+    ``continue_final_message``: ``last_assistant=user``). One reading, all applied, named by
+    what changed."""
+    for variant, name in _history(request, drop_user_name=True, joins={"tool": " "}, name="tool_parts=space",
+                                  always=True):
+        last = None if request.get("continue_final_message") is True else sglang_last_assistant(variant["messages"])
+        if last is not None:
+            variant, name = {**variant, "messages": last}, "+".join(sorted(filter(None, (*name.split("+"),
+                                                                                          "last_assistant=user"))))
+        if name:
+            yield variant, name
 
 
 def vllm_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str]]:
@@ -141,10 +150,11 @@ def vllm_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any]
 
 
 def _history(request: Mapping[str, Any], *, drop_user_name: bool, joins: Mapping[str, str] | None,
-             name: str) -> Iterator[tuple[Mapping[str, Any], str]]:
+             name: str, always: bool = False) -> Iterator[tuple[Mapping[str, Any], str]]:
     """The messages with the changes one engine makes before a template that writes them
     itself; ``joins``: role -> the text a list of text parts is joined with (None: every
-    role, with a newline)."""
+    role, with a newline). Yielded where anything changed, or ``always`` (named ``""``
+    then), for the caller to change more."""
     messages = request.get("messages")
     if not isinstance(messages, list):
         return
@@ -167,7 +177,7 @@ def _history(request: Mapping[str, Any], *, drop_user_name: bool, joins: Mapping
             if name not in changes:
                 changes.append(name)
         out.append(m)
-    if changes:
+    if changes or always:
         yield {**request, "messages": out}, "+".join(sorted(changes))
 
 

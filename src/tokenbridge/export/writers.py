@@ -173,7 +173,9 @@ def _served_messages(rec: ReconstructedRow) -> list[Any]:
     if "history=vllm" in names:
         messages = next((list(v["messages"]) for v, _ in vllm_history({"messages": messages})), messages)
     elif names & {"tool_args=parsed", "user_name=dropped", "tool_parts=space"}:
-        messages = next((list(v["messages"]) for v, _ in sglang_history({"messages": messages})), messages)
+        # its last-assistant change only where the reading names it (the row keeps no continue_final_message)
+        served = {"messages": messages, "continue_final_message": "last_assistant=user" not in names}
+        messages = next((list(v["messages"]) for v, _ in sglang_history(served)), messages)
     if "last_assistant=user" in names:
         messages = sglang_last_assistant(messages) or messages
     return messages
