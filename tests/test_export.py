@@ -138,16 +138,21 @@ def test_conversations_leave_out_turns_no_chat_template_writes(tmp_path, kimi):
 
     eos = kimi.token_id("[EOS]")
     native = kimi.encode("thinking 2") + [kimi.token_id("</think>")] + kimi.encode("done") + [eos]
+    # a turn ended in its block after a <think> the parser deleted (a reviewer's): the template
+    # would write </think> in its place
+    hidden = kimi.encode("thinking 3") + [kimi.token_id("<think>"), kimi.token_id("<|im_end|>")]
     rows = [*reconstruct_record(record(0, "stop", "done"), kimi),
             *reconstruct_record(record(1, "length", "half an ans"), kimi),
-            *reconstruct_record(record(2, "stop", "done", native_ids=native), kimi)]
-    assert [r["reconstruction"] for r in rows] == [None, None, "end=[EOS]"] and rows[2]["completion_ids"] == native
+            *reconstruct_record(record(2, "stop", "done", native_ids=native), kimi),
+            *reconstruct_record(record(3, "stop", "", native_ids=hidden), kimi)]
+    assert [r["reconstruction"] for r in rows] == [None, None, "end=[EOS]", "token_hidden"]
+    assert rows[2]["completion_ids"] == native and (rows[3]["status"], rows[3]["completion_ids"]) == ("flagged", hidden)
     src = write_jsonl(tmp_path / "rows.jsonl", rows)
     summary = export_file(src, tmp_path / "conv", "conversations", include_flagged=True)
-    assert summary.rows_exported == 1 and summary.skipped == {"flagged": 0, "rejected": 0, "not_a_chat_turn": 2}
+    assert summary.rows_exported == 1 and summary.skipped == {"flagged": 0, "rejected": 0, "not_a_chat_turn": 3}
     assert [c["id"] for c in read_jsonl(tmp_path / "conv" / "conversations.jsonl")] == ["r0"]
-    assert "2 not a chat turn" in (tmp_path / "conv" / "README.md").read_text()
-    assert export_file(src, tmp_path / "sf", "specforge", include_flagged=True).rows_exported == 3
+    assert "3 not a chat turn" in (tmp_path / "conv" / "README.md").read_text()
+    assert export_file(src, tmp_path / "sf", "specforge", include_flagged=True).rows_exported == 4
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
