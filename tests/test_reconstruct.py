@@ -640,3 +640,15 @@ def test_a_finding_quoting_a_lone_surrogate_writes_its_escape_in_every_output(ki
     row, = pq.read_table(tmp_path / "out.parquet").to_pylist()
     media = [f for f in row["findings"] if "\\ud800" in f["message"]]
     assert media and media[0]["code"].startswith("media")
+
+
+def test_ground_truth_ids_prove_the_boundary_of_an_empty_content(kimi):
+    """Content empty, no usage: the boundary (was there a ``</think>``?) is unproven by the
+    text, but ids that cover the completion prove it as an exact count does; it was still
+    ``boundary_unproven``, an error, with the ids the record itself carried."""
+    native = [*kimi.encode("thinking..."), kimi.token_id("</think>"), kimi.token_id("<|im_end|>")]
+    rec = make(kimi, reasoning="thinking...", content=None, finish="stop", usage=False)
+    row, = reconstruct_record(rec, kimi)
+    assert "boundary_unproven" in codes(row)
+    row, = reconstruct_record({**rec, "native_ids": native}, kimi)
+    assert (codes(row), row["completion_ids"]) == (["usage_missing"], native)

@@ -285,7 +285,8 @@ def _reasoning_presence(view: SampleView, policy: Policy) -> Iterator[_Hit]:
             "a summary or an encrypted blob is not the text the model emitted, so its tokens are unknown"
         )
     if view.thinking and has_reasoning and not content and not msg.get("tool_calls"):
-        exact = view.usage_completion is not None and policy.usage_tolerance == 0
+        # ids that cover the completion prove where the reasoning ended as well as a count does
+        exact = view.proven_by_ids or (view.usage_completion is not None and policy.usage_tolerance == 0)
         if not exact:
             closed = any(k == "think_end" for k, _ in view.parts)
             yield "boundary_unproven", (
