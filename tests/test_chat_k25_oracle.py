@@ -18,6 +18,7 @@ both agree with the official behaviour, except for the one systematic difference
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import json
 import importlib.util
@@ -699,7 +700,7 @@ def test_content_parts_are_joined_as_each_engine_joins_them(kimi, kimi_dir):
     sglang = readings["tool_args=parsed+tool_parts=space"]
     assert "Weatherin Paris?" in sglang and "## Return of c1\n20C sunny<|im_end|>" in sglang
     assert len(kimi.encode(sglang)) == len(kimi.encode(readings[None]))  # the count cannot tell these two apart
-    conv, _, _ = parse_chat_messages(ChatCompletionRequest(model="m", messages=_LIST_HISTORY).messages,
+    conv, _, _ = parse_chat_messages(ChatCompletionRequest(model="m", messages=copy.deepcopy(_LIST_HISTORY)).messages,
                                      types.SimpleNamespace(multimodal_config=None, enable_prompt_embeds=False), "string")
     assert readings["history=vllm+parts=newline+tool_args=parsed"] == KIMI.render_request({"messages": conv})
     answer = kimi.encode("Mild.") + [kimi.token_id("</think>")] + kimi.encode("20C.") + [kimi.token_id("<|im_end|>")]
@@ -785,3 +786,34 @@ def test_a_last_assistant_message_is_sglangs_user_message(kimi, oracles):
         "usage": {"prompt_tokens": len(kimi.encode(readings["last_assistant=user"])), "completion_tokens": len(answer)}}
     row, = reconstruct_record({"id": "p", "request": request, "response": response}, kimi)
     assert (row["status"], row["reconstruction"]) == ("ok", "last_assistant=user")
+
+
+def test_history_reasoning_sent_as_reasoning_is_in_vllms_kimi_reading(kimi):
+    """Kimi's template prints a tool-call chain's ``reasoning_content``; vLLM 0.34 hands a
+    history turn's ``reasoning`` to it under that name (``parse_chat_messages``, run here as
+    the oracle), so vLLM's prompt holds it: no reading did, and the row was rejected even
+    with vLLM's own prompt ids (a reviewer's)."""
+    import types
+
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.chat_utils.chat_message import parse_chat_messages
+
+    from tokenbridge.reconstruct import reconstruct_record
+
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "reasoning": "Need the tool.", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "20C"}]
+    conv, _, _ = parse_chat_messages(ChatCompletionRequest(model="m", messages=copy.deepcopy(history)).messages,
+                                     types.SimpleNamespace(multimodal_config=None, enable_prompt_embeds=False), "string")
+    theirs = KIMI.render_request({"messages": conv})
+    assert "<think>Need the tool.</think><|tool_calls_section_begin|>" in theirs
+    request = {"model": "moonshotai/kimi-k2.5", "messages": history}
+    readings = {r.name: r.text for r in KIMI.prompt_readings(request)}
+    assert readings["history=vllm+reasoning=vllm+tool_args=parsed"] == theirs
+    answer = kimi.encode("Mild.") + [kimi.token_id("</think>")] + kimi.encode("20C.") + [kimi.token_id("<|im_end|>")]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning": "Mild.", "content": "20C."}}],
+        "usage": {"prompt_tokens": len(kimi.encode(theirs)), "completion_tokens": len(answer)}}
+    row, = reconstruct_record({"id": "k", "request": request, "response": response}, kimi)
+    assert (row["status"], row["prompt_ids"]) == ("ok", kimi.encode(theirs))

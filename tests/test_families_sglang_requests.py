@@ -13,6 +13,7 @@ becomes a user message holding that content (serving_chat.py, 0.5.23).
 
 from __future__ import annotations
 
+import copy
 import json
 from functools import cache
 from typing import Any
@@ -241,7 +242,7 @@ def vllm_prompt(name: str, request: dict[str, Any]) -> str:
     from vllm.renderers.hf import _detect_content_format
 
     hf = _family(name)[2]
-    req = VllmRequest(model="m", **request)
+    req = VllmRequest(model="m", **copy.deepcopy(request))  # its validators pop keys from the messages given
     fmt = _detect_content_format(hf.chat_template, default="string")
     conv, _, _ = parse_chat_messages(req.messages, types.SimpleNamespace(multimodal_config=None,
                                                                           enable_prompt_embeds=False), fmt)
@@ -298,3 +299,26 @@ def test_conversations_export_writes_history_reasoning_vllm_rendered(tmp_path) -
     history = row["conversations"][:-1]
     assert history[1]["reasoning_content"] == "Need the tool."
     assert hf.apply_chat_template(history, tokenize=False, add_generation_prompt=True) == theirs
+
+
+def test_vllm_takes_reasoning_over_reasoning_content() -> None:
+    """Both keys on one history turn (a reviewer's): vLLM's request model drops
+    ``reasoning_content`` where ``reasoning`` is given (``_normalize_messages_before``) and
+    hands ``reasoning`` over under both names; its prompt is a reading, and at the same
+    count as the one sent the gate says it cannot tell them apart."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    request = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                            {"role": "assistant", "content": "", "reasoning": "Need the tool now.",
+                             "reasoning_content": "Call it, quick.", "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": "c1", "content": "20C"}]}
+    tok, dialect, _ = _family("qwen3")
+    readings = {r.name: r.text for r in dialect.prompt_readings(request)}
+    theirs = vllm_prompt("qwen3", request)
+    assert readings.get("reasoning=vllm") == theirs and "Need the tool now." in theirs
+    assert "Call it, quick." in readings[None]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning_content": "It is mild.", "content": "20C."}}],
+        "usage": {"prompt_tokens": len(tok.encode(theirs))}}
+    row, = reconstruct_record({"id": "b", "request": request, "response": response}, tok)
+    same = len(tok.encode(readings[None])) == len(tok.encode(theirs))
+    assert row["status"] == "rejected" if same else row["prompt_ids"] == tok.encode(theirs)

@@ -334,8 +334,8 @@ class Dialect:
 
 def _history_differs(request: Mapping[str, Any]) -> bool:
     """Whether any message of ``request`` carries tool calls, is a user's with a ``name``, or
-    holds a list of two or more content parts, or the last is an assistant's, which SGLang
-    or vLLM hands the template otherwise (:func:`.serving.sglang_history`, :func:`.serving.vllm_history`; the one-turn
+    holds a list of two or more content parts, or is an assistant's with a ``reasoning``, or
+    the last is an assistant's, which SGLang or vLLM hands the template otherwise (:func:`.serving.sglang_history`, :func:`.serving.vllm_history`; the one-turn
     case of plain text has none)."""
     messages = request.get("messages")
     if not isinstance(messages, list):
@@ -344,7 +344,8 @@ def _history_differs(request: Mapping[str, Any]) -> bool:
         return True  # SGLang makes it a user's
     return any(
         isinstance(m, Mapping) and (m.get("tool_calls") or (m.get("role") == "user" and m.get("name") is not None)
-                                    or (isinstance(m.get("content"), list) and len(m["content"]) > 1))
+                                    or (isinstance(m.get("content"), list) and len(m["content"]) > 1)
+                                    or (m.get("role") == "assistant" and isinstance(m.get("reasoning"), str)))
         for m in messages)
 
 

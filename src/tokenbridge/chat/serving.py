@@ -106,14 +106,19 @@ def vllm_reasoning(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, An
     messages = request.get("messages")
     if not isinstance(messages, list):
         return
-    out, changed = [], False
-    for m in messages:
-        if (isinstance(m, Mapping) and m.get("role") == "assistant" and isinstance(m.get("reasoning"), str)
-                and m["reasoning"] and m.get("reasoning_content") is None):
-            m, changed = {**m, "reasoning_content": m["reasoning"]}, True
-        out.append(m)
-    if changed:
+    out = [_vllm_reasoning(m) for m in messages]
+    if any(a is not b for a, b in zip(out, messages)):
         yield {**request, "messages": out}, "reasoning=vllm"
+
+
+def _vllm_reasoning(message: Any) -> Any:
+    """An assistant message as vLLM 0.34 hands it a template: its ``reasoning``, where given,
+    wins over a ``reasoning_content`` (``_normalize_messages_before`` drops that one) and
+    reaches the template under both names; else the message as it is."""
+    if not (isinstance(message, Mapping) and message.get("role") == "assistant"
+            and isinstance(message.get("reasoning"), str) and message.get("reasoning_content") != message["reasoning"]):
+        return message
+    return {**message, "reasoning_content": message["reasoning"]}
 
 
 def sglang_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str]]:
@@ -141,12 +146,20 @@ def sglang_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, An
 def vllm_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str]]:
     """The request's messages as vLLM 0.34 hands them to Kimi's template, where that
     changes any: ``arguments`` parsed as SGLang parses them (``_postprocess_messages``),
-    names kept, and every content sent as a list of text parts joined with a newline (the
+    names kept, every content sent as a list of text parts joined with a newline (the
     template's content format detects as ``string``, and a tool result is joined so in
-    any case; ``parts=newline``). Its name says ``history=vllm`` too: the arguments alone
-    are parsed by both engines, and a user's ``name`` kept is what sets it apart."""
-    for variant, name in _history(request, drop_user_name=False, joins=None, name="parts=newline"):
-        yield variant, f"history=vllm+{name}"
+    any case; ``parts=newline``), and a turn's ``reasoning`` handed over as
+    ``reasoning_content`` (``reasoning=vllm``, :func:`vllm_reasoning`). Its name says
+    ``history=vllm`` too: the arguments alone are parsed by both engines, and a user's
+    ``name`` kept is what sets it apart."""
+    for variant, name in _history(request, drop_user_name=False, joins=None, name="parts=newline",
+                                  always=True):
+        messages = [_vllm_reasoning(m) for m in variant["messages"]]
+        if any(a is not b for a, b in zip(messages, variant["messages"])):
+            variant, name = {**variant, "messages": messages}, "+".join(sorted(filter(None, (*name.split("+"),
+                                                                                              "reasoning=vllm"))))
+        if name:
+            yield variant, f"history=vllm+{name}"
 
 
 def _history(request: Mapping[str, Any], *, drop_user_name: bool, joins: Mapping[str, str] | None,
