@@ -817,3 +817,25 @@ def test_history_reasoning_sent_as_reasoning_is_in_vllms_kimi_reading(kimi):
         "usage": {"prompt_tokens": len(kimi.encode(theirs)), "completion_tokens": len(answer)}}
     row, = reconstruct_record({"id": "k", "request": request, "response": response}, kimi)
     assert (row["status"], row["prompt_ids"]) == ("ok", kimi.encode(theirs))
+
+
+@pytest.mark.parametrize("arguments", ["[]", "42", "null", "not json", ""])
+def test_vllms_kimi_reading_coerces_arguments_as_vllm_does(kimi, arguments):
+    """vLLM 0.34 hands a template ``{}`` for history arguments that are not a JSON object
+    (``_postprocess_messages``, run here through ``parse_chat_messages`` as the oracle);
+    its reading kept them as sent, so vLLM's prompt was never built and, at the same
+    count, the as-sent one passed with ids vLLM never served (a reviewer's)."""
+    import types
+
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.chat_utils.chat_message import parse_chat_messages
+
+    history = [{"role": "user", "content": "Time?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "now", "arguments": arguments}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    conv, _, _ = parse_chat_messages(ChatCompletionRequest(model="m", messages=copy.deepcopy(history)).messages,
+                                     types.SimpleNamespace(multimodal_config=None, enable_prompt_embeds=False), "string")
+    theirs = KIMI.render_request({"messages": conv})
+    readings = {r.name: r.text for r in KIMI.prompt_readings({"messages": history})}
+    assert readings.get("history=vllm+tool_args=parsed") == theirs

@@ -10,9 +10,10 @@ as SGLang renders it where that differs from as sent; ``usage.prompt_tokens`` or
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from ..jsonl import loads_document
 from .template import parsed_call
 
 __all__ = ["sglang_history", "sglang_last_assistant", "sglang_tools", "serving_variants", "vllm_history",
@@ -153,7 +154,7 @@ def vllm_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any]
     ``history=vllm`` too: the arguments alone are parsed by both engines, and a user's
     ``name`` kept is what sets it apart."""
     for variant, name in _history(request, drop_user_name=False, joins=None, name="parts=newline",
-                                  always=True):
+                                  always=True, parse=_vllm_call):
         messages = [_vllm_reasoning(m) for m in variant["messages"]]
         if any(a is not b for a, b in zip(messages, variant["messages"])):
             variant, name = {**variant, "messages": messages}, "+".join(sorted(filter(None, (*name.split("+"),
@@ -162,12 +163,34 @@ def vllm_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any]
             yield variant, f"history=vllm+{name}"
 
 
+def _vllm_call(call: Any) -> Any:
+    """A history tool call as vLLM 0.34 hands it a template (``_postprocess_messages``):
+    ``arguments`` that are an object stay, a JSON string of an object becomes it, and
+    anything else (no arguments, ``""``, invalid JSON, ``"[]"``, ``"42"``) becomes ``{}``
+    (SGLang refuses those; :func:`~.template.parsed_call` keeps them as sent)."""
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping):
+        return call
+    args = fn.get("arguments")
+    if isinstance(args, dict):
+        return call
+    parsed: Any = None
+    if isinstance(args, str) and args:
+        try:
+            parsed = loads_document(args)
+        except ValueError:  # invalid JSON (or nested too deeply to read): vLLM coerces it
+            parsed = None
+    return {**call, "function": {**fn, "arguments": parsed if isinstance(parsed, dict) else {}}}
+
+
 def _history(request: Mapping[str, Any], *, drop_user_name: bool, joins: Mapping[str, str] | None,
-             name: str, always: bool = False) -> Iterator[tuple[Mapping[str, Any], str]]:
+             name: str, always: bool = False,
+             parse: Callable[[Any], Any] = parsed_call) -> Iterator[tuple[Mapping[str, Any], str]]:
     """The messages with the changes one engine makes before a template that writes them
     itself; ``joins``: role -> the text a list of text parts is joined with (None: every
-    role, with a newline). Yielded where anything changed, or ``always`` (named ``""``
-    then), for the caller to change more."""
+    role, with a newline); ``parse``: a history tool call as the engine hands it over.
+    Yielded where anything changed, or ``always`` (named ``""`` then), for the caller to
+    change more."""
     messages = request.get("messages")
     if not isinstance(messages, list):
         return
@@ -179,7 +202,7 @@ def _history(request: Mapping[str, Any], *, drop_user_name: bool, joins: Mapping
                 changes.append("user_name=dropped")
         calls = m.get("tool_calls") if isinstance(m, Mapping) and m.get("role") == "assistant" else None
         if isinstance(calls, list):
-            parsed = [parsed_call(c) for c in calls]
+            parsed = [parse(c) for c in calls]
             if any(p is not c for p, c in zip(parsed, calls)):
                 m = {**m, "tool_calls": parsed}
                 if "tool_args=parsed" not in changes:
