@@ -64,6 +64,12 @@ CASES = [
      "must be a list of integers"),
     (_bad("response.choices.0.prompt_token_ids", {}), "response.choices[0].prompt_token_ids", "must be a list of integers"),
     (_bad("native_ids", "x"), "native_ids", "must be a list of ids or {prompt, choices}"),
+    # what the row check refuses to export is refused here, not written as an ok row (a reviewer's)
+    (_bad("request.messages.0.reasoning", {"type": "prompt_embeds"}), "request.messages[0].reasoning",
+     "must be a string or null, got dict"),
+    (_bad("request.messages.0.reasoning_content", 7), "request.messages[0].reasoning_content",
+     "must be a string or null, got int"),
+    (_bad("request.tools", ["x"]), "request.tools[0]", "must be a tool object, got str"),
     (_bad("native_ids", {"choices": [[1.5]]}), "native_ids.choices[0]", "must be a list of integers"),
     # read by the renderers and the gate: a wrong type was a traceback or taken silently
     (_bad("id", ""), "id", "must not be empty (every row is named by it)"),

@@ -168,6 +168,9 @@ def check_request(request: Any) -> dict[str, Any]:
     tools = request.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RecordError("request.tools", "must be a list")
+    for k, tool in enumerate(tools or ()):  # as the row check exports by
+        if not isinstance(tool, dict):
+            raise RecordError(f"request.tools[{k}]", f"must be a tool object, got {type(tool).__name__}")
     for key in ("chat_template_kwargs", "extra_body", "reasoning"):  # read for the thinking switch and stop
         value = request.get(key)
         if value is not None and not isinstance(value, dict):
@@ -215,6 +218,9 @@ def _check_message(m: Any, at: str) -> None:
         raise RecordError(f"{at}.role", why)
     if fault := content_fault(m.get("content")):
         raise RecordError(f"{at}.content{fault[0]}", fault[1])
+    for key in ("reasoning_content", "reasoning"):  # the conversations export writes either as the turn's reasoning
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise RecordError(f"{at}.{key}", f"must be a string or null, got {type(m[key]).__name__}")
     calls = m.get("tool_calls")
     if calls is None:
         return
