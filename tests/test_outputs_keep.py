@@ -373,3 +373,26 @@ def test_export_killed_then_rerun_keeps_hidden_states(stage_inputs, tmp_path, po
     assert res.returncode == 0, res.stderr
     _assert_user_entries(out)
     assert _ours(out) == _new(ref, out) and leftovers(tmp_path) == []
+
+
+def test_a_reexport_of_the_same_ids_with_other_metadata_keeps_speculators_caches(stage_inputs, tmp_path):
+    """speculators' caches depend on the rows' ids and order only: a re-export whose rows
+    differ in a metadata column (a provider renamed, a finding reworded by a newer gate) was
+    refused as changing the rows, and the user told to move hidden states still valid (a
+    reviewer's). Another order of the same rows is a change."""
+    import json
+
+    out, first = tmp_path / "out", stage_inputs / "first-half.jsonl"
+    export_file(first, out, "speculators")
+    (out / "hidden_states").mkdir()
+    (out / "hidden_states" / "hs_0.safetensors").write_bytes(b"x")
+    rows = [json.loads(line) for line in first.read_text().splitlines()]
+    renamed = tmp_path / "renamed.jsonl"
+    renamed.write_text("".join(json.dumps({**r, "provider": "another"}) + "\n" for r in rows))
+    res = cli("export", str(renamed), "-o", str(out), "--format", "speculators")
+    assert res.returncode == 0, res.stderr
+    assert (out / "hidden_states" / "hs_0.safetensors").read_bytes() == b"x"
+    swapped = tmp_path / "swapped.jsonl"
+    swapped.write_text("".join(json.dumps(r) + "\n" for r in [rows[1], rows[0], *rows[2:]]))
+    res = cli("export", str(swapped), "-o", str(out), "--format", "speculators")
+    assert res.returncode == 2 and "holds speculators' caches" in res.stderr

@@ -9,6 +9,7 @@ previous export of that folder untouched.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -165,14 +166,29 @@ class ExportRun:
 _SPECULATORS_CACHES = re.compile(r"^(?:(?:d2t|t2d)-\d+\.npy|token_freq\.pt)$")
 
 
-def _fingerprint(folder: Path) -> str | None:
-    """The ``_fingerprint`` of a speculators export's ``state.json`` (a hash over its shards), or None."""
+def _ids_digest(folder: Path) -> str | None:
+    """A digest of a speculators export's ``input_ids`` in row order (each row's length, then
+    all ids), read from the shards its ``state.json`` names; None where there is no such
+    export to read. What speculators' caches depend on: the ids and the order, not the
+    metadata columns (a provider renamed, a finding reworded) the shards also hold."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
     try:
         state = json.loads(read_small_text(folder / "state.json"))
-    except (OSError, ValueError):
+        files = [f["filename"] for f in state["_data_files"]]
+        lengths, values = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
+        for name in files:
+            if not isinstance(name, str) or "/" in name:
+                return None
+            with pa.memory_map(str(folder / name)) as source:
+                for batch in ipc.open_stream(source):
+                    ids = batch.column("input_ids")
+                    lengths.update(ids.value_lengths().to_numpy(zero_copy_only=False).astype("<i8").tobytes())
+                    values.update(ids.flatten().to_numpy(zero_copy_only=False).astype("<i8").tobytes())
+    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):  # not a readable export: unknown rows
         return None
-    value = state.get("_fingerprint") if isinstance(state, dict) else None
-    return value if isinstance(value, str) else None
+    return lengths.hexdigest() + values.hexdigest()
 
 
 def _stale_caches(target: Path) -> list[str]:
@@ -193,13 +209,16 @@ def _stale_caches(target: Path) -> list[str]:
 
 def _refuse_stale_caches(target: Path, staged: Path) -> None:
     """Raise :class:`~tokenbridge.fsio.OutputRefused` when the speculators export staged in
-    ``staged`` changes the rows of ``target`` (its ``state.json`` fingerprint differs, or it
-    has none) and ``target`` holds speculators' caches of the old rows (:func:`_stale_caches`).
+    ``staged`` changes the rows of ``target`` (their ids or order, :func:`_ids_digest`; or
+    ``target`` holds no readable export) and ``target`` holds speculators' caches of the old rows (:func:`_stale_caches`).
     A re-export keeps every entry it did not write, and speculators reads these as they are:
     a stale vocabulary, and each row's hidden states by row index (rows whose ids differ
     dropped with a warning). Same rows (a rerun): kept, as every other entry of the user's."""
     names = _stale_caches(target)
-    if not names or _fingerprint(target) == _fingerprint(staged):
+    if not names:
+        return
+    before = _ids_digest(target)
+    if before is not None and before == _ids_digest(staged):
         return
     raise OutputRefused(
         f"{target}: holds speculators' caches of the rows exported there before ({', '.join(names)}), and this "
