@@ -253,3 +253,27 @@ def test_a_cut_beside_a_choice_with_content_is_not_marked(kimi, kimi_dir):
     rows = reconstruct_record(_two(kimi, kimi_dir, first, second), kimi)
     assert [r["completion_ids"] for r in rows] == [first, second]
     assert [(r["status"], [f["code"] for f in r["findings"]]) for r in rows] == [("ok", []), ("flagged", ["truncated"])]
+
+
+@pytest.mark.parametrize("logged", [[], ["<|im_end|>"]])
+def test_logprobs_of_the_end_token_alone_prove_no_reading(kimi, logged):
+    """A turn with reasoning, no content and an exact count: logprobs that log nothing, or
+    the end token alone, were taken as the formula's content cover, which a turn that ended
+    in its think block (or held a token the engine hid) cannot have, so the formula passed
+    ``ok``. They see nothing of the think block: the row is as ambiguous as with no
+    logprobs (a reviewer's)."""
+    from tokenbridge.evidence import logprobs_cover
+
+    end = kimi.token_id("<|im_end|>")
+    closed = _closed(kimi, "Nothing more to say.")
+    assert logprobs_cover([], closed, len(closed) - 1, True) == "none"
+    assert logprobs_cover([end], closed, len(closed) - 1, True) == "none"
+    assert logprobs_cover([end], [end], 0, True) == "all"
+    request = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "Say something."}]}
+    prompt = kimi.encode(DIALECTS["kimi-k2.5"].render_request(request))
+    entries = [{"token": t, "logprob": -0.1, "bytes": list(t.encode()), "top_logprobs": []} for t in logged]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "logprobs": {"content": entries},
+                             "message": {"role": "assistant", "reasoning": "Nothing more to say.", "content": ""}}],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(closed)}}
+    row, = reconstruct_record({"id": "e", "request": request, "response": response}, kimi)
+    assert row["status"] == "rejected" and [f["code"] for f in row["findings"]] == ["reconstruction_ambiguous"]

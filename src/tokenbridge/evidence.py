@@ -275,10 +275,11 @@ def logprobs_cover(logged: Sequence[int], completion: Sequence[int], content_sta
                    spell: Callable[[Sequence[int]], bytes] | None = None) -> str | None:
     """How ``logged`` ids account for ``completion``, or None when they contradict it.
 
-    Accepted, in this order: every id (``"all"``); every id but the end token, which some
-    providers leave out (``"all_but_end"``); the content only, from ``content_start``,
-    with or without the end token (``"content"``), for providers that log the answer
-    and not the reasoning. Anything else is a contradiction. An unknown logged id agrees
+    Accepted, in this order: every id (``"all"``); nothing, or the end token alone
+    (``"none"``: no proof of anything); every id but the end token, which some providers
+    leave out (``"all_but_end"``); the content only, from ``content_start``, with or
+    without the end token (``"content"``), for providers that log the answer and not the
+    reasoning. Anything else is a contradiction. An unknown logged id agrees
     with the ids ``may_be`` allows it; the ids of a :class:`Run` with what they spell.
     """
     n = len(logged)
@@ -288,6 +289,11 @@ def logprobs_cover(logged: Sequence[int], completion: Sequence[int], content_sta
         return list(a) == list(b) if known else _agree(a, b, may_be or {}, runs, spell)
     if n == len(completion) and same(logged, completion):
         return "all"
+    if n == 0 or (ends and n == 1 and same(logged, completion[-1:])):
+        # nothing logged, or the end token alone: it agrees with every reading that ends so and
+        # proves none (taken as the content's cover, the formula's empty content beat a turn
+        # that ended in its think block, which no logged id had seen: a reviewer's)
+        return "none"
     body = completion[:-1] if ends else completion
     if ends and n == len(body) and same(logged, body):
         return "all_but_end"

@@ -443,7 +443,8 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     # its think block (one short, as an uncounted end token is; or the run proved the end is
     # counted) and a cut right after </think> (one more, as vLLM's held-back partial character is)
     # (logprobs whose markers are all known tell these apart: the readings differ by a marker only)
-    by_ids = native is not None or (logged is not None and logged.markers_known)
+    # (logprobs of the end token alone, or none, tell nothing apart: logprobs_cover's "none")
+    by_ids = native is not None or (logged is not None and logged.markers_known and len(logged.ids or ()) > 1)
     tools_streamed = stream is not False and _sends_tools(ex.request)
     holds = tools_streamed or (stream is not False and not dialect.stream_held_needs_tools)
     held = held_tails(dialect.stream_held_starts, dialect.stream_held_min) if holds else ()
