@@ -719,22 +719,27 @@ def test_content_parts_are_joined_as_each_engine_joins_them(kimi, kimi_dir):
 def test_conversations_export_writes_each_engines_joined_parts(kimi, tmp_path):
     """A row proved by a reading that joined list parts: the conversations export hands a
     trainer the history as that engine served it, so re-rendering spells the proved prompt ids."""
+    request = {"model": "moonshotai/kimi-k2.5", "messages": _LIST_HISTORY}
+    vllm = {r.name: r.text for r in KIMI.prompt_readings(request)}["history=vllm+parts=newline+tool_args=parsed"]
+    history = _exported_history(kimi, tmp_path, request, vllm)
+    assert KIMI.render_request({"messages": history}) == vllm
+
+
+def _exported_history(kimi, tmp_path, request: dict, prompt: str) -> list:
+    """The history the conversations export writes for an answer to ``request`` whose
+    ``usage.prompt_tokens`` proves ``prompt``."""
     from tokenbridge.export import export_file
     from tokenbridge.reconstruct import reconstruct_file
 
-    request = {"model": "moonshotai/kimi-k2.5", "messages": _LIST_HISTORY}
-    vllm = {r.name: r.text for r in KIMI.prompt_readings(request)}["history=vllm+parts=newline+tool_args=parsed"]
     answer = kimi.encode("Mild.") + [kimi.token_id("</think>")] + kimi.encode("20C.") + [kimi.token_id("<|im_end|>")]
     response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
         "role": "assistant", "reasoning": "Mild.", "content": "20C."}}],
-        "usage": {"prompt_tokens": len(kimi.encode(vllm)), "completion_tokens": len(answer)}}
+        "usage": {"prompt_tokens": len(kimi.encode(prompt)), "completion_tokens": len(answer)}}
     src = tmp_path / "ex.jsonl"
     src.write_text(json.dumps({"id": "l", "request": request, "response": response}) + "\n")
     reconstruct_file(src, tmp_path / "rows.jsonl", kimi, workers=1)
     export_file(tmp_path / "rows.jsonl", tmp_path / "conv", "conversations")
-    row = json.loads(next((tmp_path / "conv").glob("*.jsonl")).read_text())
-    history = [{k: v for k, v in t.items()} for t in row["conversations"][:-1]]
-    assert KIMI.render_request({"messages": history}) == vllm
+    return json.loads(next((tmp_path / "conv").glob("*.jsonl")).read_text())["conversations"][:-1]
 
 
 def test_conversations_export_leaves_out_history_reasoning_no_template_read(kimi, tmp_path):
@@ -742,9 +747,6 @@ def test_conversations_export_leaves_out_history_reasoning_no_template_read(kimi
     template reads ``reasoning_content`` only, so the proved prompt has ``<think></think>``
     there; the export wrote the text as ``reasoning_content``, and a trainer re-rendering
     the history got a prompt the model never saw."""
-    from tokenbridge.export import export_file
-    from tokenbridge.reconstruct import reconstruct_file
-
     history = [{"role": "user", "content": "Weather in Paris?"},
                {"role": "assistant", "content": "", "reasoning": "Need the tool.", "tool_calls": [
                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
@@ -752,16 +754,7 @@ def test_conversations_export_leaves_out_history_reasoning_no_template_read(kimi
     request = {"model": "moonshotai/kimi-k2.5", "messages": history}
     prompt = KIMI.render_request(request)
     assert "<think></think><|tool_calls_section_begin|>" in prompt and "Need the tool." not in prompt
-    answer = kimi.encode("Mild.") + [kimi.token_id("</think>")] + kimi.encode("20C.") + [kimi.token_id("<|im_end|>")]
-    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
-        "role": "assistant", "reasoning": "Mild.", "content": "20C."}}],
-        "usage": {"prompt_tokens": len(kimi.encode(prompt)), "completion_tokens": len(answer)}}
-    src = tmp_path / "ex.jsonl"
-    src.write_text(json.dumps({"id": "r", "request": request, "response": response}) + "\n")
-    reconstruct_file(src, tmp_path / "rows.jsonl", kimi, workers=1)
-    export_file(tmp_path / "rows.jsonl", tmp_path / "conv", "conversations")
-    row = json.loads(next((tmp_path / "conv").glob("*.jsonl")).read_text())
-    assert KIMI.render_request({"messages": row["conversations"][:-1]}) == prompt
+    assert KIMI.render_request({"messages": _exported_history(kimi, tmp_path, request, prompt)}) == prompt
 
 
 def test_a_last_assistant_message_is_sglangs_user_message(kimi, oracles):
