@@ -138,15 +138,15 @@ def sglang_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, An
                                   always=True):
         last = None if request.get("continue_final_message") is True else sglang_last_assistant(variant["messages"])
         if last is not None:
-            variant, name = {**variant, "messages": last}, "+".join(sorted(filter(None, (*name.split("+"),
-                                                                                          "last_assistant=user"))))
+            variant, name = {**variant, "messages": last}, _with_name(name, "last_assistant=user")
         if name:
             yield variant, name
 
 
 def vllm_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], str]]:
     """The request's messages as vLLM 0.34 hands them to Kimi's template, where that
-    changes any: ``arguments`` parsed as SGLang parses them (``_postprocess_messages``),
+    changes any: ``arguments`` parsed (``_postprocess_messages``; what is not a JSON object
+    becomes ``{}``, :func:`_vllm_call`),
     names kept, every content sent as a list of text parts joined with a newline (the
     template's content format detects as ``string``, and a tool result is joined so in
     any case; ``parts=newline``), and a turn's ``reasoning`` handed over as
@@ -157,10 +157,14 @@ def vllm_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any]
                                   always=True, parse=_vllm_call):
         messages = [_vllm_reasoning(m) for m in variant["messages"]]
         if any(a is not b for a, b in zip(messages, variant["messages"])):
-            variant, name = {**variant, "messages": messages}, "+".join(sorted(filter(None, (*name.split("+"),
-                                                                                              "reasoning=vllm"))))
+            variant, name = {**variant, "messages": messages}, _with_name(name, "reasoning=vllm")
         if name:
             yield variant, f"history=vllm+{name}"
+
+
+def _with_name(name: str, change: str) -> str:
+    """A reading's name (changes joined by ``+``, sorted; ``""``: none yet) with ``change`` too."""
+    return "+".join(sorted(filter(None, (*name.split("+"), change))))
 
 
 def _vllm_call(call: Any) -> Any:
