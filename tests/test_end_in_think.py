@@ -277,3 +277,24 @@ def test_logprobs_of_the_end_token_alone_prove_no_reading(kimi, logged):
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(closed)}}
     row, = reconstruct_record({"id": "e", "request": request, "response": response}, kimi)
     assert row["status"] == "rejected" and [f["code"] for f in row["findings"]] == ["reconstruction_ambiguous"]
+
+
+@pytest.mark.parametrize("logprobs", [None, {"content": []}])
+def test_a_hidden_token_picked_by_its_count_is_never_placed_ok(kimi, logprobs):
+    """SGLang's ``reasoning_tokens`` counts every id of a turn that never closed its block,
+    so it can pick the ``token_hidden`` reading; but which place the hidden ``<think>`` had
+    only ids or logprobs over the think block say. Empty logprobs placed it: ``ok`` with a
+    guessed place (a self-review's)."""
+    request = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "Say something."}]}
+    prompt = kimi.encode(DIALECTS["kimi-k2.5"].render_request(request))
+    reasoning = "Nothing more to say."
+    truth = [kimi.token_id("<think>"), *kimi.encode(reasoning), kimi.token_id("<|im_end|>")]
+    choice = {"index": 0, "finish_reason": "stop", "matched_stop": kimi.token_id("<|im_end|>"),
+              "message": {"role": "assistant", "reasoning_content": reasoning, "content": ""}}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
+    response = {"choices": [choice], "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(truth),
+                                               "completion_tokens_details": {"reasoning_tokens": len(truth)}}}
+    row, = reconstruct_record({"id": "u", "request": request, "response": response}, kimi)
+    assert (row["status"], row["reconstruction"]) == ("rejected", "token_hidden")
+    assert [f["code"] for f in row["findings"]] == ["reconstruction_ambiguous"]

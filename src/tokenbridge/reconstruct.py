@@ -699,8 +699,12 @@ def _unplaced(p: _Choice) -> None:
     Picked by a count (``reasoning_tokens``), the row's ids are one guess among the places:
     ambiguous, never ``ok``."""
     name = p.cands[p.chosen].name or ""
-    if "token_hidden" not in name.split("+") or p.native is not None or (p.logged is not None and p.logged.ids is not None):
+    if "token_hidden" not in name.split("+") or p.native is not None:
         return
+    k = p.chosen
+    if p.logged is not None and p.logged.ids is not None and logprobs_fit(
+            p.logged, p.cands[k].parts, p.cand_ids[k], p.ids(k)) in ("all", "all_but_end"):
+        return  # logprobs spell the think block: they placed it
     if not p.ambiguous:
         p.ambiguous = [name, "the hidden token at another place in the think block"]
 
