@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["ROLES", "content_fault", "content_text", "is_text_parts", "role_fault"]
+__all__ = ["ROLES", "content_fault", "content_text", "is_text_parts", "reasoning_fault", "role_fault",
+           "tools_fault"]
 
 #: The roles a message may have: what prompt loading sends (:mod:`tokenbridge.generate.prompts`)
 #: and what the row check lets into an export (:func:`tokenbridge.rows.check_row`).
@@ -54,4 +55,24 @@ def content_fault(content: object) -> tuple[str, str] | None:
             return f"[{k}].text", "missing (a text part holds its text)"
         if "text" in part and not isinstance(part["text"], str):
             return f"[{k}].text", f"must be a string, got {type(part['text']).__name__}"
+    return None
+
+
+def reasoning_fault(message: Mapping[str, object]) -> tuple[str, str] | None:
+    """Why a history message's reasoning is not what the conversations export writes as the
+    turn's reasoning, as (the field, why), or None: ``reasoning_content`` and ``reasoning``
+    each a string or null."""
+    for key in ("reasoning_content", "reasoning"):
+        value = message.get(key)
+        if value is not None and not isinstance(value, str):
+            return key, f"must be a string or null, got {type(value).__name__}"
+    return None
+
+
+def tools_fault(tools: object) -> tuple[str, str] | None:
+    """Why a list of tool declarations holds one that is not an object, as (the sub-field
+    after ``tools``, why), or None."""
+    for k, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if not isinstance(tool, Mapping):
+            return f"[{k}]", f"must be a tool object, got {type(tool).__name__}"
     return None

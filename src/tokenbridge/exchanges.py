@@ -12,7 +12,7 @@ from typing import Any, NotRequired, TypedDict
 from collections.abc import Iterator, Mapping
 
 from . import jsonl
-from .content import content_fault, role_fault
+from .content import content_fault, reasoning_fault, role_fault, tools_fault
 from .jsonl import is_int, iter_lines, not_text
 
 __all__ = ["CheckedResponse", "Exchange", "ExchangeRecord", "RecordError", "check_request", "check_response", "choice_index",
@@ -168,9 +168,8 @@ def check_request(request: Any) -> dict[str, Any]:
     tools = request.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RecordError("request.tools", "must be a list")
-    for k, tool in enumerate(tools or ()):  # as the row check exports by
-        if not isinstance(tool, dict):
-            raise RecordError(f"request.tools[{k}]", f"must be a tool object, got {type(tool).__name__}")
+    if fault := tools_fault(tools):  # as the row check exports by
+        raise RecordError(f"request.tools{fault[0]}", fault[1])
     for key in ("chat_template_kwargs", "extra_body", "reasoning"):  # read for the thinking switch and stop
         value = request.get(key)
         if value is not None and not isinstance(value, dict):
@@ -218,9 +217,8 @@ def _check_message(m: Any, at: str) -> None:
         raise RecordError(f"{at}.role", why)
     if fault := content_fault(m.get("content")):
         raise RecordError(f"{at}.content{fault[0]}", fault[1])
-    for key in ("reasoning_content", "reasoning"):  # the conversations export writes either as the turn's reasoning
-        if m.get(key) is not None and not isinstance(m[key], str):
-            raise RecordError(f"{at}.{key}", f"must be a string or null, got {type(m[key]).__name__}")
+    if fault := reasoning_fault(m):
+        raise RecordError(f"{at}.{fault[0]}", fault[1])
     calls = m.get("tool_calls")
     if calls is None:
         return

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import orjson
 
-from .content import content_fault, role_fault
+from .content import content_fault, reasoning_fault, role_fault, tools_fault
 from .exit_codes import ExitCode
 from .fsio import WriteBehind, copy_range, kind_of
 from .jsonl import JsonLineError, dumps_line, json_text, loads_line, not_text
@@ -351,9 +351,8 @@ def _check_messages(messages: Any, fail: Callable[[str, str], RowError]) -> None
             raise fail(f"messages[{k}].role", why)
         if fault := content_fault(m.get("content")):
             raise fail(f"messages[{k}].content{fault[0]}", fault[1])
-        for key in ("reasoning_content", "reasoning"):  # the export writes either as the turn's reasoning
-            if m.get(key) is not None and not isinstance(m[key], str):
-                raise fail(f"messages[{k}].{key}", f"must be a string or null, got {type(m[key]).__name__}")
+        if fault := reasoning_fault(m):
+            raise fail(f"messages[{k}].{fault[0]}", fault[1])
         calls = m.get("tool_calls")
         if calls is not None and not isinstance(calls, list):
             raise fail(f"messages[{k}].tool_calls", f"must be a list or null, got {type(calls).__name__}")
@@ -407,9 +406,8 @@ def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:  # noq
         raise fail("usage", f"must be an object or null, got {type(obj['usage']).__name__}")
     if obj["tools"] is not None and not isinstance(obj["tools"], list):
         raise fail("tools", f"must be a list or null, got {type(obj['tools']).__name__}")
-    for k, tool in enumerate(obj["tools"] or ()):
-        if not isinstance(tool, dict):
-            raise fail(f"tools[{k}]", f"must be a tool object, got {type(tool).__name__}")
+    if fault := tools_fault(obj["tools"]):
+        raise fail(f"tools{fault[0]}", fault[1])
     _check_messages(obj["messages"], fail)
     for col in ("reasoning", "content"):
         if not isinstance(obj[col], str):
