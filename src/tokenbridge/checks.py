@@ -20,7 +20,7 @@ from .jsonl import text_of
 from .tokenizer import Tokenizer
 
 __all__ = ["CODES", "DEFAULT_POLICY", "DEFAULT_SEVERITY", "GATE_REVISION", "Finding", "Policy", "SampleView", "ends_turn", "finish_reading",
-           "logprobs_fit",
+           "ids_prove", "logprobs_fit",
            "reasoning_count_ways", "reasoning_counts", "reasoning_fits", "run_checks", "status_of",
            "vllm_silent_ids", "vllm_whole_extra"]
 
@@ -179,11 +179,7 @@ class SampleView:
     @property
     def proven_by_ids(self) -> bool:
         """Ground-truth ids (native or logprobs) cover the whole completion and agree."""
-        if self.native_completion is not None:
-            return list(self.native_completion) == list(self.completion_ids)
-        if self.logged is not None and self.logged.ids is not None and not self.logged.unknown:
-            return logprobs_fit(self.logged, self.parts, self.part_ids, self.completion_ids) in ("all", "all_but_end")
-        return False  # an unknown logged id proves its place no better than a count
+        return ids_prove(self.native_completion, self.logged, self.parts, self.part_ids, self.completion_ids)
 
     @cached_property
     def message(self) -> Mapping[str, Any]:
@@ -596,6 +592,17 @@ def _native(view: SampleView, policy: Policy) -> Iterator[_Hit]:
 def ends_turn(parts: Sequence[tuple[str, str]]) -> bool:
     """Whether a completion ends with its end token (a length cut has none)."""
     return bool(parts) and parts[-1][0] == "end"
+
+
+def ids_prove(native: Sequence[int] | None, logged: LogprobIds | None, parts: Sequence[tuple[str, str]],
+              part_ids: Sequence[Sequence[int]], completion_ids: Sequence[int]) -> bool:
+    """Whether ground-truth ids (``native``, else logprobs) cover this whole completion and
+    agree with it: every id, or every id but the end token."""
+    if native is not None:
+        return list(native) == list(completion_ids)
+    if logged is not None and logged.ids is not None and not logged.unknown:
+        return logprobs_fit(logged, parts, part_ids, completion_ids) in ("all", "all_but_end")
+    return False  # an unknown logged id proves its place no better than a count
 
 
 def logprobs_fit(logged: LogprobIds, parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]],

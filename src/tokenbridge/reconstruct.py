@@ -30,7 +30,7 @@ from .chat import Dialect, HarmonyDialect, PromptReading, message_reasoning, res
 from .chat.harmony import tool_stream_doubt
 from .chat.template import TemplateError, special_token_strings
 from .content import content_text
-from .checks import (DEFAULT_POLICY, Finding, Policy, SampleView, ends_turn, finish_reading, logprobs_fit, reasoning_count_ways,
+from .checks import (DEFAULT_POLICY, Finding, Policy, SampleView, ends_turn, finish_reading, ids_prove, logprobs_fit, reasoning_count_ways,
                      reasoning_fits, run_checks, status_of, vllm_silent_ids, vllm_whole_extra)
 from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens, served_by_vllm
 from .exchanges import Exchange, RecordError, choice_index, loads_line, parse_exchange
@@ -698,13 +698,10 @@ def _unplaced(p: _Choice) -> None:
     think block (:func:`~tokenbridge.hypotheses.candidates`); only ids or logprobs place it.
     Picked by a count (``reasoning_tokens``), the row's ids are one guess among the places:
     ambiguous, never ``ok``."""
-    name = p.cands[p.chosen].name or ""
-    if "token_hidden" not in name.split("+") or p.native is not None:
-        return
     k = p.chosen
-    if p.logged is not None and p.logged.ids is not None and logprobs_fit(
-            p.logged, p.cands[k].parts, p.cand_ids[k], p.ids(k)) in ("all", "all_but_end"):
-        return  # logprobs spell the think block: they placed it
+    name = p.cands[k].name or ""
+    if "token_hidden" not in name.split("+") or ids_prove(p.native, p.logged, p.cands[k].parts, p.cand_ids[k], p.ids(k)):
+        return  # ids, or logprobs that spell the think block, placed it
     if not p.ambiguous:
         p.ambiguous = [name, "the hidden token at another place in the think block"]
 
