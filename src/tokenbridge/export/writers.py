@@ -168,10 +168,10 @@ def _served_messages(rec: ReconstructedRow) -> list[Any]:
         return messages if isinstance(messages, list) else []
     from ..chat.serving import sglang_history, sglang_last_assistant, vllm_history, vllm_reasoning
 
-    if "reasoning=vllm" in names:
-        messages = next((list(v["messages"]) for v, _ in vllm_reasoning({"messages": messages})), messages)
-    if "history=vllm" in names:
+    if "history=vllm" in names:  # Kimi's vLLM reading: its reasoning=vllm change included
         messages = next((list(v["messages"]) for v, _ in vllm_history({"messages": messages})), messages)
+    elif "reasoning=vllm" in names:
+        messages = next((list(v["messages"]) for v, _ in vllm_reasoning({"messages": messages})), messages)
     elif names & {"tool_args=parsed", "user_name=dropped", "tool_parts=space"}:
         # its last-assistant change only where the reading names it (the row keeps no continue_final_message)
         served = {"messages": messages, "continue_final_message": "last_assistant=user" not in names}
