@@ -333,10 +333,11 @@ class Dialect:
 
 
 def _history_differs(request: Mapping[str, Any]) -> bool:
-    """Whether any message of ``request`` carries tool calls, is a user's with a ``name``, or
-    holds a list of two or more content parts, or is an assistant's with a ``reasoning``, or
-    the last is an assistant's, which SGLang or vLLM hands the template otherwise (:func:`.serving.sglang_history`, :func:`.serving.vllm_history`; the one-turn
-    case of plain text has none)."""
+    """Whether any message of ``request`` carries tool calls, is a user's with a ``name``,
+    holds a list of two or more content parts or is an assistant's with a ``reasoning``, or
+    the last is an assistant's: what SGLang or vLLM hands the template otherwise
+    (:func:`.serving.sglang_history`, :func:`.serving.vllm_history`; the one-turn case of
+    plain text has none)."""
     messages = request.get("messages")
     if not isinstance(messages, list):
         return False
