@@ -345,6 +345,16 @@ def test_property_no_findings_means_exact_roundtrip(kimi, reasoning, content):
     json.dumps(row)  # serialisable as it stands
 
 
+def _lossy(kimi):
+    """A stray continuation byte the ground-truth ids hold, served as U+FFFD."""
+    stray = next(i for i in range(kimi.vocab_size) if kimi.decode_bytes([i]) == b"\x84")
+    rec = make(kimi, content="ab \ufffd cd", finish="stop")
+    rec["native_ids"] = (kimi.encode("Check the weather tool.") + [163607] + kimi.encode("ab ") + [stray]
+                         + kimi.encode(" cd") + [163586])
+    rec["response"]["usage"]["completion_tokens"] = len(rec["native_ids"])
+    return rec
+
+
 def _trigger(kimi, code):  # noqa: PLR0911, PLR0912 - one record per finding code
     """A record that must raise ``code`` (and nothing a clean sample raises)."""
     if code in {c for _, expected in CASES.values() for c in expected}:
@@ -375,6 +385,8 @@ def _trigger(kimi, code):  # noqa: PLR0911, PLR0912 - one record per finding cod
         return rec
     if code == "tool_calls_missing":
         return make(kimi, content="I will call the tool.", finish="tool_calls")
+    if code == "text_lossy":
+        return _lossy(kimi)
     if code == "reasoning_redacted":  # OpenAI-style: a summary stands where the reasoning was
         return make(kimi, content="ok", finish="stop",
                     reasoning_details=[{"type": "reasoning.summary", "summary": "Check the weather tool."}])

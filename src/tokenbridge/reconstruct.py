@@ -19,7 +19,7 @@ import signal
 import stat
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
@@ -461,6 +461,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
              if tools_streamed and not by_ids else None)
     if len(cands) == 1:  # the common case: one reading, each part encoded as it is
         ids_1, free_1 = _encode_parts(tok, cands[0].parts, None)
+        cands, [ids_1], [free_1] = _lossy_from_truth(tok, cands, [ids_1], [free_1], native, logged)
         return _Choice(idx, choice, native, logged, stop, cands, [ids_1], [free_1], stream_doubt=doubt)
     done: dict[str, tuple[list[int], bool]] = {}  # each text encoded once across the readings
     plain = [c for c in cands if not c.held]
@@ -478,8 +479,55 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
         counts = {size[k] for k, c in enumerate(cands) if not c.veto}
         keep = [k for k, c in enumerate(cands) if not c.veto or size[k] in counts]
         cands, encoded = [cands[k] for k in keep], [encoded[k] for k in keep]
-    return _Choice(idx, choice, native, logged, stop, cands, [e[0] for e in encoded], [e[1] for e in encoded],
+    cands, cand_ids, cand_free = _lossy_from_truth(tok, cands, [e[0] for e in encoded], [e[1] for e in encoded],
+                                                   native, logged)
+    return _Choice(idx, choice, native, logged, stop, cands, cand_ids, cand_free,
                    held_ties=ties, stream_doubt=doubt, vetoed=vetoed)
+
+
+#: The reading whose ids for a text holding U+FFFD are the ground truth's (:func:`_lossy_from_truth`).
+LOSSY_TEXT = "bytes=ids"
+
+
+def _lossy_from_truth(tok: Tokenizer, cands: list[Candidate], cand_ids: list[list[list[int]]],
+                      cand_free: list[list[bool]], native: Sequence[int] | None, logged: LogprobIds | None,
+                      ) -> tuple[list[Candidate], list[list[list[int]]], list[list[bool]]]:
+    """Each reading whose one text part holds U+FFFD, with that part's ids taken from the
+    ground truth (native ids, else logprobs naming every id) where the bytes they spell are
+    not UTF-8 and decode, as the engines' detokenizers do (each broken sequence one
+    U+FFFD), to exactly that text: a length cut inside a character (SGLang serves the cut
+    bytes as U+FFFD, its logprobs carry them) or bytes the model wrote that are no
+    character. The text cannot spell those ids; the ids that made it can. The other parts
+    keep their own ids, so the whole still has to agree with the truth (:func:`_fits`)."""
+    lossy = [[k for k, (kind, text) in enumerate(c.parts) if "\ufffd" in text and kind not in MARKER_SEGMENTS]
+             for c in cands]
+    if not any(lossy):
+        return cands, cand_ids, cand_free
+    truth = native if native is not None else (
+        logged.ids if logged is not None and logged.ids is not None and not logged.unknown else None)
+    if truth is None or tok.unknown_id(truth) is not None:
+        return cands, cand_ids, cand_free
+    out_c, out_ids, out_free = list(cands), list(cand_ids), list(cand_free)
+    for n, (c, part_ids, where) in enumerate(zip(cands, cand_ids, lossy)):
+        if len(where) != 1:  # two such parts: where one's ids end and the next's begin is not known
+            continue
+        k = where[0]
+        text = c.parts[k][1]
+        start = sum(map(len, part_ids[:k]))
+        after = sum(map(len, part_ids[k + 1:]))
+        # logprobs may leave out the end token: the truth is then one id short of the reading
+        for end in dict.fromkeys((len(truth) - after, len(truth) - after + (native is None and ends_turn(c.parts)))):
+            if end < start:
+                continue
+            piece = list(truth[start:end])
+            spelled = tok.decode_bytes(piece)
+            if spelled != text.encode("utf-8", "surrogatepass") and spelled.decode("utf-8", "replace") == text:
+                out_c[n] = replace(c, names=(*c.names, LOSSY_TEXT))
+                out_ids[n] = [*part_ids[:k], piece, *part_ids[k + 1:]]
+                free = out_free[n] = list(cand_free[n])
+                free[k] = not any(i in tok.marker_ids for i in piece)
+                break
+    return out_c, out_ids, out_free
 
 
 def _spelled_resent(tok: Tokenizer, cands: list[Candidate], ids: Sequence[int] | None) -> list[Candidate]:

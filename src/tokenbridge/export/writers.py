@@ -116,7 +116,8 @@ class SpecForgeWriter(_JsonlWriter):
 #: Readings whose completion a chat template cannot write: it closes the think block, puts
 #: its newline before ``<think>`` and, where it ends a turn with a token (Kimi, Qwen3,
 #: DeepSeek; GLM's writes none after the last one), writes its own end token.
-_NOT_A_TURN = ("no_think_close", "end_in_think", "token_hidden", "think_open_twice", "think_prefix_absent", "end=")
+_NOT_A_TURN = ("no_think_close", "end_in_think", "token_hidden", "think_open_twice", "think_prefix_absent", "end=",
+               "bytes=ids")
 
 
 class ConversationsWriter(_JsonlWriter):
