@@ -334,3 +334,25 @@ def test_a_second_think_open_streamed_is_not_read_as_sglangs_whole_form():
     assert message["reasoning_content"].startswith("\n<think>")  # the premise: the second <think> is served
     row, truth = _glm(native, (message["reasoning_content"], message["content"]), stream=True)
     assert truth == ids and (row["status"] != "ok" or row["completion_ids"] == ids), row["completion_ids"]
+
+
+def test_a_second_think_open_where_the_record_does_not_say_it_streamed_ties():
+    """The same served message in a record without ``stream`` (an external file): it was
+    still read as SGLang's whole form only, ``ok`` with wrong ids. Both forms are read;
+    the second ``<think>`` is one token from the whole form, an uncounted end token's gap,
+    so without ids it only makes the row ambiguous."""
+    engine = SGLangEngine(GLM, "glm-4.5", "glm45", {USER, GLM.token_id("<|observation|>")})
+    native = ("\n<think><think>\n\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+              "</tool_call><|observation|>")
+    ids = GLM.encode(native)
+    message = engine.serve(ids, 10, thinking=True, stream=True)["choices"][0]["message"]
+    row, _ = _glm(native, (message["reasoning_content"], message["content"]))
+    assert row["status"] == "rejected" and "reconstruction_ambiguous" in codes(row), codes(row)
+    assert "think_open_twice" in next(f["message"] for f in row["findings"] if f["code"] == "reconstruction_ambiguous")
+    # served whole, the same text is SGLang's whole form: its count is one token short of a
+    # second <think>, no tie, the row proven
+    whole = "\n<think>Plan.</think>Done.<|user|>"
+    message = engine.serve(GLM.encode(whole), 10, thinking=True, stream=False)["choices"][0]["message"]
+    assert message["reasoning_content"].startswith("\n<think>")
+    row, ids = _glm(whole, (message["reasoning_content"], message["content"]))
+    assert row["status"] == "ok" and row["completion_ids"] == ids and row["reconstruction"] is None

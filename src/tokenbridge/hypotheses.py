@@ -76,7 +76,7 @@ The common case, a message none of these fit, has one candidate and costs nothin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from collections.abc import Mapping, Sequence
 
@@ -414,9 +414,14 @@ def candidates(
 
     opens_section = tm is not None and content.startswith(tm.section_begin)
     if thinking and closed_by_formula:
-        unclosed = _no_think_close(dialect, base, reasoning, content, finish_reason, prompt_opens_think,
-                                   section=opens_section, gaps=end_in_think)
-        out += [unclosed] if unclosed is not None else []
+        # the formula's, and a second <think>'s read beside the whole form (the record does not
+        # say it streamed): unclosed, that one ties the whole form's count (a tool call)
+        twice = [c for c in out[1:] if "think_open_twice" in c.names] if opens_section else []
+        for c in [out[0], *twice]:
+            unclosed = _no_think_close(dialect, c.parts, reasoning, content, finish_reason, prompt_opens_think,
+                                       section=opens_section, gaps=end_in_think)
+            if unclosed is not None:
+                out.append(replace(unclosed, names=(*c.names, *unclosed.names), veto=c.veto or unclosed.veto))
 
     markers = _markers(dialect)
     if markers and (reasoning.startswith(" ") or content.startswith(" ")
@@ -555,11 +560,12 @@ def _prefix_forms(prefix: str, think_open: str, reasoning: str, content: str, st
     """
     if reasoning.startswith(prefix + think_open):  # SGLang whole: no other engine writes <think> there
         whole = (reasoning[len(prefix + think_open):], content, None)
-        # ... unless the record says it streamed: the streaming parser strips the first <think>
-        # only, so this is a second one the model wrote (a cold tester's: read whole, the count
-        # made up the </think> added for the <think> lost). A record that does not say is read
-        # as served whole, SGLang's usual form (as held tails are)
-        return [(reasoning[len(prefix):], content, "think_open_twice")] if stream is True else [whole]
+        # ... unless it streamed: the streaming parser strips the first <think> only, so this
+        # is a second one the model wrote (a cold tester's: read whole, the count made up the
+        # </think> added for the <think> lost). A record that does not say is read both ways
+        # (the caller lets the second one only veto where a one-token gap proves nothing)
+        twice = (reasoning[len(prefix):], content, "think_open_twice")
+        return [twice] if stream is True else [whole] if stream is False else [whole, twice]
     forms: list[tuple[str, str, str | None]] = []
     sglang, vllm = prefix_in_reasoning is not False, prefix_in_reasoning is not True
     if reasoning.startswith(prefix):  # SGLang streamed, vLLM 0.34 whole or streamed
@@ -599,7 +605,10 @@ def _prefix_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason
         if name == _PREFIX_ABSENT:
             parts = [p for p in parts if p != ("format", prefix)]
         if all(parts != cand.parts for cand in out):
-            out.append(Candidate(parts, (name,) if name else ()))
+            # a second <think> where the record does not say it streamed is one token from the
+            # whole form, an uncounted end token's gap: the count alone never picks it
+            veto = name == "think_open_twice" and stream is None and not gaps
+            out.append(Candidate(parts, (name,) if name else (), veto=veto))
     return out
 
 
