@@ -183,6 +183,9 @@ def _first_ok(rows):
     return next(k for k, r in enumerate(rows) if r["status"] == "ok")
 
 
+#: A history tool call every renderer reads.
+_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
 CORRUPTIONS = {
     "all_zero": (lambda r: {"loss_mask": [0] * len(r["input_ids"])}, "loss_mask", "all zeros"),
     "all_one": (lambda r: {"loss_mask": [1] * len(r["input_ids"])}, "loss_mask", "all ones"),
@@ -204,9 +207,16 @@ CORRUPTIONS = {
     "tool_not_object": (lambda r: {"tools": [1, 2]}, "tools[0]", "must be a tool object, got int"),
     "tool_calls_text": (lambda r: {"messages": [dict(r["messages"][0], tool_calls="x"), *r["messages"][1:]]},
                         "messages[0].tool_calls", "must be a list or null, got str"),
-    "tool_call_not_object": (lambda r: {"messages": [dict(r["messages"][0], tool_calls=[{"id": "c"}, 3]),
+    "tool_call_not_object": (lambda r: {"messages": [dict(r["messages"][0], tool_calls=[_CALL, 3]),
                                                      *r["messages"][1:]]},
                              "messages[0].tool_calls[1]", "must be a tool call object, got int"),
+    # the exchange check's rule: a call the renderers cannot read is named here too (it was let through)
+    "tool_call_no_function": (lambda r: {"messages": [dict(r["messages"][0], tool_calls=[{"id": "c"}]),
+                                                      *r["messages"][1:]]},
+                              "messages[0].tool_calls[0].function", "missing or not an object"),
+    "tool_call_no_arguments": (lambda r: {"messages": [dict(r["messages"][0], tool_calls=[
+                                   {"id": "c", "type": "function", "function": {"name": "f"}}]), *r["messages"][1:]]},
+                               "messages[0].tool_calls[0].function.arguments", "missing"),
     "reasoning_content_number": (lambda r: {"messages": [dict(r["messages"][0], reasoning_content=7),
                                                          *r["messages"][1:]]},
                                  "messages[0].reasoning_content", "must be a string or null, got int"),
@@ -235,7 +245,7 @@ def test_bad_row_names_line_and_field(run, tmp_path, name):
     assert str(err.value).startswith(f"{src}:{k + 1}: {field}: ")
 
 
-@pytest.mark.parametrize("name", ["tool_not_object", "tool_calls_text", "reasoning_content_number"])
+@pytest.mark.parametrize("name", ["tool_not_object", "tool_calls_text", "reasoning_content_number", "tool_call_no_arguments"])
 def test_conversations_export_names_a_wrongly_typed_tool_or_history_field(run, tmp_path, name):
     """``tools: [1, 2]``, a history message's ``tool_calls: "x"`` or ``reasoning_content: 7``
     were written to conversations.jsonl as they were (exit 0) for a trainer to choke on."""

@@ -36,6 +36,12 @@ BAD_LINES = [  # (JSONL line, expected "line N: field 'F': message" tail)
     ('{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "f": ' + _nested(200) + "}]}",
      "field 'tools[0].f" + "[0]" * (MAX_DEPTH - 1) + "': nested more than 64 levels deep"),
     ('{"conversations": [{"from": ' + _nested(5000) + ', "value": "x"}]}', None),
+    # a history call reconstruct refuses (no arguments) was sent and paid for, then a bad line
+    ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": null, "tool_calls": '
+     '[{"id": "c", "type": "function", "function": {"name": "f"}}]}, {"role": "user", "content": "y"}]}',
+     "field 'messages[1].tool_calls[0].function.arguments': missing"),
+    ('{"messages": [{"role": "assistant", "content": "", "tool_calls": "call"}, {"role": "user", "content": "y"}]}',
+     "field 'messages[0].tool_calls': must be a list or null, got str"),
 ]
 
 

@@ -69,6 +69,26 @@ def reasoning_fault(message: Mapping[str, object]) -> tuple[str, str] | None:
     return None
 
 
+def tool_calls_fault(message: Mapping[str, object]) -> tuple[str, str] | None:
+    """Why a history message's ``tool_calls`` is not what every renderer and the
+    conversations export read (null, or a list of calls each with a ``function`` object
+    holding ``arguments``), as (the field, why), or None."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return None
+    if not isinstance(calls, list):
+        return "tool_calls", f"must be a list or null, got {type(calls).__name__}"
+    for j, call in enumerate(calls):
+        if not isinstance(call, Mapping):
+            return f"tool_calls[{j}]", f"must be a tool call object, got {type(call).__name__}"
+        fn = call.get("function")
+        if not isinstance(fn, Mapping):
+            return f"tool_calls[{j}].function", "missing or not an object"
+        if "arguments" not in fn:
+            return f"tool_calls[{j}].function.arguments", "missing"
+    return None
+
+
 def tools_fault(tools: object) -> tuple[str, str] | None:
     """Why a list of tool declarations holds one that is not an object, as (the sub-field
     after ``tools``, why), or None."""

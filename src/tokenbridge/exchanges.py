@@ -12,7 +12,7 @@ from typing import Any, NotRequired, TypedDict
 from collections.abc import Iterator, Mapping
 
 from . import jsonl
-from .content import content_fault, reasoning_fault, role_fault, tools_fault
+from .content import content_fault, reasoning_fault, role_fault, tool_calls_fault, tools_fault
 from .jsonl import is_int, iter_lines, not_text
 
 __all__ = ["CheckedResponse", "Exchange", "ExchangeRecord", "RecordError", "check_request", "check_response", "choice_index",
@@ -217,19 +217,9 @@ def _check_message(m: Any, at: str) -> None:
         raise RecordError(f"{at}.role", why)
     if fault := content_fault(m.get("content")):
         raise RecordError(f"{at}.content{fault[0]}", fault[1])
-    if fault := reasoning_fault(m):
-        raise RecordError(f"{at}.{fault[0]}", fault[1])
-    calls = m.get("tool_calls")
-    if calls is None:
-        return
-    if not isinstance(calls, list):
-        raise RecordError(f"{at}.tool_calls", "must be a list")
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict):
-            raise RecordError(f"{at}.tool_calls[{j}].function", "missing or not an object")
-        if "arguments" not in fn:
-            raise RecordError(f"{at}.tool_calls[{j}].function.arguments", "missing")
+    for fault in (reasoning_fault(m), tool_calls_fault(m)):
+        if fault is not None:
+            raise RecordError(f"{at}.{fault[0]}", fault[1])
 
 
 def choice_index(choice: Mapping[str, Any], position: int) -> int:

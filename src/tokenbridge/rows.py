@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import orjson
 
-from .content import content_fault, reasoning_fault, role_fault, tools_fault
+from .content import content_fault, reasoning_fault, role_fault, tool_calls_fault, tools_fault
 from .exit_codes import ExitCode
 from .fsio import WriteBehind, copy_range, kind_of
 from .jsonl import JsonLineError, dumps_line, json_text, loads_line, not_text
@@ -351,14 +351,9 @@ def _check_messages(messages: Any, fail: Callable[[str, str], RowError]) -> None
             raise fail(f"messages[{k}].role", why)
         if fault := content_fault(m.get("content")):
             raise fail(f"messages[{k}].content{fault[0]}", fault[1])
-        if fault := reasoning_fault(m):
-            raise fail(f"messages[{k}].{fault[0]}", fault[1])
-        calls = m.get("tool_calls")
-        if calls is not None and not isinstance(calls, list):
-            raise fail(f"messages[{k}].tool_calls", f"must be a list or null, got {type(calls).__name__}")
-        for j, call in enumerate(calls or ()):
-            if not isinstance(call, dict):
-                raise fail(f"messages[{k}].tool_calls[{j}]", f"must be a tool call object, got {type(call).__name__}")
+        for fault in (reasoning_fault(m), tool_calls_fault(m)):
+            if fault is not None:
+                raise fail(f"messages[{k}].{fault[0]}", fault[1])
 
 
 def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:  # noqa: PLR0912 - a check per column of an untrusted row

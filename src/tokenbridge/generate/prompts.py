@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Container, Iterable, Iterator
 
-from ..content import content_fault, role_fault
+from ..content import content_fault, role_fault, tool_calls_fault
 from ..jsonl import JsonLineError, loads_finite, loads_line, number_too_long
 from .errors import GenerateError
 from .settings import DatasetSpec
@@ -314,9 +314,9 @@ def _openai_messages(value: Any) -> list[dict[str, Any]]:
         for key in ("name", "tool_call_id", "reasoning"):
             if key in clean and not isinstance(clean[key], str):
                 raise _BadRow(f"messages[{i}].{key}", f"must be a string, got {type(clean[key]).__name__}")
-        if "tool_calls" in clean and not (isinstance(clean["tool_calls"], list)
-                                          and all(isinstance(c, dict) for c in clean["tool_calls"])):
-            raise _BadRow(f"messages[{i}].tool_calls", "must be a list of tool call objects")
+        # the rule reconstruct holds the request to: a call it would refuse is never sent (and paid for)
+        if fault := tool_calls_fault(clean):
+            raise _BadRow(f"messages[{i}].{fault[0]}", fault[1])
         _check_content(clean, f"messages[{i}]")
         out.append(clean)
     return out
