@@ -434,6 +434,34 @@ def test_a_dry_run_reads_the_store_without_writing_or_waiting_on_a_run(tmp_path)
     assert (run / "state.sqlite").read_bytes() == before
 
 
+def test_a_dry_run_leaves_the_run_folder_as_it_found_it(tmp_path):
+    """Reading a WAL database makes SQLite put ``state.sqlite-wal`` and ``-shm`` beside it,
+    which a read-only connection cannot remove: a dry run of a finished run left both. Beside
+    a run that has the database open, they are the run's and stay."""
+    from hostile_server import HostileServer
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k, "prompt": f"q {k}"}) + "\n" for k in "ab"), encoding="utf-8")
+    run = tmp_path / "run"
+    with HostileServer() as srv:
+        common = [f"d={prompts}", "--out", str(run), "--base-url", srv.url, "--model", "m", "--progress", "none"]
+        assert _invoke(common).exit_code == 0
+    listing = sorted(p.name for p in run.iterdir())
+    assert "state.sqlite-wal" not in listing
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    dry = _invoke([*common, "--dry-run"])
+    assert dry.exit_code == 0 and "samples: 2 (2 already done, 0 to send)" in dry.output, dry.output
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    live = sqlite3.connect(run / "state.sqlite", isolation_level=None)  # a run's open connection
+    try:
+        live.execute("SELECT 1 FROM meta").fetchall()
+        assert _invoke([*common, "--dry-run"]).exit_code == 0
+        assert (run / "state.sqlite-wal").exists() and (run / "state.sqlite-shm").exists()
+    finally:
+        live.close()
+    assert sorted(p.name for p in run.iterdir()) == listing
+
+
 def test_a_dry_run_of_a_folder_with_older_ids_counts_them_done_as_the_run_does(tmp_path):
     """A folder made before ids stopped doubling their prefix holds ``d-d-a``: the run keeps
     that id and sends nothing, and so must the dry run count it (it said "1 to send"), and

@@ -316,6 +316,27 @@ class Batch:
 _NEXT_FREE_N = "MAX(?, (SELECT COALESCE(MAX(n), 0) + 1 FROM attempts WHERE sample_id = ?))"
 
 
+#: What SQLite keeps beside a WAL-mode database while a connection has it open.
+_WAL_FILES = ("-wal", "-shm")
+
+
+def _tidy_wal(path: Path) -> None:
+    """Let SQLite remove the WAL files a read-only connection made (``--dry-run`` writes
+    nothing): the last connection to close a WAL database checkpoints it and deletes them,
+    which a read-only one cannot. A second connection, opened to read and closed, does that
+    where it is the last; with a run's connection open, SQLite leaves them to the run."""
+    if not any(os.path.lexists(f"{path}{end}") for end in _WAL_FILES):
+        return
+    try:
+        conn = sqlite3.connect(path, timeout=0.0, isolation_level=None)
+        try:
+            conn.execute("SELECT 1 FROM meta LIMIT 1").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return  # a folder we may not write, a run mid-commit: the files stay, as SQLite keeps them
+
+
 class Store:
     """One run folder's SQLite state. Open with :meth:`open`; close when done."""
 
@@ -324,6 +345,8 @@ class Store:
         self._conn = conn
         self.run: int | None = None
         self._readonly = False
+        #: opened read-only where the WAL's files were not: close leaves none behind
+        self._made_wal = False
 
     @classmethod
     def open(cls, run_dir: str | Path) -> Store:
@@ -384,6 +407,8 @@ class Store:
         why = store_problem(path)
         if why is not None:
             raise StoreError(f"{why}; nothing was read")
+        # SQLite makes the WAL's two files beside a WAL database even to read it
+        made = not any(os.path.lexists(f"{path}{end}") for end in _WAL_FILES)
         try:
             conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=60.0, isolation_level=None,
                                    check_same_thread=False)
@@ -401,10 +426,13 @@ class Store:
             raise StoreError(f"{path}: schema version {str(version)[:40]!r}, this tokenbridge reads {SCHEMA_VERSION}{older}")
         store = cls(path, conn)
         store._readonly = True
+        store._made_wal = made
         return store
 
     def close(self) -> None:
         self._conn.close()
+        if self._readonly and self._made_wal:
+            _tidy_wal(self.path)
 
     def __enter__(self) -> Store:
         return self
