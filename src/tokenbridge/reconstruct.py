@@ -335,9 +335,11 @@ def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, 
         keep = encoded[:1]
     reading, ids = keep[0]
     doubt = None
-    dated = any((r.name or "").startswith("date=") for r, _ in keep)
+    # the serving days the kept readings name (gpt-oss: an engine's reading of a day is "date=D+harmony=vllm")
+    days = {n for r, _ in keep for n in (r.name or "").split("+") if n.startswith("date=")}
+    dated = len(days) > 1
     differ = len({tuple(i) for _, i in keep}) > 1  # the kept readings give different prompt ids
-    if reading.name == "date=unknown":
+    if "date=unknown" in (reading.name or "").split("+"):
         doubt = ("prompt_date_unproven", "the template prints the serving day and the exchange has no timing (no "
                  "usable response.created or meta.started_at + latency_s): today's date was assumed")
     elif differ and dated:

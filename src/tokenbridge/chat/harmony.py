@@ -38,7 +38,7 @@ from typing import Any
 
 from ..content import content_text
 from . import harmony_render
-from .dialect import Dialect, Message, PromptReading, ToolMarkers, message_reasoning
+from .dialect import Dialect, Message, PromptReading, RenderFn, ToolMarkers, message_reasoning
 from .shapes import template_kwargs
 
 __all__ = ["GPT_OSS", "GPT_OSS_HARMONY", "HarmonyDialect", "TEXT_WORDS", "resent_prefixes", "serving_days",
@@ -199,6 +199,10 @@ class HarmonyDialect(Dialect):
     #: Streamed with ``tools`` sent, SGLang's tool detector may send the start of the final
     #: text twice (:func:`resent_prefixes`): readings of their own.
     tool_stream_resends: bool = False
+    #: Another engine's rendering of the same request (vLLM's own harmony conversion, which
+    #: differs from ``renderers``' where a system message is not first, and in a history's
+    #: tool calls): a reading of its own, ``harmony=vllm``, where it differs.
+    vllm_render: RenderFn | None = None
 
     def thinking(self, request: Mapping[str, Any]) -> bool:
         """Always: gpt-oss writes its analysis channel whatever the request says (SGLang
@@ -247,6 +251,25 @@ class HarmonyDialect(Dialect):
         for day, name in zip(days, names):
             text = render(messages, tools, True, {**kwargs, "strftime_now": _day_clock(day)})
             out.append(PromptReading(text, name))
+        if self.vllm_render is not None:
+            out += self._vllm_readings(messages, tools, kwargs, list(zip(days, out)))
+        return out
+
+    def _vllm_readings(self, messages: Any, tools: Any, kwargs: Mapping[str, Any],
+                       dated: list[tuple[str, PromptReading]]) -> list[PromptReading]:
+        """vLLM's prompt for each serving day, where it differs from the reading of that day;
+        none where vLLM would have refused the request (it was not served there)."""
+        from .template import TemplateError
+
+        assert self.vllm_render is not None
+        out = []
+        for day, reading in dated:
+            try:
+                text = self.vllm_render(messages, tools, True, {**kwargs, "strftime_now": _day_clock(day)})
+            except TemplateError:
+                return []
+            if text != reading.text:
+                out.append(PromptReading(text, f"{reading.name}+harmony=vllm"))
         return out
 
     def completion_parts(
@@ -414,6 +437,7 @@ GPT_OSS_HARMONY = replace(
     GPT_OSS,
     name="gpt-oss-harmony",
     render=harmony_render.render,
+    vllm_render=harmony_render.render_vllm,
     own_renderer=True,
     template_kwargs=frozenset({"reasoning_effort"}),
     tools_unproven=harmony_render.unproven_tools,

@@ -4,8 +4,10 @@ Written from the harmony format, not from the folder's template; the tests hold 
 against ``renderers==0.1.12`` (``openai_harmony==0.0.4`` underneath). Against the HF
 template (SGLang) it differs in three places: developer instructions with no tool
 declaration after them end without ``\\n\\n``; a tool call's header has no `` json``
-content type; a tool result is its text, not its ``tojson``. The conversion of chat
-messages is ``renderers``' (which states vLLM parity; vLLM's own was not run here):
+content type; a tool result is its text, not its ``tojson``. :func:`render` converts chat
+messages as ``renderers`` does (which states vLLM parity); :func:`render_vllm` as vLLM 0.34
+itself does (held against its own code), which differs where a system message is not first,
+in a history's tool calls and in empty assistant turns:
 
 * the system preamble as the template's (identity, knowledge cutoff, the serving day,
   ``Reasoning: low|medium|high``, the channel line, the ``functions`` routing line when
@@ -200,5 +202,102 @@ def render(
             out.append(f"<|start|>{recipient} to=assistant<|channel|>commentary<|message|>{_text(m.get('content'))}<|end|>")
         else:
             raise TemplateError(f"messages[{i}]: role {role!r} is not rendered by the gpt-oss-harmony dialect")
+    out.append("<|start|>assistant")
+    return "".join(out)
+
+
+# --- vLLM 0.34's own conversion ---------------------------------------------------------------
+
+
+def _flat(content: Any) -> str | None:
+    """A system, developer or tool message's text as vLLM flattens it: a string as it is,
+    the ``text`` of a list's parts joined (None where none has one)."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    texts = [p if isinstance(p, str) else p.get("text") for p in content if isinstance(p, str | Mapping)]
+    kept = [t for t in texts if isinstance(t, str)]
+    return "".join(kept) if kept else None
+
+
+def _parts(content: Any) -> list[str]:
+    """A user or assistant message's text contents as vLLM builds them: one per list part
+    (its ``text``, else empty), one for a string, one empty for nothing."""
+    if isinstance(content, list):
+        return [str(p.get("text", "")) if isinstance(p, Mapping) else "" for p in content]
+    return [content or ""] if isinstance(content, str) or content is None else [str(content)]
+
+
+def _vllm_messages(messages: Sequence[Message]) -> list[tuple[str, str]]:
+    """The conversation after the leading instructions as vLLM's harmony conversion writes
+    it, each message as (channel or "", its rendered text)."""
+    names = {call.get("id"): (call.get("function") or {}).get("name") for m in messages
+             for call in m.get("tool_calls") or () if isinstance(call, Mapping)}
+    out: list[tuple[str, str]] = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        reasoning = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
+        calls = m.get("tool_calls") or []
+        if role == "assistant" and calls:
+            text = _flat(m.get("content"))
+            if text:
+                out.append(("commentary", f"<|start|>assistant<|channel|>commentary<|message|>{text}<|end|>"))
+            if reasoning:
+                out.append(("analysis", f"<|start|>assistant<|channel|>analysis<|message|>{reasoning}<|end|>"))
+            for call in calls:
+                fn = call.get("function") or {}
+                args = fn.get("arguments", "")
+                if not isinstance(args, str):  # vLLM's request model refuses the request (a 400): never served
+                    raise TemplateError(f"messages[{i}]: vLLM takes tool-call arguments as a string only")
+                out.append(("commentary", f"<|start|>assistant to=functions.{fn.get('name', '')}<|channel|>commentary "
+                                          f"json<|message|>{args}<|call|>"))
+        elif role == "tool":
+            name = names.get(m.get("tool_call_id", "")) or ""
+            out.append(("commentary", f"<|start|>functions.{name} to=assistant<|channel|>commentary<|message|>"
+                                      f"{_flat(m.get('content')) or ''}<|end|>"))
+        elif role == "assistant":
+            if reasoning:
+                out.append(("analysis", f"<|start|>assistant<|channel|>analysis<|message|>{reasoning}<|end|>"))
+            parts = _parts(m.get("content"))
+            if parts and parts[0]:  # vLLM looks at the first part only
+                out.append(("final", f"<|start|>assistant<|channel|>final<|message|>{''.join(parts)}<|end|>"))
+        elif role in ("system", "developer"):
+            text = _flat(m.get("content"))
+            if text is not None:
+                out.append(("", f"<|start|>developer<|message|># Instructions\n\n{text}<|end|>"))
+        else:
+            out.append(("", f"<|start|>{role}<|message|>{''.join(_parts(m.get('content')))}<|end|>"))
+    # vLLM drops every analysis message before the last final answer (auto_drop_analysis_messages)
+    last = max((k for k, (channel, _) in enumerate(out) if channel == "final"), default=-1)
+    return [(c, t) for k, (c, t) in enumerate(out) if not (k < last and c == "analysis")]
+
+
+@checked
+def render_vllm(
+    messages: Sequence[Message],
+    tools: Sequence[Mapping[str, Any]] | None,
+    thinking: bool,
+    kwargs: Mapping[str, Any],
+) -> str:
+    """The prompt vLLM 0.34 renders for a gpt-oss chat request (``_make_request_with_harmony``):
+    only a *leading* system or developer message becomes the developer message's
+    instructions (a later one stays where it is, as its own developer message, where
+    :func:`render` moves the first system message up); a tool-call turn writes its text as
+    a commentary message before its analysis, and each call's header with the ``json``
+    content type; a tool result is named by the call it answers; an assistant turn with no
+    text writes nothing; the analysis before the last final answer is dropped."""
+    effort = kwargs.get("reasoning_effort", "medium")
+    if effort not in EFFORTS:
+        raise TemplateError(f"reasoning_effort {effort!r}: vLLM's harmony renderer knows {', '.join(EFFORTS)}")
+    clock: Callable[[str], str] | None = kwargs.get("strftime_now")
+    day = clock("%Y-%m-%d") if clock is not None else datetime.now(UTC).strftime("%Y-%m-%d")
+    rest = list(messages)
+    instructions = _flat(rest.pop(0).get("content")) if rest[0].get("role") in ("system", "developer") else None
+    functions = [t for t in tools or () if t.get("type", "function") == "function"] or None
+    out = [_system(day, str(effort), bool(functions))]
+    if instructions or functions:
+        out.append(_developer(instructions, functions))
+    out += [text for _, text in _vllm_messages(rest)]
     out.append("<|start|>assistant")
     return "".join(out)
