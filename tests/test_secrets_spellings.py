@@ -10,6 +10,7 @@ import base64
 import html
 import json
 import re
+import urllib.parse
 
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
@@ -162,6 +163,23 @@ def test_the_hex_of_a_key_is_masked_in_either_case(key, upper):
     text = text.upper() if upper else text
     assert bytes.fromhex(text).decode("utf-8") == key
     assert scrub(f"<< {text} >>", key) == "<< *** >>"
+
+
+@settings(max_examples=100, deadline=None)
+@given(KEYS, st.sampled_from([bytes.upper, bytes.lower]), st.sampled_from(["raw", "json", "url"]))
+def test_the_key_in_the_other_case_is_masked(key, case, spelling):
+    """A server that upper-cases its error text echoed ``SK-OR-V1-3F9A...``: printed and
+    stored as it was, and for a hex key (OpenRouter's after the prefix) that is the key."""
+    cased = case(key.encode("utf-8")).decode("utf-8")
+    text = {"raw": cased, "json": _json_spelled(cased, [1]), "url": urllib.parse.quote(cased, safe="")}[spelling]
+    assert scrub(f"<< {text} >>", key) == "<< *** >>"
+
+
+def test_an_upper_cased_openrouter_key_is_masked_and_prose_kept():
+    key = "sk-or-v1-" + "3f9a1c0b7e2d4a6f8b1c3e5d7a9f0b2c4d6e8f1a3b5c7d9e0f2a4b6c8d0e1f2a"
+    assert scrub(f"bad {key.upper()} here", key) == "bad *** here"
+    assert scrub(f"{{\"error\": \"bad {key.upper()[:20]}\"}}", key) == '{"error": "bad ***"}'
+    assert scrub("SK-OR-V1-3F9A is how keys look", key) == "SK-OR-V1-3F9A is how keys look"  # under 16: prose
 
 
 @settings(max_examples=100, deadline=None)

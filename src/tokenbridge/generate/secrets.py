@@ -19,6 +19,8 @@ rule counts them, the ``sk-or-v1-`` every OpenRouter key starts with included:
   * URL-encoded: ``%XX`` (any hex case);
   * HTML numeric character references: ``&#115;``, ``&#x73;`` (an error page quoting it);
   * hex, either case (a server dumping the request's header bytes);
+  * the key with its ASCII letters in upper or in lower case (an error text upper-cased:
+    for a hex key, which OpenRouter's are after the prefix, that is the key itself);
   * base64 (standard and URL-safe alphabet) at each of the three byte alignments, so the
     key inside a longer encoded blob (``Basic ...``, ``Bearer ...``) is caught too, with
     line breaks anywhere in it (MIME wraps every 76 characters), raw or JSON-escaped;
@@ -424,6 +426,9 @@ def _forms(value: str) -> _Forms:
     raw = value.encode("utf-8")
     # hex: a server that dumps headers as bytes
     found = {raw: _Target(raw, "raw"), **{h: _Target(h, "hex") for h in (raw.hex().encode(), raw.hex().upper().encode())}}
+    # the key in the other case, a server's error text upper-cased (a hex key is as good in either)
+    for cased in (raw.upper(), raw.lower()):
+        found.setdefault(cased, _Target(cased, "raw"))
     for shift in range(3):
         enc = base64.b64encode(b"\0" * shift + raw)
         # characters that depend on the key's bytes alone: skip the shift's lead-in and the tail
