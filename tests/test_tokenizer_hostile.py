@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from test_families_support import SHARED
-from tokenbridge.chat import TemplateError, resolve_dialect
+from tokenbridge.chat import DialectError, TemplateError, resolve_dialect
 from tokenbridge.tokenizer import TokenizerError, load_tokenizer
 
 
@@ -109,7 +109,7 @@ def test_a_bad_pre_tokenizer_pattern_is_named(tmp_path, source, message):
 
 
 @pytest.mark.parametrize(("family", "files", "error", "message"), [
-    ("qwen3", {"chat_template__jinja": "{% for %}"}, TemplateError, "chat template does not compile"),  # was: exit 8
+    ("qwen3", {"chat_template__jinja": "{% for %}"}, DialectError, "chat template does not compile"),  # was: exit 8
     ("qwen3", {"chat_template__jinja": b"{{ '\xe9' }}"}, TokenizerError, r"chat_template\.jinja: cannot read"),
     ("kimi-k2.5", {"chat_template__json": "[1]"}, TokenizerError, r"chat_template\.json: must hold a JSON object"),
     ("kimi-k2.5", {"chat_template__json": '{"chat_template": 5}'}, TokenizerError,
@@ -156,3 +156,24 @@ def test_the_cli_says_one_line_and_exits_2_for_a_damaged_folder(tmp_path):
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and 'added_tokens_decoder["163587"].content' in out.stderr
     assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["reconstruct", "{src}", "-o", "{tmp}/o.jsonl"], ["inspect", "{src}", "--id", "a"],
+    ["generate", "p={src}", "--out", "{tmp}/run", "--dry-run", "-m", "m"],
+    ["probe", "--base-url", "http://127.0.0.1:9/v1", "-m", "m", "--providers", "a"], ["emulator", "--port", "0"]])
+def test_a_chat_template_that_does_not_compile_is_one_line_in_every_command(tmp_path, command):
+    """Only ``run`` said so; reconstruct, inspect, generate --dry-run, probe and the emulator
+    died with a traceback (exit 8) in resolving the dialect (a cold tester's)."""
+    folder = _copy(tmp_path, "kimi-k2.5", tokenizer_config__json=_config(
+        "kimi-k2.5", lambda d: d.update(chat_template="{% if %}")))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt": "hi", "request": {"messages": [{"role": "user", "content": "hi"}]},
+                               "response": {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}]}}) + "\n")
+    cli = str(Path(sys.executable).with_name("tokenbridge"))
+    args = [a.format(src=src, tmp=tmp_path) for a in command]
+    out = subprocess.run([cli, *args, "--tokenizer", str(folder)], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (2, ""), out.stderr
+    assert out.stderr.splitlines() == [f"error: {folder}: chat template does not compile: TemplateSyntaxError: "
+                                       "Expected an expression, got 'end of statement block'"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "kimi-k2.5"]

@@ -116,6 +116,18 @@ def _tokenizer(flag_value: str | None, config_value: str | None = None, config: 
         _fail(str(exc))
 
 
+def _check_dialect(tok: Tokenizer, name: str | None) -> None:
+    """The dialect ``name`` (None: the tokenizer's own) resolved once before any work: one
+    that does not fit the tokenizer, or a folder whose chat template does not compile, is
+    one error line, exit 2."""
+    from .chat import DialectError, resolve_dialect
+
+    try:
+        resolve_dialect(tok, name)
+    except DialectError as exc:
+        _fail(str(exc))
+
+
 def _tokenizer_input(value: str | None) -> str | None:
     """The tokenizer a command will read (:func:`~tokenbridge.tokenizer_source.choose_tokenizer`'s
     choice, None when there is none): an input no output may replace when it is a local folder."""
@@ -195,7 +207,6 @@ def reconstruct(
     """Rebuild exact token ids from API text and gate every sample."""
     from rich.console import Console
 
-    from .chat import DialectError, resolve_dialect
     from .jsonl import NotJsonlError
     from .reconstruct import reconstruct_file
     from .view import summary_table
@@ -220,10 +231,7 @@ def reconstruct(
             check_output_file(summary_json, input, flag="--summary-json", name="summary.json", outputs={"-o": output},
                               inputs=inputs)
         tok = _tokenizer(tokenizer)  # loading takes a while: Ctrl-C there is one line too
-        try:
-            resolve_dialect(tok, dialect)
-        except DialectError as exc:
-            _fail(str(exc))
+        _check_dialect(tok, dialect)
         try:
             summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None,
                                        provider_profile=profile)
@@ -276,15 +284,15 @@ def inspect(
             parse_span(tokens)
         except ValueError as exc:
             raise typer.BadParameter(f"{tokens!r}: {exc}", param_hint="--tokens") from None
-    from .chat import DialectError, resolve_dialect
+    from .chat import DialectError
     from .rows import RowError
 
     _dialect_flag(dialect)
     tok = _tokenizer(tokenizer)
-    try:  # as reconstruct: a dialect the tokenizer does not fit is a bad flag, before any record
-        resolve_dialect(tok, dialect)
+    _check_dialect(tok, dialect)  # as reconstruct: a dialect the tokenizer does not fit is a bad flag, before any record
+    try:
         row = find_row(input, tok, sample_id, choice, dialect)
-    except DialectError as exc:
+    except DialectError as exc:  # a dialect given for a file of rows, already rendered
         _fail(str(exc))
     except LookupError as exc:
         _fail(str(exc.args[0]))
@@ -572,6 +580,7 @@ def probe(
     try:
         check_base_url(base_url, "--base-url")
         tok = _tokenizer(tokenizer)
+        _check_dialect(tok, None)
         key = read_api_key(api_key_env, required=not is_local_url(base_url))
         if key is not None and (why := plain_http_problem(base_url, allow_plain_http)):
             _fail(f"--base-url {why}")
@@ -642,6 +651,7 @@ def emulator(
         _fail("\n".join(problems))
     cfg = checked
     tok = _tokenizer(tokenizer, cfg.tokenizer, config="the --config file")
+    _check_dialect(tok, cfg.dialect)
     try:
         serve(cfg, tok, host=host, port=port, announce=_say)
     except OSError as exc:  # the port in use, an address that does not resolve or is not this machine's

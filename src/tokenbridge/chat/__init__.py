@@ -80,6 +80,13 @@ def resolve_dialect(tokenizer: Tokenizer, name: str | None = None, *, use_templa
     but which has a template gets the generic dialect: its prompts are the template's,
     and the gate flags every sample ``completion_unproven``.
     """
+    try:
+        return _resolved(tokenizer, name, use_template)
+    except TemplateError as exc:  # the folder's template does not compile: the folder is the user's to fix
+        raise DialectError(f"{tokenizer.source}: {exc}") from None
+
+
+def _resolved(tokenizer: Tokenizer, name: str | None, use_template: bool) -> Dialect:
     family: Dialect | None
     if name is not None:
         try:
