@@ -642,6 +642,17 @@ def test_run_a_nul_in_a_path_is_a_config_error(tmp_path, kimi_dir):
     assert _run_errors(path) == [f"{path}:{_line(text, 'out = ')}: run.out: must not contain a NUL character"]
 
 
+@pytest.mark.parametrize(("old", "new", "line", "field"), [
+    ('path = "builtin:prompts/chat.jsonl"', 'path = "a\\u0000b.jsonl"', "path = ", "generate.datasets[0].path"),
+    ("[reconstruct]", '[emulator]\nconfig = "emu\\u0000.toml"\n\n[reconstruct]', "config = ", "emulator.config"),
+])
+def test_run_a_nul_in_a_dataset_or_emulator_path_is_a_config_error(tmp_path, kimi_dir, old, new, line, field):
+    """These two reached os.stat / Path.resolve: a traceback, exit 8 (a cold tester's)."""
+    text = _replace(_run_toml(kimi_dir), old, new)
+    path = _write(tmp_path, text)
+    assert _run_errors(path) == [f"{path}:{_line(text, line)}: {field}: must not contain a NUL character"]
+
+
 def test_run_a_dialect_the_tokenizer_cannot_write_is_refused_before_generation(tmp_path, kimi_dir):
     text = _replace(_run_toml(kimi_dir), 'out = "out"', 'out = "out"\ndialect = "qwen3"')
     path = _write(tmp_path, text)

@@ -270,6 +270,8 @@ def _check_emulator(
     emulator: Path | None = None
     if file is not None and not isinstance(file, str):
         problems.append(where.problem(("emulator", "config"), f"must be a path (a string), got {file!r}"))
+    elif file and "\x00" in file:
+        problems.append(where.problem(("emulator", "config"), "must not contain a NUL character"))
     elif file:
         emulator = _relative(file, base)
     base_cfg: EmulatorConfig | None = EmulatorConfig()

@@ -660,6 +660,9 @@ def settings_problems(
 def _dataset_entry(d: Any, i: int, where: Where, problems: list[str]) -> Any:
     if not isinstance(d, Mapping) or not isinstance(d.get("path"), str):
         return d
+    if "\x00" in d["path"]:  # a path with one is an OS error (a traceback) at its first use
+        problems.append(where.problem(("datasets", i, "path"), "must not contain a NUL character"))
+        return {**d, "path": d["path"].replace("\x00", "")}
     d = {"name": _stem(d["path"]), **d}
     if d["path"].startswith(_BUILTIN):
         path = _builtin_path(d["path"])
