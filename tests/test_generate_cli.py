@@ -652,3 +652,25 @@ def test_progress_none_keeps_the_warnings(tmp_path, capsys):
     quiet.log("resuming: 3 of 5 samples already done")
     quiet.log("warning: dataset e gave no prompt", warn=True)
     assert capsys.readouterr().err == "warning: dataset e gave no prompt\n"
+
+
+@pytest.mark.parametrize(("flags", "error"), [
+    # "no" went out as an effort, and OpenRouter turned thinking on; any word was sent as written
+    (["--reasoning", "bogus"], "error: --reasoning: effort: unknown value 'bogus' (choose from: max, xhigh, high, medium, "
+                               "low, minimal, none)"),
+    (["--provider-only", ",,,"], "error: --provider-only: must be a name, not empty or blank"),  # was: only = []
+    (["--provider-only", "a,,b"], "error: --provider-only: must be a name, not empty or blank"),
+    (["--quantizations", "int4,,fp8"], "error: --quantizations: must be a name, not empty or blank"),
+])
+def test_a_reasoning_effort_or_routing_name_that_is_none_is_refused_before_sending(tmp_path, flags, error):
+    res = _invoke([f"d={_one_prompt(tmp_path)}", "--out", str(tmp_path / "run"), "--dry-run", "-m", "m", *flags])
+    assert _one_line_error(res, 2) == error
+
+
+@pytest.mark.parametrize(("value", "sent"), [
+    ("no", {"enabled": False}), ("NO", {"enabled": False}), ("yes", {"enabled": True}), (" High ", {"effort": "high"}),
+    ("xhigh", {"effort": "xhigh"}), ("none", {"enabled": False})])
+def test_the_reasoning_flag_reads_on_off_and_efforts_in_any_case(value, sent):
+    from tokenbridge.generate.settings import normalize_reasoning
+
+    assert normalize_reasoning(value, "--reasoning") == sent

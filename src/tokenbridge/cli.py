@@ -310,7 +310,8 @@ def inspect(
 
 
 def _csv(value: str | None) -> list[str] | None:
-    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+    """A comma-separated flag's names; an empty one is kept, for the schema to refuse."""
+    return [v.strip() for v in value.split(",")] if value is not None else None
 
 
 @app.command()
@@ -340,7 +341,7 @@ def generate(
     top_p: float | None = typer.Option(None, "--top-p"),
     seed: int | None = typer.Option(None, "--seed"),
     n: int | None = typer.Option(None, "--n", min=1, help="Choices per prompt."),
-    reasoning: str | None = typer.Option(None, "--reasoning", help="Effort (low|medium|high), or on / off."),
+    reasoning: str | None = typer.Option(None, "--reasoning", help="Effort (minimal|low|medium|high|xhigh|max|none), or on / off."),
     provider_order: str | None = typer.Option(None, "--provider-order", help="Comma list: try these first."),
     provider_only: str | None = typer.Option(None, "--provider-only", help="Comma list: only these."),
     provider_ignore: str | None = typer.Option(None, "--provider-ignore", help="Comma list: never these."),
@@ -555,7 +556,7 @@ def probe(
     json_out: Path | None = typer.Option(None, "--json", help="Write the full results as JSON here."),
     tokenizer: str | None = typer.Option(None, "--tokenizer", "-t", help=_TOKENIZER_HELP),
     max_tokens: int = typer.Option(2048, "--max-tokens", min=1),
-    reasoning: str | None = typer.Option(None, "--reasoning", help="Effort (low|medium|high), or on / off."),
+    reasoning: str | None = typer.Option(None, "--reasoning", help="Effort (minimal|low|medium|high|xhigh|max|none), or on / off."),
     api_key_env: str = typer.Option("OPENROUTER_API_KEY", "--api-key-env", help="Env variable holding the key."),
     max_response_bytes: int | None = typer.Option(
         None, "--max-response-bytes", min=1024, help="Refuse a response larger than this, as generate does (default 64 MiB)."),
@@ -588,8 +589,8 @@ def probe(
     except GenerateError as exc:
         _fail(str(exc), exc.exit_code)
     names = _csv(providers) or []
-    if not names:
-        _fail("--providers: give at least one provider")
+    if not names or not all(names):
+        _fail("--providers: give at least one provider, and no empty name")
     try:  # a key that cannot be sent is refused here, before any probe
         reports = _probe(model=model, providers=names, base_url=base_url, key=key, tokenizer=tok,
                          max_tokens=max_tokens, reasoning=effort,

@@ -344,19 +344,31 @@ class Reasoning(TypedDict, total=False):
     """OpenRouter's ``reasoning`` request field."""
 
     enabled: Bool
-    effort: Annotated[Str, Field(min_length=1)]
+    #: OpenRouter's efforts: any other word went out as sent ("no" turned thinking on)
+    effort: Literal["max", "xhigh", "high", "medium", "low", "minimal", "none"]
     max_tokens: ApiPosInt
     exclude: Bool
+
+
+def _named(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must be a name, not empty or blank")
+    return value
+
+
+#: A provider or quantization name: an empty one is a slip (``--provider-only a,,b``), never a name.
+_Name = Annotated[Str, AfterValidator(_named)]
 
 
 @with_config(FORBID)
 class ProviderRouting(TypedDict, total=False):
     """OpenRouter provider routing; a typo must not silently route elsewhere."""
 
-    order: list[Str]
-    only: list[Str]
-    ignore: list[Str]
-    quantizations: list[Str]
+    order: list[_Name]
+    #: none allowed is no routing: every sample failed with no endpoint
+    only: Annotated[list[_Name], Field(min_length=1)]
+    ignore: list[_Name]
+    quantizations: Annotated[list[_Name], Field(min_length=1)]
     allow_fallbacks: Bool
     require_parameters: Bool
     data_collection: Literal["allow", "deny"]
@@ -372,11 +384,12 @@ def _reasoning_shorthand(value: Any) -> Any:
     if isinstance(value, bool):
         return {"enabled": value}
     if isinstance(value, str):
-        if value.lower() in ("on", "true", "enabled"):
+        word = value.strip().lower()
+        if word in ("on", "true", "enabled", "yes"):
             return {"enabled": True}
-        if value.lower() in ("off", "false", "disabled", "none"):
+        if word in ("off", "false", "disabled", "none", "no"):
             return {"enabled": False}
-        return {"effort": value}
+        return {"effort": word}  # an effort in any case; one that is none is named by the schema
     return value
 
 
