@@ -674,3 +674,15 @@ def test_the_reasoning_flag_reads_on_off_and_efforts_in_any_case(value, sent):
     from tokenbridge.generate.settings import normalize_reasoning
 
     assert normalize_reasoning(value, "--reasoning") == sent
+
+
+def test_rows_whose_tools_are_not_sent_are_said_per_dataset(tmp_path):
+    """A row's tools were dropped from the request (send_tools is off) without a word."""
+    rows = tmp_path / "t.jsonl"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    rows.write_text(json.dumps({"id": "a", "prompt": "hi", "tools": [tool]}) + "\n"
+                    + json.dumps({"id": "b", "prompt": "yo"}) + "\n", encoding="utf-8")
+    res = _invoke([f"x={rows}", "--out", str(tmp_path / "run"), "--dry-run", "-m", "m"])
+    assert res.exit_code == 0, res.output
+    assert ("note: dataset x: 1 row(s) carry tools, not sent (send_tools = false: the model sees no tool declaration, "
+            "and the stored request holds none; send_tools = true sends them)") in res.output.splitlines()

@@ -9,8 +9,9 @@ human/gpt/system/tool); or ``prompt``; each with an optional ``system`` (the sys
 put in front, or the conversation's own when it equals that). A row holding its prompt
 twice (UltraChat's ``prompt`` beside ``messages``) is read once where the copies agree
 (the prompt is the first or the last user turn) and is a bad row where they differ. An
-optional row-level ``tools`` list is kept. A trailing assistant turn is dropped, so the model answers the
-last user/tool turn. The sample id is ``<dataset>-<row id>`` (the row id alone when it
+optional row-level ``tools`` list is kept (sent only with ``send_tools``; the run says
+where it is not). A trailing assistant turn is dropped, so the model answers the last
+user/tool turn. The sample id is ``<dataset>-<row id>`` (the row id alone when it
 already starts ``<dataset>-``), or ``<dataset>-<content hash>`` when the row has no ``id``
 (a repeated hash gets ``~2``, ``~3``... in row order).
 Ids are unique over all datasets of a load: a row whose id is already taken (``a`` row

@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections import Counter
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -261,7 +262,7 @@ def _load_rows(settings: GenerateSettings, reporter: Reporter) -> tuple[list[_Ro
         reporter.log(f"bad row: {err}")
     if len(loaded.errors) > SHOWN_BAD_ROWS:
         reporter.log(f"... {len(loaded.errors) - SHOWN_BAD_ROWS} more bad rows (all listed in {SUMMARY_FILE})")
-    for line in gave_nothing(settings, loaded):
+    for line in gave_nothing(settings, loaded) + tools_unsent(settings, loaded):
         reporter.log(f"warning: {line}", warn=True)
     rows = [store_row(s, settings) for s in loaded.samples]
     return rows, [str(e) for e in loaded.errors]
@@ -274,6 +275,18 @@ def gave_nothing(settings: GenerateSettings, loaded: LoadedPrompts) -> list[str]
     given = {s.dataset for s in loaded.samples}
     return [f"dataset {spec.name} ({spec.path}) gave no prompt: nothing of it is sent" for spec in settings.datasets
             if spec.name not in given and (spec.limit if spec.limit is not None else settings.limit) != 0]
+
+
+def tools_unsent(settings: GenerateSettings, loaded: LoadedPrompts) -> list[str]:
+    """A line for each dataset whose rows carry ``tools`` that are not sent (``send_tools``
+    is off, as exact tokens want: calls then come back as raw marker text): the model sees no
+    declaration of them, which the rows' authors may have counted on."""
+    if settings.request.send_tools:
+        return []
+    carry = Counter(s.dataset for s in loaded.samples if s.tools)
+    return [f"dataset {name}: {n} row(s) carry tools, not sent (send_tools = false: the model sees no tool "
+            "declaration, and the stored request holds none; send_tools = true sends them)"
+            for name, n in carry.items()]
 
 
 def store_row(sample: Sample, settings: GenerateSettings) -> _Row:
