@@ -303,3 +303,19 @@ def test_the_cli_refuses_plain_http_to_another_host_before_anything_is_sent(tmp_
         "network unencrypted; use https://, or set allow_plain_http = true (--allow-plain-http) for a server on a "
         "network you trust"]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_header_value_is_sent_and_never_stored(tmp_path):
+    """A token of the user's in a header of a harmless name (``X-Title``) was written, as it
+    was, into the store's run log (a cold tester's): the run log keeps its digest."""
+    token = "ghp_" + "Zq8vN2xL4mR7tY1wK9pB3sD6fH0jC5gA"
+    seen: list[str] = []
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("X-Title", ""))
+        return _ok(request)
+
+    _, summary = _run(tmp_path, 2, reply, headers={"X-Title": token})
+    assert summary.done == 2 and seen == [token, token]
+    stored = _every_stored_byte(tmp_path / "run")
+    assert token[4:20].encode() not in stored and b"sha256:" in stored
