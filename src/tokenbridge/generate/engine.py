@@ -65,7 +65,7 @@ from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_
 from .limiter import AdaptiveLimiter
 from .progress import RateMeter
 from .request import routing_key, wire_body
-from .secrets import ApiKey, compressed_key, scattered_key, scrub, scrub_bytes
+from .secrets import ApiKey, compressed_key, scattered_key, scrub, scrub_bytes, scrub_message
 from .settings import GenerateSettings
 from .sse import SSEDecoder, SSEEvent, StreamAssembler, StreamError
 from .store import AttemptRecord, Batch, ResponseRecord, SendRecord, Store, StoredSample
@@ -558,10 +558,11 @@ class Engine:
         elif failed is not None:
             body, outcome, parsed = self._salvaged(status, headers, got, failed)
         else:
-            body = scrub_bytes(bytes(got), self.key)  # before any message is cut
+            # before any message is cut; an error body (small) of the key quoted in short pieces too
+            body = scrub_bytes(bytes(got), self.key, pieces=status != 200)
             outcome, parsed = classify_response(status or 0, headers, body, key=self.key)
         streamed = raw is not None or (sse is not None and sse.asm.chunks > 0)
-        message = _clip(scrub(outcome.message, self.key))
+        message = _clip(scrub_message(outcome.message, self.key))
         usage = checked_usage(parsed, key=self.key)  # an error body may carry usage too: a billed retry counts
         cost = cost_of(usage.usage, self.s.prices)
         kept = _unkept(status, outcome, raw if streamed else body)
@@ -648,7 +649,7 @@ class Engine:
                 return b"", self._unkept_stream(asm, raw), dataclasses.replace(cut, maybe_billed=True), _usage_part(asm)
             self._notice(f"a stream was cut after its finish_reason ({cut.message}); kept without its tail")
         if failure is not None:
-            message = scrub(str(failure), self.key)
+            message = scrub_message(str(failure), self.key)
             return b"", self._unkept_stream(asm, raw), Outcome("retry", "bad_stream", message, 200,
                                                                  maybe_billed=True), _usage_part(asm)
         if asm.errors:
@@ -784,7 +785,7 @@ class Engine:
 
     def _fail(self, item: WorkItem, error_class: str, message: str) -> None:
         assert self._writer is not None
-        message = scrub(message, self.key)
+        message = scrub_message(message, self.key)
 
         def counted() -> None:
             self.stats.failed += 1
@@ -834,7 +835,7 @@ class Engine:
             self.stats.stop_reason = StopReason.BUDGET
 
     def _notice(self, message: str) -> None:
-        message = scrub(message, self.key)
+        message = scrub_message(message, self.key)
         if message not in self.stats.notices:
             self.stats.notices.append(message)
             self._log(message)

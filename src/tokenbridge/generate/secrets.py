@@ -55,8 +55,8 @@ from functools import lru_cache
 from .errors import GenerateError
 from .settings import ConfigError, api_key_problem, env_name_problem
 
-__all__ = ["MIN_MASKED", "ApiKey", "MissingApiKey", "check_api_key", "compressed_key", "keys_read", "placeholder_notice",
-           "read_api_key", "scattered_key", "scrub", "scrub_bytes"]
+__all__ = ["MIN_MASKED", "ApiKey", "MissingApiKey", "check_api_key", "compressed_key", "keys_read", "mask_scattered",
+           "placeholder_notice", "read_api_key", "scattered_key", "scrub", "scrub_bytes", "scrub_message"]
 
 _MASK = "***"
 #: The one threshold for every secret and run: anything shorter is a placeholder or prose, and masking it corrupts text.
@@ -137,14 +137,16 @@ def scrub(text: str, key: ApiKey | str | None) -> str:
     return scrub_bytes(text.encode("utf-8", "surrogatepass"), value).decode("utf-8", "surrogatepass")
 
 
-def scrub_bytes(data: bytes, key: ApiKey | str | None) -> bytes:
-    """Like :func:`scrub` for raw bytes (a server that echoes the key must not get it stored)."""
+def scrub_bytes(data: bytes, key: ApiKey | str | None, *, pieces: bool = False) -> bytes:
+    """Like :func:`scrub` for raw bytes (a server that echoes the key must not get it stored);
+    with ``pieces`` (an error body), :func:`mask_scattered` too."""
     value = key.value if isinstance(key, ApiKey) else key
     if not value or not data or len(value) < MIN_MASKED:
         return data
     if b"\0" in data:  # UTF-8 text holds no NUL; text in a wide charset holds one beside every ASCII character
         data = _scrub_wide(data, value)
-    return _scrub_narrow(data, value)
+    data = _scrub_narrow(data, value)
+    return mask_scattered(data, value) if pieces else data
 
 
 #: A piece of the key this long, found anywhere, counts toward :func:`scattered_key`.
@@ -170,6 +172,34 @@ def scattered_key(data: bytes, key: ApiKey | str | None) -> bool:
         if raw[i:i + SCATTER_PIECE] in found:
             covered[i:i + SCATTER_PIECE] = b"\1" * SCATTER_PIECE
     return 2 * sum(covered) >= len(raw)
+
+
+def mask_scattered(data: bytes, key: ApiKey | str | None) -> bytes:
+    """``data`` with every piece of the key :func:`scattered_key` counts masked, where together
+    they hold half the key or more: an error text that quotes the key in pieces shorter than
+    :func:`scrub_bytes` masks (``sk-or-v1-3f9a1c..d4a6f8b1c3e5d7a..``) is shown and stored,
+    not the pieces. For error texts and bodies (small); a kept answer's raw stream that holds
+    such pieces is not kept at all instead."""
+    value = key.value if isinstance(key, ApiKey) else key
+    if not value or not value.isascii() or not scattered_key(data, value):  # (a piece never splits a character)
+        return data
+    _, pieces = _pieces(value)
+    spans: list[tuple[int, int]] = []
+    for m in pieces.finditer(data):
+        start, end = m.start(), m.start() + SCATTER_PIECE
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
+        else:
+            spans.append((start, end))
+    return _spliced(data, [(start, end, _MASK_BYTES) for start, end in spans])
+
+
+def scrub_message(text: str, key: ApiKey | str | None) -> str:
+    """An error or notice text with the key masked: :func:`scrub`, then :func:`mask_scattered`."""
+    value = key.value if isinstance(key, ApiKey) else key
+    if not value or not text or len(value) < MIN_MASKED:
+        return text
+    return scrub_bytes(text.encode("utf-8", "surrogatepass"), value, pieces=True).decode("utf-8", "surrogatepass")
 
 
 @lru_cache(maxsize=8)
