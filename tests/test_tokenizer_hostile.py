@@ -55,6 +55,10 @@ def _set(lines: list[bytes], at: int, line: bytes) -> None:
     (lambda d: d["added_tokens_decoder"]["163587"].update(content="<|im_end|>"),
      r"content '<\|im_end\|>' is also id 163586's"),
     (lambda d: d.update(added_tokens_decoder=[1, 2]), "added_tokens_decoder must be an object, not an array"),
+    # a null entry loaded as a reserved name: <|im_user|> became text and every row a usage mismatch
+    (lambda d: d["added_tokens_decoder"].update({"163587": None}), r'added_tokens_decoder\["163587"\] must be an object, '
+                                                                    "not null"),
+    (lambda d: d["added_tokens_decoder"].update(abc={"content": "x"}), "added_tokens_decoder: key 'abc' is not a token id"),
     (lambda d: d.update(chat_template=5), "chat_template must be a string or a list"),  # was: dropped silently
     (lambda d: d.update(chat_template=[{"name": "default", "template": 5}]), "the \"default\" entry's template"),
 ])

@@ -784,12 +784,18 @@ def _added_names(path: Path, config: Mapping[str, Any], ids: range) -> dict[int,
         decoder = {}
     if not isinstance(decoder, dict):
         raise TokenizerError(f"{path}: added_tokens_decoder must be an object, not {_json_type(decoder)}")
+    for key in decoder:  # the model's own loader reads each key with int(): one that is no number stops it
+        try:
+            int(key)
+        except ValueError:
+            raise TokenizerError(f"{path}: added_tokens_decoder: key {key[:40]!r} is not a token id") from None
     names: dict[int, str] = {}
     owner: dict[str, int] = {}
     for i in ids:
-        entry = decoder.get(str(i))
-        if entry is None:
+        if str(i) not in decoder:
             text = f"<|reserved_token_{i}|>"
+        elif (entry := decoder[str(i)]) is None:  # not absent: a null took the marker's place, silently
+            raise TokenizerError(f"{path}: added_tokens_decoder[\"{i}\"] must be an object, not null")
         elif isinstance(entry, dict) and isinstance(entry.get("content"), str) and entry["content"]:
             text = entry["content"]
         else:
