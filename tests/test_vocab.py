@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -136,3 +137,19 @@ def test_export_target_vocab_size_is_bounded_too(src, tmp_path):
                                    "--target-vocab-size", str((1 << 24) + 1)])
     assert res.exit_code == 2
     assert "Input should be less than or equal to 16777216" in " ".join(res.output.replace("│", " ").split())
+
+
+def test_the_target_size_says_where_it_came_from(kimi, tmp_path):
+    """Kimi's folder has no config.json: its 163,840 is the reserved range's, and vocab.json
+    said "config.json" (a cold tester's)."""
+    from tokenbridge.export.vocab import target_vocab_size_of
+    from tokenbridge.tokenizer import load_tokenizer
+
+    assert not (Path(kimi.source) / "config.json").exists()
+    assert target_vocab_size_of(kimi, None)[:2] == (163840, "reserved range")
+    folder = tmp_path / "k"
+    folder.mkdir()
+    for f in Path(kimi.source).iterdir():
+        (folder / f.name).symlink_to(f)
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 163840}))
+    assert target_vocab_size_of(load_tokenizer(folder), None)[:2] == (163840, "config.json")

@@ -149,6 +149,8 @@ class Tokenizer:
     #: ids: padded), Kimi's reserved range where that pads to it; None where nothing says.
     #: A draft vocabulary's ``t2d`` must be this long for the trainers to load it.
     model_vocab_size: int | None = field(default=None, kw_only=True)
+    #: where ``model_vocab_size`` came from: ``config.json``, or ``reserved range`` (Kimi's)
+    model_vocab_from: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "markers", {t: i for i, t in self.marker_ids.items()})
@@ -395,6 +397,7 @@ def _load_source(source: str, revision: str | None) -> Tokenizer:
     size = _model_vocab_size(folder)
     if size is not None:
         object.__setattr__(tok, "model_vocab_size", size)
+        object.__setattr__(tok, "model_vocab_from", "config.json")
     return tok
 
 
@@ -772,6 +775,7 @@ def _load_tiktoken(folder: Path, source: str) -> Tokenizer:
     tok = _tiktoken_tokenizer(folder, source, enc, names, config, pat_str=pat_str, vocab_size=n_ranks + _KIMI_NUM_RESERVED,
                               cut_long_runs=True)
     object.__setattr__(tok, "model_vocab_size", tok.vocab_size)  # the reserved range pads to the model's 163,840
+    object.__setattr__(tok, "model_vocab_from", "reserved range")
     return tok
 
 

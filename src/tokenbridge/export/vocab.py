@@ -79,8 +79,8 @@ def target_vocab_size_of(tok: Tokenizer, given: int | None) -> tuple[int, str, s
     mapping sized to the tokenizer is refused at training time, after the hidden states."""
     if given is not None:
         return given, "given", None
-    if tok.model_vocab_size is not None:
-        return tok.model_vocab_size, "config.json", None
+    if tok.model_vocab_size is not None:  # a folder with no config.json: Kimi's reserved range says it
+        return tok.model_vocab_size, tok.model_vocab_from or "config.json", None
     return tok.vocab_size, "tokenizer", tokenizer_sized(tok.vocab_size, tok.source)
 
 
