@@ -29,6 +29,9 @@ the bytes of every whole body it answered with (what a test compares the store w
   repeat_index[:<usd>]  200 with two choices that both say ``index: 0`` (``usage.cost`` <usd>)
   nan_field:<usd>     a valid body, ``usage.cost`` <usd>, plus ``"x": NaN`` (not re-emittable)
   cut_json            200 ``application/json`` cut inside its choices (not JSON at all)
+  whole_then_hold[:<usd>]  a whole ``ok`` body (``usage.cost`` <usd>) under a ``Content-Length``
+                      10 bytes longer, the connection then held open (``whole_then_hold_sse``: a
+                      stream's finish and usage chunks, then keep-alive comments, no ``[DONE]``)
 forms: raw, json_escaped (mixed ``\\uXXXX``), json_short (``\\/``, ``\\"``, ``\\\\``), url, base64,
 mime_base64 (a line break every 76 characters, as ``base64.encodebytes`` writes it), starred
 (its last four characters as ``****``).
@@ -124,6 +127,7 @@ class HostileServer:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self.gate = threading.Event()  # opens the replies of "gate" mode
+        self.whole = threading.Event()  # set once a "whole_then_hold" reply has sent its body
 
     def __enter__(self) -> HostileServer:
         self._thread = threading.Thread(target=self._serve, name="hostile-server", daemon=True)
@@ -159,6 +163,27 @@ class HostileServer:
         resp = await self._reply(request, prompt)
         if isinstance(resp, web.Response) and isinstance(resp.body, bytes):
             self.sent.setdefault(prompt, []).append(resp.body)
+        return resp
+
+    async def _whole_then_hold(self, request: web.Request, cost: float, *, sse: bool) -> web.StreamResponse:
+        """A whole answer, then the connection held open (see the module doc)."""
+        if not sse:
+            body = json.dumps(_ok(cost=cost)).encode()
+            resp = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": str(len(body) + 10)})
+            await resp.prepare(request)
+            await resp.write(body)
+        else:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            head = {"id": "gen-s", "object": "chat.completion.chunk", "model": "m", "provider": "hostile"}
+            done = {**head, "choices": [{"index": 0, "delta": {"content": "fine"}, "finish_reason": "stop"}]}
+            usage = {**head, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "cost": cost}}
+            await resp.write(b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in (done, usage)))
+        self.whole.set()
+        for _ in range(3600):
+            if sse:
+                await resp.write(b": OPENROUTER PROCESSING\n\n")
+            await asyncio.sleep(1)
         return resp
 
     async def _reply(self, request: web.Request, prompt: str) -> web.StreamResponse:  # noqa: PLR0911, PLR0912 - one branch per hostile behaviour
@@ -207,6 +232,8 @@ class HostileServer:
             return _json_bytes(json.dumps(doc).encode())
         if name == "nan_field":
             return _json_bytes(json.dumps(_ok(cost=float(arg)))[:-1].encode() + b', "x": NaN}')
+        if name in ("whole_then_hold", "whole_then_hold_sse"):
+            return await self._whole_then_hold(request, float(arg or 0.0001), sse=name.endswith("sse"))
         if name == "cut_json":
             return _json_bytes(json.dumps(_ok()).encode()[:60])
         if name == "echo_error":

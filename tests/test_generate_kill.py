@@ -229,6 +229,41 @@ def test_requests_in_flight_at_an_abort_are_booked_as_possible_spend(tmp_path):
     assert stats.possible == possible == pytest.approx(sum(reserved)) and possible > 0  # a resume's budget starts there
 
 
+@pytest.mark.parametrize("mode", ["whole_then_hold", "whole_then_hold_sse"])
+def test_an_answer_that_came_whole_before_an_abort_is_kept_not_bought_again(tmp_path, mode):
+    """The server sent the whole answer and held the connection (a Content-Length too long, a
+    stream with its finish and usage but no [DONE]): an abort threw the bytes away and booked
+    the request as interrupted at its reservation (0 without a cap), the sample stayed pending
+    and the rerun paid again (a cold tester's). It is kept as a cut transfer's answer is."""
+    from tokenbridge.generate.budget import Budget
+    from tokenbridge.generate.engine import Engine, WorkItem
+
+    async def main(url: str):
+        settings = GenerateSettings(request=RequestSettings(model="m", max_tokens=8), base_url=url, concurrency=2,
+                                    progress="none", stream=mode.endswith("sse"))
+        with Store.open(tmp_path / "run") as store:
+            store.add_samples([(f"k-{i}", "k", "", json.dumps({"model": "m", "max_tokens": 8, "messages": [
+                {"role": "user", "content": f"q{i}"}]})) for i in range(2)])
+            engine = Engine(settings, None, store, Budget(None, None))
+            task = asyncio.create_task(engine.run([WorkItem.from_stored(s) for s in store.samples()]))
+            for _ in range(2000):  # both answers sent whole, both connections held (bounded wait)
+                if sum(srv.attempts.values()) == 2 and srv.whole.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # the second body read too
+            engine.abort()  # a second Ctrl-C, or the first's drain running out
+            stats = await asyncio.wait_for(task, 20)
+            rows = [(a.sample_id, a.error_class, a.cost) for i in range(2) for a in store.attempts(f"k-{i}")]
+            return stats, rows, store.status_counts(), store.total_cost()
+
+    with HostileServer() as srv:
+        for i in range(2):
+            srv.plan[f"q{i}"] = [f"{mode}:0.25"]
+        stats, rows, counts, spent = asyncio.run(main(srv.url))
+    assert counts == {"done": 2} and stats.errors == {}, (counts, rows)
+    assert rows == [("k-0", None, 0.25), ("k-1", None, 0.25)] and spent == pytest.approx(0.5)
+
+
 def test_requests_in_flight_at_a_kill_9_are_booked_when_the_next_run_begins(tmp_path):
     spec = DatasetSpec("k", write_prompts(tmp_path, 4))
     run = tmp_path / "run"

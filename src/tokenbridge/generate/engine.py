@@ -275,6 +275,8 @@ class Engine:
             self._headers["Authorization"] = f"Bearer {key.value}"
         self._request_headers: dict[str, str] | None = self._headers
         self._unavailable: dict[str, tuple[str, str]] = {}  # routing key -> (message, sample that got it)
+        #: (sample, attempt) -> what its read had given when the run aborted it (:meth:`_attempt`)
+        self._cut_short: dict[tuple[str, int], tuple[Outcome, ResponseRecord | None, AttemptRecord, CheckedUsage]] = {}
         self._unauthorized_streak = 0
         self._successes = 0
         self._queue: asyncio.PriorityQueue[tuple[int, WorkItem]] | None = None
@@ -406,13 +408,23 @@ class Engine:
             self._abandon(item)
             return
         try:
-            outcome, record, attempt, usage = await self._attempt(session, item, n)
+            result = await self._attempt(session, item, n)
         except BaseException as exc:  # aborted, or a bug: it went out, so it may have been billed
-            self._unanswered(send, exc)
+            cut = self._cut_short.pop((item.sample_id, n), None)
+            if cut is not None:  # aborted while reading: what came is settled as any cut transfer is
+                self._settle(item, reservation, *cut)
+            else:
+                self._unanswered(send, exc)
             raise
         finally:
             self.stats.in_flight -= 1
             self.limiter.release()
+        self._settle(item, reservation, *result)
+
+    def _settle(self, item: WorkItem, reservation: float, outcome: Outcome, record: ResponseRecord | None,
+                attempt: AttemptRecord, usage: CheckedUsage) -> None:
+        """Book an attempt's cost against its reservation, write its row, and hand its outcome on
+        (stored, retried or failed)."""
         cost = attempt.cost
         answered = outcome.kind == "ok"
         if cost is None and not answered and not outcome.maybe_billed:
@@ -506,13 +518,9 @@ class Engine:
         """Attempt ``n`` of ``item`` over HTTP: its outcome, the response to store (when ok),
         its log row, and its usage as validated at the boundary."""
         stream = self.s.stream
-        started_at = time.time()
-        t0 = item.sent_at = time.monotonic()
+        r = _Read(stream, time.time(), time.monotonic())
+        item.sent_at = r.t0
         self.stats.requests += 1
-        got = bytearray()  # a body as read so far: kept when the read fails after it all came
-        sse: _StreamRead | None = None
-        status: int | None = None
-        headers: Any = {}
         failed: Outcome | None = None  # how the transfer failed, if it did
         limit, total = _attempt_limit(self.s, stream)
         deadline = asyncio.timeout(total)
@@ -527,25 +535,36 @@ class Engine:
             # store that GET's answer as this request's (see classify's 3xx)
             async with deadline, session.post(self._url, data=wire, headers=self._request_headers,
                                               timeout=timeout, allow_redirects=False) as resp:
-                status, headers = resp.status, resp.headers
-                if stream and status == 200 and _media_type(headers) == "text/event-stream":
-                    sse = _StreamRead(StreamAssembler(key=self.key))
-                    await self._read_events(resp.content.iter_any(), sse)
+                r.status, r.headers = resp.status, resp.headers
+                if stream and r.status == 200 and _media_type(r.headers) == "text/event-stream":
+                    r.sse = _StreamRead(StreamAssembler(key=self.key))
+                    await self._read_events(resp.content.iter_any(), r.sse)
                 else:
-                    await read_capped(resp, self.s.max_response_bytes, into=got)
+                    await read_capped(resp, self.s.max_response_bytes, into=r.got)
         except (asyncio.CancelledError, KeyboardInterrupt):
+            if r.status is not None:  # an answer may have come whole while the server held the connection
+                stopped = Outcome("retry", "interrupted", "the run stopped while the answer was being read", r.status,
+                                  maybe_billed=True)
+                self._cut_short[item.sample_id, n] = self._result(item, n, r, stopped)
             raise
         except ResponseTooLarge as exc:
-            failed = classify_too_large(status, headers, exc)
+            failed = classify_too_large(r.status, r.headers, exc)
         except TimeoutError as exc:
             if deadline.expired():
                 failed = Outcome("retry", "timeout", f"attempt took longer than {limit}={total:g} s in all",
-                                 status, maybe_billed=True)
+                                 r.status, maybe_billed=True)
             else:
                 failed = classify_exception(exc)
         except TRANSPORT_FAILURES as exc:  # classified; anything else is a bug (internal, with its traceback)
             failed = classify_exception(exc)
-        latency = time.monotonic() - t0
+        return self._result(item, n, r, failed)
+
+    def _result(self, item: WorkItem, n: int, r: _Read, failed: Outcome | None,
+                ) -> tuple[Outcome, ResponseRecord | None, AttemptRecord, CheckedUsage]:
+        """What an attempt's read ``r`` gave (``failed``: how its transfer failed, if it did):
+        its outcome, the response to store (when ok), its log row and its usage."""
+        status, headers, got, sse, stream, started_at = r.status, r.headers, r.got, r.sse, r.stream, r.started_at
+        latency = time.monotonic() - r.t0
         too_large = failed is not None and failed.error_class == "response_too_large"
         if sse is None and stream and status == 200 and not too_large and _starts(got, _SSE_STARTS):
             # a stream under another Content-Type (none, text/plain, any case): read as the stream it is
@@ -861,6 +880,20 @@ class Engine:
         self._notice(f"stopping: store write failed: {exc}")
         self.request_stop(StopReason.STORE)
 
+
+
+@dataclass
+class _Read:
+    """An attempt's transfer as far as it went: what its result is built from, also where
+    the run aborts it mid-read (an answer that came whole is kept, as for a cut transfer)."""
+
+    stream: bool
+    started_at: float
+    t0: float
+    status: int | None = None
+    headers: Any = field(default_factory=dict)
+    got: bytearray = field(default_factory=bytearray)  # a body as read so far: kept when the read fails after it all came
+    sse: _StreamRead | None = None
 
 
 @dataclass
