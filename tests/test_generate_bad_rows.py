@@ -42,6 +42,11 @@ BAD_LINES = [  # (JSONL line, expected "line N: field 'F': message" tail)
      "field 'messages[1].tool_calls[0].function.arguments': missing"),
     ('{"messages": [{"role": "assistant", "content": "", "tool_calls": "call"}, {"role": "user", "content": "y"}]}',
      "field 'messages[0].tool_calls': must be a list or null, got str"),
+    # a key given twice: the last was sent without a word (a cold tester's)
+    ('{"id": "d", "prompt": "first", "prompt": "second"}', "field '<line>': not valid JSON: the key 'prompt' appears "
+     "twice in one object: which value is meant is unclear (readers keep the first or the last)"),
+    ('{"messages": [{"role": "user", "content": "a", "content": "b"}]}', "field '<line>': not valid JSON: the key "
+     "'content' appears twice in one object: which value is meant is unclear (readers keep the first or the last)"),
 ]
 
 
@@ -232,3 +237,17 @@ def test_a_dry_run_lists_rows_not_utf8_and_exits_1(tmp_path):
     assert "samples: 3 (0 already done, 3 to send), bad rows: 2" in res.output
     assert [line for line in res.output.splitlines() if line.startswith("bad row:")] == [
         f"bad row: {f}: {where}: field '{field}': {why}" for where, field, why in _UTF8_ERRORS]
+
+
+def test_a_parquet_file_with_a_row_column_twice_is_refused(tmp_path):
+    """Two ``prompt`` columns: the reader kept the last and sent it without a word."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tokenbridge.generate.prompts import PromptSourceError
+
+    path = tmp_path / "dup.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["hi"]), pa.array(["yo"])], names=["prompt", "prompt"]), path)
+    with pytest.raises(PromptSourceError) as err:
+        load_prompts([DatasetSpec("d", path)])
+    assert str(err.value) == f"dataset 'd': {path}: column(s) 'prompt' appear twice: which to send is unclear"

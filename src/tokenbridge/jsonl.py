@@ -81,16 +81,36 @@ def loads_line(line: str | bytes) -> Any:
         raise JsonLineError(f"not valid JSON ({number_too_long(exc)})") from None
 
 
-def loads_finite(text: str | bytes) -> Any:  # Any: any JSON value
+def loads_finite(text: str | bytes, *, unique_keys: bool = False) -> Any:  # Any: any JSON value
     """The stdlib's ``json.loads``, refusing what JSON has no spelling for (``NaN``,
     ``Infinity``, a float past a double such as ``1e400``, which the stdlib reads and
     every writer then turns into null or a literal ``NaN`` no reader takes): a
     :class:`JsonLineError` naming the number and its field. The stdlib's own errors
     (JSONDecodeError, RecursionError, the int-string limit's ValueError) propagate."""
+    hook = _unique_object if unique_keys else None
     try:
-        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float, object_pairs_hook=hook)
     except _NotFinite:
         raise JsonLineError(_not_finite_where(text)) from None
+    except _RepeatedKey as exc:
+        raise JsonLineError(f"the key {exc.args[0][:40]!r} appears twice in one object: which value is meant is "
+                            "unclear (readers keep the first or the last)") from None
+
+
+class _RepeatedKey(Exception):
+    pass
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's pairs as a dict, or :class:`_RepeatedKey` naming a key given twice (``unique_keys``)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _RepeatedKey(key)
+            seen.add(key)
+    return out
 
 
 def loads_document(text: str | bytes) -> Any:  # Any: any JSON value; callers check its shape

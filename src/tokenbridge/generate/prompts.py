@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator, Sequence
 
 from ..content import content_fault, role_fault, tool_calls_fault
 from ..jsonl import JsonLineError, loads_finite, loads_line, number_too_long
@@ -244,7 +244,7 @@ def _loads(text: str | bytes) -> Any:
     """JSON a dataset holds (a JSONL line, a field stored as JSON text), read as the row and
     exchange readers read it, NaN, Infinity and 1e400 refused: :class:`_NotJson` says why not."""
     try:
-        return loads_finite(text)
+        return loads_finite(text, unique_keys=True)  # a key given twice: the stdlib keeps the last, silently
     except JsonLineError as exc:  # NaN, Infinity, 1e400: sent as they are, no API reads them
         raise _NotJson(exc.detail) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -520,6 +520,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, str, Any]]:
 
     try:
         pf = pq.ParquetFile(path)
+        _unique_columns(path, pf.schema_arrow.names)
         names = [n for n in dict.fromkeys(pf.schema_arrow.names) if n in _ROW_KEYS]
     except OSError as exc:
         if exc.errno:  # the file cannot be opened or read (pyarrow's errors say "Parquet" otherwise)
@@ -529,6 +530,14 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, str, Any]]:
         raise PromptSourceError(f"{path}: cannot read parquet: {exc}") from None
     # only the columns a row is read from: a damaged or odd column no row uses is not read
     yield from _batch_rows(path, _read_batches(path, pf.iter_batches(batch_size=1024, columns=names)))
+
+
+def _unique_columns(path: Path, names: Sequence[str]) -> None:
+    """A row column (``prompt``, ``messages``...) the file holds twice is no dataset to send:
+    each row's value would be whichever the reader kept (the last, silently)."""
+    twice = sorted({n for n in names if n in _ROW_KEYS and names.count(n) > 1})
+    if twice:
+        raise PromptSourceError(f"{path}: column(s) {', '.join(map(repr, twice))} appear twice: which to send is unclear")
 
 
 def _read_batches(path: Path, batches: Iterator[Any]) -> Iterator[Any]:
@@ -567,6 +576,7 @@ def _iter_arrow(path: Path) -> Iterator[tuple[str, str, Any]]:
         raise PromptSourceError(f"{path}: cannot read Arrow data: {exc}") from None
     except pa.ArrowException as exc:
         raise PromptSourceError(f"{path}: cannot read Arrow data: {exc}") from None
+    _unique_columns(path, table.schema.names)
     table = table.select([i for i, name in enumerate(table.schema.names) if name in _ROW_KEYS])
     # an IPC file's offsets are the file's bytes, unchecked: one out of bounds crashed to_pylist (SIGSEGV)
     yield from _batch_rows(path, table.to_batches(max_chunksize=1024), check_layout=True)
