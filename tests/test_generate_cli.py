@@ -411,9 +411,8 @@ def test_rows_whose_ids_changed_under_the_same_name_are_told_to_take_their_ids_b
         assert sum(srv.attempts.values()) == 2
 
 
-def test_a_dry_run_reads_the_store_without_writing_or_waiting_on_a_run(tmp_path):
-    """--dry-run opened the store as a run does: it made and upgraded the schema and took
-    the write lock, so beside a running generate it waited on that lock (60 s), then failed."""
+def _finished_run(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A run folder whose two samples are done, and the command line that made it."""
     from hostile_server import HostileServer
 
     prompts = tmp_path / "p.jsonl"
@@ -422,6 +421,13 @@ def test_a_dry_run_reads_the_store_without_writing_or_waiting_on_a_run(tmp_path)
     with HostileServer() as srv:
         common = [f"d={prompts}", "--out", str(run), "--base-url", srv.url, "--model", "m", "--progress", "none"]
         assert _invoke(common).exit_code == 0
+    return run, common
+
+
+def test_a_dry_run_reads_the_store_without_writing_or_waiting_on_a_run(tmp_path):
+    """--dry-run opened the store as a run does: it made and upgraded the schema and took
+    the write lock, so beside a running generate it waited on that lock (60 s), then failed."""
+    run, common = _finished_run(tmp_path)
     before = (run / "state.sqlite").read_bytes()
     writer = sqlite3.connect(run / "state.sqlite", isolation_level=None)
     writer.execute("BEGIN IMMEDIATE")  # a run in the middle of a write
@@ -438,14 +444,7 @@ def test_a_dry_run_leaves_the_run_folder_as_it_found_it(tmp_path):
     """Reading a WAL database makes SQLite put ``state.sqlite-wal`` and ``-shm`` beside it,
     which a read-only connection cannot remove: a dry run of a finished run left both. Beside
     a run that has the database open, they are the run's and stay."""
-    from hostile_server import HostileServer
-
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"id": k, "prompt": f"q {k}"}) + "\n" for k in "ab"), encoding="utf-8")
-    run = tmp_path / "run"
-    with HostileServer() as srv:
-        common = [f"d={prompts}", "--out", str(run), "--base-url", srv.url, "--model", "m", "--progress", "none"]
-        assert _invoke(common).exit_code == 0
+    run, common = _finished_run(tmp_path)
     listing = sorted(p.name for p in run.iterdir())
     assert "state.sqlite-wal" not in listing
     before = {p.name: p.read_bytes() for p in run.iterdir()}

@@ -168,6 +168,15 @@ def _tool_name(messages: Sequence[Message], i: int) -> str:
     raise TemplateError(f"messages[{i}]: a tool result with no name and no matching tool call")
 
 
+def _effort_and_day(kwargs: Mapping[str, Any]) -> tuple[str, str]:
+    """The system message's reasoning effort and serving day (``strftime_now`` where given)."""
+    effort = kwargs.get("reasoning_effort", "medium")
+    if effort not in EFFORTS:
+        raise TemplateError(f"reasoning_effort {effort!r}: openai_harmony knows {', '.join(EFFORTS)}")
+    clock: Callable[[str], str] | None = kwargs.get("strftime_now")
+    return str(effort), clock("%Y-%m-%d") if clock is not None else datetime.now(UTC).strftime("%Y-%m-%d")
+
+
 @checked
 def render(
     messages: Sequence[Message],
@@ -176,13 +185,9 @@ def render(
     kwargs: Mapping[str, Any],
 ) -> str:
     each_call(messages, need_name=False)
-    effort = kwargs.get("reasoning_effort", "medium")
-    if effort not in EFFORTS:
-        raise TemplateError(f"reasoning_effort {effort!r}: openai_harmony knows {', '.join(EFFORTS)}")
-    clock: Callable[[str], str] | None = kwargs.get("strftime_now")
-    day = clock("%Y-%m-%d") if clock is not None else datetime.now(UTC).strftime("%Y-%m-%d")
+    effort, day = _effort_and_day(kwargs)
     first_system = next((i for i, m in enumerate(messages) if m.get("role") == "system"), None)
-    out = [_system(day, str(effort), bool(tools))]
+    out = [_system(day, effort, bool(tools))]
     if first_system is not None or tools:
         instructions = _text(messages[first_system].get("content")) if first_system is not None else None
         out.append(_developer(instructions, tools))
@@ -287,15 +292,11 @@ def render_vllm(
     a commentary message before its analysis, and each call's header with the ``json``
     content type; a tool result is named by the call it answers; an assistant turn with no
     text writes nothing; the analysis before the last final answer is dropped."""
-    effort = kwargs.get("reasoning_effort", "medium")
-    if effort not in EFFORTS:
-        raise TemplateError(f"reasoning_effort {effort!r}: vLLM's harmony renderer knows {', '.join(EFFORTS)}")
-    clock: Callable[[str], str] | None = kwargs.get("strftime_now")
-    day = clock("%Y-%m-%d") if clock is not None else datetime.now(UTC).strftime("%Y-%m-%d")
+    effort, day = _effort_and_day(kwargs)
     rest = list(messages)
     instructions = _flat(rest.pop(0).get("content")) if rest[0].get("role") in ("system", "developer") else None
     functions = [t for t in tools or () if t.get("type", "function") == "function"] or None
-    out = [_system(day, str(effort), bool(functions))]
+    out = [_system(day, effort, bool(functions))]
     if instructions or functions:
         out.append(_developer(instructions, functions))
     out += [text for _, text in _vllm_messages(rest)]
