@@ -31,7 +31,8 @@ the bytes of every whole body it answered with (what a test compares the store w
   cut_json            200 ``application/json`` cut inside its choices (not JSON at all)
   whole_then_hold[:<usd>]  a whole ``ok`` body (``usage.cost`` <usd>) under a ``Content-Length``
                       10 bytes longer, the connection then held open (``whole_then_hold_sse``: a
-                      stream's finish and usage chunks, then keep-alive comments, no ``[DONE]``)
+                      stream's finish and usage chunks, then keep-alive comments, no ``[DONE]``;
+                      ``half_then_hold``: the first half of the body)
 forms: raw, json_escaped (mixed ``\\uXXXX``), json_short (``\\/``, ``\\"``, ``\\\\``), url, base64,
 mime_base64 (a line break every 76 characters, as ``base64.encodebytes`` writes it), starred
 (its last four characters as ``****``).
@@ -165,13 +166,14 @@ class HostileServer:
             self.sent.setdefault(prompt, []).append(resp.body)
         return resp
 
-    async def _whole_then_hold(self, request: web.Request, cost: float, *, sse: bool) -> web.StreamResponse:
-        """A whole answer, then the connection held open (see the module doc)."""
+    async def _whole_then_hold(self, request: web.Request, cost: float, *, sse: bool, half: bool = False,
+                               ) -> web.StreamResponse:
+        """A whole answer (``half``: its first half), then the connection held open (see the module doc)."""
         if not sse:
             body = json.dumps(_ok(cost=cost)).encode()
             resp = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": str(len(body) + 10)})
             await resp.prepare(request)
-            await resp.write(body)
+            await resp.write(body[: len(body) // 2] if half else body)
         else:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -232,8 +234,9 @@ class HostileServer:
             return _json_bytes(json.dumps(doc).encode())
         if name == "nan_field":
             return _json_bytes(json.dumps(_ok(cost=float(arg)))[:-1].encode() + b', "x": NaN}')
-        if name in ("whole_then_hold", "whole_then_hold_sse"):
-            return await self._whole_then_hold(request, float(arg or 0.0001), sse=name.endswith("sse"))
+        if name in ("whole_then_hold", "whole_then_hold_sse", "half_then_hold"):
+            return await self._whole_then_hold(request, float(arg or 0.0001), sse=name.endswith("sse"),
+                                               half=name.startswith("half"))
         if name == "cut_json":
             return _json_bytes(json.dumps(_ok()).encode()[:60])
         if name == "echo_error":

@@ -264,6 +264,54 @@ def test_an_answer_that_came_whole_before_an_abort_is_kept_not_bought_again(tmp_
     assert rows == [("k-0", None, 0.25), ("k-1", None, 0.25)] and spent == pytest.approx(0.5)
 
 
+def _abort_one(tmp_path: Path, mode: str, *, max_attempts: int = 6):
+    """One sample sent to a ``mode`` reply, aborted once its body is out: (stats, attempt rows, statuses)."""
+    from tokenbridge.generate.budget import Budget
+    from tokenbridge.generate.engine import Engine, WorkItem
+
+    async def main(url: str):
+        settings = GenerateSettings(request=RequestSettings(model="m", max_tokens=8), base_url=url, concurrency=2,
+                                    progress="none", max_attempts=max_attempts)
+        with Store.open(tmp_path / "run") as store:
+            store.add_samples([("k-0", "k", "", json.dumps({"model": "m", "max_tokens": 8, "messages": [
+                {"role": "user", "content": "q0"}]}))])
+            engine = Engine(settings, None, store, Budget(None, None))
+            task = asyncio.create_task(engine.run([WorkItem.from_stored(s) for s in store.samples()]))
+            for _ in range(2000):  # the body out, the connection held (bounded wait)
+                if srv.whole.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            engine.abort()
+            stats = await asyncio.wait_for(task, 20)  # a hang here is the failure
+            rows = [(a.error_class, a.cost, a.body is not None) for a in store.attempts("k-0")]
+            return stats, rows, store.status_counts()
+
+    with HostileServer() as srv:
+        srv.plan["q0"] = [mode]
+        return asyncio.run(main(srv.url))
+
+
+def test_a_part_of_an_answer_at_an_abort_leaves_the_sample_pending_on_its_last_attempt(tmp_path):
+    """Its bytes and booking go to the attempt row, but the sample was marked failed ("gave
+    up after 1 attempts") where the abort leaves every other pending (a cold reviewer's)."""
+    stats, rows, counts = _abort_one(tmp_path, "half_then_hold", max_attempts=1)
+    assert counts == {"pending": 1} and stats.failed == 0 and stats.errors == {"interrupted": 1}
+    assert rows == [("interrupted", None, True)]
+
+
+def test_a_bug_in_keeping_what_came_at_an_abort_does_not_hang_the_run(tmp_path, monkeypatch):
+    """A bug in the salvage replaced the cancellation: the worker swallowed it and waited for
+    more work, and the run never ended (a cold reviewer's fault injection)."""
+    from tokenbridge.generate import engine as E
+
+    def broken(self, *args):
+        raise ValueError("a bug in the salvage")
+    monkeypatch.setattr(E.Engine, "_salvaged", broken)
+    stats, rows, counts = _abort_one(tmp_path, "whole_then_hold")
+    assert counts == {"pending": 1} and stats.internal_errors == 1
+
+
 def test_requests_in_flight_at_a_kill_9_are_booked_when_the_next_run_begins(tmp_path):
     spec = DatasetSpec("k", write_prompts(tmp_path, 4))
     run = tmp_path / "run"

@@ -65,7 +65,7 @@ from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_
 from .limiter import AdaptiveLimiter
 from .progress import RateMeter
 from .request import routing_key, wire_body
-from .secrets import ApiKey, compressed_key, scattered_key, scrub, scrub_bytes, scrub_message
+from .secrets import ApiKey, compressed_key, mask_scattered, scattered_key, scrub, scrub_bytes, scrub_message
 from .settings import GenerateSettings
 from .sse import SSEDecoder, SSEEvent, StreamAssembler, StreamError
 from .store import AttemptRecord, Batch, ResponseRecord, SendRecord, Store, StoredSample
@@ -411,10 +411,14 @@ class Engine:
             result = await self._attempt(session, item, n)
         except BaseException as exc:  # aborted, or a bug: it went out, so it may have been billed
             cut = self._cut_short.pop((item.sample_id, n), None)
-            if cut is not None:  # aborted while reading: what came is settled as any cut transfer is
-                self._settle(item, reservation, *cut)
-            else:
+            if cut is None:
                 self._unanswered(send, exc)
+                raise
+            try:  # aborted while reading: what came is settled as any cut transfer is; the sample
+                # is handed on only when its answer came whole (else it stays pending, as the abort leaves all)
+                self._settle(item, reservation, *cut, hand_on=cut[0].kind == "ok")
+            except Exception as bug:  # noqa: BLE001 - the abort must go on: a bug here is counted, not raised
+                self._internal(bug)
             raise
         finally:
             self.stats.in_flight -= 1
@@ -422,9 +426,9 @@ class Engine:
         self._settle(item, reservation, *result)
 
     def _settle(self, item: WorkItem, reservation: float, outcome: Outcome, record: ResponseRecord | None,
-                attempt: AttemptRecord, usage: CheckedUsage) -> None:
+                attempt: AttemptRecord, usage: CheckedUsage, *, hand_on: bool = True) -> None:
         """Book an attempt's cost against its reservation, write its row, and hand its outcome on
-        (stored, retried or failed)."""
+        (stored, retried or failed); without ``hand_on`` (a read the run aborted) it is only counted."""
         cost = attempt.cost
         answered = outcome.kind == "ok"
         if cost is None and not answered and not outcome.maybe_billed:
@@ -453,7 +457,10 @@ class Engine:
                          "their cost is unknown and, under --max-cost, booked at their reservation")
         assert self._settled is not None
         self._settled.set()
-        self._handle(item, outcome, record)
+        if hand_on:
+            self._handle(item, outcome, record)
+        elif outcome.error_class:
+            self.stats.errors[outcome.error_class] += 1
         self.stats.limit = self.limiter.limit
 
     async def _recorded(self, send: SendRecord) -> bool:
@@ -545,7 +552,10 @@ class Engine:
             if r.status is not None:  # an answer may have come whole while the server held the connection
                 stopped = Outcome("retry", "interrupted", "the run stopped while the answer was being read", r.status,
                                   maybe_billed=True)
-                self._cut_short[item.sample_id, n] = self._result(item, n, r, stopped)
+                try:
+                    self._cut_short[item.sample_id, n] = self._result(item, n, r, stopped)
+                except Exception as bug:  # noqa: BLE001 - the abort goes on (booked at its reservation)
+                    self._internal(bug)
             raise
         except ResponseTooLarge as exc:
             failed = classify_too_large(r.status, r.headers, exc)
@@ -585,6 +595,8 @@ class Engine:
         usage = checked_usage(parsed, key=self.key)  # an error body may carry usage too: a billed retry counts
         cost = cost_of(usage.usage, self.s.prices)
         kept = _unkept(status, outcome, raw if streamed else body)
+        if kept is not None:  # an error body kept (a 200's too): the key quoted in short pieces masked
+            kept = mask_scattered(kept, self.key)
         if kept is not None and (why := compressed_key(kept, self.key, limit=self.s.max_response_bytes)):
             self._notice(f"a paid answer that was not kept {why}: its bytes are not kept in its attempt row")
             kept, message = None, f"{message} (its body {why}: not kept)"

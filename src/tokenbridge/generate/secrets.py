@@ -164,9 +164,11 @@ def scattered_key(data: bytes, key: ApiKey | str | None) -> bool:
     if not value or not data or len(value) < MIN_MASKED:
         return False
     raw, pieces = _pieces(value)
-    found = {m.group(1) for m in pieces.finditer(data)}  # overlapping: a 12-character piece holds five
+    # overlapping: a 12-character piece holds five; either case (an upper-cased hex key is the key)
+    found = {m.group(1).lower() for m in pieces.finditer(data)}
     if not found:
         return False
+    raw = raw.lower()
     covered = bytearray(len(raw))
     for i in range(len(raw) - SCATTER_PIECE + 1):
         if raw[i:i + SCATTER_PIECE] in found:
@@ -206,8 +208,8 @@ def scrub_message(text: str, key: ApiKey | str | None) -> str:
 def _pieces(value: str) -> tuple[bytes, re.Pattern[bytes]]:
     """The key's bytes, and a pattern matching each of its :data:`SCATTER_PIECE`-long pieces."""
     raw = value.encode("utf-8", "surrogatepass")
-    grams = sorted({raw[i:i + SCATTER_PIECE] for i in range(len(raw) - SCATTER_PIECE + 1)})
-    return raw, re.compile(b"(?=(" + b"|".join(re.escape(g) for g in grams) + b"))")
+    grams = sorted({raw[i:i + SCATTER_PIECE].lower() for i in range(len(raw) - SCATTER_PIECE + 1)})
+    return raw, re.compile(b"(?=(" + b"|".join(re.escape(g) for g in grams) + b"))", re.IGNORECASE)
 
 
 _GZIP_MAGIC = b"\x1f\x8b"
