@@ -136,3 +136,19 @@ def test_two_lossy_parts_are_not_split_by_guess(kimi):
     rec["response"]["choices"][0]["message"]["reasoning"] = "x \ufffd"
     row, = reconstruct_record(rec, kimi)
     assert "replacement_char" in codes(row) and row["status"] == "rejected" and row["reconstruction"] is None
+
+
+def test_a_broken_character_before_the_end_token_is_placed_by_logprobs_without_it(kimi):
+    """The model wrote two of a character's three byte tokens, then ended its turn; the
+    logprobs leave out the end token. One id short also decodes to one U+FFFD, so the first
+    place tried was the wrong one and the sample was rejected (a cold reviewer's): each place
+    is a reading now, and the logprobs pick."""
+    body = kimi.encode("ab ") + kimi.encode(CONTENT)[-3:-1]
+    ids = kimi.encode(REASONING) + [kimi.token_id("</think>")] + body + [kimi.token_id("<|im_end|>")]
+    served = kimi.decode_bytes(body).decode("utf-8", "replace")
+    assert served == "ab \ufffd"
+    for logged in (ids, ids[:-1]):
+        rec = _record(kimi, logged, served, "stop", "sglang_logprobs")
+        rec["response"]["usage"]["completion_tokens"] = len(ids)
+        row, = reconstruct_record(rec, kimi)
+        assert row["completion_ids"] == ids and codes(row) == ["text_lossy"] and row["reconstruction"] == "bytes=ids"

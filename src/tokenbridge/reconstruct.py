@@ -463,8 +463,8 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
              if tools_streamed and not by_ids else None)
     if len(cands) == 1:  # the common case: one reading, each part encoded as it is
         ids_1, free_1 = _encode_parts(tok, cands[0].parts, None)
-        cands, [ids_1], [free_1] = _lossy_from_truth(tok, cands, [ids_1], [free_1], native, logged)
-        return _Choice(idx, choice, native, logged, stop, cands, [ids_1], [free_1], stream_doubt=doubt)
+        cands, cand_ids, cand_free = _lossy_from_truth(tok, cands, [ids_1], [free_1], native, logged)
+        return _Choice(idx, choice, native, logged, stop, cands, cand_ids, cand_free, stream_doubt=doubt)
     done: dict[str, tuple[list[int], bool]] = {}  # each text encoded once across the readings
     plain = [c for c in cands if not c.held]
     held_cands = _encode_held(tok, [c for c in cands if c.held], plain, done, same_count=not by_ids)
@@ -509,27 +509,43 @@ def _lossy_from_truth(tok: Tokenizer, cands: list[Candidate], cand_ids: list[lis
         logged.ids if logged is not None and logged.ids is not None and not logged.unknown else None)
     if truth is None or tok.unknown_id(truth) is not None:
         return cands, cand_ids, cand_free
-    out_c, out_ids, out_free = list(cands), list(cand_ids), list(cand_free)
-    for n, (c, part_ids, where) in enumerate(zip(cands, cand_ids, lossy)):
-        if len(where) != 1:  # two such parts: where one's ids end and the next's begin is not known
-            continue
-        k = where[0]
-        text = c.parts[k][1]
-        start = sum(map(len, part_ids[:k]))
-        after = sum(map(len, part_ids[k + 1:]))
-        # logprobs may leave out the end token: the truth is then one id short of the reading
-        for end in dict.fromkeys((len(truth) - after, len(truth) - after + (native is None and ends_turn(c.parts)))):
-            if end < start:
-                continue
-            piece = list(truth[start:end])
-            spelled = tok.decode_bytes(piece)
-            if spelled != text.encode("utf-8", "surrogatepass") and spelled.decode("utf-8", "replace") == text:
-                out_c[n] = replace(c, names=(*c.names, LOSSY_TEXT))
-                out_ids[n] = [*part_ids[:k], piece, *part_ids[k + 1:]]
-                free = out_free[n] = list(cand_free[n])
-                free[k] = not any(i in tok.marker_ids for i in piece)
-                break
+    out_c: list[Candidate] = []
+    out_ids: list[list[list[int]]] = []
+    out_free: list[list[bool]] = []
+    for c, part_ids, free, where in zip(cands, cand_ids, cand_free, lossy):
+        found = _truth_pieces(tok, c, part_ids, where, truth, native is None)
+        for k, piece in found:  # logprobs that may leave out the end token: each place a reading, the evidence picks
+            out_c.append(replace(c, names=(*c.names, LOSSY_TEXT)))
+            out_ids.append([*part_ids[:k], piece, *part_ids[k + 1:]])
+            out_free.append([*free[:k], not any(i in tok.marker_ids for i in piece), *free[k + 1:]])
+        if not found:
+            out_c.append(c)
+            out_ids.append(part_ids)
+            out_free.append(free)
     return out_c, out_ids, out_free
+
+
+def _truth_pieces(tok: Tokenizer, c: Candidate, part_ids: list[list[int]], where: list[int], truth: Sequence[int],
+                  logged: bool) -> list[tuple[int, list[int]]]:
+    """(the part, its ids) for each slice of ``truth`` that may stand for reading ``c``'s one
+    text part holding U+FFFD: the other parts' ids before and after it, and logprobs
+    (``logged``) that may leave out the end token, place it; its bytes must not be UTF-8 and
+    must decode to exactly that text."""
+    if len(where) != 1:  # two such parts: where one's ids end and the next's begin is not known
+        return []
+    k = where[0]
+    text = c.parts[k][1]
+    start = sum(map(len, part_ids[:k]))
+    after = sum(map(len, part_ids[k + 1:]))
+    out = []
+    for end in dict.fromkeys((len(truth) - after, len(truth) - after + (logged and ends_turn(c.parts)))):
+        piece = list(truth[start:end]) if end >= start else None
+        if piece is None:
+            continue
+        spelled = tok.decode_bytes(piece)
+        if spelled != text.encode("utf-8", "surrogatepass") and spelled.decode("utf-8", "replace") == text:
+            out.append((k, piece))
+    return out
 
 
 def _spelled_resent(tok: Tokenizer, cands: list[Candidate], ids: Sequence[int] | None) -> list[Candidate]:
