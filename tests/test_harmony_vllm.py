@@ -143,3 +143,17 @@ def test_a_request_vllm_refuses_has_no_vllm_reading(harmony):
                             {"role": "assistant", "content": "", "tool_calls": [call]},
                             {"role": "tool", "tool_call_id": "c", "content": json.dumps({"t": 20})}]}
     assert list(_readings(harmony, request)) == [f"date={DAY}"]
+
+
+@pytest.mark.parametrize("request_extra", [{"chat_template_kwargs": {"reasoning_effort": "high"}},
+                                           {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
+                                           {"reasoning": {"effort": "high"}}])
+def test_vllms_effort_is_the_requests_own_never_the_template_kwargs(harmony, vllm_prompt, request_extra):
+    """vLLM's harmony path reads ``reasoning_effort`` alone; both readings printed the
+    template kwargs' effort, ``Reasoning: high`` where vLLM wrote ``medium``, the same count:
+    wrong prompt ids ``ok`` (a cold reviewer's)."""
+    request = {"messages": [{"role": "user", "content": "Hi"}], **request_extra}
+    readings = _readings(harmony, request)
+    vllm = readings.get(f"date={DAY}+harmony=vllm", readings[f"date={DAY}"])
+    served = request_extra.get("reasoning", {}).get("effort") or request_extra.get("reasoning_effort") or "medium"
+    assert vllm == vllm_prompt({**request, "reasoning_effort": served} if "reasoning" in request_extra else request)

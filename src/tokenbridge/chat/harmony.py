@@ -115,6 +115,21 @@ def _number(value: Any) -> float | None:
     return float(value) if 0 <= value < 1e11 else None  # NaN (compares false), negative and absurd times are no timing
 
 
+def _request_effort(request: Mapping[str, Any]) -> str | None:
+    """The request's reasoning effort: OpenRouter's ``reasoning.effort`` (else
+    ``reasoning.reasoning_effort``) over a top-level ``reasoning_effort``, as SGLang 0.5.23's
+    ``normalize_reasoning_inputs`` takes it (OpenRouter hands an upstream the same)."""
+    effort = request.get("reasoning_effort")
+    reasoning = request.get("reasoning")
+    if isinstance(reasoning, Mapping):
+        inner = reasoning.get("effort")
+        if inner is None:
+            inner = reasoning.get("reasoning_effort")
+        if inner is not None:
+            effort = inner
+    return effort if isinstance(effort, str) else None
+
+
 def _day_clock(day: str) -> Callable[[str], str]:
     """``strftime_now`` for a template, fixed at noon UTC of ``day``."""
     when = datetime.fromisoformat(day).replace(hour=12, tzinfo=UTC)
@@ -218,15 +233,8 @@ class HarmonyDialect(Dialect):
         SGLang 0.5.23's ``normalize_reasoning_inputs`` does; then the request's
         ``chat_template_kwargs``."""
         kwargs: dict[str, Any] = {}
-        effort = request.get("reasoning_effort")
-        reasoning = request.get("reasoning")
-        if isinstance(reasoning, Mapping):
-            inner = reasoning.get("effort")
-            if inner is None:
-                inner = reasoning.get("reasoning_effort")
-            if inner is not None:
-                effort = inner
-        if isinstance(effort, str):
+        effort = _request_effort(request)
+        if effort is not None:
             kwargs["reasoning_effort"] = effort
         kwargs.update(template_kwargs(request))
         return kwargs
@@ -252,16 +260,20 @@ class HarmonyDialect(Dialect):
             text = render(messages, tools, True, {**kwargs, "strftime_now": _day_clock(day)})
             out.append(PromptReading(text, name))
         if self.vllm_render is not None:
-            out += self._vllm_readings(messages, tools, kwargs, list(zip(days, out)))
+            out += self._vllm_readings(request, kwargs, list(zip(days, out)))
         return out
 
-    def _vllm_readings(self, messages: Any, tools: Any, kwargs: Mapping[str, Any],
+    def _vllm_readings(self, request: Mapping[str, Any], kwargs: Mapping[str, Any],
                        dated: list[tuple[str, PromptReading]]) -> list[PromptReading]:
         """vLLM's prompt for each serving day, where it differs from the reading of that day;
         none where vLLM would have refused the request (it was not served there)."""
         from .template import TemplateError
 
+        messages: Any = request.get("messages")
+        tools = request.get("tools")
         assert self.vllm_render is not None
+        # vLLM's harmony path reads the request's own effort, never chat_template_kwargs'
+        kwargs = {**kwargs, "reasoning_effort": _request_effort(request) or "medium"}
         out = []
         for day, reading in dated:
             try:
