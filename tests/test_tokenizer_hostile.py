@@ -59,6 +59,8 @@ def _set(lines: list[bytes], at: int, line: bytes) -> None:
     (lambda d: d["added_tokens_decoder"].update({"163587": None}), r'added_tokens_decoder\["163587"\] must be an object, '
                                                                     "not null"),
     (lambda d: d["added_tokens_decoder"].update(abc={"content": "x"}), "added_tokens_decoder: key 'abc' is not a token id"),
+    (lambda d: d["added_tokens_decoder"].update({"+163587": {"content": "x"}}),
+     r"added_tokens_decoder: keys for id 163587 are given twice \('\+163587'\)"),
     (lambda d: d.update(chat_template=5), "chat_template must be a string or a list"),  # was: dropped silently
     (lambda d: d.update(chat_template=[{"name": "default", "template": 5}]), "the \"default\" entry's template"),
 ])
@@ -181,3 +183,12 @@ def test_a_chat_template_that_does_not_compile_is_one_line_in_every_command(tmp_
     assert out.stderr.splitlines() == [f"error: {folder}: chat template does not compile: TemplateSyntaxError: "
                                        "Expected an expression, got 'end of statement block'"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "kimi-k2.5"]
+
+
+def test_an_id_key_spelled_as_int_reads_it_is_that_id(tmp_path):
+    """``"+163587"`` names id 163587 for the model's own loader (``int(key)``); it was read as
+    absent and the id named ``<|reserved_token_163587|>`` (a cold reviewer's)."""
+    def respell(d: dict[str, Any]) -> None:
+        d["added_tokens_decoder"]["+163587"] = d["added_tokens_decoder"].pop("163587")
+    tok = load_tokenizer(_copy(tmp_path, "kimi-k2.5", tokenizer_config__json=_config("kimi-k2.5", respell)))
+    assert tok.marker_ids[163587] == "<|im_user|>"

@@ -788,17 +788,23 @@ def _added_names(path: Path, config: Mapping[str, Any], ids: range) -> dict[int,
         decoder = {}
     if not isinstance(decoder, dict):
         raise TokenizerError(f"{path}: added_tokens_decoder must be an object, not {_json_type(decoder)}")
-    for key in decoder:  # the model's own loader reads each key with int(): one that is no number stops it
+    # read by id as the model's own loader reads each key, with int(): "+163587" and "0163587"
+    # name 163587 there; a key that is no number stops it
+    by_id: dict[int, Any] = {}
+    for key, entry in decoder.items():
         try:
-            int(key)
+            i = int(key)
         except ValueError:
             raise TokenizerError(f"{path}: added_tokens_decoder: key {key[:40]!r} is not a token id") from None
+        if i in by_id:
+            raise TokenizerError(f"{path}: added_tokens_decoder: keys for id {i} are given twice ({key[:40]!r})")
+        by_id[i] = entry
     names: dict[int, str] = {}
     owner: dict[str, int] = {}
     for i in ids:
-        if str(i) not in decoder:
+        if i not in by_id:
             text = f"<|reserved_token_{i}|>"
-        elif (entry := decoder[str(i)]) is None:  # not absent: a null took the marker's place, silently
+        elif (entry := by_id[i]) is None:  # not absent: a null took the marker's place, silently
             raise TokenizerError(f"{path}: added_tokens_decoder[\"{i}\"] must be an object, not null")
         elif isinstance(entry, dict) and isinstance(entry.get("content"), str) and entry["content"]:
             text = entry["content"]
