@@ -605,8 +605,12 @@ def _prefix_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason
         if name == _PREFIX_ABSENT:
             parts = [p for p in parts if p != ("format", prefix)]
         if all(parts != cand.parts for cand in out):
-            # a second <think> where the record does not say it streamed is one token from the
-            # whole form, an uncounted end token's gap: the count alone never picks it
+            # a second <think> where the record does not say it streamed is one token more than
+            # the whole form: without ids or a run that proved its end token counted, the count
+            # alone never picks it (it ties only where another reading is its size: a tool call
+            # whose section closed the block). Under a provider that leaves its end token
+            # uncounted and a run that has not shown it, the whole form's count is the second's:
+            # that case is read as the whole form (the run's traits exist to tell it)
             veto = name == "think_open_twice" and stream is None and not gaps
             out.append(Candidate(parts, (name,) if name else (), veto=veto))
     return out
