@@ -587,8 +587,7 @@ class Engine:
         elif failed is not None:
             body, outcome, parsed = self._salvaged(status, headers, got, failed)
         else:
-            # before any message is cut; an error body (small) of the key quoted in short pieces too
-            body = scrub_bytes(bytes(got), self.key, pieces=status != 200)
+            body = scrub_bytes(bytes(got), self.key)  # before any message is cut
             outcome, parsed = classify_response(status or 0, headers, body, key=self.key)
         streamed = raw is not None or (sse is not None and sse.asm.chunks > 0)
         message = _clip(scrub_message(outcome.message, self.key))

@@ -137,16 +137,14 @@ def scrub(text: str, key: ApiKey | str | None) -> str:
     return scrub_bytes(text.encode("utf-8", "surrogatepass"), value).decode("utf-8", "surrogatepass")
 
 
-def scrub_bytes(data: bytes, key: ApiKey | str | None, *, pieces: bool = False) -> bytes:
-    """Like :func:`scrub` for raw bytes (a server that echoes the key must not get it stored);
-    with ``pieces`` (an error body), :func:`mask_scattered` too."""
+def scrub_bytes(data: bytes, key: ApiKey | str | None) -> bytes:
+    """Like :func:`scrub` for raw bytes (a server that echoes the key must not get it stored)."""
     value = key.value if isinstance(key, ApiKey) else key
     if not value or not data or len(value) < MIN_MASKED:
         return data
     if b"\0" in data:  # UTF-8 text holds no NUL; text in a wide charset holds one beside every ASCII character
         data = _scrub_wide(data, value)
-    data = _scrub_narrow(data, value)
-    return mask_scattered(data, value) if pieces else data
+    return _scrub_narrow(data, value)
 
 
 #: A piece of the key this long, found anywhere, counts toward :func:`scattered_key`.
@@ -201,7 +199,8 @@ def scrub_message(text: str, key: ApiKey | str | None) -> str:
     value = key.value if isinstance(key, ApiKey) else key
     if not value or not text or len(value) < MIN_MASKED:
         return text
-    return scrub_bytes(text.encode("utf-8", "surrogatepass"), value, pieces=True).decode("utf-8", "surrogatepass")
+    data = mask_scattered(scrub_bytes(text.encode("utf-8", "surrogatepass"), value), value)
+    return data.decode("utf-8", "surrogatepass")
 
 
 @lru_cache(maxsize=8)
