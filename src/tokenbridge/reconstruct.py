@@ -501,13 +501,13 @@ def _lossy_from_truth(tok: Tokenizer, cands: list[Candidate], cand_ids: list[lis
     bytes as U+FFFD, its logprobs carry them) or bytes the model wrote that are no
     character. The text cannot spell those ids; the ids that made it can. The other parts
     keep their own ids, so the whole still has to agree with the truth (:func:`_fits`)."""
-    lossy = [[k for k, (kind, text) in enumerate(c.parts) if "\ufffd" in text and kind not in MARKER_SEGMENTS]
-             for c in cands]
-    if not any(lossy):
-        return cands, cand_ids, cand_free
     truth = native if native is not None else (
         logged.ids if logged is not None and logged.ids is not None and not logged.unknown else None)
-    if truth is None or tok.unknown_id(truth) is not None:
+    if truth is None:  # the common case, no ground truth: no text is scanned
+        return cands, cand_ids, cand_free
+    lossy = [[k for k, (kind, text) in enumerate(c.parts) if "\ufffd" in text and kind not in MARKER_SEGMENTS]
+             for c in cands]
+    if not any(lossy) or tok.unknown_id(truth) is not None:
         return cands, cand_ids, cand_free
     out_c: list[Candidate] = []
     out_ids: list[list[list[int]]] = []
