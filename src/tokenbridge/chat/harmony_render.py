@@ -131,6 +131,11 @@ def _developer(instructions: str | None, tools: Sequence[Mapping[str, Any]] | No
     return "<|start|>developer<|message|>" + "\n\n".join(body) + "<|end|>"
 
 
+def _said(channel: str, text: str) -> str:
+    """One assistant message of ``channel`` in a history, as harmony writes it."""
+    return f"<|start|>assistant<|channel|>{channel}<|message|>{text}<|end|>"
+
+
 def _keeps_analysis(messages: Sequence[Message], i: int) -> bool:
     if not messages[i].get("tool_calls"):
         return False
@@ -143,10 +148,10 @@ def _assistant(messages: Sequence[Message], i: int) -> str:
     out = []
     reasoning = m.get("reasoning_content")
     if _keeps_analysis(messages, i) and isinstance(reasoning, str) and reasoning:
-        out.append(f"<|start|>assistant<|channel|>analysis<|message|>{reasoning}<|end|>")
+        out.append(_said("analysis", reasoning))
     text = _text(m.get("content"))
     if text:
-        out.append(f"<|start|>assistant<|channel|>final<|message|>{text}<|end|>")
+        out.append(_said("final", text))
     for call in m.get("tool_calls") or ():
         fn = call["function"]
         name = str(fn.get("name", ""))
@@ -154,7 +159,7 @@ def _assistant(messages: Sequence[Message], i: int) -> str:
         args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         recipient = name if name.startswith("functions.") else f"functions.{name}"
         out.append(f"<|start|>assistant to={recipient}<|channel|>commentary<|message|>{args}<|call|>")
-    return "".join(out) or "<|start|>assistant<|channel|>final<|message|><|end|>"
+    return "".join(out) or _said("final", "")
 
 
 def _tool_name(messages: Sequence[Message], i: int) -> str:
@@ -247,9 +252,9 @@ def _vllm_messages(messages: Sequence[Message]) -> list[tuple[str, str]]:
         if role == "assistant" and calls:
             text = _flat(m.get("content"))
             if text:
-                out.append(("commentary", f"<|start|>assistant<|channel|>commentary<|message|>{text}<|end|>"))
+                out.append(("commentary", _said("commentary", text)))
             if reasoning:
-                out.append(("analysis", f"<|start|>assistant<|channel|>analysis<|message|>{reasoning}<|end|>"))
+                out.append(("analysis", _said("analysis", reasoning)))
             for call in calls:
                 fn = call.get("function") or {}
                 args = fn.get("arguments", "")
@@ -263,10 +268,10 @@ def _vllm_messages(messages: Sequence[Message]) -> list[tuple[str, str]]:
                                       f"{_flat(m.get('content')) or ''}<|end|>"))
         elif role == "assistant":
             if reasoning:
-                out.append(("analysis", f"<|start|>assistant<|channel|>analysis<|message|>{reasoning}<|end|>"))
+                out.append(("analysis", _said("analysis", reasoning)))
             parts = _parts(m.get("content"))
             if parts and parts[0]:  # vLLM looks at the first part only
-                out.append(("final", f"<|start|>assistant<|channel|>final<|message|>{''.join(parts)}<|end|>"))
+                out.append(("final", _said("final", "".join(parts))))
         elif role in ("system", "developer"):
             text = _flat(m.get("content"))
             if text is not None:
