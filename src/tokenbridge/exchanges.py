@@ -16,7 +16,7 @@ from .content import content_fault, reasoning_fault, role_fault, tool_calls_faul
 from .jsonl import is_int, iter_lines, not_text
 
 __all__ = ["CheckedResponse", "Exchange", "ExchangeRecord", "RecordError", "check_request", "check_response", "choice_index",
-           "iter_lines", "iter_objects", "loads_line", "parse_exchange"]
+           "iter_lines", "iter_objects", "keys_once", "loads_line", "parse_exchange"]
 
 
 class RecordError(ValueError):
@@ -341,7 +341,17 @@ def loads_line(line: str) -> Any:
     try:
         return jsonl.loads_line(line)
     except jsonl.JsonLineError as exc:
-        raise RecordError("<line>", exc.detail) from None
+        raise RecordError(exc.field or "<line>", exc.detail) from None
+
+
+def keys_once(value: Any, line: bytes | memoryview) -> Any:  # Any: any JSON value
+    """``value``, what orjson read from ``line``, if no object in the line gives a key
+    twice (:func:`tokenbridge.jsonl.repeated_key`), else RecordError naming the object."""
+    try:
+        jsonl.repeated_key(value, line)
+    except jsonl.JsonLineError as exc:
+        raise RecordError(exc.field or "<line>", exc.detail) from None
+    return value
 
 
 def iter_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -33,21 +33,23 @@ import stat
 import sys
 from pathlib import Path
 from typing import Any, TypeGuard
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import orjson
 
 __all__ = ["MAX_DEPTH", "JsonLineError", "NotJsonlError", "binary_kind", "dumps_document", "dumps_line", "is_count", "is_int", "iter_lines", "json_text",
-           "loads_document", "loads_finite", "loads_line", "not_text", "number_too_long", "text_of", "value_key"]
+           "loads_document", "loads_finite", "loads_line", "not_text", "number_too_long", "repeated_key", "text_of", "value_key"]
 
 
 class JsonLineError(ValueError):
     """A line (or a document, :func:`loads_document`) that is not valid JSON; ``detail``
-    says where in it."""
+    says where in it, and ``field`` is the dotted path of the value at fault where one is
+    known (the object that gives a key twice; ``""`` for the line's own object), else None."""
 
-    def __init__(self, detail: str) -> None:
+    def __init__(self, detail: str, field: str | None = None) -> None:
         super().__init__(detail)
         self.detail = detail
+        self.field = field
 
 
 #: The deepest nesting a line may have: orjson's own limit, and what the API bodies
@@ -61,15 +63,21 @@ def loads_line(line: str | bytes) -> Any:
     surrogate escapes, which the gate must still see). A leading UTF-8 byte order mark
     (what Windows tools write at a file's start) is dropped, for text and bytes alike: the
     stdlib skipped it on bytes only, so export read a line that inspect and reconstruct
-    refused. Raises :class:`JsonLineError`."""
+    refused. An object that gives a key twice is refused (:func:`repeated_key`): orjson
+    keeps the last value, other readers the first. Raises :class:`JsonLineError`."""
     line = _without_bom(line)
     try:
-        return orjson.loads(line)
+        value = orjson.loads(line)
     except orjson.JSONDecodeError:
         pass
+    else:
+        repeated_key(value, line)
+        return value
     try:
-        return loads_finite(line)
+        return loads_finite(line, unique_keys=True)
     except JsonLineError as exc:
+        if exc.field is not None:  # valid JSON, a key given twice: said as it is
+            raise
         raise JsonLineError(f"not valid JSON ({exc.detail})") from None
     except json.JSONDecodeError as exc:
         raise JsonLineError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
@@ -92,25 +100,123 @@ def loads_finite(text: str | bytes, *, unique_keys: bool = False) -> Any:  # Any
         return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float, object_pairs_hook=hook)
     except _NotFinite:
         raise JsonLineError(_not_finite_where(text)) from None
-    except _RepeatedKey as exc:
-        raise JsonLineError(f"the key {exc.args[0][:40]!r} appears twice in one object: which value is meant is "
-                            "unclear (readers keep the first or the last)") from None
+    except _RepeatedKey:
+        _refuse_repeated(text)  # raises, naming where
+        raise JsonLineError("a key appears twice in one object") from None  # pragma: no cover - the same parse met it
+
+
+def repeated_key(value: Any, line: str | bytes | memoryview) -> None:  # Any: the value orjson read from ``line``
+    """Raise :class:`JsonLineError` if an object in ``line`` gives a key twice: orjson
+    kept the last value, the stdlib does too, other readers keep the first, and which one
+    the sender meant no reader can tell. ``value`` is what orjson read from ``line``.
+
+    Cheap where it can be: a line that is ``value`` as orjson writes it (compact, as our
+    writers, the emulator and most servers write) holds each key once, and writing
+    ``value`` again costs a few percent of reading it. Any other line (spaces after
+    colons, escaped ``/``, a float written ``1e-05``) is parsed again by the stdlib, which
+    sees every pair."""
+    if isinstance(line, str):
+        line = line.strip(_JSON_SPACE).encode("utf-8", "surrogateescape")
+    else:
+        line = bytes(line).strip(_JSON_SPACE_BYTES)
+    try:
+        if orjson.dumps(value) == line:
+            return
+    except TypeError:  # not expected from orjson's own read: then the stdlib decides
+        pass
+    _refuse_repeated(line)
+
+
+#: JSON's whitespace (RFC 8259): what may stand around a value on its line.
+_JSON_SPACE = " \t\r\n"
+_JSON_SPACE_BYTES = _JSON_SPACE.encode()
 
 
 class _RepeatedKey(Exception):
     pass
 
 
+class _Twice(dict[str, Any]):
+    """An object that gave ``key`` twice, standing in the stdlib's parse while
+    :func:`_refuse_repeated` finds its path."""
+
+    key = ""
+
+
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """An object's pairs as a dict, or :class:`_RepeatedKey` naming a key given twice (``unique_keys``)."""
     out = dict(pairs)
     if len(out) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise _RepeatedKey(key)
-            seen.add(key)
+        raise _RepeatedKey(_first_repeated(pairs))
     return out
+
+
+def _marked_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        out = _Twice(out)
+        out.key = _first_repeated(pairs)
+    return out
+
+
+def _first_repeated(pairs: list[tuple[str, Any]]) -> str:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            return key
+        seen.add(key)
+    raise AssertionError("no key repeats")  # pragma: no cover - called only when one does
+
+
+def _refuse_repeated(text: str | bytes) -> None:
+    """Parse ``text`` with the stdlib, which sees every pair, and raise
+    :class:`JsonLineError` naming the first object (by its path) that gives a key twice;
+    return if none does. A line too deep or with too long a number for the stdlib is
+    refused as unreadable: orjson read it, but nothing can say its keys are unique."""
+    try:
+        value = _pairs_seen(text)
+    except RecursionError:
+        raise JsonLineError(f"nested too deeply to check that no key is given twice (more than {MAX_DEPTH} "
+                            "levels)") from None
+    except ValueError as exc:  # orjson read it: only the stdlib's own limits are left
+        raise JsonLineError(f"not valid JSON ({number_too_long(exc)})") from None
+    found = _find(value, lambda item: isinstance(item, _Twice))
+    if found is not None:
+        where, item = found
+        raise JsonLineError(f"the key {item.key[:40]!r} appears twice in one object: which value is meant is "
+                            "unclear (readers keep the first or the last)", where)
+
+
+def _pairs_seen(text: str | bytes) -> Any:  # Any: any JSON value
+    """``text`` read by the stdlib with every object that repeats a key marked. The stdlib
+    recurses once per level and stops at Python's recursion limit (1000 frames, less the
+    caller's): a line as deep as orjson reads (:data:`MAX_DEPTH`) is read again with the
+    limit raised by that much, for this call only."""
+    try:
+        return json.loads(text, object_pairs_hook=_marked_object)
+    except RecursionError:
+        pass
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit + MAX_DEPTH + 64)
+    try:
+        return json.loads(text, object_pairs_hook=_marked_object)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _find(value: Any, test: Callable[[Any], bool]) -> tuple[str, Any] | None:  # Any: any JSON value
+    """The first item of ``value`` (depth first, in order) that passes ``test``, with its
+    dotted path (``choices[0].message``; ``""`` for ``value`` itself), or None."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        where, item = stack.pop()
+        if test(item):
+            return where, item
+        if isinstance(item, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+    return None
 
 
 def loads_document(text: str | bytes) -> Any:  # Any: any JSON value; callers check its shape
@@ -173,17 +279,11 @@ def _not_finite_where(line: str | bytes) -> str:
     the field that holds it (``usage.cost``), found by parsing again with placeholders.
     Only on the error path, so the happy path pays nothing."""
     value = json.loads(line, parse_constant=_Bad, parse_float=_placeholder_float)
-    stack: list[tuple[str, Any]] = [("", value)]
-    while stack:
-        where, item = stack.pop()
-        if isinstance(item, _Bad):
-            field = f" at {where}" if where else ""
-            return f"{item.text[:40]}{field}: JSON has no NaN or infinity"
-        if isinstance(item, dict):
-            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in reversed(item.items()))
-        elif isinstance(item, list):
-            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(item))))
-    return "a number that is not finite"  # pragma: no cover - the first parse found one
+    found = _find(value, lambda item: isinstance(item, _Bad))
+    if found is None:  # pragma: no cover - the first parse found one
+        return "a number that is not finite"
+    where, item = found
+    return f"{item.text[:40]}{' at ' + where if where else ''}: JSON has no NaN or infinity"
 
 
 def number_too_long(exc: ValueError) -> str:

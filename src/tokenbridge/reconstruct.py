@@ -33,7 +33,7 @@ from .content import content_text
 from .checks import (DEFAULT_POLICY, Finding, Policy, SampleView, ends_turn, finish_reading, ids_prove, logprobs_fit, reasoning_count_ways,
                      reasoning_fits, run_checks, status_of, vllm_silent_ids, vllm_whole_extra)
 from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens, served_by_vllm
-from .exchanges import Exchange, RecordError, choice_index, loads_line, parse_exchange
+from .exchanges import Exchange, RecordError, choice_index, keys_once, loads_line, parse_exchange
 from .jsonl import NotJsonlError, binary_kind, text_of
 from .hypotheses import Candidate, candidates, ends_in_think_fits, held_tails
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
@@ -1121,9 +1121,11 @@ def _load(line: bytes | Line) -> Any:
     reads its text (which raises RecordError)."""
     if not isinstance(line, str):
         try:
-            return orjson.loads(line)
+            value = orjson.loads(line)
         except orjson.JSONDecodeError:  # not UTF-8, lone surrogate escapes, or not JSON: the text path says
             line = str(line, "utf-8", "surrogateescape")
+        else:
+            return keys_once(value, line)
     return loads_line(line)
 
 

@@ -242,7 +242,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 yield lineno, loads_line(line)
             except JsonLineError as exc:
-                raise RowError(path, lineno, "<line>", exc.detail) from None
+                raise RowError(path, lineno, exc.field or "<line>", exc.detail) from None
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
@@ -310,8 +310,9 @@ def _parquet_rows(fh: Any, path: Path, broken: tuple[type[BaseException], ...],
                 if isinstance(value, str):
                     try:
                         record[key] = loads_line(value)
-                    except JsonLineError:
-                        problem = RowError(path, row, key, "is not valid JSON text")
+                    except JsonLineError as exc:
+                        where = f"{key}.{exc.field}" if exc.field else key
+                        problem = RowError(path, row, where, exc.detail if exc.field is not None else "is not valid JSON text")
                         break
             yield row, record, problem
 

@@ -8,7 +8,8 @@ A body is kept only if it can be stored and re-emitted, byte for byte, as one li
     surrogate escape (``"\\ud800"``), nesting at most 1024 deep;
   * line breaks anywhere: a CR or LF in valid JSON can only be whitespace between tokens
     (inside strings they must be escaped), so :func:`one_line` turns them into spaces
-    and the line is the received bytes otherwise.
+    and the line is the received bytes otherwise;
+  * no object gives a key twice (readers differ on which value counts).
 Anything else is a ``bad_json`` attempt error (retried; after ``max_attempts`` the
 sample fails with the reason), never a stored response. It was paid for all the same:
 its attempt row keeps the bytes, and its ``usage``, as far as it can be read, is booked.
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from ..jsonl import JsonLineError, repeated_key
 from .secrets import ApiKey, scrub
 
 if TYPE_CHECKING:
@@ -81,8 +83,10 @@ async def read_capped(resp: aiohttp.ClientResponse, cap: int, into: bytearray | 
     return bytes(buf)
 
 
-def check_body(body: bytes) -> dict[str, Any]:
-    """The parsed body if it can be kept and re-emitted losslessly, else :class:`BodyError`."""
+def check_body(body: bytes, *, keys_once: bool = True) -> dict[str, Any]:
+    """The parsed body if it can be kept and re-emitted losslessly, else :class:`BodyError`.
+    ``keys_once=False`` lets an object give a key twice (a body stored before that was
+    checked is written out as it is; reconstruct names the key)."""
     stripped = body.strip(_WS)
     if not stripped:
         raise BodyError("empty body")
@@ -96,6 +100,11 @@ def check_body(body: bytes) -> dict[str, Any]:
         raise BodyError(f"body is not JSON that can be re-read ({exc})") from None
     if not isinstance(parsed, dict):
         raise BodyError(f"body is a JSON {type(parsed).__name__}, not an object")
+    try:
+        if keys_once:
+            repeated_key(parsed, stripped)
+    except JsonLineError as exc:
+        raise BodyError(f"body{' at ' + exc.field if exc.field else ''}: {exc.detail}") from None
     return parsed
 
 

@@ -126,7 +126,7 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
         lenient = _parse_json(text)
         if lenient is None:
             return Outcome("retry", "bad_json", _not_json(body, headers, text, key), status), None
-        return Outcome("retry", "bad_json", str(exc), status), lenient if isinstance(lenient, dict) else None
+        return Outcome("retry", "bad_json", _clip(str(exc), key), status), lenient if isinstance(lenient, dict) else None
     if parsed.get("error") is not None:  # an error body, choices beside it or not
         return _error_body(parsed, _text(body, headers), key, retry_after), parsed
     choices = parsed.get("choices")

@@ -761,8 +761,10 @@ def _exchange_line(sid: str, dataset: str, request: str, body: bytes, meta: dict
     """One exchange record. The response is spliced in as the bytes the API sent (less the
     keep-alive whitespace around it; line breaks, which valid JSON holds only between
     tokens, become spaces), so the file carries the provider's JSON verbatim. A body that
-    cannot be re-emitted so (only rows stored by older versions) raises :class:`BodyError`."""
-    check_body(body)
+    cannot be re-emitted so (only rows stored by older versions) raises :class:`BodyError`;
+    one that gives a key twice (stored before that was refused) is written as it is, for
+    reconstruct to name."""
+    check_body(body, keys_once=False)
     head = orjson.dumps({"id": sid, "dataset": dataset})[:-1]
     return b"".join([head, b',"request":', request.encode("utf-8"), b',"response":', one_line(body),
                      b',"meta":', orjson.dumps(meta), b"}\n"])

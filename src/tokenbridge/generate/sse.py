@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import orjson
 
 from ..evidence import no_finish
-from ..jsonl import is_count, is_int
+from ..jsonl import JsonLineError, is_count, is_int, repeated_key
 from .secrets import ApiKey, scrub
 
 __all__ = ["SSEDecoder", "SSEEvent", "StreamAssembler", "StreamError"]
@@ -233,6 +233,13 @@ class StreamAssembler:
             if event.event != "message":
                 return
             raise StreamError(f"stream chunk is not JSON ({exc}): {self._quoted(data)}") from None
+        try:
+            repeated_key(chunk, data)
+        except JsonLineError as exc:
+            if event.event != "message":
+                return
+            raise StreamError(f"stream chunk{' at ' + exc.field if exc.field else ''}: {exc.detail}: "
+                              f"{self._quoted(data)}") from None
         if event.event != "message":
             if isinstance(chunk, dict) and chunk.get("choices"):
                 raise StreamError(f"an event of type {scrub(event.event, self.key)[:40]!r} carries choices: "

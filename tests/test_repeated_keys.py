@@ -1,0 +1,210 @@
+"""An object that gives a key twice (``{"content": "a", "content": "b"}``) is read one way
+by orjson and the stdlib (the last value) and another by other readers (the first): which
+value the sender meant no reader can tell. Every JSON line from outside is refused so,
+naming the object by its path: exchange records (reconstruct, inspect), reconstructed rows
+(export), response bodies and stream chunks (generate, a billed and retried attempt)."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import KIMI_DIR
+from tokenbridge import jsonl
+from tokenbridge.exchanges import RecordError, keys_once, loads_line
+from tokenbridge.generate import Store
+from tokenbridge.generate.classify import classify_response
+from tokenbridge.generate.run import _exchange_line
+from tokenbridge.reconstruct import reconstruct_file
+from tokenbridge.rows import RowError, iter_rows
+
+TWICE = "appears twice in one object: which value is meant is unclear (readers keep the first or the last)"
+
+
+# --- the reader: refused exactly when some object repeats a key, at any formatting ----------
+
+@pytest.mark.parametrize(("line", "field", "key"), [
+    (b'{"a":1,"a":2}', "", "a"),
+    (b'{"a": 1, "b": {"c": 1}, "a": 1}', "", "a"),  # equal values are no excuse
+    (b'{"x":{"b":[{"c":1},{"c":1,"d":2,"c":3}]}}', "x.b[1]", "c"),
+    (b'{"r":{"m":1,"m":{"k":1}}}', "r", "m"),
+    (b'[{"a":1},{"b":2,"b":3}]', "[1]", "b"),
+    (b'{"s":"\\ud800","t":{"u":1,"u":2}}', "t", "u"),  # a lone surrogate: the stdlib's path
+    (b'\xef\xbb\xbf{"a":1,"a":2}', "", "a"),  # after a byte order mark
+])
+def test_a_repeated_key_is_refused_naming_its_object(line, field, key):
+    for given_as in (line, line.decode("utf-8")):
+        with pytest.raises(jsonl.JsonLineError) as refused:
+            jsonl.loads_line(given_as)
+        assert (refused.value.field, refused.value.detail) == (field, f"the key {key!r} {TWICE}")
+
+
+@pytest.mark.parametrize("line", [
+    b'{"a":1,"b":[{"a":1},{"a":2}]}',  # the same key in different objects
+    b'{"a": 1, "b": [1.5, "x"]}',  # the stdlib's separators
+    b'{"u":"\\u00e9\\/","f":1e-05,"g":1.0E2,"h":-0.0}',  # escapes and numbers orjson writes otherwise
+    b'  {"a":1}\r\n',
+    b'{"a":"\\ud800"}',
+])
+def test_a_line_without_a_repeated_key_reads_as_before(line):
+    assert jsonl.loads_line(line) == json.loads(line)
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_a_repeated_key_as_deep_as_orjson_reads_is_found(compact):
+    """The stdlib, which sees every pair, recurses per level and stops short of the 1024
+    levels orjson reads: such a line is still checked, not refused as unreadable."""
+    sep = "," if compact else ", "
+    inner = "{" + sep.join(['"k":1', '"j":2'] + (['"k":2'] if not compact else [])) + "}"
+    line = '{"a":' + "[" * 1020 + inner + "]" * 1020 + "}"
+    if compact:
+        assert jsonl.loads_line(line).keys() == {"a"}  # (== on 1020 levels would recurse too deep)
+        return
+    with pytest.raises(jsonl.JsonLineError) as refused:
+        jsonl.loads_line(line)
+    assert (refused.value.field, refused.value.detail) == ("a" + "[0]" * 1020, f"the key 'k' {TWICE}")
+
+
+def _objects(children: st.SearchStrategy) -> st.SearchStrategy:
+    """An object as its list of pairs, keys drawn from few names so that some repeat."""
+    return st.lists(st.tuples(st.sampled_from(["a", "b", "c", "é", "\\"]), children), max_size=4).map(_Pairs)
+
+
+class _Pairs(list):
+    pass
+
+
+_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
+                       | st.text(max_size=5), lambda kids: st.lists(kids, max_size=3) | _objects(kids), max_leaves=12)
+
+
+def _text(value, compact: bool) -> str:
+    comma, colon = (",", ":") if compact else (", ", ": ")
+    if isinstance(value, _Pairs):
+        return "{" + comma.join(json.dumps(k) + colon + _text(v, compact) for k, v in value) + "}"
+    if isinstance(value, list):
+        return "[" + comma.join(_text(v, compact) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=not compact)
+
+
+def _repeats(value) -> bool:
+    if isinstance(value, _Pairs):
+        keys = [k for k, _ in value]
+        return len(set(keys)) != len(keys) or any(_repeats(v) for _, v in value)
+    return isinstance(value, list) and any(_repeats(v) for v in value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_objects(_VALUES), compact=st.booleans())
+def test_a_line_is_refused_exactly_when_an_object_in_it_repeats_a_key(value, compact):
+    line = _text(value, compact)
+    if _repeats(value):
+        with pytest.raises(jsonl.JsonLineError, match=TWICE.replace("(", r"\(").replace(")", r"\)")):
+            jsonl.loads_line(line)
+        with pytest.raises(RecordError):
+            keys_once(orjson.loads(line), memoryview(line.encode()))
+    else:
+        assert jsonl.loads_line(line) == json.loads(line)
+        assert keys_once(orjson.loads(line), line.encode()) == json.loads(line)
+
+
+# --- reconstruct: a bad line naming the object; every other record is written --------------
+
+def _record(rid: str) -> dict:
+    return {"id": rid, "request": {"messages": [{"role": "user", "content": "What is 2 + 2?"}]},
+            "response": {"choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "reasoning_content": "Add.", "content": "4"}}]}}
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_reconstruct_refuses_a_record_that_repeats_a_key_and_writes_the_rest(tmp_path, compact):
+    def line(rid: str) -> str:
+        return orjson.dumps(_record(rid)).decode() if compact else json.dumps(_record(rid))
+
+    twice = line("b").replace('"content":"4"' if compact else '"content": "4"',
+                              '"content":"4","content":"5"' if compact else '"content": "4", "content": "5"')
+    in_request = line("c").replace('"role":"user"' if compact else '"role": "user"',
+                                   '"role":"user","role":"system"' if compact else '"role": "user", "role": "system"')
+    assert twice != line("b") and in_request != line("c")
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([line("a"), twice, in_request, line("d")]) + "\n", encoding="utf-8")
+    summary = reconstruct_file(src, tmp_path / "out.jsonl", KIMI_DIR, workers=1)
+    assert [(b.line, b.field, b.message) for b in summary.bad_lines] == [
+        (2, "response.choices[0].message", f"the key 'content' {TWICE}"),
+        (3, "request.messages[0]", f"the key 'role' {TWICE}"),
+    ]
+    rows = [json.loads(r) for r in (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["id"] for r in rows] == ["a", "d"]
+
+
+def test_inspect_reads_records_through_the_same_check():
+    with pytest.raises(RecordError) as refused:
+        loads_line('{"id": "x", "request": {}, "response": {"choices": [], "choices": []}}')
+    assert (refused.value.field, refused.value.detail) == ("response", f"the key 'choices' {TWICE}")
+    with pytest.raises(RecordError) as refused:
+        loads_line('{"id": "x", "request": {}, "id": "y"}')
+    assert (refused.value.field, refused.value.detail) == ("<line>", f"the key 'id' {TWICE}")
+
+
+def test_a_row_file_that_repeats_a_key_names_file_line_and_object(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    row = b'{"id":"x","status":"ok","completion_ids":[1],"completion_ids":[2]}'
+    path.write_bytes(b"\n" + row + b"\n")
+    with pytest.raises(RowError) as refused:
+        list(iter_rows(path))
+    assert str(refused.value) == f"{path}:2: <line>: the key 'completion_ids' {TWICE}"
+
+
+# --- generate: a body or a chunk that repeats a key is a billed, retried attempt -------------
+
+def test_a_200_body_that_repeats_a_key_is_a_billed_bad_json_with_the_key_masked():
+    from test_generate_engine import KEY
+
+    usage = '"usage":{"prompt_tokens":3,"completion_tokens":2,"cost":0.25}'
+    body = ('{"choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"4","content":"5"}}],'
+            + usage + "}")
+    out, parsed = classify_response(200, {}, body)
+    assert (out.kind, out.error_class, out.maybe_billed) == ("retry", "bad_json", True)
+    assert out.message == f"body at choices[0].message: the key 'content' {TWICE}"
+    assert parsed is not None and parsed["usage"]["cost"] == 0.25  # read leniently: its cost is booked
+    hostile = body.replace('"content":"5"', f'"{KEY.value}":"5","{KEY.value}":"6"')
+    out, _ = classify_response(200, {}, hostile, key=KEY)
+    assert KEY.value not in out.message and "appears twice" in out.message
+
+
+def test_a_stream_chunk_that_repeats_a_key_is_a_billed_bad_stream(tmp_path):
+    from aiohttp import web
+
+    from test_generate_engine import Script, _chunk, _run, _sse
+    from tokenbridge.generate.settings import Prices
+
+    usage = {"prompt_tokens": 10, "completion_tokens": 5, "cost": 0.5}
+    twice = b'{"choices":[{"index":0,"delta":{"content":"a","content":"b"},"finish_reason":null}]}'
+    stream = _sse([_chunk({"role": "assistant", "content": "hello"}), twice, _chunk({}, "stop"),
+                   _chunk({}, None, usage=usage) | {"choices": []}], comments=False)
+
+    async def reply(prompt, attempt, body, request):
+        good = _sse([_chunk({"content": "ok"}, "stop", usage=usage | {"cost": 0.001})])
+        return web.Response(body=stream if attempt == 1 else good, headers={"Content-Type": "text/event-stream"})
+
+    summary = _run(Script(reply), tmp_path, 1, stream=True, max_cost=10.0, prices=Prices(prompt=1.0, completion=1.0))
+    assert (summary.done, summary.errors) == (1, {"bad_stream": 1})
+    assert summary.spent_total == pytest.approx(0.501)  # the refused stream's usage chunk is booked
+    with Store.open(tmp_path / "run") as store:
+        first = store.attempts("b3-0")[0]
+    assert first.message == f"stream chunk at choices[0].delta: the key 'content' {TWICE}: {twice.decode()!r}"
+
+
+def test_a_stored_body_that_repeats_a_key_is_written_out_as_it_is():
+    """A body stored before keys were checked is the user's paid answer: exchanges.jsonl
+    carries it verbatim, and reconstruct names the key."""
+    body = b'{"choices":[{"message":{"content":"4","content":"5"},"finish_reason":"stop"}]}'
+    line = _exchange_line("s", "d", '{"messages":[]}', body, {})
+    assert body in line
+    with pytest.raises(RecordError) as refused:
+        loads_line(line.decode())
+    assert refused.value.field == "response.choices[0].message"
