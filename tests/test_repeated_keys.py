@@ -66,7 +66,8 @@ def test_a_repeated_key_as_deep_as_orjson_reads_is_found(compact):
         return
     with pytest.raises(jsonl.JsonLineError) as refused:
         jsonl.loads_line(line)
-    assert (refused.value.field, refused.value.detail) == ("a" + "[0]" * 1020, f"the key 'k' {TWICE}")
+    path = "a" + "[0]" * 1020  # kept at its end, 200 characters
+    assert (refused.value.field, refused.value.detail) == ("…" + path[-200:], f"the key 'k' {TWICE}")
 
 
 def _objects(children: st.SearchStrategy) -> st.SearchStrategy:
@@ -230,3 +231,100 @@ def test_the_counted_key_ends_never_fall_short_of_the_keys_a_line_has(value, com
 
     ends = _key_ends(_text(value, compact).encode())
     assert ends == -1 or ends >= _raw_keys(value)
+
+
+# --- a cold review's findings: cost, paths, events of other types ------------------------------
+
+def test_the_slow_path_costs_memory_in_proportion_to_the_line():
+    """A long key above a long list: each element's path was written out in full (key length
+    times list length: 2 GB for a 140 KB line); only the found object's path is now."""
+    import tracemalloc
+
+    line = json.dumps({"k" * 100_000: [0] * 20_000, "s": '":'}, separators=(",", ":")).replace('"s":', '"s": ')
+    tracemalloc.start()
+    try:
+        value = jsonl.loads_line(line)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert value["s"] == '":' and peak < 40 * len(line)
+    twice = line[:-1] + ',"t":{"u":1,"u":2}}'
+    with pytest.raises(jsonl.JsonLineError) as refused:
+        jsonl.loads_line(twice)
+    assert refused.value.field == "t"
+
+
+@pytest.mark.parametrize(("line", "field"), [
+    ('{"": {"c": 1, "c": 2}}', '[""]'),
+    ('{"": [{"c": 1, "c": 2}]}', '[""][0]'),
+    ('{"a": {"": {"c": 1, "c": 2}}}', 'a[""]'),
+    ('{"a.b": {"c": 1, "c": 2}}', '["a.b"]'),
+    ('{"a": {"b[0]": {"c": 1, "c": 2}}}', 'a["b[0]"]'),
+    ('{"q\\"": {"c": 1, "c": 2}}', '["q\\""]'),
+])
+def test_a_path_through_an_odd_key_says_which_key(line, field):
+    with pytest.raises(jsonl.JsonLineError) as refused:
+        jsonl.loads_line(line)
+    assert refused.value.field == field
+
+
+def test_a_path_and_a_key_from_outside_are_clipped():
+    long = "x" * 1_000_000
+    with pytest.raises(jsonl.JsonLineError) as refused:
+        jsonl.loads_line(f'{{"{long}": {{"{long}": 1, "{long}": 2}}}}')
+    assert refused.value.field == "x" * 40 + "…"
+    assert f"the key {'x' * 40 + '…'!r} appears twice" in refused.value.detail
+    deep = "".join(f'{{"{i}{long[:60]}": ' for i in range(10)) + '{"c": 1, "c": 2}' + "}" * 10
+    with pytest.raises(jsonl.JsonLineError) as refused:
+        jsonl.loads_line(deep)
+    assert len(refused.value.field) == 201 and refused.value.field.startswith("…")
+
+
+def test_a_parquet_json_text_column_that_repeats_a_key_names_the_column_and_object(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tokenbridge import rows
+    from tokenbridge.reconstruct import reconstruct_record
+    from tokenbridge.tokenizer import load_tokenizer
+
+    row, = reconstruct_record(_record("p"), load_tokenizer(KIMI_DIR))
+    schema = rows.arrow_schema()
+    record = rows.to_arrow_record(rows.with_derived(row), schema.names)
+    record["messages"] = '[{"role": "user", "role": "system", "content": "x"}]'
+    pq.write_table(pa.Table.from_pylist([record], schema=schema), tmp_path / "r.parquet")
+    with pytest.raises(RowError) as refused:
+        list(iter_rows(tmp_path / "r.parquet"))
+    assert str(refused.value) == f"{tmp_path / 'r.parquet'}:1: messages[0]: the key 'role' {TWICE}"
+
+
+def _assembler():
+    from tokenbridge.generate.sse import SSEEvent, StreamAssembler
+
+    asm = StreamAssembler()
+    asm.add_event(SSEEvent('{"choices":[{"index":0,"delta":{"role":"assistant","content":"hello"}}]}', "message"))
+    return asm, SSEEvent
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    ('{"choices":[{"index":0,"delta":{"content":" more"}}],"x":1,"x":2}', "carries choices"),
+    ('{"error":{"message":"upstream died","code":502},"x":1,"x":2}', "the key 'x' appears twice"),
+    ('{"usage":{"prompt_tokens":3,"completion_tokens":2,"cost":0.1,"cost":9.0}}', "stream chunk at usage: the key 'cost'"),
+])
+def test_an_event_of_another_type_that_repeats_a_key_refuses_the_stream(data, why):
+    """Such an event was passed over as a ping, losing the text, the error or the cost it carried."""
+    from tokenbridge.generate.sse import StreamError
+
+    asm, event = _assembler()
+    with pytest.raises(StreamError, match=why):
+        asm.add_event(event(data, "status"))
+
+
+def test_a_late_usage_chunk_that_repeats_a_key_is_not_booked():
+    asm, event = _assembler()
+    asm.add_event(event("[DONE]", "message"))
+    asm.add_late(event('{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"cost":0.001,"cost":9.0}}',
+                       "message"))
+    assert asm.top.get("usage") is None  # unknown, as for no chunk: its reservation is booked
+    asm.add_late(event('{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"cost":0.001}}', "message"))
+    assert asm.top["usage"]["cost"] == 0.001

@@ -180,7 +180,7 @@ class _RepeatedKey(Exception):
 
 
 class _Twice(dict[str, Any]):
-    """An object that gave ``key`` twice, standing in the stdlib's parse while
+    """An object that gave ``key`` twice, marked in the stdlib's parse while
     :func:`_refuse_repeated` finds its path."""
 
     key = ""
@@ -191,14 +191,6 @@ def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
         raise _RepeatedKey(_first_repeated(pairs))
-    return out
-
-
-def _marked_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        out = _Twice(out)
-        out.key = _first_repeated(pairs)
     return out
 
 
@@ -216,50 +208,91 @@ def _refuse_repeated(text: str | bytes) -> None:
     :class:`JsonLineError` naming the first object (by its path) that gives a key twice;
     return if none does. A line too deep or with too long a number for the stdlib is
     refused as unreadable: orjson read it, but nothing can say its keys are unique."""
+    marked: list[_Twice] = []
+
+    def mark(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            out = _Twice(out)
+            out.key = _first_repeated(pairs)
+            marked.append(out)
+        return out
+
     try:
-        value = _pairs_seen(text)
+        value = _stdlib_pairs(text, mark)
     except RecursionError:
         raise JsonLineError(f"nested too deeply to check that no key is given twice (more than {MAX_DEPTH} "
                             "levels)") from None
     except ValueError as exc:  # orjson read it: only the stdlib's own limits are left
         raise JsonLineError(f"not valid JSON ({number_too_long(exc)})") from None
+    if not marked:
+        return
     found = _find(value, lambda item: isinstance(item, _Twice))
-    if found is not None:
-        where, item = found
-        raise JsonLineError(f"the key {item.key[:40]!r} appears twice in one object: which value is meant is "
-                            "unclear (readers keep the first or the last)", where)
+    where, item = found if found is not None else ("", marked[0])
+    raise JsonLineError(f"the key {_clipped(item.key)!r} appears twice in one object: which value is meant is "
+                        "unclear (readers keep the first or the last)", where)
 
 
-def _pairs_seen(text: str | bytes) -> Any:  # Any: any JSON value
-    """``text`` read by the stdlib with every object that repeats a key marked. The stdlib
+def _stdlib_pairs(text: str | bytes, hook: Callable[[list[tuple[str, Any]]], Any]) -> Any:  # Any: any JSON value
+    """``text`` read by the stdlib with ``hook`` seeing every object's pairs. The stdlib
     recurses once per level and stops at Python's recursion limit (1000 frames, less the
     caller's): a line as deep as orjson reads (:data:`MAX_DEPTH`) is read again with the
     limit raised by that much, for this call only."""
     try:
-        return json.loads(text, object_pairs_hook=_marked_object)
+        return json.loads(text, object_pairs_hook=hook)
     except RecursionError:
         pass
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(limit + MAX_DEPTH + 64)
     try:
-        return json.loads(text, object_pairs_hook=_marked_object)
+        return json.loads(text, object_pairs_hook=hook)
     finally:
         sys.setrecursionlimit(limit)
 
 
 def _find(value: Any, test: Callable[[Any], bool]) -> tuple[str, Any] | None:  # Any: any JSON value
     """The first item of ``value`` (depth first, in order) that passes ``test``, with its
-    dotted path (``choices[0].message``; ``""`` for ``value`` itself), or None."""
-    stack: list[tuple[str, Any]] = [("", value)]
+    path (:func:`_path`; ``""`` for ``value`` itself), or None. Each item visited keeps
+    its parent and its key or index, and only the found one's path is written: a path
+    string per item cost a long key's length once per element of a list below it."""
+    steps: list[tuple[int, str | int]] = []
+    stack: list[tuple[Any, int, str | int]] = [(value, -1, "")]
     while stack:
-        where, item = stack.pop()
+        item, parent, step = stack.pop()
+        steps.append((parent, step))
+        here = len(steps) - 1
         if test(item):
-            return where, item
+            return _path(steps, here), item
         if isinstance(item, dict):
-            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in reversed(item.items()))
+            stack.extend((v, here, k) for k, v in reversed(item.items()))
         elif isinstance(item, list):
-            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+            stack.extend((item[i], here, i) for i in range(len(item) - 1, -1, -1))
     return None
+
+
+#: The longest key a path or a message quotes in full, and the longest path.
+_KEY_SHOWN, _PATH_SHOWN = 40, 200
+
+
+def _clipped(key: str) -> str:
+    return key if len(key) <= _KEY_SHOWN else key[:_KEY_SHOWN] + "…"
+
+
+def _path(steps: list[tuple[int, str | int]], at: int) -> str:
+    """The path of item ``at`` in :func:`_find`'s steps: ``choices[0].message``; a key that
+    is empty or holds ``.``, ``[``, ``]`` or ``"`` quoted (``a["b.c"]``), a long one clipped,
+    and a path past 200 characters kept at its end."""
+    out: list[str] = []
+    while at > 0:
+        at, step = steps[at]
+        if isinstance(step, int):
+            out.append(f"[{step}]")
+        elif step and not any(c in step for c in '.[]"'):
+            out.append("." + _clipped(step))
+        else:
+            out.append(f"[{json.dumps(_clipped(step), ensure_ascii=False)}]")
+    path = "".join(reversed(out)).removeprefix(".")
+    return path if len(path) <= _PATH_SHOWN else "…" + path[-_PATH_SHOWN:]
 
 
 def loads_document(text: str | bytes) -> Any:  # Any: any JSON value; callers check its shape

@@ -311,7 +311,7 @@ def _parquet_rows(fh: Any, path: Path, broken: tuple[type[BaseException], ...],
                     try:
                         record[key] = loads_line(value)
                     except JsonLineError as exc:
-                        where = f"{key}.{exc.field}" if exc.field else key
+                        where = key + ("" if not exc.field or exc.field.startswith("[") else ".") + (exc.field or "")
                         problem = RowError(path, row, where, exc.detail if exc.field is not None else "is not valid JSON text")
                         break
             yield row, record, problem

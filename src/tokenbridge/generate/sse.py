@@ -233,13 +233,6 @@ class StreamAssembler:
             if event.event != "message":
                 return
             raise StreamError(f"stream chunk is not JSON ({exc}): {self._quoted(data)}") from None
-        try:
-            repeated_key(chunk, data)
-        except JsonLineError as exc:
-            if event.event != "message":
-                return
-            raise StreamError(f"stream chunk{' at ' + exc.field if exc.field else ''}: {exc.detail}: "
-                              f"{self._quoted(data)}") from None
         if event.event != "message":
             if isinstance(chunk, dict) and chunk.get("choices"):
                 raise StreamError(f"an event of type {scrub(event.event, self.key)[:40]!r} carries choices: "
@@ -248,6 +241,11 @@ class StreamAssembler:
                 return  # a ping; one with usage or an error still says what the answer cost, or that it failed
         if not isinstance(chunk, dict):
             raise StreamError(f"stream chunk is not an object: {self._quoted(data)}")
+        try:  # a chunk that is read gives each key once: which of two values counts, no reader can say
+            repeated_key(chunk, data)
+        except JsonLineError as exc:
+            raise StreamError(f"stream chunk{' at ' + exc.field if exc.field else ''}: {exc.detail}: "
+                              f"{self._quoted(data)}") from None
         self.add(chunk)
 
     def add_late(self, event: SSEEvent) -> None:
@@ -256,7 +254,8 @@ class StreamAssembler:
         and a run under ``--max-cost`` stopped as if answers carried no cost)."""
         try:
             chunk = orjson.loads(event.data)
-        except ValueError:
+            repeated_key(chunk, event.data)  # a key given twice: the cost is unknown, as for no chunk at all
+        except ValueError:  # JsonLineError too
             return
         if (isinstance(chunk, dict) and not chunk.get("choices") and isinstance(chunk.get("usage"), dict)
                 and self.top.get("usage") is None):
