@@ -38,6 +38,28 @@ FAMILIES = ("deepseek-v3.1", "qwen3", "glm-4.5")
 
 
 @cache
+def sglang_content_functions() -> dict[str, Any]:
+    """SGLang 0.5.23's own content-format detection and processing
+    (``parser/jinja_template_utils.py``) and its tool-content join (``serving_chat.py``),
+    compiled from its installed files: both modules import the runtime (triton) at the top."""
+    import logging
+
+    import jinja2
+    import transformers.utils.chat_template_utils as hf_chat_utils
+
+    from vllm_support import vllm_source_functions
+
+    namespace: dict[str, Any] = {"jinja2": jinja2, "hf_chat_utils": hf_chat_utils, "logger": logging.getLogger("sglang"),
+                                 "GLM_MEDIA_CONFIG_KEYS": (), "ImageData": dict, "VideoData": dict}
+    return vllm_source_functions({
+        "sglang.srt.parser.jinja_template_utils": (
+            ("", "_is_var_access"), ("", "_is_attr_access"), ("", "_is_var_or_elems_access"), ("", "_try_extract_ast"),
+            ("", "detect_jinja_template_content_format"), ("", "process_content_for_template_format")),
+        "sglang.srt.entrypoints.openai.serving_chat": (("", "normalize_tool_content"),),
+    }, namespace)
+
+
+@cache
 def _family(name: str) -> tuple[Any, Any, Any]:
     from transformers import PreTrainedTokenizerFast
 
@@ -51,10 +73,14 @@ def _family(name: str) -> tuple[Any, Any, Any]:
 def sglang_prompt(name: str, request: dict[str, Any]) -> str:
     """The prompt text SGLang 0.5.23 renders for ``request`` with the folder's template."""
     req = ChatCompletionRequest(model="m", **request)
+    sg = sglang_content_functions()
+    fmt = sg["detect_jinja_template_content_format"](_family(name)[2].chat_template)
     msgs = []
     for m in req.messages:
         msg = {k: v for k, v in m.model_dump().items() if v is not None}
         msg.setdefault("content", "")
+        msg = sg["process_content_for_template_format"](msg, fmt, [], [], [], [])
+        msg["content"] = sg["normalize_tool_content"](msg["role"], msg.get("content"))
         for call in msg.get("tool_calls") or ():
             if name != "deepseek-v3.1" and isinstance(call["function"].get("arguments"), str):
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])

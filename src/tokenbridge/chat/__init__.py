@@ -16,6 +16,7 @@ from .glm import GLM45
 from .harmony import GPT_OSS, GPT_OSS_HARMONY, HarmonyDialect
 from .kimi import KIMI_K25
 from .qwen3 import QWEN3
+from .parts import sglang_content_format, vllm_content_format
 from .template import TemplateError, special_token_strings, template_renderer
 
 __all__ = [
@@ -112,7 +113,8 @@ def _resolved(tokenizer: Tokenizer, name: str | None, use_template: bool) -> Dia
     if use_template and tokenizer.chat_template and not family.own_renderer:
         render = template_renderer(tokenizer.chat_template, special_token_strings(tokenizer.config), serving=True,
                                    parse_tool_arguments=family.parse_tool_arguments)
-        return family.with_render(render, name=f"{family.name}+template")
+        formats = (sglang_content_format(tokenizer.chat_template), vllm_content_format(tokenizer.chat_template))
+        return family.with_render(render, name=f"{family.name}+template", content_formats=formats)
     if family.render is None:
         raise DialectError(
             f"{tokenizer.source}: the {family.name} dialect renders prompts only with the folder's chat template, "

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 from collections.abc import Callable, Mapping, Sequence
 
 from ..content import content_text
 from ..jsonl import is_int
+
+if TYPE_CHECKING:
+    from .parts import ContentFormat
 
 Message = Mapping[str, Any]
 #: render(messages, tools, thinking, extra template kwargs) -> prompt text
@@ -174,6 +177,10 @@ class Dialect:
     #: space (``spaces_between_special_tokens``: only a slow tokenizer's path does, Kimi's
     #: tiktoken class), the first text after the prompt included (``marker_spaces``).
     vllm_joins: bool = False
+    #: How SGLang and vLLM (in that order) hand the folder's chat template a content that
+    #: is a list of parts (:mod:`.parts`), detected from its source; None for a built-in
+    #: renderer, which takes the parts as sent.
+    content_formats: tuple[ContentFormat, ContentFormat] | None = None
 
     @property
     def end_tokens(self) -> tuple[str, ...]:
@@ -210,28 +217,38 @@ class Dialect:
         kwargs.pop("thinking", None)
         kwargs.pop("enable_thinking", None)
         messages: Any = request.get("messages")  # in shape or not: the renderer checks (a TemplateError)
+        if self.content_formats is not None and _has_parts(messages):
+            from .parts import sglang_parts
+
+            messages = sglang_parts(messages, self.content_formats[0])
         return self._renderer()(messages, request.get("tools"), self.thinking(request), kwargs)
 
     def prompt_readings(self, request: Mapping[str, Any], response: Mapping[str, Any] | None = None,
                         meta: Mapping[str, Any] | None = None) -> list[PromptReading]:
         """Every prompt the serving side may have built for ``request``: the request as
         sent, and, for a family served by SGLang too (``serving_readings``), as SGLang
-        0.5.23 changes it (:mod:`.serving`) where that changes the text. gpt-oss's also
-        depends on the day."""
-        first = PromptReading(self.render_request(request))
-        if not (self.serving_readings or (self.argument_readings and _history_differs(request))):
+        0.5.23 changes it (:mod:`.serving`) where that changes the text. A content sent as
+        a list of parts reaches a folder's template as SGLang hands it over (that is the
+        request as sent) and as vLLM does (``parts=vllm``, :mod:`.parts`), each with that
+        engine's other changes. gpt-oss's also depends on the day."""
+        sglang_request, vllm_request = self._served_parts(request)
+        first = PromptReading(self.render_request(sglang_request))
+        if not (self.serving_readings or vllm_request is not None
+                or (self.argument_readings and _history_differs(request))):
             return [first]
-        from .serving import serving_variants, sglang_history, vllm_history, vllm_reasoning
+        from .serving import serving_variants, sglang_history, vllm_history, vllm_reasoning, with_change
         from .template import TemplateError
 
         out, seen = [first], {first.text}
-        variants = [*(serving_variants(request) if self.serving_readings else ()),
-                    *(vllm_reasoning(request) if self.serving_readings else ()),
+        variants = [*(serving_variants(sglang_request) if self.serving_readings else ()),
+                    *([(vllm_request, "parts=vllm")] if vllm_request is not None else ()),
+                    *((v, n if vllm_request is None else with_change(n, "parts=vllm"))
+                      for v, n in vllm_reasoning(vllm_request or request) if self.serving_readings),
                     *(sglang_history(request) if self.argument_readings else ()),
                     *(vllm_history(request) if self.argument_readings else ())]
         for variant, name in variants:
             try:
-                text = self.render_request(variant)
+                text = self._render_parts_done(variant) if "parts=vllm" in name.split("+") else self.render_request(variant)
             except TemplateError:
                 continue  # a stack that cannot render it did not serve it
             if text not in seen:
@@ -239,7 +256,23 @@ class Dialect:
                 out.append(PromptReading(text, name))
         return out
 
-    def with_render(self, render: RenderFn, name: str | None = None) -> Dialect:
+    def _served_parts(self, request: Mapping[str, Any]) -> tuple[Mapping[str, Any], Mapping[str, Any] | None]:
+        """``request`` as SGLang and as vLLM hand the folder's template its list contents
+        (:mod:`.parts`); ``(request, None)`` where no content is a list or the renderer is built in."""
+        messages = request.get("messages")
+        if self.content_formats is None or not _has_parts(messages):
+            return request, None
+        from .parts import sglang_parts, vllm_parts
+
+        return ({**request, "messages": sglang_parts(messages, self.content_formats[0])},
+                {**request, "messages": vllm_parts(messages, self.content_formats[1])})
+
+    def _render_parts_done(self, request: Mapping[str, Any]) -> str:
+        """:meth:`render_request` for messages whose parts an engine has already handled."""
+        return replace(self, content_formats=None).render_request(request)
+
+    def with_render(self, render: RenderFn, name: str | None = None,
+                    content_formats: tuple[ContentFormat, ContentFormat] | None = None) -> Dialect:
         """The family with another prompt renderer (a real template: it takes every
         template kwarg and declares tools itself), behind the messages check every
         renderer a dialect holds runs (the built-in ones are :func:`~.shapes.checked`)."""
@@ -250,7 +283,7 @@ class Dialect:
             return render(checked_messages(messages), tools, thinking, kwargs)
 
         return replace(self, render=render_checked, name=name or self.name, template_kwargs=None,
-                       tools_unproven=lambda tools: None)
+                       tools_unproven=lambda tools: None, content_formats=content_formats)
 
     def completion_parts(
         self,
@@ -330,6 +363,12 @@ class Dialect:
             parts.append(("tool_calls", content[start:stop]))
             pos = stop
         return parts
+
+
+def _has_parts(messages: Any) -> TypeGuard[list[Any]]:
+    """Whether some message's content is a list of parts."""
+    return isinstance(messages, list) and any(isinstance(m, Mapping) and isinstance(m.get("content"), list)
+                                              for m in messages)
 
 
 def _history_differs(request: Mapping[str, Any]) -> bool:

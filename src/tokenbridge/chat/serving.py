@@ -16,8 +16,8 @@ from typing import Any
 from ..jsonl import loads_document
 from .template import parsed_call
 
-__all__ = ["sglang_history", "sglang_last_assistant", "sglang_tools", "serving_variants", "vllm_history",
-           "vllm_reasoning"]
+__all__ = ["serving_variants", "sglang_history", "sglang_last_assistant", "sglang_tools", "vllm_history",
+           "vllm_reasoning", "with_change"]
 
 #: SGLang 0.5.23's ``Function`` fields, in declaration order (what ``model_dump`` writes
 #: before it restores the order the client sent): name, then the optional ones.
@@ -138,7 +138,7 @@ def sglang_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, An
                                   always=True):
         last = None if request.get("continue_final_message") is True else sglang_last_assistant(variant["messages"])
         if last is not None:
-            variant, name = {**variant, "messages": last}, _with_name(name, "last_assistant=user")
+            variant, name = {**variant, "messages": last}, with_change(name, "last_assistant=user")
         if name:
             yield variant, name
 
@@ -157,12 +157,12 @@ def vllm_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any]
                                   always=True, parse=_vllm_call):
         messages = [_vllm_reasoning(m) for m in variant["messages"]]
         if any(a is not b for a, b in zip(messages, variant["messages"])):
-            variant, name = {**variant, "messages": messages}, _with_name(name, "reasoning=vllm")
+            variant, name = {**variant, "messages": messages}, with_change(name, "reasoning=vllm")
         if name:
             yield variant, f"history=vllm+{name}"
 
 
-def _with_name(name: str, change: str) -> str:
+def with_change(name: str, change: str) -> str:
     """A reading's name (changes joined by ``+``, sorted; ``""``: none yet) with ``change`` too."""
     return "+".join(sorted(filter(None, (*name.split("+"), change))))
 

@@ -1,0 +1,164 @@
+"""A content sent as a list of parts, as SGLang 0.5.23 and vLLM 0.34 hand it to a folder's
+chat template (:mod:`tokenbridge.chat.parts`), held against their own code: each engine's
+content-format detection on every shared template and on templates written to reach each
+rule, each engine's flattening, and the prompts both render."""
+
+from __future__ import annotations
+
+import copy
+import types
+from typing import Any
+
+import pytest
+
+from test_families_sglang_requests import _family, sglang_content_functions, sglang_prompt, vllm_prompt
+from test_families_support import SHARED
+from tokenbridge.chat.parts import sglang_content_format, sglang_parts, vllm_content_format, vllm_parts
+from tokenbridge.reconstruct import reconstruct_record
+from tokenbridge.tokenizer import load_tokenizer
+
+
+def _vllm_detect(source: str) -> str:
+    from vllm.renderers.hf import _detect_content_format
+
+    _detect_content_format.cache_clear()
+    return _detect_content_format(source, default="string")
+
+
+LOOP = "{% for message in messages %}"
+END = "{% endfor %}"
+
+#: Templates that reach each rule of either engine's detection (name -> source).
+TEMPLATES = {
+    "string": LOOP + "{{ message.content }}" + END,
+    "loop_item": LOOP + "{% for p in message['content'] %}{{ p.text }}" + END + END,
+    "loop_msg_attr": "{% for msg in messages %}{% for p in msg.content %}{{ p.text }}" + END + END,
+    "loop_m_filtered": "{% for m in messages[1:] %}{% for p in m.content | list %}{{ p.text }}" + END + END,
+    "alias": "{% set msgs = messages %}{% for x in msgs %}{% for p in x.content %}{{ p }}" + END + END,
+    "namespace": "{% set ns = namespace(rest=messages) %}{% for it in ns.rest %}{% for p in it['content'] %}{{ p }}"
+                 + END + END,
+    "ns_attr": "{% set ns = namespace(x=none) %}{% set ns.x = messages %}{% for y in ns.x %}{% for p in y.content %}"
+               "{{ p }}" + END + END,
+    "macro": "{% macro show(c) %}{% for p in c %}{{ p.text }}" + END + "{% endmacro %}" + LOOP
+             + "{{ show(message.content) }}" + END,
+    "macro_kwarg": "{% macro show(c) %}{% for p in c %}{{ p.text }}" + END + "{% endmacro %}" + LOOP
+                   + "{{ show(c=message.content) }}" + END,
+    "macro_other_arg": "{% macro show(content) %}{% for p in content %}{{ p }}" + END + "{% endmacro %}" + LOOP
+                       + "{{ show(message.role) }}" + END,
+    "content_var": LOOP + "{% set content = message.content %}{% for p in content %}{{ p }}" + END + END,
+    "string_or_parts": LOOP + "{% if message.content is string %}{{ message.content }}{% else %}"
+                       "{% for p in message.content %}{{ p.text }}" + END + "{% endif %}" + END,
+    "media_word": "{# image #}" + LOOP + "{{ message.content }}" + END,
+    "unparsable": "{% for %}",
+}
+
+
+def _shared_templates() -> dict[str, str]:
+    out = {}
+    for folder in sorted(SHARED.iterdir()):
+        try:
+            source = load_tokenizer(folder).chat_template
+        except Exception:  # noqa: BLE001 - a folder without a template to load: nothing to compare
+            continue
+        if source:
+            out[f"shared:{folder.name}"] = source
+    return out
+
+
+ALL_TEMPLATES = {**TEMPLATES, **_shared_templates()}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_TEMPLATES))
+def test_each_engine_detects_the_content_format_as_its_own_code_does(name):
+    source = ALL_TEMPLATES[name]
+    assert sglang_content_format(source) == sglang_content_functions()["detect_jinja_template_content_format"](source)
+    assert vllm_content_format(source) == _vllm_detect(source)
+
+
+def test_the_rules_are_reached_and_the_engines_part_ways():
+    """The templates above are not all one answer: each engine says ``openai`` for some and
+    ``string`` for others, and they disagree on some (a medium's name alone, a macro)."""
+    formats = {name: (sglang_content_format(s), vllm_content_format(s)) for name, s in TEMPLATES.items()}
+    assert formats["string"] == formats["unparsable"] == ("string", "string")
+    assert formats["loop_item"] == formats["string_or_parts"] == ("openai", "openai")
+    assert formats["media_word"] == ("openai", "string")
+    assert formats["macro"] == formats["alias"] == formats["content_var"] == ("string", "openai")
+    assert formats["macro_other_arg"] == ("string", "string")
+
+
+#: Messages with list contents of every kind the flattening tells apart.
+MESSAGES = [
+    {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+    {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "input_text", "text": "2 + 2?"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "Let me"}, {"type": "text", "text": "see."}]},
+    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "20C"}, {"type": "text", "text": "sunny"}]},
+    {"role": "user", "content": "plain"},
+    {"role": "user", "content": []},
+    {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "u"}}]},
+]
+
+
+@pytest.mark.parametrize("fmt", ["string", "openai"])
+def test_sglang_parts_are_sglangs_own(fmt):
+    sg = sglang_content_functions()
+    for message in MESSAGES:
+        theirs = sg["process_content_for_template_format"](copy.deepcopy(message), fmt, [], [], [], [])
+        theirs["content"] = sg["normalize_tool_content"](theirs["role"], theirs.get("content"))
+        assert sglang_parts([message], fmt) == [theirs], message
+
+
+@pytest.mark.parametrize("fmt", ["string", "openai"])
+def test_vllm_parts_are_vllms_own(fmt):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.chat_utils.chat_message import parse_chat_messages
+
+    text_only = [m for m in MESSAGES if not any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                for p in m["content"])]
+    req = ChatCompletionRequest(model="m", messages=copy.deepcopy(text_only))
+    conv, _, _ = parse_chat_messages(req.messages, types.SimpleNamespace(multimodal_config=None,
+                                                                         enable_prompt_embeds=False), fmt)
+    assert [m["content"] for m in vllm_parts(text_only, fmt)] == [m["content"] for m in conv]
+
+
+USER_PARTS = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is"},
+                                                        {"type": "text", "text": "the capital of France?"}]}]}
+TOOL_PARTS = {"messages": [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "20C"}, {"type": "text", "text": "sunny"}]}]}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek-v3.1", "glm-4.5"])
+@pytest.mark.parametrize("request_", [USER_PARTS, TOOL_PARTS], ids=["user", "tool"])
+def test_the_prompt_readings_are_the_prompts_each_engine_renders(name, request_):
+    """Qwen3's template, handed the parts as sent, wrote an empty user turn, and DeepSeek
+    V3.1's raised: every such sample was lost. Now SGLang's prompt is the first reading
+    and vLLM's is ``parts=vllm`` where it differs."""
+    _, dialect, _ = _family(name)
+    readings = {r.name: r.text for r in dialect.prompt_readings(request_)}
+    assert readings[None] == sglang_prompt(name, request_)
+    try:
+        theirs = {sglang_prompt(name, request_), vllm_prompt(name, request_)}
+    except TypeError:  # vLLM parses V3.1's history arguments into objects, which its template cannot add to text
+        assert (name, request_) == ("deepseek-v3.1", TOOL_PARTS)
+        return
+    assert set(readings.values()) == theirs
+    assert set(readings) == ({None} if len(theirs) == 1 else {None, "parts=vllm"})
+    if name == "qwen3" and request_ is USER_PARTS:
+        assert "What is the capital of France?" in readings[None]
+        assert "What is\nthe capital of France?" in readings["parts=vllm"]
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_a_sample_served_by_either_engine_is_proved_by_its_prompt_count(engine):
+    tok, dialect, _ = _family("qwen3")
+    prompt = (sglang_prompt if engine == "sglang" else vllm_prompt)("qwen3", USER_PARTS)
+    other = (vllm_prompt if engine == "sglang" else sglang_prompt)("qwen3", USER_PARTS)
+    assert len(tok.encode(prompt)) != len(tok.encode(other))  # the count tells them apart here
+    response: dict[str, Any] = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning_content": "Recall.", "content": "Paris."}}],
+        "usage": {"prompt_tokens": len(tok.encode(prompt))}}
+    row, = reconstruct_record({"id": "p", "request": USER_PARTS, "response": response}, tok, dialect)
+    assert row["prompt_ids"] == tok.encode(prompt)
+    assert (row["reconstruction"] or "").startswith("parts=vllm") is (engine == "vllm")
