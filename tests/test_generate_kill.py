@@ -161,16 +161,16 @@ def test_the_drain_after_a_first_interrupt_is_bounded(tmp_path):
     from tokenbridge.generate.budget import Budget
     from tokenbridge.generate.engine import Engine, WorkItem
 
-    async def main(url: str):
-        settings = GenerateSettings(request=RequestSettings(model="m", max_tokens=8), base_url=url, concurrency=2,
+    async def main(srv: HostileServer):
+        settings = GenerateSettings(request=RequestSettings(model="m", max_tokens=8), base_url=srv.url, concurrency=2,
                                     progress="none")
         with Store.open(tmp_path / "run") as store:
             store.add_samples([(f"k-{i}", "k", "", json.dumps({"model": "m", "messages": [
                 {"role": "user", "content": f"q{i}"}]})) for i in range(4)])
             engine = Engine(settings, None, store, Budget(None, None))
             task = asyncio.create_task(engine.run([WorkItem.from_stored(s) for s in store.samples()]))
-            for _ in range(3000):  # both slots busy (bounded wait)
-                if engine.in_flight == 2:
+            for _ in range(3000):  # both requests at the server (bounded wait): a slot taken is not yet one sent
+                if engine.in_flight == 2 and sum(srv.attempts.values()) == 2:
                     break
                 await asyncio.sleep(0.01)
             engine.request_stop(drain_s=0.2)
@@ -180,7 +180,7 @@ def test_the_drain_after_a_first_interrupt_is_bounded(tmp_path):
     with HostileServer() as srv:
         for i in range(4):
             srv.plan[f"q{i}"] = ["hang"]
-        stats, counts = asyncio.run(main(srv.url))
+        stats, counts = asyncio.run(main(srv))
     assert (stats.done, stats.stop_reason, counts) == (0, "interrupted", {"pending": 4})
     assert stats.requests == 2  # nothing sent after the interrupt
 
