@@ -137,17 +137,20 @@ def test_the_prompt_readings_are_the_prompts_each_engine_renders(name, request_)
     and vLLM's is ``parts=vllm`` where it differs."""
     _, dialect, _ = _family(name)
     readings = {r.name: r.text for r in dialect.prompt_readings(request_)}
-    assert readings[None] == sglang_prompt(name, request_)
+    string = name != "glm-4.5"  # GLM's template iterates parts (both engines: openai)
+    sglang_name = "parts=space" if string else ("tool_parts=space" if request_ is TOOL_PARTS else None)
+    vllm_name = "parts=newline" if string else ("tool_parts=newline" if request_ is TOOL_PARTS else "parts=vllm")
+    assert readings[sglang_name] == sglang_prompt(name, request_)
     try:
-        theirs = {sglang_prompt(name, request_), vllm_prompt(name, request_)}
+        vllm = vllm_prompt(name, request_)
     except TypeError:  # vLLM parses V3.1's history arguments into objects, which its template cannot add to text
         assert (name, request_) == ("deepseek-v3.1", TOOL_PARTS)
         return
-    assert set(readings.values()) == theirs
-    assert set(readings) == ({None} if len(theirs) == 1 else {None, "parts=vllm"})
+    assert readings == ({sglang_name: readings[sglang_name]} if vllm == readings[sglang_name]
+                        else {sglang_name: readings[sglang_name], vllm_name: vllm})
     if name == "qwen3" and request_ is USER_PARTS:
-        assert "What is the capital of France?" in readings[None]
-        assert "What is\nthe capital of France?" in readings["parts=vllm"]
+        assert "What is the capital of France?" in readings["parts=space"]
+        assert "What is\nthe capital of France?" in readings["parts=newline"]
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
@@ -158,7 +161,33 @@ def test_a_sample_served_by_either_engine_is_proved_by_its_prompt_count(engine):
     assert len(tok.encode(prompt)) != len(tok.encode(other))  # the count tells them apart here
     response: dict[str, Any] = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
         "role": "assistant", "reasoning_content": "Recall.", "content": "Paris."}}],
-        "usage": {"prompt_tokens": len(tok.encode(prompt))}}
+        "usage": {"prompt_tokens": len(tok.encode(prompt)), "completion_tokens": 8}}  # Recall.</think>\n\nParis.<|im_end|>
     row, = reconstruct_record({"id": "p", "request": USER_PARTS, "response": response}, tok, dialect)
-    assert row["prompt_ids"] == tok.encode(prompt)
-    assert (row["reconstruction"] or "").startswith("parts=vllm") is (engine == "vllm")
+    assert (row["status"], row["prompt_ids"]) == ("ok", tok.encode(prompt))
+    assert (row["reconstruction"] or "").split("+")[0] == ("parts=space" if engine == "sglang" else "parts=newline")
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_the_conversations_export_writes_the_parts_as_the_proving_engine_joined_them(tmp_path, engine):
+    """A trainer re-renders the exported turns with the template: the parts are written as
+    the engine that served the proved prompt joined them (written as sent, text parts were
+    joined with nothing: ``What isthe capital``)."""
+    import json
+
+    from tokenbridge.export import export_file
+    from tokenbridge.reconstruct import reconstruct_file
+
+    tok, _, hf = _family("qwen3")
+    prompt = (sglang_prompt if engine == "sglang" else vllm_prompt)("qwen3", USER_PARTS)
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning_content": "Recall.", "content": "Paris."}}],
+        "usage": {"prompt_tokens": len(tok.encode(prompt))}}
+    src = tmp_path / "ex.jsonl"
+    src.write_text(json.dumps({"id": "p", "request": USER_PARTS, "response": response}) + "\n")
+    reconstruct_file(src, tmp_path / "rows.jsonl", tok, workers=1)
+    export_file(tmp_path / "rows.jsonl", tmp_path / "conv", "conversations", include_flagged=True)
+    row = json.loads(next((tmp_path / "conv").glob("*.jsonl")).read_text())
+    history = row["conversations"][:-1]
+    sep = " " if engine == "sglang" else "\n"
+    assert history == [{"role": "user", "content": f"What is{sep}the capital of France?"}]
+    assert hf.apply_chat_template(history, tokenize=False, add_generation_prompt=True) == prompt

@@ -355,7 +355,8 @@ def _prompt(dialect: Dialect, tok: Tokenizer, ex: Exchange, usage: Mapping[str, 
 
 #: Prompt readings only SGLang renders (:mod:`.chat.serving`): one proven names the engine.
 #: (Parsed arguments alone do not: vLLM 0.34 parses them too.)
-_SGLANG_READINGS = frozenset({"tools=sglang", "last_assistant=user", "user_name=dropped", "tool_parts=space"})
+_SGLANG_READINGS = frozenset({"tools=sglang", "last_assistant=user", "user_name=dropped", "tool_parts=space",
+                              "parts=space"})
 
 
 def _engine(encoded: Sequence[tuple[PromptReading, list[int]]], keep: Sequence[tuple[PromptReading, list[int]]],

@@ -228,27 +228,34 @@ class Dialect:
         """Every prompt the serving side may have built for ``request``: the request as
         sent, and, for a family served by SGLang too (``serving_readings``), as SGLang
         0.5.23 changes it (:mod:`.serving`) where that changes the text. A content sent as
-        a list of parts reaches a folder's template as SGLang hands it over (that is the
-        request as sent) and as vLLM does (``parts=vllm``, :mod:`.parts`), each with that
-        engine's other changes. gpt-oss's also depends on the day."""
-        sglang_request, vllm_request = self._served_parts(request)
-        first = PromptReading(self.render_request(sglang_request))
-        if not (self.serving_readings or vllm_request is not None
-                or (self.argument_readings and _history_differs(request))):
-            return [first]
+        a list of parts reaches a folder's template as SGLang hands it over (the first
+        reading: ``parts=space``, ``tool_parts=space`` or as sent) and as vLLM does
+        (``parts=newline``, ``tool_parts=newline``, ``parts=vllm``; :mod:`.parts`), each with
+        that engine's other changes. gpt-oss's also depends on the day."""
+        parts = self._served_parts(request)
+        if parts is None:
+            first = PromptReading(self.render_request(request))
+            if not (self.serving_readings or (self.argument_readings and _history_differs(request))):
+                return [first]
         from .serving import serving_variants, sglang_history, vllm_history, vllm_reasoning, with_change
         from .template import TemplateError
 
+        render = self.render_request
+        if parts is None:
+            variants = [*(serving_variants(request) if self.serving_readings else ()),
+                        *(vllm_reasoning(request) if self.serving_readings else ()),
+                        *(sglang_history(request) if self.argument_readings else ()),
+                        *(vllm_history(request) if self.argument_readings else ())]
+        else:  # each engine's changes on its own handling of the parts (a folder's template)
+            (sglang, s_name), (vllm, v_name) = parts
+            render = self._render_parts_done
+            first = PromptReading(render(sglang), s_name)
+            variants = [*((v, with_change(n, s_name or "")) for v, n in serving_variants(sglang)), (vllm, v_name),
+                        *((v, with_change(n, v_name)) for v, n in vllm_reasoning(vllm))]
         out, seen = [first], {first.text}
-        variants = [*(serving_variants(sglang_request) if self.serving_readings else ()),
-                    *([(vllm_request, "parts=vllm")] if vllm_request is not None else ()),
-                    *((v, n if vllm_request is None else with_change(n, "parts=vllm"))
-                      for v, n in vllm_reasoning(vllm_request or request) if self.serving_readings),
-                    *(sglang_history(request) if self.argument_readings else ()),
-                    *(vllm_history(request) if self.argument_readings else ())]
         for variant, name in variants:
             try:
-                text = self._render_parts_done(variant) if "parts=vllm" in name.split("+") else self.render_request(variant)
+                text = render(variant)
             except TemplateError:
                 continue  # a stack that cannot render it did not serve it
             if text not in seen:
@@ -256,16 +263,19 @@ class Dialect:
                 out.append(PromptReading(text, name))
         return out
 
-    def _served_parts(self, request: Mapping[str, Any]) -> tuple[Mapping[str, Any], Mapping[str, Any] | None]:
-        """``request`` as SGLang and as vLLM hand the folder's template its list contents
-        (:mod:`.parts`); ``(request, None)`` where no content is a list or the renderer is built in."""
+    def _served_parts(self, request: Mapping[str, Any]) -> tuple[tuple[Mapping[str, Any], str | None],
+                                                                 tuple[Mapping[str, Any], str]] | None:
+        """``request`` as SGLang and as vLLM hand the folder's template its list contents,
+        each with its reading's name (:func:`.parts.sglang_reading`, :func:`.parts.vllm_reading`);
+        None where no content is a list or the renderer is built in."""
         messages = request.get("messages")
         if self.content_formats is None or not _has_parts(messages):
-            return request, None
-        from .parts import sglang_parts, vllm_parts
+            return None
+        from .parts import sglang_reading, vllm_reading
 
-        return ({**request, "messages": sglang_parts(messages, self.content_formats[0])},
-                {**request, "messages": vllm_parts(messages, self.content_formats[1])})
+        sglang, s_name = sglang_reading(messages, self.content_formats[0])
+        vllm, v_name = vllm_reading(messages, self.content_formats[1])
+        return ({**request, "messages": sglang}, s_name), ({**request, "messages": vllm}, v_name)
 
     def _render_parts_done(self, request: Mapping[str, Any]) -> str:
         """:meth:`render_request` for messages whose parts an engine has already handled."""

@@ -31,7 +31,8 @@ from jinja2 import nodes
 
 from .template import compile_template
 
-__all__ = ["ContentFormat", "sglang_content_format", "sglang_parts", "vllm_content_format", "vllm_parts"]
+__all__ = ["ContentFormat", "sglang_content_format", "sglang_parts", "sglang_reading", "vllm_content_format", "vllm_parts",
+           "vllm_reading"]
 
 ContentFormat = Literal["string", "openai"]
 
@@ -224,3 +225,31 @@ def vllm_parts(messages: Sequence[Any], fmt: ContentFormat) -> list[Any]:
             out.append({**m, "content": [{**p, "type": "text", "text": p["text"]} if p.get("type") in _VLLM_TEXT else p
                                          for p in parts if isinstance(p, Mapping)]})
     return out
+
+
+def _tool_text_parts(messages: Sequence[Any], types: tuple[str, ...]) -> bool:
+    """Whether a tool result is a list of text parts only (each engine joins those)."""
+    return any(isinstance(m, Mapping) and m.get("role") == "tool" and isinstance(m.get("content"), list)
+               and all(isinstance(p, Mapping) and p.get("type") in types for p in m["content"]) for m in messages)
+
+
+def sglang_reading(messages: Sequence[Any], fmt: ContentFormat) -> tuple[list[Any], str | None]:
+    """:func:`sglang_parts`, and the prompt reading's name for what it did: ``parts=space``
+    (every list joined), ``tool_parts=space`` (a tool result's alone), None (the parts reach
+    the template as sent)."""
+    if fmt == "string":
+        name: str | None = "parts=space"
+    else:
+        name = "tool_parts=space" if _tool_text_parts(messages, _SGLANG_TEXT) else None
+    return sglang_parts(messages, fmt), name
+
+
+def vllm_reading(messages: Sequence[Any], fmt: ContentFormat) -> tuple[list[Any], str]:
+    """:func:`vllm_parts`, and the prompt reading's name for what it did: ``parts=newline``
+    (every list joined), ``tool_parts=newline`` (a tool result's alone), else ``parts=vllm``
+    (every content a list of parts)."""
+    if fmt == "string":
+        name = "parts=newline"
+    else:
+        name = "tool_parts=newline" if _tool_text_parts(messages, _VLLM_TEXT) else "parts=vllm"
+    return vllm_parts(messages, fmt), name

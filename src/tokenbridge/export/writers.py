@@ -160,7 +160,8 @@ def _served_messages(rec: ReconstructedRow) -> list[Any]:
     """The request's messages as the prompt reading the row was proved by has them: a
     trainer re-renders these, so a history SGLang handed its template otherwise (arguments
     parsed, a user's name dropped, a tool result's parts joined, a last assistant message made
-    a user's; vLLM's parts joined with newlines) is written as it was served, not as sent.
+    a user's; vLLM's parts joined with newlines; a folder's template's parts, :func:`_parts_served`)
+    is written as it was served, not as sent.
     (SGLang's tool dump, ``tools=sglang``, is not redone here: the row does not keep
     ``tool_choice``, which it depends on.)"""
     messages = rec["messages"]
@@ -179,6 +180,22 @@ def _served_messages(rec: ReconstructedRow) -> list[Any]:
         messages = next((list(v["messages"]) for v, _ in sglang_history(served)), messages)
     if "last_assistant=user" in names:
         messages = sglang_last_assistant(messages) or messages
+    return _parts_served(messages, names)
+
+
+def _parts_served(messages: list[Any], names: frozenset[str]) -> list[Any]:
+    """Lists of parts as the engine that the row's reading names handed them to a folder's
+    template (:mod:`tokenbridge.chat.parts`): joined with a space (SGLang) or a newline
+    (vLLM); where vLLM kept them as parts, a tool result's joined with a newline (the rest
+    are written as their text, :func:`_turn`, as the template joins them)."""
+    from ..chat.parts import sglang_parts, vllm_parts
+
+    if "parts=space" in names:
+        return sglang_parts(messages, "string")
+    if "parts=newline" in names:
+        return vllm_parts(messages, "string")
+    if names & {"tool_parts=newline", "parts=vllm"}:
+        return vllm_parts(messages, "openai")
     return messages
 
 
@@ -203,7 +220,8 @@ def _reading_names(rec: ReconstructedRow) -> frozenset[str]:
 
 #: Prompt readings whose messages differ from the request's (:mod:`tokenbridge.chat.serving`).
 _SERVED_HISTORY = frozenset({"tool_args=parsed", "user_name=dropped", "tool_parts=space", "history=vllm",
-                             "reasoning=vllm", "last_assistant=user"})
+                             "reasoning=vllm", "last_assistant=user", "parts=space", "parts=newline",
+                             "tool_parts=newline", "parts=vllm"})
 
 
 def _turn(message: Mapping[str, Any]) -> dict[str, Any]:
