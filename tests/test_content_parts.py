@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from test_families_sglang_requests import _family, sglang_content_functions, sglang_prompt, vllm_prompt
+from test_families_sglang_requests import _family, exported_history, sglang_content_functions, sglang_prompt, vllm_prompt
 from test_families_support import SHARED
 from tokenbridge.chat.parts import sglang_content_format, sglang_parts, vllm_content_format, vllm_parts
 from tokenbridge.reconstruct import reconstruct_record
@@ -172,22 +172,9 @@ def test_the_conversations_export_writes_the_parts_as_the_proving_engine_joined_
     """A trainer re-renders the exported turns with the template: the parts are written as
     the engine that served the proved prompt joined them (written as sent, text parts were
     joined with nothing: ``What isthe capital``)."""
-    import json
-
-    from tokenbridge.export import export_file
-    from tokenbridge.reconstruct import reconstruct_file
-
-    tok, _, hf = _family("qwen3")
+    hf = _family("qwen3")[2]
     prompt = (sglang_prompt if engine == "sglang" else vllm_prompt)("qwen3", USER_PARTS)
-    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
-        "role": "assistant", "reasoning_content": "Recall.", "content": "Paris."}}],
-        "usage": {"prompt_tokens": len(tok.encode(prompt))}}
-    src = tmp_path / "ex.jsonl"
-    src.write_text(json.dumps({"id": "p", "request": USER_PARTS, "response": response}) + "\n")
-    reconstruct_file(src, tmp_path / "rows.jsonl", tok, workers=1)
-    export_file(tmp_path / "rows.jsonl", tmp_path / "conv", "conversations", include_flagged=True)
-    row = json.loads(next((tmp_path / "conv").glob("*.jsonl")).read_text())
-    history = row["conversations"][:-1]
+    history = exported_history(tmp_path, "qwen3", USER_PARTS, prompt)
     sep = " " if engine == "sglang" else "\n"
     assert history == [{"role": "user", "content": f"What is{sep}the capital of France?"}]
     assert hf.apply_chat_template(history, tokenize=False, add_generation_prompt=True) == prompt

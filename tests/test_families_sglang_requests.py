@@ -302,27 +302,34 @@ def test_history_reasoning_sent_as_reasoning_is_vllms_reading(name: str) -> None
     assert (row["reconstruction"] or "").startswith("reasoning=vllm") and row["prompt_ids"] == tok.encode(theirs)
 
 
-def test_conversations_export_writes_history_reasoning_vllm_rendered(tmp_path) -> None:
-    """A row proved by ``reasoning=vllm``: the exported history carries that turn's reasoning as
-    ``reasoning_content``, so the template re-renders the proved prompt."""
+def exported_history(tmp_path: Any, name: str, request: dict[str, Any], prompt: str) -> list[dict[str, Any]]:
+    """The history turns the conversations export writes for a record of ``request`` whose
+    usage counts ``prompt`` (the prompt's count is the evidence), reconstructed and exported."""
     from tokenbridge.export import export_file
     from tokenbridge.reconstruct import reconstruct_file
 
+    tok = _family(name)[0]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning_content": "It is mild.", "content": "20C in Paris."}}],
+        "usage": {"prompt_tokens": len(tok.encode(prompt))}}
+    src = tmp_path / "ex.jsonl"
+    src.write_text(json.dumps({"id": "v", "request": request, "response": response}) + "\n")
+    reconstruct_file(src, tmp_path / "rows.jsonl", tok, workers=1)
+    export_file(tmp_path / "rows.jsonl", tmp_path / "conv", "conversations", include_flagged=True)
+    row = json.loads(next((tmp_path / "conv").glob("*.jsonl")).read_text())
+    return list(row["conversations"][:-1])
+
+
+def test_conversations_export_writes_history_reasoning_vllm_rendered(tmp_path) -> None:
+    """A row proved by ``reasoning=vllm``: the exported history carries that turn's reasoning as
+    ``reasoning_content``, so the template re-renders the proved prompt."""
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     request = {"messages": [{"role": "user", "content": "Weather in Paris?"},
                             {"role": "assistant", "content": "", "reasoning": "Need the tool.", "tool_calls": [call]},
                             {"role": "tool", "tool_call_id": "c1", "content": "20C"}]}
     tok, dialect, hf = _family("qwen3")
     theirs = vllm_prompt("qwen3", request)
-    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
-        "role": "assistant", "reasoning_content": "It is mild.", "content": "20C in Paris."}}],
-        "usage": {"prompt_tokens": len(tok.encode(theirs))}}  # the prompt's count is the evidence here
-    src = tmp_path / "ex.jsonl"
-    src.write_text(json.dumps({"id": "v", "request": request, "response": response}) + "\n")
-    reconstruct_file(src, tmp_path / "rows.jsonl", tok, workers=1)
-    export_file(tmp_path / "rows.jsonl", tmp_path / "conv", "conversations", include_flagged=True)
-    row = json.loads(next((tmp_path / "conv").glob("*.jsonl")).read_text())
-    history = row["conversations"][:-1]
+    history = exported_history(tmp_path, "qwen3", request, theirs)
     assert history[1]["reasoning_content"] == "Need the tool."
     assert hf.apply_chat_template(history, tokenize=False, add_generation_prompt=True) == theirs
 
