@@ -6,6 +6,7 @@ rule, each engine's flattening, and the prompts both render."""
 from __future__ import annotations
 
 import copy
+import json
 import types
 from typing import Any
 
@@ -50,6 +51,14 @@ TEMPLATES = {
                        "{% for p in message.content %}{{ p.text }}" + END + "{% endif %}" + END,
     "media_word": "{# image #}" + LOOP + "{{ message.content }}" + END,
     "unparsable": "{% for %}",
+    "break_outside_loop": "{% break %}",
+    # vLLM asserts one name as a loop's target: a tuple over the messages, or over the parts
+    # before any other loop over them, makes its search fail and say "string"
+    "tuple_over_messages": "{% for role, turns in messages|groupby('role') %}" + END + LOOP
+                           + "{% for p in message.content %}{{ p }}" + END + END,
+    "tuple_over_parts": LOOP + "{% for i, p in message.content|batch(2) %}{{ p }}" + END + END,
+    "tuple_after_a_found_loop": LOOP + "{% for p in message.content %}{{ p }}" + END
+                                + "{% for i, p in message.content|batch(2) %}{{ p }}" + END + END,
 }
 
 
@@ -84,6 +93,8 @@ def test_the_rules_are_reached_and_the_engines_part_ways():
     assert formats["media_word"] == ("openai", "string")
     assert formats["macro"] == formats["alias"] == formats["content_var"] == ("string", "openai")
     assert formats["macro_other_arg"] == ("string", "string")
+    assert formats["tuple_over_messages"] == formats["tuple_over_parts"] == ("openai", "string")
+    assert formats["tuple_after_a_found_loop"] == ("openai", "openai")
 
 
 #: Messages with list contents of every kind the flattening tells apart.
@@ -95,6 +106,14 @@ MESSAGES = [
     {"role": "user", "content": "plain"},
     {"role": "user", "content": []},
     {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "u"}}]},
+    {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": ""},
+                                 {"type": "text", "text": "2 + 2?", "cache_control": {"type": "ephemeral"}}]},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm"}, {"type": "text", "text": "4"}]},
+    {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+    {"role": "system", "content": [{"type": "text", "text": "x-anthropic-billing-header: cch=9f3a1;\nYou are terse."},
+                                   {"type": "text", "text": "Be brief."}]},
+    {"role": "system", "content": "x-anthropic-billing-header: cch=9f3a1;\nYou are terse."},
+    {"role": "system", "content": "x-anthropic-billing-header: cch=9f3a1;"},
 ]
 
 
@@ -178,3 +197,86 @@ def test_the_conversations_export_writes_the_parts_as_the_proving_engine_joined_
     sep = " " if engine == "sglang" else "\n"
     assert history == [{"role": "user", "content": f"What is{sep}the capital of France?"}]
     assert hf.apply_chat_template(history, tokenize=False, add_generation_prompt=True) == prompt
+
+
+def _text(t: str) -> dict[str, str]:
+    return {"type": "text", "text": t}
+
+
+def test_a_last_assistant_message_of_parts_is_exported_as_sglang_served_it(tmp_path):
+    """SGLang joins the parts, then makes the last assistant message a user's: the export
+    joined after, found a list there and left the turn an assistant's."""
+    request = {"messages": [{"role": "user", "content": "q"},
+                            {"role": "assistant", "content": [_text("The capital"), _text("is")]}]}
+    _, dialect, hf = _family("qwen3")
+    prompt = sglang_prompt("qwen3", request)
+    readings = {r.name: r.text for r in dialect.prompt_readings(request)}
+    assert readings["last_assistant=user+parts=space"] == prompt
+    history = exported_history(tmp_path, "qwen3", request, prompt)
+    assert history == [{"role": "user", "content": "q"}, {"role": "user", "content": "The capital is"}]
+    assert hf.apply_chat_template(history, tokenize=False, add_generation_prompt=True) == prompt
+
+
+def test_a_request_sglang_cannot_render_keeps_vllms_reading(tmp_path):
+    """A template that names a medium in a comment but reads content as a string: SGLang
+    hands it the list (``openai``) and its template raises; vLLM detects ``string`` and
+    serves it. The SGLang render failing lost vLLM's reading too."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenbridge.chat import resolve_dialect
+    from tokenbridge.chat.template import special_token_strings
+
+    folder = tmp_path / "ds31"
+    folder.mkdir()
+    shared = SHARED / "deepseek-v3.1"
+    (folder / "tokenizer.json").symlink_to(shared / "tokenizer.json")
+    source = "{#- no image input -#}" + (shared / "chat_template.jinja").read_text(encoding="utf-8")
+    (folder / "chat_template.jinja").write_text(source, encoding="utf-8")
+    config = json.loads((shared / "tokenizer_config.json").read_text(encoding="utf-8")) | {"chat_template": source}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    tok = load_tokenizer(folder)
+    dialect = resolve_dialect(tok)
+    assert dialect.content_formats == ("openai", "string")
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(shared / "tokenizer.json"), **special_token_strings(tok.config))
+    hf.chat_template = source
+    served = hf.apply_chat_template([{"role": "user", "content": "What is\nthe capital of France?"}], tokenize=False,
+                                    add_generation_prompt=True)
+    assert [(r.name, r.text) for r in dialect.prompt_readings(USER_PARTS)] == [("parts=newline", served)]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm-4.5"])
+def test_a_system_prompt_opening_with_claude_codes_attribution_line_is_read_as_vllm_drops_it(name):
+    """vLLM drops a system message's first line when it is Claude Code's billing header
+    (its value changes per request); SGLang keeps it. A string content, no parts at all."""
+    request = {"messages": [{"role": "system", "content": "x-anthropic-billing-header: cch=9f3a1;\nYou are terse."},
+                            {"role": "user", "content": "Hi"}]}
+    _, dialect, _ = _family(name)
+    readings = {r.name: r.text for r in dialect.prompt_readings(request)}
+    assert readings == {None: sglang_prompt(name, request), "billing_header=dropped": vllm_prompt(name, request)}
+    assert "billing-header" not in readings["billing_header=dropped"]
+
+
+def test_one_part_is_read_as_its_text_without_naming_an_engine():
+    """A list of one text part joins the same way on every engine: no reading says SGLang
+    (``parts=space`` proved SGLang, and its completion forms followed, on no evidence)."""
+    _, dialect, _ = _family("qwen3")
+    history = [{"role": "assistant", "content": "", "reasoning": "Think.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    as_text = {"messages": [{"role": "user", "content": "Hi"}, *history]}
+    as_part = {"messages": [{"role": "user", "content": [_text("Hi")]}, *history]}
+    texts = [r.text for r in dialect.prompt_readings(as_text)]
+    readings = dialect.prompt_readings(as_part)
+    assert [r.text for r in readings] == texts and readings[0].name is None
+
+
+def test_gpt_oss_template_reads_parts_as_sglang_hands_them_over():
+    """SGLang serves gpt-oss through its template, which it hands the parts joined: the
+    list as sent raised (a user's) or printed its Python form (a system's)."""
+    from test_families_sglang_requests import _gpt_oss_prompt
+
+    for role in ("user", "system"):
+        request = {"messages": [{"role": role, "content": [_text("What is"), _text("the capital of France?")]},
+                                *([{"role": "user", "content": "Go."}] if role == "system" else [])]}
+        theirs, ours = _gpt_oss_prompt(request)
+        assert ours == theirs and "What is the capital of France?" in ours

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Mapping, Sequence
 
 from ..content import content_text
@@ -217,10 +217,11 @@ class Dialect:
         kwargs.pop("thinking", None)
         kwargs.pop("enable_thinking", None)
         messages: Any = request.get("messages")  # in shape or not: the renderer checks (a TemplateError)
-        if self.content_formats is not None and _has_parts(messages):
-            from .parts import sglang_parts
+        if self.content_formats is not None:
+            from .parts import has_parts, sglang_parts
 
-            messages = sglang_parts(messages, self.content_formats[0])
+            if has_parts(messages):
+                messages = sglang_parts(messages, self.content_formats[0])
         return self._renderer()(messages, request.get("tools"), self.thinking(request), kwargs)
 
     def prompt_readings(self, request: Mapping[str, Any], response: Mapping[str, Any] | None = None,
@@ -249,30 +250,37 @@ class Dialect:
         else:  # each engine's changes on its own handling of the parts (a folder's template)
             (sglang, s_name), (vllm, v_name) = parts
             render = self._render_parts_done
-            first = PromptReading(render(sglang), s_name)
-            variants = [*((v, with_change(n, s_name or "")) for v, n in serving_variants(sglang)), (vllm, v_name),
-                        *((v, with_change(n, v_name)) for v, n in vllm_reasoning(vllm))]
-        out, seen = [first], {first.text}
+            variants = [(sglang, s_name), *((v, with_change(n, s_name or "")) for v, n in serving_variants(sglang)),
+                        (vllm, v_name), *((v, with_change(n, v_name)) for v, n in vllm_reasoning(vllm))]
+        out, seen = ([first], {first.text}) if parts is None else ([], set())
+        refused: TemplateError | None = None
         for variant, name in variants:
             try:
                 text = render(variant)
-            except TemplateError:
+            except TemplateError as exc:
+                refused = refused or exc
                 continue  # a stack that cannot render it did not serve it
             if text not in seen:
                 seen.add(text)
                 out.append(PromptReading(text, name))
+        if not out:  # no engine renders it (SGLang's refusal first)
+            assert refused is not None
+            raise refused
         return out
 
     def _served_parts(self, request: Mapping[str, Any]) -> tuple[tuple[Mapping[str, Any], str | None],
                                                                  tuple[Mapping[str, Any], str]] | None:
         """``request`` as SGLang and as vLLM hand the folder's template its list contents,
         each with its reading's name (:func:`.parts.sglang_reading`, :func:`.parts.vllm_reading`);
-        None where no content is a list or the renderer is built in."""
+        None where neither changes the messages (no content is a list, no system message opens
+        with what vLLM drops) or the renderer is built in."""
         messages = request.get("messages")
-        if self.content_formats is None or not _has_parts(messages):
+        if self.content_formats is None or not isinstance(messages, list):
             return None
-        from .parts import sglang_reading, vllm_reading
+        from .parts import has_parts, sglang_reading, vllm_differs, vllm_reading
 
+        if not (has_parts(messages) or vllm_differs(messages)):
+            return None
         sglang, s_name = sglang_reading(messages, self.content_formats[0])
         vllm, v_name = vllm_reading(messages, self.content_formats[1])
         return ({**request, "messages": sglang}, s_name), ({**request, "messages": vllm}, v_name)
@@ -373,12 +381,6 @@ class Dialect:
             parts.append(("tool_calls", content[start:stop]))
             pos = stop
         return parts
-
-
-def _has_parts(messages: Any) -> TypeGuard[list[Any]]:
-    """Whether some message's content is a list of parts."""
-    return isinstance(messages, list) and any(isinstance(m, Mapping) and isinstance(m.get("content"), list)
-                                              for m in messages)
 
 
 def _history_differs(request: Mapping[str, Any]) -> bool:

@@ -242,25 +242,34 @@ class HarmonyDialect(Dialect):
     def prompt_readings(self, request: Mapping[str, Any], response: Mapping[str, Any] | None = None,
                         meta: Mapping[str, Any] | None = None) -> list[PromptReading]:
         """Every prompt the serving side may have built: one per serving day when the
-        renderer prints the date; the first is today's when the exchange has no timing."""
+        renderer prints the date; the first is today's when the exchange has no timing.
+        With the folder's template (SGLang's path), a content sent as a list of parts is
+        handed over as SGLang does (:func:`.parts.sglang_reading`: ``parts=space``)."""
         render = self._renderer()
         kwargs = self.template_kwargs_of(request)
         messages: Any = request.get("messages")  # in shape or not: the renderer checks (a TemplateError)
         tools = request.get("tools")
+        parts: str | None = None
+        if self.content_formats is not None:
+            from .parts import has_parts, sglang_reading
+
+            if has_parts(messages):
+                messages, parts = sglang_reading(messages, self.content_formats[0])
         if not self.dated_prompt:
-            return [PromptReading(render(messages, tools, True, kwargs))]
+            return [PromptReading(render(messages, tools, True, kwargs), parts)]
         days = serving_days(response or {}, meta or {}) if response is not None else None
         if days is None:
             days = [datetime.now(UTC).date().isoformat()]
-            names: list[str | None] = ["date=unknown"]
+            names: list[str] = ["date=unknown"]
         else:
             names = [f"date={d}" for d in days]
         out = []
         for day, name in zip(days, names):
             text = render(messages, tools, True, {**kwargs, "strftime_now": _day_clock(day)})
-            out.append(PromptReading(text, name))
+            out.append(PromptReading(text, "+".join(sorted([name, parts])) if parts else name))
         if self.vllm_render is not None:
-            out += self._vllm_readings(request, kwargs, list(zip(days, out)))
+            out += self._vllm_readings(request, kwargs, [(day, PromptReading(r.text, name))
+                                                         for day, name, r in zip(days, names, out)])
         return out
 
     def _vllm_readings(self, request: Mapping[str, Any], kwargs: Mapping[str, Any],

@@ -24,27 +24,26 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import jinja2
 from jinja2 import nodes
 
 from .template import compile_template
 
-__all__ = ["ContentFormat", "sglang_content_format", "sglang_parts", "sglang_reading", "vllm_content_format", "vllm_parts",
-           "vllm_reading"]
+__all__ = ["ContentFormat", "has_parts", "sglang_content_format", "sglang_parts", "sglang_reading", "vllm_content_format",
+           "vllm_differs", "vllm_parts", "vllm_reading"]
 
 ContentFormat = Literal["string", "openai"]
 
 #: Part types whose ``text`` each engine reads as text.
 _SGLANG_TEXT = ("text", "input_text")
-_VLLM_TEXT = ("text", "input_text", "output_text")
 
 
 def _parsed(source: str) -> nodes.Template | None:
     try:
         return compile_template(source).environment.parse(source)
-    except (jinja2.TemplateError, TypeError, ValueError, RecursionError):
+    except (jinja2.TemplateError, TypeError, ValueError, RecursionError, SyntaxError):  # the engines: any Exception
         return None
 
 
@@ -126,14 +125,25 @@ def _dotted(node: nodes.Node) -> str | None:
     return ".".join([node.name, *reversed(attrs)]) if isinstance(node, nodes.Name) else None
 
 
+class _Unsure(Exception):
+    """vLLM's search met a loop whose target is not one name (``for a, b in ...``): its
+    ``assert`` fails, and it takes its default, ``string``."""
+
+
 def _content_loops(tree: nodes.Template) -> Iterator[nodes.For]:
     """vLLM 0.34's loops over a message's parts: over ``<message>.content`` where
     ``<message>`` is the target of a loop over ``messages`` (or an alias of it); over a
     macro's parameter that some call passes such a content; or, outside every macro, over
-    a variable named ``content``."""
+    a variable named ``content``. A loop of either kind with a tuple target raises
+    :class:`_Unsure` where vLLM's search meets it (every loop over the messages is
+    searched first; a loop over parts only until one is found)."""
     messages = _aliases(tree, "messages")
-    message_names = [loop.target.name for loop in tree.find_all(nodes.For)
-                     if isinstance(loop.target, nodes.Name) and any(_reads(loop.iter, m) for m in messages)]
+    message_names = []
+    for loop in tree.find_all(nodes.For):
+        if any(_reads(loop.iter, m) for m in messages):
+            if not isinstance(loop.target, nodes.Name):
+                raise _Unsure
+            message_names.append(loop.target.name)
     content_params: dict[int, set[str]] = {}
     in_macros: set[int] = set()
     for macro in tree.find_all(nodes.Macro):
@@ -155,6 +165,8 @@ def _content_loops(tree: nodes.Template) -> Iterator[nodes.For]:
         if (any(_reads(loop.iter, m, "content") for m in message_names)
                 or (named is not None and named in content_params.get(id(loop), ()))
                 or (named == "content" and id(loop) not in in_macros)):
+            if not isinstance(loop.target, nodes.Name):
+                raise _Unsure
             yield loop
 
 
@@ -165,7 +177,10 @@ def vllm_content_format(source: str) -> ContentFormat:
     tree = _parsed(source)
     if tree is None:
         return "string"
-    return "openai" if next(_content_loops(tree), None) is not None else "string"
+    try:
+        return "openai" if next(_content_loops(tree), None) is not None else "string"
+    except _Unsure:
+        return "string"
 
 
 def _texts(parts: Sequence[Any], types: tuple[str, ...]) -> list[str]:
@@ -209,47 +224,125 @@ def sglang_parts(messages: Sequence[Any], fmt: ContentFormat) -> list[Any]:
     return out
 
 
-def vllm_parts(messages: Sequence[Any], fmt: ContentFormat) -> list[Any]:
-    """The messages as vLLM 0.34 hands the template their contents (see the module doc)."""
-    out = []
-    for m in messages:
-        if not isinstance(m, Mapping):
-            out.append(m)
+#: vLLM 0.34's text-like part types and the key each holds its text under (``MM_PARSER_MAP``).
+_VLLM_TEXT_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "thinking": "thinking",
+                   "refusal": "refusal"}
+#: vLLM 0.34's media part types and the part its ``openai`` format hands the template for each.
+_VLLM_MEDIA = {"image_url": "image", "input_image": "image", "image_pil": "image", "image_embeds": "image",
+               "audio_url": "audio", "input_audio": "audio", "audio_embeds": "audio", "video_url": "video",
+               "video_embeds": "video"}
+#: The keys of vLLM 0.34's content-part types: a part's other keys reach the template with it.
+_VLLM_PART_FIELDS = frozenset({"audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil",
+                               "image_url", "input_audio", "name", "prompt_cache_breakpoint", "refusal", "text",
+                               "thinking", "type", "uuid", "video_embeds", "video_url"})
+#: The first line vLLM 0.34 drops from a system message's text (``_strip_claude_code_billing_header``).
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _vllm_part(part: Any, fmt: ContentFormat) -> Any:
+    """A part as vLLM's ``parse_chat_message_content_part`` hands it on: its text
+    (``string``) or ``{type: text, text, ...its other keys}`` (``openai``); a medium as its
+    bare type (``openai``; ``string``: its placeholder, not modelled: such a prompt is not
+    proved); None for a part vLLM skips."""
+    if isinstance(part, str):
+        return part if fmt == "string" else {"type": "text", "text": part}
+    if not isinstance(part, Mapping):
+        return None
+    kind = part.get("type")
+    extra = {k: v for k, v in part.items() if k not in _VLLM_PART_FIELDS}
+    if kind in _VLLM_TEXT_KEYS:
+        text = part.get(_VLLM_TEXT_KEYS[kind])
+        if text is None and kind in ("text", "refusal"):
+            return None
+        return text if fmt == "string" else {"type": "text", "text": text, **extra}
+    if kind == "tool_reference":
+        return part.get("name") if fmt == "string" else {"type": "tool_reference", "name": part.get("name")}
+    if fmt == "string" or kind not in _VLLM_MEDIA:
+        return None
+    return {"type": _VLLM_MEDIA[kind], **extra}
+
+
+def _without_billing_header(parts: list[Any]) -> tuple[list[Any], bool]:
+    """A system message's parts without the Claude Code attribution line vLLM drops, and whether it was there."""
+    out, dropped = [], False
+    for part in parts:
+        text = part if isinstance(part, str) else part.get("text") if isinstance(part, Mapping) and part.get("type") == "text" else None
+        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+            out.append(part)
             continue
-        content = m.get("content")
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content if isinstance(content, list) else []
-        texts_only = all(isinstance(p, Mapping) and p.get("type") in _VLLM_TEXT for p in parts)
-        if fmt == "string" or (m.get("role") == "tool" and texts_only):
-            out.append({**m, "content": "\n".join(_texts(parts, _VLLM_TEXT))})
-        else:
-            out.append({**m, "content": [{**p, "type": "text", "text": p["text"]} if p.get("type") in _VLLM_TEXT else p
-                                         for p in parts if isinstance(p, Mapping)]})
-    return out
+        dropped = True
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out, dropped
 
 
-def _tool_text_parts(messages: Sequence[Any], types: tuple[str, ...]) -> bool:
-    """Whether a tool result is a list of text parts only (each engine joins those)."""
-    return any(isinstance(m, Mapping) and m.get("role") == "tool" and isinstance(m.get("content"), list)
-               and all(isinstance(p, Mapping) and p.get("type") in types for p in m["content"]) for m in messages)
+def _vllm_message(m: Mapping[str, Any], fmt: ContentFormat) -> tuple[dict[str, Any], bool]:
+    content = m.get("content")
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content) if isinstance(content, list) else []
+    dropped = False
+    if m.get("role") == "system":
+        parts, dropped = _without_billing_header(parts)
+    served = [kept for kept in (_vllm_part(p, fmt) for p in parts) if kept]  # vLLM keeps what is truthy
+    if fmt == "string":
+        return {**m, "content": "\n".join(served)}, dropped
+    if m.get("role") == "tool" and all(isinstance(p, Mapping) and p.get("type") == "text" for p in served):
+        return {**m, "content": "\n".join(p.get("text", "") for p in served)}, dropped
+    return {**m, "content": served}, dropped
+
+
+def vllm_parts(messages: Sequence[Any], fmt: ContentFormat) -> list[Any]:
+    """The messages as vLLM 0.34 hands the template their contents (see the module doc;
+    a system message without a Claude Code attribution first line, as vLLM drops it)."""
+    return vllm_reading(messages, fmt)[0]
+
+
+def has_parts(messages: Any) -> TypeGuard[list[Any]]:
+    """Whether ``messages`` is a list in which some content is a list of parts."""
+    return isinstance(messages, list) and any(isinstance(m, Mapping) and isinstance(m.get("content"), list)
+                                              for m in messages)
+
+
+def vllm_differs(messages: Any) -> bool:
+    """Whether vLLM hands a folder's template these messages otherwise than as sent where
+    no content is a list: a system message opening with the Claude Code attribution line."""
+    return isinstance(messages, list) and any(
+        isinstance(m, Mapping) and m.get("role") == "system" and isinstance(m.get("content"), str)
+        and m["content"].startswith(_BILLING_HEADER) for m in messages)
+
+
+def _joined(messages: Sequence[Any], types: tuple[str, ...], role: str | None = None) -> bool:
+    """Whether some content (of ``role``'s messages) is a list of two or more parts of
+    ``types``: where joining them with a space, a newline or nothing differs."""
+    return any(isinstance(m, Mapping) and (role is None or m.get("role") == role) and isinstance(m.get("content"), list)
+               and sum(isinstance(p, Mapping) and p.get("type") in types for p in m["content"]) > 1 for m in messages)
 
 
 def sglang_reading(messages: Sequence[Any], fmt: ContentFormat) -> tuple[list[Any], str | None]:
-    """:func:`sglang_parts`, and the prompt reading's name for what it did: ``parts=space``
-    (every list joined), ``tool_parts=space`` (a tool result's alone), None (the parts reach
-    the template as sent)."""
+    """:func:`sglang_parts`, and the prompt reading's name for what it did where that is
+    SGLang's own: ``parts=space`` (two or more text parts joined), ``tool_parts=space``
+    (a tool result's, parts kept otherwise), None (each list's text is what its parts say)."""
     if fmt == "string":
-        name: str | None = "parts=space"
+        name = "parts=space" if _joined(messages, _SGLANG_TEXT) else None
     else:
-        name = "tool_parts=space" if _tool_text_parts(messages, _SGLANG_TEXT) else None
+        name = "tool_parts=space" if _joined(messages, ("text",), "tool") else None
     return sglang_parts(messages, fmt), name
 
 
 def vllm_reading(messages: Sequence[Any], fmt: ContentFormat) -> tuple[list[Any], str]:
-    """:func:`vllm_parts`, and the prompt reading's name for what it did: ``parts=newline``
-    (every list joined), ``tool_parts=newline`` (a tool result's alone), else ``parts=vllm``
-    (every content a list of parts)."""
-    if fmt == "string":
-        name = "parts=newline"
-    else:
-        name = "tool_parts=newline" if _tool_text_parts(messages, _VLLM_TEXT) else "parts=vllm"
-    return vllm_parts(messages, fmt), name
+    """The messages as vLLM 0.34 hands them to the template, and the prompt reading's
+    name: ``parts=newline`` (lists joined), ``tool_parts=newline`` (a tool result's, parts
+    kept otherwise), ``billing_header=dropped`` (a system message lost its first line), or
+    else ``parts=vllm`` (every content a list of parts)."""
+    out, dropped = [], False
+    for m in messages:
+        if isinstance(m, Mapping):
+            m, cut = _vllm_message(m, fmt)
+            dropped = dropped or cut
+        out.append(m)
+    names = ["billing_header=dropped"] if dropped else []
+    if has_parts(messages) and fmt == "string":
+        names.append("parts=newline")
+    elif has_parts(messages) and _joined(messages, tuple(_VLLM_TEXT_KEYS), "tool"):
+        names.append("tool_parts=newline")
+    return out, "+".join(sorted(names)) or "parts=vllm"

@@ -170,6 +170,7 @@ def _served_messages(rec: ReconstructedRow) -> list[Any]:
         return messages if isinstance(messages, list) else []
     from ..chat.serving import sglang_history, sglang_last_assistant, vllm_history, vllm_reasoning
 
+    messages = _parts_served(messages, names)  # first: SGLang flattens before it makes a last assistant a user
     if "history=vllm" in names:  # Kimi's vLLM reading: its reasoning=vllm change included
         messages = next((list(v["messages"]) for v, _ in vllm_history({"messages": messages})), messages)
     elif "reasoning=vllm" in names:
@@ -180,22 +181,26 @@ def _served_messages(rec: ReconstructedRow) -> list[Any]:
         messages = next((list(v["messages"]) for v, _ in sglang_history(served)), messages)
     if "last_assistant=user" in names:
         messages = sglang_last_assistant(messages) or messages
-    return _parts_served(messages, names)
+    return messages
 
 
 def _parts_served(messages: list[Any], names: frozenset[str]) -> list[Any]:
     """Lists of parts as the engine that the row's reading names handed them to a folder's
     template (:mod:`tokenbridge.chat.parts`): joined with a space (SGLang) or a newline
     (vLLM); where vLLM kept them as parts, a tool result's joined with a newline (the rest
-    are written as their text, :func:`_turn`, as the template joins them)."""
+    are written as their text, :func:`_turn`, as the template joins them), and a system
+    message's attribution line dropped as vLLM drops it. Kimi's vLLM reading
+    (``history=vllm``) joins its own way."""
     from ..chat.parts import sglang_parts, vllm_parts
 
+    if "history=vllm" in names:
+        return messages
     if "parts=space" in names:
         return sglang_parts(messages, "string")
-    if "parts=newline" in names:
-        return vllm_parts(messages, "string")
     if names & {"tool_parts=newline", "parts=vllm"}:
         return vllm_parts(messages, "openai")
+    if names & {"parts=newline", "billing_header=dropped"}:
+        return vllm_parts(messages, "string")
     return messages
 
 
@@ -221,7 +226,7 @@ def _reading_names(rec: ReconstructedRow) -> frozenset[str]:
 #: Prompt readings whose messages differ from the request's (:mod:`tokenbridge.chat.serving`).
 _SERVED_HISTORY = frozenset({"tool_args=parsed", "user_name=dropped", "tool_parts=space", "history=vllm",
                              "reasoning=vllm", "last_assistant=user", "parts=space", "parts=newline",
-                             "tool_parts=newline", "parts=vllm"})
+                             "tool_parts=newline", "parts=vllm", "billing_header=dropped"})
 
 
 def _turn(message: Mapping[str, Any]) -> dict[str, Any]:
