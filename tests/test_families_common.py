@@ -70,6 +70,22 @@ def test_unknown_family_with_a_template_gets_the_generic_dialect_and_a_finding(t
     assert "completion_unproven" in {f["code"] for f in row["findings"]} and row["status"] == "rejected"
 
 
+def test_a_generic_template_reads_parts_as_each_engine_hands_them_over_and_nothing_more(tmp_path):
+    """A family no engine is known to serve with SGLang's other changes (its tool dump, its
+    last-assistant turn, vLLM's history reasoning): only the two engines' handling of the
+    parts are readings."""
+    from tokenbridge.tokenizer import load_tokenizer
+
+    template = "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|bot|>"
+    d = resolve_dialect(load_tokenizer(_unknown_folder(tmp_path / "u", template)))
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]
+    request = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "hi"}],
+               "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    readings = [(r.name, r.text) for r in d.prompt_readings(request)]
+    assert readings == [("parts=space", "<s><|user|>hello there<|assistant|>hi<|bot|>"),
+                        ("parts=newline", "<s><|user|>hello\nthere<|assistant|>hi<|bot|>")]
+
+
 def test_unknown_family_without_a_template_is_an_error(tmp_path):
     from tokenbridge.tokenizer import load_tokenizer
 

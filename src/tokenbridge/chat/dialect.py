@@ -250,8 +250,10 @@ class Dialect:
         else:  # each engine's changes on its own handling of the parts (a folder's template)
             (sglang, s_name), (vllm, v_name) = parts
             render = self._render_parts_done
-            variants = [(sglang, s_name), *((v, with_change(n, s_name or "")) for v, n in serving_variants(sglang)),
-                        (vllm, v_name), *((v, with_change(n, v_name)) for v, n in vllm_reasoning(vllm))]
+            more = self.serving_readings
+            variants = [(sglang, s_name),
+                        *((v, with_change(n, s_name or "")) for v, n in (serving_variants(sglang) if more else ())),
+                        (vllm, v_name), *((v, with_change(n, v_name)) for v, n in (vllm_reasoning(vllm) if more else ()))]
         out, seen = ([first], {first.text}) if parts is None else ([], set())
         refused: TemplateError | None = None
         for variant, name in variants:
