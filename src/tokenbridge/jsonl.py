@@ -187,10 +187,11 @@ class _Twice(dict[str, Any]):
 
 
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """An object's pairs as a dict, or :class:`_RepeatedKey` naming a key given twice (``unique_keys``)."""
+    """An object's pairs as a dict, or :class:`_RepeatedKey` where a key is given twice
+    (``unique_keys``; :func:`_refuse_repeated` then names it)."""
     out = dict(pairs)
     if len(out) != len(pairs):
-        raise _RepeatedKey(_first_repeated(pairs))
+        raise _RepeatedKey
     return out
 
 

@@ -209,20 +209,30 @@ class Dialect:
         return self.render
 
     def render_request(self, request: Mapping[str, Any]) -> str:
-        """The prompt the serving side builds for an API request body: its messages and
-        tools, thinking mode from its settings, and its ``chat_template_kwargs``."""
+        """The prompt the serving side builds for an API request body: its messages (a list
+        of parts as SGLang hands it to a folder's template) and tools, thinking mode from its
+        settings, and its ``chat_template_kwargs``."""
+        return self._render_parts_done({**request, "messages": self._sglang_served(request.get("messages"))[0]})
+
+    def _render_parts_done(self, request: Mapping[str, Any]) -> str:
+        """:meth:`render_request` for messages whose parts an engine has already handled."""
         from .shapes import template_kwargs
 
         kwargs = template_kwargs(request)
         kwargs.pop("thinking", None)
         kwargs.pop("enable_thinking", None)
         messages: Any = request.get("messages")  # in shape or not: the renderer checks (a TemplateError)
-        if self.content_formats is not None:
-            from .parts import has_parts, sglang_parts
-
-            if has_parts(messages):
-                messages = sglang_parts(messages, self.content_formats[0])
         return self._renderer()(messages, request.get("tools"), self.thinking(request), kwargs)
+
+    def _sglang_served(self, messages: Any) -> tuple[Any, str | None]:
+        """``messages`` as SGLang hands the folder's template their lists of parts, and the
+        reading's name for that (:func:`.parts.sglang_reading`); as they are, and None,
+        where no content is a list or the renderer is built in."""
+        if self.content_formats is None:
+            return messages, None
+        from .parts import has_parts, sglang_reading
+
+        return sglang_reading(messages, self.content_formats[0]) if has_parts(messages) else (messages, None)
 
     def prompt_readings(self, request: Mapping[str, Any], response: Mapping[str, Any] | None = None,
                         meta: Mapping[str, Any] | None = None) -> list[PromptReading]:
@@ -279,17 +289,13 @@ class Dialect:
         messages = request.get("messages")
         if self.content_formats is None or not isinstance(messages, list):
             return None
-        from .parts import has_parts, sglang_reading, vllm_differs, vllm_reading
+        from .parts import has_parts, vllm_differs, vllm_reading
 
         if not (has_parts(messages) or vllm_differs(messages)):
             return None
-        sglang, s_name = sglang_reading(messages, self.content_formats[0])
+        sglang, s_name = self._sglang_served(messages)
         vllm, v_name = vllm_reading(messages, self.content_formats[1])
         return ({**request, "messages": sglang}, s_name), ({**request, "messages": vllm}, v_name)
-
-    def _render_parts_done(self, request: Mapping[str, Any]) -> str:
-        """:meth:`render_request` for messages whose parts an engine has already handled."""
-        return replace(self, content_formats=None).render_request(request)
 
     def with_render(self, render: RenderFn, name: str | None = None,
                     content_formats: tuple[ContentFormat, ContentFormat] | None = None) -> Dialect:

@@ -249,12 +249,7 @@ class HarmonyDialect(Dialect):
         kwargs = self.template_kwargs_of(request)
         messages: Any = request.get("messages")  # in shape or not: the renderer checks (a TemplateError)
         tools = request.get("tools")
-        parts: str | None = None
-        if self.content_formats is not None:
-            from .parts import has_parts, sglang_reading
-
-            if has_parts(messages):
-                messages, parts = sglang_reading(messages, self.content_formats[0])
+        messages, parts = self._sglang_served(messages)
         if not self.dated_prompt:
             return [PromptReading(render(messages, tools, True, kwargs), parts)]
         days = serving_days(response or {}, meta or {}) if response is not None else None
