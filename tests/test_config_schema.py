@@ -21,6 +21,7 @@ from tokenbridge.emulator import EmulatorConfig, ProviderConfig, load_emulator_c
 from tokenbridge.exit_codes import ExitCode
 from tokenbridge.generate import ConfigError, GenerateSettings, load_config
 from tokenbridge.pipeline import PipelineError, RunConfig, load_run_config
+from tokenbridge.schema import read_mapping
 
 
 def _run_toml(kimi_dir: Path, base_url: str = "http://127.0.0.1:9/api/v1") -> str:
@@ -336,6 +337,39 @@ def test_generate_yaml_dataset_key_typo(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value) == f"{path}:5: datasets[1].limt: unknown key; did you mean 'limit'?"
+
+
+def test_a_yaml_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    # PyYAML keeps the last value silently: the run would have gone out with 256 in flight
+    path = _write(tmp_path, "model: m\nconcurrency: 8\nmax_tokens: 64\nconcurrency: 256\n", "gen.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (f"{path}:4: concurrency: given twice in one mapping (first on line 2): which value is "
+                              "meant is unclear (YAML readers keep the last, silently)")
+    assert err.value.exit_code == ExitCode.CONFIG
+    # nested: a list entry's mapping, named by its path; a quoted spelling is the same key
+    path = _write(tmp_path, "providers:\n  - name: a/fp8\n  - name: b/fp8\n    engine: sglang\n    'engine': vllm\n",
+                  "emu.yaml")
+    with pytest.raises(EmulatorConfigError) as emu:
+        load_emulator_config(path)
+    assert str(emu.value).startswith(f"{path}:5: providers[1].engine: given twice in one mapping (first on line 4)")
+
+
+def test_a_yaml_merge_key_overridden_is_no_repeat(tmp_path):
+    # YAML's override: the mapping sets what the merge brought in (and two merged sources share a key)
+    text = ("x-base: &base\n  max_tokens: 64\n  stream: true\nx-more: &more\n  max_tokens: 32\n"
+            "gen:\n  <<: [*base, *more]\n  max_tokens: 128\n")
+    path = _write(tmp_path, text, "c.yaml")
+    data, _ = read_mapping(path, ConfigError)
+    assert data["gen"] == {"max_tokens": 128, "stream": True}
+    assert read_mapping(_write(tmp_path, "a: 1\n'1': 2\n1: 3\n", "k.yaml"), ConfigError)[0] == {"a": 1, "1": 2, 1: 3}
+
+
+def test_a_toml_key_given_twice_is_refused_too(tmp_path):
+    path = _write(tmp_path, 'model = "m"\nconcurrency = 8\nconcurrency = 256\n', "gen.toml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: invalid TOML: Cannot overwrite a value (at line 3")
 
 
 def test_generate_new_fields_have_the_agreed_defaults_and_ranges(tmp_path):

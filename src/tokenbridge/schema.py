@@ -182,7 +182,10 @@ def read_mapping(path: Path, error: Callable[[str], Exception]) -> tuple[dict[st
         import yaml
 
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_unique_key_loader()) or {}  # a SafeLoader: plain data only
+        except _RepeatedYamlKey as exc:
+            raise error(f"{path}:{exc.line}: {exc.where}: given twice in one mapping (first on line {exc.first}): "
+                        "which value is meant is unclear (YAML readers keep the last, silently)") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             at = f":{mark.line + 1}" if mark is not None else ""
@@ -199,6 +202,59 @@ def read_mapping(path: Path, error: Callable[[str], Exception]) -> tuple[dict[st
     if not isinstance(data, dict):
         raise error(f"{path}: the top level must be a table/mapping")
     return data, text
+
+
+class _RepeatedYamlKey(Exception):
+    """A mapping in a YAML config that gives a key twice: ``where`` (its dotted path),
+    on ``line``, first given on ``first`` (1-based)."""
+
+    def __init__(self, where: str, line: int, first: int) -> None:
+        super().__init__(where)
+        self.where, self.line, self.first = where, line, first
+
+
+@cache
+def _unique_key_loader() -> type:
+    """PyYAML's SafeLoader refusing a mapping that gives a key twice (:class:`_RepeatedYamlKey`).
+
+    PyYAML keeps the last value without a word, so ``concurrency: 8`` ... ``concurrency: 256``
+    in one section ran with 256. Keys are compared as composed (tag and text, before any
+    ``<<`` merge is applied): a key a merge brings in and the mapping then sets is YAML's
+    override, not a repeat."""
+    import yaml
+
+    merge = "tag:yaml.org,2002:merge"
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def __init__(self, stream: str) -> None:
+            super().__init__(stream)
+            self._steps: list[Any] = []  # the key node or index of each node being composed
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            self._steps.append(index)
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self._steps.pop()
+
+        def compose_mapping_node(self, anchor: Any) -> Any:
+            node = super().compose_mapping_node(anchor)
+            seen: dict[tuple[str, str], Any] = {}
+            for key, _ in node.value:
+                if not isinstance(key, yaml.ScalarNode) or key.tag == merge:
+                    continue
+                first = seen.setdefault((key.tag, key.value), key)
+                if first is not key:
+                    where = _dotted((*(_yaml_step(s) for s in self._steps if s is not None), key.value))
+                    raise _RepeatedYamlKey(where, key.start_mark.line + 1, first.start_mark.line + 1)
+            return node
+
+    return UniqueKeyLoader
+
+
+def _yaml_step(step: Any) -> str | int:
+    """A path step of a node being composed: its index in a sequence, or its key's text."""
+    return step if isinstance(step, int) else str(getattr(step, "value", step))
 
 
 def validate(schema: Any, data: Any, where: Where) -> tuple[Any, list[str]]:
