@@ -198,6 +198,22 @@ def test_a_bad_profile_names_the_field(tmp_path, body, where):
     assert where in str(err.value) and str(path) in str(err.value)
 
 
+def test_a_profile_that_gives_a_key_twice_is_refused_naming_the_object(tmp_path):
+    # a hand-edited profile: which of the two lists was meant no reader can tell (the stdlib kept the last)
+    path = tmp_path / "p.json"
+    path.write_text('{"providers": [{"provider": "a", "profile": {"text_edits": ["nfkc"], "text_edits": []}}]}')
+    with pytest.raises(ProfileError) as err:
+        load_provider_profile(path)
+    assert str(err.value) == (f"{path}: providers[0].profile: cannot read the provider profile (the key 'text_edits' "
+                              "appears twice in one object: which value is meant is unclear (readers keep the first or "
+                              "the last))")
+    path.write_text('{"providers": [], "providers": [{"provider": "a", "text_edits": ["nfkc"]}]}')
+    with pytest.raises(ProfileError, match=r"p\.json: cannot read the provider profile \(the key 'providers' appears"):
+        load_provider_profile(path)
+    path.write_text('[{"provider": "a", "text_edits": ["nfkc"], "note": NaN}]')  # Python's writers' NaN still reads
+    assert load_provider_profile(path) == {"a": ("nfkc",)}
+
+
 def test_reconstruct_cli_reads_a_probe_profile(tmp_path, kimi, kimi_dir):
     import subprocess
     import sys

@@ -296,16 +296,23 @@ def _path(steps: list[tuple[int, str | int]], at: int) -> str:
     return path if len(path) <= _PATH_SHOWN else "…" + path[-_PATH_SHOWN:]
 
 
-def loads_document(text: str | bytes) -> Any:  # Any: any JSON value; callers check its shape
+def loads_document(text: str | bytes, *, unique_keys: bool = False) -> Any:  # Any: any JSON value
     """A whole JSON document from outside (a tokenizer folder's config, a provider profile,
     a report, a marker), read by the stdlib as it is (``NaN`` too, which Python's own
     writers put in configs). Every way it can fail is one :class:`JsonLineError` (a
     ValueError) saying why, for the caller to name the file: not JSON (with its line and
     column), not UTF-8, a number of more digits than Python reads, or nested deeper than
     Python's stack (the stdlib recurses per level: ``[`` * 100,000 raised RecursionError,
-    which no caller expected, and the command ended as an internal error)."""
+    which no caller expected, and the command ended as an internal error).
+
+    ``unique_keys``: an object that gives a key twice is refused by its path (a file a
+    user writes or edits; one read as its own tools read it, a tokenizer folder's config
+    as transformers does, keeps the last value as they do)."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_object if unique_keys else None)
+    except _RepeatedKey:
+        _refuse_repeated(text)  # raises, naming where
+        raise JsonLineError("a key appears twice in one object") from None  # pragma: no cover - the same parse met it
     except json.JSONDecodeError as exc:
         raise JsonLineError(f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     except UnicodeDecodeError as exc:

@@ -266,13 +266,14 @@ def load_provider_profile(path: str | Path) -> dict[str, tuple[str, ...]]:
     Accepts the probe's own output (``{"providers": [{"provider", "profile": {...}}]}``)
     or a bare list of profiles (``[{"provider", "text_edits", ...}]``).
     """
-    from .jsonl import loads_document
+    from .jsonl import JsonLineError, loads_document
 
     path = Path(path)
     try:
-        data = loads_document(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON, nested too deeply (JsonLineError)
-        raise ProfileError(f"{path}: cannot read the provider profile ({exc})") from None
+        data = loads_document(path.read_text(encoding="utf-8"), unique_keys=True)
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON, nested too deeply, a key twice (JsonLineError)
+        where = f"{path}: {exc.field}" if isinstance(exc, JsonLineError) and exc.field else str(path)
+        raise ProfileError(f"{where}: cannot read the provider profile ({exc})") from None
     entries = data.get("providers") if isinstance(data, dict) else data
     if not isinstance(entries, list):
         raise ProfileError(f"{path}: providers: must be a list (the output of `tokenbridge probe --json`)")
