@@ -365,6 +365,36 @@ def test_a_yaml_merge_key_overridden_is_no_repeat(tmp_path):
     assert read_mapping(_write(tmp_path, "a: 1\n'1': 2\n1: 3\n", "k.yaml"), ConfigError)[0] == {"a": 1, "1": 2, 1: 3}
 
 
+def _laughs(levels: int) -> str:
+    """A few lines of YAML whose aliases expand to 9**levels strings."""
+    lines = ['x0: &x0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"x{i}: &x{i} [" + ", ".join([f"*x{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join(lines)
+
+
+def test_a_yaml_config_whose_aliases_expand_past_a_million_values_is_refused(tmp_path):
+    # 4.8 million strings from eight lines: PyYAML shares them, checking the config walked each one
+    text = "model: m\nrequest:\n  extra_body:\n    " + _laughs(7).replace("\n", "\n    ") + "\n"
+    path = _write(tmp_path, text, "gen.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (f"{path}: its aliases expand it past 1,000,000 values (a config holds hundreds): "
+                              "refused before reading it")
+    # under the bound the same shape reads, shared values and all
+    path = _write(tmp_path, "model: m\nrequest:\n  extra_body:\n    " + _laughs(3).replace("\n", "\n    ") + "\n",
+                  "gen.yaml")
+    assert load_config(path).request.extra_body["x2"] == [[["lol"] * 9] * 9] * 9
+
+
+@pytest.mark.parametrize("text", ["model: m\nrequest:\n  extra_body: &e {self: *e}\n", "datasets: &d [*d]\n"])
+def test_a_yaml_value_that_contains_itself_is_refused(tmp_path, text):
+    path = _write(tmp_path, text, "gen.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    line = text.count("\n", 0, text.index("&")) + 1
+    assert str(err.value) == f"{path}:{line}: a value that contains itself through an alias"
+
+
 def test_a_toml_key_given_twice_is_refused_too(tmp_path):
     path = _write(tmp_path, 'model = "m"\nconcurrency = 8\nconcurrency = 256\n', "gen.toml")
     with pytest.raises(ConfigError) as err:

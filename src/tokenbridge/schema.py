@@ -182,10 +182,9 @@ def read_mapping(path: Path, error: Callable[[str], Exception]) -> tuple[dict[st
         import yaml
 
         try:
-            data = yaml.load(text, Loader=_unique_key_loader()) or {}  # a SafeLoader: plain data only
-        except _RepeatedYamlKey as exc:
-            raise error(f"{path}:{exc.line}: {exc.where}: given twice in one mapping (first on line {exc.first}): "
-                        "which value is meant is unclear (YAML readers keep the last, silently)") from None
+            data = yaml.load(text, Loader=_config_loader()) or {}  # a SafeLoader: plain data only
+        except _YamlRefused as exc:
+            raise error(f"{path}{exc.at}: {exc.why}") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             at = f":{mark.line + 1}" if mark is not None else ""
@@ -204,28 +203,36 @@ def read_mapping(path: Path, error: Callable[[str], Exception]) -> tuple[dict[st
     return data, text
 
 
-class _RepeatedYamlKey(Exception):
-    """A mapping in a YAML config that gives a key twice: ``where`` (its dotted path),
-    on ``line``, first given on ``first`` (1-based)."""
+class _YamlRefused(Exception):
+    """A YAML config that reads, but not as one meaning: ``at`` is ``":line: field"`` where
+    known (else ``""``), ``why`` what is wrong."""
 
-    def __init__(self, where: str, line: int, first: int) -> None:
-        super().__init__(where)
-        self.where, self.line, self.first = where, line, first
+    def __init__(self, at: str, why: str) -> None:
+        super().__init__(why)
+        self.at, self.why = at, why
+
+
+#: The most values a YAML config may hold once its aliases are expanded (a real one holds
+#: hundreds): nine anchors of nine aliases each were 9**9 values to validate from a few lines.
+MAX_YAML_VALUES = 1_000_000
 
 
 @cache
-def _unique_key_loader() -> type:
-    """PyYAML's SafeLoader refusing a mapping that gives a key twice (:class:`_RepeatedYamlKey`).
+def _config_loader() -> type:
+    """PyYAML's SafeLoader refusing what it would read silently one way of several:
 
-    PyYAML keeps the last value without a word, so ``concurrency: 8`` ... ``concurrency: 256``
-    in one section ran with 256. Keys are compared as composed (tag and text, before any
-    ``<<`` merge is applied): a key a merge brings in and the mapping then sets is YAML's
-    override, not a repeat."""
+    * a mapping that gives a key twice. PyYAML keeps the last value without a word, so
+      ``concurrency: 8`` ... ``concurrency: 256`` in one section ran with 256. Keys are
+      compared as composed (tag and text, before any ``<<`` merge is applied): a key a
+      merge brings in and the mapping then sets is YAML's override, not a repeat;
+    * aliases that expand past :data:`MAX_YAML_VALUES` values (a "billion laughs" file:
+      PyYAML shares the repeats, but checking the config walks every one of them), or
+      that make a value contain itself."""
     import yaml
 
     merge = "tag:yaml.org,2002:merge"
 
-    class UniqueKeyLoader(yaml.SafeLoader):
+    class ConfigLoader(yaml.SafeLoader):
         def __init__(self, stream: str) -> None:
             super().__init__(stream)
             self._steps: list[Any] = []  # the key node or index of each node being composed
@@ -246,10 +253,56 @@ def _unique_key_loader() -> type:
                 first = seen.setdefault((key.tag, key.value), key)
                 if first is not key:
                     where = _dotted((*(_yaml_step(s) for s in self._steps if s is not None), key.value))
-                    raise _RepeatedYamlKey(where, key.start_mark.line + 1, first.start_mark.line + 1)
+                    raise _YamlRefused(f":{key.start_mark.line + 1}: {where}", (
+                        f"given twice in one mapping (first on line {first.start_mark.line + 1}): which value is "
+                        "meant is unclear (YAML readers keep the last, silently)"))
             return node
 
-    return UniqueKeyLoader
+        def compose_document(self) -> Any:
+            node = super().compose_document()
+            _expanded_values(node, yaml.ScalarNode)
+            return node
+
+    return ConfigLoader
+
+
+def _expanded_values(root: Any, scalar: type) -> int:
+    """How many values the YAML node ``root`` holds with every alias expanded (each shared
+    node counted once per place it appears, computed once), or :class:`_YamlRefused` past
+    :data:`MAX_YAML_VALUES` or where a node contains itself."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            children = _yaml_children(node)
+            sizes[key] = 1 + sum(sizes[id(c)] for c in children)
+            open_.discard(key)
+            if sizes[key] > MAX_YAML_VALUES:
+                raise _YamlRefused("", f"its aliases expand it past {MAX_YAML_VALUES:,} values (a config holds "
+                                       "hundreds): refused before reading it")
+            continue
+        if key in sizes:
+            continue
+        if key in open_:
+            raise _YamlRefused(f":{node.start_mark.line + 1}", "a value that contains itself through an alias")
+        if isinstance(node, scalar):
+            sizes[key] = 1
+            continue
+        open_.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in _yaml_children(node) if id(c) not in sizes)
+    return sizes[id(root)]
+
+
+def _yaml_children(node: Any) -> list[Any]:
+    """A collection node's children: a sequence's items, a mapping's keys and values."""
+    items = node.value
+    if items and isinstance(items[0], tuple):  # a mapping's (key, value) pairs
+        return [n for pair in items for n in pair]
+    return list(items)
 
 
 def _yaml_step(step: Any) -> str | int:
