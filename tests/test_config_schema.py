@@ -355,6 +355,24 @@ def test_a_yaml_key_given_twice_is_refused_naming_both_lines(tmp_path):
     assert str(emu.value).startswith(f"{path}:5: providers[1].engine: given twice in one mapping (first on line 4)")
 
 
+def test_a_yaml_key_repeated_through_an_alias_is_refused(tmp_path):
+    # the alias is the anchored key itself: an identity check saw no repeat, and 4096 was sent
+    path = _write(tmp_path, "model: m\nrequest:\n  &k max_tokens: 8\n  *k : 4096\n", "gen.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}:4: request: an alias (*name) as a key: write the key itself"
+
+
+def test_a_yaml_repeat_names_odd_keys_as_json_paths_name_them(tmp_path):
+    text = "a:\n  - 'b.c': 1\n    'b.c': 2\n'': 1\n'': 2\n"
+    with pytest.raises(ConfigError) as err:
+        read_mapping(_write(tmp_path, text, "c.yaml"), ConfigError)
+    assert str(err.value).startswith(f"{tmp_path / 'c.yaml'}:3: a[0][\"b.c\"]: given twice in one mapping (first on line 2)")
+    with pytest.raises(ConfigError) as err:
+        read_mapping(_write(tmp_path, "x: 1\n'': 1\n'': 2\n", "c.yaml"), ConfigError)
+    assert str(err.value).startswith(f"{tmp_path / 'c.yaml'}:3: [\"\"]: given twice")
+
+
 def test_a_yaml_merge_key_overridden_is_no_repeat(tmp_path):
     # YAML's override: the mapping sets what the merge brought in (and two merged sources share a key)
     text = ("x-base: &base\n  max_tokens: 64\n  stream: true\nx-more: &more\n  max_tokens: 32\n"
@@ -378,8 +396,13 @@ def test_a_yaml_config_whose_aliases_expand_past_a_million_values_is_refused(tmp
     path = _write(tmp_path, text, "gen.yaml")
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert str(err.value) == (f"{path}: its aliases expand it past 1,000,000 values (a config holds hundreds): "
-                              "refused before reading it")
+    assert str(err.value) == (f"{path}: holds more than 1,000,000 values or 64 MiB of text once its aliases are "
+                              "expanded (a config holds hundreds of values): refused before reading it")
+    # few values, each a long text: 100 x 100 copies of 100,000 characters (a gigabyte in every request body)
+    text = ('model: m\nrequest:\n  extra_body:\n    s: &s "' + "\u00e9" * 100_000 + '"\n    l1: &l1 ['
+            + ", ".join(["*s"] * 100) + "]\n    l2: [" + ", ".join(["*l1"] * 100) + "]\n")
+    with pytest.raises(ConfigError, match="or 64 MiB of text once its aliases are expanded"):
+        load_config(_write(tmp_path, text, "gen.yaml"))
     # under the bound the same shape reads, shared values and all
     path = _write(tmp_path, "model: m\nrequest:\n  extra_body:\n    " + _laughs(3).replace("\n", "\n    ") + "\n",
                   "gen.yaml")

@@ -212,9 +212,11 @@ class _YamlRefused(Exception):
         self.at, self.why = at, why
 
 
-#: The most values a YAML config may hold once its aliases are expanded (a real one holds
-#: hundreds): nine anchors of nine aliases each were 9**9 values to validate from a few lines.
+#: The most a YAML config may hold once its aliases are expanded: values (a real config holds
+#: hundreds; nine anchors of nine aliases each were 9**9 to check from a few lines) and
+#: characters of text (a long string repeated by aliases is sent in every request).
 MAX_YAML_VALUES = 1_000_000
+MAX_YAML_TEXT = 64 << 20
 
 
 @cache
@@ -224,10 +226,11 @@ def _config_loader() -> type:
     * a mapping that gives a key twice. PyYAML keeps the last value without a word, so
       ``concurrency: 8`` ... ``concurrency: 256`` in one section ran with 256. Keys are
       compared as composed (tag and text, before any ``<<`` merge is applied): a key a
-      merge brings in and the mapping then sets is YAML's override, not a repeat;
-    * aliases that expand past :data:`MAX_YAML_VALUES` values (a "billion laughs" file:
-      PyYAML shares the repeats, but checking the config walks every one of them), or
-      that make a value contain itself."""
+      merge brings in and the mapping then sets is YAML's override, not a repeat. An
+      alias as a key (``*k : 4096``) is refused: it repeats a key by construction;
+    * aliases that expand it past :data:`MAX_YAML_VALUES` values or :data:`MAX_YAML_TEXT`
+      characters (a "billion laughs" file: PyYAML shares the repeats, but checking the
+      config walks every one of them), or that make a value contain itself."""
     import yaml
 
     merge = "tag:yaml.org,2002:merge"
@@ -238,6 +241,9 @@ def _config_loader() -> type:
             self._steps: list[Any] = []  # the key node or index of each node being composed
 
         def compose_node(self, parent: Any, index: Any) -> Any:
+            if parent is not None and index is None and self.check_event(yaml.AliasEvent):
+                line = self.peek_event().start_mark.line + 1  # type: ignore[no-untyped-call]  # typeshed: untyped
+                raise _YamlRefused(f":{line}: {self._where()}", "an alias (*name) as a key: write the key itself")
             self._steps.append(index)
             try:
                 return super().compose_node(parent, index)
@@ -252,44 +258,52 @@ def _config_loader() -> type:
                     continue
                 first = seen.setdefault((key.tag, key.value), key)
                 if first is not key:
-                    where = _dotted((*(_yaml_step(s) for s in self._steps if s is not None), key.value))
-                    raise _YamlRefused(f":{key.start_mark.line + 1}: {where}", (
+                    raise _YamlRefused(f":{key.start_mark.line + 1}: {self._where(key.value)}", (
                         f"given twice in one mapping (first on line {first.start_mark.line + 1}): which value is "
                         "meant is unclear (YAML readers keep the last, silently)"))
             return node
 
         def compose_document(self) -> Any:
             node = super().compose_document()
-            _expanded_values(node, yaml.ScalarNode)
+            _expanded_size(node, yaml.ScalarNode)
             return node
+
+        def _where(self, *last: str) -> str:
+            """The dotted path of the node being composed (and ``last`` below it); ``<top>`` for none."""
+            out = ""
+            for step in (_yaml_step(s) for s in (*(s for s in self._steps if s is not None), *last)):
+                out += f"[{step}]" if isinstance(step, int) else step if step.startswith("[") or not out else f".{step}"
+            return out or "<top>"
 
     return ConfigLoader
 
 
-def _expanded_values(root: Any, scalar: type) -> int:
-    """How many values the YAML node ``root`` holds with every alias expanded (each shared
-    node counted once per place it appears, computed once), or :class:`_YamlRefused` past
-    :data:`MAX_YAML_VALUES` or where a node contains itself."""
-    sizes: dict[int, int] = {}
+def _expanded_size(root: Any, scalar: Any) -> tuple[int, int]:
+    """(values, characters of text) the YAML node ``root`` holds with every alias
+    expanded (a shared node counted once per place it appears, computed once), or
+    :class:`_YamlRefused` past :data:`MAX_YAML_VALUES` / :data:`MAX_YAML_TEXT`, or where
+    a node contains itself."""
+    sizes: dict[int, tuple[int, int]] = {}
     open_: set[int] = set()
     stack: list[tuple[Any, bool]] = [(root, False)]
     while stack:
         node, done = stack.pop()
         key = id(node)
         if done:
-            children = _yaml_children(node)
-            sizes[key] = 1 + sum(sizes[id(c)] for c in children)
+            children = [sizes[id(c)] for c in _yaml_children(node)]
+            sizes[key] = size = (1 + sum(n for n, _ in children), sum(c for _, c in children))
             open_.discard(key)
-            if sizes[key] > MAX_YAML_VALUES:
-                raise _YamlRefused("", f"its aliases expand it past {MAX_YAML_VALUES:,} values (a config holds "
-                                       "hundreds): refused before reading it")
+            if size[0] > MAX_YAML_VALUES or size[1] > MAX_YAML_TEXT:
+                raise _YamlRefused("", f"holds more than {MAX_YAML_VALUES:,} values or {MAX_YAML_TEXT >> 20} MiB of "
+                                       "text once its aliases are expanded (a config holds hundreds of values): "
+                                       "refused before reading it")
             continue
         if key in sizes:
             continue
         if key in open_:
             raise _YamlRefused(f":{node.start_mark.line + 1}", "a value that contains itself through an alias")
         if isinstance(node, scalar):
-            sizes[key] = 1
+            sizes[key] = (1, len(node.value))
             continue
         open_.add(key)
         stack.append((node, True))
@@ -305,9 +319,23 @@ def _yaml_children(node: Any) -> list[Any]:
     return list(items)
 
 
+#: The longest key a YAML path quotes in full.
+_YAML_KEY_SHOWN = 40
+
+
 def _yaml_step(step: Any) -> str | int:
-    """A path step of a node being composed: its index in a sequence, or its key's text."""
-    return step if isinstance(step, int) else str(getattr(step, "value", step))
+    """A path step of a node being composed: its index in a sequence, or its key (a node,
+    or its text) as text (clipped; ``[""]``-quoted where it is empty or holds ``.``, ``[``, ``]``, ``"``, as
+    :mod:`.jsonl` names keys; ``[?]`` for a key that is not a scalar)."""
+    if isinstance(step, int):
+        return step
+    text = step if isinstance(step, str) else getattr(step, "value", None)
+    if not isinstance(text, str):
+        return "[?]"
+    text = text if len(text) <= _YAML_KEY_SHOWN else text[:_YAML_KEY_SHOWN] + "…"
+    if text and not any(c in text for c in '.[]"'):
+        return text
+    return f"[{json.dumps(text, ensure_ascii=False)}]"
 
 
 def validate(schema: Any, data: Any, where: Where) -> tuple[Any, list[str]]:
