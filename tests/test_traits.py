@@ -210,6 +210,12 @@ def test_a_profile_that_gives_a_key_twice_is_refused_naming_the_object(tmp_path)
     path.write_text('{"providers": [], "providers": [{"provider": "a", "text_edits": ["nfkc"]}]}')
     with pytest.raises(ProfileError, match=r"p\.json: cannot read the provider profile \(the key 'providers' appears"):
         load_provider_profile(path)
+    path.write_text('[{"provider": "a", "text_edits": [], "text_edits": ["nfkc"]}]')  # a bare list: named as the other shape
+    with pytest.raises(ProfileError, match=r"p\.json: providers\[0\]: cannot read the provider profile \(the key 'text_"):
+        load_provider_profile(path)
+    path.write_text('{"a": 1, "a": 2} xx')  # what else is wrong is said first, as without the repeat
+    with pytest.raises(ProfileError, match=r"p\.json: cannot read the provider profile \(not valid JSON \(Extra data at line 1"):
+        load_provider_profile(path)
     path.write_text('[{"provider": "a", "text_edits": ["nfkc"], "note": NaN}]')  # Python's writers' NaN still reads
     assert load_provider_profile(path) == {"a": ("nfkc",)}
 

@@ -309,10 +309,7 @@ def loads_document(text: str | bytes, *, unique_keys: bool = False) -> Any:  # A
     user writes or edits; one read as its own tools read it, a tokenizer folder's config
     as transformers does, keeps the last value as they do)."""
     try:
-        return json.loads(text, object_pairs_hook=_unique_object if unique_keys else None)
-    except _RepeatedKey:
-        _refuse_repeated(text)  # raises, naming where
-        raise JsonLineError("a key appears twice in one object") from None  # pragma: no cover - the same parse met it
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise JsonLineError(f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     except UnicodeDecodeError as exc:
@@ -321,6 +318,9 @@ def loads_document(text: str | bytes, *, unique_keys: bool = False) -> Any:  # A
         raise JsonLineError("nested too deeply to read") from None
     except ValueError as exc:  # Python's int-string limit: a ValueError, not a JSONDecodeError
         raise JsonLineError(f"not valid JSON ({number_too_long(exc)})") from None
+    if unique_keys:  # read again, every pair seen (a small file: what else is wrong in it is said first)
+        _refuse_repeated(text)
+    return value
 
 
 def _without_bom(line: str | bytes) -> str | bytes:

@@ -272,7 +272,8 @@ def load_provider_profile(path: str | Path) -> dict[str, tuple[str, ...]]:
     try:
         data = loads_document(path.read_text(encoding="utf-8"), unique_keys=True)
     except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON, nested too deeply, a key twice (JsonLineError)
-        where = f"{path}: {exc.field}" if isinstance(exc, JsonLineError) and exc.field else str(path)
+        field = exc.field if isinstance(exc, JsonLineError) else None
+        where = f"{path}: {'providers' if field.startswith('[') else ''}{field}" if field else str(path)  # a bare list too
         raise ProfileError(f"{where}: cannot read the provider profile ({exc})") from None
     entries = data.get("providers") if isinstance(data, dict) else data
     if not isinstance(entries, list):
