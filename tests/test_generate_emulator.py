@@ -28,6 +28,10 @@ from tokenbridge.generate.run import ExitCode
 from tokenbridge.generate.secrets import ApiKey
 from tokenbridge.generate.settings import DatasetSpec
 
+# asserts on the wall clock or on timings (sleeps, rates, deadlines): run alone, after the
+# rest of the suite runs on every core (`make test`), so a busy machine cannot fail them
+pytestmark = pytest.mark.serial
+
 FAKE_KEY = "sk-or-v1-TOKENBRIDGE-FAKE-KEY-5f3a9c1e7b2d4086"
 MODEL = "moonshotai/kimi-k2.5"
 # Fields that legitimately differ between two runs of the same prompts: the provider's

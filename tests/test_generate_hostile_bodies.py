@@ -23,6 +23,10 @@ from tokenbridge.generate.run import ExitCode
 from tokenbridge.generate.settings import Prices
 from tokenbridge.generate.sse import MAX_COMMENT_CHARS, MAX_COMMENTS, SSEDecoder
 
+# asserts on the wall clock or on timings (sleeps, rates, deadlines): run alone, after the
+# rest of the suite runs on every core (`make test`), so a busy machine cannot fail them
+pytestmark = pytest.mark.serial
+
 
 def _nested(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth

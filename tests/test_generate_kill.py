@@ -27,6 +27,10 @@ from tokenbridge.generate import (
 from tokenbridge.generate.budget import estimate_prompt_tokens
 from tokenbridge.generate.settings import DatasetSpec, Prices
 
+# asserts on the wall clock or on timings (sleeps, rates, deadlines): run alone, after the
+# rest of the suite runs on every core (`make test`), so a busy machine cannot fail them
+pytestmark = pytest.mark.serial
+
 KEPT_FILES = {".lock", "state.sqlite", "generate.json", "exchanges.jsonl"}
 #: The CLI with the first signal's drain as long as a "hang" reply (an hour): a second
 #: signal that waited for the drain would never let the child exit within the test's

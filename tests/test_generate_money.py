@@ -18,6 +18,10 @@ from tokenbridge.generate.run import ExitCode
 from tokenbridge.generate.secrets import ApiKey
 from tokenbridge.generate.settings import DatasetSpec, Prices
 
+# asserts on the wall clock or on timings (sleeps, rates, deadlines): run alone, after the
+# rest of the suite runs on every core (`make test`), so a busy machine cannot fail them
+pytestmark = pytest.mark.serial
+
 KEY = ApiKey("TB_MONEY", "sk-or-v1-money-test-key-0123456789")
 Reply = Callable[[int], Awaitable[web.StreamResponse]]  # the 1-based arrival number -> the answer
 

@@ -20,6 +20,10 @@ from tokenbridge.generate.run import ExitCode
 from tokenbridge.generate.secrets import ApiKey
 from tokenbridge.generate.settings import DatasetSpec
 
+# asserts on the wall clock or on timings (sleeps, rates, deadlines): run alone, after the
+# rest of the suite runs on every core (`make test`), so a busy machine cannot fail them
+pytestmark = pytest.mark.serial
+
 MODEL = "moonshotai/kimi-k2.5"
 KEY = ApiKey("X", "sk-or-v1-TOKENBRIDGE-FAKE-KEY-progress-0001")
 INTERVAL_S = 0.2

@@ -20,6 +20,10 @@ from tokenbridge.generate.classify import classify_response
 from tokenbridge.generate.secrets import ApiKey
 from tokenbridge.generate.settings import DatasetSpec, Prices
 
+# asserts on the wall clock or on timings (sleeps, rates, deadlines): run alone, after the
+# rest of the suite runs on every core (`make test`), so a busy machine cannot fail them
+pytestmark = pytest.mark.serial
+
 KEY = ApiKey("TB_TRANSFER", "sk-or-v1-transfer-test-key-0123456789")
 USAGE = {"prompt_tokens": 10, "completion_tokens": 5, "cost": 0.001}
 BODY = json.dumps({"id": "g", "object": "chat.completion", "model": "m", "provider": "p", "choices": [

@@ -14,6 +14,10 @@ from tokenbridge.generate.secrets import ApiKey, MissingApiKey, read_api_key, sc
 from tokenbridge.generate.settings import Prices, RequestSettings
 from tokenbridge.generate.sse import SSEDecoder, SSEEvent, StreamAssembler, StreamError
 
+# asserts on the wall clock or on timings (sleeps, rates, deadlines): run alone, after the
+# rest of the suite runs on every core (`make test`), so a busy machine cannot fail them
+pytestmark = pytest.mark.serial
+
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 SAMPLE = Sample("b3-1", "b3", [{"role": "user", "content": "hi"}], tools=TOOLS)
 

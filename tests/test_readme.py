@@ -9,7 +9,13 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
+
+# finds a free port, then starts the README's server on it: run alone, after the rest of the
+# suite runs on every core (`make test`), so no other test's server takes the port in between
+pytestmark = pytest.mark.serial
 
 
 def _commands(section: str) -> list[list[str]]:
