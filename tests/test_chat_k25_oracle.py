@@ -725,6 +725,46 @@ def test_conversations_export_writes_each_engines_joined_parts(kimi, tmp_path):
     assert KIMI.render_request({"messages": history}) == vllm
 
 
+_ATTRIBUTION = "x-anthropic-billing-header: cch=9f3a1;"
+
+
+@pytest.mark.parametrize("system", [
+    f"{_ATTRIBUTION}\nYou are terse.",
+    [{"type": "text", "text": _ATTRIBUTION}, {"type": "text", "text": "You are terse."}],
+    _ATTRIBUTION,  # the whole system text: vLLM serves an empty one
+])
+def test_claude_codes_attribution_line_is_read_as_vllm_drops_it(kimi, kimi_dir, tmp_path, system):
+    """vLLM 0.34 drops a system message's first line when it is Claude Code's billing header
+    (``_strip_claude_code_billing_header``: its value changes per request), for Kimi as for any
+    model; SGLang keeps it. The vLLM reading drops it (run through vLLM's own
+    ``parse_chat_messages`` as the oracle), its count proves it, and the export writes the
+    system message as served."""
+    import types
+
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.chat_utils.chat_message import parse_chat_messages
+
+    from tokenbridge.reconstruct import reconstruct_record
+
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    request = {"model": "moonshotai/kimi-k2.5", "messages": messages}
+    readings = {r.name: r.text for r in KIMI.prompt_readings(request)}
+    assert set(readings) == {None, "history=vllm+billing_header=dropped"}
+    vllm = readings["history=vllm+billing_header=dropped"]
+    conv, _, _ = parse_chat_messages(ChatCompletionRequest(model="m", messages=copy.deepcopy(messages)).messages,
+                                     types.SimpleNamespace(multimodal_config=None, enable_prompt_embeds=False), "string")
+    assert vllm == KIMI.render_request({"messages": conv}) and "billing-header" not in vllm
+    assert _ATTRIBUTION in readings[None]
+    answer = kimi.encode("Ok.") + [kimi.token_id("</think>")] + kimi.encode("Hi.") + [kimi.token_id("<|im_end|>")]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "reasoning": "Ok.", "content": "Hi."}}],
+        "usage": {"prompt_tokens": len(kimi.encode(vllm)), "completion_tokens": len(answer)}}
+    row, = reconstruct_record({"id": "b", "request": request, "response": response}, kimi)
+    assert (row["status"], row["reconstruction"], row["prompt_ids"]) == (
+        "ok", "history=vllm+billing_header=dropped", kimi.encode(vllm))
+    assert KIMI.render_request({"messages": _exported_history(kimi, tmp_path, request, vllm)}) == vllm
+
+
 def _exported_history(kimi, tmp_path, request: dict, prompt: str) -> list:
     """The history the conversations export writes for an answer to ``request`` whose
     ``usage.prompt_tokens`` proves ``prompt``."""

@@ -393,8 +393,9 @@ class Dialect:
 
 def _history_differs(request: Mapping[str, Any]) -> bool:
     """Whether any message of ``request`` carries tool calls, is a user's with a ``name``,
-    holds a list of two or more content parts or is an assistant's with a ``reasoning``, or
-    the last is an assistant's: what SGLang or vLLM hands the template otherwise
+    holds a list of two or more content parts or is an assistant's with a ``reasoning``, is
+    a system message opening with Claude Code's attribution line, or the last is an
+    assistant's: what SGLang or vLLM hands the template otherwise
     (:func:`.serving.sglang_history`, :func:`.serving.vllm_history`; the one-turn case of
     plain text has none)."""
     messages = request.get("messages")
@@ -402,6 +403,10 @@ def _history_differs(request: Mapping[str, Any]) -> bool:
         return False
     if messages and isinstance(messages[-1], Mapping) and messages[-1].get("role") == "assistant":
         return True  # SGLang makes it a user's
+    from .parts import vllm_differs
+
+    if vllm_differs(messages):
+        return True  # vLLM drops a system message's Claude Code attribution line
     return any(
         isinstance(m, Mapping) and (m.get("tool_calls") or (m.get("role") == "user" and m.get("name") is not None)
                                     or (isinstance(m.get("content"), list) and len(m["content"]) > 1)

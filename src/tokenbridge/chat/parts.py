@@ -32,7 +32,7 @@ from jinja2 import nodes
 from .template import compile_template
 
 __all__ = ["ContentFormat", "has_parts", "sglang_content_format", "sglang_parts", "sglang_reading", "vllm_content_format",
-           "vllm_differs", "vllm_parts", "vllm_reading"]
+           "vllm_differs", "vllm_parts", "vllm_reading", "without_billing_header"]
 
 ContentFormat = Literal["string", "openai"]
 
@@ -304,11 +304,24 @@ def has_parts(messages: Any) -> TypeGuard[list[Any]]:
 
 
 def vllm_differs(messages: Any) -> bool:
-    """Whether vLLM hands a folder's template these messages otherwise than as sent where
-    no content is a list: a system message opening with the Claude Code attribution line."""
-    return isinstance(messages, list) and any(
-        isinstance(m, Mapping) and m.get("role") == "system" and isinstance(m.get("content"), str)
-        and m["content"].startswith(_BILLING_HEADER) for m in messages)
+    """Whether vLLM hands a template these messages otherwise than as sent where no content
+    is a list: a system message opening with the Claude Code attribution line."""
+    return isinstance(messages, list) and any(without_billing_header(m) is not None for m in messages)
+
+
+def without_billing_header(message: Any) -> dict[str, Any] | None:
+    """A system message as vLLM 0.34 hands it on without Claude Code's attribution line
+    (``_strip_claude_code_billing_header``, on a string content as on each text part; a
+    string stays a string), or None where it has none."""
+    if not isinstance(message, Mapping) or message.get("role") != "system":
+        return None
+    content = message.get("content")
+    if not isinstance(content, str | list):
+        return None
+    parts, dropped = _without_billing_header([content] if isinstance(content, str) else content)
+    if not dropped:
+        return None
+    return {**message, "content": (parts[0] if parts else "") if isinstance(content, str) else parts}
 
 
 def _joined(messages: Sequence[Any], types: tuple[str, ...], role: str | None = None) -> bool:

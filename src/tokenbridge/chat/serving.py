@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..jsonl import loads_document
+from .parts import without_billing_header
 from .template import parsed_call
 
 __all__ = ["serving_variants", "sglang_history", "sglang_last_assistant", "sglang_tools", "vllm_history",
@@ -154,7 +155,7 @@ def vllm_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any]
     ``history=vllm`` too: the arguments alone are parsed by both engines, and a user's
     ``name`` kept is what sets it apart."""
     for variant, name in _history(request, drop_user_name=False, joins=None, name="parts=newline",
-                                  always=True, parse=_vllm_call):
+                                  always=True, parse=_vllm_call, billing=True):
         messages = [_vllm_reasoning(m) for m in variant["messages"]]
         if any(a is not b for a, b in zip(messages, variant["messages"])):
             variant, name = {**variant, "messages": messages}, with_change(name, "reasoning=vllm")
@@ -188,18 +189,23 @@ def _vllm_call(call: Any) -> Any:
 
 
 def _history(request: Mapping[str, Any], *, drop_user_name: bool, joins: Mapping[str, str] | None,
-             name: str, always: bool = False,
-             parse: Callable[[Any], Any] = parsed_call) -> Iterator[tuple[Mapping[str, Any], str]]:
+             name: str, always: bool = False, parse: Callable[[Any], Any] = parsed_call,
+             billing: bool = False) -> Iterator[tuple[Mapping[str, Any], str]]:
     """The messages with the changes one engine makes before a template that writes them
     itself; ``joins``: role -> the text a list of text parts is joined with (None: every
-    role, with a newline); ``parse``: a history tool call as the engine hands it over.
-    Yielded where anything changed, or ``always`` (named ``""`` then), for the caller to
-    change more."""
+    role, with a newline); ``parse``: a history tool call as the engine hands it over;
+    ``billing``: a system message's Claude Code attribution line dropped (vLLM,
+    ``billing_header=dropped``). Yielded where anything changed, or ``always`` (named
+    ``""`` then), for the caller to change more."""
     messages = request.get("messages")
     if not isinstance(messages, list):
         return
     out, changes = [], []
     for m in messages:
+        if billing and (stripped := without_billing_header(m)) is not None:
+            m = stripped
+            if "billing_header=dropped" not in changes:
+                changes.append("billing_header=dropped")
         if drop_user_name and isinstance(m, Mapping) and m.get("role") == "user" and m.get("name") is not None:
             m = {k: v for k, v in m.items() if k != "name"}
             if "user_name=dropped" not in changes:
