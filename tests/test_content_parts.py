@@ -164,12 +164,35 @@ def test_the_prompt_readings_are_the_prompts_each_engine_renders(name, request_)
         vllm = vllm_prompt(name, request_)
     except TypeError:  # vLLM parses V3.1's history arguments into objects, which its template cannot add to text
         assert (name, request_) == ("deepseek-v3.1", TOOL_PARTS)
+        assert readings == {sglang_name: readings[sglang_name]}  # vLLM answers an error: it served no prompt
         return
     assert readings == ({sglang_name: readings[sglang_name]} if vllm == readings[sglang_name]
                         else {sglang_name: readings[sglang_name], vllm_name: vllm})
     if name == "qwen3" and request_ is USER_PARTS:
         assert "What is the capital of France?" in readings["parts=space"]
         assert "What is\nthe capital of France?" in readings["parts=newline"]
+
+
+def test_a_prompt_vllm_cannot_build_is_no_reading_and_leaves_no_tie():
+    """DeepSeek V3.1 with a tool call in its history and a tool result of two parts: vLLM hands
+    the template the arguments parsed, and its template cannot add an object to text, so vLLM
+    answers an error and serves no prompt. Its reading (the parts joined with a newline, the
+    same count as SGLang's space) was offered anyway, and every such sample SGLang served was
+    ``prompt_reading_unproven``."""
+    tok, dialect, _ = _family("deepseek-v3.1")
+    result = {"role": "tool", "tool_call_id": "c1", "content": [_text('{"t": 20}'), _text('{"s": 1}')]}
+    request = {"messages": [*TOOL_PARTS["messages"][:2], result], "chat_template_kwargs": {"thinking": False}}
+    prompt = sglang_prompt("deepseek-v3.1", request)
+    newline = prompt.replace('{"t": 20} {"s": 1}', '{"t": 20}\n{"s": 1}')
+    assert newline != prompt and len(tok.encode(newline)) == len(tok.encode(prompt))  # a count that ties
+    with pytest.raises(TypeError):
+        vllm_prompt("deepseek-v3.1", request)
+    assert [r.name for r in dialect.prompt_readings(request)] == ["parts=space"]
+    answer = tok.encode("Sunny.") + [tok.token_id(dialect.end_token)]
+    response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Sunny."}}],
+                "usage": {"prompt_tokens": len(tok.encode(prompt)), "completion_tokens": len(answer)}}
+    row, = reconstruct_record({"id": "v", "request": request, "response": response}, tok, dialect=dialect)
+    assert (row["status"], row["reconstruction"], row["prompt_ids"]) == ("ok", "parts=space", tok.encode(prompt)), row["findings"]
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])

@@ -253,8 +253,9 @@ class Dialect:
 
         render = self.render_request
         if parts is None:
+            by_vllm = list(vllm_reasoning(request)) if self.serving_readings else []
             variants = [*(serving_variants(request) if self.serving_readings else ()),
-                        *(vllm_reasoning(request) if self.serving_readings else ()),
+                        *(by_vllm if by_vllm and _vllm_serves(request, render) else ()),
                         *(sglang_history(request) if self.argument_readings else ()),
                         *(vllm_history(request) if self.argument_readings else ())]
         else:  # each engine's changes on its own handling of the parts (a folder's template)
@@ -262,8 +263,10 @@ class Dialect:
             render = self._render_parts_done
             more = self.serving_readings
             variants = [(sglang, s_name),
-                        *((v, with_change(n, s_name or "")) for v, n in (serving_variants(sglang) if more else ())),
-                        (vllm, v_name), *((v, with_change(n, v_name)) for v, n in (vllm_reasoning(vllm) if more else ()))]
+                        *((v, with_change(n, s_name or "")) for v, n in (serving_variants(sglang) if more else ()))]
+            if _vllm_serves(vllm, render):
+                variants += [(vllm, v_name),
+                             *((v, with_change(n, v_name)) for v, n in (vllm_reasoning(vllm) if more else ()))]
         out, seen = ([first], {first.text}) if parts is None else ([], set())
         refused: TemplateError | None = None
         for variant, name in variants:
@@ -389,6 +392,25 @@ class Dialect:
             parts.append(("tool_calls", content[start:stop]))
             pos = stop
         return parts
+
+
+def _vllm_serves(request: Mapping[str, Any], render: Callable[[Mapping[str, Any]], str]) -> bool:
+    """Whether vLLM 0.34 can build a prompt for ``request`` with the template ``render``
+    holds: it hands every template the history's tool-call arguments parsed (an object for
+    a JSON string), which one that adds them to text (DeepSeek V3.1's) refuses, and vLLM
+    answers an error. Its readings of such a request were served by no one; one whose
+    count tied SGLang's left a provable sample ``prompt_reading_unproven``."""
+    from .serving import vllm_parsed_calls
+    from .template import TemplateError
+
+    parsed = vllm_parsed_calls(request)
+    if parsed is None:
+        return True
+    try:
+        render(parsed)
+    except TemplateError:
+        return False
+    return True
 
 
 def _history_differs(request: Mapping[str, Any]) -> bool:

@@ -18,7 +18,7 @@ from .parts import without_billing_header
 from .template import parsed_call
 
 __all__ = ["serving_variants", "sglang_history", "sglang_last_assistant", "sglang_tools", "vllm_history",
-           "vllm_reasoning", "with_change"]
+           "vllm_parsed_calls", "vllm_reasoning", "with_change"]
 
 #: SGLang 0.5.23's ``Function`` fields, in declaration order (what ``model_dump`` writes
 #: before it restores the order the client sent): name, then the optional ones.
@@ -161,6 +161,24 @@ def vllm_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any]
             variant, name = {**variant, "messages": messages}, with_change(name, "reasoning=vllm")
         if name:
             yield variant, f"history=vllm+{name}"
+
+
+def vllm_parsed_calls(request: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """``request`` with its history's tool-call arguments as vLLM 0.34 hands them to any
+    template (``_postprocess_messages``, :func:`_vllm_call`), or None where no call changes:
+    a template that adds them to text (DeepSeek V3.1's) then fails, and vLLM answers an error."""
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        return None
+    out, changed = [], False
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, Mapping) and m.get("role") == "assistant" else None
+        if isinstance(calls, list):
+            parsed = [_vllm_call(c) for c in calls]
+            if any(p is not c for p, c in zip(parsed, calls)):
+                m, changed = {**m, "tool_calls": parsed}, True
+        out.append(m)
+    return {**request, "messages": out} if changed else None
 
 
 def with_change(name: str, change: str) -> str:
