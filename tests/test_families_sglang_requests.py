@@ -355,3 +355,40 @@ def test_vllm_takes_reasoning_over_reasoning_content() -> None:
     row, = reconstruct_record({"id": "b", "request": request, "response": response}, tok)
     same = len(tok.encode(readings[None])) == len(tok.encode(theirs))
     assert row["status"] == "rejected" if same else row["prompt_ids"] == tok.encode(theirs)
+
+
+_EMPTY_ARGS = {"messages": [{"role": "user", "content": "Go"}, {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[]"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+_EMPTY_CALLS = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo", "tool_calls": []},
+                             {"role": "user", "content": "Q"}]}
+
+
+@pytest.mark.parametrize(("name", "request_", "sglang_serves"), [
+    ("qwen3", _EMPTY_ARGS, True), ("glm-4.5", _EMPTY_ARGS, False), ("deepseek-v3.1", _EMPTY_CALLS, True)],
+    ids=["qwen3-args", "glm-args", "deepseek-empty-calls"])
+def test_vllms_tool_call_postprocessing_is_a_reading(tmp_path, name: str, request_: dict[str, Any],
+                                                       sglang_serves: bool) -> None:
+    """vLLM 0.34 hands every template the history's tool calls post-processed
+    (``_postprocess_messages``): arguments that are not a JSON object become ``{}`` (Qwen3 then
+    prints ``{}`` where ``[]`` was sent, at the same count; GLM's template, which iterates
+    them, raised on the string, and the record was lost) and an empty ``tool_calls`` is dropped
+    (DeepSeek V3.1's template printed a tool-call turn without its content, at the same count).
+    vLLM's prompt was no reading: at a tied count a wrong prompt passed ``ok`` (a cold
+    reviewer's). Now ``tool_calls=vllm``; a tie says so, and the export writes it as served."""
+    tok, dialect, hf = _family(name)
+    readings = {r.name: r.text for r in dialect.prompt_readings(request_)}
+    theirs = vllm_prompt(name, request_)
+    assert readings.get("tool_calls=vllm") == theirs
+    if sglang_serves:
+        sglang = sglang_prompt(name, request_)
+        assert sglang in readings.values() and sglang != theirs
+        assert len(tok.encode(sglang)) == len(tok.encode(theirs))  # the count cannot tell them apart
+        response = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Done."}}],
+                    "usage": {"prompt_tokens": len(tok.encode(theirs))}}
+        row, = reconstruct_record({"id": "t", "request": request_, "response": response}, tok, dialect=dialect)
+        assert row["status"] == "rejected" and "prompt_reading_unproven" in [f["code"] for f in row["findings"]]
+    else:
+        assert set(readings) == {"tool_calls=vllm"}
+        history = exported_history(tmp_path, name, request_, theirs)
+        assert hf.apply_chat_template(history, tokenize=False, add_generation_prompt=True) == theirs

@@ -243,19 +243,31 @@ class Dialect:
         reading: ``parts=space``, ``tool_parts=space`` or as sent) and as vLLM does
         (``parts=newline``, ``tool_parts=newline``, ``parts=vllm``; :mod:`.parts`), each with
         that engine's other changes. gpt-oss's also depends on the day."""
+        from .template import TemplateError
+
         parts = self._served_parts(request)
+        first: PromptReading | None = None
+        refused: TemplateError | None = None
         if parts is None:
-            first = PromptReading(self.render_request(request))
-            if not (self.serving_readings or (self.argument_readings and _history_differs(request))):
+            try:
+                first = PromptReading(self.render_request(request))
+            except TemplateError as exc:  # as sent; an engine's own handling may still render it
+                if not self.serving_readings:
+                    raise
+                refused = exc
+            if first is not None and not (self.serving_readings or (self.argument_readings and _history_differs(request))):
                 return [first]
         from .serving import serving_variants, sglang_history, vllm_history, vllm_reasoning, with_change
-        from .template import TemplateError
 
         render = self.render_request
         if parts is None:
-            by_vllm = list(vllm_reasoning(request)) if self.serving_readings else []
-            variants = [*(serving_variants(request) if self.serving_readings else ()),
-                        *(by_vllm if by_vllm and _vllm_serves(request, render) else ()),
+            by_vllm: list[tuple[Mapping[str, Any], str]] = []
+            if self.serving_readings:
+                form, change = _vllm_form(request, render, first.text if first is not None else None)
+                if form is not None:
+                    by_vllm = [*([(form, change)] if change else []),
+                               *((v, with_change(n, change)) for v, n in vllm_reasoning(form))]
+            variants = [*(serving_variants(request) if self.serving_readings else ()), *by_vllm,
                         *(sglang_history(request) if self.argument_readings else ()),
                         *(vllm_history(request) if self.argument_readings else ())]
         else:  # each engine's changes on its own handling of the parts (a folder's template)
@@ -264,11 +276,12 @@ class Dialect:
             more = self.serving_readings
             variants = [(sglang, s_name),
                         *((v, with_change(n, s_name or "")) for v, n in (serving_variants(sglang) if more else ()))]
-            if _vllm_serves(vllm, render):
-                variants += [(vllm, v_name),
-                             *((v, with_change(n, v_name)) for v, n in (vllm_reasoning(vllm) if more else ()))]
-        out, seen = ([first], {first.text}) if parts is None else ([], set())
-        refused: TemplateError | None = None
+            form, change = _vllm_form(vllm, render)
+            if form is not None:
+                v_name = with_change(v_name, change)
+                variants += [(form, v_name),
+                             *((v, with_change(n, v_name)) for v, n in (vllm_reasoning(form) if more else ()))]
+        out, seen = ([first], {first.text}) if first is not None else ([], set())
         for variant, name in variants:
             try:
                 text = render(variant)
@@ -394,23 +407,31 @@ class Dialect:
         return parts
 
 
-def _vllm_serves(request: Mapping[str, Any], render: Callable[[Mapping[str, Any]], str]) -> bool:
-    """Whether vLLM 0.34 can build a prompt for ``request`` with the template ``render``
-    holds: it hands every template the history's tool-call arguments parsed (an object for
-    a JSON string), which one that adds them to text (DeepSeek V3.1's) refuses, and vLLM
-    answers an error. Its readings of such a request were served by no one; one whose
-    count tied SGLang's left a provable sample ``prompt_reading_unproven``."""
-    from .serving import vllm_parsed_calls
+def _vllm_form(request: Mapping[str, Any], render: Callable[[Mapping[str, Any]], str],
+               text: str | None = None) -> tuple[Mapping[str, Any] | None, str]:
+    """``request`` as vLLM 0.34 hands it to the template ``render`` holds, after its
+    tool-call post-processing (:func:`.serving.vllm_postprocessed`), and the change's name:
+    ``(request, "")`` where that changes nothing the template prints (``text``: ``request``
+    rendered, where known); the post-processed request and ``tool_calls=vllm`` where it does
+    (``{}`` for arguments ``"[]"``, an empty ``tool_calls`` gone); ``(None, "")`` where the
+    template cannot render it (DeepSeek V3.1's adds arguments to text): vLLM answers an
+    error and served no prompt. Its readings of such a request had been offered, and where
+    their count tied SGLang's every sample SGLang served was ``prompt_reading_unproven``."""
+    from .serving import vllm_postprocessed
     from .template import TemplateError
 
-    parsed = vllm_parsed_calls(request)
-    if parsed is None:
-        return True
+    post = vllm_postprocessed(request)
+    if post is None:
+        return request, ""
     try:
-        render(parsed)
+        served = render(post)
     except TemplateError:
-        return False
-    return True
+        return None, ""
+    try:
+        same = served == (text if text is not None else render(request))
+    except TemplateError:  # as sent it does not render; as vLLM hands it over it does
+        same = False
+    return (request, "") if same else (post, "tool_calls=vllm")
 
 
 def _history_differs(request: Mapping[str, Any]) -> bool:

@@ -18,7 +18,7 @@ from .parts import without_billing_header
 from .template import parsed_call
 
 __all__ = ["serving_variants", "sglang_history", "sglang_last_assistant", "sglang_tools", "vllm_history",
-           "vllm_parsed_calls", "vllm_reasoning", "with_change"]
+           "vllm_postprocessed", "vllm_reasoning", "with_change"]
 
 #: SGLang 0.5.23's ``Function`` fields, in declaration order (what ``model_dump`` writes
 #: before it restores the order the client sent): name, then the optional ones.
@@ -163,17 +163,22 @@ def vllm_history(request: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any]
             yield variant, f"history=vllm+{name}"
 
 
-def vllm_parsed_calls(request: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """``request`` with its history's tool-call arguments as vLLM 0.34 hands them to any
-    template (``_postprocess_messages``, :func:`_vllm_call`), or None where no call changes:
-    a template that adds them to text (DeepSeek V3.1's) then fails, and vLLM answers an error."""
+def vllm_postprocessed(request: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """``request`` with its history's tool calls as vLLM 0.34 hands them to any template
+    (``_postprocess_messages``): an empty ``tool_calls`` dropped, and arguments parsed
+    (:func:`_vllm_call`: an object for a JSON string of one, ``{}`` for anything else); None
+    where nothing changes. A template that adds arguments to text (DeepSeek V3.1's) then
+    fails, and vLLM answers an error; one that takes objects may print ``{}`` where the
+    string was ``"[]"``."""
     messages = request.get("messages")
     if not isinstance(messages, list):
         return None
     out, changed = [], False
     for m in messages:
         calls = m.get("tool_calls") if isinstance(m, Mapping) and m.get("role") == "assistant" else None
-        if isinstance(calls, list):
+        if isinstance(calls, list) and not calls:
+            m, changed = {k: v for k, v in m.items() if k != "tool_calls"}, True
+        elif isinstance(calls, list):
             parsed = [_vllm_call(c) for c in calls]
             if any(p is not c for p, c in zip(parsed, calls)):
                 m, changed = {**m, "tool_calls": parsed}, True

@@ -168,9 +168,11 @@ def _served_messages(rec: ReconstructedRow) -> list[Any]:
     names = _reading_names(rec)
     if not isinstance(messages, list) or not names & _SERVED_HISTORY:
         return messages if isinstance(messages, list) else []
-    from ..chat.serving import sglang_history, sglang_last_assistant, vllm_history, vllm_reasoning
+    from ..chat.serving import sglang_history, sglang_last_assistant, vllm_history, vllm_postprocessed, vllm_reasoning
 
     messages = _parts_served(messages, names)  # first: SGLang flattens before it makes a last assistant a user
+    if "tool_calls=vllm" in names:  # vLLM's tool-call post-processing ({} arguments, no empty list)
+        messages = list((vllm_postprocessed({"messages": messages}) or {"messages": messages})["messages"])
     if "history=vllm" in names:  # Kimi's vLLM reading: its reasoning=vllm change included
         messages = next((list(v["messages"]) for v, _ in vllm_history({"messages": messages})), messages)
     elif "reasoning=vllm" in names:
@@ -226,7 +228,7 @@ def _reading_names(rec: ReconstructedRow) -> frozenset[str]:
 #: Prompt readings whose messages differ from the request's (:mod:`tokenbridge.chat.serving`).
 _SERVED_HISTORY = frozenset({"tool_args=parsed", "user_name=dropped", "tool_parts=space", "history=vllm",
                              "reasoning=vllm", "last_assistant=user", "parts=space", "parts=newline",
-                             "tool_parts=newline", "parts=vllm", "billing_header=dropped"})
+                             "tool_parts=newline", "parts=vllm", "billing_header=dropped", "tool_calls=vllm"})
 
 
 def _turn(message: Mapping[str, Any]) -> dict[str, Any]:
