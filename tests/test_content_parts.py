@@ -303,3 +303,17 @@ def test_gpt_oss_template_reads_parts_as_sglang_hands_them_over():
                                 *([{"role": "user", "content": "Go."}] if role == "system" else [])]}
         theirs, ours = _gpt_oss_prompt(request)
         assert ours == theirs and "What is the capital of France?" in ours
+
+
+def test_glm_attribution_line_alone_exports_the_parts_its_template_iterates(tmp_path):
+    """GLM's template iterates a list of parts (vLLM keeps them: ``openai``); a row proved by
+    the reading that only drops Claude Code's attribution line was exported with its parts
+    joined by newlines, and the re-render was not the proved prompt (a cold reviewer's)."""
+    _, dialect, hf = _family("glm-4.5")
+    request = {"messages": [{"role": "system", "content": [
+        _text("x-anthropic-billing-header: cch=0;"), {**_text("You are Claude Code."), "cache_control": {"type": "ephemeral"}},
+        _text("More.")]}, {"role": "user", "content": "hi"}]}
+    theirs = vllm_prompt("glm-4.5", request)
+    assert {r.name: r.text for r in dialect.prompt_readings(request)}.get("billing_header=dropped") == theirs
+    history = exported_history(tmp_path, "glm-4.5", request, theirs)
+    assert hf.apply_chat_template(history, tokenize=False, add_generation_prompt=True) == theirs

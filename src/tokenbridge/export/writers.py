@@ -193,7 +193,7 @@ def _parts_served(messages: list[Any], names: frozenset[str]) -> list[Any]:
     are written as their text, :func:`_turn`, as the template joins them), and a system
     message's attribution line dropped as vLLM drops it. Kimi's vLLM reading
     (``history=vllm``) joins its own way."""
-    from ..chat.parts import sglang_parts, vllm_parts
+    from ..chat.parts import sglang_parts, vllm_parts, without_billing_header
 
     if "history=vllm" in names:
         return messages
@@ -201,8 +201,10 @@ def _parts_served(messages: list[Any], names: frozenset[str]) -> list[Any]:
         return sglang_parts(messages, "string")
     if names & {"tool_parts=newline", "parts=vllm"}:
         return vllm_parts(messages, "openai")
-    if names & {"parts=newline", "billing_header=dropped"}:
+    if "parts=newline" in names:
         return vllm_parts(messages, "string")
+    if "billing_header=dropped" in names:  # the attribution line alone: any lists are a template's that iterates them
+        return [without_billing_header(m) or m for m in messages]
     return messages
 
 
