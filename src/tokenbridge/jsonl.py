@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 import orjson
 
 __all__ = ["MAX_DEPTH", "JsonLineError", "NotJsonlError", "binary_kind", "dumps_document", "dumps_line", "is_count", "is_int", "iter_lines", "json_text",
-           "loads_document", "loads_finite", "loads_line", "not_text", "number_too_long", "repeated_key", "text_of", "value_key"]
+           "loads_document", "loads_finite", "loads_line", "not_text", "number_too_long", "path_step", "repeated_key", "text_of", "value_key"]
 
 
 class JsonLineError(ValueError):
@@ -279,19 +279,24 @@ def _clipped(key: str) -> str:
     return key if len(key) <= _KEY_SHOWN else key[:_KEY_SHOWN] + "…"
 
 
+def path_step(step: str | int) -> str:
+    """One step of a value's path as messages name it: ``[0]`` for an index, ``.key``, and a
+    key that is empty or holds ``.``, ``[``, ``]`` or ``"`` quoted (``["b.c"]``), a long one
+    clipped. Joined, less the leading dot: ``choices[0].message``, ``a["b.c"]``."""
+    if isinstance(step, int):
+        return f"[{step}]"
+    if step and not any(c in step for c in '.[]"'):
+        return "." + _clipped(step)
+    return f"[{json.dumps(_clipped(step), ensure_ascii=False)}]"
+
+
 def _path(steps: list[tuple[int, str | int]], at: int) -> str:
-    """The path of item ``at`` in :func:`_find`'s steps: ``choices[0].message``; a key that
-    is empty or holds ``.``, ``[``, ``]`` or ``"`` quoted (``a["b.c"]``), a long one clipped,
-    and a path past 200 characters kept at its end."""
+    """The path of item ``at`` in :func:`_find`'s steps (:func:`path_step`), a path past
+    200 characters kept at its end."""
     out: list[str] = []
     while at > 0:
         at, step = steps[at]
-        if isinstance(step, int):
-            out.append(f"[{step}]")
-        elif step and not any(c in step for c in '.[]"'):
-            out.append("." + _clipped(step))
-        else:
-            out.append(f"[{json.dumps(_clipped(step), ensure_ascii=False)}]")
+        out.append(path_step(step))
     path = "".join(reversed(out)).removeprefix(".")
     return path if len(path) <= _PATH_SHOWN else "…" + path[-_PATH_SHOWN:]
 

@@ -30,6 +30,7 @@ from typing_extensions import is_typeddict
 from pydantic import AfterValidator, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError
 
 from .chat import DIALECTS
+from .jsonl import path_step
 from .tokenizer import MAX_VOCAB_SIZE
 
 __all__ = [
@@ -269,11 +270,11 @@ def _config_loader() -> type:
             return node
 
         def _where(self, *last: str) -> str:
-            """The dotted path of the node being composed (and ``last`` below it); ``<top>`` for none."""
-            out = ""
-            for step in (_yaml_step(s) for s in (*(s for s in self._steps if s is not None), *last)):
-                out += f"[{step}]" if isinstance(step, int) else step if step.startswith("[") or not out else f".{step}"
-            return out or "<top>"
+            """The path of the node being composed (and ``last`` below it), keys named as
+            :mod:`.jsonl` names them (:func:`~.jsonl.path_step`; ``[?]`` for a key that is
+            not a scalar); ``<top>`` for none."""
+            steps = (_yaml_step(s) for s in (*(s for s in self._steps if s is not None), *last))
+            return "".join("[?]" if s is None else path_step(s) for s in steps).removeprefix(".") or "<top>"
 
     return ConfigLoader
 
@@ -319,23 +320,13 @@ def _yaml_children(node: Any) -> list[Any]:
     return list(items)
 
 
-#: The longest key a YAML path quotes in full.
-_YAML_KEY_SHOWN = 40
-
-
-def _yaml_step(step: Any) -> str | int:
+def _yaml_step(step: Any) -> str | int | None:
     """A path step of a node being composed: its index in a sequence, or its key (a node,
-    or its text) as text (clipped; ``[""]``-quoted where it is empty or holds ``.``, ``[``, ``]``, ``"``, as
-    :mod:`.jsonl` names keys; ``[?]`` for a key that is not a scalar)."""
+    or its text) as text; None for a key that is not a scalar."""
     if isinstance(step, int):
         return step
     text = step if isinstance(step, str) else getattr(step, "value", None)
-    if not isinstance(text, str):
-        return "[?]"
-    text = text if len(text) <= _YAML_KEY_SHOWN else text[:_YAML_KEY_SHOWN] + "…"
-    if text and not any(c in text for c in '.[]"'):
-        return text
-    return f"[{json.dumps(text, ensure_ascii=False)}]"
+    return text if isinstance(text, str) else None
 
 
 def validate(schema: Any, data: Any, where: Where) -> tuple[Any, list[str]]:
