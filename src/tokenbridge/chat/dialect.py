@@ -259,11 +259,13 @@ class Dialect:
                 return [first]
         from .serving import serving_variants, sglang_history, vllm_history, vllm_reasoning, with_change
 
-        render = self.render_request
+        render = _RenderedOnce(self.render_request if parts is None else self._render_parts_done)
         if parts is None:
             by_vllm: list[tuple[Mapping[str, Any], str]] = []
             if self.serving_readings:
-                form, change = _vllm_form(request, render, first.text if first is not None else None)
+                if first is not None:
+                    render.known(request, first.text)
+                form, change = _vllm_form(request, render)
                 if form is not None:
                     by_vllm = [*([(form, change)] if change else []),
                                *((v, with_change(n, change)) for v, n in vllm_reasoning(form))]
@@ -272,7 +274,6 @@ class Dialect:
                         *(vllm_history(request) if self.argument_readings else ())]
         else:  # each engine's changes on its own handling of the parts (a folder's template)
             (sglang, s_name), (vllm, v_name) = parts
-            render = self._render_parts_done
             more = self.serving_readings
             variants = [(sglang, s_name),
                         *((v, with_change(n, s_name or "")) for v, n in (serving_variants(sglang) if more else ()))]
@@ -407,12 +408,32 @@ class Dialect:
         return parts
 
 
-def _vllm_form(request: Mapping[str, Any], render: Callable[[Mapping[str, Any]], str],
-               text: str | None = None) -> tuple[Mapping[str, Any] | None, str]:
+class _RenderedOnce:
+    """A render function that renders each request object once in one
+    :meth:`Dialect.prompt_readings` call: the vLLM form (:func:`_vllm_form`) is rendered to
+    compare with the request's own text, then read again as a reading. Each object is kept
+    with its text (a freed one's id could name another)."""
+
+    def __init__(self, render: Callable[[Mapping[str, Any]], str]) -> None:
+        self._render = render
+        self._texts: dict[int, tuple[Mapping[str, Any], str]] = {}
+
+    def known(self, request: Mapping[str, Any], text: str) -> None:
+        self._texts[id(request)] = (request, text)
+
+    def __call__(self, request: Mapping[str, Any]) -> str:
+        kept = self._texts.get(id(request))
+        if kept is None:
+            kept = self._texts[id(request)] = (request, self._render(request))
+        return kept[1]
+
+
+def _vllm_form(request: Mapping[str, Any],
+               render: Callable[[Mapping[str, Any]], str]) -> tuple[Mapping[str, Any] | None, str]:
     """``request`` as vLLM 0.34 hands it to the template ``render`` holds, after its
     tool-call post-processing (:func:`.serving.vllm_postprocessed`), and the change's name:
-    ``(request, "")`` where that changes nothing the template prints (``text``: ``request``
-    rendered, where known); the post-processed request and ``tool_calls=vllm`` where it does
+    ``(request, "")`` where that changes nothing the template prints; the post-processed
+    request and ``tool_calls=vllm`` where it does
     (``{}`` for arguments ``"[]"``, an empty ``tool_calls`` gone); ``(None, "")`` where the
     template cannot render it (DeepSeek V3.1's adds arguments to text): vLLM answers an
     error and served no prompt. Its readings of such a request had been offered, and where
@@ -428,7 +449,7 @@ def _vllm_form(request: Mapping[str, Any], render: Callable[[Mapping[str, Any]],
     except TemplateError:
         return None, ""
     try:
-        same = served == (text if text is not None else render(request))
+        same = served == render(request)
     except TemplateError:  # as sent it does not render; as vLLM hands it over it does
         same = False
     return (request, "") if same else (post, "tool_calls=vllm")
