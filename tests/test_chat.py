@@ -41,7 +41,9 @@ content = st.one_of(
     st.none(),
     texts,
     st.lists(st.one_of(st.builds(lambda t: {"type": "text", "text": t}, texts),
-                       st.just({"type": "image_url", "image_url": {"url": "data:x"}})), max_size=3),
+                       st.just({"type": "image_url", "image_url": {"url": "data:x"}}),
+                       # a bare string part (engines take it as text; the template tests it as a string)
+                       st.sampled_from(["", "text", "an image", "image_url"]), texts), max_size=3),
 )
 
 

@@ -56,7 +56,9 @@ def _content(message: Message) -> str:
         return ""
     out = []
     for part in c:
-        if part.get("type") == "image" or "image" in part or "image_url" in part:
+        if isinstance(part, str):  # the template's tests on a string: a substring test, and no 'text'
+            out.append(_IMAGE if "image" in part else "")
+        elif part.get("type") == "image" or "image" in part or "image_url" in part:
             out.append(_IMAGE)
         else:
             out.append(str(part.get("text", "")))
