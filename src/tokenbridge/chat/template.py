@@ -4,20 +4,23 @@
 ``trim_blocks``/``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter
 that keeps non-ASCII text, and the ``raise_exception`` / ``strftime_now`` globals; any
 difference here would change the prompt bytes and so the prompt ids.
+
+The one difference: a render is bounded in time and size (:mod:`.sandbox`), so a template
+that never ends fails its record with a :class:`TemplateError` instead of the run.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
-from collections.abc import Mapping, Sequence
 
 import jinja2
 from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from . import sandbox
 from ..jsonl import loads_document
 from .dialect import Message, RenderFn
 
@@ -48,10 +51,8 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env = sandbox.environment({"tojson": _tojson}, {"raise_exception": _raise_exception, "strftime_now": _strftime_now},
+                              trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     return env.from_string(source)
 
 
@@ -119,14 +120,13 @@ def template_renderer(source: str, special_tokens: Mapping[str, str] | None = No
         context = {**specials, "thinking": thinking, "enable_thinking": thinking, **kwargs}
         msgs = serving_messages(messages, parse_tool_arguments) if serving else [dict(m) for m in messages]
         try:
-            return template.render(
-                messages=msgs,
-                tools=list(tools) if tools else None,
-                add_generation_prompt=True,
-                **context,
-            )
+            # dict(): a kwarg that repeats one of these is a TypeError, as in transformers' render call
+            return sandbox.render(template, dict(messages=msgs, tools=list(tools) if tools else None,
+                                                  add_generation_prompt=True, **context))
         except TemplateError:
             raise
+        except sandbox.RenderStopped as exc:
+            raise TemplateError(f"chat template stopped: {exc}") from None
         except _TEMPLATE_FAILURES as exc:
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
 

@@ -1,0 +1,202 @@
+"""A chat template is code from a folder or the Hub, run on every record: one that loops
+without end, multiplies or doubles a value past any prompt's size fails its render with a
+TemplateError naming the bound, quickly and without taking the machine's memory, and the
+real families' templates write exactly what an unbounded sandbox writes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jinja2
+import pytest
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from test_families_support import SHARED
+from tokenbridge.chat import TemplateError
+from tokenbridge.chat import sandbox
+from tokenbridge.chat import template as T
+from tokenbridge.chat.template import template_renderer
+
+HI = [{"role": "user", "content": " hi "}]
+
+
+@pytest.mark.parametrize(("source", "message"), [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "range: more than 10,000,000 items in one render"),
+    # a capture block keeps what the loops write away from the output's count
+    ("{% set x %}{% for i in range(100000) %}{% for j in range(100000) %}xx{% endfor %}{% endfor %}{% endset %}",
+     "range: more than 10,000,000 items"),
+    ("{{ 'x' * 10000000000 }}", "a repeated value: more than 67,108,864"),
+    ("{{ 10000000000 * ['x'] }}", "a repeated value"),
+    ("{{ 2 ** 1000000000 }}", r"2 \*\* 1000000000: past 65,536 bits"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "a str value: more than 67,108,864"),
+    ("{% macro f(s, n) %}{% if n %}{{ f(s ~ s, n - 1) }}{% endif %}{% endmacro %}{{ f('x', 80) }}",
+     "a str argument: more than 67,108,864"),
+    ("{% for i in range(100000) %}{% for j in range(100) %}{{ 'x' * 10000 }}{% endfor %}{% endfor %}",
+     "the rendered prompt: more than 67,108,864"),
+    ("{% for i in range(100000) %}{% for j in range(100) %}{{ '' }}{% endfor %}{% endfor %}",
+     "range: more than"),
+    ("{{ '{:>999999999}'.format(1) }}", "a format field 999999999 wide"),
+    ("{{ '{0:>999999999}'.format_map({}) }}", "a format field 999999999 wide"),
+    ("{{ '%999999999d' % 1 }}", "a format field 999999999 wide"),
+    ("{{ '%*d' % (999999999, 1) }}", "an integer argument of 999,999,999"),
+    ("{{ '%999999999d'|format(1) }}", "a format field 999999999 wide"),
+    ("{{ 'x'|center(999999999) }}", "an integer argument of 999,999,999"),
+    ("{{ 'x'.ljust(999999999) }}", "an integer argument of 999,999,999"),
+    ("{{ ('x' * 1000000).replace('', 'y' * 1000) }}", "a replace: more than"),
+    ("{{ ('x' * 1000000)|replace('', 'y' * 1000) }}", "a replace: more than"),
+    ("{{ ('y' * 1000000).join(range(100000)|map('string')|list) }}", "a join: more than"),
+    ("{{ range(100000)|list|join('y' * 1000000) }}", "a join: more than"),
+    ("{{ ('\n' * 1000000)|indent('y' * 1000, true, true) }}", "an indent: more than"),
+    ("{{ ('x ' * 1000000)|wordwrap(1, true, 'y' * 100) }}", "a wordwrap: more than"),
+])
+def test_a_template_past_a_bound_fails_its_render_quickly(source, message):
+    render = template_renderer(source)
+    start = time.perf_counter()
+    with pytest.raises(TemplateError, match="chat template stopped: " + message):
+        render(HI, None, True, {})
+    assert time.perf_counter() - start < 30  # each well under a second alone; a hang would be hours
+
+
+def test_a_template_that_runs_too_long_is_stopped_by_its_timer(monkeypatch):
+    monkeypatch.setattr(sandbox, "RENDER_SECONDS", 0.3)
+    render = template_renderer("{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}")
+    start = time.perf_counter()
+    with pytest.raises(TemplateError, match=r"rendering took more than 0\.3 s"):
+        render(HI, None, True, {})
+    assert time.perf_counter() - start < 10
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # disarmed after
+    assert template_renderer("{{ messages[0].content }}")(HI, None, True, {}) == " hi "  # the next render runs
+
+
+def test_the_timer_leaves_a_users_handler_and_timer_alone():
+    seen: list[int] = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+
+    before = signal.signal(signal.SIGALRM, mine)
+    try:
+        assert template_renderer("{{ messages[0].content }}")(HI, None, True, {}) == " hi "
+        assert signal.getsignal(signal.SIGALRM) is mine
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        assert template_renderer("{{ messages[0].role }}")(HI, None, True, {}) == "user"
+        assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 0.2  # still running, not reset
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == [signal.SIGALRM]  # the user's handler, not ours
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+def test_a_running_timer_with_the_default_action_is_put_back():
+    """A timer whose expiry ends the process (SIGALRM's default) is not ours to take over:
+    the render runs untimed and the timer keeps its time."""
+    code = ("import signal, time\nfrom tokenbridge.chat.template import template_renderer\n"
+            "signal.setitimer(signal.ITIMER_REAL, 30)\n"
+            "print(template_renderer('{{ 1 }}')([{'role': 'user', 'content': 'x'}], None, True, {}))\n"
+            "left = signal.getitimer(signal.ITIMER_REAL)[0]\nprint(29 < left <= 30)\n"
+            "signal.setitimer(signal.ITIMER_REAL, 0.05)\ntime.sleep(5)\nprint('survived')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == -signal.SIGALRM, out.stderr  # the default action, as without tokenbridge
+    assert out.stdout.split() == ["1", "True"]
+
+
+def test_a_tick_after_a_late_render_is_ignored_and_any_other_alarm_keeps_its_action():
+    code = ("import signal\nfrom tokenbridge.chat import sandbox\n"
+            "from tokenbridge.chat.template import TemplateError, template_renderer\n"
+            "sandbox.RENDER_SECONDS = 0.2\n"
+            "slow = template_renderer(\"{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}"
+            "{% endfor %}\")\n"
+            "try:\n    slow([{'role': 'user', 'content': 'x'}], None, True, {})\n"
+            "except TemplateError as exc:\n    print(exc)\n"
+            "signal.raise_signal(signal.SIGALRM)\nprint('a late tick: ignored')\n"
+            "print(template_renderer('{{ 1 }}')([{'role': 'user', 'content': 'x'}], None, True, {}))\n"
+            "signal.raise_signal(signal.SIGALRM)\nprint('survived')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == -signal.SIGALRM, out.stderr
+    assert out.stdout.splitlines() == [
+        "chat template stopped: rendering took more than 0.2 s (the chat template's bound)", "a late tick: ignored", "1"]
+
+
+def _plain(source: str) -> jinja2.Template:
+    """transformers' environment, unbounded."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = T._tojson
+    env.globals.update(raise_exception=T._raise_exception, strftime_now=T._strftime_now)
+    return env.from_string(source)
+
+
+def _template(family: str) -> str:
+    folder = SHARED / family
+    for name in ("chat_template.jinja", "chat_template.kimi-k2-thinking.jinja"):
+        if (folder / name).is_file():
+            return (folder / name).read_text(encoding="utf-8")
+    return json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))["chat_template"]
+
+
+_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather, 天气",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}]
+_CONVERSATIONS = [
+    [{"role": "system", "content": "Be brief.\n" * 3}, {"role": "user", "content": "Wetter in 東京?"}],
+    [{"role": "user", "content": "q1 %d {0} 100%"}, {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+     {"role": "user", "content": "q2\n\n  indented"}],
+    [{"role": "user", "content": "weather?"},
+     {"role": "assistant", "content": "", "reasoning_content": "call it",
+      "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+     {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"},
+     {"role": "user", "content": "thanks"}],
+]
+
+
+@pytest.mark.parametrize("family", ["kimi-k2.5", "qwen3", "glm-4.5", "deepseek-v3.1", "gpt-oss"])
+def test_real_templates_write_what_an_unbounded_sandbox_writes(family):
+    source = _template(family)
+    plain = _plain(source)
+    rendered = 0
+    for msgs in _CONVERSATIONS:
+        for tools in (None, _TOOLS):
+            for thinking in (True, False):
+                context = {"thinking": thinking, "enable_thinking": thinking}
+                try:
+                    theirs = plain.render(messages=msgs, tools=tools, add_generation_prompt=True, **context)
+                except Exception as exc:  # the family's template refuses this conversation: so must ours
+                    with pytest.raises(TemplateError) as ours:
+                        template_renderer(source)(msgs, tools, thinking, {})
+                    assert str(exc) in str(ours.value)
+                    continue
+                assert template_renderer(source)(msgs, tools, thinking, {}) == theirs
+                rendered += 1
+    assert rendered >= 8
+
+
+def test_a_folder_whose_template_loops_fails_its_records_by_name(tmp_path):
+    """Through the command: each record is a bad line naming the bound; the run ends."""
+    folder = tmp_path / "qwen3"
+    folder.mkdir()
+    for src in (SHARED / "qwen3").iterdir():
+        if src.name != "chat_template.jinja":
+            (folder / src.name).symlink_to(src)
+    (folder / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{{ messages[0].content }}")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "a", "request": {"messages": [{"role": "user", "content": "hi"}]},
+                               "response": {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}]}}) + "\n")
+    cli = str(Path(sys.executable).with_name("tokenbridge"))
+    out = subprocess.run([cli, "reconstruct", str(src), "-o", str(tmp_path / "o.jsonl"), "--tokenizer", str(folder)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    assert (f"bad record: {src}:1: <record>: TemplateError: chat template stopped: range: more than 10,000,000 "
+            "items in one render (the chat template's bound)") in out.stderr
