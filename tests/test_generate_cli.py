@@ -216,6 +216,39 @@ def test_bad_settings_are_one_line_exit_2(tmp_path, how, message, hidden):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("value", [
+    "sk-or-v1-" + "0123456789abcdef" * 2, "my app sk-ant-api03-" + "x" * 20, "Bearer " + "3f9a" * 8,
+    "basic dXNlcjpwYXNzd29yZDEyMzQ1Njc4"])
+def test_a_credential_in_a_header_value_is_refused_and_never_shown(tmp_path, value):
+    """The name check let ``X-Title = "sk-or-v1-..."`` through; a server that echoed the
+    header put the key in every error, generate.json and state.sqlite (a cold tester's)."""
+    cfg = tmp_path / "g.toml"
+    cfg.write_text(f'model = "m"\nbase_url = "http://127.0.0.1:9/v1"\n[headers]\nX-Title = "{value}"\n',
+                   encoding="utf-8")
+    res = _invoke([str(_one_prompt(tmp_path)), "--out", str(tmp_path / "run"), "--config", str(cfg)])
+    line = _one_line_error(res, 2)
+    assert line.startswith(f"error: {cfg}:3: headers: header X-Title: value looks like a credential (not shown here)")
+    assert value.split()[-1][:16] not in res.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_header_value_holding_the_api_key_is_refused_before_anything_is_sent(tmp_path, monkeypatch):
+    """A key-like value in a header is refused by its look; the key itself, in any spelling
+    the masking knows (here its base64), once it is read."""
+    import base64
+
+    key = "fk-" + "a1b2c3d4" * 6  # no provider's prefix: only the key read from the environment tells
+    monkeypatch.setenv("MY_KEY", key)
+    cfg = tmp_path / "g.toml"
+    cfg.write_text(f'model = "m"\nbase_url = "http://127.0.0.1:9/v1"\napi_key_env = "MY_KEY"\n[headers]\n'
+                   f'X-Title = "app {base64.b64encode(key.encode()).decode()}"\n', encoding="utf-8")
+    res = _invoke([str(_one_prompt(tmp_path)), "--out", str(tmp_path / "run"), "--config", str(cfg)])
+    assert _one_line_error(res, 2) == ("error: headers: header X-Title: value holds the API key from $MY_KEY (not "
+                                       "shown here): the key is sent only as Authorization; remove it from the header")
+    assert key[3:19] not in res.output and base64.b64encode(key.encode()).decode()[:16] not in res.output
+    assert not (tmp_path / "run").exists()
+
+
 PASTED_KEY = "sk-or-v1-" + "5f0c" * 16
 _LOOKS_LIKE_A_KEY = ("looks like an API key (not shown here): give the NAME of the environment variable that holds "
                      "the key (letters, digits and '_', not starting with a digit, e.g. OPENROUTER_API_KEY), never the "

@@ -197,7 +197,7 @@ def _prepared(settings: GenerateSettings, out_dir: str | Path, key: ApiKey | Non
     check_sendable(settings)
     if key is None:
         key = read_api_key(settings.api_key_env, required=not is_local_url(settings.base_url))
-    check_api_key(key)
+    check_api_key(key, settings.headers)
     if key is not None and (why := plain_http_problem(settings.base_url, settings.allow_plain_http)):
         raise ConfigError(f"base_url {why}")
     reporter = reporter or Reporter(settings.progress, interval_s=settings.log_interval_s)

@@ -49,7 +49,7 @@ import os
 import re
 import zlib
 from dataclasses import dataclass, field
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
 
 from .errors import GenerateError
@@ -103,12 +103,20 @@ def read_api_key(env_name: str = "OPENROUTER_API_KEY", *, required: bool = True)
     return ApiKey(env_name, value)
 
 
-def check_api_key(key: ApiKey | None) -> None:
+def check_api_key(key: ApiKey | None, headers: Mapping[str, str] | None = None) -> None:
     """:class:`~.settings.ConfigError` (naming the variable, never the text) for a key that
     cannot go into an ``Authorization`` header, before anything is sent: aiohttp refuses a
-    CR or LF only per request, so every sample (or every probe) failed its attempts one by one."""
-    if key is not None and (why := api_key_problem(key.value)):
+    CR or LF only per request, so every sample (or every probe) failed its attempts one by
+    one. And for a header whose value holds the key (in any spelling :func:`scrub` masks):
+    it went to every provider, and a server echoing it put it in errors unmasked."""
+    if key is None:
+        return
+    if why := api_key_problem(key.value):
         raise ConfigError(f"the API key in ${key.env_name} {why}")
+    for name, value in (headers or {}).items():
+        if scrub(value, key) != value:
+            raise ConfigError(f"headers: header {name}: value holds the API key from ${key.env_name} (not shown "
+                              "here): the key is sent only as Authorization; remove it from the header")
 
 
 def placeholder_notice(key: ApiKey | None) -> str | None:

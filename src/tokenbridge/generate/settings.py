@@ -19,9 +19,10 @@ must be ``http(s)://host[:port]/path`` without user info, query or fragment
 (``/chat/completions`` is appended to it; a run refuses to send the key over plain
 ``http://`` to a host that is not this machine unless ``allow_plain_http``), and
 ``headers`` may not carry a credential
-(any name containing auth, key, token, secret, cookie, passw, session or credential:
-the key comes only from ``api_key_env``), a name that is no HTTP field name or a value
-with a control character. ``extra_body`` may not set a key tokenbridge sets itself, nor
+(any name containing auth, key, token, secret, cookie, passw, session or credential, a
+value that looks like a key or an authorization scheme's token, or, once the key is read,
+holds it: the key comes only from ``api_key_env``), a name that is no HTTP field name or a
+value with a control character. ``extra_body`` may not set a key tokenbridge sets itself, nor
 a ``reasoning`` / ``provider`` key a setting or flag sets too (it is merged last and
 replaced that value in every body), and must be JSON; a request field both at the top
 level and under ``[request]`` is refused.
@@ -89,6 +90,9 @@ DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _CREDENTIAL_HEADER = re.compile(r"auth|key|token|secret|cookie|passw|session|credential", re.IGNORECASE)
+#: A header value that is a credential whatever the header's name: a key with a provider's
+#: prefix (``sk-or-v1-...``, ``sk-ant-...``) or an authorization scheme and its token.
+_CREDENTIAL_VALUE = re.compile(r"\b(?:sk|pk|rk)[-_][A-Za-z0-9_-]{16,}|\b(?:bearer|basic)\s+\S{16,}", re.IGNORECASE)
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 #: Dataset paths starting with this name prompt files shipped in the package (the demo's).
 _BUILTIN = "builtin:"
@@ -129,6 +133,9 @@ def _headers_problem(headers: Any) -> str | None:
                     "no space, colon or control character)")
         if isinstance(value, str) and (why := _header_text_problem(value)):
             return f"header {name}: value {why}"
+        if isinstance(value, str) and _CREDENTIAL_VALUE.search(value):
+            return (f"header {name}: value looks like a credential (not shown here): the key comes only from "
+                    "api_key_env, and header values are sent to every provider and echoed in their errors")
     return None
 
 
