@@ -152,6 +152,39 @@ def test_reconstruct_onto_a_run_file_is_refused(run, kimi_dir, flag, name):
     assert snapshot(run) == before  # and no rec.jsonl
 
 
+@pytest.mark.parametrize("flag", ["-o", "--summary-json"])
+def test_reconstruct_onto_the_pipelines_record_is_refused(run, kimi_dir, flag):
+    """``pipeline.json`` is ``run``'s record of its stages: replaced by rows or a summary, the
+    next ``run`` called it damaged and redid every stage (a cold tester's)."""
+    (run / "pipeline.json").write_bytes(b'{"stages": {}}\n')
+    before = snapshot(run)
+    out = run / "pipeline.json" if flag == "-o" else run / "rec.jsonl"
+    extra = ["--summary-json", run / "pipeline.json"] if flag == "--summary-json" else []
+    _refused(_invoke("reconstruct", run / "exchanges.jsonl", "-o", out, "-t", kimi_dir, *extra),
+             f"{flag} {run / 'pipeline.json'}: is run's record of its stages of the run folder {run.resolve()}; "
+             f"{_REFUSE}")
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("inside", ["vocab/d2t.npy", "export/specforge/train.jsonl", "export/specforge/new.jsonl",
+                                    "report/deep/er.json"])
+def test_a_file_output_inside_a_marked_output_folder_is_refused(run, kimi_dir, tmp_path, inside):
+    """An export, vocab or report folder is written whole: ``reconstruct -o RUN/vocab/d2t.npy``
+    wrote rows over the draft vocabulary's map, and a standalone user had a corrupt folder."""
+    for folder in ("vocab", "export/specforge", "report"):
+        (run / folder).mkdir(parents=True)
+        (run / folder / ".tokenbridge-output").write_bytes(b'{"kind": "x", "files": []}\n')
+    (run / "vocab" / "d2t.npy").write_bytes(b"\x93NUMPY")
+    (run / "export/specforge/train.jsonl").write_bytes(b"{}\n")
+    before = snapshot(run)
+    target = run / inside
+    owner = run / inside.rsplit("/", 2 if inside.startswith("report/") else 1)[0]
+    _refused(_invoke("reconstruct", run / "exchanges.jsonl", "-o", target, "-t", kimi_dir),
+             f"-o {target}: lies in {owner.resolve()}, an output folder of tokenbridge's, written whole by the "
+             "command that made it (a file written into it corrupts that output); give another output name")
+    assert snapshot(run) == before
+
+
 def test_reconstruct_into_its_tokenizer_folder_or_onto_its_profile_is_refused(run, kimi_dir, tmp_path):
     tok = tmp_path / "tok"
     shutil.copytree(kimi_dir, tok)

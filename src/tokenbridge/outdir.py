@@ -23,9 +23,11 @@ A file output (``reconstruct -o`` / ``--summary-json``, ``generate --summary-jso
 folder, anything but a regular file (a FIFO, a device node:
 :func:`tokenbridge.fsio.output_file`), or what the command did not make: an input (same
 path, symlink or hard link; or anything inside an input folder), another output of the
-same command (or a folder holding one), an SQLite database, or one of a run folder's
+same command (or a folder holding one), an SQLite database, one of a run folder's
 :data:`RUN_STATE_FILES` (its store and SQLite's side files, lock, ``exchanges.jsonl``,
-``generate.json``). A folder output never takes one of those names (:func:`run_file_problem`).
+``generate.json``) or ``pipeline.json``, or a file inside an output folder tokenbridge
+marked (an export, ``vocab``, ``report``: written whole, never file by file). A folder
+output never takes one of those names (:func:`run_file_problem`).
 
 ``tokenbridge run``'s ``[run] out`` is written file by file (exchanges.jsonl,
 reconstructed.jsonl, pipeline.json, ...), so it is accepted only when missing, empty, or a
@@ -360,6 +362,9 @@ RUN_STATE_FILES: dict[str, str] = {
 }
 #: What ``run`` writes into its folder besides :data:`RUN_STATE_FILES`.
 RUN_OUTPUTS: tuple[str, ...] = (*RUN_STATE_FILES, "reconstructed.jsonl", "pipeline.json", "export", "vocab", "report")
+#: A run folder's files no file output may replace: :data:`RUN_STATE_FILES`, and ``run``'s
+#: record of its stages (replaced, the next ``run`` called it damaged and redid them all).
+_RUN_FILES: dict[str, str] = {**RUN_STATE_FILES, "pipeline.json": "run's record of its stages"}
 
 
 def _file_problem(target: Path, inputs: list[str | Path], runs: Iterable[str | Path],
@@ -371,24 +376,38 @@ def _file_problem(target: Path, inputs: list[str | Path], runs: Iterable[str | P
             return "is the input file; give another output name"
         if os.path.isdir(item) and real.is_relative_to(Path(item).resolve()):
             return f"lies in the input folder {item}; give another output name"
-    refuse = "refusing to replace it: give another output name"
-    ours = {Path(r).resolve() for r in runs}
-    if real.name in RUN_STATE_FILES and (real.parent in ours or _looks_like_run(real.parent)):
-        return f"is {RUN_STATE_FILES[real.name]} of the run folder {real.parent}; {refuse}"
-    if os.path.lexists(target):
-        folders = ours | {real.parent} | {Path(i).resolve().parent for i in inputs}
-        for folder in sorted(f for f in folders if f in ours or _looks_like_run(f)):
-            for state, what in RUN_STATE_FILES.items():
-                if _same_file(real, folder / state):
-                    return f"is a hard link to {folder / state}, {what} of that run folder; {refuse}"
-        if _file_kind(real)[0] == "sqlite":
-            kind = "a tokenbridge run's store" if _schema_kind(real)[0] == "tokenbridge" else "an SQLite database"
-            return f"is {kind} (no output of tokenbridge is one); {refuse}"
+    why = _tokenbridge_file_problem(target, real, inputs, {Path(r).resolve() for r in runs})
+    if why is not None:
+        return why
     for other_flag, other in outputs.items():
         if _same_file(target, other):
             return f"is also the {other_flag} output; give another name"
         if Path(other).resolve().is_relative_to(real):
             return f"holds the {other_flag} output {other}; give another name"
+    return None
+
+
+def _tokenbridge_file_problem(target: Path, real: Path, inputs: list[str | Path], ours: set[Path]) -> str | None:
+    """Why ``target`` (resolved: ``real``) is a file of tokenbridge's own that no file output
+    may replace, or None: a run folder's file (:data:`_RUN_FILES`, by name or hard link), a
+    file in a marked output folder, or a store or any other SQLite database."""
+    refuse = "refusing to replace it: give another output name"
+    if real.name in _RUN_FILES and (real.parent in ours or _looks_like_run(real.parent)):
+        return f"is {_RUN_FILES[real.name]} of the run folder {real.parent}; {refuse}"
+    for folder in real.parents:
+        if os.path.lexists(folder / MARKER):
+            return (f"lies in {folder}, an output folder of tokenbridge's, written whole by the command that made it "
+                    "(a file written into it corrupts that output); give another output name")
+    if not os.path.lexists(target):
+        return None
+    folders = ours | {real.parent} | {Path(i).resolve().parent for i in inputs}
+    for folder in sorted(f for f in folders if f in ours or _looks_like_run(f)):
+        for state, what in _RUN_FILES.items():
+            if _same_file(real, folder / state):
+                return f"is a hard link to {folder / state}, {what} of that run folder; {refuse}"
+    if _file_kind(real)[0] == "sqlite":
+        kind = "a tokenbridge run's store" if _schema_kind(real)[0] == "tokenbridge" else "an SQLite database"
+        return f"is {kind} (no output of tokenbridge is one); {refuse}"
     return None
 
 
@@ -404,8 +423,8 @@ def run_file_problem(target: str | Path) -> str | None:
     one of a run folder's :data:`RUN_STATE_FILES` (a folder named ``state.sqlite-wal``
     there would leave the store unopenable)."""
     real = Path(os.path.realpath(target))
-    if real.name in RUN_STATE_FILES and _looks_like_run(real.parent):
-        return f"is the name of {RUN_STATE_FILES[real.name]} of the run folder {real.parent}"
+    if real.name in _RUN_FILES and _looks_like_run(real.parent):
+        return f"is the name of {_RUN_FILES[real.name]} of the run folder {real.parent}"
     return None
 
 
