@@ -4,6 +4,7 @@ routing, faults, credits and determinism, all over HTTP on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -424,6 +425,28 @@ def test_bad_requests_are_400(base):
     assert status == 400 and "not a valid model ID" in json.loads(text)["error"]["message"]
     assert _call(url, {"model": MODEL, "messages": _msgs(), "n": 0})[0] == 400
     assert _call(url, {"model": MODEL, "messages": _msgs(), "provider": {"sort": "vibes"}})[0] == 400
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    # a lone surrogate anywhere was a 500 (the prompt could not be encoded), which clients retry
+    (b'{"model": "%s", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
+     r"request body is not valid JSON: .*surrogate.*line 1 column \d+"),
+    (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\udc00"]}',
+     r"request body is not valid JSON: .*surrogate.*line 1 column \d+"),
+    (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+     r"request body is not valid JSON: unexpected character.*: line 1 column \d+"),
+    (b'{"model": "%s", "messages": [{"role": "wizard", "content": "hi"}]}',
+     r"messages\[0\]\.role: 'wizard' is not one of system, developer, user, assistant, tool$"),
+    (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}',
+     "stream: must be true or false, got 'yes'$"),
+    (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "stop": 5}',
+     "stop: must be a string or a list of strings$"),
+], ids=["surrogate-content", "surrogate-stop", "nan", "role", "stream", "stop"])
+def test_a_body_no_server_takes_is_a_400_saying_why(base, body, message):
+    """The cold tester's: these were a 500 or answered 200 as if valid."""
+    status, _, text = _call(f"{base}/chat/completions", raw=body % MODEL.encode())
+    assert status == 400, text
+    assert re.match(message, json.loads(text)["error"]["message"]), text
 
 
 # --- faults at rate 1.0 ----------------------------------------------------------------

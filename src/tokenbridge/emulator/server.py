@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from typing import Any
 from collections.abc import Mapping
 
+import orjson
 from aiohttp import web
 
 from ..chat import TemplateError, resolve_dialect
@@ -94,6 +95,26 @@ class _Stats:
             "by_request": dict(self.by_request),
             "busy_s": self.busy_s,
         }
+
+
+#: The roles a chat request's messages may have (OpenAI's, and ``developer``).
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _strict_json(raw: bytes) -> Any:  # Any: any JSON value
+    """The body as a strict reader takes it (orjson, as servers' own readers): a lone
+    surrogate escape (not UTF-8: the prompt could not be encoded, a 500 before), ``NaN``
+    or a number past 64 bits is a 400 saying where; the stdlib's reading names what else
+    is wrong (nested too deeply, cut short)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        strict = str(exc)
+    try:
+        loads_document(raw)
+    except ValueError as exc:  # JsonLineError too: nested too deeply to read
+        raise _HTTPError(400, f"request body is not valid JSON: {exc}") from None
+    raise _HTTPError(400, f"request body is not valid JSON: {strict}")
 
 
 class _Emulator:
@@ -281,10 +302,7 @@ class _Emulator:
             raise _HTTPError(401, "Missing or wrong API key (Authorization: Bearer ...)")
 
     def _parse(self, raw: bytes) -> _Request:
-        try:
-            body = loads_document(raw)
-        except ValueError as exc:  # JsonLineError too: nested too deeply to read
-            raise _HTTPError(400, f"request body is not valid JSON: {exc}") from None
+        body = _strict_json(raw)
         if not isinstance(body, dict):
             raise _HTTPError(400, "request body must be a JSON object")
         model = body.get("model")
@@ -296,9 +314,17 @@ class _Emulator:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise _HTTPError(400, f"messages[{i}]: must be an object with a string 'role'")
+            if m["role"] not in _ROLES:
+                raise _HTTPError(400, f"messages[{i}].role: {m['role']!r} is not one of {', '.join(_ROLES)}")
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise _HTTPError(400, "tools: must be a list")
+        if body.get("stream") is not None and not isinstance(body["stream"], bool):
+            raise _HTTPError(400, f"stream: must be true or false, got {body['stream']!r}")
+        stop = body.get("stop")
+        if stop is not None and not isinstance(stop, str) and not (
+                isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise _HTTPError(400, "stop: must be a string or a list of strings")
         n = _int(body, "n", 1, 1, _MAX_N)
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
         if max_tokens is not None:
