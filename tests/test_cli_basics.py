@@ -73,3 +73,29 @@ def test_a_rows_input_that_is_no_file_is_a_usage_error_saying_what_it_is(tmp_pat
     assert res.output.splitlines()[-1] == (f"error: {src}: <file>: is {what}, not a regular file: give a reconstruct "
                                            "output (JSONL or .parquet)")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_ctrl_c_while_the_cli_is_still_importing_is_one_line():
+    """The console script imports the CLI (typer, click) before any handler of ours exists:
+    a Ctrl-C in that first half second printed a traceback out of importlib (a cold
+    tester's). Timing-free: the child sends itself SIGINT when the import reaches typer."""
+    import subprocess
+    import sys
+
+    from tokenbridge.interrupt import STOPPED
+
+    code = ("import importlib.abc, os, signal, sys\n"
+            "class Interrupt(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'typer':\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "        return None\n"
+            "sys.meta_path.insert(0, Interrupt())\n"
+            "sys.argv = ['tokenbridge', '--help']\n"
+            "from tokenbridge.__main__ import main\n"
+            "main()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout, out.stderr) == (130, "", f"{STOPPED}\n")
+    # and the script the package installs is that entry point
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"tokenbridge": "tokenbridge.__main__:main"}
