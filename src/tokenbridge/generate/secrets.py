@@ -24,6 +24,8 @@ rule counts them, the ``sk-or-v1-`` every OpenRouter key starts with included:
   * base64 (standard and URL-safe alphabet) at each of the three byte alignments, so the
     key inside a longer encoded blob (``Basic ...``, ``Bearer ...``) is caught too, with
     line breaks anywhere in it (MIME wraps every 76 characters), raw or JSON-escaped;
+  * base32, upper or lower case, at each of its five byte alignments (only the key bytes
+    a run carries whole count: a key's edge byte that shares a character is not);
   * in bytes, each of these as UTF-16 or UTF-32 text, either byte order (an error page sent
     ``charset=utf-16`` quoting the header): a NUL beside every ASCII character hid the key
     from every other spelling. The mask is written in that charset too.
@@ -398,8 +400,8 @@ class _Target:
     """One spelling of the key searched for, and how its characters map to the key's bytes."""
 
     text: bytes
-    kind: str  # "raw" (the UTF-8 bytes), "hex", "base64"
-    #: base64: the key's bytes follow ``shift`` zero bytes in the encoded stream, and the
+    kind: str  # "raw" (the UTF-8 bytes), "hex", "base64", "base32"
+    #: base64, base32: the key's bytes follow ``shift`` zero bytes in the encoded stream, and the
     #: text starts at bit ``start_bit`` of it (its first character that depends on the key alone)
     shift: int = 0
     start_bit: int = 0
@@ -408,8 +410,9 @@ class _Target:
 @dataclass(frozen=True)
 class _Forms:
     raw: bytes  # the key's UTF-8
-    targets: tuple[_Target, ...]  # the key's UTF-8, its hex (either case), its base64 at each alignment and alphabet
+    targets: tuple[_Target, ...]  # the key's UTF-8, its hex and base32 (either case), its base64 (each alphabet)
     pieces: dict[bytes, tuple[tuple[int, int], ...]]  # each target's sampled pieces: (target, offset)
+    pieces32: dict[bytes, tuple[tuple[int, int], ...]]  # the base32 targets' (looked for only in base32 text)
     readings: tuple[_Reading, ...]
     spelling: bytes  # a translate table: b"a" for each byte a spelling of a target can hold, else b" "
 
@@ -429,6 +432,9 @@ class _Forms:
             return last - first
         if target.kind == "hex":
             return last // 2 - (first + 1) // 2
+        if target.kind == "base32":  # the bytes whose bits the run carries whole (a byte begun two
+            a, b = target.start_bit + 5 * first, target.start_bit + 5 * last  # characters back is not counted)
+            return max(0, min(b // 8, target.shift + len(self.raw)) - max(-(-a // 8), target.shift))
         a, b = target.start_bit + 6 * first, target.start_bit + 6 * last  # bits of the encoded stream
         lo, hi = -(-a // 8), b // 8  # whole stream bytes inside
         if a % 8 and start > 0 and (v := _B64_VALUE[view[start - 1]]) >= 0:  # a byte begun in the character before
@@ -453,6 +459,9 @@ for _i, _c in enumerate(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01
 _B64_VALUE[ord("-")], _B64_VALUE[ord("_")] = 62, 63
 
 
+#: A translate table: b"a" for base32's characters (either case), else b" ".
+_BASE32_RUNS = bytes(ord("a") if chr(b).upper() in "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567" else ord(" ") for b in range(256))
+
 #: Bytes any spelling of any key may use: base64's (both alphabets, which hold hex and the
 #: letters of ``\\u``, ``\\n``, ``\\r``), escapes' and line breaks.
 _SPELLING = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=-_%\\\r\n&#;"
@@ -475,14 +484,23 @@ def _forms(value: str) -> _Forms:
         piece = enc[first : ((shift + len(raw)) * 8) // 6]
         for text in (piece, piece.replace(b"+", b"-").replace(b"/", b"_")):
             found.setdefault(text, _Target(text, "base64", shift, 6 * first))
+    for shift in range(5):  # base32 (RFC 4648), at each of its five byte alignments, in either case
+        enc = base64.b32encode(b"\0" * shift + raw)
+        first = (shift * 8 + 4) // 5
+        piece = enc[first : ((shift + len(raw)) * 8) // 5]
+        for text in (piece, piece.lower()):
+            found.setdefault(text, _Target(text, "base32", shift, 5 * first))
     kept = tuple(found[t] for t in sorted(found) if len(t) >= MIN_MASKED)
     pieces: dict[bytes, list[tuple[int, int]]] = {}
+    pieces32: dict[bytes, list[tuple[int, int]]] = {}
     for i, target in enumerate(kept):
+        into = pieces32 if target.kind == "base32" else pieces
         for at in range(0, len(target.text) - _PIECE + 1, _PIECE):
-            pieces.setdefault(target.text[at : at + _PIECE], []).append((i, at))
+            into.setdefault(target.text[at : at + _PIECE], []).append((i, at))
     used = set(raw + _SPELLING)  # base64 whole: a blob in it is one stretch, not one per unused letter
     spelling = bytes(ord("a") if b in used else ord(" ") for b in range(256))
-    return _Forms(raw, kept, {p: tuple(places) for p, places in pieces.items()}, _readings(value), spelling)
+    return _Forms(raw, kept, {p: tuple(places) for p, places in pieces.items()},
+                  {p: tuple(places) for p, places in pieces32.items()}, _readings(value), spelling)
 
 
 def _readings(value: str) -> tuple[_Reading, ...]:
@@ -618,11 +636,15 @@ def _runs(view: bytes, forms: _Forms) -> list[tuple[int, int]]:
     passed over: what its run could add past that span is shorter than MIN_MASKED
     characters of its target (so fewer key characters), or holds a later hit of its own."""
     hits = []
-    for piece, places in forms.pieces.items():
-        at = view.find(piece)
-        while at != -1:
-            hits.append((at, places))
-            at = view.find(piece, at + 1)
+    groups = [forms.pieces]
+    if b"a" * MIN_MASKED in view.translate(_BASE32_RUNS):  # text a masked base32 run can be in: rare
+        groups.append(forms.pieces32)
+    for group in groups:
+        for piece, places in group.items():
+            at = view.find(piece)
+            while at != -1:
+                hits.append((at, places))
+                at = view.find(piece, at + 1)
     hits.sort(key=lambda hit: hit[0])
     spans = []
     reach = 0
