@@ -106,7 +106,9 @@ def test_cli_inspect_names_a_missing_sample(tmp_path, kimi, kimi_dir):
     out = tmp_path / "r.jsonl"
     reconstruct_file(EXAMPLE, out, kimi)
     res = CliRunner().invoke(app, ["inspect", str(out), "-t", str(kimi_dir), "--id", "missing"])
-    assert res.exit_code == 2 and "no sample missing" in res.output
+    assert res.exit_code == 2 and "no sample 'missing' with choice 0" in res.output
+    res = CliRunner().invoke(app, ["inspect", str(out), "-t", str(kimi_dir), "--id", ""])
+    assert res.exit_code == 2 and "no sample '' with choice 0" in res.output
 
 
 def test_lone_surrogate_in_file_is_gated_and_output_stays_utf8(tmp_path, kimi):

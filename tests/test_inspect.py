@@ -35,7 +35,9 @@ def test_parquet_output_shows_the_same_as_jsonl(outputs, kimi_dir):
 
 def test_parquet_without_the_sample_says_so(outputs, kimi_dir):
     res = _inspect(outputs[1], kimi_dir, "--id", "nope")
-    assert res.exit_code == 2 and f"{outputs[1]}: no sample nope with choice 0" in res.output
+    assert res.exit_code == 2 and f"{outputs[1]}: no sample 'nope' with choice 0" in res.output
+    res = _inspect(outputs[1], kimi_dir, "--id", "")  # was "no sample (first)", where the first exists
+    assert res.exit_code == 2 and f"{outputs[1]}: no sample '' with choice 0" in res.output
 
 
 @pytest.mark.parametrize("span", ["-5:", "3:-1", "-1"])
@@ -206,7 +208,7 @@ def test_a_bad_row_is_the_same_fault_in_jsonl_and_parquet(outputs, kimi_dir, tmp
     assert res.exit_code == 0, res.output
     assert res.output == _inspect(outputs[0], kimi_dir, "--id", rows[1]["id"], "--tokens", "0:5").output
     res = _inspect(path, kimi_dir, "--id", "nope")
-    assert res.exit_code == 2 and res.output.splitlines() == [f"error: {path}: no sample nope with choice 0"]
+    assert res.exit_code == 2 and res.output.splitlines() == [f"error: {path}: no sample 'nope' with choice 0"]
 
 
 def test_a_parquet_rows_json_text_is_checked_when_that_row_is_asked_for(outputs, kimi_dir, tmp_path):

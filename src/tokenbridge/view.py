@@ -93,7 +93,12 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
             raise LookupError(f"{path}:{lineno}: nested too deeply to reconstruct") from None
         if choice < len(rows):
             return rows[choice]
-    raise LookupError(f"{path}: no sample {sample_id or '(first)'} with choice {choice}")
+    raise LookupError(_not_found(path, sample_id, choice))
+
+
+def _not_found(path: Path, sample_id: str | None, choice: int) -> str:
+    """No such sample: its id quoted (an empty ``--id ''`` was called "(first)")."""
+    return f"{path}: no sample {'(first)' if sample_id is None else repr(sample_id)} with choice {choice}"
 
 
 def _find_parquet_row(path: Path, sample_id: str | None, choice: int, tok: Tokenizer) -> Mapping[str, Any]:
@@ -114,7 +119,7 @@ def _find_parquet_row(path: Path, sample_id: str | None, choice: int, tok: Token
         if exc.line is None:  # the file itself
             raise LookupError(str(exc)) from None
         raise
-    raise LookupError(f"{path}: no sample {sample_id or '(first)'} with choice {choice}")
+    raise LookupError(_not_found(path, sample_id, choice))
 
 
 def _checked_row(record: Mapping[str, Any], path: Path, line: int, tok: Tokenizer) -> Mapping[str, Any]:
