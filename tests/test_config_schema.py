@@ -7,6 +7,7 @@ section.key, did you mean), exit code 2, and, for ``run``, that nothing was sent
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import urllib.request
 from pathlib import Path
@@ -20,6 +21,7 @@ from tokenbridge.emulator import ConfigError as EmulatorConfigError
 from tokenbridge.emulator import EmulatorConfig, ProviderConfig, load_emulator_config, running_emulator
 from tokenbridge.exit_codes import ExitCode
 from tokenbridge.generate import ConfigError, GenerateSettings, load_config
+from tokenbridge.jsonl import path_step
 from tokenbridge.pipeline import PipelineError, RunConfig, load_run_config
 from tokenbridge.schema import read_mapping
 
@@ -353,6 +355,20 @@ def test_a_yaml_key_given_twice_is_refused_naming_both_lines(tmp_path):
     with pytest.raises(EmulatorConfigError) as emu:
         load_emulator_config(path)
     assert str(emu.value).startswith(f"{path}:5: providers[1].engine: given twice in one mapping (first on line 4)")
+
+
+@pytest.mark.parametrize(("first", "again"), [("yes", "true"), ("1", "0x1"), ("1", "1.0"), ("on", "True"),
+                                           ("~", "null"), ("010", "8")])
+def test_yaml_keys_equal_as_data_are_one_key_given_twice(tmp_path, first, again):
+    """Spelled apart, read as one: PyYAML's dict kept the last value (the last note's "left")."""
+    path = _write(tmp_path, f"x:\n  {first}: 1\n  {again}: 2\n", "c.yaml")
+    with pytest.raises(ConfigError) as err:
+        read_mapping(path, ConfigError)
+    where = "x" + path_step(again)
+    assert str(err.value).startswith(f"{path}:3: {where}: given twice in one mapping (first on line 2 as {first!r})")
+    # a date and a time of that day are two keys, as PyYAML reads them
+    assert read_mapping(_write(tmp_path, "2026-12-07: 1\n2026-12-07 00:00:00: 2\n", "d.yaml"), ConfigError)[0] == {
+        datetime.date(2026, 12, 7): 1, datetime.datetime(2026, 12, 7): 2}
 
 
 def test_a_yaml_key_repeated_through_an_alias_is_refused(tmp_path):

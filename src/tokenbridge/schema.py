@@ -226,9 +226,10 @@ def _config_loader() -> type:
 
     * a mapping that gives a key twice. PyYAML keeps the last value without a word, so
       ``concurrency: 8`` ... ``concurrency: 256`` in one section ran with 256. Keys are
-      compared as composed (tag and text, before any ``<<`` merge is applied): a key a
-      merge brings in and the mapping then sets is YAML's override, not a repeat. An
-      alias as a key (``*k : 4096``) is refused: it repeats a key by construction;
+      compared as the data they are (``yes`` and ``true``, ``1`` and ``0x1`` are one key),
+      before any ``<<`` merge is applied: a key a merge brings in and the mapping then sets
+      is YAML's override, not a repeat. An alias as a key (``*k : 4096``) is refused: it
+      repeats a key by construction;
     * aliases that expand it past :data:`MAX_YAML_VALUES` values or :data:`MAX_YAML_TEXT`
       characters (a "billion laughs" file: PyYAML shares the repeats, but checking the
       config walks every one of them), or that make a value contain itself."""
@@ -253,16 +254,28 @@ def _config_loader() -> type:
 
         def compose_mapping_node(self, anchor: Any) -> Any:
             node = super().compose_mapping_node(anchor)
-            seen: dict[tuple[str, str], Any] = {}
+            seen: dict[Any, Any] = {}
             for key, _ in node.value:
                 if not isinstance(key, yaml.ScalarNode) or key.tag == merge:
                     continue
-                first = seen.setdefault((key.tag, key.value), key)
+                first = seen.setdefault(self._as_data(key), key)
                 if first is not key:
+                    spelled = "" if first.value == key.value else f" as {first.value!r}"
                     raise _YamlRefused(f":{key.start_mark.line + 1}: {self._where(key.value)}", (
-                        f"given twice in one mapping (first on line {first.start_mark.line + 1}): which value is "
-                        "meant is unclear (YAML readers keep the last, silently)"))
+                        f"given twice in one mapping (first on line {first.start_mark.line + 1}{spelled}): which "
+                        "value is meant is unclear (YAML readers keep the last, silently)"))
             return node
+
+        def _as_data(self, key: Any) -> Any:
+            """The key as the mapping will hold it: ``yes`` and ``true`` are one key, ``1``,
+            ``0x1`` and ``1.0`` another, as in the dict PyYAML builds (a key it cannot
+            build is compared as written)."""
+            try:
+                value = self.construct_object(key)
+                hash(value)
+            except (yaml.YAMLError, TypeError, ValueError):
+                return (key.tag, key.value)
+            return value
 
         def compose_document(self) -> Any:
             node = super().compose_document()
