@@ -26,6 +26,9 @@ from tokenbridge.chat.template import template_renderer
 HI = [{"role": "user", "content": " hi "}]
 
 
+_S = "{% set s = 'x' * 60000000 %}"  # just under the size bound: what the amplifiers below start from
+
+
 @pytest.mark.parametrize(("source", "message"), [
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
      "range: more than 10,000,000 items in one render"),
@@ -35,27 +38,50 @@ HI = [{"role": "user", "content": " hi "}]
     ("{{ 'x' * 10000000000 }}", "a repeated value: more than 67,108,864"),
     ("{{ 10000000000 * ['x'] }}", "a repeated value"),
     ("{{ 2 ** 1000000000 }}", r"2 \*\* 1000000000: past 65,536 bits"),
+    ("{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+     "a product past 65,536 bits"),
     ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
      "a str value: more than 67,108,864"),
     ("{% macro f(s, n) %}{% if n %}{{ f(s ~ s, n - 1) }}{% endif %}{% endmacro %}{{ f('x', 80) }}",
-     "a str argument: more than 67,108,864"),
+     "a str value: more than 67,108,864"),
     ("{% for i in range(100000) %}{% for j in range(100) %}{{ 'x' * 10000 }}{% endfor %}{% endfor %}",
      "the rendered prompt: more than 67,108,864"),
     ("{% for i in range(100000) %}{% for j in range(100) %}{{ '' }}{% endfor %}{% endfor %}",
      "range: more than"),
-    ("{{ '{:>999999999}'.format(1) }}", "a format field 999999999 wide"),
-    ("{{ '{0:>999999999}'.format_map({}) }}", "a format field 999999999 wide"),
-    ("{{ '%999999999d' % 1 }}", "a format field 999999999 wide"),
-    ("{{ '%*d' % (999999999, 1) }}", "an integer argument of 999,999,999"),
-    ("{{ '%999999999d'|format(1) }}", "a format field 999999999 wide"),
-    ("{{ 'x'|center(999999999) }}", "an integer argument of 999,999,999"),
-    ("{{ 'x'.ljust(999999999) }}", "an integer argument of 999,999,999"),
+    # a cold reviewer's escapes: doubling by + and ~ outside a loop, a join of long items,
+    # expandtabs, a capture block, widths adding up, a quadratic sum in C
+    (_S + "{% set b = s + s %}{% set c = b + b %}{{ c|length }}", "a sum of two values: more than"),
+    (_S + "{% set b = s ~ s %}{% set c = b ~ b %}{{ c|length }}", "a str value: more than"),
+    (_S + "{{ ([s] * 40)|join|length }}", "a join: more than"),
+    (_S + "{{ ('-').join([s] * 40)|length }}", "a join: more than"),
+    ("{{ ('\t' * 1000).expandtabs(60000000)|length }}", "an expandtabs: more than"),
+    (_S + "{% set t %}{% for i in range(40) %}{{ s }}{% endfor %}{% endset %}{{ t|length }}",
+     "a block's text: more than"),
+    (_S + "{% macro m() %}{% for i in range(40) %}{{ s }}{% endfor %}{% endmacro %}{{ m()|length }}",
+     "a block's text: more than"),
+    ("{{ ('{:60000000}' * 40).format(*([1] * 40)) }}", "a str.format: more than"),
+    ("{{ ('%60000000d' * 40) % ((1,) * 40) }}", "a %-format: more than"),
+    ("{{ ([[0] * 1000] * 20000)|sum(start=[])|length }}", r"a sum of sequences \(its copying\): more than"),
+    ("{{ '{:>999999999}'.format(1) }}", "a str.format: more than"),
+    ("{{ '{:{}}'.format(1, 999999999) }}", "a str.format: more than"),
+    ("{{ '{0:>999999999}'.format_map({}) }}", "a str.format: more than"),
+    ("{{ '%999999999d' % 1 }}", "a %-format: more than"),
+    ("{{ '%*d' % (999999999, 1) }}", "a %-format: more than"),
+    ("{{ '%.999999999f' % 1.5 }}", "a %-format: more than"),
+    ("{{ '%999999999d'|format(1) }}", "a %-format: more than"),
+    ("{{ 'x'|center(999999999) }}", "a width of 999,999,999: more than"),
+    ("{{ 'x'.ljust(999999999) }}", "a width of 999,999,999: more than"),
+    ("{{ 'x'.zfill(999999999) }}", "a width of 999,999,999: more than"),
     ("{{ ('x' * 1000000).replace('', 'y' * 1000) }}", "a replace: more than"),
     ("{{ ('x' * 1000000)|replace('', 'y' * 1000) }}", "a replace: more than"),
     ("{{ ('y' * 1000000).join(range(100000)|map('string')|list) }}", "a join: more than"),
     ("{{ range(100000)|list|join('y' * 1000000) }}", "a join: more than"),
     ("{{ ('\n' * 1000000)|indent('y' * 1000, true, true) }}", "an indent: more than"),
+    ("{{ ('\n' * 1000000)|indent(1000, true, true) }}", "an indent: more than"),
     ("{{ ('x ' * 1000000)|wordwrap(1, true, 'y' * 100) }}", "a wordwrap: more than"),
+    ("{{ [1]|batch(100000000, 'x')|list }}", "a batch of 100,000,000: past 10,000,000 items"),
+    ("{{ [1]|slice(100000000)|list }}", "a slice into parts of 100,000,000: past 10,000,000 items"),
+    ("{{ {'a': 1}|tojson(indent=100000000) }}", "tojson with an indent or separator of 100,000,000"),
 ])
 def test_a_template_past_a_bound_fails_its_render_quickly(source, message):
     render = template_renderer(source)
@@ -145,7 +171,11 @@ def _template(family: str) -> str:
 
 
 _TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather, 天气",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"},
+                                                # big integers are data, not widths (a cold reviewer's: refused)
+                                                "order_id": {"type": "integer", "default": 100000000},
+                                                "since": {"type": "integer", "default": 1700000000123}},
                                                            "required": ["city"]}}}]
 _CONVERSATIONS = [
     [{"role": "system", "content": "Be brief.\n" * 3}, {"role": "user", "content": "Wetter in 東京?"}],
@@ -156,6 +186,14 @@ _CONVERSATIONS = [
       "tool_calls": [{"id": "functions.get_weather:0", "type": "function",
                       "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
      {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"},
+     {"role": "user", "content": "thanks"}],
+    # arguments as objects, as the templates that iterate them (GLM) take them; big integers in them
+    [{"role": "user", "content": "order?"},
+     {"role": "assistant", "content": "", "reasoning_content": "look it up",
+      "tool_calls": [{"id": "functions.get_weather:1", "type": "function",
+                      "function": {"name": "get_weather", "arguments": {"city": "Oslo", "order_id": 100000000,
+                                                                        "since": 1700000000123}}}]},
+     {"role": "tool", "tool_call_id": "functions.get_weather:1", "content": "cloudy"},
      {"role": "user", "content": "thanks"}],
 ]
 
@@ -181,6 +219,22 @@ def test_real_templates_write_what_an_unbounded_sandbox_writes(family):
     assert rendered >= 8
 
 
+@pytest.mark.parametrize("source", [
+    "{{ '%d' % 1700000000 }} {{ 1700000000|string }} {{ 100000000|tojson }} {{ -100000000 }}",
+    "{{ 'id 1234567890123: %s' % 'x' }} {{ 'call {0} at 1234567890123'.format('x') }}",
+    "{{ '%-10.3f|%5s|%(a)08d' % (1.5, 'x', 3) if false else '%-10.3f|%5s' % (1.5, 'x') }} {{ '{:>10}{:08.3f}'.format(1, 2.5) }}",
+    "{{ [[1], [2, 3]]|sum(start=[]) }} {{ [1, 2, 3]|sum }} {{ 'a' + 'b' }} {{ [1] + [2] }} {{ 12345678901234567890 * 3 }}",
+    "{{ {'a': [1, {'b': 2}]}|tojson(indent=2) }} {{ 'x'|center(9) }} {{ '\tx'.expandtabs(4) }} {{ ('ab\ncd')|indent(2, true) }}",
+    "{% set t %}{% for m in messages %}[{{ m.content ~ '!' }}]{% endfor %}{% endset %}{{ t }}{{ [1, 2, 3]|batch(2, 0)|list }}",
+    "{{ 2 ** 64 }} {{ 'ab'.replace('a', 'xyz') }} {{ ','.join(['a', 'b']) }} {{ [1, 2, 3, 4]|slice(2)|list }}",
+])
+def test_ordinary_constructs_render_as_the_unbounded_sandbox_renders_them(source):
+    """Integers are data (ids, timestamps, defaults), not widths; formats, sums, joins and
+    blocks of ordinary size write what they always wrote."""
+    assert template_renderer(source)(HI, None, True, {}) == _plain(source).render(
+        messages=HI, tools=None, add_generation_prompt=True, thinking=True, enable_thinking=True)
+
+
 def test_a_folder_whose_template_loops_fails_its_records_by_name(tmp_path):
     """Through the command: each record is a bad line naming the bound; the run ends."""
     folder = tmp_path / "qwen3"
@@ -200,3 +254,30 @@ def test_a_folder_whose_template_loops_fails_its_records_by_name(tmp_path):
     assert "Traceback" not in out.stderr
     assert (f"bad record: {src}:1: <record>: TemplateError: chat template stopped: range: more than 10,000,000 "
             "items in one render (the chat template's bound)") in out.stderr
+
+
+def test_renders_that_end_as_their_time_runs_out_leave_no_timer_and_raise_nothing_after():
+    """A tick that landed after the template's last step but before the timer was stopped
+    raised in the clean-up: the timer kept running, every later render went untimed, and the
+    next tick raised inside code that was no render (a cold reviewer's). Renders whose time
+    runs out as they end, over and over: none leaves the timer armed or raises outside."""
+    code = ("from tokenbridge.chat import sandbox\n"
+            "from tokenbridge.chat.template import TemplateError, template_renderer\n"
+            "r = template_renderer('{% for i in range(n) %}{{ i }}{% endfor %}')\n"
+            "sandbox.RENDER_SECONDS = 0.001\n"
+            "stopped = outside = 0\n"
+            "for k in range(4000):\n"
+            "    try:\n"
+            "        try:\n"
+            "            r([{'role': 'user', 'content': 'x'}], None, True, {'n': 500 + k % 9 * 600})\n"
+            "        except TemplateError:\n"
+            "            stopped += 1\n"
+            "        sum(range(300))\n"
+            "    except sandbox.RenderStopped:\n"
+            "        outside += 1\n"
+            "    assert not sandbox._timed, k\n"
+            "import signal\n"
+            "print(outside, signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0), stopped > 0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "True", "True"]

@@ -4,22 +4,30 @@ A template is code from a folder or the Hub, run on every record. transformers l
 it unbounded; here a template that loops without end, multiplies or doubles a value past
 any prompt's size stops with :class:`RenderStopped` (its render, not the run or the
 machine): a time limit (:data:`RENDER_SECONDS`, by SIGALRM), a size for every value it
-builds and for what it writes (:data:`RENDER_SIZE`), a ``range`` budget
-(:data:`RANGE_ITEMS`), and ``**`` up to :data:`POWER_BITS`. Within them, what a template
-writes is what the unbounded sandbox writes.
+builds (by an operator, a call, a filter, a block or ``~``) and for what it writes
+(:data:`RENDER_SIZE`), checked before building wherever one step can build far more than
+it is given (``*``, format widths, ``replace``, ``join``...: C code no timer stops), a
+``range`` budget (:data:`RANGE_ITEMS`), and integer ``*`` and ``**`` up to
+:data:`POWER_BITS`. Integers are data (ids, timestamps): only those a step uses as a
+width or count are bounded. Within the bounds, what a template writes is what the
+unbounded sandbox writes.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import signal
+import string
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 from jinja2.utils import Namespace
@@ -38,13 +46,17 @@ RENDER_SECONDS = 10.0
 #: hold; a prompt of a million tokens is a few million characters.
 RENDER_SIZE = 64 << 20
 #: The most ``range`` items one render may ask for, all calls together (Jinja's sandbox
-#: bounds one call to 100,000; nested, they multiply).
+#: bounds one call to 100,000; nested, they multiply), and the most items one filter may
+#: make from a count (``batch``'s fill, ``slice``).
 RANGE_ITEMS = 10_000_000
-#: The largest integer result of ``**`` one render may compute, in bits.
+#: The largest integer ``*`` or ``**`` may compute, in bits (C-level arithmetic no timer stops).
 POWER_BITS = 1 << 16
+#: The widest ``tojson`` indent or separator (a template's are a few characters).
+JSON_INDENT = 1024
 
-#: A field width of nine digits or more in a format string: a value of 100 MB or more.
-_WIDE_FIELD = re.compile(r"\d{9,}")
+#: A printf-style conversion's width and precision (``%-10.3f``, ``%*d``).
+_PRINTF_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_DIGITS = re.compile(r"\d+")
 
 
 def _too_big(what: str) -> RenderStopped:
@@ -62,28 +74,60 @@ def _check_size(value: Any) -> Any:
 
 
 def _check_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-    """Arguments no template needs: an integer past :data:`RENDER_SIZE` (a width or count:
-    ``center``, ``ljust``, ``indent``, ``%*d``) or a value past it (a doubling macro)."""
+    """No argument past :data:`RENDER_SIZE` (a macro that doubles its argument stops at the
+    first one past it)."""
     for value in (*args, *kwargs.values()) if kwargs else args:
-        if type(value) is int:
-            if abs(value) > RENDER_SIZE:
-                raise RenderStopped(f"an integer argument of {value:,}: past the chat template's bound of {RENDER_SIZE:,}")
-        elif isinstance(value, _SIZED) and len(value) > RENDER_SIZE:
+        if isinstance(value, _SIZED) and len(value) > RENDER_SIZE:
             raise _too_big(f"a {type(value).__name__} argument")
 
 
-def _check_format(fmt: Any) -> None:
-    wide = _WIDE_FIELD.search(fmt) if isinstance(fmt, str) else None
-    if wide is not None:
-        raise RenderStopped(f"a format field {wide[0]} wide: past the chat template's bound")
+def _ints(values: Any) -> int:
+    """The sum of the integers among ``values`` (a ``*`` width or precision takes one)."""
+    items = values if isinstance(values, (tuple, list)) else values.values() if isinstance(values, Mapping) else (values,)
+    return sum(abs(v) for v in items if type(v) is int)
 
 
-def _format_filter(fmt: Any, *args: Any, **kwargs: Any) -> None:
-    _check_format(fmt)
+def _printf_size(fmt: Any, args: Any) -> None:
+    """``fmt % args`` refused before it is built when its fields' widths and precisions
+    (``*`` ones taken from ``args``) add up past :data:`RENDER_SIZE`."""
+    if not isinstance(fmt, str) or "%" not in fmt:
+        return
+    total, star = 0, False
+    for m in _PRINTF_FIELD.finditer(fmt):
+        for part in m.groups():
+            if part == "*":
+                star = True
+            elif part:
+                total += int(part)
+    if star:
+        total += _ints(args)
+    if total > RENDER_SIZE:
+        raise _too_big("a %-format")
 
 
-def _replaced_size(text: Any, old: Any = "", new: Any = "", count: Any = -1) -> None:
+def _format_size(fmt: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """``fmt.format(...)`` likewise: the widths and precisions of its fields, nested
+    ``{}`` ones taken from the arguments."""
+    if not isinstance(fmt, str) or "{" not in fmt:
+        return
+    total, nested = 0, False
+    try:
+        fields = list(string.Formatter().parse(fmt))
+    except ValueError:  # malformed: format() itself says so
+        return
+    for _, _, spec, _ in fields:
+        if spec:
+            total += sum(int(d) for d in _DIGITS.findall(spec))
+            nested = nested or "{" in spec
+    if nested:
+        total += _ints(args) + _ints(kwargs)
+    if total > RENDER_SIZE:
+        raise _too_big("a str.format")
+
+
+def _replaced_size(text: Any, old: Any = "", new: Any = "", count: Any = -1, *args: Any, **kwargs: Any) -> None:
     """A ``replace`` whose result would pass :data:`RENDER_SIZE`, refused before it is built."""
+    old, new, count = kwargs.get("old", old), kwargs.get("new", new), kwargs.get("count", count)
     if isinstance(text, str) and isinstance(old, str) and isinstance(new, str) and len(new) > len(old):
         n = text.count(old)
         if type(count) is int and count >= 0:
@@ -93,15 +137,34 @@ def _replaced_size(text: Any, old: Any = "", new: Any = "", count: Any = -1) -> 
 
 
 def _joined_size(items: Any, sep: Any = "", *args: Any, **kwargs: Any) -> None:
-    """A ``join`` of many items with a long separator, refused before it is built."""
-    if isinstance(sep, str) and isinstance(items, _SIZED) and len(items) * len(sep) > RENDER_SIZE:
-        raise _too_big("a join")
+    """A ``join`` whose items and separators add up past :data:`RENDER_SIZE`, refused
+    before it is built (items that are not yet a list are counted as they are joined)."""
+    sep = kwargs.get("d", sep)
+    if isinstance(sep, str) and isinstance(items, (list, tuple)):
+        total = len(sep) * max(0, len(items) - 1) + sum(len(x) for x in items if isinstance(x, str))
+        if total > RENDER_SIZE:
+            raise _too_big("a join")
+
+
+def _padded_size(text: Any, width: Any = 0, *args: Any, **kwargs: Any) -> None:
+    """``center``, ``ljust``, ``rjust``, ``zfill``: the width is the result's size."""
+    width = kwargs.get("width", width)
+    if type(width) is int and width > RENDER_SIZE:
+        raise _too_big(f"a width of {width:,}")
+
+
+def _tabbed_size(text: Any, tabsize: Any = 8, *args: Any, **kwargs: Any) -> None:
+    tabsize = kwargs.get("tabsize", tabsize)
+    if isinstance(text, str) and type(tabsize) is int and len(text) + text.count("\t") * tabsize > RENDER_SIZE:
+        raise _too_big("an expandtabs")
 
 
 def _indented_size(text: Any, width: Any = 4, *args: Any, **kwargs: Any) -> None:
     """An ``indent`` of many lines with a long prefix, refused before it is built."""
-    prefix = width if isinstance(width, str) else kwargs.get("width")
-    if isinstance(text, str) and isinstance(prefix, str) and (text.count("\n") + 1) * len(prefix) > RENDER_SIZE:
+    width = kwargs.get("width", width)
+    prefix = width if isinstance(width, str) else width if type(width) is int else 0
+    size = len(prefix) if isinstance(prefix, str) else prefix
+    if isinstance(text, str) and len(text) + (text.count("\n") + 1) * size > RENDER_SIZE:
         raise _too_big("an indent")
 
 
@@ -113,12 +176,65 @@ def _wrapped_size(text: Any, width: Any = 79, long_words: Any = True, wrap: Any 
         raise _too_big("a wordwrap")
 
 
-#: The filters (and ``str`` methods of the same name) that can build far more than they are
-#: given, each with a check of the size it would build, run before it.
-_PRECHECKS: dict[str, Callable[..., None]] = {
-    "format": _format_filter, "replace": _replaced_size, "join": _joined_size, "indent": _indented_size,
-    "wordwrap": _wrapped_size,
+def _counted(count: Any, what: str) -> None:
+    if type(count) is int and count > RANGE_ITEMS:
+        raise RenderStopped(f"{what} of {count:,}: past {RANGE_ITEMS:,} items (the chat template's bound)")
+
+
+def _batch_size(items: Any, linecount: Any = 1, fill_with: Any = None, *args: Any, **kwargs: Any) -> None:
+    if kwargs.get("fill_with", fill_with) is not None:  # the last batch is filled up to the count
+        _counted(kwargs.get("linecount", linecount), "a batch")
+
+
+def _slice_size(items: Any, slices: Any = 1, *args: Any, **kwargs: Any) -> None:
+    _counted(kwargs.get("slices", slices), "a slice into parts")
+
+
+def _json_size(value: Any, *args: Any, **kwargs: Any) -> None:
+    """``tojson``'s indent and separators are written once a line and item."""
+    indent, separators = kwargs.get("indent"), kwargs.get("separators")
+    if len(args) > 1:
+        indent = args[1]
+    if len(args) > 2:
+        separators = args[2]
+    widths = [indent if type(indent) is int else len(indent) if isinstance(indent, str) else 0]
+    if isinstance(separators, (tuple, list)):
+        widths += [len(s) for s in separators if isinstance(s, str)]
+    if max(widths) > JSON_INDENT:
+        raise RenderStopped(f"tojson with an indent or separator of {max(widths):,} characters: past "
+                            f"{JSON_INDENT:,} (the chat template's bound)")
+
+
+#: The filters that can build far more than they are given (or, ``sum`` of sequences,
+#: take time no timer stops), each with a check of what it would build, run before it;
+#: with the value filtered first (the context Jinja passes is left out).
+_FILTER_CHECKS: dict[str, Callable[..., None]] = {
+    "format": lambda fmt, *args, **kwargs: _printf_size(fmt, args or kwargs), "replace": _replaced_size,
+    "join": _joined_size, "indent": _indented_size, "wordwrap": _wrapped_size, "center": _padded_size,
+    "batch": _batch_size, "slice": _slice_size, "tojson": _json_size,
 }
+#: The same for ``str`` methods, by name.
+_METHOD_CHECKS: dict[str, Callable[..., None]] = {
+    "replace": _replaced_size, "center": _padded_size, "ljust": _padded_size, "rjust": _padded_size,
+    "zfill": _padded_size, "expandtabs": _tabbed_size,
+}
+
+
+def _summed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``sum`` filter, refusing a sum of sequences (``start=[]``) whose result passes
+    :data:`RENDER_SIZE` or whose copying (each step copies all before it: quadratic, in C,
+    where no timer stops it) passes it too."""
+
+    @functools.wraps(fn)
+    def summed(environment: Any, iterable: Any, attribute: Any = None, start: Any = 0) -> Any:
+        if isinstance(start, _SIZED):
+            iterable = list(iterable)
+            total = len(start) + sum(len(x) for x in iterable if isinstance(x, _SIZED))
+            if total > RENDER_SIZE or len(iterable) * total > RENDER_SIZE:
+                raise _too_big("a sum of sequences (its copying)")
+        return fn(environment, iterable, attribute, start)
+
+    return summed
 
 
 class _Budget(threading.local):
@@ -146,24 +262,58 @@ class _BoundedNamespace(Namespace):
         super().__setitem__(name, _check_size(value))
 
 
-class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """transformers' sandbox, with the one-step amplifiers bounded: ``*`` of a sequence,
-    ``**`` of integers, ``%`` and ``str.format`` field widths, width and count arguments,
-    ``replace``, and every call's arguments and result (a macro that doubles its argument)."""
+def _bounded_concat(pieces: Any) -> str:
+    """``environment.concat``: what a ``{% set %}`` block, a macro's body or a filter block
+    wrote, joined only when it is within :data:`RENDER_SIZE` (an item a piece)."""
+    if not isinstance(pieces, list):
+        pieces = list(pieces)
+    if len(pieces) + sum(map(len, pieces)) > RENDER_SIZE:
+        raise _too_big("a block's text")
+    return "".join(pieces)
 
-    intercepted_binops = frozenset({"*", "**", "%"})
+
+class _BoundedCodeGenerator(CodeGenerator):
+    """Jinja's code generator, with each ``~`` concatenation's result checked (it compiles to
+    a join of its own, which neither a binary operator nor ``concat`` sees)."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("environment.checked_size(")
+        super().visit_Concat(node, frame)
+        self.write(")")
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with what can build far more than it is given bounded: ``*``
+    and ``+`` of sequences, ``*`` and ``**`` of integers, ``%`` and ``str.format`` widths,
+    the amplifying ``str`` methods and filters, every call's arguments and result (a
+    macro that doubles its argument), what blocks and ``~`` join."""
+
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+    code_generator_class = _BoundedCodeGenerator
+    concat = staticmethod(_bounded_concat)  # Jinja's is "".join
+
+    @staticmethod
+    def checked_size(value: Any) -> Any:
+        return _check_size(value)
 
     def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+":  # templates build their text with it: the common case first, and cheap
+            if isinstance(left, _SIZED) and isinstance(right, _SIZED) and len(left) + len(right) > RENDER_SIZE:
+                raise _too_big("a sum of two values")
+            return left + right
         if operator == "*":
-            for seq, n in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and type(n) is int and len(seq) * n > RENDER_SIZE:
-                    raise _too_big("a repeated value")
+            if type(left) is int and type(right) is int:
+                if left.bit_length() + right.bit_length() > POWER_BITS:
+                    raise RenderStopped(f"a product past {POWER_BITS:,} bits (the chat template's bound)")
+            else:
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and type(n) is int and len(seq) * n > RENDER_SIZE:
+                        raise _too_big("a repeated value")
         elif operator == "**":
             if type(left) is int and type(right) is int and right > 0 and right * abs(left).bit_length() > POWER_BITS:
                 raise RenderStopped(f"{left} ** {right}: past {POWER_BITS:,} bits (the chat template's bound)")
-        elif isinstance(left, str):  # %: string formatting
-            _check_format(left)
-            _check_args(right if isinstance(right, tuple) else (right,), {})
+        else:  # %: string formatting (or a remainder)
+            _printf_size(left, right)
         return _check_size(super().call_binop(context, operator, left, right))
 
     def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - as the sandbox names them
@@ -171,27 +321,30 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
             _check_args(args, kwargs)
         name = getattr(__obj, "__name__", None)
         if name in ("format", "format_map"):  # the sandbox's wrapper of str.format: the string it formats
-            _check_format(getattr(getattr(__obj, "__wrapped__", None), "__self__", None))
-        elif name in ("replace", "join") and isinstance(text := getattr(__obj, "__self__", None), str):
-            if name == "replace":
-                _replaced_size(text, *args, **kwargs)
-            elif args:  # sep.join(items)
+            fmt = getattr(getattr(__obj, "__wrapped__", None), "__self__", None)
+            _format_size(fmt, args, args[0] if name == "format_map" and args else kwargs)
+        elif isinstance(text := getattr(__obj, "__self__", None), str):
+            if name == "join" and args:  # sep.join(items)
                 _joined_size(args[0], text)
+            elif name in _METHOD_CHECKS:
+                _METHOD_CHECKS[name](text, *args, **kwargs)
         return _check_size(super().call(__context, __obj, *args, **kwargs))
 
 
 def _bounded_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` (a filter) with its arguments and result held to :data:`RENDER_SIZE`, and what
-    it would build checked before it runs where it can build far more (:data:`_PRECHECKS`).
+    it would build checked before it runs where it can build far more (:data:`_FILTER_CHECKS`).
     The filter's own attributes (how Jinja passes it the context) are kept."""
-    before = _PRECHECKS.get(name)
+    if name == "sum":
+        fn = _summed(fn)
+    before = _FILTER_CHECKS.get(name)
     skip = 1 if getattr(fn, "jinja_pass_arg", None) is not None else 0  # the context Jinja passes first
 
     @functools.wraps(fn)
     def bounded(*args: Any, **kwargs: Any) -> Any:
         _check_args(args, kwargs)
         if before is not None:
-            before(*args[skip : skip + 4], **kwargs)
+            before(*args[skip:], **kwargs)
         return _check_size(fn(*args, **kwargs))
 
     return bounded
@@ -268,14 +421,19 @@ def render(template: jinja2.Template, context: Mapping[str, Any]) -> str:
     _BUDGET.range_items = 0
     armed = _arm(RENDER_SECONDS)
     try:
-        for piece in template.generate(**context):
-            size += len(piece) + 1
+        written = template.generate(**context)
+        while batch := list(itertools.islice(written, 1024)):  # counted a batch at a time: cheaper than a piece
+            size += len(batch) + sum(map(len, batch))
             if size > RENDER_SIZE:
                 raise _too_big("the rendered prompt")
-            pieces.append(piece)
+            pieces += batch
     finally:
-        if armed:
-            _disarm()
+        while armed:  # a tick may land before (or in) the disarming: it raised; disarm again
+            try:
+                _disarm()
+                armed = False
+            except _Overtime:
+                pass
     return "".join(pieces)
 
 
