@@ -166,23 +166,40 @@ def test_reconstruct_onto_the_pipelines_record_is_refused(run, kimi_dir, flag):
     assert snapshot(run) == before
 
 
-@pytest.mark.parametrize("inside", ["vocab/d2t.npy", "export/specforge/train.jsonl", "export/specforge/new.jsonl",
-                                    "report/deep/er.json"])
-def test_a_file_output_inside_a_marked_output_folder_is_refused(run, kimi_dir, tmp_path, inside):
-    """An export, vocab or report folder is written whole: ``reconstruct -o RUN/vocab/d2t.npy``
-    wrote rows over the draft vocabulary's map, and a standalone user had a corrupt folder."""
-    for folder in ("vocab", "export/specforge", "report"):
+def _marked(run: Path) -> None:
+    """Output folders as export and vocab leave them: each marker lists what it wrote."""
+    for folder, files in (("vocab", ["d2t.npy", "t2d.npy"]), ("export/specforge", ["train.jsonl"])):
         (run / folder).mkdir(parents=True)
-        (run / folder / ".tokenbridge-output").write_bytes(b'{"kind": "x", "files": []}\n')
-    (run / "vocab" / "d2t.npy").write_bytes(b"\x93NUMPY")
-    (run / "export/specforge/train.jsonl").write_bytes(b"{}\n")
+        (run / folder / ".tokenbridge-output").write_text(f'{{"kind": "x", "files": {files!r}}}\n'.replace("'", '"'))
+        for name in files:
+            (run / folder / name).write_bytes(b"theirs\n")
+    (run / "export/specforge/hidden_states").mkdir()  # a user's entry, carried over by every export
+
+
+@pytest.mark.parametrize("inside", ["vocab/d2t.npy", "export/specforge/train.jsonl", "vocab/.tokenbridge-output"])
+def test_a_file_output_onto_an_entry_a_marker_lists_is_refused(run, kimi_dir, inside):
+    """An export or vocab folder is written whole: ``reconstruct -o RUN/vocab/d2t.npy`` wrote
+    rows over the draft vocabulary's map, and a standalone user had a corrupt folder."""
+    _marked(run)
     before = snapshot(run)
     target = run / inside
-    owner = run / inside.rsplit("/", 2 if inside.startswith("report/") else 1)[0]
+    folder, name = inside.rsplit("/", 1)
     _refused(_invoke("reconstruct", run / "exchanges.jsonl", "-o", target, "-t", kimi_dir),
-             f"-o {target}: lies in {owner.resolve()}, an output folder of tokenbridge's, written whole by the "
-             "command that made it (a file written into it corrupts that output); give another output name")
+             f"-o {target}: is {name} of {(run / folder).resolve()}, an output tokenbridge wrote there and rewrites "
+             "whole (a file written over it corrupts that output); give another output name")
     assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("inside", ["export/specforge/hidden_states/rows.jsonl", "export/specforge/my_notes.jsonl",
+                                    "vocab/extra/rows.jsonl"])
+def test_a_file_output_beside_a_markers_entries_is_the_users_to_write(run, kimi_dir, inside):
+    """The user's entries in an output folder are kept by every export (a cold reviewer's:
+    the first refusal took any path under a marked folder)."""
+    _marked(run)
+    target = run / inside
+    res = _invoke("reconstruct", run / "exchanges.jsonl", "-o", target, "-t", kimi_dir)
+    assert res.exit_code == 0, res.output
+    assert target.read_bytes().count(b"\n") == 3
 
 
 def test_reconstruct_into_its_tokenizer_folder_or_onto_its_profile_is_refused(run, kimi_dir, tmp_path):

@@ -25,8 +25,9 @@ folder, anything but a regular file (a FIFO, a device node:
 path, symlink or hard link; or anything inside an input folder), another output of the
 same command (or a folder holding one), an SQLite database, one of a run folder's
 :data:`RUN_STATE_FILES` (its store and SQLite's side files, lock, ``exchanges.jsonl``,
-``generate.json``) or ``pipeline.json``, or a file inside an output folder tokenbridge
-marked (an export, ``vocab``, ``report``: written whole, never file by file). A folder
+``generate.json``) or ``pipeline.json``, or an entry an output folder's marker lists (an
+export's, ``vocab``'s, ``report``'s: written whole, never file by file; a user's other
+entries there are theirs to write). A folder
 output never takes one of those names (:func:`run_file_problem`).
 
 ``tokenbridge run``'s ``[run] out`` is written file by file (exchanges.jsonl,
@@ -389,15 +390,17 @@ def _file_problem(target: Path, inputs: list[str | Path], runs: Iterable[str | P
 
 def _tokenbridge_file_problem(target: Path, real: Path, inputs: list[str | Path], ours: set[Path]) -> str | None:
     """Why ``target`` (resolved: ``real``) is a file of tokenbridge's own that no file output
-    may replace, or None: a run folder's file (:data:`_RUN_FILES`, by name or hard link), a
-    file in a marked output folder, or a store or any other SQLite database."""
+    may replace, or None: a run folder's file (:data:`_RUN_FILES`, by name or hard link), an
+    entry a marked output folder's marker lists (the user's entries there are theirs), or a
+    store or any other SQLite database."""
     refuse = "refusing to replace it: give another output name"
     if real.name in _RUN_FILES and (real.parent in ours or _looks_like_run(real.parent)):
         return f"is {_RUN_FILES[real.name]} of the run folder {real.parent}; {refuse}"
     for folder in real.parents:
-        if os.path.lexists(folder / MARKER):
-            return (f"lies in {folder}, an output folder of tokenbridge's, written whole by the command that made it "
-                    "(a file written into it corrupts that output); give another output name")
+        if os.path.lexists(folder / MARKER) and (owned := marker_owned(folder)) is not None and owned(
+                real.relative_to(folder).as_posix()):
+            return (f"is {real.relative_to(folder)} of {folder}, an output tokenbridge wrote there and rewrites whole "
+                    "(a file written over it corrupts that output); give another output name")
     if not os.path.lexists(target):
         return None
     folders = ours | {real.parent} | {Path(i).resolve().parent for i in inputs}
