@@ -218,7 +218,7 @@ def test_bad_settings_are_one_line_exit_2(tmp_path, how, message, hidden):
 
 @pytest.mark.parametrize("value", [
     "sk-or-v1-" + "0123456789abcdef" * 2, "my app sk-ant-api03-" + "x" * 20, "Bearer " + "3f9a" * 8,
-    "basic dXNlcjpwYXNzd29yZDEyMzQ1Njc4"])
+    "basic dXNlcjpwYXNzd29yZDEyMzQ1Njc4", "sk-" + "A1b2" * 12, "sk_live_" + "a1B2" * 6, "sk-proj-" + "Ab12_-" * 5])
 def test_a_credential_in_a_header_value_is_refused_and_never_shown(tmp_path, value):
     """The name check let ``X-Title = "sk-or-v1-..."`` through; a server that echoed the
     header put the key in every error, generate.json and state.sqlite (a cold tester's)."""
@@ -230,6 +230,16 @@ def test_a_credential_in_a_header_value_is_refused_and_never_shown(tmp_path, val
     assert line.startswith(f"error: {cfg}:3: headers: header X-Title: value looks like a credential (not shown here)")
     assert value.split()[-1][:16] not in res.output
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", [
+    "https://github.com/acme/sk-learn-benchmark-suite", "tokenbridge rk-distillation-experiment",
+    "Basic reconstruction-experiments", "My pk_experiment_2024_run_alpha", "Bearer of good news 2024", "MyApp"])
+def test_a_header_value_that_only_starts_like_a_key_is_sent(value):
+    """Words after a key's prefix are no key (a cold reviewer's: the first pattern refused them)."""
+    from tokenbridge.generate import GenerateSettings
+
+    assert GenerateSettings(headers={"X-Title": value}).headers == {"X-Title": value}
 
 
 def test_a_header_value_holding_the_api_key_is_refused_before_anything_is_sent(tmp_path, monkeypatch):

@@ -90,9 +90,15 @@ DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _CREDENTIAL_HEADER = re.compile(r"auth|key|token|secret|cookie|passw|session|credential", re.IGNORECASE)
-#: A header value that is a credential whatever the header's name: a key with a provider's
-#: prefix (``sk-or-v1-...``, ``sk-ant-...``) or an authorization scheme and its token.
-_CREDENTIAL_VALUE = re.compile(r"\b(?:sk|pk|rk)[-_][A-Za-z0-9_-]{16,}|\b(?:bearer|basic)\s+\S{16,}", re.IGNORECASE)
+#: A header value that is a credential whatever the header's name: a key in a provider's
+#: own format (OpenRouter's ``sk-or-v1-`` and hex, Anthropic's ``sk-ant-``, OpenAI's
+#: ``sk-proj-`` or ``sk-`` and 32 or more letters and digits, Stripe-style ``sk_live_``), or
+#: an authorization scheme's token (20 or more characters with a digit). Words after such a
+#: prefix (``sk-learn-benchmark``, ``Basic reconstruction-runs``) are no key.
+_CREDENTIAL_VALUE = re.compile(
+    r"(?<![A-Za-z0-9_./-])(?:sk-or-v\d+-[0-9a-f]{32,}|sk-ant-[A-Za-z0-9_-]{20,}|sk-proj-[A-Za-z0-9_-]{20,}"
+    r"|sk-[A-Za-z0-9]{32,}|[spr]k_(?:live|test)_[A-Za-z0-9]{16,})"
+    r"|(?i:\b(?:bearer|basic)\s+)(?=[A-Za-z0-9+/=_.~-]*\d)[A-Za-z0-9+/=_.~-]{20,}")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 #: Dataset paths starting with this name prompt files shipped in the package (the demo's).
 _BUILTIN = "builtin:"
