@@ -430,23 +430,41 @@ def test_bad_requests_are_400(base):
 @pytest.mark.parametrize(("body", "message"), [
     # a lone surrogate anywhere was a 500 (the prompt could not be encoded), which clients retry
     (b'{"model": "%s", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
-     r"request body is not valid JSON: .*surrogate.*line 1 column \d+"),
+     r"request body: messages\[0\]\.content: holds a lone surrogate \(not UTF-8\)$"),
     (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "stop": ["\\udc00"]}',
-     r"request body is not valid JSON: .*surrogate.*line 1 column \d+"),
+     r"request body: stop\[0\]: holds a lone surrogate \(not UTF-8\)$"),
+    (b'{"model": "%s", "messages": [{"role": "user", "content": "hi", "\\udc00": 1}]}',
+     r"request body: messages\[0\]: holds a lone surrogate \(not UTF-8\)$"),
     (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
-     r"request body is not valid JSON: unexpected character.*: line 1 column \d+"),
+     r"request body: temperature: holds a number that is not finite$"),
     (b'{"model": "%s", "messages": [{"role": "wizard", "content": "hi"}]}',
-     r"messages\[0\]\.role: 'wizard' is not one of system, developer, user, assistant, tool$"),
+     r"messages\[0\]\.role: 'wizard' is not one of system, developer, user, assistant, tool, function$"),
     (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}',
      "stream: must be true or false, got 'yes'$"),
     (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "stop": 5}',
      "stop: must be a string or a list of strings$"),
-], ids=["surrogate-content", "surrogate-stop", "nan", "role", "stream", "stop"])
+], ids=["surrogate-content", "surrogate-stop", "surrogate-key", "nan", "role", "stream", "stop"])
 def test_a_body_no_server_takes_is_a_400_saying_why(base, body, message):
     """The cold tester's: these were a 500 or answered 200 as if valid."""
     status, _, text = _call(f"{base}/chat/completions", raw=body % MODEL.encode())
     assert status == 400, text
     assert re.match(message, json.loads(text)["error"]["message"]), text
+
+
+def test_what_the_stdlib_reads_is_still_taken_as_it_reads_it(base):
+    """A cold reviewer's: the first strict reading turned 10**23 into 1e+23 (a wrong value in
+    the 400, a tool schema's digits lost) and refused a byte order mark and the legacy
+    ``function`` role, which the emulator took before."""
+    url = f"{base}/chat/completions"
+    big = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "seed": 99999999999999999999999}'
+    status, _, text = _call(url, raw=big % MODEL.encode())
+    assert status == 400 and "got 99999999999999999999999" in json.loads(text)["error"]["message"]
+    clean = {"only": ["clean"]}
+    bom = b"\xef\xbb\xbf" + json.dumps({"model": MODEL, "messages": _msgs(), "provider": clean}).encode()
+    assert _call(url, raw=bom)[0] == 200
+    legacy = [{"role": "user", "content": "hi"}, {"role": "function", "name": "f", "content": "1"},
+              {"role": "user", "content": "and?"}]
+    assert _call(url, {"model": MODEL, "messages": legacy, "provider": clean})[0] == 200
 
 
 # --- faults at rate 1.0 ----------------------------------------------------------------

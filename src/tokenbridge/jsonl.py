@@ -38,7 +38,8 @@ from collections.abc import Callable, Iterator
 import orjson
 
 __all__ = ["MAX_DEPTH", "JsonLineError", "NotJsonlError", "binary_kind", "dumps_document", "dumps_line", "is_count", "is_int", "iter_lines", "json_text",
-           "loads_document", "loads_finite", "loads_line", "not_text", "number_too_long", "path_step", "repeated_key", "text_of", "value_key"]
+           "loads_document", "loads_finite", "loads_line", "not_text", "number_too_long", "path_step", "repeated_key", "text_of", "unencodable",
+           "value_key"]
 
 
 class JsonLineError(ValueError):
@@ -373,6 +374,36 @@ def _not_finite_where(line: str | bytes) -> str:
         return "a number that is not finite"
     where, item = found
     return f"{item.text[:40]}{' at ' + where if where else ''}: JSON has no NaN or infinity"
+
+
+def unencodable(value: Any) -> str | None:  # Any: any JSON value
+    """Where ``value`` (what the stdlib read) holds what neither JSON nor UTF-8 can carry,
+    in words naming its path, or None: a string or key with a lone surrogate (``"\\ud800"``
+    reads, but no prompt holding it can be encoded) or a number that is not finite (``NaN``,
+    ``1e400``). For readers that must keep what the stdlib keeps (big integers exact, a
+    byte order mark) and refuse what a strict one refuses."""
+    found = _find(value, _unencodable_item)
+    if found is None:
+        return None
+    where, item = found
+    what = "a number that is not finite" if isinstance(item, float) else "a lone surrogate (not UTF-8)"
+    return f"{where or '<top>'}: holds {what}"
+
+
+def _unencodable_item(item: Any) -> bool:  # Any: any JSON value
+    if isinstance(item, str):
+        return not _utf8(item)
+    if isinstance(item, float):
+        return not math.isfinite(item)
+    return isinstance(item, dict) and not all(_utf8(k) for k in item)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def number_too_long(exc: ValueError) -> str:

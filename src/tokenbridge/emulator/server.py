@@ -25,12 +25,11 @@ from datetime import UTC, datetime
 from typing import Any
 from collections.abc import Mapping
 
-import orjson
 from aiohttp import web
 
 from ..chat import TemplateError, resolve_dialect
 from ..chat.harmony import HarmonyDialect
-from ..jsonl import loads_document
+from ..jsonl import loads_document, unencodable
 from ..tokenizer import Tokenizer
 from .choices import ChoiceView, LogprobsAsk, build_choice
 from .config import ConfigError, EmulatorConfig, ProviderConfig
@@ -97,24 +96,21 @@ class _Stats:
         }
 
 
-#: The roles a chat request's messages may have (OpenAI's, and ``developer``).
-_ROLES = ("system", "developer", "user", "assistant", "tool")
+#: The roles a chat request's messages may have (OpenAI's, ``developer`` and the legacy ``function``).
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def _strict_json(raw: bytes) -> Any:  # Any: any JSON value
-    """The body as a strict reader takes it (orjson, as servers' own readers): a lone
-    surrogate escape (not UTF-8: the prompt could not be encoded, a 500 before), ``NaN``
-    or a number past 64 bits is a 400 saying where; the stdlib's reading names what else
-    is wrong (nested too deeply, cut short)."""
+    """The body as the stdlib reads it (big integers exact, a byte order mark skipped), and
+    a 400 naming the field for what a strict reader refuses: a lone surrogate escape (no
+    prompt holding it can be encoded: a 500 before, which clients retry) or ``NaN``."""
     try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        strict = str(exc)
-    try:
-        loads_document(raw)
+        body = loads_document(raw)
     except ValueError as exc:  # JsonLineError too: nested too deeply to read
         raise _HTTPError(400, f"request body is not valid JSON: {exc}") from None
-    raise _HTTPError(400, f"request body is not valid JSON: {strict}")
+    if (why := unencodable(body)) is not None:
+        raise _HTTPError(400, f"request body: {why}")
+    return body
 
 
 class _Emulator:
