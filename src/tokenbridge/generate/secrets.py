@@ -24,8 +24,7 @@ rule counts them, the ``sk-or-v1-`` every OpenRouter key starts with included:
   * base64 (standard and URL-safe alphabet) at each of the three byte alignments, so the
     key inside a longer encoded blob (``Basic ...``, ``Bearer ...``) is caught too, with
     line breaks anywhere in it (MIME wraps every 76 characters), raw or JSON-escaped;
-  * base32, upper or lower case, at each of its five byte alignments (only the key bytes
-    a run carries whole count: a key's edge byte that shares a character is not);
+  * base32, upper or lower case, at each of its five byte alignments;
   * in bytes, each of these as UTF-16 or UTF-32 text, either byte order (an error page sent
     ``charset=utf-16`` quoting the header): a NUL beside every ASCII character hid the key
     from every other spelling. The mask is written in that charset too.
@@ -432,18 +431,20 @@ class _Forms:
             return last - first
         if target.kind == "hex":
             return last // 2 - (first + 1) // 2
-        if target.kind == "base32":  # the bytes whose bits the run carries whole (a byte begun two
-            a, b = target.start_bit + 5 * first, target.start_bit + 5 * last  # characters back is not counted)
-            return max(0, min(b // 8, target.shift + len(self.raw)) - max(-(-a // 8), target.shift))
-        a, b = target.start_bit + 6 * first, target.start_bit + 6 * last  # bits of the encoded stream
+        bits, values = (5, _B32_VALUE) if target.kind == "base32" else (6, _B64_VALUE)
+        a, b = target.start_bit + bits * first, target.start_bit + bits * last  # bits of the encoded stream
         lo, hi = -(-a // 8), b // 8  # whole stream bytes inside
-        if a % 8 and start > 0 and (v := _B64_VALUE[view[start - 1]]) >= 0:  # a byte begun in the character before
+        if a % 8:  # a byte begun in the characters before: its first bits must agree there
             n = a % 8
-            if v & ((1 << n) - 1) == self._stream_byte(a // 8, target.shift) >> (8 - n):
+            chars = -(-n // bits)
+            v = _value(view, start - chars, start, bits, values)
+            if v >= 0 and v & ((1 << n) - 1) == self._stream_byte(a // 8, target.shift) >> (8 - n):
                 lo = a // 8
-        if b % 8 and end < len(view) and (v := _B64_VALUE[view[end]]) >= 0:  # one ended in the character after
+        if b % 8:  # one ended in the characters after
             n = 8 - b % 8
-            if v >> (6 - n) == self._stream_byte(b // 8, target.shift) & ((1 << n) - 1):
+            chars = -(-n // bits)
+            v = _value(view, end, end + chars, bits, values)
+            if v >= 0 and v >> (bits * chars - n) == self._stream_byte(b // 8, target.shift) & ((1 << n) - 1):
                 hi = b // 8 + 1
         shift = target.shift
         return max(0, min(hi, shift + len(self.raw)) - max(lo, shift))
@@ -452,15 +453,44 @@ class _Forms:
         return self.raw[k - shift] if 0 <= k - shift < len(self.raw) else -1
 
 
-#: A base64 character's value, either alphabet (-1: none).
+#: A base64 character's value, either alphabet (-1: none); a base32 one's, either case.
 _B64_VALUE = [-1] * 256
 for _i, _c in enumerate(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"):
     _B64_VALUE[_c] = _i
 _B64_VALUE[ord("-")], _B64_VALUE[ord("_")] = 62, 63
+_B32_VALUE = [-1] * 256
+for _i, _c in enumerate(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567"):
+    _B32_VALUE[_c] = _B32_VALUE[bytes([_c]).lower()[0]] = _i
 
 
-#: A translate table: b"a" for base32's characters (either case), else b" ".
-_BASE32_RUNS = bytes(ord("a") if chr(b).upper() in "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567" else ord(" ") for b in range(256))
+def _value(view: bytes, i: int, j: int, bits: int, values: list[int]) -> int:
+    """The bits ``view[i:j]`` encodes (``bits`` a character), or -1 where that is outside
+    the view or not all characters of the encoding."""
+    if i < 0 or j > len(view):
+        return -1
+    out = 0
+    for c in view[i:j]:
+        if (v := values[c]) < 0:
+            return -1
+        out = out << bits | v
+    return out
+
+
+#: Translate tables: b"a" for base32's characters in upper case (and in lower), else b" ".
+_BASE32_UPPER = bytes(ord("a") if chr(b) in "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567" else ord(" ") for b in range(256))
+_BASE32_LOWER = bytes(ord("a") if chr(b) in "abcdefghijklmnopqrstuvwxyz234567" else ord(" ") for b in range(256))
+
+
+def _base32_stretches(view: bytes) -> list[tuple[int, int]]:
+    """The runs of ``view`` in base32's alphabet, one case throughout, long enough to spell
+    MIN_MASKED characters (an encoder writes one case; base64 text, mixing both, rarely has
+    such a run: a body's base64 blobs are not searched for base32 whole)."""
+    out: list[tuple[int, int]] = []
+    for table in (_BASE32_UPPER, _BASE32_LOWER):
+        marks = view.translate(table)
+        if b"a" * MIN_MASKED in marks:
+            out += [m.span() for m in _STRETCH.finditer(marks)]
+    return out
 
 #: Bytes any spelling of any key may use: base64's (both alphabets, which hold hex and the
 #: letters of ``\\u``, ``\\n``, ``\\r``), escapes' and line breaks.
@@ -636,15 +666,22 @@ def _runs(view: bytes, forms: _Forms) -> list[tuple[int, int]]:
     passed over: what its run could add past that span is shorter than MIN_MASKED
     characters of its target (so fewer key characters), or holds a later hit of its own."""
     hits = []
-    groups = [forms.pieces]
-    if b"a" * MIN_MASKED in view.translate(_BASE32_RUNS):  # text a masked base32 run can be in: rare
-        groups.append(forms.pieces32)
-    for group in groups:
-        for piece, places in group.items():
-            at = view.find(piece)
+    for piece, places in forms.pieces.items():
+        at = view.find(piece)
+        while at != -1:
+            hits.append((at, places))
+            at = view.find(piece, at + 1)
+    for start, end in _base32_stretches(view):  # rare: base32 pieces are looked for only there
+        if end - start < len(forms.pieces32):  # a short run: each of its windows looked up
+            for at in range(start, end - _PIECE + 1):
+                if (found := forms.pieces32.get(view[at : at + _PIECE])) is not None:
+                    hits.append((at, found))
+            continue
+        for piece, places in forms.pieces32.items():
+            at = view.find(piece, start, end)
             while at != -1:
                 hits.append((at, places))
-                at = view.find(piece, at + 1)
+                at = view.find(piece, at + 1, end)
     hits.sort(key=lambda hit: hit[0])
     spans = []
     reach = 0
