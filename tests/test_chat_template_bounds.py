@@ -52,8 +52,8 @@ _S = "{% set s = 'x' * 60000000 %}"  # just under the size bound: what the ampli
     # expandtabs, a capture block, widths adding up, a quadratic sum in C
     (_S + "{% set b = s + s %}{% set c = b + b %}{{ c|length }}", "a sum of two values: more than"),
     (_S + "{% set b = s ~ s %}{% set c = b ~ b %}{{ c|length }}", "a str value: more than"),
-    (_S + "{{ ([s] * 40)|join|length }}", "a join: more than"),
-    (_S + "{{ ('-').join([s] * 40)|length }}", "a join: more than"),
+    (_S + "{{ [s, s, s]|join|length }}", "a join: more than"),
+    (_S + "{{ ('-').join([s, s, s])|length }}", "a join: more than"),
     ("{{ ('\t' * 1000).expandtabs(60000000)|length }}", "an expandtabs: more than"),
     (_S + "{% set t %}{% for i in range(40) %}{{ s }}{% endfor %}{% endset %}{{ t|length }}",
      "a block's text: more than"),
@@ -82,6 +82,9 @@ _S = "{% set s = 'x' * 60000000 %}"  # just under the size bound: what the ampli
     ("{{ [1]|batch(100000000, 'x')|list }}", "a batch of 100,000,000: past 10,000,000 items"),
     ("{{ [1]|slice(100000000)|list }}", "a slice into parts of 100,000,000: past 10,000,000 items"),
     ("{{ {'a': 1}|tojson(indent=100000000) }}", "tojson with an indent or separator of 100,000,000"),
+    (_S + "{{ ([s] * 40)|string|length }}", "a repeated value: more than"),  # 40 references, 40 copies printed
+    ("{{ ('x' * 1000000).translate({120: 'y' * 1000}) }}", "a translate: more than"),
+    ("{{ lipsum(10000000)|length }}", "lipsum of 10,000,000 paragraphs: past 10,000"),
 ])
 def test_a_template_past_a_bound_fails_its_render_quickly(source, message):
     render = template_renderer(source)
@@ -227,6 +230,7 @@ def test_real_templates_write_what_an_unbounded_sandbox_writes(family):
     "{{ {'a': [1, {'b': 2}]}|tojson(indent=2) }} {{ 'x'|center(9) }} {{ '\tx'.expandtabs(4) }} {{ ('ab\ncd')|indent(2, true) }}",
     "{% set t %}{% for m in messages %}[{{ m.content ~ '!' }}]{% endfor %}{% endset %}{{ t }}{{ [1, 2, 3]|batch(2, 0)|list }}",
     "{{ 2 ** 64 }} {{ 'ab'.replace('a', 'xyz') }} {{ ','.join(['a', 'b']) }} {{ [1, 2, 3, 4]|slice(2)|list }}",
+    "{{ ['ab', 'c'] * 3 }} {{ 'abc'.translate({97: 'xy'}) }} {{ lipsum(2, false, 5, 6)|length > 0 }}",
 ])
 def test_ordinary_constructs_render_as_the_unbounded_sandbox_renders_them(source):
     """Integers are data (ids, timestamps, defaults), not widths; formats, sums, joins and

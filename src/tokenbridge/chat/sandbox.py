@@ -53,6 +53,8 @@ RANGE_ITEMS = 10_000_000
 POWER_BITS = 1 << 16
 #: The widest ``tojson`` indent or separator (a template's are a few characters).
 JSON_INDENT = 1024
+#: The most paragraphs of ``lipsum`` one call may write.
+LIPSUM_PARAGRAPHS = 10_000
 
 #: A printf-style conversion's width and precision (``%-10.3f``, ``%*d``).
 _PRINTF_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
@@ -79,6 +81,22 @@ def _check_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     for value in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(value, _SIZED) and len(value) > RENDER_SIZE:
             raise _too_big(f"a {type(value).__name__} argument")
+
+
+def _text_size(seq: str | list[Any] | tuple[Any, ...]) -> int:
+    """A sequence's items, and for a list its strings' characters too: ``[s] * 40`` is 40
+    references to one text, and 40 copies of it once printed or joined."""
+    if isinstance(seq, str):
+        return len(seq)
+    return len(seq) + sum(len(x) for x in seq if isinstance(x, str))
+
+
+def _translated_size(text: Any, table: Any = None, *args: Any, **kwargs: Any) -> None:
+    """``translate`` with a table mapping a character to a long text, refused first."""
+    if isinstance(text, str) and isinstance(table, Mapping):
+        longest = max((len(v) for v in table.values() if isinstance(v, str)), default=1)
+        if len(text) * longest > RENDER_SIZE:
+            raise _too_big("a translate")
 
 
 def _ints(values: Any) -> int:
@@ -216,7 +234,7 @@ _FILTER_CHECKS: dict[str, Callable[..., None]] = {
 #: The same for ``str`` methods, by name.
 _METHOD_CHECKS: dict[str, Callable[..., None]] = {
     "replace": _replaced_size, "center": _padded_size, "ljust": _padded_size, "rjust": _padded_size,
-    "zfill": _padded_size, "expandtabs": _tabbed_size,
+    "zfill": _padded_size, "expandtabs": _tabbed_size, "translate": _translated_size,
 }
 
 
@@ -235,6 +253,20 @@ def _summed(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(environment, iterable, attribute, start)
 
     return summed
+
+
+def _bounded_lipsum(env: jinja2.Environment) -> Callable[..., Any]:
+    """Jinja's ``lipsum`` global, at most :data:`LIPSUM_PARAGRAPHS` paragraphs (each one up to
+    100 words: ``lipsum(10**7)`` built gigabytes in a loop)."""
+    lipsum: Callable[..., Any] = env.globals["lipsum"]  # type: ignore[assignment]  # Jinja's, a function
+
+    @functools.wraps(lipsum)
+    def bounded(n: Any = 5, *args: Any, **kwargs: Any) -> Any:
+        if type(n) is int and n > LIPSUM_PARAGRAPHS:
+            raise RenderStopped(f"lipsum of {n:,} paragraphs: past {LIPSUM_PARAGRAPHS:,} (the chat template's bound)")
+        return lipsum(n, *args, **kwargs)
+
+    return bounded
 
 
 class _Budget(threading.local):
@@ -307,7 +339,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                     raise RenderStopped(f"a product past {POWER_BITS:,} bits (the chat template's bound)")
             else:
                 for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and type(n) is int and len(seq) * n > RENDER_SIZE:
+                    if isinstance(seq, (str, list, tuple)) and type(n) is int and n > 0 and n * _text_size(seq) > RENDER_SIZE:
                         raise _too_big("a repeated value")
         elif operator == "**":
             if type(left) is int and type(right) is int and right > 0 and right * abs(left).bit_length() > POWER_BITS:
@@ -444,5 +476,5 @@ def environment(filters: Mapping[str, Callable[..., Any]], globals_: Mapping[str
     env = _BoundedEnvironment(**options)
     env.filters.update(filters)
     env.filters = {name: _bounded_filter(name, fn) for name, fn in env.filters.items()}
-    env.globals.update(globals_, range=_bounded_range, namespace=_BoundedNamespace)
+    env.globals.update(globals_, range=_bounded_range, namespace=_BoundedNamespace, lipsum=_bounded_lipsum(env))
     return env
