@@ -155,6 +155,45 @@ def test_conversations_leave_out_turns_no_chat_template_writes(tmp_path, kimi):
     assert export_file(src, tmp_path / "sf", "specforge", include_flagged=True).rows_exported == 4
 
 
+@pytest.mark.parametrize("label", ["drop", None, "bogus_reading"])
+def test_a_turn_whose_ids_never_close_its_reasoning_is_no_chat_turn_without_its_label(tmp_path, kimi, label):
+    """A cold tester's: the conversations export told such a turn by its ``reconstruction``
+    label alone, so a row without it (or with another word) was written as a conversation a
+    template re-renders with a ``</think>`` the model never emitted. The segments tell."""
+    from tokenbridge.chat import resolve_dialect
+    from tokenbridge.reconstruct import reconstruct_record
+
+    # a tool call opened without </think>, as SGLang serves it: usage proves the reading
+    section = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+               '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+    truth = kimi.encode("I will call the tool.") + kimi.encode(section) + [kimi.token_id("<|im_end|>")]
+    request = {"messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    prompt_ids = kimi.encode(resolve_dialect(kimi).render_request(request))
+    record = {"id": "r", "request": request, "response": {"choices": [{"index": 0, "finish_reason": "tool_calls",
+              "message": {"reasoning_content": "I will call the tool.", "content": section}}],
+              "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(truth)}}}
+    row = reconstruct_record(record, kimi)[0]
+    assert (row["status"], row["reconstruction"], row["completion_ids"]) == ("ok", "no_think_close", truth)
+    assert "think_end" not in {s["kind"] for s in row["segments"]}
+    if label == "drop":
+        del row["reconstruction"]
+    else:
+        row["reconstruction"] = label
+    src = write_jsonl(tmp_path / "rows.jsonl", [row])
+    with pytest.raises(ExportError, match="no row to export"):
+        export_file(src, tmp_path / "conv", "conversations")
+    assert export_file(src, tmp_path / "sf", "specforge").rows_exported == 1  # the ids are the ids
+
+
+def test_a_label_that_is_not_a_string_is_refused(run, tmp_path):
+    rows = [dict(r) for r in run[2][:3]]
+    rows[1]["reconstruction"] = 5
+    src = write_jsonl(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(ExportError) as err:
+        export_file(src, tmp_path / "conv", "conversations")
+    assert str(err.value) == f"{src}:2: reconstruction: must be a string or null, got int"
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_parquet_source_gives_the_same_export(run, tmp_path, kimi_dir, fmt):
     from tokenbridge.reconstruct import reconstruct_file

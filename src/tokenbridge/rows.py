@@ -125,7 +125,7 @@ COLUMNS: tuple[str, ...] = tuple(ReconstructedRow.__annotations__)
 #: Free-form columns stored as JSON text in Parquet.
 JSON_TEXT_COLUMNS = ("usage", "messages", "tools")
 #: Text columns whose value comes from the API unchecked: any other JSON value is kept as its JSON text.
-_TEXT_COLUMNS = ("dataset", "provider", "model", "finish_reason", "reconstruction")
+_TEXT_COLUMNS = ("dataset", "provider", "model", "finish_reason")
 #: Columns a row may lack (older files): read as None.
 _OPTIONAL = ("reconstruction",)
 
@@ -396,6 +396,8 @@ def check_row(obj: Any, path: str | Path, line: int) -> ReconstructedRow:  # noq
     for col in ("id", "dataset", "provider", "model"):  # names every output writes
         if why := not_text(obj[col]):
             raise fail(col, why)
+    if obj["reconstruction"] is not None and not isinstance(obj["reconstruction"], str):  # tokenbridge's own label
+        raise fail("reconstruction", f"must be a string or null, got {type(obj['reconstruction']).__name__}")
     if type(obj["thinking"]) is not bool:
         raise fail("thinking", f"must be true or false, got {obj['thinking']!r}")
     if obj["usage"] is not None and not isinstance(obj["usage"], dict):

@@ -128,13 +128,18 @@ class ConversationsWriter(_JsonlWriter):
     def skip(self, rec: ReconstructedRow) -> bool:
         """Whether the row cannot be a conversation whose final turn, re-rendered by the
         model's chat template, spells its ids: a cut turn (the template closes it: an end
-        token where it writes one, and ``</think>`` when the cut fell in the reasoning), or a
-        reading the template cannot write (:data:`_NOT_A_TURN`). Trained from text, either
+        token where it writes one, and ``</think>`` when the cut fell in the reasoning), a
+        turn with reasoning its ids never close (told by the segments, not only the
+        ``reconstruction`` label: a row without it was exported with a ``</think>`` the model
+        never wrote), or a reading the template cannot write (:data:`_NOT_A_TURN`). Trained from text, either
         teaches tokens the model never emitted; the id formats keep these rows. What a
         template does to the rest (GLM's final turn with no end token, whitespace a template
         strips, a prompt served in another reading) is the trainer's re-tokenizing, which
         the format never promised to be exact."""
-        if not any(seg["kind"] == "end" for seg in rec["segments"]):
+        kinds = {seg["kind"] for seg in rec["segments"]}
+        if "end" not in kinds:
+            return True
+        if rec["reasoning"] and "think_end" not in kinds:  # a template closes the reasoning it writes
             return True
         names = _reading_names(rec)
         if any(name.startswith(_NOT_A_TURN) for name in names):
