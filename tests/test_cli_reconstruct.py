@@ -263,10 +263,12 @@ def test_a_lone_surrogate_reaches_parquet_as_its_json_text(tmp_path, kimi):
     assert row["content"] == '"a\\ud800b"' and row["reasoning"] == "r" and row["status"] == "rejected"
     reconstruct_file(src, tmp_path / "out.jsonl", kimi, workers=1)
     ok = json.loads((tmp_path / "out.jsonl").read_text(encoding="utf-8"))
-    ok.update(status="ok", findings=[])  # as if the gate had passed it: the export must write it, not crash
+    ok.update(status="ok", findings=[])  # as if the gate had passed it: the export names it, never crashes
     (tmp_path / "edited.jsonl").write_text(json.dumps(ok) + "\n", encoding="utf-8")
-    export_file(tmp_path / "edited.jsonl", tmp_path / "x", "parquet")
-    assert '"a\\ud800b"' in [r["content"] for r in pq.read_table(next((tmp_path / "x").rglob("*.parquet"))).to_pylist()]
+    with pytest.raises(Exception, match=r"edited.jsonl:1: content: holds a lone surrogate \(not UTF-8\): no training "
+                                        "file can carry it"):  # (it was written as its JSON text: a loader's refusal)
+        export_file(tmp_path / "edited.jsonl", tmp_path / "x", "parquet")
+    assert not (tmp_path / "x").exists()
     big = dict(ok, choice=2**31)
     (tmp_path / "big.jsonl").write_text(json.dumps(big) + "\n", encoding="utf-8")
     with pytest.raises(Exception, match=r"big.jsonl:1: choice: must be a non-negative integer up to 2147483647"):

@@ -194,6 +194,27 @@ def test_a_label_that_is_not_a_string_is_refused(run, tmp_path):
     assert str(err.value) == f"{src}:2: reconstruction: must be a string or null, got int"
 
 
+@pytest.mark.parametrize(("field", "edit"), [
+    ("content", lambda r: r.update(content=r["content"] + "\udc80")),
+    ("reasoning", lambda r: r.update(reasoning=r["reasoning"] + "\ud800")),
+    ("messages[0].content", lambda r: r["messages"][0].update(content="hi \udc80")),
+])
+@pytest.mark.parametrize("fmt", ["conversations", "parquet", "specforge"])
+def test_an_exported_row_whose_text_holds_a_lone_surrogate_is_refused(run, tmp_path, field, edit, fmt):
+    """A cold tester's: exported with exit 0, the file then failed to load in datasets and
+    pyarrow (and Parquet held the text's JSON, not the text). The gate rejects such a
+    sample, so an ok row holding one is a hand edit: named, nothing written."""
+    rows = [json.loads(json.dumps(r)) for r in _expected(run[2])[:2]]
+    edit(rows[1])
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="ascii")  # the escapes, as dumps_line writes
+    with pytest.raises(ExportError) as err:
+        export_file(src, tmp_path / "out", fmt)
+    assert str(err.value) == (f"{src}:2: {field}: holds a lone surrogate (not UTF-8): no training file can carry it "
+                              "(datasets and pyarrow refuse to read it)")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_parquet_source_gives_the_same_export(run, tmp_path, kimi_dir, fmt):
     from tokenbridge.reconstruct import reconstruct_file

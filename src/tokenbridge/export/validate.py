@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import orjson
 
+from ..jsonl import unencodable
 from ..rows import MARKER_SEGMENTS, SEGMENT_KINDS
 from .source import ExportError
 
@@ -173,6 +174,7 @@ class RowContract:
             raise fail("id", f"({sid!r}, choice {choice}) is also on line {earlier}: each sample choice once")
         if ids is None:
             return
+        _check_texts(rec, fail)
         vocab_size = self.vocab_size
         if vocab_size is not None and ids and max(ids) >= vocab_size:
             pos = _at(ids, lambda i: i >= vocab_size)
@@ -184,6 +186,22 @@ class RowContract:
                 if seg["kind"] in MARKER_SEGMENTS and ids[seg["start"]] not in self.markers:
                     raise fail(f"segments[{k}]", f"the {seg['kind']} segment holds id {ids[seg['start']]}, which is "
                                "no marker of the tokenizer (reconstruct writes the marker's id there)")
+
+
+def _check_texts(rec: Mapping[str, Any], fail: _Fail) -> None:
+    """A trained row's texts hold nothing UTF-8 cannot (a lone surrogate: the gate rejects
+    such a sample, so this is a hand edit): an export wrote it with exit 0, and datasets and
+    pyarrow then refused the file. One C-speed write proves the common case; only a row it
+    refuses is walked, for the field to name."""
+    texts = {col: rec.get(col) for col in ("content", "reasoning", "messages", "tools")}
+    try:
+        orjson.dumps(texts)
+        return
+    except TypeError:  # a lone surrogate, or an integer past 64 bits (which is fine): the walk tells
+        pass
+    if (why := unencodable(texts)) is not None:
+        field, _, what = why.partition(": ")
+        raise fail(field, f"{what}: no training file can carry it (datasets and pyarrow refuse to read it)")
 
 
 def _int_list(value: Any, field: str, fail: _Fail) -> list[int]:
