@@ -103,6 +103,29 @@ def test_only_reconstructed_says_what_is_missing(runs):
         assert re.search(rf'<section id="{sid}" data-has-data="false"><h2>[^<]+</h2><p class="empty">No data: ', text)
 
 
+@pytest.mark.parametrize("kind", ["missing", "fifo", "folder"])
+def test_the_report_says_why_it_read_no_exchanges(runs, tmp_path, kind):
+    """A FIFO or a folder named exchanges.jsonl was reported as "not found" (a cold tester's):
+    the user went looking for a missing file. Neither is read (a FIFO would block)."""
+    import os
+    import shutil
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(runs["bare"] / "reconstructed.jsonl", run / "reconstructed.jsonl")
+    if kind == "fifo":
+        os.mkfifo(run / "exchanges.jsonl")
+    elif kind == "folder":
+        (run / "exchanges.jsonl").mkdir()
+    why = {"missing": "exchanges.jsonl is not in the run folder",
+           "fifo": "exchanges.jsonl is a named pipe (FIFO), not a regular file: not read",
+           "folder": "exchanges.jsonl is a folder, not a regular file: not read"}[kind]
+    res = CliRunner().invoke(app, ["report", str(run)])
+    assert res.exit_code == 0, res.output
+    assert f"Cost and throughput: no data ({why})" in " ".join(res.output.split())
+    assert f"No data: {why}" in (run / "report" / "report.html").read_text()
+
+
 def test_sample_ids_per_finding_code_and_per_status(runs):
     rows = runs["rows"]
     data = collect_run(runs["full"])

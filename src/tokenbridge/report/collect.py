@@ -31,6 +31,7 @@ import numpy as np
 from ..checks import CODES
 from ..exchanges import RecordError, iter_objects
 from ..exit_codes import ExitCode
+from ..fsio import kind_of
 from ..jsonl import is_count, is_int
 from ..outdir import open_read_only
 from ..rows import STATUSES, ReconstructedRow, RowError, iter_rows
@@ -118,6 +119,17 @@ def _rows_file(run_dir: Path, *, given: bool) -> tuple[Path, Path | None]:
         return found[0][0], None
     (jsonl, jsonl_time), (parquet, parquet_time) = found
     return (parquet, jsonl) if not given and parquet_time > jsonl_time else (jsonl, parquet)
+
+
+def exchanges_absent(run_dir: str | Path) -> str:
+    """Why the report has no exchanges, in words: the file is not there, or it is there and
+    is no regular file (a FIFO, a folder: "not found" sent the user looking for a file)."""
+    path = Path(run_dir) / "exchanges.jsonl"
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "exchanges.jsonl is not in the run folder"
+    return f"exchanges.jsonl is {kind_of(mode)}, not a regular file: not read"
 
 
 def source_note(sources: dict[str, Any]) -> str | None:

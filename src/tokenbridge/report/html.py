@@ -12,7 +12,7 @@ from typing import Any
 from collections.abc import Iterable, Iterator, Sequence
 
 from ..display import printable
-from .collect import left_out_notes, source_note
+from .collect import exchanges_absent, left_out_notes, source_note
 
 __all__ = ["SECTIONS", "render_html"]
 
@@ -113,7 +113,7 @@ def _cell(v: Any) -> str:
 
 
 def _no_exchanges(data: dict[str, Any]) -> str:
-    return "exchanges.jsonl is not in the run folder" if data["sources"]["exchanges"] is None else \
+    return exchanges_absent(data["run_dir"]) if data["sources"]["exchanges"] is None else \
         "no exchange carries meta.finished_at"
 
 
