@@ -57,7 +57,7 @@ JSON_INDENT = 1024
 LIPSUM_PARAGRAPHS = 10_000
 
 #: A printf-style conversion's width and precision (``%-10.3f``, ``%*d``).
-_PRINTF_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_PRINTF_FIELD = re.compile(r"%%|%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")  # %%: a literal %
 _DIGITS = re.compile(r"\d+")
 
 
