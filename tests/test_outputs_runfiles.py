@@ -17,6 +17,7 @@ path, and every protected file byte-identical.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sqlite3
@@ -168,9 +169,9 @@ def test_reconstruct_onto_the_pipelines_record_is_refused(run, kimi_dir, flag):
 
 def _marked(run: Path) -> None:
     """Output folders as export and vocab leave them: each marker lists what it wrote."""
-    for folder, files in (("vocab", ["d2t.npy", "t2d.npy"]), ("export/specforge", ["train.jsonl"])):
+    for folder, kind, files in (("vocab", "vocab", ["d2t.npy", "t2d.npy"]), ("export/specforge", "export", ["train.jsonl"])):
         (run / folder).mkdir(parents=True)
-        (run / folder / ".tokenbridge-output").write_text(f'{{"kind": "x", "files": {files!r}}}\n'.replace("'", '"'))
+        (run / folder / ".tokenbridge-output").write_text(json.dumps({"tokenbridge_output": kind, "files": files}))
         for name in files:
             (run / folder / name).write_bytes(b"theirs\n")
     (run / "export/specforge/hidden_states").mkdir()  # a user's entry, carried over by every export
@@ -188,6 +189,28 @@ def test_a_file_output_onto_an_entry_a_marker_lists_is_refused(run, kimi_dir, in
              f"-o {target}: is {name} of {(run / folder).resolve()}, an output tokenbridge wrote there and rewrites "
              "whole (a file written over it corrupts that output); give another output name")
     assert snapshot(run) == before
+
+
+@pytest.mark.parametrize(("marker", "name", "refused"), [
+    ('{"tokenbridge_output": "export", "format": "specforge"}', "train.jsonl", True),  # a marker from before lists
+    ('{"tokenbridge_output": "export", "format": "specforge"}', ".tokenbridge-output", True),
+    ('{"tokenbridge_output": "export", "format": "specforge"}', "notes.jsonl", False),
+    ("not json", "notes.jsonl", True),  # a marker that cannot be read claims its folder
+])
+def test_a_marker_without_a_list_is_read_as_the_next_output_reads_it(run, kimi_dir, tmp_path, marker, name, refused):
+    """A cold reader's: a marker with no ``files`` list (written before the lists) protected
+    nothing, not even itself, where the next export still takes its names as its own."""
+    folder = tmp_path / "ex"
+    folder.mkdir()
+    (folder / ".tokenbridge-output").write_text(marker + "\n")
+    (folder / "train.jsonl").write_bytes(b"{}\n")
+    before = snapshot(folder)
+    res = _invoke("reconstruct", run / "exchanges.jsonl", "-o", folder / name, "-t", kimi_dir)
+    if refused:
+        assert res.exit_code == 2 and f"is {name} of {folder.resolve()}, an output tokenbridge wrote there" in res.output
+        assert snapshot(folder) == before
+    else:
+        assert res.exit_code == 0, res.output
 
 
 @pytest.mark.parametrize("inside", ["export/specforge/hidden_states/rows.jsonl", "export/specforge/my_notes.jsonl",

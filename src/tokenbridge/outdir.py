@@ -397,8 +397,7 @@ def _tokenbridge_file_problem(target: Path, real: Path, inputs: list[str | Path]
     if real.name in _RUN_FILES and (real.parent in ours or _looks_like_run(real.parent)):
         return f"is {_RUN_FILES[real.name]} of the run folder {real.parent}; {refuse}"
     for folder in real.parents:
-        if os.path.lexists(folder / MARKER) and (owned := marker_owned(folder)) is not None and owned(
-                real.relative_to(folder).as_posix()):
+        if os.path.lexists(folder / MARKER) and _marked_own(folder, real.relative_to(folder).as_posix()):
             return (f"is {real.relative_to(folder)} of {folder}, an output tokenbridge wrote there and rewrites whole "
                     "(a file written over it corrupts that output); give another output name")
     if not os.path.lexists(target):
@@ -412,6 +411,19 @@ def _tokenbridge_file_problem(target: Path, real: Path, inputs: list[str | Path]
         kind = "a tokenbridge run's store" if _schema_kind(real)[0] == "tokenbridge" else "an SQLite database"
         return f"is {kind} (no output of tokenbridge is one); {refuse}"
     return None
+
+
+def _marked_own(folder: Path, name: str) -> bool:
+    """Whether ``name`` in ``folder`` (which carries a marker) is tokenbridge's, as the next
+    output of its kind will take it (:func:`own_names`: the names the marker lists, or for a
+    marker from before those lists the names its kind writes); the marker itself is; a
+    marker that cannot be read claims the whole folder."""
+    if name in (MARKER, CARRIED):
+        return True
+    kind = _marker_field(folder, "tokenbridge_output")
+    if kind not in ("export", "vocab", "report"):
+        return True
+    return own_names(kind)(folder)(name)  # type: ignore[arg-type]  # one of OutputKind, checked above
 
 
 def _looks_like_run(folder: Path) -> bool:
