@@ -217,8 +217,11 @@ def test_bad_settings_are_one_line_exit_2(tmp_path, how, message, hidden):
 
 
 @pytest.mark.parametrize("value", [
-    "sk-or-v1-" + "0123456789abcdef" * 2, "my app sk-ant-api03-" + "x" * 20, "Bearer " + "3f9a" * 8,
-    "basic dXNlcjpwYXNzd29yZDEyMzQ1Njc4", "sk-" + "A1b2" * 12, "sk_live_" + "a1B2" * 6, "sk-proj-" + "Ab12_-" * 5])
+    "sk-or-v1-" + "0123456789abcdef" * 2, "my app sk-ant-api03-" + "x1Y_" * 10, "Bearer " + "3f9a" * 8,
+    "basic dXNlcjpwYXNzd29yZDEyMzQ1Njc4", "sk-" + "A1b2" * 12, "sk_live_" + "a1B2" * 6, "sk-proj-" + "Ab12_-" * 5,
+    # a cold reader's: other key formats the first patterns missed
+    "sk-svcacct-" + "Ab3_-x" * 25, "sk-" + "Ab3xYz_" * 6, "sk-or-v1-" + "A1" * 32, "gsk_" + "a1B2c3" * 8,
+    "xai-" + "a1B2c3" * 8, "AIzaSy" + "a1B2c3" * 6, "hf_" + "a1B2c3" * 6, "ghp_Zq8vN2xL4mR7tY1wK9pB3sD6fH0jC5gA"])
 def test_a_credential_in_a_header_value_is_refused_and_never_shown(tmp_path, value):
     """The name check let ``X-Title = "sk-or-v1-..."`` through; a server that echoed the
     header put the key in every error, generate.json and state.sqlite (a cold tester's)."""
@@ -234,7 +237,9 @@ def test_a_credential_in_a_header_value_is_refused_and_never_shown(tmp_path, val
 
 @pytest.mark.parametrize("value", [
     "https://github.com/acme/sk-learn-benchmark-suite", "tokenbridge rk-distillation-experiment",
-    "Basic reconstruction-experiments", "My pk_experiment_2024_run_alpha", "Bearer of good news 2024", "MyApp"])
+    "Basic reconstruction-experiments", "My pk_experiment_2024_run_alpha", "Bearer of good news 2024", "MyApp",
+    "tag sk-proj-reconstruction-2024-run1", "see sk-ant-docs-and-examples-here for help",
+    "Basic configuration-v2-20240501", "basic 12345678901234567890 widgets"])
 def test_a_header_value_that_only_starts_like_a_key_is_sent(value):
     """Words after a key's prefix are no key (a cold reviewer's: the first pattern refused them)."""
     from tokenbridge.generate import GenerateSettings

@@ -306,9 +306,10 @@ def test_the_cli_refuses_plain_http_to_another_host_before_anything_is_sent(tmp_
 
 
 def test_a_header_value_is_sent_and_never_stored(tmp_path):
-    """A token of the user's in a header of a harmless name (``X-Title``) was written, as it
-    was, into the store's run log (a cold tester's): the run log keeps its digest."""
-    token = "ghp_" + "Zq8vN2xL4mR7tY1wK9pB3sD6fH0jC5gA"
+    """A value of the user's in a header of a harmless name (``X-Title``) was written, as it
+    was, into the store's run log (a cold tester's): the run log keeps its digest. (A value
+    shaped as a provider's key is refused before anything is sent: test_generate_cli.)"""
+    token = "acme-" + "Zq8vN2xL4mR7tY1wK9pB3sD6fH0jC5gA"
     seen: list[str] = []
 
     async def reply(request: web.Request) -> web.StreamResponse:

@@ -90,15 +90,29 @@ DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 _NAME_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _CREDENTIAL_HEADER = re.compile(r"auth|key|token|secret|cookie|passw|session|credential", re.IGNORECASE)
-#: A header value that is a credential whatever the header's name: a key in a provider's
-#: own format (OpenRouter's ``sk-or-v1-`` and hex, Anthropic's ``sk-ant-``, OpenAI's
-#: ``sk-proj-`` or ``sk-`` and 32 or more letters and digits, Stripe-style ``sk_live_``), or
-#: an authorization scheme's token (20 or more characters with a digit). Words after such a
-#: prefix (``sk-learn-benchmark``, ``Basic reconstruction-runs``) are no key.
-_CREDENTIAL_VALUE = re.compile(
-    r"(?<![A-Za-z0-9_./-])(?:sk-or-v\d+-[0-9a-f]{32,}|sk-ant-[A-Za-z0-9_-]{20,}|sk-proj-[A-Za-z0-9_-]{20,}"
-    r"|sk-[A-Za-z0-9]{32,}|[spr]k_(?:live|test)_[A-Za-z0-9]{16,})"
-    r"|(?i:\b(?:bearer|basic)\s+)(?=[A-Za-z0-9+/=_.~-]*\d)[A-Za-z0-9+/=_.~-]{20,}")
+#: A header value's tokens that may be a credential, whatever the header's name: one that
+#: starts as providers' keys start (``sk-or-v1-``, ``sk-ant-``, ``sk-proj-``, ``sk_live_``,
+#: ``gsk_``, ``xai-``, ``AIza``, ``hf_``, ``ghp_``...) or follows an authorization scheme
+#: (``Bearer``, ``Basic``), at a token's start (not inside a URL's path).
+_CREDENTIAL_TOKEN = re.compile(
+    r"(?<![A-Za-z0-9_./:-])((?:sk|rk|pk)[-_][A-Za-z0-9_-]{20,}|(?:gsk_|xai-|AIza|hf_|ghp_|gho_|ghs_|github_pat_|"
+    r"glpat-|pplx-|r8_)[A-Za-z0-9_-]{20,})|(?i:\b(?:bearer|basic)\s+)([A-Za-z0-9+/=_.~-]{20,})")
+#: Runs of digits a token of random characters has (about one in six characters is a
+#: digit); a word or a date after a key's prefix has one or two
+#: (``sk-proj-reconstruction-2024-run1``, ``Basic configuration-v2-20240501``).
+_RANDOM_DIGIT_RUNS = 3
+_DIGIT_RUN = re.compile(r"[0-9]+")
+
+
+def _credential_in(value: str) -> bool:
+    """Whether ``value`` holds a token that is a key: a provider's prefix or a scheme, and
+    the body of random characters (three or more separate runs of digits)."""
+    for m in _CREDENTIAL_TOKEN.finditer(value):
+        if len(_DIGIT_RUN.findall(m.group(1) or m.group(2))) >= _RANDOM_DIGIT_RUNS:
+            return True
+    return False
+
+
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 #: Dataset paths starting with this name prompt files shipped in the package (the demo's).
 _BUILTIN = "builtin:"
@@ -139,7 +153,7 @@ def _headers_problem(headers: Any) -> str | None:
                     "no space, colon or control character)")
         if isinstance(value, str) and (why := _header_text_problem(value)):
             return f"header {name}: value {why}"
-        if isinstance(value, str) and _CREDENTIAL_VALUE.search(value):
+        if isinstance(value, str) and _credential_in(value):
             return (f"header {name}: value looks like a credential (not shown here): the key comes only from "
                     "api_key_env, and header values are sent to every provider and echoed in their errors")
     return None
