@@ -232,6 +232,7 @@ def test_real_templates_write_what_an_unbounded_sandbox_writes(family):
     "{{ 2 ** 64 }} {{ 'ab'.replace('a', 'xyz') }} {{ ','.join(['a', 'b']) }} {{ [1, 2, 3, 4]|slice(2)|list }}",
     "{{ ['ab', 'c'] * 3 }} {{ 'abc'.translate({97: 'xy'}) }} {{ lipsum(2, false, 5, 6)|length > 0 }}",
     "{{ '100%% 123456789012 kids, %s' % 'x' }}",  # %% is a literal percent: what follows is no width
+    "{{ 1 ** 100000000 }} {{ (-1) ** 100000001 }} {{ 0 ** 100000000 }}",
 ])
 def test_ordinary_constructs_render_as_the_unbounded_sandbox_renders_them(source):
     """Integers are data (ids, timestamps, defaults), not widths; formats, sums, joins and

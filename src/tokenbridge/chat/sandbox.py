@@ -342,7 +342,8 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                     if isinstance(seq, (str, list, tuple)) and type(n) is int and n > 0 and n * _text_size(seq) > RENDER_SIZE:
                         raise _too_big("a repeated value")
         elif operator == "**":
-            if type(left) is int and type(right) is int and right > 0 and right * abs(left).bit_length() > POWER_BITS:
+            if (type(left) is int and type(right) is int and right > 0 and abs(left) > 1
+                    and right * abs(left).bit_length() > POWER_BITS):  # 1 ** n and (-1) ** n stay small
                 raise RenderStopped(f"{left} ** {right}: past {POWER_BITS:,} bits (the chat template's bound)")
         else:  # %: string formatting (or a remainder)
             _printf_size(left, right)
@@ -409,29 +410,26 @@ def _on_alarm(signum: int, frame: Any) -> None:
     signal.raise_signal(signal.SIGALRM)
 
 
-def _arm(seconds: float) -> bool:
-    """Raise :class:`_Overtime` after ``seconds`` (and every 50 ms after, in case the
-    template's code swallowed one), by SIGALRM, if it can: where the platform has it, on
-    the main thread, and only when nothing else uses it (a user's handler or running timer
-    is left as it was). The handler, once set, stays: setting it costs more than a render.
-    True when armed; :func:`_disarm` after."""
-    global _timed, _ends, _late
+def _can_arm() -> bool:
+    """Whether a render here may be timed by SIGALRM: the platform has it, this is the main
+    thread, and nothing else uses it (a user's handler or running timer is left as it was).
+    Sets the handler the first time; it stays (setting it costs more than a render)."""
     if _timed or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
         return False
     handler = signal.getsignal(signal.SIGALRM)
-    if handler is not _on_alarm and handler != signal.SIG_DFL:
-        return False
     if handler is not _on_alarm:
+        if handler != signal.SIG_DFL or signal.getitimer(signal.ITIMER_REAL)[0]:
+            return False
         signal.signal(signal.SIGALRM, _on_alarm)
+    return not signal.getitimer(signal.ITIMER_REAL)[0]
+
+
+def _start(seconds: float) -> None:
+    """Raise :class:`_Overtime` after ``seconds``, and every 50 ms after (in case the
+    template's code swallowed one)."""
+    global _timed, _ends, _late
     _timed, _late, _ends = True, False, time.monotonic() + seconds
-    before = signal.setitimer(signal.ITIMER_REAL, seconds, 0.05)
-    if before[0]:  # someone's timer was running: put it back as it was, its alarm as it was
-        signal.setitimer(signal.ITIMER_REAL, *before)
-        _timed = False
-        if handler is not _on_alarm:
-            signal.signal(signal.SIGALRM, handler)
-        return False
-    return True
+    signal.setitimer(signal.ITIMER_REAL, seconds, 0.05)
 
 
 def _disarm() -> None:
@@ -451,8 +449,11 @@ def render(template: jinja2.Template, context: Mapping[str, Any]) -> str:
     pieces: list[str] = []
     size = 0
     _BUDGET.range_items = 0
-    armed = _arm(RENDER_SECONDS)
+    armed = False
     try:
+        if _can_arm():
+            armed = True  # before the timer runs: from here on, whatever raises, it is stopped below
+            _start(RENDER_SECONDS)
         written = template.generate(**context)
         while batch := list(itertools.islice(written, 1024)):  # counted a batch at a time: cheaper than a piece
             size += len(batch) + sum(map(len, batch))
