@@ -392,18 +392,10 @@ def unencodable(value: Any) -> str | None:  # Any: any JSON value
 
 def _unencodable_item(item: Any) -> bool:  # Any: any JSON value
     if isinstance(item, str):
-        return not _utf8(item)
+        return not_text(item) is not None
     if isinstance(item, float):
         return not math.isfinite(item)
-    return isinstance(item, dict) and not all(_utf8(k) for k in item)
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return isinstance(item, dict) and any(not_text(k) is not None for k in item)
 
 
 def number_too_long(exc: ValueError) -> str:

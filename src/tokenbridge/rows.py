@@ -535,21 +535,10 @@ def to_arrow_record(row: Mapping[str, Any], columns: Iterable[str]) -> dict[str,
     for col in columns:
         value = row.get(col)
         odd = col in JSON_TEXT_COLUMNS or (col in _TEXT_COLUMNS and not isinstance(value, str))
-        if value is not None and odd or isinstance(value, str) and not _utf8(value):
+        if value is not None and odd or isinstance(value, str) and not_text(value) is not None:
             value = json_text(value)
         out[col] = value
     return out
-
-
-def _utf8(text: str) -> bool:
-    """Whether ``text`` can be written as UTF-8 (no lone surrogate)."""
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class ParquetRowSink:
