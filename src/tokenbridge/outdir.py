@@ -25,9 +25,9 @@ folder, anything but a regular file (a FIFO, a device node:
 path, symlink or hard link; or anything inside an input folder), another output of the
 same command (or a folder holding one), an SQLite database, one of a run folder's
 :data:`RUN_STATE_FILES` (its store and SQLite's side files, lock, ``exchanges.jsonl``,
-``generate.json``) or ``pipeline.json``, or an entry an output folder's marker lists (an
-export's, ``vocab``'s, ``report``'s: written whole, never file by file; a user's other
-entries there are theirs to write). A folder
+``generate.json``) or ``pipeline.json``, or an entry of a marked output folder that the
+next output of its kind takes as its own (an export's, ``vocab``'s, ``report``'s: written
+whole, never file by file; a user's other entries there are theirs to write). A folder
 output never takes one of those names (:func:`run_file_problem`).
 
 ``tokenbridge run``'s ``[run] out`` is written file by file (exchanges.jsonl,
@@ -49,7 +49,7 @@ import re
 import shutil
 import stat
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 from collections.abc import Callable, Iterable, Mapping
 
 from .jsonl import loads_document
@@ -391,8 +391,8 @@ def _file_problem(target: Path, inputs: list[str | Path], runs: Iterable[str | P
 def _tokenbridge_file_problem(target: Path, real: Path, inputs: list[str | Path], ours: set[Path]) -> str | None:
     """Why ``target`` (resolved: ``real``) is a file of tokenbridge's own that no file output
     may replace, or None: a run folder's file (:data:`_RUN_FILES`, by name or hard link), an
-    entry a marked output folder's marker lists (the user's entries there are theirs), or a
-    store or any other SQLite database."""
+    entry of a marked output folder that is tokenbridge's (:func:`_marked_own`; the user's
+    entries there are theirs), or a store or any other SQLite database."""
     refuse = "refusing to replace it: give another output name"
     if real.name in _RUN_FILES and (real.parent in ours or _looks_like_run(real.parent)):
         return f"is {_RUN_FILES[real.name]} of the run folder {real.parent}; {refuse}"
@@ -421,7 +421,7 @@ def _marked_own(folder: Path, name: str) -> bool:
     if name in (MARKER, CARRIED):
         return True
     kind = _marker_field(folder, "tokenbridge_output")
-    if kind not in ("export", "vocab", "report"):
+    if kind not in get_args(OutputKind):
         return True
     return own_names(kind)(folder)(name)  # type: ignore[arg-type]  # one of OutputKind, checked above
 
