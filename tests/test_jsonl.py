@@ -209,3 +209,17 @@ def test_no_module_parses_a_file_with_the_bare_stdlib():
     found = [f"{p.relative_to(src)}:{n}" for p in sorted(src.rglob("*.py"))
              for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if bare.search(line)]
     assert found == []
+
+
+@pytest.mark.parametrize(("value", "numbers", "said"), [
+    ({"a": None, "b": [1.5, "x"]}, True, None),
+    ({"n": 10**30, "s": "é"}, True, None),  # an integer past 64 bits is fine (orjson's write refuses it)
+    ({"a": None, "b": float("inf")}, True, "b: holds a number that is not finite"),  # written as null by orjson
+    ({"a": float("nan")}, False, None),
+    ({"m": [{"content": "x\ud800"}]}, False, "m[0].content: holds a lone surrogate (not UTF-8)"),
+    ({"\udc80": 1}, True, "<top>: holds a lone surrogate (not UTF-8)"),
+])
+def test_unencodable_names_what_json_or_utf8_cannot_carry(value, numbers, said):
+    from tokenbridge.jsonl import unencodable
+
+    assert unencodable(value, numbers=numbers) == said

@@ -376,12 +376,23 @@ def _not_finite_where(line: str | bytes) -> str:
     return f"{item.text[:40]}{' at ' + where if where else ''}: JSON has no NaN or infinity"
 
 
-def unencodable(value: Any) -> str | None:  # Any: any JSON value
+def unencodable(value: Any, *, numbers: bool = True) -> str | None:  # Any: any JSON value
     """Where ``value`` (what the stdlib read) holds what neither JSON nor UTF-8 can carry,
     in words naming its path, or None: a string or key with a lone surrogate (``"\\ud800"``
-    reads, but no prompt holding it can be encoded) or a number that is not finite (``NaN``,
-    ``1e400``). For readers that must keep what the stdlib keeps (big integers exact, a
-    byte order mark) and refuse what a strict one refuses."""
+    reads, but no prompt holding it can be encoded) or, with ``numbers``, a number that is
+    not finite (``NaN``, ``1e400``). For readers that must keep what the stdlib keeps (big
+    integers exact, a byte order mark) and refuse what a strict one refuses.
+
+    One orjson write proves the common case in C: it refuses a lone surrogate, and writes a
+    non-finite number as ``null``, so a write without ``null`` holds none. Only a value it
+    cannot prove is walked in Python, for the path to name (about 30 us for a small request)."""
+    try:
+        written = orjson.dumps(value)
+    except TypeError:  # a lone surrogate, or an integer past 64 bits (which is fine): the walk tells
+        pass
+    else:
+        if not numbers or b"null" not in written:
+            return None
     found = _find(value, _unencodable_item)
     if found is None:
         return None

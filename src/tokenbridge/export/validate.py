@@ -191,15 +191,9 @@ class RowContract:
 def _check_texts(rec: Mapping[str, Any], fail: _Fail) -> None:
     """A trained row's texts hold nothing UTF-8 cannot (a lone surrogate: the gate rejects
     such a sample, so this is a hand edit): an export wrote it with exit 0, and datasets and
-    pyarrow then refused the file. One C-speed write proves the common case; only a row it
-    refuses is walked, for the field to name."""
+    pyarrow then refused the file. Its numbers were held to JSON's when it was read."""
     texts = {col: rec.get(col) for col in ("content", "reasoning", "messages", "tools")}
-    try:
-        orjson.dumps(texts)
-        return
-    except TypeError:  # a lone surrogate, or an integer past 64 bits (which is fine): the walk tells
-        pass
-    if (why := unencodable(texts)) is not None:
+    if (why := unencodable(texts, numbers=False)) is not None:
         field, _, what = why.partition(": ")
         raise fail(field, f"{what}: no training file can carry it (datasets and pyarrow refuse to read it)")
 
