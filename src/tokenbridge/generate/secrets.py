@@ -665,23 +665,9 @@ def _runs(view: bytes, forms: _Forms) -> list[tuple[int, int]]:
     overlapping ones merged. Hits are taken in order and one inside a span already found is
     passed over: what its run could add past that span is shorter than MIN_MASKED
     characters of its target (so fewer key characters), or holds a later hit of its own."""
-    hits = []
-    for piece, places in forms.pieces.items():
-        at = view.find(piece)
-        while at != -1:
-            hits.append((at, places))
-            at = view.find(piece, at + 1)
+    hits = _hits(view, forms.pieces, 0, len(view))
     for start, end in _base32_stretches(view):  # rare: base32 pieces are looked for only there
-        if end - start < len(forms.pieces32):  # a short run: each of its windows looked up
-            for at in range(start, end - _PIECE + 1):
-                if (found := forms.pieces32.get(view[at : at + _PIECE])) is not None:
-                    hits.append((at, found))
-            continue
-        for piece, places in forms.pieces32.items():
-            at = view.find(piece, start, end)
-            while at != -1:
-                hits.append((at, places))
-                at = view.find(piece, at + 1, end)
+        hits += _hits(view, forms.pieces32, start, end)
     hits.sort(key=lambda hit: hit[0])
     spans = []
     reach = 0
@@ -694,6 +680,24 @@ def _runs(view: bytes, forms: _Forms) -> list[tuple[int, int]]:
                 spans.append((start, end))
                 reach = max(reach, end)
     return _merged(spans)
+
+
+def _hits(view: bytes, pieces: dict[bytes, tuple[tuple[int, int], ...]], start: int,
+          end: int) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
+    """Where in ``view[start:end]`` each of ``pieces`` is, with its places in the targets: a
+    search per piece, or in a stretch shorter than there are pieces, a lookup per window."""
+    out = []
+    if end - start < len(pieces):
+        for at in range(start, end - _PIECE + 1):
+            if (places := pieces.get(view[at : at + _PIECE])) is not None:
+                out.append((at, places))
+        return out
+    for piece, places in pieces.items():
+        at = view.find(piece, start, end)
+        while at != -1:
+            out.append((at, places))
+            at = view.find(piece, at + 1, end)
+    return out
 
 
 def _grown(view: bytes, at: int, target: bytes, offset: int) -> tuple[int, int]:
