@@ -450,13 +450,16 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     by_ids = native is not None or (logged is not None and logged.markers_known and len(logged.ids or ()) > 1)
     tools_streamed = stream is not False and _sends_tools(ex.request)
     holds = tools_streamed or (stream is not False and not dialect.stream_held_needs_tools)
-    held = held_tails(dialect.stream_held_starts, dialect.stream_held_min) if holds else ()
+    # without ids or logprobs, only a record that says it streamed keeps (to report) a held
+    # tail: elsewhere those readings would be built, a copy of the content each, and dropped
+    kept_held = holds and (by_ids or stream is True)
+    held = held_tails(dialect.stream_held_starts, dialect.stream_held_min) if kept_held else ()
     # gpt-oss: what SGLang's tool detector did to a final text only ids or logprobs can say
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
                        prefix_absent=by_ids, held=held, tools_streamed=tools_streamed and by_ids,
                        stripped_by_ids=by_ids)
-    if not by_ids and stream is not True:  # nothing could keep or report a held tail: not built
+    if not by_ids and stream is not True:  # nothing could keep or report a held tail (none built above: a guard)
         cands = [c for c in cands if not c.held]
     if by_ids and tools_streamed and len(cands) > 1:
         cands = _spelled_resent(tok, cands, native if native is not None else (logged.ids if logged else None))
