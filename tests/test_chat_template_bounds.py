@@ -157,6 +157,51 @@ def test_a_tick_after_a_late_render_is_ignored_and_any_other_alarm_keeps_its_act
         "chat template stopped: rendering took more than 0.2 s (the chat template's bound)", "a late tick: ignored", "1"]
 
 
+#: Run in a process of its own (one thread: pytest-xdist's workers run others, so no cap is
+#: set there), with a safety cap 6 GiB above what it maps, so that a missing bound fails the
+#: test with a MemoryError instead of taking the machine's memory.
+_CAPPED_RUN = (
+    "import resource, threading\nfrom tokenbridge.chat import sandbox\n"
+    "from tokenbridge.chat.template import TemplateError, template_renderer\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (sandbox._mapped() + (6 << 30), resource.RLIM_INFINITY))\n"
+    "sandbox.RENDER_MEMORY = 256 << 20\n"
+    "HI = [{'role': 'user', 'content': 'x'}]\n"
+    "def run(source):\n"
+    "    try:\n        print(len(template_renderer(source)(HI, None, True, {})))\n"
+    "    except TemplateError as exc:\n        print(exc)\n"
+    "    print(resource.getrlimit(resource.RLIMIT_AS)[0] - sandbox._mapped() > (5 << 30))\n"
+)
+
+
+@pytest.mark.parametrize("source", [
+    # references to one long text, which no size of one value shows, printed: a list doubled by +,
+    "{% set ns = namespace(x=['x' * 1000000]) %}{% for i in range(17) %}{% set ns.x = ns.x + ns.x %}{% endfor %}"
+    "{{ ns.x }}",
+    # a list of lists joined, and written as JSON
+    "{% set s = 'x' * 1000000 %}{% set d = [[s] * 32] * 3000 %}{{ d|join(',') }}",
+    "{% set s = 'x' * 1000000 %}{% set d = [[s] * 32] * 3000 %}{{ d|tojson }}",
+])
+def test_a_render_past_its_memory_stops_and_the_cap_is_lifted_after(source):
+    code = _CAPPED_RUN + f"run({source!r})\nrun('{{{{ 1 }}}}')\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == [
+        "chat template stopped: rendering took more than 256 MiB of memory (the chat template's bound)", "True",
+        "1", "True"]
+
+
+def test_no_memory_cap_is_set_while_another_thread_runs():
+    """The cap is the process's: another thread's allocation would fail too."""
+    code = ("import threading, time, resource\nfrom tokenbridge.chat import sandbox\n"
+            "print(sandbox._memory_cap() is not None)\n"
+            "done = threading.Event()\nt = threading.Thread(target=done.wait)\nt.start()\n"
+            "print(sandbox._mapped(), sandbox._memory_cap())\n"
+            "done.set()\nt.join()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "None", "None"]
+
+
 def _plain(source: str) -> jinja2.Template:
     """transformers' environment, unbounded."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])

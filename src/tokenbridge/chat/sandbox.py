@@ -11,13 +11,21 @@ it is given (``*``, format widths, ``replace``, ``join``...: C code no timer sto
 :data:`POWER_BITS`. Integers are data (ids, timestamps): only those a step uses as a
 width or count are bounded. Within the bounds, what a template writes is what the
 unbounded sandbox writes.
+
+What no check of one value sees, a value printed that holds many references to one long
+text (a list doubled by ``+`` 17 times, printed: 131,072 copies), is bounded by memory:
+where the process runs only the render's thread, its address space may grow by at most
+:data:`RENDER_MEMORY` while the render runs (Linux; a cap is the process's, so with
+other threads it is not set).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import os
 import re
+import resource
 import signal
 import string
 import threading
@@ -32,7 +40,8 @@ from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 from jinja2.utils import Namespace
 
-__all__ = ["POWER_BITS", "RANGE_ITEMS", "RENDER_SECONDS", "RENDER_SIZE", "RenderStopped", "environment", "render"]
+__all__ = ["POWER_BITS", "RANGE_ITEMS", "RENDER_MEMORY", "RENDER_SECONDS", "RENDER_SIZE", "RenderStopped", "environment",
+           "render"]
 
 
 class RenderStopped(Exception):
@@ -51,6 +60,9 @@ RENDER_SIZE = 64 << 20
 RANGE_ITEMS = 10_000_000
 #: The largest integer ``*`` or ``**`` may compute, in bits (C-level arithmetic no timer stops).
 POWER_BITS = 1 << 16
+#: The most address space one render may add (where it can be capped, see the module's
+#: doc): a value of :data:`RENDER_SIZE` characters takes up to 256 MiB, a few of them fit.
+RENDER_MEMORY = 2 << 30
 #: The widest ``tojson`` indent or separator (a template's are a few characters).
 JSON_INDENT = 1024
 #: The most paragraphs of ``lipsum`` one call may write.
@@ -443,14 +455,53 @@ def _disarm() -> None:
         _late = time.monotonic() >= _ends
 
 
+def _mapped() -> int | None:
+    """The bytes of address space this process maps now, where it runs one thread only
+    (Linux's ``/proc/self/stat``); else None."""
+    try:
+        fd = os.open("/proc/self/stat", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        stat = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    fields = stat.rpartition(b")")[2].split()  # after the command's name, which may hold anything
+    try:  # fields 20 and 23 of proc(5): num_threads, vsize
+        return int(fields[20]) if int(fields[17]) == 1 else None
+    except (IndexError, ValueError):
+        return None
+
+
+def _memory_cap() -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(the address-space limits now, the cap for a render: what is mapped now plus
+    :data:`RENDER_MEMORY`), where this is the process's only thread and no tighter cap is
+    set; else None. Nothing is set here."""
+    mapped = _mapped()
+    if mapped is None:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = mapped + RENDER_MEMORY
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft != resource.RLIM_INFINITY and soft <= cap:
+        return None
+    return (soft, hard), (cap, hard)
+
+
 def render(template: jinja2.Template, context: Mapping[str, Any]) -> str:
     """``template.render(**context)`` under the bounds: its output counted as it is
-    written (an item a piece, so empty pieces count too), the run timed."""
+    written (an item a piece, so empty pieces count too), the run timed, its memory capped."""
     pieces: list[str] = []
     size = 0
     _BUDGET.range_items = 0
     armed = False
+    limits = _memory_cap()
     try:
+        if limits is not None:  # before the timer runs: no tick lands between setting it and the clean-up's try
+            resource.setrlimit(resource.RLIMIT_AS, limits[1])
         if _can_arm():
             armed = True  # before the timer runs: from here on, whatever raises, it is stopped below
             _start(RENDER_SECONDS)
@@ -460,6 +511,12 @@ def render(template: jinja2.Template, context: Mapping[str, Any]) -> str:
             if size > RENDER_SIZE:
                 raise _too_big("the rendered prompt")
             pieces += batch
+    except MemoryError:
+        if limits is None:
+            raise
+        pieces.clear()
+        raise RenderStopped(f"rendering took more than {RENDER_MEMORY >> 20:,} MiB of memory "
+                            "(the chat template's bound)") from None
     finally:
         while armed:  # a tick may land before (or in) the disarming: it raised; disarm again
             try:
@@ -467,6 +524,8 @@ def render(template: jinja2.Template, context: Mapping[str, Any]) -> str:
                 armed = False
             except _Overtime:
                 pass
+        if limits is not None:  # after the timer: a tick cannot skip it
+            resource.setrlimit(resource.RLIMIT_AS, limits[0])
     return "".join(pieces)
 
 
