@@ -106,3 +106,34 @@ def test_an_optional_evidence_field_no_engine_writes_is_named_not_read_as_absent
         (rec["response"]["usage"] if where == "usage" else rec["response"]["choices"][0])[key] = value
         (row,) = reconstruct_record(rec, kimi)
         assert (row["status"], row["findings"]) == ("ok", []), (key, value)
+
+
+def test_a_usage_count_no_engine_writes_is_said_as_it_was_written(kimi, tmp_path):
+    """A count past 64 bits (orjson reads it as a float: ``1e+25`` misquotes the digits), a
+    string or a negative count is said as what it is, beside the counts that are absent."""
+    import json
+
+    from tokenbridge.reconstruct import reconstruct_file
+
+    _, base = _base(kimi)
+    cases = [
+        ({"completion_tokens": 10**25}, "usage.completion_tokens is an integer past 64 bits, not a count"),
+        ({"prompt_tokens": "39"}, "usage.prompt_tokens is '39', not a count"),
+        ({"prompt_tokens": None, "completion_tokens": -1},
+         "usage has no integer prompt_tokens; usage.completion_tokens is -1, not a count"),
+        ({"completion_tokens_details": {"reasoning_tokens": 2**64}},
+         "usage.completion_tokens_details.reasoning_tokens is an integer past 64 bits, not a count: read as absent"),
+    ]
+    lines = []
+    for k, (change, _) in enumerate(cases):
+        rec = copy.deepcopy(base)
+        rec["id"] = f"h{k}"
+        rec["response"]["usage"].update(change)
+        lines.append(json.dumps(rec))
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    reconstruct_file(src, tmp_path / "out.jsonl", kimi, workers=1)
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    said = [[f["message"] for f in row["findings"]] for row in rows]
+    assert said == [[cases[0][1] + ": that count is not checked"], [cases[1][1] + ": that count is not checked"],
+                    [cases[2][1] + ": that count is not checked"], [cases[3][1]]]

@@ -127,7 +127,9 @@ def test_usage_counts_must_be_non_negative_integers(kimi, bad):
     rec["request"]["model"] = "moonshotai/kimi-k2.5"
     row, = reconstruct_record(rec, kimi)
     assert [f["code"] for f in row["findings"]] == ["usage_missing"]
-    assert row["findings"][0]["message"] == "usage has no integer prompt_tokens / completion_tokens: that count is not checked"
+    shown = repr(bad)
+    assert row["findings"][0]["message"] == (f"usage.prompt_tokens is {shown}, not a count; usage.completion_tokens "
+                                             f"is {shown}, not a count: that count is not checked")
     assert row["status"] == "flagged"
 
 

@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
 from .content import content_text
-from .evidence import NATIVE_CUT, NATIVE_FAILED, LogprobIds, logprobs_cover, malformed, native_finish, served_by_vllm, no_finish
+from .evidence import (NATIVE_CUT, NATIVE_FAILED, LogprobIds, logprobs_cover, malformed, native_finish, no_finish,
+                       served_by_vllm, shown_value)
 from .jsonl import text_of
 from .tokenizer import Tokenizer
 
@@ -27,7 +28,7 @@ __all__ = ["CODES", "DEFAULT_POLICY", "DEFAULT_SEVERITY", "GATE_REVISION", "Find
 #: Changed whenever what reconstruct reads or the gate says of the same input changes. Every
 #: stage's fingerprint holds it, so a finished run reconstructs again after an upgrade that
 #: would judge its samples differently (the package version moves only with releases).
-GATE_REVISION = "2026-12-07.4"
+GATE_REVISION = "2026-12-07.5"
 
 #: Every finding code with its default severity and what it means.
 CODES: dict[str, tuple[str, str]] = {
@@ -563,8 +564,12 @@ def _first_diff(got: bytes, expected: bytes) -> str:
 def _usage(view: SampleView, policy: Policy) -> Iterator[_Hit]:
     missing = [what for what, pair in (("prompt_tokens", view.usage_prompt), ("completion_tokens", view.usage_completion))
                if pair is None]
-    if missing:
-        yield "usage_missing", f"usage has no integer {' / '.join(missing)}: that count is not checked"
+    if missing:  # absent, or a value no engine writes (a string, -1, past 64 bits), said as it is
+        usage = view.usage if isinstance(view.usage, Mapping) else {}
+        absent = [key for key in missing if usage.get(key) is None]
+        said = [f"usage has no integer {' / '.join(absent)}"] if absent else []
+        said += [f"usage.{key} is {shown_value(usage[key])}, not a count" for key in missing if key not in absent]
+        yield "usage_missing", f"{'; '.join(said)}: that count is not checked"
     tol = policy.usage_tolerance
     for code, pair, what in (
         ("usage_prompt_mismatch", view.usage_prompt, "prompt"),

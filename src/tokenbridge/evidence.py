@@ -31,6 +31,7 @@ from .jsonl import is_count, is_int
 from .tokenizer import Tokenizer
 
 __all__ = [
+    "shown_value",
     "NATIVE_CUT",
     "NATIVE_FAILED",
     "UNKNOWN_EMPTY",
@@ -352,15 +353,15 @@ def malformed(choice: Mapping[str, Any], usage: Mapping[str, Any] | None) -> lis
     for holder, key in _DETAILS:
         details = usage.get(holder) if isinstance(usage, Mapping) else None
         if details is not None and not isinstance(details, Mapping):
-            out.append(f"usage.{holder} is {_shown(details)}, not an object")
+            out.append(f"usage.{holder} is {shown_value(details)}, not an object")
         elif details is not None and details.get(key) is not None and not is_count(details[key]):
-            out.append(f"usage.{holder}.{key} is {_shown(details[key])}, not a count")
+            out.append(f"usage.{holder}.{key} is {shown_value(details[key])}, not a count")
     for key, fits, want in (("matched_stop", _stop_value, "a stop id or string"),
                             ("stop_reason", _stop_value, "a stop id or string"),
                             ("native_finish_reason", _is_str, "a string")):
         value = choice.get(key)
         if value is not None and not fits(value):
-            out.append(f"{key} is {_shown(value)}, not {want}")
+            out.append(f"{key} is {shown_value(value)}, not {want}")
     return out
 
 
@@ -372,7 +373,12 @@ def _is_str(value: object) -> bool:
     return isinstance(value, str)
 
 
-def _shown(value: object) -> str:
+def shown_value(value: object) -> str:
+    """A value from a response, short, for a finding: its ``repr`` up to 40 characters. An
+    integer past 64 bits, which orjson reads as a float, is said to be one (its float would
+    misquote the digits the response wrote)."""
+    if type(value) is float and value.is_integer() and abs(value) >= 2**64:
+        return "an integer past 64 bits"
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
