@@ -25,12 +25,12 @@ import functools
 import itertools
 import os
 import re
-import resource
 import signal
 import string
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 import jinja2
@@ -39,6 +39,12 @@ from jinja2.compiler import CodeGenerator, Frame
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 from jinja2.utils import Namespace
+
+resource: ModuleType | None
+try:
+    import resource
+except ImportError:  # not on Windows: no memory cap there
+    resource = None
 
 __all__ = ["POWER_BITS", "RANGE_ITEMS", "RENDER_MEMORY", "RENDER_SECONDS", "RENDER_SIZE", "RenderStopped", "environment",
            "render"]
@@ -480,7 +486,7 @@ def _memory_cap() -> tuple[tuple[int, int], tuple[int, int]] | None:
     :data:`RENDER_MEMORY`), where this is the process's only thread and no tighter cap is
     set; else None. Nothing is set here."""
     mapped = _mapped()
-    if mapped is None:
+    if mapped is None or resource is None:
         return None
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     cap = mapped + RENDER_MEMORY
@@ -500,7 +506,7 @@ def render(template: jinja2.Template, context: Mapping[str, Any]) -> str:
     armed = False
     limits = _memory_cap()
     try:
-        if limits is not None:  # before the timer runs: no tick lands between setting it and the clean-up's try
+        if limits is not None and resource is not None:  # before the timer: no tick lands before the clean-up's try
             resource.setrlimit(resource.RLIMIT_AS, limits[1])
         if _can_arm():
             armed = True  # before the timer runs: from here on, whatever raises, it is stopped below
@@ -524,7 +530,7 @@ def render(template: jinja2.Template, context: Mapping[str, Any]) -> str:
                 armed = False
             except _Overtime:
                 pass
-        if limits is not None:  # after the timer: a tick cannot skip it
+        if limits is not None and resource is not None:  # after the timer: a tick cannot skip it
             resource.setrlimit(resource.RLIMIT_AS, limits[0])
     return "".join(pieces)
 
