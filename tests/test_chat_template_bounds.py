@@ -192,7 +192,7 @@ def test_a_render_past_its_memory_stops_and_the_cap_is_lifted_after(source):
 
 def test_no_memory_cap_is_set_while_another_thread_runs():
     """The cap is the process's: another thread's allocation would fail too."""
-    code = ("import threading, time, resource\nfrom tokenbridge.chat import sandbox\n"
+    code = ("import threading\nfrom tokenbridge.chat import sandbox\n"
             "print(sandbox._memory_cap() is not None)\n"
             "done = threading.Event()\nt = threading.Thread(target=done.wait)\nt.start()\n"
             "print(sandbox._mapped(), sandbox._memory_cap())\n"
