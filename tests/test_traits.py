@@ -189,6 +189,12 @@ def test_a_probe_profile_flags_invisible_edits(tmp_path, kimi):
     # the stdlib recurses per level: this was a RecursionError, and the command's exit 8
     ("[" * 100_000, "cannot read the provider profile (nested too deeply to read)"),
     ('{"providers": ' + "1" * 5000 + "}", "cannot read the provider profile (not valid JSON (a number of more than"),
+    # a hand edit read strictly: a misspelt edit or a provider given twice let its samples pass unflagged
+    ('{"providers": [{"provider": "x", "profile": {"text_edits": ["nfc", "NFKC"]}}]}',
+     "providers[0].profile.text_edits[1]: 'NFKC' is no edit a probe names (one of crlf_to_lf, nfc, nfkc, strip, "
+     "marker_spaces)"),
+    ('[{"provider": "x", "text_edits": ["nfkc"]}, {"provider": "y"}, {"provider": "x", "text_edits": []}]',
+     "providers[2].provider: 'x' is also providers[0]: each provider once"),
 ])
 def test_a_bad_profile_names_the_field(tmp_path, body, where):
     path = tmp_path / "p.json"
@@ -276,3 +282,15 @@ def test_a_run_read_from_a_pipe_gets_its_second_pass(tmp_path, kimi):
     assert piped.status == summary.status == {"ok": 24} and piped.traits == summary.traits
     assert [str(b) for b in piped.bad_lines] == [str(b).replace(str(src), str(fifo)) for b in summary.bad_lines]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ex.jsonl", "from-file.jsonl", "from-pipe.jsonl", "pipe"]
+
+
+def test_a_profile_that_is_no_regular_file_is_refused_without_waiting(tmp_path):
+    """A FIFO no one writes to hung ``reconstruct --provider-profile`` (the run config already refused it)."""
+    import os
+
+    fifo = tmp_path / "p.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ProfileError) as err:
+        load_provider_profile(fifo)
+    assert str(err.value) == (f"{fifo}: cannot read the provider profile ([Errno 22] is a named pipe (FIFO), not a "
+                              f"regular file: '{fifo}')")

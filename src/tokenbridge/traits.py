@@ -260,17 +260,22 @@ class ProfileError(ValueError):
     """A provider profile file is unreadable or not in ``tokenbridge probe --json``'s shape."""
 
 
+#: The most of a profile file read (a probe's is a few KB).
+_PROFILE_BYTES = 64 << 20
+
+
 def load_provider_profile(path: str | Path) -> dict[str, tuple[str, ...]]:
     """Provider -> the invisible text edits ``tokenbridge probe --json`` found.
 
     Accepts the probe's own output (``{"providers": [{"provider", "profile": {...}}]}``)
     or a bare list of profiles (``[{"provider", "text_edits", ...}]``).
     """
+    from .fsio import read_small_text
     from .jsonl import JsonLineError, loads_document
 
     path = Path(path)
-    try:
-        data = loads_document(path.read_text(encoding="utf-8"), unique_keys=True)
+    try:  # a regular file: a FIFO no one writes to hung the command
+        data = loads_document(read_small_text(path, _PROFILE_BYTES), unique_keys=True)
     except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON, nested too deeply, a key twice (JsonLineError)
         field = exc.field if isinstance(exc, JsonLineError) else None
         where = f"{path}: {'providers' if field.startswith('[') else ''}{field}" if field else str(path)  # a bare list too
@@ -279,6 +284,7 @@ def load_provider_profile(path: str | Path) -> dict[str, tuple[str, ...]]:
     if not isinstance(entries, list):
         raise ProfileError(f"{path}: providers: must be a list (the output of `tokenbridge probe --json`)")
     out: dict[str, tuple[str, ...]] = {}
+    given: dict[str, int] = {}  # provider -> its entry
     for k, entry in enumerate(entries):
         where = f"{path}: providers[{k}]"
         if not isinstance(entry, dict):
@@ -294,5 +300,14 @@ def load_provider_profile(path: str | Path) -> dict[str, tuple[str, ...]]:
             edits = []
         if not isinstance(edits, list) or not all(isinstance(e, str) for e in edits):
             raise ProfileError(f"{where}.profile.text_edits: must be a list of strings or null")
-        out[name] = tuple(sorted(e for e in set(edits) if e in KNOWN_EDITS))
+        # strict, as a hand edit is read: an edit misspelled ("NFKC") or a provider given
+        # twice (the last one kept) silently let that provider's samples pass unflagged
+        for i, edit in enumerate(edits):
+            if edit not in KNOWN_EDITS:
+                raise ProfileError(f"{where}.profile.text_edits[{i}]: {edit!r} is no edit a probe names "
+                                   f"(one of {', '.join(KNOWN_EDITS)})")
+        if name in given:
+            raise ProfileError(f"{where}.provider: {name!r} is also providers[{given[name]}]: each provider once")
+        given[name] = k
+        out[name] = tuple(sorted(set(edits)))
     return out
