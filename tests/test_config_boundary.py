@@ -197,3 +197,28 @@ def test_a_builtin_path_outside_the_shipped_data_is_refused(tmp_path, kimi_dir):
     assert str(exc.value) == (
         f"{path}:17: generate.datasets[0].path: no such built-in data 'builtin:../../../../../etc/passwd' "
         "(have: builtin:prompts/chat.jsonl, builtin:prompts/plain.jsonl, builtin:prompts/sharegpt.jsonl)")
+
+
+# --- a symlink loop given as a path --------------------------------------------------------
+
+
+def test_a_symlink_loop_given_as_a_path_is_an_error_line_not_a_traceback(tmp_path, kimi_dir):
+    """pathlib's resolve() raises RuntimeError on a loop, which no caller expected: a dataset,
+    tokenizer or run folder that was one ended in a traceback and exit 8 (a cold tester's)."""
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "loop.jsonl").symlink_to("loop.jsonl")
+    gen = tmp_path / "gen.toml"
+    gen.write_text(f'model = "moonshotai/kimi-k2.5"\ntokenizer = "{kimi_dir}"\n[[datasets]]\nname = "d"\n'
+                   'path = "loop.jsonl"\n')
+    text = write_run_config(tmp_path, kimi_dir).read_text()
+    run = tmp_path / "loop.toml"
+    out_line = next(line for line in text.splitlines() if line.startswith("out = "))
+    run.write_text(text.replace(out_line, 'out = "loop"'), encoding="utf-8")
+    examples = Path(__file__).resolve().parents[1] / "examples" / "exchanges.jsonl"
+    for args in (["generate", "--config", str(gen), "--out", str(tmp_path / "r"), "--dry-run"],
+                 ["reconstruct", str(examples), "-o", str(tmp_path / "o.jsonl"), "-t", str(tmp_path / "loop")],
+                 ["run", str(run)]):
+        res = subprocess.run([sys.executable, "-m", "tokenbridge", *args], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+        assert res.returncode == 2, (args, res.stderr[-3000:])
+        assert "Traceback" not in res.stderr and res.stderr.strip().splitlines()[-1].startswith("error: "), res.stderr

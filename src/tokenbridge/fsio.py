@@ -67,6 +67,7 @@ from .jsonl import JsonLineError, dumps_line, loads_document, loads_line
 
 __all__ = [
     "FILE_MODE",
+    "real_path",
     "kind_of",
     "JsonLineError",
     "MARKER",
@@ -353,6 +354,13 @@ _datasync = getattr(os, "fdatasync", os.fsync)
 
 _KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFCHR: "a character device",
           stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def real_path(path: str | os.PathLike[str]) -> Path:
+    """``Path(path).resolve()``, except that a symlink loop is left for the next open or
+    stat to refuse (an ``OSError``, "Too many levels of symbolic links", that names the
+    path), where pathlib raises a RuntimeError no caller expects (a traceback, exit 8)."""
+    return Path(os.path.realpath(path))
 
 
 def kind_of(mode: int) -> str:

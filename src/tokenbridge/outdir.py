@@ -53,7 +53,7 @@ from typing import Any, Literal, get_args
 from collections.abc import Callable, Iterable, Mapping
 
 from .jsonl import loads_document
-from .fsio import (CARRIED, MARKER, OutputRefused, foreign_entries, is_temp_name, kind_of, marker_owned, output_file,
+from .fsio import (CARRIED, MARKER, OutputRefused, real_path, foreign_entries, is_temp_name, kind_of, marker_owned, output_file,
                    parent_problem, publish_dir, read_marker, read_small_text, unlisted_folders)
 
 __all__ = [
@@ -133,7 +133,7 @@ def run_folder_of(path: str | Path) -> Path | None:
     """The run folder (:func:`is_own_run_folder`: holding generate's store) that ``path``
     lies in, if any. A folder whose ``state.sqlite`` is the user's own database is not one:
     its lock file would be written there."""
-    p = Path(path).resolve()
+    p = real_path(path)
     for folder in (p, *p.parents):
         if os.path.lexists(folder / "state.sqlite") and is_own_run_folder(folder):
             return folder
@@ -145,13 +145,13 @@ def _protected(inputs: Iterable[Path]) -> dict[Path, str]:
     keep: dict[Path, str] = {Path("/"): "the root folder"}
     home = os.environ.get("HOME")
     if home:
-        keep.setdefault(Path(home).resolve(), "your home folder")
-    cwd = Path.cwd().resolve()
+        keep.setdefault(real_path(home), "your home folder")
+    cwd = real_path(Path.cwd())
     keep.setdefault(cwd, "the current folder")
     for parent in cwd.parents:
         keep.setdefault(parent, "a parent of the current folder")
     for item in inputs:
-        item = Path(item).resolve()
+        item = real_path(item)
         keep.setdefault(item, f"the input {item}")
         keep.setdefault(item.parent, f"the folder of the input {item}")
         for parent in item.parent.parents:
@@ -268,14 +268,14 @@ def check_output_dir(
     ``flag`` leads each message (the option, or for ``run`` the config key); ``advice`` is
     what to do about a folder of someone else's entries (default: another folder, or ``--force``)."""
     target = Path(target)
-    resolved = target.resolve()
+    resolved = real_path(target)
     why = _protected(Path(i) for i in inputs).get(resolved)
     if why:
         raise OutputRefused(f"{flag} {target}: refusing to replace {why}; give a new or empty folder")
     for item in inputs:
-        if Path(item).resolve().is_relative_to(resolved):
+        if real_path(item).is_relative_to(resolved):
             raise OutputRefused(f"{flag} {target}: refusing to replace a folder that holds the input {item}")
-        if os.path.isdir(item) and resolved.is_relative_to(Path(item).resolve()):  # a tokenizer folder, say
+        if os.path.isdir(item) and resolved.is_relative_to(real_path(item)):  # a tokenizer folder, say
             raise OutputRefused(f"{flag} {target}: lies in the input folder {item}; give a folder outside it")
     taken = run_file_problem(target)
     if taken:
@@ -375,15 +375,15 @@ def _file_problem(target: Path, inputs: list[str | Path], runs: Iterable[str | P
     for item in inputs:
         if _same_file(target, item):
             return "is the input file; give another output name"
-        if os.path.isdir(item) and real.is_relative_to(Path(item).resolve()):
+        if os.path.isdir(item) and real.is_relative_to(real_path(item)):
             return f"lies in the input folder {item}; give another output name"
-    why = _tokenbridge_file_problem(target, real, inputs, {Path(r).resolve() for r in runs})
+    why = _tokenbridge_file_problem(target, real, inputs, {real_path(r) for r in runs})
     if why is not None:
         return why
     for other_flag, other in outputs.items():
         if _same_file(target, other):
             return f"is also the {other_flag} output; give another name"
-        if Path(other).resolve().is_relative_to(real):
+        if real_path(other).is_relative_to(real):
             return f"holds the {other_flag} output {other}; give another name"
     return None
 
@@ -402,7 +402,7 @@ def _tokenbridge_file_problem(target: Path, real: Path, inputs: list[str | Path]
                     "(a file written over it corrupts that output); give another output name")
     if not os.path.lexists(target):
         return None
-    folders = ours | {real.parent} | {Path(i).resolve().parent for i in inputs}
+    folders = ours | {real.parent} | {real_path(i).parent for i in inputs}
     for folder in sorted(f for f in folders if f in ours or _looks_like_run(f)):
         for state, what in _RUN_FILES.items():
             if _same_file(real, folder / state):
@@ -446,7 +446,7 @@ def run_file_problem(target: str | Path) -> str | None:
 def _same_file(a: str | Path, b: str | Path) -> bool:
     """Whether ``a`` and ``b`` name one file: the same path once resolved, or (both
     existing) the same inode, as a hard link is."""
-    if Path(a).resolve() == Path(b).resolve():
+    if real_path(a) == real_path(b):
         return True
     try:
         return os.path.samefile(a, b)
@@ -606,7 +606,7 @@ def open_read_only(path: Path) -> Any:
 
     wal = path.with_name(path.name + "-wal")
     query = "mode=ro" if os.path.lexists(wal) else "mode=ro&immutable=1"
-    return sqlite3.connect(f"{path.resolve().as_uri()}?{query}", uri=True, timeout=5)
+    return sqlite3.connect(f"{real_path(path).as_uri()}?{query}", uri=True, timeout=5)
 
 
 def _head(path: Path) -> bytes:
@@ -632,10 +632,10 @@ def run_folder_problem(out: str | Path, *, inputs: Iterable[str | Path] = (),
     why = run_inputs_problem(out, inputs, writes)
     if why is not None:
         return why
-    resolved = out.resolve()
+    resolved = real_path(out)
     home = os.environ.get("HOME")
     what = ("the root folder" if resolved == Path("/") else "a system folder" if resolved in _SYSTEM_FOLDERS
-            else "your home folder" if home and resolved == Path(home).resolve() else None)
+            else "your home folder" if home and resolved == real_path(home) else None)
     if what:
         return f"{out}: refusing to write a run into {what}; give a new or empty folder"
     if not resolved.exists():
@@ -680,9 +680,9 @@ def run_inputs_problem(out: str | Path, inputs: Iterable[str | Path],
     may be neither the folder nor one of the files (or folders) the run ``writes`` there
     (path, symlink or hard link), nor lie inside one of them."""
     out = Path(out)
-    resolved = out.resolve()
+    resolved = real_path(out)
     for item in inputs:
-        real = Path(item).resolve()
+        real = real_path(item)
         if real == resolved:
             return (f"{out}: is the input {item}; a run writes its files into that folder: give a new or empty "
                     "folder")
@@ -716,7 +716,7 @@ def remove_own_output(target: str | Path, kind: OutputKind) -> list[str] | None:
     target = Path(target)
     if not target.is_dir() or target.is_symlink() or not _is_own(target, kind):
         return None
-    if _holds_run_folder(target.resolve()) is not None:
+    if _holds_run_folder(real_path(target)) is not None:
         return None
     owned = own_names(kind)
     kept = foreign_entries(target, owned(target))

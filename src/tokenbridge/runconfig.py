@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 
 from pydantic import AfterValidator, Field, field_validator, with_config
 
+from .fsio import real_path
 from .checks import CODES, Policy
 from .exit_codes import ExitCode
 from .export.formats import FORMATS
@@ -212,7 +213,7 @@ def load_run_config(path: str | Path) -> RunConfig:
 def _relative(value: str, base: Path) -> Path:
     """A path from the config file: relative to the file's folder."""
     given = Path(value).expanduser()
-    return given if given.is_absolute() else (base / given).resolve()
+    return given if given.is_absolute() else real_path(base / given)
 
 
 def _check_generate(
@@ -420,7 +421,7 @@ def check_out(cfg: RunConfig) -> None:
     inputs = existing_inputs(cfg.source, cfg.tokenizer, cfg.emulator, *datasets)  # none may be what the run writes
     why = run_folder_problem(cfg.out, inputs=inputs, writes=RUN_OUTPUTS)
     for item in inputs:  # a tokenizer or dataset folder: the run would write vocab/, export/... into it
-        if why is None and os.path.isdir(item) and Path(cfg.out).resolve().is_relative_to(Path(item).resolve()):
+        if why is None and os.path.isdir(item) and real_path(cfg.out).is_relative_to(real_path(item)):
             why = f"{cfg.out}: lies in the input folder {item}; give a folder outside it"
     if why is None:
         return

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from collections.abc import Iterator
 
+from ..fsio import real_path
 from .errors import GenerateError, RunFolderBusy
 
 __all__ = ["LOCK_FILE", "run_lock"]
@@ -41,7 +42,7 @@ def run_lock(run_dir: str | Path, command: str = "generate", retry: str = "or us
     ``retry`` is how the user of *this* command picks another folder."""
     run_dir = Path(run_dir)
     path = run_dir / LOCK_FILE
-    key = run_dir.resolve()
+    key = real_path(run_dir)
     with _guard:
         pid, depth = _held.get(key, (0, 0))
         if pid == os.getpid():

@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, BeforeValidator, Field, with_config
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
+from ..fsio import real_path
 from ..schema import (
     FORBID,
     Bool,
@@ -697,7 +698,7 @@ def settings_problems(
         specs = tuple(d if d.path.is_absolute() else replace(d, path=base_dir / d.path) for d in settings.datasets)
         tok = settings.tokenizer
         if tok is not None and not Path(tok).is_absolute() and (base_dir / tok).exists():
-            tok = str((base_dir / tok).resolve())  # relative to the config file, like dataset paths
+            tok = str(real_path(base_dir / tok))  # relative to the config file, like dataset paths
         settings = replace(settings, datasets=specs, tokenizer=tok)
     return settings, problems
 

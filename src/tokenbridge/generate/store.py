@@ -66,7 +66,7 @@ from typing import Any
 from collections.abc import Iterable, Iterator
 
 from ..exit_codes import ExitCode
-from ..fsio import PRIVATE_MODE
+from ..fsio import PRIVATE_MODE, real_path
 from ..jsonl import is_count, loads_document
 from ..outdir import store_problem
 from .body import MAX_PLAUSIBLE_COST, MAX_PLAUSIBLE_TOKENS
@@ -410,7 +410,7 @@ class Store:
         # SQLite makes the WAL's two files beside a WAL database even to read it
         made = not any(os.path.lexists(f"{path}{end}") for end in _WAL_FILES)
         try:
-            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=60.0, isolation_level=None,
+            conn = sqlite3.connect(f"{real_path(path).as_uri()}?mode=ro", uri=True, timeout=60.0, isolation_level=None,
                                    check_same_thread=False)
             try:
                 row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
