@@ -159,6 +159,49 @@ def test_folder_of_files_in_name_order(tmp_path):
         load_prompts([_spec(tmp_path / "pipe")])
 
 
+def test_a_folder_reads_its_prompt_files_in_any_case_and_says_what_else_it_holds(tmp_path):
+    """A cold tester's folder of a.jsonl, b.json, c.JSONL, d.ndjson and sub/e.jsonl sent one
+    sample and said nothing of the rest: the upper-case suffix is read, the others are named."""
+    from tokenbridge.generate.prompts import unread_entries
+    from tokenbridge.generate.run import folders_unread
+    from tokenbridge.generate.settings import GenerateSettings
+
+    d = tmp_path / "prompts"
+    (d / "sub").mkdir(parents=True)
+    for name in ("a.jsonl", "b.json", "c.JSONL", "d.ndjson", "sub/e.jsonl", ".hidden.jsonl"):
+        _write_jsonl(d / name, [{"id": name.split("/")[-1].split(".")[0] or "h", "prompt": name}])
+    spec = _spec(d, "f")
+    assert [s.id for s in load_prompts([spec]).samples] == ["f-a", "f-c"]
+    assert unread_entries(spec) == ["b.json", "d.ndjson", "sub/"]
+    settings = GenerateSettings(datasets=(spec,))
+    assert folders_unread(settings) == [
+        f"dataset f ({d}): 3 entries not read (b.json, d.ndjson, sub/): a folder's prompt files are its .jsonl, "
+        ".parquet and .arrow files"]
+    assert unread_entries(_spec(d / "a.jsonl")) == []
+
+
+@pytest.mark.parametrize(("text", "kind", "jq"), [
+    ('[\n  {"id": "a", "prompt": "first"},\n  {"id": "b", "prompt": "second"}\n]\n', "array", ".[]"),
+    ('{\n  "id": "a",\n  "prompt": "first"\n}\n', "object", "."),
+])
+def test_a_file_that_is_one_json_document_over_lines_is_refused_whole(tmp_path, text, kind, jq):
+    """Read line by line, a pretty-printed array gave a bad row a line and a sample of its
+    one line that happened to be a whole object (a cold tester's)."""
+    path = tmp_path / "data.json"
+    path.write_text(text)
+    with pytest.raises(PromptSourceError) as err:
+        load_prompts([_spec(path, "d")])
+    assert str(err.value) == (f"dataset 'd': {path}: one JSON {kind} over several lines, not JSON lines: prompts "
+                              f"are read one object per line (`jq -c {jq} FILE` writes it so)")
+    # a JSON-lines file whose first line is cut is still read line by line: one bad row
+    path.write_text('{"id": "a", "prom\n{"id": "b", "prompt": "second"}\n')
+    loaded = load_prompts([_spec(path, "d")])
+    assert [s.id for s in loaded.samples] == ["d-b"] and [e.location for e in loaded.errors] == ["line 1"]
+    path.write_text('[{"id": "a", "prompt": "first"}]\n')  # an array on one line: one bad row that says so
+    (err_row,) = load_prompts([_spec(path, "d")]).errors
+    assert err_row.message == "expected a JSON object, got list (an array of rows? one object a line)"
+
+
 def test_a_source_that_cannot_be_read_names_its_dataset_then_its_file(tmp_path):
     """With several datasets, "state.json: not a readable save_to_disk state" did not say
     which dataset it was; every whole-source error now starts with the dataset's name."""
@@ -222,6 +265,9 @@ def test_dataset_args_and_config_file(tmp_path):
     assert parse_dataset_arg("data/b9.parquet").name == "b9"
     with pytest.raises(ConfigError, match="dataset name"):
         parse_dataset_arg("bad name=x.jsonl")
+    for empty in ("b3=", "b3= "):  # Path("") is the working folder: every prompt file there was read
+        with pytest.raises(ConfigError, match=r"prompt argument 'b3= ?': no path \(give name=FILE or a folder\)"):
+            parse_dataset_arg(empty)
     cfg = tmp_path / "gen.toml"
     cfg.write_text(
         """
@@ -400,3 +446,13 @@ def test_a_stored_legacy_id_is_not_taken_by_a_row_while_another_row_has_it():
     assert keep_stored_ids(rows, {"d-d-5"}) == (rows, ["d-5", "d-d-5"])
     old = [("chat-001", "chat", "r", "h")]
     assert keep_stored_ids(old, {"chat-chat-001"}) == ([("chat-chat-001", "chat", "r", "h")], ["chat-chat-001"])
+
+
+def test_an_empty_dataset_path_in_a_config_is_refused_not_read_as_its_folder(tmp_path):
+    """``path = ""`` was joined to the config's folder: every prompt file beside it was sent."""
+    _write_jsonl(tmp_path / "notes.jsonl", [{"id": "x", "prompt": "unrelated"}])
+    cfg = tmp_path / "gen.toml"
+    cfg.write_text('model = "m/m"\n[[datasets]]\nname = "d"\npath = ""\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    assert str(err.value) == f"{cfg}:4: datasets[0].path: must name a file or folder (it is empty)"

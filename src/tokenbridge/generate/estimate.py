@@ -83,7 +83,7 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
     nothing. Refuses what the run would refuse before sending (a renamed dataset; done
     samples made with other settings, unless ``force_settings``)."""
     from ..chat import RENDER_FAILURES
-    from .run import check_sendable, gave_nothing, refuse_as_the_run, store_row, tools_unsent
+    from .run import check_sendable, folders_unread, gave_nothing, refuse_as_the_run, store_row, tools_unsent
     from .secrets import read_api_key
 
     check_sendable(settings)
@@ -104,7 +104,7 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
             if done_ids and c:
                 observed = c / len(done_ids)
     count, approximate, notes = _counter(settings)
-    notes += gave_nothing(settings, loaded) + tools_unsent(settings, loaded)  # as the run warns
+    notes += gave_nothing(settings, loaded) + tools_unsent(settings, loaded) + folders_unread(settings)  # as the run warns
     per: dict[str, dict[str, int]] = {}
     total = longest = 0
     to_send = 0

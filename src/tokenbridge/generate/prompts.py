@@ -48,7 +48,8 @@ from ..jsonl import JsonLineError, loads_finite, loads_line, number_too_long
 from .errors import GenerateError
 from .settings import DatasetSpec
 
-__all__ = ["SHOWN_BAD_ROWS", "LoadedPrompts", "PromptSourceError", "RowError", "Sample", "load_prompts", "sample_from_row"]
+__all__ = ["SHOWN_BAD_ROWS", "LoadedPrompts", "PromptSourceError", "RowError", "Sample", "load_prompts", "sample_from_row",
+           "unread_entries"]
 
 MAX_DEPTH = 64
 #: Bad rows a run or a dry run prints; then how many more, and where they are all listed.
@@ -159,7 +160,8 @@ def sample_from_row(row: Any, dataset: str, *, source: str = "") -> Sample:  # n
         bad = next(v for v in row.values() if isinstance(v, _BadCell))
         raise _BadRow(bad.field, bad.message)
     if not isinstance(row, dict):
-        raise _BadRow("<row>", f"expected a JSON object, got {type(row).__name__}")
+        rows = " (an array of rows? one object a line)" if isinstance(row, list) and row and isinstance(row[0], dict) else ""
+        raise _BadRow("<row>", f"expected a JSON object, got {type(row).__name__}{rows}")
     messages = _conversation(row)
     while messages and messages[-1]["role"] == "assistant":
         messages.pop()
@@ -443,7 +445,7 @@ def _iter_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
         raise PromptSourceError(f"{path} is not a file or a folder")
     try:  # a folder without read or search permission: the folder is what cannot be read
         saved = [name for name in ("dataset_dict.json", "state.json") if (path / name).exists()]
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".jsonl", ".parquet", ".arrow"))
+        files, _ = _folder_files(path)
     except OSError as exc:
         raise _unreadable(path, exc) from None
     if "dataset_dict.json" in saved:
@@ -456,6 +458,37 @@ def _iter_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
         raise PromptSourceError(f"{path} holds no .jsonl/.parquet files and no save_to_disk data")
     for f in files:
         yield from _iter_file(f)
+
+
+#: The prompt files a folder's listing reads, by suffix in any case (``A.JSONL`` too).
+_FOLDER_SUFFIXES = (".jsonl", ".parquet", ".arrow")
+
+
+def _folder_files(folder: Path) -> tuple[list[Path], list[str]]:
+    """The prompt files of ``folder`` in name order, and the names of its other entries
+    (sub-folders end in ``/``; hidden ones are left out of both): those are not read."""
+    files, other = [], []
+    for p in sorted(folder.iterdir()):
+        if p.name.startswith("."):
+            continue
+        if p.is_file() and p.suffix.lower() in _FOLDER_SUFFIXES:
+            files.append(p)
+        else:
+            other.append(p.name + ("/" if p.is_dir() else ""))
+    return files, other
+
+
+def unread_entries(spec: DatasetSpec) -> list[str]:
+    """What a dataset folder of prompt files holds besides them, which is not read (a
+    ``.json`` file, a sub-folder): said, so nothing is left out in silence. Nothing for a
+    file or a ``save_to_disk`` folder (its metadata files are read through its state)."""
+    path = spec.path
+    try:
+        if not path.is_dir() or any((path / name).exists() for name in ("dataset_dict.json", "state.json")):
+            return []
+        return _folder_files(path)[1]
+    except OSError:  # the read says why
+        return []
 
 
 def _check_regular(path: Path) -> None:
@@ -479,11 +512,12 @@ def _read_meta(path: Path) -> Any:
 
 
 def _iter_file(path: Path) -> Iterator[tuple[str, str, Any]]:
-    if path.suffix == ".parquet":
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
         yield from _iter_parquet(path)
-    elif path.suffix == ".arrow":
+    elif suffix == ".arrow":
         yield from _iter_arrow(path)
-    elif path.suffix in (".jsonl", ".json"):
+    elif suffix in (".jsonl", ".json"):
         yield from _iter_jsonl(path)
     else:
         raise PromptSourceError(f"{path}: unknown prompt file type (expected .jsonl, .parquet or .arrow)")
@@ -494,7 +528,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, Any]]:
         fh = path.open("rb")
     except OSError as exc:  # no permission; replaced by a folder or removed since it was listed
         raise _unreadable(path, exc) from None
-    lineno = 0
+    lineno, first = 0, True
     with fh:
         try:
             for lineno, raw in enumerate(fh, start=1):
@@ -503,15 +537,37 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, Any]]:
                 try:
                     row = _loads(raw)
                 except _NotJson as exc:
+                    if first and raw.lstrip()[:1] in (b"[", b"{") and (kind := _one_document(path)):
+                        raise PromptSourceError(
+                            f"{path}: one JSON {kind} over several lines, not JSON lines: prompts are read one "
+                            f"object per line (`jq -c {'.[]' if kind == 'array' else '.'} FILE` writes it so)") from None
                     row = _Unparsable(exc.reason)
                 else:
                     # only a \uD800-\uDFFF escape makes a lone surrogate (Arrow strings are decoded as UTF-8)
                     if isinstance(row, dict) and _SURROGATE_ESCAPE.search(raw):
                         row = _MaybeSurrogates(row)
+                first = False
                 yield str(path), f"line {lineno}", row
         except OSError as exc:  # a read error (EIO) part way: the rows after it are not there
             raise PromptSourceError(f"{path}: unreadable after line {lineno} "
                                     f"({os.strerror(exc.errno) if exc.errno else exc})") from None
+
+
+#: The largest file read whole to tell whether it is one JSON document (a pretty-printed array).
+_DOCUMENT_BYTES = 256 << 20
+
+
+def _one_document(path: Path) -> str | None:
+    """"array" or "object" where the whole file is one JSON value of that kind written over
+    several lines (``json.dump(rows, f, indent=2)``), which read line by line gave a bad row
+    a line and a sample of any line that happened to be an object; else None."""
+    try:
+        if path.stat().st_size > _DOCUMENT_BYTES:
+            return None
+        value = _loads(path.read_bytes())
+    except (OSError, _NotJson):
+        return None
+    return "array" if isinstance(value, list) else "object" if isinstance(value, dict) else None
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, str, Any]]:

@@ -33,6 +33,7 @@ import orjson
 
 from .. import __version__, digests
 from ..digests import Digest, file_identity, read_digest
+from ..display import printable
 from ..exit_codes import ExitCode
 from ..interrupt import stop_on_signals
 from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, output_file, write_bytes
@@ -43,7 +44,7 @@ from .engine import DRAIN_S, Engine, StopReason, WorkItem
 from .errors import AlreadyAnswered, SettingsChanged
 from .lock import run_lock
 from .progress import Reporter
-from .prompts import SHOWN_BAD_ROWS, LoadedPrompts, Sample, keep_stored_ids, load_prompts
+from .prompts import SHOWN_BAD_ROWS, LoadedPrompts, Sample, keep_stored_ids, load_prompts, unread_entries
 from .request import build_request
 from .secrets import ApiKey, check_api_key, placeholder_notice, read_api_key, scrub
 from .settings import ConfigError, GenerateSettings, endpoint_identity, is_loopback_url, plain_http_problem
@@ -262,7 +263,7 @@ def _load_rows(settings: GenerateSettings, reporter: Reporter) -> tuple[list[_Ro
         reporter.log(f"bad row: {err}")
     if len(loaded.errors) > SHOWN_BAD_ROWS:
         reporter.log(f"... {len(loaded.errors) - SHOWN_BAD_ROWS} more bad rows (all listed in {SUMMARY_FILE})")
-    for line in gave_nothing(settings, loaded) + tools_unsent(settings, loaded):
+    for line in gave_nothing(settings, loaded) + tools_unsent(settings, loaded) + folders_unread(settings):
         reporter.log(f"warning: {line}", warn=True)
     rows = [store_row(s, settings) for s in loaded.samples]
     return rows, [str(e) for e in loaded.errors]
@@ -275,6 +276,19 @@ def gave_nothing(settings: GenerateSettings, loaded: LoadedPrompts) -> list[str]
     given = {s.dataset for s in loaded.samples}
     return [f"dataset {spec.name} ({spec.path}) gave no prompt: nothing of it is sent" for spec in settings.datasets
             if spec.name not in given and (spec.limit if spec.limit is not None else settings.limit) != 0]
+
+
+def folders_unread(settings: GenerateSettings) -> list[str]:
+    """A line for each dataset folder holding entries that are not prompt files (a ``.json``
+    file, a sub-folder), which are not read: a folder of a thousand files that sent one
+    said nothing of the rest."""
+    out = []
+    for spec in settings.datasets:
+        if other := unread_entries(spec):
+            shown = ", ".join(map(printable, other[:5])) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
+            out.append(f"dataset {spec.name} ({spec.path}): {len(other)} entr{'y' if len(other) == 1 else 'ies'} not "
+                       f"read ({shown}): a folder's prompt files are its .jsonl, .parquet and .arrow files")
+    return out
 
 
 def tools_unsent(settings: GenerateSettings, loaded: LoadedPrompts) -> list[str]:

@@ -586,6 +586,8 @@ def parse_dataset_arg(arg: str, *, limit: int | None = None) -> DatasetSpec:
     name, sep, path = arg.partition("=")
     if not sep or "/" in name or not name:
         path, name = arg, _stem(arg)
+    if not path.strip():  # Path("") is the working folder: every prompt file there was read
+        raise ConfigError(f"prompt argument {arg!r}: no path (give name=FILE or a folder)")
     _check_name(name, f"prompt argument {arg!r}")
     return DatasetSpec(name=name, path=Path(path), limit=limit)
 
@@ -709,6 +711,9 @@ def _dataset_entry(d: Any, i: int, where: Where, problems: list[str]) -> Any:
     if "\x00" in d["path"]:  # a path with one is an OS error (a traceback) at its first use
         problems.append(where.problem(("datasets", i, "path"), "must not contain a NUL character"))
         return {**d, "path": d["path"].replace("\x00", "")}
+    if not d["path"].strip():  # joined to the config's folder, it read every prompt file there
+        problems.append(where.problem(("datasets", i, "path"), "must name a file or folder (it is empty)"))
+        return d
     d = {"name": _stem(d["path"]), **d}
     if d["path"].startswith(_BUILTIN):
         path = _builtin_path(d["path"])
