@@ -254,6 +254,11 @@ def test_cost_and_budget_reservations():
     assert cost_of({"cost": 0.25, "prompt_tokens": 10}, prices) == 0.25
     assert cost_of({"prompt_tokens": 1_000_000, "completion_tokens": 500_000}, prices) == 2.0
     assert cost_of({"prompt_tokens": 1}, None) is None
+    # counts absent are unknown, not zero: usage {} was booked at $0 and --max-cost never stopped the run
+    for usage in ({}, {"total_tokens": 15}, {"prompt_tokens": 10}, {"completion_tokens": 10},
+                  {"prompt_tokens": 10, "completion_tokens": None}):
+        assert cost_of(usage, prices) is None, usage
+    assert cost_of({"prompt_tokens": 10, "completion_tokens": 0}, prices) == pytest.approx(1e-5)
 
     b = Budget(max_cost=1.0, prices=prices)  # each request reserves 0.3 (100k prompt + 100k completion)
     r = [b.admit(100_000, 100_000) for _ in range(4)]

@@ -103,9 +103,9 @@ def cost_of(usage: Mapping[str, Any] | None, prices: Prices | None) -> float | N
         return checked.cost
     if prices is None or checked.usage is None:
         return None
-    if any(name in usage and getattr(checked, name) is None for name in ("prompt_tokens", "completion_tokens")):
-        return None  # present but unusable: the tokens are unknown
-    return prices.cost(checked.prompt_tokens or 0, checked.completion_tokens or 0)
+    if checked.prompt_tokens is None or checked.completion_tokens is None:
+        return None  # absent or unusable: the tokens are unknown (``usage: {}`` was booked at $0, uncapped)
+    return prices.cost(checked.prompt_tokens, checked.completion_tokens)
 
 
 def estimate_prompt_tokens(request_json: str) -> int:
