@@ -108,6 +108,15 @@ def cost_of(usage: Mapping[str, Any] | None, prices: Prices | None) -> float | N
     return prices.cost(checked.prompt_tokens, checked.completion_tokens)
 
 
+def reserved_tokens(request_json: str, request: Mapping[str, Any]) -> tuple[int, int]:
+    """(prompt, completion) tokens a request's reservation prices: the prompt's upper bound
+    (:func:`estimate_prompt_tokens`) and its ``max_tokens`` (or :data:`DEFAULT_RESERVE_TOKENS`)
+    for each of its ``n`` choices."""
+    n = request.get("n") or 1
+    reserve = (request.get("max_tokens") or request.get("max_completion_tokens") or DEFAULT_RESERVE_TOKENS) * n
+    return estimate_prompt_tokens(request_json), reserve
+
+
 def estimate_prompt_tokens(request_json: str) -> int:
     """An upper bound on the prompt tokens: a BPE token covers at least one byte of text,
     and the JSON around the texts outweighs the template's role markers."""
@@ -218,6 +227,13 @@ class Budget:
     #: requests still in flight that ``[prices]`` reserved when it proved too low: their
     #: answers settle first and bear out no learned price (each was not priced by one)
     _table_flight: int = 0
+
+    def table_shown_low(self, cost: float, reservation: float) -> None:
+        """An answer stored by an earlier run cost more than ``[prices]`` reserves for its
+        request: the table is not trusted from the start, as it was not once the run saw it
+        (a resume trusted it again and sent a batch at once past the cap)."""
+        if self.overrun is None:
+            self.overrun = (cost, reservation)
 
     @property
     def priced(self) -> bool:

@@ -60,7 +60,7 @@ import orjson
 
 from ..fsio import kill_point
 from .body import CheckedUsage, ResponseTooLarge, checked_usage, read_capped
-from .budget import DEFAULT_RESERVE_TOKENS, Budget, cost_of, estimate_prompt_tokens, usd
+from .budget import Budget, cost_of, reserved_tokens, usd
 from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_response, classify_too_large
 from .limiter import AdaptiveLimiter
 from .progress import RateMeter
@@ -111,9 +111,8 @@ class WorkItem:
     @classmethod
     def from_stored(cls, s: StoredSample) -> WorkItem:
         req = json.loads(s.request)
-        n = req.get("n") or 1
-        reserve = (req.get("max_tokens") or req.get("max_completion_tokens") or DEFAULT_RESERVE_TOKENS) * n
-        return cls(s.id, s.seq, s.request, s.attempts, estimate_prompt_tokens(s.request), reserve, routing_key(req),
+        prompt, reserve = reserved_tokens(s.request, req)
+        return cls(s.id, s.seq, s.request, s.attempts, prompt, reserve, routing_key(req),
                    send_anyway=s.error_class == "no_endpoints_skipped")
 
 

@@ -38,7 +38,7 @@ from ..exit_codes import ExitCode
 from ..interrupt import stop_on_signals
 from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, output_file, write_bytes
 from ..jsonl import dumps_document, text_of
-from .budget import Budget
+from .budget import Budget, reserved_tokens, usd
 from .body import BodyError, check_body, one_line
 from .engine import DRAIN_S, Engine, StopReason, WorkItem
 from .errors import AlreadyAnswered, SettingsChanged
@@ -47,7 +47,7 @@ from .progress import Reporter
 from .prompts import SHOWN_BAD_ROWS, LoadedPrompts, Sample, keep_stored_ids, load_prompts, unread_entries
 from .request import build_request
 from .secrets import ApiKey, check_api_key, placeholder_notice, read_api_key, scrub
-from .settings import ConfigError, GenerateSettings, endpoint_identity, is_loopback_url, plain_http_problem
+from .settings import ConfigError, GenerateSettings, Prices, endpoint_identity, is_loopback_url, plain_http_problem
 from .store import EXCHANGES_FILE, STATE_FILE, Store, StoreError
 
 __all__ = [
@@ -370,7 +370,9 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, key: ApiK
         pending = store.samples(ids, status="pending")
         statuses = store.statuses()
         spent_before, possible_before = store.total_cost(), store.possible_cost()
-        observations = list(store.price_observations()) if settings.max_cost and not settings.prices else []
+        shown_low = _table_shown_low(store, settings.prices) if settings.max_cost and pending else None
+        learns = settings.max_cost and (not settings.prices or shown_low is not None)
+        observations = list(store.price_observations()) if learns else []
     except BaseException as exc:  # Ctrl-C too: the run's row says how it ended, not NULL
         _close_run(store, run, exc)
         if isinstance(exc, sqlite3.Error):
@@ -382,11 +384,31 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, key: ApiK
                      f"(killed?) are booked at their reservations as possibly billed (${possible_before:.4f} in all)",
                      warn=True)
     budget = Budget(settings.max_cost, settings.prices, spent=spent_before, possible=possible_before)
+    if shown_low is not None:
+        budget.table_shown_low(*shown_low)
+        reporter.log(f"[prices] reserved {usd(shown_low[1])} for a request an earlier run stored at {usd(shown_low[0])}: "
+                     "under --max-cost, requests are priced by the costs seen instead", warn=True)
     for prov, p, c, k in observations:
         budget.observe(prov, p, c, k)
     return _Begun(run=run, ids=ids, already_done=sum(1 for i in set(ids) if statuses.get(i) == "done"),
                   pending=[WorkItem.from_stored(s) for s in pending],
                   budget=budget, spent_before=spent_before, changed=changed, kept_old=kept_old)
+
+
+def _table_shown_low(store: Store, prices: Prices | None) -> tuple[float, float] | None:
+    """(cost, reservation) of the first stored answer that cost more than ``prices`` reserves
+    for its request (the run that stored it stopped trusting the table then), or None."""
+    if prices is None:
+        return None
+    for request_json, cost in store.costed_requests():
+        try:
+            request = json.loads(request_json)
+        except ValueError:  # a store row no run of this version wrote: nothing to learn from it
+            continue
+        reservation = prices.cost(*reserved_tokens(request_json, request))
+        if cost > reservation * (1 + 1e-9):
+            return cost, reservation
+    return None
 
 
 async def _send(engine: Engine, pending: list[WorkItem], reporter: Reporter, signals: bool) -> float:

@@ -654,6 +654,14 @@ class Store:
             if p is not None and c is not None and _plausible_cost(cost):
                 yield prov or "", p, c, float(cost)
 
+    def costed_requests(self) -> Iterator[tuple[str, float]]:
+        """(request JSON, cost) of stored responses with a plausible cost."""
+        for request, cost in self._conn.execute(
+            "SELECT s.request, r.cost FROM responses r JOIN samples s ON s.id = r.sample_id WHERE r.cost IS NOT NULL"
+        ):
+            if _plausible_cost(cost):
+                yield request, float(cost)
+
     def token_totals(self) -> tuple[int, int, float]:
         """(prompt tokens, completion tokens, cost) over stored responses that report usage."""
         p = c = 0
