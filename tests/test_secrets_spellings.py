@@ -165,6 +165,42 @@ def test_the_hex_of_a_key_is_masked_in_either_case(key, upper):
     assert scrub(f"<< {text} >>", key) == "<< *** >>"
 
 
+_DUMPS = {  # a byte -> its place in a dump, and what stands between bytes
+    "spaced": ("{:02x}", " "), "colons": ("{:02X}", ":"), "dashes": ("{:02x}", "-"), "commas": ("{:02x}", ","),
+    "python": ("\\x{:02x}", ""), "c": ("0x{:02x}", ", "), "c-packed": ("0x{:02X}", ""),
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(KEYS, st.sampled_from(sorted(_DUMPS)), st.sampled_from(["", "Bearer ", "Authorization: Bearer "]),
+       st.integers(0, 2), st.data())
+def test_a_hex_dump_of_a_key_written_a_byte_at_a_time_is_masked(key, form, lead, levels, data):
+    """An error page that dumps the request's header bytes with a space between them
+    (``42 65 61 72 ...``) put the key on stderr, in generate.json and in the store (a cold
+    tester's); so would ``\\x73\\x6b`` or ``0x73, 0x6b``. At MIN_MASKED key bytes it is masked,
+    below that it is kept."""
+    spell, sep = _DUMPS[form]
+    raw = (lead + key).encode("utf-8")
+    dump = sep.join(spell.format(b) for b in raw)
+    text = f"<< {dump} >>"
+    for _ in range(levels):  # inside JSON, or JSON inside JSON
+        text = json.dumps({"error": text})
+    out = scrub(text, key)
+    assert out != text
+    own = key.encode("utf-8")
+    for n in range(len(own) - MIN_MASKED + 1):  # no MIN_MASKED bytes of the key are left in the dump
+        assert sep.join(spell.format(b) for b in own[n : n + MIN_MASKED]).lower() not in out.lower()
+    short = sep.join(spell.format(b) for b in own[: MIN_MASKED - 1])
+    assert scrub(f"<< {short} >>", key) == f"<< {short} >>"
+
+
+def test_hex_dumps_of_other_bytes_and_prose_are_kept():
+    key = "sk-or-v1-" + "0123456789abcdef" * 4
+    for text in ("de ad be ef " * 20, " ".join(f"{b:02x}" for b in b"sk-or-v1-012345"), "0x1f, " * 40,
+                 "\\x00" * 40, "a bed de ad fa ce " * 10):
+        assert scrub(text, key) == text
+
+
 @settings(max_examples=100, deadline=None)
 @given(KEYS, st.sampled_from([bytes.upper, bytes.lower]), st.sampled_from(["raw", "json", "url"]))
 def test_the_key_in_the_other_case_is_masked(key, case, spelling):
