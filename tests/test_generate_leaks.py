@@ -180,8 +180,41 @@ def test_compressed_key_looks_inside_gzip_within_the_limit():
     for _ in range(4):
         deep = gzip.compress(deep)
     assert compressed_key(deep, SECRET, limit=1000) is None
-    assert compressed_key(gzip.compress(deep), SECRET, limit=1000) == ("is gzip nested more than 4 deep, so it cannot "
+    assert compressed_key(gzip.compress(deep), SECRET, limit=1000) == ("is compressed more than 4 deep, so it cannot "
                                                                        "be checked for the API key")
+
+
+def _raw_deflate(data: bytes) -> bytes:
+    pack = zlib.compressobj(wbits=-15)
+    return pack.compress(data) + pack.flush()
+
+
+def test_compressed_key_looks_inside_zlib_raw_deflate_and_bzip2_too():
+    """A 200 sent as zlib, raw deflate (HTTP's "deflate" coding, either way) or bzip2 without
+    Content-Encoding kept the key compressed in its attempt row (a cold tester's)."""
+    import bz2
+
+    inner = f'{{"echo": "Bearer {SECRET}"}}'.encode()
+    for kind, pack in (("zlib", zlib.compress), ("deflate", _raw_deflate), ("bzip2", bz2.compress)):
+        assert compressed_key(pack(inner), SECRET, limit=1000) == f"is {kind} that holds the API key"
+        assert compressed_key(pack(b'{"ok": 1}'), SECRET, limit=1000) is None
+        assert compressed_key(gzip.compress(pack(inner)), SECRET, limit=1000) == f"is {kind} that holds the API key"
+        assert compressed_key(pack(b"0" * 10_000_000), SECRET, limit=1 << 20) == (
+            f"is {kind} that does not inflate within 1048576 bytes, so it cannot be checked for the API key")
+    for other in (bytes(range(256)) * 20, b"\x78\x9c not zlib at all", b"BZh9 not bzip2", b"plain text"):
+        assert compressed_key(other, SECRET, limit=1000) is None  # only looks compressed: kept, as received
+
+
+def test_a_zlib_body_that_holds_the_key_is_not_kept_in_its_attempt_row(tmp_path):
+    async def reply(request: web.Request) -> web.StreamResponse:
+        text = json.dumps({"error": "x", "echo": request.headers["Authorization"]})
+        return web.Response(body=zlib.compress(text.encode()), headers={"Content-Type": "application/json"})
+
+    _, summary = _run(tmp_path, 1, reply)
+    assert "a paid answer that was not kept is zlib that holds the API key: its bytes are not kept in its attempt row" \
+        in summary.notices
+    con = sqlite3.connect(tmp_path / "run" / "state.sqlite")
+    assert con.execute("SELECT body FROM attempts").fetchall() == [(None,)]
 
 
 # --- the key in base_url's path -----------------------------------------------------------

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import base64
 import bisect
+import bz2
 import os
 import re
 import string
@@ -229,25 +230,31 @@ _MAX_GZIP_DEPTH = 4
 
 def compressed_key(data: bytes, key: ApiKey | str | None, *, limit: int) -> str | None:
     """Why ``data`` (bytes kept as received, key already masked in them) must not be kept
-    after all: it is gzip (a server sent a gzip body without ``Content-Encoding``, so nothing
-    inflated it) and what it inflates to holds the key, where no spelling of the raw bytes
-    shows it; or it cannot be inflated within ``limit`` bytes to tell. None when it can be
-    kept (it is no gzip, or holds no key)."""
+    after all: it is compressed (a server sent a gzip, zlib, raw deflate or bzip2 body
+    without ``Content-Encoding``, so nothing inflated it) and what it inflates to holds the
+    key, where no spelling of the raw bytes shows it; or gzip that cannot be inflated within
+    ``limit`` bytes to tell (any of them past ``limit``). None when it can be kept (it is not
+    compressed, or holds no key)."""
     value = key.value if isinstance(key, ApiKey) else key
     if not value or len(value) < MIN_MASKED:
         return None
     for _ in range(_MAX_GZIP_DEPTH):
-        if not data.startswith(_GZIP_MAGIC):
+        kind = _compression(data)
+        if kind is None:
             return None
-        inflated = _inflated(data, limit)
+        inflated = _inflated(data, limit) if kind == "gzip" else _unpacked(data, kind, limit)
         if inflated is None:
-            return f"is gzip that does not inflate within {limit} bytes, so it cannot be checked for the API key"
+            if kind == "gzip":  # its magic says it is: unreadable, it cannot be checked
+                return f"is gzip that does not inflate within {limit} bytes, so it cannot be checked for the API key"
+            return None  # bytes that only looked compressed (no zlib or bzip2 stream, no deflate data)
+        if inflated is _TOO_BIG:
+            return f"is {kind} that does not inflate within {limit} bytes, so it cannot be checked for the API key"
         if scrub_bytes(inflated, value) != inflated:
-            return "is gzip that holds the API key"
+            return f"is {kind} that holds the API key"
         data = inflated
-    if not data.startswith(_GZIP_MAGIC):
+    if _compression(data) is None:
         return None
-    return f"is gzip nested more than {_MAX_GZIP_DEPTH} deep, so it cannot be checked for the API key"
+    return f"is compressed more than {_MAX_GZIP_DEPTH} deep, so it cannot be checked for the API key"
 
 
 def _inflated(data: bytes, limit: int) -> bytes | None:
@@ -265,6 +272,40 @@ def _inflated(data: bytes, limit: int) -> bytes | None:
             return None
         rest = member.unused_data
     return bytes(out + rest) if len(out) + len(rest) <= limit else None
+
+
+#: What :func:`_unpacked` returns for a stream that inflates past its limit.
+_TOO_BIG = b"\0too big"
+
+
+def _compression(data: bytes) -> str | None:
+    """How ``data`` looks compressed: gzip and bzip2 by their magic, zlib by its header (a
+    deflate method and a check that 1 in 31 byte pairs pass), raw deflate (no header at
+    all) only where the bytes are no UTF-8 text; else None."""
+    if data.startswith(_GZIP_MAGIC):
+        return "gzip"
+    if data[:3] == b"BZh" and data[3:4].isdigit():
+        return "bzip2"
+    if len(data) >= 2 and data[0] & 0x0F == 8 and data[0] >> 4 <= 7 and (data[0] << 8 | data[1]) % 31 == 0:
+        return "zlib"
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "deflate" if data else None
+    return None
+
+
+def _unpacked(data: bytes, kind: str, limit: int) -> bytes | None:
+    """One zlib, raw deflate or bzip2 stream at the start of ``data`` inflated; None where it
+    is no whole stream of that kind, :data:`_TOO_BIG` where it inflates past ``limit``."""
+    unpack = bz2.BZ2Decompressor() if kind == "bzip2" else zlib.decompressobj(wbits=15 if kind == "zlib" else -15)
+    try:
+        out = unpack.decompress(data, limit + 1)
+    except (OSError, ValueError, zlib.error):  # bz2 raises OSError on bad data
+        return None
+    if len(out) > limit:
+        return _TOO_BIG
+    return out if unpack.eof else None
 
 
 #: The wide charsets a server may send text in (``Content-Type: ...; charset=utf-16``), each
