@@ -71,12 +71,18 @@ from collections.abc import Mapping
 from .body import checked_usage
 from .settings import Prices
 
-__all__ = ["Budget", "PriceBounds", "cost_of", "estimate_prompt_tokens", "usd"]
+__all__ = ["IMAGE_RESERVE_TOKENS", "Budget", "PriceBounds", "cost_of", "estimate_prompt_tokens", "linked_images", "reserved_tokens", "usd"]
 
 #: Completion tokens reserved per request when the request sets no max_tokens.
 DEFAULT_RESERVE_TOKENS = 32_768
 #: Prompt tokens a provider may add around the messages (chat template, system preamble).
 PROMPT_OVERHEAD_TOKENS = 256
+#: Prompt tokens reserved for an image given by URL, beyond the URL's bytes (a BPE token
+#: covers a byte of text, but a vision encoder makes hundreds to thousands of tokens of an
+#: image a short URL names; one inline as ``data:`` is bounded by its base64 already).
+IMAGE_RESERVE_TOKENS = 16_384
+#: Content parts that carry an image.
+_IMAGE_PARTS = ("image_url", "input_image", "image")
 
 
 def usd(amount: float) -> str:
@@ -114,7 +120,22 @@ def reserved_tokens(request_json: str, request: Mapping[str, Any]) -> tuple[int,
     for each of its ``n`` choices."""
     n = request.get("n") or 1
     reserve = (request.get("max_tokens") or request.get("max_completion_tokens") or DEFAULT_RESERVE_TOKENS) * n
-    return estimate_prompt_tokens(request_json), reserve
+    return estimate_prompt_tokens(request_json) + IMAGE_RESERVE_TOKENS * linked_images(request), reserve
+
+
+def linked_images(request: Mapping[str, Any]) -> int:
+    """How many images the request's messages name by URL (not inline as ``data:``)."""
+    count = 0
+    messages = request.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, Mapping) else None
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, Mapping) or part.get("type") not in _IMAGE_PARTS:
+                continue
+            image = part.get(part["type"])
+            url = image.get("url") if isinstance(image, Mapping) else image
+            count += not (isinstance(url, str) and url.startswith("data:"))
+    return count
 
 
 def estimate_prompt_tokens(request_json: str) -> int:
@@ -264,7 +285,7 @@ class Budget:
             worst, exact = max(worst, b[0]), exact and b[1]
         return worst, exact
 
-    def stop_message(self, prompt_tokens: int, completion_tokens: int, *, default_reserve: bool) -> str:
+    def stop_message(self, prompt_tokens: int, completion_tokens: int, *, default_reserve: bool, images: int = 0) -> str:
         """Why the cap stopped the run (once :attr:`exhausted`), for the request that did not
         fit: amounts with the digits that tell them (:func:`usd`), that request's worst case,
         and when it alone is above the cap, so so is every request like it, why
@@ -281,6 +302,9 @@ class Budget:
             how = (f"no max_tokens, so {DEFAULT_RESERVE_TOKENS:,} completion tokens are reserved for each: set "
                    "max_tokens (--max-tokens) or raise --max-cost" if default_reserve else "raise --max-cost or lower "
                    "max_tokens")
+            if images:
+                how += (f"; it names {images} image(s) by URL, {IMAGE_RESERVE_TOKENS:,} prompt tokens reserved for "
+                        "each, as their size in tokens is not known before")
             text += f"; one request's worst case alone is above the cap ({how})"
         return text
 
