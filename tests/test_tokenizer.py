@@ -178,6 +178,31 @@ def test_a_tokenizer_folders_unreadable_json_names_the_file(tmp_path, kimi_dir, 
     assert str(err.value) == f"{folder / name}: {why}"
 
 
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                                  "tiktoken.model"])
+@pytest.mark.parametrize("kind", ["dangling", "fifo", "folder"])
+def test_a_folder_file_that_is_no_regular_file_is_the_folders_error_not_an_absent_file(tmp_path, kimi_dir, name,
+                                                                                         kind):
+    """A link to nothing (a half-cleaned Hub cache) was taken for an absent file: a Kimi
+    folder could not tell its chat format, a GLM one had "no chat template", another's was
+    replaced by the built-in one; a FIFO hung the command (a cold tester's)."""
+    present = [n for n in ("tiktoken.model", "tokenizer_config.json") if n != name]
+    folder = _linked_folder(tmp_path, kimi_dir, *present)
+    where = folder / name
+    if kind == "dangling":
+        where.symlink_to(tmp_path / "gone")
+        why = "a symlink to a missing file (a damaged download?)"
+    elif kind == "fifo":
+        os.mkfifo(where)
+        why = "is a named pipe (FIFO), not a regular file"
+    else:
+        where.mkdir()
+        why = "is a folder, not a regular file"
+    with pytest.raises(TokenizerError) as err:
+        load_tokenizer(folder)
+    assert str(err.value) == f"{where}: {why}"
+
+
 def test_a_models_config_too_deep_to_read_is_as_if_it_were_not_there(tmp_path, kimi_dir):
     """The tokenizer needs none of config.json: one it cannot read is skipped, deep or not."""
     folder = _linked_folder(tmp_path, kimi_dir, "tiktoken.model", "tokenizer_config.json")

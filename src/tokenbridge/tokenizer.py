@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import ast
 import binascii
+import os
 import re
+import stat
 import sys
 import threading
 from collections import OrderedDict
@@ -388,9 +390,9 @@ def _load_source(source: str, revision: str | None) -> Tokenizer:
         if folder.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
             raise TokenizerError(f"{source}: not a tokenizer folder or a Hub repo id (owner/name)")
         folder = _hub_folder(source, revision)
-    if (folder / "tiktoken.model").is_file():
+    if _present(folder / "tiktoken.model"):
         tok = _load_tiktoken(folder, source)
-    elif (folder / "tokenizer.json").is_file():
+    elif _present(folder / "tokenizer.json"):
         tok = _load_tiktoken_beside_json(folder, source) or _load_tokenizers(folder, source)
     else:
         raise TokenizerError(f"{folder}: has neither tiktoken.model nor tokenizer.json")
@@ -465,11 +467,34 @@ def _hub_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _present(path: Path) -> bool:
+    """Whether a tokenizer folder has the file ``path``: False where it has no such entry,
+    True for a regular file (through links). Anything else there is the folder's error, said
+    as such, not taken for an absent file: a link to nothing (a half-cleaned Hub cache; the
+    built-in template stood in for a chat template linked so), a FIFO (its read hung the
+    command), a folder."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        if os.path.lexists(path):
+            raise TokenizerError(f"{path}: a symlink to a missing file (a damaged download?)") from None
+        return False
+    except OSError as exc:  # a link loop, no permission
+        raise TokenizerError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(info.st_mode):
+        from .fsio import kind_of
+
+        raise TokenizerError(f"{path}: is {kind_of(info.st_mode)}, not a regular file")
+    return True
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     """A JSON object from a tokenizer folder ({} where the file is absent): anything else,
     a list, a number, nesting too deep to read, is the folder's error, said as such."""
     from .jsonl import loads_document
 
+    if not _present(path):
+        return {}
     try:
         data = loads_document(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -490,6 +515,7 @@ def _json_type(value: object) -> str:
 
 def _read_text(path: Path) -> str:
     """A text file of a tokenizer folder, as UTF-8; its errors name it."""
+    _present(path)
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
@@ -502,10 +528,10 @@ def _chat_template(folder: Path, config: Mapping[str, object]) -> str | None:
     named templates: "default"). One of another shape is refused: dropped silently, the
     built-in renderer would stand in for the template the user gave."""
     jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
+    if _present(jinja):
         return _read_text(jinja)
     js = folder / "chat_template.json"
-    if js.is_file():
+    if _present(js):
         data = _read_json(js)
         if "chat_template" in data:
             return _template_value(data["chat_template"], f"{js}: chat_template")
