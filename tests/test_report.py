@@ -126,6 +126,29 @@ def test_the_report_says_why_it_read_no_exchanges(runs, tmp_path, kind):
     assert f"No data: {why}" in (run / "report" / "report.html").read_text()
 
 
+@pytest.mark.parametrize("kind", ["garbage", "folder"])
+def test_the_summary_says_a_store_it_could_not_read(runs, tmp_path, kind):
+    """A store that is no database said so only in report.json and the page; one that is a
+    folder was taken for no store at all (a cold tester's)."""
+    import shutil
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(runs["bare"] / "reconstructed.jsonl", run / "reconstructed.jsonl")
+    if kind == "garbage":
+        (run / "state.sqlite").write_bytes(b"not a database " * 400)
+    else:
+        (run / "state.sqlite").mkdir()
+    res = CliRunner().invoke(app, ["report", str(run)])
+    assert res.exit_code == 0, res.output
+    data = json.loads((run / "report" / "report.json").read_text())
+    assert data["generation"] is None and data["generation_error"]
+    if kind == "folder":
+        assert data["generation_error"] == f"{run / 'state.sqlite'}: not a readable file (a folder, a link to nothing, ...)"
+    said = f"Generation: not read ({data['generation_error']})"
+    assert "".join(said.split()) in "".join(res.output.split())  # rich wraps a long path anywhere
+
+
 def test_sample_ids_per_finding_code_and_per_status(runs):
     rows = runs["rows"]
     data = collect_run(runs["full"])

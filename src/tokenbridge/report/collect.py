@@ -18,6 +18,7 @@ or a float sum, and ``report.json`` stays JSON (no ``Infinity``).
 from __future__ import annotations
 
 import math
+import os
 import sqlite3
 import time
 from array import array
@@ -102,6 +103,8 @@ def collect_run(run_dir: str | Path, rows: RowStats | None = None) -> dict[str, 
             data["generation"] = _generation_section(state, left_out["store"])
         except ReportError as exc:  # the rows are the report's subject: a broken store only loses this section
             data["generation_error"] = str(exc)
+    elif os.path.lexists(state):  # a folder or a link to nothing there: not the same as no store
+        data["generation_error"] = f"{state}: not a readable file (a folder, a link to nothing, ...)"
     data["left_out"] = {source: dict(sorted(fields.items())) for source, fields in left_out.items() if fields}
     return data
 

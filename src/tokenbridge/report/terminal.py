@@ -72,6 +72,8 @@ def print_summary(data: dict[str, Any], console: Console | None = None) -> None:
                                                                        "cost (USD)"],
                              [[gen["runs"], n["done"], n["failed"], n["pending"], gen["requests"], gen["cost_total"]]]))
         console.print(_plain(f"failed attempts: {errors}"))
+    elif data.get("generation_error"):  # a store there that cannot be read: said, as the page says it
+        console.print(_plain(f"Generation: not read ({data['generation_error']})"))
     for key, label in (("by_provider", "provider"), ("by_dataset", "dataset")):
         groups = data[key]
         console.print(_table(f"Status per {label}", [label, "rows", "ok", "flagged", "rejected"],
