@@ -201,6 +201,9 @@ def test_compressed_key_looks_inside_zlib_raw_deflate_and_bzip2_too():
         assert compressed_key(gzip.compress(pack(inner)), SECRET, limit=1000) == f"is {kind} that holds the API key"
         assert compressed_key(pack(b"0" * 10_000_000), SECRET, limit=1 << 20) == (
             f"is {kind} that does not inflate within 1048576 bytes, so it cannot be checked for the API key")
+        # streams one after another (pbzip2 writes bzip2 so): the second was never inflated
+        assert compressed_key(pack(b'{"ok": 1}') + pack(inner), SECRET, limit=1000) == f"is {kind} that holds the API key"
+        assert compressed_key(pack(b'{"ok": 1}') * 3, SECRET, limit=1000) is None
     for other in (bytes(range(256)) * 20, b"\x78\x9c not zlib at all", b"BZh9 not bzip2", b"plain text"):
         assert compressed_key(other, SECRET, limit=1000) is None  # only looks compressed: kept, as received
 

@@ -167,7 +167,7 @@ def test_the_hex_of_a_key_is_masked_in_either_case(key, upper):
 
 _DUMPS = {  # a byte -> its place in a dump, and what stands between bytes
     "spaced": ("{:02x}", " "), "colons": ("{:02X}", ":"), "dashes": ("{:02x}", "-"), "commas": ("{:02x}", ","),
-    "python": ("\\x{:02x}", ""), "c": ("0x{:02x}", ", "), "c-packed": ("0x{:02X}", ""),
+    "python": ("\\x{:02x}", ""), "c": ("0x{:02x}", ", "), "c-packed": ("0X{:02X}", ""), "comma-space": ("{:02x}", ", "),
 }
 
 
@@ -192,6 +192,55 @@ def test_a_hex_dump_of_a_key_written_a_byte_at_a_time_is_masked(key, form, lead,
         assert sep.join(spell.format(b) for b in own[n : n + MIN_MASKED]).lower() not in out.lower()
     short = sep.join(spell.format(b) for b in own[: MIN_MASKED - 1])
     assert scrub(f"<< {short} >>", key) == f"<< {short} >>"
+
+
+def _hexdump_c(data: bytes) -> str:
+    """``hexdump -C``'s layout: an offset, 16 bytes a line in two groups of 8, the text."""
+    lines = []
+    for at in range(0, len(data), 16):
+        row = data[at : at + 16]
+        cells = " ".join(f"{b:02x}" for b in row[:8]) + "  " + " ".join(f"{b:02x}" for b in row[8:])
+        text = "".join(chr(b) if 32 <= b < 127 else "." for b in row)
+        lines.append(f"{at:08x}  {cells:<48}  |{text}|")
+    return "\n".join(lines) + "\n"
+
+
+def _xxd(data: bytes) -> str:
+    """``xxd``'s layout: an offset, 16 bytes a line in groups of 2, the text."""
+    lines = []
+    for at in range(0, len(data), 16):
+        row = data[at : at + 16]
+        cells = " ".join(row[i : i + 2].hex() for i in range(0, len(row), 2))
+        lines.append(f"{at:08x}: {cells:<39}  " + "".join(chr(b) if 32 <= b < 127 else "." for b in row))
+    return "\n".join(lines) + "\n"
+
+
+@settings(max_examples=100, deadline=None)
+@given(KEYS.filter(str.isascii), st.sampled_from([_hexdump_c, _xxd]), st.integers(0, 15))
+def test_a_line_dump_of_a_key_keeps_no_line_of_it(key, dump, lead):
+    """``hexdump -C`` (two spaces after the eighth byte) and ``xxd`` (two-byte groups) put at
+    most 8 bytes in a row with one separator, so no dump was found (a cold reviewer's): each
+    line of 16 key bytes is masked, as its text column is."""
+    raw = ("x" * lead + "Bearer " + key).encode()
+    out = scrub(dump(raw), key)
+    for n in range(0, len(key) - MIN_MASKED + 1):
+        piece = key.encode()[n : n + MIN_MASKED]
+        assert piece.decode() not in out and piece.hex() not in "".join(out.split()).replace(":", "")
+
+
+def test_a_long_run_of_backslashes_beside_a_dump_is_scrubbed_in_linear_time():
+    """The dump pattern's prefix took any run of backslashes: 32,000 of them beside a real
+    dump cost 0.7 s, a megabyte minutes, in the event loop (a cold reviewer's)."""
+    import time
+
+    key = "sk-or-v1-" + "0123456789abcdef" * 4
+    dump = "".join(f"\\x{b:02x}" for b in key.encode())
+    for n in (20_000, 80_000):
+        text = "\\" * n + " " + dump
+        started = time.perf_counter()
+        assert scrub(text, key).endswith("\\x***")
+        took = time.perf_counter() - started
+        assert took < 0.5, (n, took)
 
 
 def test_hex_dumps_of_other_bytes_and_prose_are_kept():

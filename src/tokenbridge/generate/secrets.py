@@ -18,8 +18,9 @@ rule counts them, the ``sk-or-v1-`` every OpenRouter key starts with included:
     covered too;
   * URL-encoded: ``%XX`` (any hex case);
   * HTML numeric character references: ``&#115;``, ``&#x73;`` (an error page quoting it);
-  * hex, either case (a server dumping the request's header bytes), and a hex dump written
-    a byte at a time (``73 6b 2d``, ``73:6B``, ``\\x73\\x6b``, ``0x73, 0x6b``);
+  * hex, either case (a server dumping the request's header bytes), and, in UTF-8 text, a
+    hex dump written a byte at a time (:data:`_HEX_DUMP`: ``73 6b 2d``, ``hexdump -C``,
+    ``xxd``, ``\\x73\\x6b``, ``0x73, 0x6b``);
   * the key with its ASCII letters in upper or in lower case (an error text upper-cased:
     for a hex key, which OpenRouter's are after the prefix, that is the key itself);
   * base64 (standard and URL-safe alphabet) at each of the three byte alignments, so the
@@ -296,16 +297,28 @@ def _compression(data: bytes) -> str | None:
 
 
 def _unpacked(data: bytes, kind: str, limit: int) -> bytes | None:
-    """One zlib, raw deflate or bzip2 stream at the start of ``data`` inflated; None where it
-    is no whole stream of that kind, :data:`_TOO_BIG` where it inflates past ``limit``."""
-    unpack = bz2.BZ2Decompressor() if kind == "bzip2" else zlib.decompressobj(wbits=15 if kind == "zlib" else -15)
-    try:
-        out = unpack.decompress(data, limit + 1)
-    except (OSError, ValueError, zlib.error):  # bz2 raises OSError on bad data
-        return None
-    if len(out) > limit:
-        return _TOO_BIG
-    return out if unpack.eof else None
+    """Every zlib, raw deflate or bzip2 stream at the start of ``data`` inflated (streams
+    one after another, as pbzip2 writes them, too), bytes after them as they are; None
+    where the first is no whole stream of that kind, :data:`_TOO_BIG` past ``limit``."""
+    out = bytearray()
+    rest, first = data, True
+    while first or (rest and _compression(rest) == kind):
+        unpack = bz2.BZ2Decompressor() if kind == "bzip2" else zlib.decompressobj(wbits=15 if kind == "zlib" else -15)
+        try:
+            inflated = unpack.decompress(rest, limit + 1 - len(out))
+        except (OSError, ValueError, zlib.error):  # bz2 raises OSError on bad data
+            if first:
+                return None
+            break  # what follows the streams is no stream: kept as it is
+        out += inflated
+        if len(out) > limit:
+            return _TOO_BIG
+        if not unpack.eof:
+            if first:
+                return None  # cut, or bytes that only began like a stream
+            break
+        rest, first = unpack.unused_data, False
+    return bytes(out + rest) if len(out) + len(rest) <= limit else _TOO_BIG
 
 
 #: The wide charsets a server may send text in (``Content-Type: ...; charset=utf-16``), each
@@ -375,30 +388,38 @@ def _scrub_narrow(data: bytes, value: str) -> bytes:
     return _spliced(data, [(start, end, _MASK_BYTES) for start, end in spans]) if spans else data
 
 
-#: A hex dump of :data:`MIN_MASKED` bytes or more written a byte at a time: a separator
-#: between bytes (``73 6b 2d``, ``73:6b``, ``73-6b``, ``73,6b``), or a prefix to each
-#: (``\x73\x6b``, ``0x73, 0x6b``), as an error page or a log dumps a request's header.
-_HEX_DUMP = re.compile(rb"(?:[0-9a-fA-F]{2}[ :,\-]){%d,}[0-9a-fA-F]{2}|(?:(?:\\+x|0x)[0-9a-fA-F]{2},? ?){%d,}"
-                       % (MIN_MASKED - 1, MIN_MASKED))
-_DUMPED_BYTE = re.compile(rb"(?:\\+x|0x)?([0-9a-fA-F]{2})")
+#: A hex dump of :data:`MIN_MASKED` bytes or more written a byte at a time, as an error page
+#: or a log dumps a request's header: one or two separators between bytes (``73 6b 2d``,
+#: ``73:6B``, ``73, 6b``, a line of ``hexdump -C``), ``xxd``'s two-byte groups (``736b 2d6f``,
+#: a line each), or a prefix to each byte (``\x73\x6b`` behind up to four backslashes, as
+#: JSON escapes it; ``0x73, 0x6b``). Every repeat is bounded and a separator is never a
+#: digit, so it runs in linear time (an unbounded run of backslashes did not).
+_HEX_DUMP = re.compile(rb"(?:[0-9a-fA-F]{2}[ :,\-]{1,2}){%d,}[0-9a-fA-F]{2}|(?:[0-9a-fA-F]{4} ){%d,}[0-9a-fA-F]{4}"
+                       rb"|(?:(?:\\{1,4}x|0[xX])[0-9a-fA-F]{2}[ ,]{0,2}){%d,}"
+                       % (MIN_MASKED - 1, MIN_MASKED // 2 - 1, MIN_MASKED))
+_DUMPED_BYTE = re.compile(rb"(?:\\{1,4}x|0[xX])?([0-9a-fA-F]{2})")
 
 
-#: Each byte as its class in a hex dump: a hex digit ``h``, a separator ``s``, ``x`` and a
-#: backslash ``b`` (a prefix's), else ``.``.
+#: Each byte as its class in a hex dump: a hex digit ``h``, a separator ``s``, ``x`` (either
+#: case) and a backslash ``b`` (a prefix's), else ``.``.
 _DUMP_CLASS = bytes(ord("h") if chr(b) in string.hexdigits else ord("s") if chr(b) in " :,-"
-                    else ord(chr(b).replace("\\", "b")) if chr(b) in "x\\" else ord(".") for b in range(256))
-#: :data:`_HEX_DUMP`'s forms, spelled in those classes: separated, then prefixed ``0x``
-#: (with no separator, one or two), then ``\x`` behind one, two or four backslashes (JSON).
-_DUMP_FORMS = (b"hhs" * (MIN_MASKED - 1) + b"hh",
+                    else ord("x") if chr(b) in "xX" else ord("b") if chr(b) == "\\" else ord(".") for b in range(256))
+#: :data:`_HEX_DUMP`'s forms, spelled in those classes: one separator, two (``, ``), a line of
+#: ``hexdump -C`` (two after the eighth byte), ``xxd``'s groups, then prefixed ``0x`` (with no
+#: separator, one or two), then ``\x`` behind one, two or four backslashes (JSON).
+_DUMP_FORMS = (b"hhs" * (MIN_MASKED - 1) + b"hh", b"hhss" * (MIN_MASKED - 1) + b"hh",
+               b"hhs" * 7 + b"hhss" + b"hhs" * 7 + b"hh", b"hhhhs" * (MIN_MASKED // 2 - 1) + b"hhhh",
                *((b"hxhh" + sep) * (MIN_MASKED - 1) + b"hxhh" for sep in (b"", b"s", b"ss")),
                *((b"b" * n + b"xhh") * MIN_MASKED for n in (1, 2, 4)))
+#: What every form but the prefixed ones holds (those hold :data:`MIN_MASKED` of ``xhh``).
+_DUMP_SIGNS = (b"hhshhshhshh", b"hhsshhsshh", b"hhhhshhhhshhhh")
 
 
 def _may_hold_dump(data: bytes) -> bool:
     """Whether ``data`` may hold a :data:`_HEX_DUMP`, told in C (a translation, a search a
     form): the dump's own pattern costs 80 ms a MB run over any body."""
     classes = data.translate(_DUMP_CLASS)
-    if b"hhshhshhshhs" not in classes and classes.count(b"xhh") < MIN_MASKED:  # most text: three searches
+    if not any(sign in classes for sign in _DUMP_SIGNS) and classes.count(b"xhh") < MIN_MASKED:  # most text
         return False
     return any(form in classes for form in _DUMP_FORMS)
 
