@@ -194,7 +194,7 @@ def test_a_probe_profile_flags_invisible_edits(tmp_path, kimi):
      "providers[0].profile.text_edits[1]: 'NFKC' is no edit a probe names (one of crlf_to_lf, nfc, nfkc, strip, "
      "marker_spaces)"),
     ('[{"provider": "x", "text_edits": ["nfkc"]}, {"provider": "y"}, {"provider": "x", "text_edits": []}]',
-     "providers[2].provider: 'x' is also providers[0]: each provider once"),
+     "providers[2].provider: 'x' is also providers[0], with other text_edits: which one holds is unclear"),
 ])
 def test_a_bad_profile_names_the_field(tmp_path, body, where):
     path = tmp_path / "p.json"
@@ -294,3 +294,12 @@ def test_a_profile_that_is_no_regular_file_is_refused_without_waiting(tmp_path):
         load_provider_profile(fifo)
     assert str(err.value) == (f"{fifo}: cannot read the provider profile ([Errno 22] is a named pipe (FIFO), not a "
                               f"regular file: '{fifo}')")
+
+
+def test_a_provider_listed_twice_with_the_same_edits_loads(tmp_path):
+    """``probe --providers a,a`` wrote the same profile twice (a cold reviewer's): it says
+    nothing twice, so it loads; the probe now probes each provider once."""
+    path = tmp_path / "p.json"
+    path.write_text('[{"provider": "a", "text_edits": ["nfkc", "strip"]}, {"provider": "a", "text_edits": ["strip", '
+                    '"nfkc"]}]')
+    assert load_provider_profile(path) == {"a": ("nfkc", "strip")}

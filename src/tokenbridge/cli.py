@@ -588,7 +588,7 @@ def probe(
         effort = normalize_reasoning(reasoning, "--reasoning") if reasoning else None
     except GenerateError as exc:
         _fail(str(exc), exc.exit_code)
-    names = _csv(providers) or []
+    names = list(dict.fromkeys(_csv(providers) or []))  # each once: its profile is named by it
     if not names or not all(names):
         _fail("--providers: give at least one provider, and no empty name")
     try:  # a key that cannot be sent is refused here, before any probe

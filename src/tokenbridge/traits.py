@@ -301,13 +301,15 @@ def load_provider_profile(path: str | Path) -> dict[str, tuple[str, ...]]:
         if not isinstance(edits, list) or not all(isinstance(e, str) for e in edits):
             raise ProfileError(f"{where}.profile.text_edits: must be a list of strings or null")
         # strict, as a hand edit is read: an edit misspelled ("NFKC") or a provider given
-        # twice (the last one kept) silently let that provider's samples pass unflagged
+        # twice with other edits (the last one kept) silently let that provider's samples pass unflagged
         for i, edit in enumerate(edits):
             if edit not in KNOWN_EDITS:
                 raise ProfileError(f"{where}.profile.text_edits[{i}]: {edit!r} is no edit a probe names "
                                    f"(one of {', '.join(KNOWN_EDITS)})")
-        if name in given:
-            raise ProfileError(f"{where}.provider: {name!r} is also providers[{given[name]}]: each provider once")
-        given[name] = k
-        out[name] = tuple(sorted(set(edits)))
+        found = tuple(sorted(set(edits)))
+        if name in given and out[name] != found:  # the same profile twice says nothing twice
+            raise ProfileError(f"{where}.provider: {name!r} is also providers[{given[name]}], with other text_edits: "
+                               "which one holds is unclear")
+        given.setdefault(name, k)
+        out[name] = found
     return out
