@@ -117,12 +117,13 @@ def test_a_usage_count_no_engine_writes_is_said_as_it_was_written(kimi, tmp_path
 
     _, base = _base(kimi)
     cases = [
-        ({"completion_tokens": 10**25}, "usage.completion_tokens is an integer past 64 bits, not a count"),
+        ({"completion_tokens": 10**25}, "usage.completion_tokens is a number past 64 bits, not a count"),
         ({"prompt_tokens": "39"}, "usage.prompt_tokens is '39', not a count"),
         ({"prompt_tokens": None, "completion_tokens": -1},
          "usage has no integer prompt_tokens; usage.completion_tokens is -1, not a count"),
+        ({"completion_tokens": -(2**63) - 1}, "usage.completion_tokens is a number past 64 bits, not a count"),
         ({"completion_tokens_details": {"reasoning_tokens": 2**64}},
-         "usage.completion_tokens_details.reasoning_tokens is an integer past 64 bits, not a count: read as absent"),
+         "usage.completion_tokens_details.reasoning_tokens is a number past 64 bits, not a count: read as absent"),
     ]
     lines = []
     for k, (change, _) in enumerate(cases):
@@ -136,4 +137,5 @@ def test_a_usage_count_no_engine_writes_is_said_as_it_was_written(kimi, tmp_path
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     said = [[f["message"] for f in row["findings"]] for row in rows]
     assert said == [[cases[0][1] + ": that count is not checked"], [cases[1][1] + ": that count is not checked"],
-                    [cases[2][1] + ": that count is not checked"], [cases[3][1]]]
+                    [cases[2][1] + ": that count is not checked"], [cases[3][1] + ": that count is not checked"],
+                    [cases[4][1]]]

@@ -374,11 +374,11 @@ def _is_str(value: object) -> bool:
 
 
 def shown_value(value: object) -> str:
-    """A value from a response, short, for a finding: its ``repr`` up to 40 characters. An
-    integer past 64 bits, which orjson reads as a float, is said to be one (its float would
-    misquote the digits the response wrote)."""
-    if type(value) is float and value.is_integer() and abs(value) >= 2**64:
-        return "an integer past 64 bits"
+    """A value from a response, short, for a finding: its ``repr`` up to 40 characters. A
+    number past 64 bits (an integer orjson could not hold reads as a float, whose digits
+    would misquote the ones the response wrote) is said to be one."""
+    if type(value) is float and value.is_integer() and not -(2**63) < value < 2**64:  # orjson holds the rest
+        return "a number past 64 bits"
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
