@@ -342,22 +342,37 @@ def test_without_a_cap_a_dropped_price_table_says_so_and_stops_nothing(tmp_path)
 def test_an_image_named_by_url_is_reserved_for_and_named_when_it_stops_the_run():
     """A URL of a few bytes stands for an image of thousands of prompt tokens: the request's
     bytes were taken as the bound, and correct [prices] still let a run pass its cap, the
-    notice blaming prices and max_tokens (a cold tester's: $2.44 under $1.00)."""
-    from tokenbridge.generate.budget import IMAGE_RESERVE_TOKENS, Budget, linked_images, reserved_tokens
+    notice blaming prices and max_tokens (a cold tester's: $2.44 under $1.00). Other media by
+    URL likewise (a cold reviewer's); media inline is bounded by its bytes."""
+    from tokenbridge.generate.budget import MEDIA_RESERVE_TOKENS, Budget, linked_media, reserved_tokens, usd
 
     image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
-    inline = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    inline = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+        {"type": "file", "file": {"filename": "a.pdf", "file_data": "data:application/pdf;base64,JVBERi0="}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+    ]
+    linked = [
+        {"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}},
+        {"type": "input_image", "image_url": "https://example.com/b.png"},
+        {"type": "image", "image": "https://example.com/c.png"},
+        {"type": "file", "file": {"file_id": "file-abc"}},
+    ]
     request = {"model": "m", "max_tokens": 100, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "describe"}, image, image, inline]}]}
+        {"role": "user", "content": [{"type": "text", "text": "describe"}, image, image, *inline]}]}
     text = json.dumps(request)
-    assert linked_images(request) == 2
-    assert reserved_tokens(text, request) == (len(text) + 256 + 2 * IMAGE_RESERVE_TOKENS, 100)
+    assert linked_media(request) == 2
+    assert linked_media({"messages": [{"role": "user", "content": linked}]}) == 4
+    assert reserved_tokens(text, request) == (len(text) + 256 + 2 * MEDIA_RESERVE_TOKENS, 100)
     plain = {"model": "m", "messages": [{"role": "user", "content": "describe"}]}
-    assert linked_images(plain) == 0 and reserved_tokens(json.dumps(plain), plain)[0] == len(json.dumps(plain)) + 256
+    assert linked_media(plain) == 0 and reserved_tokens(json.dumps(plain), plain)[0] == len(json.dumps(plain)) + 256
     budget = Budget(max_cost=1.0, prices=Prices(prompt=100.0, completion=100.0))
     prompt, completion = reserved_tokens(text, request)
-    assert budget.admit(prompt, completion) is None and budget.exhausted  # $3.3 worst case: nothing is sent
-    assert budget.stop_message(prompt, completion, default_reserve=False, images=2) == (
-        "budget $1.00 reached (spent $0.00; the next request's worst case, $3.348, does not fit); one request's worst "
-        "case alone is above the cap (raise --max-cost or lower max_tokens; it names 2 image(s) by URL, 16,384 prompt "
-        "tokens reserved for each, as their size in tokens is not known before)")
+    assert budget.admit(prompt, completion) is None and budget.exhausted  # its worst case alone is over: nothing sent
+    assert budget.stop_message(prompt, completion, default_reserve=False, media=2) == (
+        f"budget $1.00 reached (spent $0.00; the next request's worst case, {usd((prompt + completion) * 1e-4)}, does not "
+        "fit); one request's worst case alone is above the cap (raise --max-cost or lower max_tokens; it names 2 "
+        "image(s) or other media by URL, 16,384 prompt tokens reserved for each, as their size in tokens is not known "
+        "before)")

@@ -71,18 +71,20 @@ from collections.abc import Mapping
 from .body import checked_usage
 from .settings import Prices
 
-__all__ = ["IMAGE_RESERVE_TOKENS", "Budget", "PriceBounds", "cost_of", "estimate_prompt_tokens", "linked_images", "reserved_tokens", "usd"]
+__all__ = ["MEDIA_RESERVE_TOKENS", "Budget", "PriceBounds", "cost_of", "estimate_prompt_tokens", "linked_media", "reserved_tokens", "usd"]
 
 #: Completion tokens reserved per request when the request sets no max_tokens.
 DEFAULT_RESERVE_TOKENS = 32_768
 #: Prompt tokens a provider may add around the messages (chat template, system preamble).
 PROMPT_OVERHEAD_TOKENS = 256
-#: Prompt tokens reserved for an image given by URL, beyond the URL's bytes (a BPE token
-#: covers a byte of text, but a vision encoder makes hundreds to thousands of tokens of an
-#: image a short URL names; one inline as ``data:`` is bounded by its base64 already).
-IMAGE_RESERVE_TOKENS = 16_384
-#: Content parts that carry an image.
-_IMAGE_PARTS = ("image_url", "input_image", "image")
+#: Prompt tokens reserved for a media part given by URL (an image, a video, audio, a file),
+#: beyond the URL's bytes: a BPE token covers a byte of text, but an encoder makes hundreds to
+#: thousands of tokens of an image a short URL names. An allowance, not a bound (a long video
+#: takes more): an answer that costs more than its reservation turns [prices] off, as any does.
+#: One inline (``data:``, base64) is bounded by its bytes already.
+MEDIA_RESERVE_TOKENS = 16_384
+#: Content part types that carry media, by URL or inline.
+_MEDIA_PARTS = ("image_url", "input_image", "image", "video_url", "video", "audio_url", "file", "input_file")
 
 
 def usd(amount: float) -> str:
@@ -120,22 +122,32 @@ def reserved_tokens(request_json: str, request: Mapping[str, Any]) -> tuple[int,
     for each of its ``n`` choices."""
     n = request.get("n") or 1
     reserve = (request.get("max_tokens") or request.get("max_completion_tokens") or DEFAULT_RESERVE_TOKENS) * n
-    return estimate_prompt_tokens(request_json) + IMAGE_RESERVE_TOKENS * linked_images(request), reserve
+    return estimate_prompt_tokens(request_json) + MEDIA_RESERVE_TOKENS * linked_media(request), reserve
 
 
-def linked_images(request: Mapping[str, Any]) -> int:
-    """How many images the request's messages name by URL (not inline as ``data:``)."""
+def linked_media(request: Mapping[str, Any]) -> int:
+    """How many media parts the request's messages name by URL (not inline)."""
     count = 0
     messages = request.get("messages")
     for message in messages if isinstance(messages, list) else ():
         content = message.get("content") if isinstance(message, Mapping) else None
         for part in content if isinstance(content, list) else ():
-            if not isinstance(part, Mapping) or part.get("type") not in _IMAGE_PARTS:
-                continue
-            image = part.get(part["type"])
-            url = image.get("url") if isinstance(image, Mapping) else image
-            count += not (isinstance(url, str) and url.startswith("data:"))
+            if isinstance(part, Mapping) and part.get("type") in _MEDIA_PARTS:
+                count += not _inline(part)
     return count
+
+
+def _inline(part: Mapping[str, Any]) -> bool:
+    """Whether a media part carries its bytes (a ``data:`` URL, base64 data, a file's data)."""
+    for key in (part["type"], "image_url", "url", "source", "file"):
+        value = part.get(key)
+        if isinstance(value, Mapping):
+            if value.get("type") == "base64" or "data" in value or "file_data" in value:
+                return True
+            value = value.get("url")
+        if isinstance(value, str):
+            return value.startswith("data:")
+    return False
 
 
 def estimate_prompt_tokens(request_json: str) -> int:
@@ -285,7 +297,7 @@ class Budget:
             worst, exact = max(worst, b[0]), exact and b[1]
         return worst, exact
 
-    def stop_message(self, prompt_tokens: int, completion_tokens: int, *, default_reserve: bool, images: int = 0) -> str:
+    def stop_message(self, prompt_tokens: int, completion_tokens: int, *, default_reserve: bool, media: int = 0) -> str:
         """Why the cap stopped the run (once :attr:`exhausted`), for the request that did not
         fit: amounts with the digits that tell them (:func:`usd`), that request's worst case,
         and when it alone is above the cap, so so is every request like it, why
@@ -302,9 +314,9 @@ class Budget:
             how = (f"no max_tokens, so {DEFAULT_RESERVE_TOKENS:,} completion tokens are reserved for each: set "
                    "max_tokens (--max-tokens) or raise --max-cost" if default_reserve else "raise --max-cost or lower "
                    "max_tokens")
-            if images:
-                how += (f"; it names {images} image(s) by URL, {IMAGE_RESERVE_TOKENS:,} prompt tokens reserved for "
-                        "each, as their size in tokens is not known before")
+            if media:
+                how += (f"; it names {media} image(s) or other media by URL, {MEDIA_RESERVE_TOKENS:,} prompt tokens "
+                        "reserved for each, as their size in tokens is not known before")
             text += f"; one request's worst case alone is above the cap ({how})"
         return text
 

@@ -60,7 +60,7 @@ import orjson
 
 from ..fsio import kill_point
 from .body import CheckedUsage, ResponseTooLarge, checked_usage, read_capped
-from .budget import Budget, cost_of, linked_images, reserved_tokens, usd
+from .budget import Budget, cost_of, linked_media, reserved_tokens, usd
 from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_response, classify_too_large
 from .limiter import AdaptiveLimiter
 from .progress import RateMeter
@@ -513,7 +513,7 @@ class Engine:
                 default_reserve = not (request.get("max_tokens") or request.get("max_completion_tokens"))
                 self._notice("stopping: " + self.budget.stop_message(item.prompt_tokens_est, item.completion_reserve,
                                                                      default_reserve=default_reserve,
-                                                                     images=linked_images(request)))
+                                                                     media=linked_media(request)))
                 self.request_stop(StopReason.BUDGET)
                 return None
             self._settled.clear()
