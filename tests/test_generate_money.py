@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -376,3 +377,22 @@ def test_an_image_named_by_url_is_reserved_for_and_named_when_it_stops_the_run()
         "fit); one request's worst case alone is above the cap (raise --max-cost or lower max_tokens; it names 2 "
         "image(s) or other media by URL, 16,384 prompt tokens reserved for each, as their size in tokens is not known "
         "before)")
+
+
+def test_an_error_reply_that_counts_tokens_but_no_cost_is_booked_as_possible_spend(tmp_path):
+    """An error body with ``usage: {"prompt_tokens": N}`` and no cost may have been billed:
+    once a count went missing it was booked at $0 (a cold reviewer's). It is booked at its
+    reservation, as possibly billed; one that counts no tokens stays unbilled."""
+    async def reply(n: int) -> web.StreamResponse:
+        body = {"error": {"message": "bad request", "code": 400}}
+        if n == 1:
+            body["usage"] = {"prompt_tokens": 120}
+        return web.json_response(body, status=400)
+
+    prices = Prices(prompt=1.0, completion=1.0)
+    summary = _run(tmp_path, 2, reply, concurrency=1, max_cost=10.0, prices=prices)
+    assert summary.failed == 2 and summary.spent_total == 0.0
+    con = sqlite3.connect(tmp_path / "run" / "state.sqlite")
+    rows = con.execute("SELECT possible_cost FROM attempts ORDER BY started_at").fetchall()
+    assert [p is None for (p,) in rows] == [False, True]  # the first counted tokens: possibly billed
+    assert rows[0][0] == pytest.approx(summary.spent_possible) and summary.spent_possible > 0
