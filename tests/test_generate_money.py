@@ -279,9 +279,11 @@ def test_a_resume_does_not_trust_prices_an_earlier_run_showed_too_low(tmp_path, 
     capsys.readouterr()
     again = _run(tmp_path, 20, reply, concurrency=16, max_cost=0.05, prices=prices)
     assert again.exit_code == ExitCode.BUDGET and again.spent_total <= 0.05 + 1e-9  # before: 16 went at once, $0.18
-    assert capsys.readouterr().err.splitlines()[0] == (
-        "[prices] reserved $0.001178 for a request an earlier run stored at $0.01: under --max-cost, requests are "
-        "priced by the costs seen instead")
+    said = ("budget: an answer an earlier run stored cost $0.01, more than the $0.001178 [prices] reserved for it "
+            "(prices below the provider's, or more completion tokens than max_tokens reserved): [prices] no longer "
+            "prices requests in this run; they go one at a time until answers bear a price out")
+    assert [n for n in again.notices if n.startswith("budget: an answer")] == [said]  # once, and said as the earlier run's
+    assert said in capsys.readouterr().err
 
 
 def test_a_budget_whose_prices_hold_is_unchanged_and_one_overrun_turns_them_off():

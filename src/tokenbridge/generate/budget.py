@@ -257,6 +257,8 @@ class Budget:
     #: (cost, reservation) of the first answer that cost more than ``[prices]`` reserved for it:
     #: the table is then not used to price requests (:attr:`priced`)
     overrun: tuple[float, float] | None = None
+    #: the overrun is an answer an earlier run stored (:meth:`table_shown_low`), not this run's
+    overrun_stored: bool = False
     #: requests still in flight that ``[prices]`` reserved when it proved too low: their
     #: answers settle first and bear out no learned price (each was not priced by one)
     _table_flight: int = 0
@@ -266,7 +268,7 @@ class Budget:
         request: the table is not trusted from the start, as it was not once the run saw it
         (a resume trusted it again and sent a batch at once past the cap)."""
         if self.overrun is None:
-            self.overrun = (cost, reservation)
+            self.overrun, self.overrun_stored = (cost, reservation), True
 
     @property
     def priced(self) -> bool:

@@ -333,6 +333,7 @@ class Engine:
         self._settled = asyncio.Event()
         self._writer = StoreWriter(self.store, self.s.commit_interval_s)
         self._writer.on_error = lambda exc: self._store_failed(exc)
+        self._prices_overrun()  # one an earlier run stored: said before anything is sent
         writer_task = asyncio.create_task(self._writer.run(), name="tokenbridge-store-writer")
         session = self._session
         own_session = session is None
@@ -849,7 +850,8 @@ class Engine:
             cost, reserved = self.budget.overrun
             then = ("they go one at a time until answers bear a price out" if self.budget.max_cost is not None
                     else "what answers cost prices them")
-            self._notice(f"budget: an answer cost {usd(cost)}, more than the {usd(reserved)} [prices] reserved for it "
+            which = "an answer an earlier run stored" if self.budget.overrun_stored else "an answer"
+            self._notice(f"budget: {which} cost {usd(cost)}, more than the {usd(reserved)} [prices] reserved for it "
                          "(prices below the provider's, or more completion tokens than max_tokens reserved): [prices] "
                          f"no longer prices requests in this run; {then}")
 

@@ -38,7 +38,7 @@ from ..exit_codes import ExitCode
 from ..interrupt import stop_on_signals
 from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, output_file, write_bytes
 from ..jsonl import dumps_document, text_of
-from .budget import Budget, reserved_tokens, usd
+from .budget import Budget, reserved_tokens
 from .body import BodyError, check_body, one_line
 from .engine import DRAIN_S, Engine, StopReason, WorkItem
 from .errors import AlreadyAnswered, SettingsChanged
@@ -384,10 +384,8 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, key: ApiK
                      f"(killed?) are booked at their reservations as possibly billed (${possible_before:.4f} in all)",
                      warn=True)
     budget = Budget(settings.max_cost, settings.prices, spent=spent_before, possible=possible_before)
-    if shown_low is not None:
+    if shown_low is not None:  # the engine says so before it sends anything
         budget.table_shown_low(*shown_low)
-        reporter.log(f"[prices] reserved {usd(shown_low[1])} for a request an earlier run stored at {usd(shown_low[0])}: "
-                     "under --max-cost, requests are priced by the costs seen instead", warn=True)
     for prov, p, c, k in observations:
         budget.observe(prov, p, c, k)
     return _Begun(run=run, ids=ids, already_done=sum(1 for i in set(ids) if statuses.get(i) == "done"),
