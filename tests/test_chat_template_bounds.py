@@ -173,6 +173,10 @@ _CAPPED_RUN = (
 )
 
 
+_LINUX_ONLY = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the memory cap reads /proc (Linux)")
+
+
+@_LINUX_ONLY
 @pytest.mark.parametrize("source", [
     # references to one long text, which no size of one value shows, printed: a list doubled by +,
     "{% set ns = namespace(x=['x' * 1000000]) %}{% for i in range(17) %}{% set ns.x = ns.x + ns.x %}{% endfor %}"
@@ -190,6 +194,7 @@ def test_a_render_past_its_memory_stops_and_the_cap_is_lifted_after(source):
         "1", "True"]
 
 
+@_LINUX_ONLY
 def test_no_memory_cap_is_set_while_another_thread_runs():
     """The cap is the process's: another thread's allocation would fail too."""
     code = ("import threading\nfrom tokenbridge.chat import sandbox\n"

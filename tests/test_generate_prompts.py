@@ -170,8 +170,10 @@ def test_a_folder_reads_its_prompt_files_in_any_case_and_says_what_else_it_holds
     (d / "sub").mkdir(parents=True)
     for name in ("a.jsonl", "b.json", "c.JSONL", "d.ndjson", "sub/e.jsonl", ".hidden.jsonl"):
         _write_jsonl(d / name, [{"id": name.split("/")[-1].split(".")[0] or "h", "prompt": name}])
+    (d / ".DS_Store").write_bytes(b"\0")
     spec = _spec(d, "f")
-    assert [s.id for s in load_prompts([spec]).samples] == ["f-a", "f-c"]
+    # a hidden prompt file is read, as it always was (a cold reviewer's); a hidden other entry is not named
+    assert [s.id for s in load_prompts([spec]).samples] == ["f-h", "f-a", "f-c"]
     assert unread_entries(spec) == ["b.json", "d.ndjson", "sub/"]
     settings = GenerateSettings(datasets=(spec,))
     assert folders_unread(settings) == [
@@ -183,6 +185,9 @@ def test_a_folder_reads_its_prompt_files_in_any_case_and_says_what_else_it_holds
 @pytest.mark.parametrize(("text", "kind", "jq"), [
     ('[\n  {"id": "a", "prompt": "first"},\n  {"id": "b", "prompt": "second"}\n]\n', "array", ".[]"),
     ('{\n  "id": "a",\n  "prompt": "first"\n}\n', "object", "."),
+    # a byte order mark, or a key twice somewhere: still one document (a cold reviewer's)
+    ('\ufeff[\n  {"id": "a", "prompt": "first"},\n  {"id": "b", "prompt": "second"}\n]\n', "array", ".[]"),
+    ('[\n  {"id": "a", "id": "a2", "prompt": "first"},\n  {"id": "b", "prompt": "second"}\n]\n', "array", ".[]"),
 ])
 def test_a_file_that_is_one_json_document_over_lines_is_refused_whole(tmp_path, text, kind, jq):
     """Read line by line, a pretty-printed array gave a bad row a line and a sample of its

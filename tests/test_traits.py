@@ -284,10 +284,9 @@ def test_a_run_read_from_a_pipe_gets_its_second_pass(tmp_path, kimi):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ex.jsonl", "from-file.jsonl", "from-pipe.jsonl", "pipe"]
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 def test_a_profile_that_is_no_regular_file_is_refused_without_waiting(tmp_path):
     """A FIFO no one writes to hung ``reconstruct --provider-profile`` (the run config already refused it)."""
-    import os
-
     fifo = tmp_path / "p.json"
     os.mkfifo(fifo)
     with pytest.raises(ProfileError) as err:

@@ -524,14 +524,16 @@ def render(template: jinja2.Template, context: Mapping[str, Any]) -> str:
         raise RenderStopped(f"rendering took more than {RENDER_MEMORY >> 20:,} MiB of memory "
                             "(the chat template's bound)") from None
     finally:
-        while armed:  # a tick may land before (or in) the disarming: it raised; disarm again
-            try:
-                _disarm()
-                armed = False
-            except _Overtime:
-                pass
-        if limits is not None and resource is not None:  # after the timer: a tick cannot skip it
-            resource.setrlimit(resource.RLIMIT_AS, limits[0])
+        try:
+            while armed:  # a tick may land before (or in) the disarming: it raised; disarm again
+                try:
+                    _disarm()
+                    armed = False
+                except _Overtime:
+                    pass
+        finally:  # whatever else lands there (Ctrl-C), the cap is lifted
+            if limits is not None and resource is not None:
+                resource.setrlimit(resource.RLIMIT_AS, limits[0])
     return "".join(pieces)
 
 

@@ -33,6 +33,7 @@ is a string.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -42,6 +43,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 from collections.abc import Container, Iterable, Iterator, Sequence
+
+import orjson
 
 from ..content import content_fault, role_fault, tool_calls_fault
 from ..jsonl import JsonLineError, loads_finite, loads_line, number_too_long
@@ -465,15 +468,14 @@ _FOLDER_SUFFIXES = (".jsonl", ".parquet", ".arrow")
 
 
 def _folder_files(folder: Path) -> tuple[list[Path], list[str]]:
-    """The prompt files of ``folder`` in name order, and the names of its other entries
-    (sub-folders end in ``/``; hidden ones are left out of both): those are not read."""
+    """The prompt files of ``folder`` in name order (hidden ones too, as always), and the
+    names of its other entries, which are not read (sub-folders end in ``/``; hidden ones,
+    ``.DS_Store``, ``.git/``, are not named)."""
     files, other = [], []
     for p in sorted(folder.iterdir()):
-        if p.name.startswith("."):
-            continue
         if p.is_file() and p.suffix.lower() in _FOLDER_SUFFIXES:
             files.append(p)
-        else:
+        elif not p.name.startswith("."):
             other.append(p.name + ("/" if p.is_dir() else ""))
     return files, other
 
@@ -537,7 +539,8 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, Any]]:
                 try:
                     row = _loads(raw)
                 except _NotJson as exc:
-                    if first and raw.lstrip()[:1] in (b"[", b"{") and (kind := _one_document(path)):
+                    if first and raw.removeprefix(codecs.BOM_UTF8).lstrip()[:1] in (b"[", b"{") and (
+                            kind := _one_document(path)):
                         raise PromptSourceError(
                             f"{path}: one JSON {kind} over several lines, not JSON lines: prompts are read one "
                             f"object per line (`jq -c {'.[]' if kind == 'array' else '.'} FILE` writes it so)") from None
@@ -564,8 +567,8 @@ def _one_document(path: Path) -> str | None:
     try:
         if path.stat().st_size > _DOCUMENT_BYTES:
             return None
-        value = _loads(path.read_bytes())
-    except (OSError, _NotJson):
+        value = orjson.loads(path.read_bytes().removeprefix(codecs.BOM_UTF8))  # its shape only: a key twice is fine
+    except (OSError, orjson.JSONDecodeError):
         return None
     return "array" if isinstance(value, list) else "object" if isinstance(value, dict) else None
 
