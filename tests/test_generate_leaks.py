@@ -6,6 +6,7 @@ import asyncio
 import gzip
 import json
 import sqlite3
+import time
 import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -204,6 +205,16 @@ def test_compressed_key_looks_inside_zlib_raw_deflate_and_bzip2_too():
         # streams one after another (pbzip2 writes bzip2 so): the second was never inflated
         assert compressed_key(pack(b'{"ok": 1}') + pack(inner), SECRET, limit=1000) == f"is {kind} that holds the API key"
         assert compressed_key(pack(b'{"ok": 1}') * 3, SECRET, limit=1000) is None
+        # many tiny streams: each copied what followed it, quadratic on the event loop (a cold reviewer's)
+        many = pack(bytes(range(256)) * 4) + pack(b"") * 20_000  # no UTF-8 text, so it looks compressed as a whole
+        with pytest.raises(UnicodeDecodeError):
+            many.decode("utf-8")
+        started = time.perf_counter()
+        assert compressed_key(many, SECRET, limit=64 << 20) == (
+            f"is {kind} that does not inflate within {64 << 20} bytes, so it cannot be checked for the API key")
+        assert time.perf_counter() - started < 2.0
+    many_gzip = gzip.compress(b"") * 20_000
+    assert compressed_key(many_gzip, SECRET, limit=64 << 20).startswith("is gzip that does not inflate")
     for other in (bytes(range(256)) * 20, b"\x78\x9c not zlib at all", b"BZh9 not bzip2", b"plain text"):
         assert compressed_key(other, SECRET, limit=1000) is None  # only looks compressed: kept, as received
 

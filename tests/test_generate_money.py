@@ -360,12 +360,14 @@ def test_an_image_named_by_url_is_reserved_for_and_named_when_it_stops_the_run()
         {"type": "input_image", "image_url": "https://example.com/b.png"},
         {"type": "image", "image": "https://example.com/c.png"},
         {"type": "file", "file": {"file_id": "file-abc"}},
+        # OpenRouter's PDF by link: file_data holds the URL (a cold reviewer's)
+        {"type": "file", "file": {"filename": "document.pdf", "file_data": "https://bitcoin.org/bitcoin.pdf"}},
     ]
     request = {"model": "m", "max_tokens": 100, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "describe"}, image, image, *inline]}]}
     text = json.dumps(request)
     assert linked_media(request) == 2
-    assert linked_media({"messages": [{"role": "user", "content": linked}]}) == 4
+    assert linked_media({"messages": [{"role": "user", "content": linked}]}) == 5
     assert reserved_tokens(text, request) == (len(text) + 256 + 2 * MEDIA_RESERVE_TOKENS, 100)
     plain = {"model": "m", "messages": [{"role": "user", "content": "describe"}]}
     assert linked_media(plain) == 0 and reserved_tokens(json.dumps(plain), plain)[0] == len(json.dumps(plain)) + 256
@@ -387,12 +389,14 @@ def test_an_error_reply_that_counts_tokens_but_no_cost_is_booked_as_possible_spe
         body = {"error": {"message": "bad request", "code": 400}}
         if n == 1:
             body["usage"] = {"prompt_tokens": 120}
+        elif n == 2:  # counts of 0 say nothing was billed (a cold reviewer's)
+            body["usage"] = {"prompt_tokens": 0, "completion_tokens": 0}
         return web.json_response(body, status=400)
 
     prices = Prices(prompt=1.0, completion=1.0)
-    summary = _run(tmp_path, 2, reply, concurrency=1, max_cost=10.0, prices=prices)
-    assert summary.failed == 2 and summary.spent_total == 0.0
+    summary = _run(tmp_path, 3, reply, concurrency=1, max_cost=10.0, prices=prices)
+    assert summary.failed == 3 and summary.spent_total == 0.0
     con = sqlite3.connect(tmp_path / "run" / "state.sqlite")
     rows = con.execute("SELECT possible_cost FROM attempts ORDER BY started_at").fetchall()
-    assert [p is None for (p,) in rows] == [False, True]  # the first counted tokens: possibly billed
+    assert [p is None for (p,) in rows] == [False, True, True]  # the first counted tokens: possibly billed
     assert rows[0][0] == pytest.approx(summary.spent_possible) and summary.spent_possible > 0

@@ -142,9 +142,9 @@ def _inline(part: Mapping[str, Any]) -> bool:
     for key in (part["type"], "image_url", "url", "source", "file"):
         value = part.get(key)
         if isinstance(value, Mapping):
-            if value.get("type") == "base64" or "data" in value or "file_data" in value:
+            if value.get("type") == "base64" or isinstance(value.get("data"), str):
                 return True
-            value = value.get("url")
+            value = value.get("file_data", value.get("url"))  # OpenRouter's file_data: a data: URL or a link
         if isinstance(value, str):
             return value.startswith("data:")
     return False

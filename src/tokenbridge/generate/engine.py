@@ -431,9 +431,9 @@ class Engine:
         (stored, retried or failed); without ``hand_on`` (a read the run aborted) it is only counted."""
         cost = attempt.cost
         answered = outcome.kind == "ok"
-        if cost is None and not answered and not outcome.maybe_billed and usage.prompt_tokens is None \
-                and usage.completion_tokens is None:
-            cost = 0.0  # an error reply that counts no tokens was not billed; one that counts some may have been
+        if cost is None and not answered and not outcome.maybe_billed and not (usage.prompt_tokens or
+                                                                                usage.completion_tokens):
+            cost = 0.0  # an error reply that counts no tokens (or 0) was not billed; one that counts some may have been
         if usage.problems:
             self._bad_usage(item.sample_id, usage)
         if outcome.no_finish:

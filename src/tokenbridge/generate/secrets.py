@@ -263,7 +263,9 @@ def _inflated(data: bytes, limit: int) -> bytes | None:
     when one is cut or corrupt, or the whole passes ``limit`` bytes (a bomb is never inflated past it)."""
     out = bytearray()
     rest = data
-    while rest.startswith(_GZIP_MAGIC):
+    for _ in range(_MAX_STREAMS + 1):
+        if not rest.startswith(_GZIP_MAGIC):
+            break
         member = zlib.decompressobj(wbits=31)
         try:
             out += member.decompress(rest, limit + 1 - len(out))
@@ -272,10 +274,16 @@ def _inflated(data: bytes, limit: int) -> bytes | None:
         if len(out) > limit or not member.eof:
             return None
         rest = member.unused_data
+    else:  # each member copies what follows it: thousands of tiny ones were quadratic
+        return None
     return bytes(out + rest) if len(out) + len(rest) <= limit else None
 
 
-#: What :func:`_unpacked` returns for a stream that inflates past its limit.
+#: The most compressed streams (gzip members) one body is inflated through: pbzip2 writes one
+#: a 900 kB block; past it, the body cannot be checked (and is not kept).
+_MAX_STREAMS = 64
+
+#: What :func:`_unpacked` returns for a stream that inflates past its limit (or holds too many).
 _TOO_BIG = b"\0too big"
 
 
@@ -302,7 +310,9 @@ def _unpacked(data: bytes, kind: str, limit: int) -> bytes | None:
     where the first is no whole stream of that kind, :data:`_TOO_BIG` past ``limit``."""
     out = bytearray()
     rest, first = data, True
-    while first or (rest and _compression(rest) == kind):
+    for _ in range(_MAX_STREAMS + 1):
+        if not first and not (rest and (kind == "deflate" or _compression(rest[:4]) == kind)):
+            break  # (a deflate stream has no header: the next one is tried, and what is none is kept as it is)
         unpack = bz2.BZ2Decompressor() if kind == "bzip2" else zlib.decompressobj(wbits=15 if kind == "zlib" else -15)
         try:
             inflated = unpack.decompress(rest, limit + 1 - len(out))
@@ -318,6 +328,8 @@ def _unpacked(data: bytes, kind: str, limit: int) -> bytes | None:
                 return None  # cut, or bytes that only began like a stream
             break
         rest, first = unpack.unused_data, False
+    else:  # each stream copies what follows it: thousands of tiny ones were quadratic
+        return _TOO_BIG
     return bytes(out + rest) if len(out) + len(rest) <= limit else _TOO_BIG
 
 
@@ -406,11 +418,12 @@ _DUMP_CLASS = bytes(ord("h") if chr(b) in string.hexdigits else ord("s") if chr(
                     else ord("x") if chr(b) in "xX" else ord("b") if chr(b) == "\\" else ord(".") for b in range(256))
 #: :data:`_HEX_DUMP`'s forms, spelled in those classes: one separator, two (``, ``), a line of
 #: ``hexdump -C`` (two after the eighth byte), ``xxd``'s groups, then prefixed ``0x`` (with no
-#: separator, one or two), then ``\x`` behind one, two or four backslashes (JSON).
+#: separator, one or two), then ``\x`` behind one to four backslashes (JSON), likewise.
 _DUMP_FORMS = (b"hhs" * (MIN_MASKED - 1) + b"hh", b"hhss" * (MIN_MASKED - 1) + b"hh",
                b"hhs" * 7 + b"hhss" + b"hhs" * 7 + b"hh", b"hhhhs" * (MIN_MASKED // 2 - 1) + b"hhhh",
                *((b"hxhh" + sep) * (MIN_MASKED - 1) + b"hxhh" for sep in (b"", b"s", b"ss")),
-               *((b"b" * n + b"xhh") * MIN_MASKED for n in (1, 2, 4)))
+               *((b"b" * n + b"xhh" + sep) * (MIN_MASKED - 1) + b"b" * n + b"xhh"
+                 for n in (1, 2, 3, 4) for sep in (b"", b"s", b"ss")))
 #: What every form but the prefixed ones holds (those hold :data:`MIN_MASKED` of ``xhh``).
 _DUMP_SIGNS = (b"hhshhshhshh", b"hhsshhsshh", b"hhhhshhhhshhhh")
 
