@@ -44,10 +44,8 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Container, Iterable, Iterator, Sequence
 
-import orjson
-
 from ..content import content_fault, role_fault, tool_calls_fault
-from ..jsonl import JsonLineError, loads_finite, loads_line, number_too_long
+from ..jsonl import JsonLineError, loads_document, loads_finite, loads_line, number_too_long
 from .errors import GenerateError
 from .settings import DatasetSpec
 
@@ -557,7 +555,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, Any]]:
 
 
 #: The largest file read whole to tell whether it is one JSON document (a pretty-printed array).
-_DOCUMENT_BYTES = 256 << 20
+_DOCUMENT_BYTES = 64 << 20
 
 
 def _one_document(path: Path) -> str | None:
@@ -567,8 +565,8 @@ def _one_document(path: Path) -> str | None:
     try:
         if path.stat().st_size > _DOCUMENT_BYTES:
             return None
-        value = orjson.loads(path.read_bytes().removeprefix(codecs.BOM_UTF8))  # its shape only: a key twice is fine
-    except (OSError, orjson.JSONDecodeError):
+        value = loads_document(path.read_bytes().removeprefix(codecs.BOM_UTF8))  # its shape only: a key twice is fine
+    except (OSError, ValueError):  # JsonLineError: not one JSON document
         return None
     return "array" if isinstance(value, list) else "object" if isinstance(value, dict) else None
 
