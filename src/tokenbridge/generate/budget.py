@@ -71,7 +71,8 @@ from collections.abc import Mapping
 from .body import checked_usage
 from .settings import Prices
 
-__all__ = ["MEDIA_RESERVE_TOKENS", "Budget", "PriceBounds", "cost_of", "estimate_prompt_tokens", "linked_media", "reserved_tokens", "usd"]
+__all__ = ["MEDIA_RESERVE_TOKENS", "Budget", "PriceBounds", "cost_of", "estimate_prompt_tokens", "linked_media",
+           "reserved_tokens", "usd"]
 
 #: Completion tokens reserved per request when the request sets no max_tokens.
 DEFAULT_RESERVE_TOKENS = 32_768
