@@ -400,3 +400,23 @@ def test_an_error_reply_that_counts_tokens_but_no_cost_is_booked_as_possible_spe
     rows = con.execute("SELECT possible_cost FROM attempts ORDER BY started_at").fetchall()
     assert [p is None for (p,) in rows] == [False, True, True]  # the first counted tokens: possibly billed
     assert rows[0][0] == pytest.approx(summary.spent_possible) and summary.spent_possible > 0
+
+
+def test_a_dry_run_says_what_the_folder_spent_and_whether_its_cap_leaves_anything(tmp_path):
+    """The run counts the folder's spend against --max-cost; a dry run priced the rest
+    without it, promising a run that would stop at once (a cold tester's)."""
+    from tokenbridge.generate.estimate import dry_run
+
+    async def reply(_: int) -> web.StreamResponse:
+        return _answer({"prompt_tokens": 5, "completion_tokens": 3, "cost": 0.01})
+
+    first = _run(tmp_path, 4, reply, limit=2)
+    assert first.done == 2
+    base = dict(datasets=(DatasetSpec("m", tmp_path / "p.jsonl"),), base_url="http://127.0.0.1:9/api/v1",
+                request=RequestSettings(model="m", max_tokens=1000))
+    notes = dry_run(GenerateSettings(**base, max_cost=0.02), tmp_path / "run").notes
+    assert ("this folder has spent $0.02 so far, which counts against --max-cost: its cap $0.02 is reached, so the run "
+            "would send nothing") in notes
+    notes = dry_run(GenerateSettings(**base, max_cost=1.0), tmp_path / "run").notes
+    assert "this folder has spent $0.02 so far, which counts against --max-cost: $0.98 of its cap $1.00 is left" in notes
+    assert "this folder has spent $0.02 so far" in dry_run(GenerateSettings(**base), tmp_path / "run").notes

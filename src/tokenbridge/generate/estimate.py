@@ -14,6 +14,7 @@ from typing import Any
 from collections.abc import Callable
 
 from ..exit_codes import ExitCode
+from .budget import usd
 from .prompts import SHOWN_BAD_ROWS, load_prompts
 from .request import build_request
 from .settings import ConfigError, GenerateSettings
@@ -91,6 +92,7 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
     done_ids: set[str] = set()
     run_ids = [s.id for s in loaded.samples]
     observed: float | None = None
+    spent: list[str] = []
     state = Path(out_dir) / STATE_FILE if out_dir is not None else None
     if state is not None and state.is_file() and state.stat().st_size > 0:  # an empty one holds nothing done
         with Store.open_readonly(state.parent) as store:
@@ -103,7 +105,9 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
             p, c, _ = store.token_totals()
             if done_ids and c:
                 observed = c / len(done_ids)
+            spent = _spent_note(store.total_cost(), store.possible_cost(), settings.max_cost)
     count, approximate, notes = _counter(settings)
+    notes += spent
     notes += gave_nothing(settings, loaded) + tools_unsent(settings, loaded) + folders_unread(settings)  # as the run warns
     per: dict[str, dict[str, int]] = {}
     total = longest = 0
@@ -156,6 +160,21 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
         approximate=approximate,
         notes=notes,
     )
+
+
+def _spent_note(spent: float, possible: float, cap: float | None) -> list[str]:
+    """What the folder has spent already, and whether its ``--max-cost`` leaves the run
+    anything to send: the run counts the folder's spend against the cap, so a dry run that
+    priced the rest without it promised a run that would stop at once."""
+    if not spent and not possible:
+        return []
+    maybe = f" + {usd(possible)} possibly billed" if possible else ""
+    line = f"this folder has spent {usd(spent)}{maybe} so far, which counts against --max-cost"
+    if cap is None:
+        return [line.replace(", which counts against --max-cost", "")]
+    if spent + possible >= cap:
+        return [f"{line}: its cap {usd(cap)} is reached, so the run would send nothing"]
+    return [f"{line}: {usd(cap - spent - possible)} of its cap {usd(cap)} is left"]
 
 
 #: The family rendered when there is no tokenizer to recognise one from (the default model's).
