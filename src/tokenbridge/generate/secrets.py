@@ -243,7 +243,7 @@ def compressed_key(data: bytes, key: ApiKey | str | None, *, limit: int) -> str 
         kind = _compression(data)
         if kind is None:
             return None
-        inflated = _inflated(data, limit) if kind == "gzip" else _unpacked(data, kind, limit)
+        inflated = _unpacked(data, kind, limit)
         if inflated is None:
             if kind == "gzip":  # its magic says it is: unreadable, it cannot be checked
                 return f"is gzip that does not inflate within {limit} bytes, so it cannot be checked for the API key"
@@ -256,27 +256,6 @@ def compressed_key(data: bytes, key: ApiKey | str | None, *, limit: int) -> str 
     if _compression(data) is None:
         return None
     return f"is compressed more than {_MAX_GZIP_DEPTH} deep, so it cannot be checked for the API key"
-
-
-def _inflated(data: bytes, limit: int) -> bytes | None:
-    """Every gzip member at the start of ``data`` inflated, bytes after them as they are; None
-    when one is cut or corrupt, or the whole passes ``limit`` bytes (a bomb is never inflated past it)."""
-    out = bytearray()
-    rest = data
-    for _ in range(_MAX_STREAMS + 1):
-        if not rest.startswith(_GZIP_MAGIC):
-            break
-        member = zlib.decompressobj(wbits=31)
-        try:
-            out += member.decompress(rest, limit + 1 - len(out))
-        except zlib.error:
-            return None
-        if len(out) > limit or not member.eof:
-            return None
-        rest = member.unused_data
-    else:  # each member copies what follows it: thousands of tiny ones were quadratic
-        return None
-    return bytes(out + rest) if len(out) + len(rest) <= limit else None
 
 
 #: The most compressed streams (gzip members) one body is inflated through: pbzip2 writes one
@@ -305,32 +284,37 @@ def _compression(data: bytes) -> str | None:
 
 
 def _unpacked(data: bytes, kind: str, limit: int) -> bytes | None:
-    """Every zlib, raw deflate or bzip2 stream at the start of ``data`` inflated (streams
-    one after another, as pbzip2 writes them, too), bytes after them as they are; None
-    where the first is no whole stream of that kind, :data:`_TOO_BIG` past ``limit``."""
+    """Every stream of ``kind`` at the start of ``data`` inflated (gzip's members, streams one
+    after another as pbzip2 writes them), bytes after them as they are; None where the first
+    is no whole stream of that kind, or for gzip, whose magic says it is one, where any is
+    cut or corrupt; :data:`_TOO_BIG` past ``limit`` or :data:`_MAX_STREAMS`."""
     out = bytearray()
     rest, first = data, True
     for _ in range(_MAX_STREAMS + 1):
         if not first and not (rest and (kind == "deflate" or _compression(rest[:4]) == kind)):
             break  # (a deflate stream has no header: the next one is tried, and what is none is kept as it is)
-        unpack = bz2.BZ2Decompressor() if kind == "bzip2" else zlib.decompressobj(wbits=15 if kind == "zlib" else -15)
+        unpack = bz2.BZ2Decompressor() if kind == "bzip2" else zlib.decompressobj(wbits=_WBITS[kind])
         try:
             inflated = unpack.decompress(rest, limit + 1 - len(out))
         except (OSError, ValueError, zlib.error):  # bz2 raises OSError on bad data
-            if first:
+            if first or kind == "gzip":
                 return None
             break  # what follows the streams is no stream: kept as it is
         out += inflated
         if len(out) > limit:
             return _TOO_BIG
         if not unpack.eof:
-            if first:
+            if first or kind == "gzip":
                 return None  # cut, or bytes that only began like a stream
             break
         rest, first = unpack.unused_data, False
     else:  # each stream copies what follows it: thousands of tiny ones were quadratic
         return _TOO_BIG
     return bytes(out + rest) if len(out) + len(rest) <= limit else _TOO_BIG
+
+
+#: zlib's window bits for each kind it inflates: a gzip member, a zlib stream, raw deflate.
+_WBITS = {"gzip": 31, "zlib": 15, "deflate": -15}
 
 
 #: The wide charsets a server may send text in (``Content-Type: ...; charset=utf-16``), each
