@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
-from .content import content_text
+from .content import content_text, request_parts
 from .evidence import (NATIVE_CUT, NATIVE_FAILED, LogprobIds, logprobs_cover, malformed, native_finish, no_finish,
                        served_by_vllm, shown_value)
 from .jsonl import text_of
@@ -464,18 +464,12 @@ _MEDIA_KEYS = ("image", "image_url", "input_image", "video", "video_url", "audio
 def media_parts(request: Mapping[str, Any]) -> dict[str, int]:
     """Media content parts in a request's messages, counted by kind (type or key)."""
     counts: dict[str, int] = {}
-    for message in request.get("messages") or ():
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if not isinstance(part, Mapping):
-                continue
-            kind = part.get("type")
-            if kind in (None, "text"):
-                kind = next((k for k in _MEDIA_KEYS if part.get(k)), None)
-            if kind is not None:
-                counts[str(kind)] = counts.get(str(kind), 0) + 1
+    for part in request_parts(request):
+        kind = part.get("type")
+        if kind in (None, "text"):
+            kind = next((k for k in _MEDIA_KEYS if part.get(k)), None)
+        if kind is not None:
+            counts[str(kind)] = counts.get(str(kind), 0) + 1
     return counts
 
 

@@ -6,9 +6,10 @@ the readings the evidence weighs, the Qwen3 prompt and the conversations export.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
-__all__ = ["ROLES", "content_fault", "content_text", "is_text_parts", "reasoning_fault", "role_fault",
+__all__ = ["ROLES", "content_fault", "content_text", "is_text_parts", "reasoning_fault", "request_parts", "role_fault",
            "tools_fault"]
 
 #: The roles a message may have: what prompt loading sends (:mod:`tokenbridge.generate.prompts`)
@@ -25,6 +26,17 @@ def content_text(content: object) -> str:
     if isinstance(content, list):
         return "".join(p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
     return ""
+
+
+def request_parts(request: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """Every content part (a mapping in a list ``content``) of a request's messages, in
+    order; a message or part of another shape is passed over."""
+    messages = request.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, Mapping) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, Mapping):
+                yield part
 
 
 def is_text_parts(content: object) -> bool:

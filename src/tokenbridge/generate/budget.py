@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Mapping
 
+from ..content import request_parts
 from .body import checked_usage
 from .settings import Prices
 
@@ -128,14 +129,7 @@ def reserved_tokens(request_json: str, request: Mapping[str, Any]) -> tuple[int,
 
 def linked_media(request: Mapping[str, Any]) -> int:
     """How many media parts the request's messages name by URL (not inline)."""
-    count = 0
-    messages = request.get("messages")
-    for message in messages if isinstance(messages, list) else ():
-        content = message.get("content") if isinstance(message, Mapping) else None
-        for part in content if isinstance(content, list) else ():
-            if isinstance(part, Mapping) and part.get("type") in _MEDIA_PARTS:
-                count += not _inline(part)
-    return count
+    return sum(part.get("type") in _MEDIA_PARTS and not _inline(part) for part in request_parts(request))
 
 
 def _inline(part: Mapping[str, Any]) -> bool:
