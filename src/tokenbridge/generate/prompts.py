@@ -445,7 +445,7 @@ def _iter_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
     if not path.is_dir():  # a device or a FIFO: reading one would never end
         raise PromptSourceError(f"{path} is not a file or a folder")
     try:  # a folder without read or search permission: the folder is what cannot be read
-        saved = [name for name in ("dataset_dict.json", "state.json") if (path / name).exists()]
+        saved = _saved_markers(path)
         files, _ = _folder_files(path)
     except OSError as exc:
         raise _unreadable(path, exc) from None
@@ -459,6 +459,12 @@ def _iter_rows(spec: DatasetSpec) -> Iterator[tuple[str, str, Any]]:
         raise PromptSourceError(f"{path} holds no .jsonl/.parquet files and no save_to_disk data")
     for f in files:
         yield from _iter_file(f)
+
+
+def _saved_markers(folder: Path) -> list[str]:
+    """Which of a ``save_to_disk`` folder's metadata files ``folder`` holds (a split dataset's
+    ``dataset_dict.json``, one split's ``state.json``): it is read as that, not as files."""
+    return [name for name in ("dataset_dict.json", "state.json") if (folder / name).exists()]
 
 
 #: The prompt files a folder's listing reads, by suffix in any case (``A.JSONL`` too).
@@ -484,7 +490,7 @@ def unread_entries(spec: DatasetSpec) -> list[str]:
     file or a ``save_to_disk`` folder (its metadata files are read through its state)."""
     path = spec.path
     try:
-        if not path.is_dir() or any((path / name).exists() for name in ("dataset_dict.json", "state.json")):
+        if not path.is_dir() or _saved_markers(path):
             return []
         return _folder_files(path)[1]
     except OSError:  # the read says why
