@@ -169,12 +169,12 @@ def _spent_note(spent: float, possible: float, cap: float | None) -> list[str]:
     if not spent and not possible:
         return []
     maybe = f" + {usd(possible)} possibly billed" if possible else ""
-    line = f"this folder has spent {usd(spent)}{maybe} so far, which counts against --max-cost"
+    line = f"this folder has spent {usd(spent)}{maybe} so far"
     if cap is None:
-        return [line.replace(", which counts against --max-cost", "")]
-    if spent + possible >= cap:
-        return [f"{line}: its cap {usd(cap)} is reached, so the run would send nothing"]
-    return [f"{line}: {usd(cap - spent - possible)} of its cap {usd(cap)} is left"]
+        return [line]
+    left = (f"its cap {usd(cap)} is reached, so the run would send nothing" if spent + possible >= cap
+            else f"{usd(cap - spent - possible)} of its cap {usd(cap)} is left")
+    return [f"{line}, which counts against --max-cost: {left}"]
 
 
 #: The family rendered when there is no tokenizer to recognise one from (the default model's).
