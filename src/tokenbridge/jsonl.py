@@ -119,8 +119,8 @@ def repeated_key(value: Any, line: str | bytes | memoryview) -> None:  # Any: th
     2. the line's key ends are counted (:func:`_key_ends`, at least the keys it has), and
        it repeats none when that is the number of keys ``value`` has: the stdlib's
        ``", "`` form, ``\\u00e9`` escapes, about as much as reading it again;
-    3. else (a string that starts with a colon, a key that ends with a backslash) the
-       stdlib parses it again, seeing every pair: five times orjson's read."""
+    3. else (a string that starts with a colon) the stdlib parses it again, seeing
+       every pair: five times orjson's read."""
     if isinstance(line, str):
         line = line.strip(_JSON_SPACE).encode("utf-8", "surrogateescape")
     else:
@@ -153,19 +153,20 @@ _BACKSLASH = 0x5C
 
 
 def _key_ends(line: bytes) -> int:
-    """At least the number of keys in the JSON ``line``, or -1 if that cannot be told so.
-    Every key ends with an unescaped quote, JSON whitespace, a colon: a :data:`_KEY_END`
-    of its own. Inside a string a quote is escaped (a backslash before it: not counted),
-    and a quote that opens a string starting with a colon (``":"``) is counted too, which
-    only makes the count larger. A quote after two backslashes may close a key that ends
-    with an escaped backslash or be escaped itself: -1."""
+    """At least the number of keys in the JSON ``line``. Every key ends with an unescaped
+    quote, JSON whitespace, a colon: a :data:`_KEY_END` of its own. A quote is escaped
+    when an odd run of backslashes stands before it (each pair is one escaped backslash,
+    in a string, the only place JSON has them): not counted. A quote that opens a string
+    starting with a colon (``":"``) is counted too, which only makes the count larger."""
     count = 0
     for found in _KEY_END.finditer(line):
         at = found.start()
         if at > 0 and line[at - 1] == _BACKSLASH:
-            if at > 1 and line[at - 2] == _BACKSLASH:
-                return -1
-            continue
+            run = 1
+            while run < at and line[at - run - 1] == _BACKSLASH:
+                run += 1
+            if run % 2:
+                continue
         count += 1
     return count
 
