@@ -252,6 +252,36 @@ def test_a_gzip_body_under_a_content_encoding_not_undone_is_named_as_such():
     assert out.message == f"response is gzip-compressed but says no Content-Encoding ({len(packed)} bytes)"
 
 
+def _installed(*modules: str) -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m.split(".")[0]) and importlib.util.find_spec(m) for m in modules)
+
+
+@pytest.mark.parametrize(("coding", "modules"), [("br", ("brotli", "brotlicffi")), ("zstd", ("backports.zstd",))])
+def test_an_answer_compressed_past_this_install_fails_once_booked_and_told(tmp_path, coding, modules):
+    """aiohttp raises a made-up 400 ("Can not decode content-encoding") before the status is
+    read: it was a retried "connection" error, paid again on every attempt. A retry comes
+    compressed the same way: the sample fails at once, booked as possibly billed, and the
+    run says at once what to install."""
+    if _installed(*modules):
+        pytest.skip(f"{modules[0]} is installed: aiohttp undoes {coding}")
+
+    async def first(w: Writer) -> None:
+        packed = b"\x28\xb5\x2f\xfd" + bytes(range(40))
+        w.write(_head(Content_Type="application/json", Content_Encoding=coding, Content_Length=str(len(packed))) + packed)
+
+    summary, seen = _run(tmp_path, first, max_attempts=3, prices=Prices(prompt=0.0, completion=1000.0))
+    assert len(seen) == 1 and summary.failed == 1 and summary.done == 0
+    # booked at its reservation (max_tokens 100 at $1000 a million): the answer may have been billed
+    assert _attempts(tmp_path) == [(1, None, "bad_encoding", None, pytest.approx(0.1), None)]
+    (failure,) = summary.failures
+    assert failure["error_class"] == "bad_encoding"
+    assert failure["error"].startswith("the answer could not be read: Can not decode content-encoding")
+    assert "so the sample fails: install that package" in failure["error"]
+    assert [n for n in summary.notices if n.startswith("answers are failing: ")] == [f"answers are failing: {failure['error']}"]
+
+
 _json_labelled_as_stream_then_reset = _chunked_then_reset("text/event-stream", BODY)
 
 

@@ -28,12 +28,16 @@ choices beside it or not
 402                                        payment          http_402 (stops the run)
 404 "No endpoints found"                   unavailable      no_endpoints (fails that routing)
 timeout / connection error                 retry            timeout / connection
+a body compressed past this install        fail             bad_encoding
+(``Content-Encoding: br`` without
+Brotli, ``zstd`` without backports.zstd)
 malformed URL                              fail             bad_url
 =========================================  ===============  ================================
 
 ``Outcome.maybe_billed`` marks failures after which the provider may have generated (and
 billed) tokens without telling us: read/total timeouts, a connection dropped once the
-request was out, a cut or garbled stream, and a 200 that is not kept (``bad_json``,
+request was out, a cut or garbled stream, a body compressed past this install
+(``bad_encoding``), and a 200 that is not kept (``bad_json``,
 ``no_choices``, ``bad_choices``, ``choice_error``: the provider answered, so it billed; an
 ``error`` body with choices beside it too).
 A refused or timed-out *connect* was never sent.
@@ -265,11 +269,26 @@ def classify_exception(exc: BaseException) -> Outcome:
         return Outcome("retry", "timeout", f"{name}: {exc}".rstrip(": "), maybe_billed=True)
     if isinstance(exc, aiohttp.ClientConnectorError):  # refused, DNS, TLS: nothing was sent
         return Outcome("retry", "connection", f"{name}: {exc}")
+    if isinstance(exc, aiohttp.ClientResponseError) and _UNDECODABLE in str(exc.message).lower():
+        return Outcome("fail", "bad_encoding", undecodable_message(str(exc.message)), maybe_billed=True)
     if isinstance(exc, (aiohttp.ClientError, ConnectionError, OSError)):
         return Outcome("retry", "connection", f"{name}: {exc}", maybe_billed=True)
     if isinstance(exc, (ValueError, UnicodeDecodeError)):
         return Outcome("retry", "bad_stream", f"{name}: {exc}", maybe_billed=True)
     return Outcome("fail", "client_error", f"{name}: {exc}")
+
+
+#: What aiohttp says when an answer's ``Content-Encoding`` needs a package this install lacks
+#: (``br``: Brotli, ``zstd``: backports.zstd), raised as a made-up 400 before the status is seen.
+_UNDECODABLE = "can not decode content-encoding"
+
+
+def undecodable_message(said: str) -> str:
+    """Why an answer compressed past this install is failed, not retried: whatever the server
+    answered was lost (and probably billed), and a retry would be compressed the same way."""
+    return (f"the answer could not be read: {said} (aiohttp). Whatever it held was generated and probably billed; "
+            "a retry would come compressed the same way, so the sample fails: install that package (or have "
+            "the server honour Accept-Encoding: gzip, deflate) and run again")
 
 
 def _by_status(status: int, message: str, retry_after: float | None) -> Outcome:

@@ -779,6 +779,8 @@ class Engine:
             self._fail(item, "no_endpoints", outcome.message)
             return
         if outcome.kind == "fail":
+            if outcome.error_class == "bad_encoding":  # every answer may come so: say so at once, not at the end
+                self._notice(f"answers are failing: {outcome.message}")
             if outcome.status == 401:
                 self._unauthorized_streak += 1
                 if self._unauthorized_streak >= _UNAUTHORIZED_STOP and not self._successes:
