@@ -286,6 +286,24 @@ def test_pinned_records_are_what_vllm_serves(vllm) -> None:
         assert got == (case.message, case.finish, case.stop_reason, len(ids), case.reasoning_tokens), case.name
 
 
+def test_stripped_whitespace_is_read_back_from_vllms_logprobs(vllm) -> None:
+    """Whitespace the parser stripped before ``</think>`` outside the runs the readings try
+    (a markdown break, U+3000, four newlines, GLM's " \\n" and U+00A0): vLLM's own logprobs
+    spell it, so the provable sample passes with the true ids (it was rejected, its logprobs
+    said to differ)."""
+    from test_vllm_readings import STRIPPED_ANY, native_ids, request_of
+
+    for case in STRIPPED_ANY:
+        tok, engine = _family(case.family, vllm)
+        request = {**request_of(case), "logprobs": True}
+        dialect = resolve_dialect(tok, engine.family.dialect)
+        ids = native_ids(case)
+        served = engine.serve(request, tok.encode(dialect.render_request(request)), ids, stream=False)
+        assert served["choices"][0]["message"]["reasoning"] == case.message["reasoning"], case.name  # stripped
+        (row,) = reconstruct_record({"id": case.name, "request": request, "response": served}, tok, dialect)
+        assert (row["status"], row["findings"], row["completion_ids"]) == ("ok", [], ids), case.name
+
+
 def test_pinned_logprobs_are_what_vllm_logs(vllm) -> None:
     """tests/test_evidence.py's Burmese entries are what vLLM 0.34 logs for Kimi's ids."""
     from test_evidence import BURMESE, BURMESE_LOGGED

@@ -119,6 +119,24 @@ CASES = [
            {"reasoning": None, "content": "\n"}, "stop", None, 1),
     Served("glm_ended_in_think_stripped", "glm-4.5", "\n<think></ ", "<|user|>",
            {"reasoning": "\n</", "content": None}, "stop", 151336, 4),
+    # the parser strips any whitespace before </think>, not only the runs the readings try
+    # (hypotheses.STRIPPED_TAILS): a count cannot read these back; ids can (see below)
+    Served("kimi_stripped_markdown_break", "kimi-k2.5", "The user asks.  \n</think>Sure.", "<|im_end|>",
+           {"reasoning": " The user asks.", "content": " Sure."}, "stop", 163586, 5,
+           alone=("usage_completion_mismatch",), tags=("stripped_any",)),
+    Served("kimi_stripped_ideographic_space", "kimi-k2.5", "The user asks.\u3000</think>Sure.", "<|im_end|>",
+           {"reasoning": " The user asks.", "content": " Sure."}, "stop", 163586, 5,
+           alone=("usage_completion_mismatch",), tags=("stripped_any",)),
+    Served("kimi_stripped_four_newlines", "kimi-k2.5", "The user asks.\n\n\n\n</think>Sure.", "<|im_end|>",
+           {"reasoning": " The user asks.", "content": " Sure."}, "stop", 163586, 4, tags=("stripped_any",)),
+    Served("glm_stripped_space_newline", "glm-4.5", "\n<think>The user asks. \n</think>\nSure.", "<|user|>",
+           {"reasoning": "\nThe user asks.", "content": "\nSure."}, "stop", 151336, 6,
+           alone=("usage_completion_mismatch", "usage_reasoning_mismatch", "reconstruction_ambiguous"),
+           tags=("stripped_any",)),
+    Served("glm_stripped_no_break_space", "glm-4.5", "\n<think>The user asks.\xa0</think>\nSure.", "<|user|>",
+           {"reasoning": "\nThe user asks.", "content": "\nSure."}, "stop", 151336, 6,
+           alone=("usage_completion_mismatch", "usage_reasoning_mismatch", "reconstruction_ambiguous"),
+           tags=("stripped_any",)),
     # gpt-oss (HarmonyParser over the ids): an analysis ended by <|return|> itself is served as
     # the formula's empty final message would be; the count tells them apart (was rejected)
     Served("gptoss_ended_in_analysis", "gpt-oss", ANALYSIS + "The user asks.", "<|return|>",
@@ -168,7 +186,7 @@ def request_of(case: Served) -> dict[str, Any]:
     return request
 
 
-def _row(case: Served, traits: dict[str, ProviderTrait] | None = None) -> dict[str, Any]:
+def _row(case: Served, traits: dict[str, ProviderTrait] | None = None, *, native: bool = False) -> dict[str, Any]:
     tok = _tok(case.family)
     request = request_of(case)
     dialect = resolve_dialect(tok, VLLM_DIALECTS.get(case.family))
@@ -180,6 +198,8 @@ def _row(case: Served, traits: dict[str, ProviderTrait] | None = None) -> dict[s
         "usage": {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n,
                   "completion_tokens_details": {"reasoning_tokens": case.reasoning_tokens}}}
     record = {"id": case.name, "request": request, "response": response, "meta": {"stream": case.stream}}
+    if native:  # the ground-truth ids beside it, as a self-hosted engine can return them
+        record["native_ids"] = {"prompt": prompt, "choices": [native_ids(case)]}
     (row,) = reconstruct_record(record, tok, dialect, traits=traits)
     return row
 
@@ -199,6 +219,22 @@ def test_vllm_034_records_are_never_passed_with_wrong_ids(case: Served) -> None:
     if case.joined is not None:
         trait = {"vllm": ProviderTrait("vllm", joins_markers=True)}
         assert _verdict(_row(case, trait), truth) == case.joined
+
+
+STRIPPED_ANY = [c for c in CASES if "stripped_any" in c.tags]
+
+
+@pytest.mark.parametrize("case", STRIPPED_ANY, ids=[c.name for c in STRIPPED_ANY])
+def test_whitespace_the_parser_stripped_is_read_back_from_the_ids(case: Served) -> None:
+    """Any whitespace run vLLM 0.34 stripped before ``</think>`` is a reading where ground-truth
+    ids spell it: the ids pick it, and the provable sample passes with them (it was rejected:
+    only a fixed list of runs was tried)."""
+    truth = native_ids(case)
+    for traits in (None, {"vllm": ProviderTrait("vllm", joins_markers=True)}):
+        row = _row(case, traits, native=True)
+        assert (row["status"], row["findings"], row["completion_ids"]) == ("ok", [], truth)
+        tail = case.text.split("</think>")[0].removeprefix("\n<think>")[len("The user asks."):]
+        assert row["reconstruction"].endswith("reasoning_tail=" + tail.replace("\n", "\\n"))
 
 
 def test_vllm_stop_reason_names_the_end_token(kimi) -> None:

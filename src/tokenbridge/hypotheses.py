@@ -207,6 +207,25 @@ def unjoin_marker_spaces(text: str, markers: Sequence[str], *, plain: bool = Fal
 STRIPPED_TAILS = ("\n", "\n\n", "\n\n\n", "\r\n", " ", "  ", "\t")
 
 
+def _tails(dialect: Dialect, reasoning: str, spot: int, spelled: str | None) -> tuple[str, ...]:
+    """The whitespace tried at ``spot`` of a stripped ``reasoning``: :data:`STRIPPED_TAILS`,
+    and, where ids or logprobs spell the completion (``spelled``), the whitespace they put
+    there (any run: ``" \n"``, a markdown break ``"  \n"``, ``"\u3000"``), which only those
+    ids can then prove. Read before the first think close they spell, behind what of the
+    reasoning follows ``spot``."""
+    if spelled is None:
+        return STRIPPED_TAILS
+    close = dialect.think_close or ""
+    at = spelled.find(close) if close else -1
+    region = spelled[:at] if at >= 0 else spelled
+    after = reasoning[spot:]
+    if not region.endswith(after):
+        return STRIPPED_TAILS
+    before = region[: len(region) - len(after)]
+    tail = before[len(before.rstrip()):]
+    return (*STRIPPED_TAILS, tail) if tail and tail not in STRIPPED_TAILS else STRIPPED_TAILS
+
+
 def _joined_texts(dialect: Dialect, reasoning: str, content: str, thinking: bool, *, closed: bool,
                   section: bool, held: bool) -> list[tuple[str, bool]]:
     """The texts vLLM's detokenizer may have joined before its reasoning parser cut them, each
@@ -231,7 +250,7 @@ def _joined_texts(dialect: Dialect, reasoning: str, content: str, thinking: bool
 
 def _joined_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason: str | None, thinking: bool,
                      prompt_opens_think: bool, markers: Sequence[str], *, closed: bool, section: bool,
-                     stream: bool | None, by_ids: bool, plain: bool) -> list[Candidate]:
+                     stream: bool | None, by_ids: bool, plain: bool, spelled: str | None = None) -> list[Candidate]:
     """The readings of a message vLLM's detokenizer joined (``marker_spaces``): each joined
     text unjoined and split as its parser split it; where the parser stripped the reasoning's
     end, that reading open-ended and one more per :data:`STRIPPED_TAILS` spot (vetoes,
@@ -251,7 +270,7 @@ def _joined_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason
             continue
         r, c, was_closed = _split(dialect, native, thinking)
         tails = [(r[:at] + tail + r[at:], tail) for at in _tail_spots(dialect, r, stream)
-                 for tail in STRIPPED_TAILS] if stripped else []
+                 for tail in _tails(dialect, r, at, spelled)] if stripped else []
         for r2, tail in [(r, ""), *tails]:
             parts = dialect.completion_parts({"reasoning": r2, "content": c}, finish_reason, thinking,
                                              prompt_opens_think)
@@ -317,7 +336,8 @@ def _tail_spots(dialect: Dialect, reasoning: str, stream: bool | None) -> list[i
 
 
 def _with_stripped_tails(dialect: Dialect, message: Mapping[str, Any], out: list[Candidate],
-                         finish_reason: str | None, *, stream: bool | None, by_ids: bool) -> list[Candidate]:
+                         finish_reason: str | None, *, stream: bool | None, by_ids: bool,
+                         spelled: str | None = None) -> list[Candidate]:
     """``out``, where vLLM 0.34's parser for this family strips the reasoning's end
     (``Dialect.reasoning_end_stripped``) and the message may be its (``reasoning``, not
     SGLang's ``reasoning_content``, the model's text before ``<think>`` in front), with each
@@ -338,7 +358,7 @@ def _with_stripped_tails(dialect: Dialect, message: Mapping[str, Any], out: list
         done.append(Candidate(c.parts, c.names, c.held, veto=c.veto, open_end=True))
         text = c.parts[at][1]
         for spot in _tail_spots(dialect, text, stream):
-            for tail in STRIPPED_TAILS:
+            for tail in _tails(dialect, text, spot, spelled):
                 parts = [*c.parts[:at], ("reasoning", text[:spot] + tail + text[spot:]), *c.parts[at + 1:]]
                 done.append(Candidate(parts, (*c.names, f"reasoning_tail={_escaped(tail)}"), veto=not by_ids,
                                       open_end=cut))
@@ -383,6 +403,7 @@ def candidates(
     held: Sequence[str] = (),
     tools_streamed: bool = False,
     stripped_by_ids: bool = False,
+    spelled: str | None = None,
 ) -> list[Candidate]:
     """The plain formula first, then every other reading this message admits.
 
@@ -399,6 +420,8 @@ def candidates(
     streamed, and ids or logprobs can pick among gpt-oss's ``prefix_resent`` readings.
     ``stripped_by_ids``: ids or logprobs can pick the whitespace vLLM's parser stripped from
     the end of a joined reasoning (``reasoning_tail=``); without them those readings only veto.
+    ``spelled``: the completion text those ids or logprobs spell, read for whitespace outside
+    :data:`STRIPPED_TAILS` that the parser stripped (:func:`_tails`).
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
@@ -428,14 +451,15 @@ def candidates(
                     or (dialect.vllm_joins and _held_alone(reasoning, markers, stream))):
         for cand in _joined_readings(dialect, message, finish_reason, thinking, prompt_opens_think, markers,
                                      closed=closed_by_formula, section=opens_section, stream=stream,
-                                     by_ids=stripped_by_ids, plain=joins_markers):
+                                     by_ids=stripped_by_ids, plain=joins_markers, spelled=spelled):
             if all(cand.parts != c.parts for c in out):
                 out.append(cand)
 
     if joins_markers and any("marker_spaces" in c.names and not c.veto for c in out):
         out = [c for c in out if "marker_spaces" in c.names]
     if thinking:
-        out = _with_stripped_tails(dialect, message, out, finish_reason, stream=stream, by_ids=stripped_by_ids)
+        out = _with_stripped_tails(dialect, message, out, finish_reason, stream=stream, by_ids=stripped_by_ids,
+                                   spelled=spelled)
     out = [r for c in out for r in (c, *_held_readings(c, held, thinking))]
     out += _cut_after_close(dialect, out, finish_reason, thinking, prompt_opens_think, cut_after_close)
     out += _ended_in_think(out, finish_reason, thinking, prompt_opens_think, end_in_think,

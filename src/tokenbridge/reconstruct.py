@@ -431,6 +431,18 @@ def _streamed(ex: Exchange) -> bool | None:
     return None
 
 
+def _spelled(tok: Tokenizer, dialect: Dialect, native: Sequence[int] | None, logged: LogprobIds | None) -> str | None:
+    """The completion text the ground-truth ids (else the logprobs) spell, for a family whose
+    vLLM parser strips the reasoning's end (so the whitespace it stripped can be read); None
+    where no other family's reading needs it or an id is not known."""
+    if not (dialect.vllm_joins or dialect.reasoning_end_stripped):
+        return None
+    ids = native if native is not None else logged.ids if logged is not None else None
+    if not ids or min(ids) < 0 or tok.unknown_id(ids) is not None:
+        return None
+    return tok.decode_bytes(list(ids)).decode("utf-8", "replace")
+
+
 def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dialect: Dialect, *,
           thinking: bool, opens: bool, joins: bool, stream: bool | None = None,
           prefixed: bool | None = None, end_counted: bool = False) -> _Choice:
@@ -458,7 +470,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
                        prefix_absent=by_ids, held=held, tools_streamed=tools_streamed and by_ids,
-                       stripped_by_ids=by_ids)
+                       stripped_by_ids=by_ids, spelled=_spelled(tok, dialect, native, logged) if by_ids else None)
     if not by_ids and stream is not True:  # nothing could keep or report a held tail (none built above: a guard)
         cands = [c for c in cands if not c.held]
     if by_ids and tools_streamed and len(cands) > 1:
