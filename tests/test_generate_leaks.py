@@ -385,3 +385,70 @@ def test_an_error_quoting_the_key_in_short_pieces_is_masked_where_it_is_shown_an
     stored = _every_stored_byte(tmp_path / "run") + capsys.readouterr().err.encode()
     assert not any(SECRET[a:a + 8].encode().lower() in stored.lower() for a in range(0, len(SECRET) - 8, 4))
     assert b"bad ***" in stored
+
+
+# --- the key pasted into a prompt or into extra_body (a cold tester's) ------------------------
+
+
+def _prompts_with_key(tmp_path: Path) -> Path:
+    """Three prompts: a clean one, one quoting the key, one declaring a tool whose description
+    holds it base64-encoded (a spelling the masks know)."""
+    import base64
+
+    rows = [{"id": "clean", "prompt": "hello"},
+            {"id": "pasted", "messages": [{"role": "user", "content": f"my key is {SECRET}, why is it refused?"}]},
+            {"id": "in-tool", "prompt": "hi", "tools": [{"type": "function", "function": {
+                "name": "f", "description": base64.b64encode(SECRET.encode()).decode(), "parameters": {}}}]}]
+    path = tmp_path / "keyed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_a_prompt_that_holds_the_key_is_a_bad_row_never_sent_or_stored(tmp_path):
+    """Sent, the key went to a provider in the prompt, and every stored copy (the store,
+    exchanges.jsonl, then reconstruct's rows and the exports) held it, though a header
+    holding it is refused. Such a row is a bad row now; the rest of the run goes on."""
+    bodies: list[bytes] = []
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.read())
+        return _ok(request)
+
+    _, summary = _run(tmp_path, 0, reply, datasets=(DatasetSpec("k", _prompts_with_key(tmp_path)),),
+                      request=RequestSettings(model="m", max_tokens=16, send_tools=True))
+    assert summary.done == 1 and len(bodies) == 1 and b"hello" in bodies[0]
+    said = ("field '<prompt>': holds the API key from $TB_LEAK (not shown here): not sent, so no provider gets it "
+            "and nothing stored holds it; take it out of the prompt")
+    keyed = tmp_path / "keyed.jsonl"
+    assert summary.bad_rows == [f"{keyed}: line 2: {said}", f"{keyed}: line 3: {said}"]
+    stored = _every_stored_byte(tmp_path / "run")
+    assert _leaks(stored) == [] and SECRET.encode() not in stored and b"c2stb3ItdjEt" not in stored  # base64 too
+
+
+def test_the_dry_run_leaves_out_a_prompt_that_holds_the_key_as_the_run_does(tmp_path, monkeypatch):
+    from tokenbridge.generate.estimate import dry_run
+
+    monkeypatch.setenv("TB_LEAK", SECRET)
+    settings = GenerateSettings(datasets=(DatasetSpec("k", _prompts_with_key(tmp_path)),), api_key_env="TB_LEAK",
+                                request=RequestSettings(model="m", max_tokens=16, send_tools=True))
+    report = dry_run(settings)
+    assert report.samples == 1
+    keyed = tmp_path / "keyed.jsonl"
+    assert [b.split(": field")[0] for b in report.bad_rows] == [f"{keyed}: line 2", f"{keyed}: line 3"]
+    assert all(SECRET not in b for b in report.bad_rows)
+
+
+def test_extra_body_that_holds_the_key_is_refused_before_anything_is_sent(tmp_path):
+    seen: list[str] = []
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        seen.append(request.path)
+        return _ok(request)
+
+    from tokenbridge.generate.settings import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _run(tmp_path, 1, reply, request=RequestSettings(model="m", max_tokens=16, extra_body={"user": SECRET}))
+    assert str(info.value) == ("request.extra_body holds the API key from $TB_LEAK (not shown here): the key is sent "
+                               "only as Authorization; remove it from extra_body")
+    assert seen == [] and not (tmp_path / "run" / "state.sqlite").exists()

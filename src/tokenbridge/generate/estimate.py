@@ -84,11 +84,15 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
     nothing. Refuses what the run would refuse before sending (a renamed dataset; done
     samples made with other settings, unless ``force_settings``)."""
     from ..chat import RENDER_FAILURES
-    from .run import check_sendable, folders_unread, gave_nothing, refuse_as_the_run, store_row, tools_unsent
-    from .secrets import read_api_key
+    from .run import check_sendable, folders_unread, gave_nothing, keyless, refuse_as_the_run, store_row, tools_unsent
+    from .secrets import check_api_key, read_api_key
 
     check_sendable(settings)
     loaded = load_prompts(settings.datasets, default_limit=settings.limit)
+    # the run leaves out a prompt that holds the key (it is only read here, and is not needed)
+    key = read_api_key(settings.api_key_env, required=False)
+    check_api_key(key, settings.headers, settings.request.extra_body)
+    held = keyless(loaded, key)
     done_ids: set[str] = set()
     run_ids = [s.id for s in loaded.samples]
     observed: float | None = None
@@ -97,8 +101,7 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
     if state is not None and state.is_file() and state.stat().st_size > 0:  # an empty one holds nothing done
         with Store.open_readonly(state.parent) as store:
             # what the run refuses before it sends (a renamed dataset: AlreadyAnswered), refused here alike
-            # base URLs compare with the key masked, as they are stored (it is only read here)
-            key = read_api_key(settings.api_key_env, required=False)
+            # base URLs compare with the key masked, as they are stored
             run_ids = refuse_as_the_run(store, [store_row(s, settings) for s in loaded.samples], settings, key,
                                         state.parent, force_settings=force_settings)
             done_ids = {sid for sid, status in store.statuses().items() if status == "done"}  # no request read
@@ -147,7 +150,7 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
         samples=len(loaded.samples),
         to_send=to_send,
         already_done=len(loaded.samples) - to_send,
-        bad_rows=[str(e) for e in loaded.errors] + render_errors,
+        bad_rows=[str(e) for e in loaded.errors] + held + render_errors,
         per_dataset=per,
         prompt_tokens=total,
         prompt_tokens_max=longest,

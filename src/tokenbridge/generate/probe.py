@@ -267,7 +267,7 @@ async def aprobe(
     from ..chat import resolve_dialect
 
     check_base_url(base_url, "probe")
-    check_api_key(key)
+    check_api_key(key, extra_body=extra_body)
     dialect = dialect or resolve_dialect(tokenizer)
     url = base_url.rstrip("/") + "/chat/completions"
     headers = {"Content-Type": "application/json"}

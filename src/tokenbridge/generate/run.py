@@ -46,7 +46,7 @@ from .lock import run_lock
 from .progress import Reporter
 from .prompts import SHOWN_BAD_ROWS, LoadedPrompts, Sample, keep_stored_ids, load_prompts, unread_entries
 from .request import build_request
-from .secrets import ApiKey, check_api_key, placeholder_notice, read_api_key, scrub
+from .secrets import ApiKey, check_api_key, holds_key, placeholder_notice, read_api_key, scrub
 from .settings import ConfigError, GenerateSettings, Prices, endpoint_identity, is_loopback_url, plain_http_problem
 from .store import EXCHANGES_FILE, STATE_FILE, Store, StoreError
 
@@ -198,14 +198,14 @@ def _prepared(settings: GenerateSettings, out_dir: str | Path, key: ApiKey | Non
     check_sendable(settings)
     if key is None:
         key = read_api_key(settings.api_key_env, required=not is_local_url(settings.base_url))
-    check_api_key(key, settings.headers)
+    check_api_key(key, settings.headers, settings.request.extra_body)
     if key is not None and (why := plain_http_problem(settings.base_url, settings.allow_plain_http)):
         raise ConfigError(f"base_url {why}")
     reporter = reporter or Reporter(settings.progress, interval_s=settings.log_interval_s)
     if (notice := placeholder_notice(key)) is not None:
         reporter.log(notice, warn=True)
     t0 = time.monotonic()
-    rows, bad_rows = _load_rows(settings, reporter)
+    rows, bad_rows = _load_rows(settings, reporter, key)
 
     with run_lock(out_dir):
         for stale in out_dir.glob(f".{SUMMARY_FILE}.*.tmp"):  # left by a process killed while writing
@@ -256,17 +256,35 @@ def _close_run(store: Store, run: int, exc: BaseException) -> None:
 _Row = tuple[str, str, str, str]  # (id, dataset, source, request JSON)
 
 
-def _load_rows(settings: GenerateSettings, reporter: Reporter) -> tuple[list[_Row], list[str]]:
+def _load_rows(settings: GenerateSettings, reporter: Reporter, key: ApiKey | None) -> tuple[list[_Row], list[str]]:
     """The samples of every dataset as store rows, and the bad source rows (the first few said)."""
     loaded = load_prompts(settings.datasets, default_limit=settings.limit)
-    for err in loaded.errors[:SHOWN_BAD_ROWS]:
+    errors = [str(e) for e in loaded.errors] + keyless(loaded, key)
+    for err in errors[:SHOWN_BAD_ROWS]:
         reporter.log(f"bad row: {err}")
-    if len(loaded.errors) > SHOWN_BAD_ROWS:
-        reporter.log(f"... {len(loaded.errors) - SHOWN_BAD_ROWS} more bad rows (all listed in {SUMMARY_FILE})")
+    if len(errors) > SHOWN_BAD_ROWS:
+        reporter.log(f"... {len(errors) - SHOWN_BAD_ROWS} more bad rows (all listed in {SUMMARY_FILE})")
     for line in gave_nothing(settings, loaded) + tools_unsent(settings, loaded) + folders_unread(settings):
         reporter.log(f"warning: {line}", warn=True)
     rows = [store_row(s, settings) for s in loaded.samples]
-    return rows, [str(e) for e in loaded.errors]
+    return rows, errors
+
+
+def keyless(loaded: LoadedPrompts, key: ApiKey | None) -> list[str]:
+    """Take out of ``loaded`` every sample whose messages or tools hold the API key (pasted
+    into a prompt): sent, every provider would get it, and every stored copy (the store,
+    ``exchanges.jsonl``, the exports) would hold it. A bad row each, the key not shown."""
+    if key is None:
+        return []
+    kept, bad = [], []
+    for s in loaded.samples:
+        if holds_key(json.dumps([s.messages, s.tools], ensure_ascii=False), key):
+            bad.append(f"{s.source}: field '<prompt>': holds the API key from ${key.env_name} (not shown here): not "
+                       "sent, so no provider gets it and nothing stored holds it; take it out of the prompt")
+        else:
+            kept.append(s)
+    loaded.samples[:] = kept
+    return bad
 
 
 def gave_nothing(settings: GenerateSettings, loaded: LoadedPrompts) -> list[str]:

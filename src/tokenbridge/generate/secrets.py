@@ -49,18 +49,20 @@ from __future__ import annotations
 import base64
 import bisect
 import bz2
+import json
 import os
 import re
 import string
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 from collections.abc import Iterable, Mapping
 from functools import lru_cache
 
 from .errors import GenerateError
 from .settings import ConfigError, api_key_problem, env_name_problem
 
-__all__ = ["MIN_MASKED", "ApiKey", "MissingApiKey", "check_api_key", "compressed_key", "keys_read", "mask_scattered",
+__all__ = ["MIN_MASKED", "ApiKey", "MissingApiKey", "check_api_key", "compressed_key", "holds_key", "keys_read", "mask_scattered",
            "placeholder_notice", "read_api_key", "scattered_key", "scrub", "scrub_bytes", "scrub_message"]
 
 _MASK = "***"
@@ -108,20 +110,30 @@ def read_api_key(env_name: str = "OPENROUTER_API_KEY", *, required: bool = True)
     return ApiKey(env_name, value)
 
 
-def check_api_key(key: ApiKey | None, headers: Mapping[str, str] | None = None) -> None:
+def check_api_key(key: ApiKey | None, headers: Mapping[str, str] | None = None,
+                  extra_body: Mapping[str, Any] | None = None) -> None:
     """:class:`~.settings.ConfigError` (naming the variable, never the text) for a key that
     cannot go into an ``Authorization`` header, before anything is sent: aiohttp refuses a
     CR or LF only per request, so every sample (or every probe) failed its attempts one by
-    one. And for a header whose value holds the key (in any spelling :func:`scrub` masks):
-    it went to every provider, and a server echoing it put it in errors unmasked."""
+    one. And for a header or ``request.extra_body`` that holds the key (in any spelling
+    :func:`scrub` masks): it went to every provider, a server echoing it put it in errors
+    unmasked, and the body is stored with every sample."""
     if key is None:
         return
     if why := api_key_problem(key.value):
         raise ConfigError(f"the API key in ${key.env_name} {why}")
     for name, value in (headers or {}).items():
-        if scrub(value, key) != value:
+        if holds_key(value, key):
             raise ConfigError(f"headers: header {name}: value holds the API key from ${key.env_name} (not shown "
                               "here): the key is sent only as Authorization; remove it from the header")
+    if extra_body and holds_key(json.dumps(extra_body, ensure_ascii=False, default=str), key):
+        raise ConfigError(f"request.extra_body holds the API key from ${key.env_name} (not shown here): the key is "
+                          "sent only as Authorization; remove it from extra_body")
+
+
+def holds_key(text: str, key: ApiKey | None) -> bool:
+    """Whether ``text`` holds the key in a spelling :func:`scrub` masks."""
+    return key is not None and scrub(text, key) != text
 
 
 def placeholder_notice(key: ApiKey | None) -> str | None:
