@@ -82,6 +82,28 @@ def test_bad_record_and_error_lines_show_a_hostile_key_escaped(tmp_path, kimi_di
     assert f"{src}:1: native_ids.k\\x1b[2J\\x1b[H\\x1b]0;PWNED\\x07\\x0d" in bad[0]
 
 
+def test_a_file_name_with_a_newline_forges_no_error_line(tmp_path, kimi):
+    """``_fail`` split every message on its newlines, so a file named ``bad\\nerror: forged``
+    printed an ``error:`` line of its own making (a cold tester's): a line break inside one
+    problem is data now, shown escaped; a config's several problems are still a line each."""
+    from test_export_support import make_run
+
+    _, rows = make_run(kimi, 1)
+    row = rows[0] | {"status": "OK"}
+    src = tmp_path / "bad\nerror: forged.jsonl:1: id: fake.jsonl"
+    _write(src, row)
+    res = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "out"), "-f", "specforge"])
+    assert res.exit_code == 1, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {tmp_path}/bad\\nerror: forged.jsonl:1: id: fake.jsonl:1: status: must be one of ok, "
+                      "flagged, rejected, got 'OK'"]
+    config = tmp_path / "run.toml"
+    config.write_text('[run]\nout = 1\nbogus = 2\n', encoding="utf-8")
+    res = CliRunner().invoke(app, ["run", str(config)])
+    errors = [x for x in res.output.splitlines() if x.startswith("error:")]
+    assert res.exit_code == ExitCode.CONFIG and len(errors) == 5 and all(x.startswith(f"error: {config}") for x in errors)
+
+
 def test_a_path_that_looks_like_markup_is_a_file_name(tmp_path, kimi_dir):
     folder = tmp_path / "[link=http:" / "x["
     folder.mkdir(parents=True)

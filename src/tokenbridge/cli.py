@@ -9,11 +9,11 @@ import sys
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import typer
 
-from .display import printable
+from .display import printable, problems_of
 from .exit_codes import ExitCode
 from .tokenizer import MAX_VOCAB_SIZE
 
@@ -74,7 +74,7 @@ def _policy(usage_tolerance: int, warn: list[str], error: list[str], off: list[s
     section, problems = validate(ReconstructSection, {"usage_tolerance": usage_tolerance, "severity": severities},
                                  Where("command line", flags=flags))
     if problems:
-        _fail("\n".join(problems))
+        _fail(problems)
     return Policy(severities=dict(section.severity), usage_tolerance=section.usage_tolerance)
 
 
@@ -86,7 +86,7 @@ def _dialect_flag(dialect: str | None) -> None:
         # DialectName is a Literal built from the registry at import: a type to pydantic, a variable to mypy
         problems = validate(dict[str, DialectName], {"dialect": dialect}, Where("command line", flags={"dialect": "--dialect"}))[1]
         if problems:
-            _fail("\n".join(problems))
+            _fail(problems)
 
 
 def _say(text: str, *, err: bool = False) -> None:
@@ -96,11 +96,17 @@ def _say(text: str, *, err: bool = False) -> None:
     typer.echo(printable(text), err=err)
 
 
-def _fail(message: str, code: int = ExitCode.CONFIG) -> NoReturn:
-    """One ``error:`` line per problem (problems are joined with newlines; any other line
-    break inside one is data, and shown escaped), then exit with ``code``."""
-    for line in message.rstrip("\n").split("\n"):
-        _say(f"error: {line}", err=True)
+def _fail(problem: str | BaseException | Sequence[str], code: int = ExitCode.CONFIG) -> NoReturn:
+    """One ``error:`` line per problem, then exit with ``code``: a text is one problem, a
+    list one each, an exception its ``problems`` (:func:`~tokenbridge.display.several`: a
+    config's several) or its text. A line break inside a problem is data (a file name can
+    hold one), shown escaped: it never forges a line."""
+    if isinstance(problem, BaseException):
+        problems: Sequence[str] = problems_of(problem)
+    else:
+        problems = [problem] if isinstance(problem, str) else problem
+    for line in problems:
+        _say(f"error: {line.rstrip(chr(10))}", err=True)
     raise typer.Exit(int(code))
 
 
@@ -113,7 +119,7 @@ def _tokenizer(flag_value: str | None, config_value: str | None = None, config: 
     try:
         return load_tokenizer(choose_tokenizer(flag_value, config_value, config=config))
     except TokenizerError as exc:
-        _fail(str(exc))
+        _fail(exc)
 
 
 def _check_dialect(tok: Tokenizer, name: str | None) -> None:
@@ -125,7 +131,7 @@ def _check_dialect(tok: Tokenizer, name: str | None) -> None:
     try:
         resolve_dialect(tok, name)
     except DialectError as exc:
-        _fail(str(exc))
+        _fail(exc)
 
 
 def _tokenizer_input(value: str | None) -> str | None:
@@ -166,15 +172,15 @@ def _writing(output: Path | None, command: str) -> Iterator[None]:
                 try:
                     stack.enter_context(run_lock(folder, command=command, retry="or write outside that run folder"))
                 except GenerateError as exc:  # the run folder is busy
-                    _fail(str(exc), exc.exit_code)
+                    _fail(exc, exc.exit_code)
             yield
     except KeyboardInterrupt:
         _say(STOPPED, err=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except OutputRefused as exc:
-        _fail(str(exc), exc.exit_code)
+        _fail(exc, exc.exit_code)
     except OutputWriteError as exc:
-        _fail(str(exc), ExitCode.INCOMPLETE)
+        _fail(exc, ExitCode.INCOMPLETE)
 
 
 def _jsonl_input(path: Path, *, parquet_ok: bool = False) -> None:
@@ -236,7 +242,7 @@ def reconstruct(
             summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None,
                                        provider_profile=profile)
         except NotJsonlError as exc:  # a pipe's bytes, looked at once read
-            _fail(str(exc))
+            _fail(exc)
         if summary_json:
             from .fsio import write_text
 
@@ -293,11 +299,11 @@ def inspect(
     try:
         row = find_row(input, tok, sample_id, choice, dialect)
     except DialectError as exc:  # a dialect given for a file of rows, already rendered
-        _fail(str(exc))
+        _fail(exc)
     except LookupError as exc:
         _fail(str(exc.args[0]))
     except RowError as exc:  # a row edited by hand: bad data, as export says of it
-        _fail(str(exc), exc.exit_code)
+        _fail(exc, exc.exit_code)
     if tokens is not None:
         try:
             check_span(tokens, len(row["input_ids"]))
@@ -398,9 +404,9 @@ def generate(
     except KeyboardInterrupt:  # outside the send loop (loading, writing): nothing half-written is kept
         _fail(f"interrupted; what was stored in {out} is kept: rerun the same command to continue", ExitCode.INTERRUPTED)
     except GenerateError as exc:
-        _fail(str(exc), exc.exit_code)
+        _fail(exc, exc.exit_code)
     except (TokenizerError, DialectError) as exc:
-        _fail(str(exc))
+        _fail(exc)
     _echo_totals(summary)
     _echo_run_problems(summary, out, quiet=settings.progress == "none")  # else the progress log showed them
     _say(f"exchanges: {summary.exchanges}"
@@ -459,7 +465,7 @@ def _check_output(path: Path, **how: Any) -> None:
     try:
         check_output_file(path, **how)
     except OutputRefused as exc:
-        _fail(str(exc), exc.exit_code)
+        _fail(exc, exc.exit_code)
 
 
 def _generate_dry_run(settings: GenerateSettings, out: Path, summary_json: Path | None, *, force_settings: bool = False) -> None:
@@ -587,7 +593,7 @@ def probe(
             _fail(f"--base-url {why}")
         effort = normalize_reasoning(reasoning, "--reasoning") if reasoning else None
     except GenerateError as exc:
-        _fail(str(exc), exc.exit_code)
+        _fail(exc, exc.exit_code)
     names = list(dict.fromkeys(_csv(providers) or []))  # each once: its profile is named by it
     if not names or not all(names):
         _fail("--providers: give at least one provider, and no empty name")
@@ -596,7 +602,7 @@ def probe(
                          max_tokens=max_tokens, reasoning=effort,
                          max_response_bytes=max_response_bytes or MAX_RESPONSE_BYTES)
     except GenerateError as exc:
-        _fail(str(exc), exc.exit_code)
+        _fail(exc, exc.exit_code)
     from .generate.probe import render_profiles
 
     Console(highlight=False).print(render_table(reports))
@@ -641,7 +647,7 @@ def emulator(
     try:
         cfg = load_emulator_config(config) if config else EmulatorConfig()
     except ConfigError as exc:
-        _fail(str(exc))
+        _fail(exc)
     overrides: dict[str, object] = {k: v for k, v in {"latency_ms": latency_ms, "fault_rate": fault_rate,
                                                       "seed": seed}.items() if v is not None}
     if latency_ms is not None:  # the flag wins over per-provider latencies too
@@ -649,7 +655,7 @@ def emulator(
     flags = {"latency_ms": "--latency-ms", "fault_rate": "--fault-rate", "seed": "--seed"}
     checked, problems = emulator_config_problems(overrides, Where("command line", flags=flags), cfg)
     if checked is None:
-        _fail("\n".join(problems))
+        _fail(problems)
     cfg = checked
     tok = _tokenizer(tokenizer, cfg.tokenizer, config="the --config file")
     _check_dialect(tok, cfg.dialect)
@@ -688,14 +694,14 @@ def export(
 
     problems = validate(ExportSection, {"formats": [fmt]}, Where("command line", flags={"formats": "--format"}))[1]
     if problems:
-        _fail("\n".join(problems))
+        _fail(problems)
     options = {"shard_rows": shard_rows, "row_group_rows": row_group_rows} if fmt == "parquet" else {}
     try:
         with _writing(output, "export"):
             summary = export_file(input, output, fmt, include_flagged=include_flagged, force=force,
                                   vocab_size=target_vocab_size, **options)
     except ExportError as exc:
-        _fail(str(exc), exc.exit_code)
+        _fail(exc, exc.exit_code)
     skipped = summary.skipped
     _say(
         f"{summary.rows_exported} rows ({summary.tokens} tokens, {summary.completion_tokens} under the loss mask) "
@@ -747,9 +753,9 @@ def vocab(
             summary = build_vocab(input, draft_vocab_size, output, target, include_flagged=include_flagged,
                                   force=force, target_vocab_size_from=source)
     except ExportError as exc:
-        _fail(str(exc), exc.exit_code)
+        _fail(exc, exc.exit_code)
     except ValueError as exc:
-        _fail(str(exc))
+        _fail(exc)
     _say(
         f"draft vocab {summary.draft_vocab_size} of {summary.target_vocab_size}: coverage {summary.coverage:.2%} of "
         f"{summary.masked_tokens} masked tokens ({summary.distinct_tokens} distinct; {summary.filled_unseen} unseen "
@@ -773,7 +779,7 @@ def report(
         with _writing(run_dir, "report"):
             html = build_report(run_dir, force=force)
     except ReportError as exc:
-        _fail(str(exc), exc.exit_code)
+        _fail(exc, exc.exit_code)
     from .jsonl import loads_document
 
     written = html.parent / "report.json"
@@ -821,13 +827,13 @@ def run(
         _say(STOPPED, err=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except OutputRefused as exc:
-        _fail(str(exc), exc.exit_code)
+        _fail(exc, exc.exit_code)
     except OutputWriteError as exc:
-        _fail(str(exc), ExitCode.INCOMPLETE)
+        _fail(exc, ExitCode.INCOMPLETE)
     except PipelineError as exc:
-        _fail(str(exc), exc.code)
+        _fail(exc, exc.code)
     except GenerateError as exc:
-        _fail(str(exc), exc.exit_code)
+        _fail(exc, exc.exit_code)
     except _anticipated_errors() as exc:  # bad data (a row an export or the report refused) is 1, as alone
         _fail(f"{type(exc).__name__}: {exc}", getattr(exc, "exit_code", ExitCode.CONFIG))
     ran = ", ".join(f"{r.name} {r.status}" for r in results)

@@ -9,7 +9,12 @@ control character as a visible escape (``\\x1b``); markup (rich ``[red]``, matpl
 
 from __future__ import annotations
 
-__all__ = ["printable"]
+from typing import TypeVar
+from collections.abc import Sequence
+
+__all__ = ["printable", "problems_of", "several"]
+
+E = TypeVar("E", bound=BaseException)
 
 #: Characters ``str.isprintable`` passes that still show nothing: fillers, the combining
 #: grapheme joiner, variation selectors, Mongolian free variation selectors.
@@ -36,3 +41,16 @@ def printable(text: str) -> str:
     if text.isprintable() and _INVISIBLE.isdisjoint(text):
         return text
     return "".join(c if c.isprintable() and c not in _INVISIBLE else _escape(c) for c in text)
+
+
+def several(exc: E, problems: Sequence[str]) -> E:
+    """``exc`` (its message the problems joined by newlines), carrying them one by one as
+    ``problems``: the CLI prints an ``error:`` line each, and a line break inside one (a path
+    that holds one) is data there, shown escaped, never a line of its own."""
+    exc.problems = tuple(problems)  # type: ignore[attr-defined]
+    return exc
+
+
+def problems_of(exc: BaseException) -> tuple[str, ...]:
+    """The problems :func:`several` gave ``exc``, else its text as the one."""
+    return tuple(getattr(exc, "problems", ())) or (str(exc),)

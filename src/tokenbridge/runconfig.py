@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 
 from pydantic import AfterValidator, Field, field_validator, with_config
 
+from .display import problems_of, several
 from .fsio import real_path
 from .checks import CODES, Policy
 from .exit_codes import ExitCode
@@ -198,7 +199,8 @@ def load_run_config(path: str | Path) -> RunConfig:
                 problems.append(where.problem(("reconstruct", "provider_profile"), str(exc)))
 
     if problems or parsed is None:
-        raise _config_error("\n".join(sorted(problems, key=lambda line: _file_order(line, str(path)))))
+        ordered = sorted(problems, key=lambda line: _file_order(line, str(path)))
+        raise several(_config_error("\n".join(ordered)), ordered)
     return RunConfig(
         source=path, out=_relative(parsed.run.out or "runs/" + path.stem, base), tokenizer=tokenizer,
         dialect=parsed.run.dialect, generate={**gen, "datasets": datasets},
@@ -287,7 +289,7 @@ def _check_emulator(
         try:
             base_cfg = load_emulator_config(emulator)
         except EmulatorConfigError as exc:  # a problem inside that file: its own lines name it
-            problems.extend(str(exc).splitlines())
+            problems.extend(problems_of(exc))
             base_cfg = None
     if base_cfg is not None:
         problems += emulator_config_problems(overrides, where.at("emulator"), base_cfg)[1]
@@ -338,10 +340,10 @@ def emulator_config(cfg: RunConfig) -> EmulatorConfig:
     try:
         base = load_emulator_config(cfg.emulator) if cfg.emulator else EmulatorConfig()
     except EmulatorConfigError as exc:
-        raise _config_error(str(exc)) from None
+        raise several(_config_error(str(exc)), problems_of(exc)) from None
     out, problems = emulator_config_problems(cfg.emulator_overrides, Where(str(cfg.source)).at("emulator"), base)
     if out is None:
-        raise _config_error("\n".join(problems))
+        raise several(_config_error("\n".join(problems)), problems)
     return out
 
 
@@ -371,7 +373,7 @@ def check_before_generate(cfg: RunConfig, tok: Tokenizer) -> None:
         problems.append(where.problem(("vocab", "draft_vocab_size"), f"must be <= the target vocabulary size "
                                       f"{target}, got {cfg.draft_vocab_size}"))
     if problems:
-        raise _config_error("\n".join(problems))
+        raise several(_config_error("\n".join(problems)), problems)
 
 
 def check_stage_folders(cfg: RunConfig, recorded: Callable[[str, Path], bool] = lambda stage, folder: False) -> None:
@@ -409,7 +411,7 @@ def check_stage_folders(cfg: RunConfig, recorded: Callable[[str, Path], bool] = 
         except OutputRefused as exc:
             problems.append(str(exc))
     if problems:
-        raise _config_error("\n".join(problems))
+        raise several(_config_error("\n".join(problems)), problems)
 
 
 def check_out(cfg: RunConfig) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from pydantic import Field, with_config
 
+from ..display import several
 from ..exit_codes import ExitCode
 from ..schema import (
     FORBID,
@@ -204,7 +205,7 @@ def load_emulator_config(path: str | Path) -> EmulatorConfig:
     data, text = read_mapping(path, ConfigError)
     cfg, problems = emulator_config_problems(data, Where(str(path), text))
     if cfg is None:
-        raise ConfigError("\n".join(problems))
+        raise several(ConfigError("\n".join(problems)), problems)
     return cfg
 
 

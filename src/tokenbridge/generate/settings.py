@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, BeforeValidator, Field, with_config
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
+from ..display import several
 from ..fsio import real_path
 from ..schema import (
     FORBID,
@@ -556,7 +557,7 @@ def override_settings(
         data["request"] = {**{name: getattr(settings.request, name) for name in _REQ_KEYS}, **req}
     out, problems = validate(GenerateSettings, data, where)
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise several(ConfigError("\n".join(problems)), problems)
     checked: GenerateSettings = out
     if dup := repeated_names(checked.datasets):  # a config's are refused at load: the same here
         given = "; ".join(f"{n}: {', '.join(str(d.path) for d in checked.datasets if d.name == n)}" for n in dup)
@@ -566,9 +567,10 @@ def override_settings(
 
     overlaps = extra_body_overlaps(checked.request)
     if overlaps:  # the file alone was refused at load: a flag (or an override) set what extra_body sets
-        raise ConfigError("\n".join(where.problem(("request", *p), (
+        problems = [where.problem(("request", *p), (
             f"also set by extra_body.{'.'.join(p)} in the config; set it in one place (extra_body is merged last "
-            "and would silently replace this value)")) for p in overlaps))
+            "and would silently replace this value)")) for p in overlaps]
+        raise several(ConfigError("\n".join(problems)), problems)
     return checked
 
 
@@ -627,7 +629,7 @@ def load_config(path: str | Path, *, base_url_given: bool = False) -> GenerateSe
                 f"`tokenbridge run {path}`, or give --base-url (a `tokenbridge emulator` you started, or the API "
                 "you mean to pay)")))
         if stray:
-            raise ConfigError("\n".join(stray))
+            raise several(ConfigError("\n".join(stray)), stray)
         data, where = data["generate"], where.at("generate")
     return settings_from_mapping(data, source=str(path), base_dir=path.parent, where=where)
 
@@ -639,7 +641,7 @@ def settings_from_mapping(
     every problem (unknown keys get "did you mean")."""
     settings, problems = settings_problems(data, where or Where(source), base_dir)
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise several(ConfigError("\n".join(problems)), problems)
     return settings
 
 
@@ -750,7 +752,7 @@ def normalize_reasoning(value: Any, source: str = "reasoning") -> dict[str, Any]
     """``reasoning`` as OpenRouter takes it; a bare effort string or bool is accepted too."""
     out, problems = validate(RequestSettings, {"reasoning": value}, Where(source, flags={"reasoning": source}))
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise several(ConfigError("\n".join(problems)), problems)
     return dict(out.reasoning)
 
 
@@ -759,5 +761,5 @@ def normalize_provider(value: Any, source: str = "provider") -> dict[str, Any]:
     clean = {k: v for k, v in value.items() if v is not None} if isinstance(value, Mapping) else value
     out, problems = validate(RequestSettings, {"provider": clean}, Where(source, flags={"provider": source}))
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise several(ConfigError("\n".join(problems)), problems)
     return dict(out.provider)
