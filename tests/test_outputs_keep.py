@@ -11,6 +11,7 @@ moves it back.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -161,13 +162,22 @@ def test_a_users_shard_named_file_in_data_is_not_taken_for_ours(stage_inputs, tm
     export_file(stage_inputs / "first-half.jsonl", out, "parquet")
     mine = out / "data" / "train-00001-of-00002.parquet"
     mine.write_bytes(SPLIT)
+    # the very shard a new export writes (two shards of these rows): refused when it comes to be
+    # published, with what it writes named, and nothing of the folder replaced
+    rows = export_file(stage_inputs / "reconstructed.jsonl", tmp_path / "count", "parquet").rows_exported
     before = snapshot(out)
-    res = cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", "parquet")
-    assert res.returncode == 2, res.stderr  # a shard name a new export may write: refused before any work
-    assert res.stderr.splitlines() == [
-        f"error: -o {out}: {mine} is not tokenbridge's and the new export writes that name; nothing was written: "
-        "move it away or give another folder"]
+    with pytest.raises(OutputRefused) as info:
+        export_file(stage_inputs / "reconstructed.jsonl", out, "parquet", shard_rows=(rows + 1) // 2)
+    assert str(info.value) == (f"{out}: {mine} is not tokenbridge's and the new output writes that name; nothing was "
+                               "written: move it away or give another folder")
     assert snapshot(out) == before and leftovers(tmp_path) == []
+    # a shard name it does not write this time is the user's, kept (it was refused, "the new
+    # export writes that name", though it wrote train-00000-of-00001 only: a cold tester's)
+    res = cli("export", str(stage_inputs / "reconstructed.jsonl"), "-o", str(out), "--format", "parquet")
+    assert res.returncode == 0, res.stderr
+    assert mine.read_bytes() == SPLIT and sorted(os.listdir(out / "data")) == [
+        "train-00000-of-00001.parquet", "train-00001-of-00002.parquet"]
+    assert "data/train-00001-of-00002.parquet" not in json.loads((out / MARKER).read_text())["files"]
     assert remove_own_output(out, "export") == ["data/train-00001-of-00002.parquet"]
     assert snapshot(out) == {MARKER: (out / MARKER).read_bytes(), "data/train-00001-of-00002.parquet": SPLIT}
     # data/ stays tokenbridge's (the next export writes its shards there), nothing inside it

@@ -223,12 +223,14 @@ def _signed(target: Path, kind: OutputKind) -> bool:
     return False
 
 
-def _writes(kind: OutputKind, fmt: str | None = None) -> Callable[[str], bool]:
+def _writes(kind: OutputKind, fmt: str | None = None, *, shards_too: bool = True) -> Callable[[str], bool]:
     """Whether ``kind`` (an export of ``fmt``; any format when None) writes an entry of that
-    name (at the top, or inside its own folder: ``data/train-00000-of-00001.parquet``)."""
+    name (at the top, or inside its own folder: ``data/train-00000-of-00001.parquet``).
+    ``shards_too=False``: only the names it writes whatever the rows (a shard's name holds
+    how many shards the rows make, known once they are written)."""
     if kind == "export":
         names = _EXPORT_FILES[fmt] if fmt in _EXPORT_FILES else frozenset().union(*_EXPORT_FILES.values())
-        shards, parquet = fmt in (None, "speculators"), fmt in (None, "parquet")
+        shards, parquet = shards_too and fmt in (None, "speculators"), shards_too and fmt in (None, "parquet")
         return lambda name: (name in names or name in (MARKER, CARRIED) or (shards and _SHARD.match(name) is not None)
                              or (parquet and _PARQUET_SHARD.match(name) is not None))
     names = _LEGACY_FILES[kind]
@@ -307,7 +309,9 @@ def check_output_dir(
     if held is not None and fmt is not None and held != fmt:  # a re-export replaces its own format, not another one by mistake
         raise OutputRefused(f"{flag} {target}: holds a {held} export and this is a {fmt} export; give another folder "
                             f"(such as {target.parent / fmt}), or --force to replace it")
-    writes = _writes(kind, fmt)
+    # a user's file named like a shard is kept (moved into the new output), unless the export
+    # writes that very shard: then publishing refuses it, naming it, before anything is replaced
+    writes = _writes(kind, fmt, shards_too=False)
     for name in foreign_entries(target, own_names(kind)(target)):
         if writes(name):
             raise OutputRefused(f"{flag} {target}: {target / name} is not tokenbridge's and the new {kind} writes "
