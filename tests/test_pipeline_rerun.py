@@ -656,3 +656,29 @@ def test_a_user_folder_where_a_stage_writes_names_the_config_key_before_anything
     assert caught.value.code == 2 and (target / "notes.txt").read_bytes() == b"mine\n"
     with Store.open(out) as store:
         assert store.change_counts() == sent
+
+
+def test_an_export_folder_that_is_a_link_is_refused_as_a_stage_folder_that_is_one(finished, tmp_path):
+    """``RUN/export`` as a link to a folder of the user's: run wrote its four exports into
+    that folder, outside the run folder, where the same link at ``RUN/vocab`` or
+    ``RUN/export/<format>`` is refused (a cold tester's). Refused alike, before anything is
+    sent or written, and nothing in the linked folder is touched."""
+    import shutil
+
+    cfg, out = finished
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_bytes(b"mine\n")
+    shutil.rmtree(out / "export")
+    (out / "export").symlink_to(mine)
+    with Store.open(out) as store:
+        sent = store.change_counts()
+    with pytest.raises(PipelineError) as caught:
+        run_pipeline(cfg, echo=lambda _: None)
+    assert str(caught.value) == (
+        f"{cfg.source}: export.formats: {out / 'export'}: is a symbolic link (to {mine}); run writes its exports in "
+        "the run folder itself, not through a link to another: nothing was written: move it away or give [run] out "
+        "another folder")
+    assert caught.value.code == 2 and sorted(os.listdir(mine)) == ["notes.txt"]
+    with Store.open(out) as store:
+        assert store.change_counts() == sent

@@ -264,7 +264,8 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     check_out(cfg)  # before the lock: its file would make any folder look like a run's
     with run_lock(cfg.out, command="run", retry=f"or set another [run] out in {cfg.source}"):
         for folder in (cfg.out, cfg.out / "export"):
-            fsio.clean_stale_temps(folder)
+            if not folder.is_symlink():  # a link at export is refused: nothing is done through it
+                fsio.clean_stale_temps(folder)
         token = _RUN_STATE.set(None)
         try:
             results = _run_stages(cfg, echo)

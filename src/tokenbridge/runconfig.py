@@ -399,6 +399,11 @@ def check_stage_folders(cfg: RunConfig, recorded: Callable[[str, Path], bool] = 
     if cfg.report:
         wanted.append(("report", cfg.out / "report", "report", None, ("report", "enabled")))
     problems = []
+    exports = cfg.out / "export"
+    if cfg.export_formats and exports.is_symlink():  # as a link at export/<format> or vocab is refused
+        problems.append(where.problem(("export", "formats"), (
+            f"{exports}: is a symbolic link (to {os.readlink(exports)}); run writes its exports in the run folder "
+            "itself, not through a link to another: nothing was written: move it away or give [run] out another folder")))
     for stage, target, kind, fmt, key in wanted:
         if recorded(stage, target):
             continue
