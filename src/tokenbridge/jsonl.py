@@ -119,8 +119,8 @@ def repeated_key(value: Any, line: str | bytes | memoryview) -> None:  # Any: th
     2. the line's key ends are counted (:func:`_key_ends`, at least the keys it has), and
        it repeats none when that is the number of keys ``value`` has: the stdlib's
        ``", "`` form, ``\\u00e9`` escapes, about as much as reading it again;
-    3. else (a string that starts with a colon) the stdlib parses it again, seeing
-       every pair: five times orjson's read."""
+    3. else (a string that starts with a colon, a long run of backslashes) the stdlib
+       parses it again, seeing every pair: five times orjson's read."""
     if isinstance(line, str):
         line = line.strip(_JSON_SPACE).encode("utf-8", "surrogateescape")
     else:
@@ -153,7 +153,8 @@ _BACKSLASH = 0x5C
 
 
 def _key_ends(line: bytes) -> int:
-    """At least the number of keys in the JSON ``line``. Every key ends with an unescaped
+    """At least the number of keys in the JSON ``line``, or -1 (a run of more than
+    :data:`_LONG_RUN` backslashes before a key end's quote). Every key ends with an unescaped
     quote, JSON whitespace, a colon: a :data:`_KEY_END` of its own. A quote is escaped
     when an odd run of backslashes stands before it (each pair is one escaped backslash,
     in a string, the only place JSON has them): not counted. A quote that opens a string
@@ -165,10 +166,17 @@ def _key_ends(line: bytes) -> int:
             run = 1
             while run < at and line[at - run - 1] == _BACKSLASH:
                 run += 1
+                if run > _LONG_RUN:  # walked a byte at a time: a crafted run costs the stdlib's parse, no more
+                    return -1
             if run % 2:
                 continue
         count += 1
     return count
+
+
+#: The longest run of backslashes before a quote :func:`_key_ends` counts (a key's own
+#: text rarely ends in more than a few); past it the line goes to the stdlib's parse.
+_LONG_RUN = 64
 
 
 def _key_count(value: Any) -> int:  # Any: any JSON value
