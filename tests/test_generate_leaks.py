@@ -417,12 +417,29 @@ def test_a_prompt_that_holds_the_key_is_a_bad_row_never_sent_or_stored(tmp_path)
     _, summary = _run(tmp_path, 0, reply, datasets=(DatasetSpec("k", _prompts_with_key(tmp_path)),),
                       request=RequestSettings(model="m", max_tokens=16, send_tools=True))
     assert summary.done == 1 and len(bodies) == 1 and b"hello" in bodies[0]
-    said = ("field '<prompt>': holds the API key from $TB_LEAK (not shown here): not sent, so no provider gets it "
-            "and nothing stored holds it; take it out of the prompt")
+    said = ("field '<prompt>': its request holds the API key from $TB_LEAK (not shown here): not sent, so no "
+            "provider gets it and nothing stored holds it; take it out of the prompt")
     keyed = tmp_path / "keyed.jsonl"
     assert summary.bad_rows == [f"{keyed}: line 2: {said}", f"{keyed}: line 3: {said}"]
     stored = _every_stored_byte(tmp_path / "run")
     assert _leaks(stored) == [] and SECRET.encode() not in stored and b"c2stb3ItdjEt" not in stored  # base64 too
+
+
+def test_a_tool_declaration_that_is_not_sent_keeps_its_row(tmp_path):
+    """Without ``send_tools`` a row's tools are neither sent nor stored: one whose declaration
+    holds the key is sent without it, not refused (a cold reviewer's)."""
+    bodies: list[bytes] = []
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.read())
+        return _ok(request)
+
+    _, summary = _run(tmp_path, 0, reply, datasets=(DatasetSpec("k", _prompts_with_key(tmp_path)),),
+                      request=RequestSettings(model="m", max_tokens=16))
+    assert summary.done == 2 and len(bodies) == 2 and [b.split(": field")[0] for b in summary.bad_rows] == [
+        f"{tmp_path / 'keyed.jsonl'}: line 2"]
+    stored = _every_stored_byte(tmp_path / "run")
+    assert _leaks(stored) == [] and b"c2stb3ItdjEt" not in stored
 
 
 def test_the_dry_run_leaves_out_a_prompt_that_holds_the_key_as_the_run_does(tmp_path, monkeypatch):

@@ -84,7 +84,7 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
     nothing. Refuses what the run would refuse before sending (a renamed dataset; done
     samples made with other settings, unless ``force_settings``)."""
     from ..chat import RENDER_FAILURES
-    from .run import check_sendable, folders_unread, gave_nothing, keyless, refuse_as_the_run, store_row, tools_unsent
+    from .run import check_sendable, folders_unread, gave_nothing, refuse_as_the_run, sendable, tools_unsent
     from .secrets import check_api_key, read_api_key
 
     check_sendable(settings)
@@ -92,7 +92,7 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
     # the run leaves out a prompt that holds the key (it is only read here, and is not needed)
     key = read_api_key(settings.api_key_env, required=False)
     check_api_key(key, settings.headers, settings.request.extra_body)
-    held = keyless(loaded, key)
+    rows, held = sendable(loaded, settings, key)
     done_ids: set[str] = set()
     run_ids = [s.id for s in loaded.samples]
     observed: float | None = None
@@ -102,7 +102,7 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
         with Store.open_readonly(state.parent) as store:
             # what the run refuses before it sends (a renamed dataset: AlreadyAnswered), refused here alike
             # base URLs compare with the key masked, as they are stored
-            run_ids = refuse_as_the_run(store, [store_row(s, settings) for s in loaded.samples], settings, key,
+            run_ids = refuse_as_the_run(store, rows, settings, key,
                                         state.parent, force_settings=force_settings)
             done_ids = {sid for sid, status in store.statuses().items() if status == "done"}  # no request read
             p, c, _ = store.token_totals()

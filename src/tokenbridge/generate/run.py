@@ -259,32 +259,33 @@ _Row = tuple[str, str, str, str]  # (id, dataset, source, request JSON)
 def _load_rows(settings: GenerateSettings, reporter: Reporter, key: ApiKey | None) -> tuple[list[_Row], list[str]]:
     """The samples of every dataset as store rows, and the bad source rows (the first few said)."""
     loaded = load_prompts(settings.datasets, default_limit=settings.limit)
-    errors = [str(e) for e in loaded.errors] + keyless(loaded, key)
+    rows, held = sendable(loaded, settings, key)
+    errors = [str(e) for e in loaded.errors] + held
     for err in errors[:SHOWN_BAD_ROWS]:
         reporter.log(f"bad row: {err}")
     if len(errors) > SHOWN_BAD_ROWS:
         reporter.log(f"... {len(errors) - SHOWN_BAD_ROWS} more bad rows (all listed in {SUMMARY_FILE})")
     for line in gave_nothing(settings, loaded) + tools_unsent(settings, loaded) + folders_unread(settings):
         reporter.log(f"warning: {line}", warn=True)
-    rows = [store_row(s, settings) for s in loaded.samples]
     return rows, errors
 
 
-def keyless(loaded: LoadedPrompts, key: ApiKey | None) -> list[str]:
-    """Take out of ``loaded`` every sample whose messages or tools hold the API key (pasted
-    into a prompt): sent, every provider would get it, and every stored copy (the store,
-    ``exchanges.jsonl``, the exports) would hold it. A bad row each, the key not shown."""
+def sendable(loaded: LoadedPrompts, settings: GenerateSettings, key: ApiKey | None) -> tuple[list[_Row], list[str]]:
+    """The store rows (:func:`store_row`) of ``loaded``'s samples but those whose request
+    holds the API key (pasted into a prompt, or a tool declaration that is sent), which leave
+    ``loaded`` too, and a bad row for each, the key not shown: sent, every provider would get
+    it, and every stored copy (the store, ``exchanges.jsonl``, the exports) would hold it."""
+    rows = [store_row(s, settings) for s in loaded.samples]
     if key is None:
-        return []
-    kept, bad = [], []
-    for s in loaded.samples:
-        if holds_key(json.dumps([s.messages, s.tools], ensure_ascii=False), key):
-            bad.append(f"{s.source}: field '<prompt>': holds the API key from ${key.env_name} (not shown here): not "
-                       "sent, so no provider gets it and nothing stored holds it; take it out of the prompt")
-        else:
-            kept.append(s)
-    loaded.samples[:] = kept
-    return bad
+        return rows, []
+    held = {row[0] for row in rows if holds_key(row[3], key)}
+    if not held:
+        return rows, []
+    bad = [f"{row[2]}: field '<prompt>': its request holds the API key from ${key.env_name} (not shown here): not "
+           "sent, so no provider gets it and nothing stored holds it; take it out of the prompt"
+           for row in rows if row[0] in held]
+    loaded.samples[:] = [s for s in loaded.samples if s.id not in held]
+    return [row for row in rows if row[0] not in held], bad
 
 
 def gave_nothing(settings: GenerateSettings, loaded: LoadedPrompts) -> list[str]:
