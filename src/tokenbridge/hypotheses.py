@@ -211,13 +211,15 @@ def _tails(dialect: Dialect, reasoning: str, spot: int, spelled: str | None) -> 
     """The whitespace tried at ``spot`` of a stripped ``reasoning``: :data:`STRIPPED_TAILS`,
     and, where ids or logprobs spell the completion (``spelled``), the whitespace they put
     there (any run: ``" \n"``, a markdown break ``"  \n"``, ``"\u3000"``), which only those
-    ids can then prove. Read before the first think close they spell, behind what of the
-    reasoning follows ``spot``."""
+    ids can then prove. Read before the first think close they spell (none spelled: only the
+    fixed runs), behind what of the reasoning follows ``spot``."""
     if spelled is None:
         return STRIPPED_TAILS
     close = dialect.think_close or ""
     at = spelled.find(close) if close else -1
-    region = spelled[:at] if at >= 0 else spelled
+    if at < 0:  # no close spelled: logprobs of the content alone, or a cut: nothing says where the reasoning ends
+        return STRIPPED_TAILS
+    region = spelled[:at]
     after = reasoning[spot:]
     if not region.endswith(after):
         return STRIPPED_TAILS
