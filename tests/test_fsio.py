@@ -243,3 +243,26 @@ def test_a_staged_file_on_a_read_only_filesystem_says_so_once(tmp_path, monkeypa
         monkeypatch.setattr(Path, "mkdir", refuse)
         (tmp_path / "spool").mkdir()
     assert str(err.value) == f"{target}: cannot write (Read-only file system); nothing partial was kept"
+
+
+def test_an_input_named_like_a_killed_runs_temp_is_read_not_swept(tmp_path, kimi_dir, stage_inputs):
+    """A kill -9 while a pipe was copied leaves ``.NAME.PID-RAND.tbtmp`` beside the output:
+    a user who salvaged it and gave it back as the input had it deleted by the stale-temp
+    sweep before it was read, told only that the output could not be written (a cold
+    tester's). A file a command reads is never swept; a real stale temp beside it still is."""
+    from conftest import EXAMPLE_EXCHANGES
+    from tokenbridge.export import export_file
+    from tokenbridge.reconstruct import reconstruct_file
+
+    salvaged = tmp_path / ".salvaged.jsonl.999999-deadbeef.tbtmp"  # pid 999999: no such process
+    data = EXAMPLE_EXCHANGES.read_bytes()
+    salvaged.write_bytes(data)
+    stale = tmp_path / ".out.jsonl.999999-cafebabe.tbtmp"
+    stale.write_bytes(b"half\n")
+    summary = reconstruct_file(salvaged, tmp_path / "out.jsonl", kimi_dir, workers=1)
+    assert summary.records + len(summary.bad_lines) == len(data.splitlines()) == 8  # the example's broken line too
+    assert salvaged.read_bytes() == data and not stale.exists()
+    rows = tmp_path / ".rows.jsonl.999999-0badf00d.tbtmp"
+    rows.write_bytes((stage_inputs / "reconstructed.jsonl").read_bytes())
+    export_file(rows, tmp_path / "export", "specforge")
+    assert rows.read_bytes() == (stage_inputs / "reconstructed.jsonl").read_bytes()

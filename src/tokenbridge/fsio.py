@@ -77,6 +77,7 @@ __all__ = [
     "CARRIED",
     "FILES_NESTED",
     "clean_stale_temps",
+    "reading",
     "foreign_entries",
     "marker_files",
     "marker_owned",
@@ -181,11 +182,45 @@ def _alive(pid: int) -> bool:
     return True
 
 
+#: The files this process was asked to read, as (device, inode): never a stale temp to
+#: sweep, whatever their name (a killed run's temp copy of a pipe, salvaged by the user and
+#: given back as the input, was deleted before it was read).
+_INPUTS: set[tuple[int, int]] = set()
+
+
+@contextmanager
+def reading(*paths: str | Path) -> Iterator[None]:
+    """While inside, :func:`clean_stale_temps` leaves ``paths`` (the command's inputs) alone."""
+    added = []
+    for path in paths:
+        try:
+            info = os.stat(path)
+        except OSError:  # not there (yet): nothing to keep
+            continue
+        key = (info.st_dev, info.st_ino)
+        if key not in _INPUTS:
+            _INPUTS.add(key)
+            added.append(key)
+    try:
+        yield
+    finally:
+        _INPUTS.difference_update(added)
+
+
+def _an_input(entry: os.DirEntry[str]) -> bool:
+    try:
+        info = entry.stat()
+    except OSError:
+        return False
+    return (info.st_dev, info.st_ino) in _INPUTS
+
+
 def clean_stale_temps(folder: Path) -> list[Path]:
     """Remove our own temps in ``folder`` whose process is gone; returns what was removed.
 
     A replaced folder (``.tbold``) whose new version never arrived (killed between the two
     renames of the fallback swap) is moved back instead, so a kill never loses an output.
+    A file being read (:func:`reading`) is left alone whatever its name.
     """
     removed: list[Path] = []
     try:
@@ -194,7 +229,7 @@ def clean_stale_temps(folder: Path) -> list[Path]:
         return removed
     for entry in sorted(entries, key=lambda e: e.name.endswith(".tbtmp")):  # restores (.tbold) first
         m = _TEMP.match(entry.name)
-        if m is None or _alive(int(m["pid"])):
+        if m is None or _alive(int(m["pid"])) or _an_input(entry):
             continue
         path = Path(entry.path)
         target = path.parent / m["name"]

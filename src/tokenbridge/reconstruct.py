@@ -1311,7 +1311,7 @@ def reconstruct_file(
     known = {name: ProviderTrait(name, edits=edits, edit_sources=("probe",) * len(edits))
              for name, edits in (provider_profile or {}).items() if edits}
     shown = str(src)  # bad lines name the file the user gave, a pipe's copy too
-    with fsio.staged_file(dst, point="reconstruct") as tmp, _readable_twice(src, dst) as src:
+    with fsio.reading(src), fsio.staged_file(dst, point="reconstruct") as tmp, _readable_twice(src, dst) as src:
         if workers is None:  # auto: all cores, unless the pool's start-up costs more than it saves
             workers = 1 if os.stat(src).st_size < 256_000 else (os.cpu_count() or 1)
         setup = (tok_source, dialect, policy, known)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Protocol
 from collections.abc import Iterator, Sequence
 
-from ..fsio import publish_dir
+from ..fsio import publish_dir, reading
 from ..outdir import check_output_dir, marker, own_names
 from ..rows import ReconstructedRow, iter_rows
 from .exporter import ExportJob, ExportRun, ExportSummary
@@ -71,37 +71,38 @@ def run_pass(
     if vocab is not None:
         check_output_dir(vocab.out_dir, "vocab", inputs=[src], force=vocab.force)
     result = PassResult()
-    with ExitStack() as stack:
-        runs = [stack.enter_context(_staged_export(job, src)) for job in exports]
-        counter = VocabCounter(vocab, src) if vocab is not None else None
-        consumers: list[ExportRun | VocabCounter] = [*runs, *([counter] if counter is not None else [])]
-        # the report vouches for every row as the standalone ``report`` does (an ``ok`` row
-        # trainable, each row's status and (id, choice) once), with no export or vocabulary too
-        trained = frozenset().union(*(c.wanted for c in consumers), {"ok"} if stats is not None else ())
-        checked = bool(consumers) or stats is not None
-        contract = RowContract(src, vocab_size if vocab_size is not None or vocab is None else vocab.target_vocab_size,
-                               markers)
-        for line, row in iter_rows(src):
-            result.rows_read += 1
-            if row["status"] in trained:
-                ids, _ = check_training_row(row, src, line)
-                contract.check(row, line, ids)
-            elif checked:  # left out, but a status its findings do not give is a hand edit to name
-                contract.check(row, line, None)
-            for consumer in consumers:
-                consumer.add(line, row)
-            if stats is not None:
-                stats.add(row)
-        for run in runs:
-            run.check_not_empty()
+    with reading(src):  # an input named like a killed run's temp is not swept away
+        with ExitStack() as stack:
+            runs = [stack.enter_context(_staged_export(job, src)) for job in exports]
+            counter = VocabCounter(vocab, src) if vocab is not None else None
+            consumers: list[ExportRun | VocabCounter] = [*runs, *([counter] if counter is not None else [])]
+            # the report vouches for every row as the standalone ``report`` does (an ``ok`` row
+            # trainable, each row's status and (id, choice) once), with no export or vocabulary too
+            trained = frozenset().union(*(c.wanted for c in consumers), {"ok"} if stats is not None else ())
+            checked = bool(consumers) or stats is not None
+            contract = RowContract(src, vocab_size if vocab_size is not None or vocab is None else vocab.target_vocab_size,
+                                   markers)
+            for line, row in iter_rows(src):
+                result.rows_read += 1
+                if row["status"] in trained:
+                    ids, _ = check_training_row(row, src, line)
+                    contract.check(row, line, ids)
+                elif checked:  # left out, but a status its findings do not give is a hand edit to name
+                    contract.check(row, line, None)
+                for consumer in consumers:
+                    consumer.add(line, row)
+                if stats is not None:
+                    stats.add(row)
+            for run in runs:
+                run.check_not_empty()
+            if counter is not None:
+                counter.check_not_empty()
+            for run in runs:
+                run.close()
+                result.exports.append(run.summary)
+        # leaving the stack published every export folder; the vocabulary's is written now
         if counter is not None:
-            counter.check_not_empty()
-        for run in runs:
-            run.close()
-            result.exports.append(run.summary)
-    # leaving the stack published every export folder; the vocabulary's is written now
-    if counter is not None:
-        result.vocab = counter.publish()
+            result.vocab = counter.publish()
     return result
 
 
