@@ -157,8 +157,28 @@ def test_a_worker_that_dies_stops_the_run_instead_of_hanging(tmp_path, monkeypat
     path = tmp_path / "in.jsonl"
     path.write_bytes(b"a\n" * 2000)
     for _ in range(5):
-        with pytest.raises(RuntimeError, match=r"worker stopped \(exit code 3\)"):
+        with pytest.raises(lanes.WorkerDied, match=r"^a reconstruct worker exited \(code 3\) before finishing its "
+                                                   r"work; nothing partial was kept$"):
             list(map_lines(str(path), 2, _init, ("x",), _die))
+
+
+def _killed(data: bytes) -> int:
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer does
+    return 0
+
+
+def test_a_worker_killed_by_a_signal_is_named_as_such_not_as_a_bug(tmp_path):
+    """A worker SIGKILLed (the out-of-memory killer) ended the run with a RuntimeError the CLI
+    printed as a traceback and "a bug in tokenbridge" (a cold tester's): it is one line."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"a\n" * 100)
+    with pytest.raises(lanes.WorkerDied) as info:
+        list(map_lines(str(path), 2, _init, ("x",), _killed))
+    assert str(info.value) == ("a reconstruct worker was killed by SIGKILL (most often the system's out-of-memory "
+                               "killer: give it more memory, or fewer --workers) before finishing its work; nothing "
+                               "partial was kept")
 
 
 class _TwoArgs(Exception):

@@ -226,3 +226,43 @@ def test_a_number_longer_than_python_reads_is_a_bad_line(tmp_path):
     assert [(b.line, b.field, b.message) for b in summary.bad_lines] == [
         (2, "<line>", "not valid JSON (a number of more than 4300 digits)")]
     assert [r["id"] for r in _rows(tmp_path / "out.jsonl")] == ["a"]
+
+
+def test_a_record_too_large_for_memory_is_a_bad_line_and_the_rest_go_on(tmp_path, monkeypatch):
+    """A MemoryError on one record (a 300 MB line under a memory limit) printed a traceback,
+    "a bug in tokenbridge", and stopped the run (a cold tester's): the record is a bad line,
+    named with its size, and every other record is written."""
+    import tokenbridge.reconstruct as R
+    from conftest import EXAMPLE_EXCHANGES
+
+    real = R._reconstruct
+
+    def starved(ex, *args, **kwargs):
+        if ex.id == "ex-clean":
+            raise MemoryError
+        return real(ex, *args, **kwargs)
+
+    monkeypatch.setattr(R, "_reconstruct", starved)
+    summary = reconstruct_file(EXAMPLE_EXCHANGES, tmp_path / "out.jsonl", KIMI_DIR, workers=1)
+    size = len(EXAMPLE_EXCHANGES.read_bytes().splitlines(keepends=True)[0]) / 1e6
+    assert [(b.line, b.field, b.message) for b in summary.bad_lines if b.line == 1] == [
+        (1, "<record>", f"too large to reconstruct in this process's memory (a line of {size:,.1f} MB: MemoryError)")]
+    assert summary.records == 6  # the other six well-formed records; the example's broken line stays bad
+
+
+def test_out_of_memory_outside_a_record_is_one_line_not_a_traceback(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import tokenbridge.reconstruct as R
+    from conftest import EXAMPLE_EXCHANGES
+    from tokenbridge.cli import app
+
+    def starved(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(R, "reconstruct_file", starved)
+    res = CliRunner().invoke(app, ["reconstruct", str(EXAMPLE_EXCHANGES), "-o", str(tmp_path / "o.jsonl"),
+                                   "-t", str(KIMI_DIR)])
+    assert res.exit_code == ExitCode.INCOMPLETE and res.output.splitlines() == [
+        "error: out of memory; nothing partial was kept: give the command more memory, or fewer --workers (a single "
+        "record too large for it is a bad line instead)"]

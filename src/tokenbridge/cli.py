@@ -150,6 +150,14 @@ _TOKENIZER_HELP = "Tokenizer folder or Hub repo id (default: $TOKENBRIDGE_TOKENI
 _SHOWN_BAD_LINES = 20  # reconstruct prints this many bad lines, then a count
 
 
+def _resource_failures() -> tuple[type[BaseException], ...]:
+    """What the machine ran out of (not a bug, not bad data): one line, exit 1. Looked up only
+    when an error passes (the pool's module is slow to import)."""
+    from .lanes import WorkerDied
+
+    return (MemoryError, WorkerDied)
+
+
 @contextmanager
 def _writing(output: Path | None, command: str) -> Iterator[None]:
     """Around a stage that writes outputs: Ctrl-C/SIGTERM stop it with one line (exit
@@ -181,6 +189,18 @@ def _writing(output: Path | None, command: str) -> Iterator[None]:
         _fail(exc, exc.exit_code)
     except OutputWriteError as exc:
         _fail(exc, ExitCode.INCOMPLETE)
+    except typer.Exit:
+        raise
+    except _resource_failures() as exc:
+        _fail(_resource_failure(exc), ExitCode.INCOMPLETE)
+
+
+def _resource_failure(exc: BaseException) -> str:
+    """What ran out (memory, or a worker killed), in one line: the machine's limit, not a bug."""
+    if isinstance(exc, MemoryError):
+        return ("out of memory; nothing partial was kept: give the command more memory, or fewer --workers "
+                "(a single record too large for it is a bad line instead)")
+    return str(exc)
 
 
 def _jsonl_input(path: Path, *, parquet_ok: bool = False) -> None:
@@ -834,6 +854,8 @@ def run(
         _fail(exc, exc.code)
     except GenerateError as exc:
         _fail(exc, exc.exit_code)
+    except _resource_failures() as exc:
+        _fail(_resource_failure(exc), ExitCode.INCOMPLETE)
     except _anticipated_errors() as exc:  # bad data (a row an export or the report refused) is 1, as alone
         _fail(f"{type(exc).__name__}: {exc}", getattr(exc, "exit_code", ExitCode.CONFIG))
     ran = ", ".join(f"{r.name} {r.status}" for r in results)

@@ -24,6 +24,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import stat
 import threading
 import traceback
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn, TypeVar
 
-__all__ = ["STRETCH_BYTES", "map_lines", "owned_lines", "text_lines"]
+__all__ = ["STRETCH_BYTES", "WorkerDied", "map_lines", "owned_lines", "text_lines"]
 
 R = TypeVar("R")
 
@@ -289,9 +290,24 @@ def _collect(path: str, pool: list[_Worker], ranges: _Ranges,
             expected = b
 
 
+class WorkerDied(Exception):
+    """A worker process ended before its work was done: killed (the out-of-memory killer, most
+    often) or exited; the run stops with nothing partial kept. Not a bug in the data or code."""
+
+
 def _died(w: _Worker) -> NoReturn:
     w.process.join(1)
-    raise RuntimeError(f"a reconstruct worker stopped (exit code {w.process.exitcode}) before finishing its work")
+    code = w.process.exitcode
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        how = f"was killed by {name}" + (" (most often the system's out-of-memory killer: give it more memory, or "
+                                         "fewer --workers)" if -code == signal.SIGKILL else "")
+    else:
+        how = f"exited (code {code})"
+    raise WorkerDied(f"a reconstruct worker {how} before finishing its work; nothing partial was kept")
 
 
 def _stop(pool: list[_Worker], finished: bool) -> None:

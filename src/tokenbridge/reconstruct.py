@@ -1175,6 +1175,10 @@ def _work(data: bytes) -> _ChunkResult:
         except RecursionError:  # parsed (orjson reads 1024 levels), too deep for Python to walk
             out.append(_Refused(lineno, "<record>", _TOO_DEEP))
             continue
+        except MemoryError:  # a record too large for the memory this process may take: the rest go on
+            out.append(_Refused(lineno, "<record>", f"too large to reconstruct in this process's memory (a line of "
+                                                    f"{len(line) / 1e6:,.1f} MB: MemoryError)"))
+            continue
         except Exception as exc:
             exc.__dict__[_BUG_LINE] = lineno
             raise
