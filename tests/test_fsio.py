@@ -43,6 +43,12 @@ def test_a_lone_surrogate_round_trips_as_an_escape_and_the_line_stays_utf8():
 def test_an_invalid_line_names_the_column():
     with pytest.raises(JsonLineError, match=r"not valid JSON \(Expecting value at column 7\)"):
         loads_line('{"a": }')
+    # the stdlib's messages that end in "at" say it once (it read "at at", a cold tester's)
+    for line, said in (('{"id": "x\x01y"}', "Invalid control character at column 10"),
+                       ('{"id": "open', "Unterminated string starting at column 8")):
+        with pytest.raises(JsonLineError) as info:
+            loads_line(line)
+        assert info.value.detail == f"not valid JSON ({said})"
 
 
 def test_outputs_get_one_mode_whatever_the_umask(tmp_path):

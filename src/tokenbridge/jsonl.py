@@ -81,7 +81,8 @@ def loads_line(line: str | bytes) -> Any:
             raise
         raise JsonLineError(f"not valid JSON ({exc.detail})") from None
     except json.JSONDecodeError as exc:
-        raise JsonLineError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        # the stdlib's message may end in "at" already ("Invalid control character at")
+        raise JsonLineError(f"not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})") from None
     except UnicodeDecodeError as exc:
         raise JsonLineError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     except RecursionError:  # orjson stops at 1024 levels, the stdlib at Python's stack
