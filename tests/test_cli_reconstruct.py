@@ -275,7 +275,7 @@ def test_a_lone_surrogate_reaches_parquet_as_its_json_text(tmp_path, kimi):
         export_file(tmp_path / "big.jsonl", tmp_path / "y", "parquet")
 
 
-@pytest.mark.parametrize("kind", ["gzip", "parquet", "sqlite"])
+@pytest.mark.parametrize("kind", ["gzip", "parquet", "sqlite", "utf-16", "utf-16-be", "utf-32"])
 @pytest.mark.parametrize("command", ["reconstruct", "inspect", "export", "vocab"])
 def test_an_input_that_is_plainly_not_jsonl_is_one_line(tmp_path, kimi_dir, kind, command):
     """A gzip, Parquet or SQLite file given as JSONL was read line by line: one "not valid
@@ -291,13 +291,16 @@ def test_an_input_that_is_plainly_not_jsonl_is_one_line(tmp_path, kimi_dir, kind
         path.write_bytes(gzip.compress(EXAMPLE.read_bytes()))
     elif kind == "parquet":
         pq.write_table(pa.table({"id": ["a"]}), path)
-    else:
+    elif kind == "sqlite":
         sqlite3.connect(path).execute("CREATE TABLE t (x)").connection.commit()
+    else:  # PowerShell's ">" writes UTF-16 with a byte-order mark; without one too ("utf-16-be")
+        path.write_bytes(EXAMPLE.read_text(encoding="utf-8").encode(kind))
     out = tmp_path / ("out.jsonl" if command == "reconstruct" else "out")
     args = {"reconstruct": ["-o", str(out), "-t", str(kimi_dir)], "inspect": ["-t", str(kimi_dir)],
             "export": ["-o", str(out), "-f", "specforge"], "vocab": ["-o", str(out), "-n", "64", "-t", str(kimi_dir)]}[command]
     res = CliRunner().invoke(app, [command, str(path), *args])
-    name = {"gzip": "a gzip file", "parquet": "a Parquet file", "sqlite": "an SQLite database"}[kind]
+    name = {"gzip": "a gzip file", "parquet": "a Parquet file", "sqlite": "an SQLite database", "utf-16": "UTF-16LE text",
+            "utf-16-be": "UTF-16BE text", "utf-32": "UTF-32LE text"}[kind]
     assert res.exit_code == 2, res.output
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}: {name}, not JSONL: "), lines

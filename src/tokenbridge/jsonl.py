@@ -547,6 +547,12 @@ _MAGIC: tuple[tuple[bytes, str, str], ...] = (
     (b"PAR1", "a Parquet file", "give it a .parquet name where the command reads Parquet"),
     (b"ARROW1", "an Arrow file", "write it out as JSONL"),
     (b"SQLite format 3\x00", "an SQLite database", "give the JSONL file (a run's exchanges.jsonl, not its state.sqlite)"),
+    # text in a wide encoding (PowerShell's ">" writes UTF-16): by its byte-order mark, or a
+    # line's opening brace beside a NUL; UTF-32's marks first (UTF-16's is the start of one)
+    *((magic, f"{name} text", f"convert it to UTF-8 first (iconv -f {name} -t UTF-8)") for magic, name in (
+        (b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"), (b"{\x00\x00\x00", "UTF-32LE"),
+        (b"\x00\x00\x00{", "UTF-32BE"), (b"\xff\xfe", "UTF-16LE"), (b"\xfe\xff", "UTF-16BE"), (b"{\x00", "UTF-16LE"),
+        (b"\x00{", "UTF-16BE"))),
 )
 
 
