@@ -325,3 +325,28 @@ def test_a_compressed_pipe_is_one_line_too(tmp_path, kimi_dir):
     assert res.stderr.decode().strip().splitlines() == [
         "error: /dev/stdin: a gzip file, not JSONL: decompress it first (gunzip)"]
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_summary_json_that_cannot_be_written_fails_before_the_output_is_replaced(tmp_path, kimi_dir, monkeypatch):
+    """On a read-only place, ``--summary-json`` failed after ``-o`` had been replaced, and the
+    error said "nothing partial was kept" (a cold tester's): its temp is made first now."""
+    import errno
+
+    from tokenbridge import fsio
+
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"my earlier output": 1}\n')
+    summary = tmp_path / "ro" / "summary.json"
+    prepare = fsio._prepare_parent
+
+    def read_only(target):
+        if target.name == "summary.json":
+            raise fsio.OutputWriteError(target, OSError(errno.EROFS, "Read-only file system"))
+        prepare(target)
+
+    monkeypatch.setattr(fsio, "_prepare_parent", read_only)
+    res = CliRunner().invoke(app, ["reconstruct", str(EXAMPLE), "-o", str(out), "-t", str(kimi_dir),
+                                   "--summary-json", str(summary)])
+    assert res.exit_code == 1 and res.output.splitlines() == [
+        f"error: {summary}: cannot write (Read-only file system); nothing partial was kept"]
+    assert out.read_bytes() == b'{"my earlier output": 1}\n'

@@ -258,15 +258,18 @@ def reconstruct(
                               inputs=inputs)
         tok = _tokenizer(tokenizer)  # loading takes a while: Ctrl-C there is one line too
         _check_dialect(tok, dialect)
-        try:
-            summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None,
-                                       provider_profile=profile)
-        except NotJsonlError as exc:  # a pipe's bytes, looked at once read
-            _fail(exc)
-        if summary_json:
-            from .fsio import write_text
+        from .fsio import open_staged
 
-            write_text(summary_json, json.dumps(summary.to_dict(), indent=2) + "\n")
+        with ExitStack() as staged:
+            # the summary's temp made first: a folder it cannot be written in fails before -o is replaced
+            summary_fh = staged.enter_context(open_staged(summary_json, point="summary")) if summary_json else None
+            try:
+                summary = reconstruct_file(input, output, tok, dialect=dialect, policy=policy, workers=workers or None,
+                                           provider_profile=profile)
+            except NotJsonlError as exc:  # a pipe's bytes, looked at once read
+                _fail(exc)
+            if summary_fh is not None:
+                summary_fh.write((json.dumps(summary.to_dict(), indent=2) + "\n").encode("utf-8"))
     console = Console(stderr=False)
     console.print(summary_table(summary, title=f"{input} → {output}"))
     for note in summary.stripping_suspects():
