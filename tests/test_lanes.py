@@ -318,3 +318,53 @@ def _running(pid: int) -> bool:
             return fh.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@settings(max_examples=200, deadline=None)
+@given(lines=st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")), max_size=30),
+       trailing=st.booleans(), frac=st.floats(0, 1.2))
+def test_one_process_reads_a_size_as_a_range_does(tmp_path_factory, lines, trailing, frac):
+    """Given a size (the file as it was when the run began), one process reads the lines that
+    start before it and the one it cuts whole, as the range ``[0, size)`` does: a file that
+    grows reads alike on any number of workers and in both passes (a cold tester's)."""
+    from tokenbridge.reconstruct import _chunks
+
+    data = b"\n".join(lines) + (b"\n" if trailing and lines else b"")
+    path = tmp_path_factory.mktemp("s") / "in.jsonl"
+    path.write_bytes(data)
+    size = min(len(data), int(len(data) * frac))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _, want = owned_lines(fd, 0, size)
+    finally:
+        os.close(fd)
+    assert b"".join(piece for _, piece in _chunks(path, 3, max_bytes=7, size=size)) == want
+
+
+def test_a_file_that_grows_is_read_as_it_was_by_both_passes_and_any_worker_count(tmp_path, kimi, monkeypatch):
+    """Each pass took the file's size anew (one process read to its end): records appended
+    while the run read the file were judged by traits the first pass found without them, and
+    one and two workers wrote different outputs (a cold tester's)."""
+    import tokenbridge.reconstruct as R
+    from conftest import EXAMPLE_EXCHANGES
+    from tokenbridge.reconstruct import reconstruct_file
+
+    src = tmp_path / "in.jsonl"
+    original = EXAMPLE_EXCHANGES.read_bytes() * 20  # over 256 kB: a second worker has work
+    real = R._run_chunks
+    outputs = []
+    for workers in (1, 2):
+        src.write_bytes(original)
+
+        def growing(*args, **kwargs):
+            for n, result in enumerate(real(*args, **kwargs)):
+                if n == 0:  # more records come while the run reads the file
+                    with open(src, "ab") as fh:
+                        fh.write(EXAMPLE_EXCHANGES.read_bytes().replace(b'"id": "ex-', b'"id": "late-'))
+                yield result
+
+        monkeypatch.setattr(R, "_run_chunks", growing)
+        summary = reconstruct_file(src, tmp_path / f"out{workers}.jsonl", kimi, workers=workers)
+        outputs.append((tmp_path / f"out{workers}.jsonl").read_bytes())
+        assert b'"late-' not in outputs[-1] and summary.records + len(summary.bad_lines) == 8 * 20
+    assert outputs[0] == outputs[1]

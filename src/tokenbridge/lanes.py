@@ -199,12 +199,13 @@ class _Worker:
 
 def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tuple[Any, ...],
               work: Callable[[bytes], R], *, on_error: Callable[[BaseException, int], None] | None = None,
-              stretch: int = STRETCH_BYTES) -> Iterator[tuple[int, R]]:
+              stretch: int = STRETCH_BYTES, size: int | None = None) -> Iterator[tuple[int, R]]:
     """``(number of the first line, work(lines))`` for ranges of ``path``, in file order,
     on ``workers`` processes, each set up once with ``init(*init_args)``.
 
-    ``path`` must be a regular file (ranges are offsets); its size is taken at the start
-    (a line being appended then is read whole, later ones not). ``work`` gets the bytes
+    ``path`` must be a regular file (ranges are offsets); its size is taken at the start, or
+    given (``size``: a caller reading it twice reads the same lines) (a line being appended
+    then is read whole, later ones not). ``work`` gets the bytes
     of whole lines (the last may lack its newline). An exception in ``init`` or ``work``
     is raised here, its worker traceback as ``__cause__``; ``on_error(exc, first_line)``
     may annotate one from ``work`` first. A worker that dies stops the run with an error.
@@ -218,7 +219,7 @@ def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tup
     # worker); it is only safe while this process runs no other threads.
     fork = threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
     ctx = mp.get_context("fork") if fork else mp.get_context("spawn")
-    ranges = _Ranges(info.st_size, workers, stretch)
+    ranges = _Ranges(info.st_size if size is None else size, workers, stretch)
     pool: list[_Worker] = []
     finished = False
     try:

@@ -21,7 +21,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 
 import orjson
@@ -1243,16 +1243,17 @@ def _quiet_worker_signals() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024) -> Iterator[Chunk]:
+def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024, *, size: int | None = None) -> Iterator[Chunk]:
     """The file's lines in chunks of at most ``max_lines`` lines or about ``max_bytes``,
     as raw bytes read in blocks (one process: :mod:`.lanes` reads for a pool). Numbering
     follows text mode (``\r``, ``\r\n`` and ``\n`` each end a line), as
     :func:`~tokenbridge.exchanges.iter_lines` does; chunks end after a ``\n``, so never
-    inside ``\r\n``."""
+    inside ``\r\n``. ``size``: read the lines that start in the first ``size`` bytes only (a
+    file that grows is read as it was, as :func:`.lanes.map_lines` reads it)."""
     lineno = 1
     partial: list[bytes] = []  # a line longer than a block, until its newline arrives
     with open(path, "rb") as fh:
-        while block := fh.read(max_bytes):
+        for block in _blocks(fh, max_bytes, size):
             cut = block.rfind(b"\n") + 1
             if cut == 0:
                 partial.append(block)
@@ -1264,6 +1265,28 @@ def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024) -> It
                 lineno += n_lines + lanes.lone_crs(piece)  # a lone \r ends a line in text mode too
     if partial:
         yield lineno, b"".join(partial)
+
+
+def _blocks(fh: BinaryIO, max_bytes: int, size: int | None) -> Iterator[bytes]:
+    """``fh``'s bytes in blocks: all of them, or the first ``size`` and then the rest of the
+    line they cut (through its ``\n``), as a range of :mod:`.lanes` reads the line its end cuts."""
+    if size is None:
+        while block := fh.read(max_bytes):
+            yield block
+        return
+    left, last = size, b"\n"
+    while left > 0 and (block := fh.read(min(max_bytes, left))):
+        left -= len(block)
+        last = block[-1:]
+        yield block
+    if last == b"\n" or left > 0:  # the size ended a line (or the file was shorter): done
+        return
+    while block := fh.read(max_bytes):
+        cut = block.find(b"\n") + 1
+        if cut:
+            yield block[:cut]
+            return
+        yield block
 
 
 def _at_most_lines(data: bytes, max_lines: int) -> Iterator[tuple[bytes, int]]:
@@ -1319,11 +1342,14 @@ def reconstruct_file(
         if workers is None:  # auto: all cores, unless the pool's start-up costs more than it saves
             workers = 1 if os.stat(src).st_size < 256_000 else (os.cpu_count() or 1)
         setup = (tok_source, dialect, policy, known)
-        summary = _reconstruct_pass(src, tmp, dst, workers, chunk_lines, setup, shown=shown)
+        # both passes, on any number of workers, read the file as it was now (one that grows is
+        # read to here; a pass each to its own end read two files and judged one by the other)
+        size = os.stat(src).st_size
+        summary = _reconstruct_pass(src, tmp, dst, workers, chunk_lines, setup, shown=shown, size=size)
         traits = summary.stats.traits(summary.stripping_providers(), provider_profile)
         if traits != known:
             setup = (tok_source, dialect, policy, traits)
-            again = _reconstruct_pass(src, tmp, dst, workers, chunk_lines, setup, shown=shown)
+            again = _reconstruct_pass(src, tmp, dst, workers, chunk_lines, setup, shown=shown, size=size)
             again.stats = summary.stats
             summary = again
         summary.traits = traits
@@ -1353,8 +1379,9 @@ def _readable_twice(src: str | Path, dst: Path) -> Iterator[str | Path]:
 
 def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk_lines: int,
                       setup: tuple[str, str | None, Policy | None, Mapping[str, ProviderTrait]],
-                      *, shown: str) -> ReconstructSummary:
-    """One pass of ``src`` into ``tmp`` with the given provider traits; bad lines name ``shown``."""
+                      *, shown: str, size: int | None = None) -> ReconstructSummary:
+    """One pass of ``src`` into ``tmp`` with the given provider traits; bad lines name ``shown``;
+    the lines that start in its first ``size`` bytes (all: None)."""
     tok_source, dialect, policy, traits = setup
     as_parquet = dst.suffix == ".parquet"
     summary = ReconstructSummary()
@@ -1365,7 +1392,7 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
         spool.mkdir(mode=0o700)
     sink: JsonlRowSink | ParquetRowSink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
     init_args = (tok_source, dialect, policy, not as_parquet, traits, None if spool is None else str(spool))
-    results = _run_chunks(str(src), chunk_lines, workers, init_args)
+    results = _run_chunks(str(src), chunk_lines, workers, init_args, size)
     seen: dict[bytes, int] = {}  # a record id's digest -> its line: a few bytes a record, never the id
     try:
         for first, (result, entries) in results:
@@ -1430,13 +1457,13 @@ def _kept(entries: list[_Entry], skip: Mapping[int, BadLine]) -> Iterator[tuple[
         yield start, pos
 
 
-def _run_chunks(src: str, chunk_lines: int, workers: int,
-                init_args: tuple[Any, ...]) -> Generator[tuple[int, _ChunkResult], None, None]:
+def _run_chunks(src: str, chunk_lines: int, workers: int, init_args: tuple[Any, ...],
+                size: int | None = None) -> Generator[tuple[int, _ChunkResult], None, None]:
     """(first line, :func:`_work` result) of every chunk, in input order: in this process,
     or on ``workers`` processes (:mod:`.lanes`: each on a stretch of the file)."""
     if workers <= 1:
         _init_worker(*init_args[:5])  # in this process: rows stay in memory
-        for first, data in _chunks(src, chunk_lines):
+        for first, data in _chunks(src, chunk_lines, size=size):
             try:
                 yield first, _work(data)
             except Exception as exc:
@@ -1446,7 +1473,8 @@ def _run_chunks(src: str, chunk_lines: int, workers: int,
     _init_worker(*init_args)  # before a fork: the workers start with the tokenizer loaded
     # Parquet rows come back whole (not spooled): short stretches hold few of them waiting.
     stretch = lanes.STRETCH_BYTES if init_args[3] else lanes.RANGE_BYTES
-    yield from lanes.map_lines(src, workers, _init_worker, init_args, _work, on_error=_note_bug, stretch=stretch)
+    yield from lanes.map_lines(src, workers, _init_worker, init_args, _work, on_error=_note_bug, stretch=stretch,
+                               size=size)
 
 
 #: The row files' writers: rows.py holds the one schema and the one reader/writer pair.
