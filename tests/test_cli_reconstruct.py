@@ -350,3 +350,24 @@ def test_a_summary_json_that_cannot_be_written_fails_before_the_output_is_replac
     assert res.exit_code == 1 and res.output.splitlines() == [
         f"error: {summary}: cannot write (Read-only file system); nothing partial was kept"]
     assert out.read_bytes() == b'{"my earlier output": 1}\n'
+
+
+def test_a_rejected_row_whose_text_is_not_utf8_is_shown_by_inspect(tmp_path, kimi_dir):
+    """A raw byte that is not UTF-8 in a message: reconstruct rejects the sample (its text
+    cannot be encoded exactly) and writes its row; inspect then refused that row, "no
+    training file can carry it" (a cold tester's). A rejected row is shown, escaped; an
+    ok row's texts are still held to what a training file can carry."""
+    rec = json.loads(EXAMPLE.read_text(encoding="utf-8").splitlines()[0])
+    rec["request"]["messages"][0]["content"] = "PLACEHOLDER"
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(json.dumps(rec).encode().replace(b"PLACEHOLDER", b"abc\xffdef") + b"\n")
+    out = tmp_path / "out.jsonl"
+    CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(out), "-t", str(kimi_dir)])
+    row = json.loads(out.read_text(encoding="utf-8"))
+    assert row["status"] == "rejected" and row["messages"][0]["content"] == "abc\udcffdef"
+    res = CliRunner().invoke(app, ["inspect", str(out), "-t", str(kimi_dir)])
+    assert res.exit_code == 0 and "roundtrip_mismatch" in res.output, res.output
+    row["status"], row["findings"] = "ok", []  # a hand edit: an ok row with such a text is refused
+    out.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    res = CliRunner().invoke(app, ["inspect", str(out), "-t", str(kimi_dir)])
+    assert res.exit_code == 1 and "no training file can carry it" in res.output

@@ -142,10 +142,11 @@ class RowContract:
         #: hash of (id, choice) -> line: one small entry per row, never the row itself
         self._seen: dict[int, int] = {}
 
-    def check(self, rec: Mapping[str, Any], line: int, ids: list[int] | None) -> None:
+    def check(self, rec: Mapping[str, Any], line: int, ids: list[int] | None, *, texts: bool = True) -> None:
         """Raise :class:`ExportError` (file:line:field) for the first breach. ``ids``: the
         row's ``input_ids`` as :func:`check_training_row` passed them; None for a row no
-        consumer takes (its fields and status are still held to the contract)."""
+        consumer takes (its fields and status are still held to the contract). ``texts``:
+        hold its texts to what a training file can carry (a row shown, not trained: not)."""
 
         def fail(field: str, message: str) -> ExportError:
             return ExportError(self.path, line, field, message)
@@ -174,7 +175,8 @@ class RowContract:
             raise fail("id", f"({sid!r}, choice {choice}) is also on line {earlier}: each sample choice once")
         if ids is None:
             return
-        _check_texts(rec, fail)
+        if texts:
+            _check_texts(rec, fail)
         vocab_size = self.vocab_size
         if vocab_size is not None and ids and max(ids) >= vocab_size:
             pos = _at(ids, lambda i: i >= vocab_size)
