@@ -497,3 +497,14 @@ def test_a_folder_where_the_marker_goes_is_refused_before_any_work(src, tmp_path
     _refused_with(res, f"-o {out}: {out / '.tokenbridge-output'} is a folder, where tokenbridge keeps the file that "
                        "marks its output; nothing was written: move it away or give another folder")
     assert snapshot(out) == before
+
+
+def test_dev_stdout_on_a_pipe_is_named_a_pipe(kimi_dir):
+    """``-o /dev/stdout`` with stdout a pipe was "a symlink to a missing file (or a loop)":
+    the kernel follows that link to a pipe no path names (a cold tester's)."""
+    from outputs_support import cli
+
+    res = cli("reconstruct", str(EXAMPLE_EXCHANGES), "-o", "/dev/stdout", "-t", str(kimi_dir))  # stdout: a pipe
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        "error: -o /dev/stdout: is a symlink to /proc/self/fd/1, a named pipe (FIFO); refusing to replace it: give a "
+        "file name"]
