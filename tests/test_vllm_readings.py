@@ -129,6 +129,10 @@ CASES = [
            alone=("usage_completion_mismatch",), tags=("stripped_any",)),
     Served("kimi_stripped_four_newlines", "kimi-k2.5", "The user asks.\n\n\n\n</think>Sure.", "<|im_end|>",
            {"reasoning": " The user asks.", "content": " Sure."}, "stop", 163586, 4, tags=("stripped_any",)),
+    # cut before its </think>: no close in the ids, the reasoning is all they spell
+    Served("kimi_stripped_markdown_break_cut", "kimi-k2.5", "The user asks.  \n</think>Sure.", "<|im_end|>",
+           {"reasoning": " The user asks.", "content": None}, "length", None, 5, cut=5,
+           alone=("usage_completion_mismatch", "usage_reasoning_mismatch"), tags=("stripped_any",)),
     Served("glm_stripped_space_newline", "glm-4.5", "\n<think>The user asks. \n</think>\nSure.", "<|user|>",
            {"reasoning": "\nThe user asks.", "content": "\nSure."}, "stop", 151336, 6,
            alone=("usage_completion_mismatch", "usage_reasoning_mismatch", "reconstruction_ambiguous"),
@@ -230,9 +234,10 @@ def test_whitespace_the_parser_stripped_is_read_back_from_the_ids(case: Served) 
     ids spell it: the ids pick it, and the provable sample passes with them (it was rejected:
     only a fixed list of runs was tried)."""
     truth = native_ids(case)
+    passed = ("flagged", ["truncated"]) if case.cut else ("ok", [])  # truncated: exact up to the cut
     for traits in (None, {"vllm": ProviderTrait("vllm", joins_markers=True)}):
         row = _row(case, traits, native=True)
-        assert (row["status"], row["findings"], row["completion_ids"]) == ("ok", [], truth)
+        assert (row["status"], [f["code"] for f in row["findings"]], row["completion_ids"]) == (*passed, truth)
         tail = case.text.split("</think>")[0].removeprefix("\n<think>")[len("The user asks."):]
         assert row["reconstruction"].endswith("reasoning_tail=" + tail.replace("\n", "\\n"))
 

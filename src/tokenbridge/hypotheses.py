@@ -207,19 +207,21 @@ def unjoin_marker_spaces(text: str, markers: Sequence[str], *, plain: bool = Fal
 STRIPPED_TAILS = ("\n", "\n\n", "\n\n\n", "\r\n", " ", "  ", "\t")
 
 
-def _tails(dialect: Dialect, reasoning: str, spot: int, spelled: str | None) -> tuple[str, ...]:
+def _tails(dialect: Dialect, reasoning: str, spot: int, spelled: str | None, *, alone: bool) -> tuple[str, ...]:
     """The whitespace tried at ``spot`` of a stripped ``reasoning``: :data:`STRIPPED_TAILS`,
     and, where ids or logprobs spell the completion (``spelled``), the whitespace they put
     there (any run: ``" \n"``, a markdown break ``"  \n"``, ``"\u3000"``), which only those
-    ids can then prove. Read before the first think close they spell (none spelled: only the
-    fixed runs), behind what of the reasoning follows ``spot``."""
+    ids can then prove. Read before the first think close they spell, behind what of the
+    reasoning follows ``spot``; where they spell none, all they spell is the reasoning when
+    the message has no content (``alone``: a cut inside it), else they may be the content's
+    logprobs alone: only the fixed runs then."""
     if spelled is None:
         return STRIPPED_TAILS
     close = dialect.think_close or ""
     at = spelled.find(close) if close else -1
-    if at < 0:  # no close spelled: logprobs of the content alone, or a cut: nothing says where the reasoning ends
+    if at < 0 and not alone:  # the content's logprobs alone, perhaps: nothing says where the reasoning ends
         return STRIPPED_TAILS
-    region = spelled[:at]
+    region = spelled[:at] if at >= 0 else spelled
     after = reasoning[spot:]
     if not region.endswith(after):
         return STRIPPED_TAILS
@@ -272,7 +274,7 @@ def _joined_readings(dialect: Dialect, message: Mapping[str, Any], finish_reason
             continue
         r, c, was_closed = _split(dialect, native, thinking)
         tails = [(r[:at] + tail + r[at:], tail) for at in _tail_spots(dialect, r, stream)
-                 for tail in _tails(dialect, r, at, spelled)] if stripped else []
+                 for tail in _tails(dialect, r, at, spelled, alone=not content)] if stripped else []
         for r2, tail in [(r, ""), *tails]:
             parts = dialect.completion_parts({"reasoning": r2, "content": c}, finish_reason, thinking,
                                              prompt_opens_think)
@@ -351,6 +353,7 @@ def _with_stripped_tails(dialect: Dialect, message: Mapping[str, Any], out: list
             or reasoning[-1:].isspace() or not reasoning.startswith(dialect.think_open_prefix):
         return out  # 0.34 serves GLM's newline before <think> in the reasoning
     cut = finish_reason == "length"
+    content = _text(message)[1]
     done: list[Candidate] = []
     for c in out:
         at = max((k for k, (kind, _) in enumerate(c.parts) if kind == "reasoning"), default=-1)
@@ -360,7 +363,7 @@ def _with_stripped_tails(dialect: Dialect, message: Mapping[str, Any], out: list
         done.append(Candidate(c.parts, c.names, c.held, veto=c.veto, open_end=True))
         text = c.parts[at][1]
         for spot in _tail_spots(dialect, text, stream):
-            for tail in _tails(dialect, text, spot, spelled):
+            for tail in _tails(dialect, text, spot, spelled, alone=not content):
                 parts = [*c.parts[:at], ("reasoning", text[:spot] + tail + text[spot:]), *c.parts[at + 1:]]
                 done.append(Candidate(parts, (*c.names, f"reasoning_tail={_escaped(tail)}"), veto=not by_ids,
                                       open_end=cut))
