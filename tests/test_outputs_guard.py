@@ -508,3 +508,23 @@ def test_dev_stdout_on_a_pipe_is_named_a_pipe(kimi_dir):
     assert res.returncode == 2 and res.stderr.splitlines() == [
         "error: -o /dev/stdout: is a symlink to /proc/self/fd/1, a named pipe (FIFO); refusing to replace it: give a "
         "file name"]
+
+
+def test_dev_stdout_to_a_deleted_file_is_refused_as_a_link_to_nothing(tmp_path, kimi_dir):
+    """The kernel's link names a deleted file no path reaches: refused as before, not
+    written into /proc (a cold reviewer's)."""
+    import shlex
+    import subprocess
+    import sys
+
+    from outputs_support import SRC
+
+    target = tmp_path / "f"
+    cmd = (f"rm {shlex.quote(str(target))}; exec {shlex.quote(sys.executable)} -m tokenbridge.cli reconstruct "
+           f"{shlex.quote(str(EXAMPLE_EXCHANGES))} -o /dev/stdout -t {shlex.quote(str(kimi_dir))}")
+    with open(target, "wb") as out:
+        res = subprocess.run(["sh", "-c", cmd], stdout=out, stderr=subprocess.PIPE, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": SRC})
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        "error: -o /dev/stdout: is a symlink to a missing file (or a loop); refusing to write through it: give a "
+        "file name"]

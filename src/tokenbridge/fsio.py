@@ -441,11 +441,14 @@ def output_file(target: str | Path, *, flag: str | None = None) -> Path:
         real = Path(os.path.realpath(target, strict=True))
         info = os.stat(real)
     except OSError:
+        missing = OutputRefused(f"{lead}: is a symlink to a missing file (or a loop); refusing to write through it: "
+                                "give a file name", target)
         try:  # /dev/stdout on a pipe: a link the kernel follows to what no path names
             info = os.stat(target)
         except OSError:
-            raise OutputRefused(f"{lead}: is a symlink to a missing file (or a loop); refusing to write through it: "
-                                "give a file name", target) from None
+            raise missing from None
+        if stat.S_ISREG(info.st_mode):  # a deleted file behind /proc's link: no path to rename onto
+            raise missing from None
         real = Path(os.readlink(target))
     if not stat.S_ISREG(info.st_mode):
         kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
