@@ -135,9 +135,9 @@ def _checked_row(record: Mapping[str, Any], path: Path, line: int, tok: Tokenize
     bad = next((k for k, i in enumerate(ids) if type(i) is not int or i < 0), None)  # shown one by one below
     if bad is not None:
         raise RowError(path, line, "input_ids", f"holds {ids[bad]!r} at position {bad}, not a token id"[:200])
-    # a rejected row's texts may hold what no training file can (a lone surrogate: why the gate
-    # rejected it); reconstruct wrote it, and it is shown as it is, escaped
-    RowContract(path, tok.vocab_size).check(row, line, ids, texts=row["status"] != "rejected")
+    # a row's texts may hold what no training file can (a lone surrogate: why the gate rejects
+    # it, or flags it under a user's policy); reconstruct wrote it, and it is shown as it is, escaped
+    RowContract(path, tok.vocab_size).check(row, line, ids, texts=False)
     _check_segment_shapes(row["segments"], len(ids), path, line)  # an ok row's are proven by stored_row_ids
     return row
 
