@@ -469,3 +469,28 @@ def test_extra_body_that_holds_the_key_is_refused_before_anything_is_sent(tmp_pa
     assert str(info.value) == ("request.extra_body holds the API key from $TB_LEAK (not shown here): the key is sent "
                                "only as Authorization; remove it from extra_body")
     assert seen == [] and not (tmp_path / "run" / "state.sqlite").exists()
+
+
+def test_a_key_in_the_request_settings_is_refused_as_a_setting_not_blamed_on_each_prompt(tmp_path, monkeypatch):
+    """With the key pasted as the model, every prompt became a bad row "take it out of the
+    prompt" (a cold reviewer's): what every request carries is checked once, as a setting,
+    before anything is sent, in the run and its dry run alike."""
+    from tokenbridge.generate.estimate import dry_run
+    from tokenbridge.generate.settings import ConfigError
+
+    seen: list[str] = []
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        seen.append(request.path)
+        return _ok(request)
+
+    said = ("request settings (model, provider, reasoning, ...) hold the API key from $TB_LEAK (not shown here): the "
+            "key is sent only as Authorization; take it out of the setting")
+    with pytest.raises(ConfigError) as info:
+        _run(tmp_path, 1, reply, request=RequestSettings(model=SECRET, max_tokens=16))
+    assert str(info.value) == said and seen == []
+    monkeypatch.setenv("TB_LEAK", SECRET)
+    with pytest.raises(ConfigError) as info:
+        dry_run(GenerateSettings(datasets=(DatasetSpec("k", write_prompts(tmp_path, 1)),), api_key_env="TB_LEAK",
+                                 request=RequestSettings(model=SECRET, max_tokens=16)))
+    assert str(info.value) == said

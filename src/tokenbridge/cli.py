@@ -192,15 +192,17 @@ def _writing(output: Path | None, command: str) -> Iterator[None]:
     except typer.Exit:
         raise
     except _resource_failures() as exc:
-        _fail(_resource_failure(exc), ExitCode.INCOMPLETE)
+        _fail(_resource_failure(exc, command), ExitCode.INCOMPLETE)
 
 
-def _resource_failure(exc: BaseException) -> str:
+def _resource_failure(exc: BaseException, command: str) -> str:
     """What ran out (memory, or a worker killed), in one line: the machine's limit, not a bug."""
-    if isinstance(exc, MemoryError):
+    if not isinstance(exc, MemoryError):
+        return str(exc)
+    if command == "reconstruct":
         return ("out of memory; nothing partial was kept: give the command more memory, or fewer --workers "
                 "(a single record too large for it is a bad line instead)")
-    return str(exc)
+    return "out of memory; nothing partial was kept: give the command more memory"
 
 
 def _jsonl_input(path: Path, *, parquet_ok: bool = False) -> None:
@@ -258,9 +260,10 @@ def reconstruct(
                               inputs=inputs)
         tok = _tokenizer(tokenizer)  # loading takes a while: Ctrl-C there is one line too
         _check_dialect(tok, dialect)
-        from .fsio import open_staged
+        from .fsio import open_staged, reading
 
         with ExitStack() as staged:
+            staged.enter_context(reading(input))  # before any temp is made: the sweep it makes leaves the input
             # the summary's temp made first: a folder it cannot be written in fails before -o is replaced
             summary_fh = staged.enter_context(open_staged(summary_json, point="summary")) if summary_json else None
             try:
@@ -858,7 +861,7 @@ def run(
     except GenerateError as exc:
         _fail(exc, exc.exit_code)
     except _resource_failures() as exc:
-        _fail(_resource_failure(exc), ExitCode.INCOMPLETE)
+        _fail(_resource_failure(exc, "run"), ExitCode.INCOMPLETE)
     except _anticipated_errors() as exc:  # bad data (a row an export or the report refused) is 1, as alone
         _fail(f"{type(exc).__name__}: {exc}", getattr(exc, "exit_code", ExitCode.CONFIG))
     ran = ", ".join(f"{r.name} {r.status}" for r in results)

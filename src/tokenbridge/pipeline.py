@@ -262,7 +262,9 @@ def run_pipeline(cfg: RunConfig, echo: Callable[[str], None] = print) -> list[St
     from .generate.lock import run_lock
 
     check_out(cfg)  # before the lock: its file would make any folder look like a run's
-    with run_lock(cfg.out, command="run", retry=f"or set another [run] out in {cfg.source}"):
+    datasets = (d["path"] for d in cfg.generate.get("datasets", ()))
+    with fsio.reading(cfg.source, *datasets), \
+            run_lock(cfg.out, command="run", retry=f"or set another [run] out in {cfg.source}"):
         for folder in (cfg.out, cfg.out / "export"):
             if not folder.is_symlink():  # a link at export is refused: nothing is done through it
                 fsio.clean_stale_temps(folder)

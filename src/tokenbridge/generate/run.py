@@ -36,7 +36,7 @@ from ..digests import Digest, file_identity, read_digest
 from ..display import printable
 from ..exit_codes import ExitCode
 from ..interrupt import stop_on_signals
-from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, output_file, write_bytes
+from ..fsio import FILE_MODE, PRIVATE_MODE, OutputWriteError, fsync_dir, kill_point, output_file, reading, write_bytes
 from ..jsonl import dumps_document, text_of
 from .budget import Budget, reserved_tokens
 from .body import BodyError, check_body, one_line
@@ -194,11 +194,18 @@ def _prepared(settings: GenerateSettings, out_dir: str | Path, key: ApiKey | Non
     """Everything before the first request, synchronously: the key, the prompts, the lock,
     the store and the run's row. On a clean exit the outputs are written (under the lock);
     on any other the run's row is closed (:func:`_close_run`) and nothing is written."""
-    out_dir = Path(out_dir)
+    with reading(*(spec.path for spec in settings.datasets)):  # a prompt file is never swept as a stale temp
+        yield from _prepared_here(settings, Path(out_dir), key, reporter, force=force)
+
+
+def _prepared_here(settings: GenerateSettings, out_dir: Path, key: ApiKey | None, reporter: Reporter | None, *,
+                   force: bool) -> Iterator[_Prepared]:
+    """:func:`_prepared`, its inputs registered."""
     check_sendable(settings)
     if key is None:
         key = read_api_key(settings.api_key_env, required=not is_local_url(settings.base_url))
     check_api_key(key, settings.headers, settings.request.extra_body)
+    check_request_settings(settings, key)
     if key is not None and (why := plain_http_problem(settings.base_url, settings.allow_plain_http)):
         raise ConfigError(f"base_url {why}")
     reporter = reporter or Reporter(settings.progress, interval_s=settings.log_interval_s)
@@ -268,6 +275,15 @@ def _load_rows(settings: GenerateSettings, reporter: Reporter, key: ApiKey | Non
     for line in gave_nothing(settings, loaded) + tools_unsent(settings, loaded) + folders_unread(settings):
         reporter.log(f"warning: {line}", warn=True)
     return rows, errors
+
+
+def check_request_settings(settings: GenerateSettings, key: ApiKey | None) -> None:
+    """:class:`ConfigError` where what the settings put in every request (the model, provider
+    routing, reasoning, sampling) holds the API key: named as a setting, before any prompt is
+    read, not as a bad row for each prompt."""
+    if key is not None and holds_key(json.dumps(build_request(Sample("", "", []), settings.request), ensure_ascii=False), key):
+        raise ConfigError(f"request settings (model, provider, reasoning, ...) hold the API key from ${key.env_name} "
+                          "(not shown here): the key is sent only as Authorization; take it out of the setting")
 
 
 def sendable(loaded: LoadedPrompts, settings: GenerateSettings, key: ApiKey | None) -> tuple[list[_Row], list[str]]:
