@@ -364,12 +364,12 @@ def test_ctrl_c_while_the_prompts_load_stops_at_once(tmp_path, monkeypatch):
 
     loaded = run_mod._load_rows
 
-    def slow_load(settings, reporter):
+    def slow_load(*args):
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the load starts
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # Python work the signal can interrupt
             pass
-        return loaded(settings, reporter)
+        return loaded(*args)
 
     monkeypatch.setattr(run_mod, "_load_rows", slow_load)
     settings = GenerateSettings(datasets=(DatasetSpec("k", write_prompts(tmp_path, 3)),), base_url="http://127.0.0.1:9/v1",
