@@ -266,3 +266,28 @@ def test_out_of_memory_outside_a_record_is_one_line_not_a_traceback(tmp_path, mo
     assert res.exit_code == ExitCode.INCOMPLETE and res.output.splitlines() == [
         "error: out of memory; nothing partial was kept: give the command more memory, or fewer --workers (a single "
         "record too large for it is a bad line instead)"]
+
+
+def test_bad_lines_are_all_counted_and_the_first_ones_kept(tmp_path, monkeypatch):
+    """Every bad line was held in memory (566 MB for a file of 2M of them: the wrong file
+    given, a cold tester's): they are all counted, the first KEPT_BAD_LINES kept, shown and
+    listed as such."""
+    from typer.testing import CliRunner
+
+    import tokenbridge.reconstruct as R
+    from conftest import EXAMPLE_EXCHANGES
+    from tokenbridge.cli import app
+
+    monkeypatch.setattr(R, "KEPT_BAD_LINES", 25)
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(EXAMPLE_EXCHANGES.read_bytes() + b"[]\n" * 40)
+    summary = reconstruct_file(src, tmp_path / "out.jsonl", KIMI_DIR, workers=1)
+    assert (summary.records, summary.bad_line_count, len(summary.bad_lines)) == (7, 41, 25)
+    assert [b.line for b in summary.bad_lines] == [8, *range(9, 33)]
+    assert summary.to_dict()["bad_lines_total"] == 41 and len(summary.to_dict()["bad_lines"]) == 25
+    res = CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(tmp_path / "o.jsonl"), "-t", str(KIMI_DIR),
+                                   "--summary-json", str(tmp_path / "s.json")])
+    lines = res.output.splitlines()
+    assert "... and 21 more bad lines (the first 25 in --summary-json)" in lines
+    assert "41 bad record(s) skipped; the others were written." in lines
+    assert json.loads((tmp_path / "s.json").read_text(encoding="utf-8"))["bad_lines_total"] == 41

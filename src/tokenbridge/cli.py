@@ -281,15 +281,17 @@ def reconstruct(
         _say(f"note: {note}", err=True)
     for bad in summary.bad_lines[:_SHOWN_BAD_LINES]:
         _say(f"bad record: {bad}", err=True)
-    if len(summary.bad_lines) > _SHOWN_BAD_LINES:
-        more = len(summary.bad_lines) - _SHOWN_BAD_LINES
-        _say(f"... and {more} more bad lines" + (" (all in --summary-json)" if summary_json else ""), err=True)
+    if summary.bad_line_count > _SHOWN_BAD_LINES:
+        more = summary.bad_line_count - _SHOWN_BAD_LINES
+        listed = ("all" if summary.bad_line_count == len(summary.bad_lines)
+                  else f"the first {len(summary.bad_lines):,}")
+        _say(f"... and {more} more bad lines" + (f" ({listed} in --summary-json)" if summary_json else ""), err=True)
     if summary.records == 0 and not summary.bad_lines:
         _say(f"warning: {input} holds no records; {output} has no rows.", err=True)
     elif summary.rows == 0:
         _say(f"no record was written: {output} is empty.", err=True)
     elif summary.bad_lines:
-        _say(f"{len(summary.bad_lines)} bad record(s) skipped; the others were written.", err=True)
+        _say(f"{summary.bad_line_count} bad record(s) skipped; the others were written.", err=True)
     if summary.bad_lines:
         raise typer.Exit(int(ExitCode.INCOMPLETE))
 

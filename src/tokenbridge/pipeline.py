@@ -436,7 +436,7 @@ def _reconstruct_stage(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
         detail = rs.to_dict()
         # its digest, so a later run tells the file it wrote from one replaced or edited since
         # (a fresh file's digest is not trusted yet: the exports' fingerprints read it once more)
-        state.record("reconstruct", fp, {"status": detail["status"], "bad_lines": len(rs.bad_lines),
+        state.record("reconstruct", fp, {"status": detail["status"], "bad_lines": rs.bad_line_count,
                                          "bad_shown": [str(b) for b in rs.bad_lines[:_SHOWN_BAD_LINES]],
                                          "provider_notes": detail["provider_notes"] + rs.calibration_notes(),
                                          "rows_sha256": _digest(reconstructed)})

@@ -971,13 +971,20 @@ def _brief(row: Mapping[str, Any], edge: bool) -> Brief:
     return row["status"], [f["code"] for f in row["findings"]], str(row["provider"]), edge
 
 
+#: How many bad lines a summary keeps (all are counted): the terminal shows 20, ``--summary-json``
+#: lists these.
+KEPT_BAD_LINES = 10_000
+
+
 @dataclass
 class ReconstructSummary:
     records: int = 0
     rows: int = 0
     status: Counter[str] = field(default_factory=Counter)
     codes: Counter[str] = field(default_factory=Counter)
+    #: the first :data:`KEPT_BAD_LINES` bad lines (:meth:`add_bad`); ``bad_line_count`` counts them all
     bad_lines: list[BadLine] = field(default_factory=list)
+    bad_line_count: int = 0
     #: provider -> [rows, rows whose text keeps edge whitespace]
     edges: dict[str, list[int]] = field(default_factory=dict)
     #: count deltas and text shapes per provider, for run-level calibration
@@ -997,6 +1004,13 @@ class ReconstructSummary:
             counts = self.edges.setdefault(provider, [0, 0])
             counts[0] += 1
             counts[1] += edge
+
+    def add_bad(self, bad: BadLine) -> None:
+        """Count a bad line; keep it among the first :data:`KEPT_BAD_LINES` (a file of millions
+        of them, the wrong file given, held every one: 566 MB at 2M)."""
+        self.bad_line_count += 1
+        if len(self.bad_lines) < KEPT_BAD_LINES:
+            self.bad_lines.append(bad)
 
     def _strippers(self, min_rows: int = 20, min_rate: float = 0.1) -> list[tuple[str, int, float]]:
         """(provider, samples, the others' edge-whitespace rate) for each provider whose text
@@ -1032,6 +1046,7 @@ class ReconstructSummary:
             "status": {k: self.status.get(k, 0) for k in ("ok", "flagged", "rejected")},
             "codes": dict(sorted(self.codes.items())),
             "bad_lines": [b.__dict__ for b in self.bad_lines],
+            "bad_lines_total": self.bad_line_count,
             "provider_notes": self.stripping_suspects(),
             "provider_traits": {name: t.to_dict() for name, t in sorted(self.traits.items())},
         }
@@ -1406,10 +1421,10 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
                             sink.write(rows[start:stop])
                 for entry in entries:
                     if isinstance(entry, _Refused):
-                        summary.bad_lines.append(BadLine(shown, first + entry.line - 1, entry.field, entry.message))
+                        summary.add_bad(BadLine(shown, first + entry.line - 1, entry.field, entry.message))
                         continue
                     if entry.line in skip:
-                        summary.bad_lines.append(skip[entry.line])
+                        summary.add_bad(skip[entry.line])
                         continue
                     summary.add(entry.briefs, entry.facts)
                     if isinstance(sink, _ParquetSink):

@@ -42,7 +42,7 @@ def summary_table(summary: ReconstructSummary, title: str = "reconstruct") -> Gr
         totals.add_column(col, justify="right")
     totals.add_row(
         str(summary.records), str(summary.rows), str(summary.status.get("ok", 0)),
-        str(summary.status.get("flagged", 0)), str(summary.status.get("rejected", 0)), str(len(summary.bad_lines)),
+        str(summary.status.get("flagged", 0)), str(summary.status.get("rejected", 0)), str(summary.bad_line_count),
     )
     parts: list[Any] = [totals]
     if summary.codes:
