@@ -10,7 +10,7 @@ control character as a visible escape (``\\x1b``); markup (rich ``[red]``, matpl
 from __future__ import annotations
 
 from typing import TypeVar
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["printable", "problems_of", "several"]
 
@@ -43,10 +43,11 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() and c not in _INVISIBLE else _escape(c) for c in text)
 
 
-def several(exc: E, problems: Sequence[str]) -> E:
-    """``exc`` (its message the problems joined by newlines), carrying them one by one as
-    ``problems``: the CLI prints an ``error:`` line each, and a line break inside one (a path
-    that holds one) is data there, shown escaped, never a line of its own."""
+def several(make: Callable[[str], E], problems: Sequence[str]) -> E:
+    """``make(message)``, the message the problems joined by newlines, carrying them one by
+    one as ``problems``: the CLI prints an ``error:`` line each, and a line break inside one
+    (a path that holds one) is data there, shown escaped, never a line of its own."""
+    exc = make("\n".join(problems))
     exc.problems = tuple(problems)  # type: ignore[attr-defined]
     return exc
 

@@ -200,7 +200,7 @@ def load_run_config(path: str | Path) -> RunConfig:
 
     if problems or parsed is None:
         ordered = sorted(problems, key=lambda line: _file_order(line, str(path)))
-        raise several(_config_error("\n".join(ordered)), ordered)
+        raise several(_config_error, ordered)
     return RunConfig(
         source=path, out=_relative(parsed.run.out or "runs/" + path.stem, base), tokenizer=tokenizer,
         dialect=parsed.run.dialect, generate={**gen, "datasets": datasets},
@@ -340,10 +340,10 @@ def emulator_config(cfg: RunConfig) -> EmulatorConfig:
     try:
         base = load_emulator_config(cfg.emulator) if cfg.emulator else EmulatorConfig()
     except EmulatorConfigError as exc:
-        raise several(_config_error(str(exc)), problems_of(exc)) from None
+        raise several(_config_error, problems_of(exc)) from None
     out, problems = emulator_config_problems(cfg.emulator_overrides, Where(str(cfg.source)).at("emulator"), base)
     if out is None:
-        raise several(_config_error("\n".join(problems)), problems)
+        raise several(_config_error, problems)
     return out
 
 
@@ -373,7 +373,7 @@ def check_before_generate(cfg: RunConfig, tok: Tokenizer) -> None:
         problems.append(where.problem(("vocab", "draft_vocab_size"), f"must be <= the target vocabulary size "
                                       f"{target}, got {cfg.draft_vocab_size}"))
     if problems:
-        raise several(_config_error("\n".join(problems)), problems)
+        raise several(_config_error, problems)
 
 
 def check_stage_folders(cfg: RunConfig, recorded: Callable[[str, Path], bool] = lambda stage, folder: False) -> None:
@@ -416,7 +416,7 @@ def check_stage_folders(cfg: RunConfig, recorded: Callable[[str, Path], bool] = 
         except OutputRefused as exc:
             problems.append(str(exc))
     if problems:
-        raise several(_config_error("\n".join(problems)), problems)
+        raise several(_config_error, problems)
 
 
 def check_out(cfg: RunConfig) -> None:

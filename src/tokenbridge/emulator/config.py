@@ -205,7 +205,7 @@ def load_emulator_config(path: str | Path) -> EmulatorConfig:
     data, text = read_mapping(path, ConfigError)
     cfg, problems = emulator_config_problems(data, Where(str(path), text))
     if cfg is None:
-        raise several(ConfigError("\n".join(problems)), problems)
+        raise several(ConfigError, problems)
     return cfg
 
 

@@ -557,7 +557,7 @@ def override_settings(
         data["request"] = {**{name: getattr(settings.request, name) for name in _REQ_KEYS}, **req}
     out, problems = validate(GenerateSettings, data, where)
     if problems:
-        raise several(ConfigError("\n".join(problems)), problems)
+        raise several(ConfigError, problems)
     checked: GenerateSettings = out
     if dup := repeated_names(checked.datasets):  # a config's are refused at load: the same here
         given = "; ".join(f"{n}: {', '.join(str(d.path) for d in checked.datasets if d.name == n)}" for n in dup)
@@ -570,7 +570,7 @@ def override_settings(
         problems = [where.problem(("request", *p), (
             f"also set by extra_body.{'.'.join(p)} in the config; set it in one place (extra_body is merged last "
             "and would silently replace this value)")) for p in overlaps]
-        raise several(ConfigError("\n".join(problems)), problems)
+        raise several(ConfigError, problems)
     return checked
 
 
@@ -629,7 +629,7 @@ def load_config(path: str | Path, *, base_url_given: bool = False) -> GenerateSe
                 f"`tokenbridge run {path}`, or give --base-url (a `tokenbridge emulator` you started, or the API "
                 "you mean to pay)")))
         if stray:
-            raise several(ConfigError("\n".join(stray)), stray)
+            raise several(ConfigError, stray)
         data, where = data["generate"], where.at("generate")
     return settings_from_mapping(data, source=str(path), base_dir=path.parent, where=where)
 
@@ -641,7 +641,7 @@ def settings_from_mapping(
     every problem (unknown keys get "did you mean")."""
     settings, problems = settings_problems(data, where or Where(source), base_dir)
     if problems:
-        raise several(ConfigError("\n".join(problems)), problems)
+        raise several(ConfigError, problems)
     return settings
 
 
@@ -752,7 +752,7 @@ def normalize_reasoning(value: Any, source: str = "reasoning") -> dict[str, Any]
     """``reasoning`` as OpenRouter takes it; a bare effort string or bool is accepted too."""
     out, problems = validate(RequestSettings, {"reasoning": value}, Where(source, flags={"reasoning": source}))
     if problems:
-        raise several(ConfigError("\n".join(problems)), problems)
+        raise several(ConfigError, problems)
     return dict(out.reasoning)
 
 
@@ -761,5 +761,5 @@ def normalize_provider(value: Any, source: str = "provider") -> dict[str, Any]:
     clean = {k: v for k, v in value.items() if v is not None} if isinstance(value, Mapping) else value
     out, problems = validate(RequestSettings, {"provider": clean}, Where(source, flags={"provider": source}))
     if problems:
-        raise several(ConfigError("\n".join(problems)), problems)
+        raise several(ConfigError, problems)
     return dict(out.provider)
