@@ -86,13 +86,12 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
     from ..chat import RENDER_FAILURES
     from .run import (check_request_settings, check_sendable, folders_unread, gave_nothing, refuse_as_the_run,
                       sendable, tools_unsent)
-    from .secrets import check_api_key, read_api_key
+    from .secrets import read_api_key
 
     check_sendable(settings)
     loaded = load_prompts(settings.datasets, default_limit=settings.limit)
     # the run leaves out a prompt that holds the key (it is only read here, and is not needed)
     key = read_api_key(settings.api_key_env, required=False)
-    check_api_key(key, settings.headers, settings.request.extra_body)
     check_request_settings(settings, key)
     rows, held = sendable(loaded, settings, key)
     done_ids: set[str] = set()

@@ -204,7 +204,6 @@ def _prepared_here(settings: GenerateSettings, out_dir: Path, key: ApiKey | None
     check_sendable(settings)
     if key is None:
         key = read_api_key(settings.api_key_env, required=not is_local_url(settings.base_url))
-    check_api_key(key, settings.headers, settings.request.extra_body)
     check_request_settings(settings, key)
     if key is not None and (why := plain_http_problem(settings.base_url, settings.allow_plain_http)):
         raise ConfigError(f"base_url {why}")
@@ -278,9 +277,11 @@ def _load_rows(settings: GenerateSettings, reporter: Reporter, key: ApiKey | Non
 
 
 def check_request_settings(settings: GenerateSettings, key: ApiKey | None) -> None:
-    """:class:`ConfigError` where what the settings put in every request (the model, provider
-    routing, reasoning, sampling) holds the API key: named as a setting, before any prompt is
-    read, not as a bad row for each prompt."""
+    """:class:`ConfigError` for a key that cannot be sent (:func:`.secrets.check_api_key`:
+    its own text, the headers, ``extra_body``), and where what the settings put in every
+    request (the model, provider routing, reasoning, sampling) holds the API key: named as a
+    setting, before any prompt is read, not as a bad row for each prompt."""
+    check_api_key(key, settings.headers, settings.request.extra_body)
     if key is not None and holds_key(json.dumps(build_request(Sample("", "", []), settings.request), ensure_ascii=False), key):
         raise ConfigError(f"request settings (model, provider, reasoning, ...) hold the API key from ${key.env_name} "
                           "(not shown here): the key is sent only as Authorization; take it out of the setting")
