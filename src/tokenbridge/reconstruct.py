@@ -1354,12 +1354,12 @@ def reconstruct_file(
              for name, edits in (provider_profile or {}).items() if edits}
     shown = str(src)  # bad lines name the file the user gave, a pipe's copy too
     with fsio.reading(src), fsio.staged_file(dst, point="reconstruct") as tmp, _readable_twice(src, dst) as src:
-        if workers is None:  # auto: all cores, unless the pool's start-up costs more than it saves
-            workers = 1 if os.stat(src).st_size < 256_000 else (os.cpu_count() or 1)
-        setup = (tok_source, dialect, policy, known)
         # both passes, on any number of workers, read the file as it was now (one that grows is
         # read to here; a pass each to its own end read two files and judged one by the other)
         size = os.stat(src).st_size
+        if workers is None:  # auto: all cores, unless the pool's start-up costs more than it saves
+            workers = 1 if size < 256_000 else (os.cpu_count() or 1)
+        setup = (tok_source, dialect, policy, known)
         summary = _reconstruct_pass(src, tmp, dst, workers, chunk_lines, setup, shown=shown, size=size)
         traits = summary.stats.traits(summary.stripping_providers(), provider_profile)
         if traits != known:
