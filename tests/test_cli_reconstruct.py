@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pyarrow.parquet as pq
 import pytest
@@ -404,3 +405,20 @@ def test_out_of_memory_in_another_command_gives_its_own_advice(tmp_path, monkeyp
                                    "-f", "specforge"])
     assert res.exit_code == 1 and res.output.splitlines() == [
         "error: out of memory; nothing partial was kept: give the command more memory"]
+
+
+def test_an_input_replaced_between_passes_is_one_error_line_and_keeps_the_old_output(tmp_path, kimi, kimi_dir,
+                                                                                      monkeypatch):
+    """The second pass reopened the input by path and read whatever file had taken its name."""
+    from test_lanes import _between_passes, _uncounted_run
+
+    src, out, other = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "other.jsonl"
+    _uncounted_run(kimi, src)
+    _uncounted_run(kimi, other, tag="new")
+    out.write_bytes(b"old\n")
+    _between_passes(monkeypatch, lambda: os.replace(other, src))
+    res = CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(out), "-t", str(kimi_dir), "--workers", "1"])
+    assert res.exit_code == 1 and res.output.splitlines() == [
+        f"error: {src}: another file took its name while it was being read (renamed or copied over it); nothing "
+        "partial was kept: run again on a file nothing is writing"], res.output
+    assert out.read_bytes() == b"old\n"

@@ -3,6 +3,7 @@ keeps to a stretch of its own, results back in file order, failures that surface
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from tokenbridge import lanes
 from tokenbridge.exchanges import iter_lines
-from tokenbridge.lanes import _lines_before, _Ranges, map_lines, owned_lines, text_lines
+from tokenbridge.lanes import InputChanged, Snapshot, _lines_before, _Ranges, map_lines, owned_lines, text_lines
 from tokenbridge.reconstruct import _chunk_lines
 
 _LINES = st.lists(st.tuples(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"").replace(b"\r", b"")),
@@ -338,7 +339,9 @@ def test_one_process_reads_a_size_as_a_range_does(tmp_path_factory, lines, trail
         _, want = owned_lines(fd, 0, size)
     finally:
         os.close(fd)
-    assert b"".join(piece for _, piece in _chunks(path, 3, max_bytes=7, size=size)) == want
+    snapshot = Snapshot.of(str(path))
+    snapshot = Snapshot(snapshot.path, snapshot.shown, snapshot.dev, snapshot.ino, size)
+    assert b"".join(piece for _, piece in _chunks(path, 3, max_bytes=7, snapshot=snapshot)) == want
 
 
 def test_a_file_that_grows_is_read_as_it_was_by_both_passes_and_any_worker_count(tmp_path, kimi, monkeypatch):
@@ -368,3 +371,106 @@ def test_a_file_that_grows_is_read_as_it_was_by_both_passes_and_any_worker_count
         outputs.append((tmp_path / f"out{workers}.jsonl").read_bytes())
         assert b'"late-' not in outputs[-1] and summary.records + len(summary.bad_lines) == 8 * 20
     assert outputs[0] == outputs[1]
+
+
+def _uncounted_run(kimi, path, n: int = 25, tag: str = "lazy") -> None:
+    """``n`` records from a provider that leaves its end token out of ``completion_tokens``:
+    a trait the first pass finds, so reconstruct reads the file a second time."""
+    from tokenbridge.chat import DIALECTS
+
+    request = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "Say something."}]}
+    prompt = len(kimi.encode(DIALECTS["kimi-k2.5"].render_request(request)))
+    lines = []
+    for i in range(n):
+        reasoning, content = f"Thinking about {i}.", f"Answer {i}."
+        completion = len(kimi.encode(reasoning)) + 1 + len(kimi.encode(content)) + 1
+        message = {"role": "assistant", "reasoning_content": reasoning, "content": content}
+        lines.append(json.dumps({"id": f"{tag}-{i}", "request": request, "response": {
+            "provider": "lazy", "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion - 1}}}))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _between_passes(monkeypatch, change):
+    """Make ``change()`` happen when reconstruct's first pass is done, before its second."""
+    import tokenbridge.reconstruct as R
+
+    real, passes = R._reconstruct_pass, []
+
+    def pass_then_change(*args, **kwargs):
+        summary = real(*args, **kwargs)
+        passes.append(summary)
+        if len(passes) == 1:
+            change()
+        return summary
+
+    monkeypatch.setattr(R, "_reconstruct_pass", pass_then_change)
+    return passes
+
+
+def test_an_uncounted_end_makes_a_second_pass(tmp_path, kimi, monkeypatch):
+    """The premise of the two tests below: this run is read twice, and reads alike twice."""
+    from tokenbridge.reconstruct import reconstruct_file
+
+    _uncounted_run(kimi, tmp_path / "in.jsonl")
+    passes = _between_passes(monkeypatch, lambda: None)
+    summary = reconstruct_file(tmp_path / "in.jsonl", tmp_path / "out.jsonl", kimi, workers=2)
+    assert len(passes) == 2 and summary.traits["lazy"].end_uncounted and summary.status == {"ok": 25}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_input_renamed_over_between_passes_stops_the_run_and_keeps_no_output(tmp_path, kimi, monkeypatch, workers):
+    """Both passes (and every worker) opened the input by path: a file renamed over it after
+    the first pass was read by the second as the same input, its rows judged by the first
+    file's traits and written as one output (25 rows of the other file). Every open must now
+    find the file the run started on."""
+    from tokenbridge.reconstruct import reconstruct_file
+
+    src, dst, other = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "other.jsonl"
+    _uncounted_run(kimi, src)
+    _uncounted_run(kimi, other, tag="new")
+    dst.write_bytes(b"the user's old output\n")
+    _between_passes(monkeypatch, lambda: os.replace(other, src))
+    with pytest.raises(InputChanged, match=r"in\.jsonl: another file took its name while it was being read"):
+        reconstruct_file(src, dst, kimi, workers=workers)
+    assert dst.read_bytes() == b"the user's old output\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_input_cut_short_between_passes_stops_the_run_rather_than_dropping_its_tail(tmp_path, kimi, monkeypatch,
+                                                                                       workers):
+    """A file truncated after the first pass ended the second early without a word: its last
+    records were neither rows nor bad lines."""
+    from tokenbridge.reconstruct import reconstruct_file
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _uncounted_run(kimi, src)
+    size = src.stat().st_size
+    _between_passes(monkeypatch, lambda: os.truncate(src, size // 3))
+    with pytest.raises(InputChanged, match=rf"in\.jsonl: cut short while it was being read \({size:,} bytes at "
+                                           rf"the start, {size // 3:,} now\)"):
+        reconstruct_file(src, dst, kimi, workers=workers)
+    assert not dst.exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_an_input_cut_short_during_a_pass_is_refused_too(tmp_path, kimi, monkeypatch, workers):
+    """Cut while a pass reads it (after the check at open): the read that comes up short says so."""
+    import tokenbridge.reconstruct as R
+    from tokenbridge.reconstruct import reconstruct_file
+
+    src = tmp_path / "in.jsonl"
+    _uncounted_run(kimi, src, n=400)
+    size = src.stat().st_size
+    monkeypatch.setattr(lanes, "RANGE_BYTES", 16 * 1024)
+    real = R._work
+
+    def cutting(data):
+        if os.stat(src).st_size == size:
+            os.truncate(src, size // 2)
+        return real(data)
+
+    monkeypatch.setattr(R, "_work", cutting)  # forked workers and this process alike
+    with pytest.raises(InputChanged, match=r"in\.jsonl: cut short while it was being read"):
+        reconstruct_file(src, tmp_path / "out.jsonl", kimi, workers=workers, chunk_lines=8)

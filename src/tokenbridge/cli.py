@@ -151,11 +151,12 @@ _SHOWN_BAD_LINES = 20  # reconstruct prints this many bad lines, then a count
 
 
 def _resource_failures() -> tuple[type[BaseException], ...]:
-    """What the machine ran out of (not a bug, not bad data): one line, exit 1. Looked up only
-    when an error passes (the pool's module is slow to import)."""
-    from .lanes import WorkerDied
+    """What stopped the work that is neither a bug nor bad data: the machine ran out (memory,
+    a worker killed), or the input was replaced or cut short under it. One line, exit 1.
+    Looked up only when an error passes (the pool's module is slow to import)."""
+    from .lanes import InputChanged, WorkerDied
 
-    return (MemoryError, WorkerDied)
+    return (MemoryError, WorkerDied, InputChanged)
 
 
 @contextmanager
@@ -196,7 +197,7 @@ def _writing(output: Path | None, command: str) -> Iterator[None]:
 
 
 def _resource_failure(exc: BaseException, command: str) -> str:
-    """What ran out (memory, or a worker killed), in one line: the machine's limit, not a bug."""
+    """What ran out (memory, or a worker killed) or changed under the command, in one line: not a bug."""
     if not isinstance(exc, MemoryError):
         return str(exc)
     if command == "reconstruct":

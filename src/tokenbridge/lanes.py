@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn, TypeVar
 
-__all__ = ["STRETCH_BYTES", "WorkerDied", "map_lines", "owned_lines", "text_lines"]
+__all__ = ["STRETCH_BYTES", "InputChanged", "Snapshot", "WorkerDied", "map_lines", "owned_lines", "text_lines"]
 
 R = TypeVar("R")
 
@@ -101,6 +101,43 @@ def _lines_before(path: str, offset: int) -> int:
     return n
 
 
+class InputChanged(Exception):
+    """The file being read is not the one the run started on (renamed or copied over), or
+    is shorter now: reading on would mix two files, or leave records out without a word."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A file as a run found it: every later open by path (each pass, each worker) must find
+    the same file (device and inode), at least ``size`` bytes long; its first ``size`` bytes
+    are what the run reads (a line being appended then is read whole, later ones not).
+    ``shown`` is the name errors give (the path the user typed)."""
+
+    path: str
+    shown: str
+    dev: int
+    ino: int
+    size: int
+
+    @classmethod
+    def of(cls, path: str, shown: str | None = None) -> Snapshot:
+        info = os.stat(path)
+        return cls(path, path if shown is None else shown, info.st_dev, info.st_ino, info.st_size)
+
+    def check(self, fd: int) -> None:
+        """Raise :class:`InputChanged` unless ``fd`` is this file, still ``size`` bytes or more."""
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) != (self.dev, self.ino):
+            raise InputChanged(f"{self.shown}: another file took its name while it was being read (renamed or "
+                               "copied over it); nothing partial was kept: run again on a file nothing is writing")
+        if info.st_size < self.size:
+            self.cut_short(info.st_size)
+
+    def cut_short(self, now: int) -> NoReturn:
+        raise InputChanged(f"{self.shown}: cut short while it was being read ({self.size:,} bytes at the start, "
+                           f"{now:,} now); nothing partial was kept: run again on a file nothing is writing")
+
+
 class _RemoteTraceback(Exception):
     """A worker's traceback (its one argument), as the ``__cause__`` of the exception it raised."""
 
@@ -146,7 +183,7 @@ class _Ranges:
         return a, mine.front
 
 
-def _serve(conn: Connection, inherited: list[Connection], path: str, init: Callable[..., None],
+def _serve(conn: Connection, inherited: list[Connection], snapshot: Snapshot, init: Callable[..., None],
            init_args: tuple[Any, ...], work: Callable[[bytes], Any]) -> None:
     """A worker: read each range it is sent, ``work`` its lines, send back the result.
     Any failure (in ``init`` too) is sent back as ``("err", ...)`` before it ends."""
@@ -155,11 +192,14 @@ def _serve(conn: Connection, inherited: list[Connection], path: str, init: Calla
     start = -1
     try:
         init(*init_args)
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(snapshot.path, os.O_RDONLY)
         try:
+            snapshot.check(fd)
             while (task := conn.recv()) is not None:
                 a, b = task
                 start, data = owned_lines(fd, a, b)
+                if start + len(data) < b:  # the file ends before the range does: it shrank since the check
+                    snapshot.cut_short(os.fstat(fd).st_size)
                 conn.send(("ok", a, b, text_lines(data), work(data)))
         finally:
             os.close(fd)
@@ -199,13 +239,13 @@ class _Worker:
 
 def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tuple[Any, ...],
               work: Callable[[bytes], R], *, on_error: Callable[[BaseException, int], None] | None = None,
-              stretch: int = STRETCH_BYTES, size: int | None = None) -> Iterator[tuple[int, R]]:
+              stretch: int = STRETCH_BYTES, snapshot: Snapshot | None = None) -> Iterator[tuple[int, R]]:
     """``(number of the first line, work(lines))`` for ranges of ``path``, in file order,
     on ``workers`` processes, each set up once with ``init(*init_args)``.
 
-    ``path`` must be a regular file (ranges are offsets); its size is taken at the start, or
-    given (``size``: a caller reading it twice reads the same lines) (a line being appended
-    then is read whole, later ones not). ``work`` gets the bytes
+    ``path`` must be a regular file (ranges are offsets), read as it is now, or as
+    ``snapshot`` found it (a caller reading it twice reads the same lines of the same file:
+    :class:`InputChanged` where it cannot). ``work`` gets the bytes
     of whole lines (the last may lack its newline). An exception in ``init`` or ``work``
     is raised here, its worker traceback as ``__cause__``; ``on_error(exc, first_line)``
     may annotate one from ``work`` first. A worker that dies stops the run with an error.
@@ -219,14 +259,16 @@ def map_lines(path: str, workers: int, init: Callable[..., None], init_args: tup
     # worker); it is only safe while this process runs no other threads.
     fork = threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
     ctx = mp.get_context("fork") if fork else mp.get_context("spawn")
-    ranges = _Ranges(info.st_size if size is None else size, workers, stretch)
+    if snapshot is None:
+        snapshot = Snapshot(path, path, info.st_dev, info.st_ino, info.st_size)
+    ranges = _Ranges(snapshot.size, workers, stretch)
     pool: list[_Worker] = []
     finished = False
     try:
         for _ in range(workers):
             here, there = ctx.Pipe()
             inherited = [*(w.conn for w in pool), here] if fork else []
-            process = ctx.Process(target=_serve, args=(there, inherited, path, init, init_args, work), daemon=True)
+            process = ctx.Process(target=_serve, args=(there, inherited, snapshot, init, init_args, work), daemon=True)
             pool.append(_Worker(process, here))
             process.start()
             there.close()

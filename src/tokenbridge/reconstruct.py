@@ -1258,17 +1258,21 @@ def _quiet_worker_signals() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024, *, size: int | None = None) -> Iterator[Chunk]:
+def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024, *,
+            snapshot: lanes.Snapshot | None = None) -> Iterator[Chunk]:
     """The file's lines in chunks of at most ``max_lines`` lines or about ``max_bytes``,
     as raw bytes read in blocks (one process: :mod:`.lanes` reads for a pool). Numbering
     follows text mode (``\r``, ``\r\n`` and ``\n`` each end a line), as
     :func:`~tokenbridge.exchanges.iter_lines` does; chunks end after a ``\n``, so never
-    inside ``\r\n``. ``size``: read the lines that start in the first ``size`` bytes only (a
-    file that grows is read as it was, as :func:`.lanes.map_lines` reads it)."""
+    inside ``\r\n``. ``snapshot``: the file as a run found it (read the lines that start in
+    its first ``size`` bytes, of that file only: :class:`.lanes.InputChanged` where it cannot),
+    as :func:`.lanes.map_lines` reads it."""
     lineno = 1
     partial: list[bytes] = []  # a line longer than a block, until its newline arrives
     with open(path, "rb") as fh:
-        for block in _blocks(fh, max_bytes, size):
+        if snapshot is not None:
+            snapshot.check(fh.fileno())
+        for block in _blocks(fh, max_bytes, snapshot):
             cut = block.rfind(b"\n") + 1
             if cut == 0:
                 partial.append(block)
@@ -1282,19 +1286,22 @@ def _chunks(path: str | Path, max_lines: int, max_bytes: int = 256 * 1024, *, si
         yield lineno, b"".join(partial)
 
 
-def _blocks(fh: BinaryIO, max_bytes: int, size: int | None) -> Iterator[bytes]:
-    """``fh``'s bytes in blocks: all of them, or the first ``size`` and then the rest of the
-    line they cut (through its ``\n``), as a range of :mod:`.lanes` reads the line its end cuts."""
-    if size is None:
+def _blocks(fh: BinaryIO, max_bytes: int, snapshot: lanes.Snapshot | None) -> Iterator[bytes]:
+    """``fh``'s bytes in blocks: all of them, or the snapshot's first ``size`` and then the
+    rest of the line they cut (through its ``\n``), as a range of :mod:`.lanes` reads the line
+    its end cuts."""
+    if snapshot is None:
         while block := fh.read(max_bytes):
             yield block
         return
-    left, last = size, b"\n"
-    while left > 0 and (block := fh.read(min(max_bytes, left))):
+    left, last = snapshot.size, b"\n"
+    while left > 0:
+        if not (block := fh.read(min(max_bytes, left))):  # shorter than the run found it: lines would go missing
+            snapshot.cut_short(snapshot.size - left)
         left -= len(block)
         last = block[-1:]
         yield block
-    if last == b"\n" or left > 0:  # the size ended a line (or the file was shorter): done
+    if last == b"\n":  # the size ended a line: done
         return
     while block := fh.read(max_bytes):
         cut = block.find(b"\n") + 1
@@ -1356,15 +1363,15 @@ def reconstruct_file(
     with fsio.reading(src), fsio.staged_file(dst, point="reconstruct") as tmp, _readable_twice(src, dst) as src:
         # both passes, on any number of workers, read the file as it was now (one that grows is
         # read to here; a pass each to its own end read two files and judged one by the other)
-        size = os.stat(src).st_size
+        snapshot = lanes.Snapshot.of(str(src), shown)  # and no other file that takes its name meanwhile
         if workers is None:  # auto: all cores, unless the pool's start-up costs more than it saves
-            workers = 1 if size < 256_000 else (os.cpu_count() or 1)
+            workers = 1 if snapshot.size < 256_000 else (os.cpu_count() or 1)
         setup = (tok_source, dialect, policy, known)
-        summary = _reconstruct_pass(src, tmp, dst, workers, chunk_lines, setup, shown=shown, size=size)
+        summary = _reconstruct_pass(snapshot, tmp, dst, workers, chunk_lines, setup)
         traits = summary.stats.traits(summary.stripping_providers(), provider_profile)
         if traits != known:
             setup = (tok_source, dialect, policy, traits)
-            again = _reconstruct_pass(src, tmp, dst, workers, chunk_lines, setup, shown=shown, size=size)
+            again = _reconstruct_pass(snapshot, tmp, dst, workers, chunk_lines, setup)
             again.stats = summary.stats
             summary = again
         summary.traits = traits
@@ -1392,11 +1399,10 @@ def _readable_twice(src: str | Path, dst: Path) -> Iterator[str | Path]:
         copy.unlink(missing_ok=True)
 
 
-def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk_lines: int,
-                      setup: tuple[str, str | None, Policy | None, Mapping[str, ProviderTrait]],
-                      *, shown: str, size: int | None = None) -> ReconstructSummary:
-    """One pass of ``src`` into ``tmp`` with the given provider traits; bad lines name ``shown``;
-    the lines that start in its first ``size`` bytes (all: None)."""
+def _reconstruct_pass(snapshot: lanes.Snapshot, tmp: Path, dst: Path, workers: int, chunk_lines: int,
+                      setup: tuple[str, str | None, Policy | None, Mapping[str, ProviderTrait]]) -> ReconstructSummary:
+    """One pass of the snapshot's file into ``tmp`` with the given provider traits; bad lines
+    name the file as the user gave it (``snapshot.shown``)."""
     tok_source, dialect, policy, traits = setup
     as_parquet = dst.suffix == ".parquet"
     summary = ReconstructSummary()
@@ -1407,7 +1413,8 @@ def _reconstruct_pass(src: str | Path, tmp: Path, dst: Path, workers: int, chunk
         spool.mkdir(mode=0o700)
     sink: JsonlRowSink | ParquetRowSink = _ParquetSink(tmp) if as_parquet else _JsonlSink(tmp)
     init_args = (tok_source, dialect, policy, not as_parquet, traits, None if spool is None else str(spool))
-    results = _run_chunks(str(src), chunk_lines, workers, init_args, size)
+    shown = snapshot.shown
+    results = _run_chunks(snapshot, chunk_lines, workers, init_args)
     seen: dict[bytes, int] = {}  # a record id's digest -> its line: a few bytes a record, never the id
     try:
         for first, (result, entries) in results:
@@ -1472,13 +1479,13 @@ def _kept(entries: list[_Entry], skip: Mapping[int, BadLine]) -> Iterator[tuple[
         yield start, pos
 
 
-def _run_chunks(src: str, chunk_lines: int, workers: int, init_args: tuple[Any, ...],
-                size: int | None = None) -> Generator[tuple[int, _ChunkResult], None, None]:
+def _run_chunks(snapshot: lanes.Snapshot, chunk_lines: int, workers: int,
+                init_args: tuple[Any, ...]) -> Generator[tuple[int, _ChunkResult], None, None]:
     """(first line, :func:`_work` result) of every chunk, in input order: in this process,
     or on ``workers`` processes (:mod:`.lanes`: each on a stretch of the file)."""
     if workers <= 1:
         _init_worker(*init_args[:5])  # in this process: rows stay in memory
-        for first, data in _chunks(src, chunk_lines, size=size):
+        for first, data in _chunks(snapshot.path, chunk_lines, snapshot=snapshot):
             try:
                 yield first, _work(data)
             except Exception as exc:
@@ -1488,8 +1495,8 @@ def _run_chunks(src: str, chunk_lines: int, workers: int, init_args: tuple[Any, 
     _init_worker(*init_args)  # before a fork: the workers start with the tokenizer loaded
     # Parquet rows come back whole (not spooled): short stretches hold few of them waiting.
     stretch = lanes.STRETCH_BYTES if init_args[3] else lanes.RANGE_BYTES
-    yield from lanes.map_lines(src, workers, _init_worker, init_args, _work, on_error=_note_bug, stretch=stretch,
-                               size=size)
+    yield from lanes.map_lines(snapshot.path, workers, _init_worker, init_args, _work, on_error=_note_bug,
+                               stretch=stretch, snapshot=snapshot)
 
 
 #: The row files' writers: rows.py holds the one schema and the one reader/writer pair.
