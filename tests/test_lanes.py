@@ -217,6 +217,24 @@ def test_a_failed_set_up_surfaces_as_itself(tmp_path):
     assert "_bad_init" in str(info.value.__cause__)
 
 
+def test_a_failed_set_up_surfaces_as_itself_when_the_worker_is_gone_before_its_first_range(tmp_path, monkeypatch):
+    """The parent sent the first ranges to a worker that had already failed and exited: the
+    send's broken pipe was reported as a dead worker, hiding the error the worker had sent
+    (seen under load as a flaky suite test)."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"a\n" * 10)
+    real = lanes._feed
+
+    def after_exit(ranges, i, w):
+        w.process.join(10)  # the worker failed its set-up, sent why and exited
+        real(ranges, i, w)
+
+    monkeypatch.setattr(lanes, "_feed", after_exit)
+    with pytest.raises(LookupError, match="no tokenizer here") as info:
+        list(map_lines(str(path), 2, _bad_init, ("here",), _count))
+    assert "_bad_init" in str(info.value.__cause__)
+
+
 def test_a_pipe_is_refused_and_reconstruct_reads_it_in_one_process(tmp_path, kimi):
     from tokenbridge.reconstruct import reconstruct_file
 

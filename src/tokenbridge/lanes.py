@@ -292,10 +292,8 @@ def _feed(ranges: _Ranges, i: int, w: _Worker) -> None:
 
 
 def _send(w: _Worker, message: tuple[int, int] | None) -> None:
-    try:
+    with contextlib.suppress(OSError):  # the worker is gone: _collect reads why (its error, sent first) or its death
         w.conn.send(message)
-    except OSError:
-        _died(w)
 
 
 def _collect(path: str, pool: list[_Worker], ranges: _Ranges,
