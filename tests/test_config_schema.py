@@ -508,6 +508,11 @@ def test_generate_flags_override_the_file(tmp_path):
     ("extra_body = {stream = true}",
      "1: extra_body: stream: tokenbridge sets this itself (with stream = true (--stream), when sending)"),
     ("extra_body = {reasoning = 'high'}", "1: extra_body: reasoning: must be a table (it is merged into the request's reasoning)"),
+    # the budget reserves it as the completion's cap (beside max_tokens, the larger): "lots" was sent as is
+    ("extra_body = {max_completion_tokens = 'lots'}", "1: extra_body: max_completion_tokens: must be a whole number of "
+     "tokens, 1 or more (the budget reserves it as the completion's cap), got 'lots'"),
+    ("extra_body = {max_completion_tokens = 0}", "1: extra_body: max_completion_tokens: must be a whole number of "
+     "tokens, 1 or more (the budget reserves it as the completion's cap), got 0"),
     # refused by aiohttp only when sending: every sample failed its attempts one by one
     ('[headers]\n"X-Title" = "a\\r\\nX-Injected: 1"',
      "2: headers: header X-Title: value holds a control character (U+000D at character 1): it cannot be sent in an HTTP header"),
@@ -525,7 +530,8 @@ def test_generate_flags_override_the_file(tmp_path):
     ("reasoning = 'low'\nextra_body = {reasoning = {effort = 'high'}}",
      "2: extra_body.reasoning.effort: also set by reasoning.effort; set it in one place "
      "(extra_body is merged last and would silently replace it)"),
-], ids=["nan", "nested-inf", "date", "messages", "model-and-n", "stream", "reasoning-string", "header-crlf",
+], ids=["nan", "nested-inf", "date", "messages", "model-and-n", "stream", "reasoning-string", "cap-word", "cap-zero",
+        "header-crlf",
         "header-name", "model-twice", "extra-reasoning-leaf", "extra-provider-leaf", "extra-over-top-level"])
 def test_generate_config_refuses_what_could_not_be_sent_as_meant(tmp_path, text, message):
     path = _write(tmp_path, 'model = "m"\n' + text + "\n" if text.startswith("[") else text + '\nmodel = "m"\n', "gen.toml")

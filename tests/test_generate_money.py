@@ -420,3 +420,35 @@ def test_a_dry_run_says_what_the_folder_spent_and_whether_its_cap_leaves_anythin
     notes = dry_run(GenerateSettings(**base, max_cost=1.0), tmp_path / "run").notes
     assert "this folder has spent $0.02 so far, which counts against --max-cost: $0.98 of its cap $1.00 is left" in notes
     assert "this folder has spent $0.02 so far" in dry_run(GenerateSettings(**base), tmp_path / "run").notes
+
+
+def test_max_completion_tokens_beside_max_tokens_is_reserved_at_the_larger_cap(tmp_path):
+    """``extra_body.max_completion_tokens`` beside ``max_tokens``: a server that obeys the
+    first (vLLM's takes it over ``max_tokens``) bills up to it, and the run reserved the
+    second: $6.40 spent under a $0.50 cap, the dry run's worst case 200x low (a cold tester's)."""
+    from tokenbridge.generate.budget import DEFAULT_RESERVE_TOKENS, completion_cap, reserved_tokens
+
+    async def reply(n: int) -> web.StreamResponse:
+        return _answer({"prompt_tokens": 10, "completion_tokens": 20_000})  # what the larger cap allows
+
+    request = RequestSettings(model="m", max_tokens=100, extra_body={"max_completion_tokens": 20_000})
+    prices = Prices(prompt=0.0, completion=10.0)  # $0.20 a request at its worst
+    summary = _run(tmp_path, 20, reply, concurrency=32, max_cost=0.5, prices=prices, request=request)
+    assert summary.spent_total <= 0.5 and summary.done == 2  # two fit under the cap; 32 were sent at once
+    for req, cap in [({"max_tokens": 100, "max_completion_tokens": 20_000}, 20_000),
+                     ({"max_tokens": 300, "max_completion_tokens": 20}, 300), ({"max_completion_tokens": 7}, 7),
+                     ({"max_tokens": "9" * 9, "max_completion_tokens": True}, None), ({"max_tokens": -5}, None)]:
+        assert completion_cap(req) == cap
+        assert reserved_tokens("{}", {**req, "n": 2})[1] == 2 * (cap or DEFAULT_RESERVE_TOKENS)
+
+
+def test_the_dry_run_bounds_the_cost_by_the_larger_completion_cap(tmp_path):
+    from tokenbridge.generate.estimate import dry_run
+
+    prompts = write_prompts(tmp_path, 3)
+    settings = GenerateSettings(datasets=(DatasetSpec("m", prompts),), prices=Prices(prompt=0.0, completion=10.0),
+                                request=RequestSettings(model="m", max_tokens=100,
+                                                        extra_body={"max_completion_tokens": 20_000}))
+    report = dry_run(settings, tmp_path / "run")
+    assert report.completion_tokens_max == 3 * 20_000 and report.cost_max == pytest.approx(0.6)
+

@@ -73,7 +73,7 @@ from .body import checked_usage
 from .settings import Prices
 
 __all__ = ["MEDIA_RESERVE_TOKENS", "Budget", "PriceBounds", "cost_of", "estimate_prompt_tokens", "linked_media",
-           "reserved_tokens", "usd"]
+           "completion_cap", "reserved_tokens", "usd"]
 
 #: Completion tokens reserved per request when the request sets no max_tokens.
 DEFAULT_RESERVE_TOKENS = 32_768
@@ -120,11 +120,29 @@ def cost_of(usage: Mapping[str, Any] | None, prices: Prices | None) -> float | N
 
 def reserved_tokens(request_json: str, request: Mapping[str, Any]) -> tuple[int, int]:
     """(prompt, completion) tokens a request's reservation prices: the prompt's upper bound
-    (:func:`estimate_prompt_tokens`) and its ``max_tokens`` (or :data:`DEFAULT_RESERVE_TOKENS`)
-    for each of its ``n`` choices."""
-    n = request.get("n") or 1
-    reserve = (request.get("max_tokens") or request.get("max_completion_tokens") or DEFAULT_RESERVE_TOKENS) * n
+    (:func:`estimate_prompt_tokens`) and its :func:`completion_cap` (or
+    :data:`DEFAULT_RESERVE_TOKENS`) for each of its ``n`` choices."""
+    reserve = (completion_cap(request) or DEFAULT_RESERVE_TOKENS) * (_count(request.get("n")) or 1)
     return estimate_prompt_tokens(request_json) + MEDIA_RESERVE_TOKENS * linked_media(request), reserve
+
+
+#: The body fields that cap a choice's completion tokens: engines take either, and vLLM's
+#: ``max_completion_tokens`` wins over ``max_tokens`` when both are sent.
+_CAPS = ("max_tokens", "max_completion_tokens")
+
+
+def completion_cap(request: Mapping[str, Any]) -> int | None:
+    """The most completion tokens a choice of ``request`` may be billed for: the larger of
+    its caps (a server may obey either one: reserving ``max_tokens = 100`` beside
+    ``max_completion_tokens = 20000`` let a run spend 13 times its ``max_cost``), None
+    where it sets none."""
+    caps = [_count(request.get(key)) for key in _CAPS]
+    return max(caps) or None
+
+
+def _count(value: Any) -> int:  # Any: a stored request's field, as JSON gave it
+    """``value`` where it is a positive whole number, else 0."""
+    return value if type(value) is int and value > 0 else 0
 
 
 def linked_media(request: Mapping[str, Any]) -> int:

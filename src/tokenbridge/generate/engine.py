@@ -60,7 +60,7 @@ import orjson
 
 from ..fsio import kill_point
 from .body import CheckedUsage, ResponseTooLarge, checked_usage, read_capped
-from .budget import Budget, cost_of, linked_media, reserved_tokens, usd
+from .budget import Budget, completion_cap, cost_of, linked_media, reserved_tokens, usd
 from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_response, classify_too_large
 from .limiter import AdaptiveLimiter
 from .progress import RateMeter
@@ -512,7 +512,7 @@ class Engine:
                 return reservation
             if self.budget.exhausted:
                 request = json.loads(item.request_json)
-                default_reserve = not (request.get("max_tokens") or request.get("max_completion_tokens"))
+                default_reserve = completion_cap(request) is None
                 self._notice("stopping: " + self.budget.stop_message(item.prompt_tokens_est, item.completion_reserve,
                                                                      default_reserve=default_reserve,
                                                                      media=linked_media(request)))

@@ -14,7 +14,7 @@ from typing import Any
 from collections.abc import Callable
 
 from ..exit_codes import ExitCode
-from .budget import usd
+from .budget import completion_cap, usd
 from .prompts import SHOWN_BAD_ROWS, load_prompts
 from .request import build_request
 from .settings import ConfigError, GenerateSettings
@@ -133,7 +133,9 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
         total += n
         longest = max(longest, n)
         to_send += 1
-    max_tokens = settings.request.max_tokens
+    rs = settings.request  # extra_body's max_completion_tokens caps a choice too: the larger cap bounds the cost
+    max_tokens = completion_cap({"max_tokens": rs.max_tokens, "max_completion_tokens": rs.extra_body.get(
+        "max_completion_tokens")})
     completion_max = (max_tokens or 0) * n_per * to_send
     prices = settings.prices
     cost_prompt = cost_max = cost_expected = None

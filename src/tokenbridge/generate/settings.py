@@ -294,6 +294,10 @@ def _valid_extra_body(extra: Mapping[str, Any]) -> Mapping[str, Any]:
     for key in ("reasoning", "provider"):
         if key in extra and not isinstance(extra[key], Mapping):
             raise ValueError(f"{key}: must be a table (it is merged into the request's {key})")
+    cap = extra.get("max_completion_tokens")
+    if cap is not None and not (type(cap) is int and 1 <= cap <= INT64_MAX):
+        raise ValueError(f"max_completion_tokens: must be a whole number of tokens, 1 or more (the budget reserves "
+                         f"it as the completion's cap), got {cap!r}")
     if why := _json_problem(extra):
         raise ValueError(why)
     return extra
