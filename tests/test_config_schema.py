@@ -508,6 +508,15 @@ def test_generate_flags_override_the_file(tmp_path):
     ("extra_body = {stream = true}",
      "1: extra_body: stream: tokenbridge sets this itself (with stream = true (--stream), when sending)"),
     ("extra_body = {reasoning = 'high'}", "1: extra_body: reasoning: must be a table (it is merged into the request's reasoning)"),
+    # another provider's key, sent with every request and stored in every exchange (a cold tester's)
+    ("extra_body = {provider_credentials = 'sk-ant-api03-Xq3vT9LmN2pR8sK4wY7zB1cD5fG6hJ0k'}",
+     "1: extra_body: provider_credentials: looks like a credential (not shown here): extra_body goes into every "
+     "request and is stored with every exchange (the store, exchanges.jsonl, the exports); the key comes only from "
+     "api_key_env"),
+    ("[request]\nextra_body = {a = [{auth = 'Bearer 9f8e7d6c5b4a39281706f5e4d3c2b1a0'}]}",
+     "3: request.extra_body: a[0].auth: looks like a credential (not shown here): extra_body goes into every "
+     "request and is stored with every exchange (the store, exchanges.jsonl, the exports); the key comes only from "
+     "api_key_env"),
     # the budget reserves it as the completion's cap (beside max_tokens, the larger): "lots" was sent as is
     ("extra_body = {max_completion_tokens = 'lots'}", "1: extra_body: max_completion_tokens: must be a whole number of "
      "tokens, 1 or more (the budget reserves it as the completion's cap), got 'lots'"),
@@ -530,7 +539,7 @@ def test_generate_flags_override_the_file(tmp_path):
     ("reasoning = 'low'\nextra_body = {reasoning = {effort = 'high'}}",
      "2: extra_body.reasoning.effort: also set by reasoning.effort; set it in one place "
      "(extra_body is merged last and would silently replace it)"),
-], ids=["nan", "nested-inf", "date", "messages", "model-and-n", "stream", "reasoning-string", "cap-word", "cap-zero",
+], ids=["nan", "nested-inf", "date", "messages", "model-and-n", "stream", "reasoning-string", "credential", "credential-nested", "cap-word", "cap-zero",
         "header-crlf",
         "header-name", "model-twice", "extra-reasoning-leaf", "extra-provider-leaf", "extra-over-top-level"])
 def test_generate_config_refuses_what_could_not_be_sent_as_meant(tmp_path, text, message):

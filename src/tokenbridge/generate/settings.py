@@ -300,7 +300,29 @@ def _valid_extra_body(extra: Mapping[str, Any]) -> Mapping[str, Any]:
                          f"it as the completion's cap), got {cap!r}")
     if why := _json_problem(extra):
         raise ValueError(why)
+    if where := _credential_path(extra):
+        raise ValueError(f"{where}: looks like a credential (not shown here): extra_body goes into every request and "
+                         "is stored with every exchange (the store, exchanges.jsonl, the exports); the key comes only "
+                         "from api_key_env")
     return extra
+
+
+def _credential_path(value: Any) -> str | None:  # Any: JSON (checked by _json_problem first)
+    """Where in ``value`` a key or a string holds a token that is a credential (:func:`_credential_in`)."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            if _credential_in(v):
+                return at.lstrip(".") or "value"
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
+        elif isinstance(v, Mapping):
+            for k, x in v.items():
+                if _credential_in(str(k)):
+                    return f"{at}.<a key>".lstrip(".")
+                stack.append((x, f"{at}.{k}"))
+    return None
 
 
 def _json_problem(value: Any) -> str | None:
