@@ -425,6 +425,33 @@ def test_a_prompt_that_holds_the_key_is_a_bad_row_never_sent_or_stored(tmp_path)
     assert _leaks(stored) == [] and SECRET.encode() not in stored and b"c2stb3ItdjEt" not in stored  # base64 too
 
 
+def test_a_row_whose_id_or_bad_value_holds_the_key_never_shows_or_stores_it(tmp_path):
+    """A row with the key as its ``role`` was a bad row whose message quoted the value whole,
+    on the terminal and in generate.json; one with the key as its ``id`` was sent and stored
+    as ``k-sk-or-...`` in exchanges.jsonl (a cold tester's)."""
+    rows = [{"id": "clean", "prompt": "hello"},
+            {"id": "bad-role", "messages": [{"role": SECRET, "content": "hi"}]},
+            {"id": SECRET, "prompt": "hi"}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    bodies: list[bytes] = []
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        bodies.append(await request.read())
+        return _ok(request)
+
+    _, summary = _run(tmp_path, 0, reply, datasets=(DatasetSpec("k", path),),
+                      request=RequestSettings(model="m", max_tokens=16))
+    assert summary.done == 1 and len(bodies) == 1 and b"hello" in bodies[0]
+    assert [b.split(": ", 2)[1:] for b in summary.bad_rows] == [
+        ["line 2", "field 'messages[0].role': unknown role '***' (expected one of ['assistant', "
+                   "'developer', 'system', 'tool', 'user'])"],
+        ["line 3", "field 'id': its id holds the API key from $TB_LEAK (not shown here): not sent, so no provider gets "
+                   "it and nothing stored holds it; take it out of the row's id"]]
+    stored = _every_stored_byte(tmp_path / "run")
+    assert _leaks(stored) == [] and SECRET.encode() not in stored
+
+
 def test_a_tool_declaration_that_is_not_sent_keeps_its_row(tmp_path):
     """Without ``send_tools`` a row's tools are neither sent nor stored: one whose declaration
     holds the key is sent without it, not refused (a cold reviewer's)."""

@@ -93,7 +93,7 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
     # the run leaves out a prompt that holds the key (it is only read here, and is not needed)
     key = read_api_key(settings.api_key_env, required=False)
     check_request_settings(settings, key)
-    rows, held = sendable(loaded, settings, key)
+    rows, bad = sendable(loaded, settings, key)
     done_ids: set[str] = set()
     run_ids = [s.id for s in loaded.samples]
     observed: float | None = None
@@ -153,7 +153,7 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
         samples=len(loaded.samples),
         to_send=to_send,
         already_done=len(loaded.samples) - to_send,
-        bad_rows=[str(e) for e in loaded.errors] + held + render_errors,
+        bad_rows=bad + render_errors,
         per_dataset=per,
         prompt_tokens=total,
         prompt_tokens_max=longest,

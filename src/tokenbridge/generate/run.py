@@ -46,7 +46,7 @@ from .lock import run_lock
 from .progress import Reporter
 from .prompts import SHOWN_BAD_ROWS, LoadedPrompts, Sample, keep_stored_ids, load_prompts, unread_entries
 from .request import build_request
-from .secrets import ApiKey, check_api_key, holds_key, placeholder_notice, read_api_key, scrub
+from .secrets import ApiKey, check_api_key, holds_key, placeholder_notice, read_api_key, scrub, scrub_message
 from .settings import ConfigError, GenerateSettings, Prices, endpoint_identity, is_loopback_url, plain_http_problem
 from .store import EXCHANGES_FILE, STATE_FILE, Store, StoreError
 
@@ -265,8 +265,7 @@ _Row = tuple[str, str, str, str]  # (id, dataset, source, request JSON)
 def _load_rows(settings: GenerateSettings, reporter: Reporter, key: ApiKey | None) -> tuple[list[_Row], list[str]]:
     """The samples of every dataset as store rows, and the bad source rows (the first few said)."""
     loaded = load_prompts(settings.datasets, default_limit=settings.limit)
-    rows, held = sendable(loaded, settings, key)
-    errors = [str(e) for e in loaded.errors] + held
+    rows, errors = sendable(loaded, settings, key)
     for err in errors[:SHOWN_BAD_ROWS]:
         reporter.log(f"bad row: {err}")
     if len(errors) > SHOWN_BAD_ROWS:
@@ -289,20 +288,27 @@ def check_request_settings(settings: GenerateSettings, key: ApiKey | None) -> No
 
 def sendable(loaded: LoadedPrompts, settings: GenerateSettings, key: ApiKey | None) -> tuple[list[_Row], list[str]]:
     """The store rows (:func:`store_row`) of ``loaded``'s samples but those whose request
-    holds the API key (pasted into a prompt, or a tool declaration that is sent), which leave
-    ``loaded`` too, and a bad row for each, the key not shown: sent, every provider would get
-    it, and every stored copy (the store, ``exchanges.jsonl``, the exports) would hold it."""
+    or id holds the API key (pasted into a prompt, a tool declaration that is sent, or the
+    row's id), which leave ``loaded`` too; and every bad row, the key masked where a
+    message quotes a row's value: sent, every provider would get the key, and every stored
+    copy (the store, ``exchanges.jsonl``, the exports, ``generate.json``) would hold it."""
     rows = [store_row(s, settings) for s in loaded.samples]
+    errors = [scrub_message(str(e), key) for e in loaded.errors]
     if key is None:
-        return rows, []
-    held = {row[0] for row in rows if holds_key(row[3], key)}
+        return rows, errors
+    held: dict[str, tuple[str, str, str]] = {}  # id -> (field, what holds it, where to take it out of)
+    for row in rows:
+        if holds_key(row[3], key):
+            held[row[0]] = ("<prompt>", "its request holds the API key", "the prompt")
+        elif holds_key(row[0], key):
+            held[row[0]] = ("id", "its id holds the API key", "the row's id")
     if not held:
-        return rows, []
-    bad = [f"{row[2]}: field '<prompt>': its request holds the API key from ${key.env_name} (not shown here): not "
-           "sent, so no provider gets it and nothing stored holds it; take it out of the prompt"
+        return rows, errors
+    bad = [f"{row[2]}: field '{held[row[0]][0]}': {held[row[0]][1]} from ${key.env_name} (not shown here): not sent, "
+           f"so no provider gets it and nothing stored holds it; take it out of {held[row[0]][2]}"
            for row in rows if row[0] in held]
     loaded.samples[:] = [s for s in loaded.samples if s.id not in held]
-    return [row for row in rows if row[0] not in held], bad
+    return [row for row in rows if row[0] not in held], errors + bad
 
 
 def gave_nothing(settings: GenerateSettings, loaded: LoadedPrompts) -> list[str]:
