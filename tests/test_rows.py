@@ -238,6 +238,24 @@ def test_a_parquet_string_that_is_not_utf8_names_the_row_and_column(run, tmp_pat
     assert str(err.value) == f"{path}:1: content: is not valid UTF-8"
 
 
+def test_a_parquet_file_holding_a_column_twice_is_refused_not_read_as_its_last(run, tmp_path):
+    """``status`` and ``findings`` each held twice, the first pair saying rejected: each row
+    kept the last pair, so rejected rows went out as ``ok`` training rows (a cold tester's).
+    The JSONL reader refuses a key given twice; pyarrow's own read_table refuses this file."""
+    _, _, _, made = run
+    path = tmp_path / "r.parquet"
+    sink = rows.ParquetRowSink(path)
+    sink.write([made[0]])
+    sink.close()
+    table = pq.read_table(path)
+    rejected = pa.array(["rejected"] * table.num_rows)  # first in the file, the row's own status last
+    pq.write_table(pa.Table.from_arrays([rejected, *table.columns], names=["status", *table.column_names]), path)
+    with pytest.raises(rows.RowError) as err:
+        list(rows.iter_rows(path))
+    assert str(err.value) == (f"{path}: status: the file holds this column 2 times (which one a row means is unclear: "
+                              "a row's JSON holds each key once)")
+
+
 def test_a_file_that_is_not_parquet_is_a_row_error(tmp_path):
     path = tmp_path / "r.parquet"
     path.write_bytes(b"PAR1 not really")

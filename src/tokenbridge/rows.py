@@ -288,6 +288,10 @@ def _parquet_rows(fh: Any, path: Path, broken: tuple[type[BaseException], ...],
         pf = pq.ParquetFile(fh)
     except broken as exc:
         raise RowError(path, None, "<file>", f"not a readable Parquet file ({_one_line(exc)})") from None
+    names = pf.schema_arrow.names
+    if twice := sorted({n for n in names if names.count(n) > 1}):  # each row would keep the last, silently
+        raise RowError(path, None, twice[0], f"the file holds this column {names.count(twice[0])} times (which one "
+                       "a row means is unclear: a row's JSON holds each key once)")
     row = 0
     batches = pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS)
     while True:
