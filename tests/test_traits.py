@@ -193,8 +193,17 @@ def test_a_probe_profile_flags_invisible_edits(tmp_path, kimi):
     ('{"providers": [{"provider": "x", "profile": {"text_edits": ["nfc", "NFKC"]}}]}',
      "providers[0].profile.text_edits[1]: 'NFKC' is no edit a probe names (one of crlf_to_lf, nfc, nfkc, strip, "
      "marker_spaces)"),
-    ('[{"provider": "x", "text_edits": ["nfkc"]}, {"provider": "y"}, {"provider": "x", "text_edits": []}]',
+    ('[{"provider": "x", "text_edits": ["nfkc"]}, {"provider": "y", "text_edits": null}, {"provider": "x", '
+     '"text_edits": []}]',
      "providers[2].provider: 'x' is also providers[0], with other text_edits: which one holds is unclear"),
+    # misspelt or misplaced, text_edits was read as "no edit": the provider's samples went unflagged
+    ('{"providers": [{"provider": "x", "profile": {"text_edit": ["nfkc"]}}]}',
+     "providers[0].profile.text_edits: missing (a probe writes it: the edits it found, [] for none, or null where "
+     "it could not tell); the profile has 'text_edit'"),
+    ('{"providers": [{"provider": "x", "text_edits": ["nfkc"], "profile": {}}]}',
+     "providers[0].profile.text_edits: missing (a probe writes it: the edits it found, [] for none, or null where it "
+     "could not tell)"),
+    ('[{"provider": "x"}]', "providers[0].text_edits: missing"),
 ])
 def test_a_bad_profile_names_the_field(tmp_path, body, where):
     path = tmp_path / "p.json"

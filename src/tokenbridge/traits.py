@@ -24,6 +24,7 @@ Detection reads only samples with one reading and exact-looking evidence
 
 from __future__ import annotations
 
+import difflib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,7 +296,14 @@ def load_provider_profile(path: str | Path) -> dict[str, tuple[str, ...]]:
             raise ProfileError(f"{where}.provider: missing or not a string")
         if not isinstance(prof, dict):
             raise ProfileError(f"{where}.profile: must be an object")
-        edits = prof.get("text_edits", [])
+        at = f"{where}.profile" if "profile" in entry else where
+        # strict, as a hand edit is read: a misspelt or misplaced text_edits read as "no edit"
+        # let that provider's samples pass unflagged (a cold tester's)
+        if "text_edits" not in prof:
+            near = difflib.get_close_matches("text_edits", [str(k) for k in prof], n=1)
+            raise ProfileError(f"{at}.text_edits: missing (a probe writes it: the edits it found, [] for none, or "
+                               "null where it could not tell)" + (f"; the profile has {near[0]!r}" if near else ""))
+        edits = prof["text_edits"]
         if edits is None:  # the probe could not tell (no echo test was answered): no edit known
             edits = []
         if not isinstance(edits, list) or not all(isinstance(e, str) for e in edits):
