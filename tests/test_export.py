@@ -286,6 +286,15 @@ CORRUPTIONS = {
         lambda r: {"input_ids": r["input_ids"][:-1], "completion_ids": r["completion_ids"][:-1],
                    "loss_mask": r["loss_mask"][:-1], "segments": r["segments"][:-1]},
         "segments[{nseg}].kind", "must end with the end token"),
+    # a hand edit the trainers take as it is (a cold tester's): the turn ends, then more follows
+    "end_inside": (lambda r: {"segments": [*r["segments"][:-2], {"kind": "end", "start": r["segments"][-2]["start"],
+                                                                   "end": r["segments"][-2]["start"] + 1},
+                                           {"kind": r["segments"][-2]["kind"], "start": r["segments"][-2]["start"] + 1,
+                                            "end": r["segments"][-1]["end"]}]},
+                   "segments[{nseg}].kind", "is 'end' but more of the completion follows"),
+    # cut by the length limit, yet an end token: the conversations export wrote it as a finished turn
+    "end_in_a_cut": (lambda r: {"finish_reason": "length"}, "segments[{lastseg}].kind",
+                     "is 'end' but the model was cut off (finish_reason 'length'): no end token was appended"),
 }
 
 
@@ -295,7 +304,8 @@ def test_bad_row_names_line_and_field(run, tmp_path, name):
     k = _first_ok(rows[3:]) + 3
     change, field, message = CORRUPTIONS[name]
     p = len(rows[k]["prompt_ids"])
-    fmt = {"p": p, "p1": p - 1, "last": len(rows[k]["input_ids"]) - 1, "nseg": len(rows[k]["segments"]) - 2}
+    fmt = {"p": p, "p1": p - 1, "last": len(rows[k]["input_ids"]) - 1, "nseg": len(rows[k]["segments"]) - 2,
+           "lastseg": len(rows[k]["segments"]) - 1}
     message, field = message.format(**fmt), field.format(**fmt)
     src = write_jsonl(tmp_path / "bad.jsonl", _corrupt(rows, k, **change(rows[k])))
     with pytest.raises(ExportError) as err:

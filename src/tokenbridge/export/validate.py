@@ -12,7 +12,8 @@ token trained on). So every exported row must satisfy, exactly:
   prompt length (from ``prompt_ids``, else the ``prompt`` segment);
 * ``segments`` (when present) tile ``input_ids`` from 0 to the end, prompt first, and
   unless the model was cut off (``finish_reason == "length"``) the last one is the
-  end token (so a dropped end token cannot pass as a shorter completion);
+  end token (so a dropped end token cannot pass as a shorter completion); an end token
+  is never anywhere else, nor in a cut completion;
 * at least one prompt token and one completion token (no all-zero / all-one masks).
 
 :class:`RowContract` then holds each exported row to the rest of the row contract
@@ -248,6 +249,10 @@ def _check_segments(segments: Sequence[Any], n: int, n_prompt: int, finish_reaso
             raise fail(field, f"the {seg['kind']} segment is one token (a marker), this one spans {size}")
         if not is_prompt and size == 0:
             raise fail(field, f"an empty {seg['kind']} segment: reconstruct writes none")
+        if seg.get("kind") == "end" and (k != len(segments) - 1 or finish_reason == "length"):
+            raise fail(f"{field}.kind", "is 'end' but " + ("the model was cut off (finish_reason 'length'): no end token "
+                       "was appended" if k == len(segments) - 1 else "more of the completion follows: the turn ended "
+                       "at its end token"))
         pos = seg["end"]
     if segments and segments[0]["end"] != n_prompt:
         raise fail("segments[0].end", f"is {segments[0]['end']} but the prompt has {n_prompt} tokens")
