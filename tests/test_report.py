@@ -126,6 +126,31 @@ def test_the_report_says_why_it_read_no_exchanges(runs, tmp_path, kind):
     assert f"No data: {why}" in (run / "report" / "report.html").read_text()
 
 
+def test_unreadable_exchange_lines_are_left_out_and_named_not_the_whole_report(runs, tmp_path):
+    """One line of exchanges.jsonl that is no record (``null``, text, a number past a double)
+    stopped the report with an error and no report at all, where reconstruct had skipped it
+    as a bad line (a cold tester's). The rest are reported, the lines left out named."""
+    import html
+    import shutil
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(runs["full"] / "reconstructed.jsonl", run / "reconstructed.jsonl")
+    lines = (runs["full"] / "exchanges.jsonl").read_text(encoding="utf-8").splitlines()
+    (run / "exchanges.jsonl").write_text("\n".join([lines[0], "null", "not json", *lines[1:], '{"x": 1e999}']) + "\n",
+                                         encoding="utf-8")
+    res = CliRunner().invoke(app, ["report", str(run)])
+    assert res.exit_code == 0, res.output
+    data = json.loads((run / "report" / "report.json").read_text())
+    assert data["exchanges"]["count"] == len(runs["exchanges"])
+    assert data["exchanges"]["cost_total"] == pytest.approx(sum(e["meta"]["cost"] for e in runs["exchanges"]))
+    note = ("3 lines of exchanges.jsonl could not be read (as reconstruct says): left out of cost and throughput; the "
+            "first: line 2: <line>: must be a JSON object, got NoneType")
+    assert data["exchanges"]["unreadable"] == {"lines": 3, "first": "line 2: <line>: must be a JSON object, got NoneType"}
+    assert f"note: {note}" in " ".join(res.output.split())
+    assert html.escape(note, quote=False) in (run / "report" / "report.html").read_text()
+
+
 @pytest.mark.parametrize("kind", ["garbage", "folder"])
 def test_the_summary_says_a_store_it_could_not_read(runs, tmp_path, kind):
     """A store that is no database said so only in report.json and the page; one that is a

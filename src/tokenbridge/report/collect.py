@@ -25,19 +25,20 @@ from array import array
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
 from ..checks import CODES
-from ..exchanges import RecordError, iter_objects
+from ..exchanges import RecordError, iter_lines, loads_line
 from ..exit_codes import ExitCode
 from ..fsio import kind_of
 from ..jsonl import is_count, is_int
 from ..outdir import open_read_only
 from ..rows import STATUSES, ReconstructedRow, RowError, iter_rows
 
-__all__ = ["ReportError", "RowStats", "collect_run", "left_out_notes", "source_note", "RECONSTRUCTED_NAMES"]
+__all__ = ["ReportError", "RowStats", "collect_run", "left_out_notes", "source_note", "unreadable_note",
+           "RECONSTRUCTED_NAMES"]
 
 #: Where reconstruct output may sit in a run folder, in order of preference.
 RECONSTRUCTED_NAMES = ("reconstructed.jsonl", "reconstructed.parquet")
@@ -359,45 +360,43 @@ def _exchanges_section(path: Path, left_out: Counter[str]) -> dict[str, Any]:
     priced = 0
     per_provider: dict[str, dict[str, float]] = defaultdict(lambda: {"exchanges": 0, "cost": 0.0, "latency_s": 0.0,
                                                                      "latency_n": 0, "completion_tokens": 0})
-    try:
-        for _lineno, rec in iter_objects(path):
-            count += 1
-            meta, response = _dict(rec.get("meta")), _dict(rec.get("response"))
-            usage = _dict(response.get("usage"))
-            if not response.get("choices"):
-                errors += 1
-            c = _usd(meta.get("cost"), "meta.cost", left_out)
-            if c is None:
-                c = _usd(usage.get("cost"), "response.usage.cost", left_out)
-            n_completion = _tokens(usage.get("completion_tokens"), "response.usage.completion_tokens", left_out) or 0
-            n_prompt = _tokens(usage.get("prompt_tokens"), "response.usage.prompt_tokens", left_out) or 0
-            lat = _seconds(meta.get("latency_s"), "meta.latency_s", left_out)
-            attempts += _attempts(meta.get("attempts"), "meta.attempts", left_out) or 1
-            prov = str(meta.get("provider") or response.get("provider"))
-            g = per_provider[prov]
-            g["exchanges"] += 1
-            g["completion_tokens"] += n_completion
-            if c is not None:
-                cost_total += c
-                priced += 1
-                g["cost"] += c
-            if lat is not None:
-                latency.append(lat)
-                g["latency_s"] += lat
-                g["latency_n"] += 1
-            start = _time(meta.get("started_at"), "meta.started_at", left_out)
-            if start is not None:
-                started_min = min(started_min, start)
-            end = _time(meta.get("finished_at"), "meta.finished_at", left_out)
-            if end is not None:
-                finished.append(end)
-                cost.append(c or 0.0)
-                completion.append(n_completion)
-                prompt.append(n_prompt)
-    except RecordError as exc:
-        raise ReportError(f"{path}:{exc.line}: {exc.field}: {exc.detail}", ExitCode.INCOMPLETE) from None
+    unreadable: dict[str, Any] = {"lines": 0, "first": None}
+    for rec in _objects(path, unreadable):
+        count += 1
+        meta, response = _dict(rec.get("meta")), _dict(rec.get("response"))
+        usage = _dict(response.get("usage"))
+        if not response.get("choices"):
+            errors += 1
+        c = _usd(meta.get("cost"), "meta.cost", left_out)
+        if c is None:
+            c = _usd(usage.get("cost"), "response.usage.cost", left_out)
+        n_completion = _tokens(usage.get("completion_tokens"), "response.usage.completion_tokens", left_out) or 0
+        n_prompt = _tokens(usage.get("prompt_tokens"), "response.usage.prompt_tokens", left_out) or 0
+        lat = _seconds(meta.get("latency_s"), "meta.latency_s", left_out)
+        attempts += _attempts(meta.get("attempts"), "meta.attempts", left_out) or 1
+        prov = str(meta.get("provider") or response.get("provider"))
+        g = per_provider[prov]
+        g["exchanges"] += 1
+        g["completion_tokens"] += n_completion
+        if c is not None:
+            cost_total += c
+            priced += 1
+            g["cost"] += c
+        if lat is not None:
+            latency.append(lat)
+            g["latency_s"] += lat
+            g["latency_n"] += 1
+        start = _time(meta.get("started_at"), "meta.started_at", left_out)
+        if start is not None:
+            started_min = min(started_min, start)
+        end = _time(meta.get("finished_at"), "meta.finished_at", left_out)
+        if end is not None:
+            finished.append(end)
+            cost.append(c or 0.0)
+            completion.append(n_completion)
+            prompt.append(n_prompt)
     out: dict[str, Any] = {
-        "count": count, "errors": errors, "attempts": attempts,
+        "count": count, "errors": errors, "attempts": attempts, "unreadable": unreadable,
         "cost_total": cost_total if priced else None, "priced": priced,
         "latency_s": _describe_float(latency),
         "by_provider": {
@@ -413,6 +412,35 @@ def _exchanges_section(path: Path, left_out: Counter[str]) -> dict[str, Any]:
         rate = sum(completion) / out["duration_s"] if out["duration_s"] > 0 else None
         out["completion_tokens_per_s"] = rate if rate is not None and math.isfinite(rate) else None
     return out
+
+
+def _objects(path: Path, unreadable: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The exchange records of ``path``; a line that is not one (not JSON, not an object, a
+    number past a double) is counted in ``unreadable`` (the first named) and skipped, as
+    reconstruct skips it: one such line stopped the whole report."""
+    for lineno, line in iter_lines(path):
+        try:
+            rec = loads_line(line)
+        except RecordError as exc:
+            field, detail = exc.field, exc.detail
+        else:
+            if isinstance(rec, dict):
+                yield rec
+                continue
+            field, detail = "<line>", f"must be a JSON object, got {type(rec).__name__}"
+        unreadable["lines"] += 1
+        if unreadable["first"] is None:
+            unreadable["first"] = f"line {lineno}: {field}: {detail}"
+
+
+def unreadable_note(data: dict[str, Any]) -> str | None:
+    """The lines of ``exchanges.jsonl`` the report could not read, when there are any."""
+    bad = (data.get("exchanges") or {}).get("unreadable") or {}
+    if not bad.get("lines"):
+        return None
+    n = bad["lines"]
+    return (f"{n:,} line{'s' if n != 1 else ''} of exchanges.jsonl could not be read (as reconstruct says): left out of "
+            f"cost and throughput; the first: {bad['first']}")
 
 
 def _generation_section(path: Path, left_out: Counter[str]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 from collections.abc import Iterable, Iterator, Sequence
 
 from ..display import printable
-from .collect import exchanges_absent, left_out_notes, source_note
+from .collect import exchanges_absent, left_out_notes, source_note, unreadable_note
 
 __all__ = ["SECTIONS", "render_html"]
 
@@ -129,8 +129,9 @@ def _overview(data: dict[str, Any]) -> str:
     sources = data["sources"]
     html += (f'<p class="note">reconstructed: {_text(sources["reconstructed"])}; exchanges: '
              f'{_text(sources["exchanges"] or "not found")}</p>')
-    if note := source_note(sources):
-        html += f'<p class="note">{_text(note)}</p>'
+    for note in (source_note(sources), unreadable_note(data)):
+        if note:
+            html += f'<p class="note">{_text(note)}</p>'
     notes = left_out_notes(data["left_out"])
     if notes:
         html += ('<p class="note" id="left-out">Left out of these statistics (unusable numbers): '

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..display import printable
-from .collect import exchanges_absent, left_out_notes, source_note
+from .collect import exchanges_absent, left_out_notes, source_note, unreadable_note
 
 __all__ = ["print_summary"]
 
@@ -119,5 +119,7 @@ def print_summary(data: dict[str, Any], console: Console | None = None) -> None:
                                ex.get("completion_tokens_per_s"), lat.get("p50")]]))
     else:
         console.print(_plain(f"Cost and throughput: no data ({exchanges_absent(data['run_dir'])})"))
+    if note := unreadable_note(data):
+        console.print(_plain(f"note: {note}"))
     for note in left_out_notes(data["left_out"]):
         console.print(_plain(f"left out of the statistics: {note}"))
