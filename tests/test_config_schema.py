@@ -357,8 +357,28 @@ def test_a_yaml_key_given_twice_is_refused_naming_both_lines(tmp_path):
     assert str(emu.value).startswith(f"{path}:5: providers[1].engine: given twice in one mapping (first on line 4)")
 
 
-@pytest.mark.parametrize(("first", "again"), [("yes", "true"), ("1", "0x1"), ("1", "1.0"), ("on", "True"),
-                                           ("~", "null"), ("010", "8")])
+@pytest.mark.parametrize(("text", "message"), [
+    ("max_tokens: 010", "max_tokens: must be an integer, got '010'"),
+    ("max_tokens: 1:20", "max_tokens: must be an integer, got '1:20'"),
+    ("max_tokens: 1_0_0", "max_tokens: must be an integer, got '1_0_0'"),
+    ("max_tokens: 0x10", "max_tokens: must be an integer, got '0x10'"),
+    ("stream: on", "stream: must be true or false, got 'on'"),
+    ("stream: yes", "stream: must be true or false, got 'yes'"),
+])
+def test_yaml_scalars_are_read_as_toml_reads_them_not_coerced(tmp_path, text, message):
+    """PyYAML's YAML 1.1 rules sent ``max_tokens: 010`` as 8, ``1:20`` as 80, ``1_0_0`` as 100
+    and ``stream: on`` as true, exit 0 (a cold tester's); TOML refuses ``010``. Such a scalar
+    is text now, which the schema refuses where a number or a boolean belongs."""
+    path = _write(tmp_path, f"model: m\n{text}\n", "gen.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"{path}:2: {message}" in str(err.value)
+    assert load_config(_write(tmp_path, "model: m\nmax_tokens: 64\ntemperature: 1e-1\nstream: True\n", "ok.yaml")
+                       ).request.max_tokens == 64
+
+
+@pytest.mark.parametrize(("first", "again"), [("false", "False"), ("1", "1.0"), ("true", "TRUE"), ("~", "null"),
+                                           ("1", "+1")])
 def test_yaml_keys_equal_as_data_are_one_key_given_twice(tmp_path, first, again):
     """Spelled apart, read as one: PyYAML's dict kept the last value (the last note's "left")."""
     path = _write(tmp_path, f"x:\n  {first}: 1\n  {again}: 2\n", "c.yaml")

@@ -232,12 +232,23 @@ def _config_loader() -> type:
       repeats a key by construction;
     * aliases that expand it past :data:`MAX_YAML_VALUES` values or :data:`MAX_YAML_TEXT`
       characters (a "billion laughs" file: PyYAML shares the repeats, but checking the
-      config walks every one of them), or that make a value contain itself."""
+      config walks every one of them), or that make a value contain itself.
+
+    And it reads plain scalars as YAML 1.2 and TOML do, not as YAML 1.1: only ``true`` /
+    ``false`` are booleans and only decimal digits are integers. PyYAML's 1.1 rules sent
+    ``max_tokens: 010`` as 8 (octal), ``1:20`` as 80 (base 60), ``1_0_0`` as 100 and
+    ``stream: on`` as true, without a word (a cold tester's); such a scalar is now text,
+    which the schema refuses where a number or a boolean belongs."""
     import yaml
 
     merge = "tag:yaml.org,2002:merge"
+    scalar_rules = {"tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"}
 
     class ConfigLoader(yaml.SafeLoader):
+        yaml_implicit_resolvers = {
+            first: [(tag, rx) for tag, rx in rules if tag not in scalar_rules]
+            for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
         def __init__(self, stream: str) -> None:
             super().__init__(stream)
             self._steps: list[Any] = []  # the key node or index of each node being composed
@@ -289,6 +300,17 @@ def _config_loader() -> type:
             steps = (_yaml_step(s) for s in (*(s for s in self._steps if s is not None), *last))
             return "".join("[?]" if s is None else path_step(s) for s in steps).removeprefix(".") or "<top>"
 
+    # in this order: the first rule that matches a scalar gives its type ("1" is an int, not a float);
+    # a leading zero ("010", "01.5") matches none: text, as TOML refuses it
+    ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                       list("tTfF"))
+    ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"),
+                                       list("-+0123456789"))
+    ConfigLoader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^(?:[-+]?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
+                   r"|\.(?:nan|NaN|NAN))$"),
+        list("-+.0123456789"))
     return ConfigLoader
 
 
