@@ -112,6 +112,23 @@ def test_cli_inspect_names_a_missing_sample(tmp_path, kimi, kimi_dir):
     assert res.exit_code == 2 and "no sample '' with choice 0" in res.output
 
 
+@pytest.mark.parametrize(("change", "said"), [
+    ({"choice": "0"}, "choice: must be a non-negative integer, got '0'"),
+    ({"choice": -1}, "choice: must be a non-negative integer, got -1"),
+    ({"choice": True}, "choice: must be a non-negative integer, got True"),
+])
+def test_cli_inspect_names_a_mistyped_choice_not_a_missing_sample(tmp_path, kimi, kimi_dir, change, said):
+    """A row whose choice is no count was passed over: "no sample 'ex-tool' with choice 0"
+    (exit 2) sent the user looking for a sample that is there (a cold tester's); export names it."""
+    out = tmp_path / "r.jsonl"
+    reconstruct_file(EXAMPLE, out, kimi)
+    rows = [dict(r, **change) if r["id"] == "ex-tool" else r for r in read_jsonl(out)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    line = next(k for k, r in enumerate(rows, start=1) if r["id"] == "ex-tool")
+    res = CliRunner().invoke(app, ["inspect", str(out), "-t", str(kimi_dir), "--id", "ex-tool"])
+    assert res.exit_code == 1 and res.output.splitlines() == [f"error: {out}:{line}: {said}"], res.output
+
+
 def test_lone_surrogate_in_file_is_gated_and_output_stays_utf8(tmp_path, kimi):
     line = json.loads(EXAMPLE.read_text(encoding="utf-8").splitlines()[0])
     text = json.dumps(line, ensure_ascii=True).replace("Canberra", "Canb\\ud800rra", 1)

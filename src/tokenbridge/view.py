@@ -82,9 +82,10 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
         if "input_ids" in record:
             if dialect is not None:
                 raise rows_file()
-            if record.get("choice", 0) != choice:
+            given = record.get("choice", 0)
+            if type(given) is int and 0 <= given != choice:  # another choice of the sample (a mistyped one is held below)
                 continue
-            return _checked_row(record, path, lineno, tok)
+            return _checked_row(record, path, lineno, tok)  # the id or choice the row types wrong is named
         try:
             rows = reconstruct_record(record, tok, resolve_dialect(tok, dialect))
         except RECORD_ERRORS as exc:
