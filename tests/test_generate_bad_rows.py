@@ -251,3 +251,47 @@ def test_a_parquet_file_with_a_row_column_twice_is_refused(tmp_path):
     with pytest.raises(PromptSourceError) as err:
         load_prompts([DatasetSpec("d", path)])
     assert str(err.value) == f"dataset 'd': {path}: column(s) 'prompt' appear twice: which to send is unclear"
+
+
+@pytest.mark.parametrize(("state", "said"), [
+    ({"_data_files": [{"filename": 5}]}, "_data_files[0].filename: must name a file in {folder} (no folder part), got 5"),
+    ({"_data_files": [{"filename": "../other/data.arrow"}]},
+     "_data_files[0].filename: must name a file in {folder} (no folder part), got '../other/data.arrow'"),
+    ({"_data_files": [{"filename": "{outside}"}]},
+     "_data_files[0].filename: must name a file in {folder} (no folder part), got '{outside}'"),
+    ({"_data_files": "data.arrow"}, "_data_files: must be a list of {{\"filename\": ...}} objects (what datasets' "
+                                    "save_to_disk writes), got 'data.arrow'"),
+    ([1, 2], "_data_files: must be a list of {{\"filename\": ...}} objects (what datasets' save_to_disk writes), got "
+             "a top level that is list"),
+    ({"_data_files": [{"filename": "data-00000-of-00001.arrow"}, {"filename": "data-00000-of-00001.arrow"}]},
+     "_data_files[1].filename: 'data-00000-of-00001.arrow' is listed twice (its rows would be read twice)"),
+])
+def test_a_save_to_disk_state_is_read_strictly_and_only_inside_its_folder(tmp_path, state, said):
+    """A filename with a folder part read a file elsewhere as this dataset (``../x``, an
+    absolute path), one listed twice had its rows read twice as duplicate ids, and a wrong
+    type said Python's words ("unsupported operand type(s) for /") (a cold tester's)."""
+    import pyarrow as pa
+
+    from tokenbridge.generate.prompts import PromptSourceError
+
+    other = _save_to_disk(tmp_path / "other", pa.table({"id": ["x"], "prompt": ["from elsewhere"]}))
+    folder = _save_to_disk(tmp_path / "hf", pa.table({"id": ["a"], "prompt": ["hi"]}))
+    outside = str(other / "data-00000-of-00001.arrow")
+    text = json.dumps(state).replace("{outside}", outside)
+    (folder / "state.json").write_text(text)
+    with pytest.raises(PromptSourceError) as err:
+        load_prompts([DatasetSpec("d", folder)])
+    assert str(err.value).endswith(f"{folder / 'state.json'}: " + said.format(folder=folder, outside=outside))
+
+
+def test_a_split_that_names_another_folder_is_refused(tmp_path):
+    import pyarrow as pa
+
+    from tokenbridge.generate.prompts import PromptSourceError
+
+    _save_to_disk(tmp_path / "other", pa.table({"id": ["x"], "prompt": ["from elsewhere"]}))
+    (tmp_path / "dd").mkdir()
+    _save_to_disk(tmp_path / "dd" / "train", pa.table({"id": ["a"], "prompt": ["hi"]}))
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["../other"]}))
+    with pytest.raises(PromptSourceError, match=r"dataset_dict\.json: splits: '\.\./other' names no folder in "):
+        load_prompts([DatasetSpec("d", tmp_path / "dd")])

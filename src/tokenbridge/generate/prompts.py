@@ -41,7 +41,7 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 from collections.abc import Container, Iterable, Iterator, Sequence
 
 from ..content import content_fault, role_fault, tool_calls_fault
@@ -788,15 +788,40 @@ class _WithBadCell(dict[str, Any]):
 
 
 def _iter_arrow_folder(folder: Path) -> Iterator[tuple[str, str, Any]]:
-    state = _read_meta(folder / "state.json")
-    try:
-        files = [folder / f["filename"] for f in state["_data_files"]]
-    except (KeyError, TypeError) as exc:
-        raise PromptSourceError(f"{folder / 'state.json'}: not a readable save_to_disk state ({exc})") from None
+    files = [folder / name for name in _data_files(folder)]
     for f in files:
         _check_regular(f)
     for f in files:
         yield from _iter_arrow(f)
+
+
+def _data_files(folder: Path) -> list[str]:
+    """The Arrow files a ``save_to_disk`` folder's ``state.json`` lists, checked: each a file
+    of this folder, named once. A name with a folder part (``/data/x.arrow``, ``../x``) read
+    a file elsewhere as this dataset, and one listed twice read it twice."""
+    where = folder / "state.json"
+    state = _read_meta(where)
+    listed = state.get("_data_files") if isinstance(state, dict) else None
+    if not isinstance(listed, list):
+        got = f"a top level that is {type(state).__name__}" if not isinstance(state, dict) else repr(listed)[:80]
+        raise PromptSourceError(f"{where}: _data_files: must be a list of {{\"filename\": ...}} objects (what "
+                                f"datasets' save_to_disk writes), got {got}")
+    names: list[str] = []
+    for i, entry in enumerate(listed):
+        name = entry.get("filename") if isinstance(entry, dict) else None
+        if not _plain_name(name):
+            raise PromptSourceError(f"{where}: _data_files[{i}].filename: must name a file in {folder} (no folder "
+                                    f"part), got {name!r}"[:400])
+        if name in names:
+            raise PromptSourceError(f"{where}: _data_files[{i}].filename: {name!r} is listed twice (its rows would be "
+                                    "read twice)"[:400])
+        names.append(name)
+    return names
+
+
+def _plain_name(name: Any) -> TypeGuard[str]:  # Any: a value from a metadata file
+    """Whether ``name`` names an entry of a folder: no folder part, not ``.`` or ``..``."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
 
 
 def _pick_split(folder: Path, spec: DatasetSpec) -> Path:
@@ -805,6 +830,8 @@ def _pick_split(folder: Path, spec: DatasetSpec) -> Path:
     found = data.get("splits") if isinstance(data, dict) else None
     if not isinstance(found, list) or not all(isinstance(s, str) for s in found):
         raise PromptSourceError(f"{where}: splits: must be a list of split names, got {found!r}")
+    if bad := next((s for s in found if not _plain_name(s)), None):  # "../other": another folder read as a split
+        raise PromptSourceError(f"{where}: splits: {bad!r} names no folder in {folder}"[:400])
     splits: list[str] = found
     if spec.split:
         if spec.split not in splits:
