@@ -295,3 +295,22 @@ def test_a_split_that_names_another_folder_is_refused(tmp_path):
     (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["../other"]}))
     with pytest.raises(PromptSourceError, match=r"dataset_dict\.json: splits: '\.\./other' names no folder in "):
         load_prompts([DatasetSpec("d", tmp_path / "dd")])
+
+
+@pytest.mark.parametrize(("data", "kind", "todo"), [
+    ('{"id": "a", "prompt": "hi"}\n'.encode("utf-16"), "UTF-16LE text", "convert it to UTF-8 first (iconv -f UTF-16LE "
+                                                                        "-t UTF-8)"),
+    ('{"id": "a", "prompt": "hi"}\n'.encode("utf-16-be"), "UTF-16BE text", "convert it to UTF-8 first (iconv -f "
+                                                                           "UTF-16BE -t UTF-8)"),
+    (__import__("gzip").compress(b'{"id": "a", "prompt": "hi"}\n'), "a gzip file", "decompress it first (gunzip)"),
+])
+def test_a_prompt_file_that_is_plainly_not_jsonl_is_one_error_naming_what_it_is(tmp_path, data, kind, todo):
+    """A UTF-16 file (PowerShell's ``>``) was a bad row per line in a codec's words ("can't
+    decode byte 0x0a ... truncated data", then "Expecting value") (a cold tester's)."""
+    from tokenbridge.generate.prompts import PromptSourceError
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(data)
+    with pytest.raises(PromptSourceError) as err:
+        load_prompts([DatasetSpec("d", path)])
+    assert str(err.value).endswith(f"{path}: {kind}, not JSONL: {todo}")

@@ -45,7 +45,7 @@ from typing import Any, TypeGuard
 from collections.abc import Container, Iterable, Iterator, Sequence
 
 from ..content import content_fault, role_fault, tool_calls_fault
-from ..jsonl import JsonLineError, loads_document, loads_finite, loads_line, number_too_long
+from ..jsonl import JsonLineError, NotJsonlError, binary_kind, loads_document, loads_finite, loads_line, number_too_long
 from .errors import GenerateError
 from .settings import DatasetSpec
 
@@ -530,6 +530,8 @@ def _iter_file(path: Path) -> Iterator[tuple[str, str, Any]]:
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, str, Any]]:
+    if plainly := binary_kind(path):  # UTF-16 text (PowerShell's ">"), gzip, ...: every line a bad row in codec words
+        raise PromptSourceError(str(NotJsonlError(path, plainly)))
     try:
         fh = path.open("rb")
     except OSError as exc:  # no permission; replaced by a folder or removed since it was listed
