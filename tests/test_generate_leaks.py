@@ -387,6 +387,40 @@ def test_an_error_quoting_the_key_in_short_pieces_is_masked_where_it_is_shown_an
     assert b"bad ***" in stored
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_kept_answer_quoting_the_key_in_short_pieces_is_stored_masked(tmp_path, capsys, stream):
+    """A 200 answer whose content lists the key in 10-character pieces was kept and stored as it
+    came, in the store and exchanges.jsonl, where the same pieces in an error were masked (a
+    cold tester's). Kept answers are masked so too, streamed or not, and the run says so."""
+    listed = str([SECRET[a:a + 10] for a in range(0, len(SECRET), 10)])
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        if not body.get("stream"):
+            return web.json_response({
+                "id": "gen-l", "object": "chat.completion", "created": 1, "model": "m", "provider": "p",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": listed}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "cost": 0.0001}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for delta, finish in (({"role": "assistant", "content": listed}, None), ({}, "stop")):
+            chunk = {"id": "gen-l", "object": "chat.completion.chunk", "created": 1, "model": "m", "provider": "p",
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        usage = {"id": "gen-l", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+                 "usage": {"prompt_tokens": 5, "completion_tokens": 3, "cost": 0.0001}}
+        await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    _, summary = _run(tmp_path, 1, reply, stream=stream)
+    assert summary.done == 1
+    stored = _every_stored_byte(tmp_path / "run") + capsys.readouterr().err.encode()
+    assert not any(SECRET[a:a + 10].encode() in stored for a in range(0, len(SECRET) - 10, 10))
+    assert b"['***', '***'" in stored
+    assert "an answer held the API key in pieces (half of it or more): they are masked where it is stored" in \
+        " ".join(summary.notices)
+
+
 # --- the key pasted into a prompt or into extra_body (a cold tester's) ------------------------
 
 

@@ -589,7 +589,7 @@ class Engine:
         elif failed is not None:
             body, outcome, parsed = self._salvaged(status, headers, got, failed)
         else:
-            body = scrub_bytes(bytes(got), self.key)  # before any message is cut
+            body = self._masked(bytes(got))  # before any message is cut
             outcome, parsed = classify_response(status or 0, headers, body, key=self.key)
         streamed = raw is not None or (sse is not None and sse.asm.chunks > 0)
         message = _clip(scrub_message(outcome.message, self.key))
@@ -631,7 +631,7 @@ class Engine:
         any other 200 the bytes go to the attempt row and their usage is booked."""
         if status != 200 or failed.error_class == "response_too_large" or not got:
             return b"", failed, None
-        body = scrub_bytes(bytes(got), self.key)
+        body = self._masked(bytes(got))
         outcome, parsed = classify_response(200, headers, body, key=self.key)
         if outcome.kind == "ok":
             self._notice(f"an answer whose transfer did not end cleanly ({failed.message}) came whole: kept")
@@ -673,7 +673,7 @@ class Engine:
             if cut is not None:
                 body, outcome, parsed = self._salvaged(200, headers, raw, cut)
             else:
-                body = scrub_bytes(bytes(raw), self.key)
+                body = self._masked(bytes(raw))
                 outcome, parsed = classify_response(200, headers, body, key=self.key)
             return body, None, outcome, parsed
         if cut is not None and failure is None:
@@ -712,6 +712,16 @@ class Engine:
         outcome, parsed = classify_response(200, headers, body, key=self.key)
         return body, kept_raw, outcome, parsed
 
+    def _masked(self, data: bytes) -> bytes:
+        """``data`` with the key masked: every spelling :func:`~.secrets.scrub_bytes` knows,
+        then pieces of it that hold half the key or more together (an answer that quoted it
+        as a list of short pieces was stored as it came; an error's text was masked so)."""
+        body = scrub_bytes(data, self.key)
+        pieces = mask_scattered(body, self.key)
+        if pieces is not body:
+            self._notice("an answer held the API key in pieces (half of it or more): they are masked where it is stored")
+        return pieces
+
     def _unkept_stream(self, asm: StreamAssembler, raw: bytearray) -> bytes | None:
         """The raw bytes of a stream that is not kept, key masked, for its attempt row; None when
         what was assembled of it carried the key (then it may be split across events there)."""
@@ -729,7 +739,7 @@ class Engine:
         where no byte pattern finds it (the raw stream is then not scrubbed at all); None
         too when the raw bytes hold the key in pieces too short to mask (comment lines,
         chunk ids: :func:`~.secrets.scattered_key`)."""
-        body = scrub_bytes(assembled, self.key)
+        body = self._masked(assembled)
         if body != assembled:
             self._notice(f"{notice} (the key may be split across events there)")
             return body, None
