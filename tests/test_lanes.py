@@ -482,13 +482,17 @@ def test_an_input_cut_short_during_a_pass_is_refused_too(tmp_path, kimi, monkeyp
     _uncounted_run(kimi, src, n=400)
     size = src.stat().st_size
     monkeypatch.setattr(lanes, "RANGE_BYTES", 16 * 1024)
-    real = R._work
+    # cut once the pass has begun: in this process after its first chunk; with workers, when the
+    # parent first hands out ranges (a worker that opened the file by then reads short ranges,
+    # one that had not finds it short at its open: spawned workers, where threads run, see no patch)
+    module, name = (R, "_work") if workers == 1 else (lanes, "_feed")
+    real = getattr(module, name)
 
-    def cutting(data):
+    def cutting(*args):
         if os.stat(src).st_size == size:
             os.truncate(src, size // 2)
-        return real(data)
+        return real(*args)
 
-    monkeypatch.setattr(R, "_work", cutting)  # forked workers and this process alike
+    monkeypatch.setattr(module, name, cutting)
     with pytest.raises(InputChanged, match=r"in\.jsonl: cut short while it was being read"):
         reconstruct_file(src, tmp_path / "out.jsonl", kimi, workers=workers, chunk_lines=8)
