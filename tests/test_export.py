@@ -292,6 +292,10 @@ CORRUPTIONS = {
                                            {"kind": r["segments"][-2]["kind"], "start": r["segments"][-2]["start"] + 1,
                                             "end": r["segments"][-1]["end"]}]},
                    "segments[{nseg}].kind", "is 'end' but more of the completion follows"),
+    # the answer before the thinking, the reasoning after its close: exported as it was (a cold tester's)
+    "answer_before_thinking": (lambda r: {"segments": [dict(seg, kind={"reasoning": "content", "content": "reasoning"}.get(
+        seg["kind"], seg["kind"])) for seg in r["segments"]]}, "segments[1].kind",
+        "is 'content' before the think block's close (segments[2]): a completion thinks first, then answers"),
     # cut by the length limit, yet an end token: the conversations export wrote it as a finished turn
     "end_in_a_cut": (lambda r: {"finish_reason": "length"}, "segments[{lastseg}].kind",
                      "is 'end' but the model was cut off (finish_reason 'length'): no end token was appended"),

@@ -254,6 +254,7 @@ def _check_segments(segments: Sequence[Any], n: int, n_prompt: int, finish_reaso
                        "was appended" if k == len(segments) - 1 else "more of the completion follows: the turn ended "
                        "at its end token"))
         pos = seg["end"]
+    _check_think_block([seg.get("kind") for seg in segments], fail)
     if segments and segments[0]["end"] != n_prompt:
         raise fail("segments[0].end", f"is {segments[0]['end']} but the prompt has {n_prompt} tokens")
     if pos != n:
@@ -261,6 +262,29 @@ def _check_segments(segments: Sequence[Any], n: int, n_prompt: int, finish_reaso
     if finish_reason != "length" and segments[-1].get("kind") != "end":
         raise fail(f"segments[{len(segments) - 1}].kind", f"is {segments[-1].get('kind')!r}: a completion that "
                    f"finished with {finish_reason!r} must end with the end token")
+
+
+#: What may stand in a completion before its think block closes (``think_end``), and what never after it.
+_BEFORE_CLOSE = frozenset({"format", "think_start", "reasoning"})
+_THINKING = frozenset({"think_start", "reasoning", "think_end"})
+
+
+def _check_think_block(kinds: Sequence[Any], fail: _Fail) -> None:
+    """Every dialect writes one think block, first in the completion: an optional
+    ``think_start``, the reasoning, then ``think_end``; content and tool calls come after it
+    (a hand edit that swapped them was exported as it was). Dialects without a close
+    (gpt-oss's channels) are not held to it."""
+    if "think_end" not in kinds:
+        return
+    close = kinds.index("think_end")
+    for k, kind in enumerate(kinds[1:], start=1):
+        if (kind not in _BEFORE_CLOSE) if k < close else (k > close and kind in _THINKING):
+            where = "before" if k < close else "after"
+            raise fail(f"segments[{k}].kind", f"is {kind!r} {where} the think block's close (segments[{close}]): a "
+                       "completion thinks first, then answers")
+    if kinds.count("think_start") > 1:
+        raise fail(f"segments[{len(kinds) - 1 - kinds[::-1].index('think_start')}].kind",
+                   "is 'think_start' again: a completion opens one think block")
 
 
 def _first(seq: Sequence[Any], pred: Callable[[Any], object]) -> int | None:
