@@ -352,6 +352,38 @@ def test_requests_in_flight_at_a_kill_9_are_booked_when_the_next_run_begins(tmp_
                     ("k-1", 1, "unanswered", None, pytest.approx(reserved[1])), ("k-1", 2, None, 0.0001, None)]
 
 
+def test_requests_killed_in_flight_without_prices_are_not_said_to_cost_nothing(tmp_path, capsys):
+    """Without [prices] nothing priced their reservations, and the next run said they were
+    "booked at their reservations as possibly billed ($0.0000 in all)" though the server
+    charged for them (a cold tester's): what they cost is unknown, and it says so."""
+    spec = DatasetSpec("k", write_prompts(tmp_path, 2))
+    run = tmp_path / "run"
+    with HostileServer() as srv:
+        srv.plan["q0"] = ["hang", "ok"]
+        settings = GenerateSettings(datasets=(spec,), request=RequestSettings(model="m", max_tokens=8),
+                                    base_url=srv.url, concurrency=1, progress="none")
+        pid = os.fork()
+        if pid == 0:  # child: never returns into pytest
+            try:
+                generate_run(settings, run)
+            finally:
+                os._exit(99)
+        try:
+            for _ in range(2000):  # the request out (bounded wait), then kill -9
+                if sum(srv.attempts.values()) == 1:
+                    break
+                time.sleep(0.01)
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        capsys.readouterr()
+        again = asyncio.run(agenerate_run(settings, run))
+    assert (again.exit_code, again.done, again.spent_possible) == (0, 2, 0.0)
+    assert ("1 request(s) sent by an earlier run that ended without storing their answers (killed?) may have been "
+            "billed: no [prices] priced their reservations, so what they cost is unknown and not counted") in \
+        " ".join(capsys.readouterr().err.split())
+
+
 # --- Ctrl-C / SIGTERM before the first request: loading the prompts, starting the run ------
 
 

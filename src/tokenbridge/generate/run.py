@@ -421,10 +421,12 @@ def _begin(store: Store, rows: list[_Row], settings: GenerateSettings, key: ApiK
             raise StoreError(f"{store.path}: cannot read or write the run state: {exc}",
                              exit_code=ExitCode.STORE) from None
         raise
-    if unanswered:
+    if unanswered:  # without [prices] nothing priced their reservations: "$0.0000 in all" said they cost nothing
+        booked = (f"are booked at their reservations as possibly billed (${possible_before:.4f} in all)"
+                  if possible_before else "may have been billed: no [prices] priced their reservations, so what they "
+                  "cost is unknown and not counted")
         reporter.log(f"{unanswered} request(s) sent by an earlier run that ended without storing their answers "
-                     f"(killed?) are booked at their reservations as possibly billed (${possible_before:.4f} in all)",
-                     warn=True)
+                     f"(killed?) {booked}", warn=True)
     budget = Budget(settings.max_cost, settings.prices, spent=spent_before, possible=possible_before)
     if shown_low is not None:  # the engine says so before it sends anything
         budget.table_shown_low(*shown_low)
