@@ -316,6 +316,24 @@ def test_a_bug_in_keeping_what_came_at_an_abort_does_not_hang_the_run(tmp_path, 
     assert counts == {"pending": 1} and stats.internal_errors == 1
 
 
+def _kill_9_once_sent(settings: GenerateSettings, run: Path, srv: HostileServer, sent: int) -> None:
+    """Run generate in a forked child and kill -9 it once ``sent`` requests reached ``srv``."""
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        try:
+            generate_run(settings, run)
+        finally:
+            os._exit(99)
+    try:
+        for _ in range(2000):  # the requests out (bounded wait), then kill -9
+            if sum(srv.attempts.values()) == sent:
+                break
+            time.sleep(0.01)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
 def test_requests_in_flight_at_a_kill_9_are_booked_when_the_next_run_begins(tmp_path):
     spec = DatasetSpec("k", write_prompts(tmp_path, 4))
     run = tmp_path / "run"
@@ -323,20 +341,7 @@ def test_requests_in_flight_at_a_kill_9_are_booked_when_the_next_run_begins(tmp_
         srv.plan["q0"] = srv.plan["q1"] = ["hang", "ok"]  # the first two hang until the kill, then answer
         settings = GenerateSettings(datasets=(spec,), request=RequestSettings(model="m", max_tokens=8),
                                     base_url=srv.url, concurrency=2, progress="none", max_cost=1.0, prices=_PRICES)
-        pid = os.fork()
-        if pid == 0:  # child: never returns into pytest
-            try:
-                generate_run(settings, run)
-            finally:
-                os._exit(99)
-        try:
-            for _ in range(2000):  # both requests out (bounded wait), then kill -9
-                if sum(srv.attempts.values()) == 2:
-                    break
-                time.sleep(0.01)
-        finally:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        _kill_9_once_sent(settings, run, srv, 2)
         assert dict(srv.attempts) == {"q0": 1, "q1": 1}
         with Store.open(run) as store:  # what the killed run left: the two requests, recorded before they went out
             reserved = [_reservation(store, f"k-{i}") for i in range(2)]
@@ -362,20 +367,7 @@ def test_requests_killed_in_flight_without_prices_are_not_said_to_cost_nothing(t
         srv.plan["q0"] = ["hang", "ok"]
         settings = GenerateSettings(datasets=(spec,), request=RequestSettings(model="m", max_tokens=8),
                                     base_url=srv.url, concurrency=1, progress="none")
-        pid = os.fork()
-        if pid == 0:  # child: never returns into pytest
-            try:
-                generate_run(settings, run)
-            finally:
-                os._exit(99)
-        try:
-            for _ in range(2000):  # the request out (bounded wait), then kill -9
-                if sum(srv.attempts.values()) == 1:
-                    break
-                time.sleep(0.01)
-        finally:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+        _kill_9_once_sent(settings, run, srv, 1)
         capsys.readouterr()
         again = asyncio.run(agenerate_run(settings, run))
     assert (again.exit_code, again.done, again.spent_possible) == (0, 2, 0.0)
