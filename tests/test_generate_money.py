@@ -435,6 +435,16 @@ def test_max_completion_tokens_beside_max_tokens_is_reserved_at_the_larger_cap(t
     prices = Prices(prompt=0.0, completion=10.0)  # $0.20 a request at its worst
     summary = _run(tmp_path, 20, reply, concurrency=32, max_cost=0.5, prices=prices, request=request)
     assert summary.spent_total <= 0.5 and summary.done == 2  # two fit under the cap; 32 were sent at once
+    from tokenbridge.generate.budget import Budget, cap_setting
+
+    request_json = json.dumps({"max_tokens": 100, "max_completion_tokens": 20_000})
+    prompt, completion = reserved_tokens(request_json, json.loads(request_json))
+    budget = Budget(max_cost=0.1, prices=prices)  # one request's worst case ($0.20) alone is over
+    assert budget.admit(prompt, completion) is None and cap_setting(json.loads(request_json)) == (
+        "extra_body.max_completion_tokens")
+    assert budget.stop_message(prompt, completion, default_reserve=False, cap=cap_setting(json.loads(request_json))
+                               ).endswith("(raise --max-cost or lower extra_body.max_completion_tokens)")
+    assert cap_setting({"max_tokens": 300, "max_completion_tokens": 20}) == "max_tokens"
     for req, cap in [({"max_tokens": 100, "max_completion_tokens": 20_000}, 20_000),
                      ({"max_tokens": 300, "max_completion_tokens": 20}, 300), ({"max_completion_tokens": 7}, 7),
                      ({"max_tokens": "9" * 9, "max_completion_tokens": True}, None), ({"max_tokens": -5}, None)]:

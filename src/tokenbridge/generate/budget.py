@@ -73,7 +73,7 @@ from .body import checked_usage
 from .settings import Prices
 
 __all__ = ["MEDIA_RESERVE_TOKENS", "Budget", "PriceBounds", "cost_of", "estimate_prompt_tokens", "linked_media",
-           "completion_cap", "reserved_tokens", "usd"]
+           "cap_setting", "completion_cap", "reserved_tokens", "usd"]
 
 #: Completion tokens reserved per request when the request sets no max_tokens.
 DEFAULT_RESERVE_TOKENS = 32_768
@@ -138,6 +138,13 @@ def completion_cap(request: Mapping[str, Any]) -> int | None:
     where it sets none."""
     caps = [_count(request.get(key)) for key in _CAPS]
     return max(caps) or None
+
+
+def cap_setting(request: Mapping[str, Any]) -> str:
+    """The setting that gave ``request`` its :func:`completion_cap`, as a config names it."""
+    if _count(request.get("max_completion_tokens")) > _count(request.get("max_tokens")):
+        return "extra_body.max_completion_tokens"
+    return "max_tokens"
 
 
 def _count(value: Any) -> int:  # Any: a stored request's field, as JSON gave it
@@ -312,23 +319,25 @@ class Budget:
             worst, exact = max(worst, b[0]), exact and b[1]
         return worst, exact
 
-    def stop_message(self, prompt_tokens: int, completion_tokens: int, *, default_reserve: bool, media: int = 0) -> str:
+    def stop_message(self, prompt_tokens: int, completion_tokens: int, *, default_reserve: bool, media: int = 0,
+                     cap: str = "max_tokens") -> str:
         """Why the cap stopped the run (once :attr:`exhausted`), for the request that did not
         fit: amounts with the digits that tell them (:func:`usd`), that request's worst case,
         and when it alone is above the cap, so so is every request like it, why
         (``default_reserve``: the request sets no ``max_tokens``, so
-        :data:`DEFAULT_RESERVE_TOKENS` completion tokens were reserved for it)."""
+        :data:`DEFAULT_RESERVE_TOKENS` completion tokens were reserved for it; else ``cap``
+        names the setting that set its completion's cap, :func:`cap_setting`)."""
         if self.unpriced:
             return "--max-cost is set but responses carry no usage.cost and no prices are configured"
-        cap = self.max_cost or 0.0
+        most = self.max_cost or 0.0
         possible = f" + {usd(self.possible)} possibly billed" if self.possible else ""
         est = self.reservation(prompt_tokens, completion_tokens)
         worst = f", {usd(est[0])}," if est is not None else ""
-        text = f"budget {usd(cap)} reached (spent {usd(self.spent)}{possible}; the next request's worst case{worst} does not fit)"
-        if est is not None and est[0] > cap:
+        text = f"budget {usd(most)} reached (spent {usd(self.spent)}{possible}; the next request's worst case{worst} does not fit)"
+        if est is not None and est[0] > most:
             how = (f"no max_tokens, so {DEFAULT_RESERVE_TOKENS:,} completion tokens are reserved for each: set "
-                   "max_tokens (--max-tokens) or raise --max-cost" if default_reserve else "raise --max-cost or lower "
-                   "max_tokens")
+                   "max_tokens (--max-tokens) or raise --max-cost" if default_reserve else f"raise --max-cost or lower "
+                   f"{cap}")
             if media:
                 how += (f"; it names {media} image(s) or other media by URL, {MEDIA_RESERVE_TOKENS:,} prompt tokens "
                         "reserved for each, as their size in tokens is not known before")

@@ -60,7 +60,7 @@ import orjson
 
 from ..fsio import kill_point
 from .body import CheckedUsage, ResponseTooLarge, checked_usage, read_capped
-from .budget import Budget, completion_cap, cost_of, linked_media, reserved_tokens, usd
+from .budget import Budget, cap_setting, completion_cap, cost_of, linked_media, reserved_tokens, usd
 from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_response, classify_too_large
 from .limiter import AdaptiveLimiter
 from .progress import RateMeter
@@ -515,7 +515,8 @@ class Engine:
                 default_reserve = completion_cap(request) is None
                 self._notice("stopping: " + self.budget.stop_message(item.prompt_tokens_est, item.completion_reserve,
                                                                      default_reserve=default_reserve,
-                                                                     media=linked_media(request)))
+                                                                     media=linked_media(request),
+                                                                     cap=cap_setting(request)))
                 self.request_stop(StopReason.BUDGET)
                 return None
             self._settled.clear()
