@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -125,6 +126,23 @@ def test_cli_inspect_names_a_mistyped_choice_not_a_missing_sample(tmp_path, kimi
     rows = [dict(r, **change) if r["id"] == "ex-tool" else r for r in read_jsonl(out)]
     out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     line = next(k for k, r in enumerate(rows, start=1) if r["id"] == "ex-tool")
+    res = CliRunner().invoke(app, ["inspect", str(out), "-t", str(kimi_dir), "--id", "ex-tool"])
+    assert res.exit_code == 1 and res.output.splitlines() == [f"error: {out}:{line}: {said}"], res.output
+
+
+@pytest.mark.parametrize(("column", "said"), [
+    (lambda choices: pa.array([str(c) for c in choices]), "choice: must be a non-negative integer, got '0'"),
+    (lambda choices: pa.array([c - 1 for c in choices], type=pa.int64()),
+     "choice: must be a non-negative integer, got -1"),
+])
+def test_cli_inspect_names_a_mistyped_choice_in_parquet_too(tmp_path, kimi, kimi_dir, column, said):
+    """The Parquet path passed such a row over as well (a cold reviewer's)."""
+    out = tmp_path / "r.parquet"
+    reconstruct_file(EXAMPLE, out, kimi)
+    table = pq.read_table(out)
+    table = table.set_column(table.column_names.index("choice"), "choice", column(table.column("choice").to_pylist()))
+    pq.write_table(table, out)
+    line = 1 + table.column("id").to_pylist().index("ex-tool")
     res = CliRunner().invoke(app, ["inspect", str(out), "-t", str(kimi_dir), "--id", "ex-tool"])
     assert res.exit_code == 1 and res.output.splitlines() == [f"error: {out}:{line}: {said}"], res.output
 

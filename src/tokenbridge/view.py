@@ -82,8 +82,7 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
         if "input_ids" in record:
             if dialect is not None:
                 raise rows_file()
-            given = record.get("choice", 0)
-            if type(given) is int and 0 <= given != choice:  # another choice of the sample (a mistyped one is held below)
+            if _other_choice(record, choice):
                 continue
             return _checked_row(record, path, lineno, tok)  # the id or choice the row types wrong is named
         try:
@@ -95,6 +94,14 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
         if choice < len(rows):
             return rows[choice]
     raise LookupError(_not_found(path, sample_id, choice))
+
+
+def _other_choice(record: Mapping[str, Any], choice: int) -> bool:
+    """Whether ``record`` is another choice of the sample: one whose choice is no count
+    (``"0"``, -1, true) is not passed over as that, but held to the row contract, which
+    names it (it was "no sample with choice 0", exit 2, for a sample that is there)."""
+    given = record.get("choice", 0)
+    return type(given) is int and 0 <= given != choice
 
 
 def _not_found(path: Path, sample_id: str | None, choice: int) -> str:
@@ -112,7 +119,7 @@ def _find_parquet_row(path: Path, sample_id: str | None, choice: int, tok: Token
 
     try:
         for number, record, problem in iter_parquet_records(path):
-            if (sample_id is None or str(record.get("id")) == sample_id) and record.get("choice", 0) == choice:
+            if (sample_id is None or str(record.get("id")) == sample_id) and not _other_choice(record, choice):
                 if problem is not None:
                     raise problem
                 return _checked_row(record, path, number, tok)
