@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from test_export_support import make_run, read_jsonl, write_jsonl
+from test_export_support import make_exchange, make_run, read_jsonl, reconstruct, write_jsonl
 from tokenbridge.cli import app
 from tokenbridge.export import FORMATS, ExportError, export_file
 
@@ -296,10 +296,33 @@ CORRUPTIONS = {
     "answer_before_thinking": (lambda r: {"segments": [dict(seg, kind={"reasoning": "content", "content": "reasoning"}.get(
         seg["kind"], seg["kind"])) for seg in r["segments"]]}, "segments[1].kind",
         "is 'content' before the think block's close (segments[2]): a completion thinks first, then answers"),
-    # cut by the length limit, yet an end token: the conversations export wrote it as a finished turn
-    "end_in_a_cut": (lambda r: {"finish_reason": "length"}, "segments[{lastseg}].kind",
-                     "is 'end' but the model was cut off (finish_reason 'length'): no end token was appended"),
+    # the same with the close relabelled too: no think_end left to order the rest by (a cold reviewer's)
+    "answer_before_thinking_no_close": (lambda r: {"segments": [dict(seg, kind={
+        "reasoning": "content", "content": "reasoning", "think_end": "content"}.get(seg["kind"], seg["kind"]))
+        for seg in r["segments"]]}, "segments[3].kind",
+        "is 'reasoning' after the answer began (segments[1]): a completion thinks first, then answers"),
 }
+
+
+def test_a_cut_row_that_ends_in_a_leaked_end_marker_exports_under_a_policy_that_lets_it(tmp_path, kimi):
+    """Cut by the length limit, its content ending in ``<|im_end|>``'s text: reconstruct writes
+    the end segment (the id the text spells), and with ``eos_in_text`` and ``truncated`` off
+    the row is ok. A check that refused an end segment under a cut failed the whole export
+    (a cold reviewer's): the end segment stands last, as the model's own would."""
+    from tokenbridge.checks import Policy
+    from tokenbridge.reconstruct import reconstruct_file
+
+    ex = make_exchange(1, "length")
+    ex["response"]["choices"][0]["message"]["content"] += "<|im_end|>"
+    row, = reconstruct(ex, kimi)
+    src = write_jsonl(tmp_path / "ex.jsonl", [ex])
+    policy = Policy({"eos_in_text": "off", "truncated": "off"})
+    reconstruct_file(src, tmp_path / "rows.jsonl", kimi, policy=policy)
+    rec, = read_jsonl(tmp_path / "rows.jsonl")
+    assert (rec["status"], rec["finish_reason"], rec["segments"][-1]["kind"]) == ("ok", "length", "end")
+    assert rec["completion_ids"][-1] == kimi.token_id("<|im_end|>") and row["completion_ids"] == rec["completion_ids"]
+    summary = export_file(tmp_path / "rows.jsonl", tmp_path / "out", "specforge")
+    assert summary.rows_exported == 1
 
 
 @pytest.mark.parametrize("name", sorted(CORRUPTIONS))
@@ -308,8 +331,7 @@ def test_bad_row_names_line_and_field(run, tmp_path, name):
     k = _first_ok(rows[3:]) + 3
     change, field, message = CORRUPTIONS[name]
     p = len(rows[k]["prompt_ids"])
-    fmt = {"p": p, "p1": p - 1, "last": len(rows[k]["input_ids"]) - 1, "nseg": len(rows[k]["segments"]) - 2,
-           "lastseg": len(rows[k]["segments"]) - 1}
+    fmt = {"p": p, "p1": p - 1, "last": len(rows[k]["input_ids"]) - 1, "nseg": len(rows[k]["segments"]) - 2}
     message, field = message.format(**fmt), field.format(**fmt)
     src = write_jsonl(tmp_path / "bad.jsonl", _corrupt(rows, k, **change(rows[k])))
     with pytest.raises(ExportError) as err:

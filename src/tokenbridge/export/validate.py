@@ -13,7 +13,8 @@ token trained on). So every exported row must satisfy, exactly:
 * ``segments`` (when present) tile ``input_ids`` from 0 to the end, prompt first, and
   unless the model was cut off (``finish_reason == "length"``) the last one is the
   end token (so a dropped end token cannot pass as a shorter completion); an end token
-  is never anywhere else, nor in a cut completion;
+  is never anywhere else (a cut completion may end with one: the text ended in the end
+  marker's text, and a policy that lets that through exports it);
 * at least one prompt token and one completion token (no all-zero / all-one masks).
 
 :class:`RowContract` then holds each exported row to the rest of the row contract
@@ -249,10 +250,8 @@ def _check_segments(segments: Sequence[Any], n: int, n_prompt: int, finish_reaso
             raise fail(field, f"the {seg['kind']} segment is one token (a marker), this one spans {size}")
         if not is_prompt and size == 0:
             raise fail(field, f"an empty {seg['kind']} segment: reconstruct writes none")
-        if seg.get("kind") == "end" and (k != len(segments) - 1 or finish_reason == "length"):
-            raise fail(f"{field}.kind", "is 'end' but " + ("the model was cut off (finish_reason 'length'): no end token "
-                       "was appended" if k == len(segments) - 1 else "more of the completion follows: the turn ended "
-                       "at its end token"))
+        if seg.get("kind") == "end" and k != len(segments) - 1:  # (last under a cut too: a leaked end marker's id)
+            raise fail(f"{field}.kind", "is 'end' but more of the completion follows: the turn ended at its end token")
         pos = seg["end"]
     _check_think_block([seg.get("kind") for seg in segments], fail)
     if segments and segments[0]["end"] != n_prompt:
@@ -271,20 +270,25 @@ _THINKING = frozenset({"think_start", "reasoning", "think_end"})
 
 def _check_think_block(kinds: Sequence[Any], fail: _Fail) -> None:
     """Every dialect writes one think block, first in the completion: an optional
-    ``think_start``, the reasoning, then ``think_end``; content and tool calls come after it
-    (a hand edit that swapped them was exported as it was). Dialects without a close
-    (gpt-oss's channels) are not held to it."""
-    if "think_end" not in kinds:
-        return
-    close = kinds.index("think_end")
-    for k, kind in enumerate(kinds[1:], start=1):
-        if (kind not in _BEFORE_CLOSE) if k < close else (k > close and kind in _THINKING):
-            where = "before" if k < close else "after"
-            raise fail(f"segments[{k}].kind", f"is {kind!r} {where} the think block's close (segments[{close}]): a "
-                       "completion thinks first, then answers")
+    ``think_start``, the reasoning, then ``think_end`` where it closes; content and tool
+    calls come after it (a hand edit that swapped them was exported as it was). A row with
+    ``format`` segments (gpt-oss's channels, whose messages may come in other orders) is
+    held to the close alone."""
     if kinds.count("think_start") > 1:
         raise fail(f"segments[{len(kinds) - 1 - kinds[::-1].index('think_start')}].kind",
                    "is 'think_start' again: a completion opens one think block")
+    if "think_end" in kinds:
+        close = kinds.index("think_end")
+        for k, kind in enumerate(kinds[1:], start=1):
+            if (kind not in _BEFORE_CLOSE) if k < close else (k > close and kind in _THINKING):
+                where = "before" if k < close else "after"
+                raise fail(f"segments[{k}].kind", f"is {kind!r} {where} the think block's close (segments[{close}]): "
+                           "a completion thinks first, then answers")
+    elif "format" not in kinds:  # no close (a cut, thinking off): the answer still comes after the thinking
+        answer = next((k for k, kind in enumerate(kinds) if kind in ("content", "tool_calls")), len(kinds))
+        if (late := next((k for k in range(answer + 1, len(kinds)) if kinds[k] in _THINKING), None)) is not None:
+            raise fail(f"segments[{late}].kind", f"is {kinds[late]!r} after the answer began (segments[{answer}]): a "
+                       "completion thinks first, then answers")
 
 
 def _first(seq: Sequence[Any], pred: Callable[[Any], object]) -> int | None:
