@@ -533,6 +533,10 @@ def test_generate_flags_override_the_file(tmp_path):
      "1: extra_body: provider_credentials: looks like a credential (not shown here): extra_body goes into every "
      "request and is stored with every exchange (the store, exchanges.jsonl, the exports); the key comes only from "
      "api_key_env"),
+    # or named as one, in any shape (a cold reviewer's)
+    ("extra_body = {api_key = '9f8e7d6c5b4a39281706f5e4d3c2b1a0'}",
+     "1: extra_body: api_key: looks like a credential (not shown here): extra_body goes into every request and is "
+     "stored with every exchange (the store, exchanges.jsonl, the exports); the key comes only from api_key_env"),
     ("[request]\nextra_body = {a = [{auth = 'Bearer 9f8e7d6c5b4a39281706f5e4d3c2b1a0'}]}",
      "3: request.extra_body: a[0].auth: looks like a credential (not shown here): extra_body goes into every "
      "request and is stored with every exchange (the store, exchanges.jsonl, the exports); the key comes only from "
@@ -559,7 +563,7 @@ def test_generate_flags_override_the_file(tmp_path):
     ("reasoning = 'low'\nextra_body = {reasoning = {effort = 'high'}}",
      "2: extra_body.reasoning.effort: also set by reasoning.effort; set it in one place "
      "(extra_body is merged last and would silently replace it)"),
-], ids=["nan", "nested-inf", "date", "messages", "model-and-n", "stream", "reasoning-string", "credential", "credential-nested", "cap-word", "cap-zero",
+], ids=["nan", "nested-inf", "date", "messages", "model-and-n", "stream", "reasoning-string", "credential", "credential-named", "credential-nested", "cap-word", "cap-zero",
         "header-crlf",
         "header-name", "model-twice", "extra-reasoning-leaf", "extra-provider-leaf", "extra-over-top-level"])
 def test_generate_config_refuses_what_could_not_be_sent_as_meant(tmp_path, text, message):
@@ -567,6 +571,17 @@ def test_generate_config_refuses_what_could_not_be_sent_as_meant(tmp_path, text,
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value) == f"{path}:{message}"
+
+
+def test_extra_body_free_text_that_only_looks_like_a_key_prefix_is_sent(tmp_path):
+    """The header check's shapes, applied to free text, refused run names, user ids and
+    prose (a cold reviewer's): a body value is a key only with a key's random body."""
+    text = ("model = 'm'\n[request.extra_body]\nuser = 'pk_user_0042_team7_batch19'\nmetadata = {run = "
+            "'rk-2024-11-05-ablation-v2-seed3'}\nprediction = {content = 'Use basic 2024-05-01T12-00-00Z_v3 format'}\n"
+            "prompt_cache_key = '3f2a9c1e8b7d6f5a4e3c2b1a0f9e8d7c6b5a4e3d2c1b0a9f8e7d6c5b4a3e2d1c'\n")
+    settings = load_config(_write(tmp_path, text, "gen.toml"))
+    assert settings.request.extra_body["user"] == "pk_user_0042_team7_batch19"
+    assert set(settings.request.extra_body) == {"user", "metadata", "prediction", "prompt_cache_key"}
 
 
 def test_extra_body_keys_tokenbridge_does_not_own_still_pass_and_merge(tmp_path):

@@ -308,21 +308,40 @@ def _valid_extra_body(extra: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _credential_path(value: Any) -> str | None:  # Any: JSON (checked by _json_problem first)
-    """Where in ``value`` a key or a string holds a token that is a credential (:func:`_credential_in`)."""
-    stack: list[tuple[Any, str]] = [(value, "")]
+    """Where in ``value`` a string is a credential: a token shaped as a provider's key or a
+    scheme's (:data:`_CREDENTIAL_TOKEN`), or any string under a key named as one holds
+    (``api_key``, ``auth``, ``secret``...), with a run of random characters in it
+    (:func:`_random_run`). Free text is no header value: ``rk-2024-11-05-ablation-v2``
+    and ``Use basic 2024-05-01T12-00-00Z`` are not keys (a cold reviewer's)."""
+    stack: list[tuple[Any, str, bool]] = [(value, "", False)]
     while stack:
-        v, at = stack.pop()
+        v, at, named = stack.pop()
         if isinstance(v, str):
-            if _credential_in(v):
+            tokens = [v] if named else [m.group(1) or m.group(2) for m in _CREDENTIAL_TOKEN.finditer(v)]
+            if any(_random_run(t) for t in tokens):
                 return at.lstrip(".") or "value"
         elif isinstance(v, (list, tuple)):
-            stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v))
+            stack.extend((x, f"{at}[{i}]", named) for i, x in enumerate(v))
         elif isinstance(v, Mapping):
-            for k, x in v.items():
-                if _credential_in(str(k)):
-                    return f"{at}.<a key>".lstrip(".")
-                stack.append((x, f"{at}.{k}"))
+            stack.extend((x, f"{at}.{k}", named or bool(_CREDENTIAL_NAME.search(str(k)))) for k, x in v.items())
     return None
+
+
+#: A body key that names a credential (``api_key``, ``access_token``, ``auth``, ``client_secret``).
+_CREDENTIAL_NAME = re.compile(r"^(?:.*[-_])?(?:api[-_]?key|apikey|(?:access|auth|bearer|id|refresh)[-_]?token|auth|"
+                              r"authorization|secret|password|passwd|credentials?|bearer)$", re.IGNORECASE)
+_ALNUM_RUN = re.compile(r"[A-Za-z0-9]{20,}")
+
+
+def _random_run(text: str) -> bool:
+    """Whether ``text`` holds 20 letters and digits in a row, three or more of each: the body
+    of a key (hex, base62, base64), which a word, a date or an id made of words never is."""
+    for m in _ALNUM_RUN.finditer(text):
+        run = m.group()
+        digits = sum(c.isdigit() for c in run)
+        if digits >= 3 and len(run) - digits >= 3:
+            return True
+    return False
 
 
 def _json_problem(value: Any) -> str | None:
