@@ -832,7 +832,8 @@ def _pick_split(folder: Path, spec: DatasetSpec) -> Path:
     found = data.get("splits") if isinstance(data, dict) else None
     if not isinstance(found, list) or not all(isinstance(s, str) for s in found):
         raise PromptSourceError(f"{where}: splits: must be a list of split names, got {found!r}")
-    if bad := next((s for s in found if not _plain_name(s)), None):  # "../other": another folder read as a split
+    bad = next((s for s in found if not _plain_name(s)), None)  # "../other": another folder read as a split
+    if bad is not None:  # ("" too: the folder itself)
         raise PromptSourceError(f"{where}: splits: {bad!r} names no folder in {folder}"[:400])
     splits: list[str] = found
     if spec.split:
