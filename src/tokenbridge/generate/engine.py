@@ -714,13 +714,14 @@ class Engine:
         return body, kept_raw, outcome, parsed
 
     def _masked(self, data: bytes) -> bytes:
-        """``data`` with the key masked: every spelling :func:`~.secrets.scrub_bytes` knows,
-        then pieces of it that hold half the key or more together (an answer that quoted it
-        as a list of short pieces was stored as it came; an error's text was masked so)."""
+        """A response's bytes with the key masked: every spelling :func:`~.secrets.scrub_bytes`
+        knows, then pieces of it that hold half the key or more together (an answer that
+        quoted it as a list of short pieces was stored as it came; an error's were masked)."""
         body = scrub_bytes(data, self.key)
         pieces = mask_scattered(body, self.key)
         if pieces is not body:
-            self._notice("an answer held the API key in pieces (half of it or more): they are masked where it is stored")
+            self._notice("a response held the API key in pieces (half of it or more): they are masked wherever it is "
+                         "kept")
         return pieces
 
     def _unkept_stream(self, asm: StreamAssembler, raw: bytearray) -> bytes | None:
@@ -740,7 +741,7 @@ class Engine:
         where no byte pattern finds it (the raw stream is then not scrubbed at all); None
         too when the raw bytes hold the key in pieces too short to mask (comment lines,
         chunk ids: :func:`~.secrets.scattered_key`)."""
-        body = self._masked(assembled)
+        body = mask_scattered(scrub_bytes(assembled, self.key), self.key)  # whole, or in pieces: one notice
         if body != assembled:
             self._notice(f"{notice} (the key may be split across events there)")
             return body, None
