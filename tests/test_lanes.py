@@ -496,3 +496,25 @@ def test_an_input_cut_short_during_a_pass_is_refused_too(tmp_path, kimi, monkeyp
     monkeypatch.setattr(module, name, cutting)
     with pytest.raises(InputChanged, match=r"in\.jsonl: cut short while it was being read"):
         reconstruct_file(src, tmp_path / "out.jsonl", kimi, workers=workers, chunk_lines=8)
+
+
+def _cut_on_first(data: bytes) -> int:
+    """Work that truncates the file (``LANES_TEST_TAG``) to half, once: the worker opened and
+    checked it before, so only its reads come up short."""
+    path = os.environ["LANES_TEST_TAG"]
+    if os.stat(path).st_size == 10_000:
+        os.truncate(path, 5_000)
+    return len(data)
+
+
+def test_a_range_that_comes_up_short_after_the_open_is_refused(tmp_path, monkeypatch):
+    """The worker's own check at open passed; the file shrank while it read: the range it
+    reads next ends before the range does, and that is said, not read as fewer lines."""
+    monkeypatch.setattr(lanes, "RANGE_BYTES", 1024)
+    monkeypatch.setattr(lanes, "MIN_RANGE_BYTES", 1024)
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"x" * 99 + b"\n" * 1 + (b"y" * 99 + b"\n") * 99)
+    size = path.stat().st_size
+    with pytest.raises(InputChanged, match=rf"in\.jsonl: cut short while it was being read \({size:,} bytes at the "
+                                           rf"start, {size // 2:,} now\)"):
+        list(map_lines(str(path), 1, _init, (str(path),), _cut_on_first))
