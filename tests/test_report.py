@@ -144,8 +144,8 @@ def test_unreadable_exchange_lines_are_left_out_and_named_not_the_whole_report(r
     data = json.loads((run / "report" / "report.json").read_text())
     assert data["exchanges"]["count"] == len(runs["exchanges"])
     assert data["exchanges"]["cost_total"] == pytest.approx(sum(e["meta"]["cost"] for e in runs["exchanges"]))
-    note = ("3 lines of exchanges.jsonl could not be read (as reconstruct says): left out of cost and throughput; the "
-            "first: line 2: <line>: must be a JSON object, got NoneType")
+    note = ("3 lines of exchanges.jsonl are no record (not JSON, or not an object): left out of cost and throughput; "
+            "the first: line 2: <line>: must be a JSON object, got NoneType")
     assert data["exchanges"]["unreadable"] == {"lines": 3, "first": "line 2: <line>: must be a JSON object, got NoneType"}
     assert f"note: {note}" in " ".join(res.output.split())
     assert html.escape(note, quote=False) in (run / "report" / "report.html").read_text()

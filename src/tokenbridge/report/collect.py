@@ -439,8 +439,8 @@ def unreadable_note(data: dict[str, Any]) -> str | None:
     if not bad.get("lines"):
         return None
     n = bad["lines"]
-    return (f"{n:,} line{'s' if n != 1 else ''} of exchanges.jsonl could not be read (as reconstruct says): left out of "
-            f"cost and throughput; the first: {bad['first']}")
+    return (f"{n:,} line{'s' if n != 1 else ''} of exchanges.jsonl {'are' if n != 1 else 'is'} no record (not JSON, or "
+            f"not an object): left out of cost and throughput; the first: {bad['first']}")
 
 
 def _generation_section(path: Path, left_out: Counter[str]) -> dict[str, Any]:
