@@ -37,7 +37,8 @@ async def _answer_ok(request: web.Request) -> web.StreamResponse:
     return _ok(request)
 
 
-def _run(tmp_path: Path, n: int, reply: Reply, path: str = "/api/v1", *, runs: tuple[str, ...] | None = None, **kw):
+def _run(tmp_path: Path, n: int, reply: Reply, path: str = "/api/v1", *, runs: tuple[str, ...] | None = None,
+         key: ApiKey = KEY, **kw):
     """A generate run against a server answering every path by ``reply``; one run per path
     in ``runs`` when given (the same folder: a resume), each result (or exception) in order."""
     paths = runs or (path,)
@@ -62,7 +63,7 @@ def _run(tmp_path: Path, n: int, reply: Reply, path: str = "/api/v1", *, runs: t
                                 timeout_s=10.0)
                 settings.update(kw)
                 try:
-                    out.append(await agenerate_run(GenerateSettings(**settings), tmp_path / "run", key=KEY))
+                    out.append(await agenerate_run(GenerateSettings(**settings), tmp_path / "run", key=key))
                 except SettingsChanged as exc:
                     out.append(exc)
         finally:
@@ -421,6 +422,24 @@ def test_a_kept_answer_quoting_the_key_in_short_pieces_is_stored_masked(tmp_path
     assert said == (["a streamed answer carried the API key: masked, and its raw stream not kept (the key may be split "
                      "across events there)"] if stream else
                     ["a response held the API key in pieces (half of it or more): they are masked wherever it is kept"])
+
+
+def test_an_answer_holding_words_of_a_short_chosen_key_is_kept_as_it_came(tmp_path):
+    """Half of a 20-character key a user chose for a local server is ten characters, a word
+    or two an answer may hold: masking them changed a paid answer (a cold reviewer's doubt).
+    Pieces are masked in kept answers only where half the key is 16 characters or more."""
+    key = ApiKey("TB_LOCAL", "local-dev-key-2024ab")
+    text = "Set it with a local-dev-key flag."
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        return web.json_response({
+            "id": "gen-l", "object": "chat.completion", "created": 1, "model": "m", "provider": "p",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 3}})
+
+    _, summary = _run(tmp_path, 1, reply, key=key)
+    assert summary.done == 1 and text.encode() in _every_stored_byte(tmp_path / "run")
+    assert not [n for n in summary.notices if "API key" in n]
 
 
 # --- the key pasted into a prompt or into extra_body (a cold tester's) ------------------------

@@ -65,7 +65,7 @@ from .classify import TRANSPORT_FAILURES, Outcome, classify_exception, classify_
 from .limiter import AdaptiveLimiter
 from .progress import RateMeter
 from .request import routing_key, wire_body
-from .secrets import ApiKey, compressed_key, mask_scattered, scattered_key, scrub, scrub_bytes, scrub_message
+from .secrets import MIN_MASKED, ApiKey, compressed_key, mask_scattered, scattered_key, scrub, scrub_bytes, scrub_message
 from .settings import GenerateSettings
 from .sse import SSEDecoder, SSEEvent, StreamAssembler, StreamError
 from .store import AttemptRecord, Batch, ResponseRecord, SendRecord, Store, StoredSample
@@ -718,7 +718,7 @@ class Engine:
         knows, then pieces of it that hold half the key or more together (an answer that
         quoted it as a list of short pieces was stored as it came; an error's were masked)."""
         body = scrub_bytes(data, self.key)
-        pieces = mask_scattered(body, self.key)
+        pieces = self._pieces_masked(body)
         if pieces is not body:
             self._notice("a response held the API key in pieces (half of it or more): they are masked wherever it is "
                          "kept")
@@ -735,13 +735,20 @@ class Engine:
                                       "its raw stream is not kept")
         return kept or None
 
+    def _pieces_masked(self, body: bytes) -> bytes:
+        """``body`` with pieces of the key that hold half of it masked, where that half is
+        :data:`~.secrets.MIN_MASKED` characters or more: half of a short key a user chose
+        for a local server (``my-secret-key-2024``) is a word or two an answer may hold."""
+        key = self.key.value if self.key is not None else ""
+        return mask_scattered(body, self.key) if len(key) >= 2 * MIN_MASKED else body
+
     def _masked_stream(self, assembled: bytes, raw: bytearray, notice: str) -> tuple[bytes, bytes | None]:
         """``assembled`` with the key masked, and the raw stream to keep beside it (masked), or
         None when the assembled text carried the key: there it may be split across events,
         where no byte pattern finds it (the raw stream is then not scrubbed at all); None
         too when the raw bytes hold the key in pieces too short to mask (comment lines,
         chunk ids: :func:`~.secrets.scattered_key`)."""
-        body = mask_scattered(scrub_bytes(assembled, self.key), self.key)  # whole, or in pieces: one notice
+        body = self._pieces_masked(scrub_bytes(assembled, self.key))  # whole, or in pieces: one notice
         if body != assembled:
             self._notice(f"{notice} (the key may be split across events there)")
             return body, None
