@@ -459,6 +459,39 @@ def test_a_new_gate_revision_reruns_every_stage_after_generate(finished, monkeyp
 # --- the files run names itself -----------------------------------------------------------
 
 
+def test_edited_rows_are_never_replaced_when_reconstruct_must_run_again(finished, tmp_path, kimi_dir):
+    """Rows the user cut down to 8 in place are used as they are while reconstruct skips;
+    when the config then changed reconstruct ran again and wrote every row over them without
+    a word (a cold tester's 50 curated rows became 216). It refuses, naming the file, and the
+    rows stay as the user left them."""
+    cfg, out = finished
+    recon = out / "reconstructed.jsonl"
+    write_bytes(recon, b"".join(recon.read_bytes().splitlines(keepends=True)[:8]))
+    mine = recon.read_bytes()
+    changed = load_run_config(write_run_config(tmp_path, kimi_dir, '[reconstruct]\nseverity = { truncated = "off" }\n'))
+    with pytest.raises(PipelineError) as caught:
+        run_pipeline(changed, echo=lambda _: None)
+    assert str(caught.value) == (
+        f"{recon} is not the file reconstruct wrote (edited or replaced since), and reconstruct must run again (its "
+        "input or settings changed), which would replace it: move it elsewhere to keep it, or delete it to have it "
+        "written again")
+    assert caught.value.code == 2 and recon.read_bytes() == mine
+    recon.unlink()  # as it says: then it is written again
+    assert _run(changed)["reconstruct"] == "ran" and len(recon.read_bytes().splitlines()) == 16
+
+
+def test_rows_with_no_record_are_written_again_and_the_run_says_so(finished):
+    """pipeline.json gone (or a run killed between writing the rows and recording them): no
+    record tells the stage's own file from an edit, and the rerun must go on; it says so."""
+    cfg, out = finished
+    recon = out / "reconstructed.jsonl"
+    write_bytes(recon, b"".join(recon.read_bytes().splitlines(keepends=True)[:8]))
+    (out / "pipeline.json").unlink()
+    lines: list[str] = []
+    assert _run(cfg, lines)["reconstruct"] == "ran" and len(recon.read_bytes().splitlines()) == 16
+    assert f"reconstruct: warning: {recon} was there with no record of it in pipeline.json: written again" in lines
+
+
 def test_symlinked_rows_are_used_as_they_are_but_never_written_through(finished, tmp_path, kimi_dir):
     """A ``reconstructed.jsonl`` replaced by a link to the user's own rows is used as it is;
     when the config then changes, reconstruct must write the file again: run wrote through

@@ -351,6 +351,25 @@ def _own_output(path: Path, what: str) -> None:
                             "again", code=ExitCode.USAGE)
 
 
+def _not_an_edit(path: Path, done: Mapping[str, Any], echo: Callable[[str], None]) -> None:
+    """Before reconstruct writes ``path`` again: refuse (exit 2) a file there that the stage's
+    record says is not the one it wrote (edited or replaced since). While the stage skips,
+    such a file is used as it is; a config change that made the stage run again replaced a
+    user's curated rows without a word (a cold tester's). With no record (pipeline.json
+    deleted or damaged, or a run killed between writing the rows and recording them, whose
+    rerun must go on) the file is replaced, and the run says so."""
+    if not path.is_file():
+        return
+    wrote = done.get("rows_sha256")
+    if not isinstance(wrote, str):
+        echo(f"reconstruct: warning: {path} was there with no record of it in pipeline.json: written again")
+        return
+    if wrote != _digest(path):
+        raise PipelineError(f"{path} is not the file reconstruct wrote (edited or replaced since), and reconstruct must "
+                            "run again (its input or settings changed), which would replace it: move it elsewhere to "
+                            "keep it, or delete it to have it written again", code=ExitCode.USAGE)
+
+
 def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult]:
     from .tokenizer import load_tokenizer
 
@@ -431,6 +450,7 @@ def _reconstruct_stage(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
         result = StageResult("reconstruct", "skipped", {"bad_lines": state.data["reconstruct"].get("bad_lines") or 0})
     else:
         _own_output(reconstructed, "the file reconstruct wrote")
+        _not_an_edit(reconstructed, state.data.get("reconstruct") or {}, echo)
         rs = reconstruct_file(exchanges, reconstructed, tok, dialect=cfg.dialect, policy=cfg.policy,
                               provider_profile=cfg.provider_profile)
         detail = rs.to_dict()
