@@ -564,6 +564,33 @@ def test_a_run_file_that_is_not_a_file_is_refused_before_anything_is_sent(finish
     assert (out / "mine.json").read_bytes() == mine
 
 
+def test_outputs_of_stages_the_config_dropped_are_named_when_the_rows_moved_on(finished, tmp_path, kimi_dir):
+    """Formats taken out of export.formats, the vocabulary and the report turned off: their
+    outputs stayed, made from older rows, with nothing saying so, and read as this run's they
+    disagreed with it (a cold tester's). They are left as they were and named; outputs made
+    from these very rows are still right and are not."""
+    cfg, out = finished
+    path = write_run_config(tmp_path, kimi_dir, "[export]\nformats = [\"specforge\"]\n[report]\nenabled = false\n")
+    path.write_text(path.read_text(encoding="utf-8").replace("[vocab]\ndraft_vocab_size = 512\n", ""), encoding="utf-8")
+    fewer = load_run_config(path)
+    lines: list[str] = []
+    assert _run(fewer, lines) == {"generate": "ran", "reconstruct": "skipped", "export:specforge": "skipped"}
+    assert not [x for x in lines if "earlier run's" in x]  # the same rows: still right
+    recon = out / "reconstructed.jsonl"
+    write_bytes(recon, b"".join(recon.read_bytes().splitlines(keepends=True)[:8]))
+    before = {name: (out / name).stat().st_mtime_ns for name in ("export/parquet", "vocab", "report")}
+    lines.clear()
+    assert _run(fewer, lines)["export:specforge"] == "ran"
+    assert [x for x in lines if "earlier run's" in x] == [
+        f"warning: {out / target} is an earlier run's ({why}), made from other rows than this run's: it is left as it "
+        "was; delete it if you do not need it" for target, why in (
+            ("export/speculators", "'speculators' is no longer in export.formats"),
+            ("export/parquet", "'parquet' is no longer in export.formats"),
+            ("export/conversations", "'conversations' is no longer in export.formats"),
+            ("vocab", "vocab.draft_vocab_size is no longer set"), ("report", "report.enabled is false"))]
+    assert before == {name: (out / name).stat().st_mtime_ns for name in ("export/parquet", "vocab", "report")}
+
+
 def test_with_no_export_and_no_vocab_the_report_still_refuses_a_sample_listed_twice(tmp_path, kimi_dir):
     """``[export] formats = []`` and no ``[vocab]``: the one pass fed only the report, whose
     rows nothing checked, so a sample listed twice was counted (the standalone report

@@ -518,7 +518,29 @@ def _after_reconstruct(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
     results = _record_pass(cfg, state, plan, passed, echo)
     if cfg.report:
         results.append(_report_stage(cfg, state, report_fp, report_due, row_stats, echo))
+    _left_over(cfg, state, echo)
     return results
+
+
+def _left_over(cfg: RunConfig, state: _State, echo: Callable[[str], None]) -> None:
+    """Say which outputs an earlier run made for a stage this config no longer asks for
+    (a format taken out of ``export.formats``, the vocabulary or the report turned off) and
+    that were made from other rows than this run's: they stay as they were, and read as
+    this run's they disagreed with it without a word (a cold tester's). Ones made from these
+    very rows are still right and are not named."""
+    rows = _digest(cfg.out / "reconstructed.jsonl")
+    asked = {f"export:{f}" for f in cfg.export_formats}
+    asked |= {stage for stage, on in (("vocab", cfg.draft_vocab_size), ("report", cfg.report)) if on}
+    for stage, entry in state.data.items():
+        fmt = stage.partition(":")[2]
+        if stage in asked or not (fmt or stage in ("vocab", "report")) or entry.get("rows_sha256") == rows:
+            continue
+        target = cfg.out / "export" / fmt if fmt else cfg.out / stage
+        if target.exists():
+            why = (f"{fmt!r} is no longer in export.formats" if fmt else "vocab.draft_vocab_size is no longer set"
+                   if stage == "vocab" else "report.enabled is false")
+            echo(f"warning: {target} is an earlier run's ({why}), made from other rows than this run's: it is left "
+                 "as it was; delete it if you do not need it")
 
 
 def _plan_exports(cfg: RunConfig, tok: Tokenizer, state: _State) -> tuple[_Plan, list[ExportJob], VocabJob | None]:
@@ -606,7 +628,7 @@ def _record_pass(cfg: RunConfig, state: _State, plan: _Plan, passed: PassResult 
                 detail = {"coverage": passed.vocab.coverage, "distinct_tokens": passed.vocab.distinct_tokens}
                 if passed.vocab.target_vocab_size_from == "tokenizer":
                     echo(f"warning: vocab: {tokenizer_sized(passed.vocab.target_vocab_size, cfg.tokenizer)}")
-            state.record(stage, fp, detail, target)
+            state.record(stage, fp, {**detail, "rows_sha256": _digest(out / "reconstructed.jsonl")}, target)
         results.append(StageResult(stage, what, detail))
         turns = (state.data[stage].get("skipped") or {}).get("not_a_chat_turn") if fmt else None
         echo(f"export {fmt}: {what} → {target} {state.data[stage].get('rows')} rows"
@@ -624,7 +646,8 @@ def _report_stage(cfg: RunConfig, state: _State, fp: str, due: bool, row_stats: 
         result, html = StageResult("report", "skipped"), cfg.out / "report" / "report.html"
     else:
         html = build_report(cfg.out, rows=row_stats)
-        state.record("report", fp, {"html": str(html)}, html.parent)
+        state.record("report", fp, {"html": str(html), "rows_sha256": _digest(cfg.out / "reconstructed.jsonl")},
+                     html.parent)
         result = StageResult("report", "ran", {"html": str(html)})
     echo(f"report: {result.status} → {html}")
     return result
