@@ -489,7 +489,24 @@ def test_rows_with_no_record_are_written_again_and_the_run_says_so(finished):
     (out / "pipeline.json").unlink()
     lines: list[str] = []
     assert _run(cfg, lines)["reconstruct"] == "ran" and len(recon.read_bytes().splitlines()) == 16
-    assert f"reconstruct: warning: {recon} was there with no record of it in pipeline.json: written again" in lines
+    assert (f"reconstruct: warning: {recon}: pipeline.json holds no digest of it (deleted, damaged or older, or a run "
+            "stopped while writing it): written again") in lines
+
+
+def test_a_run_killed_after_rewriting_the_rows_before_recording_them_goes_on(finished, tmp_path, kimi_dir):
+    """Reconstruct ran again after a config change and was killed after its rename, before
+    its record: the rerun took its own new rows for an edit of the old ones and refused
+    (a cold reviewer's). The old digest is dropped before the rows are written."""
+    cfg, out = finished
+    path = write_run_config(tmp_path, kimi_dir, '[reconstruct]\nseverity = { truncated = "off" }\n')
+    res = cli("run", str(path), env=kill_env("reconstruct:renamed"))
+    assert res.returncode == -9, (res.returncode, res.stdout, res.stderr)
+    lines: list[str] = []
+    assert _run(load_run_config(path), lines)["reconstruct"] == "ran"
+    recon = out / "reconstructed.jsonl"
+    assert [x for x in lines if "digest" in x] == [
+        f"reconstruct: warning: {recon}: pipeline.json holds no digest of it (deleted, damaged or older, or a run "
+        "stopped while writing it): written again"]
 
 
 def test_symlinked_rows_are_used_as_they_are_but_never_written_through(finished, tmp_path, kimi_dir):
@@ -589,6 +606,14 @@ def test_outputs_of_stages_the_config_dropped_are_named_when_the_rows_moved_on(f
             ("export/conversations", "'conversations' is no longer in export.formats"),
             ("vocab", "vocab.draft_vocab_size is no longer set"), ("report", "report.enabled is false"))]
     assert before == {name: (out / name).stat().st_mtime_ns for name in ("export/parquet", "vocab", "report")}
+    # a record older than the digests says nothing either way: no warning (it fired on every rerun)
+    doc = json.loads((out / "pipeline.json").read_text())
+    for stage in ("export:parquet", "export:speculators", "export:conversations", "vocab", "report"):
+        doc[stage].pop("rows_sha256")
+    write_bytes(out / "pipeline.json", json.dumps(doc).encode())
+    lines.clear()
+    _run(fewer, lines)
+    assert not [x for x in lines if "earlier run's" in x]
 
 
 def test_with_no_export_and_no_vocab_the_report_still_refuses_a_sample_listed_twice(tmp_path, kimi_dir):

@@ -130,6 +130,11 @@ class _State:
             self.data[stage].update(files=names, output=_output_signature(folder, names))
         self._save()
 
+    def drop_field(self, stage: str, name: str) -> None:
+        """Forget one field of ``stage``'s record (saved at once)."""
+        if self.data.get(stage, {}).pop(name, None) is not None:
+            self._save()
+
     def forget(self, stage: str) -> None:
         if self.data.pop(stage, None) is not None:
             self._save()
@@ -362,7 +367,8 @@ def _not_an_edit(path: Path, done: Mapping[str, Any], echo: Callable[[str], None
         return
     wrote = done.get("rows_sha256")
     if not isinstance(wrote, str):
-        echo(f"reconstruct: warning: {path} was there with no record of it in pipeline.json: written again")
+        echo(f"reconstruct: warning: {path}: pipeline.json holds no digest of it (deleted, damaged or older, or a run "
+             "stopped while writing it): written again")
         return
     if wrote != _digest(path):
         raise PipelineError(f"{path} is not the file reconstruct wrote (edited or replaced since), and reconstruct must "
@@ -451,6 +457,9 @@ def _reconstruct_stage(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
     else:
         _own_output(reconstructed, "the file reconstruct wrote")
         _not_an_edit(reconstructed, state.data.get("reconstruct") or {}, echo)
+        # the digest of the rows it wrote last is no longer theirs once it writes: a run stopped
+        # between the rename and the record must not take its own new rows for an edit
+        state.drop_field("reconstruct", "rows_sha256")
         rs = reconstruct_file(exchanges, reconstructed, tok, dialect=cfg.dialect, policy=cfg.policy,
                               provider_profile=cfg.provider_profile)
         detail = rs.to_dict()
@@ -533,8 +542,8 @@ def _left_over(cfg: RunConfig, state: _State, echo: Callable[[str], None]) -> No
     asked |= {stage for stage, on in (("vocab", cfg.draft_vocab_size), ("report", cfg.report)) if on}
     for stage, entry in state.data.items():
         fmt = stage.partition(":")[2]
-        if stage in asked or not (fmt or stage in ("vocab", "report")) or entry.get("rows_sha256") == rows:
-            continue
+        if stage in asked or not (fmt or stage in ("vocab", "report")) or entry.get("rows_sha256") in (rows, None):
+            continue  # (no digest: a record older than them, which says nothing either way)
         target = cfg.out / "export" / fmt if fmt else cfg.out / stage
         if target.exists():
             why = (f"{fmt!r} is no longer in export.formats" if fmt else "vocab.draft_vocab_size is no longer set"
