@@ -325,6 +325,33 @@ def test_a_cut_row_that_ends_in_a_leaked_end_marker_exports_under_a_policy_that_
     assert summary.rows_exported == 1
 
 
+@pytest.mark.parametrize("family", ["qwen3", "glm-4.5"])
+def test_a_token_hidden_reading_with_a_second_think_start_exports(tmp_path, family):
+    """``<think>R<think><|im_end|>``: a ``<think>`` the engine's parser hid in place of the
+    close, read as such (``token_hidden``) and ok with ground-truth ids; a rule that a
+    completion opens one think block failed the whole export (a cold reviewer's)."""
+    from test_families_support import family_tokenizer
+    from tokenbridge.chat import resolve_dialect
+    from tokenbridge.reconstruct import reconstruct_record
+
+    tok = family_tokenizer(family)
+    d = resolve_dialect(tok)
+    request = {"model": "m", "messages": [{"role": "user", "content": "Say something."}]}
+    prompt = tok.encode(d.render_request(request))
+    reasoning = "Nothing more to say."
+    native = [*tok.encode(d.think_open_prefix + d.think_open), *tok.encode(reasoning), tok.token_id(d.think_open),
+              tok.token_id(d.end_token)]
+    rec = {"id": "u", "request": request, "native_ids": native, "response": {"choices": [{
+        "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "reasoning_content": reasoning,
+                                                         "content": ""}}],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(native)}}}
+    row, = reconstruct_record(rec, tok)
+    assert (row["status"], row["completion_ids"]) == ("ok", native)
+    assert [s["kind"] for s in row["segments"]].count("think_start") == 2
+    summary = export_file(write_jsonl(tmp_path / "rows.jsonl", [row]), tmp_path / "out", "specforge")
+    assert summary.rows_exported == 1
+
+
 @pytest.mark.parametrize("name", sorted(CORRUPTIONS))
 def test_bad_row_names_line_and_field(run, tmp_path, name):
     rows = run[2]
