@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import re
 import urllib.request
 from pathlib import Path
 
@@ -573,15 +574,32 @@ def test_generate_config_refuses_what_could_not_be_sent_as_meant(tmp_path, text,
     assert str(err.value) == f"{path}:{message}"
 
 
+@pytest.mark.parametrize(("body", "where"), [
+    ({"token": "9f8e7d6c5b4a39281706f5e4d3c2b1a0"}, "token"),
+    ({"secretKey": "9f8e7d6c5b4a39281706f5e4d3c2b1a0"}, "secretKey"),
+    ({"private_key": "9f8e7d6c5b4a39281706f5e4d3c2b1a0"}, "private_key"),
+    ({"metadata": {"sk-or-v1-" + "9f8e7d6c5b4a39281706f5e4d3c2b1a0" * 2: True}}, "metadata.<a key>"),
+    ({"x": "AIza" + "SyD-9f_Ke7c" * 3}, "x"),  # Google's: a provider's own prefix, dashes in its body
+])
+def test_extra_body_credentials_in_close_variants_are_refused(body, where):
+    """Names the first version missed (``token``, ``secretKey``), a key used as a field's
+    name, and a Google key whose dashes broke its random run (a cold reviewer's)."""
+    from tokenbridge.generate.settings import _valid_extra_body
+
+    with pytest.raises(ValueError, match=rf"^{re.escape(where)}: looks like a credential \(not shown here\)"):
+        _valid_extra_body(body)
+
+
 def test_extra_body_free_text_that_only_looks_like_a_key_prefix_is_sent(tmp_path):
     """The header check's shapes, applied to free text, refused run names, user ids and
     prose (a cold reviewer's): a body value is a key only with a key's random body."""
     text = ("model = 'm'\n[request.extra_body]\nuser = 'pk_user_0042_team7_batch19'\nmetadata = {run = "
             "'rk-2024-11-05-ablation-v2-seed3'}\nprediction = {content = 'Use basic 2024-05-01T12-00-00Z_v3 format'}\n"
-            "prompt_cache_key = '3f2a9c1e8b7d6f5a4e3c2b1a0f9e8d7c6b5a4e3d2c1b0a9f8e7d6c5b4a3e2d1c'\n")
+            "prompt_cache_key = '3f2a9c1e8b7d6f5a4e3c2b1a0f9e8d7c6b5a4e3d2c1b0a9f8e7d6c5b4a3e2d1c'\n"
+            "session_id = 'a3f9c2e1b7d4a3f9c2e1b7d4a3f9c2e1'\n")
     settings = load_config(_write(tmp_path, text, "gen.toml"))
     assert settings.request.extra_body["user"] == "pk_user_0042_team7_batch19"
-    assert set(settings.request.extra_body) == {"user", "metadata", "prediction", "prompt_cache_key"}
+    assert set(settings.request.extra_body) == {"user", "metadata", "prediction", "prompt_cache_key", "session_id"}
 
 
 def test_extra_body_keys_tokenbridge_does_not_own_still_pass_and_merge(tmp_path):

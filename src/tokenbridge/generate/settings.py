@@ -308,29 +308,47 @@ def _valid_extra_body(extra: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _credential_path(value: Any) -> str | None:  # Any: JSON (checked by _json_problem first)
-    """Where in ``value`` a string is a credential: a token shaped as a provider's key or a
-    scheme's (:data:`_CREDENTIAL_TOKEN`), or any string under a key named as one holds
-    (``api_key``, ``auth``, ``secret``...), with a run of random characters in it
-    (:func:`_random_run`). Free text is no header value: ``rk-2024-11-05-ablation-v2``
-    and ``Use basic 2024-05-01T12-00-00Z`` are not keys (a cold reviewer's)."""
+    """Where in ``value`` a string (or a key) is a credential: a token that starts as a
+    provider's key does (``sk-ant-``, ``sk-or-v1-``, ``AIza``...), or a generic one (``sk-``,
+    ``Bearer``) or any string under a key named as a credential (``api_key``, ``auth``,
+    ``secret``, ``private_key``... but not ``prompt_cache_key``) with a key's random body
+    (:func:`_random_run`). Free text is no header value: ``rk-2024-11-05-ablation-v2`` and
+    ``Use basic 2024-05-01T12-00-00Z`` are not keys (a cold reviewer's)."""
     stack: list[tuple[Any, str, bool]] = [(value, "", False)]
     while stack:
         v, at, named = stack.pop()
         if isinstance(v, str):
-            tokens = [v] if named else [m.group(1) or m.group(2) for m in _CREDENTIAL_TOKEN.finditer(v)]
-            if any(_random_run(t) for t in tokens):
+            if (named and _random_run(v)) or _key_token_in(v):
                 return at.lstrip(".") or "value"
         elif isinstance(v, (list, tuple)):
             stack.extend((x, f"{at}[{i}]", named) for i, x in enumerate(v))
         elif isinstance(v, Mapping):
-            stack.extend((x, f"{at}.{k}", named or bool(_CREDENTIAL_NAME.search(str(k)))) for k, x in v.items())
+            for k, x in v.items():
+                if _key_token_in(str(k)):
+                    return f"{at}.<a key>".lstrip(".")
+                name = str(k)
+                stack.append((x, f"{at}.{k}", named or bool(_CREDENTIAL_FIELD.search(name) and "cache" not in
+                                                              name.lower())))
     return None
 
 
-#: A body key that names a credential (``api_key``, ``access_token``, ``auth``, ``client_secret``).
-_CREDENTIAL_NAME = re.compile(r"^(?:.*[-_])?(?:api[-_]?key|apikey|(?:access|auth|bearer|id|refresh)[-_]?token|auth|"
-                              r"authorization|secret|password|passwd|credentials?|bearer)$", re.IGNORECASE)
+#: A body field named as a credential (as :data:`_CREDENTIAL_HEADER`, but a session's or a
+#: cookie's id is sent to the provider as such: ``session_id`` is routing, not a secret).
+_CREDENTIAL_FIELD = re.compile(r"auth|key|token|secret|passw|credential|bearer|private", re.IGNORECASE)
+#: Prefixes only providers' keys start with: a token after one is a key whatever its body.
+_KEY_PREFIX = re.compile(r"^(?:sk-(?:or|ant|proj|svcacct|admin)-|gsk_|xai-|AIza|hf_|ghp_|gho_|ghs_|github_pat_|glpat-|"
+                         r"pplx-|r8_)")
 _ALNUM_RUN = re.compile(r"[A-Za-z0-9]{20,}")
+
+
+def _key_token_in(text: str) -> bool:
+    """Whether ``text`` holds a token :data:`_CREDENTIAL_TOKEN` finds that is a key: after a
+    provider's own prefix, or (generic ``sk-``/``rk-``/``pk-``, a scheme) with a random body."""
+    for m in _CREDENTIAL_TOKEN.finditer(text):
+        token = m.group(1) or m.group(2)
+        if (m.group(1) and _KEY_PREFIX.match(token)) or _random_run(token):
+            return True
+    return False
 
 
 def _random_run(text: str) -> bool:
