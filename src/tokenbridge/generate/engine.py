@@ -736,11 +736,15 @@ class Engine:
         return kept or None
 
     def _pieces_masked(self, body: bytes) -> bytes:
-        """``body`` with pieces of the key that hold half of it masked, where that half is
-        :data:`~.secrets.MIN_MASKED` characters or more: half of a short key a user chose
-        for a local server (``my-secret-key-2024``) is a word or two an answer may hold."""
-        key = self.key.value if self.key is not None else ""
-        return mask_scattered(body, self.key) if len(key) >= 2 * MIN_MASKED else body
+        """``body`` with pieces of the key that hold half of it masked (:meth:`_scattered`)."""
+        return mask_scattered(body, self.key) if self._scattered() else body
+
+    def _scattered(self) -> bool:
+        """Whether pieces of the key are looked for in what is kept (an answer, a raw stream):
+        only where half the key is :data:`~.secrets.MIN_MASKED` characters or more. Half of a
+        short key a user chose for a local server (``my-secret-key-2024``) is a word or two
+        an answer may hold, and its raw stream was dropped for it."""
+        return self.key is not None and len(self.key.value) >= 2 * MIN_MASKED
 
     def _masked_stream(self, assembled: bytes, raw: bytearray, notice: str) -> tuple[bytes, bytes | None]:
         """``assembled`` with the key masked, and the raw stream to keep beside it (masked), or
@@ -753,7 +757,7 @@ class Engine:
             self._notice(f"{notice} (the key may be split across events there)")
             return body, None
         kept = scrub_bytes(bytes(raw), self.key)
-        if scattered_key(kept, self.key):
+        if self._scattered() and scattered_key(kept, self.key):
             self._notice("a stream's raw bytes held pieces of the API key (comment lines, chunk ids): its raw stream "
                          "is not kept")
             return body, None
