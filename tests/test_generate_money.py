@@ -445,6 +445,13 @@ def test_max_completion_tokens_beside_max_tokens_is_reserved_at_the_larger_cap(t
     assert budget.stop_message(prompt, completion, default_reserve=False, cap=cap_setting(json.loads(request_json))
                                ).endswith("(raise --max-cost or lower extra_body.max_completion_tokens)")
     assert cap_setting({"max_tokens": 300, "max_completion_tokens": 20}) == "max_tokens"
+    assert cap_setting({"max_tokens": 300, "max_completion_tokens": 300}) == (
+        "max_tokens and extra_body.max_completion_tokens")
+    # and the run itself says so when one request's worst case alone is over its cap
+    (tmp_path / "b").mkdir()
+    over = _run(tmp_path / "b", 2, reply, concurrency=1, max_cost=0.1, prices=prices, request=request)
+    assert over.done == 0 and any(n.endswith("(raise --max-cost or lower extra_body.max_completion_tokens)")
+                                  for n in over.notices), over.notices
     for req, cap in [({"max_tokens": 100, "max_completion_tokens": 20_000}, 20_000),
                      ({"max_tokens": 300, "max_completion_tokens": 20}, 300), ({"max_completion_tokens": 7}, 7),
                      ({"max_tokens": "9" * 9, "max_completion_tokens": True}, None), ({"max_tokens": -5}, None)]:

@@ -141,10 +141,12 @@ def completion_cap(request: Mapping[str, Any]) -> int | None:
 
 
 def cap_setting(request: Mapping[str, Any]) -> str:
-    """The setting that gave ``request`` its :func:`completion_cap`, as a config names it."""
-    if _count(request.get("max_completion_tokens")) > _count(request.get("max_tokens")):
+    """The setting(s) that gave ``request`` its :func:`completion_cap`, as a config names
+    them: both where they are equal (lowering one alone changes nothing)."""
+    given, other = _count(request.get("max_completion_tokens")), _count(request.get("max_tokens"))
+    if given > other:
         return "extra_body.max_completion_tokens"
-    return "max_tokens"
+    return "max_tokens and extra_body.max_completion_tokens" if given == other else "max_tokens"
 
 
 def _count(value: Any) -> int:  # Any: a stored request's field, as JSON gave it
