@@ -215,7 +215,8 @@ def test_a_source_that_cannot_be_read_names_its_dataset_then_its_file(tmp_path):
     (tmp_path / "hf" / "state.json").write_text("{}", encoding="utf-8")
     with pytest.raises(PromptSourceError) as exc:
         load_prompts([_spec(good, "a"), _spec(tmp_path / "hf", "b")])
-    assert str(exc.value) == f"dataset 'b': {tmp_path / 'hf' / 'state.json'}: not a readable save_to_disk state ('_data_files')"
+    assert str(exc.value) == (f"dataset 'b': {tmp_path / 'hf' / 'state.json'}: _data_files: must be a list of "
+                              "{\"filename\": ...} objects (what datasets' save_to_disk writes), got no such key")
     with pytest.raises(PromptSourceError) as exc:
         load_prompts([_spec(tmp_path / "missing", "c")])
     assert str(exc.value) == f"dataset 'c': {tmp_path / 'missing'} does not exist"

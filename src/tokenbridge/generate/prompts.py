@@ -805,7 +805,8 @@ def _data_files(folder: Path) -> list[str]:
     state = _read_meta(where)
     listed = state.get("_data_files") if isinstance(state, dict) else None
     if not isinstance(listed, list):
-        got = f"a top level that is {type(state).__name__}" if not isinstance(state, dict) else repr(listed)[:80]
+        got = (f"a top level that is {type(state).__name__}" if not isinstance(state, dict) else "no such key"
+               if "_data_files" not in state else repr(listed)[:80])
         raise PromptSourceError(f"{where}: _data_files: must be a list of {{\"filename\": ...}} objects (what "
                                 f"datasets' save_to_disk writes), got {got}")
     names: list[str] = []
