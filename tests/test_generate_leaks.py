@@ -388,6 +388,31 @@ def test_an_error_quoting_the_key_in_short_pieces_is_masked_where_it_is_shown_an
     assert b"bad ***" in stored
 
 
+def _answering(content: str, *, cost: float | None = None) -> Reply:
+    """A server's reply with ``content`` as the answer: a chat.completion, or its SSE stream
+    (content, finish, then usage) where the request asks for one."""
+    usage = {"prompt_tokens": 5, "completion_tokens": 3, **({"cost": cost} if cost is not None else {})}
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        if not json.loads(await request.read()).get("stream"):
+            return web.json_response({
+                "id": "gen-l", "object": "chat.completion", "created": 1, "model": "m", "provider": "p",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+                "usage": usage})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for delta, finish in (({"role": "assistant", "content": content}, None), ({}, "stop")):
+            chunk = {"id": "gen-l", "object": "chat.completion.chunk", "created": 1, "model": "m", "provider": "p",
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        last = {"id": "gen-l", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+                "usage": usage}
+        await resp.write(b"data: " + json.dumps(last).encode() + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    return reply
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_kept_answer_quoting_the_key_in_short_pieces_is_stored_masked(tmp_path, capsys, stream):
     """A 200 answer whose content lists the key in 10-character pieces was kept and stored as it
@@ -395,23 +420,7 @@ def test_a_kept_answer_quoting_the_key_in_short_pieces_is_stored_masked(tmp_path
     cold tester's). Kept answers are masked so too, streamed or not, and the run says so."""
     listed = str([SECRET[a:a + 10] for a in range(0, len(SECRET), 10)])
 
-    async def reply(request: web.Request) -> web.StreamResponse:
-        body = json.loads(await request.read())
-        if not body.get("stream"):
-            return web.json_response({
-                "id": "gen-l", "object": "chat.completion", "created": 1, "model": "m", "provider": "p",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": listed}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "cost": 0.0001}})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for delta, finish in (({"role": "assistant", "content": listed}, None), ({}, "stop")):
-            chunk = {"id": "gen-l", "object": "chat.completion.chunk", "created": 1, "model": "m", "provider": "p",
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        usage = {"id": "gen-l", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
-                 "usage": {"prompt_tokens": 5, "completion_tokens": 3, "cost": 0.0001}}
-        await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
-        return resp
+    reply = _answering(listed, cost=0.0001)
 
     _, summary = _run(tmp_path, 1, reply, stream=stream)
     assert summary.done == 1
@@ -435,20 +444,7 @@ def test_an_answer_holding_words_of_a_short_chosen_key_is_kept_as_it_came(tmp_pa
     key = ApiKey("TB_LOCAL", "local-dev-key-2024ab")
     text = "Set it with a local-dev-key flag."
 
-    async def reply(request: web.Request) -> web.StreamResponse:
-        if not json.loads(await request.read()).get("stream"):
-            return web.json_response({
-                "id": "gen-l", "object": "chat.completion", "created": 1, "model": "m", "provider": "p",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 5, "completion_tokens": 3}})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for delta, finish in (({"role": "assistant", "content": text}, None), ({}, "stop")):
-            chunk = {"id": "gen-l", "object": "chat.completion.chunk", "created": 1, "model": "m", "provider": "p",
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+    reply = _answering(text)
 
     _, summary = _run(tmp_path, 1, reply, key=key, stream=stream)
     assert summary.done == 1 and text.encode() in _every_stored_byte(tmp_path / "run")

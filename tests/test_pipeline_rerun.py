@@ -459,6 +459,16 @@ def test_a_new_gate_revision_reruns_every_stage_after_generate(finished, monkeyp
 # --- the files run names itself -----------------------------------------------------------
 
 
+def _refused_after_a_change(tmp_path, kimi_dir):
+    """The run config with a policy change reconstruct must run again for, and the one line
+    (exit 2) a run under it stops with."""
+    changed = load_run_config(write_run_config(tmp_path, kimi_dir, '[reconstruct]\nseverity = { truncated = "off" }\n'))
+    with pytest.raises(PipelineError) as caught:
+        run_pipeline(changed, echo=lambda _: None)
+    assert caught.value.code == 2
+    return changed, str(caught.value)
+
+
 def test_edited_rows_are_never_replaced_when_reconstruct_must_run_again(finished, tmp_path, kimi_dir):
     """Rows the user cut down to 8 in place are used as they are while reconstruct skips;
     when the config then changed reconstruct ran again and wrote every row over them without
@@ -468,14 +478,12 @@ def test_edited_rows_are_never_replaced_when_reconstruct_must_run_again(finished
     recon = out / "reconstructed.jsonl"
     write_bytes(recon, b"".join(recon.read_bytes().splitlines(keepends=True)[:8]))
     mine = recon.read_bytes()
-    changed = load_run_config(write_run_config(tmp_path, kimi_dir, '[reconstruct]\nseverity = { truncated = "off" }\n'))
-    with pytest.raises(PipelineError) as caught:
-        run_pipeline(changed, echo=lambda _: None)
-    assert str(caught.value) == (
+    changed, refused = _refused_after_a_change(tmp_path, kimi_dir)
+    assert refused == (
         f"{recon} is not the file reconstruct wrote (edited or replaced since), and reconstruct must run again (its "
         "input or settings changed), which would replace it: move it elsewhere to keep it, or delete it to have it "
         "written again")
-    assert caught.value.code == 2 and recon.read_bytes() == mine
+    assert recon.read_bytes() == mine
     recon.unlink()  # as it says: then it is written again
     assert _run(changed)["reconstruct"] == "ran" and len(recon.read_bytes().splitlines()) == 16
 
@@ -525,17 +533,14 @@ def test_symlinked_rows_are_used_as_they_are_but_never_written_through(finished,
     assert _run(cfg, lines)["reconstruct"] == "skipped"
     assert json.loads((out / "report" / "report.json").read_text())["rows"]["total"] == 8
     assert any("is not the file this stage wrote" in x for x in lines)
-    changed = load_run_config(write_run_config(tmp_path, kimi_dir, '[reconstruct]\nseverity = { truncated = "off" }\n'))
-    with pytest.raises(PipelineError) as caught:
-        run_pipeline(changed, echo=lambda _: None)
-    assert str(caught.value) == (
+    changed, refused = _refused_after_a_change(tmp_path, kimi_dir)
+    assert refused == (
         f"{recon}: is a symbolic link to {curated}, a regular file, not the file reconstruct wrote; run writes that "
         "file itself and never through a link or over anything but a file: remove it (the file a link names is "
         "kept) to have it written again")
-    assert caught.value.code == 2
     assert curated.read_bytes() == mine and os.readlink(recon) == str(curated)
     res = cli("run", str(changed.source))  # the command: one error line, exit 2
-    assert res.returncode == 2 and res.stderr.splitlines() == [f"error: {caught.value}"]
+    assert res.returncode == 2 and res.stderr.splitlines() == [f"error: {refused}"]
     assert curated.read_bytes() == mine
     recon.unlink()
     assert _run(changed)["reconstruct"] == "ran" and len(recon.read_bytes().splitlines()) == 16
