@@ -740,10 +740,10 @@ class Engine:
         return mask_scattered(body, self.key) if self._scattered() else body
 
     def _scattered(self) -> bool:
-        """Whether pieces of the key are looked for in what is kept (an answer, a raw stream):
-        only where half the key is :data:`~.secrets.MIN_MASKED` characters or more. Half of a
-        short key a user chose for a local server (``my-secret-key-2024``) is a word or two
-        an answer may hold, and its raw stream was dropped for it."""
+        """Whether pieces of the key are masked in a kept answer: only where half the key is
+        :data:`~.secrets.MIN_MASKED` characters or more. Half of a short key a user chose for
+        a local server (``my-secret-key-2024``) is a word or two an answer may hold. (A raw
+        stream that holds such pieces is not kept at all: it is no sample's text.)"""
         return self.key is not None and len(self.key.value) >= 2 * MIN_MASKED
 
     def _masked_stream(self, assembled: bytes, raw: bytearray, notice: str) -> tuple[bytes, bytes | None]:
@@ -757,9 +757,9 @@ class Engine:
             self._notice(f"{notice} (the key may be split across events there)")
             return body, None
         kept = scrub_bytes(bytes(raw), self.key)
-        if self._scattered() and scattered_key(kept, self.key):
-            self._notice("a stream's raw bytes held pieces of the API key (comment lines, chunk ids): its raw stream "
-                         "is not kept")
+        if scattered_key(kept, self.key):  # (raw bytes are no sample's text: dropped whatever the key's length)
+            self._notice("a stream's raw bytes held pieces of the API key, half of it or more (comment lines, chunk "
+                         "ids, or the answer's own text): its raw stream is not kept")
             return body, None
         return body, kept
 
