@@ -529,6 +529,9 @@ def test_generate_flags_override_the_file(tmp_path):
     ("extra_body = {stream = true}",
      "1: extra_body: stream: tokenbridge sets this itself (with stream = true (--stream), when sending)"),
     ("extra_body = {reasoning = 'high'}", "1: extra_body: reasoning: must be a table (it is merged into the request's reasoning)"),
+    # a run setting in the body: sent to the provider, no cap on the run (a cold tester's)
+    ("extra_body = {max_cost = 0.5}", "1: extra_body: max_cost: a tokenbridge setting, not a request field: set it "
+     "outside extra_body; there it would go to the provider as it is and do nothing here"),
     # another provider's key, sent with every request and stored in every exchange (a cold tester's)
     ("extra_body = {provider_credentials = 'sk-ant-api03-Xq3vT9LmN2pR8sK4wY7zB1cD5fG6hJ0k'}",
      "1: extra_body: provider_credentials: looks like a credential (not shown here): extra_body goes into every "
@@ -564,7 +567,7 @@ def test_generate_flags_override_the_file(tmp_path):
     ("reasoning = 'low'\nextra_body = {reasoning = {effort = 'high'}}",
      "2: extra_body.reasoning.effort: also set by reasoning.effort; set it in one place "
      "(extra_body is merged last and would silently replace it)"),
-], ids=["nan", "nested-inf", "date", "messages", "model-and-n", "stream", "reasoning-string", "credential", "credential-named", "credential-nested", "cap-word", "cap-zero",
+], ids=["nan", "nested-inf", "date", "messages", "model-and-n", "stream", "reasoning-string", "setting-in-body", "credential", "credential-named", "credential-nested", "cap-word", "cap-zero",
         "header-crlf",
         "header-name", "model-twice", "extra-reasoning-leaf", "extra-provider-leaf", "extra-over-top-level"])
 def test_generate_config_refuses_what_could_not_be_sent_as_meant(tmp_path, text, message):

@@ -291,6 +291,11 @@ def _valid_extra_body(extra: Mapping[str, Any]) -> Mapping[str, Any]:
     own = [key for key in extra if key in _BODY_OWN_KEYS]
     if own:
         raise ValueError("; ".join(f"{key}: tokenbridge sets this itself ({_BODY_OWN_KEYS[key]})" for key in own))
+    # a run setting put in the body: max_cost there went to the provider and capped nothing (a cold tester's)
+    settings = [key for key in extra if key in {f.name for f in fields(GenerateSettings)}]
+    if settings:
+        raise ValueError("; ".join(f"{key}: a tokenbridge setting, not a request field: set it outside extra_body; "
+                                   "there it would go to the provider as it is and do nothing here" for key in settings))
     for key in ("reasoning", "provider"):
         if key in extra and not isinstance(extra[key], Mapping):
             raise ValueError(f"{key}: must be a table (it is merged into the request's {key})")
