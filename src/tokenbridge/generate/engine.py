@@ -736,15 +736,13 @@ class Engine:
         return kept or None
 
     def _pieces_masked(self, body: bytes) -> bytes:
-        """``body`` with pieces of the key that hold half of it masked (:meth:`_scattered`)."""
-        return mask_scattered(body, self.key) if self._scattered() else body
-
-    def _scattered(self) -> bool:
-        """Whether pieces of the key are masked in a kept answer: only where half the key is
-        :data:`~.secrets.MIN_MASKED` characters or more. Half of a short key a user chose for
+        """``body`` with pieces of the key that hold half of it masked, where that half is
+        :data:`~.secrets.MIN_MASKED` characters or more: half of a short key a user chose for
         a local server (``my-secret-key-2024``) is a word or two an answer may hold. (A raw
         stream that holds such pieces is not kept at all: it is no sample's text.)"""
-        return self.key is not None and len(self.key.value) >= 2 * MIN_MASKED
+        if self.key is None or len(self.key.value) < 2 * MIN_MASKED:
+            return body
+        return mask_scattered(body, self.key)
 
     def _masked_stream(self, assembled: bytes, raw: bytearray, notice: str) -> tuple[bytes, bytes | None]:
         """``assembled`` with the key masked, and the raw stream to keep beside it (masked), or
