@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from ..exit_codes import ExitCode
 from .budget import completion_cap, usd
-from .prompts import SHOWN_BAD_ROWS, load_prompts
+from .prompts import SHOWN_BAD_ROWS, Sample, load_prompts
 from .request import build_request
 from .settings import ConfigError, GenerateSettings
 from .store import STATE_FILE, Store
@@ -133,9 +133,8 @@ def dry_run(settings: GenerateSettings, out_dir: str | Path | None = None, *, fo
         total += n
         longest = max(longest, n)
         to_send += 1
-    rs = settings.request  # extra_body's max_completion_tokens caps a choice too: the larger cap bounds the cost
-    max_tokens = completion_cap({"max_tokens": rs.max_tokens, "max_completion_tokens": rs.extra_body.get(
-        "max_completion_tokens")})
+    # the caps every request carries (extra_body's max_completion_tokens too): the larger bounds the cost
+    max_tokens = completion_cap(build_request(Sample("", "", []), settings.request))
     completion_max = (max_tokens or 0) * n_per * to_send
     prices = settings.prices
     cost_prompt = cost_max = cost_expected = None
