@@ -531,6 +531,13 @@ def _after_reconstruct(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
     return results
 
 
+def _stage_folder(out: Path, stage: str) -> Path:
+    """Where a stage after reconstruct writes: ``export:FMT`` in ``export/FMT``, ``vocab``
+    and ``report`` in their own folders."""
+    fmt = stage.partition(":")[2]
+    return out / "export" / fmt if fmt else out / stage
+
+
 def _left_over(cfg: RunConfig, state: _State, echo: Callable[[str], None]) -> None:
     """Say which outputs an earlier run made for a stage this config no longer asks for
     (a format taken out of ``export.formats``, the vocabulary or the report turned off) and
@@ -544,7 +551,7 @@ def _left_over(cfg: RunConfig, state: _State, echo: Callable[[str], None]) -> No
         fmt = stage.partition(":")[2]
         if stage in asked or not (fmt or stage in ("vocab", "report")) or entry.get("rows_sha256") in (rows, None):
             continue  # (no digest: a record older than them, which says nothing either way)
-        target = cfg.out / "export" / fmt if fmt else cfg.out / stage
+        target = _stage_folder(cfg.out, stage)
         if target.exists():
             why = (f"{fmt!r} is no longer in export.formats" if fmt else "vocab.draft_vocab_size is no longer set"
                    if stage == "vocab" else "report.enabled is false")
@@ -622,7 +629,7 @@ def _record_pass(cfg: RunConfig, state: _State, plan: _Plan, passed: PassResult 
     for stage, (fp, what) in plan.items():
         fmt = stage.partition(":")[2]
         kind: OutputKind = "export" if fmt else "vocab"
-        target = out / "export" / fmt if fmt else out / "vocab"
+        target = _stage_folder(out, stage)
         if what == "empty":
             results.append(StageResult(stage, "empty", {"rows": 0} if fmt else {}))
             echo((f"export {fmt}: nothing to export (no {'ok/flagged' if cfg.include_flagged else 'ok'} rows)" if fmt
