@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from . import jsonl
 from .content import content_fault, reasoning_fault, role_fault, tool_calls_fault, tools_fault
@@ -354,19 +354,24 @@ def keys_once(value: Any, line: bytes | memoryview) -> Any:  # Any: any JSON val
     return value
 
 
-def iter_objects(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def iter_objects(path: str | Path, on_bad: Callable[[RecordError], None] | None = None,
+                 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line of a JSONL file, lazily; a line
-    that is not a JSON object raises RecordError with field ``<line>``."""
+    that is not a JSON object raises RecordError with field ``<line>`` (its ``line`` set),
+    or, given ``on_bad``, is handed to it and skipped."""
     for lineno, line in iter_lines(path):
         try:
             obj = loads_line(line)
         except RecordError as exc:
-            exc.line = lineno
-            raise
-        if not isinstance(obj, dict):
+            err = exc
+        else:
+            if isinstance(obj, dict):
+                yield lineno, obj
+                continue
             err = RecordError("<line>", f"must be a JSON object, got {type(obj).__name__}")
-            err.line = lineno
+        err.line = lineno
+        if on_bad is None:
             raise err
-        yield lineno, obj
+        on_bad(err)
 
 

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from ..checks import CODES
-from ..exchanges import RecordError, iter_lines, loads_line
+from ..exchanges import RecordError, iter_objects
 from ..exit_codes import ExitCode
 from ..fsio import kind_of
 from ..jsonl import is_count, is_int
@@ -418,19 +418,12 @@ def _objects(path: Path, unreadable: dict[str, Any]) -> Iterator[dict[str, Any]]
     """The exchange records of ``path``; a line that is not one (not JSON, not an object, a
     number past a double) is counted in ``unreadable`` (the first named) and skipped, as
     reconstruct skips it: one such line stopped the whole report."""
-    for lineno, line in iter_lines(path):
-        try:
-            rec = loads_line(line)
-        except RecordError as exc:
-            field, detail = exc.field, exc.detail
-        else:
-            if isinstance(rec, dict):
-                yield rec
-                continue
-            field, detail = "<line>", f"must be a JSON object, got {type(rec).__name__}"
+    def skip(exc: RecordError) -> None:
         unreadable["lines"] += 1
         if unreadable["first"] is None:
-            unreadable["first"] = f"line {lineno}: {field}: {detail}"
+            unreadable["first"] = f"line {exc.line}: {exc.field}: {exc.detail}"
+
+    return (rec for _, rec in iter_objects(path, on_bad=skip))
 
 
 def unreadable_note(data: dict[str, Any]) -> str | None:
