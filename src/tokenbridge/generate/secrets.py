@@ -182,41 +182,59 @@ def scattered_key(data: bytes, key: ApiKey | str | None) -> bool:
     stream can spread the key over comment lines or the ids of its chunks, which no byte
     pattern masks, and whoever reads the bytes joins them. Such bytes are not kept. Pieces
     found by chance only cost the keeping of raw bytes beside what was assembled from them.
-    One regex pass over ``data`` (about 15 ms a MB)."""
+    About 15 ms a MB for a hex key, 40 for a base62 one (bench/RESULTS.md)."""
     value = key.value if isinstance(key, ApiKey) else key
     if not value or not data or len(value) < MIN_MASKED:
         return False
-    raw, pieces = _pieces(value)
-    # overlapping: a 12-character piece holds five; either case (an upper-cased hex key is the key)
-    found = {m.group(1).lower() for m in pieces.finditer(data)}
-    if not found:
-        return False
-    raw = raw.lower()
-    covered = bytearray(len(raw))
-    for i in range(len(raw) - SCATTER_PIECE + 1):
-        if raw[i:i + SCATTER_PIECE] in found:
-            covered[i:i + SCATTER_PIECE] = b"\1" * SCATTER_PIECE
-    return 2 * sum(covered) >= len(raw)
+    return _half_covered(value, {piece for _, piece in _key_pieces(data, value)})
 
 
 def mask_scattered(data: bytes, key: ApiKey | str | None) -> bytes:
     """``data`` with every piece of the key :func:`scattered_key` counts masked, where together
     they hold half the key or more: an error text that quotes the key in pieces shorter than
     :func:`scrub_bytes` masks (``sk-or-v1-3f9a1c..d4a6f8b1c3e5d7a..``) is shown and stored,
-    not the pieces. For error texts and bodies (small); a kept answer's raw stream that holds
-    such pieces is not kept at all instead."""
+    not the pieces. Every kept body goes through it, so it reads ``data`` once."""
     value = key.value if isinstance(key, ApiKey) else key
-    if not value or not value.isascii() or not scattered_key(data, value):  # (a piece never splits a character)
+    if not value or not data or len(value) < MIN_MASKED or not value.isascii():  # (a piece never splits a character)
         return data
-    _, pieces = _pieces(value)
+    found = _key_pieces(data, value)
+    if not _half_covered(value, {piece for _, piece in found}):
+        return data
     spans: list[tuple[int, int]] = []
-    for m in pieces.finditer(data):
-        start, end = m.start(), m.start() + SCATTER_PIECE
+    for start, _ in found:
+        end = start + SCATTER_PIECE
         if spans and start <= spans[-1][1]:
             spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
         else:
             spans.append((start, end))
     return _spliced(data, [(start, end, _MASK_BYTES) for start, end in spans])
+
+
+def _key_pieces(data: bytes, value: str) -> list[tuple[int, bytes]]:
+    """Each place in ``data`` where a :data:`SCATTER_PIECE`-long piece of the key starts, in
+    either case (an upper-cased hex key is the key), overlapping ones too (a 12-character piece
+    holds five), with the piece lower-cased; in order. A piece lies inside a run of the key's
+    own characters, so only such runs are looked into: in prose they are few and short."""
+    pieces, runs = _pieces(value)
+    found: list[tuple[int, bytes]] = []
+    for m in runs.finditer(data.lower()):
+        run, at = m.group(), m.start()
+        for i in range(len(run) - SCATTER_PIECE + 1):
+            if (piece := run[i:i + SCATTER_PIECE]) in pieces:
+                found.append((at + i, piece))
+    return found
+
+
+def _half_covered(value: str, found: set[bytes]) -> bool:
+    """Whether the key's pieces in ``found`` (lower-cased) cover half its characters or more."""
+    if not found:
+        return False
+    raw = value.encode("utf-8", "surrogatepass").lower()
+    covered = bytearray(len(raw))
+    for i in range(len(raw) - SCATTER_PIECE + 1):
+        if raw[i:i + SCATTER_PIECE] in found:
+            covered[i:i + SCATTER_PIECE] = b"\1" * SCATTER_PIECE
+    return 2 * sum(covered) >= len(raw)
 
 
 def scrub_message(text: str, key: ApiKey | str | None) -> str:
@@ -229,11 +247,13 @@ def scrub_message(text: str, key: ApiKey | str | None) -> str:
 
 
 @lru_cache(maxsize=8)
-def _pieces(value: str) -> tuple[bytes, re.Pattern[bytes]]:
-    """The key's bytes, and a pattern matching each of its :data:`SCATTER_PIECE`-long pieces."""
-    raw = value.encode("utf-8", "surrogatepass")
-    grams = sorted({raw[i:i + SCATTER_PIECE].lower() for i in range(len(raw) - SCATTER_PIECE + 1)})
-    return raw, re.compile(b"(?=(" + b"|".join(re.escape(g) for g in grams) + b"))", re.IGNORECASE)
+def _pieces(value: str) -> tuple[frozenset[bytes], re.Pattern[bytes]]:
+    """The key's :data:`SCATTER_PIECE`-long pieces, lower-cased, and a pattern matching each
+    run of that many or more of the characters they are made of (in lower-case text)."""
+    raw = value.encode("utf-8", "surrogatepass").lower()
+    pieces = frozenset(raw[i:i + SCATTER_PIECE] for i in range(len(raw) - SCATTER_PIECE + 1))
+    alphabet = b"".join(re.escape(bytes([c])) for c in sorted(set(raw)))
+    return pieces, re.compile(b"[" + alphabet + b"]{%d,}" % SCATTER_PIECE)
 
 
 _GZIP_MAGIC = b"\x1f\x8b"
