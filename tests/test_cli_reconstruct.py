@@ -389,15 +389,22 @@ def test_a_summary_json_that_cannot_be_written_fails_before_the_output_is_replac
 
 
 def test_a_rejected_row_whose_text_is_not_utf8_is_shown_by_inspect(tmp_path, kimi_dir):
-    """A raw byte that is not UTF-8 in a message: reconstruct rejects the sample (its text
-    cannot be encoded exactly) and writes its row; inspect then refused that row, "no
-    training file can carry it" (a cold tester's). A rejected row is shown, escaped; an
-    ok row's texts are still held to what a training file can carry."""
+    """A lone surrogate the API escaped in a message (``\\udcff``): reconstruct rejects the
+    sample (its text cannot be encoded exactly) and writes its row; inspect then refused that
+    row, "no training file can carry it" (a cold tester's). A rejected row is shown, escaped;
+    an ok row's texts are still held to what a training file can carry. The same character
+    as a raw byte in the file is no JSON text: one bad line naming its field."""
     rec = json.loads(EXAMPLE.read_text(encoding="utf-8").splitlines()[0])
     rec["request"]["messages"][0]["content"] = "PLACEHOLDER"
     src = tmp_path / "in.jsonl"
-    src.write_bytes(json.dumps(rec).encode().replace(b"PLACEHOLDER", b"abc\xffdef") + b"\n")
     out = tmp_path / "out.jsonl"
+    src.write_bytes(json.dumps(rec).encode().replace(b"PLACEHOLDER", b"abc\xffdef") + b"\n")
+    res = CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(out), "-t", str(kimi_dir)])
+    assert res.exit_code == 1 and out.read_bytes() == b"", res.output
+    at = src.read_bytes().index(b"abc") + 3
+    assert (f"bad record: {src}:1: request.messages[0].content: not valid UTF-8 (byte 0xff at byte {at}: "
+            "invalid start byte)") in res.output.splitlines()
+    src.write_bytes(json.dumps(rec).encode().replace(b"PLACEHOLDER", b"abc\\udcffdef") + b"\n")
     CliRunner().invoke(app, ["reconstruct", str(src), "-o", str(out), "-t", str(kimi_dir)])
     row = json.loads(out.read_text(encoding="utf-8"))
     assert row["status"] == "rejected" and row["messages"][0]["content"] == "abc\udcffdef"

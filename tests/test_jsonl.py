@@ -127,6 +127,23 @@ def test_finite_numbers_and_lone_surrogates_still_read():
     assert jsonl.loads_line('{"s": "\\ud800", "n": 1.5e308, "t": 1e-400}') == {"s": "\ud800", "n": 1.5e308, "t": 0.0}
 
 
+@pytest.mark.parametrize("line,field,detail", [
+    (b'{"a": {"b": ["x", "y\xff"]}}', "a.b[1]", "not valid UTF-8 (byte 0xff at byte 20: invalid start byte)"),
+    (b'[{"k\xc3(": 1}]', "[0] (a key)", "not valid UTF-8 (byte 0xc3 at byte 4: invalid continuation byte)"),
+    # a lone surrogate the sender escaped is JSON: with one such escape in the line, no field is named
+    (b'{"a": "\\udcff", "b": "\xe2\x82"}', None, "not valid UTF-8 (byte 0xe2 at byte 22: invalid continuation byte)"),
+    (b'{"a": "\xff" x', None, "not valid UTF-8 (byte 0xff at byte 7: invalid start byte)"),  # no JSON either
+])
+def test_a_line_with_bytes_that_are_no_utf8_is_refused_naming_the_field(line, field, detail):
+    """Read as bytes, the line was refused (no field named); read from a file as text (bytes
+    kept as surrogate escapes), it was read, and the gate rejected its sample as a round trip
+    that failed. Either way it is no JSON text: one error, naming the field where it can."""
+    for read_as in (line, line.decode("utf-8", "surrogateescape")):
+        with pytest.raises(jsonl.JsonLineError) as err:
+            jsonl.loads_line(read_as)
+        assert (err.value.field, err.value.detail) == (field, detail)
+
+
 def test_a_row_file_with_nan_names_file_line_and_field(tmp_path):
     src = tmp_path / "r.jsonl"
     src.write_text('\n{"id": "b", "usage": {"cost": NaN}}\n')

@@ -12,8 +12,9 @@ Every JSONL file (exchange records, reconstructed rows, exports) goes through th
   a document nested deeper than Python's stack raised RecursionError, which was exit 8;
 * :func:`dumps_line` writes compact JSON with orjson, and ASCII-escapes (stdlib) when the
   value holds lone surrogates, so the file stays valid UTF-8;
-* :func:`iter_lines` gives the non-blank lines of a file with their numbers (invalid
-  UTF-8 kept as surrogate escapes, for the gate's ``replacement_char``-style checks);
+* :func:`iter_lines` gives the non-blank lines of a file with their numbers (bytes that
+  are no UTF-8 kept as surrogate escapes, so that :func:`loads_line` names the field
+  holding them where the line is read);
 * :func:`json_text` is a value as the compact JSON text Parquet columns hold;
 * :func:`value_key` is a key that tells JSON values apart, for caches of what is derived
   from one (the tool declarations a whole dataset repeats).
@@ -65,7 +66,8 @@ def loads_line(line: str | bytes) -> Any:
     (what Windows tools write at a file's start) is dropped, for text and bytes alike: the
     stdlib skipped it on bytes only, so export read a line that inspect and reconstruct
     refused. An object that gives a key twice is refused (:func:`repeated_key`): orjson
-    keeps the last value, other readers the first. Raises :class:`JsonLineError`."""
+    keeps the last value, other readers the first. So is a line that holds bytes which are
+    no UTF-8, naming the field they are in (:func:`_raw_bytes`). Raises :class:`JsonLineError`."""
     line = _without_bom(line)
     try:
         value = orjson.loads(line)
@@ -74,6 +76,9 @@ def loads_line(line: str | bytes) -> Any:
     else:
         repeated_key(value, line)
         return value
+    text = line if isinstance(line, str) else bytes(line).decode("utf-8", "surrogateescape")
+    if (refused := _raw_bytes(text)) is not None:
+        raise refused
     try:
         return loads_finite(line, unique_keys=True)
     except JsonLineError as exc:
@@ -105,6 +110,49 @@ def loads_finite(text: str | bytes, *, unique_keys: bool = False) -> Any:  # Any
     except _RepeatedKey:
         _refuse_repeated(text)  # raises, naming where
         raise JsonLineError("a key appears twice in one object") from None  # pragma: no cover - the same parse met it
+
+
+def _raw_bytes(line: str) -> JsonLineError | None:
+    """The error for a line that held bytes which are no UTF-8, read as bytes or from a file
+    with ``surrogateescape`` (:func:`iter_lines`), or None: JSON text is UTF-8 (RFC 8259), so the file
+    is damaged or in another encoding, as the same line read as bytes says. Each such byte
+    is a stand-in character (U+DC80-U+DCFF) in the text; a lone surrogate the sender escaped
+    (``"\\udcff"``) is six ASCII characters there, JSON the gate must see. The field holding
+    the first byte is named where the line is JSON otherwise and escapes no such surrogate
+    (then a stand-in in a string can only be a byte)."""
+    if line.isascii():
+        return None
+    try:
+        raw = line.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate no file read gave: the parse decides
+        return None
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        detail = f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start}: {exc.reason})"
+    else:
+        return None
+    field = None
+    if not _ESCAPED_STAND_IN.search(line):
+        try:
+            found = _find(json.loads(line), _holds_stand_in)
+        except (ValueError, RecursionError):
+            found = None
+        if found is not None:
+            where, item = found
+            field = where if isinstance(item, str) else f"{where or '<top>'} (a key)"
+    return JsonLineError(detail, field)
+
+
+#: What ``surrogateescape`` makes of a byte that is no UTF-8, and the JSON escape of one.
+_STAND_IN = re.compile("[\udc80-\udcff]")
+_ESCAPED_STAND_IN = re.compile(r"\\u[dD][cC][89a-fA-F][0-9a-fA-F]")
+
+
+def _holds_stand_in(item: Any) -> bool:  # Any: any JSON value
+    if isinstance(item, str):
+        return _STAND_IN.search(item) is not None
+    return isinstance(item, dict) and any(_STAND_IN.search(k) for k in item)
 
 
 def repeated_key(value: Any, line: str | bytes | memoryview) -> None:  # Any: the value orjson read from ``line``
@@ -493,7 +541,7 @@ def _string_keys(value: Any) -> bool:
 
 def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
     """(line number, text) of the non-blank lines of a JSONL file, lazily; bytes that are
-    not UTF-8 stay in the text as surrogate escapes."""
+    not UTF-8 stay in the text as surrogate escapes (:func:`loads_line` refuses them, by field)."""
     with open(path, encoding="utf-8", errors="surrogateescape") as fh:
         for lineno, line in enumerate(fh, 1):
             if line.strip():
