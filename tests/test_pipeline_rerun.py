@@ -456,6 +456,25 @@ def test_a_new_gate_revision_reruns_every_stage_after_generate(finished, monkeyp
     assert _run(cfg) == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE}}
 
 
+def test_a_moved_run_folder_makes_again_what_names_its_place(finished, tmp_path):
+    """The exports' READMEs (their source and load instructions), vocab.json and the report
+    name the run folder; moved elsewhere, a rerun skipped them all and they pointed at the old
+    place. Those stages run again there; the rows do not."""
+    import dataclasses
+
+    cfg, out = finished
+    moved = tmp_path / "elsewhere" / "run"
+    moved.parent.mkdir()
+    out.rename(moved)
+    res = _run(dataclasses.replace(cfg, out=moved))
+    assert res == {"generate": "ran", "reconstruct": "skipped", **{s: "ran" for s in AFTER_GENERATE[1:]}}
+    named = {name for name, data in _data(moved).items() if str(moved).encode() in data}
+    assert {"export/specforge/README.md", "export/speculators/README.md", "vocab/vocab.json",
+            "report/report.json"} <= named
+    assert not [name for name, data in _data(moved).items() if str(out).encode() + b"/" in data]
+    assert _run(dataclasses.replace(cfg, out=moved)) == {"generate": "ran", **{s: "skipped" for s in AFTER_GENERATE}}
+
+
 # --- the files run names itself -----------------------------------------------------------
 
 

@@ -81,6 +81,10 @@ def _tokenizer_identity(source: str) -> str:
 
 
 def _fingerprint(inputs: list[Path], settings: Any) -> str:
+    """What a stage's output depends on: the package, the gate, ``settings`` and the inputs'
+    contents. Stages that write the run folder's path into their output (the exports'
+    READMEs and load instructions, ``vocab.json``'s source, the report) put it in their
+    settings (``at``): a run folder moved elsewhere makes them again, pointing at it."""
     from . import __version__
     from .checks import GATE_REVISION
 
@@ -514,7 +518,8 @@ def _after_reconstruct(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
     # the report is fingerprinted first: its row statistics come from the same pass, which
     # then runs only for what is due
     report_html = out / "report" / "report.html"
-    report_fp = _fingerprint([reconstructed, out / "exchanges.jsonl"], {"report": _store_counts(out)}) if cfg.report else ""
+    report_fp = (_fingerprint([reconstructed, out / "exchanges.jsonl"], {"report": _store_counts(out), "at": str(out)})
+                 if cfg.report else "")
     report_due = cfg.report and not state.done("report", report_fp, report_html.parent)
     row_stats = RowStats() if report_due else None
     passed = None
@@ -575,7 +580,7 @@ def _plan_exports(cfg: RunConfig, tok: Tokenizer, state: _State) -> tuple[_Plan,
     plan: _Plan = {}
     for fmt in cfg.export_formats:
         target = out / "export" / fmt
-        fp = _fingerprint([reconstructed], {"format": fmt, "include_flagged": cfg.include_flagged})
+        fp = _fingerprint([reconstructed], {"format": fmt, "include_flagged": cfg.include_flagged, "at": str(out)})
         if state.done(f"export:{fmt}", fp, target):
             plan[f"export:{fmt}"] = (fp, "skipped")
         elif not usable:
@@ -587,7 +592,7 @@ def _plan_exports(cfg: RunConfig, tok: Tokenizer, state: _State) -> tuple[_Plan,
     if cfg.draft_vocab_size:
         target = out / "vocab"
         size, size_from, _ = target_vocab_size_of(tok, cfg.target_vocab_size)
-        settings: dict[str, Any] = {"size": cfg.draft_vocab_size, "include_flagged": cfg.include_flagged}
+        settings: dict[str, Any] = {"size": cfg.draft_vocab_size, "include_flagged": cfg.include_flagged, "at": str(out)}
         if size != tok.vocab_size:  # (where it is the tokenizer's, as before, a recorded run still skips)
             settings["target_vocab_size"] = size
         fp = _fingerprint([reconstructed], settings)
