@@ -337,14 +337,28 @@ def test_reasoning_tokens_localize_a_boundary_the_total_cannot_see(kimi, ids):
 # --- several native sequences: the evidence picks ------------------------------------------
 
 
-def test_sglang_tool_call_without_think_close_is_proven_by_usage(kimi, ids):
+def test_sglang_tool_call_without_think_close_is_proven_by_usage_where_the_run_counts_the_end(kimi, ids):
+    """A section opened without ``</think>`` is the formula's count less one: the formula's
+    own count where the provider leaves the end token out (a run-level trait). A cold tester's
+    record had exactly that, and its row was ``ok`` one boundary token short. So the count
+    alone picks it only where the run proved the end token counted."""
+    from tokenbridge.traits import ProviderTrait
+
     truth = native(kimi, REASONING, SECTION, ids["end"])  # the model never emitted </think>
     msg = {"reasoning_content": REASONING, "content": SECTION}  # as SGLang's KimiK2Detector serves it
-    row, = reconstruct_record(record(kimi, msg, finish="tool_calls", usage=len(truth)), kimi)
+    rec = record(kimi, msg, finish="tool_calls", usage=len(truth))
+    row, = reconstruct_record(rec, kimi)
+    assert row["status"] == "rejected" and codes(row) == ["usage_completion_mismatch"]
+    # the formula with its end token left out: the very same count
+    formula = native(kimi, REASONING, ids["close"], SECTION, ids["end"])
+    assert len(formula) - 1 == len(truth)
+    row, = reconstruct_record(rec, kimi, traits={"P": ProviderTrait("P", end_counted=True)})
     assert row["status"] == "ok", row["findings"]
     assert row["completion_ids"] == truth and row["reconstruction"] == "no_think_close"
     assert ids["close"] not in row["completion_ids"]
     assert [s["kind"] for s in row["segments"]] == ["prompt", "reasoning", "tool_calls", "end"]
+    row, = reconstruct_record(rec, kimi, traits={"P": ProviderTrait("P", end_uncounted=True)})
+    assert row["status"] == "ok" and row["completion_ids"] == formula and row["reconstruction"] is None
 
 
 def test_a_tool_call_after_a_real_think_close_keeps_it(kimi, ids):
@@ -466,12 +480,16 @@ def test_a_truncated_sibling_does_not_hide_the_others_when_the_sum_matches(kimi,
 
 
 def test_summed_usage_picks_the_reading_of_one_choice_among_several(kimi, ids):
+    """Where the run proved the end token counted (a section opened without ``</think>``
+    otherwise ties the formula with an uncounted end)."""
+    from tokenbridge.traits import ProviderTrait
+
     plain = native(kimi, REASONING, ids["close"], "Sunny.", ids["end"])
     tool = native(kimi, REASONING, SECTION, ids["end"])
     rec = record(kimi, {"reasoning": REASONING, "content": "Sunny."}, usage=len(plain) + len(tool))
     rec["response"]["choices"].append({"index": 1, "message": {"reasoning": REASONING, "content": SECTION},
                                        "finish_reason": "tool_calls"})
-    a, b = reconstruct_record(rec, kimi)
+    a, b = reconstruct_record(rec, kimi, traits={"P": ProviderTrait("P", end_counted=True)})
     assert (a["status"], b["status"]) == ("ok", "ok"), (a["findings"], b["findings"])
     assert a["completion_ids"] == plain and b["completion_ids"] == tool and b["reconstruction"] == "no_think_close"
 

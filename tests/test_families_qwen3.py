@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from test_families_support import SGLangEngine, TOOLS, OracleTokenizer, nonempty, texts, tool_lists, tool_round, words
 from tokenbridge.chat import DIALECTS, resolve_dialect
 from tokenbridge.reconstruct import reconstruct_record
+from tokenbridge.traits import ProviderTrait
 
 try:
     from renderers.configs import Qwen3RendererConfig
@@ -224,8 +225,13 @@ def test_sglang_served_completions_rebuild_exactly_or_are_flagged(tok, dialect, 
         else:
             assert row["findings"]
             seen["rejected"] += 1
-        if kind == "tool_no_think_close":  # SGLang ends the reasoning at <tool_call>: usage proves no </think>
+        if kind == "tool_no_think_close":  # SGLang ends the reasoning at <tool_call>: usage proves no </think>,
+            # where the run proved the end token counted (else the formula with it uncounted ties)
+            assert row["status"] == "rejected" and codes == ["usage_completion_mismatch"], row["findings"]
+            traits = {str(response.get("provider")): ProviderTrait(str(response.get("provider")), end_counted=True)}
+            row, = reconstruct_record({"id": "q", "request": request, "response": response}, tok, traits=traits)
             assert row["status"] == "ok" and row["reconstruction"] == "no_think_close", row["findings"]
+            assert row["completion_ids"] == ids
 
     check()
     print(seen)

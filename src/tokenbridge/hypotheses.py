@@ -409,6 +409,7 @@ def candidates(
     tools_streamed: bool = False,
     stripped_by_ids: bool = False,
     spelled: str | None = None,
+    counted: bool = True,
 ) -> list[Candidate]:
     """The plain formula first, then every other reading this message admits.
 
@@ -426,7 +427,10 @@ def candidates(
     ``stripped_by_ids``: ids or logprobs can pick the whitespace vLLM's parser stripped from
     the end of a joined reasoning (``reasoning_tail=``); without them those readings only veto.
     ``spelled``: the completion text those ids or logprobs spell, read for whitespace outside
-    :data:`STRIPPED_TAILS` that the parser stripped (:func:`_tails`).
+    :data:`STRIPPED_TAILS` that the parser stripped (:func:`_tails`). ``counted``: the
+    response gives a completion count. Without one, no count can pick a reading one token
+    short of the formula for an uncounted end token, so such a reading stands beside the
+    formula (ambiguous unless other evidence picks), where with one it only vetoes.
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
@@ -447,7 +451,7 @@ def candidates(
         twice = [c for c in out[1:] if "think_open_twice" in c.names] if opens_section else []
         for c in [out[0], *twice]:
             unclosed = _no_think_close(dialect, c.parts, reasoning, content, finish_reason, prompt_opens_think,
-                                       section=opens_section, gaps=end_in_think)
+                                       section=opens_section, gaps=end_in_think or not counted)
             if unclosed is not None:
                 out.append(replace(unclosed, names=(*c.names, *unclosed.names), veto=c.veto or unclosed.veto))
 
@@ -492,17 +496,19 @@ def _no_think_close(dialect: Dialect, base: Parts, reasoning: str, content: str,
     text it takes for a call's start (``Dialect.reasoning_tool_start``: plain text to DeepSeek,
     so the two halves are one reasoning text). That one is mostly a token short of the
     formula: where the turn ended, the gap an uncounted end token leaves too, so unless
-    ``gaps`` says the evidence can tell, it only vetoes (``Candidate.veto``): joined text can
-    take a token more than its halves (after a tab), and then it ties the formula."""
+    ``gaps`` says the evidence can tell, it only vetoes (``Candidate.veto``). So is a tool
+    section's: Kimi's formula with ``</think>`` and its end token uncounted has the same count
+    as the section opened without it. Joined text can also take a token more than its
+    halves (after a tab), and then it ties the formula."""
+    veto = finish_reason != "length" and not gaps
     if section:
-        return Candidate([p for p in base if p[0] != "think_end"], ("no_think_close",))
+        return Candidate([p for p in base if p[0] != "think_end"], ("no_think_close",), veto=veto)
     start = dialect.reasoning_tool_start
     if not start or not content.startswith(start):
         return None
     parts = dialect.completion_parts({"reasoning": reasoning + content, "content": ""}, finish_reason, True,
                                      prompt_opens_think)
-    return Candidate([p for p in parts if p[0] != "think_end"], ("no_think_close",),
-                     veto=finish_reason != "length" and not gaps)
+    return Candidate([p for p in parts if p[0] != "think_end"], ("no_think_close",), veto=veto)
 
 
 def _cut_after_close(dialect: Dialect, out: list[Candidate], finish_reason: str | None, thinking: bool,

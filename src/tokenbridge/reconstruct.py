@@ -183,8 +183,9 @@ def _reconstruct(
         prefixed = sglang
     counted = trait is not None and trait.end_counted
     streamed = _streamed(ex)
+    by_count = usage is not None and is_count(usage.get("completion_tokens"))
     plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking=thinking, opens=opens, joins=joins,
-                   stream=streamed, prefixed=prefixed, end_counted=counted)
+                   stream=streamed, prefixed=prefixed, end_counted=counted, by_count=by_count)
              for idx, choice in enumerate(choices)]
     _count_ways(plans, trait, streamed, tokenizer)
     usage_prompt, usage_completion = _usage_pairs(usage, len(prompt_ids), trait)
@@ -445,8 +446,9 @@ def _spelled(tok: Tokenizer, dialect: Dialect, native: Sequence[int] | None, log
 
 def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dialect: Dialect, *,
           thinking: bool, opens: bool, joins: bool, stream: bool | None = None,
-          prefixed: bool | None = None, end_counted: bool = False) -> _Choice:
-    """``end_counted``: the run proved the provider's usage counts the end token."""
+          prefixed: bool | None = None, end_counted: bool = False, by_count: bool = True) -> _Choice:
+    """``end_counted``: the run proved the provider's usage counts the end token; ``by_count``:
+    the response gives a completion count."""
     message = choice["message"]
     finish = finish_reading(choice)
     native = ex.native_choices[idx] if idx < len(ex.native_choices) else None
@@ -470,7 +472,8 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     cands = candidates(dialect, message, finish, thinking, opens, ends, joins_markers=joins, stream=stream,
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
                        prefix_absent=by_ids, held=held, tools_streamed=tools_streamed and by_ids,
-                       stripped_by_ids=by_ids, spelled=_spelled(tok, dialect, native, logged) if by_ids else None)
+                       stripped_by_ids=by_ids, spelled=_spelled(tok, dialect, native, logged) if by_ids else None,
+                       counted=by_count)
     if not by_ids and stream is not True:  # nothing could keep or report a held tail (none built above: a guard)
         cands = [c for c in cands if not c.held]
     if by_ids and tools_streamed and len(cands) > 1:
