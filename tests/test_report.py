@@ -137,16 +137,19 @@ def test_unreadable_exchange_lines_are_left_out_and_named_not_the_whole_report(r
     run.mkdir()
     shutil.copy(runs["full"] / "reconstructed.jsonl", run / "reconstructed.jsonl")
     lines = (runs["full"] / "exchanges.jsonl").read_text(encoding="utf-8").splitlines()
-    (run / "exchanges.jsonl").write_text("\n".join([lines[0], "null", "not json", *lines[1:], '{"x": 1e999}']) + "\n",
-                                         encoding="utf-8")
+    # and records reconstruct refuses (a cold tester's: a line repeated counted its cost twice)
+    first = json.loads(lines[0])
+    refused = [lines[0], json.dumps({**first, "id": "no-request", "request": None}), '{"garbage": 1}']
+    (run / "exchanges.jsonl").write_text("\n".join([lines[0], "null", "not json", *lines[1:], '{"x": 1e999}', *refused])
+                                         + "\n", encoding="utf-8")
     res = CliRunner().invoke(app, ["report", str(run)])
     assert res.exit_code == 0, res.output
     data = json.loads((run / "report" / "report.json").read_text())
     assert data["exchanges"]["count"] == len(runs["exchanges"])
     assert data["exchanges"]["cost_total"] == pytest.approx(sum(e["meta"]["cost"] for e in runs["exchanges"]))
-    note = ("3 lines of exchanges.jsonl are no record (not JSON, or not an object): left out of cost and throughput; "
-            "the first: line 2: <line>: must be a JSON object, got NoneType")
-    assert data["exchanges"]["unreadable"] == {"lines": 3, "first": "line 2: <line>: must be a JSON object, got NoneType"}
+    note = ("6 lines of exchanges.jsonl are no record (not JSON, not an object, or refused by reconstruct too): left out "
+            "of cost and throughput; the first: line 2: <line>: must be a JSON object, got NoneType")
+    assert data["exchanges"]["unreadable"] == {"lines": 6, "first": "line 2: <line>: must be a JSON object, got NoneType"}
     assert f"note: {note}" in " ".join(res.output.split())
     assert html.escape(note, quote=False) in (run / "report" / "report.html").read_text()
 

@@ -6,6 +6,7 @@ Validation happens here, once, so that every error names the field that is wrong
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
@@ -16,7 +17,7 @@ from .content import content_fault, reasoning_fault, role_fault, tool_calls_faul
 from .jsonl import is_int, iter_lines, not_text
 
 __all__ = ["CheckedResponse", "Exchange", "ExchangeRecord", "RecordError", "check_request", "check_response", "choice_index",
-           "iter_lines", "iter_objects", "keys_once", "loads_line", "parse_exchange"]
+           "iter_lines", "iter_objects", "keys_once", "loads_line", "parse_exchange", "repeated_id"]
 
 
 class RecordError(ValueError):
@@ -352,6 +353,18 @@ def keys_once(value: Any, line: bytes | memoryview) -> Any:  # Any: any JSON val
     except jsonl.JsonLineError as exc:
         raise RecordError(exc.field or "<line>", exc.detail) from None
     return value
+
+
+def repeated_id(seen: dict[bytes, int], record_id: str, line: int) -> str | None:
+    """Why the record on ``line`` is left out: an earlier line has its id (``seen``: id
+    digests -> their lines, noted here the first time), or None. Each record is read once:
+    its rows are named by id and choice, and export takes each once."""
+    # 128 bits: a collision would drop a record as a repeat; at a million ids, odds of 1e-27
+    digest = hashlib.blake2b(record_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    earlier = seen.setdefault(digest, line)
+    if earlier == line:
+        return None
+    return f"{record_id!r} is also the id of line {earlier}: each record once (its rows are named by id and choice)"
 
 
 def iter_objects(path: str | Path, on_bad: Callable[[RecordError], None] | None = None,

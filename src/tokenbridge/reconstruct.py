@@ -10,7 +10,6 @@ a worker: JSONL rows wait on disk; Parquet rows in memory, so their stretches ar
 from __future__ import annotations
 
 import io
-import hashlib
 import itertools
 import multiprocessing as mp
 import os
@@ -33,7 +32,7 @@ from .content import content_text
 from .checks import (DEFAULT_POLICY, Finding, Policy, SampleView, ends_turn, finish_reading, ids_prove, logprobs_fit, reasoning_count_ways,
                      reasoning_fits, run_checks, status_of, vllm_silent_ids, vllm_whole_extra)
 from .evidence import LogprobIds, cached_tokens, is_count, logprob_ids, matched_stop, reasoning_tokens, served_by_vllm
-from .exchanges import Exchange, RecordError, choice_index, keys_once, loads_line, parse_exchange
+from .exchanges import Exchange, RecordError, choice_index, keys_once, loads_line, parse_exchange, repeated_id
 from .jsonl import NotJsonlError, binary_kind, text_of
 from .hypotheses import Candidate, candidates, ends_in_think_fits, held_tails
 from .traits import CountDelta, ProviderTrait, RecordFacts, TraitStats
@@ -1459,12 +1458,8 @@ def _repeated(entries: list[_Entry], first: int, seen: dict[bytes, int], src: st
     for entry in entries:
         if isinstance(entry, _Done):
             line = first + entry.line - 1
-            # 128 bits: a collision would drop a record as a repeat; at a million ids, odds of 1e-27
-            digest = hashlib.blake2b(entry.id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-            earlier = seen.setdefault(digest, line)
-            if earlier != line:
-                skip[entry.line] = BadLine(src, line, "id", f"{entry.id!r} is also the id of line {earlier}: each "
-                                           "record once (its rows are named by id and choice)")
+            if (why := repeated_id(seen, entry.id, line)) is not None:
+                skip[entry.line] = BadLine(src, line, "id", why)
     return skip
 
 

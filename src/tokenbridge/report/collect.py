@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from ..checks import CODES
-from ..exchanges import RecordError, iter_objects
+from ..exchanges import RecordError, iter_objects, parse_exchange, repeated_id
 from ..exit_codes import ExitCode
 from ..fsio import kind_of
 from ..jsonl import is_count, is_int
@@ -415,15 +415,26 @@ def _exchanges_section(path: Path, left_out: Counter[str]) -> dict[str, Any]:
 
 
 def _objects(path: Path, unreadable: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """The exchange records of ``path``; a line that is not one (not JSON, not an object, a
-    number past a double) is counted in ``unreadable`` (the first named) and skipped, as
-    reconstruct skips it: one such line stopped the whole report."""
+    """The exchange records of ``path``; a line that is not one is counted in ``unreadable``
+    (the first named) and skipped, as reconstruct skips it: not JSON, not an object, a number
+    past a double (one such line stopped the whole report), and a record reconstruct refuses
+    (no request, an id an earlier line has: its cost was counted twice)."""
     def skip(exc: RecordError) -> None:
         unreadable["lines"] += 1
         if unreadable["first"] is None:
             unreadable["first"] = f"line {exc.line}: {exc.field}: {exc.detail}"
 
-    return (rec for _, rec in iter_objects(path, on_bad=skip))
+    seen: dict[bytes, int] = {}
+    for line, rec in iter_objects(path, on_bad=skip):
+        try:
+            ex = parse_exchange(rec)
+            if (why := repeated_id(seen, ex.id, line)) is not None:
+                raise RecordError("id", why)
+        except RecordError as exc:
+            exc.line = line
+            skip(exc)
+            continue
+        yield rec
 
 
 def unreadable_note(data: dict[str, Any]) -> str | None:
@@ -432,8 +443,8 @@ def unreadable_note(data: dict[str, Any]) -> str | None:
     if not bad.get("lines"):
         return None
     n = bad["lines"]
-    return (f"{n:,} line{'s' if n != 1 else ''} of exchanges.jsonl {'are' if n != 1 else 'is'} no record (not JSON, or "
-            f"not an object): left out of cost and throughput; the first: {bad['first']}")
+    return (f"{n:,} line{'s' if n != 1 else ''} of exchanges.jsonl {'are' if n != 1 else 'is'} no record (not JSON, not "
+            f"an object, or refused by reconstruct too): left out of cost and throughput; the first: {bad['first']}")
 
 
 def _generation_section(path: Path, left_out: Counter[str]) -> dict[str, Any]:
