@@ -260,6 +260,9 @@ CORRUPTIONS = {
     "ids_differ": (lambda r: {"input_ids": r["input_ids"][:-1] + [5]}, "input_ids",
                    "differs from prompt_ids + completion_ids at position {last}"),
     "float_id": (lambda r: {"input_ids": [1.5] + r["input_ids"][1:]}, "input_ids", "found float at position 0"),
+    # orjson reads it as a float: said as what was written (a cold tester's)
+    "huge_id": (lambda r: {"input_ids": [2**70] + r["input_ids"][1:]}, "input_ids",
+                "found an integer past 64 bits at position 0"),
     "segment_gap": (lambda r: {"segments": r["segments"][:1] + [dict(r["segments"][1], start=r["segments"][1]["start"] + 1)]
                                           + r["segments"][2:]}, "segments[1]", "but the previous segment ended at"),
     "bad_status": (lambda r: {"status": "great"}, "status", "got 'great'"),

@@ -209,7 +209,11 @@ def _int_list(value: Any, field: str, fail: _Fail) -> list[int]:
         raise fail(field, f"must be a list of integers, got {type(value).__name__}")
     if not set(map(type, value)) <= {int}:
         pos = _at(value, lambda x: type(x) is not int)
-        raise fail(field, f"must hold integers only, found {type(value[pos]).__name__} at position {pos}")
+        found = value[pos]
+        # orjson reads an integer past 64 bits as a float: it was written as an integer
+        what = ("an integer past 64 bits" if type(found) is float and found.is_integer() and abs(found) >= 2**63
+                else type(found).__name__)
+        raise fail(field, f"must hold integers only, found {what} at position {pos}")
     return value
 
 
