@@ -361,6 +361,19 @@ def test_sglang_tool_call_without_think_close_is_proven_by_usage_where_the_run_c
     assert row["status"] == "ok" and row["completion_ids"] == formula and row["reconstruction"] is None
 
 
+@pytest.mark.parametrize("closed", [False, True])
+def test_with_a_usage_tolerance_a_section_with_or_without_think_close_is_ambiguous(kimi, ids, closed):
+    """A tolerance of a token lets the count fit both readings: they are said, not one kept.
+    (Vetoed, the reading without ``</think>`` was dropped, and the formula's ids passed as
+    ``ok`` where the model had written none.)"""
+    from tokenbridge.checks import Policy
+
+    truth = native(kimi, REASONING, *([ids["close"]] if closed else []), SECTION, ids["end"])
+    rec = record(kimi, {"reasoning": REASONING, "content": SECTION}, finish="tool_calls", usage=len(truth))
+    row, = reconstruct_record(rec, kimi, policy=Policy(usage_tolerance=1))
+    assert row["status"] == "rejected" and codes(row) == ["reconstruction_ambiguous"], row["findings"]
+
+
 def test_a_tool_call_after_a_real_think_close_keeps_it(kimi, ids):
     truth = native(kimi, REASONING, ids["close"], SECTION, ids["end"])
     msg = {"reasoning": REASONING, "content": SECTION}

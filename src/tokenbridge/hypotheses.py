@@ -428,9 +428,10 @@ def candidates(
     the end of a joined reasoning (``reasoning_tail=``); without them those readings only veto.
     ``spelled``: the completion text those ids or logprobs spell, read for whitespace outside
     :data:`STRIPPED_TAILS` that the parser stripped (:func:`_tails`). ``counted``: the
-    response gives a completion count. Without one, no count can pick a reading one token
-    short of the formula for an uncounted end token, so such a reading stands beside the
-    formula (ambiguous unless other evidence picks), where with one it only vetoes.
+    response gives a completion count that tells readings one token apart (no tolerance).
+    Without one, no count can pick a reading one token short of the formula for an
+    uncounted end token, so such a reading stands beside the formula (ambiguous unless other
+    evidence picks), where with one it only vetoes.
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]

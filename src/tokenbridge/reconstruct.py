@@ -182,7 +182,8 @@ def _reconstruct(
         prefixed = sglang
     counted = trait is not None and trait.end_counted
     streamed = _streamed(ex)
-    by_count = usage is not None and is_count(usage.get("completion_tokens"))
+    # a count that picks between readings one token apart: given, and no tolerance around it
+    by_count = usage is not None and is_count(usage.get("completion_tokens")) and policy.usage_tolerance == 0
     plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking=thinking, opens=opens, joins=joins,
                    stream=streamed, prefixed=prefixed, end_counted=counted, by_count=by_count)
              for idx, choice in enumerate(choices)]
@@ -447,7 +448,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
           thinking: bool, opens: bool, joins: bool, stream: bool | None = None,
           prefixed: bool | None = None, end_counted: bool = False, by_count: bool = True) -> _Choice:
     """``end_counted``: the run proved the provider's usage counts the end token; ``by_count``:
-    the response gives a completion count."""
+    the response gives a completion count that tells readings one token apart (no tolerance)."""
     message = choice["message"]
     finish = finish_reading(choice)
     native = ex.native_choices[idx] if idx < len(ex.native_choices) else None
