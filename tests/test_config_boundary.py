@@ -111,6 +111,16 @@ def test_run_names_the_records_reconstruct_refused(tmp_path, kimi_dir, monkeypat
     assert bad == [f"reconstruct: bad record: {exchanges}:{n}: request.extra_body: must be an object or null, got int"
                    for n in (1, 2, 3)]
     assert "reconstruct: 3 bad record(s) skipped (listed in pipeline.json)" in lines
+    # the run folder moved: the skipped stage names the records where they are now (a reviewer's)
+    import dataclasses
+
+    (tmp_path / "out").rename(tmp_path / "moved")
+    lines.clear()
+    run_pipeline(dataclasses.replace(load_run_config(path), out=tmp_path / "moved"), echo=lines.append)
+    assert any(line.startswith("reconstruct: skipped") for line in lines), lines
+    assert [line for line in lines if line.startswith("reconstruct: bad record: ")] == [
+        f"reconstruct: bad record: {tmp_path / 'moved' / 'exchanges.jsonl'}:{n}: request.extra_body: must be an object "
+        "or null, got int" for n in (1, 2, 3)]
 
 
 # --- nesting too deep for Python: one line naming the file -------------------------------

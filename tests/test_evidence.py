@@ -359,6 +359,10 @@ def test_sglang_tool_call_without_think_close_is_proven_by_usage_where_the_run_c
     assert [s["kind"] for s in row["segments"]] == ["prompt", "reasoning", "tool_calls", "end"]
     row, = reconstruct_record(rec, kimi, traits={"P": ProviderTrait("P", end_uncounted=True)})
     assert row["status"] == "ok" and row["completion_ids"] == formula and row["reconstruction"] is None
+    # and where the run proved the end uncounted, the count one less picks the section opened without it
+    rec["response"]["usage"]["completion_tokens"] = len(truth) - 1
+    row, = reconstruct_record(rec, kimi, traits={"P": ProviderTrait("P", end_uncounted=True)})
+    assert row["status"] == "ok" and row["completion_ids"] == truth and row["reconstruction"] == "no_think_close"
 
 
 @pytest.mark.parametrize("closed", [False, True])
@@ -493,18 +497,27 @@ def test_a_truncated_sibling_does_not_hide_the_others_when_the_sum_matches(kimi,
 
 
 def test_summed_usage_picks_the_reading_of_one_choice_among_several(kimi, ids):
-    """Where the run proved the end token counted (a section opened without ``</think>``
-    otherwise ties the formula with an uncounted end)."""
-    from tokenbridge.traits import ProviderTrait
-
+    """An uncounted end token takes one off each choice that ended (two here), so it cannot tie
+    one section opened without ``</think>``: the summed count picks, with no run-level proof."""
     plain = native(kimi, REASONING, ids["close"], "Sunny.", ids["end"])
     tool = native(kimi, REASONING, SECTION, ids["end"])
     rec = record(kimi, {"reasoning": REASONING, "content": "Sunny."}, usage=len(plain) + len(tool))
     rec["response"]["choices"].append({"index": 1, "message": {"reasoning": REASONING, "content": SECTION},
                                        "finish_reason": "tool_calls"})
-    a, b = reconstruct_record(rec, kimi, traits={"P": ProviderTrait("P", end_counted=True)})
+    a, b = reconstruct_record(rec, kimi)
     assert (a["status"], b["status"]) == ("ok", "ok"), (a["findings"], b["findings"])
     assert a["completion_ids"] == plain and b["completion_ids"] == tool and b["reconstruction"] == "no_think_close"
+
+
+def test_summed_usage_of_choices_that_all_opened_their_section_without_think_close_is_no_proof(kimi, ids):
+    """Both read short (one off each) or both with ``</think>`` and their end tokens uncounted
+    (one off each): the same sum, so neither row is taken from it."""
+    tool = native(kimi, REASONING, SECTION, ids["end"])
+    rec = record(kimi, {"reasoning": REASONING, "content": SECTION}, finish="tool_calls", usage=2 * len(tool))
+    rec["response"]["choices"].append({"index": 1, "message": {"reasoning": REASONING, "content": SECTION},
+                                       "finish_reason": "tool_calls"})
+    rows = reconstruct_record(rec, kimi)
+    assert [r["status"] for r in rows] == ["rejected", "rejected"], [r["findings"] for r in rows]
 
 
 @pytest.mark.parametrize("cut_at", [len(TS), len(TS + CB) + 5, SECTION.index(AB) + len(AB) + 3, SECTION.index(CE) + len(CE)])

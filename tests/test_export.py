@@ -162,17 +162,19 @@ def test_a_turn_whose_ids_never_close_its_reasoning_is_no_chat_turn_without_its_
     template re-renders with a ``</think>`` the model never emitted. The segments tell."""
     from tokenbridge.chat import resolve_dialect
     from tokenbridge.reconstruct import reconstruct_record
+    from tokenbridge.traits import ProviderTrait
 
-    # a tool call opened without </think>, as SGLang serves it: usage proves the reading
+    # a tool call opened without </think>, as SGLang serves it: usage proves the reading (where
+    # the run showed the end token counted)
     section = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
                '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
     truth = kimi.encode("I will call the tool.") + kimi.encode(section) + [kimi.token_id("<|im_end|>")]
     request = {"messages": [{"role": "user", "content": "Weather in Paris?"}]}
     prompt_ids = kimi.encode(resolve_dialect(kimi).render_request(request))
-    record = {"id": "r", "request": request, "response": {"choices": [{"index": 0, "finish_reason": "tool_calls",
-              "message": {"reasoning_content": "I will call the tool.", "content": section}}],
+    record = {"id": "r", "request": request, "response": {"provider": "P", "choices": [{"index": 0,
+              "finish_reason": "tool_calls", "message": {"reasoning_content": "I will call the tool.", "content": section}}],
               "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(truth)}}}
-    row = reconstruct_record(record, kimi)[0]
+    row = reconstruct_record(record, kimi, traits={"P": ProviderTrait("P", end_counted=True)})[0]
     assert (row["status"], row["reconstruction"], row["completion_ids"]) == ("ok", "no_think_close", truth)
     assert "think_end" not in {s["kind"] for s in row["segments"]}
     if label == "drop":
@@ -262,7 +264,7 @@ CORRUPTIONS = {
     "float_id": (lambda r: {"input_ids": [1.5] + r["input_ids"][1:]}, "input_ids", "found float at position 0"),
     # orjson reads it as a float: said as what was written (a cold tester's)
     "huge_id": (lambda r: {"input_ids": [2**70] + r["input_ids"][1:]}, "input_ids",
-                "found an integer past 64 bits at position 0"),
+                "found a number past 64 bits at position 0"),
     "segment_gap": (lambda r: {"segments": r["segments"][:1] + [dict(r["segments"][1], start=r["segments"][1]["start"] + 1)]
                                           + r["segments"][2:]}, "segments[1]", "but the previous segment ended at"),
     "bad_status": (lambda r: {"status": "great"}, "status", "got 'great'"),

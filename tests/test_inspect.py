@@ -68,8 +68,17 @@ def test_inspect_names_the_reading_the_evidence_proved(tmp_path, kimi, kimi_dir)
              "completion_tokens": len(truth)}
     rec = {"id": "nt", "request": request, "response": {"usage": usage, "choices": [
         {"index": 0, "finish_reason": "tool_calls", "message": {"reasoning_content": "Calling f.", "content": section}}]}}
+    # a run whose plain answers show the end token counted: the count alone could not tell
+    # the section opened without </think> from the formula with an uncounted end
+    plain = []
+    for i in range(24):
+        ids = [*kimi.encode(f"Think {i}."), kimi.token_id("</think>"), *kimi.encode(f"Answer {i}."),
+               kimi.token_id("<|im_end|>")]
+        plain.append({"id": f"p{i}", "request": request, "response": {"usage": {**usage, "completion_tokens": len(ids)},
+                      "choices": [{"index": 0, "finish_reason": "stop",
+                                   "message": {"reasoning_content": f"Think {i}.", "content": f"Answer {i}."}}]}})
     src = tmp_path / "ex.jsonl"
-    src.write_text(json.dumps(rec) + "\n")
+    src.write_text("".join(json.dumps(r) + "\n" for r in [*plain, rec]))
     reconstruct_file(src, tmp_path / "r.jsonl", kimi)
     res = _inspect(tmp_path / "r.jsonl", kimi_dir, "--id", "nt")
     assert res.exit_code == 0, res.output

@@ -276,20 +276,29 @@ def _with_cuts(natives: list[Native], rng: random.Random) -> list[Native]:
 
 
 @pytest.fixture(scope="module")
-def corpus(kimi, kimi_dir) -> dict[str, Any]:
+def corpus(kimi, kimi_dir, tmp_path_factory) -> dict[str, Any]:
+    """Every native completion served by SGLang's parsers, whole and streamed, reconstructed
+    as one run: the run's traits (SGLang counts the end token, which the plain answers show)
+    are what let the count read a tool section opened without ``</think>``."""
+    from tokenbridge.reconstruct import reconstruct_file
+
     rng = random.Random(20261202)
     natives = _with_cuts(_synthetic(kimi, rng, 520) + _handwritten(kimi, rng, 360), rng)
     server = SGLangServer(kimi, kimi_dir)
     dialect = resolve_dialect(kimi)
-    results = []
+    served = []
     for idx, nat in enumerate(natives):
         prompt_ids = kimi.encode(dialect.render_request(nat.request))
         for stream in (False, True):
             record = {"id": f"o{idx}-{int(stream)}", "request": nat.request,
                       "response": server.serve(nat, len(prompt_ids), stream=stream)}
-            row = reconstruct_record(record, kimi)[0]
-            results.append((nat, stream, prompt_ids, record, row))
-    return {"natives": natives, "results": results, "tok": kimi, "dialect": dialect}
+            served.append((nat, stream, prompt_ids, record))
+    folder = tmp_path_factory.mktemp("sglang_run")
+    (folder / "in.jsonl").write_text("".join(json.dumps(rec) + "\n" for *_, rec in served), encoding="utf-8")
+    traits = reconstruct_file(folder / "in.jsonl", folder / "out.jsonl", kimi, workers=1).traits
+    results = [(nat, stream, prompt_ids, rec, reconstruct_record(rec, kimi, traits=traits)[0])
+               for nat, stream, prompt_ids, rec in served]
+    return {"natives": natives, "results": results, "tok": kimi, "dialect": dialect, "traits": traits}
 
 
 def test_oracle_covers_enough_native_completions(corpus):
@@ -338,7 +347,9 @@ def test_streamed_and_whole_responses_agree_unless_a_call_is_cut(corpus):
 
 def test_tool_call_without_think_close_is_recovered(corpus):
     """SGLang ends reasoning at the tool section when ``</think>`` never came: with exact
-    usage the gate must prove the no-``</think>`` candidate and keep the sample."""
+    usage the gate must prove the no-``</think>`` candidate and keep the sample, in a run
+    that showed the end token counted."""
+    assert [t.end_counted for t in corpus["traits"].values()] == [True]
     cases = [(nat, r) for nat, _, _, rec, r in corpus["results"]
              if nat.kind == "tool_no_think_close" and not nat.cut and not rec["request"].get("tools")]
     assert len(cases) >= 100
@@ -467,22 +478,26 @@ def test_a_token_the_engine_hid_in_an_unclosed_block_is_never_read_as_the_close(
             assert row["completion_ids"] == ids or row["status"] != "ok"
 
 
-def test_a_tool_section_opened_before_any_reasoning_is_proven_by_the_count(kimi, kimi_dir):
+def test_a_tool_section_opened_before_any_reasoning_is_proven_by_the_count(kimi, kimi_dir, corpus):
     """The model went straight into a tool section, never closing its think block: SGLang's
-    kimi_k2 parser ends the (empty) reasoning at the section and serves none. The count
-    proves there was none (the formula's ``</think>`` would count one more), so it is not
-    ``reasoning_missing`` (was: rejected with the right ids); reasoning a provider withheld
-    would be counted, and is still said."""
+    kimi_k2 parser ends the (empty) reasoning at the section and serves none. In a run that
+    showed SGLang counting the end token, the count proves there was none (the formula's
+    ``</think>`` would count one more), so it is not ``reasoning_missing`` (was: rejected
+    with the right ids); reasoning a provider withheld would be counted, and is still said.
+    Alone, the record's count is also the formula's with an uncounted end: not proof."""
     server = SGLangServer(kimi, kimi_dir)
     request = {"model": "moonshotai/kimi-k2.5", "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
     prompt_ids = kimi.encode(resolve_dialect(kimi).render_request(request))
     ids = [*kimi.encode(_tool_section([("get_weather", {"city": "Paris"})])), kimi.token_id("<|im_end|>")]
+    traits = corpus["traits"]
     for stream in (False, True):
         response = server.serve(Native(request, ids, "tool_no_think_close"), len(prompt_ids), stream=stream)
         assert not response["choices"][0]["message"]["reasoning_content"]
         row = reconstruct_record({"id": "t", "request": request, "response": response}, kimi)[0]
+        assert row["status"] == "rejected", row
+        row = reconstruct_record({"id": "t", "request": request, "response": response}, kimi, traits=traits)[0]
         assert (row["status"], row["completion_ids"], row["reconstruction"]) == ("ok", ids, "no_think_close"), row
         response["usage"]["completion_tokens"] += 40  # reasoning the provider withheld: counted, not served
         del response["usage"]["completion_tokens_details"]
-        row = reconstruct_record({"id": "t", "request": request, "response": response}, kimi)[0]
+        row = reconstruct_record({"id": "t", "request": request, "response": response}, kimi, traits=traits)[0]
         assert row["status"] == "rejected" and "reasoning_missing" in [f["code"] for f in row["findings"]]

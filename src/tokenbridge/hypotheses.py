@@ -409,7 +409,7 @@ def candidates(
     tools_streamed: bool = False,
     stripped_by_ids: bool = False,
     spelled: str | None = None,
-    counted: bool = True,
+    short_ties: bool = True,
 ) -> list[Candidate]:
     """The plain formula first, then every other reading this message admits.
 
@@ -427,11 +427,10 @@ def candidates(
     ``stripped_by_ids``: ids or logprobs can pick the whitespace vLLM's parser stripped from
     the end of a joined reasoning (``reasoning_tail=``); without them those readings only veto.
     ``spelled``: the completion text those ids or logprobs spell, read for whitespace outside
-    :data:`STRIPPED_TAILS` that the parser stripped (:func:`_tails`). ``counted``: the
-    response gives a completion count that tells readings one token apart (no tolerance).
-    Without one, no count can pick a reading one token short of the formula for an
-    uncounted end token, so such a reading stands beside the formula (ambiguous unless other
-    evidence picks), where with one it only vetoes.
+    :data:`STRIPPED_TAILS` that the parser stripped (:func:`_tails`). ``short_ties``: the
+    count may take a tool section opened without ``</think>`` (one token short of the
+    formula) for the formula with its end token uncounted, so that reading only vetoes; else
+    (no exact count, the run showed how the end is counted) it stands beside the formula.
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
@@ -452,7 +451,7 @@ def candidates(
         twice = [c for c in out[1:] if "think_open_twice" in c.names] if opens_section else []
         for c in [out[0], *twice]:
             unclosed = _no_think_close(dialect, c.parts, reasoning, content, finish_reason, prompt_opens_think,
-                                       section=opens_section, gaps=end_in_think or not counted)
+                                       section=opens_section, gaps=end_in_think or not short_ties)
             if unclosed is not None:
                 out.append(replace(unclosed, names=(*c.names, *unclosed.names), veto=c.veto or unclosed.veto))
 

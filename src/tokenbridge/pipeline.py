@@ -470,7 +470,9 @@ def _reconstruct_stage(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
         # its digest, so a later run tells the file it wrote from one replaced or edited since
         # (a fresh file's digest is not trusted yet: the exports' fingerprints read it once more)
         state.record("reconstruct", fp, {"status": detail["status"], "bad_lines": rs.bad_line_count,
-                                         "bad_shown": [str(b) for b in rs.bad_lines[:_SHOWN_BAD_LINES]],
+                                         # line, field, why: the file is the run's own, wherever the run is now
+                                         "bad_shown": [f"{b.line}: {b.field}: {b.message}"
+                                                       for b in rs.bad_lines[:_SHOWN_BAD_LINES]],
                                          "provider_notes": detail["provider_notes"] + rs.calibration_notes(),
                                          "rows_sha256": _digest(reconstructed)})
         result = StageResult("reconstruct", "ran", detail)
@@ -482,7 +484,7 @@ def _reconstruct_stage(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
              "config's gate did not judge included); delete it to have it written again")
     for note in state.data["reconstruct"].get("provider_notes") or ():
         echo(f"reconstruct: warning: {printable(note)}")  # names providers
-    _echo_bad_records(state.data["reconstruct"], echo)
+    _echo_bad_records(state.data["reconstruct"], exchanges, echo)
     return result
 
 
@@ -490,13 +492,13 @@ def _reconstruct_stage(cfg: RunConfig, tok: Tokenizer, state: _State, echo: Call
 _SHOWN_BAD_LINES = 5
 
 
-def _echo_bad_records(done: Mapping[str, Any], echo: Callable[[str], None]) -> None:
+def _echo_bad_records(done: Mapping[str, Any], exchanges: Path, echo: Callable[[str], None]) -> None:
     """The records reconstruct refused, as ``reconstruct`` itself prints them: a run whose
     every paid record was refused showed "0 ok, 0 flagged, 0 rejected" and exit 1, the why
     only in pipeline.json."""
     count = done.get("bad_lines") or 0
     for bad in done.get("bad_shown") or ():
-        echo(printable(f"reconstruct: bad record: {bad}"))
+        echo(printable(f"reconstruct: bad record: {exchanges}:{bad}"))
     if count:
         echo(f"reconstruct: {count} bad record(s) skipped (listed in pipeline.json)")
 

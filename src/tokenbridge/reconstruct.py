@@ -10,6 +10,7 @@ a worker: JSONL rows wait on disk; Parquet rows in memory, so their stretches ar
 from __future__ import annotations
 
 import io
+import functools
 import itertools
 import multiprocessing as mp
 import os
@@ -89,6 +90,9 @@ class _Choice:
     #: a reading the count alone never picks was built (``Candidate.veto``): one that ended
     #: inside its think block, so its count teaches the run traits nothing, as ``end_in_think``'s
     vetoed: bool = False
+    #: a reading of the tool section opened without ``</think>`` was built as a veto (see
+    #: :func:`_plans`)
+    reads_short: bool = False
     #: candidate -> its completion ids, built once (a reasoning completion is thousands of ids)
     _flat: dict[int, list[int]] = field(default_factory=dict)
     #: with n > 1, every choice of the record vLLM's: its summed ``reasoning_tokens`` may be
@@ -180,13 +184,10 @@ def _reconstruct(
     prefixed = trait.prefix_in_reasoning if trait is not None else None
     if prefixed is None:  # a prompt only one engine renders: its completion is that engine's too
         prefixed = sglang
-    counted = trait is not None and trait.end_counted
     streamed = _streamed(ex)
-    # a count that picks between readings one token apart: given, and no tolerance around it
-    by_count = usage is not None and is_count(usage.get("completion_tokens")) and policy.usage_tolerance == 0
-    plans = [_plan(idx, choice, ex, tokenizer, dialect, thinking=thinking, opens=opens, joins=joins,
-                   stream=streamed, prefixed=prefixed, end_counted=counted, by_count=by_count)
-             for idx, choice in enumerate(choices)]
+    plan = functools.partial(_plan, ex=ex, tok=tokenizer, dialect=dialect, thinking=thinking, opens=opens, joins=joins,
+                   stream=streamed, prefixed=prefixed, end_counted=trait is not None and trait.end_counted)
+    plans = _plans(plan, choices, usage, policy, trait)
     _count_ways(plans, trait, streamed, tokenizer)
     usage_prompt, usage_completion = _usage_pairs(usage, len(prompt_ids), trait)
     single = len(plans) == 1
@@ -251,6 +252,21 @@ def _reconstruct(
                         len(reasoned), sum(r.startswith(dialect.think_open_prefix) for r in reasoned), unclosed,
                         tuple(_served_edge(p.choice["message"]) for p in plans))
     return rows, facts
+
+
+def _plans(plan: Callable[..., _Choice], choices: Sequence[Mapping[str, Any]], usage: Mapping[str, Any] | None,
+           policy: Policy, trait: ProviderTrait | None) -> list[_Choice]:
+    """Every choice's readings (``plan(idx, choice, short_ties=...)``). ``short_ties``:
+    whether an exact count could take a reading one token short of the formula (a tool
+    section opened without ``</think>``) for the formula with its end token uncounted. Only
+    while the run has not shown how this provider counts the end, and, with n > 1, while
+    every choice that ended has such a reading: an uncounted end takes one off each."""
+    short_ties = (usage is not None and is_count(usage.get("completion_tokens")) and policy.usage_tolerance == 0
+                  and not (trait is not None and (trait.end_counted or trait.end_uncounted)))
+    plans = [plan(idx, choice, short_ties=short_ties) for idx, choice in enumerate(choices)]
+    if short_ties and len(plans) > 1 and not all(p.reads_short for p in plans if ends_turn(p.cands[0].parts)):
+        plans = [plan(idx, choice, short_ties=False) for idx, choice in enumerate(choices)]
+    return plans
 
 
 def _reading_findings(p: _Choice, policy: Policy) -> list[Finding]:
@@ -446,9 +462,9 @@ def _spelled(tok: Tokenizer, dialect: Dialect, native: Sequence[int] | None, log
 
 def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dialect: Dialect, *,
           thinking: bool, opens: bool, joins: bool, stream: bool | None = None,
-          prefixed: bool | None = None, end_counted: bool = False, by_count: bool = True) -> _Choice:
-    """``end_counted``: the run proved the provider's usage counts the end token; ``by_count``:
-    the response gives a completion count that tells readings one token apart (no tolerance)."""
+          prefixed: bool | None = None, end_counted: bool = False, short_ties: bool = True) -> _Choice:
+    """``end_counted``: the run proved the provider's usage counts the end token; ``short_ties``:
+    a reading one token short of the formula may tie it by the count (see :func:`_plans`)."""
     message = choice["message"]
     finish = finish_reading(choice)
     native = ex.native_choices[idx] if idx < len(ex.native_choices) else None
@@ -473,7 +489,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
                        prefix_absent=by_ids, held=held, tools_streamed=tools_streamed and by_ids,
                        stripped_by_ids=by_ids, spelled=_spelled(tok, dialect, native, logged) if by_ids else None,
-                       counted=by_count)
+                       short_ties=short_ties)
     if not by_ids and stream is not True:  # nothing could keep or report a held tail (none built above: a guard)
         cands = [c for c in cands if not c.held]
     if by_ids and tools_streamed and len(cands) > 1:
@@ -495,6 +511,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     cands = [c for c in cands if not c.held or id(c) in kept]  # in their order: the formula first
     encoded = [_encode_parts(tok, c.parts, done) for c in cands]
     vetoed = any(c.veto for c in cands)
+    reads_short = any(c.veto and "no_think_close" in c.names for c in cands)
     if vetoed:  # kept only where it ties the count of a reading kept on its own: ambiguous then
         size = [sum(map(len, e[0])) for e in encoded]
         counts = {size[k] for k, c in enumerate(cands) if not c.veto}
@@ -503,7 +520,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     cands, cand_ids, cand_free = _lossy_from_truth(tok, cands, [e[0] for e in encoded], [e[1] for e in encoded],
                                                    native, logged)
     return _Choice(idx, choice, native, logged, stop, cands, cand_ids, cand_free,
-                   held_ties=ties, stream_doubt=doubt, vetoed=vetoed)
+                   held_ties=ties, stream_doubt=doubt, vetoed=vetoed, reads_short=reads_short)
 
 
 #: The reading whose ids for a text holding U+FFFD are the ground truth's (:func:`_lossy_from_truth`).

@@ -210,8 +210,8 @@ def _int_list(value: Any, field: str, fail: _Fail) -> list[int]:
     if not set(map(type, value)) <= {int}:
         pos = _at(value, lambda x: type(x) is not int)
         found = value[pos]
-        # orjson reads an integer past 64 bits as a float: it was written as an integer
-        what = ("an integer past 64 bits" if type(found) is float and found.is_integer() and abs(found) >= 2**63
+        # orjson reads an integer past 64 bits as a float: "float" named a row whose ids all were integers
+        what = ("a number past 64 bits" if type(found) is float and found.is_integer() and abs(found) >= 2**63
                 else type(found).__name__)
         raise fail(field, f"must hold integers only, found {what} at position {pos}")
     return value
