@@ -278,7 +278,9 @@ def _windows_masked(data: bytes, key: str) -> tuple[bool, bytes]:
 
 @settings(max_examples=400, deadline=None)
 @given(key=st.one_of(st.text("0123456789abcdef", min_size=24, max_size=64).map(lambda h: "sk-or-v1-" + h),
-                     st.text(string.ascii_letters + string.digits + "-_", min_size=16, max_size=60)),
+                     st.text(string.ascii_letters + string.digits + "-_", min_size=16, max_size=60),
+                     # what a character class must escape, and non-ASCII (never masked in pieces: one may split a character)
+                     st.text(string.ascii_letters + "]^-\\[.*+?(){}|$ \0\né中", min_size=16, max_size=40)),
        cuts=st.lists(st.tuples(st.sampled_from([1, 7, 8, 9, 12]), st.booleans(), st.booleans(),
                                st.sampled_from([b"", b" ", b"\n: "]),
                                st.one_of(st.just(b""), st.binary(max_size=6), st.sampled_from([b"the ", b"DEADBEEF"]))),
@@ -298,7 +300,7 @@ def test_key_pieces_are_found_as_every_window_would_find_them(key, cuts):
     data = b"".join(parts)
     held, masked = _windows_masked(data, key)
     assert scattered_key(data, key) == held
-    assert mask_scattered(data, key) == masked
+    assert mask_scattered(data, key) == (masked if key.isascii() else data)
 
 
 def test_cost_and_budget_reservations():
