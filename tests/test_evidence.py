@@ -378,6 +378,64 @@ def test_with_a_usage_tolerance_a_section_with_or_without_think_close_is_ambiguo
     assert row["status"] == "rejected" and codes(row) == ["reconstruction_ambiguous"], row["findings"]
 
 
+def _tool_choice(index: int, **extra) -> dict:
+    return {"index": index, "message": {"reasoning": REASONING, "content": SECTION}, "finish_reason": "tool_calls", **extra}
+
+
+def test_logprobs_of_the_content_alone_never_see_whether_think_close_was_written(kimi, ids):
+    """A reviewer's: logprobs over the section and the end only were taken as ids that tell
+    the readings apart, which lifted the veto of a sibling read from the count, and both rows
+    were ``ok`` with ids swapped. They agree with both readings and say nothing of ``</think>``;
+    where the run showed how the end is counted, the count picks (they were read from the
+    first id on, and the true reading was refused)."""
+    from tokenbridge.traits import ProviderTrait
+
+    short = native(kimi, REASONING, SECTION, ids["end"])
+    closed = native(kimi, REASONING, ids["close"], SECTION, ids["end"])
+    content = _logprobs(kimi, native(kimi, SECTION, ids["end"]))
+    rec = record(kimi, {"reasoning": REASONING, "content": SECTION}, finish="tool_calls", usage=len(short),
+                 logprobs=content)
+    row, = reconstruct_record(rec, kimi)
+    assert row["status"] == "rejected", row  # the formula with an uncounted end has this count too
+    for trait, usage in ((ProviderTrait("P", end_counted=True), len(short)),
+                         (ProviderTrait("P", end_uncounted=True), len(short) - 1)):
+        rec["response"]["usage"]["completion_tokens"] = usage
+        row, = reconstruct_record(rec, kimi, traits={"P": trait})
+        assert (row["status"], row["completion_ids"], row["reconstruction"]) == ("ok", short, "no_think_close"), row
+    # n = 2: the short one with content logprobs, the other closed and bare: the sum cannot say which
+    two = record(kimi, {"reasoning": REASONING, "content": SECTION}, finish="tool_calls",
+                 usage=len(short) + len(closed), logprobs=content)
+    two["response"]["choices"].append(_tool_choice(1))
+    assert [r["status"] for r in reconstruct_record(two, kimi)] == ["rejected", "rejected"]
+
+
+def test_logprobs_of_every_id_pick_the_section_opened_without_think_close(kimi, ids):
+    short = native(kimi, REASONING, SECTION, ids["end"])
+    rec = record(kimi, {"reasoning": REASONING, "content": SECTION}, finish="tool_calls", usage=len(short),
+                 logprobs=_logprobs(kimi, short))
+    row, = reconstruct_record(rec, kimi)
+    assert (row["status"], row["completion_ids"], row["reconstruction"]) == ("ok", short, "no_think_close"), row
+
+
+@pytest.mark.parametrize("end_uncounted", [False, True])
+def test_a_section_beside_a_length_cut_that_may_hide_an_id_is_unattributable(kimi, ids, end_uncounted):
+    """A reviewer's: one id fewer here (no ``</think>``), one more there (a ``</think>`` the cut
+    did not serve) keeps the sum, so neither choice is proven by it; was ``ok`` with a
+    ``</think>`` the model never wrote (and, under an uncounted end, with the short reading)."""
+    from tokenbridge.traits import ProviderTrait
+
+    tool = native(kimi, REASONING, *([ids["close"]] if end_uncounted else []), SECTION, ids["end"])
+    cut = native(kimi, "Let me think about the weather in Paris carefully", ids["close"])
+    rec = record(kimi, {"reasoning": REASONING, "content": SECTION}, finish="tool_calls",
+                 usage=len(tool) - end_uncounted + len(cut))
+    rec["response"]["choices"].append({"index": 1, "finish_reason": "length", "message": {
+        "reasoning": "Let me think about the weather in Paris carefully", "content": ""}})
+    traits = {"P": ProviderTrait("P", end_uncounted=True)} if end_uncounted else None
+    rows = reconstruct_record(rec, kimi, traits=traits)
+    assert [r["status"] for r in rows] == ["rejected", "rejected"], [r["findings"] for r in rows]
+    assert all("choices_unattributable" in codes(r) for r in rows)
+
+
 def test_a_tool_call_after_a_real_think_close_keeps_it(kimi, ids):
     truth = native(kimi, REASONING, ids["close"], SECTION, ids["end"])
     msg = {"reasoning": REASONING, "content": SECTION}

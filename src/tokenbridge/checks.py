@@ -28,7 +28,7 @@ __all__ = ["CODES", "DEFAULT_POLICY", "DEFAULT_SEVERITY", "GATE_REVISION", "Find
 #: Changed whenever what reconstruct reads or the gate says of the same input changes. Every
 #: stage's fingerprint holds it, so a finished run reconstructs again after an upgrade that
 #: would judge its samples differently (the package version moves only with releases).
-GATE_REVISION = "2026-12-07.10"
+GATE_REVISION = "2026-12-07.11"
 
 #: Every finding code with its default severity and what it means.
 CODES: dict[str, tuple[str, str]] = {
@@ -626,15 +626,20 @@ def ids_prove(native: Sequence[int] | None, logged: LogprobIds | None, parts: Se
 def logprobs_fit(logged: LogprobIds, parts: Sequence[tuple[str, str]], part_ids: Sequence[Sequence[int]],
                  completion_ids: Sequence[int]) -> str | None:
     """How ``logged`` ids (read: ``logged.ids`` is not None) account for this completion
-    (:func:`.evidence.logprobs_cover`), its content starting after the think block; None
-    when they contradict it."""
+    (:func:`.evidence.logprobs_cover`), its content starting after the think block (after
+    the reasoning, where a tool section opened without ``</think>``); None when they
+    contradict it."""
     assert logged.ids is not None
-    start = pos = 0
+    start = pos = opened = 0
     for (kind, _), ids in zip(parts, part_ids):
         pos += len(ids)
         if kind == "think_end":
             start = pos
             break
+        if kind in ("think_start", "reasoning") and opened == pos - len(ids):
+            opened = pos  # the think block so far, from the first part on
+    else:
+        start = opened
     return logprobs_cover(logged.ids, completion_ids, start, ends_turn(parts), logged.may_be,
                           runs=logged.runs, spell=logged.spell)
 

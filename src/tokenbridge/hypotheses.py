@@ -429,8 +429,9 @@ def candidates(
     ``spelled``: the completion text those ids or logprobs spell, read for whitespace outside
     :data:`STRIPPED_TAILS` that the parser stripped (:func:`_tails`). ``short_ties``: the
     count may take a tool section opened without ``</think>`` (one token short of the
-    formula) for the formula with its end token uncounted, so that reading only vetoes; else
-    (no exact count, the run showed how the end is counted) it stands beside the formula.
+    formula) for the formula with its end token uncounted, so that reading only vetoes (the
+    caller lifts it where logprobs cover the whole completion); else (ids, no exact count,
+    the run showed how the end is counted) it stands beside the formula.
     """
     base = dialect.completion_parts(message, finish_reason, thinking, prompt_opens_think)
     out = [Candidate(base)]
@@ -451,7 +452,7 @@ def candidates(
         twice = [c for c in out[1:] if "think_open_twice" in c.names] if opens_section else []
         for c in [out[0], *twice]:
             unclosed = _no_think_close(dialect, c.parts, reasoning, content, finish_reason, prompt_opens_think,
-                                       section=opens_section, gaps=end_in_think or not short_ties)
+                                       section=opens_section, gaps=not short_ties)
             if unclosed is not None:
                 out.append(replace(unclosed, names=(*c.names, *unclosed.names), veto=c.veto or unclosed.veto))
 

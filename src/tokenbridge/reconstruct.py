@@ -90,8 +90,7 @@ class _Choice:
     #: a reading the count alone never picks was built (``Candidate.veto``): one that ended
     #: inside its think block, so its count teaches the run traits nothing, as ``end_in_think``'s
     vetoed: bool = False
-    #: a reading of the tool section opened without ``</think>`` was built as a veto (see
-    #: :func:`_plans`)
+    #: a reading of the tool section opened without ``</think>`` was built (see :func:`_plans`)
     reads_short: bool = False
     #: candidate -> its completion ids, built once (a reasoning completion is thousands of ids)
     _flat: dict[int, list[int]] = field(default_factory=dict)
@@ -489,7 +488,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
                        prefix_in_reasoning=prefixed, end_in_think=by_ids or end_counted, cut_after_close=by_ids,
                        prefix_absent=by_ids, held=held, tools_streamed=tools_streamed and by_ids,
                        stripped_by_ids=by_ids, spelled=_spelled(tok, dialect, native, logged) if by_ids else None,
-                       short_ties=short_ties)
+                       short_ties=short_ties and native is None)
     if not by_ids and stream is not True:  # nothing could keep or report a held tail (none built above: a guard)
         cands = [c for c in cands if not c.held]
     if by_ids and tools_streamed and len(cands) > 1:
@@ -510,8 +509,10 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     kept = {id(c) for c in held_cands}
     cands = [c for c in cands if not c.held or id(c) in kept]  # in their order: the formula first
     encoded = [_encode_parts(tok, c.parts, done) for c in cands]
+    reads_short = any("no_think_close" in c.names for c in cands)
+    if reads_short and logged is not None and logged.ids is not None:
+        cands = _seen_whole(logged, cands, encoded)
     vetoed = any(c.veto for c in cands)
-    reads_short = any(c.veto and "no_think_close" in c.names for c in cands)
     if vetoed:  # kept only where it ties the count of a reading kept on its own: ambiguous then
         size = [sum(map(len, e[0])) for e in encoded]
         counts = {size[k] for k, c in enumerate(cands) if not c.veto}
@@ -521,6 +522,16 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
                                                    native, logged)
     return _Choice(idx, choice, native, logged, stop, cands, cand_ids, cand_free,
                    held_ties=ties, stream_doubt=doubt, vetoed=vetoed, reads_short=reads_short)
+
+
+def _seen_whole(logged: LogprobIds, cands: list[Candidate], encoded: list[tuple[list[list[int]], list[bool]]],
+                ) -> list[Candidate]:
+    """``cands`` with the veto lifted from each reading of a section opened without
+    ``</think>`` that logprobs cover whole (every id, or all but the end): they saw whether
+    ``</think>`` was written. Logprobs of the content alone did not, so those leave it a veto."""
+    return [replace(c, veto=False) if c.veto and "no_think_close" in c.names
+            and logprobs_fit(logged, c.parts, e[0], [i for ids in e[0] for i in ids]) in ("all", "all_but_end") else c
+            for c, e in zip(cands, encoded)]
 
 
 #: The reading whose ids for a text holding U+FFFD are the ground truth's (:func:`_lossy_from_truth`).
@@ -882,15 +893,17 @@ def _mark_cancelling(plans: list[_Choice], rows: list[dict[str, Any]], policy: P
         finish = finish_reading(p.choice)
         if finish == "length":
             more.append((p, row))
-        elif ends_in_think_fits(p.cands[p.chosen].parts, finish, thinking, opens):
-            # its ended-in-think reading, where one was built, was weighed against the sibling's
-            # reading as served, never against the id the cut may hide: the two still cancel
+        elif ends_in_think_fits(p.cands[p.chosen].parts, finish, thinking, opens) or p.reads_short:
+            # its ended-in-think reading (or its section opened without </think>), where one was
+            # built, was weighed against the sibling's reading as served, never against the id
+            # the cut may hide: the two still cancel
             fewer.append((p, row))
     if not (fewer and more):
         return
     why = (f"usage is summed over {len(rows)} choices: choice(s) {[r['choice'] for _, r in fewer]} may have ended "
-           f"inside the think block (one id fewer than read) and choice(s) {[r['choice'] for _, r in more]} were cut "
-           "where one id may not have been served (one more): the sum fits either way, so it proves neither")
+           "inside the think block or opened a tool section without </think> (one id fewer than read) and "
+           f"choice(s) {[r['choice'] for _, r in more]} were cut where one id may not have been served (one more): "
+           "the sum fits either way, so it proves neither")
     for _, row in (*fewer, *more):
         row["findings"] = [*row["findings"], Finding("choices_unattributable", sev, why).to_dict()]
         row["status"] = status_of([Finding(f["code"], f["severity"], f["message"]) for f in row["findings"]])
