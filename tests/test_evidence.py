@@ -436,6 +436,24 @@ def test_a_section_beside_a_length_cut_that_may_hide_an_id_is_unattributable(kim
     assert all("choices_unattributable" in codes(r) for r in rows)
 
 
+@pytest.mark.parametrize("trait", ["end_counted", "end_uncounted"])
+def test_a_section_read_short_beside_a_length_cut_is_proven_where_the_run_knows_the_end(kimi, ids, trait):
+    """A reviewer's: a cut can only hide an id (one more), so beside the reading one id short
+    nothing cancels; both rows were marked ``choices_unattributable``."""
+    from tokenbridge.traits import ProviderTrait
+
+    short = native(kimi, REASONING, SECTION, ids["end"])
+    cut_text = "Let me think about the weather in Paris carefully"
+    cut = native(kimi, cut_text)
+    rec = record(kimi, {"reasoning": REASONING, "content": SECTION}, finish="tool_calls",
+                 usage=len(short) + len(cut) - (trait == "end_uncounted"))
+    rec["response"]["choices"].append({"index": 1, "finish_reason": "length",
+                                       "message": {"reasoning": cut_text, "content": ""}})
+    a, b = reconstruct_record(rec, kimi, traits={"P": ProviderTrait("P", **{trait: True})})
+    assert (a["status"], a["completion_ids"], a["reconstruction"]) == ("ok", short, "no_think_close"), a
+    assert (b["status"], b["completion_ids"], codes(b)) == ("flagged", cut, ["truncated"])
+
+
 def test_a_tool_call_after_a_real_think_close_keeps_it(kimi, ids):
     truth = native(kimi, REASONING, ids["close"], SECTION, ids["end"])
     msg = {"reasoning": REASONING, "content": SECTION}

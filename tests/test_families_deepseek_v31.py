@@ -304,15 +304,20 @@ def test_reasoning_with_tool_call_text_is_read_as_sglang_splits_it(tok, dialect,
             assert (row["status"], row["completion_ids"]) == ("flagged", ids)  # truncated: exact up to the cut
             assert row["reconstruction"] == "no_think_close"
             continue
-        # from the count alone: rejected, a mismatch or (joined after a tab) a tie with the formula
+        # from the count alone: one short of the formula, as the formula with an uncounted end
+        # token is, it is rejected (a mismatch; joined after a tab, a tie); any other gap (joined
+        # text can merge tokens across the split) the count tells apart from both
         served = response["choices"][0]["message"]
         split = len(tok.encode(served["reasoning_content"])) + 1 + len(tok.encode(served["content"]))
-        tie = len(tok.encode(reasoning)) == split
-        assert ((row["status"], [f["code"] for f in row["findings"]])
-                == ("rejected", ["reconstruction_ambiguous" if tie else "usage_completion_mismatch"]))
-        # and its count, one short of the formula as an uncounted end token's is, teaches the run nothing
-        exchange = parse_exchange({"id": "d", "request": request, "response": response})
-        assert _reconstruct(exchange, tok, dialect, None, None)[1].delta is None
+        gap = split - len(tok.encode(reasoning))
+        if gap in (0, 1):
+            assert ((row["status"], [f["code"] for f in row["findings"]])
+                    == ("rejected", ["reconstruction_ambiguous" if gap == 0 else "usage_completion_mismatch"]))
+            # and its count teaches the run nothing
+            exchange = parse_exchange({"id": "d", "request": request, "response": response})
+            assert _reconstruct(exchange, tok, dialect, None, None)[1].delta is None
+        else:
+            assert (row["status"], row["completion_ids"], row["reconstruction"]) == ("ok", ids, "no_think_close"), row
         response["choices"][0]["logprobs"] = {"content": [
             {"token": f"token_id:{t}", "logprob": -0.1, "bytes": None, "top_logprobs": []} for t in ids]}
         (row,) = reconstruct_record({"id": "d", "request": request, "response": response}, tok)
@@ -338,3 +343,27 @@ def test_an_ended_reasoning_whose_joined_reading_ties_the_formula_is_ambiguous(t
         {"token": f"token_id:{t}", "logprob": -0.1, "bytes": None, "top_logprobs": []} for t in ids]}
     (row,) = reconstruct_record({"id": "d", "request": request, "response": response}, tok)
     assert (row["status"], row["completion_ids"]) == ("ok", ids)
+
+
+def test_a_joined_reading_two_ids_short_beside_a_length_cut_is_still_proven(tok, dialect):
+    """A reviewer's: the plain-text reading that joins reasoning and ``<tool_call>`` text can be
+    two ids short of the formula ("." and "<" merge), which no uncounted end token nor a cut that
+    hides one id can stand in for; it was marked ``choices_unattributable``."""
+    from tokenbridge.traits import ProviderTrait
+
+    request = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "chat_template_kwargs": {"thinking": True}}
+    reasoning, call = "I should call the tool.", '<tool_call>{"name": "get_weather"}</tool_call>'
+    end = tok.token_id(dialect.end_token)
+    formula = [*tok.encode(reasoning), tok.token_id("</think>"), *tok.encode(call), end]
+    assert len(formula) - len([*tok.encode(reasoning + call), end]) == 2
+    cut_text = "Let me think about the weather in Paris carefully"
+    cut = tok.encode(cut_text)
+    response = {"provider": "P", "choices": [
+        {"index": 0, "message": {"reasoning_content": reasoning, "content": call}, "finish_reason": "stop"},
+        {"index": 1, "message": {"reasoning_content": cut_text, "content": ""}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": len(tok.encode(dialect.render_request(request))),
+                  "completion_tokens": len(formula) + len(cut)}}
+    rows = reconstruct_record({"id": "r", "request": request, "response": response}, tok,
+                              traits={"P": ProviderTrait("P", end_counted=True)})
+    assert [(r["status"], r["completion_ids"]) for r in rows] == [("ok", formula), ("flagged", cut)], rows
+

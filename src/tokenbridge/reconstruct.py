@@ -90,7 +90,8 @@ class _Choice:
     #: a reading the count alone never picks was built (``Candidate.veto``): one that ended
     #: inside its think block, so its count teaches the run traits nothing, as ``end_in_think``'s
     vetoed: bool = False
-    #: a reading of the tool section opened without ``</think>`` was built (see :func:`_plans`)
+    #: a reading of the tool section opened without ``</think>`` exactly one id short of
+    #: another was built (see :func:`_plans`)
     reads_short: bool = False
     #: candidate -> its completion ids, built once (a reasoning completion is thousands of ids)
     _flat: dict[int, list[int]] = field(default_factory=dict)
@@ -509,9 +510,7 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     kept = {id(c) for c in held_cands}
     cands = [c for c in cands if not c.held or id(c) in kept]  # in their order: the formula first
     encoded = [_encode_parts(tok, c.parts, done) for c in cands]
-    reads_short = any("no_think_close" in c.names for c in cands)
-    if reads_short and logged is not None and logged.ids is not None:
-        cands = _seen_whole(logged, cands, encoded)
+    cands, reads_short = _short_readings(logged, cands, encoded)
     vetoed = any(c.veto for c in cands)
     if vetoed:  # kept only where it ties the count of a reading kept on its own: ambiguous then
         size = [sum(map(len, e[0])) for e in encoded]
@@ -524,14 +523,26 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
                    held_ties=ties, stream_doubt=doubt, vetoed=vetoed, reads_short=reads_short)
 
 
-def _seen_whole(logged: LogprobIds, cands: list[Candidate], encoded: list[tuple[list[list[int]], list[bool]]],
-                ) -> list[Candidate]:
+def _short_readings(logged: LogprobIds | None, cands: list[Candidate],
+                    encoded: list[tuple[list[list[int]], list[bool]]]) -> tuple[list[Candidate], bool]:
     """``cands`` with the veto lifted from each reading of a section opened without
-    ``</think>`` that logprobs cover whole (every id, or all but the end): they saw whether
-    ``</think>`` was written. Logprobs of the content alone did not, so those leave it a veto."""
-    return [replace(c, veto=False) if c.veto and "no_think_close" in c.names
-            and logprobs_fit(logged, c.parts, e[0], [i for ids in e[0] for i in ids]) in ("all", "all_but_end") else c
-            for c, e in zip(cands, encoded)]
+    ``</think>`` that no uncounted end token can stand in for: it is not exactly one id
+    short of another reading (DeepSeek's joined text can be two), or logprobs cover it whole
+    (every id, or all but the end: they saw whether ``</think>`` was written; those of the
+    content alone did not). And whether one such reading is exactly one id short of another
+    (:func:`_plans`, :func:`_mark_cancelling`)."""
+    sizes = [sum(map(len, e[0])) for e in encoded]
+    longer = {n for n, c in zip(sizes, cands) if "no_think_close" not in c.names}
+    out, short = [], False
+    for c, e, n in zip(cands, encoded, sizes):
+        if "no_think_close" in c.names:
+            one_short = n + 1 in longer
+            short = short or one_short
+            if c.veto and (not one_short or (logged is not None and logged.ids is not None and logprobs_fit(
+                    logged, c.parts, e[0], [i for ids in e[0] for i in ids]) in ("all", "all_but_end"))):
+                c = replace(c, veto=False)
+        out.append(c)
+    return out, short
 
 
 #: The reading whose ids for a text holding U+FFFD are the ground truth's (:func:`_lossy_from_truth`).
@@ -893,7 +904,8 @@ def _mark_cancelling(plans: list[_Choice], rows: list[dict[str, Any]], policy: P
         finish = finish_reading(p.choice)
         if finish == "length":
             more.append((p, row))
-        elif ends_in_think_fits(p.cands[p.chosen].parts, finish, thinking, opens) or p.reads_short:
+        elif (ends_in_think_fits(p.cands[p.chosen].parts, finish, thinking, opens)
+              or (p.reads_short and "no_think_close" not in p.cands[p.chosen].names)):
             # its ended-in-think reading (or its section opened without </think>), where one was
             # built, was weighed against the sibling's reading as served, never against the id
             # the cut may hide: the two still cancel
