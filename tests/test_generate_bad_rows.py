@@ -304,7 +304,7 @@ def test_a_split_that_names_another_folder_is_refused(tmp_path, split):
                                                                         "-t UTF-8)"),
     ('{"id": "a", "prompt": "hi"}\n'.encode("utf-16-be"), "UTF-16BE text", "convert it to UTF-8 first (iconv -f "
                                                                            "UTF-16BE -t UTF-8)"),
-    (__import__("gzip").compress(b'{"id": "a", "prompt": "hi"}\n'), "a gzip file", "decompress it first (gunzip)"),
+    (__import__("gzip").compress(b'{"id": "a", "prompt": "hi"}\n', mtime=0), "a gzip file", "decompress it first (gunzip)"),
 ])
 def test_a_prompt_file_that_is_plainly_not_jsonl_is_one_error_naming_what_it_is(tmp_path, data, kind, todo):
     """A UTF-16 file (PowerShell's ``>``) was a bad row per line in a codec's words ("can't
