@@ -298,3 +298,31 @@ def test_well_formed_glm_call_passes_the_grammar(tok):
     row, = reconstruct_record(rec, tok)
     assert [f["code"] for f in row["findings"]] == ["usage_missing"]
     assert row["completion_ids"][-1] == OBSERVATION
+
+
+def test_logprobs_of_the_content_read_a_section_opened_without_think_close(tok, dialect):
+    """A reviewer's: GLM's readings start with the newline before ``<think>``, so the content
+    start of a reading with no ``</think>`` was never found, and logprobs of the section and the
+    end alone refused the true reading. Where the run showed how the end is counted, they
+    agree with it and the count picks it; where it did not, they still prove nothing of
+    ``</think>``."""
+    request = {"messages": [{"role": "user", "content": "Check the weather tool."}]}
+    reasoning = "Need the weather."
+    call = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
+    short = [*tok.encode("\n<think>" + reasoning), *tok.encode(call), OBSERVATION]
+    logged = {"content": [{"token": f"token_id:{i}", "logprob": -0.1, "bytes": list(tok.token_bytes(i)),
+                           "top_logprobs": []} for i in [*tok.encode(call), OBSERVATION]]}
+    prompt = len(tok.encode(dialect.render_request(request)))
+
+    def row(usage: int, trait: ProviderTrait | None) -> dict[str, Any]:
+        choice = {"index": 0, "finish_reason": "stop", "logprobs": logged,
+                  "message": {"reasoning_content": "\n<think>" + reasoning, "content": call}}
+        response = {"provider": "P", "choices": [choice], "usage": {"prompt_tokens": prompt, "completion_tokens": usage}}
+        return reconstruct_record({"id": "g", "request": request, "response": response}, tok,
+                                  traits={"P": trait} if trait else None)[0]
+
+    for trait, usage in ((ProviderTrait("P", end_counted=True, prefix_in_reasoning=True), len(short)),
+                         (ProviderTrait("P", end_uncounted=True, prefix_in_reasoning=True), len(short) - 1)):
+        got = row(usage, trait)
+        assert (got["status"], got["completion_ids"], got["reconstruction"]) == ("ok", short, "no_think_close"), got
+    assert row(len(short), ProviderTrait("P", prefix_in_reasoning=True))["status"] == "rejected"

@@ -28,7 +28,7 @@ __all__ = ["CODES", "DEFAULT_POLICY", "DEFAULT_SEVERITY", "GATE_REVISION", "Find
 #: Changed whenever what reconstruct reads or the gate says of the same input changes. Every
 #: stage's fingerprint holds it, so a finished run reconstructs again after an upgrade that
 #: would judge its samples differently (the package version moves only with releases).
-GATE_REVISION = "2026-12-07.12"
+GATE_REVISION = "2026-12-07.13"
 
 #: Every finding code with its default severity and what it means.
 CODES: dict[str, tuple[str, str]] = {
@@ -631,13 +631,16 @@ def logprobs_fit(logged: LogprobIds, parts: Sequence[tuple[str, str]], part_ids:
     contradict it."""
     assert logged.ids is not None
     start = pos = opened = 0
-    for (kind, _), ids in zip(parts, part_ids):
+    for k, ((kind, _), ids) in enumerate(zip(parts, part_ids)):
         pos += len(ids)
         if kind == "think_end":
             start = pos
             break
-        if kind in ("think_start", "reasoning") and opened == pos - len(ids):
-            opened = pos  # the think block so far, from the first part on
+        # the think block so far, from the first part on (GLM's newline before <think> with it)
+        block = kind in ("think_start", "reasoning") or (k == 0 and kind == "format" and len(parts) > 1
+                                                         and parts[1][0] == "think_start")
+        if block and opened == pos - len(ids):
+            opened = pos
     else:
         start = opened
     return logprobs_cover(logged.ids, completion_ids, start, ends_turn(parts), logged.may_be,
