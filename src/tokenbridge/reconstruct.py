@@ -265,7 +265,8 @@ def _plans(plan: Callable[..., _Choice], choices: Sequence[Mapping[str, Any]], u
                   and not (trait is not None and (trait.end_counted or trait.end_uncounted)))
     plans = [plan(idx, choice, short_ties=short_ties) for idx, choice in enumerate(choices)]
     if short_ties and len(plans) > 1 and not all(p.reads_short for p in plans if ends_turn(p.cands[0].parts)):
-        plans = [plan(idx, choice, short_ties=False) for idx, choice in enumerate(choices)]
+        # only a choice with such a reading plans otherwise (elsewhere the veto is lifted already)
+        plans = [plan(p.index, p.choice, short_ties=False) if p.reads_short else p for p in plans]
     return plans
 
 
@@ -510,10 +511,10 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
     kept = {id(c) for c in held_cands}
     cands = [c for c in cands if not c.held or id(c) in kept]  # in their order: the formula first
     encoded = [_encode_parts(tok, c.parts, done) for c in cands]
-    cands, reads_short = _short_readings(logged, cands, encoded)
+    size = [sum(map(len, e[0])) for e in encoded]
+    cands, reads_short = _short_readings(logged, cands, encoded, size)
     vetoed = any(c.veto for c in cands)
     if vetoed:  # kept only where it ties the count of a reading kept on its own: ambiguous then
-        size = [sum(map(len, e[0])) for e in encoded]
         counts = {size[k] for k, c in enumerate(cands) if not c.veto}
         keep = [k for k, c in enumerate(cands) if not c.veto or size[k] in counts]
         cands, encoded = [cands[k] for k in keep], [encoded[k] for k in keep]
@@ -523,15 +524,14 @@ def _plan(idx: int, choice: Mapping[str, Any], ex: Exchange, tok: Tokenizer, dia
                    held_ties=ties, stream_doubt=doubt, vetoed=vetoed, reads_short=reads_short)
 
 
-def _short_readings(logged: LogprobIds | None, cands: list[Candidate],
-                    encoded: list[tuple[list[list[int]], list[bool]]]) -> tuple[list[Candidate], bool]:
+def _short_readings(logged: LogprobIds | None, cands: list[Candidate], encoded: list[tuple[list[list[int]], list[bool]]],
+                    sizes: list[int]) -> tuple[list[Candidate], bool]:
     """``cands`` with the veto lifted from each reading of a section opened without
     ``</think>`` that no uncounted end token can stand in for: it is not exactly one id
     short of another reading (DeepSeek's joined text can be two), or logprobs cover it whole
     (every id, or all but the end: they saw whether ``</think>`` was written; those of the
     content alone did not). And whether one such reading is exactly one id short of another
-    (:func:`_plans`, :func:`_mark_cancelling`)."""
-    sizes = [sum(map(len, e[0])) for e in encoded]
+    (:func:`_plans`, :func:`_mark_cancelling`). ``sizes``: each reading's id count."""
     longer = {n for n, c in zip(sizes, cands) if "no_think_close" not in c.names}
     out, short = [], False
     for c, e, n in zip(cands, encoded, sizes):
