@@ -186,7 +186,7 @@ def scattered_key(data: bytes, key: ApiKey | str | None) -> bool:
     value = key.value if isinstance(key, ApiKey) else key
     if not value or not data or len(value) < MIN_MASKED:
         return False
-    return _half_covered(value, {piece for _, piece in _key_pieces(data, value)})
+    return _half_covered(value, _key_pieces(data, value))
 
 
 def mask_scattered(data: bytes, key: ApiKey | str | None) -> bytes:
@@ -198,7 +198,7 @@ def mask_scattered(data: bytes, key: ApiKey | str | None) -> bytes:
     if not value or not data or len(value) < MIN_MASKED or not value.isascii():  # (a piece never splits a character)
         return data
     found = _key_pieces(data, value)
-    if not _half_covered(value, {piece for _, piece in found}):
+    if not _half_covered(value, found):
         return data
     spans: list[tuple[int, int]] = []
     for start, _ in found:
@@ -225,14 +225,15 @@ def _key_pieces(data: bytes, value: str) -> list[tuple[int, bytes]]:
     return found
 
 
-def _half_covered(value: str, found: set[bytes]) -> bool:
-    """Whether the key's pieces in ``found`` (lower-cased) cover half its characters or more."""
+def _half_covered(value: str, found: list[tuple[int, bytes]]) -> bool:
+    """Whether the key's pieces :func:`_key_pieces` found cover half its characters or more."""
     if not found:
         return False
+    pieces = {piece for _, piece in found}
     raw = value.encode("utf-8", "surrogatepass").lower()
     covered = bytearray(len(raw))
     for i in range(len(raw) - SCATTER_PIECE + 1):
-        if raw[i:i + SCATTER_PIECE] in found:
+        if raw[i:i + SCATTER_PIECE] in pieces:
             covered[i:i + SCATTER_PIECE] = b"\1" * SCATTER_PIECE
     return 2 * sum(covered) >= len(raw)
 
