@@ -378,8 +378,8 @@ def test_with_a_usage_tolerance_a_section_with_or_without_think_close_is_ambiguo
     assert row["status"] == "rejected" and codes(row) == ["reconstruction_ambiguous"], row["findings"]
 
 
-def _tool_choice(index: int, **extra) -> dict:
-    return {"index": index, "message": {"reasoning": REASONING, "content": SECTION}, "finish_reason": "tool_calls", **extra}
+def _tool_choice(index: int) -> dict:
+    return {"index": index, "message": {"reasoning": REASONING, "content": SECTION}, "finish_reason": "tool_calls"}
 
 
 def test_logprobs_of_the_content_alone_never_see_whether_think_close_was_written(kimi, ids):
@@ -578,8 +578,7 @@ def test_summed_usage_picks_the_reading_of_one_choice_among_several(kimi, ids):
     plain = native(kimi, REASONING, ids["close"], "Sunny.", ids["end"])
     tool = native(kimi, REASONING, SECTION, ids["end"])
     rec = record(kimi, {"reasoning": REASONING, "content": "Sunny."}, usage=len(plain) + len(tool))
-    rec["response"]["choices"].append({"index": 1, "message": {"reasoning": REASONING, "content": SECTION},
-                                       "finish_reason": "tool_calls"})
+    rec["response"]["choices"].append(_tool_choice(1))
     a, b = reconstruct_record(rec, kimi)
     assert (a["status"], b["status"]) == ("ok", "ok"), (a["findings"], b["findings"])
     assert a["completion_ids"] == plain and b["completion_ids"] == tool and b["reconstruction"] == "no_think_close"
@@ -590,8 +589,7 @@ def test_summed_usage_of_choices_that_all_opened_their_section_without_think_clo
     (one off each): the same sum, so neither row is taken from it."""
     tool = native(kimi, REASONING, SECTION, ids["end"])
     rec = record(kimi, {"reasoning": REASONING, "content": SECTION}, finish="tool_calls", usage=2 * len(tool))
-    rec["response"]["choices"].append({"index": 1, "message": {"reasoning": REASONING, "content": SECTION},
-                                       "finish_reason": "tool_calls"})
+    rec["response"]["choices"].append(_tool_choice(1))
     rows = reconstruct_record(rec, kimi)
     assert [r["status"] for r in rows] == ["rejected", "rejected"], [r["findings"] for r in rows]
 
