@@ -115,8 +115,9 @@ def test_rerun_of_a_finished_run_skips_every_stage_and_reads_no_data_file(finish
 
 def test_first_run_settles_the_digests_of_fresh_files_so_the_rerun_reads_nothing(tmp_path, kimi_dir, monkeypatch,
                                                                                  opens):
-    """Real clock during the stages (every output is fresh when digested, so untrusted); the
-    clock moves on before the run's last step, which reads those files once more."""
+    """The digest clock stands still at the run's start during the stages (every output is
+    fresh when digested, so untrusted, however slow the machine); it moves on before the run's
+    last step, which reads those files once more."""
     from tokenbridge import pipeline
 
     settled: list[list[str]] = []
@@ -130,6 +131,8 @@ def test_first_run_settles_the_digests_of_fresh_files_so_the_rerun_reads_nothing
 
     monkeypatch.setattr(pipeline._State, "settle", settle_later)
     cfg = load_run_config(write_run_config(tmp_path, kimi_dir))
+    started = time.time_ns()
+    monkeypatch.setattr(digests, "now_ns", lambda: started)
     _run(cfg)
     out = tmp_path / "out"
     assert settled == [[str(out / "exchanges.jsonl"), str(out / "reconstructed.jsonl")]]
@@ -366,8 +369,9 @@ def test_a_digest_of_a_fresh_file_is_not_trusted_until_it_is_read_again_aged(tmp
     settled = DigestCache({str(f): Digest(stale, ident, ident.mtime_ns + digests.RACY_NS + 1_000_000)})
     assert settled.digest(f) == stale and settled.read == []  # beyond it the identity is trusted
 
+    monkeypatch.setattr(digests, "now_ns", lambda: ident.mtime_ns)  # the clock as the file is written
     cache = DigestCache()
-    d = cache.digest(f)  # real clock: the file is fresh
+    d = cache.digest(f)  # the file is fresh
     assert not cache.entry(f).trusted and cache.digest(f) == d and len(cache.read) == 2
     cache.settle()
     assert len(cache.read) == 2  # still fresh: settling cannot make it trusted yet
