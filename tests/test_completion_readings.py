@@ -336,6 +336,32 @@ def test_a_second_think_open_streamed_is_not_read_as_sglangs_whole_form():
     assert truth == ids and (row["status"] != "ok" or row["completion_ids"] == ids), row["completion_ids"]
 
 
+def test_a_second_think_open_streamed_without_its_close_is_proven_by_logprob_ids():
+    """The streamed second ``<think>`` and a tool call with no ``</think>``, logprobs giving
+    every id: the unclosed reading's veto (an uncounted end token could stand in for the
+    ``</think>`` it lacks) was kept because the reading also names ``think_open_twice``, so
+    the formula's reading was chosen against the ids (usage and logprobs mismatches). Ids
+    lift it; a policy that lets a ``<think>`` in reasoning pass then proves the row."""
+    from tokenbridge.checks import Policy
+
+    engine = SGLangEngine(GLM, "glm-4.5", "glm45", {USER, GLM.token_id("<|observation|>")})
+    native = ("\n<think><think>\n\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+              "</tool_call><|observation|>")
+    ids = GLM.encode(native)
+    message = engine.serve(ids, 10, thinking=True, stream=True)["choices"][0]["message"]
+    request = {"messages": PROMPT, "stream": True}
+    lenient = Policy(severities={"think_marker_in_reasoning": "warning"})
+    for logged in (ids, ids[:-1]):  # every id, or all but the end token
+        response = {"provider": "p", "choices": [{"index": 0, "finish_reason": "stop", "message": {
+            "role": "assistant", "reasoning_content": message["reasoning_content"], "content": message["content"]},
+            "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": -0.1, "bytes": None, "top_logprobs": []}
+                                     for i in logged]}}],
+            "usage": {"prompt_tokens": len(GLM.encode(GLM_D.render_request(request))), "completion_tokens": len(ids)}}
+        row, = reconstruct_record({"id": "g", "request": request, "response": response}, GLM, policy=lenient)
+        assert row["status"] == "flagged" and codes(row) == ["think_marker_in_reasoning"], codes(row)
+        assert row["completion_ids"] == ids and row["reconstruction"] == "think_open_twice+no_think_close"
+
+
 def test_a_second_think_open_where_the_record_does_not_say_it_streamed_ties():
     """The same served message in a record without ``stream`` (an external file): it was
     still read as SGLang's whole form only, ``ok`` with wrong ids. Both forms are read;

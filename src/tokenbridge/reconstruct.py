@@ -538,8 +538,8 @@ def _short_readings(logged: LogprobIds | None, cands: list[Candidate], encoded: 
         if "no_think_close" in c.names:
             one_short = n + 1 in longer
             short = short or one_short
-            # (a second <think>'s reading keeps a veto of its own: not lifted here)
-            if c.veto and "think_open_twice" not in c.names and (not one_short or (
+            # a second <think>'s reading keeps a veto of its own that no count lifts; ids do
+            if c.veto and ((not one_short and "think_open_twice" not in c.names) or (
                     logged is not None and logged.ids is not None and logprobs_fit(
                         logged, c.parts, e[0], [i for ids in e[0] for i in ids]) in ("all", "all_but_end"))):
                 c = replace(c, veto=False)
