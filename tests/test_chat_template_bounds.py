@@ -115,10 +115,10 @@ def test_the_timer_leaves_a_users_handler_and_timer_alone():
     try:
         assert template_renderer("{{ messages[0].content }}")(HI, None, True, {}) == " hi "
         assert signal.getsignal(signal.SIGALRM) is mine
-        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        signal.setitimer(signal.ITIMER_REAL, 2.0)  # longer than a render on a loaded machine
         assert template_renderer("{{ messages[0].role }}")(HI, None, True, {}) == "user"
-        assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 0.2  # still running, not reset
-        deadline = time.monotonic() + 5
+        assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 2.0  # still running, not reset
+        deadline = time.monotonic() + 10
         while not seen and time.monotonic() < deadline:
             time.sleep(0.01)
         assert seen == [signal.SIGALRM]  # the user's handler, not ours
