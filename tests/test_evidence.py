@@ -417,6 +417,24 @@ def test_logprobs_of_every_id_pick_the_section_opened_without_think_close(kimi, 
     assert (row["status"], row["completion_ids"], row["reconstruction"]) == ("ok", short, "no_think_close"), row
 
 
+def test_logprobs_of_a_section_with_no_reasoning_before_it_are_also_the_formulas_content(kimi, ids):
+    """No reasoning served: the ids of the section opened without ``</think>`` are the
+    formula's content ids too, so logprobs of every id of the one are what a provider that
+    logs the content only writes for the other; with an uncounted end the count ties as
+    well. They were read as covering the short reading whole, and the row was ``ok``."""
+    from tokenbridge.traits import ProviderTrait
+
+    short = native(kimi, SECTION, ids["end"])
+    for logged in (short, short[:-1]):
+        rec = record(kimi, {"reasoning": "", "content": SECTION}, finish="tool_calls", usage=len(short),
+                     logprobs=_logprobs(kimi, logged))
+        row, = reconstruct_record(rec, kimi)
+        assert row["status"] == "rejected", row
+        # where the run showed its end is counted, the count picks the short reading
+        row, = reconstruct_record(rec, kimi, traits={"P": ProviderTrait("P", end_counted=True)})
+        assert (row["status"], row["completion_ids"], row["reconstruction"]) == ("ok", short, "no_think_close"), row
+
+
 @pytest.mark.parametrize("end_uncounted", [False, True])
 def test_a_section_beside_a_length_cut_that_may_hide_an_id_is_unattributable(kimi, ids, end_uncounted):
     """A reviewer's: one id fewer here (no ``</think>``), one more there (a ``</think>`` the cut

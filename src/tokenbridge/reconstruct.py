@@ -539,12 +539,24 @@ def _short_readings(logged: LogprobIds | None, cands: list[Candidate], encoded: 
             one_short = n + 1 in longer
             short = short or one_short
             # a second <think>'s reading keeps a veto of its own that no count lifts; ids do
-            if c.veto and ((not one_short and "think_open_twice" not in c.names) or (
-                    logged is not None and logged.ids is not None and logprobs_fit(
-                        logged, c.parts, e[0], [i for ids in e[0] for i in ids]) in ("all", "all_but_end"))):
+            if c.veto and ((not one_short and "think_open_twice" not in c.names) or _logged_whole(logged, c, e, [
+                    (r, f) for r, f, m in zip(cands, encoded, sizes) if m == n + 1 and "no_think_close" not in r.names])):
                 c = replace(c, veto=False)
         out.append(c)
     return out, short
+
+
+def _logged_whole(logged: LogprobIds | None, c: Candidate, e: tuple[list[list[int]], list[bool]],
+                  longer: list[tuple[Candidate, tuple[list[list[int]], list[bool]]]]) -> bool:
+    """Whether logprob ids cover reading ``c`` whole (every id, or all but the end) and fit
+    none of the ``longer`` readings at all. With nothing before the section (no reasoning
+    served), ``c``'s ids are also the formula's content from after its ``</think>``: a
+    provider that logs the content only would have logged the same ids."""
+    if logged is None or logged.ids is None:
+        return False
+    if logprobs_fit(logged, c.parts, e[0], [i for ids in e[0] for i in ids]) not in ("all", "all_but_end"):
+        return False
+    return all(logprobs_fit(logged, r.parts, f[0], [i for ids in f[0] for i in ids]) is None for r, f in longer)
 
 
 #: The reading whose ids for a text holding U+FFFD are the ground truth's (:func:`_lossy_from_truth`).
