@@ -317,3 +317,14 @@ def test_glm_attribution_line_alone_exports_the_parts_its_template_iterates(tmp_
     assert {r.name: r.text for r in dialect.prompt_readings(request)}.get("billing_header=dropped") == theirs
     history = exported_history(tmp_path, "glm-4.5", request, theirs)
     assert hf.apply_chat_template(history, tokenize=False, add_generation_prompt=True) == theirs
+
+
+def test_a_text_part_that_is_not_a_string_gets_no_vllm_reading_and_no_type_error():
+    """vLLM's request model refuses such a part (it served nothing): joining it for vLLM's
+    reading was a TypeError out of ``prompt_readings``."""
+    _, dialect, _ = _family("qwen3")
+    for text in (5, [None], {"t": 1}):
+        request = {"messages": [{"role": "system", "content": [_text("Be"), {"type": "text", "text": text}]},
+                                {"role": "user", "content": "hi"}]}
+        names = {r.name for r in dialect.prompt_readings(request)}
+        assert not any("newline" in (n or "") or "vllm" in (n or "") for n in names), names

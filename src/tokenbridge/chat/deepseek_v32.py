@@ -148,6 +148,34 @@ def render(
     return "".join(out)
 
 
+def vllm_request(request: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, str]:
+    """``request`` as vLLM 0.34's V3.2 encoder wrapper takes it, and the reading's name:
+    contents as ``parse_chat_messages(content_format="string")`` hands them on (text parts
+    joined with a newline, ``parts=newline``; a system message's Claude Code attribution
+    line dropped, ``billing_header=dropped``), and its tools on a system message of their
+    own put in front of the conversation's (SGLang hangs them on that one: the tools block
+    then follows its text), ``tools_system=vllm``. None where vLLM's request model refuses a
+    content part (it served nothing)."""
+    from .parts import has_parts, vllm_differs, vllm_reading
+
+    messages = request.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return request, ""
+    names = []
+    if has_parts(messages) or vllm_differs(messages):
+        try:
+            messages, name = vllm_reading(messages, "string")
+        except TemplateError:
+            return None, ""
+        names.append(name)
+    tools = request.get("tools")
+    first = messages[0]
+    if isinstance(tools, list) and tools and isinstance(first, Mapping) and first.get("role") == "system":
+        messages = [{"role": "system", "content": ""}, *messages]
+        names.append("tools_system=vllm")
+    return ({**request, "messages": messages}, "+".join(sorted(names))) if names else (request, "")
+
+
 TOOL_MARKERS = ToolMarkers(section_begin=f"<{DSML}function_calls>", section_end=f"</{DSML}function_calls>",
                            token=DSML)
 
@@ -166,4 +194,5 @@ DEEPSEEK_V32 = Dialect(
     thinking_default=False,
     think_self_open=False,
     reasoning_tool_start="<tool_call>",
+    vllm_request=vllm_request,
 )

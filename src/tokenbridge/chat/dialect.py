@@ -181,6 +181,9 @@ class Dialect:
     #: is a list of parts (:mod:`.parts`), detected from its source; None for a built-in
     #: renderer, which takes the parts as sent.
     content_formats: tuple[ContentFormat, ContentFormat] | None = None
+    #: A built-in renderer's request as vLLM 0.34's own encoder for the family takes it, and
+    #: the reading's name (``""``: as sent; None: vLLM refuses it): DeepSeek V3.2's (:mod:`.deepseek_v32`).
+    vllm_request: Callable[[Mapping[str, Any]], tuple[Mapping[str, Any] | None, str]] | None = None
 
     @property
     def end_tokens(self) -> tuple[str, ...]:
@@ -255,33 +258,20 @@ class Dialect:
                 if not self.serving_readings:
                     raise
                 refused = exc
-            if first is not None and not (self.serving_readings or (self.argument_readings and _history_differs(request))):
-                return [first]
-        from .serving import serving_variants, sglang_history, vllm_history, vllm_reasoning, with_change
+        from .serving import vllm_tools
 
+        dumped = vllm_tools(request) if self.serving_readings or self.argument_readings else None
+        if parts is None and first is not None and not (
+                self.serving_readings or dumped is not None or (self.argument_readings and _history_differs(request))):
+            return [first]
         render = _RenderedOnce(self.render_request if parts is None else self._render_parts_done)
+        variants: list[tuple[Mapping[str, Any], str | None]]
         if parts is None:
-            by_vllm: list[tuple[Mapping[str, Any], str]] = []
-            if self.serving_readings:
-                if first is not None:
-                    render.known(request, first.text)
-                form, change = _vllm_form(request, render)
-                if form is not None:
-                    by_vllm = [*([(form, change)] if change else []),
-                               *((v, with_change(n, change)) for v, n in vllm_reasoning(form))]
-            variants = [*(serving_variants(request) if self.serving_readings else ()), *by_vllm,
-                        *(sglang_history(request) if self.argument_readings else ()),
-                        *(vllm_history(request) if self.argument_readings else ())]
-        else:  # each engine's changes on its own handling of the parts (a folder's template)
-            (sglang, s_name), (vllm, v_name) = parts
-            more = self.serving_readings
-            variants = [(sglang, s_name),
-                        *((v, with_change(n, s_name or "")) for v, n in (serving_variants(sglang) if more else ()))]
-            form, change = _vllm_form(vllm, render)
-            if form is not None:
-                v_name = with_change(v_name, change)
-                variants += [(form, v_name),
-                             *((v, with_change(n, v_name)) for v, n in (vllm_reasoning(form) if more else ()))]
+            if first is not None:
+                render.known(request, first.text)
+            variants = self._variants_as_sent(request, render, dumped)
+        else:
+            variants = self._variants_of_parts(parts, render, dumped)
         out, seen = ([first], {first.text}) if first is not None else ([], set())
         for variant, name in variants:
             try:
@@ -297,11 +287,47 @@ class Dialect:
             raise refused
         return out
 
+    def _variants_as_sent(self, request: Mapping[str, Any], render: _RenderedOnce,
+                          dumped: list[dict[str, Any]] | None) -> list[tuple[Mapping[str, Any], str | None]]:
+        """The engines' requests other than as sent (no content a list of parts), each named."""
+        from .serving import serving_variants, sglang_history, vllm_history, vllm_reasoning, with_change
+
+        by_vllm: list[tuple[Mapping[str, Any], str]] = []
+        if self.serving_readings:
+            base, base_name = self.vllm_request(request) if self.vllm_request is not None else (request, "")
+            form, change = _vllm_form(base, render) if base is not None else (None, "")
+            if form is not None:
+                form, change = _vllm_tools(dumped, form, with_change(change, base_name))
+                by_vllm = [*([(form, change)] if change else []),
+                           *((v, with_change(n, change)) for v, n in vllm_reasoning(form))]
+        elif self.argument_readings and dumped is not None:
+            by_vllm = [_vllm_tools(dumped, request, "")]
+        return [*(serving_variants(request) if self.serving_readings else ()), *by_vllm,
+                *(sglang_history(request) if self.argument_readings else ()),
+                *(_vllm_tools(dumped, v, n) for v, n in (vllm_history(request) if self.argument_readings else ()))]
+
+    def _variants_of_parts(self, parts: tuple[tuple[Mapping[str, Any], str | None], tuple[Mapping[str, Any], str] | None],
+                           render: _RenderedOnce, dumped: list[dict[str, Any]] | None,
+                           ) -> list[tuple[Mapping[str, Any], str | None]]:
+        """Each engine's changes on its own handling of the parts (a folder's template)."""
+        from .serving import serving_variants, vllm_reasoning, with_change
+
+        (sglang, s_name), by_vllm = parts
+        more = self.serving_readings
+        variants: list[tuple[Mapping[str, Any], str | None]] = [
+            (sglang, s_name), *((v, with_change(n, s_name or "")) for v, n in (serving_variants(sglang) if more else ()))]
+        vllm, v_name = by_vllm or (None, "")
+        form, change = _vllm_form(vllm, render) if vllm is not None else (None, "")
+        if form is not None:
+            form, v_name = _vllm_tools(dumped, form, with_change(v_name, change))
+            variants += [(form, v_name), *((v, with_change(n, v_name)) for v, n in (vllm_reasoning(form) if more else ()))]
+        return variants
+
     def _served_parts(self, request: Mapping[str, Any]) -> tuple[tuple[Mapping[str, Any], str | None],
-                                                                 tuple[Mapping[str, Any], str]] | None:
+                                                                 tuple[Mapping[str, Any], str] | None] | None:
         """``request`` as SGLang and as vLLM hand the folder's template its list contents,
-        each with its reading's name (:func:`.parts.sglang_reading`, :func:`.parts.vllm_reading`);
-        None where neither changes the messages (no content is a list, no system message opens
+        each with its reading's name (:func:`.parts.sglang_reading`, :func:`.parts.vllm_reading`;
+        vLLM's None where its request model refuses a part); None where neither changes the messages (no content is a list, no system message opens
         with what vLLM drops) or the renderer is built in."""
         messages = request.get("messages")
         if self.content_formats is None or not isinstance(messages, list):
@@ -310,8 +336,13 @@ class Dialect:
 
         if not (has_parts(messages) or vllm_differs(messages)):
             return None
+        from .template import TemplateError
+
         sglang, s_name = self._sglang_served(messages)
-        vllm, v_name = vllm_reading(messages, self.content_formats[1])
+        try:
+            vllm, v_name = vllm_reading(messages, self.content_formats[1])
+        except TemplateError:  # a part vLLM's request model refuses: no vLLM reading
+            return ({**request, "messages": sglang}, s_name), None
         return ({**request, "messages": sglang}, s_name), ({**request, "messages": vllm}, v_name)
 
     def with_render(self, render: RenderFn, name: str | None = None,
@@ -453,6 +484,15 @@ def _vllm_form(request: Mapping[str, Any],
     except TemplateError:  # as sent it does not render; as vLLM hands it over it does
         same = False
     return (request, "") if same else (post, "tool_calls=vllm")
+
+
+def _vllm_tools(dumped: list[dict[str, Any]] | None, variant: Mapping[str, Any], name: str,
+                ) -> tuple[Mapping[str, Any], str]:
+    """A vLLM reading with the tools as vLLM dumps them (``tools=vllm``), where that changes
+    their JSON (``dumped``: :func:`.serving.vllm_tools`)."""
+    from .serving import with_change
+
+    return (variant, name) if dumped is None else ({**variant, "tools": dumped}, with_change(name, "tools=vllm"))
 
 
 def _history_differs(request: Mapping[str, Any]) -> bool:

@@ -29,7 +29,7 @@ from typing import Any, Literal, TypeGuard
 import jinja2
 from jinja2 import nodes
 
-from .template import compile_template
+from .template import TemplateError, compile_template
 
 __all__ = ["ContentFormat", "has_parts", "sglang_content_format", "sglang_parts", "sglang_reading", "vllm_content_format",
            "vllm_differs", "vllm_parts", "vllm_reading", "without_billing_header"]
@@ -254,6 +254,8 @@ def _vllm_part(part: Any, fmt: ContentFormat) -> Any:
         text = part.get(_VLLM_TEXT_KEYS[kind])
         if text is None and kind in ("text", "refusal"):
             return None
+        if not isinstance(text, str):  # its request model answers 400: vLLM served nothing
+            raise TemplateError(f"a {kind!r} content part's {_VLLM_TEXT_KEYS[kind]!r} is not a string")
         return text if fmt == "string" else {"type": "text", "text": text, **extra}
     if kind == "tool_reference":
         return part.get("name") if fmt == "string" else {"type": "tool_reference", "name": part.get("name")}

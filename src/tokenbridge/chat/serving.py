@@ -1,10 +1,12 @@
 """What the serving engine may have done to a request before its template saw it.
 
 Engines differ, and the API text does not say which one served: SGLang 0.5.23 dumps the
-tools through its pydantic ``Tool`` model and turns a last assistant message into a user
-message (``_handle_last_assistant_message``, without ``continue_final_message``), while
-vLLM and earlier stacks render both as sent. :func:`serving_variants` lists the request
-as SGLang renders it where that differs from as sent; ``usage.prompt_tokens`` or ground-truth prompt ids pick one
+tools through its pydantic ``Tool`` model (in the order sent) and turns a last assistant
+message into a user message (``_handle_last_assistant_message``, without
+``continue_final_message``); vLLM 0.34 dumps the tools through its own model, in its
+fields' order (:func:`vllm_tools`), and keeps the last message; other stacks render both
+as sent. :func:`serving_variants` lists the request as SGLang renders it where that
+differs from as sent; ``usage.prompt_tokens`` or ground-truth prompt ids pick one
 (``reconstruct._prompt``), and when none can, the gate says so.
 """
 
@@ -18,7 +20,7 @@ from .parts import without_billing_header
 from .template import parsed_call
 
 __all__ = ["serving_variants", "sglang_history", "sglang_last_assistant", "sglang_tools", "vllm_history",
-           "vllm_postprocessed", "vllm_reasoning", "with_change"]
+           "vllm_postprocessed", "vllm_reasoning", "vllm_tools", "with_change"]
 
 #: SGLang 0.5.23's ``Function`` fields, in declaration order (what ``model_dump`` writes
 #: before it restores the order the client sent): name, then the optional ones.
@@ -64,6 +66,46 @@ def sglang_tools(request: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     if isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping):
         out = [t for t in out if t["function"]["name"] == choice["function"].get("name")]
     return out
+
+
+def vllm_tools(request: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools vLLM 0.34 hands any template (``[tool.model_dump() ...]`` of its
+    ``ChatCompletionToolsParam``): ``{"type", "function"[, "defer_loading"]}``, the function
+    as ``{"name", "description", "parameters"[, "strict"][, "defer_loading"]}`` in that order,
+    ``description`` / ``parameters`` null when absent, other keys dropped. None where that
+    is the JSON sent, and where its model refuses a tool (vLLM answered an error)."""
+    tools = request.get("tools")
+    if not isinstance(tools, list) or not tools:
+        return None
+    out = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or tool.get("type", "function") != "function":
+            return None
+        defer = tool.get("defer_loading")
+        if not (isinstance(fn.get("name"), str) and isinstance(fn.get("description"), str | None)
+                and isinstance(fn.get("parameters"), Mapping | None) and isinstance(fn.get("strict"), bool | None)
+                and isinstance(fn.get("defer_loading"), bool | None) and isinstance(defer, bool | None)):
+            return None
+        dumped: dict[str, Any] = {"name": fn["name"], "description": fn.get("description"),
+                                  "parameters": fn.get("parameters")}
+        if fn.get("strict") is not None:
+            dumped["strict"] = fn["strict"]
+        own = fn.get("defer_loading")
+        if own is not None or defer is not None:  # the tool's is handed to a function with none
+            dumped["defer_loading"] = own if own is not None else defer
+        out.append({"type": "function", "function": dumped, **({} if defer is None else {"defer_loading": defer})})
+    return None if _ordered(out) == _ordered(tools) else out
+
+
+def _ordered(value: Any) -> Any:
+    """``value`` with every object's keys in order (``==`` on dicts ignores it; a template's
+    ``tojson`` does not)."""
+    if isinstance(value, Mapping):
+        return [(k, _ordered(v)) for k, v in value.items()]
+    if isinstance(value, list):
+        return [_ordered(v) for v in value]
+    return value
 
 
 def sglang_last_assistant(messages: list[Any]) -> list[Any] | None:

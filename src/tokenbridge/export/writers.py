@@ -156,8 +156,13 @@ class ConversationsWriter(_JsonlWriter):
         turns.append(final)
         out = {**metadata_of(rec), "conversations": turns}
         if rec["tools"]:
+            tools = rec["tools"]
+            if "tools=vllm" in _reading_names(rec):  # as vLLM's tool model handed them to the template
+                from ..chat.serving import vllm_tools
+
+                tools = vllm_tools({"tools": tools}) or tools
             # SpecForge parses a JSON string; the stdlib's spacing keeps earlier exports' bytes
-            out["tools"] = json.dumps(rec["tools"], ensure_ascii=False)
+            out["tools"] = json.dumps(tools, ensure_ascii=False)
         return out
 
 
