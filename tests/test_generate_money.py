@@ -189,6 +189,28 @@ def test_a_free_or_discounted_first_answer_stops_the_run_within_one_request_of_m
     assert summary.spent_total == pytest.approx(spent) and summary.spent_total <= 0.05 + 0.01 + 1e-12
 
 
+@pytest.mark.parametrize("how", ["cut", "gzip_lie"])
+def test_billed_answers_that_cannot_be_read_stop_a_capped_run_with_nothing_priced(tmp_path, how):
+    """A cold tester's: with no [prices] and no answer priced yet, every reservation is 0, so
+    a 200 whose body could not be read (cut under its Content-Length, or plain JSON under
+    ``Content-Encoding: gzip``) booked nothing and stopped nothing: 30 billed requests at
+    $0.50 went out under --max-cost 1 and the run said $0. Now the first stops the run."""
+    body = json.dumps({"id": "g", "object": "chat.completion", "created": 1, "model": "m", "provider": "p",
+                       "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                    "finish_reason": "stop"}],
+                       "usage": {"prompt_tokens": 5, "completion_tokens": 2, "cost": 0.5}}).encode()
+
+    async def reply(_: int) -> web.StreamResponse:
+        if how == "gzip_lie":
+            return web.Response(body=body, content_type="application/json", headers={"Content-Encoding": "gzip"})
+        return web.Response(body=body[:20], content_type="application/json",
+                            headers={"Content-Length": str(len(body))})
+
+    summary = _run(tmp_path, 10, reply, max_cost=1.0, max_attempts=3, timeout_s=2.0)
+    assert summary.exit_code == ExitCode.BUDGET and summary.requests == 1
+    assert any("could not be read whole" in n for n in summary.notices), summary.notices
+
+
 # --- limits: a timeout names the setting that set it --------------------------------------
 
 

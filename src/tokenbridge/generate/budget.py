@@ -273,6 +273,7 @@ class Budget:
     in_flight: int = 0
     exhausted: bool = False
     unpriced: bool = False  # a cap is set but responses carry no cost and there is no price table
+    unread: bool = False  # ... and the answer that stopped it could not be read (its cost unknown)
     learning_sends: int = 0  # requests sent alone because their price was not known well enough
     providers: dict[str, PriceBounds] = field(default_factory=dict)
     borne_out: bool = False  # the latest answer that cost anything cost no more than its learned reservation
@@ -329,6 +330,9 @@ class Budget:
         (``default_reserve``: the request sets no ``max_tokens``, so
         :data:`DEFAULT_RESERVE_TOKENS` completion tokens were reserved for it; else ``cap``
         names the setting that set its completion's cap, :func:`cap_setting`)."""
+        if self.unpriced and self.unread:
+            return ("--max-cost is set, nothing is priced yet (no [prices], no answer's usage.cost) and an answer the "
+                    "provider sent (HTTP 200) could not be read whole, so what it cost is unknown: set [prices]")
         if self.unpriced:
             return "--max-cost is set but responses carry no usage.cost and no prices are configured"
         most = self.max_cost or 0.0
@@ -390,13 +394,16 @@ class Budget:
         provider: str | None = None,
         possible: bool = False,
         answered: bool = False,
+        unread: bool = False,
     ) -> float | None:
         """A request came back: drop its reservation and book what it cost.
 
         ``cost`` None with ``possible`` True: it may have been billed without saying so
-        (a timeout, a cut stream; ``answered``: a response without usage); its reservation
-        is booked as possible spend, and returned (None when nothing was booked). An
-        unbilled failure passes ``cost=0.0``.
+        (a timeout, a cut stream; ``answered``: a response without usage; ``unread``: an
+        HTTP 200 whose body could not be read whole); its reservation is booked as possible
+        spend, and returned (None when nothing was booked). An unbilled failure passes
+        ``cost=0.0``. Under a cap with nothing priced yet the reservation is 0: an answer
+        or a 200 of unknown cost then stops the run (it cannot be booked, so no cap holds).
         """
         self.in_flight = max(0, self.in_flight - 1)
         self.reserved = max(0.0, self.reserved - reservation)
@@ -419,8 +426,9 @@ class Budget:
         if reservation > 0:
             self.possible += reservation
             return reservation
-        if answered and self.max_cost is not None and self.prices is None and not self.providers:
+        if (answered or unread) and self.max_cost is not None and self.prices is None and not self.providers:
             self.unpriced = self.exhausted = True  # nothing priced yet and the answers carry no cost
+            self.unread = self.unread or (unread and not answered)
         return None
 
     def cancel(self, reservation: float) -> None:

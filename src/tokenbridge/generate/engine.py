@@ -446,6 +446,7 @@ class Engine:
             provider=record.provider if record is not None else None,
             possible=cost is None,
             answered=answered,
+            unread=not answered and outcome.maybe_billed and attempt.http_status == 200,
         )
         assert self._writer is not None
         self._writer.attempt(dataclasses.replace(attempt, possible_cost=possible) if possible else attempt)
