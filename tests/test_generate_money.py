@@ -287,6 +287,20 @@ def test_prices_an_answer_costs_more_than_are_dropped_and_a_run_past_its_cap_say
     assert f"over --max-cost ${cap:.2f}" in notices
 
 
+def test_a_run_that_finishes_every_sample_over_its_cap_still_exits_as_stopped_by_it(tmp_path):
+    """A cold tester's: [prices] below the provider's, every request in flight at once and
+    every sample done, $0.10 spent under a $0.05 cap: the notice said so, the exit was 0."""
+    async def reply(_: int) -> web.StreamResponse:
+        await asyncio.sleep(0.2)  # all ten go out before the first answer
+        return _answer({"prompt_tokens": 5, "completion_tokens": 2, "cost": 0.01})
+
+    summary = _run(tmp_path, 10, reply, concurrency=16, max_cost=0.05, prices=Prices(prompt=1.0, completion=1.0),
+                   request=RequestSettings(model="m", max_tokens=100))
+    assert (summary.done, summary.pending, summary.exit_code) == (10, 0, ExitCode.BUDGET)
+    assert summary.stop_reason == "budget_reached" and summary.spent_total == pytest.approx(0.10)
+    assert "spent $0.10, over --max-cost $0.05" in summary.notices
+
+
 def test_a_resume_does_not_trust_prices_an_earlier_run_showed_too_low(tmp_path):
     """A run that saw [prices] reserve too little stopped trusting it; stopped and resumed,
     the next run trusted it again and sent 16 at once past the cap (a cold tester's: $1.75

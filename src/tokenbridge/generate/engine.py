@@ -888,8 +888,8 @@ class Engine:
             return
         possible = f" + {usd(budget.possible)} possibly billed" if budget.possible else ""
         self._notice(f"spent {usd(budget.spent)}{possible}, over --max-cost {usd(cap)}")
-        if self.stats.stop_reason is None:
-            self.stats.stop_reason = StopReason.BUDGET
+        if self._stopping is None:  # every sample done, the last answers past the cap: still the budget's end
+            self._stopping = self.stats.stop_reason = StopReason.BUDGET
 
     def _notice(self, message: str) -> None:
         message = scrub_message(message, self.key)
