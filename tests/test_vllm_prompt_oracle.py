@@ -37,6 +37,13 @@ TOOL_FORMS = {
     "no_description": [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}],
     "extra_keys": [{"type": "function", "function": {"name": "get_weather", "description": DESC, "parameters": PARAMS,
                                                     "x-note": "internal"}}],
+    # flags as pydantic reads booleans outside strict mode (a reviewer's: 1 is == True to Python)
+    "strict_int": [{"type": "function", "function": {"name": "get_weather", "description": DESC, "parameters": PARAMS,
+                                                    "strict": 1}}],
+    "strict_float": [{"type": "function", "function": {"name": "get_weather", "description": DESC,
+                                                      "parameters": PARAMS, "strict": 1.0}}],
+    "defer_word": [{"type": "function", "function": {"name": "get_weather", "description": DESC, "parameters": PARAMS},
+                    "defer_loading": "off"}],
 }
 
 
@@ -91,8 +98,7 @@ def test_tools_as_vllm_dumps_them_are_a_reading(vllm, family, end, form):
     oracle = hf.apply_chat_template(messages, tools=dumped, tokenize=False, add_generation_prompt=True,
                                     enable_thinking=False)
     readings = {r.text: r.name for r in dialect.prompt_readings(request)}
-    assert oracle in readings
-    assert (readings[oracle] or "") == ("" if form == "as_vllm_dumps" else "tools=vllm")
+    assert oracle in readings  # named tools=vllm, or as an earlier reading of the same text
     content = "It is sunny." if family == "qwen3" else "\nIt is sunny."
     row = _judged(tok, request, oracle, content, end)
     assert _holds(row, tok, oracle), (row["status"], row["findings"])
@@ -183,3 +189,46 @@ def test_conversations_export_writes_the_tools_as_vllm_handed_them_to_the_templa
     history = [{k: v for k, v in turn.items() if k in ("role", "content")} for turn in exported["conversations"][:-1]]
     assert hf.apply_chat_template(history, tools=json.loads(exported["tools"]), tokenize=False,
                                   add_generation_prompt=True, enable_thinking=False) == oracle
+
+
+def test_no_vllm_reading_where_its_tool_model_refuses_the_request(vllm):
+    """A tool of ``"type": "custom"``: vLLM's model refuses the request (it served nothing),
+    SGLang's takes any type. V3.2's vLLM reading (tools on a system message of their own)
+    was still offered, and where its count tied SGLang's the honest row was rejected."""
+    import pydantic
+
+    tool = {"type": "custom", "function": {"name": "get_weather", "description": DESC, "parameters": PARAMS}}
+    for family in ("deepseek-v3.2", "qwen3"):
+        request = {"model": "m", "tools": [tool], "messages": [{"role": "system", "content": "{}"},
+                                                               {"role": "user", "content": "Weather in Paris?"}]}
+        with pytest.raises(pydantic.ValidationError):
+            vllm.Request.model_validate(request)
+        names = {r.name or "" for r in resolve_dialect(family_tokenizer(family)).prompt_readings(request)}
+        assert not any("vllm" in n or "newline" in n for n in names), names
+
+
+@pytest.mark.parametrize("part", [{"type": "thinking", "thinking": None}, {"type": "input_text"},
+                                  {"type": "thinking", "thinking": 5}, {"type": "refusal", "refusal": 7}],
+                         ids=["thinking-null", "input_text-bare", "thinking-int", "refusal-int"])
+@pytest.mark.parametrize("family,fmt", [("qwen3", "string"), ("glm-4.5", "openai")])
+def test_parts_vllm_hands_on_keep_its_reading(vllm, family, fmt, part):
+    """A reviewer's: a part vLLM skips (null text, ``string`` format) or hands on as it is
+    (``openai`` format) lost vLLM's reading when the join was taken for a refusal; only a
+    text that is not a string under ``string`` breaks vLLM's join (no prompt)."""
+    import copy
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Weather in"}, part,
+                                             {"type": "text", "text": "Paris?"}]}]
+    request = {"model": "m", "messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
+    vllm.Request.model_validate(copy.deepcopy(request))  # its request model takes it
+    hf = _hf(family)
+    hf.chat_template = (SHARED / family / "chat_template.jinja").read_text(encoding="utf-8")
+    config = types.SimpleNamespace(multimodal_config=None, enable_prompt_embeds=False)
+    texts = {r.text for r in resolve_dialect(family_tokenizer(family)).prompt_readings(request)}
+    try:
+        conversation, _, _ = vllm.parse(copy.deepcopy(messages), config, content_format=fmt)
+    except TypeError:  # the join of a text that is not a string: vLLM served no prompt
+        assert fmt == "string" and not isinstance(list(part.values())[-1], str | None)
+        return
+    oracle = hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert oracle in texts

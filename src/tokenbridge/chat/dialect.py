@@ -260,7 +260,8 @@ class Dialect:
                 refused = exc
         from .serving import vllm_tools
 
-        dumped = vllm_tools(request) if self.serving_readings or self.argument_readings else None
+        # vLLM's tool dump where it changes the JSON; a tool its model refuses: no vLLM reading
+        dumped, vllm_refuses = vllm_tools(request) if self.serving_readings or self.argument_readings else (None, False)
         if parts is None and first is not None and not (
                 self.serving_readings or dumped is not None or (self.argument_readings and _history_differs(request))):
             return [first]
@@ -269,9 +270,9 @@ class Dialect:
         if parts is None:
             if first is not None:
                 render.known(request, first.text)
-            variants = self._variants_as_sent(request, render, dumped)
+            variants = self._variants_as_sent(request, render, dumped, vllm=not vllm_refuses)
         else:
-            variants = self._variants_of_parts(parts, render, dumped)
+            variants = self._variants_of_parts(parts, render, dumped, vllm=not vllm_refuses)
         out, seen = ([first], {first.text}) if first is not None else ([], set())
         for variant, name in variants:
             try:
@@ -288,36 +289,40 @@ class Dialect:
         return out
 
     def _variants_as_sent(self, request: Mapping[str, Any], render: _RenderedOnce,
-                          dumped: list[dict[str, Any]] | None) -> list[tuple[Mapping[str, Any], str | None]]:
-        """The engines' requests other than as sent (no content a list of parts), each named."""
+                          dumped: list[dict[str, Any]] | None, *, vllm: bool,
+                          ) -> list[tuple[Mapping[str, Any], str | None]]:
+        """The engines' requests other than as sent (no content a list of parts), each named
+        (vLLM's only where its request model takes the request: ``vllm``)."""
         from .serving import serving_variants, sglang_history, vllm_history, vllm_reasoning, with_change
 
         by_vllm: list[tuple[Mapping[str, Any], str]] = []
-        if self.serving_readings:
+        if self.serving_readings and vllm:
             base, base_name = self.vllm_request(request) if self.vllm_request is not None else (request, "")
             form, change = _vllm_form(base, render) if base is not None else (None, "")
             if form is not None:
                 form, change = _vllm_tools(dumped, form, with_change(change, base_name))
                 by_vllm = [*([(form, change)] if change else []),
                            *((v, with_change(n, change)) for v, n in vllm_reasoning(form))]
-        elif self.argument_readings and dumped is not None:
+        elif self.argument_readings and vllm and dumped is not None:
             by_vllm = [_vllm_tools(dumped, request, "")]
         return [*(serving_variants(request) if self.serving_readings else ()), *by_vllm,
                 *(sglang_history(request) if self.argument_readings else ()),
-                *(_vllm_tools(dumped, v, n) for v, n in (vllm_history(request) if self.argument_readings else ()))]
+                *(_vllm_tools(dumped, v, n) for v, n in (vllm_history(request) if self.argument_readings and vllm
+                                                         else ()))]
 
     def _variants_of_parts(self, parts: tuple[tuple[Mapping[str, Any], str | None], tuple[Mapping[str, Any], str] | None],
-                           render: _RenderedOnce, dumped: list[dict[str, Any]] | None,
+                           render: _RenderedOnce, dumped: list[dict[str, Any]] | None, *, vllm: bool,
                            ) -> list[tuple[Mapping[str, Any], str | None]]:
-        """Each engine's changes on its own handling of the parts (a folder's template)."""
+        """Each engine's changes on its own handling of the parts (a folder's template); vLLM's
+        only where its request model takes the request (``vllm``)."""
         from .serving import serving_variants, vllm_reasoning, with_change
 
         (sglang, s_name), by_vllm = parts
         more = self.serving_readings
         variants: list[tuple[Mapping[str, Any], str | None]] = [
             (sglang, s_name), *((v, with_change(n, s_name or "")) for v, n in (serving_variants(sglang) if more else ()))]
-        vllm, v_name = by_vllm or (None, "")
-        form, change = _vllm_form(vllm, render) if vllm is not None else (None, "")
+        served, v_name = (by_vllm if vllm else None) or (None, "")
+        form, change = _vllm_form(served, render) if served is not None else (None, "")
         if form is not None:
             form, v_name = _vllm_tools(dumped, form, with_change(v_name, change))
             variants += [(form, v_name), *((v, with_change(n, v_name)) for v, n in (vllm_reasoning(form) if more else ()))]

@@ -252,11 +252,13 @@ def _vllm_part(part: Any, fmt: ContentFormat) -> Any:
     extra = {k: v for k, v in part.items() if k not in _VLLM_PART_FIELDS}
     if kind in _VLLM_TEXT_KEYS:
         text = part.get(_VLLM_TEXT_KEYS[kind])
-        if text is None and kind in ("text", "refusal"):
+        if text is None and (fmt == "string" or kind in ("text", "refusal")):
             return None
-        if not isinstance(text, str):  # its request model answers 400: vLLM served nothing
+        if fmt != "string":
+            return {"type": "text", "text": text, **extra}  # as it is: the template takes what it can
+        if not isinstance(text, str):  # the join of the texts raises (a TypeError): vLLM served no prompt
             raise TemplateError(f"a {kind!r} content part's {_VLLM_TEXT_KEYS[kind]!r} is not a string")
-        return text if fmt == "string" else {"type": "text", "text": text, **extra}
+        return text
     if kind == "tool_reference":
         return part.get("name") if fmt == "string" else {"type": "tool_reference", "name": part.get("name")}
     if fmt == "string" or kind not in _VLLM_MEDIA:

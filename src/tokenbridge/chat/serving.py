@@ -12,6 +12,7 @@ differs from as sent; ``usage.prompt_tokens`` or ground-truth prompt ids pick on
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -27,15 +28,35 @@ __all__ = ["serving_variants", "sglang_history", "sglang_last_assistant", "sglan
 _FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")
 
 
+#: The strings pydantic's lax ``bool`` reads (case-insensitive), as both engines' tool models do.
+_TRUE, _FALSE = frozenset({"1", "on", "t", "true", "y", "yes"}), frozenset({"0", "off", "f", "false", "n", "no"})
+#: A value a tool model refuses (the engine answered an error: no reading of its own).
+_REFUSED: Any = object()
+
+
+def _lax_bool(value: Any) -> Any:
+    """``bool | None`` as pydantic reads it outside strict mode (``1``, ``1.0``, ``"yes"``,
+    ``"off"``...), which SGLang's and vLLM's tool models are; :data:`_REFUSED` otherwise."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    return _REFUSED
+
+
 def _function_dump(fn: Mapping[str, Any], defer: Any) -> dict[str, Any] | None:
     """``Function.model_dump()``: known fields only, ``description`` / ``parameters``
-    null when absent, ``strict`` / ``defer_loading`` dropped when null, in the order sent
-    with the absent ones after; None where SGLang's model would refuse the function."""
+    null when absent, ``strict`` / ``defer_loading`` dropped when null (and read as booleans
+    are), in the order sent with the absent ones after; None where SGLang's model would
+    refuse the function."""
     if not isinstance(fn.get("name"), str) or not isinstance(fn.get("description"), str | None):
         return None
-    if not isinstance(fn.get("strict"), bool | None) or not isinstance(fn.get("defer_loading", defer), bool | None):
+    strict, own = _lax_bool(fn.get("strict")), _lax_bool(fn.get("defer_loading"))
+    if strict is _REFUSED or own is _REFUSED:
         return None
-    data: dict[str, Any] = {k: fn.get(k) for k in _FUNCTION_FIELDS}
+    data: dict[str, Any] = {k: fn.get(k) for k in _FUNCTION_FIELDS} | {"strict": strict, "defer_loading": own}
     if data["defer_loading"] is None:
         data["defer_loading"] = defer
     for key in ("strict", "defer_loading"):
@@ -57,9 +78,9 @@ def sglang_tools(request: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     for tool in tools:
         if not isinstance(tool, Mapping) or not isinstance(tool.get("function"), Mapping):
             return None
-        defer = tool.get("defer_loading")
-        fn = _function_dump(tool["function"], defer)
-        if fn is None or not isinstance(tool.get("type", "function"), str) or not isinstance(defer, bool | None):
+        defer = _lax_bool(tool.get("defer_loading"))
+        fn = _function_dump(tool["function"], defer) if defer is not _REFUSED else None
+        if fn is None or not isinstance(tool.get("type", "function"), str):
             return None
         out.append({"type": tool.get("type", "function"), "function": fn, "defer_loading": defer})
     choice = request.get("tool_choice")
@@ -68,44 +89,35 @@ def sglang_tools(request: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     return out
 
 
-def vllm_tools(request: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+def vllm_tools(request: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None, bool]:
     """The tools vLLM 0.34 hands any template (``[tool.model_dump() ...]`` of its
-    ``ChatCompletionToolsParam``): ``{"type", "function"[, "defer_loading"]}``, the function
-    as ``{"name", "description", "parameters"[, "strict"][, "defer_loading"]}`` in that order,
-    ``description`` / ``parameters`` null when absent, other keys dropped. None where that
-    is the JSON sent, and where its model refuses a tool (vLLM answered an error)."""
+    ``ChatCompletionToolsParam``), where that is not the JSON sent, and whether its model
+    refuses them (vLLM answered an error: it served no prompt). Each is ``{"type",
+    "function"[, "defer_loading"]}``, the function ``{"name", "description", "parameters"[,
+    "strict"][, "defer_loading"]}`` in that order, ``description`` / ``parameters`` null when
+    absent, the flags read as pydantic reads booleans, other keys dropped."""
     tools = request.get("tools")
     if not isinstance(tools, list) or not tools:
-        return None
+        return None, False
     out = []
     for tool in tools:
         fn = tool.get("function") if isinstance(tool, Mapping) else None
         if not isinstance(fn, Mapping) or tool.get("type", "function") != "function":
-            return None
-        defer = tool.get("defer_loading")
+            return None, True
+        defer, strict, own = _lax_bool(tool.get("defer_loading")), _lax_bool(fn.get("strict")), _lax_bool(
+            fn.get("defer_loading"))
         if not (isinstance(fn.get("name"), str) and isinstance(fn.get("description"), str | None)
-                and isinstance(fn.get("parameters"), Mapping | None) and isinstance(fn.get("strict"), bool | None)
-                and isinstance(fn.get("defer_loading"), bool | None) and isinstance(defer, bool | None)):
-            return None
+                and isinstance(fn.get("parameters"), Mapping | None) and _REFUSED not in (defer, strict, own)):
+            return None, True
         dumped: dict[str, Any] = {"name": fn["name"], "description": fn.get("description"),
                                   "parameters": fn.get("parameters")}
-        if fn.get("strict") is not None:
-            dumped["strict"] = fn["strict"]
-        own = fn.get("defer_loading")
+        if strict is not None:
+            dumped["strict"] = strict
         if own is not None or defer is not None:  # the tool's is handed to a function with none
             dumped["defer_loading"] = own if own is not None else defer
         out.append({"type": "function", "function": dumped, **({} if defer is None else {"defer_loading": defer})})
-    return None if _ordered(out) == _ordered(tools) else out
-
-
-def _ordered(value: Any) -> Any:
-    """``value`` with every object's keys in order (``==`` on dicts ignores it; a template's
-    ``tojson`` does not)."""
-    if isinstance(value, Mapping):
-        return [(k, _ordered(v)) for k, v in value.items()]
-    if isinstance(value, list):
-        return [_ordered(v) for v in value]
-    return value
+    # as JSON: a template prints key order and types (True is == 1 to Python, not to tojson)
+    return (None if json.dumps(out) == json.dumps(tools) else out), False
 
 
 def sglang_last_assistant(messages: list[Any]) -> list[Any] | None:

@@ -160,7 +160,7 @@ class ConversationsWriter(_JsonlWriter):
             if "tools=vllm" in _reading_names(rec):  # as vLLM's tool model handed them to the template
                 from ..chat.serving import vllm_tools
 
-                tools = vllm_tools({"tools": tools}) or tools
+                tools = vllm_tools({"tools": tools})[0] or tools
             # SpecForge parses a JSON string; the stdlib's spacing keeps earlier exports' bytes
             out["tools"] = json.dumps(tools, ensure_ascii=False)
         return out
