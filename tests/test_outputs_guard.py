@@ -528,3 +528,28 @@ def test_dev_stdout_to_a_deleted_file_is_refused_as_a_link_to_nothing(tmp_path, 
     assert res.returncode == 2 and res.stderr.splitlines() == [
         "error: -o /dev/stdout: is a symlink to a missing file (or a loop); refusing to write through it: give a "
         "file name"]
+
+
+@pytest.mark.parametrize("name", ["generate.json", "exchanges.jsonl"])
+@pytest.mark.parametrize("where", ["other_run", "own"])
+def test_a_run_file_linked_to_a_store_is_refused_before_anything_is_sent(tmp_path, name, where):
+    """A cold tester's: ``RUN/generate.json`` (or ``exchanges.jsonl``) as a symlink to a store
+    (another run's, or this folder's own): the rerun wrote its summary through the link and
+    the store of paid answers became JSON text. A link to a file of the user's elsewhere is
+    still written through (that is what a link there is for)."""
+    other = _store_folder(tmp_path / "other", lock=True)
+    out = _store_folder(tmp_path / "run", lock=True)
+    store = (other if where == "other_run" else out) / "state.sqlite"
+    (out / name).symlink_to(store)
+    before = store.read_bytes()
+    assert run_folder_problem(out) == (
+        f"{out / name}: is a symlink to {store}, which is the store (every response, attempt and cost) of the run "
+        f"folder {store.parent}; the run would write over it: nothing was written: move the link away and run again")
+    res = CliRunner().invoke(app, ["generate", "--out", str(out), "--base-url", "http://127.0.0.1:9/api/v1",
+                                   "--model", "m", "builtin:prompts/chat.jsonl"])
+    assert res.exit_code == 2 and store.read_bytes() == before
+    (out / name).unlink()
+    mine = tmp_path / "mine.json"
+    mine.write_text("{}", encoding="utf-8")
+    (out / name).symlink_to(mine)
+    assert run_folder_problem(out) is None

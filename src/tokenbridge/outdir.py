@@ -409,7 +409,7 @@ def _tokenbridge_file_problem(target: Path, real: Path, inputs: list[str | Path]
     folders = ours | {real.parent} | {real_path(i).parent for i in inputs}
     for folder in sorted(f for f in folders if f in ours or _looks_like_run(f)):
         for state, what in _RUN_FILES.items():
-            if _same_file(real, folder / state):
+            if folder / state != target and _same_file(real, folder / state):  # (a link there is its own file)
                 return f"is a hard link to {folder / state}, {what} of that run folder; {refuse}"
     if _file_kind(real)[0] == "sqlite":
         kind = "a tokenbridge run's store" if _schema_kind(real)[0] == "tokenbridge" else "an SQLite database"
@@ -647,7 +647,7 @@ def run_folder_problem(out: str | Path, *, inputs: Iterable[str | Path] = (),
         return None if parent is None else f"{out}: {parent}; give a new or empty folder"
     if not resolved.is_dir():
         return f"{out}: exists and is not a folder; give a new or empty folder"
-    why = lock_problem(out)
+    why = lock_problem(out) or _linked_output_problem(out, resolved, writes)
     if why is not None:
         return why
     if not os.listdir(resolved) or is_own_run_folder(resolved):
@@ -658,6 +658,24 @@ def run_folder_problem(out: str | Path, *, inputs: Iterable[str | Path] = (),
         return f"{_not_a_store(out / 'state.sqlite', kind, why)}; nothing was written: {advice}"
     return (f"{out}: folder is not empty and is not a tokenbridge run folder (no state.sqlite or .lock of an "
             "earlier run); nothing was written: give a new or empty folder")
+
+
+def _linked_output_problem(out: Path, resolved: Path, writes: Iterable[str]) -> str | None:
+    """Why a file the run writes by name in ``out`` may not be written: it is a symlink (the
+    write goes to the file it names, as a user's own file elsewhere may) to a file of
+    tokenbridge's own, such as a store of paid answers (:func:`_tokenbridge_file_problem`);
+    None where no such link is there."""
+    for name in writes:
+        path = resolved / name
+        if not os.path.islink(path):
+            continue
+        real = Path(os.path.realpath(path))
+        why = _tokenbridge_file_problem(path, real, [], {resolved})
+        if why is not None:
+            what = why.split("; refusing")[0]
+            return (f"{out / name}: is a symlink to {real}, which {what}; the run would write over it: nothing was "
+                    "written: move the link away and run again")
+    return None
 
 
 def lock_problem(folder: str | Path) -> str | None:
