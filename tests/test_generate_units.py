@@ -661,3 +661,15 @@ def test_a_choice_its_upstream_gave_up_on_is_sent_again(native, kind):
     if kind == "retry":
         assert out.error_class == "choice_error" and out.maybe_billed
         assert out.message == f"choice finished with native_finish_reason {native.lower()!r}"
+
+
+def test_a_usage_that_says_cost_twice_is_booked_at_the_dearer_reading():
+    """A cold tester's: ``"cost": 5.0, "cost": 0.001`` is refused as ambiguous (bad_json, sent
+    again) yet was booked at the last, cheaper value on every attempt, so --max-cost never
+    stopped a run the provider billed 5000x more for. The lenient read keeps the highest."""
+    body = (b'{"id":"g","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":'
+            b'{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,'
+            b'"completion_tokens":2,"cost":5.0,"cost":0.001,"completion_tokens":1}}')
+    outcome, parsed = classify_response(200, {"Content-Type": "application/json"}, body)
+    assert (outcome.kind, outcome.error_class, outcome.maybe_billed) == ("retry", "bad_json", True)
+    assert parsed is not None and parsed["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "cost": 5.0}

@@ -127,7 +127,7 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
         parsed = check_body(body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass"))
     except BodyError as exc:  # not kept, but billed: its leniently read usage still counts
         text = _text(body, headers)
-        lenient = _parse_json(text)
+        lenient = _parse_json(text, highest=True)
         if lenient is None:
             return Outcome("retry", "bad_json", _not_json(body, headers, text, key), status), None
         return Outcome("retry", "bad_json", _clip(str(exc), key), status), lenient if isinstance(lenient, dict) else None
@@ -322,16 +322,28 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
-def _parse_json(text: str) -> Any:
+def _highest(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose repeated keys keep their highest number (else their last value): a
+    usage that says ``cost`` twice is booked at the dearer reading, never lifting the cap."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        before = out.get(key)
+        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (before, value))
+        out[key] = max(before, value) if key in out and numbers else value
+    return out
+
+
+def _parse_json(text: str, *, highest: bool = False) -> Any:
     """The body as JSON, or None. json.loads reads what error pages send (NaN, lone
     surrogates) but recurses in C and raises RecursionError near 1000 levels; orjson reads
-    the 1024 levels :func:`~.body.check_body` accepts. Too deep for both: not JSON."""
+    the 1024 levels :func:`~.body.check_body` accepts. Too deep for both: not JSON.
+    ``highest``: a key repeated with numbers keeps the highest (:func:`_highest`)."""
     # OpenRouter pads slow non-streamed responses with whitespace to keep the connection open.
     stripped = text.strip()
     if not stripped:
         return None
     try:
-        return json.loads(stripped)
+        return json.loads(stripped, object_pairs_hook=_highest) if highest else json.loads(stripped)
     except ValueError:
         return None
     except RecursionError:
