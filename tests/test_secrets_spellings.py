@@ -10,6 +10,7 @@ import base64
 import html
 import json
 import re
+import string
 import urllib.parse
 
 from hypothesis import assume, example, given, settings
@@ -412,3 +413,25 @@ def test_the_base32_of_the_public_prefix_and_a_few_characters_is_kept():
     for n in (MIN_MASKED - 1, 9):  # fewer than MIN_MASKED, and the public prefix alone
         text = "x " + base64.b32encode(key[:n].encode()).decode() + " y"
         assert scrub(text, key) == text
+
+
+@given(key=st.text(st.sampled_from(string.ascii_letters + string.digits + "-_"), min_size=MIN_MASKED, max_size=80),
+       sep=st.sampled_from([",", ", "]), lead=st.sampled_from(["", "Bearer ", "{\"x\": 1} "]))
+@settings(max_examples=60, deadline=None)
+def test_a_key_as_decimal_byte_values_is_masked(key, sep, lead):
+    """A cold tester's: Node serializes a ``Buffer`` to JSON as its byte values
+    (``{"type": "Buffer", "data": [115, 107, ...]}``); an error body echoing the header so kept
+    the key whole in the store and on the terminal."""
+    spelled = sep.join(str(b) for b in (lead + key).encode())
+    body = json.dumps({"error": {"message": "bad auth"}}).encode()[:-1] + (
+        ', "data": {"type": "Buffer", "data": [' + spelled + "]}}").encode()
+    out = scrub_bytes(body, key)
+    assert sep.join(str(b) for b in key.encode()).encode() not in out
+    assert b"***" in out and out.startswith(b'{"error": {"message": "bad auth"}')
+
+
+def test_decimal_numbers_that_spell_no_key_are_kept():
+    key = "sk-or-v1-" + "0123456789abcdef" * 4
+    for text in (b"[115, 107, 45, 111, 114, 45, 118, 49]", b"scores: 10, 20, 30, 40, 50, 60, 70, 80, 90, 100",
+                 b"[" + b", ".join(str(b).encode() for b in b"hello world, not a key") + b"]"):
+        assert scrub_bytes(text, key) == text

@@ -20,7 +20,8 @@ rule counts them, the ``sk-or-v1-`` every OpenRouter key starts with included:
   * HTML numeric character references: ``&#115;``, ``&#x73;`` (an error page quoting it);
   * hex, either case (a server dumping the request's header bytes), and, in UTF-8 text, a
     hex dump written a byte at a time (:data:`_HEX_DUMP`: ``73 6b 2d``, ``hexdump -C``,
-    ``xxd``, ``\\x73\\x6b``, ``0x73, 0x6b``);
+    ``xxd``, ``\\x73\\x6b``, ``0x73, 0x6b``), and its bytes as decimal numbers (``115, 107, 45``:
+    a JSON byte array, as Node writes a ``Buffer``);
   * the key with its ASCII letters in upper or in lower case (an error text upper-cased:
     for a hex key, which OpenRouter's are after the prefix, that is the key itself);
   * base64 (standard and URL-safe alphabet) at each of the three byte alignments, so the
@@ -414,7 +415,31 @@ def _scrub_narrow(data: bytes, value: str) -> bytes:
     spans = _masked_spans(data, value)
     if _may_hold_dump(data):  # rare: a dump of bytes, written a byte at a time
         spans = _merged(spans + _dump_spans(data, value))
+    if _DECIMAL_SIGN.search(data):  # rarer: the bytes as decimal numbers
+        spans = _merged(spans + _decimal_spans(data, value))
     return _spliced(data, [(start, end, _MASK_BYTES) for start, end in spans]) if spans else data
+
+
+#: The bytes of :data:`MIN_MASKED` characters or more as decimal numbers, as JSON writes a
+#: byte array (Node's ``Buffer``: ``{"type": "Buffer", "data": [115, 107, 45, ...]}``) or a log
+#: a byte list. A key's characters are printable ASCII, two or three digits each; a separator
+#: is never a digit, so the run is read in linear time.
+_DECIMAL_DUMP = re.compile(rb"(?<![0-9])(?:[0-9]{2,3}, ?){%d,}[0-9]{2,3}(?![0-9])" % (MIN_MASKED - 1))
+#: What any such run holds: four numbers in a row (searched from its comma, which is fast).
+_DECIMAL_SIGN = re.compile(rb",(?: ?[0-9]{2,3},){3}")
+_DECIMAL = re.compile(rb"[0-9]{2,3}")
+
+
+def _decimal_spans(data: bytes, value: str) -> list[tuple[int, int]]:
+    """Where a run of decimal byte values (:data:`_DECIMAL_DUMP`) spells the key: its bytes
+    searched as any text is, each span mapped back to the numbers that hold it."""
+    out = []
+    for dump in _DECIMAL_DUMP.finditer(data):
+        numbers = list(_DECIMAL.finditer(dump[0]))
+        spelled = bytes(int(n[0]) if int(n[0]) < 256 else 0 for n in numbers)
+        for start, end in _masked_spans(spelled, value):
+            out.append((dump.start() + numbers[start].start(), dump.start() + numbers[end - 1].end()))
+    return out
 
 
 #: A hex dump of :data:`MIN_MASKED` bytes or more written a byte at a time, as an error page
