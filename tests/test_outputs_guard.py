@@ -553,3 +553,15 @@ def test_a_run_file_linked_to_a_store_is_refused_before_anything_is_sent(tmp_pat
     mine.write_text("{}", encoding="utf-8")
     (out / name).symlink_to(mine)
     assert run_folder_problem(out) is None
+
+
+def test_a_store_kept_elsewhere_behind_a_link_is_still_resumed(tmp_path):
+    """A cold reviewer's: the guard against writing a summary over a linked store refused a
+    run folder whose own ``state.sqlite`` is a link to where the user keeps it (the run
+    writes into its store, never over it); following its advice started a new store."""
+    out = _store_folder(tmp_path / "run", lock=True)
+    kept = tmp_path / "big" / "k25.sqlite"
+    kept.parent.mkdir()
+    (out / "state.sqlite").rename(kept)
+    (out / "state.sqlite").symlink_to(kept)
+    assert run_folder_problem(out) is None

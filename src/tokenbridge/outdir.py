@@ -660,12 +660,18 @@ def run_folder_problem(out: str | Path, *, inputs: Iterable[str | Path] = (),
             "earlier run); nothing was written: give a new or empty folder")
 
 
+#: The files a run replaces whole by name (written beside, renamed onto the name, or through
+#: a symlink there onto the file it names); the store and the lock are opened in place.
+_REPLACED = ("exchanges.jsonl", "generate.json", "reconstructed.jsonl", "pipeline.json")
+
+
 def _linked_output_problem(out: Path, resolved: Path, writes: Iterable[str]) -> str | None:
-    """Why a file the run writes by name in ``out`` may not be written: it is a symlink (the
+    """Why a file the run replaces by name in ``out`` may not be written: it is a symlink (the
     write goes to the file it names, as a user's own file elsewhere may) to a file of
     tokenbridge's own, such as a store of paid answers (:func:`_tokenbridge_file_problem`);
-    None where no such link is there."""
-    for name in writes:
+    None where no such link is there. (A store linked there is the run's own store, kept
+    elsewhere: written into, never over.)"""
+    for name in (n for n in writes if n in _REPLACED):
         path = resolved / name
         if not os.path.islink(path):
             continue
