@@ -673,3 +673,31 @@ def test_a_usage_that_says_cost_twice_is_booked_at_the_dearer_reading():
     outcome, parsed = classify_response(200, {"Content-Type": "application/json"}, body)
     assert (outcome.kind, outcome.error_class, outcome.maybe_billed) == ("retry", "bad_json", True)
     assert parsed is not None and parsed["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "cost": 5.0}
+
+
+@pytest.mark.parametrize(("usage", "cost"), [
+    ('"usage":{"cost":5.0},"usage":{"cost":0.001}', 5.0),  # the whole object twice (a cold reviewer's)
+    ('"usage":{"cost":5.0,"cost":null}', 5.0),
+    ('"usage":{"cost":5.0,"cost":"0.001"}', 5.0),
+    ('"usage":{"cost":NaN,"cost":5.0}', 5.0),
+    ('"usage":{"cost":0,"is_byok":true,"cost_details":{"upstream_inference_cost":0.02},'
+     '"cost_details":{"upstream_inference_cost":0.0001}}', 0.02),
+])
+def test_every_repeated_reading_of_a_usage_keeps_the_dearer(usage, cost):
+    body = ('{"id":"g","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":'
+            '{"role":"assistant","content":"hi"},"finish_reason":"stop"}],' + usage + "}").encode()
+    outcome, parsed = classify_response(200, {"Content-Type": "application/json"}, body)
+    assert outcome.error_class == "bad_json" and parsed is not None
+    assert cost_of(parsed["usage"], None) == pytest.approx(cost)
+
+
+def test_a_body_too_deep_for_the_stdlib_with_a_repeated_cost_has_no_known_cost():
+    """orjson reads what json.loads cannot (about 1000 levels) but keeps a repeated key's last
+    reading: the cheaper cost was booked. Such a body's usage is now unknown (booked at its
+    reservation, or it stops a capped run with nothing priced)."""
+    deep = '"x":' + "[" * 990 + "]" * 990
+    body = ('{"id":"g","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":'
+            '{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"cost":5.0,"cost":0.001},'
+            + deep + "}").encode()
+    outcome, parsed = classify_response(200, {"Content-Type": "application/json"}, body)
+    assert (outcome.error_class, outcome.maybe_billed, parsed) == ("bad_json", True, None)

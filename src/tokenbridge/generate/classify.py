@@ -323,21 +323,35 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
 
 
 def _highest(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """An object whose repeated keys keep their highest number (else their last value): a
-    usage that says ``cost`` twice is booked at the dearer reading, never lifting the cap."""
+    """An object whose repeated keys keep their dearer reading (:func:`_dearer`): a usage
+    that says ``cost`` twice, or comes twice, is booked at the higher cost, never lifting the cap."""
     out: dict[str, Any] = {}
     for key, value in pairs:
-        before = out.get(key)
-        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (before, value))
-        out[key] = max(before, value) if key in out and numbers else value
+        out[key] = _dearer(out[key], value) if key in out else value
     return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # not NaN
+
+
+def _dearer(before: Any, value: Any) -> Any:
+    """Of two readings of one key: the higher number; a number over what is not one (null, a
+    string, NaN); two objects merged so; else the later one."""
+    if _is_number(before) or _is_number(value):
+        return max(v for v in (before, value) if _is_number(v))
+    if isinstance(before, dict) and isinstance(value, dict):
+        return {k: _dearer(before[k], value[k]) if k in before and k in value else value.get(k, before.get(k))
+                for k in {**before, **value}}
+    return value
 
 
 def _parse_json(text: str, *, highest: bool = False) -> Any:
     """The body as JSON, or None. json.loads reads what error pages send (NaN, lone
     surrogates) but recurses in C and raises RecursionError near 1000 levels; orjson reads
     the 1024 levels :func:`~.body.check_body` accepts. Too deep for both: not JSON.
-    ``highest``: a key repeated with numbers keeps the highest (:func:`_highest`)."""
+    ``highest``: a repeated key keeps its dearer reading (:func:`_highest`); too deep for
+    json.loads, nothing (orjson keeps the last reading)."""
     # OpenRouter pads slow non-streamed responses with whitespace to keep the connection open.
     stripped = text.strip()
     if not stripped:
@@ -347,7 +361,8 @@ def _parse_json(text: str, *, highest: bool = False) -> Any:
     except ValueError:
         return None
     except RecursionError:
-        pass
+        if highest:  # orjson keeps a repeated key's last reading: what it cost is not known then
+            return None
     try:
         return orjson.loads(stripped)
     except orjson.JSONDecodeError:
