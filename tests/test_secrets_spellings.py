@@ -416,7 +416,7 @@ def test_the_base32_of_the_public_prefix_and_a_few_characters_is_kept():
 
 
 @given(key=st.text(st.sampled_from(string.ascii_letters + string.digits + "-_"), min_size=MIN_MASKED, max_size=80),
-       sep=st.sampled_from([",", ", "]), lead=st.sampled_from(["", "Bearer ", "{\"x\": 1} "]))
+       sep=st.sampled_from([",", ", ", " ", ",\n  ", ";", " ,\t"]), lead=st.sampled_from(["", "Bearer ", "{\"x\": 1} "]))
 @settings(max_examples=60, deadline=None)
 def test_a_key_as_decimal_byte_values_is_masked(key, sep, lead):
     """A cold tester's: Node serializes a ``Buffer`` to JSON as its byte values
@@ -428,6 +428,12 @@ def test_a_key_as_decimal_byte_values_is_masked(key, sep, lead):
     out = scrub_bytes(body, key)
     assert sep.join(str(b) for b in key.encode()).encode() not in out
     assert b"***" in out and out.startswith(b'{"error": {"message": "bad auth"}')
+
+
+def test_a_key_after_a_number_past_a_byte_is_masked():
+    key = "sk-or-v1-" + "0123456789abcdef" * 4
+    out = scrub_bytes(b"[999, " + b", ".join(str(b).encode() for b in key.encode()) + b", 1000]", key)
+    assert out == b"[999, ***, 1000]"
 
 
 def test_decimal_numbers_that_spell_no_key_are_kept():

@@ -21,7 +21,8 @@ rule counts them, the ``sk-or-v1-`` every OpenRouter key starts with included:
   * hex, either case (a server dumping the request's header bytes), and, in UTF-8 text, a
     hex dump written a byte at a time (:data:`_HEX_DUMP`: ``73 6b 2d``, ``hexdump -C``,
     ``xxd``, ``\\x73\\x6b``, ``0x73, 0x6b``), and its bytes as decimal numbers (``115, 107, 45``:
-    a JSON byte array, as Node writes a ``Buffer``);
+    a JSON byte array, as Node writes a ``Buffer``, pretty-printed or not; Go's ``[115 107]``;
+    :func:`_decimal_dump`);
   * the key with its ASCII letters in upper or in lower case (an error text upper-cased:
     for a hex key, which OpenRouter's are after the prefix, that is the key itself);
   * base64 (standard and URL-safe alphabet) at each of the three byte alignments, so the
@@ -415,28 +416,40 @@ def _scrub_narrow(data: bytes, value: str) -> bytes:
     spans = _masked_spans(data, value)
     if _may_hold_dump(data):  # rare: a dump of bytes, written a byte at a time
         spans = _merged(spans + _dump_spans(data, value))
-    if _DECIMAL_SIGN.search(data):  # rarer: the bytes as decimal numbers
-        spans = _merged(spans + _decimal_spans(data, value))
+    decimal = _decimal_dump(value)
+    if decimal.search(data):  # rarer: the key's bytes as decimal numbers
+        spans = _merged(spans + _decimal_spans(data, value, decimal))
     return _spliced(data, [(start, end, _MASK_BYTES) for start, end in spans]) if spans else data
 
 
-#: The bytes of :data:`MIN_MASKED` characters or more as decimal numbers, as JSON writes a
-#: byte array (Node's ``Buffer``: ``{"type": "Buffer", "data": [115, 107, 45, ...]}``) or a log
-#: a byte list. A key's characters are printable ASCII, two or three digits each; a separator
-#: is never a digit, so the run is read in linear time.
-_DECIMAL_DUMP = re.compile(rb"(?<![0-9])(?:[0-9]{2,3}, ?){%d,}[0-9]{2,3}(?![0-9])" % (MIN_MASKED - 1))
-#: What any such run holds: four numbers in a row (searched from its comma, which is fast).
-_DECIMAL_SIGN = re.compile(rb",(?: ?[0-9]{2,3},){3}")
-_DECIMAL = re.compile(rb"[0-9]{2,3}")
+#: What stands between two numbers of a byte list: a comma or semicolon with any spaces or
+#: line breaks around it (JSON, pretty-printed or not; a log), or spaces alone (Go's ``%v``).
+_DECIMAL_SEPARATOR = rb"(?:[ \t\r\n]{0,8}[,;][ \t\r\n]{0,8}|[ \t\r\n]{1,8})"
+_DECIMAL = re.compile(rb"[0-9]{1,3}")
 
 
-def _decimal_spans(data: bytes, value: str) -> list[tuple[int, int]]:
-    """Where a run of decimal byte values (:data:`_DECIMAL_DUMP`) spells the key: its bytes
-    searched as any text is, each span mapped back to the numbers that hold it."""
+@lru_cache(maxsize=16)
+def _decimal_dump(value: str) -> re.Pattern[bytes]:
+    """The key's bytes as decimal numbers, :data:`MIN_MASKED` or more in a row, as JSON
+    writes a byte array (Node's ``Buffer``: ``{"type": "Buffer", "data": [115, 107, ...]}``)
+    or a log a byte list: after a first number of two or three digits (a class the search
+    skips to in C: about 5 ms a MB of prose, 20 of code, 60 of a matrix of small numbers),
+    only the numbers the key's bytes are (either case), so a list of other numbers fails
+    at once; a separator is never a digit, so it runs in linear time."""
+    raw = value.encode("utf-8")
+    numbers = sorted({str(b).encode() for b in raw + raw.upper() + raw.lower()}, key=len, reverse=True)
+    number = b"(?:" + b"|".join(numbers) + b")"
+    return re.compile(rb"[1-9][0-9]{1,2}%s(?:%s%s){%d,}%s(?![0-9])"
+                      % (_DECIMAL_SEPARATOR, number, _DECIMAL_SEPARATOR, MIN_MASKED - 2, number))
+
+
+def _decimal_spans(data: bytes, value: str, decimal: re.Pattern[bytes]) -> list[tuple[int, int]]:
+    """Where a run of the key's bytes as decimal numbers (:func:`_decimal_dump`) spells it:
+    its bytes searched as any text is, each span mapped back to the numbers that hold it."""
     out = []
-    for dump in _DECIMAL_DUMP.finditer(data):
+    for dump in decimal.finditer(data):
         numbers = list(_DECIMAL.finditer(dump[0]))
-        spelled = bytes(int(n[0]) if int(n[0]) < 256 else 0 for n in numbers)
+        spelled = bytes(int(n[0]) if int(n[0]) < 256 else 0 for n in numbers)  # (the first may be any number)
         for start, end in _masked_spans(spelled, value):
             out.append((dump.start() + numbers[start].start(), dump.start() + numbers[end - 1].end()))
     return out
