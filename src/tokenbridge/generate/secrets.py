@@ -435,12 +435,12 @@ def _decimal_dump(value: str) -> re.Pattern[bytes]:
     or a log a byte list: after a first number of two or three digits (a class the search
     skips to in C: about 5 ms a MB of prose, 20 of code, 60 of a matrix of small numbers),
     only the numbers the key's bytes are (either case), so a list of other numbers fails
-    at once; a separator is never a digit, so it runs in linear time."""
+    at once; a separator is never a digit and the run is possessive (see :data:`_HEX_DUMP`),
+    so it runs in linear time."""
     raw = value.encode("utf-8")
     numbers = sorted({str(b).encode() for b in raw + raw.upper() + raw.lower()}, key=len, reverse=True)
     number = b"(?:" + b"|".join(numbers) + b")"
-    return re.compile(rb"[1-9][0-9]{1,2}%s(?:%s%s){%d,}%s(?![0-9])"
-                      % (_DECIMAL_SEPARATOR, number, _DECIMAL_SEPARATOR, MIN_MASKED - 2, number))
+    return re.compile(rb"[1-9][0-9]{1,2}(?:%s%s(?![0-9])){%d,}+" % (_DECIMAL_SEPARATOR, number, MIN_MASKED - 1))
 
 
 def _decimal_spans(data: bytes, value: str, decimal: re.Pattern[bytes]) -> list[tuple[int, int]]:
@@ -459,10 +459,11 @@ def _decimal_spans(data: bytes, value: str, decimal: re.Pattern[bytes]) -> list[
 #: or a log dumps a request's header: one or two separators between bytes (``73 6b 2d``,
 #: ``73:6B``, ``73, 6b``, a line of ``hexdump -C``), ``xxd``'s two-byte groups (``736b 2d6f``,
 #: a line each), or a prefix to each byte (``\x73\x6b`` behind up to four backslashes, as
-#: JSON escapes it; ``0x73, 0x6b``). Every repeat is bounded and a separator is never a
-#: digit, so it runs in linear time (an unbounded run of backslashes did not).
-_HEX_DUMP = re.compile(rb"(?:[0-9a-fA-F]{2}[ :,\-]{1,2}){%d,}[0-9a-fA-F]{2}|(?:[0-9a-fA-F]{4} ){%d,}[0-9a-fA-F]{4}"
-                       rb"|(?:(?:\\{1,4}x|0[xX])[0-9a-fA-F]{2}[ ,]{0,2}){%d,}"
+#: JSON escapes it; ``0x73, 0x6b``). Every repeat is bounded, a separator is never a digit
+#: and the runs are possessive (a run that cannot end as the pattern ends is never given
+#: back a byte at a time from each start), so it runs in linear time.
+_HEX_DUMP = re.compile(rb"[0-9a-fA-F]{2}(?:[ :,\-]{1,2}[0-9a-fA-F]{2}){%d,}+|[0-9a-fA-F]{4}(?: [0-9a-fA-F]{4}){%d,}+"
+                       rb"|(?:(?:\\{1,4}x|0[xX])[0-9a-fA-F]{2}[ ,]{0,2}){%d,}+"
                        % (MIN_MASKED - 1, MIN_MASKED // 2 - 1, MIN_MASKED))
 _DUMPED_BYTE = re.compile(rb"(?:\\{1,4}x|0[xX])?([0-9a-fA-F]{2})")
 
@@ -497,8 +498,9 @@ def _dump_spans(data: bytes, value: str) -> list[tuple[int, int]]:
     stands between bytes, searched as hex is, each span mapped back to the dump."""
     out = []
     for dump in _HEX_DUMP.finditer(data):
-        at = [m.start(1) for m in _DUMPED_BYTE.finditer(dump[0])]  # where each byte's two digits are
-        digits = b"".join(dump[0][i : i + 2] for i in at)
+        text = dump[0]  # (each dump[0] is a copy of the whole run: once per byte, the square of its length)
+        at = [m.start(1) for m in _DUMPED_BYTE.finditer(text)]  # where each byte's two digits are
+        digits = b"".join(text[i : i + 2] for i in at)
         for start, end in _masked_spans(digits, value):
             first, last = start, end - 1  # digits; each maps to its byte's place, plus 0 or 1
             out.append((dump.start() + at[first // 2] + first % 2, dump.start() + at[last // 2] + last % 2 + 1))
