@@ -211,6 +211,45 @@ def test_billed_answers_that_cannot_be_read_stop_a_capped_run_with_nothing_price
     assert any("could not be read whole" in n for n in summary.notices), summary.notices
 
 
+def test_answers_received_while_another_program_holds_the_store_are_kept(tmp_path, monkeypatch):
+    """A cold tester's: a ``sqlite3`` shell holding the store's lock past SQLite's wait failed
+    the write (exit 6) with answers already received in it: they stayed pending and the next
+    run bought them again. The write now waits for the lock (SQLite's own wait shortened
+    here), and every answer is stored."""
+    import threading
+    import time
+
+    real_connect = sqlite3.connect
+
+    def connect(*args, **kwargs):  # the store's 60 s busy wait, 0.2 s here
+        if kwargs.get("timeout") == 60.0:
+            kwargs["timeout"] = 0.2
+        return real_connect(*args, **kwargs)
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    held = threading.Event()
+
+    def hold() -> None:
+        con = real_connect(tmp_path / "run" / "state.sqlite", timeout=10.0, isolation_level=None)
+        con.execute("BEGIN EXCLUSIVE")
+        held.set()
+        time.sleep(2.0)
+        con.execute("ROLLBACK")
+        con.close()
+
+    async def reply(arrival: int) -> web.StreamResponse:
+        if arrival == 1:
+            threading.Thread(target=hold, daemon=True).start()
+            await asyncio.get_running_loop().run_in_executor(None, held.wait, 5.0)
+        return _answer({"prompt_tokens": 5, "completion_tokens": 2, "cost": 0.001})
+
+    summary = _run(tmp_path, 6, reply, concurrency=2)
+    assert (summary.exit_code, summary.done, summary.pending) == (ExitCode.OK, 6, 0), summary.notices
+    assert any("the store is locked by another program" in n for n in summary.notices)
+    with Store.open(tmp_path / "run") as store:
+        assert list(store.statuses().values()).count("done") == 6
+
+
 # --- limits: a timeout names the setting that set it --------------------------------------
 
 

@@ -164,6 +164,11 @@ def make_session(
     )
 
 
+#: How long a store write waits, past SQLite's own wait, for another program to let go of the
+#: store's lock before the run stops (exit 6) with the answers of that write still pending.
+STORE_LOCK_WAIT_S = 600.0
+
+
 class StoreWriter:
     """Batches store writes; callbacks run after the batch's commit returned.
 
@@ -182,6 +187,10 @@ class StoreWriter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenbridge-commit")
         self.error: BaseException | None = None
         self.on_error: Callable[[BaseException], None] | None = None
+        #: told once when another program holds the store's lock past SQLite's own wait
+        self.on_busy: Callable[[BaseException], None] | None = None
+        #: the run was told to stop at once: a lock is no longer waited for
+        self.aborted = False
 
     def sending(self, rec: SendRecord) -> asyncio.Future[None]:
         """Record a request about to go out; the future is done once that is committed."""
@@ -225,10 +234,8 @@ class StoreWriter:
             self._batch, self._callbacks = Batch(), []
             if batch:
                 try:
-                    self.store.stage(batch)
-                    kill_point("generate:store.stage")
-                    await asyncio.get_running_loop().run_in_executor(self._pool, self.store.finish)
-                except (sqlite3.Error, OSError) as exc:  # disk full, locked db: stop, keep what is committed
+                    await self._commit(batch)
+                except (sqlite3.Error, OSError) as exc:  # disk full, a lock never let go: stop, keep what is committed
                     self.error = exc
                     if self.on_error:
                         self.on_error(exc)
@@ -238,6 +245,34 @@ class StoreWriter:
                     cb()  # counters only; an exception here ends the task and Engine.run stops the run
             if self._closed and not self._batch:
                 return
+
+    async def _commit(self, batch: Batch) -> None:
+        """Stage and commit ``batch`` in the writer's thread (the event loop goes on reading
+        answers while SQLite waits for a lock). Another program holding the store's lock past
+        SQLite's own wait (a ``sqlite3`` shell in a transaction) is waited for, up to
+        :data:`STORE_LOCK_WAIT_S`: the batch holds answers already paid for, and failing there
+        left them pending, bought again on the next run (a cold tester's). Each try is all or
+        nothing (:meth:`Store.stage` and :meth:`Store.finish` roll back on failure)."""
+        loop = asyncio.get_running_loop()
+        waited_since: float | None = None
+        while True:
+            try:
+                await loop.run_in_executor(self._pool, self._stage_and_finish, batch)
+                return
+            except sqlite3.OperationalError as exc:
+                locked = any(word in str(exc).lower() for word in ("locked", "busy"))
+                now = time.monotonic()
+                waited_since = now if waited_since is None else waited_since
+                if not locked or self.aborted or now - waited_since >= STORE_LOCK_WAIT_S:
+                    raise
+                if self.on_busy is not None and now == waited_since:
+                    self.on_busy(exc)
+                await asyncio.sleep(1.0)
+
+    def _stage_and_finish(self, batch: Batch) -> None:
+        self.store.stage(batch)
+        kill_point("generate:store.stage")
+        self.store.finish()
 
     async def close(self, task: asyncio.Task[None]) -> None:
         self._closed = True
@@ -309,6 +344,8 @@ class Engine:
         booked at its reservation as possible spend); what was already received is still committed."""
         self.request_stop(StopReason.INTERRUPTED)
         self.aborted = True
+        if self._writer is not None:
+            self._writer.aborted = True
         if self._all_done is not None:
             self._all_done.set()
 
@@ -333,6 +370,9 @@ class Engine:
         self._settled = asyncio.Event()
         self._writer = StoreWriter(self.store, self.s.commit_interval_s)
         self._writer.on_error = lambda exc: self._store_failed(exc)
+        self._writer.on_busy = lambda exc: self._notice(
+            f"the store is locked by another program ({exc}): waiting up to {STORE_LOCK_WAIT_S:.0f} s for it; the "
+            "answers received meanwhile are kept in memory until they can be written")
         self._prices_overrun()  # one an earlier run stored: said before anything is sent
         writer_task = asyncio.create_task(self._writer.run(), name="tokenbridge-store-writer")
         session = self._session
