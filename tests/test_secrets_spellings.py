@@ -416,7 +416,8 @@ def test_the_base32_of_the_public_prefix_and_a_few_characters_is_kept():
 
 
 @given(key=st.text(st.sampled_from(string.ascii_letters + string.digits + "-_"), min_size=MIN_MASKED, max_size=80),
-       sep=st.sampled_from([",", ", ", " ", ",\n  ", ";", " ,\t"]), lead=st.sampled_from(["", "Bearer ", "{\"x\": 1} "]))
+       sep=st.sampled_from([",", ", ", " ", ",\n  ", ";", " ,\t", ",\n" + " " * 12, ",\\n    "]),
+       lead=st.sampled_from(["", "Bearer ", "{\"x\": 1} "]))
 @settings(max_examples=60, deadline=None)
 def test_a_key_as_decimal_byte_values_is_masked(key, sep, lead):
     """A cold tester's: Node serializes a ``Buffer`` to JSON as its byte values
@@ -427,13 +428,18 @@ def test_a_key_as_decimal_byte_values_is_masked(key, sep, lead):
         ', "data": {"type": "Buffer", "data": [' + spelled + "]}}").encode()
     out = scrub_bytes(body, key)
     assert sep.join(str(b) for b in key.encode()).encode() not in out
-    assert b"***" in out and out.startswith(b'{"error": {"message": "bad auth"}')
+    # each of the key's numbers a 0: the body stays what it was (JSON, where it was), its shape kept
+    assert out.startswith(b'{"error": {"message": "bad auth"}') and sep.join(["0"] * len(key)).encode() in out
+    if "," in sep and "\\" not in sep:
+        assert json.loads(out)["data"]["type"] == "Buffer"
 
 
 def test_a_key_after_a_number_past_a_byte_is_masked():
     key = "sk-or-v1-" + "0123456789abcdef" * 4
     out = scrub_bytes(b"[999, " + b", ".join(str(b).encode() for b in key.encode()) + b", 1000]", key)
-    assert out == b"[999, ***, 1000]"
+    assert out == b"[999, " + b", ".join([b"0"] * len(key)) + b", 1000]"
+    padded = b" ".join(b"%03d" % b for b in key.encode())  # C's %03d
+    assert scrub_bytes(b"bytes: " + padded + b" end", key) == b"bytes: " + b" ".join([b"0"] * len(key)) + b" end"
 
 
 def test_decimal_numbers_that_spell_no_key_are_kept():
@@ -456,3 +462,20 @@ def test_a_long_list_of_small_numbers_is_scrubbed_in_linear_time():
         started = time.perf_counter()
         assert scrub_bytes(body, key) == body
         assert time.perf_counter() - started < 8.0, unit
+
+
+def test_a_pretty_printed_byte_array_at_any_depth_stays_json_and_holds_no_key():
+    """A cold reviewer's: a line break and the indentation of an item nested a few levels deep
+    is more than eight spaces, and a pretty body quoted inside a JSON string (OpenRouter's
+    ``error.metadata.raw``) has its line breaks as ``\\n``: both kept the key. And the mask
+    ``***`` in an array made the answer's JSON invalid, so a good 200 was sent again."""
+    key = "sk-or-v1-" + "0123456789abcdef" * 4
+    data = {"type": "Buffer", "data": list(key.encode())}
+    nested = {"a": {"b": {"c": {"d": data}}}, "usage": {"cost": 0.5}}
+    for indent in (2, 4, 8):
+        body = json.dumps(nested, indent=indent).encode()
+        out = scrub_bytes(body, key)
+        assert json.loads(out)["a"]["b"]["c"]["d"]["data"] == [0] * len(key) and json.loads(out)["usage"]["cost"] == 0.5
+    raw = json.dumps({"error": {"metadata": {"raw": json.dumps(nested, indent=2)}}}).encode()
+    out = scrub_bytes(raw, key)
+    assert json.loads(json.loads(out)["error"]["metadata"]["raw"])["a"]["b"]["c"]["d"]["data"] == [0] * len(key)

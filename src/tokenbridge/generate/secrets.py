@@ -22,7 +22,7 @@ rule counts them, the ``sk-or-v1-`` every OpenRouter key starts with included:
     hex dump written a byte at a time (:data:`_HEX_DUMP`: ``73 6b 2d``, ``hexdump -C``,
     ``xxd``, ``\\x73\\x6b``, ``0x73, 0x6b``), and its bytes as decimal numbers (``115, 107, 45``:
     a JSON byte array, as Node writes a ``Buffer``, pretty-printed or not; Go's ``[115 107]``;
-    :func:`_decimal_dump`);
+    :func:`_decimal_spans`);
   * the key with its ASCII letters in upper or in lower case (an error text upper-cased:
     for a hex key, which OpenRouter's are after the prefix, that is the key itself);
   * base64 (standard and URL-safe alphabet) at each of the three byte alignments, so the
@@ -416,45 +416,55 @@ def _scrub_narrow(data: bytes, value: str) -> bytes:
     spans = _masked_spans(data, value)
     if _may_hold_dump(data):  # rare: a dump of bytes, written a byte at a time
         spans = _merged(spans + _dump_spans(data, value))
+    masks = [(start, end, _MASK_BYTES) for start, end in spans]
     if data.translate(_DECIMAL_CLASS).count(b"ds") >= MIN_MASKED - 1:  # rarer: the bytes as decimal numbers
-        spans = _merged(spans + _decimal_spans(data, value, _decimal_dump(value)))
-    return _spliced(data, [(start, end, _MASK_BYTES) for start, end in spans]) if spans else data
+        zeros = _decimal_spans(data, value)
+        if zeros:  # each number a 0 (an array stays JSON, in a string or not), where no other mask is
+            masks = sorted(masks + [(a, b, b"0") for a, b in zeros if not any(a < end and start < b
+                                                                              for start, end in spans)])
+    return _spliced(data, masks) if masks else data
 
 
 #: What stands between two numbers of a byte list: a comma or semicolon with any spaces or
-#: line breaks around it (JSON, pretty-printed or not; a log), or spaces alone (Go's ``%v``).
-_DECIMAL_SEPARATOR = rb"(?:[ \t\r\n]{0,8}[,;][ \t\r\n]{0,8}|[ \t\r\n]{1,8})"
+#: line breaks around it (JSON, pretty-printed at any depth or not; a log), or spaces alone
+#: (Go's ``%v``); a line break also as JSON escapes it (a pretty body quoted in a string).
+_SPACE = rb"(?:[ \t\r\n]|\\[nrt])"
+_DECIMAL_SEPARATOR = rb"(?:%s{0,64}[,;]%s{0,64}|%s{1,64})" % (_SPACE, _SPACE, _SPACE)
 _DECIMAL = re.compile(rb"[0-9]{1,3}")
 #: A digit as ``d``, what may stand between numbers as ``s``: a run of :data:`MIN_MASKED`
 #: numbers holds that many ``ds`` less one, told in C before any pattern runs.
-_DECIMAL_CLASS = bytes(ord("d") if chr(b).isdigit() and b < 0x80 else ord("s") if chr(b) in " \t\r\n,;" else ord(".")
+_DECIMAL_CLASS = bytes(ord("d") if chr(b).isdigit() and b < 0x80 else ord("s") if chr(b) in " \t\r\n,;\\" else ord(".")
                        for b in range(256))
 
 
-@lru_cache(maxsize=16)
-def _decimal_dump(value: str) -> re.Pattern[bytes]:
-    """The key's bytes as decimal numbers, :data:`MIN_MASKED` or more in a row, as JSON
-    writes a byte array (Node's ``Buffer``: ``{"type": "Buffer", "data": [115, 107, ...]}``)
-    or a log a byte list: after a first number of two or three digits (a class the search
-    skips to in C: about 5 ms a MB of prose, 20 of code, 60 of a matrix of small numbers),
-    only the numbers the key's bytes are (either case), so a list of other numbers fails
-    at once; a separator is never a digit and the run is possessive (see :data:`_HEX_DUMP`),
-    so it runs in linear time."""
-    raw = value.encode("utf-8")
-    numbers = sorted({str(b).encode() for b in raw + raw.upper() + raw.lower()}, key=len, reverse=True)
-    number = b"(?:" + b"|".join(numbers) + b")"
-    return re.compile(rb"[1-9][0-9]{1,2}(?:%s%s(?![0-9])){%d,}+" % (_DECIMAL_SEPARATOR, number, MIN_MASKED - 1))
+#: A run of decimal numbers (of up to three digits: a byte's), each after a separator. It
+#: always matches (one number at least), so the search goes on after it, never back into it:
+#: one pass, linear in the body (a pattern that needed sixteen numbers failed inside a run of
+#: fifteen and started again at its next digit).
+_NUMBER_RUN = re.compile(rb"[0-9]{1,3}(?:%s[0-9]{1,3}(?![0-9]))*+" % _DECIMAL_SEPARATOR)
 
 
-def _decimal_spans(data: bytes, value: str, decimal: re.Pattern[bytes]) -> list[tuple[int, int]]:
-    """Where a run of the key's bytes as decimal numbers (:func:`_decimal_dump`) spells it:
-    its bytes searched as any text is, each span mapped back to the numbers that hold it."""
+def _decimal_spans(data: bytes, value: str) -> list[tuple[int, int]]:
+    """Each number of a run of decimal numbers (:data:`_NUMBER_RUN`, :data:`MIN_MASKED` or
+    more: the key's bytes as a JSON byte array, as Node writes a ``Buffer``, pretty-printed
+    at any depth or not; Go's ``[115 107]``; C's ``%03d``) that spells the key: the run read
+    as bytes and searched as any text is, each byte's number masked alone."""
     out = []
-    for dump in decimal.finditer(data):
-        numbers = list(_DECIMAL.finditer(dump[0]))
-        spelled = bytes(int(n[0]) if int(n[0]) < 256 else 0 for n in numbers)  # (the first may be any number)
-        for start, end in _masked_spans(spelled, value):
-            out.append((dump.start() + numbers[start].start(), dump.start() + numbers[end - 1].end()))
+    for run in _NUMBER_RUN.finditer(data):
+        if run.end() - run.start() < 2 * MIN_MASKED - 1:  # (most runs: a number or two)
+            continue
+        text = run[0]
+        values = list(map(int, _DECIMAL.findall(text)))  # in C: a run may be a MB of numbers
+        if len(values) < MIN_MASKED:
+            continue
+        try:
+            spelled = bytes(values)
+        except ValueError:  # a number past a byte's: it spells nothing of the key
+            spelled = bytes(v if v < 256 else 0 for v in values)
+        spans = _masked_spans(spelled, value)
+        if spans:  # rare: where each number is, only then
+            at = [n.span() for n in _DECIMAL.finditer(text)]
+            out += [(run.start() + a, run.start() + b) for start, end in spans for a, b in at[start:end]]
     return out
 
 
@@ -502,9 +512,12 @@ def _dump_spans(data: bytes, value: str) -> list[tuple[int, int]]:
     out = []
     for dump in _HEX_DUMP.finditer(data):
         text = dump[0]  # (each dump[0] is a copy of the whole run: once per byte, the square of its length)
-        at = [m.start(1) for m in _DUMPED_BYTE.finditer(text)]  # where each byte's two digits are
-        digits = b"".join(text[i : i + 2] for i in at)
-        for start, end in _masked_spans(digits, value):
+        digits = b"".join(_DUMPED_BYTE.findall(text))  # in C: a dump may be a MB
+        spans = _masked_spans(digits, value)
+        if not spans:
+            continue
+        at = [m.start(1) for m in _DUMPED_BYTE.finditer(text)]  # where each byte's two digits are (rare: only then)
+        for start, end in spans:
             first, last = start, end - 1  # digits; each maps to its byte's place, plus 0 or 1
             out.append((dump.start() + at[first // 2] + first % 2, dump.start() + at[last // 2] + last % 2 + 1))
     return out
