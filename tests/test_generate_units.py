@@ -682,6 +682,10 @@ def test_a_usage_that_says_cost_twice_is_booked_at_the_dearer_reading():
     ('"usage":{"cost":NaN,"cost":5.0}', 5.0),
     ('"usage":{"cost":0,"is_byok":true,"cost_details":{"upstream_inference_cost":0.02},'
      '"cost_details":{"upstream_inference_cost":0.0001}}', 0.02),
+    # a second reviewer's: the BYOK flag repeated false or null, an object then a null
+    ('"usage":{"cost":0.01,"is_byok":true,"is_byok":false,"cost_details":{"upstream_inference_cost":2.0}}', 2.01),
+    ('"usage":{"cost":0.01,"is_byok":true,"cost_details":{"upstream_inference_cost":2.0}},"usage":{"cost":0.01}', 2.01),
+    ('"usage":{"cost":0.5},"usage":null', 0.5),
 ])
 def test_every_repeated_reading_of_a_usage_keeps_the_dearer(usage, cost):
     body = ('{"id":"g","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":'
@@ -701,3 +705,11 @@ def test_a_body_too_deep_for_the_stdlib_with_a_repeated_cost_has_no_known_cost()
             + deep + "}").encode()
     outcome, parsed = classify_response(200, {"Content-Type": "application/json"}, body)
     assert (outcome.error_class, outcome.maybe_billed, parsed) == ("bad_json", True, None)
+
+
+@pytest.mark.parametrize("status", [429, 500, 502])
+def test_an_error_body_that_repeats_its_cost_is_booked_at_the_dearer_reading(status):
+    body = b'{"error":{"message":"upstream failed"},"usage":{"prompt_tokens":5,"cost":0.5,"cost":0}}'
+    outcome, parsed = classify_response(status, {"Content-Type": "application/json"}, body)
+    assert outcome.error_class is not None and parsed is not None
+    assert cost_of(parsed["usage"], None) == pytest.approx(0.5)

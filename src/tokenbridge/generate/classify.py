@@ -117,7 +117,7 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
     retry_after = parse_retry_after(headers.get("Retry-After") or headers.get("retry-after"))
     if status != 200:
         text = _text(body, headers)
-        parsed = _parse_json(text)
+        parsed = _parse_json(text, highest=True)  # an error body's usage is booked too
         message = _error_message(parsed, text, key) or f"HTTP {status}"
         if 300 <= status <= 399:
             message = _redirected(status, headers, key)
@@ -337,12 +337,17 @@ def _is_number(value: Any) -> bool:
 
 def _dearer(before: Any, value: Any) -> Any:
     """Of two readings of one key: the higher number; a number over what is not one (null, a
-    string, NaN); two objects merged so; else the later one."""
+    string, NaN); ``true`` over anything else (``is_byok``: the upstream charge counts); two
+    objects merged so, and an object over what is not one; else the later one."""
     if _is_number(before) or _is_number(value):
         return max(v for v in (before, value) if _is_number(v))
+    if before is True or value is True:
+        return True
     if isinstance(before, dict) and isinstance(value, dict):
         return {k: _dearer(before[k], value[k]) if k in before and k in value else value.get(k, before.get(k))
                 for k in {**before, **value}}
+    if isinstance(before, dict) or isinstance(value, dict):
+        return before if isinstance(before, dict) else value
     return value
 
 
@@ -361,7 +366,7 @@ def _parse_json(text: str, *, highest: bool = False) -> Any:
     except ValueError:
         return None
     except RecursionError:
-        if highest:  # orjson keeps a repeated key's last reading: what it cost is not known then
+        if highest:  # too deep to compare (or orjson's: it keeps the last reading): no known cost
             return None
     try:
         return orjson.loads(stripped)
