@@ -117,7 +117,8 @@ def _classify(  # noqa: PLR0911 - one outcome per kind of answer, in the order t
     retry_after = parse_retry_after(headers.get("Retry-After") or headers.get("retry-after"))
     if status != 200:
         text = _text(body, headers)
-        parsed = _parse_json(text, highest=True)  # an error body's usage is booked too
+        # an error body's usage is booked too: its dearer reading; too deep to compare, as read
+        parsed = _parse_json(text, highest=True) or _parse_json(text)
         message = _error_message(parsed, text, key) or f"HTTP {status}"
         if 300 <= status <= 399:
             message = _redirected(status, headers, key)
