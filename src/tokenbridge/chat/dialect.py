@@ -332,8 +332,9 @@ class Dialect:
                                                                  tuple[Mapping[str, Any], str] | None] | None:
         """``request`` as SGLang and as vLLM hand the folder's template its list contents,
         each with its reading's name (:func:`.parts.sglang_reading`, :func:`.parts.vllm_reading`;
-        vLLM's None where its request model refuses a part); None where neither changes the messages (no content is a list, no system message opens
-        with what vLLM drops) or the renderer is built in."""
+        vLLM's None where it cannot join a part's text: it served no prompt); None where neither
+        changes the messages (no content is a list, no system message opens with what vLLM
+        drops) or the renderer is built in."""
         messages = request.get("messages")
         if self.content_formats is None or not isinstance(messages, list):
             return None
@@ -346,7 +347,7 @@ class Dialect:
         sglang, s_name = self._sglang_served(messages)
         try:
             vllm, v_name = vllm_reading(messages, self.content_formats[1])
-        except TemplateError:  # a part vLLM's request model refuses: no vLLM reading
+        except TemplateError:  # a text vLLM cannot join (not a string): no vLLM reading
             return ({**request, "messages": sglang}, s_name), None
         return ({**request, "messages": sglang}, s_name), ({**request, "messages": vllm}, v_name)
 
