@@ -565,3 +565,23 @@ def test_a_store_kept_elsewhere_behind_a_link_is_still_resumed(tmp_path):
     (out / "state.sqlite").rename(kept)
     (out / "state.sqlite").symlink_to(kept)
     assert run_folder_problem(out) is None
+
+
+def test_a_run_folder_linked_file_by_file_to_where_the_user_keeps_it_resumes(tmp_path):
+    """A cold reviewer's: ``run/`` holding only links to ``keep/``'s store, exchanges.jsonl and
+    generate.json (the run kept elsewhere) was refused as writing over another run's files:
+    they are this run's own, beside its store."""
+    keep = _store_folder(tmp_path / "keep", lock=True)
+    for name in ("exchanges.jsonl", "generate.json"):
+        (keep / name).write_text("{}\n", encoding="utf-8")
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("state.sqlite", "exchanges.jsonl", "generate.json"):
+        (run / name).symlink_to(keep / name)
+    (run / ".lock").write_bytes(b"4242 tokenbridge run\n")
+    assert run_folder_problem(run) is None
+    (run / "generate.json").unlink()  # but a summary linked to another run's file is still refused
+    other = _store_folder(tmp_path / "other", lock=True)
+    (other / "generate.json").write_text("{}\n", encoding="utf-8")
+    (run / "generate.json").symlink_to(other / "generate.json")
+    assert "the run would write over it" in (run_folder_problem(run) or "")

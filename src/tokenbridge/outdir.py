@@ -671,11 +671,14 @@ def _linked_output_problem(out: Path, resolved: Path, writes: Iterable[str]) -> 
     tokenbridge's own, such as a store of paid answers (:func:`_tokenbridge_file_problem`);
     None where no such link is there. (A store linked there is the run's own store, kept
     elsewhere: written into, never over.)"""
+    home = Path(os.path.realpath(resolved / "state.sqlite")).parent  # where the run's own store is
     for name in (n for n in writes if n in _REPLACED):
         path = resolved / name
         if not os.path.islink(path):
             continue
         real = Path(os.path.realpath(path))
+        if real.parent == home and real.name == name:  # the run's own file, kept beside its store
+            continue
         why = _tokenbridge_file_problem(path, real, [], {resolved})
         if why is not None:
             what = why.split("; refusing")[0]
