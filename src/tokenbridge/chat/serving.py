@@ -46,16 +46,24 @@ def _lax_bool(value: Any) -> Any:
     return _REFUSED
 
 
-def _function_dump(fn: Mapping[str, Any], defer: Any) -> dict[str, Any] | None:
-    """``Function.model_dump()``: known fields only, ``description`` / ``parameters``
-    null when absent, ``strict`` / ``defer_loading`` dropped when null (and read as booleans
-    are), in the order sent with the absent ones after; None where SGLang's model would
-    refuse the function."""
-    if not isinstance(fn.get("name"), str) or not isinstance(fn.get("description"), str | None):
+def _tool_function(tool: Any) -> tuple[Mapping[str, Any], Any, Any, Any] | None:
+    """A tool's function, the tool's ``defer_loading`` and the function's ``strict`` and
+    ``defer_loading`` as both engines' tool models read them (:func:`_lax_bool`); None where
+    either model refuses it for what they both check: no function object, a name that is not
+    a string, a description that is not a string or null, a flag not read as a boolean."""
+    fn = tool.get("function") if isinstance(tool, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("description"),
+                                                                                             str | None):
         return None
-    strict, own = _lax_bool(fn.get("strict")), _lax_bool(fn.get("defer_loading"))
-    if strict is _REFUSED or own is _REFUSED:
-        return None
+    flags = _lax_bool(tool.get("defer_loading")), _lax_bool(fn.get("strict")), _lax_bool(fn.get("defer_loading"))
+    return None if any(f is _REFUSED for f in flags) else (fn, *flags)
+
+
+def _function_dump(fn: Mapping[str, Any], defer: Any, strict: Any, own: Any) -> dict[str, Any]:
+    """``Function.model_dump()`` of a function :func:`_tool_function` took (``own``: its
+    ``defer_loading``, else the tool's ``defer``): known fields only, ``description`` /
+    ``parameters`` null when absent, ``strict`` / ``defer_loading`` dropped when null, in the
+    order sent with the absent ones after."""
     data: dict[str, Any] = {k: fn.get(k) for k in _FUNCTION_FIELDS} | {"strict": strict, "defer_loading": own}
     if data["defer_loading"] is None:
         data["defer_loading"] = defer
@@ -76,13 +84,12 @@ def sglang_tools(request: Mapping[str, Any]) -> list[dict[str, Any]] | None:
         return []
     out = []
     for tool in tools:
-        if not isinstance(tool, Mapping) or not isinstance(tool.get("function"), Mapping):
+        taken = _tool_function(tool)
+        if taken is None or not isinstance(tool.get("type", "function"), str):
             return None
-        defer = _lax_bool(tool.get("defer_loading"))
-        fn = _function_dump(tool["function"], defer) if defer is not _REFUSED else None
-        if fn is None or not isinstance(tool.get("type", "function"), str):
-            return None
-        out.append({"type": tool.get("type", "function"), "function": fn, "defer_loading": defer})
+        fn, defer, strict, own = taken
+        out.append({"type": tool.get("type", "function"), "function": _function_dump(fn, defer, strict, own),
+                    "defer_loading": defer})
     choice = request.get("tool_choice")
     if isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping):
         out = [t for t in out if t["function"]["name"] == choice["function"].get("name")]
@@ -101,14 +108,12 @@ def vllm_tools(request: Mapping[str, Any]) -> tuple[list[dict[str, Any]] | None,
         return None, False
     out = []
     for tool in tools:
-        fn = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(fn, Mapping) or tool.get("type", "function") != "function":
+        taken = _tool_function(tool)
+        # (vLLM's model is stricter on the type and the parameters)
+        if taken is None or tool.get("type", "function") != "function" or not isinstance(taken[0].get("parameters"),
+                                                                                          Mapping | None):
             return None, True
-        defer, strict, own = _lax_bool(tool.get("defer_loading")), _lax_bool(fn.get("strict")), _lax_bool(
-            fn.get("defer_loading"))
-        if not (isinstance(fn.get("name"), str) and isinstance(fn.get("description"), str | None)
-                and isinstance(fn.get("parameters"), Mapping | None) and _REFUSED not in (defer, strict, own)):
-            return None, True
+        fn, defer, strict, own = taken
         dumped: dict[str, Any] = {"name": fn["name"], "description": fn.get("description"),
                                   "parameters": fn.get("parameters")}
         if strict is not None:
