@@ -392,18 +392,20 @@ def _file_problem(target: Path, inputs: list[str | Path], runs: Iterable[str | P
     return None
 
 
-def _tokenbridge_file_problem(target: Path, real: Path, inputs: list[str | Path], ours: set[Path]) -> str | None:
+def _tokenbridge_file_problem(target: Path, real: Path, inputs: list[str | Path], ours: set[Path],
+                              advice: str | None = None) -> str | None:
     """Why ``target`` (resolved: ``real``) is a file of tokenbridge's own that no file output
     may replace, or None: a run folder's file (:data:`_RUN_FILES`, by name or hard link), an
     entry of a marked output folder that is tokenbridge's (:func:`_marked_own`; the user's
-    entries there are theirs), or a store or any other SQLite database."""
-    refuse = "refusing to replace it: give another output name"
+    entries there are theirs), or a store or any other SQLite database. ``advice`` ends the
+    reason instead of a file output's."""
+    refuse = advice or "refusing to replace it: give another output name"
     if real.name in _RUN_FILES and (real.parent in ours or _looks_like_run(real.parent)):
         return f"is {_RUN_FILES[real.name]} of the run folder {real.parent}; {refuse}"
     for folder in real.parents:
         if os.path.lexists(folder / MARKER) and _marked_own(folder, real.relative_to(folder).as_posix()):
             return (f"is {real.relative_to(folder)} of {folder}, an output tokenbridge wrote there and rewrites whole "
-                    "(a file written over it corrupts that output); give another output name")
+                    f"(a file written over it corrupts that output); {advice or 'give another output name'}")
     if not os.path.lexists(target):
         return None
     folders = ours | {real.parent} | {real_path(i).parent for i in inputs}
@@ -679,11 +681,10 @@ def _linked_output_problem(out: Path, resolved: Path, writes: Iterable[str]) -> 
         real = Path(os.path.realpath(path))
         if real.parent == home and real.name == name:  # the run's own file, kept beside its store
             continue
-        why = _tokenbridge_file_problem(path, real, [], {resolved})
+        why = _tokenbridge_file_problem(path, real, [], {resolved}, advice="the run would write over it: nothing was "
+                                        "written: move the link away and run again")
         if why is not None:
-            what = why.split("; refusing")[0]
-            return (f"{out / name}: is a symlink to {real}, which {what}; the run would write over it: nothing was "
-                    "written: move the link away and run again")
+            return f"{out / name}: is a symlink to {real}, which {why}"
     return None
 
 
