@@ -454,6 +454,37 @@ def test_a_section_beside_a_length_cut_that_may_hide_an_id_is_unattributable(kim
     assert all("choices_unattributable" in codes(r) for r in rows)
 
 
+@pytest.mark.parametrize("logged", ["empty on the cut", "content on the section", "content on both"])
+def test_logprobs_that_prove_no_choice_whole_leave_a_cancelling_pair_unattributable(kimi, ids, logged):
+    """A cold tester's: a section opened without ``</think>`` (one id fewer than the formula)
+    beside a cut right after ``</think>`` (one more than served) keep the sum. Logprobs that
+    prove neither choice whole (an empty list; the content's alone, which never see a
+    ``</think>``) were taken as pinning the choice: the section was ``ok`` with a
+    ``</think>`` the model never wrote, and the cut lost its own."""
+    tool = native(kimi, REASONING, SECTION, ids["end"])
+    cut_text = "The user greets. Reply briefly"
+    cut = native(kimi, cut_text, ids["close"])
+    rec = record(kimi, {"reasoning": REASONING, "content": SECTION}, finish="stop", usage=len(tool) + len(cut))
+    rec["response"]["choices"].append({"index": 1, "finish_reason": "length",
+                                       "message": {"reasoning": cut_text, "content": ""}})
+    choices = rec["response"]["choices"]
+    if logged == "empty on the cut":
+        choices[1]["logprobs"] = {"content": []}
+    if logged in ("content on the section", "content on both"):
+        choices[0]["logprobs"] = _logprobs(kimi, native(kimi, SECTION, ids["end"]))
+    if logged == "content on both":
+        choices[1]["logprobs"] = {"content": []}
+    rows = reconstruct_record(rec, kimi)
+    assert [r["status"] for r in rows] == ["rejected", "rejected"], [r["findings"] for r in rows]
+    assert all("choices_unattributable" in codes(r) for r in rows)
+    # logprobs of every id of the section pin it (its own ids, right): the sum then shows the cut's missing id
+    choices[0]["logprobs"] = _logprobs(kimi, tool)
+    choices[1].pop("logprobs", None)
+    a, b = reconstruct_record(rec, kimi)
+    assert (a["completion_ids"], a["reconstruction"]) == (tool, "no_think_close")
+    assert [codes(r) for r in (a, b)] == [["usage_completion_mismatch"], ["truncated", "usage_completion_mismatch"]]
+
+
 @pytest.mark.parametrize("trait", ["end_counted", "end_uncounted"])
 def test_a_section_read_short_beside_a_length_cut_is_proven_where_the_run_knows_the_end(kimi, ids, trait):
     """A reviewer's: a cut can only hide an id (one more), so beside the reading one id short

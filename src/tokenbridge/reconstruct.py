@@ -906,14 +906,16 @@ def _mark_cancelling(plans: list[_Choice], rows: list[dict[str, Any]], policy: P
     formula, ``end_in_think``), and a length cut may have held back one id the response
     never served (a partial character, or a ``</think>`` right at the cut). Each alone
     breaks the count; one of each keeps the sum. Where ids or logprobs pin neither, every
-    such choice is unproven (``choices_unattributable``)."""
+    such choice is unproven (``choices_unattributable``). Logprobs pin a choice only where they
+    prove its ids whole (:func:`~tokenbridge.checks.ids_prove`): an empty list, or the
+    content's alone, see no ``</think>``."""
     sev = policy.severity("choices_unattributable")
     if sev == "off":
         return
     fewer, more = [], []
     for p, row in zip(plans, rows):
-        pinned = p.native is not None or (p.logged is not None and p.logged.ids is not None)
-        if pinned:
+        k = p.chosen
+        if p.native is not None or ids_prove(None, p.logged, p.cands[k].parts, p.cand_ids[k], p.ids(k)):
             continue
         finish = finish_reading(p.choice)
         if finish == "length":
