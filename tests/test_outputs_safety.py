@@ -377,3 +377,46 @@ def _rows(path: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_reconstruct_onto_a_write_protected_file_is_refused(run_dir, tmp_path, kimi_dir):
+    """A cold tester's: the output is renamed over its target, which bypassed the file's own
+    write permission (0444, or another user's file in a folder anyone may write): the file was
+    gone with exit 1. Refused before any work; a writable file of the user's is still replaced."""
+    mine = tmp_path / "keep.jsonl"
+    mine.write_bytes(b"precious\n")
+    mine.chmod(0o444)
+    try:
+        line = _refused(_invoke("reconstruct", str(run_dir / "exchanges.jsonl"), "-o", str(mine), "-t", str(kimi_dir)),
+                        "is write-protected (mode 0444)", "make it writable")
+        assert str(mine) in line
+        assert mine.read_bytes() == b"precious\n" and not leftovers(tmp_path)
+        mine.chmod(0o644)
+        res = _invoke("reconstruct", str(run_dir / "exchanges.jsonl"), "-o", str(mine), "-t", str(kimi_dir))
+        assert res.exit_code == 0, res.output
+        other = tmp_path / "other.jsonl"
+        assert _invoke("reconstruct", str(run_dir / "exchanges.jsonl"), "-o", str(other), "-t", str(kimi_dir)).exit_code == 0
+        assert mine.read_bytes() == other.read_bytes()
+    finally:
+        mine.chmod(0o644)
+
+
+@pytest.mark.parametrize("mode", [0o700, 0o2750])
+def test_a_rewritten_output_folder_keeps_the_folders_mode_and_group(run_dir, tmp_path, mode):
+    """A cold tester's: the folder is replaced by a new one in one step, and the new one had
+    this process's umask and group, so a folder the user made private (0700) came back 0755,
+    its files listable by everyone (and a group's setgid folder lost both)."""
+    import grp
+
+    out = tmp_path / "private"
+    out.mkdir()
+    (out / "notes.txt").write_bytes(b"secret\n")
+    gid = os.getgid() if os.getuid() else grp.getgrnam("nogroup").gr_gid  # root may hand it to another group
+    os.chown(out, -1, gid)
+    out.chmod(mode)
+    for _ in range(2):  # into the user's folder, then over tokenbridge's own output
+        res = _export(run_dir / "reconstructed.jsonl", out, "--force")
+        assert res.exit_code == 0, res.output
+        info = out.stat()
+        assert (oct(info.st_mode & 0o7777), info.st_gid) == (oct(mode), gid)
+        assert (out / "notes.txt").read_bytes() == b"secret\n" and (out / "train.jsonl").exists()

@@ -507,6 +507,17 @@ def _prepare_parent(target: Path) -> None:
     clean_stale_temps(target.parent)
 
 
+def write_protected(path: str | Path) -> bool:
+    """Whether the existing file at ``path`` refuses writing: this process may not write it,
+    or no one may (no write bit; ``rm`` asks before removing one, root's too). An output
+    renamed over it would replace it all the same, so an output named there honours it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISREG(mode) and (not mode & 0o222 or not os.access(path, os.W_OK))
+
+
 def parent_problem(target: str | Path) -> str | None:
     """Why no folder can be made to hold ``target``, or None: the nearest of its parents that
     exists is not a folder (a file, a FIFO, a symlink to one), said as such ("afile is a
@@ -567,6 +578,7 @@ def publish_dir(target: str | Path, *, point: str = "dir", marker: dict[str, Any
         if made and marker is not None:  # a folder made to hold a user's nested entry is ours, as before
             _write_marker(tmp, marker, written | made)
             _fsync_file(tmp / MARKER, FILE_MODE)
+        _keep_attributes(target, tmp)
         old = _swap_in(tmp, target, point)
         swapped = True
         kill_point(f"{point}:swapped")
@@ -771,6 +783,23 @@ def _sync_tree(root: Path) -> None:
             os.chmod(Path(folder, name), DIR_MODE)
         fsync_dir(Path(folder))
     os.chmod(root, DIR_MODE)
+
+
+def _keep_attributes(target: Path, new: Path) -> None:
+    """Give ``new`` the mode, owner and group of the folder it replaces: a folder the user
+    made private (0700, a group's with setgid) came back 0755 with this process's group,
+    its files listable by everyone. The owner and group are kept where this process may
+    set them (root; a group it belongs to); the mode is set after them (a chown clears
+    setgid)."""
+    try:
+        info = os.lstat(target)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(info.st_mode):
+        return
+    with suppress(PermissionError):
+        os.chown(new, info.st_uid, info.st_gid)
+    os.chmod(new, stat.S_IMODE(info.st_mode))
 
 
 def _swap_in(new: Path, target: Path, point: str) -> Path | None:

@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from .jsonl import loads_document
 from .fsio import (CARRIED, MARKER, OutputRefused, real_path, foreign_entries, is_temp_name, kind_of, marker_owned, output_file,
-                   parent_problem, publish_dir, read_marker, read_small_text, unlisted_folders)
+                   parent_problem, publish_dir, read_marker, read_small_text, unlisted_folders, write_protected)
 
 __all__ = [
     "MARKER",
@@ -384,6 +384,9 @@ def _file_problem(target: Path, inputs: list[str | Path], runs: Iterable[str | P
     why = _tokenbridge_file_problem(target, real, inputs, {real_path(r) for r in runs})
     if why is not None:
         return why
+    if write_protected(real):
+        return (f"is write-protected (mode {stat.S_IMODE(os.stat(real).st_mode):04o}); refusing to replace it: "
+                "make it writable or give another output name")
     for other_flag, other in outputs.items():
         if _same_file(target, other):
             return f"is also the {other_flag} output; give another name"
