@@ -272,3 +272,30 @@ def test_an_input_named_like_a_killed_runs_temp_is_read_not_swept(tmp_path, kimi
     rows.write_bytes((stage_inputs / "reconstructed.jsonl").read_bytes())
     export_file(rows, tmp_path / "export", "specforge")
     assert rows.read_bytes() == (stage_inputs / "reconstructed.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_a_folder_another_writer_published_meanwhile_is_not_replaced(tmp_path, before):
+    """A cold tester's race: two exports of other formats into one new folder both checked
+    it missing, both said done, and the second swap replaced the first's output. Whatever
+    another writer published at the target while this one worked is refused at the swap."""
+    from tokenbridge.fsio import MARKER, OutputRefused
+
+    target = tmp_path / "out"
+    if before:
+        with publish_dir(target, marker={"kind": "export", "format": "parquet"}) as first:
+            (first / "old.txt").write_bytes(b"old")
+    with pytest.raises(OutputRefused, match="another command wrote this folder while this one ran"):
+        with publish_dir(target, marker={"kind": "export", "format": "parquet"}) as outer:
+            (outer / "a.txt").write_bytes(b"outer")
+            with publish_dir(target, marker={"kind": "export", "format": "specforge"}) as inner:
+                (inner / "b.txt").write_bytes(b"inner")
+    assert sorted(os.listdir(target)) == [MARKER, "b.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
+    # nothing else at work: the folder the check saw is replaced as before, and one removed meanwhile is made again
+    with publish_dir(target, marker={"kind": "export", "format": "specforge"}) as again:
+        (again / "c.txt").write_bytes(b"again")
+    assert sorted(os.listdir(target)) == [MARKER, "c.txt"]
+    with publish_dir(target, marker={"kind": "export", "format": "specforge"}) as gone:
+        fsio.shutil.rmtree(target)
+        (gone / "d.txt").write_bytes(b"d")
+    assert sorted(os.listdir(target)) == [MARKER, "d.txt"]

@@ -49,6 +49,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import re
@@ -560,9 +561,15 @@ def publish_dir(target: str | Path, *, point: str = "dir", marker: dict[str, Any
     the names carried are recorded first (:data:`CARRIED`), so a kill at any point leaves
     them in ``target`` or in the dead process's temp folder, from which
     :func:`clean_stale_temps` moves them back. An entry whose name the new output also
-    writes is refused (:class:`OutputRefused`, ``target`` untouched)."""
+    writes is refused (:class:`OutputRefused`, ``target`` untouched).
+
+    The caller checked ``target`` just before this is entered; a folder another command
+    published there meanwhile (two exports of other formats into one new folder: both said
+    done, one was gone) is refused at the swap, which tokenbridge's writers into one parent
+    folder take turns at (:func:`_parent_locked`)."""
     target = Path(target)
     _prepare_parent(target)
+    seen = _identity(target)
     tmp = temp_path(target)
     swapped = False
     try:
@@ -573,14 +580,20 @@ def publish_dir(target: str | Path, *, point: str = "dir", marker: dict[str, Any
             _write_marker(tmp, marker, written)
         _sync_tree(tmp)
         kill_point(f"{point}:staged")
-        ours = _owned_test(target, owned)
-        made = _carry(target, tmp, ours, written | {MARKER}, point)
-        if made and marker is not None:  # a folder made to hold a user's nested entry is ours, as before
-            _write_marker(tmp, marker, written | made)
-            _fsync_file(tmp / MARKER, FILE_MODE)
-        _keep_attributes(target, tmp)
-        old = _swap_in(tmp, target, point)
-        swapped = True
+        with _parent_locked(target):
+            now = _identity(target)
+            if now is not None and now != seen:
+                raise OutputRefused(f"{target}: another command wrote this folder while this one ran (it was "
+                                    f"{'not there' if seen is None else 'another folder'} when this one started); "
+                                    "nothing was replaced: look at it, then run again", target)
+            ours = _owned_test(target, owned)
+            made = _carry(target, tmp, ours, written | {MARKER}, point)
+            if made and marker is not None:  # a folder made to hold a user's nested entry is ours, as before
+                _write_marker(tmp, marker, written | made)
+                _fsync_file(tmp / MARKER, FILE_MODE)
+            _keep_attributes(target, tmp)
+            old = _swap_in(tmp, target, point)
+            swapped = True
         kill_point(f"{point}:swapped")
         fsync_dir(target.parent)
         if old is not None:
@@ -783,6 +796,32 @@ def _sync_tree(root: Path) -> None:
             os.chmod(Path(folder, name), DIR_MODE)
         fsync_dir(Path(folder))
     os.chmod(root, DIR_MODE)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of what is at ``path`` now, or None where nothing is."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+@contextmanager
+def _parent_locked(target: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``target``'s parent folder (released at exit, or when
+    the process dies): tokenbridge's publishers into one folder check and swap in turn. A
+    parent this process may write but not read (mode 0300) cannot be opened: no turns there."""
+    try:
+        fd = os.open(target.parent, os.O_RDONLY)
+    except PermissionError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _keep_attributes(target: Path, new: Path) -> None:
