@@ -285,11 +285,11 @@ def test_a_folder_another_writer_published_meanwhile_is_not_replaced(tmp_path, b
     if before:
         with publish_dir(target, marker={"kind": "export", "format": "parquet"}) as first:
             (first / "old.txt").write_bytes(b"old")
-    with pytest.raises(OutputRefused, match="another command wrote this folder while this one ran"):
-        with publish_dir(target, marker={"kind": "export", "format": "parquet"}) as outer:
-            (outer / "a.txt").write_bytes(b"outer")
-            with publish_dir(target, marker={"kind": "export", "format": "specforge"}) as inner:
-                (inner / "b.txt").write_bytes(b"inner")
+    with (pytest.raises(OutputRefused, match="another command wrote this folder while this one ran"),
+          publish_dir(target, marker={"kind": "export", "format": "parquet"}) as outer):
+        (outer / "a.txt").write_bytes(b"outer")
+        with publish_dir(target, marker={"kind": "export", "format": "specforge"}) as inner:
+            (inner / "b.txt").write_bytes(b"inner")
     assert sorted(os.listdir(target)) == [MARKER, "b.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
     # nothing else at work: the folder the check saw is replaced as before, and one removed meanwhile is made again
     with publish_dir(target, marker={"kind": "export", "format": "specforge"}) as again:

@@ -89,8 +89,11 @@ def test_usage_that_is_not_an_object_is_treated_as_absent(server, tmp_path):
     assert summary.bad_usage_examples == ["h-1: usage is a str, not an object"]
 
 
-def test_a_1e400_token_count_is_a_retried_bad_json_attempt(server, tmp_path):
-    server.plan["q0"] = ["usage:prompt_tokens=1e400", "ok"]
+@pytest.mark.parametrize("field", ["prompt_tokens=1e400", "cost=1" + "0" * 400])
+def test_a_1e400_token_count_is_a_retried_bad_json_attempt(server, tmp_path, field):
+    """An integer cost past float's range too (a cold tester's): math.isfinite raised
+    OverflowError on it first, an internal error that kept nothing, on every rerun."""
+    server.plan["q0"] = [f"usage:{field}", "ok"]
     summary = _run(server, tmp_path, 3)
     assert (summary.done, summary.exit_code, summary.errors) == (3, ExitCode.OK, {"bad_json": 1})
     with Store.open(tmp_path / "run") as store:

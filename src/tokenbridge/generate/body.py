@@ -165,10 +165,12 @@ def checked_usage(parsed: Any, *, key: ApiKey | str | None = None) -> CheckedUsa
 
 
 def _usd(v: Any) -> float | None:
-    """A plausible USD figure (a finite number 0..:data:`MAX_PLAUSIBLE_COST`), else None."""
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= MAX_PLAUSIBLE_COST:
-        return float(v)
-    return None
+    """A plausible USD figure (a finite number 0..:data:`MAX_PLAUSIBLE_COST`), else None. An
+    integer is compared as it is: ``math.isfinite(10**400)`` raises OverflowError, which lost
+    the paid answer, on every rerun."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or isinstance(v, float) and not math.isfinite(v):
+        return None
+    return float(v) if 0 <= v <= MAX_PLAUSIBLE_COST else None
 
 
 def _add_byok(out: CheckedUsage, byok: Any, key: ApiKey | str | None) -> None:
