@@ -503,3 +503,22 @@ def test_the_budget_stop_notice_prints_small_amounts_with_their_digits(server, t
         "one at a time until answers bear a price out",
         "stopping: budget $0.001 reached (spent $0.25; the next request's worst case, $17.70, does not fit); one "
         "request's worst case alone is above the cap (raise --max-cost or lower max_tokens)"]
+
+
+@pytest.mark.parametrize("how", ["hang", "slow:1.0"])
+def test_without_prices_a_possibly_billed_timeout_stops_a_capped_run(server, tmp_path, how):
+    """A cold tester's server billed each request and answered after the client gave up: with
+    nothing priced the timeouts booked nothing and stopped nothing ($4.80 against a $1 cap).
+    A request that may have been billed and got no answer is of unknown cost like an answer
+    without one: the capped run stops at the first (one request in flight until something is
+    priced), exit 4, saying so."""
+    for i in range(4):
+        server.plan[f"q{i}"] = [how] * 3
+    summary = _run(server, tmp_path, 4, max_cost=1.0, attempt_timeout_s=0.3)
+    assert (summary.exit_code, summary.done) == (ExitCode.BUDGET, 0)
+    assert sum(server.attempts.values()) == 1
+    assert any("a request that may have been billed got no answer" in n for n in summary.notices), summary.notices
+    # zero prices (a free model) price every request: timeouts then book $0 and retry as before
+    summary = _run(server, tmp_path, 4, max_cost=1.0, attempt_timeout_s=0.3, prices=Prices(prompt=0.0, completion=0.0),
+                   max_attempts=1)
+    assert (summary.exit_code, summary.errors) == (ExitCode.INCOMPLETE, {"timeout": 4})

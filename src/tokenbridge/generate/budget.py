@@ -274,6 +274,7 @@ class Budget:
     exhausted: bool = False
     unpriced: bool = False  # a cap is set but responses carry no cost and there is no price table
     unread: bool = False  # ... and the answer that stopped it could not be read (its cost unknown)
+    lost: bool = False  # ... and the request that stopped it may have been billed and got no answer
     learning_sends: int = 0  # requests sent alone because their price was not known well enough
     providers: dict[str, PriceBounds] = field(default_factory=dict)
     borne_out: bool = False  # the latest answer that cost anything cost no more than its learned reservation
@@ -333,6 +334,10 @@ class Budget:
         if self.unpriced and self.unread:
             return ("--max-cost is set, nothing is priced yet (no [prices], no answer's usage.cost) and an answer the "
                     "provider sent (HTTP 200) could not be read whole, so what it cost is unknown: set [prices]")
+        if self.unpriced and self.lost:
+            return ("--max-cost is set, nothing is priced yet (no [prices], no answer's usage.cost) and a request that "
+                    "may have been billed got no answer (a timeout or a dropped connection), so what it cost is unknown: "
+                    "set [prices] (zero prices for a free model)")
         if self.unpriced:
             return "--max-cost is set but responses carry no usage.cost and no prices are configured"
         most = self.max_cost or 0.0
@@ -402,8 +407,11 @@ class Budget:
         (a timeout, a cut stream; ``answered``: a response without usage; ``unread``: an
         HTTP 200 whose body could not be read whole); its reservation is booked as possible
         spend, and returned (None when nothing was booked). An unbilled failure passes
-        ``cost=0.0``. Under a cap with nothing priced yet the reservation is 0: an answer
-        or a 200 of unknown cost then stops the run (it cannot be booked, so no cap holds).
+        ``cost=0.0``. Under a cap with nothing priced yet the reservation is 0: an answer,
+        a 200, or a request that may have been billed and got no answer (a timeout, a dropped
+        connection: a provider bills a generation the client stopped waiting for), each of
+        unknown cost, then stops the run (it cannot be booked, so no cap holds; a cold
+        tester's server billed $4.80 in timeouts against a $1 cap).
         """
         self.in_flight = max(0, self.in_flight - 1)
         self.reserved = max(0.0, self.reserved - reservation)
@@ -426,9 +434,10 @@ class Budget:
         if reservation > 0:
             self.possible += reservation
             return reservation
-        if (answered or unread) and self.max_cost is not None and self.prices is None and not self.providers:
-            self.unpriced = self.exhausted = True  # nothing priced yet and the answers carry no cost
+        if self.max_cost is not None and self.prices is None and not self.providers:
+            self.unpriced = self.exhausted = True  # nothing priced yet, and this may have cost anything
             self.unread = self.unread or (unread and not answered)
+            self.lost = self.lost or not (answered or unread)
         return None
 
     def cancel(self, reservation: float) -> None:
