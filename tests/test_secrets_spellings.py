@@ -170,6 +170,9 @@ _DUMPS = {  # a byte -> its place in a dump, and what stands between bytes
     "spaced": ("{:02x}", " "), "colons": ("{:02X}", ":"), "dashes": ("{:02x}", "-"), "commas": ("{:02x}", ","),
     "python": ("\\x{:02x}", ""), "c": ("0x{:02x}", ", "), "c-packed": ("0X{:02X}", ""), "comma-space": ("{:02x}", ", "),
     "python-spaced": ("\\x{:02x}", ", "),
+    # a cold tester's: quoted-printable (=73=6B...) and other separators went unmasked
+    "quoted-printable": ("={:02X}", ""), "dots": ("{:02x}", "."), "underscores": ("{:02x}", "_"),
+    "bars": ("{:02X}", "|"), "semicolons": ("{:02x}", ";"), "slashes": ("{:02x}", "/"),
 }
 
 
