@@ -4,6 +4,7 @@ and otherwise one error line naming those ways (exit 2), never a path guessed fr
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from pathlib import Path
 
@@ -153,3 +154,28 @@ def test_the_config_tokenizer_wins_over_the_env_variable(tmp_path, kimi_dir, mon
 
     monkeypatch.setenv(TOKENIZER_ENV, str(tmp_path / "nope"))
     assert load_run_config(write_run_config(tmp_path, kimi_dir)).tokenizer == str(kimi_dir)
+
+
+@pytest.mark.parametrize("from_env", [False, True])
+def test_a_run_config_tokenizer_folder_that_holds_no_tokenizer_is_named_where_the_config_names_it(
+        tmp_path, monkeypatch, from_env):
+    """A cold tester's: ``tokenizer = "/etc"`` (a folder, so the config check passed) stopped
+    ``run`` with ``error: TokenizerError: /etc: has neither ...``: no file, line or key, and
+    the class name shown; from the environment, nothing said where the path came from."""
+    from typer.testing import CliRunner
+
+    from tokenbridge.cli import app
+
+    empty = tmp_path / "notatokenizer"
+    empty.mkdir()
+    cfg = _run_config_without_tokenizer(tmp_path)
+    if from_env:
+        monkeypatch.setenv(TOKENIZER_ENV, str(empty))
+    else:
+        text = cfg.read_text(encoding="utf-8").replace("[run]\n", f'[run]\ntokenizer = "{empty}"\n', 1)
+        cfg.write_text(text, encoding="utf-8")
+    res = CliRunner().invoke(app, ["run", str(cfg)])
+    assert res.exit_code == 2, res.output
+    tail = f" ({TOKENIZER_ENV})" if from_env else ""
+    assert re.fullmatch(rf"error: {re.escape(str(cfg))}:\d+: run\.tokenizer: {re.escape(str(empty))}: has neither "
+                        rf"tiktoken\.model nor tokenizer\.json{re.escape(tail)}", res.output.strip()), res.output

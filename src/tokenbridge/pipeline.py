@@ -381,11 +381,14 @@ def _not_an_edit(path: Path, done: Mapping[str, Any], echo: Callable[[str], None
 
 
 def _run_stages(cfg: RunConfig, echo: Callable[[str], None]) -> list[StageResult]:
-    from .tokenizer import load_tokenizer
+    from .tokenizer import TokenizerError, load_tokenizer
 
     _check_run_files(cfg.out)
     state = _State(cfg.out, echo)
-    tok = load_tokenizer(cfg.tokenizer)
+    try:
+        tok = load_tokenizer(cfg.tokenizer)
+    except TokenizerError as exc:  # a folder that is there but holds no tokenizer: named where the config names it
+        raise PipelineError(f"{cfg.tokenizer_at[0]}{exc}{cfg.tokenizer_at[1]}", ExitCode.CONFIG) from None
     check_before_generate(cfg, tok)  # the config checks that need the tokenizer, before any request
     check_stage_folders(cfg, state.wrote)  # every output folder a stage writes, before any request
     results = [_generate_stage(cfg, tok, echo)]

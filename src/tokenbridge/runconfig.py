@@ -70,6 +70,9 @@ class RunConfig:
     draft_vocab_size: int | None
     target_vocab_size: int | None
     report: bool
+    #: what goes around a tokenizer folder's load error: where the config names it
+    #: (``file:LINE: run.tokenizer: ``), and `` (TOKENBRIDGE_TOKENIZER)`` where that gave it
+    tokenizer_at: tuple[str, str] = field(default=("", ""), compare=False)
 
 
 # --- the schema of the sections that are not another config's ------------------------------
@@ -209,6 +212,7 @@ def load_run_config(path: str | Path) -> RunConfig:
         provider_profile=profile, export_formats=parsed.export.formats, include_flagged=parsed.export.include_flagged,
         draft_vocab_size=parsed.vocab.draft_vocab_size, target_vocab_size=parsed.vocab.target_vocab_size,
         report=parsed.report.enabled,
+        tokenizer_at=(where.problem(("run", "tokenizer"), ""), f" ({TOKENIZER_ENV})" if raw_tokenizer is None else ""),
     )
 
 
