@@ -113,6 +113,27 @@ def test_cli_inspect_names_a_missing_sample(tmp_path, kimi, kimi_dir):
     assert res.exit_code == 2 and "no sample '' with choice 0" in res.output
 
 
+def test_cli_inspect_of_an_id_says_what_it_could_not_read(tmp_path, kimi, kimi_dir):
+    """A cold tester's: with ``--id``, a UTF-16 file and a file whose wanted row holds NaN
+    both said only "no sample 'ex-clean' with choice 0" (export named the cause)."""
+    out = tmp_path / "r.jsonl"
+    reconstruct_file(EXAMPLE, out, kimi)
+    wide = tmp_path / "wide.jsonl"
+    wide.write_bytes(out.read_text(encoding="utf-8").encode("utf-16"))
+    res = CliRunner().invoke(app, ["inspect", str(wide), "-t", str(kimi_dir), "--id", "ex-clean"])
+    assert res.exit_code == 2 and res.output.startswith(f"error: {wide}: UTF-16LE text, not JSONL: "), res.output
+    lines = out.read_text(encoding="utf-8").splitlines()
+    at = next(k for k, line in enumerate(lines) if json.loads(line)["id"] == "ex-clean")
+    lines[at] = lines[at].replace('"choice":0', '"choice":NaN', 1)
+    nan = tmp_path / "nan.jsonl"
+    nan.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    res = CliRunner().invoke(app, ["inspect", str(nan), "-t", str(kimi_dir), "--id", "ex-clean"])
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == (f"error: {nan}: no sample 'ex-clean' with choice 0; 1 line(s) could not be read, the "
+                                  f"sample may be among them (first: {nan}:{at + 1}: <line>: not valid JSON (NaN at "
+                                  "choice: JSON has no NaN or infinity))")
+
+
 @pytest.mark.parametrize(("change", "said"), [
     ({"choice": "0"}, "choice: must be a non-negative integer, got '0'"),
     ({"choice": -1}, "choice: must be a non-negative integer, got -1"),

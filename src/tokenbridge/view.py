@@ -12,7 +12,7 @@ from rich.text import Text
 
 from .display import printable
 from .exchanges import RecordError, loads_line
-from .jsonl import iter_lines
+from .jsonl import NotJsonlError, binary_kind, iter_lines
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -72,11 +72,16 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
         if dialect is not None:
             raise rows_file()
         return _find_parquet_row(path, sample_id, choice, tok)
+    kind = binary_kind(path)
+    if kind is not None:  # UTF-16, gzip, Parquet under another name: said so, not "no sample"
+        raise LookupError(str(NotJsonlError(path, kind)))
+    unread: list[str] = []
     for lineno, line in iter_lines(path):
         try:
             record = loads_line(line)
-        except RecordError:
-            continue  # not the sample we look for; reconstruct reports such lines
+        except RecordError as exc:
+            unread.append(f"{path}:{lineno}: {exc.field}: {exc.detail}")
+            continue  # the sample may be on another line; if none has it, these are named
         if not isinstance(record, dict) or (sample_id is not None and str(record.get("id")) != sample_id):
             continue
         if "input_ids" in record:
@@ -93,7 +98,15 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
             raise LookupError(f"{path}:{lineno}: nested too deeply to reconstruct") from None
         if choice < len(rows):
             return rows[choice]
-    raise LookupError(_not_found(path, sample_id, choice))
+    raise LookupError(_not_found(path, sample_id, choice) + _unread_note(unread))
+
+
+def _unread_note(unread: Sequence[str]) -> str:
+    """What a search passed over: lines it could not read (the sample may be one of them;
+    a cold tester's UTF-16 file and row with NaN both read as "no sample")."""
+    if not unread:
+        return ""
+    return f"; {len(unread)} line(s) could not be read, the sample may be among them (first: {unread[0]})"
 
 
 def _other_choice(record: Mapping[str, Any], choice: int) -> bool:
