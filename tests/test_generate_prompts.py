@@ -462,3 +462,14 @@ def test_an_empty_dataset_path_in_a_config_is_refused_not_read_as_its_folder(tmp
     with pytest.raises(ConfigError) as err:
         load_config(cfg)
     assert str(err.value) == f"{cfg}:4: datasets[0].path: must name a file or folder (it is empty)"
+
+
+def test_a_null_content_is_named_as_null_not_missing(tmp_path):
+    """A cold tester's: ``"content": null`` in a user message was reported as ``missing``,
+    while ``"content": 5`` is told null is allowed (it is, beside an assistant's tool calls)."""
+    f = _write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": None}]},
+                                             {"messages": [{"role": "user"}]}])
+    loaded = load_prompts([_spec(f)])
+    assert [(e.field, e.message) for e in loaded.errors] == [
+        ("messages[0].content", "null: only an assistant message with tool_calls may have no content"),
+        ("messages[0].content", "missing")]

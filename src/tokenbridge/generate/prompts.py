@@ -321,7 +321,7 @@ def _openai_messages(value: Any) -> list[dict[str, Any]]:
         # the rule reconstruct holds the request to: a call it would refuse is never sent (and paid for)
         if fault := tool_calls_fault(clean):
             raise _BadRow(f"messages[{i}].{fault[0]}", fault[1])
-        _check_content(clean, f"messages[{i}]")
+        _check_content(clean, f"messages[{i}]", null="content" in msg)
         out.append(clean)
     return out
 
@@ -402,12 +402,14 @@ def _with_system(messages: list[dict[str, Any]], system: Any) -> list[dict[str, 
     return messages
 
 
-def _check_content(msg: dict[str, Any], where: str) -> None:
+def _check_content(msg: dict[str, Any], where: str, *, null: bool = False) -> None:
+    """``null``: the row gave ``content`` as null (``msg`` holds no nulls), not left it out."""
     content = msg.get("content")
     if content is None:
         if msg["role"] == "assistant" and msg.get("tool_calls"):
             return
-        raise _BadRow(f"{where}.content", "missing")
+        why = "null: only an assistant message with tool_calls may have no content" if null else "missing"
+        raise _BadRow(f"{where}.content", why)
     fault = content_fault(content)  # the rules the row check holds exports to (tokenbridge.content)
     if fault is not None:
         raise _BadRow(f"{where}.content{fault[0]}", fault[1])
