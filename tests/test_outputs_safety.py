@@ -401,7 +401,7 @@ def test_reconstruct_onto_a_write_protected_file_is_refused(run_dir, tmp_path, k
         mine.chmod(0o644)
 
 
-@pytest.mark.parametrize("mode", [0o700, 0o2750])
+@pytest.mark.parametrize("mode", [0o700, 0o2750, 0o550])
 def test_a_rewritten_output_folder_keeps_the_folders_mode_and_group(run_dir, tmp_path, mode):
     """A cold tester's: the folder is replaced by a new one in one step, and the new one had
     this process's umask and group, so a folder the user made private (0700) came back 0755,
@@ -410,13 +410,16 @@ def test_a_rewritten_output_folder_keeps_the_folders_mode_and_group(run_dir, tmp
 
     out = tmp_path / "private"
     out.mkdir()
-    (out / "notes.txt").write_bytes(b"secret\n")
+    notes = mode & 0o200  # a folder its owner may not write holds nothing of theirs to carry (empty, as made)
+    if notes:
+        (out / "notes.txt").write_bytes(b"secret\n")
     gid = os.getgid() if os.getuid() else grp.getgrnam("nogroup").gr_gid  # root may hand it to another group
     os.chown(out, -1, gid)
     out.chmod(mode)
-    for _ in range(2):  # into the user's folder, then over tokenbridge's own output
+    for _ in range(2):  # into the user's folder, then over tokenbridge's own output (its old files cleared)
         res = _export(run_dir / "reconstructed.jsonl", out, "--force")
         assert res.exit_code == 0, res.output
         info = out.stat()
-        assert (oct(info.st_mode & 0o7777), info.st_gid) == (oct(mode), gid)
-        assert (out / "notes.txt").read_bytes() == b"secret\n" and (out / "train.jsonl").exists()
+        assert (oct(info.st_mode & 0o7777), info.st_gid) == (oct(mode | 0o700), gid)  # the owner's rwx kept
+        assert (out / "train.jsonl").exists() and not leftovers(tmp_path)
+        assert not notes or (out / "notes.txt").read_bytes() == b"secret\n"

@@ -829,7 +829,8 @@ def _keep_attributes(target: Path, new: Path) -> None:
     made private (0700, a group's with setgid) came back 0755 with this process's group,
     its files listable by everyone. The owner and group are kept where this process may
     set them (root; a group it belongs to); the mode is set after them (a chown clears
-    setgid)."""
+    setgid), with the owner's own rwx kept (a 0555 folder came back unwritable, and the next
+    output could not clear the files it replaces)."""
     try:
         info = os.lstat(target)
     except FileNotFoundError:
@@ -838,7 +839,7 @@ def _keep_attributes(target: Path, new: Path) -> None:
         return
     with suppress(PermissionError):
         os.chown(new, info.st_uid, info.st_gid)
-    os.chmod(new, stat.S_IMODE(info.st_mode))
+    os.chmod(new, stat.S_IMODE(info.st_mode) | stat.S_IRWXU)
 
 
 def _swap_in(new: Path, target: Path, point: str) -> Path | None:
