@@ -485,6 +485,31 @@ def test_logprobs_that_prove_no_choice_whole_leave_a_cancelling_pair_unattributa
     assert [codes(r) for r in (a, b)] == [["usage_completion_mismatch"], ["truncated", "usage_completion_mismatch"]]
 
 
+@pytest.mark.parametrize("shape", ["engine logprobs of every id", "content logprobs of a cut in its content"])
+def test_logprobs_that_fix_a_choices_count_pin_it_against_a_cancelling_sibling(kimi, ids, shape):
+    """A reviewer's: logprobs that fix a choice's count pin it, though they may not spell it:
+    an engine's of every id (a marker logged as an empty entry, unknown but one entry), and
+    a length cut's of its content (the id a cut may hide is at the cut, in them). Taken as
+    pinning nothing, both rows were rejected ``choices_unattributable``."""
+    closed = native(kimi, REASONING, ids["close"], SECTION, ids["end"])
+    if shape == "engine logprobs of every id":
+        reasoning, content, cut = "The user greets. Reply briefly", "", native(kimi, "The user greets. Reply briefly")
+        first, second = _decoded_text_logprobs(kimi, closed), None
+    else:
+        reasoning, content = REASONING, "It is sunny in Par"
+        cut = native(kimi, REASONING, ids["close"], content)
+        first, second = None, _logprobs(kimi, native(kimi, content))
+    rec = record(kimi, {"reasoning": REASONING, "content": SECTION}, finish="tool_calls", usage=len(closed) + len(cut))
+    rec["response"]["choices"].append({"index": 1, "finish_reason": "length",
+                                       "message": {"reasoning": reasoning, "content": content}})
+    for choice, logged in zip(rec["response"]["choices"], (first, second)):
+        if logged is not None:
+            choice["logprobs"] = logged
+    a, b = reconstruct_record(rec, kimi)
+    assert (a["status"], a["completion_ids"], codes(a)) == ("ok", closed, [])
+    assert (b["status"], b["completion_ids"], codes(b)) == ("flagged", cut, ["truncated"])
+
+
 @pytest.mark.parametrize("trait", ["end_counted", "end_uncounted"])
 def test_a_section_read_short_beside_a_length_cut_is_proven_where_the_run_knows_the_end(kimi, ids, trait):
     """A reviewer's: a cut can only hide an id (one more), so beside the reading one id short

@@ -906,16 +906,13 @@ def _mark_cancelling(plans: list[_Choice], rows: list[dict[str, Any]], policy: P
     formula, ``end_in_think``), and a length cut may have held back one id the response
     never served (a partial character, or a ``</think>`` right at the cut). Each alone
     breaks the count; one of each keeps the sum. Where ids or logprobs pin neither, every
-    such choice is unproven (``choices_unattributable``). Logprobs pin a choice only where they
-    prove its ids whole (:func:`~tokenbridge.checks.ids_prove`): an empty list, or the
-    content's alone, see no ``</think>``."""
+    such choice is unproven (``choices_unattributable``); what pins one is :func:`_pinned`."""
     sev = policy.severity("choices_unattributable")
     if sev == "off":
         return
     fewer, more = [], []
     for p, row in zip(plans, rows):
-        k = p.chosen
-        if p.native is not None or ids_prove(None, p.logged, p.cands[k].parts, p.cand_ids[k], p.ids(k)):
+        if _pinned(p):
             continue
         finish = finish_reading(p.choice)
         if finish == "length":
@@ -935,6 +932,22 @@ def _mark_cancelling(plans: list[_Choice], rows: list[dict[str, Any]], policy: P
     for _, row in (*fewer, *more):
         row["findings"] = [*row["findings"], Finding("choices_unattributable", sev, why).to_dict()]
         row["status"] = status_of([Finding(f["code"], f["severity"], f["message"]) for f in row["findings"]])
+
+
+def _pinned(p: _Choice) -> bool:
+    """Whether the choice's own evidence fixes its count against a sibling's one id more or
+    fewer (:func:`_mark_cancelling`): ground-truth ids; logprobs of every id, or of every id
+    but the end (an engine's empty entry for a marker still one entry); or, for a length cut,
+    logprobs of its content, where the id the cut may hide would be. An empty list, or a
+    turn's content logprobs, see no ``</think>`` and fix nothing (a cold tester's: taken as
+    pinning, a section opened without ``</think>`` passed as ``ok`` with one)."""
+    if p.native is not None:
+        return True
+    if p.logged is None or p.logged.ids is None:
+        return False
+    k = p.chosen
+    fit = logprobs_fit(p.logged, p.cands[k].parts, p.cand_ids[k], p.ids(k))
+    return fit in ("all", "all_but_end") or (fit == "content" and finish_reading(p.choice) == "length")
 
 
 def _mark_siblings(rows: list[dict[str, Any]], policy: Policy) -> None:
