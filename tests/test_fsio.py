@@ -299,3 +299,26 @@ def test_a_folder_another_writer_published_meanwhile_is_not_replaced(tmp_path, b
         fsio.shutil.rmtree(target)
         (gone / "d.txt").write_bytes(b"d")
     assert sorted(os.listdir(target)) == [MARKER, "d.txt"]
+
+
+def test_a_folder_whose_owner_cannot_be_given_still_gets_its_group_and_is_published(tmp_path, monkeypatch):
+    """A reviewer's: a non-root writer (or root in a user namespace: EINVAL) cannot give the
+    new folder the old one's owner, and the failed chown set no group either; a shared
+    setgid folder came back with the writer's group and the old mode, locking the group out.
+    EINVAL failed the publish."""
+    target = tmp_path / "shared"
+    target.mkdir()
+    target.chmod(0o2770)
+    calls = []
+
+    def chown(path, uid, gid):
+        calls.append((uid, gid))
+        if uid != -1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(fsio.os, "chown", chown)
+    with publish_dir(target, marker={"kind": "export", "format": "parquet"}) as tmp:
+        (tmp / "a.txt").write_bytes(b"a")
+    info = os.stat(target)
+    assert calls == [(info.st_uid, info.st_gid), (-1, info.st_gid)]
+    assert oct(info.st_mode & 0o7777) == oct(0o2770) and (target / "a.txt").read_bytes() == b"a"

@@ -49,7 +49,6 @@ from __future__ import annotations
 import codecs
 import ctypes
 import errno
-import fcntl
 import json
 import os
 import re
@@ -565,8 +564,8 @@ def publish_dir(target: str | Path, *, point: str = "dir", marker: dict[str, Any
 
     The caller checked ``target`` just before this is entered; a folder another command
     published there meanwhile (two exports of other formats into one new folder: both said
-    done, one was gone) is refused at the swap, which tokenbridge's writers into one parent
-    folder take turns at (:func:`_parent_locked`)."""
+    done, one was gone) is refused at the swap (:func:`_swap_in`: checked again right
+    before it; a rename never replaces a folder that has entries)."""
     target = Path(target)
     _prepare_parent(target)
     seen = _identity(target)
@@ -580,20 +579,16 @@ def publish_dir(target: str | Path, *, point: str = "dir", marker: dict[str, Any
             _write_marker(tmp, marker, written)
         _sync_tree(tmp)
         kill_point(f"{point}:staged")
-        with _parent_locked(target):
-            now = _identity(target)
-            if now is not None and now != seen:
-                raise OutputRefused(f"{target}: another command wrote this folder while this one ran (it was "
-                                    f"{'not there' if seen is None else 'another folder'} when this one started); "
-                                    "nothing was replaced: look at it, then run again", target)
-            ours = _owned_test(target, owned)
-            made = _carry(target, tmp, ours, written | {MARKER}, point)
-            if made and marker is not None:  # a folder made to hold a user's nested entry is ours, as before
-                _write_marker(tmp, marker, written | made)
-                _fsync_file(tmp / MARKER, FILE_MODE)
-            _keep_attributes(target, tmp)
-            old = _swap_in(tmp, target, point)
-            swapped = True
+        _unchanged(target, seen)
+        ours = _owned_test(target, owned)
+        made = _carry(target, tmp, ours, written | {MARKER}, point)
+        if made and marker is not None:  # a folder made to hold a user's nested entry is ours, as before
+            _write_marker(tmp, marker, written | made)
+            _fsync_file(tmp / MARKER, FILE_MODE)
+        _keep_attributes(target, tmp)
+        _unchanged(target, seen)
+        old = _swap_in(tmp, target, point)
+        swapped = True
         kill_point(f"{point}:swapped")
         fsync_dir(target.parent)
         if old is not None:
@@ -807,21 +802,18 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return info.st_dev, info.st_ino
 
 
-@contextmanager
-def _parent_locked(target: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``target``'s parent folder (released at exit, or when
-    the process dies): tokenbridge's publishers into one folder check and swap in turn. A
-    parent this process may write but not read (mode 0300) cannot be opened: no turns there."""
-    try:
-        fd = os.open(target.parent, os.O_RDONLY)
-    except PermissionError:
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+def _unchanged(target: Path, seen: tuple[int, int] | None) -> None:
+    """Refuse to publish over a folder another command put at ``target`` since ``seen``
+    (what was there when this one started; one the user removed meanwhile is made again)."""
+    now = _identity(target)
+    if now is not None and now != seen:
+        raise _published_meanwhile(target, seen)
+
+
+def _published_meanwhile(target: Path, seen: tuple[int, int] | None) -> OutputRefused:
+    return OutputRefused(f"{target}: another command wrote this folder while this one ran (it was "
+                         f"{'not there' if seen is None else 'another folder'} when this one started); "
+                         "nothing was replaced: look at it, then run again", target)
 
 
 def _keep_attributes(target: Path, new: Path) -> None:
@@ -837,15 +829,25 @@ def _keep_attributes(target: Path, new: Path) -> None:
         return
     if not stat.S_ISDIR(info.st_mode):
         return
-    with suppress(PermissionError):
+    try:
         os.chown(new, info.st_uid, info.st_gid)
+    except OSError:  # another owner (not root; or an id a user namespace does not map): the group alone
+        with suppress(OSError):
+            os.chown(new, -1, info.st_gid)
     os.chmod(new, stat.S_IMODE(info.st_mode) | stat.S_IRWXU)
 
 
 def _swap_in(new: Path, target: Path, point: str) -> Path | None:
-    """Put ``new`` at ``target``; returns where the old ``target`` now is (to remove)."""
+    """Put ``new`` at ``target``; returns where the old ``target`` now is (to remove). Where
+    nothing was, a folder with entries another command put there since is never replaced
+    (the rename fails: refused as :func:`_unchanged` refuses it)."""
     if not target.exists():
-        os.rename(new, target)
+        try:
+            os.rename(new, target)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise _published_meanwhile(target, None) from None
+            raise
         return None
     if _exchange(new, target):
         return new  # the old contents now live under the temp name
