@@ -12,6 +12,8 @@ the bytes of every whole body it answered with (what a test compares the store w
   usage:<field>=<raw> ``usage.<field>`` set to the raw JSON text (``"12"``, ``-3``, ``true``,
                       ``1e400``, ``1e300``, ``null``...), the rest valid
   usage_not_object    ``"usage": "lots"``
+  usage_only:<field>=<raw>,...  ``usage`` holding only these fields (each raw JSON text)
+  error_usage:<status>  that status with an ``error`` body that counts 5 prompt tokens, no cost
   choice_error_billed:<usd>  200 with ``finish_reason: "error"`` and ``usage.cost`` <usd>
   finish:<how>        ``ok`` whose finish_reason is ``missing``, ``null`` or ``empty`` (``""``)
   bad_utf8_pretty     a pretty-printed (multi-line) body with an invalid UTF-8 byte in a string
@@ -188,7 +190,7 @@ class HostileServer:
             await asyncio.sleep(1)
         return resp
 
-    async def _reply(self, request: web.Request, prompt: str) -> web.StreamResponse:  # noqa: PLR0911, PLR0912 - one branch per hostile behaviour
+    async def _reply(self, request: web.Request, prompt: str) -> web.StreamResponse:  # noqa: PLR0911, PLR0912, PLR0915 - one branch per hostile behaviour
         modes = self.plan.get(prompt, ["ok"])
         mode = modes[min(self.attempts[prompt], len(modes)) - 1]
         key = request.headers.get("Authorization", "").removeprefix("Bearer ")
@@ -223,6 +225,12 @@ class HostileServer:
             else:
                 doc["choices"][0]["finish_reason"] = {"null": None, "empty": ""}[arg]
             return _json_bytes(json.dumps(doc).encode())
+        if name == "usage_only":
+            usage = {field: json.loads(raw) for field, _, raw in (item.partition("=") for item in arg.split(","))}
+            return _json_bytes(json.dumps({**_ok(), "usage": usage}).encode())
+        if name == "error_usage":
+            doc = {"error": {"code": int(arg), "message": "overloaded"}, "usage": {"prompt_tokens": 5, "completion_tokens": 0}}
+            return web.Response(body=json.dumps(doc).encode(), status=int(arg), content_type="application/json")
         if name == "usage_not_object":
             return _json_bytes(json.dumps({**_ok(), "usage": "lots"}).encode())
         if name == "bad_utf8_pretty":

@@ -518,7 +518,27 @@ def test_without_prices_a_possibly_billed_timeout_stops_a_capped_run(server, tmp
     assert (summary.exit_code, summary.done) == (ExitCode.BUDGET, 0)
     assert sum(server.attempts.values()) == 1
     assert any("a request that may have been billed got no answer" in n for n in summary.notices), summary.notices
+    # a price learned that cannot bound the next request (an answer of no completion tokens): a
+    # learning send, reserved 0, is of unknown cost the same (a reviewer's: 22 sent, $8.80 vs $1)
+    server.attempts.clear()
+    server.plan["q0"] = ["usage_only:prompt_tokens=5,completion_tokens=0,cost=0.4"]
+    for i in range(1, 4):
+        server.plan[f"q{i}"] = [how] * 3
+    (tmp_path / "learning").mkdir()
+    summary = _run(server, tmp_path / "learning", 4, max_cost=1.0, attempt_timeout_s=0.3)
+    assert (summary.exit_code, summary.done, sum(server.attempts.values())) == (ExitCode.BUDGET, 1, 2)
+    # an HTTP error reply that counts tokens is an answer (retried as before), not a lost request
+    server.attempts.clear()
+    server.plan["q0"] = ["error_usage:503", "ok"]
+    for i in range(1, 4):
+        server.plan[f"q{i}"] = ["ok"]
+    (tmp_path / "error").mkdir()
+    summary = _run(server, tmp_path / "error", 4, max_cost=1.0)
+    assert (summary.exit_code, summary.done, summary.errors) == (ExitCode.OK, 4, {"http_503": 1})
     # zero prices (a free model) price every request: timeouts then book $0 and retry as before
-    summary = _run(server, tmp_path, 4, max_cost=1.0, attempt_timeout_s=0.3, prices=Prices(prompt=0.0, completion=0.0),
+    for i in range(4):
+        server.plan[f"q{i}"] = [how] * 3
+    (tmp_path / "free").mkdir()
+    summary = _run(server, tmp_path / "free", 4, max_cost=1.0, attempt_timeout_s=0.3, prices=Prices(prompt=0.0, completion=0.0),
                    max_attempts=1)
     assert (summary.exit_code, summary.errors) == (ExitCode.INCOMPLETE, {"timeout": 4})

@@ -335,9 +335,9 @@ class Budget:
             return ("--max-cost is set, nothing is priced yet (no [prices], no answer's usage.cost) and an answer the "
                     "provider sent (HTTP 200) could not be read whole, so what it cost is unknown: set [prices]")
         if self.unpriced and self.lost:
-            return ("--max-cost is set, nothing is priced yet (no [prices], no answer's usage.cost) and a request that "
-                    "may have been billed got no answer (a timeout or a dropped connection), so what it cost is unknown: "
-                    "set [prices] (zero prices for a free model)")
+            return ("--max-cost is set, no price bounds the requests yet (no [prices]; what answers cost so far cannot) "
+                    "and a request that may have been billed got no answer (a timeout or a connection dropped after it "
+                    "went out), so what it cost is unknown: set [prices] (zero prices for a free model)")
         if self.unpriced:
             return "--max-cost is set but responses carry no usage.cost and no prices are configured"
         most = self.max_cost or 0.0
@@ -400,6 +400,7 @@ class Budget:
         possible: bool = False,
         answered: bool = False,
         unread: bool = False,
+        lost: bool = False,
     ) -> float | None:
         """A request came back: drop its reservation and book what it cost.
 
@@ -407,11 +408,12 @@ class Budget:
         (a timeout, a cut stream; ``answered``: a response without usage; ``unread``: an
         HTTP 200 whose body could not be read whole); its reservation is booked as possible
         spend, and returned (None when nothing was booked). An unbilled failure passes
-        ``cost=0.0``. Under a cap with nothing priced yet the reservation is 0: an answer,
-        a 200, or a request that may have been billed and got no answer (a timeout, a dropped
-        connection: a provider bills a generation the client stopped waiting for), each of
-        unknown cost, then stops the run (it cannot be booked, so no cap holds; a cold
-        tester's server billed $4.80 in timeouts against a $1 cap).
+        ``cost=0.0``. Under a cap, a request no price bounds (nothing priced yet, or prices
+        learned that cannot bound it: a learning send) is reserved 0: an answer, a 200, or
+        ``lost``, a request that got no HTTP answer and may have been billed (a timeout, a
+        connection dropped once it was out: a provider bills a generation the client stopped
+        waiting for), each of unknown cost, then stops the run (it cannot be booked, so no cap
+        holds; a cold tester's server billed $4.80 in timeouts against a $1 cap).
         """
         self.in_flight = max(0, self.in_flight - 1)
         self.reserved = max(0.0, self.reserved - reservation)
@@ -434,10 +436,10 @@ class Budget:
         if reservation > 0:
             self.possible += reservation
             return reservation
-        if self.max_cost is not None and self.prices is None and not self.providers:
-            self.unpriced = self.exhausted = True  # nothing priced yet, and this may have cost anything
+        if (answered or unread or lost) and self.max_cost is not None and not self.priced:
+            self.unpriced = self.exhausted = True  # no price bounded it, and it may have cost anything
             self.unread = self.unread or (unread and not answered)
-            self.lost = self.lost or not (answered or unread)
+            self.lost = self.lost or (lost and not (answered or unread))
         return None
 
     def cancel(self, reservation: float) -> None:

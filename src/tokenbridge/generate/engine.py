@@ -487,6 +487,7 @@ class Engine:
             possible=cost is None,
             answered=answered,
             unread=not answered and outcome.maybe_billed and attempt.http_status == 200,
+            lost=not answered and outcome.maybe_billed and attempt.http_status is None,
         )
         assert self._writer is not None
         self._writer.attempt(dataclasses.replace(attempt, possible_cost=possible) if possible else attempt)
