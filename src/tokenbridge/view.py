@@ -75,12 +75,13 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
     kind = binary_kind(path)
     if kind is not None:  # UTF-16, gzip, Parquet under another name: said so, not "no sample"
         raise LookupError(str(NotJsonlError(path, kind)))
-    unread: list[str] = []
+    unread, first_unread = 0, ""  # lines that could not be read, and the first of them
     for lineno, line in iter_lines(path):
         try:
             record = loads_line(line)
         except RecordError as exc:
-            unread.append(f"{path}:{lineno}: {exc.field}: {exc.detail}")
+            unread += 1
+            first_unread = first_unread or f"{path}:{lineno}: {exc.field}: {exc.detail}"
             continue  # the sample may be on another line; if none has it, these are named
         if not isinstance(record, dict) or (sample_id is not None and str(record.get("id")) != sample_id):
             continue
@@ -98,15 +99,15 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
             raise LookupError(f"{path}:{lineno}: nested too deeply to reconstruct") from None
         if choice < len(rows):
             return rows[choice]
-    raise LookupError(_not_found(path, sample_id, choice) + _unread_note(unread))
+    raise LookupError(_not_found(path, sample_id, choice) + _unread_note(unread, first_unread))
 
 
-def _unread_note(unread: Sequence[str]) -> str:
+def _unread_note(unread: int, first: str) -> str:
     """What a search passed over: lines it could not read (the sample may be one of them;
     a cold tester's UTF-16 file and row with NaN both read as "no sample")."""
     if not unread:
         return ""
-    return f"; {len(unread)} line(s) could not be read, the sample may be among them (first: {unread[0]})"
+    return f"; {unread} line(s) could not be read, the sample may be among them (first: {first})"
 
 
 def _other_choice(record: Mapping[str, Any], choice: int) -> bool:
