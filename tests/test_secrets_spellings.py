@@ -13,6 +13,7 @@ import re
 import string
 import urllib.parse
 
+import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
@@ -482,3 +483,23 @@ def test_a_pretty_printed_byte_array_at_any_depth_stays_json_and_holds_no_key():
     raw = json.dumps({"error": {"metadata": {"raw": json.dumps(nested, indent=2)}}}).encode()
     out = scrub_bytes(raw, key)
     assert json.loads(json.loads(out)["error"]["metadata"]["raw"])["a"]["b"]["c"]["d"]["data"] == [0] * len(key)
+
+
+@pytest.mark.parametrize("lead", range(0, 76, 3))
+@pytest.mark.parametrize("newline", ["\r\n", "\n"])
+def test_a_quoted_printable_key_wrapped_by_soft_line_breaks_is_masked(lead, newline):
+    """A reviewer's: quoted-printable wraps at 76 columns with a soft break (``=`` at a line's
+    end), so a key spread over two lines was masked only where one line held 16 of its
+    characters: 26 of them were left readable."""
+    key = "sk-or-v1-canary7f3e9a1b2c4d6e8f0a1b2c3d4e5f6a7b8c9d"
+    units = ["x"] * lead + [f"={b:02X}" for b in key.encode()]
+    lines, line = [], ""
+    for unit in units:  # RFC 2045: at most 76 characters a line, the soft break's "=" included
+        if len(line) + len(unit) > 75:
+            lines.append(line + "=")
+            line = ""
+        line += unit
+    text = newline.join([*lines, line])
+    out = scrub(text, key)
+    left = "".join(chr(int(h, 16)) for h in re.findall(r"=([0-9A-F]{2})", out))
+    assert len(left) < MIN_MASKED, (out, left)  # the two lines' pieces, each short, told most of the key

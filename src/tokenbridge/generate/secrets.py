@@ -471,12 +471,13 @@ def _decimal_spans(data: bytes, value: str) -> list[tuple[int, int]]:
 #: A hex dump of :data:`MIN_MASKED` bytes or more written a byte at a time, as an error page
 #: or a log dumps a request's header: one or two separators between bytes (``73 6b 2d``,
 #: ``73:6B``, ``73, 6b``, ``73.6b``, ``73_6b``, ``73|6b``, ``73;6b``, ``73/6b``, quoted-printable's
-#: ``=73=6B``, a line of ``hexdump -C``), ``xxd``'s two-byte groups (``736b 2d6f``,
+#: ``=73=6B``, its lines wrapped by soft breaks ``=\r\n``, a line of ``hexdump -C``), ``xxd``'s
+#: two-byte groups (``736b 2d6f``,
 #: a line each), or a prefix to each byte (``\x73\x6b`` behind up to four backslashes, as
 #: JSON escapes it; ``0x73, 0x6b``). Every repeat is bounded, a separator is never a digit
 #: and the runs are possessive (a run that cannot end as the pattern ends is never given
 #: back a byte at a time from each start), so it runs in linear time.
-_HEX_DUMP = re.compile(rb"[0-9a-fA-F]{2}(?:[ :,\-._|;/=]{1,2}[0-9a-fA-F]{2}){%d,}+|[0-9a-fA-F]{4}(?: [0-9a-fA-F]{4}){%d,}+"
+_HEX_DUMP = re.compile(rb"[0-9a-fA-F]{2}(?:(?:[ :,\-._|;/=]{1,2}|=\r?\n=)[0-9a-fA-F]{2}){%d,}+|[0-9a-fA-F]{4}(?: [0-9a-fA-F]{4}){%d,}+"
                        rb"|(?:(?:\\{1,4}x|0[xX])[0-9a-fA-F]{2}[ ,]{0,2}){%d,}+"
                        % (MIN_MASKED - 1, MIN_MASKED // 2 - 1, MIN_MASKED))
 _DUMPED_BYTE = re.compile(rb"(?:\\{1,4}x|0[xX])?([0-9a-fA-F]{2})")
