@@ -275,6 +275,27 @@ def test_endoftext_end_is_invisible_without_ground_truth_ids(tok, dialect):
     assert row["completion_ids"] == ids and row["reconstruction"] == "end=<|endoftext|>"
 
 
+@pytest.mark.parametrize("evidence", ["matched_stop", "native_ids"])
+def test_a_tool_call_ended_by_user_is_read_where_the_evidence_names_it(tok, dialect, evidence):
+    """A cold tester's: after a call the formula ends with ``<|observation|>``; a model that
+    ended it with ``<|user|>`` (GLM's other end token), named by SGLang's ``matched_stop`` or
+    by ground-truth ids, had no reading: rejected (``end_token_mismatch``, whose message
+    called ``<|user|>`` an id the dialect does not end turns with)."""
+    engine = SGLangEngine(tok, "glm-4.5", "glm45", {ENDOFTEXT, USER, OBSERVATION})
+    request = {"messages": PROMPT}
+    ids = tok.encode("\n<think>Call it.</think>\n" + _call("get_weather", {"city": "Paris"}) + "<|user|>")
+    prompt_ids = tok.encode(dialect.render_request(request))
+    response = engine.serve(ids, len(prompt_ids), thinking=True, stream=False)
+    choice = response["choices"][0]
+    rec = {"id": "u", "request": request, "response": response}
+    if evidence == "matched_stop":
+        choice["matched_stop"] = USER
+    else:
+        rec["native_ids"] = {"prompt": prompt_ids, "choices": [ids]}
+    row, = reconstruct_record(rec, tok)
+    assert (row["status"], row["completion_ids"], row["reconstruction"]) == ("ok", ids, "end=<|user|>"), row["findings"]
+
+
 @pytest.mark.parametrize("content, code", [
     ("<tool_call>f\n<arg_value>v</arg_value>\n</tool_call>", "tool_markers_malformed"),  # value without key
     ("<tool_call>f\n<arg_key>k</arg_key>\n", "tool_markers_malformed"),  # unclosed

@@ -717,7 +717,11 @@ def _sends_tools(request: Mapping[str, Any]) -> bool:
 
 def _named_ends(tok: Tokenizer, dialect: Dialect, finish: Any, stop: int | str | None,
                 logged: LogprobIds | None, native: Sequence[int] | None) -> list[str]:
-    """End markers other than the dialect's that the evidence names for this choice."""
+    """End markers the evidence names for this choice: each a reading's end where the
+    formula's is another (:func:`~tokenbridge.hypotheses.candidates` skips a reading that
+    already ends so). The dialect's own end token too: GLM's formula ends a tool call with
+    ``<|observation|>``, and a call its model ended with ``<|user|>``, proven by
+    ``matched_stop`` or ids, had no reading (a cold tester's)."""
     if finish == "length":
         return []
     named = []
@@ -729,7 +733,7 @@ def _named_ends(tok: Tokenizer, dialect: Dialect, finish: Any, stop: int | str |
     out = []
     for i in named:
         text = tok.marker_ids.get(i)
-        if text is not None and text in dialect.eos_markers and text != dialect.end_token and text not in out:
+        if text is not None and text in dialect.eos_markers and text not in out:
             out.append(text)
     return out
 
