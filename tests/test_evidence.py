@@ -510,6 +510,27 @@ def test_logprobs_that_fix_a_choices_count_pin_it_against_a_cancelling_sibling(k
     assert (b["status"], b["completion_ids"], codes(b)) == ("flagged", cut, ["truncated"])
 
 
+def test_a_cuts_last_logged_entry_with_no_text_is_the_id_the_cut_may_hide_not_an_end_token(kimi, ids):
+    """A reviewer's: an engine logs a skipped special token as an entry with no text, and a
+    last such entry was dropped as the end token whatever the finish reason. A length cut
+    has none: it was the ``</think>`` the cut hid, so the cut's logprobs read as covering its
+    served ids whole, pinned it, and the section beside it was ``ok`` with a ``</think>`` the
+    model never wrote."""
+    tool = native(kimi, REASONING, SECTION, ids["end"])
+    cut_text = "The user greets. Reply briefly"
+    cut = native(kimi, cut_text, ids["close"])
+    rec = record(kimi, {"reasoning": REASONING, "content": SECTION}, finish="stop", usage=len(tool) + len(cut))
+    rec["response"]["choices"].append({"index": 1, "finish_reason": "length", "logprobs": _decoded_text_logprobs(kimi, cut),
+                                       "message": {"reasoning": cut_text, "content": ""}})
+    rows = reconstruct_record(rec, kimi)
+    assert [r["status"] for r in rows] == ["rejected", "rejected"], [r["findings"] for r in rows]
+    assert all("choices_unattributable" in codes(r) for r in rows)
+    # a finished turn's last empty entry is still its end token, as before
+    row, = reconstruct_record(record(kimi, {"reasoning": REASONING, "content": SECTION}, finish="stop", usage=len(tool),
+                                     logprobs=_decoded_text_logprobs(kimi, tool)), kimi)
+    assert (row["status"], row["completion_ids"]) == ("ok", tool)
+
+
 @pytest.mark.parametrize("trait", ["end_counted", "end_uncounted"])
 def test_a_section_read_short_beside_a_length_cut_is_proven_where_the_run_knows_the_end(kimi, ids, trait):
     """A reviewer's: a cut can only hide an id (one more), so beside the reading one id short

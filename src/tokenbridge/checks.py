@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set
 from .chat import Dialect, HarmonyDialect, message_reasoning
 from .chat.dialect import reasoning_details
 from .content import content_text, request_parts
-from .evidence import (NATIVE_CUT, NATIVE_FAILED, LogprobIds, logprobs_cover, malformed, native_finish, no_finish,
+from .evidence import (ENDED, NATIVE_FAILED, LogprobIds, finish_reading, logprobs_cover, malformed, native_finish, no_finish,
                        served_by_vllm, shown_value)
 from .jsonl import text_of
 from .tokenizer import Tokenizer
@@ -83,18 +83,6 @@ DEFAULT_SEVERITY: dict[str, str] = {code: sev for code, (sev, _) in CODES.items(
 _SEVERITIES = ("error", "warning", "off")
 _KNOWN_FINISH = {"stop", "length", "tool_calls", "eos", "end_turn"}
 #: finish reasons that say the model ended its turn: the end token is appended
-_ENDED = frozenset({"stop", "tool_calls", "eos", "end_turn"})
-def finish_reading(choice: Mapping[str, Any]) -> Any:
-    """The finish reason a choice is read by: its ``finish_reason``, but ``"length"`` where
-    that says the turn ended while ``native_finish_reason`` admits a cut. Read as ended, the
-    ids would carry an end token the provider says never came; read as cut, they are a
-    prefix of the native ids whichever is true, and the count tells (``truncated``)."""
-    reason = choice.get("finish_reason")
-    if reason in _ENDED and native_finish(choice) in NATIVE_CUT:
-        return "length"
-    return reason
-
-
 @dataclass(frozen=True)
 class Finding:
     code: str
@@ -229,7 +217,7 @@ def _finish(view: SampleView, policy: Policy) -> Iterator[_Hit]:
         yield "finish_error", f"finish_reason={reason!r}{detail}"
     elif no_finish(reason) or reason == "content_filter":  # "" too: no finish, as null
         yield "finish_error", f"finish_reason={reason!r}: the choice did not finish normally"
-    elif reason in _ENDED and native_finish(view.choice) in NATIVE_FAILED:
+    elif reason in ENDED and native_finish(view.choice) in NATIVE_FAILED:
         yield "finish_error", f"finish_reason={reason!r} but native_finish_reason={native!r}: the provider says the choice failed"
     elif reason == "length" and said != "length":
         yield "truncated", f"finish_reason={said!r} but native_finish_reason={native!r}: the provider says it cut the answer, so no end token appended"

@@ -64,6 +64,19 @@ def native_finish(choice: Mapping[str, Any]) -> str | None:
     return native.lower() if isinstance(native, str) else None
 
 
+#: Finish reasons that say a turn ended.
+ENDED = frozenset({"stop", "tool_calls", "eos", "end_turn"})
+def finish_reading(choice: Mapping[str, Any]) -> Any:
+    """The finish reason a choice is read by: its ``finish_reason``, but ``"length"`` where
+    that says the turn ended while ``native_finish_reason`` admits a cut. Read as ended, the
+    ids would carry an end token the provider says never came; read as cut, they are a
+    prefix of the native ids whichever is true, and the count tells (``truncated``)."""
+    reason = choice.get("finish_reason")
+    if reason in ENDED and native_finish(choice) in NATIVE_CUT:
+        return "length"
+    return reason
+
+
 def no_finish(reason: object) -> bool:
     """Whether a ``finish_reason`` says the choice did not finish: absent or null, or a
     string with nothing in it (``""``, which some servers send for null). The gate
@@ -213,6 +226,9 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
             continue
         assert isinstance(key, bytes)
         if not key and pos == len(entries) - 1:
+            if finish_reading(choice) == "length":  # no end token: the id a cut may hide (a skipped
+                out += [UNKNOWN_MARKER] * empty + [UNKNOWN_EMPTY]  # </think>, a character's first piece)
+                empty = 0
             break  # the end token, logged with its text skipped: the ids before it still count
         if not key:  # a special token whose text the engine skipped, or part of a character (below)
             empty += 1
