@@ -517,7 +517,7 @@ def test_without_prices_a_possibly_billed_timeout_stops_a_capped_run(server, tmp
     summary = _run(server, tmp_path, 4, max_cost=1.0, attempt_timeout_s=0.3)
     assert (summary.exit_code, summary.done) == (ExitCode.BUDGET, 0)
     assert sum(server.attempts.values()) == 1
-    assert any("a request that may have been billed got no answer" in n for n in summary.notices), summary.notices
+    assert any("a request that may have been billed got no HTTP answer" in n for n in summary.notices), summary.notices
     # a price learned that cannot bound the next request (an answer of no completion tokens): a
     # learning send, reserved 0, is of unknown cost the same (a reviewer's: 22 sent, $8.80 vs $1)
     server.attempts.clear()
@@ -542,3 +542,24 @@ def test_without_prices_a_possibly_billed_timeout_stops_a_capped_run(server, tmp
     summary = _run(server, tmp_path / "free", 4, max_cost=1.0, attempt_timeout_s=0.3, prices=Prices(prompt=0.0, completion=0.0),
                    max_attempts=1)
     assert (summary.exit_code, summary.errors) == (ExitCode.INCOMPLETE, {"timeout": 4})
+
+
+def test_a_stop_for_a_request_no_price_bounds_says_what_it_was_and_why_no_price_held():
+    """A reviewer's: the stop messages said "nothing is priced yet (no [prices] ...)" when
+    prices had been learned, or [prices] given and proven too low; and a request that went out
+    and met an internal error booked nothing and stopped nothing."""
+    from tokenbridge.generate.budget import Budget
+
+    fresh = Budget(max_cost=1.0, prices=None)
+    fresh.settle(fresh.admit(1000, 500) or 0.0, None, possible=True, lost=True)
+    assert fresh.exhausted and "nothing is priced yet" in fresh.stop_message(1000, 500, default_reserve=False)
+    learned = Budget(max_cost=1.0, prices=None)
+    learned.observe("P", 0, 100, 0.01)  # a price that cannot bound a request with prompt tokens
+    learned.settle(0.0, None, possible=True, unread=True)
+    text = learned.stop_message(1000, 500, default_reserve=False)
+    assert learned.exhausted and "what answers cost so far cannot bound" in text and "could not be read whole" in text
+    overrun = Budget(max_cost=1.0, prices=Prices(prompt=0.01, completion=0.01))
+    overrun.overrun = (0.5, 0.001)
+    overrun.settle(0.0, None, possible=True, answered=True)
+    text = overrun.stop_message(1000, 500, default_reserve=False)
+    assert "[prices] proved too low" in text and "raise [prices]" in text and "carried no usage.cost" in text

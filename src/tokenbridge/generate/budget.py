@@ -323,6 +323,26 @@ class Budget:
             worst, exact = max(worst, b[0]), exact and b[1]
         return worst, exact
 
+    def _unbounded_message(self) -> str:
+        """Why a request no price bounded stopped the run: what it was (an answer without a
+        cost, an unreadable 200, a request with no HTTP answer) and why no price held."""
+        if self.prices is not None:
+            why, todo = ("[prices] proved too low (an answer cost more than it reserved) and what answers cost so far "
+                         "cannot bound the next request"), "raise [prices] to the provider's"
+        elif self.providers:
+            why, todo = "no [prices], and what answers cost so far cannot bound the next request", "set [prices]"
+        else:
+            why, todo = "nothing is priced yet (no [prices], no answer's usage.cost)", "set [prices]"
+        if self.unread:
+            what = "an answer the provider sent (HTTP 200) could not be read whole"
+        elif self.lost:
+            what = ("a request that may have been billed got no HTTP answer (a timeout, a connection dropped after it "
+                    "went out, a body that could not be decoded, or an internal error)")
+        else:
+            what = "an answer carried no usage.cost"
+        return (f"--max-cost is set, {why}, and {what}, so what it cost is unknown: {todo} "
+                "(zero prices for a free model)")
+
     def stop_message(self, prompt_tokens: int, completion_tokens: int, *, default_reserve: bool, media: int = 0,
                      cap: str = "max_tokens") -> str:
         """Why the cap stopped the run (once :attr:`exhausted`), for the request that did not
@@ -331,15 +351,8 @@ class Budget:
         (``default_reserve``: the request sets no ``max_tokens``, so
         :data:`DEFAULT_RESERVE_TOKENS` completion tokens were reserved for it; else ``cap``
         names the setting that set its completion's cap, :func:`cap_setting`)."""
-        if self.unpriced and self.unread:
-            return ("--max-cost is set, nothing is priced yet (no [prices], no answer's usage.cost) and an answer the "
-                    "provider sent (HTTP 200) could not be read whole, so what it cost is unknown: set [prices]")
-        if self.unpriced and self.lost:
-            return ("--max-cost is set, no price bounds the requests yet (no [prices]; what answers cost so far cannot) "
-                    "and a request that may have been billed got no answer (a timeout or a connection dropped after it "
-                    "went out), so what it cost is unknown: set [prices] (zero prices for a free model)")
         if self.unpriced:
-            return "--max-cost is set but responses carry no usage.cost and no prices are configured"
+            return self._unbounded_message()
         most = self.max_cost or 0.0
         possible = f" + {usd(self.possible)} possibly billed" if self.possible else ""
         est = self.reservation(prompt_tokens, completion_tokens)

@@ -537,7 +537,7 @@ class Engine:
         cls = "interrupted" if aborted else "internal"
         message = ("the run stopped before its answer came; booked at its reservation" if aborted
                    else _clip(scrub(f"{type(exc).__name__}: {exc}", self.key)))
-        possible = self.budget.settle(send.reservation, None, possible=True)
+        possible = self.budget.settle(send.reservation, None, possible=True, lost=not aborted)
         self.stats.possible = self.budget.possible
         self.stats.errors[cls] += 1
         self._writer.attempt(AttemptRecord(send.sample_id, send.n, send.started_at, time.time() - send.started_at, None,
