@@ -529,6 +529,12 @@ def test_a_cuts_last_logged_entry_with_no_text_is_the_id_the_cut_may_hide_not_an
     row, = reconstruct_record(record(kimi, {"reasoning": REASONING, "content": SECTION}, finish="stop", usage=len(tool),
                                      logprobs=_decoded_text_logprobs(kimi, tool)), kimi)
     assert (row["status"], row["completion_ids"]) == ("ok", tool)
+    # and a cut alone keeps its served ids, flagged (they are the native ids as far as they go)
+    # where no count says one is missing
+    alone = record(kimi, {"reasoning": cut_text, "content": ""}, finish="length",
+                   logprobs=_decoded_text_logprobs(kimi, cut))
+    row, = reconstruct_record(alone, kimi)
+    assert (row["status"], row["completion_ids"], codes(row)) == ("flagged", cut[:-1], ["truncated", "usage_missing"])
 
 
 @pytest.mark.parametrize("trait", ["end_counted", "end_uncounted"])

@@ -129,6 +129,9 @@ class LogprobIds:
     runs: tuple[Run, ...] = ()
     #: the tokenizer's ids -> bytes, for ``runs`` to be checked
     spell: Callable[[Sequence[int]], bytes] | None = field(default=None, compare=False)
+    #: a last entry with no text was left out as the end token: on a length cut, which has
+    #: none, it is the id the cut hid (a skipped ``</think>``, a character's first piece)
+    dropped_end: bool = False
 
     @property
     def markers_known(self) -> bool:
@@ -213,6 +216,7 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
     index: dict[bytes, int] | None = None
     out: list[int] = []
     runs: list[Run] = []
+    dropped = False  # a last entry with no text, taken for the end token
     empty = 0  # entries with no bytes just before this one (what they are, the next one says)
     has_id = tok.has_id
     for pos, entry in enumerate(entries):
@@ -226,9 +230,7 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
             continue
         assert isinstance(key, bytes)
         if not key and pos == len(entries) - 1:
-            if finish_reading(choice) == "length":  # no end token: the id a cut may hide (a skipped
-                out += [UNKNOWN_MARKER] * empty + [UNKNOWN_EMPTY]  # </think>, a character's first piece)
-                empty = 0
+            dropped = True
             break  # the end token, logged with its text skipped: the ids before it still count
         if not key:  # a special token whose text the engine skipped, or part of a character (below)
             empty += 1
@@ -258,8 +260,8 @@ def logprob_ids(tok: Tokenizer, choice: Mapping[str, Any]) -> LogprobIds | None:
     out += [UNKNOWN_MARKER] * empty
     ids = tuple(out)
     if not any(i < 0 for i in ids):
-        return LogprobIds(ids)
-    return LogprobIds(ids, may_be=_may_be(tok), runs=tuple(runs), spell=tok.decode_bytes)
+        return LogprobIds(ids, dropped_end=dropped)
+    return LogprobIds(ids, may_be=_may_be(tok), runs=tuple(runs), spell=tok.decode_bytes, dropped_end=dropped)
 
 
 def _entry_key(pos: int, entry: Any, has_id: Callable[[int], bool]) -> int | bytes | str:

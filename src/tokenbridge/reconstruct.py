@@ -944,14 +944,19 @@ def _pinned(p: _Choice) -> bool:
     but the end (an engine's empty entry for a marker still one entry); or, for a length cut,
     logprobs of its content, where the id the cut may hide would be. An empty list, or a
     turn's content logprobs, see no ``</think>`` and fix nothing (a cold tester's: taken as
-    pinning, a section opened without ``</think>`` passed as ``ok`` with one)."""
+    pinning, a section opened without ``</think>`` passed as ``ok`` with one); nor do a cut's
+    whose last entry, with no text, was left out as an end token: a cut has none, so that
+    entry was the id it hid (a reviewer's)."""
     if p.native is not None:
         return True
     if p.logged is None or p.logged.ids is None:
         return False
+    cut = finish_reading(p.choice) == "length"
+    if cut and p.logged.dropped_end:
+        return False
     k = p.chosen
     fit = logprobs_fit(p.logged, p.cands[k].parts, p.cand_ids[k], p.ids(k))
-    return fit in ("all", "all_but_end") or (fit == "content" and finish_reading(p.choice) == "length")
+    return fit in ("all", "all_but_end") or (fit == "content" and cut)
 
 
 def _mark_siblings(rows: list[dict[str, Any]], policy: Policy) -> None:
