@@ -66,6 +66,8 @@ def native_finish(choice: Mapping[str, Any]) -> str | None:
 
 #: Finish reasons that say a turn ended.
 ENDED = frozenset({"stop", "tool_calls", "eos", "end_turn"})
+
+
 def finish_reading(choice: Mapping[str, Any]) -> Any:
     """The finish reason a choice is read by: its ``finish_reason``, but ``"length"`` where
     that says the turn ended while ``native_finish_reason`` admits a cut. Read as ended, the

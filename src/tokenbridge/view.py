@@ -12,7 +12,7 @@ from rich.text import Text
 
 from .display import printable
 from .exchanges import RecordError, loads_line
-from .jsonl import NotJsonlError, binary_kind, iter_lines
+from .jsonl import iter_lines
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -72,9 +72,6 @@ def find_row(path: Path, tok: Tokenizer, sample_id: str | None, choice: int, dia
         if dialect is not None:
             raise rows_file()
         return _find_parquet_row(path, sample_id, choice, tok)
-    kind = binary_kind(path)
-    if kind is not None:  # UTF-16, gzip, Parquet under another name: said so, not "no sample"
-        raise LookupError(str(NotJsonlError(path, kind)))
     unread, first_unread = 0, ""  # lines that could not be read, and the first of them
     for lineno, line in iter_lines(path):
         try:
