@@ -82,7 +82,8 @@ CODES: dict[str, tuple[str, str]] = {
 DEFAULT_SEVERITY: dict[str, str] = {code: sev for code, (sev, _) in CODES.items()}
 _SEVERITIES = ("error", "warning", "off")
 _KNOWN_FINISH = {"stop", "length", "tool_calls", "eos", "end_turn"}
-#: finish reasons that say the model ended its turn: the end token is appended
+
+
 @dataclass(frozen=True)
 class Finding:
     code: str

@@ -64,7 +64,7 @@ def native_finish(choice: Mapping[str, Any]) -> str | None:
     return native.lower() if isinstance(native, str) else None
 
 
-#: Finish reasons that say a turn ended.
+#: Finish reasons that say the model ended its turn: the end token is appended.
 ENDED = frozenset({"stop", "tool_calls", "eos", "end_turn"})
 
 
