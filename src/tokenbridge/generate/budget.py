@@ -272,7 +272,7 @@ class Budget:
     reserved: float = 0.0
     in_flight: int = 0
     exhausted: bool = False
-    unpriced: bool = False  # a cap is set but responses carry no cost and there is no price table
+    unpriced: bool = False  # a cap is set and a request no price bounded came back of unknown cost
     unread: bool = False  # ... and the answer that stopped it could not be read (its cost unknown)
     lost: bool = False  # ... and the request that stopped it may have been billed and got no answer
     learning_sends: int = 0  # requests sent alone because their price was not known well enough
